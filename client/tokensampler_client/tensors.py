@@ -1,0 +1,95 @@
+"""Tensor codec shared by client and server: torch/numpy arrays <-> the `Tensor` message.
+
+Elements travel row-major and little-endian in one bytes field; decoding wraps the bytes without
+copying them (the tensor is read-only memory owned by the message).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+import torch
+
+from ._proto import sampler_pb2 as pb
+
+DTYPE_TO_TORCH: dict[int, torch.dtype] = {
+    pb.DTYPE_FLOAT32: torch.float32,
+    pb.DTYPE_BFLOAT16: torch.bfloat16,
+    pb.DTYPE_FLOAT16: torch.float16,
+    pb.DTYPE_INT32: torch.int32,
+    pb.DTYPE_INT64: torch.int64,
+}
+TORCH_TO_DTYPE: dict[torch.dtype, int] = {v: k for k, v in DTYPE_TO_TORCH.items()}
+
+# Decoded tensors are read-only views of the message; torch warns about that on every frombuffer call.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
+    raise ImportError("tokensampler's tensor codec assumes a little-endian host")
+
+
+class TensorDecodeError(ValueError):
+    """A Tensor message that does not describe a valid tensor; `field` names the offending part."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def dtype_name(dtype: int) -> str:
+    """'float32' for DTYPE_FLOAT32, and so on."""
+    return pb.DType.Name(dtype).removeprefix("DTYPE_").lower()
+
+
+def as_torch(array: Any) -> torch.Tensor:
+    """Accepts a torch tensor or anything numpy can view (numpy arrays, nested lists)."""
+    if isinstance(array, torch.Tensor):
+        return array
+    import numpy as np
+
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def encode_tensor(array: Any, out: pb.Tensor | None = None) -> pb.Tensor:
+    """Encodes a tensor (any device) into a Tensor message, filling `out` when given."""
+    tensor = as_torch(array)
+    if tensor.dtype not in TORCH_TO_DTYPE:
+        supported = ", ".join(str(d).removeprefix("torch.") for d in TORCH_TO_DTYPE)
+        raise TypeError(f"dtype {tensor.dtype} cannot be sent; expected one of {supported}")
+    tensor = tensor.detach().to("cpu").contiguous()
+    msg = out if out is not None else pb.Tensor()
+    msg.dtype = TORCH_TO_DTYPE[tensor.dtype]
+    msg.shape[:] = tensor.shape
+    # A uint8 view of the storage gives the raw little-endian bytes of every dtype, bfloat16 included.
+    msg.data = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    return msg
+
+
+def decode_tensor(msg: pb.Tensor, field: str = "tensor") -> torch.Tensor:
+    """Decodes a Tensor message into a read-only CPU tensor that shares the message's bytes.
+
+    Raises TensorDecodeError naming `field` when the dtype, shape or byte length is invalid.
+    """
+    torch_dtype = DTYPE_TO_TORCH.get(msg.dtype)
+    if torch_dtype is None:
+        names = ", ".join(dtype_name(d) for d in DTYPE_TO_TORCH)
+        raise TensorDecodeError(f"{field}.dtype", f"got {msg.dtype}, expected one of {names}")
+    shape = tuple(msg.shape)
+    if any(dim < 0 for dim in shape):
+        raise TensorDecodeError(f"{field}.shape", f"got {list(shape)}, expected non-negative sizes")
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    count = 1
+    for dim in shape:
+        count *= dim
+    expected = count * itemsize
+    if len(msg.data) != expected:
+        raise TensorDecodeError(
+            f"{field}.data",
+            f"got {len(msg.data)} bytes, expected prod(shape {list(shape)}) * {itemsize} = {expected}",
+        )
+    if count == 0:
+        return torch.empty(shape, dtype=torch_dtype)
+    flat = torch.frombuffer(memoryview(msg.data), dtype=torch.uint8)
+    return flat.view(torch_dtype).view(shape)

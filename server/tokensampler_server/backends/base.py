@@ -1,0 +1,35 @@
+"""The interface every sampling backend implements."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+from ..sampling import SamplingBatch, SamplingResult
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What GetServerInfo reports about a backend."""
+
+    name: str
+    """"cpu" or "cuda"."""
+    device: str
+    """"cpu", or "cuda:N (GPU name)"."""
+    kernels: list[str] = field(default_factory=list)
+    """Compiled kernels in use, empty for the CPU backend."""
+
+
+class Backend(abc.ABC):
+    """Samples a validated batch as docs/semantics.md defines.
+
+    `sample` is called from one worker thread at a time; it takes CPU tensors and returns CPU tensors.
+    """
+
+    @abc.abstractmethod
+    def info(self) -> BackendInfo:
+        """Describes the backend for GetServerInfo and the logs."""
+
+    @abc.abstractmethod
+    def sample(self, batch: SamplingBatch) -> SamplingResult:
+        """Samples every row of `batch`; rows are independent of each other (batch invariance)."""

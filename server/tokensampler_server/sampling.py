@@ -1,0 +1,109 @@
+"""The validated form of a sampling request, as every backend receives it, and what it returns.
+
+`validation.py` turns a `SampleRequest` into a `SamplingBatch`; a backend turns a `SamplingBatch` into
+a `SamplingResult`. Both are plain torch tensors so that the CPU reference and the CUDA kernels read
+the same thing. docs/semantics.md defines what a backend computes from them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class LogprobsMode(enum.Enum):
+    """Which distribution reported log-probs are taken under (docs/semantics.md, steps 1 and 11)."""
+
+    RAW = "raw"
+    PROCESSED = "processed"
+
+
+@dataclass(frozen=True)
+class TokenEntries:
+    """Per-row token lists in coordinate form: entry j is token `tokens[j]` of row `rows[j]`.
+
+    Both are int64 [n] on the CPU. Duplicates are kept (a history counts each occurrence).
+    """
+
+    rows: torch.Tensor
+    tokens: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.rows.numel())
+
+
+@dataclass(frozen=True)
+class LogitProcessing:
+    """Steps 2 to 4 of the semantics: masks, logit bias and penalties. Fields left None do nothing."""
+
+    allowed: TokenEntries | None = None
+    """Rows that have entries keep only those tokens; other rows are unrestricted."""
+    banned: TokenEntries | None = None
+    bias: TokenEntries | None = None
+    bias_values: torch.Tensor | None = None
+    """float32 [len(bias)], the value added at each bias entry."""
+    output_tokens: TokenEntries | None = None
+    """Generated tokens with multiplicity: repetition, presence and frequency penalties."""
+    prompt_tokens: TokenEntries | None = None
+    """Prompt tokens: the repetition penalty only."""
+    repetition_penalty: torch.Tensor | None = None
+    presence_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    """float32 [B] each, or None when no row uses it."""
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """B rows to sample, every parameter already validated and expanded to one value per row.
+
+    All per-row tensors are [B] on the CPU; `logits` is [B, V] float32/bfloat16/float16 on the CPU.
+    """
+
+    logits: torch.Tensor
+    temperature: torch.Tensor
+    """float32; 0 means greedy."""
+    top_k: torch.Tensor
+    """int32; 0 means off (the validator maps -1 and k >= V to 0)."""
+    top_p: torch.Tensor
+    """float32 in (0, 1]; 1 means off."""
+    min_p: torch.Tensor
+    """float32 in [0, 1); 0 means off."""
+    seed: torch.Tensor
+    """int64 holding the uint64 seed's bits (two's complement)."""
+    position: torch.Tensor
+    """int64 holding a uint32."""
+    iteration: torch.Tensor
+    """int64 holding a uint32."""
+    num_samples: int = 1
+    processing: LogitProcessing | None = None
+    return_logprobs: bool = False
+    logprobs_mode: LogprobsMode = LogprobsMode.RAW
+    top_logprobs: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.logits.shape[0])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.logits.shape[1])
+
+
+@dataclass(frozen=True)
+class SamplingResult:
+    """What a backend returns, on the CPU."""
+
+    tokens: torch.Tensor
+    """int64 [B, num_samples]; -1 in rows that are not valid."""
+    valid: torch.Tensor
+    """bool [B]: false where no finite logit remained after processing."""
+    nan_detected: torch.Tensor
+    """bool [B]: the row held NaN or +inf logits (treated as -inf)."""
+    logprobs: torch.Tensor | None = None
+    """float32 [B, num_samples] when asked; NaN in rows that are not valid."""
+    top_logprob_ids: torch.Tensor | None = None
+    """int64 [B, N] when top_logprobs = N > 0."""
+    top_logprobs: torch.Tensor | None = None
+    """float32 [B, N] when top_logprobs = N > 0."""
