@@ -1,0 +1,30 @@
+"""Python client of tokensampler, the GPU token-sampling gRPC service.
+
+    from tokensampler_client import SamplerClient
+    with SamplerClient("localhost:50051") as client:
+        result = client.sample(logits, temperature=0.8, top_k=50)   # logits: [B, V] tensor
+        result.tokens                                                # int64 [B, 1]
+"""
+
+from importlib import metadata as _metadata
+
+from ._retry import Backoff
+from .aio import AsyncSamplerClient
+from .client import SamplerClient
+from .errors import TokenSamplerError
+from .result import SampleResult, Timings
+
+try:
+    __version__ = _metadata.version("tokensampler")
+except _metadata.PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0+unknown"
+
+__all__ = [
+    "AsyncSamplerClient",
+    "Backoff",
+    "SampleResult",
+    "SamplerClient",
+    "Timings",
+    "TokenSamplerError",
+    "__version__",
+]

@@ -1,0 +1,92 @@
+"""Retry policy shared by the sync and async clients: which failures are retried, and when.
+
+Only UNAVAILABLE is retried (the server was not reached or is restarting); every other code is the
+server's answer and is final. No retry starts after the call's deadline.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff with jitter, in seconds.
+
+    The delay before retry n (0-based) is min(maximum, initial * multiplier**n), of which a random
+    fraction of up to `jitter` is taken off, so that clients failing together do not retry together.
+    """
+
+    initial: float = 0.05
+    multiplier: float = 2.0
+    maximum: float = 2.0
+    jitter: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.initial < 0 or self.maximum < 0 or self.multiplier < 1 or not 0 <= self.jitter <= 1:
+            raise ValueError(f"invalid backoff {self}: need initial, maximum >= 0, multiplier >= 1, 0 <= jitter <= 1")
+
+    def delay(self, retry: int, rng: random.Random | None = None) -> float:
+        """Seconds to wait before retry number `retry` (0-based)."""
+        # The exponent is capped so that huge retry counts cannot overflow the float.
+        base = min(self.maximum, self.initial * self.multiplier ** min(retry, 64))
+        return base * (1.0 - self.jitter * (rng or random).random())
+
+
+class RetryState:
+    """Deadline and retry bookkeeping of one call (one instance per call)."""
+
+    def __init__(
+        self,
+        retries: int,
+        backoff: Backoff,
+        timeout: float | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._retries = retries
+        self._backoff = backoff
+        self._clock = clock
+        self._deadline = None if timeout is None else clock() + timeout
+        self.retries_done = 0
+
+    def remaining(self) -> float | None:
+        """Seconds left until the call's deadline (the per-attempt gRPC timeout), None without one."""
+        if self._deadline is None:
+            return None
+        return max(0.0, self._deadline - self._clock())
+
+    def next_delay(self, code: grpc.StatusCode | None) -> float | None:
+        """The wait before retrying after a failure with `code`, or None when the call must fail now."""
+        if code not in RETRYABLE_CODES or self.retries_done >= self._retries:
+            return None
+        delay = self._backoff.delay(self.retries_done)
+        if self._deadline is not None and self._clock() + delay >= self._deadline:
+            return None
+        self.retries_done += 1
+        return delay
+
+
+@dataclass(frozen=True)
+class CallPolicy:
+    """A client's defaults for every call: deadline (seconds, None for none), retries and backoff."""
+
+    timeout: float | None = None
+    retries: int = 3
+    backoff: Backoff = Backoff()
+
+    def __post_init__(self) -> None:
+        if self.retries < 0:
+            raise ValueError(f"retries: expected >= 0, got {self.retries}")
+        if self.timeout is not None and self.timeout <= 0:
+            raise ValueError(f"timeout: expected a positive number of seconds or None, got {self.timeout}")
+
+    def start(self, timeout: float | None = None) -> RetryState:
+        """The retry state of a new call; `timeout` overrides the client's default deadline."""
+        return RetryState(self.retries, self.backoff, self.timeout if timeout is None else timeout)

@@ -1,0 +1,137 @@
+"""asyncio client of the tokensampler gRPC service (grpc.aio), with the API of SamplerClient."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+
+from ._channel import call_metadata, channel_options, health_request, health_status_name, new_request_id
+from ._proto import sampler_pb2 as pb
+from ._proto import sampler_pb2_grpc
+from ._retry import Backoff, CallPolicy
+from .errors import error_from_rpc
+from .params import Column, LogitBiasArg, TokenListsArg, build_sample_request
+from .result import SampleResult
+
+Response = TypeVar("Response")
+
+
+class AsyncSamplerClient:
+    """asyncio client: `async with AsyncSamplerClient(target) as c: await c.sample(logits)`.
+
+    Takes the same arguments as SamplerClient (see there). Create it inside the event loop that uses it.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float | None = None,
+        retries: int = 3,
+        backoff: Backoff | None = None,
+        max_message_mb: int = 256,
+        options: Sequence[tuple[str, Any]] | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        self._policy = CallPolicy(timeout, retries, backoff or Backoff())
+        channel_args = channel_options(max_message_mb, options)
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(target, options=channel_args)
+        else:
+            self._channel = grpc.aio.secure_channel(target, credentials, options=channel_args)
+        self._stub = sampler_pb2_grpc.SamplerStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def _call(
+        self,
+        method: Callable[..., Awaitable[Response]],
+        request: Any,
+        timeout: float | None,
+        request_id: str | None,
+    ) -> Response:
+        """Awaits `method`, retrying UNAVAILABLE with backoff within the deadline."""
+        request_id = request_id or new_request_id()
+        metadata = call_metadata(request_id)
+        state = self._policy.start(timeout)
+        while True:
+            try:
+                return await method(request, timeout=state.remaining(), metadata=metadata)
+            except grpc.RpcError as err:
+                delay = state.next_delay(err.code())  # type: ignore[attr-defined]
+                if delay is None:
+                    raise error_from_rpc(err, request_id) from err
+            await asyncio.sleep(delay)
+
+    async def sample(
+        self,
+        logits: Any,
+        *,
+        temperature: Column = None,
+        top_k: Column = None,
+        top_p: Column = None,
+        min_p: Column = None,
+        seed: Column = None,
+        position: Column = None,
+        iteration: Column = None,
+        num_samples: int | None = None,
+        allowed_token_ids: TokenListsArg = None,
+        banned_token_ids: TokenListsArg = None,
+        logit_bias: LogitBiasArg = None,
+        repetition_penalty: Column = None,
+        presence_penalty: Column = None,
+        frequency_penalty: Column = None,
+        output_token_ids: TokenListsArg = None,
+        prompt_token_ids: TokenListsArg = None,
+        return_logprobs: bool = False,
+        logprobs_mode: str = "raw",
+        top_logprobs: int = 0,
+        timeout: float | None = None,
+        request_id: str | None = None,
+    ) -> SampleResult:
+        """Samples `num_samples` tokens per row of `logits`; arguments as SamplerClient.sample."""
+        request = build_sample_request(
+            logits,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seed=seed,
+            position=position,
+            iteration=iteration,
+            num_samples=num_samples,
+            allowed_token_ids=allowed_token_ids,
+            banned_token_ids=banned_token_ids,
+            logit_bias=logit_bias,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            output_token_ids=output_token_ids,
+            prompt_token_ids=prompt_token_ids,
+            return_logprobs=return_logprobs,
+            logprobs_mode=logprobs_mode,
+            top_logprobs=top_logprobs,
+        )
+        response = await self._call(self._stub.Sample, request, timeout, request_id)
+        return SampleResult.from_response(response)
+
+    async def server_info(self, *, timeout: float | None = None) -> pb.ServerInfo:
+        """The server's version, backend, device, limits, logits dtypes and features."""
+        return await self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), timeout, None)
+
+    async def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        """The grpc.health.v1 status of `service` ("" = the whole server): "SERVING" or "NOT_SERVING"."""
+        return health_status_name(await self._call(self._health.Check, health_request(service), timeout, None))
+
+    async def close(self) -> None:
+        """Closes the channel; calls in flight are cancelled."""
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncSamplerClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

@@ -1,0 +1,188 @@
+"""`tokensampler`: a command-line client for a quick manual call to a running server.
+
+    tokensampler sample --random-logits 4x32000 --top-k 50
+    tokensampler info
+    tokensampler health
+
+Exit status: 0 on success, 1 when the call fails (one line with the gRPC code and details on
+stderr) or `health` is not SERVING, 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Sequence
+
+import torch
+from google.protobuf import json_format
+
+from . import __version__
+from ._proto import sampler_pb2 as pb
+from .client import SamplerClient
+from .errors import TokenSamplerError
+from .result import SampleResult
+
+DEFAULT_TARGET = "localhost:50051"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _shape(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"(\d+)[xX](\d+)", text)
+    if not match or int(match[1]) < 1 or int(match[2]) < 1:
+        raise argparse.ArgumentTypeError(f"expected BxV with B, V >= 1 (e.g. 4x32000), got {text!r}")
+    return int(match[1]), int(match[2])
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokensampler",
+        description="Command-line client of a tokensampler server.",
+        epilog="Exit status: 0 on success, 1 when the call fails or health is not SERVING, 2 on a usage error.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--target",
+        default=os.environ.get("TOKENSAMPLER_TARGET", DEFAULT_TARGET),
+        help="server address, host:port or unix:///path (default: $TOKENSAMPLER_TARGET or %(default)s)",
+    )
+    parser.add_argument("--timeout", type=float, default=30.0, help="deadline of the call in seconds (default: %(default)s)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    sample = commands.add_parser("sample", help="sample tokens from random logits", description="Sample tokens from random logits and print them.")
+    sample.add_argument("--random-logits", type=_shape, required=True, metavar="BxV", help="batch of B rows of V standard-normal logits, e.g. 4x32000")
+    sample.add_argument("--dtype", choices=DTYPES, default="float32", help="logits dtype on the wire (default: %(default)s)")
+    sample.add_argument("--logits-seed", type=int, default=0, help="seed of the random logits, so that runs are repeatable (default: %(default)s)")
+    sample.add_argument("--temperature", type=float, help="T >= 0; 0 is greedy (server default 1)")
+    sample.add_argument("--top-k", type=int, help="keep the k most likely tokens; 0 or -1 disables")
+    sample.add_argument("--top-p", type=float, help="nucleus sampling, 0 < p <= 1; 1 disables")
+    sample.add_argument("--min-p", type=float, help="keep tokens with probability >= m * max, 0 <= m < 1")
+    sample.add_argument("--seed", type=_non_negative, help="Philox seed shared by every row (default: drawn by the server per row)")
+    sample.add_argument("--num-samples", type=_positive, help="samples per row (default 1)")
+    sample.add_argument("--logprobs", action="store_true", help="also return the log-prob of each sampled token")
+    sample.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw", help="distribution of the log-probs (default: %(default)s)")
+    sample.add_argument("--top-logprobs", type=_non_negative, default=0, metavar="N", help="also return the N best (id, log-prob) pairs per row")
+    sample.add_argument("--json", action="store_true", help="print the result as JSON")
+    sample.set_defaults(run=_run_sample)
+
+    info = commands.add_parser("info", help="print the server's version, backend, device, limits and features")
+    info.add_argument("--json", action="store_true", help="print the ServerInfo as JSON")
+    info.set_defaults(run=_run_info)
+
+    health = commands.add_parser("health", help="print the server's grpc.health.v1 status")
+    health.set_defaults(run=_run_health)
+    return parser
+
+
+def _result_dict(result: SampleResult) -> dict[str, object]:
+    out: dict[str, object] = {
+        "request_id": result.request_id,
+        "tokens": result.tokens.tolist(),
+        "seeds": result.seeds,
+        "valid": result.valid.tolist(),
+        "nan_detected": result.nan_detected.tolist(),
+        "timings": vars(result.timings),
+    }
+    if result.logprobs is not None:
+        out["logprobs"] = result.logprobs.tolist()
+    if result.top_logprob_ids is not None and result.top_logprobs is not None:
+        out["top_logprob_ids"] = result.top_logprob_ids.tolist()
+        out["top_logprobs"] = result.top_logprobs.tolist()
+    return out
+
+
+def _print_result(result: SampleResult) -> None:
+    t = result.timings
+    print(f"request {result.request_id}: queue {t.queue_ns / 1e6:.3f} ms, compute {t.compute_ns / 1e6:.3f} ms, total {t.total_ns / 1e6:.3f} ms")
+    for row, tokens in enumerate(result.tokens.tolist()):
+        line = f"row {row}: tokens {tokens}  seed {result.seeds[row]}  valid {bool(result.valid[row])}"
+        if result.nan_detected[row]:
+            line += "  nan_detected"
+        if result.logprobs is not None:
+            line += f"  logprobs {[round(x, 4) for x in result.logprobs[row].tolist()]}"
+        print(line)
+        if result.top_logprob_ids is not None and result.top_logprobs is not None:
+            pairs = zip(result.top_logprob_ids[row].tolist(), result.top_logprobs[row].tolist())
+            print("       top: " + ", ".join(f"{i}:{lp:.4f}" for i, lp in pairs))
+
+
+def _run_sample(client: SamplerClient, args: argparse.Namespace) -> int:
+    rows, vocab = args.random_logits
+    generator = torch.Generator().manual_seed(args.logits_seed)
+    logits = torch.randn(rows, vocab, generator=generator).to(DTYPES[args.dtype])
+    result = client.sample(
+        logits,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        num_samples=args.num_samples,
+        return_logprobs=args.logprobs,
+        logprobs_mode=args.logprobs_mode,
+        top_logprobs=args.top_logprobs,
+    )
+    if args.json:
+        print(json.dumps(_result_dict(result)))
+    else:
+        _print_result(result)
+    return 0
+
+
+def _run_info(client: SamplerClient, args: argparse.Namespace) -> int:
+    info = client.server_info()
+    if args.json:
+        print(json.dumps(json_format.MessageToDict(info, preserving_proto_field_name=True)))
+        return 0
+    limits = info.limits
+    print(f"version: {info.version}")
+    print(f"api_version: {info.api_version}")
+    print(f"backend: {info.backend}")
+    print(f"device: {info.device}")
+    print(
+        f"limits: max_batch_rows={limits.max_batch_rows} max_message_bytes={limits.max_message_bytes} "
+        f"max_num_samples={limits.max_num_samples} max_top_logprobs={limits.max_top_logprobs}"
+    )
+    dtypes = ", ".join(pb.DType.Name(d).removeprefix("DTYPE_").lower() for d in info.logits_dtypes)
+    print(f"logits_dtypes: {dtypes}")
+    print(f"features: {', '.join(info.features)}")
+    print(f"kernels: {', '.join(info.kernels) or '-'}")
+    return 0
+
+
+def _run_health(client: SamplerClient, args: argparse.Namespace) -> int:
+    status = client.health()
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `tokensampler` console script; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        with SamplerClient(args.target, timeout=args.timeout) as client:
+            return int(args.run(client, args))
+    except TokenSamplerError as err:
+        print(f"tokensampler: error: {err.code.name}: {err.details}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

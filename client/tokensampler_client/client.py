@@ -1,0 +1,172 @@
+"""Blocking client of the tokensampler gRPC service."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+
+from ._channel import call_metadata, channel_options, health_request, health_status_name, new_request_id
+from ._proto import sampler_pb2 as pb
+from ._proto import sampler_pb2_grpc
+from ._retry import Backoff, CallPolicy
+from .errors import error_from_rpc
+from .params import Column, LogitBiasArg, TokenListsArg, build_sample_request
+from .result import SampleResult
+
+Response = TypeVar("Response")
+
+
+class SamplerClient:
+    """Blocking client: `SamplerClient("localhost:50051").sample(logits, top_k=50)`.
+
+    Args:
+        target: "host:port", or any gRPC target such as "unix:///path/to/socket".
+        timeout: default deadline of each call in seconds, retries included (None: no deadline).
+        retries: how many times a call failing with UNAVAILABLE is retried (other codes never are).
+        backoff: the wait between retries (default: 0.05 s doubling up to 2 s, with jitter).
+        max_message_mb: the largest message sent or received, in MiB; the server has the same
+            option (`--max-message-mb`), and a request must fit both.
+        options: further gRPC channel arguments, e.g. [("grpc.keepalive_time_ms", 10000)].
+        credentials: grpc.ChannelCredentials for TLS; None for a plaintext channel.
+
+    Every failed call raises TokenSamplerError carrying the gRPC status code.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float | None = None,
+        retries: int = 3,
+        backoff: Backoff | None = None,
+        max_message_mb: int = 256,
+        options: Sequence[tuple[str, Any]] | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        self._policy = CallPolicy(timeout, retries, backoff or Backoff())
+        channel_args = channel_options(max_message_mb, options)
+        if credentials is None:
+            self._channel = grpc.insecure_channel(target, options=channel_args)
+        else:
+            self._channel = grpc.secure_channel(target, credentials, options=channel_args)
+        self._stub = sampler_pb2_grpc.SamplerStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _call(
+        self,
+        method: Callable[..., Response],
+        request: Any,
+        timeout: float | None,
+        request_id: str | None,
+    ) -> Response:
+        """Calls `method`, retrying UNAVAILABLE with backoff within the deadline."""
+        request_id = request_id or new_request_id()
+        metadata = call_metadata(request_id)
+        state = self._policy.start(timeout)
+        while True:
+            try:
+                return method(request, timeout=state.remaining(), metadata=metadata)
+            except grpc.RpcError as err:
+                delay = state.next_delay(err.code())  # type: ignore[attr-defined]
+                if delay is None:
+                    raise error_from_rpc(err, request_id) from err
+            time.sleep(delay)
+
+    def sample(
+        self,
+        logits: Any,
+        *,
+        temperature: Column = None,
+        top_k: Column = None,
+        top_p: Column = None,
+        min_p: Column = None,
+        seed: Column = None,
+        position: Column = None,
+        iteration: Column = None,
+        num_samples: int | None = None,
+        allowed_token_ids: TokenListsArg = None,
+        banned_token_ids: TokenListsArg = None,
+        logit_bias: LogitBiasArg = None,
+        repetition_penalty: Column = None,
+        presence_penalty: Column = None,
+        frequency_penalty: Column = None,
+        output_token_ids: TokenListsArg = None,
+        prompt_token_ids: TokenListsArg = None,
+        return_logprobs: bool = False,
+        logprobs_mode: str = "raw",
+        top_logprobs: int = 0,
+        timeout: float | None = None,
+        request_id: str | None = None,
+    ) -> SampleResult:
+        """Samples `num_samples` tokens per row of `logits`.
+
+        Args:
+            logits: [B, V] float32, bfloat16 or float16, a torch tensor on any device (copied to the
+                CPU) or a numpy array (no bfloat16 in numpy); a 1-D [V] tensor is one row (B = 1).
+            temperature, top_k, top_p, min_p, seed, position, iteration, repetition_penalty,
+            presence_penalty, frequency_penalty: None (server default), a scalar shared by every
+                row, or B values, one per row. `seed` entries may be None (the server draws one).
+            num_samples: samples per row (default 1).
+            allowed_token_ids, banned_token_ids, output_token_ids, prompt_token_ids: one list of
+                token ids shared by every row, or B lists.
+            logit_bias: one {token_id: bias} dict shared by every row, or B dicts.
+            return_logprobs: also return the log-prob of each sampled token.
+            logprobs_mode: "raw" (log_softmax of the input) or "processed" (after every step).
+            top_logprobs: also return the N best (id, log-prob) pairs of each row.
+            timeout: this call's deadline in seconds (default: the client's).
+            request_id: sent as `x-request-id` (default: a fresh uuid4 hex).
+
+        docs/semantics.md defines every parameter. Raises ValueError/TypeError for arguments of the
+        wrong length or type, TokenSamplerError when the call fails (INVALID_ARGUMENT for values
+        out of range).
+        """
+        request = build_sample_request(
+            logits,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seed=seed,
+            position=position,
+            iteration=iteration,
+            num_samples=num_samples,
+            allowed_token_ids=allowed_token_ids,
+            banned_token_ids=banned_token_ids,
+            logit_bias=logit_bias,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            output_token_ids=output_token_ids,
+            prompt_token_ids=prompt_token_ids,
+            return_logprobs=return_logprobs,
+            logprobs_mode=logprobs_mode,
+            top_logprobs=top_logprobs,
+        )
+        response = self._call(self._stub.Sample, request, timeout, request_id)
+        return SampleResult.from_response(response)
+
+    def server_info(self, *, timeout: float | None = None) -> pb.ServerInfo:
+        """The server's version, backend, device, limits, logits dtypes and features."""
+        return self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), timeout, None)
+
+    def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        """The grpc.health.v1 status of `service` ("" = the whole server): "SERVING" or "NOT_SERVING".
+
+        "NOT_SERVING" is reported while the server drains on shutdown; an unknown service raises
+        TokenSamplerError with code NOT_FOUND.
+        """
+        return health_status_name(self._call(self._health.Check, health_request(service), timeout, None))
+
+    def close(self) -> None:
+        """Closes the channel; calls in flight are cancelled."""
+        self._channel.close()
+
+    def __enter__(self) -> SamplerClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

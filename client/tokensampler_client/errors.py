@@ -1,0 +1,32 @@
+"""The one exception type every failed RPC of the client raises."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import grpc
+
+
+class TokenSamplerError(Exception):
+    """A failed call to the tokensampler server.
+
+    Attributes:
+        code: the gRPC status code (INVALID_ARGUMENT for a rejected request, UNAVAILABLE when the
+            server cannot be reached after the retries, DEADLINE_EXCEEDED, INTERNAL, ...).
+        details: the server's message; for INVALID_ARGUMENT it names the offending field.
+        request_id: the `x-request-id` the call was sent with, to find it in the server's log.
+    """
+
+    def __init__(self, code: grpc.StatusCode, details: str, request_id: str | None = None) -> None:
+        self.code = code
+        self.details = details
+        self.request_id = request_id
+        suffix = f" (request_id {request_id})" if request_id else ""
+        super().__init__(f"{code.name}: {details}{suffix}")
+
+
+def error_from_rpc(err: grpc.RpcError, request_id: str | None) -> TokenSamplerError:
+    """Maps a grpc (sync or aio) RpcError onto TokenSamplerError."""
+    # Errors raised by a call are also grpc.Call objects (sync) or AioRpcError (aio): both have these.
+    call = cast(grpc.Call, err)
+    return TokenSamplerError(call.code() or grpc.StatusCode.UNKNOWN, call.details() or "", request_id)

@@ -1,0 +1,245 @@
+"""Encodes Python arguments into a `SampleRequest` (columnar `SamplingParams`, see the proto).
+
+Each scalar sampling parameter may be
+  * None: 0 values are sent and every row gets the server's default;
+  * a scalar (Python/numpy number, 0-d tensor or array): 1 value, shared by every row;
+  * a 1-D sequence, numpy array or torch tensor of length B: one value per row.
+Token-list parameters take one list (shared by every row) or B lists (None entries are empty lists);
+`logit_bias` takes one dict {token_id: bias} or B dicts (or None entries).
+
+Only shape/length/type mistakes are caught here (ValueError/TypeError naming the argument); value
+ranges are checked by the server, which is authoritative and answers INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeGuard, Union
+
+import numpy as np
+import torch
+
+from ._proto import sampler_pb2 as pb
+from .tensors import as_torch, encode_tensor
+
+# What a caller may pass for a per-row numeric parameter.
+Column = Union[float, int, Sequence[Any], np.ndarray, torch.Tensor, None]
+TokenIds = Union[Sequence[int], np.ndarray, torch.Tensor]
+TokenListsArg = Union[TokenIds, Sequence[Union[TokenIds, None]], None]
+LogitBiasArg = Union[Mapping[int, float], Sequence[Union[Mapping[int, float], None]], None]
+
+LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LOGPROBS_MODES = {"raw": pb.LOGPROBS_MODE_RAW, "processed": pb.LOGPROBS_MODE_PROCESSED}
+
+
+def _is_array(value: Any) -> TypeGuard[torch.Tensor | np.ndarray]:
+    return isinstance(value, (torch.Tensor, np.ndarray))
+
+
+def _extend(name: str, field: Any, values: Any) -> None:
+    """field.extend(values), re-raising protobuf's type/range errors with the argument's name."""
+    try:
+        field.extend(values)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{name}: {err}") from None
+
+
+def _column(name: str, value: Column, batch: int) -> list[Any] | Sequence[Any]:
+    """The values to send for a numeric parameter: [value] for a scalar, B values for a sequence."""
+    if _is_array(value):
+        if value.ndim == 0:
+            return [value.item()]
+        if value.ndim != 1:
+            raise ValueError(
+                f"{name}: expected a scalar or {batch} values (one per row), got shape {tuple(value.shape)}"
+            )
+        # One bulk conversion to Python numbers; protobuf extends fastest from a list.
+        values: Sequence[Any] = value.tolist()
+    elif isinstance(value, (str, bytes)):
+        raise TypeError(f"{name}: expected a number or a sequence of numbers, got {type(value).__name__}")
+    elif isinstance(value, Sequence):
+        values = value
+    else:
+        return [value]
+    if len(values) != batch:
+        raise ValueError(f"{name}: expected a scalar or {batch} values (one per row), got {len(values)}")
+    return values
+
+
+def _set_scalar(message: Any, name: str, value: Any) -> None:
+    """message.name = value, re-raising protobuf's type/range errors with the argument's name."""
+    try:
+        setattr(message, name, value)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{name}: {err}") from None
+
+
+def _set_column(params: pb.SamplingParams, name: str, value: Column, batch: int) -> None:
+    if value is not None:
+        _extend(name, getattr(params, name), _column(name, value, batch))
+
+
+def _set_seed(params: pb.SamplingParams, seed: Column, batch: int) -> None:
+    """`seed`: one shared seed, or B seeds where None entries ask the server to draw one."""
+    if seed is None:
+        return
+    if isinstance(seed, torch.Tensor) and seed.dtype == torch.int64:
+        # torch has no general uint64: an int64 tensor holds the seeds' bits in two's complement.
+        seed = seed.detach().cpu().numpy().view(np.uint64)
+    values = _column("seed", seed, batch)
+    if not _is_array(seed) and any(v is None for v in values):
+        _extend("seed", params.has_seed, [v is not None for v in values])
+        values = [0 if v is None else v for v in values]
+    _extend("seed", params.seed, values)
+
+
+def _ids(name: str, row: Any) -> Sequence[int]:
+    """One row's token ids as a sequence protobuf can extend from."""
+    if row is None:
+        return []
+    if _is_array(row):
+        if row.ndim != 1:
+            raise ValueError(f"{name}: expected a 1-D list of token ids per row, got shape {tuple(row.shape)}")
+        return row.tolist()
+    if isinstance(row, Sequence) and not isinstance(row, (str, bytes)):
+        return row
+    raise TypeError(f"{name}: expected a list of token ids per row, got {type(row).__name__}")
+
+
+def _is_row_list(value: Any) -> bool:
+    """True when `value` is a list of per-row lists (rather than one flat list of ids)."""
+    if not value:
+        return False
+    first = value[0]
+    return first is None or _is_array(first) or (isinstance(first, Sequence) and not isinstance(first, (str, bytes)))
+
+
+def _set_token_lists(out: pb.TokenLists, name: str, value: TokenListsArg, batch: int) -> None:
+    """One list shared by every row (lengths = [n]), or B lists (lengths = B entries)."""
+    if value is None:
+        return
+    if _is_array(value) and value.ndim == 2:
+        # A [B, L] array: B lists of equal length, converted in one call.
+        if value.shape[0] != batch:
+            raise ValueError(f"{name}: expected {batch} rows, got shape {tuple(value.shape)}")
+        _extend(name, out.ids, value.reshape(-1).tolist())
+        out.lengths.extend([value.shape[1]] * batch)
+        return
+    if not _is_array(value) and _is_row_list(value):
+        if len(value) != batch:
+            raise ValueError(f"{name}: expected one list or {batch} lists (one per row), got {len(value)} lists")
+        rows = [_ids(name, row) for row in value]
+        _extend(name, out.ids, itertools.chain.from_iterable(rows))
+        out.lengths.extend([len(row) for row in rows])
+        return
+    ids = _ids(name, value)
+    if len(ids):  # an empty shared list is the same as no list: send nothing
+        _extend(name, out.ids, ids)
+        out.lengths.append(len(ids))
+
+
+def _set_logit_bias(out: pb.LogitBias, bias: LogitBiasArg, batch: int) -> None:
+    """One {token: bias} dict shared by every row, or B dicts (None entries are empty)."""
+    if bias is None:
+        return
+    if isinstance(bias, Mapping):
+        rows: Sequence[Mapping[int, float]] = [bias] if bias else []
+    elif isinstance(bias, Sequence) and not isinstance(bias, (str, bytes)):
+        if len(bias) != batch:
+            raise ValueError(f"logit_bias: expected one dict or {batch} dicts (one per row), got {len(bias)}")
+        rows = [{} if row is None else row for row in bias]
+        for row in rows:
+            if not isinstance(row, Mapping):
+                raise TypeError(f"logit_bias: expected a dict {{token_id: bias}} per row, got {type(row).__name__}")
+    else:
+        raise TypeError(f"logit_bias: expected a dict {{token_id: bias}} or a list of them, got {type(bias).__name__}")
+    if not rows:
+        return
+    _extend("logit_bias", out.tokens.ids, itertools.chain.from_iterable(row.keys() for row in rows))
+    _extend("logit_bias", out.values, itertools.chain.from_iterable(row.values() for row in rows))
+    out.tokens.lengths.extend([len(row) for row in rows])
+
+
+def encode_logits(logits: Any, out: pb.Tensor) -> int:
+    """Encodes [B, V] (or [V], one row) float32/bfloat16/float16 logits into `out`; returns B.
+
+    Accepts a torch tensor on any device (copied to the CPU) or a numpy array (float32/float16;
+    numpy has no bfloat16, use torch for it).
+    """
+    tensor = as_torch(logits)
+    if tensor.ndim == 1:
+        tensor = tensor.unsqueeze(0)
+    elif tensor.ndim != 2:
+        raise ValueError(f"logits: expected shape [B, V] or [V], got {list(tensor.shape)}")
+    if tensor.dtype not in LOGITS_DTYPES:
+        raise TypeError(f"logits: dtype {tensor.dtype} cannot be sent; expected float32, bfloat16 or float16")
+    encode_tensor(tensor, out)
+    return int(tensor.shape[0])
+
+
+def _logprobs_mode(mode: str | int) -> int:
+    if isinstance(mode, str):
+        try:
+            return _LOGPROBS_MODES[mode.lower()]
+        except KeyError:
+            raise ValueError(f"logprobs_mode: expected 'raw' or 'processed', got {mode!r}") from None
+    if mode not in pb.LogprobsMode.values():
+        raise ValueError(f"logprobs_mode: expected 'raw' or 'processed', got {mode!r}")
+    return int(mode)
+
+
+def build_sample_request(
+    logits: Any,
+    *,
+    temperature: Column = None,
+    top_k: Column = None,
+    top_p: Column = None,
+    min_p: Column = None,
+    seed: Column = None,
+    position: Column = None,
+    iteration: Column = None,
+    num_samples: int | None = None,
+    allowed_token_ids: TokenListsArg = None,
+    banned_token_ids: TokenListsArg = None,
+    logit_bias: LogitBiasArg = None,
+    repetition_penalty: Column = None,
+    presence_penalty: Column = None,
+    frequency_penalty: Column = None,
+    output_token_ids: TokenListsArg = None,
+    prompt_token_ids: TokenListsArg = None,
+    return_logprobs: bool = False,
+    logprobs_mode: str | int = "raw",
+    top_logprobs: int = 0,
+) -> pb.SampleRequest:
+    """A SampleRequest for `logits` ([B, V] or [V]) with the given parameters (see module doc)."""
+    request = pb.SampleRequest()
+    batch = encode_logits(logits, request.logits)
+    params = request.params
+    for name, value in (
+        ("temperature", temperature),
+        ("top_k", top_k),
+        ("top_p", top_p),
+        ("min_p", min_p),
+        ("position", position),
+        ("iteration", iteration),
+        ("repetition_penalty", repetition_penalty),
+        ("presence_penalty", presence_penalty),
+        ("frequency_penalty", frequency_penalty),
+    ):
+        _set_column(params, name, value, batch)
+    _set_seed(params, seed, batch)
+    for name, lists in (
+        ("allowed_token_ids", allowed_token_ids),
+        ("banned_token_ids", banned_token_ids),
+        ("output_token_ids", output_token_ids),
+        ("prompt_token_ids", prompt_token_ids),
+    ):
+        _set_token_lists(getattr(params, name), name, lists, batch)
+    _set_logit_bias(params.logit_bias, logit_bias, batch)
+    if num_samples is not None:
+        _set_scalar(request, "num_samples", num_samples)
+    _set_scalar(request, "return_logprobs", return_logprobs)
+    _set_scalar(request, "top_logprobs", top_logprobs)
+    request.logprobs_mode = _logprobs_mode(logprobs_mode)
+    return request

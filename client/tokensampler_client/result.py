@@ -1,0 +1,70 @@
+"""The client-side result of a Sample call, decoded from `SampleResponse`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._proto import sampler_pb2 as pb
+from .tensors import decode_tensor
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Server-side time spent on the request, in nanoseconds."""
+
+    queue_ns: int
+    compute_ns: int
+    total_ns: int
+
+
+@dataclass
+class SampleResult:
+    """Sampled tokens of a [B, V] batch, with n = num_samples and N = top_logprobs.
+
+    Attributes:
+        tokens: int64 [B, n]; -1 in rows that are not valid.
+        seeds: the Philox seed each row used (B Python ints, uint64): pass them back as `seed` to
+            reproduce the sample.
+        logprobs: float32 [B, n], the log-prob of each sampled token (None unless return_logprobs).
+        top_logprob_ids: int64 [B, N], best first (None unless top_logprobs > 0).
+        top_logprobs: float32 [B, N], matching top_logprob_ids (None unless top_logprobs > 0).
+        valid: bool [B]; False where no finite logit remained after processing.
+        nan_detected: bool [B]; True where the row's logits held NaN or +inf.
+        timings: the server's queue, compute and total time.
+        request_id: the request id the server logged the call under.
+    """
+
+    tokens: torch.Tensor
+    seeds: list[int]
+    logprobs: torch.Tensor | None
+    top_logprob_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
+    valid: torch.Tensor
+    nan_detected: torch.Tensor
+    timings: Timings
+    request_id: str
+
+    @classmethod
+    def from_response(cls, response: pb.SampleResponse) -> SampleResult:
+        """Decodes a SampleResponse; raises tensors.TensorDecodeError on a malformed tensor."""
+        # Decoded tensors view the message's immutable bytes: dtype conversion or clone() copies them
+        # into memory the caller owns and may write.
+        def optional(field: str, dtype: torch.dtype) -> torch.Tensor | None:
+            if not response.HasField(field):
+                return None
+            return decode_tensor(getattr(response, field), field).to(dtype, copy=True)
+
+        timings = response.timings
+        return cls(
+            tokens=decode_tensor(response.tokens, "tokens").to(torch.int64, copy=True),
+            seeds=list(response.seeds),
+            logprobs=optional("logprobs", torch.float32),
+            top_logprob_ids=optional("top_logprob_ids", torch.int64),
+            top_logprobs=optional("top_logprobs", torch.float32),
+            valid=torch.tensor(list(response.valid), dtype=torch.bool),
+            nan_detected=torch.tensor(list(response.nan_detected), dtype=torch.bool),
+            timings=Timings(timings.queue_ns, timings.compute_ns, timings.total_ns),
+            request_id=response.request_id,
+        )

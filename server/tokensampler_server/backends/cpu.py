@@ -1,0 +1,138 @@
+"""The CPU reference backend: docs/semantics.md in torch, written for clarity first.
+
+It is the oracle every CUDA kernel is tested against and the default on machines without a GPU.
+The code follows the numbered steps of docs/semantics.md in order:
+
+ 1. raw log-probs of the input logits (when asked)
+ 2-4. masks, logit bias, penalties                 (processing.apply_processing)
+ 5. NaN/+inf -> -inf, rows with nothing finite are invalid
+ 6. T == 0: argmax, ties to the lowest index
+ 7. z = (x - max x) / T and q = softmax(z)
+ 8. sort by (z desc, index asc); L1 = min(k, #{exp(z_i - max z) >= m}, #finite)
+ 9. top-p on the renormalised prefix of L1 tokens: L2 tokens kept
+10. Gumbel-max over the kept set with the Philox noise of each token
+11. processed log-probs over the kept set; top_logprobs in the chosen mode
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sampling import LogprobsMode, SamplingBatch, SamplingResult
+from .base import Backend, BackendInfo
+from .philox import gumbel_noise
+from .processing import apply_processing, sanitize_non_finite
+
+_NEG_INF = float("-inf")
+
+
+def kept_token_mask(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Steps 8 and 9: the kept set K of each row as a bool mask [B, V].
+
+    z: float32 [B, V] with max 0 in every row (-inf for masked tokens); top_k int (0 = off),
+    top_p float (1 = off), min_p float (0 = off), each [B].
+    """
+    num_rows, vocab_size = z.shape
+    # Stable descending sort: equal z keep ascending index order.
+    z_sorted, order = torch.sort(z, dim=1, descending=True, stable=True)
+    finite = torch.isfinite(z_sorted)
+    # top-k and min-p both keep a prefix of the sorted order; -inf tokens are never kept.
+    limit = finite.sum(dim=1)
+    k = top_k.to(torch.int64)
+    limit = torch.where(k > 0, torch.minimum(limit, k), limit)
+    # max z is 0, so the min-p condition q_i >= m * max q reads exp(z_i) >= m.
+    above_min_p = (torch.exp(z_sorted) >= min_p.unsqueeze(1)) & finite
+    limit = torch.minimum(limit, above_min_p.sum(dim=1))
+    rank = torch.arange(vocab_size).unsqueeze(0)
+    in_prefix = rank < limit.unsqueeze(1)
+    # top-p over the prefix, renormalised by the prefix's own mass.
+    probs = torch.where(in_prefix, torch.exp(z_sorted), torch.zeros((), dtype=z.dtype))
+    cumulative = torch.cumsum(probs, dim=1) / probs.sum(dim=1, keepdim=True)
+    reached = (cumulative >= top_p.unsqueeze(1)) & in_prefix
+    # L2 = first rank whose cumulative mass reaches p, plus one; L1 when rounding never reaches it.
+    first_reached = torch.where(reached.any(dim=1), reached.to(torch.int8).argmax(dim=1) + 1, limit)
+    use_top_p = top_p < 1.0
+    kept_count = torch.where(use_top_p, torch.minimum(first_reached, limit), limit)
+    kept_sorted = rank < kept_count.unsqueeze(1)
+    kept = torch.zeros_like(kept_sorted)
+    return kept.scatter_(1, order, kept_sorted)
+
+
+def top_n(values: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n largest values of each row with their ids, sorted (value desc, id asc)."""
+    sorted_values, ids = torch.sort(values, dim=1, descending=True, stable=True)
+    return ids[:, :n], sorted_values[:, :n]
+
+
+class CpuBackend(Backend):
+    """The reference implementation of docs/semantics.md on the CPU."""
+
+    def info(self) -> BackendInfo:
+        return BackendInfo(name="cpu", device="cpu")
+
+    def sample(self, batch: SamplingBatch) -> SamplingResult:
+        x = batch.logits.to(torch.float32, copy=True)
+        num_rows, vocab_size = x.shape
+        wants_logprobs = batch.return_logprobs or batch.top_logprobs > 0
+        raw = batch.logprobs_mode is LogprobsMode.RAW
+
+        # 1. Raw log-probs of the input (NaN/+inf read as -inf).
+        raw_logprobs = None
+        if wants_logprobs and raw:
+            raw_logprobs = torch.log_softmax(sanitize_non_finite(x.clone())[0], dim=1)
+
+        # 2-5. Processing, then non-finite entries.
+        x = apply_processing(x, batch.processing)
+        x, nan_detected = sanitize_non_finite(x)
+        valid = torch.isfinite(x).any(dim=1)
+        x_max = x.max(dim=1, keepdim=True).values
+        x_max = torch.where(valid.unsqueeze(1), x_max, torch.zeros_like(x_max))
+
+        # 6. Greedy rows: argmax, ties to the lowest index (torch.argmax returns the first maximum).
+        greedy = batch.temperature == 0
+        greedy_tokens = x.argmax(dim=1)
+
+        # 7. z = (x - max x) / T; greedy rows use T = 1 (only their processed log-probs read z).
+        temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+        z = (x - x_max) / temperature.unsqueeze(1)
+        z = torch.where(valid.unsqueeze(1), z, torch.full_like(z, _NEG_INF))
+
+        # 8-9. Kept set; rows without filters keep every finite token and skip the sort.
+        filtered = (batch.top_k > 0) | (batch.top_p < 1) | (batch.min_p > 0)
+        kept = torch.isfinite(z)
+        if bool(filtered.any()):
+            rows = filtered.nonzero().squeeze(1)
+            kept[rows] = kept_token_mask(z[rows], batch.top_k[rows], batch.top_p[rows], batch.min_p[rows])
+        z_kept = torch.where(kept, z, torch.full_like(z, _NEG_INF))
+
+        # 10. Gumbel-max over the kept set, one noise draw per sample.
+        tokens = torch.empty((num_rows, batch.num_samples), dtype=torch.int64)
+        for sample in range(batch.num_samples):
+            noise = gumbel_noise(batch.seed, batch.position, batch.iteration, sample, vocab_size)
+            sampled = (z_kept + noise).argmax(dim=1)
+            tokens[:, sample] = torch.where(greedy, greedy_tokens, sampled)
+        tokens[~valid] = -1
+
+        # 11. Log-probs in the requested mode.
+        logprobs = top_ids = top_values = None
+        if wants_logprobs:
+            if raw:
+                table = raw_logprobs
+            else:
+                table = z_kept - torch.logsumexp(z_kept, dim=1, keepdim=True)
+            if batch.return_logprobs:
+                logprobs = table.gather(1, tokens.clamp(min=0))
+                logprobs[~valid] = float("nan")
+            if batch.top_logprobs > 0:
+                n = min(batch.top_logprobs, vocab_size)
+                top_ids, top_values = top_n(table, n)
+                top_ids[~valid] = -1
+                top_values[~valid] = float("nan")
+        return SamplingResult(
+            tokens=tokens,
+            valid=valid,
+            nan_detected=nan_detected,
+            logprobs=logprobs,
+            top_logprob_ids=top_ids,
+            top_logprobs=top_values,
+        )

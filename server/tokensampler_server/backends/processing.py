@@ -1,0 +1,73 @@
+"""Steps 2 to 5 of docs/semantics.md in torch: masks, logit bias, penalties, non-finite inputs.
+
+Device-agnostic: the CPU reference runs it on the CPU and the CUDA backend on the GPU, so both apply
+exactly the same processing before they sample.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sampling import LogitProcessing, TokenEntries
+
+
+def _index(entries: TokenEntries, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return entries.rows.to(device, non_blocking=True), entries.tokens.to(device, non_blocking=True)
+
+
+def _token_counts(entries: TokenEntries, shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """Occurrences of each (row, token) in entries, as float32 [B, V]."""
+    counts = torch.zeros(shape, dtype=torch.float32, device=device)
+    ones = torch.ones(len(entries), dtype=torch.float32, device=device)
+    return counts.index_put_(_index(entries, device), ones, accumulate=True)
+
+
+def apply_processing(x: torch.Tensor, processing: LogitProcessing | None) -> torch.Tensor:
+    """Applies masks (step 2), logit bias (3) and penalties (4) to float32 logits x [B, V], in place."""
+    if processing is None:
+        return x
+    device = x.device
+    # 2. Masks.
+    if processing.allowed is not None and len(processing.allowed):
+        rows, tokens = _index(processing.allowed, device)
+        keep = torch.zeros_like(x, dtype=torch.bool)
+        keep.index_put_((rows, tokens), torch.ones_like(rows, dtype=torch.bool))
+        restricted = torch.zeros(x.shape[0], dtype=torch.bool, device=device)
+        restricted[rows] = True
+        x.masked_fill_(restricted.unsqueeze(1) & ~keep, float("-inf"))
+    if processing.banned is not None and len(processing.banned):
+        x.index_put_(_index(processing.banned, device), torch.tensor(float("-inf"), device=device))
+    # 3. Logit bias; duplicate entries add up.
+    if processing.bias is not None and len(processing.bias):
+        values = processing.bias_values.to(device=device, dtype=torch.float32, non_blocking=True)
+        x.index_put_(_index(processing.bias, device), values, accumulate=True)
+    # 4. Penalties on the row's history.
+    has_output = processing.output_tokens is not None and len(processing.output_tokens) > 0
+    has_prompt = processing.prompt_tokens is not None and len(processing.prompt_tokens) > 0
+    if not (has_output or has_prompt):
+        return x
+    output_counts = (
+        _token_counts(processing.output_tokens, x.shape, device) if has_output else torch.zeros_like(x)
+    )
+    if processing.repetition_penalty is not None:
+        seen = output_counts > 0
+        if has_prompt:
+            seen |= _token_counts(processing.prompt_tokens, x.shape, device) > 0
+        r = processing.repetition_penalty.to(device, non_blocking=True).unsqueeze(1)
+        penalised = torch.where(x > 0, x / r, x * r)
+        x = torch.where(seen, penalised, x)
+    if processing.presence_penalty is not None:
+        presence = processing.presence_penalty.to(device, non_blocking=True).unsqueeze(1)
+        x = x - presence * (output_counts > 0).to(torch.float32)
+    if processing.frequency_penalty is not None:
+        frequency = processing.frequency_penalty.to(device, non_blocking=True).unsqueeze(1)
+        x = x - frequency * output_counts
+    return x
+
+
+def sanitize_non_finite(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 5: NaN and +inf become -inf, in place. Returns (x, nan_detected [B])."""
+    bad = torch.isnan(x) | torch.isposinf(x)
+    nan_detected = bad.any(dim=1)
+    x.masked_fill_(bad, float("-inf"))
+    return x, nan_detected

@@ -1,0 +1,28 @@
+"""Server settings: what cli.py parses and server.py runs with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request limits, enforced by validation.py and reported by GetServerInfo."""
+
+    max_batch_rows: int = 4096
+    max_message_bytes: int = 256 * 1024 * 1024
+    max_num_samples: int = 64
+    max_top_logprobs: int = 64
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 50051
+    device: str = "auto"
+    """"auto", "cpu", "cuda" or "cuda:N"."""
+    limits: Limits = field(default_factory=Limits)
+    log_level: str = "INFO"
+    grace_period_s: float = 10.0
+    """How long in-flight requests may run on after SIGTERM/SIGINT."""
+    reflection: bool = True

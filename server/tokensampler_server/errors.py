@@ -1,0 +1,27 @@
+"""Errors the service raises on purpose; interceptor.py turns each into its gRPC status."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class ServiceError(Exception):
+    """An error with the gRPC status code the client should see and a message for a person."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+
+class InvalidArgument(ServiceError):
+    """A request field that is malformed or out of range: the message names the field and what was expected."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field

@@ -1,0 +1,72 @@
+"""Builds the grpc.aio server (sampler, health, reflection) and runs it until SIGTERM/SIGINT.
+
+Shutdown: health turns NOT_SERVING at once, new calls are refused, in-flight calls get the grace
+period to finish, then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
+
+from .backends import create_backend
+from .config import ServerConfig
+from .interceptor import ErrorInterceptor
+from .service import SamplerService
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Sampler"].full_name
+
+
+def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+async def serve(config: ServerConfig) -> None:
+    backend = create_backend(config.device)
+    info = backend.info()
+    log.info("backend %s on %s", info.name, info.device)
+
+    server = grpc.aio.server(
+        interceptors=[ErrorInterceptor()], options=grpc_options(config.limits.max_message_bytes)
+    )
+    sampler = SamplerService(backend, config.limits)
+    pb_grpc.add_SamplerServicer_to_server(sampler, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if config.reflection:
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server,
+        )
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise RuntimeError(f"could not listen on {config.host}:{config.port}")
+    await server.start()
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    # Tests and scripts wait for this line to learn the port (with --port 0 the OS picks it).
+    log.info("tokensampler serving on %s:%d", config.host, port)
+
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stopping.set)
+    await stopping.wait()
+
+    log.info("shutting down: NOT_SERVING, %.1f s grace for in-flight requests", config.grace_period_s)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(config.grace_period_s)
+    sampler.close()
+    log.info("stopped")

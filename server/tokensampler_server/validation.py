@@ -1,0 +1,202 @@
+"""Turns a SampleRequest into a SamplingBatch, checking every field before any work is done.
+
+Every rejection is an InvalidArgument naming the field (as a path into the request) and what was
+expected. Per-row columns hold 0 values (default), 1 (shared by every row) or B (one per row).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client.tensors import TensorDecodeError, decode_tensor, dtype_name
+
+from .config import Limits
+from .errors import InvalidArgument
+from .sampling import LogitProcessing, LogprobsMode, SamplingBatch, TokenEntries
+
+LOGITS_DTYPES = (pb.DTYPE_FLOAT32, pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT16)
+
+SeedSource = Callable[[int], np.ndarray]
+
+
+def random_seeds(count: int) -> np.ndarray:
+    """`count` fresh uint64 seeds from the OS's cryptographic generator."""
+    return np.frombuffer(secrets.token_bytes(8 * count), dtype=np.uint64).copy()
+
+
+def _column(values: Sequence, field: str, num_rows: int, default: float | int, dtype: np.dtype) -> np.ndarray:
+    """Expands a 0/1/B-valued column to B values."""
+    count = len(values)
+    if count == 0:
+        return np.full(num_rows, default, dtype=dtype)
+    if count == 1:
+        return np.full(num_rows, values[0], dtype=dtype)
+    if count == num_rows:
+        return np.asarray(values, dtype=dtype)
+    raise InvalidArgument(field, f"got {count} values, expected 0, 1 or B={num_rows}")
+
+
+def _check(values: np.ndarray, ok: np.ndarray, field: str, expected: str) -> None:
+    """Rejects the first value where `ok` is false."""
+    if not bool(ok.all()):
+        raise InvalidArgument(field, f"got {values[int(np.argmin(ok))].item()}, expected {expected}")
+
+
+def _token_entries(lists: pb.TokenLists, field: str, num_rows: int, vocab_size: int) -> TokenEntries | None:
+    """Per-row token lists in coordinate form, or None when the message is empty."""
+    ids = np.asarray(lists.ids, dtype=np.int64)
+    lengths = np.asarray(lists.lengths, dtype=np.int64)
+    if len(lengths) == 0:
+        if len(ids):
+            raise InvalidArgument(f"{field}.lengths", f"got 0 values for {len(ids)} ids, expected 1 or B={num_rows}")
+        return None
+    if len(lengths) not in (1, num_rows):
+        raise InvalidArgument(f"{field}.lengths", f"got {len(lengths)} values, expected 1 or B={num_rows}")
+    if int(lengths.sum()) != len(ids):
+        raise InvalidArgument(f"{field}.lengths", f"sum is {int(lengths.sum())}, expected len(ids)={len(ids)}")
+    _check(ids, (ids >= 0) & (ids < vocab_size), f"{field}.ids", f"token ids in [0, V={vocab_size})")
+    if len(lengths) == 1:  # one list shared by every row
+        rows = np.repeat(np.arange(num_rows, dtype=np.int64), len(ids))
+        ids = np.tile(ids, num_rows)
+    else:
+        rows = np.repeat(np.arange(num_rows, dtype=np.int64), lengths)
+    return TokenEntries(rows=torch.from_numpy(rows), tokens=torch.from_numpy(ids))
+
+
+def _penalty(values: Sequence[float], field: str, num_rows: int, default: float) -> torch.Tensor | None:
+    if len(values) == 0:
+        return None
+    column = _column(values, field, num_rows, default, np.float32)
+    _check(column, np.isfinite(column), field, "a finite number")
+    return torch.from_numpy(column)
+
+
+def _processing(params: pb.SamplingParams, num_rows: int, vocab_size: int) -> LogitProcessing | None:
+    allowed = _token_entries(params.allowed_token_ids, "params.allowed_token_ids", num_rows, vocab_size)
+    banned = _token_entries(params.banned_token_ids, "params.banned_token_ids", num_rows, vocab_size)
+    bias = _token_entries(params.logit_bias.tokens, "params.logit_bias.tokens", num_rows, vocab_size)
+    bias_values = None
+    num_bias_ids = len(params.logit_bias.tokens.ids)
+    if len(params.logit_bias.values) != num_bias_ids:
+        raise InvalidArgument(
+            "params.logit_bias.values", f"got {len(params.logit_bias.values)} values, expected one per id ({num_bias_ids})"
+        )
+    if bias is not None:
+        values = np.asarray(params.logit_bias.values, dtype=np.float32)
+        _check(values, np.isfinite(values), "params.logit_bias.values", "finite numbers")
+        if len(params.logit_bias.tokens.lengths) == 1:
+            values = np.tile(values, num_rows)
+        bias_values = torch.from_numpy(values)
+    output_tokens = _token_entries(params.output_token_ids, "params.output_token_ids", num_rows, vocab_size)
+    prompt_tokens = _token_entries(params.prompt_token_ids, "params.prompt_token_ids", num_rows, vocab_size)
+    repetition = _penalty(params.repetition_penalty, "params.repetition_penalty", num_rows, 1.0)
+    if repetition is not None:
+        _check(repetition.numpy(), repetition.numpy() > 0, "params.repetition_penalty", "r > 0")
+    presence = _penalty(params.presence_penalty, "params.presence_penalty", num_rows, 0.0)
+    frequency = _penalty(params.frequency_penalty, "params.frequency_penalty", num_rows, 0.0)
+    if allowed is None and banned is None and bias is None and output_tokens is None and prompt_tokens is None:
+        return None  # penalties without a history change nothing
+    return LogitProcessing(
+        allowed=allowed,
+        banned=banned,
+        bias=bias,
+        bias_values=bias_values,
+        output_tokens=output_tokens,
+        prompt_tokens=prompt_tokens,
+        repetition_penalty=repetition,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+    )
+
+
+def _seeds(params: pb.SamplingParams, num_rows: int, seed_source: SeedSource) -> np.ndarray:
+    """uint64 seed per row: given ones, and fresh ones where the request gave none."""
+    if len(params.seed) == 0:
+        if len(params.has_seed):
+            raise InvalidArgument("params.has_seed", "given without params.seed; expected seeds alongside")
+        return seed_source(num_rows)
+    seeds = _column(params.seed, "params.seed", num_rows, 0, np.uint64)
+    if len(params.has_seed) == 0:
+        return seeds
+    if len(params.has_seed) != num_rows:
+        raise InvalidArgument("params.has_seed", f"got {len(params.has_seed)} values, expected 0 or B={num_rows}")
+    has_seed = np.asarray(params.has_seed, dtype=bool)
+    missing = ~has_seed
+    if missing.any():
+        seeds[missing] = seed_source(int(missing.sum()))
+    return seeds
+
+
+def validate_sample_request(
+    request: pb.SampleRequest, limits: Limits, seed_source: SeedSource = random_seeds
+) -> tuple[SamplingBatch, np.ndarray]:
+    """Checks a SampleRequest and returns the batch to sample with the uint64 seed of each row."""
+    if request.WhichOneof("input") != "logits":
+        raise InvalidArgument("input", "not set; expected logits")
+    if request.logits.dtype not in LOGITS_DTYPES:
+        names = ", ".join(dtype_name(d) for d in LOGITS_DTYPES)
+        raise InvalidArgument("logits.dtype", f"got {request.logits.dtype}, expected one of {names}")
+    if len(request.logits.shape) != 2:
+        raise InvalidArgument("logits.shape", f"got {list(request.logits.shape)}, expected [B, V]")
+    num_rows, vocab_size = request.logits.shape
+    if num_rows < 1 or vocab_size < 1:
+        raise InvalidArgument("logits.shape", f"got {[num_rows, vocab_size]}, expected B >= 1 and V >= 1")
+    if num_rows > limits.max_batch_rows:
+        raise InvalidArgument(
+            "logits.shape", f"got B={num_rows} rows, expected at most {limits.max_batch_rows} (--max-batch-rows)"
+        )
+    try:
+        logits = decode_tensor(request.logits, "logits")
+    except TensorDecodeError as err:
+        raise InvalidArgument(err.field, str(err).removeprefix(f"{err.field}: ")) from None
+
+    params = request.params
+    temperature = _column(params.temperature, "params.temperature", num_rows, 1.0, np.float32)
+    _check(temperature, np.isfinite(temperature) & (temperature >= 0), "params.temperature", "T >= 0 and finite")
+    top_k = _column(params.top_k, "params.top_k", num_rows, 0, np.int64)
+    _check(top_k, top_k >= -1, "params.top_k", "k >= -1 (0 or -1 disables)")
+    top_k = np.where((top_k < 0) | (top_k >= vocab_size), 0, top_k).astype(np.int32)
+    top_p = _column(params.top_p, "params.top_p", num_rows, 1.0, np.float32)
+    _check(top_p, (top_p > 0) & (top_p <= 1), "params.top_p", "0 < p <= 1")
+    min_p = _column(params.min_p, "params.min_p", num_rows, 0.0, np.float32)
+    _check(min_p, (min_p >= 0) & (min_p < 1), "params.min_p", "0 <= min_p < 1")
+    position = _column(params.position, "params.position", num_rows, 0, np.int64)
+    iteration = _column(params.iteration, "params.iteration", num_rows, 0, np.int64)
+
+    num_samples = request.num_samples if request.HasField("num_samples") else 1
+    if not 1 <= num_samples <= limits.max_num_samples:
+        raise InvalidArgument("num_samples", f"got {num_samples}, expected 1 <= n <= {limits.max_num_samples}")
+    if request.top_logprobs > limits.max_top_logprobs:
+        raise InvalidArgument(
+            "top_logprobs", f"got {request.top_logprobs}, expected at most {limits.max_top_logprobs}"
+        )
+    if request.logprobs_mode not in (
+        pb.LOGPROBS_MODE_UNSPECIFIED,
+        pb.LOGPROBS_MODE_RAW,
+        pb.LOGPROBS_MODE_PROCESSED,
+    ):
+        raise InvalidArgument("logprobs_mode", f"got {request.logprobs_mode}, expected RAW or PROCESSED")
+    mode = LogprobsMode.PROCESSED if request.logprobs_mode == pb.LOGPROBS_MODE_PROCESSED else LogprobsMode.RAW
+
+    processing = _processing(params, num_rows, vocab_size)
+    seeds = _seeds(params, num_rows, seed_source)
+    batch = SamplingBatch(
+        logits=logits,
+        temperature=torch.from_numpy(temperature),
+        top_k=torch.from_numpy(top_k),
+        top_p=torch.from_numpy(top_p),
+        min_p=torch.from_numpy(min_p),
+        seed=torch.from_numpy(seeds.view(np.int64)),
+        position=torch.from_numpy(position),
+        iteration=torch.from_numpy(iteration),
+        num_samples=num_samples,
+        processing=processing,
+        return_logprobs=request.return_logprobs,
+        logprobs_mode=mode,
+        top_logprobs=request.top_logprobs,
+    )
+    return batch, seeds

@@ -1,0 +1,76 @@
+"""Shared fixtures; the `server` fixture starts a real tokensampler-server subprocess."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+_SERVING = re.compile(r"tokensampler serving on .*:(\d+)$")
+
+
+@dataclass
+class RunningServer:
+    process: subprocess.Popen
+    port: int
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        return self.process.wait(timeout=timeout)
+
+
+def start_server(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0) -> RunningServer:
+    """Starts `tokensampler-server --port 0 ARGS` and waits for the line that names its port."""
+    command = [sys.executable, "-m", "tokensampler_server", "--host", "127.0.0.1", "--port", "0", *args]
+    process = subprocess.Popen(
+        command,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    log: list[str] = []
+    port: list[int] = []
+    ready = threading.Event()
+
+    def pump() -> None:  # keeps the pipe drained for the server's whole life
+        for line in process.stderr:
+            log.append(line.rstrip())
+            match = _SERVING.search(line.rstrip())
+            if match and not port:
+                port.append(int(match.group(1)))
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not ready.wait(0.1):
+        if time.monotonic() > deadline:
+            process.kill()
+            raise TimeoutError("tokensampler-server did not start:\n" + "\n".join(log))
+    if not port:
+        process.wait(timeout=10)
+        raise RuntimeError(f"tokensampler-server exited with {process.returncode}:\n" + "\n".join(log))
+    return RunningServer(process=process, port=port[0], log=log)
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[RunningServer]:
+    """One CPU server for the whole session (the tests that stop a server start their own)."""
+    running = start_server("--device", "cpu")
+    yield running
+    running.stop()
