@@ -45,7 +45,7 @@ def _extend(name: str, field: Any, values: Any) -> None:
         raise type(err)(f"{name}: {err}") from None
 
 
-def _column(name: str, value: Column, batch: int) -> list[Any] | Sequence[Any]:
+def _column(name: str, value: Column, batch: int) -> Sequence[Any]:
     """The values to send for a numeric parameter: [value] for a scalar, B values for a sequence."""
     if _is_array(value):
         if value.ndim == 0:
@@ -76,6 +76,7 @@ def _set_scalar(message: Any, name: str, value: Any) -> None:
 
 
 def _set_column(params: pb.SamplingParams, name: str, value: Column, batch: int) -> None:
+    """Fills the repeated field `name` of `params` with 0, 1 or B values."""
     if value is not None:
         _extend(name, getattr(params, name), _column(name, value, batch))
 
