@@ -1,0 +1,153 @@
+"""Property-based fuzzing of well-typed but hostile Sample requests against a real server.
+
+Every answer must be OK (and then well-formed) or INVALID_ARGUMENT naming a request field; never
+INTERNAL or any other status, and the server must keep serving afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
+
+from .conftest import RunningServer
+
+ITEMSIZE = {pb.DTYPE_FLOAT32: 4, pb.DTYPE_BFLOAT16: 2, pb.DTYPE_FLOAT16: 2, pb.DTYPE_INT32: 4, pb.DTYPE_INT64: 8}
+FIELD_PREFIXES = ("input", "logits.", "params.", "num_samples", "top_logprobs", "logprobs_mode")
+
+hostile_floats = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True, width=32),
+    st.sampled_from([0.0, -0.0, 1.0, -1.0, 1e-45, 3.4e38, -3.4e38, 0.5, 0.999999]),
+)
+hostile_ints = st.one_of(st.integers(-(2**31), 2**31 - 1), st.sampled_from([-2, -1, 0, 1, 2, 50]))
+
+
+def mostly(valid: st.SearchStrategy, hostile: st.SearchStrategy) -> st.SearchStrategy:
+    """Valid values four times in five."""
+    return st.one_of(valid, valid, valid, valid, hostile)
+
+
+# Valid values only: about half the requests are valid, so the sampling path is fuzzed too.
+VALID_VALUES = {
+    "temperature": st.floats(0, 3, width=32),
+    "top_k": st.integers(-1, 40),
+    "top_p": st.floats(0.125, 1, width=32),
+    "min_p": st.floats(0, 0.875, width=32),
+    "seed": st.integers(0, 2**64 - 1),
+    "position": st.integers(0, 2**32 - 1),
+    "iteration": st.integers(0, 2**32 - 1),
+    "repetition_penalty": st.floats(0.25, 3, width=32),
+    "presence_penalty": st.floats(-2, 2, width=32),
+    "frequency_penalty": st.floats(-2, 2, width=32),
+}
+HOSTILE_VALUES = {
+    "temperature": mostly(st.floats(0, 3, width=32), hostile_floats),
+    "top_k": mostly(st.integers(-1, 40), hostile_ints),
+    "top_p": mostly(st.floats(0.125, 1, width=32), hostile_floats),
+    "min_p": mostly(st.floats(0, 0.875, width=32), hostile_floats),
+    "seed": st.integers(0, 2**64 - 1),
+    "position": st.integers(0, 2**32 - 1),
+    "iteration": st.integers(0, 2**32 - 1),
+    "repetition_penalty": mostly(st.floats(0.25, 3, width=32), hostile_floats),
+    "presence_penalty": mostly(st.floats(-2, 2, width=32), hostile_floats),
+    "frequency_penalty": mostly(st.floats(-2, 2, width=32), hostile_floats),
+}
+
+
+@st.composite
+def token_lists(draw, rows: int, vocab: int, hostile: bool) -> pb.TokenLists:
+    count = draw(st.sampled_from([0, 1, rows, rows + 1] if hostile else [0, 1, rows]))
+    lengths = draw(st.lists(st.integers(0, 4), min_size=count, max_size=count))
+    total = sum(lengths) + (draw(st.sampled_from([0, 0, 1])) if hostile else 0)  # one id too many
+    valid_ids = st.integers(0, max(vocab - 1, 0))
+    ids = draw(st.lists(mostly(valid_ids, st.integers(-2, vocab + 2)) if hostile else valid_ids, min_size=total, max_size=total))
+    return pb.TokenLists(ids=ids, lengths=lengths)
+
+
+@st.composite
+def logits_tensor(draw, out: pb.Tensor) -> tuple[int, int]:
+    """Fills `out`, valid four times in five; returns (rows, vocab)."""
+    rows = draw(st.sampled_from([1, 2, 3, 5]))
+    vocab = draw(st.sampled_from([1, 2, 7, 33]))
+    dtype = draw(st.sampled_from([pb.DTYPE_FLOAT32, pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT16]))
+    shape = [rows, vocab]
+    size_error = 0
+    if draw(st.integers(0, 4)) == 0:
+        shape = draw(st.sampled_from([[rows], [rows, vocab, 2], [-1, vocab], [0, vocab], [rows, 0], [rows, vocab]]))
+        dtype = draw(st.sampled_from([dtype, pb.DTYPE_INT32, pb.DTYPE_INT64, 0, 42]))
+        size_error = draw(st.sampled_from([0, -1, 1]))
+    size = math.prod(max(d, 0) for d in shape) * ITEMSIZE.get(dtype, 4) + size_error
+    # Random bit patterns, sometimes with NaN, +inf or -inf halves written in.
+    values = np.random.default_rng(draw(st.integers(0, 99))).standard_normal(max(size, 0) // 2 + 1).astype(np.float16)
+    special = draw(st.sampled_from([None, None, np.nan, np.inf, -np.inf]))
+    if special is not None:
+        values[:: draw(st.sampled_from([1, 3]))] = special
+    out.dtype = dtype
+    out.shape[:] = shape
+    out.data = values.tobytes()[: max(size, 0)]
+    return rows, vocab
+
+
+@st.composite
+def sample_requests(draw) -> pb.SampleRequest:
+    request = pb.SampleRequest()
+    rows, vocab = draw(logits_tensor(request.logits))
+    hostile = draw(st.integers(0, 9)) < 3
+    params = request.params
+    for name, values in (HOSTILE_VALUES if hostile else VALID_VALUES).items():
+        count = draw(st.sampled_from([0, 0, 1, rows, rows + 1] if hostile else [0, 1, rows]))
+        getattr(params, name).extend(draw(st.lists(values, min_size=count, max_size=count)))
+    if draw(st.booleans()) and len(params.seed):
+        has_seed_count = draw(st.sampled_from([rows, rows + 1])) if hostile else rows
+        params.has_seed.extend(draw(st.lists(st.booleans(), min_size=has_seed_count, max_size=has_seed_count)))
+    for name in ("allowed_token_ids", "banned_token_ids", "output_token_ids", "prompt_token_ids"):
+        if draw(st.booleans()):
+            getattr(params, name).CopyFrom(draw(token_lists(rows, vocab, hostile)))
+    if draw(st.booleans()):
+        params.logit_bias.tokens.CopyFrom(draw(token_lists(rows, vocab, hostile)))
+        count = len(params.logit_bias.tokens.ids) + (draw(st.sampled_from([0, 0, 1])) if hostile else 0)
+        bias = mostly(st.floats(-5, 5, width=32), hostile_floats) if hostile else st.floats(-5, 5, width=32)
+        params.logit_bias.values.extend(draw(st.lists(bias, min_size=count, max_size=count)))
+    if draw(st.booleans()):
+        request.num_samples = draw(st.sampled_from([1, 2, 3, 0, 65, 2**32 - 1] if hostile else [1, 2, 3]))
+    request.return_logprobs = draw(st.booleans())
+    request.logprobs_mode = draw(st.sampled_from([0, 1, 2, 3] if hostile else [0, 1, 2]))
+    request.top_logprobs = draw(st.sampled_from([0, 1, 3, 64, 65, 2**32 - 1] if hostile else [0, 1, 3, 64]))
+    return request
+
+
+@pytest.fixture(scope="module")
+def stub(server: RunningServer):
+    with grpc.insecure_channel(server.target) as channel:
+        yield pb_grpc.SamplerStub(channel)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(request=sample_requests())
+def test_hostile_requests_get_ok_or_invalid_argument(stub: pb_grpc.SamplerStub, request: pb.SampleRequest) -> None:
+    try:
+        response = stub.Sample(request, timeout=30)
+    except grpc.RpcError as err:
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.code(), err.details())
+        assert err.details().startswith(FIELD_PREFIXES), err.details()
+        event(f"rejected: {err.details().split(':')[0]}")
+        return
+    event("sampled")
+    rows = request.logits.shape[0]
+    samples = request.num_samples if request.HasField("num_samples") else 1
+    assert list(response.tokens.shape) == [rows, samples]
+    assert len(response.valid) == len(response.seeds) == rows
+
+
+def test_server_still_serves_after_fuzzing(stub: pb_grpc.SamplerStub) -> None:
+    request = pb.SampleRequest()
+    request.logits.dtype = pb.DTYPE_FLOAT32
+    request.logits.shape[:] = [1, 4]
+    request.logits.data = np.zeros(4, dtype=np.float32).tobytes()
+    assert list(stub.Sample(request, timeout=30).valid) == [True]
