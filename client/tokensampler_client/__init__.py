@@ -10,6 +10,7 @@ from importlib import metadata as _metadata
 
 from ._retry import Backoff
 from .aio import AsyncSamplerClient
+from .batching import AsyncBatchingClient, BatchingClient
 from .client import SamplerClient
 from .errors import TokenSamplerError
 from .result import SampleResult, Timings
@@ -20,7 +21,9 @@ except _metadata.PackageNotFoundError:  # running from a source tree that is not
     __version__ = "0+unknown"
 
 __all__ = [
+    "AsyncBatchingClient",
     "AsyncSamplerClient",
+    "BatchingClient",
     "Backoff",
     "SampleResult",
     "SamplerClient",

@@ -146,6 +146,12 @@ class SamplerClient:
             logprobs_mode=logprobs_mode,
             top_logprobs=top_logprobs,
         )
+        return self.sample_request(request, timeout=timeout, request_id=request_id)
+
+    def sample_request(
+        self, request: pb.SampleRequest, *, timeout: float | None = None, request_id: str | None = None
+    ) -> SampleResult:
+        """Sends a SampleRequest built ahead of time (params.build_sample_request) and decodes the answer."""
         response = self._call(self._stub.Sample, request, timeout, request_id)
         return SampleResult.from_response(response)
 

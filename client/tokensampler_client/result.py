@@ -68,3 +68,20 @@ class SampleResult:
             timings=Timings(timings.queue_ns, timings.compute_ns, timings.total_ns),
             request_id=response.request_id,
         )
+
+    def rows(self, start: int, stop: int) -> SampleResult:
+        """The result of rows start..stop-1 alone (batch invariance makes it their own result)."""
+        def part(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor[start:stop]
+
+        return SampleResult(
+            tokens=self.tokens[start:stop],
+            seeds=self.seeds[start:stop],
+            logprobs=part(self.logprobs),
+            top_logprob_ids=part(self.top_logprob_ids),
+            top_logprobs=part(self.top_logprobs),
+            valid=self.valid[start:stop],
+            nan_detected=self.nan_detected[start:stop],
+            timings=self.timings,
+            request_id=self.request_id,
+        )

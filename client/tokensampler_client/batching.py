@@ -1,0 +1,239 @@
+"""Client-side batching: concurrent sample() calls coalesced into one Sample RPC.
+
+A call waits at most `max_delay_us` for company; a batch closes at `max_rows` rows. Calls that can
+share a request (merge.merge_key) go out together and each gets exactly its own rows back (batch
+invariance makes them the rows it would have got alone). When a merged call is rejected with
+INVALID_ARGUMENT, its requests are re-sent one by one, so the error reaches only the callers whose
+rows were bad; any other error reaches every caller of that batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from ._proto import sampler_pb2 as pb
+from .aio import AsyncSamplerClient
+from .client import SamplerClient
+from .errors import TokenSamplerError
+from .merge import merge_key, merge_requests, num_rows
+from .params import build_sample_request
+from .result import SampleResult
+
+
+@dataclass
+class _Call:
+    request: pb.SampleRequest
+    future: Any  # concurrent.futures.Future or asyncio.Future
+    rows: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rows = num_rows(self.request)
+
+
+def _batches(calls: Sequence[_Call], max_rows: int) -> Iterator[list[_Call]]:
+    """Groups calls by merge key, in arrival order, each group cut at max_rows rows."""
+    groups: dict[Hashable, list[_Call]] = defaultdict(list)
+    for call in calls:
+        groups[merge_key(call.request)].append(call)
+    for group in groups.values():
+        batch: list[_Call] = []
+        rows = 0
+        for call in group:
+            if batch and rows + call.rows > max_rows:
+                yield batch
+                batch, rows = [], 0
+            batch.append(call)
+            rows += call.rows
+        yield batch
+
+
+def _merged_or_alone(batch: list[_Call]) -> tuple[pb.SampleRequest | None, list[_Call]]:
+    """The merged request of `batch`, or None with the calls that must go alone."""
+    if len(batch) == 1:
+        return batch[0].request, []
+    try:
+        return merge_requests([call.request for call in batch]), []
+    except ValueError:
+        return None, batch
+
+
+def _deliver(batch: list[_Call], result: SampleResult, set_result) -> None:
+    start = 0
+    for call in batch:
+        set_result(call.future, result.rows(start, start + call.rows))
+        start += call.rows
+
+
+class BatchingClient:
+    """Thread-safe wrapper of SamplerClient whose sample() calls from many threads share RPCs.
+
+    `BatchingClient(SamplerClient(target), max_rows=256, max_delay_us=500)`; sample() takes the
+    arguments of SamplerClient.sample (but no per-call timeout or request id: the batch uses the
+    wrapped client's deadline). Up to `max_in_flight` batches are in flight at once.
+    """
+
+    def __init__(
+        self, client: SamplerClient, *, max_rows: int = 256, max_delay_us: int = 500, max_in_flight: int = 4
+    ) -> None:
+        if max_rows < 1 or max_delay_us < 0 or max_in_flight < 1:
+            raise ValueError("max_rows and max_in_flight must be >= 1 and max_delay_us >= 0")
+        self._client = client
+        self._max_rows = max_rows
+        self._max_delay_s = max_delay_us / 1e6
+        self._pending: list[_Call] = []
+        self._pending_rows = 0
+        self._lock = threading.Condition()
+        self._closed = False
+        self._senders = concurrent.futures.ThreadPoolExecutor(max_in_flight, thread_name_prefix="tokensampler-batch")
+        self._collector = threading.Thread(target=self._collect, name="tokensampler-batcher", daemon=True)
+        self._collector.start()
+
+    def sample(self, logits: Any, **params: Any) -> SampleResult:
+        """Samples like SamplerClient.sample; blocks until this call's rows are back."""
+        call = _Call(build_sample_request(logits, **params), concurrent.futures.Future())
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("BatchingClient is closed")
+            self._pending.append(call)
+            self._pending_rows += call.rows
+            self._lock.notify()
+        return call.future.result()
+
+    def _collect(self) -> None:
+        while True:
+            with self._lock:
+                while not self._pending and not self._closed:
+                    self._lock.wait()
+                if not self._pending:
+                    return
+                deadline = time.monotonic() + self._max_delay_s
+                while self._pending_rows < self._max_rows and not self._closed:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._lock.wait(remaining)
+                calls, self._pending, self._pending_rows = self._pending, [], 0
+            for batch in _batches(calls, self._max_rows):
+                self._senders.submit(self._send, batch)
+
+    def _send(self, batch: list[_Call]) -> None:
+        request, alone = _merged_or_alone(batch)
+        if request is None:
+            for call in alone:
+                self._send([call])
+            return
+        try:
+            result = self._client.sample_request(request)
+        except TokenSamplerError as err:
+            if err.code == grpc.StatusCode.INVALID_ARGUMENT and len(batch) > 1:
+                for call in batch:
+                    self._send([call])
+            else:
+                for call in batch:
+                    call.future.set_exception(err)
+            return
+        except Exception as err:  # delivered to the callers, who re-raise it
+            for call in batch:
+                call.future.set_exception(err)
+            return
+        _deliver(batch, result, lambda future, value: future.set_result(value))
+
+    def close(self) -> None:
+        """Sends what is pending, waits for it, and stops; the wrapped client stays open."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        self._collector.join()
+        self._senders.shutdown(wait=True)
+
+    def __enter__(self) -> BatchingClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncBatchingClient:
+    """asyncio twin of BatchingClient around an AsyncSamplerClient; create it inside its event loop."""
+
+    def __init__(self, client: AsyncSamplerClient, *, max_rows: int = 256, max_delay_us: int = 500) -> None:
+        if max_rows < 1 or max_delay_us < 0:
+            raise ValueError("max_rows must be >= 1 and max_delay_us >= 0")
+        self._client = client
+        self._max_rows = max_rows
+        self._max_delay_s = max_delay_us / 1e6
+        self._pending: list[_Call] = []
+        self._pending_rows = 0
+        self._flush_handle: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def sample(self, logits: Any, **params: Any) -> SampleResult:
+        """Samples like AsyncSamplerClient.sample; returns when this call's rows are back."""
+        loop = asyncio.get_running_loop()
+        call = _Call(build_sample_request(logits, **params), loop.create_future())
+        self._pending.append(call)
+        self._pending_rows += call.rows
+        if self._pending_rows >= self._max_rows:
+            self._flush()
+        elif self._flush_handle is None:
+            self._flush_handle = loop.call_later(self._max_delay_s, self._flush)
+        return await call.future
+
+    def _flush(self) -> None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        calls, self._pending, self._pending_rows = self._pending, [], 0
+        for batch in _batches(calls, self._max_rows):
+            task = asyncio.ensure_future(self._send(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, batch: list[_Call]) -> None:
+        request, alone = _merged_or_alone(batch)
+        if request is None:
+            await asyncio.gather(*(self._send([call]) for call in alone))
+            return
+        try:
+            result = await self._client.sample_request(request)
+        except TokenSamplerError as err:
+            if err.code == grpc.StatusCode.INVALID_ARGUMENT and len(batch) > 1:
+                await asyncio.gather(*(self._send([call]) for call in batch))
+            else:
+                for call in batch:
+                    if not call.future.done():
+                        call.future.set_exception(err)
+            return
+        except Exception as err:  # delivered to the callers, who re-raise it
+            for call in batch:
+                if not call.future.done():
+                    call.future.set_exception(err)
+            return
+
+        def set_result(future: asyncio.Future, value: SampleResult) -> None:
+            if not future.done():  # a caller that was cancelled no longer wants its rows
+                future.set_result(value)
+
+        _deliver(batch, result, set_result)
+
+    async def close(self) -> None:
+        """Sends what is pending and waits for every batch in flight."""
+        if self._pending:
+            self._flush()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def __aenter__(self) -> AsyncBatchingClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

@@ -1,0 +1,107 @@
+"""Merges several SampleRequests into one, row blocks in order, for client-side batching.
+
+Batch invariance (docs/semantics.md) makes each row's answer independent of the rows around it, so
+the merged call gives every original request exactly the rows it would have got alone. Requests can
+merge when their `merge_key`s are equal (same logits dtype and V, same per-request options).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from ._proto import sampler_pb2 as pb
+
+# Per-row columns and the value a row gets when its request sent none (the server's defaults).
+COLUMN_DEFAULTS = {
+    "temperature": 1.0,
+    "top_k": 0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "position": 0,
+    "iteration": 0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+TOKEN_LIST_FIELDS = ("allowed_token_ids", "banned_token_ids", "output_token_ids", "prompt_token_ids")
+
+
+def num_rows(request: pb.SampleRequest) -> int:
+    return int(request.logits.shape[0])
+
+
+def merge_key(request: pb.SampleRequest) -> Hashable:
+    """Requests with equal keys can share one call."""
+    return (
+        request.logits.dtype,
+        tuple(request.logits.shape[1:]),
+        request.num_samples if request.HasField("num_samples") else 1,
+        request.return_logprobs,
+        request.logprobs_mode or pb.LOGPROBS_MODE_RAW,
+        request.top_logprobs,
+    )
+
+
+def _expand(values: Sequence, rows: int, default: object) -> list:
+    """A 0/1/B-valued column as B values; any other count is left for the server to reject alone."""
+    if len(values) == rows:
+        return list(values)
+    if len(values) > 1:
+        raise ValueError(f"a column of {len(values)} values for {rows} rows cannot be merged")
+    return [values[0] if len(values) == 1 else default] * rows
+
+
+def _expand_lists(lists: pb.TokenLists, rows: int, values: Sequence[float] = ()) -> tuple[list[int], list[int], list[float]]:
+    """Per-row (lengths, ids, values) of TokenLists with 0, 1 or B lengths; `values` run alongside ids."""
+    if len(lists.lengths) == 0:
+        return [0] * rows, [], []
+    if len(lists.lengths) == 1:
+        return list(lists.lengths) * rows, list(lists.ids) * rows, list(values) * rows
+    if len(lists.lengths) != rows:
+        raise ValueError(f"{len(lists.lengths)} token lists for {rows} rows cannot be merged")
+    return list(lists.lengths), list(lists.ids), list(values)
+
+
+def merge_requests(requests: Sequence[pb.SampleRequest]) -> pb.SampleRequest:
+    """One request whose rows are the rows of `requests`, in order. All must share a merge_key.
+
+    Raises ValueError for a request whose columns are malformed: it must be sent alone.
+    """
+    if len(requests) == 1:
+        return requests[0]
+    first = requests[0]
+    merged = pb.SampleRequest()
+    merged.logits.dtype = first.logits.dtype
+    merged.logits.shape[:] = [sum(num_rows(r) for r in requests), *first.logits.shape[1:]]
+    merged.logits.data = b"".join(r.logits.data for r in requests)
+    if first.HasField("num_samples"):
+        merged.num_samples = first.num_samples
+    merged.return_logprobs = first.return_logprobs
+    merged.logprobs_mode = first.logprobs_mode
+    merged.top_logprobs = first.top_logprobs
+
+    params = merged.params
+    for name, default in COLUMN_DEFAULTS.items():
+        if any(len(getattr(r.params, name)) for r in requests):
+            for r in requests:
+                getattr(params, name).extend(_expand(getattr(r.params, name), num_rows(r), default))
+    if any(len(r.params.seed) for r in requests):
+        for r in requests:
+            rows = num_rows(r)
+            params.seed.extend(_expand(r.params.seed, rows, 0))
+            has_seed = list(r.params.has_seed) if len(r.params.has_seed) else [len(r.params.seed) > 0] * rows
+            params.has_seed.extend(has_seed)
+    for name in TOKEN_LIST_FIELDS:
+        if any(len(getattr(r.params, name).lengths) for r in requests):
+            for r in requests:
+                lengths, ids, _ = _expand_lists(getattr(r.params, name), num_rows(r))
+                getattr(params, name).lengths.extend(lengths)
+                getattr(params, name).ids.extend(ids)
+    if any(len(r.params.logit_bias.tokens.lengths) for r in requests):
+        for r in requests:
+            bias = r.params.logit_bias
+            lengths, ids, values = _expand_lists(bias.tokens, num_rows(r), bias.values)
+            params.logit_bias.tokens.lengths.extend(lengths)
+            params.logit_bias.tokens.ids.extend(ids)
+            params.logit_bias.values.extend(values)
+    return merged

@@ -1,0 +1,135 @@
+"""Client-side batching against a real server: every caller gets exactly its own rows."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from tokensampler_client import AsyncBatchingClient, AsyncSamplerClient, BatchingClient, SamplerClient, TokenSamplerError
+from tokensampler_client.merge import merge_requests
+from tokensampler_client.params import build_sample_request
+
+from .conftest import RunningServer
+
+VOCAB = 256
+
+
+def random_call(rng: random.Random) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Logits and parameters of one caller: 1 to 4 rows, parameters shared, per row or absent."""
+    rows = rng.randint(1, 4)
+    logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+    params: dict[str, Any] = {"seed": [rng.randrange(2**64) for _ in range(rows)]}
+    if rng.random() < 0.5:
+        params["top_k"] = rng.choice([0, 5, 40])
+    if rng.random() < 0.5:
+        params["temperature"] = [rng.choice([0.0, 0.7, 1.3]) for _ in range(rows)]
+    if rng.random() < 0.3:
+        params["top_p"] = 0.8
+    if rng.random() < 0.3:
+        params["banned_token_ids"] = [rng.randrange(VOCAB) for _ in range(3)]
+    if rng.random() < 0.3:
+        params["logit_bias"] = [{rng.randrange(VOCAB): 2.0} for _ in range(rows)]
+    if rng.random() < 0.3:
+        params["output_token_ids"] = [[rng.randrange(VOCAB)] * rng.randint(0, 3) for _ in range(rows)]
+        params["repetition_penalty"] = 1.2
+    if rng.random() < 0.2:
+        params["seed"][0] = None  # the server draws this row's seed
+    return logits, params
+
+
+def test_merged_request_carries_every_row(server: RunningServer) -> None:
+    rng = random.Random(0)
+    calls = [random_call(rng) for _ in range(6)]
+    for _, params in calls:
+        params["seed"] = [s if s is not None else 1 for s in params["seed"]]
+    requests = [build_sample_request(logits, **params) for logits, params in calls]
+    with SamplerClient(server.target, timeout=60) as client:
+        merged = client.sample_request(merge_requests(requests))
+        start = 0
+        for request in requests:
+            alone = client.sample_request(request)
+            rows = alone.tokens.shape[0]
+            assert torch.equal(merged.tokens[start : start + rows], alone.tokens)
+            assert merged.seeds[start : start + rows] == alone.seeds
+            start += rows
+
+
+def test_sixteen_threads_each_get_their_own_rows(server: RunningServer) -> None:
+    rng = random.Random(1)
+    calls = [[random_call(rng) for _ in range(25)] for _ in range(16)]
+    for thread_calls in calls:
+        for _, params in thread_calls:
+            params["seed"] = [s if s is not None else 3 for s in params["seed"]]
+    results: dict[tuple[int, int], Any] = {}
+    with SamplerClient(server.target, timeout=60) as client, BatchingClient(client, max_rows=64, max_delay_us=2000) as batcher:
+
+        def worker(thread: int) -> None:
+            for index, (logits, params) in enumerate(calls[thread]):
+                results[thread, index] = batcher.sample(logits, **params)
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for (thread, index), result in results.items():
+            logits, params = calls[thread][index]
+            alone = client.sample(logits, **params)
+            assert torch.equal(result.tokens, alone.tokens), (thread, index)
+            assert result.seeds == alone.seeds
+    assert len(results) == 16 * 25
+    # Batching happened: calls in one batch share the server's request id.
+    assert len({result.request_id for result in results.values()}) < len(results)
+
+
+def test_errors_go_only_to_the_callers_whose_rows_were_bad(server: RunningServer) -> None:
+    outcomes: dict[int, Any] = {}
+    with SamplerClient(server.target, timeout=60) as client, BatchingClient(client, max_delay_us=200_000) as batcher:
+
+        def worker(index: int) -> None:
+            try:
+                top_p = 0.0 if index == 3 else 0.9  # caller 3 sends an invalid top_p
+                outcomes[index] = batcher.sample(torch.randn(2, VOCAB), top_p=top_p, seed=index)
+            except TokenSamplerError as err:
+                outcomes[index] = err
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert isinstance(outcomes[3], TokenSamplerError) and outcomes[3].code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "params.top_p" in outcomes[3].details
+    assert all(outcomes[i].tokens.shape == (2, 1) for i in range(8) if i != 3)
+
+
+def test_async_batching_client(server: RunningServer) -> None:
+    rng = random.Random(2)
+    calls = [random_call(rng) for _ in range(40)]
+    for _, params in calls:
+        params["seed"] = [s if s is not None else 5 for s in params["seed"]]
+
+    async def run() -> tuple[list, list]:
+        async with AsyncSamplerClient(server.target, timeout=60) as client:
+            async with AsyncBatchingClient(client, max_rows=32, max_delay_us=5000) as batcher:
+                batched = await asyncio.gather(*(batcher.sample(logits, **params) for logits, params in calls))
+            alone = [await client.sample(logits, **params) for logits, params in calls]
+        return batched, alone
+
+    batched, alone = asyncio.run(run())
+    for b, a in zip(batched, alone):
+        assert torch.equal(b.tokens, a.tokens)
+    assert len({result.request_id for result in batched}) < len(batched)
+
+
+def test_closed_batching_client_refuses_calls(server: RunningServer) -> None:
+    with SamplerClient(server.target, timeout=60) as client:
+        batcher = BatchingClient(client)
+        batcher.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            batcher.sample(torch.zeros(1, 4))
