@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 
 from .config import Limits, ServerConfig
+from .logs import LOG_FORMATS, configure_logging
 
 _MIB = 1024 * 1024
 
@@ -51,13 +51,36 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         help="do not serve gRPC server reflection [TOKENSAMPLER_NO_REFLECTION]",
     )
     parser.add_argument(
+        "--max-connection-age-s", type=float,
+        default=float(_env("MAX_CONNECTION_AGE_S", str(defaults.max_connection_age_s))),
+        help="close each client connection after this many seconds, 0 never: clients balancing over DNS "
+        "(round_robin) then reconnect and find new replicas [TOKENSAMPLER_MAX_CONNECTION_AGE_S]",
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, default=int(_env("METRICS_PORT", str(defaults.metrics_port))),
+        help="port of the Prometheus endpoint http://HOST:PORT/metrics; 0 lets the OS choose "
+        "(the log line 'metrics on' names it) [TOKENSAMPLER_METRICS_PORT]",
+    )
+    parser.add_argument(
+        "--no-metrics", action="store_true", default=_env("NO_METRICS", "") not in ("", "0"),
+        help="do not serve Prometheus metrics [TOKENSAMPLER_NO_METRICS]",
+    )
+    parser.add_argument(
         "--log-level", default=_env("LOG_LEVEL", defaults.log_level), choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        type=str.upper, help="log verbosity [TOKENSAMPLER_LOG_LEVEL]",
+        type=str.upper, help="log verbosity; DEBUG adds one line per request [TOKENSAMPLER_LOG_LEVEL]",
+    )
+    parser.add_argument(
+        "--log-format", default=_env("LOG_FORMAT", defaults.log_format), choices=LOG_FORMATS, type=str.lower,
+        help="text, or json for one JSON object per line [TOKENSAMPLER_LOG_FORMAT]",
     )
     args = parser.parse_args(argv)
     for name in ("max_message_mb", "max_batch_rows"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 <= args.metrics_port <= 65535:
+        parser.error("--metrics-port must be in 0..65535")
+    if args.max_connection_age_s < 0:
+        parser.error("--max-connection-age-s must be at least 0")
     return ServerConfig(
         host=args.host,
         port=args.port,
@@ -66,14 +89,15 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         log_level=args.log_level,
         grace_period_s=args.grace_period_s,
         reflection=not args.no_reflection,
+        max_connection_age_s=args.max_connection_age_s,
+        metrics_port=None if args.no_metrics else args.metrics_port,
+        log_format=args.log_format,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
-    logging.basicConfig(
-        level=config.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(config.log_level, config.log_format)
     from .server import serve  # after logging is set up: importing torch and grpc can log
 
     asyncio.run(serve(config))

@@ -26,3 +26,9 @@ class ServerConfig:
     grace_period_s: float = 10.0
     """How long in-flight requests may run on after SIGTERM/SIGINT."""
     reflection: bool = True
+    max_connection_age_s: float = 0.0
+    """Connections close after this long (0: never), so that DNS round-robin clients see new replicas."""
+    metrics_port: int | None = 9400
+    """Port of the Prometheus /metrics endpoint on `host`: 0 lets the OS choose, None turns metrics off."""
+    log_format: str = "text"
+    """"text" or "json" (one JSON object per line)."""

@@ -19,6 +19,7 @@ from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 from .backends import create_backend
 from .config import ServerConfig
 from .interceptor import ErrorInterceptor
+from .metrics import ServerMetrics, start_metrics_http
 from .service import SamplerService
 
 log = logging.getLogger(__name__)
@@ -26,11 +27,19 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Sampler"].full_name
 
 
-def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
+def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
+    options = [
+        ("grpc.max_receive_message_length", config.limits.max_message_bytes),
+        ("grpc.max_send_message_length", config.limits.max_message_bytes),
     ]
+    if config.max_connection_age_s > 0:
+        # Clients that balance over DNS results re-resolve when a connection closes: closing each one
+        # after a while lets them find replicas that started since. Calls in flight get the grace period.
+        options += [
+            ("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),
+            ("grpc.max_connection_age_grace_ms", int(config.grace_period_s * 1000)),
+        ]
+    return options
 
 
 async def serve(config: ServerConfig) -> None:
@@ -38,10 +47,12 @@ async def serve(config: ServerConfig) -> None:
     info = backend.info()
     log.info("backend %s on %s", info.name, info.device)
 
+    metrics = ServerMetrics(info)
     server = grpc.aio.server(
-        interceptors=[ErrorInterceptor()], options=grpc_options(config.limits.max_message_bytes)
+        interceptors=[ErrorInterceptor(metrics)], options=grpc_options(config)
     )
     sampler = SamplerService(backend, config.limits)
+    metrics.queue_depth.set_function(lambda: sampler.queue_depth)
     pb_grpc.add_SamplerServicer_to_server(sampler, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -53,11 +64,14 @@ async def serve(config: ServerConfig) -> None:
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         raise RuntimeError(f"could not listen on {config.host}:{config.port}")
+    metrics_http = None
+    if config.metrics_port is not None:  # before the serving line: whoever waits for it finds the metrics port too
+        metrics_http = start_metrics_http(metrics, config.host, config.metrics_port)
     await server.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     # Tests and scripts wait for this line to learn the port (with --port 0 the OS picks it).
-    log.info("tokensampler serving on %s:%d", config.host, port)
+    log.info("tokensampler serving on %s:%d", config.host, port, extra={"host": config.host, "port": port})
 
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -69,4 +83,7 @@ async def serve(config: ServerConfig) -> None:
     await health_servicer.enter_graceful_shutdown()
     await server.stop(config.grace_period_s)
     sampler.close()
+    if metrics_http is not None:  # last: Prometheus can scrape the drain
+        metrics_http.shutdown()
+        metrics_http.server_close()
     log.info("stopped")

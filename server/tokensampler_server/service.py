@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,8 +16,8 @@ from tokensampler_client.tensors import encode_tensor
 
 from . import __version__
 from .backends import Backend
+from .call_record import current_call
 from .config import Limits
-from .request_context import current_request_id
 from .sampling import SamplingBatch, SamplingResult
 from .validation import LOGITS_DTYPES, validate_sample_request
 
@@ -40,7 +41,7 @@ def encode_result(result: SamplingResult, seeds: np.ndarray) -> pb.SampleRespons
 
 
 class SamplerService(pb_grpc.SamplerServicer):
-    """Serves tokensampler.v1.Sampler with one backend.
+    """Serves tokensampler.v1.Sampler with one backend, under ErrorInterceptor (which opens each call's record).
 
     Batches run one at a time on a single worker thread, so the event loop keeps accepting and
     validating requests while the backend computes.
@@ -50,26 +51,48 @@ class SamplerService(pb_grpc.SamplerServicer):
         self._backend = backend
         self._limits = limits
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokensampler-backend")
+        # Each counter is written by one thread only (the event loop, or the worker), so no lock is needed.
+        self._submitted = 0
+        self._dropped = 0  # cancelled before the worker started them
+        self._started = 0
+
+    @property
+    def queue_depth(self) -> int:
+        """Validated batches waiting for the worker."""
+        return self._submitted - self._dropped - self._started
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
 
     def _run_backend(self, batch: SamplingBatch) -> tuple[SamplingResult, int, int]:
+        self._started += 1
         started = time.perf_counter_ns()
         result = self._backend.sample(batch)
         return result, started, time.perf_counter_ns()
 
     async def Sample(self, request: pb.SampleRequest, context: grpc.aio.ServicerContext) -> pb.SampleResponse:
+        call = current_call.get()
         arrived = time.perf_counter_ns()
         batch, seeds = validate_sample_request(request, self._limits)
         submitted = time.perf_counter_ns()
-        loop = asyncio.get_running_loop()
-        result, started, finished = await loop.run_in_executor(self._worker, self._run_backend, batch)
+        call.batch, call.decode_ns = batch, submitted - arrived
+        self._submitted += 1
+        # The backend runs in this call's context, so what it logs carries the request id.
+        job = self._worker.submit(contextvars.copy_context().run, self._run_backend, batch)
+        try:
+            result, started, finished = await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            if job.cancel():  # still queued: the worker will never start it
+                self._dropped += 1
+            raise
+        call.queue_ns, call.compute_ns = started - submitted, finished - started
         response = encode_result(result, seeds)
-        response.request_id = current_request_id.get()
-        response.timings.queue_ns = started - submitted
-        response.timings.compute_ns = finished - started
-        response.timings.total_ns = time.perf_counter_ns() - arrived
+        response.request_id = call.request_id
+        response.timings.queue_ns = call.queue_ns
+        response.timings.compute_ns = call.compute_ns
+        encoded = time.perf_counter_ns()
+        call.encode_ns = encoded - finished
+        response.timings.total_ns = encoded - arrived
         return response
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext) -> pb.ServerInfo:

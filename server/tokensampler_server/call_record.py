@@ -1,0 +1,45 @@
+"""What the layers serving one call learn about it, gathered for its metrics and its log line.
+
+interceptor.py opens a record per call, times the protobuf parse and serialisation, and makes the
+record visible through `current_call`; the servicer fills in the sampling stages. The interceptor
+then reports the call once, when its status is known.
+"""
+
+from __future__ import annotations
+
+import time
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+from .sampling import SamplingBatch
+
+
+@dataclass
+class CallRecord:
+    method: str
+    """The full method name without the leading slash, e.g. tokensampler.v1.Sampler/Sample."""
+    request_id: str
+    started_ns: int = 0
+    """When the server started on the call: the start of the first request message's parse; 0 until then."""
+    parse_ns: int = 0
+    """Request bytes to request messages (protobuf)."""
+    batch: SamplingBatch | None = None
+    """The validated batch of a Sample call; None for other methods and rejected requests."""
+    decode_ns: int = 0
+    """Request message to validated batch: validation and tensor decoding."""
+    queue_ns: int = 0
+    compute_ns: int = 0
+    encode_ns: int = 0
+    """Sampling result to response message."""
+
+    def start(self) -> None:
+        """Marks the call started, unless it already is."""
+        if not self.started_ns:
+            self.started_ns = time.perf_counter_ns()
+
+    def elapsed_ns(self) -> int:
+        return time.perf_counter_ns() - self.started_ns
+
+
+# Set by the interceptor for every call it wraps, read by the servicer.
+current_call: ContextVar[CallRecord] = ContextVar("current_call")

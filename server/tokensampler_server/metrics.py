@@ -1,0 +1,212 @@
+"""Prometheus metrics: what the server exports on --metrics-port, and how the layers record them.
+
+Each server owns a CollectorRegistry, so servers built in one process (tests) never share counts.
+The one exception is `record_fallback`: backends have no handle on a server, so the fallback
+counter is process-wide and every server's registry exports it.
+
+Names follow Prometheus conventions: the `tokensampler_` prefix, base units (seconds, bytes),
+`_total` on counters, and labels with a small fixed set of values. README.md, section "Metrics",
+says what each one means.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from wsgiref.simple_server import WSGIServer
+
+import grpc
+import numpy as np
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from . import __version__
+from .backends.base import BackendInfo
+from .call_record import CallRecord
+from .sampling import SamplingBatch
+
+log = logging.getLogger(__name__)
+
+# 25 µs (a small batch on the GPU) to 2 s (a large batch on the CPU reference).
+LATENCY_BUCKETS = (
+    25e-6, 50e-6, 100e-6, 250e-6, 500e-6,
+    1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3,
+    1.0, 2.0,
+)
+ROW_BUCKETS = tuple(float(2**i) for i in range(13))  # 1 to 4096, the default --max-batch-rows
+
+ROW_MODES = ("greedy", "gumbel", "top_k", "top_p", "min_p", "fused")
+"""Values of rows_total's `mode` label. "fused" is for rows sampled from hidden states with a
+registered LM head, which a later API version adds: declared now so dashboards need no change."""
+
+_FALLBACKS = Counter(
+    "tokensampler_fallbacks_total",
+    "Work the CUDA backend handed to a slower path, by reason.",
+    ["reason"],
+    registry=None,
+)
+
+
+def record_fallback(reason: str) -> None:
+    """Counts one fallback of the CUDA backend to a slower path (e.g. the CPU reference).
+
+    Call it once per batch that falls back. `reason` is a label value: a short fixed name such as
+    "unsupported_dtype", never text that varies per request (that would explode the series count).
+    """
+    _FALLBACKS.labels(reason).inc()
+
+
+def count_row_modes(batch: SamplingBatch) -> np.ndarray:
+    """Rows of `batch` per mode, in ROW_MODES order.
+
+    Each row counts once, under the first that applies: T == 0 greedy, top-k on, top-p on,
+    min-p on, else plain Gumbel-max sampling over the whole vocabulary.
+    """
+    mode = np.select(
+        [batch.temperature.numpy() == 0, batch.top_k.numpy() > 0, batch.top_p.numpy() < 1, batch.min_p.numpy() > 0],
+        [ROW_MODES.index("greedy"), ROW_MODES.index("top_k"), ROW_MODES.index("top_p"), ROW_MODES.index("min_p")],
+        default=ROW_MODES.index("gumbel"),
+    )
+    return np.bincount(mode, minlength=len(ROW_MODES))
+
+
+class _GpuMemory(Collector):
+    """torch's CUDA caching-allocator counters, read at scrape time. No samples without a GPU."""
+
+    def __init__(self, device_index: int | None) -> None:
+        self._device_index = device_index
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return self._families()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        return self._families(sample=self._device_index is not None)
+
+    def _families(self, sample: bool = False) -> Iterator[GaugeMetricFamily]:
+        for kind, read in (("allocated", torch.cuda.memory_allocated), ("reserved", torch.cuda.memory_reserved)):
+            family = GaugeMetricFamily(
+                f"tokensampler_gpu_memory_{kind}_bytes",
+                f"GPU memory {kind} by torch's caching allocator in this process.",
+                labels=["device"],
+            )
+            if sample:
+                family.add_metric([f"cuda:{self._device_index}"], read(self._device_index))
+            yield family
+
+
+def _cuda_device_index(info: BackendInfo) -> int | None:
+    """N of a CUDA backend's device "cuda:N (GPU name)"; None for the CPU backend."""
+    match = re.match(r"cuda:(\d+)", info.device) if info.name == "cuda" else None
+    return int(match[1]) if match else None
+
+
+class ServerMetrics:
+    """The metrics of one server, in their own registry."""
+
+    def __init__(self, backend: BackendInfo | None = None) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.requests = Counter(
+            "tokensampler_requests_total", "Finished calls by method and gRPC status code.",
+            ["method", "code"], registry=registry,
+        )
+        self.request_duration = Histogram(
+            "tokensampler_request_duration_seconds",
+            "Server time of a call: from parsing the request to its status, the response's serialisation excluded.",
+            ["method"], buckets=LATENCY_BUCKETS, registry=registry,
+        )
+        self.queue_duration = Histogram(
+            "tokensampler_queue_duration_seconds", "Time a validated batch waited for the backend.",
+            buckets=LATENCY_BUCKETS, registry=registry,
+        )
+        self.compute_duration = Histogram(
+            "tokensampler_compute_duration_seconds", "Time the backend took to sample a batch.",
+            buckets=LATENCY_BUCKETS, registry=registry,
+        )
+        serialization = Histogram(
+            "tokensampler_serialization_duration_seconds",
+            "Time spent between wire bytes and tensors: deserialize (parse, validate, decode the request) "
+            "or serialize (encode and serialise the response).",
+            ["direction"], buckets=LATENCY_BUCKETS, registry=registry,
+        )
+        self.deserialize_duration = serialization.labels("deserialize")
+        self.serialize_duration = serialization.labels("serialize")
+        self.batch_rows = Histogram(
+            "tokensampler_batch_rows", "Rows per sampled batch.", buckets=ROW_BUCKETS, registry=registry,
+        )
+        rows = Counter("tokensampler_rows_total", "Rows sampled, by sampling mode.", ["mode"], registry=registry)
+        self._rows_by_mode = [rows.labels(mode) for mode in ROW_MODES]  # every mode exported from the start
+        self.in_flight = Gauge(
+            "tokensampler_in_flight_requests", "Calls being served now.", registry=registry,
+        )
+        self.queue_depth = Gauge(
+            "tokensampler_queue_depth", "Validated batches waiting for the backend now (read at scrape time).",
+            registry=registry,
+        )
+        # Set by the registration API of a later version; exported now so dashboards and alerts can rely on them.
+        self.registered_weights = Gauge(
+            "tokensampler_registered_weights", "LM-head weights registered for hidden-state sampling.",
+            registry=registry,
+        )
+        self.registered_weights_bytes = Gauge(
+            "tokensampler_registered_weights_bytes", "Bytes of the registered LM-head weights.", registry=registry,
+        )
+        self.registered_regions = Gauge(
+            "tokensampler_registered_regions", "Shared-memory regions registered by clients.", registry=registry,
+        )
+        self.registered_regions_bytes = Gauge(
+            "tokensampler_registered_regions_bytes", "Bytes of the registered shared-memory regions.",
+            registry=registry,
+        )
+        registry.register(_FALLBACKS)
+        registry.register(ProcessCollector(registry=None))
+        device_index = _cuda_device_index(backend) if backend is not None else None
+        registry.register(_GpuMemory(device_index))
+        if backend is not None:
+            self._set_build_info(backend, device_index)
+
+    def _set_build_info(self, backend: BackendInfo, device_index: int | None) -> None:
+        build_info = Gauge(
+            "tokensampler_build_info", "Always 1; the labels say what is running.",
+            ["version", "backend", "gpu", "torch", "cuda"], registry=self.registry,
+        )
+        gpu = torch.cuda.get_device_name(device_index) if device_index is not None else "none"
+        build_info.labels(__version__, backend.name, gpu, torch.__version__, torch.version.cuda or "none").set(1)
+
+    def observe_call(self, call: CallRecord, code: grpc.StatusCode, elapsed_ns: int) -> None:
+        """Records a finished call; a Sample call that succeeded also records its stages and rows."""
+        self.requests.labels(call.method, code.name).inc()
+        self.request_duration.labels(call.method).observe(elapsed_ns / 1e9)
+        if code != grpc.StatusCode.OK or call.batch is None:
+            return
+        self.batch_rows.observe(call.batch.num_rows)
+        for counter, count in zip(self._rows_by_mode, count_row_modes(call.batch).tolist()):
+            if count:
+                counter.inc(count)
+        self.queue_duration.observe(call.queue_ns / 1e9)
+        self.compute_duration.observe(call.compute_ns / 1e9)
+        self.deserialize_duration.observe((call.parse_ns + call.decode_ns) / 1e9)
+
+    def observe_serialized(self, call: CallRecord, serialize_ns: int) -> None:
+        """Records the response's encoding and serialisation, which happen after the call's status is known."""
+        if call.batch is not None:
+            self.serialize_duration.observe((call.encode_ns + serialize_ns) / 1e9)
+
+
+def start_metrics_http(metrics: ServerMetrics, host: str, port: int) -> WSGIServer | None:
+    """Serves /metrics on a daemon thread (port 0: the OS picks; the log names it).
+
+    A port that cannot be bound disables metrics with a warning instead of stopping the server:
+    sampling matters more than its metrics, and Prometheus shows the target as down.
+    """
+    try:
+        httpd, _ = start_http_server(port, addr=host, registry=metrics.registry)
+    except OSError as err:
+        log.warning("metrics disabled: cannot listen on %s:%d (%s)", host, port, err)
+        return None
+    bound = httpd.server_address[1]
+    log.info("metrics on http://%s:%d/metrics", host, bound, extra={"metrics_port": bound})
+    return httpd

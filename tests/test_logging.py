@@ -1,0 +1,147 @@
+"""Logs: one DEBUG line per request under its request id, as text or as JSON lines (--log-format json)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+import torch
+from tokensampler_client import SamplerClient, TokenSamplerError
+from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
+from tokensampler_client.tensors import encode_tensor
+from tokensampler_server.logs import JsonFormatter, RequestIdFilter
+from tokensampler_server.request_context import current_request_id
+
+from .conftest import RunningServer, start_server
+
+_SERVING = "tokensampler serving on "
+
+
+def _serving_port(line: str) -> int | None:
+    """The gRPC port named by the startup line, in the text or the JSON format; None for other lines."""
+    if line.startswith("{"):
+        entry = json.loads(line)
+        return entry["port"] if entry["message"].startswith(_SERVING) else None
+    _, found, address = line.partition(_SERVING)
+    return int(address.rpartition(":")[2]) if found else None
+
+
+def start_command(command: list[str], env: dict[str, str], timeout: float = 60.0) -> RunningServer:
+    """Starts a server by any command line and waits for its startup line, text or JSON."""
+    process = subprocess.Popen(
+        command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env={**os.environ, **env}
+    )
+    log: list[str] = []
+    port: list[int] = []
+    ready = threading.Event()
+
+    def pump() -> None:  # keeps the pipe drained for the server's whole life
+        for line in process.stderr:
+            log.append(line.rstrip())
+            if not port and (found := _serving_port(line.rstrip())) is not None:
+                port.append(found)
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not ready.wait(timeout) or not port:
+        process.kill()
+        raise RuntimeError(f"{command} did not start:\n" + "\n".join(log))
+    return RunningServer(process=process, port=port[0], log=log)
+
+
+def wait_for_line(server: RunningServer, match: Callable[[str], bool], timeout: float = 30.0) -> str:
+    """The first log line that `match` accepts, once the pipe reader has seen it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in list(server.log):
+            if match(line):
+                return line
+        time.sleep(0.05)
+    raise AssertionError("no such log line:\n" + "\n".join(server.log))
+
+
+@pytest.fixture(scope="module")
+def json_server() -> Iterator[RunningServer]:
+    command = [sys.executable, "-m", "tokensampler_server", "--host", "127.0.0.1", "--port", "0", "--no-metrics",
+               "--device", "cpu", "--log-level", "DEBUG"]
+    running = start_command(command, env={"TOKENSAMPLER_LOG_FORMAT": "json"})
+    yield running
+    running.stop()
+
+
+def _entry(server: RunningServer, request_id: str) -> dict:
+    """The JSON line of the request with this id."""
+    def is_request_line(line: str) -> bool:
+        entry = json.loads(line) if line.startswith("{") else {}
+        return entry.get("request_id") == request_id and "code" in entry
+
+    return json.loads(wait_for_line(server, is_request_line))
+
+
+def test_json_lines_carry_the_request_line_fields(json_server: RunningServer) -> None:
+    with SamplerClient(json_server.target, timeout=30) as client:
+        client.sample(torch.randn(3, 50), top_k=5, request_id="json-ok")
+        with pytest.raises(TokenSamplerError) as raised:
+            client.sample(torch.randn(2, 50), top_p=0.0, request_id="json-bad")
+    assert "json-bad" in raised.value.details  # the server's message names the request id
+
+    ok = _entry(json_server, "json-ok")
+    assert ok["level"] == "DEBUG" and ok["logger"] == "tokensampler_server.interceptor"
+    assert ok["method"] == "tokensampler.v1.Sampler/Sample" and ok["code"] == "OK" and ok["rows"] == 3
+    assert ok["duration_ms"] > 0 and "error" not in ok
+    bad = _entry(json_server, "json-bad")
+    assert bad["code"] == "INVALID_ARGUMENT" and bad["rows"] is None
+    assert bad["error"].startswith("params.top_p:")
+    for line in json_server.log:  # every line is one JSON object with the common fields
+        entry = json.loads(line)
+        assert {"timestamp", "level", "logger", "message"} <= entry.keys(), line
+
+
+def test_a_generated_request_id_is_logged_and_returned(json_server: RunningServer) -> None:
+    request = pb.SampleRequest()
+    encode_tensor(torch.randn(1, 10), out=request.logits)
+    with grpc.insecure_channel(json_server.target) as channel:
+        _, call = pb_grpc.SamplerStub(channel).Sample.with_call(request, timeout=30)  # no x-request-id sent
+    request_id = dict(call.trailing_metadata())["x-request-id"]
+    assert _entry(json_server, request_id)["code"] == "OK"
+
+
+def test_text_format_has_one_debug_line_per_request() -> None:
+    running = start_server("--device", "cpu", "--no-metrics", "--log-level", "DEBUG")
+    try:
+        with SamplerClient(running.target, timeout=30) as client:
+            client.sample(torch.randn(2, 10), request_id="text-ok")
+        line = wait_for_line(running, lambda text: "text-ok" in text)
+        assert "DEBUG tokensampler_server.interceptor: tokensampler.v1.Sampler/Sample text-ok OK rows=2" in line
+        assert sum("text-ok" in text for text in running.log) == 1
+    finally:
+        running.stop()
+
+
+def test_json_formatter_adds_the_current_request_id_and_the_traceback() -> None:
+    record = logging.LogRecord("tokensampler_server.x", logging.ERROR, __file__, 1, "failed %s", ("here",), None)
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record.exc_info = sys.exc_info()
+    record.rows = 4  # as `extra=` sets it
+    token = current_request_id.set("req-7")
+    try:
+        RequestIdFilter().filter(record)
+    finally:
+        current_request_id.reset(token)
+    entry = json.loads(JsonFormatter().format(record))
+    assert (entry["message"], entry["level"], entry["logger"]) == ("failed here", "ERROR", "tokensampler_server.x")
+    assert entry["request_id"] == "req-7" and entry["rows"] == 4
+    assert "ValueError: boom" in entry["exception"]
+    assert entry["timestamp"].endswith("+00:00")
