@@ -35,7 +35,7 @@ class RunningServer:
 
 def start_server(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0) -> RunningServer:
     """Starts `tokensampler-server --port 0 ARGS` and waits for the line that names its port."""
-    command = [sys.executable, "-m", "tokensampler_server", "--host", "127.0.0.1", "--port", "0", *args]
+    command = [sys.executable, "-m", "tokensampler_server", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *args]
     process = subprocess.Popen(
         command,
         stderr=subprocess.PIPE,

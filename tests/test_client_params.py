@@ -193,7 +193,7 @@ def test_logits_errors() -> None:
         build_sample_request(np.zeros((B, V)))
     with pytest.raises(TypeError, match=r"^logits: dtype torch.int32"):
         build_sample_request(torch.zeros(B, V, dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"^logits: expected shape \[B, V\] or \[V\], got \[2, 3, 4\]"):
+    with pytest.raises(ValueError, match=r"^logits: expected shape \[B, N\] or \[N\], got \[2, 3, 4\]"):
         build_sample_request(torch.zeros(2, 3, 4))
 
 

@@ -52,7 +52,7 @@ def test_unexpected_errors_become_internal_with_the_request_id(caplog) -> None:
                 ok = await stub.Sample(_request(8))
         finally:
             await server.stop(None)
-            service.close()
+            await service.close()
         return failure, ok
 
     failure, ok = asyncio.run(run())

@@ -219,7 +219,7 @@ def test_queue_depth_in_flight_cancellation_and_internal_errors() -> None:
                 assert raised.value.code() == grpc.StatusCode.INTERNAL
         finally:
             await server.stop(None)
-            service.close()
+            await service.close()
 
     asyncio.run(run())
     assert gauge("tokensampler_queue_depth") == 0 and gauge("tokensampler_in_flight_requests") == 0

@@ -16,6 +16,7 @@ from ._retry import Backoff, CallPolicy
 from .errors import error_from_rpc
 from .params import Column, LogitBiasArg, TokenListsArg, build_sample_request
 from .result import SampleResult
+from .weights import DEFAULT_CHUNK_BYTES, Progress, WeightUpload, weight_options
 
 Response = TypeVar("Response")
 
@@ -154,6 +155,68 @@ class SamplerClient:
         """Sends a SampleRequest built ahead of time (params.build_sample_request) and decodes the answer."""
         response = self._call(self._stub.Sample, request, timeout, request_id)
         return SampleResult.from_response(response)
+
+    def sample_hidden(self, hidden: Any, weights: str, **params: Any) -> SampleResult:
+        """Samples from hidden states [B, D] (or [D]) through the registered LM head `weights`.
+
+        Takes every keyword of sample(), timeout and request_id included; the server computes the
+        logits (docs/semantics.md: x = W·h, then the weight's bias, scale and soft cap).
+        """
+        timeout, request_id = params.pop("timeout", None), params.pop("request_id", None)
+        request = build_sample_request(hidden=hidden, weights=weights, **params)
+        return self.sample_request(request, timeout=timeout, request_id=request_id)
+
+    def register_weights(
+        self,
+        name: str,
+        weight: Any,
+        *,
+        vocab_size: int | None = None,
+        bias: Any = None,
+        soft_cap: float | None = None,
+        logit_scale: float | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        progress: Progress | None = None,
+        timeout: float | None = None,
+    ) -> pb.WeightsInfo:
+        """Uploads an LM head W [V, D] (float32/bfloat16/float16) in chunks and registers it as `name`.
+
+        progress(bytes_sent, total) is called after each chunk. The server uses the weight only once
+        every byte arrived and the SHA-256 matches. Options: see weights.weight_options.
+        """
+        options = weight_options(vocab_size=vocab_size, bias=bias, soft_cap=soft_cap, logit_scale=logit_scale)
+        upload = WeightUpload(name, weight, options, chunk_bytes, progress)
+        # A fresh iterator of the chunks for every attempt: a retry re-sends the whole upload.
+        def send(chunks: WeightUpload, **kwargs: Any) -> Any:
+            return self._stub.RegisterWeights(iter(chunks), **kwargs)
+
+        return self._call(send, upload, timeout, None)
+
+    def register_weights_from_file(
+        self,
+        name: str,
+        path: str,
+        tensor: str = "lm_head.weight",
+        *,
+        vocab_size: int | None = None,
+        bias: Any = None,
+        soft_cap: float | None = None,
+        logit_scale: float | None = None,
+        timeout: float | None = None,
+    ) -> pb.WeightsInfo:
+        """Registers `tensor` of the safetensors file `path` (relative to the server's --weights-dir)."""
+        options = weight_options(vocab_size=vocab_size, bias=bias, soft_cap=soft_cap, logit_scale=logit_scale)
+        request = pb.RegisterWeightsFromFileRequest(name=name, path=path, tensor=tensor, options=options)
+        return self._call(self._stub.RegisterWeightsFromFile, request, timeout, None)
+
+    def list_weights(self, *, timeout: float | None = None) -> list[pb.WeightsInfo]:
+        """The registered weights."""
+        return list((self._call(self._stub.ListWeights, pb.ListWeightsRequest(), timeout, None)).weights)
+
+    def unregister_weights(self, name: str, *, timeout: float | None = None) -> pb.WeightsInfo:
+        """Unregisters `name` once the requests using it have finished."""
+        request = pb.UnregisterWeightsRequest(name=name)
+        return (self._call(self._stub.UnregisterWeights, request, timeout, None)).weights
 
     def server_info(self, *, timeout: float | None = None) -> pb.ServerInfo:
         """The server's version, backend, device, limits, logits dtypes and features."""

@@ -21,7 +21,8 @@ class TokenSamplerError(Exception):
         self.code = code
         self.details = details
         self.request_id = request_id
-        suffix = f" (request_id {request_id})" if request_id else ""
+        # The server already ends its messages with the request id; add it only where it is missing.
+        suffix = f" (request_id {request_id})" if request_id and request_id not in details else ""
         super().__init__(f"{code.name}: {details}{suffix}")
 
 

@@ -162,19 +162,19 @@ def _set_logit_bias(out: pb.LogitBias, bias: LogitBiasArg, batch: int) -> None:
     out.tokens.lengths.extend([len(row) for row in rows])
 
 
-def encode_logits(logits: Any, out: pb.Tensor) -> int:
-    """Encodes [B, V] (or [V], one row) float32/bfloat16/float16 logits into `out`; returns B.
+def encode_logits(logits: Any, out: pb.Tensor, name: str = "logits") -> int:
+    """Encodes [B, N] (or [N], one row) float32/bfloat16/float16 rows into `out`; returns B.
 
     Accepts a torch tensor on any device (copied to the CPU) or a numpy array (float32/float16;
-    numpy has no bfloat16, use torch for it).
+    numpy has no bfloat16, use torch for it). `name` is the argument named in errors.
     """
     tensor = as_torch(logits)
     if tensor.ndim == 1:
         tensor = tensor.unsqueeze(0)
     elif tensor.ndim != 2:
-        raise ValueError(f"logits: expected shape [B, V] or [V], got {list(tensor.shape)}")
+        raise ValueError(f"{name}: expected shape [B, N] or [N], got {list(tensor.shape)}")
     if tensor.dtype not in LOGITS_DTYPES:
-        raise TypeError(f"logits: dtype {tensor.dtype} cannot be sent; expected float32, bfloat16 or float16")
+        raise TypeError(f"{name}: dtype {tensor.dtype} cannot be sent; expected float32, bfloat16 or float16")
     encode_tensor(tensor, out)
     return int(tensor.shape[0])
 
@@ -191,8 +191,10 @@ def _logprobs_mode(mode: str | int) -> int:
 
 
 def build_sample_request(
-    logits: Any,
+    logits: Any = None,
     *,
+    hidden: Any = None,
+    weights: str | None = None,
     temperature: Column = None,
     top_k: Column = None,
     top_p: Column = None,
@@ -213,9 +215,18 @@ def build_sample_request(
     logprobs_mode: str | int = "raw",
     top_logprobs: int = 0,
 ) -> pb.SampleRequest:
-    """A SampleRequest for `logits` ([B, V] or [V]) with the given parameters (see module doc)."""
+    """A SampleRequest for `logits` ([B, V] or [V]), or for `hidden` states ([B, D] or [D]) through the
+    registered LM head named `weights`, with the given parameters (see module doc)."""
     request = pb.SampleRequest()
-    batch = encode_logits(logits, request.logits)
+    if (logits is None) == (hidden is None):
+        raise ValueError("logits, hidden: expected exactly one of them")
+    if hidden is not None:
+        if not weights:
+            raise ValueError("weights: expected the name of a registered LM head with hidden states")
+        batch = encode_logits(hidden, request.hidden.states, "hidden")
+        request.hidden.weights = weights
+    else:
+        batch = encode_logits(logits, request.logits)
     params = request.params
     for name, value in (
         ("temperature", temperature),

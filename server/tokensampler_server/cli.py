@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import sys
+from pathlib import Path
 
 from .config import Limits, ServerConfig
 from .logs import LOG_FORMATS, configure_logging
@@ -43,6 +44,27 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         help="most rows in one request [TOKENSAMPLER_MAX_BATCH_ROWS]",
     )
     parser.add_argument(
+        "--max-queue-delay-us", type=int, default=int(_env("MAX_QUEUE_DELAY_US", str(defaults.max_queue_delay_us))),
+        help="how long a request may wait for others to share a backend call while the backend is idle; "
+        "requests arriving while it is busy are merged anyway [TOKENSAMPLER_MAX_QUEUE_DELAY_US]",
+    )
+    parser.add_argument(
+        "--max-queue-rows", type=int, default=int(_env("MAX_QUEUE_ROWS", str(defaults.max_queue_rows))),
+        help="rows waiting for the backend beyond which requests get RESOURCE_EXHAUSTED [TOKENSAMPLER_MAX_QUEUE_ROWS]",
+    )
+    parser.add_argument(
+        "--uds", default=_env("UDS", "") or None,
+        help="also listen on this Unix domain socket path (clients use unix://PATH) [TOKENSAMPLER_UDS]",
+    )
+    parser.add_argument(
+        "--weights-dir", type=Path, default=_env("WEIGHTS_DIR", "") or None,
+        help="folder whose safetensors files RegisterWeightsFromFile may read; off when unset [TOKENSAMPLER_WEIGHTS_DIR]",
+    )
+    parser.add_argument(
+        "--max-weight-mb", type=int, default=int(_env("MAX_WEIGHT_MB", str(defaults.limits.max_weight_bytes // _MIB))),
+        help="largest LM-head weight one registration may hold, in MiB [TOKENSAMPLER_MAX_WEIGHT_MB]",
+    )
+    parser.add_argument(
         "--grace-period-s", type=float, default=float(_env("GRACE_PERIOD_S", str(defaults.grace_period_s))),
         help="seconds in-flight requests may run on after SIGTERM/SIGINT [TOKENSAMPLER_GRACE_PERIOD_S]",
     )
@@ -74,24 +96,34 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         help="text, or json for one JSON object per line [TOKENSAMPLER_LOG_FORMAT]",
     )
     args = parser.parse_args(argv)
-    for name in ("max_message_mb", "max_batch_rows"):
+    for name in ("max_message_mb", "max_batch_rows", "max_queue_rows", "max_weight_mb"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if not 0 <= args.metrics_port <= 65535:
         parser.error("--metrics-port must be in 0..65535")
+    if args.max_queue_delay_us < 0:
+        parser.error("--max-queue-delay-us must be at least 0")
     if args.max_connection_age_s < 0:
         parser.error("--max-connection-age-s must be at least 0")
     return ServerConfig(
         host=args.host,
         port=args.port,
         device=args.device,
-        limits=Limits(max_batch_rows=args.max_batch_rows, max_message_bytes=args.max_message_mb * _MIB),
+        limits=Limits(
+            max_batch_rows=args.max_batch_rows,
+            max_message_bytes=args.max_message_mb * _MIB,
+            max_weight_bytes=args.max_weight_mb * _MIB,
+        ),
         log_level=args.log_level,
         grace_period_s=args.grace_period_s,
         reflection=not args.no_reflection,
         max_connection_age_s=args.max_connection_age_s,
         metrics_port=None if args.no_metrics else args.metrics_port,
         log_format=args.log_format,
+        uds=args.uds,
+        weights_dir=args.weights_dir,
+        max_queue_delay_us=args.max_queue_delay_us,
+        max_queue_rows=args.max_queue_rows,
     )
 
 

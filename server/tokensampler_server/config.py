@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -13,6 +14,7 @@ class Limits:
     max_message_bytes: int = 256 * 1024 * 1024
     max_num_samples: int = 64
     max_top_logprobs: int = 64
+    max_weight_bytes: int = 16 * 1024**3
 
 
 @dataclass(frozen=True)
@@ -32,3 +34,11 @@ class ServerConfig:
     """Port of the Prometheus /metrics endpoint on `host`: 0 lets the OS choose, None turns metrics off."""
     log_format: str = "text"
     """"text" or "json" (one JSON object per line)."""
+    uds: str | None = None
+    """Also listen on this Unix domain socket path."""
+    weights_dir: Path | None = None
+    """Where RegisterWeightsFromFile may read safetensors files; None turns that RPC off."""
+    max_queue_delay_us: int = 0
+    """How long a request may wait for others to batch with while the backend is idle."""
+    max_queue_rows: int = 32768
+    """Rows waiting for the backend beyond which requests get RESOURCE_EXHAUSTED."""

@@ -62,9 +62,13 @@ def record_fallback(reason: str) -> None:
 def count_row_modes(batch: SamplingBatch) -> np.ndarray:
     """Rows of `batch` per mode, in ROW_MODES order.
 
-    Each row counts once, under the first that applies: T == 0 greedy, top-k on, top-p on,
-    min-p on, else plain Gumbel-max sampling over the whole vocabulary.
+    Each row counts once, under the first that applies: hidden-state input (fused), T == 0 greedy,
+    top-k on, top-p on, min-p on, else plain Gumbel-max sampling over the whole vocabulary.
     """
+    if batch.hidden is not None:
+        counts = np.zeros(len(ROW_MODES), dtype=np.int64)
+        counts[ROW_MODES.index("fused")] = batch.num_rows
+        return counts
     mode = np.select(
         [batch.temperature.numpy() == 0, batch.top_k.numpy() > 0, batch.top_p.numpy() < 1, batch.min_p.numpy() > 0],
         [ROW_MODES.index("greedy"), ROW_MODES.index("top_k"), ROW_MODES.index("top_p"), ROW_MODES.index("min_p")],
@@ -135,7 +139,7 @@ class ServerMetrics:
         self.deserialize_duration = serialization.labels("deserialize")
         self.serialize_duration = serialization.labels("serialize")
         self.batch_rows = Histogram(
-            "tokensampler_batch_rows", "Rows per sampled batch.", buckets=ROW_BUCKETS, registry=registry,
+            "tokensampler_batch_rows", "Rows per backend call (concurrent requests merged by the batcher).", buckets=ROW_BUCKETS, registry=registry,
         )
         rows = Counter("tokensampler_rows_total", "Rows sampled, by sampling mode.", ["mode"], registry=registry)
         self._rows_by_mode = [rows.labels(mode) for mode in ROW_MODES]  # every mode exported from the start
@@ -182,7 +186,6 @@ class ServerMetrics:
         self.request_duration.labels(call.method).observe(elapsed_ns / 1e9)
         if code != grpc.StatusCode.OK or call.batch is None:
             return
-        self.batch_rows.observe(call.batch.num_rows)
         for counter, count in zip(self._rows_by_mode, count_row_modes(call.batch).tolist()):
             if count:
                 counter.inc(count)

@@ -8,9 +8,13 @@ the same thing. docs/semantics.md defines what a backend computes from them.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .weights import RegisteredWeight
 
 
 class LogprobsMode(enum.Enum):
@@ -55,13 +59,22 @@ class LogitProcessing:
 
 
 @dataclass(frozen=True)
+class HiddenInput:
+    """Hidden states [B, D] (float32/bfloat16/float16, CPU) and the registered LM head they go through."""
+
+    states: torch.Tensor
+    lm_head: RegisteredWeight
+
+
+@dataclass(frozen=True)
 class SamplingBatch:
     """B rows to sample, every parameter already validated and expanded to one value per row.
 
-    All per-row tensors are [B] on the CPU; `logits` is [B, V] float32/bfloat16/float16 on the CPU.
+    All per-row tensors are [B] on the CPU. The input is either `logits` [B, V] (float32/bfloat16/
+    float16, on the CPU) or `hidden`; `with_logits()` turns the second into the first.
     """
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     temperature: torch.Tensor
     """float32; 0 means greedy."""
     top_k: torch.Tensor
@@ -81,14 +94,23 @@ class SamplingBatch:
     return_logprobs: bool = False
     logprobs_mode: LogprobsMode = LogprobsMode.RAW
     top_logprobs: int = 0
+    hidden: HiddenInput | None = None
 
     @property
     def num_rows(self) -> int:
-        return int(self.logits.shape[0])
+        return int(self.temperature.shape[0])
 
     @property
     def vocab_size(self) -> int:
-        return int(self.logits.shape[1])
+        if self.logits is not None:
+            return int(self.logits.shape[1])
+        return self.hidden.lm_head.finish.vocab_size
+
+    def with_logits(self) -> SamplingBatch:
+        """The same batch with hidden states turned into float32 logits on the LM head's device."""
+        if self.hidden is None:
+            return self
+        return replace(self, logits=self.hidden.lm_head.logits(self.hidden.states), hidden=None)
 
 
 @dataclass(frozen=True)

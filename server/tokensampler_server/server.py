@@ -17,6 +17,7 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 
 from .backends import create_backend
+from .batcher import DynamicBatcher
 from .config import ServerConfig
 from .interceptor import ErrorInterceptor
 from .metrics import ServerMetrics, start_metrics_http
@@ -51,8 +52,17 @@ async def serve(config: ServerConfig) -> None:
     server = grpc.aio.server(
         interceptors=[ErrorInterceptor(metrics)], options=grpc_options(config)
     )
-    sampler = SamplerService(backend, config.limits)
+    batcher = DynamicBatcher(
+        backend,
+        max_batch_rows=config.limits.max_batch_rows,
+        max_queue_delay_us=config.max_queue_delay_us,
+        max_queue_rows=config.max_queue_rows,
+        observe_batch_rows=metrics.batch_rows.observe,
+    )
+    sampler = SamplerService(backend, config.limits, batcher=batcher, weights_dir=config.weights_dir)
     metrics.queue_depth.set_function(lambda: sampler.queue_depth)
+    metrics.registered_weights.set_function(lambda: len(sampler.registry.list()))
+    metrics.registered_weights_bytes.set_function(lambda: sampler.registry.total_bytes)
     pb_grpc.add_SamplerServicer_to_server(sampler, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -64,6 +74,8 @@ async def serve(config: ServerConfig) -> None:
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         raise RuntimeError(f"could not listen on {config.host}:{config.port}")
+    if config.uds is not None and server.add_insecure_port(f"unix:{config.uds}") == 0:
+        raise RuntimeError(f"could not listen on unix:{config.uds}")
     metrics_http = None
     if config.metrics_port is not None:  # before the serving line: whoever waits for it finds the metrics port too
         metrics_http = start_metrics_http(metrics, config.host, config.metrics_port)
@@ -72,6 +84,8 @@ async def serve(config: ServerConfig) -> None:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     # Tests and scripts wait for this line to learn the port (with --port 0 the OS picks it).
     log.info("tokensampler serving on %s:%d", config.host, port, extra={"host": config.host, "port": port})
+    if config.uds is not None:
+        log.info("also serving on unix:%s", config.uds)
 
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -82,7 +96,7 @@ async def serve(config: ServerConfig) -> None:
     log.info("shutting down: NOT_SERVING, %.1f s grace for in-flight requests", config.grace_period_s)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(config.grace_period_s)
-    sampler.close()
+    await sampler.close()
     if metrics_http is not None:  # last: Prometheus can scrape the drain
         metrics_http.shutdown()
         metrics_http.server_close()

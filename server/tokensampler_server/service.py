@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import time
-from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -16,13 +15,20 @@ from tokensampler_client.tensors import encode_tensor
 
 from . import __version__
 from .backends import Backend
+from .batcher import DynamicBatcher
 from .call_record import current_call
 from .config import Limits
-from .sampling import SamplingBatch, SamplingResult
+from .errors import InvalidArgument
+from .sampling import SamplingResult
 from .validation import LOGITS_DTYPES, validate_sample_request
+from .weights import WEIGHT_DTYPES, RegisteredWeight, WeightRegistry, load_safetensors, resolve_weights_path, sha256_hex
+from .weights_rpc import finish_from_options, read_upload, weights_info
 
 API_VERSION = "tokensampler.v1"
-FEATURES = ("logits", "logprobs", "top_logprobs", "penalties", "logit_bias", "token_masks", "num_samples")
+FEATURES = (
+    "logits", "hidden_states", "weights_upload", "weights_from_file", "logprobs", "top_logprobs", "penalties",
+    "logit_bias", "token_masks", "num_samples", "dynamic_batching",
+)
 
 
 def encode_result(result: SamplingResult, seeds: np.ndarray) -> pb.SampleResponse:
@@ -43,49 +49,52 @@ def encode_result(result: SamplingResult, seeds: np.ndarray) -> pb.SampleRespons
 class SamplerService(pb_grpc.SamplerServicer):
     """Serves tokensampler.v1.Sampler with one backend, under ErrorInterceptor (which opens each call's record).
 
-    Batches run one at a time on a single worker thread, so the event loop keeps accepting and
-    validating requests while the backend computes.
+    Sample requests are validated on the event loop and sampled by the DynamicBatcher, which merges
+    concurrent ones into single backend calls on its worker thread.
     """
 
-    def __init__(self, backend: Backend, limits: Limits) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        limits: Limits,
+        *,
+        batcher: DynamicBatcher | None = None,
+        registry: WeightRegistry | None = None,
+        weights_dir: Path | None = None,
+    ) -> None:
         self._backend = backend
         self._limits = limits
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokensampler-backend")
-        # Each counter is written by one thread only (the event loop, or the worker), so no lock is needed.
-        self._submitted = 0
-        self._dropped = 0  # cancelled before the worker started them
-        self._started = 0
+        self._batcher = batcher or DynamicBatcher(backend, max_batch_rows=limits.max_batch_rows)
+        self._registry = registry or WeightRegistry(backend.device)
+        self._weights_dir = weights_dir
 
     @property
     def queue_depth(self) -> int:
-        """Validated batches waiting for the worker."""
-        return self._submitted - self._dropped - self._started
+        """Validated requests waiting for the backend."""
+        return self._batcher.queued_requests
 
-    def close(self) -> None:
-        self._worker.shutdown(wait=True)
+    @property
+    def registry(self) -> WeightRegistry:
+        return self._registry
 
-    def _run_backend(self, batch: SamplingBatch) -> tuple[SamplingResult, int, int]:
-        self._started += 1
-        started = time.perf_counter_ns()
-        result = self._backend.sample(batch)
-        return result, started, time.perf_counter_ns()
+    async def close(self) -> None:
+        await self._batcher.close()
 
     async def Sample(self, request: pb.SampleRequest, context: grpc.aio.ServicerContext) -> pb.SampleResponse:
+        if request.WhichOneof("input") == "hidden":
+            with self._registry.use(request.hidden.weights) as lm_head:
+                return await self._sample(request, lm_head)
+        return await self._sample(request, None)
+
+    async def _sample(self, request: pb.SampleRequest, lm_head: RegisteredWeight | None) -> pb.SampleResponse:
         call = current_call.get()
         arrived = time.perf_counter_ns()
-        batch, seeds = validate_sample_request(request, self._limits)
+        batch, seeds = validate_sample_request(request, self._limits, lm_head=lm_head)
         submitted = time.perf_counter_ns()
         call.batch, call.decode_ns = batch, submitted - arrived
-        self._submitted += 1
-        # The backend runs in this call's context, so what it logs carries the request id.
-        job = self._worker.submit(contextvars.copy_context().run, self._run_backend, batch)
-        try:
-            result, started, finished = await asyncio.wrap_future(job)
-        except asyncio.CancelledError:
-            if job.cancel():  # still queued: the worker will never start it
-                self._dropped += 1
-            raise
-        call.queue_ns, call.compute_ns = started - submitted, finished - started
+        result, times = await self._batcher.submit(batch)
+        finished = time.perf_counter_ns()
+        call.queue_ns, call.compute_ns = times.queue_ns, times.compute_ns
         response = encode_result(result, seeds)
         response.request_id = call.request_id
         response.timings.queue_ns = call.queue_ns
@@ -95,8 +104,36 @@ class SamplerService(pb_grpc.SamplerServicer):
         response.timings.total_ns = encoded - arrived
         return response
 
+    async def RegisterWeights(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.WeightsInfo:
+        upload = await read_upload(request_iterator, self._limits.max_weight_bytes)
+        return weights_info(self._registry.register(upload.name, upload.weight, upload.finish, upload.sha256))
+
+    async def RegisterWeightsFromFile(
+        self, request: pb.RegisterWeightsFromFileRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WeightsInfo:
+        path = resolve_weights_path(self._weights_dir, request.path)
+        loop = asyncio.get_running_loop()
+        weight = await loop.run_in_executor(None, load_safetensors, path, request.tensor)
+        if weight.dim() != 2 or weight.dtype not in WEIGHT_DTYPES:
+            raise InvalidArgument("tensor", f"{request.tensor!r} is {weight.dtype} {list(weight.shape)}, expected a [V, D] float tensor")
+        if weight.numel() * weight.element_size() > self._limits.max_weight_bytes:
+            raise InvalidArgument("tensor", f"{request.tensor!r} is larger than {self._limits.max_weight_bytes} bytes")
+        finish = finish_from_options(request.options, int(weight.shape[0]))
+        entry = self._registry.register(request.name, weight, finish, sha256_hex(weight))
+        return weights_info(entry)
+
+    async def ListWeights(self, request: pb.ListWeightsRequest, context: grpc.aio.ServicerContext) -> pb.ListWeightsResponse:
+        return pb.ListWeightsResponse(weights=[weights_info(entry) for entry in self._registry.list()])
+
+    async def UnregisterWeights(
+        self, request: pb.UnregisterWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnregisterWeightsResponse:
+        return pb.UnregisterWeightsResponse(weights=weights_info(await self._registry.unregister(request.name)))
+
     async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext) -> pb.ServerInfo:
         info = self._backend.info()
+        device = self._backend.device
+        on_gpu = device.type == "cuda"
         return pb.ServerInfo(
             version=__version__,
             backend=info.name,
@@ -106,9 +143,14 @@ class SamplerService(pb_grpc.SamplerServicer):
                 max_message_bytes=self._limits.max_message_bytes,
                 max_num_samples=self._limits.max_num_samples,
                 max_top_logprobs=self._limits.max_top_logprobs,
+                max_weight_bytes=self._limits.max_weight_bytes,
             ),
             logits_dtypes=LOGITS_DTYPES,
             features=FEATURES,
             kernels=info.kernels,
             api_version=API_VERSION,
+            registered_weights=len(self._registry.list()),
+            registered_weights_bytes=self._registry.total_bytes,
+            device_memory_allocated_bytes=torch.cuda.memory_allocated(device) if on_gpu else 0,
+            device_memory_reserved_bytes=torch.cuda.memory_reserved(device) if on_gpu else 0,
         )

@@ -16,7 +16,8 @@ from tokensampler_client.tensors import TensorDecodeError, decode_tensor, dtype_
 
 from .config import Limits
 from .errors import InvalidArgument
-from .sampling import LogitProcessing, LogprobsMode, SamplingBatch, TokenEntries
+from .sampling import HiddenInput, LogitProcessing, LogprobsMode, SamplingBatch, TokenEntries
+from .weights import RegisteredWeight
 
 LOGITS_DTYPES = (pb.DTYPE_FLOAT32, pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT16)
 
@@ -131,28 +132,50 @@ def _seeds(params: pb.SamplingParams, num_rows: int, seed_source: SeedSource) ->
     return seeds
 
 
-def validate_sample_request(
-    request: pb.SampleRequest, limits: Limits, seed_source: SeedSource = random_seeds
-) -> tuple[SamplingBatch, np.ndarray]:
-    """Checks a SampleRequest and returns the batch to sample with the uint64 seed of each row."""
-    if request.WhichOneof("input") != "logits":
-        raise InvalidArgument("input", "not set; expected logits")
-    if request.logits.dtype not in LOGITS_DTYPES:
+def _decode(tensor: pb.Tensor, field: str, rows_limit: int, dims: str) -> torch.Tensor:
+    """A [B, N] float32/bfloat16/float16 tensor with 1 <= B <= rows_limit and N >= 1."""
+    if tensor.dtype not in LOGITS_DTYPES:
         names = ", ".join(dtype_name(d) for d in LOGITS_DTYPES)
-        raise InvalidArgument("logits.dtype", f"got {request.logits.dtype}, expected one of {names}")
-    if len(request.logits.shape) != 2:
-        raise InvalidArgument("logits.shape", f"got {list(request.logits.shape)}, expected [B, V]")
-    num_rows, vocab_size = request.logits.shape
-    if num_rows < 1 or vocab_size < 1:
-        raise InvalidArgument("logits.shape", f"got {[num_rows, vocab_size]}, expected B >= 1 and V >= 1")
-    if num_rows > limits.max_batch_rows:
-        raise InvalidArgument(
-            "logits.shape", f"got B={num_rows} rows, expected at most {limits.max_batch_rows} (--max-batch-rows)"
-        )
+        raise InvalidArgument(f"{field}.dtype", f"got {tensor.dtype}, expected one of {names}")
+    if len(tensor.shape) != 2:
+        raise InvalidArgument(f"{field}.shape", f"got {list(tensor.shape)}, expected {dims}")
+    num_rows, width = tensor.shape
+    if num_rows < 1 or width < 1:
+        raise InvalidArgument(f"{field}.shape", f"got {[num_rows, width]}, expected {dims} with both sizes >= 1")
+    if num_rows > rows_limit:
+        raise InvalidArgument(f"{field}.shape", f"got B={num_rows} rows, expected at most {rows_limit} (--max-batch-rows)")
     try:
-        logits = decode_tensor(request.logits, "logits")
+        return decode_tensor(tensor, field)
     except TensorDecodeError as err:
         raise InvalidArgument(err.field, str(err).removeprefix(f"{err.field}: ")) from None
+
+
+def validate_sample_request(
+    request: pb.SampleRequest,
+    limits: Limits,
+    seed_source: SeedSource = random_seeds,
+    lm_head: RegisteredWeight | None = None,
+) -> tuple[SamplingBatch, np.ndarray]:
+    """Checks a SampleRequest and returns the batch to sample with the uint64 seed of each row.
+
+    `lm_head` is the registered weight that `request.hidden.weights` names, for hidden-state input.
+    """
+    logits = hidden = None
+    kind = request.WhichOneof("input")
+    if kind == "logits":
+        logits = _decode(request.logits, "logits", limits.max_batch_rows, "[B, V]")
+        num_rows, vocab_size = logits.shape
+    elif kind == "hidden" and lm_head is not None:
+        states = _decode(request.hidden.states, "hidden.states", limits.max_batch_rows, "[B, D]")
+        if states.shape[1] != lm_head.hidden_size:
+            raise InvalidArgument(
+                "hidden.states.shape",
+                f"got D={states.shape[1]}, expected D={lm_head.hidden_size} of weight {lm_head.name!r}",
+            )
+        hidden = HiddenInput(states=states, lm_head=lm_head)
+        num_rows, vocab_size = states.shape[0], lm_head.finish.vocab_size
+    else:
+        raise InvalidArgument("input", "not set; expected logits, or hidden states with a registered weight")
 
     params = request.params
     temperature = _column(params.temperature, "params.temperature", num_rows, 1.0, np.float32)
@@ -186,6 +209,7 @@ def validate_sample_request(
     seeds = _seeds(params, num_rows, seed_source)
     batch = SamplingBatch(
         logits=logits,
+        hidden=hidden,
         temperature=torch.from_numpy(temperature),
         top_k=torch.from_numpy(top_k),
         top_p=torch.from_numpy(top_p),

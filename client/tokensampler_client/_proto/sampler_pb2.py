@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtokensampler/v1/sampler.proto\x12\x0ftokensampler.v1\"L\n\x06Tensor\x12%\n\x05\x64type\x18\x01 \x01(\x0e\x32\x16.tokensampler.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"*\n\nTokenLists\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\x0f\n\x07lengths\x18\x02 \x03(\r\"H\n\tLogitBias\x12+\n\x06tokens\x18\x01 \x01(\x0b\x32\x1b.tokensampler.v1.TokenLists\x12\x0e\n\x06values\x18\x02 \x03(\x02\"\xf5\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x03(\x02\x12\r\n\x05top_k\x18\x02 \x03(\x05\x12\r\n\x05top_p\x18\x03 \x03(\x02\x12\r\n\x05min_p\x18\x04 \x03(\x02\x12\x0c\n\x04seed\x18\x05 \x03(\x04\x12\x10\n\x08has_seed\x18\x06 \x03(\x08\x12\x10\n\x08position\x18\x07 \x03(\r\x12\x11\n\titeration\x18\x08 \x03(\r\x12\x1a\n\x12repetition_penalty\x18\t \x03(\x02\x12\x18\n\x10presence_penalty\x18\n \x03(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x03(\x02\x12\x36\n\x11\x61llowed_token_ids\x18\x0c \x01(\x0b\x32\x1b.tokensampler.v1.TokenLists\x12\x35\n\x10\x62\x61nned_token_ids\x18\r \x01(\x0b\x32\x1b.tokensampler.v1.TokenLists\x12.\n\nlogit_bias\x18\x0e \x01(\x0b\x32\x1a.tokensampler.v1.LogitBias\x12\x35\n\x10output_token_ids\x18\x0f \x01(\x0b\x32\x1b.tokensampler.v1.TokenLists\x12\x35\n\x10prompt_token_ids\x18\x10 \x01(\x0b\x32\x1b.tokensampler.v1.TokenLists\"\x83\x02\n\rSampleRequest\x12)\n\x06logits\x18\x01 \x01(\x0b\x32\x17.tokensampler.v1.TensorH\x00\x12/\n\x06params\x18\x04 \x01(\x0b\x32\x1f.tokensampler.v1.SamplingParams\x12\x18\n\x0bnum_samples\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x17\n\x0freturn_logprobs\x18\x06 \x01(\x08\x12\x34\n\rlogprobs_mode\x18\x07 \x01(\x0e\x32\x1d.tokensampler.v1.LogprobsMode\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\rB\x07\n\x05inputB\x0e\n\x0c_num_samples\"A\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x12\n\ncompute_ns\x18\x02 \x01(\x04\x12\x10\n\x08total_ns\x18\x03 \x01(\x04\"\xb8\x02\n\x0eSampleResponse\x12\'\n\x06tokens\x18\x01 \x01(\x0b\x32\x17.tokensampler.v1.Tensor\x12\r\n\x05seeds\x18\x02 \x03(\x04\x12)\n\x08logprobs\x18\x03 \x01(\x0b\x32\x17.tokensampler.v1.Tensor\x12\x30\n\x0ftop_logprob_ids\x18\x04 \x01(\x0b\x32\x17.tokensampler.v1.Tensor\x12-\n\x0ctop_logprobs\x18\x05 \x01(\x0b\x32\x17.tokensampler.v1.Tensor\x12\r\n\x05valid\x18\x06 \x03(\x08\x12\x14\n\x0cnan_detected\x18\x07 \x03(\x08\x12)\n\x07timings\x18\x08 \x01(\x0b\x32\x18.tokensampler.v1.Timings\x12\x12\n\nrequest_id\x18\t \x01(\t\"\x16\n\x14GetServerInfoRequest\"n\n\x06Limits\x12\x16\n\x0emax_batch_rows\x18\x01 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x02 \x01(\x04\x12\x17\n\x0fmax_num_samples\x18\x03 \x01(\r\x12\x18\n\x10max_top_logprobs\x18\x04 \x01(\r\"\xce\x01\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\'\n\x06limits\x18\x04 \x01(\x0b\x32\x17.tokensampler.v1.Limits\x12-\n\rlogits_dtypes\x18\x05 \x03(\x0e\x32\x16.tokensampler.v1.DType\x12\x10\n\x08\x66\x65\x61tures\x18\x06 \x03(\t\x12\x0f\n\x07kernels\x18\x07 \x03(\t\x12\x13\n\x0b\x61pi_version\x18\x08 \x01(\t*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT32\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05*a\n\x0cLogprobsMode\x12\x1d\n\x19LOGPROBS_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11LOGPROBS_MODE_RAW\x10\x01\x12\x1b\n\x17LOGPROBS_MODE_PROCESSED\x10\x02\x32\xa9\x01\n\x07Sampler\x12I\n\x06Sample\x12\x1e.tokensampler.v1.SampleRequest\x1a\x1f.tokensampler.v1.SampleResponse\x12S\n\rGetServerInfo\x12%.tokensampler.v1.GetServerInfoRequest\x1a\x1b.tokensampler.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtokensampler/v1/sampler.proto\x12\x0ftokensampler.v1\"L\n\x06Tensor\x12%\n\x05\x64type\x18\x01 \x01(\x0e\x32\x16.tokensampler.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"*\n\nTokenLists\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\x0f\n\x07lengths\x18\x02 \x03(\r\"H\n\tLogitBias\x12+\n\x06tokens\x18\x01 \x01(\x0b\x32\x1b.tokensampler.v1.TokenLists\x12\x0e\n\x06values\x18\x02 \x03(\x02\"\xf5\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x03(\x02\x12\r\n\x05top_k\x18\x02 \x03(\x05\x12\r\n\x05top_p\x18\x03 \x03(\x02\x12\r\n\x05min_p\x18\x04 \x03(\x02\x12\x0c\n\x04seed\x18\x05 \x03(\x04\x12\x10\n\x08has_seed\x18\x06 \x03(\x08\x12\x10\n\x08position\x18\x07 \x03(\r\x12\x11\n\titeration\x18\x08 \x03(\r\x12\x1a\n\x12repetition_penalty\x18\t \x03(\x02\x12\x18\n\x10presence_penalty\x18\n \x03(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x03(\x02\x12\x36\n\x11\x61llowed_token_ids\x18\x0c \x01(\x0b\x32\x1b.tokensampler.v1.TokenLists\x12\x35\n\x10\x62\x61nned_token_ids\x18\r \x01(\x0b\x32\x1b.tokensampler.v1.TokenLists\x12.\n\nlogit_bias\x18\x0e \x01(\x0b\x32\x1a.tokensampler.v1.LogitBias\x12\x35\n\x10output_token_ids\x18\x0f \x01(\x0b\x32\x1b.tokensampler.v1.TokenLists\x12\x35\n\x10prompt_token_ids\x18\x10 \x01(\x0b\x32\x1b.tokensampler.v1.TokenLists\"H\n\x0cHiddenStates\x12\'\n\x06states\x18\x01 \x01(\x0b\x32\x17.tokensampler.v1.Tensor\x12\x0f\n\x07weights\x18\x02 \x01(\t\"\xb4\x02\n\rSampleRequest\x12)\n\x06logits\x18\x01 \x01(\x0b\x32\x17.tokensampler.v1.TensorH\x00\x12/\n\x06hidden\x18\x02 \x01(\x0b\x32\x1d.tokensampler.v1.HiddenStatesH\x00\x12/\n\x06params\x18\x04 \x01(\x0b\x32\x1f.tokensampler.v1.SamplingParams\x12\x18\n\x0bnum_samples\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x17\n\x0freturn_logprobs\x18\x06 \x01(\x08\x12\x34\n\rlogprobs_mode\x18\x07 \x01(\x0e\x32\x1d.tokensampler.v1.LogprobsMode\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\rB\x07\n\x05inputB\x0e\n\x0c_num_samples\"A\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x12\n\ncompute_ns\x18\x02 \x01(\x04\x12\x10\n\x08total_ns\x18\x03 \x01(\x04\"\xb8\x02\n\x0eSampleResponse\x12\'\n\x06tokens\x18\x01 \x01(\x0b\x32\x17.tokensampler.v1.Tensor\x12\r\n\x05seeds\x18\x02 \x03(\x04\x12)\n\x08logprobs\x18\x03 \x01(\x0b\x32\x17.tokensampler.v1.Tensor\x12\x30\n\x0ftop_logprob_ids\x18\x04 \x01(\x0b\x32\x17.tokensampler.v1.Tensor\x12-\n\x0ctop_logprobs\x18\x05 \x01(\x0b\x32\x17.tokensampler.v1.Tensor\x12\r\n\x05valid\x18\x06 \x03(\x08\x12\x14\n\x0cnan_detected\x18\x07 \x03(\x08\x12)\n\x07timings\x18\x08 \x01(\x0b\x32\x18.tokensampler.v1.Timings\x12\x12\n\nrequest_id\x18\t \x01(\t\"\x16\n\x14GetServerInfoRequest\"\x88\x01\n\x06Limits\x12\x16\n\x0emax_batch_rows\x18\x01 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x02 \x01(\x04\x12\x17\n\x0fmax_num_samples\x18\x03 \x01(\r\x12\x18\n\x10max_top_logprobs\x18\x04 \x01(\r\x12\x18\n\x10max_weight_bytes\x18\x05 \x01(\x04\"\xd9\x02\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\'\n\x06limits\x18\x04 \x01(\x0b\x32\x17.tokensampler.v1.Limits\x12-\n\rlogits_dtypes\x18\x05 \x03(\x0e\x32\x16.tokensampler.v1.DType\x12\x10\n\x08\x66\x65\x61tures\x18\x06 \x03(\t\x12\x0f\n\x07kernels\x18\x07 \x03(\t\x12\x13\n\x0b\x61pi_version\x18\x08 \x01(\t\x12\x1a\n\x12registered_weights\x18\t \x01(\r\x12 \n\x18registered_weights_bytes\x18\n \x01(\x04\x12%\n\x1d\x64\x65vice_memory_allocated_bytes\x18\x0b \x01(\x04\x12$\n\x1c\x64\x65vice_memory_reserved_bytes\x18\x0c \x01(\x04\"\xac\x01\n\rWeightOptions\x12%\n\x04\x62ias\x18\x01 \x01(\x0b\x32\x17.tokensampler.v1.Tensor\x12\x17\n\nvocab_size\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x15\n\x08soft_cap\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x0blogit_scale\x18\x04 \x01(\x02H\x02\x88\x01\x01\x42\r\n\x0b_vocab_sizeB\x0b\n\t_soft_capB\x0e\n\x0c_logit_scale\"\xa9\x01\n\x14RegisterWeightsChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x05\x64type\x18\x02 \x01(\x0e\x32\x16.tokensampler.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12/\n\x07options\x18\x04 \x01(\x0b\x32\x1e.tokensampler.v1.WeightOptions\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"}\n\x1eRegisterWeightsFromFileRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0e\n\x06tensor\x18\x03 \x01(\t\x12/\n\x07options\x18\x04 \x01(\x0b\x32\x1e.tokensampler.v1.WeightOptions\"\xb8\x01\n\x0bWeightsInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x19\n\x11padded_vocab_size\x18\x03 \x01(\r\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12%\n\x05\x64type\x18\x05 \x01(\x0e\x32\x16.tokensampler.v1.DType\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x0e\n\x06sha256\x18\x07 \x01(\t\x12\x11\n\tin_flight\x18\x08 \x01(\r\"\x14\n\x12ListWeightsRequest\"D\n\x13ListWeightsResponse\x12-\n\x07weights\x18\x01 \x03(\x0b\x32\x1c.tokensampler.v1.WeightsInfo\"(\n\x18UnregisterWeightsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"J\n\x19UnregisterWeightsResponse\x12-\n\x07weights\x18\x01 \x01(\x0b\x32\x1c.tokensampler.v1.WeightsInfo*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT32\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05*a\n\x0cLogprobsMode\x12\x1d\n\x19LOGPROBS_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11LOGPROBS_MODE_RAW\x10\x01\x12\x1b\n\x17LOGPROBS_MODE_PROCESSED\x10\x02\x32\xb3\x04\n\x07Sampler\x12I\n\x06Sample\x12\x1e.tokensampler.v1.SampleRequest\x1a\x1f.tokensampler.v1.SampleResponse\x12S\n\rGetServerInfo\x12%.tokensampler.v1.GetServerInfoRequest\x1a\x1b.tokensampler.v1.ServerInfo\x12X\n\x0fRegisterWeights\x12%.tokensampler.v1.RegisterWeightsChunk\x1a\x1c.tokensampler.v1.WeightsInfo(\x01\x12h\n\x17RegisterWeightsFromFile\x12/.tokensampler.v1.RegisterWeightsFromFileRequest\x1a\x1c.tokensampler.v1.WeightsInfo\x12X\n\x0bListWeights\x12#.tokensampler.v1.ListWeightsRequest\x1a$.tokensampler.v1.ListWeightsResponse\x12j\n\x11UnregisterWeights\x12).tokensampler.v1.UnregisterWeightsRequest\x1a*.tokensampler.v1.UnregisterWeightsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokensampler.v1.sampler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1739
-  _globals['_DTYPE']._serialized_end=1861
-  _globals['_LOGPROBSMODE']._serialized_start=1863
-  _globals['_LOGPROBSMODE']._serialized_end=1960
+  _globals['_DTYPE']._serialized_start=2899
+  _globals['_DTYPE']._serialized_end=3021
+  _globals['_LOGPROBSMODE']._serialized_start=3023
+  _globals['_LOGPROBSMODE']._serialized_end=3120
   _globals['_TENSOR']._serialized_start=50
   _globals['_TENSOR']._serialized_end=126
   _globals['_TOKENLISTS']._serialized_start=128
@@ -43,18 +43,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOGITBIAS']._serialized_end=244
   _globals['_SAMPLINGPARAMS']._serialized_start=247
   _globals['_SAMPLINGPARAMS']._serialized_end=748
-  _globals['_SAMPLEREQUEST']._serialized_start=751
-  _globals['_SAMPLEREQUEST']._serialized_end=1010
-  _globals['_TIMINGS']._serialized_start=1012
-  _globals['_TIMINGS']._serialized_end=1077
-  _globals['_SAMPLERESPONSE']._serialized_start=1080
-  _globals['_SAMPLERESPONSE']._serialized_end=1392
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1394
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1416
-  _globals['_LIMITS']._serialized_start=1418
-  _globals['_LIMITS']._serialized_end=1528
-  _globals['_SERVERINFO']._serialized_start=1531
-  _globals['_SERVERINFO']._serialized_end=1737
-  _globals['_SAMPLER']._serialized_start=1963
-  _globals['_SAMPLER']._serialized_end=2132
+  _globals['_HIDDENSTATES']._serialized_start=750
+  _globals['_HIDDENSTATES']._serialized_end=822
+  _globals['_SAMPLEREQUEST']._serialized_start=825
+  _globals['_SAMPLEREQUEST']._serialized_end=1133
+  _globals['_TIMINGS']._serialized_start=1135
+  _globals['_TIMINGS']._serialized_end=1200
+  _globals['_SAMPLERESPONSE']._serialized_start=1203
+  _globals['_SAMPLERESPONSE']._serialized_end=1515
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1517
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1539
+  _globals['_LIMITS']._serialized_start=1542
+  _globals['_LIMITS']._serialized_end=1678
+  _globals['_SERVERINFO']._serialized_start=1681
+  _globals['_SERVERINFO']._serialized_end=2026
+  _globals['_WEIGHTOPTIONS']._serialized_start=2029
+  _globals['_WEIGHTOPTIONS']._serialized_end=2201
+  _globals['_REGISTERWEIGHTSCHUNK']._serialized_start=2204
+  _globals['_REGISTERWEIGHTSCHUNK']._serialized_end=2373
+  _globals['_REGISTERWEIGHTSFROMFILEREQUEST']._serialized_start=2375
+  _globals['_REGISTERWEIGHTSFROMFILEREQUEST']._serialized_end=2500
+  _globals['_WEIGHTSINFO']._serialized_start=2503
+  _globals['_WEIGHTSINFO']._serialized_end=2687
+  _globals['_LISTWEIGHTSREQUEST']._serialized_start=2689
+  _globals['_LISTWEIGHTSREQUEST']._serialized_end=2709
+  _globals['_LISTWEIGHTSRESPONSE']._serialized_start=2711
+  _globals['_LISTWEIGHTSRESPONSE']._serialized_end=2779
+  _globals['_UNREGISTERWEIGHTSREQUEST']._serialized_start=2781
+  _globals['_UNREGISTERWEIGHTSREQUEST']._serialized_end=2821
+  _globals['_UNREGISTERWEIGHTSRESPONSE']._serialized_start=2823
+  _globals['_UNREGISTERWEIGHTSRESPONSE']._serialized_end=2897
+  _globals['_SAMPLER']._serialized_start=3123
+  _globals['_SAMPLER']._serialized_end=3686
 # @@protoc_insertion_point(module_scope)

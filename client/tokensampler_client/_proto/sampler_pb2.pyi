@@ -93,21 +93,31 @@ class SamplingParams(_message.Message):
     prompt_token_ids: TokenLists
     def __init__(self, temperature: _Optional[_Iterable[float]] = ..., top_k: _Optional[_Iterable[int]] = ..., top_p: _Optional[_Iterable[float]] = ..., min_p: _Optional[_Iterable[float]] = ..., seed: _Optional[_Iterable[int]] = ..., has_seed: _Optional[_Iterable[bool]] = ..., position: _Optional[_Iterable[int]] = ..., iteration: _Optional[_Iterable[int]] = ..., repetition_penalty: _Optional[_Iterable[float]] = ..., presence_penalty: _Optional[_Iterable[float]] = ..., frequency_penalty: _Optional[_Iterable[float]] = ..., allowed_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., banned_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., logit_bias: _Optional[_Union[LogitBias, _Mapping]] = ..., output_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ...) -> None: ...
 
+class HiddenStates(_message.Message):
+    __slots__ = ("states", "weights")
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    states: Tensor
+    weights: str
+    def __init__(self, states: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[str] = ...) -> None: ...
+
 class SampleRequest(_message.Message):
-    __slots__ = ("logits", "params", "num_samples", "return_logprobs", "logprobs_mode", "top_logprobs")
+    __slots__ = ("logits", "hidden", "params", "num_samples", "return_logprobs", "logprobs_mode", "top_logprobs")
     LOGITS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     logits: Tensor
+    hidden: HiddenStates
     params: SamplingParams
     num_samples: int
     return_logprobs: bool
     logprobs_mode: LogprobsMode
     top_logprobs: int
-    def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., return_logprobs: bool = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ..., hidden: _Optional[_Union[HiddenStates, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., return_logprobs: bool = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_ns", "compute_ns", "total_ns")
@@ -146,19 +156,21 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_batch_rows", "max_message_bytes", "max_num_samples", "max_top_logprobs")
+    __slots__ = ("max_batch_rows", "max_message_bytes", "max_num_samples", "max_top_logprobs", "max_weight_bytes")
     MAX_BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     max_batch_rows: int
     max_message_bytes: int
     max_num_samples: int
     max_top_logprobs: int
-    def __init__(self, max_batch_rows: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_num_samples: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ...) -> None: ...
+    max_weight_bytes: int
+    def __init__(self, max_batch_rows: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_num_samples: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_weight_bytes: _Optional[int] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "backend", "device", "limits", "logits_dtypes", "features", "kernels", "api_version")
+    __slots__ = ("version", "backend", "device", "limits", "logits_dtypes", "features", "kernels", "api_version", "registered_weights", "registered_weights_bytes", "device_memory_allocated_bytes", "device_memory_reserved_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +179,10 @@ class ServerInfo(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     KERNELS_FIELD_NUMBER: _ClassVar[int]
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: str
     backend: str
     device: str
@@ -175,4 +191,90 @@ class ServerInfo(_message.Message):
     features: _containers.RepeatedScalarFieldContainer[str]
     kernels: _containers.RepeatedScalarFieldContainer[str]
     api_version: str
-    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., features: _Optional[_Iterable[str]] = ..., kernels: _Optional[_Iterable[str]] = ..., api_version: _Optional[str] = ...) -> None: ...
+    registered_weights: int
+    registered_weights_bytes: int
+    device_memory_allocated_bytes: int
+    device_memory_reserved_bytes: int
+    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., features: _Optional[_Iterable[str]] = ..., kernels: _Optional[_Iterable[str]] = ..., api_version: _Optional[str] = ..., registered_weights: _Optional[int] = ..., registered_weights_bytes: _Optional[int] = ..., device_memory_allocated_bytes: _Optional[int] = ..., device_memory_reserved_bytes: _Optional[int] = ...) -> None: ...
+
+class WeightOptions(_message.Message):
+    __slots__ = ("bias", "vocab_size", "soft_cap", "logit_scale")
+    BIAS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SOFT_CAP_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_SCALE_FIELD_NUMBER: _ClassVar[int]
+    bias: Tensor
+    vocab_size: int
+    soft_cap: float
+    logit_scale: float
+    def __init__(self, bias: _Optional[_Union[Tensor, _Mapping]] = ..., vocab_size: _Optional[int] = ..., soft_cap: _Optional[float] = ..., logit_scale: _Optional[float] = ...) -> None: ...
+
+class RegisterWeightsChunk(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "options", "sha256", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    options: WeightOptions
+    sha256: str
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., options: _Optional[_Union[WeightOptions, _Mapping]] = ..., sha256: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class RegisterWeightsFromFileRequest(_message.Message):
+    __slots__ = ("name", "path", "tensor", "options")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    tensor: str
+    options: WeightOptions
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., tensor: _Optional[str] = ..., options: _Optional[_Union[WeightOptions, _Mapping]] = ...) -> None: ...
+
+class WeightsInfo(_message.Message):
+    __slots__ = ("name", "vocab_size", "padded_vocab_size", "hidden_size", "dtype", "bytes", "sha256", "in_flight")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PADDED_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    vocab_size: int
+    padded_vocab_size: int
+    hidden_size: int
+    dtype: DType
+    bytes: int
+    sha256: str
+    in_flight: int
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., padded_vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., in_flight: _Optional[int] = ...) -> None: ...
+
+class ListWeightsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListWeightsResponse(_message.Message):
+    __slots__ = ("weights",)
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    weights: _containers.RepeatedCompositeFieldContainer[WeightsInfo]
+    def __init__(self, weights: _Optional[_Iterable[_Union[WeightsInfo, _Mapping]]] = ...) -> None: ...
+
+class UnregisterWeightsRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnregisterWeightsResponse(_message.Message):
+    __slots__ = ("weights",)
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    weights: WeightsInfo
+    def __init__(self, weights: _Optional[_Union[WeightsInfo, _Mapping]] = ...) -> None: ...

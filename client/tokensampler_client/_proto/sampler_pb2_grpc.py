@@ -45,6 +45,26 @@ class SamplerStub(object):
                 request_serializer=tokensampler_dot_v1_dot_sampler__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=tokensampler_dot_v1_dot_sampler__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.RegisterWeights = channel.stream_unary(
+                '/tokensampler.v1.Sampler/RegisterWeights',
+                request_serializer=tokensampler_dot_v1_dot_sampler__pb2.RegisterWeightsChunk.SerializeToString,
+                response_deserializer=tokensampler_dot_v1_dot_sampler__pb2.WeightsInfo.FromString,
+                _registered_method=True)
+        self.RegisterWeightsFromFile = channel.unary_unary(
+                '/tokensampler.v1.Sampler/RegisterWeightsFromFile',
+                request_serializer=tokensampler_dot_v1_dot_sampler__pb2.RegisterWeightsFromFileRequest.SerializeToString,
+                response_deserializer=tokensampler_dot_v1_dot_sampler__pb2.WeightsInfo.FromString,
+                _registered_method=True)
+        self.ListWeights = channel.unary_unary(
+                '/tokensampler.v1.Sampler/ListWeights',
+                request_serializer=tokensampler_dot_v1_dot_sampler__pb2.ListWeightsRequest.SerializeToString,
+                response_deserializer=tokensampler_dot_v1_dot_sampler__pb2.ListWeightsResponse.FromString,
+                _registered_method=True)
+        self.UnregisterWeights = channel.unary_unary(
+                '/tokensampler.v1.Sampler/UnregisterWeights',
+                request_serializer=tokensampler_dot_v1_dot_sampler__pb2.UnregisterWeightsRequest.SerializeToString,
+                response_deserializer=tokensampler_dot_v1_dot_sampler__pb2.UnregisterWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class SamplerServicer(object):
@@ -65,6 +85,35 @@ class SamplerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterWeights(self, request_iterator, context):
+        """Registers an LM-head weight uploaded in chunks: a header message first, then the bytes. The weight
+        becomes usable only once every byte has arrived and the checksum matches (a half-sent upload
+        never does).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterWeightsFromFile(self, request, context):
+        """Registers an LM-head weight read from a safetensors file on the server, inside --weights-dir.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListWeights(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterWeights(self, request, context):
+        """Unregisters a weight: waits for the requests using it, then frees it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SamplerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +126,26 @@ def add_SamplerServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=tokensampler_dot_v1_dot_sampler__pb2.GetServerInfoRequest.FromString,
                     response_serializer=tokensampler_dot_v1_dot_sampler__pb2.ServerInfo.SerializeToString,
+            ),
+            'RegisterWeights': grpc.stream_unary_rpc_method_handler(
+                    servicer.RegisterWeights,
+                    request_deserializer=tokensampler_dot_v1_dot_sampler__pb2.RegisterWeightsChunk.FromString,
+                    response_serializer=tokensampler_dot_v1_dot_sampler__pb2.WeightsInfo.SerializeToString,
+            ),
+            'RegisterWeightsFromFile': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterWeightsFromFile,
+                    request_deserializer=tokensampler_dot_v1_dot_sampler__pb2.RegisterWeightsFromFileRequest.FromString,
+                    response_serializer=tokensampler_dot_v1_dot_sampler__pb2.WeightsInfo.SerializeToString,
+            ),
+            'ListWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWeights,
+                    request_deserializer=tokensampler_dot_v1_dot_sampler__pb2.ListWeightsRequest.FromString,
+                    response_serializer=tokensampler_dot_v1_dot_sampler__pb2.ListWeightsResponse.SerializeToString,
+            ),
+            'UnregisterWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterWeights,
+                    request_deserializer=tokensampler_dot_v1_dot_sampler__pb2.UnregisterWeightsRequest.FromString,
+                    response_serializer=tokensampler_dot_v1_dot_sampler__pb2.UnregisterWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +203,114 @@ class Sampler(object):
             '/tokensampler.v1.Sampler/GetServerInfo',
             tokensampler_dot_v1_dot_sampler__pb2.GetServerInfoRequest.SerializeToString,
             tokensampler_dot_v1_dot_sampler__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterWeights(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/tokensampler.v1.Sampler/RegisterWeights',
+            tokensampler_dot_v1_dot_sampler__pb2.RegisterWeightsChunk.SerializeToString,
+            tokensampler_dot_v1_dot_sampler__pb2.WeightsInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterWeightsFromFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokensampler.v1.Sampler/RegisterWeightsFromFile',
+            tokensampler_dot_v1_dot_sampler__pb2.RegisterWeightsFromFileRequest.SerializeToString,
+            tokensampler_dot_v1_dot_sampler__pb2.WeightsInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokensampler.v1.Sampler/ListWeights',
+            tokensampler_dot_v1_dot_sampler__pb2.ListWeightsRequest.SerializeToString,
+            tokensampler_dot_v1_dot_sampler__pb2.ListWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokensampler.v1.Sampler/UnregisterWeights',
+            tokensampler_dot_v1_dot_sampler__pb2.UnregisterWeightsRequest.SerializeToString,
+            tokensampler_dot_v1_dot_sampler__pb2.UnregisterWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

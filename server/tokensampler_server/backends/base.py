@@ -5,6 +5,8 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 
+import torch
+
 from ..sampling import SamplingBatch, SamplingResult
 
 
@@ -25,6 +27,11 @@ class Backend(abc.ABC):
 
     `sample` is called from one worker thread at a time; it takes CPU tensors and returns CPU tensors.
     """
+
+    @property
+    def device(self) -> torch.device:
+        """Where registered LM-head weights live and hidden-state logits are computed."""
+        return torch.device("cpu")
 
     @abc.abstractmethod
     def info(self) -> BackendInfo:

@@ -1,0 +1,77 @@
+"""Messages of the weight RPCs: chunked uploads of an LM head and its options."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ._proto import sampler_pb2 as pb
+from .tensors import as_torch, encode_tensor
+
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+
+Progress = Callable[[int, int], None]
+"""Called as progress(bytes_sent, total_bytes) after each chunk."""
+
+
+def weight_options(
+    *, vocab_size: int | None = None, bias: Any = None, soft_cap: float | None = None, logit_scale: float | None = None
+) -> pb.WeightOptions:
+    """How the server finishes the logits: x = cap·tanh(((W·h + bias)·logit_scale)/cap), rows >= vocab_size dropped."""
+    options = pb.WeightOptions()
+    if vocab_size is not None:
+        options.vocab_size = vocab_size
+    if bias is not None:
+        encode_tensor(as_torch(bias).float(), out=options.bias)
+    if soft_cap is not None:
+        options.soft_cap = soft_cap
+    if logit_scale is not None:
+        options.logit_scale = logit_scale
+    return options
+
+
+class WeightUpload:
+    """The chunks of one upload; iterable again for each retry. The SHA-256 rides in the last chunk."""
+
+    def __init__(
+        self,
+        name: str,
+        weight: Any,
+        options: pb.WeightOptions,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        progress: Progress | None = None,
+    ) -> None:
+        tensor = as_torch(weight)
+        if tensor.ndim != 2:
+            raise ValueError(f"weight: expected shape [V, D], got {list(tensor.shape)}")
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes: expected >= 1, got {chunk_bytes}")
+        self._header = pb.RegisterWeightsChunk(name=name, options=options)
+        encoded = encode_tensor(tensor)  # dtype checked here; one CPU copy of the bytes
+        self._header.dtype = encoded.dtype
+        self._header.shape[:] = encoded.shape
+        self._data = encoded.data
+        self._chunk_bytes = chunk_bytes
+        self._progress = progress
+
+    def __iter__(self) -> Iterator[pb.RegisterWeightsChunk]:
+        total = len(self._data)
+        digest = hashlib.sha256()
+        view = memoryview(self._data)
+        offset = 0
+        first = True
+        while first or offset < total:
+            chunk = pb.RegisterWeightsChunk()
+            if first:
+                chunk.CopyFrom(self._header)
+                first = False
+            piece = view[offset : offset + self._chunk_bytes]
+            digest.update(piece)
+            chunk.data = bytes(piece)
+            offset += len(piece)
+            if offset >= total:
+                chunk.sha256 = digest.hexdigest()
+            yield chunk
+            if self._progress is not None:
+                self._progress(offset, total)

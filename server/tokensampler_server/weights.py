@@ -1,0 +1,203 @@
+"""The LM-head weight registry: weights registered once, used by hidden-state requests by name.
+
+A weight is usable only once it is complete and verified (uploads are assembled aside and checked
+against their SHA-256 first). Requests hold a reference while they use a weight; unregistering waits
+until none does, then frees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import grpc
+import torch
+
+from .errors import InvalidArgument, ServiceError
+
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_UNREGISTER_POLL_S = 0.005
+
+
+@dataclass(frozen=True)
+class LogitsFinish:
+    """x = cap * tanh(((W h + bias) * scale) / cap), rows past vocab_size dropped."""
+
+    vocab_size: int
+    bias: torch.Tensor | None = None
+    """float32 [padded V]."""
+    soft_cap: float | None = None
+    logit_scale: float = 1.0
+
+
+@dataclass
+class RegisteredWeight:
+    name: str
+    weight: torch.Tensor
+    """[padded V, D] on the backend's device."""
+    finish: LogitsFinish
+    sha256: str
+    in_flight: int = 0
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return int(self.weight.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.weight.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [B, vocab_size] of hidden states [B, D] (any float dtype), on W's device."""
+        x = hidden.to(self.weight.device, torch.float32) @ self.weight.to(torch.float32).T
+        finish = self.finish
+        if finish.bias is not None:
+            x += finish.bias.to(x.device)
+        if finish.logit_scale != 1.0:
+            x *= finish.logit_scale
+        if finish.soft_cap is not None:
+            x = finish.soft_cap * torch.tanh(x / finish.soft_cap)
+        return x[:, : finish.vocab_size]
+
+
+def sha256_hex(tensor: torch.Tensor) -> str:
+    """SHA-256 of a CPU tensor's row-major bytes."""
+    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def check_finish(
+    padded_vocab_size: int,
+    bias: torch.Tensor | None,
+    vocab_size: int | None,
+    soft_cap: float | None,
+    logit_scale: float | None,
+    field_prefix: str = "options",
+) -> LogitsFinish:
+    """Validates the options of a weight [padded_vocab_size, D]."""
+    if bias is not None and tuple(bias.shape) != (padded_vocab_size,):
+        raise InvalidArgument(f"{field_prefix}.bias.shape", f"got {list(bias.shape)}, expected [{padded_vocab_size}]")
+    if bias is not None and not bool(torch.isfinite(bias.float()).all()):
+        raise InvalidArgument(f"{field_prefix}.bias.data", "got non-finite values, expected finite numbers")
+    if vocab_size is not None and not 1 <= vocab_size <= padded_vocab_size:
+        raise InvalidArgument(f"{field_prefix}.vocab_size", f"got {vocab_size}, expected 1 <= V <= {padded_vocab_size}")
+    if soft_cap is not None and not (math.isfinite(soft_cap) and soft_cap > 0):
+        raise InvalidArgument(f"{field_prefix}.soft_cap", f"got {soft_cap}, expected a finite cap > 0")
+    if logit_scale is not None and not math.isfinite(logit_scale):
+        raise InvalidArgument(f"{field_prefix}.logit_scale", f"got {logit_scale}, expected a finite number")
+    return LogitsFinish(
+        vocab_size=vocab_size if vocab_size is not None else padded_vocab_size,
+        bias=None if bias is None else bias.to(torch.float32),
+        soft_cap=soft_cap,
+        logit_scale=1.0 if logit_scale is None else logit_scale,
+    )
+
+
+def resolve_weights_path(weights_dir: Path | None, relative: str) -> Path:
+    """The file `relative` inside weights_dir; PERMISSION_DENIED outside it, for links and for "..".
+
+    FAILED_PRECONDITION when the server has no --weights-dir.
+    """
+    if weights_dir is None:
+        raise ServiceError("path: loading weights from server files is off (start the server with --weights-dir)",
+                           grpc.StatusCode.FAILED_PRECONDITION)
+    parts = Path(relative).parts
+    if not relative or Path(relative).is_absolute() or ".." in parts:
+        raise ServiceError(f"path: got {relative!r}, expected a relative path inside --weights-dir without '..'",
+                           grpc.StatusCode.PERMISSION_DENIED)
+    root = weights_dir.resolve()
+    candidate = root
+    for part in parts:
+        candidate = candidate / part
+        if candidate.is_symlink():
+            raise ServiceError(f"path: {relative!r} goes through a symbolic link, which is refused",
+                               grpc.StatusCode.PERMISSION_DENIED)
+    if not candidate.is_file():
+        raise ServiceError(f"path: {relative!r} is not a file inside --weights-dir", grpc.StatusCode.NOT_FOUND)
+    if root not in candidate.resolve().parents:
+        raise ServiceError(f"path: {relative!r} is outside --weights-dir", grpc.StatusCode.PERMISSION_DENIED)
+    return candidate
+
+
+def load_safetensors(path: Path, tensor: str) -> torch.Tensor:
+    """One tensor of a safetensors file (the format holds no code: safe to read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(os.fspath(path), framework="pt") as handle:
+            if tensor not in handle.keys():
+                raise ServiceError(f"tensor: {tensor!r} is not in {path.name} (it has {sorted(handle.keys())[:8]})",
+                                   grpc.StatusCode.NOT_FOUND)
+            return handle.get_tensor(tensor)
+    except ServiceError:
+        raise
+    except Exception as err:  # a corrupt or foreign file
+        raise InvalidArgument("path", f"could not read {path.name} as safetensors: {err}") from None
+
+
+class WeightRegistry:
+    """Registered weights by name, on one device; thread-safe, waits on the server's event loop."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._weights: dict[str, RegisteredWeight] = {}
+        self._lock = threading.Lock()
+
+    def register(self, name: str, weight: torch.Tensor, finish: LogitsFinish, sha256: str) -> RegisteredWeight:
+        """Makes a complete, verified weight usable under `name` (ALREADY_EXISTS if taken)."""
+        if not name:
+            raise InvalidArgument("name", "got an empty name, expected a non-empty weight name")
+        if weight.dtype not in WEIGHT_DTYPES or weight.dim() != 2:
+            raise InvalidArgument("weight", f"got {weight.dtype} {list(weight.shape)}, expected a [V, D] float tensor")
+        placed = weight.to(self._device).contiguous()
+        bias = None if finish.bias is None else finish.bias.to(self._device)
+        entry = RegisteredWeight(name=name, weight=placed, finish=replace(finish, bias=bias), sha256=sha256)
+        with self._lock:
+            if name in self._weights:
+                raise ServiceError(f"name: a weight named {name!r} is already registered", grpc.StatusCode.ALREADY_EXISTS)
+            self._weights[name] = entry
+        return entry
+
+    def list(self) -> list[RegisteredWeight]:
+        with self._lock:
+            return list(self._weights.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(entry.nbytes for entry in self.list())
+
+    @contextmanager
+    def use(self, name: str, field_name: str = "hidden.weights") -> Iterator[RegisteredWeight]:
+        """Holds a reference to weight `name` for the duration of a request (NOT_FOUND if unknown)."""
+        with self._lock:
+            entry = self._weights.get(name)
+            if entry is None:
+                raise ServiceError(f"{field_name}: no weight named {name!r} is registered", grpc.StatusCode.NOT_FOUND)
+            entry.in_flight += 1
+        try:
+            yield entry
+        finally:
+            with self._lock:
+                entry.in_flight -= 1
+
+    async def unregister(self, name: str) -> RegisteredWeight:
+        """Removes `name` at once for new requests, waits for the ones using it, then frees it."""
+        with self._lock:
+            entry = self._weights.pop(name, None)
+        if entry is None:
+            raise ServiceError(f"name: no weight named {name!r} is registered", grpc.StatusCode.NOT_FOUND)
+        # Unregistering is rare and requests are short: polling keeps the backend thread free of
+        # any event-loop plumbing.
+        while entry.in_flight:
+            await asyncio.sleep(_UNREGISTER_POLL_S)
+        return entry

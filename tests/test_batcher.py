@@ -1,0 +1,125 @@
+"""Server-side dynamic batching: merged backend calls give every request exactly its own rows."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import grpc
+import pytest
+import torch
+from tokensampler_server.backends.base import Backend, BackendInfo
+from tokensampler_server.backends.cpu import CpuBackend
+from tokensampler_server.batcher import DynamicBatcher
+from tokensampler_server.errors import ServiceError
+from tokensampler_server.sampling import LogitProcessing, SamplingBatch, SamplingResult, TokenEntries
+
+from .batches import make_batch
+
+VOCAB = 300
+
+
+def random_batch(rng: random.Random) -> SamplingBatch:
+    rows = rng.randint(1, 5)
+    logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+    processing = None
+    if rng.random() < 0.5:
+        banned_rows = torch.arange(rows).repeat_interleave(2)
+        processing = LogitProcessing(
+            banned=TokenEntries(banned_rows, torch.randint(0, VOCAB, (2 * rows,))),
+            output_tokens=TokenEntries(torch.zeros(3, dtype=torch.int64), torch.tensor([1, 1, 7])),
+            frequency_penalty=torch.full((rows,), 0.5) if rng.random() < 0.5 else None,
+            repetition_penalty=torch.full((rows,), 1.3),
+        )
+    return make_batch(
+        logits,
+        temperature=[rng.choice([0.0, 0.8, 1.0]) for _ in range(rows)],
+        top_k=rng.choice([0, 10]),
+        top_p=rng.choice([1.0, 0.9]),
+        seed=[rng.randrange(-(2**63), 2**63) for _ in range(rows)],
+        position=rng.randrange(100),
+        processing=processing,
+        return_logprobs=True,
+        top_logprobs=3,
+    )
+
+
+class CountingBackend(Backend):
+    """The CPU backend, recording the rows of every call it gets."""
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        self.calls: list[int] = []
+        self._gate = gate
+
+    def info(self) -> BackendInfo:
+        return BackendInfo(name="cpu", device="cpu")
+
+    def sample(self, batch: SamplingBatch) -> SamplingResult:
+        if self._gate is not None:
+            self._gate.wait(10)
+        self.calls.append(batch.num_rows)
+        return CpuBackend().sample(batch)
+
+
+def test_concurrent_requests_are_merged_and_each_gets_its_own_rows() -> None:
+    rng = random.Random(0)
+    batches = [random_batch(rng) for _ in range(60)]
+    backend = CountingBackend()
+
+    async def run() -> list[SamplingResult]:
+        batcher = DynamicBatcher(backend, max_batch_rows=64, max_queue_delay_us=2000)
+        results = await asyncio.gather(*(batcher.submit(b) for b in batches))
+        await batcher.close()
+        return [result for result, _ in results]
+
+    results = asyncio.run(run())
+    assert len(backend.calls) < len(batches) and max(backend.calls) <= 64
+    reference = CpuBackend()
+    for batch, result in zip(batches, results):
+        alone = reference.sample(batch)
+        assert torch.equal(result.tokens, alone.tokens)
+        assert torch.equal(result.logprobs, alone.logprobs)
+        assert torch.equal(result.top_logprob_ids, alone.top_logprob_ids)
+
+
+def test_full_queue_answers_resource_exhausted_at_once() -> None:
+    gate = threading.Event()
+
+    async def run() -> ServiceError:
+        batcher = DynamicBatcher(CountingBackend(gate), max_batch_rows=4, max_queue_rows=8)
+        busy = [asyncio.ensure_future(batcher.submit(make_batch(torch.zeros(4, 8))))]
+        await asyncio.sleep(0.05)  # that batch is in the backend, blocked on the gate
+        busy += [asyncio.ensure_future(batcher.submit(make_batch(torch.zeros(4, 8)))) for _ in range(2)]
+        await asyncio.sleep(0.01)  # 8 rows wait: the queue is full
+        assert batcher.queued_rows == 8
+        with pytest.raises(ServiceError) as raised:
+            await batcher.submit(make_batch(torch.zeros(1, 8)))
+        gate.set()
+        await asyncio.gather(*busy)
+        await batcher.close()
+        return raised.value
+
+    error = asyncio.run(run())
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in error.message
+
+
+def test_a_cancelled_caller_does_not_disturb_its_batch() -> None:
+    gate = threading.Event()
+    backend = CountingBackend(gate)
+
+    async def run() -> list:
+        batcher = DynamicBatcher(backend, max_batch_rows=64)
+        first = asyncio.ensure_future(batcher.submit(make_batch(torch.zeros(1, 8))))
+        await asyncio.sleep(0.02)  # the backend is busy with `first`; the next three queue up
+        waiting = [asyncio.ensure_future(batcher.submit(make_batch(torch.randn(2, 8), seed=s))) for s in range(3)]
+        await asyncio.sleep(0.02)
+        waiting[1].cancel()
+        gate.set()
+        done = await asyncio.gather(first, waiting[0], waiting[2])
+        await batcher.close()
+        return done
+
+    done = asyncio.run(run())
+    assert backend.calls == [1, 4]  # the cancelled caller's rows were dropped before the merge
+    assert all(result.tokens.shape[1] == 1 for result, _ in done)

@@ -1,0 +1,178 @@
+"""Hidden-state input end to end: weights registered by upload or from a file, then sampled by name."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from scipy import stats
+from tokensampler_client import SamplerClient, TokenSamplerError
+
+from .conftest import RunningServer, start_server
+
+ALPHA = 1e-3
+
+
+@pytest.fixture(scope="module")
+def weights_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("weights")
+    save_file({"lm_head.weight": torch.randn(300, 64, generator=torch.Generator().manual_seed(9)).bfloat16()},
+              root / "model.safetensors")
+    os.symlink(root / "model.safetensors", root / "link.safetensors")
+    return root
+
+
+@pytest.fixture(scope="module")
+def weights_server(weights_dir: Path):
+    running = start_server("--device", "cpu", "--weights-dir", str(weights_dir), "--uds", str(weights_dir / "ts.sock"))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(weights_server: RunningServer):
+    with SamplerClient(weights_server.target, timeout=60) as c:
+        yield c
+
+
+def test_upload_register_sample_and_unregister(client: SamplerClient) -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(1000, 96, generator=gen).half(), torch.randn(1000, generator=gen)
+    progress: list[tuple[int, int]] = []
+    info = client.register_weights(
+        "head-a", weight, vocab_size=990, bias=bias, soft_cap=20.0, logit_scale=0.5,
+        chunk_bytes=50_000, progress=lambda sent, total: progress.append((sent, total)),
+    )
+    assert (info.vocab_size, info.padded_vocab_size, info.hidden_size) == (990, 1000, 96)
+    assert progress[-1] == (weight.numel() * 2, weight.numel() * 2) and len(progress) == 4
+    assert [w.name for w in client.list_weights()] == ["head-a"]
+    assert client.server_info().registered_weights_bytes == weight.numel() * 2
+
+    hidden = torch.randn(64, 96, generator=gen)
+    logits = 20.0 * torch.tanh(((hidden @ weight.float().T + bias) * 0.5) / 20.0)
+    params = dict(top_k=50, top_p=0.9, seed=list(range(64)), return_logprobs=True)
+    from_hidden = client.sample_hidden(hidden, "head-a", **params)
+    from_logits = client.sample(logits[:, :990], **params)
+    agreement = (from_hidden.tokens == from_logits.tokens).float().mean().item()
+    assert agreement >= 0.999, agreement
+    assert (from_hidden.tokens < 990).all()  # padded rows are never sampled
+    greedy = client.sample_hidden(hidden, "head-a", temperature=0.0)
+    assert torch.equal(greedy.tokens[:, 0], logits[:, :990].argmax(dim=1))
+
+    assert client.unregister_weights("head-a").name == "head-a"
+    with pytest.raises(TokenSamplerError) as raised:
+        client.sample_hidden(hidden, "head-a")
+    assert raised.value.code == grpc.StatusCode.NOT_FOUND and "hidden.weights" in raised.value.details
+
+
+@pytest.mark.parametrize("vocab_size", [100, 256, 512])
+@pytest.mark.parametrize("rows", [1, 2, 7])
+def test_distribution_through_an_identity_head(client: SamplerClient, vocab_size: int, rows: int) -> None:
+    """W = [I | 0] makes the logits exactly the first V hidden values: chi-square against softmax."""
+    name = f"identity-{vocab_size}-{rows}"
+    client.register_weights(name, torch.eye(vocab_size, vocab_size + 8))
+    gen = torch.Generator().manual_seed(vocab_size * 10 + rows)
+    targets = torch.randn(rows, vocab_size, generator=gen) * 2
+    draws = 3000
+    hidden = torch.cat([targets, torch.randn(rows, 8, generator=gen)], dim=1).repeat_interleave(draws, dim=0)
+    for params in (dict(temperature=0.9), dict(temperature=1.0, top_k=40, top_p=0.9)):
+        tokens = torch.cat([  # in requests of at most 4096 rows, the server's default limit
+            client.sample_hidden(hidden[start : start + 4096], name, seed=list(range(start, start + 4096))[: len(hidden) - start],
+                                 **params).tokens[:, 0]
+            for start in range(0, len(hidden), 4096)
+        ])
+        for row in range(rows):
+            probs = torch.softmax(targets[row].double() / params["temperature"], dim=0).numpy()
+            if "top_k" in params:
+                order = np.argsort(-probs, kind="stable")[:40]
+                kept = order[: int(np.searchsorted(np.cumsum(probs[order]) / probs[order].sum(), 0.9)) + 1]
+                mask = np.zeros_like(probs, dtype=bool)
+                mask[kept] = True
+                probs = np.where(mask, probs, 0) / probs[mask].sum()
+            counts = np.bincount(tokens[row * draws : (row + 1) * draws].numpy(), minlength=vocab_size)
+            assert counts[probs == 0].sum() == 0
+            expected = probs * draws
+            # Pool the tokens expected fewer than 5 times into one bin, as chi-square needs.
+            small = (expected < 5) & (probs > 0)
+            observed = np.append(counts[~small & (probs > 0)], counts[small].sum())
+            expected = np.append(expected[~small & (probs > 0)], expected[small].sum())
+            if expected[-1] == 0:
+                observed, expected = observed[:-1], expected[:-1]
+            assert stats.chisquare(observed, expected).pvalue >= ALPHA, (params, row)
+    client.unregister_weights(name)
+
+
+def test_register_from_file_inside_weights_dir(client: SamplerClient) -> None:
+    info = client.register_weights_from_file("from-file", "model.safetensors", "lm_head.weight", vocab_size=290)
+    assert (info.vocab_size, info.padded_vocab_size, info.hidden_size) == (290, 300, 64)
+    result = client.sample_hidden(torch.randn(3, 64), "from-file", seed=1)
+    assert ((result.tokens >= 0) & (result.tokens < 290)).all()
+    client.unregister_weights("from-file")
+
+
+@pytest.mark.parametrize(
+    "path, code",
+    [
+        ("../model.safetensors", grpc.StatusCode.PERMISSION_DENIED),
+        ("/etc/passwd", grpc.StatusCode.PERMISSION_DENIED),
+        ("link.safetensors", grpc.StatusCode.PERMISSION_DENIED),
+        ("absent.safetensors", grpc.StatusCode.NOT_FOUND),
+    ],
+)
+def test_files_outside_weights_dir_are_refused(client: SamplerClient, path: str, code: grpc.StatusCode) -> None:
+    with pytest.raises(TokenSamplerError) as raised:
+        client.register_weights_from_file("bad", path)
+    assert raised.value.code == code
+
+
+def test_registry_errors(client: SamplerClient) -> None:
+    client.register_weights("dup", torch.randn(10, 4))
+    cases = [
+        (lambda: client.register_weights("dup", torch.randn(10, 4)), grpc.StatusCode.ALREADY_EXISTS, "name"),
+        (lambda: client.sample_hidden(torch.randn(2, 5), "dup"), grpc.StatusCode.INVALID_ARGUMENT, "hidden.states.shape"),
+        (lambda: client.sample_hidden(torch.randn(2, 4), "nope"), grpc.StatusCode.NOT_FOUND, "hidden.weights"),
+        (lambda: client.register_weights("capped", torch.randn(10, 4), soft_cap=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "options.soft_cap"),
+        (lambda: client.unregister_weights("nope"), grpc.StatusCode.NOT_FOUND, "name"),
+        (lambda: client.sample_hidden(torch.randn(2, 4), "dup", banned_token_ids=[10]), grpc.StatusCode.INVALID_ARGUMENT,
+         "params.banned_token_ids.ids"),
+    ]
+    for call, code, field in cases:
+        with pytest.raises(TokenSamplerError) as raised:
+            call()
+        assert raised.value.code == code and raised.value.details.startswith(f"{field}:"), raised.value
+    assert "capped" not in [w.name for w in client.list_weights()]
+    client.unregister_weights("dup")
+
+
+def test_weights_from_file_are_off_without_weights_dir(server: RunningServer) -> None:
+    with SamplerClient(server.target, timeout=30) as plain:
+        with pytest.raises(TokenSamplerError) as raised:
+            plain.register_weights_from_file("x", "model.safetensors")
+    assert raised.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_unregister_waits_for_requests_in_flight(client: SamplerClient) -> None:
+    client.register_weights("busy", torch.randn(151936, 16))
+    results: list[object] = []
+    slow = threading.Thread(
+        target=lambda: results.append(client.sample_hidden(torch.randn(48, 16), "busy", top_p=0.9, seed=3))
+    )
+    slow.start()
+    while not client.list_weights()[0].in_flight and slow.is_alive():
+        time.sleep(0.002)  # until the request holds the weight
+    info = client.unregister_weights("busy")
+    slow.join(60)
+    assert info.in_flight == 0 and len(results) == 1 and results[0].valid.all()
+
+
+def test_unix_domain_socket(weights_dir: Path, weights_server: RunningServer) -> None:
+    with SamplerClient(f"unix://{weights_dir / 'ts.sock'}", timeout=30) as over_uds:
+        assert over_uds.health() == "SERVING"
+        assert over_uds.sample(torch.zeros(2, 8), seed=1).tokens.shape == (2, 1)

@@ -1,0 +1,150 @@
+"""The LM-head weight registry: logits finishing, uploads, server-side files, reference counting."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import save_file
+from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client.tensors import encode_tensor
+from tokensampler_server.errors import InvalidArgument, ServiceError
+from tokensampler_server.weights import LogitsFinish, WeightRegistry, check_finish, load_safetensors, resolve_weights_path
+from tokensampler_server.weights_rpc import read_upload
+
+
+def test_logits_apply_bias_scale_cap_and_drop_padding() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight, hidden, bias = torch.randn(10, 6, generator=gen), torch.randn(3, 6, generator=gen), torch.randn(10, generator=gen)
+    registry = WeightRegistry(torch.device("cpu"))
+    finish = LogitsFinish(vocab_size=7, bias=bias, soft_cap=2.0, logit_scale=0.5)
+    entry = registry.register("head", weight.to(torch.bfloat16), finish, "x")
+    expected = 2.0 * torch.tanh(((hidden.double() @ weight.bfloat16().double().T + bias.double()) * 0.5) / 2.0)
+    torch.testing.assert_close(entry.logits(hidden).double(), expected[:, :7], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(bias=torch.zeros(9)), "options.bias.shape"),
+        (dict(bias=torch.tensor([float("nan")] * 10)), "options.bias.data"),
+        (dict(vocab_size=11), "options.vocab_size"),
+        (dict(vocab_size=0), "options.vocab_size"),
+        (dict(soft_cap=0.0), "options.soft_cap"),
+        (dict(soft_cap=float("inf")), "options.soft_cap"),
+        (dict(logit_scale=float("nan")), "options.logit_scale"),
+    ],
+)
+def test_bad_options_name_the_field(kwargs: dict, field: str) -> None:
+    args = dict(bias=None, vocab_size=None, soft_cap=None, logit_scale=None) | kwargs
+    with pytest.raises(InvalidArgument) as raised:
+        check_finish(10, **args)
+    assert raised.value.field == field
+
+
+def _chunks(weight: torch.Tensor, name: str = "w", chunk_bytes: int = 100, sha256: str | None = None, **header):
+    data = weight.contiguous().view(torch.uint8).numpy().tobytes()
+    digest = sha256 if sha256 is not None else hashlib.sha256(data).hexdigest()
+    first = pb.RegisterWeightsChunk(name=name, dtype=pb.DTYPE_FLOAT16, shape=list(weight.shape), **header)
+    messages = [first] + [pb.RegisterWeightsChunk() for _ in range(max(0, (len(data) - 1) // chunk_bytes))]
+    for index, message in enumerate(messages):
+        message.data = data[index * chunk_bytes : (index + 1) * chunk_bytes]
+    messages[-1].sha256 = digest
+    return messages
+
+
+async def _stream(messages):
+    for message in messages:
+        yield message
+
+
+def _read(messages, max_bytes: int = 1 << 20):
+    return asyncio.run(read_upload(_stream(messages), max_bytes))
+
+
+def test_upload_in_chunks_is_verified_and_complete() -> None:
+    weight = torch.randn(33, 7).half()
+    upload = _read(_chunks(weight, options=pb.WeightOptions(vocab_size=30, soft_cap=5.0)))
+    assert torch.equal(upload.weight, weight) and upload.name == "w"
+    assert upload.finish.vocab_size == 30 and upload.finish.soft_cap == 5.0
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda m: m[-1].ClearField("data"), "data"),  # a truncated upload never becomes usable
+        (lambda m: m[-1].__setattr__("data", m[-1].data + b"xx"), "data"),
+        (lambda m: m[-1].__setattr__("sha256", "0" * 64), "sha256"),
+        (lambda m: m[-1].__setattr__("sha256", ""), "sha256"),
+        (lambda m: m[0].__setattr__("dtype", pb.DTYPE_INT32), "dtype"),
+        (lambda m: m[0].shape.pop(), "shape"),
+        (lambda m: m[1].__setattr__("name", "again"), "name"),
+        (lambda m: m.clear(), "name"),
+    ],
+)
+def test_bad_uploads_are_refused(mutate, field: str) -> None:
+    messages = _chunks(torch.randn(33, 7).half())
+    mutate(messages)
+    with pytest.raises(InvalidArgument) as raised:
+        _read(messages)
+    assert raised.value.field == field
+
+
+def test_upload_larger_than_the_limit_is_refused() -> None:
+    with pytest.raises(InvalidArgument, match="at most 100"):
+        _read(_chunks(torch.randn(33, 7).half()), max_bytes=100)
+
+
+def test_weights_dir_confinement(tmp_path: Path) -> None:
+    root = tmp_path / "weights"
+    (root / "sub").mkdir(parents=True)
+    save_file({"lm_head.weight": torch.randn(5, 3)}, root / "sub" / "head.safetensors")
+    (tmp_path / "outside.safetensors").write_bytes(b"")
+    os.symlink(tmp_path / "outside.safetensors", root / "link.safetensors")
+    assert resolve_weights_path(root, "sub/head.safetensors").name == "head.safetensors"
+    assert load_safetensors(root / "sub" / "head.safetensors", "lm_head.weight").shape == (5, 3)
+    for path, code in [
+        ("../outside.safetensors", grpc.StatusCode.PERMISSION_DENIED),
+        (str(tmp_path / "outside.safetensors"), grpc.StatusCode.PERMISSION_DENIED),
+        ("link.safetensors", grpc.StatusCode.PERMISSION_DENIED),
+        ("missing.safetensors", grpc.StatusCode.NOT_FOUND),
+    ]:
+        with pytest.raises(ServiceError) as raised:
+            resolve_weights_path(root, path)
+        assert raised.value.code == code, path
+    with pytest.raises(ServiceError) as raised:
+        resolve_weights_path(None, "sub/head.safetensors")
+    assert raised.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(ServiceError) as raised:
+        load_safetensors(root / "sub" / "head.safetensors", "missing")
+    assert raised.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_unregister_waits_for_requests_in_flight() -> None:
+    registry = WeightRegistry(torch.device("cpu"))
+    registry.register("head", torch.randn(4, 2), LogitsFinish(vocab_size=4), "x")
+    with pytest.raises(ServiceError) as raised:
+        registry.register("head", torch.randn(4, 2), LogitsFinish(vocab_size=4), "x")
+    assert raised.value.code == grpc.StatusCode.ALREADY_EXISTS
+
+    async def run() -> list[str]:
+        events: list[str] = []
+        with registry.use("head"):
+            task = asyncio.ensure_future(registry.unregister("head"))
+            await asyncio.sleep(0.05)
+            assert not task.done()  # still in use
+            with pytest.raises(ServiceError):  # but already gone for new requests
+                with registry.use("head"):
+                    pass
+            events.append("released")
+        await task
+        events.append("unregistered")
+        return events
+
+    assert asyncio.run(run()) == ["released", "unregistered"]
+    assert registry.list() == []
