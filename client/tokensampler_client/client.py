@@ -16,6 +16,7 @@ from ._retry import Backoff, CallPolicy
 from .errors import error_from_rpc
 from .params import Column, LogitBiasArg, TokenListsArg, build_sample_request
 from .result import SampleResult
+from .stream import SampleStream
 from .weights import DEFAULT_CHUNK_BYTES, Progress, WeightUpload, weight_options
 
 Response = TypeVar("Response")
@@ -217,6 +218,14 @@ class SamplerClient:
         """Unregisters `name` once the requests using it have finished."""
         request = pb.UnregisterWeightsRequest(name=name)
         return (self._call(self._stub.UnregisterWeights, request, timeout, None)).weights
+
+    def stream(self, *, timeout: float | None = None, request_id: str | None = None) -> SampleStream:
+        """Opens a SampleStream for a decode loop (see stream.py): `with client.stream() as s: s.sample(logits)`.
+
+        `timeout` bounds the whole stream (default: none); UNAVAILABLE is not retried inside it.
+        """
+        metadata = call_metadata(request_id or new_request_id())
+        return SampleStream(self._stub, metadata, timeout)
 
     def server_info(self, *, timeout: float | None = None) -> pb.ServerInfo:
         """The server's version, backend, device, limits, logits dtypes and features."""

@@ -59,7 +59,9 @@ async def serve(config: ServerConfig) -> None:
         max_queue_rows=config.max_queue_rows,
         observe_batch_rows=metrics.batch_rows.observe,
     )
-    sampler = SamplerService(backend, config.limits, batcher=batcher, weights_dir=config.weights_dir)
+    sampler = SamplerService(
+        backend, config.limits, batcher=batcher, weights_dir=config.weights_dir, metrics=metrics
+    )
     metrics.queue_depth.set_function(lambda: sampler.queue_depth)
     metrics.registered_weights.set_function(lambda: len(sampler.registry.list()))
     metrics.registered_weights_bytes.set_function(lambda: sampler.registry.total_bytes)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -16,18 +18,25 @@ from tokensampler_client.tensors import encode_tensor
 from . import __version__
 from .backends import Backend
 from .batcher import DynamicBatcher
-from .call_record import current_call
+from .call_record import CallRecord, current_call
 from .config import Limits
-from .errors import InvalidArgument
+from .errors import InvalidArgument, ServiceError
+from .metrics import ServerMetrics
+from .request_context import current_request_id, request_id_from_metadata
 from .sampling import SamplingResult
 from .validation import LOGITS_DTYPES, validate_sample_request
 from .weights import WEIGHT_DTYPES, RegisteredWeight, WeightRegistry, load_safetensors, resolve_weights_path, sha256_hex
 from .weights_rpc import finish_from_options, read_upload, weights_info
 
+log = logging.getLogger(__name__)
+
 API_VERSION = "tokensampler.v1"
+STREAM_METHOD = "tokensampler.v1.Sampler/SampleStream"
+# Messages of one stream sampled at once; past that, reading the stream waits (flow control).
+STREAM_MESSAGES_IN_FLIGHT = 64
 FEATURES = (
     "logits", "hidden_states", "weights_upload", "weights_from_file", "logprobs", "top_logprobs", "penalties",
-    "logit_bias", "token_masks", "num_samples", "dynamic_batching",
+    "logit_bias", "token_masks", "num_samples", "dynamic_batching", "sample_stream",
 )
 
 
@@ -61,12 +70,14 @@ class SamplerService(pb_grpc.SamplerServicer):
         batcher: DynamicBatcher | None = None,
         registry: WeightRegistry | None = None,
         weights_dir: Path | None = None,
+        metrics: ServerMetrics | None = None,
     ) -> None:
         self._backend = backend
         self._limits = limits
         self._batcher = batcher or DynamicBatcher(backend, max_batch_rows=limits.max_batch_rows)
         self._registry = registry or WeightRegistry(backend.device)
         self._weights_dir = weights_dir
+        self._metrics = metrics
 
     @property
     def queue_depth(self) -> int:
@@ -85,6 +96,50 @@ class SamplerService(pb_grpc.SamplerServicer):
             with self._registry.use(request.hidden.weights) as lm_head:
                 return await self._sample(request, lm_head)
         return await self._sample(request, None)
+
+    async def SampleStream(
+        self, request_iterator: AsyncIterator[pb.SampleRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.SampleStreamResponse]:
+        """Samples each message as it arrives (so the batcher can merge them) and answers in order."""
+        stream_id = request_id_from_metadata(context.invocation_metadata())
+        answers: asyncio.Queue[asyncio.Future | None] = asyncio.Queue(maxsize=STREAM_MESSAGES_IN_FLIGHT)
+
+        async def read() -> None:
+            try:
+                index = 0
+                async for request in request_iterator:
+                    record = CallRecord(method=STREAM_METHOD, request_id=f"{stream_id}.{index}")
+                    await answers.put(asyncio.ensure_future(self._stream_message(request, record)))
+                    index += 1
+            finally:
+                await answers.put(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (answer := await answers.get()) is not None:
+                yield await answer
+            await reader
+        finally:
+            reader.cancel()
+
+    async def _stream_message(self, request: pb.SampleRequest, record: CallRecord) -> pb.SampleStreamResponse:
+        """One stream message, reported like a unary call; a failure becomes an error message."""
+        record.start()
+        current_request_id.set(record.request_id)
+        current_call.set(record)
+        code, error = grpc.StatusCode.OK, ""
+        try:
+            return pb.SampleStreamResponse(response=await self.Sample(request, None))
+        except ServiceError as err:
+            code, error = err.code, err.message
+        except Exception:
+            log.exception("%s %s failed", record.method, record.request_id)
+            code, error = grpc.StatusCode.INTERNAL, "internal error"
+        finally:
+            if self._metrics is not None:
+                self._metrics.observe_call(record, code, record.elapsed_ns())
+        message = f"{error} (request id {record.request_id})"
+        return pb.SampleStreamResponse(error=pb.StreamError(code=code.value[0], message=message, request_id=record.request_id))
 
     async def _sample(self, request: pb.SampleRequest, lm_head: RegisteredWeight | None) -> pb.SampleResponse:
         call = current_call.get()

@@ -151,6 +151,24 @@ class SampleResponse(_message.Message):
     request_id: str
     def __init__(self, tokens: _Optional[_Union[Tensor, _Mapping]] = ..., seeds: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprob_ids: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., valid: _Optional[_Iterable[bool]] = ..., nan_detected: _Optional[_Iterable[bool]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
+class SampleStreamResponse(_message.Message):
+    __slots__ = ("response", "error")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    response: SampleResponse
+    error: StreamError
+    def __init__(self, response: _Optional[_Union[SampleResponse, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
+
+class StreamError(_message.Message):
+    __slots__ = ("code", "message", "request_id")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    request_id: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

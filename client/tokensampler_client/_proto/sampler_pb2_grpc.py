@@ -40,6 +40,11 @@ class SamplerStub(object):
                 request_serializer=tokensampler_dot_v1_dot_sampler__pb2.SampleRequest.SerializeToString,
                 response_deserializer=tokensampler_dot_v1_dot_sampler__pb2.SampleResponse.FromString,
                 _registered_method=True)
+        self.SampleStream = channel.stream_stream(
+                '/tokensampler.v1.Sampler/SampleStream',
+                request_serializer=tokensampler_dot_v1_dot_sampler__pb2.SampleRequest.SerializeToString,
+                response_deserializer=tokensampler_dot_v1_dot_sampler__pb2.SampleStreamResponse.FromString,
+                _registered_method=True)
         self.GetServerInfo = channel.unary_unary(
                 '/tokensampler.v1.Sampler/GetServerInfo',
                 request_serializer=tokensampler_dot_v1_dot_sampler__pb2.GetServerInfoRequest.SerializeToString,
@@ -73,6 +78,14 @@ class SamplerServicer(object):
 
     def Sample(self, request, context):
         """Samples num_samples tokens per row of a [B, V] logits tensor.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SampleStream(self, request_iterator, context):
+        """A stream of Sample calls for decode loops: one response per request, in request order. Each
+        message is validated on its own: a bad one gets an error response and the stream stays open.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -121,6 +134,11 @@ def add_SamplerServicer_to_server(servicer, server):
                     servicer.Sample,
                     request_deserializer=tokensampler_dot_v1_dot_sampler__pb2.SampleRequest.FromString,
                     response_serializer=tokensampler_dot_v1_dot_sampler__pb2.SampleResponse.SerializeToString,
+            ),
+            'SampleStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.SampleStream,
+                    request_deserializer=tokensampler_dot_v1_dot_sampler__pb2.SampleRequest.FromString,
+                    response_serializer=tokensampler_dot_v1_dot_sampler__pb2.SampleStreamResponse.SerializeToString,
             ),
             'GetServerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerInfo,
@@ -176,6 +194,33 @@ class Sampler(object):
             '/tokensampler.v1.Sampler/Sample',
             tokensampler_dot_v1_dot_sampler__pb2.SampleRequest.SerializeToString,
             tokensampler_dot_v1_dot_sampler__pb2.SampleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SampleStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tokensampler.v1.Sampler/SampleStream',
+            tokensampler_dot_v1_dot_sampler__pb2.SampleRequest.SerializeToString,
+            tokensampler_dot_v1_dot_sampler__pb2.SampleStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,121 @@
+"""SampleStream sessions for decode loops: one bidirectional call, one message per step.
+
+Responses come back in request order, so `receive()` returns the result of the oldest request not yet
+received. `sample()` is send + receive; `send()` several times first to pipeline steps. A request the
+server rejects raises TokenSamplerError from `receive()` and the stream stays usable.
+"""
+
+from __future__ import annotations
+
+import queue
+from typing import Any
+
+import grpc
+
+from ._proto import sampler_pb2 as pb
+from .errors import TokenSamplerError, error_from_rpc
+from .params import build_sample_request
+from .result import SampleResult
+
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+_END = object()
+
+
+def result_or_error(message: pb.SampleStreamResponse) -> SampleResult:
+    """The result of one stream message, or its error raised as TokenSamplerError."""
+    if message.WhichOneof("result") == "error":
+        error = message.error
+        code = _STATUS_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN)
+        raise TokenSamplerError(code, error.message, error.request_id)
+    return SampleResult.from_response(message.response)
+
+
+def stream_request(logits: Any, params: dict[str, Any]) -> pb.SampleRequest:
+    """A prebuilt SampleRequest as is, else one built from logits (or hidden=, weights=) and params."""
+    if isinstance(logits, pb.SampleRequest):
+        return logits
+    return build_sample_request(logits, **params)
+
+
+class SampleStream:
+    """A blocking SampleStream call; use `SamplerClient.stream()` to open one."""
+
+    def __init__(self, stub: Any, metadata: tuple[tuple[str, str], ...], timeout: float | None) -> None:
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._call = stub.SampleStream(iter(self._requests.get, _END), metadata=metadata, timeout=timeout)
+        self._metadata = metadata
+        self._outstanding = 0
+
+    def send(self, logits: Any = None, **params: Any) -> None:
+        """Queues one request: logits [B, V] (or hidden=..., weights=...) with sample()'s keywords,
+        or a prebuilt SampleRequest."""
+        self._requests.put(stream_request(logits, params))
+        self._outstanding += 1
+
+    def receive(self) -> SampleResult:
+        """The result of the oldest request sent and not yet received."""
+        if not self._outstanding:
+            raise RuntimeError("receive() with no request outstanding")
+        self._outstanding -= 1
+        try:
+            message = next(self._call)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, dict(self._metadata).get("x-request-id")) from err
+        return result_or_error(message)
+
+    def sample(self, logits: Any = None, **params: Any) -> SampleResult:
+        self.send(logits, **params)
+        return self.receive()
+
+    def close(self) -> None:
+        """Ends the stream; results not yet received are dropped."""
+        self._requests.put(_END)
+        if self._outstanding:
+            self._call.cancel()
+
+    def __enter__(self) -> SampleStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncSampleStream:
+    """An asyncio SampleStream call; use `AsyncSamplerClient.stream()` to open one."""
+
+    def __init__(self, stub: Any, metadata: tuple[tuple[str, str], ...], timeout: float | None) -> None:
+        self._call = stub.SampleStream(metadata=metadata, timeout=timeout)
+        self._metadata = metadata
+        self._outstanding = 0
+
+    async def send(self, logits: Any = None, **params: Any) -> None:
+        await self._call.write(stream_request(logits, params))
+        self._outstanding += 1
+
+    async def receive(self) -> SampleResult:
+        if not self._outstanding:
+            raise RuntimeError("receive() with no request outstanding")
+        self._outstanding -= 1
+        try:
+            message = await self._call.read()
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, dict(self._metadata).get("x-request-id")) from err
+        if message is grpc.aio.EOF:
+            raise TokenSamplerError(grpc.StatusCode.UNAVAILABLE, "the stream ended early")
+        return result_or_error(message)
+
+    async def sample(self, logits: Any = None, **params: Any) -> SampleResult:
+        await self.send(logits, **params)
+        return await self.receive()
+
+    async def close(self) -> None:
+        if self._outstanding:
+            self._call.cancel()
+        else:
+            await self._call.done_writing()
+
+    async def __aenter__(self) -> AsyncSampleStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
