@@ -15,6 +15,7 @@ from ._proto import sampler_pb2_grpc
 from ._retry import Backoff, CallPolicy
 from .errors import error_from_rpc
 from .params import Column, LogitBiasArg, TokenListsArg, build_sample_request
+from .regions import CudaRegion, RegionView, SharedMemoryRegion
 from .result import SampleResult
 from .stream import AsyncSampleStream
 from .weights import DEFAULT_CHUNK_BYTES, Progress, WeightUpload, weight_options
@@ -91,6 +92,8 @@ class AsyncSamplerClient:
         return_logprobs: bool = False,
         logprobs_mode: str = "raw",
         top_logprobs: int = 0,
+        output_tokens: RegionView | None = None,
+        output_logprobs: RegionView | None = None,
         timeout: float | None = None,
         request_id: str | None = None,
     ) -> SampleResult:
@@ -116,6 +119,8 @@ class AsyncSamplerClient:
             return_logprobs=return_logprobs,
             logprobs_mode=logprobs_mode,
             top_logprobs=top_logprobs,
+            output_tokens=output_tokens,
+            output_logprobs=output_logprobs,
         )
         return await self.sample_request(request, timeout=timeout, request_id=request_id)
 
@@ -195,6 +200,36 @@ class AsyncSamplerClient:
         """
         metadata = call_metadata(request_id or new_request_id())
         return AsyncSampleStream(self._stub, metadata, timeout)
+
+    async def register_shm_region(self, name: str, byte_size: int, *, timeout: float | None = None) -> SharedMemoryRegion:
+        """Creates a POSIX shared-memory segment of byte_size bytes and registers it as `name`
+        (the server needs --allow-shm and the same machine). Write tensors into region.tensor(...)."""
+        region = SharedMemoryRegion(name, byte_size)
+        try:
+            await self._call(self._stub.RegisterRegion, region.request, timeout, None)
+        except BaseException:
+            region.release()
+            raise
+        return region
+
+    async def register_cuda_region(self, name: str, tensor: Any, *, timeout: float | None = None) -> CudaRegion:
+        """Shares the CUDA allocation under `tensor` with the server by IPC handle, as `name` (the server
+        needs --allow-cuda-ipc and the same machine). Keep the tensor alive while it is registered and
+        synchronise its stream before each request that reads it."""
+        region = CudaRegion(name, tensor)
+        await self._call(self._stub.RegisterRegion, region.request, timeout, None)
+        return region
+
+    async def list_regions(self, *, timeout: float | None = None) -> list[pb.RegionInfo]:
+        return list((await self._call(self._stub.ListRegions, pb.ListRegionsRequest(), timeout, None)).regions)
+
+    async def unregister_region(self, region: str | SharedMemoryRegion | CudaRegion, *, timeout: float | None = None) -> pb.RegionInfo:
+        """Unregisters a region once no request uses it; a region object is then released too."""
+        name = region if isinstance(region, str) else region.name
+        info = (await self._call(self._stub.UnregisterRegion, pb.UnregisterRegionRequest(name=name), timeout, None)).region
+        if not isinstance(region, str):
+            region.release()
+        return info
 
     async def server_info(self, *, timeout: float | None = None) -> pb.ServerInfo:
         """The server's version, backend, device, limits, logits dtypes and features."""

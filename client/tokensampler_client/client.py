@@ -15,6 +15,7 @@ from ._proto import sampler_pb2_grpc
 from ._retry import Backoff, CallPolicy
 from .errors import error_from_rpc
 from .params import Column, LogitBiasArg, TokenListsArg, build_sample_request
+from .regions import CudaRegion, RegionView, SharedMemoryRegion
 from .result import SampleResult
 from .stream import SampleStream
 from .weights import DEFAULT_CHUNK_BYTES, Progress, WeightUpload, weight_options
@@ -101,6 +102,8 @@ class SamplerClient:
         return_logprobs: bool = False,
         logprobs_mode: str = "raw",
         top_logprobs: int = 0,
+        output_tokens: RegionView | None = None,
+        output_logprobs: RegionView | None = None,
         timeout: float | None = None,
         request_id: str | None = None,
     ) -> SampleResult:
@@ -147,6 +150,8 @@ class SamplerClient:
             return_logprobs=return_logprobs,
             logprobs_mode=logprobs_mode,
             top_logprobs=top_logprobs,
+            output_tokens=output_tokens,
+            output_logprobs=output_logprobs,
         )
         return self.sample_request(request, timeout=timeout, request_id=request_id)
 
@@ -226,6 +231,36 @@ class SamplerClient:
         """
         metadata = call_metadata(request_id or new_request_id())
         return SampleStream(self._stub, metadata, timeout)
+
+    def register_shm_region(self, name: str, byte_size: int, *, timeout: float | None = None) -> SharedMemoryRegion:
+        """Creates a POSIX shared-memory segment of byte_size bytes and registers it as `name`
+        (the server needs --allow-shm and the same machine). Write tensors into region.tensor(...)."""
+        region = SharedMemoryRegion(name, byte_size)
+        try:
+            self._call(self._stub.RegisterRegion, region.request, timeout, None)
+        except BaseException:
+            region.release()
+            raise
+        return region
+
+    def register_cuda_region(self, name: str, tensor: Any, *, timeout: float | None = None) -> CudaRegion:
+        """Shares the CUDA allocation under `tensor` with the server by IPC handle, as `name` (the server
+        needs --allow-cuda-ipc and the same machine). Keep the tensor alive while it is registered and
+        synchronise its stream before each request that reads it."""
+        region = CudaRegion(name, tensor)
+        self._call(self._stub.RegisterRegion, region.request, timeout, None)
+        return region
+
+    def list_regions(self, *, timeout: float | None = None) -> list[pb.RegionInfo]:
+        return list((self._call(self._stub.ListRegions, pb.ListRegionsRequest(), timeout, None)).regions)
+
+    def unregister_region(self, region: str | SharedMemoryRegion | CudaRegion, *, timeout: float | None = None) -> pb.RegionInfo:
+        """Unregisters a region once no request uses it; a region object is then released too."""
+        name = region if isinstance(region, str) else region.name
+        info = (self._call(self._stub.UnregisterRegion, pb.UnregisterRegionRequest(name=name), timeout, None)).region
+        if not isinstance(region, str):
+            region.release()
+        return info
 
     def server_info(self, *, timeout: float | None = None) -> pb.ServerInfo:
         """The server's version, backend, device, limits, logits dtypes and features."""

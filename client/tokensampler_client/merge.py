@@ -31,7 +31,9 @@ def num_rows(request: pb.SampleRequest) -> int:
 
 
 def merge_key(request: pb.SampleRequest) -> Hashable:
-    """Requests with equal keys can share one call."""
+    """Requests with equal keys can share one call; those with region references go alone."""
+    if request.WhichOneof("input") != "logits" or request.HasField("output"):
+        return ("alone", id(request))
     return (
         request.logits.dtype,
         tuple(request.logits.shape[1:]),

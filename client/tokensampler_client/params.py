@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ._proto import sampler_pb2 as pb
+from .regions import RegionView
 from .tensors import as_torch, encode_tensor
 
 # What a caller may pass for a per-row numeric parameter.
@@ -214,19 +215,33 @@ def build_sample_request(
     return_logprobs: bool = False,
     logprobs_mode: str | int = "raw",
     top_logprobs: int = 0,
+    output_tokens: RegionView | None = None,
+    output_logprobs: RegionView | None = None,
 ) -> pb.SampleRequest:
     """A SampleRequest for `logits` ([B, V] or [V]), or for `hidden` states ([B, D] or [D]) through the
-    registered LM head named `weights`, with the given parameters (see module doc)."""
+    registered LM head named `weights`, with the given parameters (see module doc). Either input may
+    be a RegionView (zero copy); output_tokens / output_logprobs name where the server writes those."""
     request = pb.SampleRequest()
     if (logits is None) == (hidden is None):
         raise ValueError("logits, hidden: expected exactly one of them")
     if hidden is not None:
         if not weights:
             raise ValueError("weights: expected the name of a registered LM head with hidden states")
-        batch = encode_logits(hidden, request.hidden.states, "hidden")
         request.hidden.weights = weights
+        if isinstance(hidden, RegionView):
+            request.hidden.states_ref.CopyFrom(hidden.ref())
+            batch = hidden.shape[0]
+        else:
+            batch = encode_logits(hidden, request.hidden.states, "hidden")
+    elif isinstance(logits, RegionView):
+        request.logits_ref.CopyFrom(logits.ref())
+        batch = logits.shape[0]
     else:
         batch = encode_logits(logits, request.logits)
+    if output_tokens is not None:
+        request.output.tokens.CopyFrom(output_tokens.ref())
+    if output_logprobs is not None:
+        request.output.logprobs.CopyFrom(output_logprobs.ref())
     params = request.params
     for name, value in (
         ("temperature", temperature),

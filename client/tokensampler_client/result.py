@@ -24,7 +24,7 @@ class SampleResult:
     """Sampled tokens of a [B, V] batch, with n = num_samples and N = top_logprobs.
 
     Attributes:
-        tokens: int64 [B, n]; -1 in rows that are not valid.
+        tokens: int64 [B, n]; -1 in rows that are not valid. None when they went to an output region.
         seeds: the Philox seed each row used (B Python ints, uint64): pass them back as `seed` to
             reproduce the sample.
         logprobs: float32 [B, n], the log-prob of each sampled token (None unless return_logprobs).
@@ -36,7 +36,7 @@ class SampleResult:
         request_id: the request id the server logged the call under.
     """
 
-    tokens: torch.Tensor
+    tokens: torch.Tensor | None
     seeds: list[int]
     logprobs: torch.Tensor | None
     top_logprob_ids: torch.Tensor | None
@@ -58,7 +58,7 @@ class SampleResult:
 
         timings = response.timings
         return cls(
-            tokens=decode_tensor(response.tokens, "tokens").to(torch.int64, copy=True),
+            tokens=optional("tokens", torch.int64),
             seeds=list(response.seeds),
             logprobs=optional("logprobs", torch.float32),
             top_logprob_ids=optional("top_logprob_ids", torch.int64),
@@ -75,7 +75,7 @@ class SampleResult:
             return None if tensor is None else tensor[start:stop]
 
         return SampleResult(
-            tokens=self.tokens[start:stop],
+            tokens=part(self.tokens),
             seeds=self.seeds[start:stop],
             logprobs=part(self.logprobs),
             top_logprob_ids=part(self.top_logprob_ids),

@@ -57,6 +57,14 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         help="also listen on this Unix domain socket path (clients use unix://PATH) [TOKENSAMPLER_UDS]",
     )
     parser.add_argument(
+        "--allow-shm", action="store_true", default=_env("ALLOW_SHM", "") not in ("", "0"),
+        help="accept POSIX shared-memory regions from colocated clients [TOKENSAMPLER_ALLOW_SHM]",
+    )
+    parser.add_argument(
+        "--allow-cuda-ipc", action="store_true", default=_env("ALLOW_CUDA_IPC", "") not in ("", "0"),
+        help="accept CUDA IPC regions (GPU buffers of colocated processes) [TOKENSAMPLER_ALLOW_CUDA_IPC]",
+    )
+    parser.add_argument(
         "--weights-dir", type=Path, default=_env("WEIGHTS_DIR", "") or None,
         help="folder whose safetensors files RegisterWeightsFromFile may read; off when unset [TOKENSAMPLER_WEIGHTS_DIR]",
     )
@@ -124,6 +132,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         weights_dir=args.weights_dir,
         max_queue_delay_us=args.max_queue_delay_us,
         max_queue_rows=args.max_queue_rows,
+        allow_shm=args.allow_shm,
+        allow_cuda_ipc=args.allow_cuda_ipc,
     )
 
 

@@ -41,4 +41,8 @@ class ServerConfig:
     max_queue_delay_us: int = 0
     """How long a request may wait for others to batch with while the backend is idle."""
     max_queue_rows: int = 32768
+    allow_shm: bool = False
+    """Accept POSIX shared-memory regions from colocated clients."""
+    allow_cuda_ipc: bool = False
+    """Accept CUDA IPC regions (GPU buffers of colocated processes)."""
     """Rows waiting for the backend beyond which requests get RESOURCE_EXHAUSTED."""

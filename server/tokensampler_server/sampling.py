@@ -71,7 +71,8 @@ class SamplingBatch:
     """B rows to sample, every parameter already validated and expanded to one value per row.
 
     All per-row tensors are [B] on the CPU. The input is either `logits` [B, V] (float32/bfloat16/
-    float16, on the CPU) or `hidden`; `with_logits()` turns the second into the first.
+    float16; on the CPU, or on the backend's GPU when it came from a CUDA IPC region) or `hidden`;
+    `with_logits()` turns the second into the first.
     """
 
     logits: torch.Tensor | None
@@ -117,8 +118,9 @@ class SamplingBatch:
 class SamplingResult:
     """What a backend returns, on the CPU."""
 
-    tokens: torch.Tensor
-    """int64 [B, num_samples]; -1 in rows that are not valid."""
+    tokens: torch.Tensor | None
+    """int64 [B, num_samples]; -1 in rows that are not valid. (None only after the service wrote them
+    into an output region.)"""
     valid: torch.Tensor
     """bool [B]: false where no finite logit remained after processing."""
     nan_detected: torch.Tensor

@@ -20,6 +20,7 @@ from .backends import create_backend
 from .batcher import DynamicBatcher
 from .config import ServerConfig
 from .interceptor import ErrorInterceptor
+from .regions import RegionRegistry
 from .metrics import ServerMetrics, start_metrics_http
 from .service import SamplerService
 
@@ -59,12 +60,15 @@ async def serve(config: ServerConfig) -> None:
         max_queue_rows=config.max_queue_rows,
         observe_batch_rows=metrics.batch_rows.observe,
     )
+    regions = RegionRegistry(allow_shm=config.allow_shm, allow_cuda_ipc=config.allow_cuda_ipc)
     sampler = SamplerService(
-        backend, config.limits, batcher=batcher, weights_dir=config.weights_dir, metrics=metrics
+        backend, config.limits, batcher=batcher, weights_dir=config.weights_dir, regions=regions, metrics=metrics
     )
     metrics.queue_depth.set_function(lambda: sampler.queue_depth)
     metrics.registered_weights.set_function(lambda: len(sampler.registry.list()))
     metrics.registered_weights_bytes.set_function(lambda: sampler.registry.total_bytes)
+    metrics.registered_regions.set_function(lambda: len(regions.list()))
+    metrics.registered_regions_bytes.set_function(lambda: regions.total_bytes)
     pb_grpc.add_SamplerServicer_to_server(sampler, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -6,6 +6,8 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -22,6 +24,7 @@ from .call_record import CallRecord, current_call
 from .config import Limits
 from .errors import InvalidArgument, ServiceError
 from .metrics import ServerMetrics
+from .regions import Region, RegionRegistry, region_info
 from .request_context import current_request_id, request_id_from_metadata
 from .sampling import SamplingResult
 from .validation import LOGITS_DTYPES, validate_sample_request
@@ -36,14 +39,43 @@ STREAM_METHOD = "tokensampler.v1.Sampler/SampleStream"
 STREAM_MESSAGES_IN_FLIGHT = 64
 FEATURES = (
     "logits", "hidden_states", "weights_upload", "weights_from_file", "logprobs", "top_logprobs", "penalties",
-    "logit_bias", "token_masks", "num_samples", "dynamic_batching", "sample_stream",
+    "logit_bias", "token_masks", "num_samples", "dynamic_batching", "sample_stream", "regions",
 )
 
 
+def _input_ref(request: pb.SampleRequest) -> tuple[pb.TensorRef | None, str]:
+    """The region reference holding the request's input tensor, if any, and its field name."""
+    if request.WhichOneof("input") == "logits_ref":
+        return request.logits_ref, "logits_ref"
+    if request.WhichOneof("input") == "hidden" and request.hidden.HasField("states_ref"):
+        return request.hidden.states_ref, "hidden.states_ref"
+    return None, ""
+
+
+def _output_refs(request: pb.SampleRequest) -> list[tuple[str, pb.TensorRef]]:
+    if not request.HasField("output"):
+        return []
+    return [(name, getattr(request.output, name)) for name in ("tokens", "logprobs") if request.output.HasField(name)]
+
+
+def _output_tensor(
+    region: Region, ref: pb.TensorRef, name: str, shape: tuple[int, int], return_logprobs: bool
+) -> torch.Tensor:
+    """Where output `name` ("tokens": int32, "logprobs": float32) of shape [B, num_samples] goes."""
+    field = f"output.{name}"
+    if name == "logprobs" and not return_logprobs:
+        raise InvalidArgument(field, "set without return_logprobs; expected return_logprobs = true")
+    target = region.tensor(ref, field, (pb.DTYPE_INT32,) if name == "tokens" else (pb.DTYPE_FLOAT32,))
+    if tuple(target.shape) != shape:
+        raise InvalidArgument(f"{field}.shape", f"got {list(target.shape)}, expected [B, num_samples] = {list(shape)}")
+    return target
+
+
 def encode_result(result: SamplingResult, seeds: np.ndarray) -> pb.SampleResponse:
-    """Builds the response message of one sampled batch."""
+    """Builds the response message of one sampled batch; tokens or log-probs set to None stay out."""
     response = pb.SampleResponse()
-    encode_tensor(result.tokens.to(torch.int32), out=response.tokens)
+    if result.tokens is not None:
+        encode_tensor(result.tokens.to(torch.int32), out=response.tokens)
     response.seeds.extend(seeds.tolist())
     response.valid.extend(result.valid.tolist())
     response.nan_detected.extend(result.nan_detected.tolist())
@@ -70,6 +102,7 @@ class SamplerService(pb_grpc.SamplerServicer):
         batcher: DynamicBatcher | None = None,
         registry: WeightRegistry | None = None,
         weights_dir: Path | None = None,
+        regions: RegionRegistry | None = None,
         metrics: ServerMetrics | None = None,
     ) -> None:
         self._backend = backend
@@ -77,6 +110,7 @@ class SamplerService(pb_grpc.SamplerServicer):
         self._batcher = batcher or DynamicBatcher(backend, max_batch_rows=limits.max_batch_rows)
         self._registry = registry or WeightRegistry(backend.device)
         self._weights_dir = weights_dir
+        self._regions = regions or RegionRegistry()
         self._metrics = metrics
 
     @property
@@ -88,14 +122,29 @@ class SamplerService(pb_grpc.SamplerServicer):
     def registry(self) -> WeightRegistry:
         return self._registry
 
+    @property
+    def regions(self) -> RegionRegistry:
+        return self._regions
+
     async def close(self) -> None:
         await self._batcher.close()
 
     async def Sample(self, request: pb.SampleRequest, context: grpc.aio.ServicerContext) -> pb.SampleResponse:
-        if request.WhichOneof("input") == "hidden":
-            with self._registry.use(request.hidden.weights) as lm_head:
-                return await self._sample(request, lm_head)
-        return await self._sample(request, None)
+        # Weights and regions the request names are held until its response is built.
+        with ExitStack() as held:
+            lm_head = None
+            if request.WhichOneof("input") == "hidden":
+                lm_head = held.enter_context(self._registry.use(request.hidden.weights))
+            referenced = None
+            ref, field = _input_ref(request)
+            if ref is not None:
+                region = held.enter_context(self._regions.use(ref.region, f"{field}.region"))
+                referenced = region.tensor(ref, field, LOGITS_DTYPES)
+            outputs = {
+                name: (held.enter_context(self._regions.use(out.region, f"output.{name}.region")), out)
+                for name, out in _output_refs(request)
+            }
+            return await self._sample(request, lm_head, referenced, outputs)
 
     async def SampleStream(
         self, request_iterator: AsyncIterator[pb.SampleRequest], context: grpc.aio.ServicerContext
@@ -141,15 +190,31 @@ class SamplerService(pb_grpc.SamplerServicer):
         message = f"{error} (request id {record.request_id})"
         return pb.SampleStreamResponse(error=pb.StreamError(code=code.value[0], message=message, request_id=record.request_id))
 
-    async def _sample(self, request: pb.SampleRequest, lm_head: RegisteredWeight | None) -> pb.SampleResponse:
+    async def _sample(
+        self,
+        request: pb.SampleRequest,
+        lm_head: RegisteredWeight | None,
+        referenced: torch.Tensor | None,
+        outputs: dict[str, tuple[Region, pb.TensorRef]],
+    ) -> pb.SampleResponse:
         call = current_call.get()
         arrived = time.perf_counter_ns()
-        batch, seeds = validate_sample_request(request, self._limits, lm_head=lm_head)
+        batch, seeds = validate_sample_request(request, self._limits, lm_head=lm_head, referenced=referenced)
+        targets = {
+            name: _output_tensor(region, ref, name, (batch.num_rows, batch.num_samples), request.return_logprobs)
+            for name, (region, ref) in outputs.items()
+        }
         submitted = time.perf_counter_ns()
         call.batch, call.decode_ns = batch, submitted - arrived
         result, times = await self._batcher.submit(batch)
         finished = time.perf_counter_ns()
         call.queue_ns, call.compute_ns = times.queue_ns, times.compute_ns
+        if "tokens" in targets:
+            targets["tokens"].copy_(result.tokens)
+            result = replace(result, tokens=None)
+        if "logprobs" in targets:
+            targets["logprobs"].copy_(result.logprobs)
+            result = replace(result, logprobs=None)
         response = encode_result(result, seeds)
         response.request_id = call.request_id
         response.timings.queue_ns = call.queue_ns
@@ -178,12 +243,25 @@ class SamplerService(pb_grpc.SamplerServicer):
         return weights_info(entry)
 
     async def ListWeights(self, request: pb.ListWeightsRequest, context: grpc.aio.ServicerContext) -> pb.ListWeightsResponse:
-        return pb.ListWeightsResponse(weights=[weights_info(entry) for entry in self._registry.list()])
+        registry = self._registry
+        return pb.ListWeightsResponse(weights=[weights_info(entry, registry.in_flight(entry)) for entry in registry.list()])
 
     async def UnregisterWeights(
         self, request: pb.UnregisterWeightsRequest, context: grpc.aio.ServicerContext
     ) -> pb.UnregisterWeightsResponse:
         return pb.UnregisterWeightsResponse(weights=weights_info(await self._registry.unregister(request.name)))
+
+    async def RegisterRegion(self, request: pb.RegisterRegionRequest, context: grpc.aio.ServicerContext) -> pb.RegionInfo:
+        return region_info(self._regions.register(request))
+
+    async def ListRegions(self, request: pb.ListRegionsRequest, context: grpc.aio.ServicerContext) -> pb.ListRegionsResponse:
+        regions = self._regions
+        return pb.ListRegionsResponse(regions=[region_info(r, regions.in_flight(r)) for r in regions.list()])
+
+    async def UnregisterRegion(
+        self, request: pb.UnregisterRegionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnregisterRegionResponse:
+        return pb.UnregisterRegionResponse(region=region_info(await self._regions.unregister(request.name)))
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext) -> pb.ServerInfo:
         info = self._backend.info()

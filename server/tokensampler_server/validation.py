@@ -132,22 +132,46 @@ def _seeds(params: pb.SamplingParams, num_rows: int, seed_source: SeedSource) ->
     return seeds
 
 
-def _decode(tensor: pb.Tensor, field: str, rows_limit: int, dims: str) -> torch.Tensor:
-    """A [B, N] float32/bfloat16/float16 tensor with 1 <= B <= rows_limit and N >= 1."""
-    if tensor.dtype not in LOGITS_DTYPES:
-        names = ", ".join(dtype_name(d) for d in LOGITS_DTYPES)
-        raise InvalidArgument(f"{field}.dtype", f"got {tensor.dtype}, expected one of {names}")
-    if len(tensor.shape) != 2:
-        raise InvalidArgument(f"{field}.shape", f"got {list(tensor.shape)}, expected {dims}")
-    num_rows, width = tensor.shape
+def _check_shape(shape: Sequence[int], field: str, rows_limit: int, dims: str) -> None:
+    """Accepts [B, N] with 1 <= B <= rows_limit and N >= 1."""
+    if len(shape) != 2:
+        raise InvalidArgument(f"{field}.shape", f"got {list(shape)}, expected {dims}")
+    num_rows, width = shape
     if num_rows < 1 or width < 1:
         raise InvalidArgument(f"{field}.shape", f"got {[num_rows, width]}, expected {dims} with both sizes >= 1")
     if num_rows > rows_limit:
         raise InvalidArgument(f"{field}.shape", f"got B={num_rows} rows, expected at most {rows_limit} (--max-batch-rows)")
+
+
+def _decode(tensor: pb.Tensor, field: str, rows_limit: int, dims: str) -> torch.Tensor:
+    """A [B, N] float32/bfloat16/float16 tensor carried in the message (checked before decoding)."""
+    if tensor.dtype not in LOGITS_DTYPES:
+        names = ", ".join(dtype_name(d) for d in LOGITS_DTYPES)
+        raise InvalidArgument(f"{field}.dtype", f"got {tensor.dtype}, expected one of {names}")
+    _check_shape(tensor.shape, field, rows_limit, dims)
     try:
         return decode_tensor(tensor, field)
     except TensorDecodeError as err:
         raise InvalidArgument(err.field, str(err).removeprefix(f"{err.field}: ")) from None
+
+
+def _referenced(tensor: torch.Tensor, field: str, rows_limit: int, dims: str) -> torch.Tensor:
+    _check_shape(tensor.shape, field, rows_limit, dims)
+    return tensor
+
+
+def _input(request: pb.SampleRequest, referenced: torch.Tensor | None, limits: Limits) -> tuple[str, torch.Tensor]:
+    """(kind, tensor) of the request's input: "logits" or "hidden", carried or referenced."""
+    kind = request.WhichOneof("input")
+    if kind == "logits_ref":
+        return "logits", _referenced(referenced, "logits_ref", limits.max_batch_rows, "[B, V]")
+    if kind == "logits":
+        return "logits", _decode(request.logits, "logits", limits.max_batch_rows, "[B, V]")
+    if kind == "hidden" and request.hidden.HasField("states_ref"):
+        return "hidden", _referenced(referenced, "hidden.states_ref", limits.max_batch_rows, "[B, D]")
+    if kind == "hidden":
+        return "hidden", _decode(request.hidden.states, "hidden.states", limits.max_batch_rows, "[B, D]")
+    raise InvalidArgument("input", "not set; expected logits, logits_ref or hidden")
 
 
 def validate_sample_request(
@@ -155,27 +179,28 @@ def validate_sample_request(
     limits: Limits,
     seed_source: SeedSource = random_seeds,
     lm_head: RegisteredWeight | None = None,
+    referenced: torch.Tensor | None = None,
 ) -> tuple[SamplingBatch, np.ndarray]:
     """Checks a SampleRequest and returns the batch to sample with the uint64 seed of each row.
 
-    `lm_head` is the registered weight that `request.hidden.weights` names, for hidden-state input.
+    `lm_head` is the registered weight that `request.hidden.weights` names (hidden-state input);
+    `referenced` is the tensor a logits_ref or hidden.states_ref points to, already resolved.
     """
     logits = hidden = None
-    kind = request.WhichOneof("input")
+    kind, tensor = _input(request, referenced, limits)
     if kind == "logits":
-        logits = _decode(request.logits, "logits", limits.max_batch_rows, "[B, V]")
+        logits = tensor
         num_rows, vocab_size = logits.shape
-    elif kind == "hidden" and lm_head is not None:
-        states = _decode(request.hidden.states, "hidden.states", limits.max_batch_rows, "[B, D]")
-        if states.shape[1] != lm_head.hidden_size:
+    else:
+        if lm_head is None:
+            raise InvalidArgument("hidden.weights", "not set; expected the name of a registered weight")
+        if tensor.shape[1] != lm_head.hidden_size:
             raise InvalidArgument(
                 "hidden.states.shape",
-                f"got D={states.shape[1]}, expected D={lm_head.hidden_size} of weight {lm_head.name!r}",
+                f"got D={tensor.shape[1]}, expected D={lm_head.hidden_size} of weight {lm_head.name!r}",
             )
-        hidden = HiddenInput(states=states, lm_head=lm_head)
-        num_rows, vocab_size = states.shape[0], lm_head.finish.vocab_size
-    else:
-        raise InvalidArgument("input", "not set; expected logits, or hidden states with a registered weight")
+        hidden = HiddenInput(states=tensor, lm_head=lm_head)
+        num_rows, vocab_size = tensor.shape[0], lm_head.finish.vocab_size
 
     params = request.params
     temperature = _column(params.temperature, "params.temperature", num_rows, 1.0, np.float32)

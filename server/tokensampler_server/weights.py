@@ -7,13 +7,10 @@ until none does, then frees it.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import math
 import os
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -21,9 +18,9 @@ import grpc
 import torch
 
 from .errors import InvalidArgument, ServiceError
+from .refcounted import RefCountedRegistry
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_UNREGISTER_POLL_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -44,7 +41,6 @@ class RegisteredWeight:
     """[padded V, D] on the backend's device."""
     finish: LogitsFinish
     sha256: str
-    in_flight: int = 0
 
     @property
     def padded_vocab_size(self) -> int:
@@ -146,58 +142,35 @@ def load_safetensors(path: Path, tensor: str) -> torch.Tensor:
 
 
 class WeightRegistry:
-    """Registered weights by name, on one device; thread-safe, waits on the server's event loop."""
+    """Registered LM heads by name, on one device (see refcounted.py for the reference counting)."""
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
-        self._weights: dict[str, RegisteredWeight] = {}
-        self._lock = threading.Lock()
+        self._weights: RefCountedRegistry[RegisteredWeight] = RefCountedRegistry("weight")
 
     def register(self, name: str, weight: torch.Tensor, finish: LogitsFinish, sha256: str) -> RegisteredWeight:
         """Makes a complete, verified weight usable under `name` (ALREADY_EXISTS if taken)."""
-        if not name:
-            raise InvalidArgument("name", "got an empty name, expected a non-empty weight name")
         if weight.dtype not in WEIGHT_DTYPES or weight.dim() != 2:
             raise InvalidArgument("weight", f"got {weight.dtype} {list(weight.shape)}, expected a [V, D] float tensor")
         placed = weight.to(self._device).contiguous()
         bias = None if finish.bias is None else finish.bias.to(self._device)
         entry = RegisteredWeight(name=name, weight=placed, finish=replace(finish, bias=bias), sha256=sha256)
-        with self._lock:
-            if name in self._weights:
-                raise ServiceError(f"name: a weight named {name!r} is already registered", grpc.StatusCode.ALREADY_EXISTS)
-            self._weights[name] = entry
-        return entry
+        return self._weights.add(name, entry)
 
     def list(self) -> list[RegisteredWeight]:
-        with self._lock:
-            return list(self._weights.values())
+        return self._weights.items()
+
+    def in_flight(self, entry: RegisteredWeight) -> int:
+        return self._weights.in_flight(entry)
 
     @property
     def total_bytes(self) -> int:
         return sum(entry.nbytes for entry in self.list())
 
-    @contextmanager
-    def use(self, name: str, field_name: str = "hidden.weights") -> Iterator[RegisteredWeight]:
-        """Holds a reference to weight `name` for the duration of a request (NOT_FOUND if unknown)."""
-        with self._lock:
-            entry = self._weights.get(name)
-            if entry is None:
-                raise ServiceError(f"{field_name}: no weight named {name!r} is registered", grpc.StatusCode.NOT_FOUND)
-            entry.in_flight += 1
-        try:
-            yield entry
-        finally:
-            with self._lock:
-                entry.in_flight -= 1
+    def use(self, name: str, field: str = "hidden.weights") -> AbstractContextManager[RegisteredWeight]:
+        """Holds weight `name` for the duration of a request (NOT_FOUND naming `field` if unknown)."""
+        return self._weights.use(name, field)
 
     async def unregister(self, name: str) -> RegisteredWeight:
         """Removes `name` at once for new requests, waits for the ones using it, then frees it."""
-        with self._lock:
-            entry = self._weights.pop(name, None)
-        if entry is None:
-            raise ServiceError(f"name: no weight named {name!r} is registered", grpc.StatusCode.NOT_FOUND)
-        # Unregistering is rare and requests are short: polling keeps the backend thread free of
-        # any event-loop plumbing.
-        while entry.in_flight:
-            await asyncio.sleep(_UNREGISTER_POLL_S)
-        return entry
+        return await self._weights.remove(name)

@@ -41,7 +41,7 @@ def finish_from_options(options: pb.WeightOptions, padded_vocab_size: int) -> Lo
     )
 
 
-def weights_info(entry: RegisteredWeight) -> pb.WeightsInfo:
+def weights_info(entry: RegisteredWeight, in_flight: int = 0) -> pb.WeightsInfo:
     return pb.WeightsInfo(
         name=entry.name,
         vocab_size=entry.finish.vocab_size,
@@ -50,7 +50,7 @@ def weights_info(entry: RegisteredWeight) -> pb.WeightsInfo:
         dtype=TORCH_TO_DTYPE[entry.weight.dtype],
         bytes=entry.nbytes,
         sha256=entry.sha256,
-        in_flight=entry.in_flight,
+        in_flight=in_flight,
     )
 
 

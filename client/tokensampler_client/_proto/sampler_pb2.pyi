@@ -94,30 +94,56 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[_Iterable[float]] = ..., top_k: _Optional[_Iterable[int]] = ..., top_p: _Optional[_Iterable[float]] = ..., min_p: _Optional[_Iterable[float]] = ..., seed: _Optional[_Iterable[int]] = ..., has_seed: _Optional[_Iterable[bool]] = ..., position: _Optional[_Iterable[int]] = ..., iteration: _Optional[_Iterable[int]] = ..., repetition_penalty: _Optional[_Iterable[float]] = ..., presence_penalty: _Optional[_Iterable[float]] = ..., frequency_penalty: _Optional[_Iterable[float]] = ..., allowed_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., banned_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., logit_bias: _Optional[_Union[LogitBias, _Mapping]] = ..., output_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ...) -> None: ...
 
 class HiddenStates(_message.Message):
-    __slots__ = ("states", "weights")
+    __slots__ = ("states", "weights", "states_ref")
     STATES_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    STATES_REF_FIELD_NUMBER: _ClassVar[int]
     states: Tensor
     weights: str
-    def __init__(self, states: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[str] = ...) -> None: ...
+    states_ref: TensorRef
+    def __init__(self, states: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[str] = ..., states_ref: _Optional[_Union[TensorRef, _Mapping]] = ...) -> None: ...
+
+class TensorRef(_message.Message):
+    __slots__ = ("region", "offset", "dtype", "shape")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    offset: int
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class OutputRefs(_message.Message):
+    __slots__ = ("tokens", "logprobs")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    tokens: TensorRef
+    logprobs: TensorRef
+    def __init__(self, tokens: _Optional[_Union[TensorRef, _Mapping]] = ..., logprobs: _Optional[_Union[TensorRef, _Mapping]] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("logits", "hidden", "params", "num_samples", "return_logprobs", "logprobs_mode", "top_logprobs")
+    __slots__ = ("logits", "hidden", "logits_ref", "params", "num_samples", "return_logprobs", "logprobs_mode", "top_logprobs", "output")
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_REF_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
     logits: Tensor
     hidden: HiddenStates
+    logits_ref: TensorRef
     params: SamplingParams
     num_samples: int
     return_logprobs: bool
     logprobs_mode: LogprobsMode
     top_logprobs: int
-    def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ..., hidden: _Optional[_Union[HiddenStates, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., return_logprobs: bool = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    output: OutputRefs
+    def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ..., hidden: _Optional[_Union[HiddenStates, _Mapping]] = ..., logits_ref: _Optional[_Union[TensorRef, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., return_logprobs: bool = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ..., top_logprobs: _Optional[int] = ..., output: _Optional[_Union[OutputRefs, _Mapping]] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_ns", "compute_ns", "total_ns")
@@ -296,3 +322,77 @@ class UnregisterWeightsResponse(_message.Message):
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     weights: WeightsInfo
     def __init__(self, weights: _Optional[_Union[WeightsInfo, _Mapping]] = ...) -> None: ...
+
+class SharedMemorySource(_message.Message):
+    __slots__ = ("key", "byte_size")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    byte_size: int
+    def __init__(self, key: _Optional[str] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class CudaIpcSource(_message.Message):
+    __slots__ = ("device_uuid", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    device_uuid: str
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, device_uuid: _Optional[str] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: bool = ...) -> None: ...
+
+class RegisterRegionRequest(_message.Message):
+    __slots__ = ("name", "shm", "cuda_ipc")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shm: SharedMemorySource
+    cuda_ipc: CudaIpcSource
+    def __init__(self, name: _Optional[str] = ..., shm: _Optional[_Union[SharedMemorySource, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcSource, _Mapping]] = ...) -> None: ...
+
+class RegionInfo(_message.Message):
+    __slots__ = ("name", "kind", "byte_size", "device", "in_flight")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: str
+    byte_size: int
+    device: str
+    in_flight: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., byte_size: _Optional[int] = ..., device: _Optional[str] = ..., in_flight: _Optional[int] = ...) -> None: ...
+
+class ListRegionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListRegionsResponse(_message.Message):
+    __slots__ = ("regions",)
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    regions: _containers.RepeatedCompositeFieldContainer[RegionInfo]
+    def __init__(self, regions: _Optional[_Iterable[_Union[RegionInfo, _Mapping]]] = ...) -> None: ...
+
+class UnregisterRegionRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnregisterRegionResponse(_message.Message):
+    __slots__ = ("region",)
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    region: RegionInfo
+    def __init__(self, region: _Optional[_Union[RegionInfo, _Mapping]] = ...) -> None: ...

@@ -70,6 +70,21 @@ class SamplerStub(object):
                 request_serializer=tokensampler_dot_v1_dot_sampler__pb2.UnregisterWeightsRequest.SerializeToString,
                 response_deserializer=tokensampler_dot_v1_dot_sampler__pb2.UnregisterWeightsResponse.FromString,
                 _registered_method=True)
+        self.RegisterRegion = channel.unary_unary(
+                '/tokensampler.v1.Sampler/RegisterRegion',
+                request_serializer=tokensampler_dot_v1_dot_sampler__pb2.RegisterRegionRequest.SerializeToString,
+                response_deserializer=tokensampler_dot_v1_dot_sampler__pb2.RegionInfo.FromString,
+                _registered_method=True)
+        self.ListRegions = channel.unary_unary(
+                '/tokensampler.v1.Sampler/ListRegions',
+                request_serializer=tokensampler_dot_v1_dot_sampler__pb2.ListRegionsRequest.SerializeToString,
+                response_deserializer=tokensampler_dot_v1_dot_sampler__pb2.ListRegionsResponse.FromString,
+                _registered_method=True)
+        self.UnregisterRegion = channel.unary_unary(
+                '/tokensampler.v1.Sampler/UnregisterRegion',
+                request_serializer=tokensampler_dot_v1_dot_sampler__pb2.UnregisterRegionRequest.SerializeToString,
+                response_deserializer=tokensampler_dot_v1_dot_sampler__pb2.UnregisterRegionResponse.FromString,
+                _registered_method=True)
 
 
 class SamplerServicer(object):
@@ -127,6 +142,28 @@ class SamplerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterRegion(self, request, context):
+        """Registers memory shared by a colocated client (a POSIX shared-memory segment, or a CUDA buffer
+        by IPC handle) so that requests can reference tensors in it instead of carrying their bytes.
+        Off unless the server runs with --allow-shm or --allow-cuda-ipc.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRegions(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterRegion(self, request, context):
+        """Unregisters a region: waits for the requests using it, then releases it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SamplerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -164,6 +201,21 @@ def add_SamplerServicer_to_server(servicer, server):
                     servicer.UnregisterWeights,
                     request_deserializer=tokensampler_dot_v1_dot_sampler__pb2.UnregisterWeightsRequest.FromString,
                     response_serializer=tokensampler_dot_v1_dot_sampler__pb2.UnregisterWeightsResponse.SerializeToString,
+            ),
+            'RegisterRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterRegion,
+                    request_deserializer=tokensampler_dot_v1_dot_sampler__pb2.RegisterRegionRequest.FromString,
+                    response_serializer=tokensampler_dot_v1_dot_sampler__pb2.RegionInfo.SerializeToString,
+            ),
+            'ListRegions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRegions,
+                    request_deserializer=tokensampler_dot_v1_dot_sampler__pb2.ListRegionsRequest.FromString,
+                    response_serializer=tokensampler_dot_v1_dot_sampler__pb2.ListRegionsResponse.SerializeToString,
+            ),
+            'UnregisterRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterRegion,
+                    request_deserializer=tokensampler_dot_v1_dot_sampler__pb2.UnregisterRegionRequest.FromString,
+                    response_serializer=tokensampler_dot_v1_dot_sampler__pb2.UnregisterRegionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -356,6 +408,87 @@ class Sampler(object):
             '/tokensampler.v1.Sampler/UnregisterWeights',
             tokensampler_dot_v1_dot_sampler__pb2.UnregisterWeightsRequest.SerializeToString,
             tokensampler_dot_v1_dot_sampler__pb2.UnregisterWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokensampler.v1.Sampler/RegisterRegion',
+            tokensampler_dot_v1_dot_sampler__pb2.RegisterRegionRequest.SerializeToString,
+            tokensampler_dot_v1_dot_sampler__pb2.RegionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRegions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokensampler.v1.Sampler/ListRegions',
+            tokensampler_dot_v1_dot_sampler__pb2.ListRegionsRequest.SerializeToString,
+            tokensampler_dot_v1_dot_sampler__pb2.ListRegionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokensampler.v1.Sampler/UnregisterRegion',
+            tokensampler_dot_v1_dot_sampler__pb2.UnregisterRegionRequest.SerializeToString,
+            tokensampler_dot_v1_dot_sampler__pb2.UnregisterRegionResponse.FromString,
             options,
             channel_credentials,
             insecure,

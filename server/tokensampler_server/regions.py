@@ -1,0 +1,179 @@
+"""Zero-copy regions: memory a colocated client shares with the server, referenced by requests.
+
+A region is a flat byte buffer: a POSIX shared-memory segment (CPU) or a CUDA allocation opened by
+IPC handle (GPU). Requests name (region, offset, dtype, shape); every reference is bounds-checked.
+Requests hold the region while they use it; unregistering waits for them, then releases the mapping.
+The producer owns the memory, keeps it alive while registered, and finishes writing (synchronises
+its CUDA stream) before it sends a request that reads it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import grpc
+import torch
+from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client.tensors import DTYPE_TO_TORCH, dtype_name
+
+from .errors import InvalidArgument, ServiceError
+from .refcounted import RefCountedRegistry
+
+_SHM_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+
+
+@dataclass
+class Region:
+    name: str
+    kind: str
+    """"shm" or "cuda_ipc"."""
+    buffer: torch.Tensor
+    """uint8 [byte_size], on the CPU (shm) or a GPU (cuda_ipc)."""
+    release: Callable[[], None]
+
+    @property
+    def byte_size(self) -> int:
+        return int(self.buffer.numel())
+
+    def tensor(self, ref: pb.TensorRef, field: str, dtypes: tuple[int, ...]) -> torch.Tensor:
+        """The tensor `ref` points to: OUT_OF_RANGE past the region's end, INVALID_ARGUMENT if malformed."""
+        if ref.dtype not in dtypes:
+            names = ", ".join(dtype_name(d) for d in dtypes)
+            raise InvalidArgument(f"{field}.dtype", f"got {ref.dtype}, expected one of {names}")
+        shape = tuple(ref.shape)
+        if any(dim < 0 for dim in shape):
+            raise InvalidArgument(f"{field}.shape", f"got {list(shape)}, expected non-negative sizes")
+        dtype = DTYPE_TO_TORCH[ref.dtype]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if ref.offset % itemsize:
+            raise InvalidArgument(f"{field}.offset", f"got {ref.offset}, expected a multiple of {itemsize} ({dtype_name(ref.dtype)})")
+        size = math.prod(shape) * itemsize
+        if ref.offset + size > self.byte_size:
+            raise ServiceError(
+                f"{field}: bytes [{ref.offset}, {ref.offset + size}) fall outside region {self.name!r} of {self.byte_size} bytes",
+                grpc.StatusCode.OUT_OF_RANGE,
+            )
+        return self.buffer[ref.offset : ref.offset + size].view(dtype).view(shape)
+
+
+def open_shared_memory(source: pb.SharedMemorySource) -> tuple[torch.Tensor, Callable[[], None]]:
+    """Maps the client's segment /dev/shm/<key> (it must exist and hold byte_size bytes)."""
+    from multiprocessing import resource_tracker, shared_memory
+
+    if not _SHM_KEY.match(source.key):
+        raise InvalidArgument("shm.key", f"got {source.key!r}, expected 1-200 letters, digits, '_', '.' or '-'")
+    try:
+        segment = shared_memory.SharedMemory(name=source.key, create=False)
+    except FileNotFoundError:
+        raise ServiceError(f"shm.key: no shared-memory segment named {source.key!r}", grpc.StatusCode.NOT_FOUND) from None
+    # Attaching registers the segment with this process's resource tracker, which would unlink the
+    # client's segment when the server exits: the client owns it, so take it back out.
+    if sys.version_info < (3, 13):
+        resource_tracker.unregister(segment._name, "shared_memory")  # noqa: SLF001 - the documented workaround
+    if source.byte_size == 0 or source.byte_size > segment.size:
+        segment.close()
+        raise InvalidArgument("shm.byte_size", f"got {source.byte_size}, expected 1..{segment.size} (the segment's size)")
+    buffer = torch.frombuffer(segment.buf, dtype=torch.uint8, count=source.byte_size)
+
+    def release() -> None:
+        nonlocal buffer
+        del buffer
+        try:
+            segment.close()
+        except BufferError:  # a result tensor still views it; the mapping goes when that does
+            pass
+
+    return buffer, release
+
+
+def cuda_index_of(device_uuid: str) -> int:
+    """This process's index of the GPU with this UUID (indices differ between processes)."""
+    wanted = device_uuid.removeprefix("GPU-").lower()
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid).lower() == wanted:
+            return index
+    raise ServiceError(f"cuda_ipc.device_uuid: no GPU with UUID {device_uuid!r} is visible to the server",
+                       grpc.StatusCode.NOT_FOUND)
+
+
+def open_cuda_ipc(source: pb.CudaIpcSource) -> tuple[torch.Tensor, Callable[[], None]]:
+    """Opens a CUDA allocation of another process by its IPC handle, as torch.multiprocessing does."""
+    if not torch.cuda.is_available():
+        raise ServiceError("cuda_ipc: the server has no GPU", grpc.StatusCode.FAILED_PRECONDITION)
+    index = cuda_index_of(source.device_uuid)
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(  # noqa: SLF001 - torch's own IPC import path
+            index,
+            source.handle,
+            source.storage_size_bytes,
+            source.storage_offset_bytes,
+            source.ref_counter_handle,
+            source.ref_counter_offset,
+            source.event_handle,
+            source.event_sync_required,
+        )
+    except RuntimeError as err:  # a stale handle, a dead producer, another GPU's memory
+        raise ServiceError(f"cuda_ipc.handle: could not open it: {err}", grpc.StatusCode.FAILED_PRECONDITION) from None
+    buffer = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}").set_(storage, 0, (storage.nbytes(),))
+
+    def release() -> None:
+        nonlocal buffer
+        del buffer  # torch closes the IPC mapping when the storage's last reference goes
+
+    return buffer, release
+
+
+class RegionRegistry:
+    """Registered regions by name; each kind only when the server allows it."""
+
+    def __init__(self, *, allow_shm: bool = False, allow_cuda_ipc: bool = False) -> None:
+        self._allow = {"shm": allow_shm, "cuda_ipc": allow_cuda_ipc}
+        self._regions: RefCountedRegistry[Region] = RefCountedRegistry("region")
+
+    def register(self, request: pb.RegisterRegionRequest) -> Region:
+        kind = request.WhichOneof("source")
+        if kind is None:
+            raise InvalidArgument("source", "not set; expected shm or cuda_ipc")
+        if not self._allow[kind]:
+            flag = "--allow-shm" if kind == "shm" else "--allow-cuda-ipc"
+            raise ServiceError(f"source: {kind} regions are off on this server (start it with {flag})",
+                               grpc.StatusCode.PERMISSION_DENIED)
+        if not request.name:
+            raise InvalidArgument("name", "got an empty name, expected a non-empty region name")
+        opener = open_shared_memory if kind == "shm" else open_cuda_ipc
+        buffer, release = opener(getattr(request, kind))
+        region = Region(name=request.name, kind=kind, buffer=buffer, release=release)
+        try:
+            return self._regions.add(request.name, region)
+        except ServiceError:
+            release()
+            raise
+
+    def list(self) -> list[Region]:
+        return self._regions.items()
+
+    def in_flight(self, region: Region) -> int:
+        return self._regions.in_flight(region)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(region.byte_size for region in self.list())
+
+    def use(self, name: str, field: str) -> AbstractContextManager[Region]:
+        return self._regions.use(name, field)
+
+    async def unregister(self, name: str) -> Region:
+        region = await self._regions.remove(name)
+        region.release()
+        return region
+
+
+def region_info(region: Region, in_flight: int = 0) -> pb.RegionInfo:
+    device = "cpu" if region.buffer.device.type == "cpu" else f"cuda:{region.buffer.device.index}"
+    return pb.RegionInfo(name=region.name, kind=region.kind, byte_size=region.byte_size, device=device,
+                         in_flight=in_flight)

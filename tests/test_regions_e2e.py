@@ -1,0 +1,105 @@
+"""Zero-copy shared-memory regions end to end (CUDA IPC regions are tested in tests/gpu/)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from tokensampler_client import SamplerClient, TokenSamplerError
+from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
+from tokensampler_client.regions import RegionView
+
+from .conftest import RunningServer, start_server
+
+ROWS, VOCAB = 16, 4096
+
+
+@pytest.fixture(scope="module")
+def shm_server():
+    running = start_server("--device", "cpu", "--allow-shm")
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(shm_server: RunningServer):
+    with SamplerClient(shm_server.target, timeout=60) as c:
+        yield c
+
+
+def test_logits_in_a_region_sample_like_logits_on_the_wire(client: SamplerClient) -> None:
+    region = client.register_shm_region("in", ROWS * VOCAB * 4 + ROWS * 4)
+    try:
+        logits = torch.randn(ROWS, VOCAB, generator=torch.Generator().manual_seed(0))
+        region.tensor(torch.float32, (ROWS, VOCAB)).copy_(logits)
+        params = dict(top_k=30, top_p=0.9, seed=list(range(ROWS)), return_logprobs=True)
+        by_ref = client.sample(region.view(torch.float32, (ROWS, VOCAB)), **params)
+        by_bytes = client.sample(logits, **params)
+        assert torch.equal(by_ref.tokens, by_bytes.tokens) and torch.equal(by_ref.logprobs, by_bytes.logprobs)
+
+        # Tokens written into the same region, after the logits; the response leaves them out.
+        out = region.view(torch.int32, (ROWS, 1), offset=ROWS * VOCAB * 4)
+        written = client.sample(region.view(torch.float32, (ROWS, VOCAB)), output_tokens=out, **params)
+        assert written.tokens is None
+        assert torch.equal(region.tensor(torch.int32, (ROWS, 1), ROWS * VOCAB * 4).long(), by_bytes.tokens)
+
+        info = client.list_regions()
+        assert [(r.name, r.kind, r.byte_size, r.device) for r in info] == [("in", "shm", region.byte_size, "cpu")]
+    finally:
+        client.unregister_region(region)
+    assert client.list_regions() == []
+
+
+def test_bad_references(client: SamplerClient) -> None:
+    region = client.register_shm_region("small", 1024)
+    try:
+        cases = [
+            (RegionView("small", 0, torch.float32, (2, 200)), grpc.StatusCode.OUT_OF_RANGE, "logits_ref"),
+            (RegionView("small", 2, torch.float32, (1, 8)), grpc.StatusCode.INVALID_ARGUMENT, "logits_ref.offset"),
+            (RegionView("small", 0, torch.int32, (1, 8)), grpc.StatusCode.INVALID_ARGUMENT, "logits_ref.dtype"),
+            (RegionView("small", 0, torch.float32, (8,)), grpc.StatusCode.INVALID_ARGUMENT, "logits_ref.shape"),
+            (RegionView("absent", 0, torch.float32, (1, 8)), grpc.StatusCode.NOT_FOUND, "logits_ref.region"),
+        ]
+        for view, code, field in cases:
+            with pytest.raises(TokenSamplerError) as raised:
+                client.sample(view)
+            assert raised.value.code == code and raised.value.details.startswith(f"{field}"), raised.value
+        with pytest.raises(TokenSamplerError) as raised:  # output of the wrong shape
+            client.sample(torch.zeros(2, 8), output_tokens=RegionView("small", 0, torch.int32, (3, 1)))
+        assert raised.value.details.startswith("output.tokens.shape")
+        with pytest.raises(ValueError, match="outside"):
+            region.view(torch.float32, (2, 200))
+        with pytest.raises(TokenSamplerError) as raised:
+            client.register_shm_region("small", 16)
+        assert raised.value.code == grpc.StatusCode.ALREADY_EXISTS
+    finally:
+        client.unregister_region(region)
+
+
+def test_unknown_segment_is_not_found(shm_server: RunningServer) -> None:
+    request = pb.RegisterRegionRequest(name="ghost", shm=pb.SharedMemorySource(key="tokensampler-no-such-segment", byte_size=8))
+    with grpc.insecure_channel(shm_server.target) as channel, pytest.raises(grpc.RpcError) as raised:
+        pb_grpc.SamplerStub(channel).RegisterRegion(request, timeout=10)
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_regions_are_off_by_default(server: RunningServer) -> None:
+    with SamplerClient(server.target, timeout=30) as plain:
+        with pytest.raises(TokenSamplerError) as raised:
+            plain.register_shm_region("x", 64)
+    assert raised.value.code == grpc.StatusCode.PERMISSION_DENIED and "--allow-shm" in raised.value.details
+
+
+def test_hidden_states_in_a_region(client: SamplerClient) -> None:
+    client.register_weights("head", torch.randn(500, 32, generator=torch.Generator().manual_seed(1)))
+    region = client.register_shm_region("hidden", 4 * 32 * 4)
+    try:
+        hidden = torch.randn(4, 32)
+        region.tensor(torch.float32, (4, 32)).copy_(hidden)
+        by_ref = client.sample_hidden(region.view(torch.float32, (4, 32)), "head", seed=[1, 2, 3, 4])
+        by_bytes = client.sample_hidden(hidden, "head", seed=[1, 2, 3, 4])
+        assert torch.equal(by_ref.tokens, by_bytes.tokens)
+    finally:
+        client.unregister_region(region)
+        client.unregister_weights("head")
