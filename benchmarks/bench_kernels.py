@@ -1,0 +1,170 @@
+"""Kernel benchmark of the logits path, per /work/shared/bench/README.md (LOGITS workload).
+
+  python benchmarks/bench_kernels.py [--out benchmarks/results] [--batches 1,8,32,64,128,256]
+
+For both generators (spiky, flat) and every B, times the tokensampler kernels in the six modes
+(greedy, gumbel, top_k_top_p, top_k, top_p, min_p; k, p, T, min_p as per-row tensors) next to the
+peers of peers.py in the same process on the same logits: torch argmax, FlashInfer's samplers, the
+PyTorch-native vLLM path. Writes logits-<generator>-<gpu>-<date>.json (rows: workload, method,
+mode, B, median_us, roofline_us, of_roofline) and a PNG plot per file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "server"))
+
+from tokensampler_server.backends.cuda_kernels import Kernels, Outputs, RowParams  # noqa: E402
+
+V = 151936
+TOP_K, TOP_P, MIN_P = 50, 0.9, 0.05
+MODES = ("greedy", "gumbel", "top_k_top_p", "top_k", "top_p", "min_p")
+
+
+def load_peers():
+    """peers.py: $PEERS_PY, the carried copy in .bench_peers/, or ../shared/bench/ beside the checkout."""
+    for candidate in (os.environ.get("PEERS_PY"), ROOT / ".bench_peers" / "peers.py", ROOT.parent / "shared" / "bench" / "peers.py"):
+        if candidate and Path(candidate).is_file():
+            spec = importlib.util.spec_from_file_location("peers", candidate)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+    raise SystemExit("peers.py not found: set PEERS_PY")
+
+
+def tokensampler_fn(kernels: Kernels, mode: str, logits: torch.Tensor):
+    """The call timed for one mode: launches only, outputs allocated inside as a caller would."""
+    b = logits.shape[0]
+    dev = logits.device
+    params = {
+        "greedy": RowParams.make(b, dev, temperature=0.0),
+        "gumbel": RowParams.make(b, dev, temperature=1.0, seed=7),
+        "top_k_top_p": RowParams.make(b, dev, top_k=TOP_K, top_p=TOP_P, seed=7),
+        "top_k": RowParams.make(b, dev, top_k=TOP_K, seed=7),
+        "top_p": RowParams.make(b, dev, top_p=TOP_P, seed=7),
+        "min_p": RowParams.make(b, dev, min_p=MIN_P, seed=7),
+    }[mode]
+    bucket = kernels.topk_bucket(TOP_K)
+
+    def run() -> torch.Tensor:
+        out = Outputs(tokens=torch.empty(b, 1, dtype=torch.int64, device=dev),
+                      flags=torch.empty(b, dtype=torch.uint8, device=dev))
+        if mode == "greedy":
+            kernels.stats(logits, params, out)
+        elif mode == "gumbel":
+            kernels.gumbel(logits, params, out, 0)
+        elif mode in ("top_k_top_p", "top_k"):
+            kernels.topk(logits, params, out, bucket)
+        else:
+            pre = Outputs(tokens=torch.empty(b, 1, dtype=torch.int64, device=dev),
+                          flags=torch.empty(b, dtype=torch.uint8, device=dev),
+                          row_max=torch.empty(b, dtype=torch.float32, device=dev),
+                          row_min=torch.empty(b, dtype=torch.float32, device=dev))
+            kernels.stats(logits, params, pre)
+            kernels.filter(logits, params, pre, out, 0)
+        return out.tokens
+
+    return run
+
+
+def gpu_slug(name: str) -> str:
+    for short in ("H200", "H100", "B200", "A100", "L40S"):
+        if short in name:
+            return short.lower()
+    return name.lower().replace(" ", "-")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--batches", default="1,8,32,64,128,256")
+    ap.add_argument("--no-peers", action="store_true", help="time the tokensampler kernels only")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    peers = load_peers()
+    kernels = Kernels(torch.cuda.current_device())
+    gpu = torch.cuda.get_device_name()
+    date = datetime.date.today().isoformat()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    copy_bw, read_bw = peers.bandwidth()
+    meta = {"gpu": gpu, "torch": torch.__version__, "commit": commit or "unknown", "date": date, "V": V,
+            "top_k": TOP_K, "top_p": TOP_P, "min_p": MIN_P, "read_bw_GBps": round(read_bw / 1e9, 1),
+            "copy_bw_GBps": round(copy_bw / 1e9, 1), "timing": "triton do_bench warmup=25 rep=100 median, L2 flushed"}
+    fi = None
+    if not args.no_peers:
+        try:
+            fi = peers.import_with_stubs("flashinfer.sampling")
+            meta["flashinfer"] = "imported"
+        except Exception as err:  # noqa: BLE001 - recorded in the results, the run goes on
+            meta["flashinfer"] = f"unavailable: {type(err).__name__}: {err}"[:300]
+    print(json.dumps(meta), flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for gen_name, make in (("spiky", peers.spiky_logits), ("flat", peers.flat_logits)):
+        workload = f"logits-{gen_name}"
+        rows: list[dict] = []
+
+        def emit(method: str, mode: str | None, b: int, us: float, roof: float, **extra) -> None:
+            row = {"workload": workload, "method": method, "mode": mode, "B": b, "median_us": round(us, 2),
+                   "roofline_us": round(roof, 2), "of_roofline": round(roof / us, 3), **extra}
+            rows.append(row)
+            print(f"{workload:13s} {method:26s} {mode or '':12s} B={b:4d} {us:9.2f} us  roof {roof:7.2f}", flush=True)
+
+        for b in batches:
+            logits = make(b, V, gen)
+            roof = b * V * 4 / read_bw * 1e6
+            for mode in MODES:
+                fn = tokensampler_fn(kernels, mode, logits)
+                before = int(kernels.fallback_count.item())
+                tokens = fn()
+                if mode == "greedy":
+                    assert torch.equal(tokens[:, 0], logits.argmax(dim=1)), "greedy disagrees with torch.argmax"
+                fallbacks = int(kernels.fallback_count.item()) - before
+                emit("tokensampler", mode, b, peers.bench(fn), roof, fallbacks_per_call=fallbacks)
+            if args.no_peers:
+                continue
+            k = torch.full((b,), TOP_K, device="cuda", dtype=torch.int32)
+            p = torch.full((b,), TOP_P, device="cuda", dtype=torch.float32)
+            m = torch.full((b,), MIN_P, device="cuda", dtype=torch.float32)
+            emit("torch_argmax", None, b, peers.bench(lambda: logits.argmax(dim=-1)), roof)
+            emit("vllm_native_topk_topp", None, b, peers.bench(lambda: peers.vllm_native_topk_topp(logits, k, p)), roof)
+            if fi is not None:
+                try:
+                    emit("flashinfer_topk_topp", None, b, peers.bench(lambda: fi.top_k_top_p_sampling_from_logits(logits, k, p)), roof)
+                    emit("flashinfer_gumbel", None, b, peers.bench(lambda: fi.sampling_from_logits(logits)), roof)
+                    emit("flashinfer_softmax+top_p", None, b, peers.bench(lambda: fi.top_p_sampling_from_probs(torch.softmax(logits, -1), p)), roof)
+                    emit("flashinfer_softmax+min_p", None, b, peers.bench(lambda: fi.min_p_sampling_from_probs(torch.softmax(logits, -1), m)), roof)
+                except Exception as err:  # noqa: BLE001
+                    meta["flashinfer"] = f"failed: {type(err).__name__}: {err}"[:300]
+                    print(meta["flashinfer"], flush=True)
+                    fi = None
+            del logits
+        path = out_dir / f"{workload}-{gpu_slug(gpu)}-{date}.json"
+        path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        print(f"wrote {path}", flush=True)
+        try:
+            from plot_results import plot  # noqa: PLC0415 - optional: needs matplotlib
+
+            plot(path)
+        except ImportError as err:
+            print(f"no plot: {err}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    main()

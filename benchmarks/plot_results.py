@@ -1,0 +1,49 @@
+"""Plots a results file of bench_kernels.py: time against B, one line per method (and mode), log scale.
+
+  python benchmarks/plot_results.py benchmarks/results/logits-spiky-h100-2026-11-21.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def plot(path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(Path(path).read_text())
+    series: dict[str, list[tuple[int, float]]] = {}
+    roof: dict[int, float] = {}
+    for row in data["rows"]:
+        label = row["method"] + (f" {row['mode']}" if row.get("mode") else "")
+        series.setdefault(label, []).append((row["B"], row["median_us"]))
+        roof[row["B"]] = row["roofline_us"]
+    fig, ax = plt.subplots(figsize=(10, 6))
+    for label, points in sorted(series.items()):
+        points.sort()
+        style = "-o" if label.startswith("tokensampler") else "--x"
+        ax.plot([b for b, _ in points], [t for _, t in points], style, label=label, linewidth=1.2, markersize=4)
+    bs = sorted(roof)
+    ax.plot(bs, [roof[b] for b in bs], "k:", label="HBM roofline (read once)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("B (rows), V = %d" % data["meta"].get("V", 0))
+    ax.set_ylabel("median time (us)")
+    ax.set_title(f"{data['rows'][0]['workload']} on {data['meta']['gpu']} ({data['meta']['date']})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    out = Path(path).with_suffix(".png")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        print(plot(Path(arg)))

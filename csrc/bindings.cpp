@@ -1,0 +1,106 @@
+// The one torch binding of the logits-path kernels: plain pointers in, launches on the caller's
+// stream. Shapes, dtypes and workspace sizes are checked on the Python side
+// (server/tokensampler_server/backends/cuda_kernels.py), which owns every tensor passed here.
+#include <cuda_runtime.h>
+#include <torch/extension.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "sampling.h"
+
+namespace {
+
+template <typename T>
+T* ptr(int64_t address) { return reinterpret_cast<T*>(static_cast<uintptr_t>(address)); }
+
+void check(int err, const char* what) {
+  if (err != 0)
+    throw std::runtime_error(std::string("tokensampler ") + what + ": " + cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+
+TsLogits logits_of(int64_t data, int64_t num_rows, int64_t vocab, int64_t dtype) {
+  return TsLogits{ptr<const void>(data), num_rows, vocab, static_cast<int32_t>(dtype)};
+}
+
+// params: temperature, top_k, top_p, min_p, seed, position, iteration (device addresses).
+TsRows rows_of(int64_t rows, int64_t num_work_rows, const std::vector<int64_t>& params) {
+  if (params.size() != 7) throw std::invalid_argument("tokensampler: 7 parameter arrays expected");
+  return TsRows{ptr<const int32_t>(rows), static_cast<int32_t>(num_work_rows), ptr<const float>(params[0]),
+                ptr<const int32_t>(params[1]), ptr<const float>(params[2]), ptr<const float>(params[3]),
+                ptr<const int64_t>(params[4]), ptr<const int64_t>(params[5]), ptr<const int64_t>(params[6])};
+}
+
+// outputs: tokens, flags, row_max, row_min, row_logz, kept_mass, kept_min_key (0 = not written).
+TsOutputs outputs_of(const std::vector<int64_t>& o, int64_t num_samples, int64_t sample) {
+  if (o.size() != 7) throw std::invalid_argument("tokensampler: 7 output arrays expected");
+  return TsOutputs{ptr<int64_t>(o[0]), static_cast<int32_t>(num_samples), static_cast<int32_t>(sample),
+                   ptr<uint8_t>(o[1]), ptr<float>(o[2]), ptr<float>(o[3]), ptr<float>(o[4]), ptr<float>(o[5]),
+                   ptr<int64_t>(o[6])};
+}
+
+// workspace: counters, hist, scratch, fallback_count.
+TsWorkspace workspace_of(const std::vector<int64_t>& w) {
+  if (w.size() != 4) throw std::invalid_argument("tokensampler: 4 workspace arrays expected");
+  return TsWorkspace{ptr<unsigned int>(w[0]), ptr<void>(w[1]), ptr<void>(w[2]), ptr<unsigned long long>(w[3])};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "tokensampler logits-path CUDA kernels (csrc/sampling.h)";
+  m.def("num_splits", &ts_num_splits);
+  m.def("topk_bucket", &ts_topk_bucket);
+  m.def("stats_scratch_bytes", &ts_stats_scratch_bytes);
+  m.def("gumbel_scratch_bytes", &ts_gumbel_scratch_bytes);
+  m.def("topk_scratch_bytes", &ts_topk_scratch_bytes);
+  m.def("hist_bytes", &ts_hist_bytes);
+  m.def("stats", [](int64_t data, int64_t num_rows, int64_t vocab, int64_t dtype, int64_t rows, int64_t num_work,
+                    std::vector<int64_t> params, int64_t lse_scale, std::vector<int64_t> outs, int64_t num_samples,
+                    std::vector<int64_t> ws, int64_t stream) {
+    const TsLogits l = logits_of(data, num_rows, vocab, dtype);
+    const TsRows r = rows_of(rows, num_work, params);
+    const TsOutputs o = outputs_of(outs, num_samples, 0);
+    const TsWorkspace w = workspace_of(ws);
+    check(ts_stats(&l, &r, ptr<const float>(lse_scale), &o, &w, ptr<void>(stream)), "stats");
+  });
+  m.def("gumbel", [](int64_t data, int64_t num_rows, int64_t vocab, int64_t dtype, int64_t rows, int64_t num_work,
+                     std::vector<int64_t> params, int64_t lse_scale, std::vector<int64_t> outs, int64_t num_samples,
+                     int64_t sample, std::vector<int64_t> ws, int64_t stream) {
+    const TsLogits l = logits_of(data, num_rows, vocab, dtype);
+    const TsRows r = rows_of(rows, num_work, params);
+    const TsOutputs o = outputs_of(outs, num_samples, sample);
+    const TsWorkspace w = workspace_of(ws);
+    check(ts_gumbel(&l, &r, ptr<const float>(lse_scale), &o, &w, ptr<void>(stream)), "gumbel");
+  });
+  m.def("topk", [](int64_t data, int64_t num_rows, int64_t vocab, int64_t dtype, int64_t rows, int64_t num_work,
+                   std::vector<int64_t> params, int64_t bucket, std::vector<int64_t> outs, int64_t num_samples,
+                   std::vector<int64_t> ws, int64_t stream) {
+    const TsLogits l = logits_of(data, num_rows, vocab, dtype);
+    const TsRows r = rows_of(rows, num_work, params);
+    const TsOutputs o = outputs_of(outs, num_samples, 0);
+    const TsWorkspace w = workspace_of(ws);
+    check(ts_topk(&l, &r, static_cast<int32_t>(bucket), &o, &w, ptr<void>(stream)), "topk");
+  });
+  m.def("filter", [](int64_t data, int64_t num_rows, int64_t vocab, int64_t dtype, int64_t rows, int64_t num_work,
+                     std::vector<int64_t> params, std::vector<int64_t> stats, int64_t need_exact_mass, int64_t splits,
+                     std::vector<int64_t> outs, int64_t num_samples, int64_t sample, std::vector<int64_t> ws,
+                     int64_t stream) {
+    if (stats.size() != 4) throw std::invalid_argument("tokensampler: row_max, row_min, argmax, flags expected");
+    const TsLogits l = logits_of(data, num_rows, vocab, dtype);
+    const TsRows r = rows_of(rows, num_work, params);
+    const TsOutputs o = outputs_of(outs, num_samples, sample);
+    const TsWorkspace w = workspace_of(ws);
+    check(ts_filter(&l, &r, ptr<const float>(stats[0]), ptr<const float>(stats[1]), ptr<const int64_t>(stats[2]),
+                    ptr<const uint8_t>(stats[3]),
+                    static_cast<int32_t>(need_exact_mass), static_cast<int32_t>(splits), &o, &w, ptr<void>(stream)),
+          "filter");
+  });
+  m.def("noise", [](int64_t seed, int64_t position, int64_t iteration, int64_t sample, int64_t vocab, int64_t words,
+                    int64_t noise, int64_t stream) {
+    check(ts_noise(seed, position, iteration, static_cast<uint32_t>(sample), vocab, ptr<uint32_t>(words),
+                   ptr<float>(noise), ptr<void>(stream)),
+          "noise");
+  });
+}

@@ -1,0 +1,180 @@
+// Shared device helpers of the sampling kernels: typed loads, order-preserving keys, reductions,
+// scans and sorts in shared memory. Framework-free.
+#pragma once
+#include <cstdint>
+#include <type_traits>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace tokensampler {
+
+enum DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+constexpr float kInf = __builtin_huge_valf();
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ float half_bits_to_f32(uint32_t bits) {
+  if constexpr (sizeof(T) == 2 && std::is_same<T, __nv_bfloat16>::value) return __uint_as_float(bits << 16);
+  else return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+}
+
+// Tokens 4g .. 4g+3 of a row (one Philox call covers exactly these). Tokens past the vocabulary read
+// as -inf. `aligned`: the row start is aligned to one group, so a group is one 16- or 8-byte load.
+template <typename T>
+__device__ __forceinline__ void load_group(const T* __restrict__ row, int64_t g, int64_t vocab,
+                                           bool aligned, float (&v)[4]) {
+  const int64_t i0 = g * 4;
+  if (aligned && i0 + 4 <= vocab) {
+    if constexpr (sizeof(T) == 4) {
+      const float4 q = *reinterpret_cast<const float4*>(row + i0);
+      v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+    } else {
+      const uint2 q = *reinterpret_cast<const uint2*>(row + i0);
+      v[0] = half_bits_to_f32<T>(q.x & 0xFFFFu); v[1] = half_bits_to_f32<T>(q.x >> 16);
+      v[2] = half_bits_to_f32<T>(q.y & 0xFFFFu); v[3] = half_bits_to_f32<T>(q.y >> 16);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = i0 + j < vocab ? to_f32(row[i0 + j]) : -kInf;
+  }
+}
+
+// NaN and +inf read as -inf (docs/semantics.md, choice 1); returns whether x was one of them.
+__device__ __forceinline__ bool sanitize(float& x) {
+  const bool bad = !(x < kInf);
+  if (bad) x = -kInf;
+  return bad;
+}
+
+// fp32 -> uint32 preserving order (-0 and +0 map to the same key, as they compare equal).
+__device__ __forceinline__ uint32_t order_key(float x) {
+  uint32_t u = __float_as_uint(x);
+  if (u == 0x80000000u) u = 0;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float key_to_float(uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
+}
+// (value desc, index asc) as one unsigned key, larger = earlier. 0 is never a real token's key.
+__device__ __forceinline__ uint64_t rank_key(float x, uint32_t idx) {
+  return (static_cast<uint64_t>(order_key(x)) << 32) | (0xFFFFFFFFu - idx);
+}
+__device__ __forceinline__ uint32_t key_index(uint64_t key) {
+  return 0xFFFFFFFFu - static_cast<uint32_t>(key);
+}
+__device__ __forceinline__ float key_value(uint64_t key) {
+  return key_to_float(static_cast<uint32_t>(key >> 32));
+}
+
+// Probability mass in fixed point (2^-40 units): integer sums are exact, hence independent of the
+// order of accumulation, of the number of blocks per row, and of the batch.
+__device__ __forceinline__ uint64_t mass_fixed(float z) {
+  return __float2ull_rn(expf(z) * 0x1p40f);
+}
+constexpr double kMassUnit = 0x1p-40;
+
+template <typename T, typename Op>
+__device__ __forceinline__ T warp_allreduce(T v, Op op) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Every thread gets the reduction of all `v`. `scratch` holds THREADS / 32 values.
+template <int THREADS, typename T, typename Op>
+__device__ __forceinline__ T block_allreduce(T v, Op op, T* scratch) {
+  v = warp_allreduce(v, op);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = scratch[0];
+#pragma unroll
+  for (int i = 1; i < THREADS / 32; ++i) v = op(v, scratch[i]);
+  return v;
+}
+
+struct MaxOp {
+  template <typename T>
+  __device__ __forceinline__ T operator()(T a, T b) const { return a > b ? a : b; }
+};
+struct MinOp {
+  template <typename T>
+  __device__ __forceinline__ T operator()(T a, T b) const { return a < b ? a : b; }
+};
+struct SumOp {
+  template <typename T>
+  __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+
+// In-place inclusive prefix sum of a[0, n) in shared memory. `scratch` holds THREADS / 32 values.
+template <int THREADS, typename T>
+__device__ void block_inclusive_scan(T* a, int n, T* scratch) {
+  const int per = (n + THREADS - 1) / THREADS;
+  const int begin = min(n, static_cast<int>(threadIdx.x) * per), end = min(n, begin + per);
+  __syncthreads();
+  T local = 0;
+  for (int i = begin; i < end; ++i) local += a[i];
+  // exclusive scan of the per-thread totals across the block
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  T incl = local;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const T up = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += up;
+  }
+  if (lane == 31) scratch[warp] = incl;
+  __syncthreads();
+  T offset = incl - local;
+  for (int w = 0; w < warp; ++w) offset += scratch[w];
+  for (int i = begin; i < end; ++i) {
+    offset += a[i];
+    a[i] = offset;
+  }
+  __syncthreads();
+}
+
+// Sorts a[0, n) in shared memory into descending order (n a power of two).
+template <int THREADS>
+__device__ void block_sort_desc(uint64_t* a, int n) {
+  for (int size = 2; size <= n; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      __syncthreads();
+      for (int i = threadIdx.x; i < (n >> 1); i += THREADS) {
+        const int lo = 2 * i - (i & (stride - 1)), hi = lo + stride;
+        const bool desc = (lo & size) == 0;
+        const uint64_t x = a[lo], y = a[hi];
+        if ((x < y) == desc) {
+          a[lo] = y;
+          a[hi] = x;
+        }
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// The last block of a row to finish (counted on a self-resetting counter) returns true. Callers
+// write their partial results before, and read the other blocks' partials only after, this call.
+__device__ __forceinline__ bool finish_and_elect_last(unsigned int* counter, unsigned int blocks) {
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned int done = atomicAdd(counter, 1u);
+    last = done == blocks - 1;
+    if (last) *counter = 0u;
+  }
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}
+
+__device__ __forceinline__ unsigned int next_pow2(unsigned int n) {
+  return n <= 1 ? 1 : 1u << (32 - __clz(n - 1));
+}
+
+}  // namespace tokensampler

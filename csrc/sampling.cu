@@ -1,0 +1,146 @@
+// extern "C" launchers of the logits-path kernels (sampling.cuh). No framework headers: this file
+// compiles on its own with nvcc, and any host code can call it through sampling.h.
+#include <cuda_runtime.h>
+
+#include "sampling.cuh"
+
+using namespace tokensampler;
+
+namespace {
+
+constexpr int kMaxGridY = 65535;
+
+bool bad_args(const TsLogits* logits, const TsRows* rows) {
+  return logits->vocab < 1 || logits->vocab > (int64_t{1} << 31) - 1 || rows->num_work_rows < 0 ||
+         rows->num_work_rows > kMaxGridY || logits->dtype < kF32 || logits->dtype > kBF16;
+}
+
+// Calls f with a value of the logits' element type.
+template <typename F>
+cudaError_t dispatch_dtype(int32_t dtype, F&& f) {
+  switch (dtype) {
+    case kF32: return f(float{});
+    case kF16: return f(__half{});
+    case kBF16: return f(__nv_bfloat16{});
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t set_smem(const void* kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+}
+
+template <typename T, int K>
+cudaError_t launch_topk(const TsLogits* logits, const TsRows* rows, const TsOutputs* out,
+                        const TsWorkspace* ws, cudaStream_t stream) {
+  const int splits = num_splits(logits->vocab);
+  const size_t smem = topk_smem_bytes(splits, K);
+  const void* kernel = reinterpret_cast<const void*>(&topk_kernel<T, K>);
+  if (cudaError_t e = set_smem(kernel, smem)) return e;
+  topk_kernel<T, K><<<dim3(splits, rows->num_work_rows), kThreads, smem, stream>>>(*logits, *rows, *out, *ws);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" {
+
+int ts_num_splits(int64_t vocab) { return num_splits(vocab); }
+
+size_t ts_stats_scratch_bytes(int32_t num_work_rows, int64_t vocab) {
+  return sizeof(Stats) * static_cast<size_t>(num_work_rows) * num_splits(vocab);
+}
+
+size_t ts_gumbel_scratch_bytes(int32_t num_work_rows, int64_t vocab) {
+  return sizeof(GumbelPartial) * static_cast<size_t>(num_work_rows) * num_splits(vocab);
+}
+
+size_t ts_topk_scratch_bytes(int32_t num_work_rows, int64_t vocab, int32_t bucket) {
+  const size_t blocks = static_cast<size_t>(num_work_rows) * num_splits(vocab);
+  return blocks * bucket * sizeof(uint64_t) + blocks * sizeof(uint32_t);
+}
+
+size_t ts_hist_bytes(int32_t num_work_rows) { return kHistRowBytes * static_cast<size_t>(num_work_rows); }
+
+int ts_topk_bucket(int32_t k) {
+  for (int bucket : {16, 32, 64, 128, 256})
+    if (k + 1 <= bucket) return bucket;
+  return 0;
+}
+
+int ts_stats(const TsLogits* logits, const TsRows* rows, const float* lse_scale, const TsOutputs* out,
+             const TsWorkspace* ws, void* stream) {
+  if (bad_args(logits, rows)) return cudaErrorInvalidValue;
+  if (rows->num_work_rows == 0) return cudaSuccess;
+  const dim3 grid(num_splits(logits->vocab), rows->num_work_rows);
+  return dispatch_dtype(logits->dtype, [&](auto t) {
+    using T = decltype(t);
+    stats_kernel<T><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(*logits, *rows, lse_scale, *out, *ws);
+    return cudaGetLastError();
+  });
+}
+
+int ts_gumbel(const TsLogits* logits, const TsRows* rows, const float* lse_scale, const TsOutputs* out,
+              const TsWorkspace* ws, void* stream) {
+  if (bad_args(logits, rows) || !out->tokens) return cudaErrorInvalidValue;
+  if (rows->num_work_rows == 0) return cudaSuccess;
+  const dim3 grid(num_splits(logits->vocab), rows->num_work_rows);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return dispatch_dtype(logits->dtype, [&](auto t) {
+    using T = decltype(t);
+    if (lse_scale)
+      gumbel_kernel<T, true><<<grid, kThreads, 0, s>>>(*logits, *rows, lse_scale, *out, *ws);
+    else
+      gumbel_kernel<T, false><<<grid, kThreads, 0, s>>>(*logits, *rows, lse_scale, *out, *ws);
+    return cudaGetLastError();
+  });
+}
+
+int ts_topk(const TsLogits* logits, const TsRows* rows, int32_t bucket, const TsOutputs* out,
+            const TsWorkspace* ws, void* stream) {
+  if (bad_args(logits, rows) || !out->tokens || !out->flags) return cudaErrorInvalidValue;
+  if (rows->num_work_rows == 0) return cudaSuccess;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return dispatch_dtype(logits->dtype, [&](auto t) {
+    using T = decltype(t);
+    switch (bucket) {
+      case 16: return launch_topk<T, 16>(logits, rows, out, ws, s);
+      case 32: return launch_topk<T, 32>(logits, rows, out, ws, s);
+      case 64: return launch_topk<T, 64>(logits, rows, out, ws, s);
+      case 128: return launch_topk<T, 128>(logits, rows, out, ws, s);
+      case 256: return launch_topk<T, 256>(logits, rows, out, ws, s);
+      default: return cudaErrorInvalidValue;
+    }
+  });
+}
+
+int ts_filter(const TsLogits* logits, const TsRows* rows, const float* row_max, const float* row_min,
+              const int64_t* row_argmax, const uint8_t* stats_flags, int32_t need_exact_mass, int32_t splits,
+              const TsOutputs* out, const TsWorkspace* ws, void* stream) {
+  if (bad_args(logits, rows) || !out->tokens || !out->flags || !row_argmax || splits < 1) return cudaErrorInvalidValue;
+  if (rows->num_work_rows == 0) return cudaSuccess;
+  const int64_t groups = (logits->vocab + 3) / 4;
+  const int blocks = static_cast<int>(splits < groups ? splits : groups);
+  const dim3 grid(blocks, rows->num_work_rows);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return dispatch_dtype(logits->dtype, [&](auto t) {
+    using T = decltype(t);
+    const void* kernel = reinterpret_cast<const void*>(&filter_kernel<T>);
+    if (cudaError_t e = set_smem(kernel, kFilterSmemBytes)) return e;
+    filter_kernel<T><<<grid, kFilterThreads, kFilterSmemBytes, s>>>(*logits, *rows, row_max, row_min, row_argmax,
+                                                                    stats_flags, need_exact_mass, *out, *ws);
+    return cudaGetLastError();
+  });
+}
+
+int ts_noise(int64_t seed, int64_t position, int64_t iteration, uint32_t sample, int64_t vocab, uint32_t* words,
+             float* noise, void* stream) {
+  if (vocab < 1) return cudaErrorInvalidValue;
+  const NoiseStream stream_of_row = NoiseStream::make(seed, position, iteration, sample);
+  const unsigned int blocks = static_cast<unsigned int>((vocab + 255) / 256);
+  noise_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(stream_of_row, vocab, words, noise);
+  return cudaGetLastError();
+}
+
+}  // extern "C"

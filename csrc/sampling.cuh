@@ -1,0 +1,836 @@
+// The logits-path sampling kernels as framework-free device templates (launchers: sampling.cu).
+//
+// Rows are cut into fixed chunks of kChunk tokens, one block each, so the number of blocks per row
+// depends on the vocabulary alone: every reduction runs in the same order whatever the batch, which
+// keeps results batch-invariant. The last block of a row (self-resetting counter) merges the
+// chunks' partial results in chunk order. Token order everywhere is (value desc, id asc), encoded
+// as one 64-bit rank key (common.cuh). Semantics: docs/semantics.md.
+#pragma once
+#include <climits>
+#include <cstdint>
+
+#include "common.cuh"
+#include "philox.cuh"
+#include "sampling.h"
+
+namespace tokensampler {
+
+constexpr int kThreads = 256;
+constexpr int kGroupsPerThread = 8;
+constexpr int kChunkGroups = kThreads * kGroupsPerThread;
+constexpr int64_t kChunk = 4 * kChunkGroups;  // 8192 tokens per block
+
+__host__ __device__ inline int num_splits(int64_t vocab) {
+  return static_cast<int>((vocab + kChunk - 1) / kChunk);
+}
+
+template <typename T>
+struct RowView {
+  const T* row;
+  int64_t r;
+  bool aligned;
+};
+
+template <typename T>
+__device__ __forceinline__ RowView<T> row_view(const TsLogits& logits, const TsRows& rows, int w) {
+  const int64_t r = rows.rows ? rows.rows[w] : w;
+  const T* row = static_cast<const T*>(logits.data) + r * logits.vocab;
+  return {row, r, reinterpret_cast<uintptr_t>(row) % (4 * sizeof(T)) == 0};
+}
+
+// This block's chunk, sanitized: v[j][e] is token 4 * (g0 + threadIdx.x + j * kThreads) + e.
+template <typename T>
+__device__ __forceinline__ bool load_chunk(const RowView<T>& rv, int64_t vocab, int64_t g0,
+                                           float (&v)[kGroupsPerThread][4]) {
+#pragma unroll
+  for (int j = 0; j < kGroupsPerThread; ++j)
+    load_group(rv.row, g0 + threadIdx.x + j * kThreads, vocab, rv.aligned, v[j]);
+  bool nan = false;
+#pragma unroll
+  for (int j = 0; j < kGroupsPerThread; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) nan |= sanitize(v[j][e]);
+  return nan;
+}
+
+__device__ __forceinline__ int64_t token_of(int64_t g0, int j, int e) {
+  return 4 * (g0 + threadIdx.x + j * kThreads) + e;
+}
+
+// z = (x - max) / T exactly as the reference evaluates it (two correctly rounded operations).
+__device__ __forceinline__ float scaled(float x, float row_max, float temperature) {
+  return __fdiv_rn(__fsub_rn(x, row_max), temperature);
+}
+
+// The score Gumbel-max ranks: z + g, correctly rounded, as a rank key.
+__device__ __forceinline__ uint64_t gumbel_key(float z, uint32_t id, const NoiseStream& noise) {
+  return rank_key(__fadd_rn(z, gumbel_exact(noise.word(id))), id);
+}
+
+__device__ __forceinline__ NoiseStream row_noise(const TsRows& rows, int64_t r, uint32_t sample) {
+  return NoiseStream::make(rows.seed[r], rows.position[r], rows.iteration[r], sample);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row statistics: max (with the lowest argmax), min of the finite values, nan flag, and optionally
+// log sum exp(c * (x - max)). With out.tokens it is the greedy sampler.
+
+struct Stats {
+  float max, min, sum;
+  int32_t argmax;
+  uint32_t nan;
+};
+
+__device__ __forceinline__ Stats merge_stats(Stats a, const Stats& b, float c, bool lse) {
+  const float m = fmaxf(a.max, b.max);
+  if (lse) a.sum = m == -kInf ? 0.f : a.sum * expf((a.max - m) * c) + b.sum * expf((b.max - m) * c);
+  if (b.max > a.max || (b.max == a.max && b.argmax < a.argmax)) a.argmax = b.argmax;
+  a.max = m;
+  a.min = fminf(a.min, b.min);
+  a.nan |= b.nan;
+  return a;
+}
+
+__device__ __forceinline__ Stats shfl_stats(const Stats& s, int o) {
+  return Stats{__shfl_xor_sync(0xffffffffu, s.max, o), __shfl_xor_sync(0xffffffffu, s.min, o),
+               __shfl_xor_sync(0xffffffffu, s.sum, o), __shfl_xor_sync(0xffffffffu, s.argmax, o),
+               __shfl_xor_sync(0xffffffffu, s.nan, o)};
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    stats_kernel(TsLogits logits, TsRows rows, const float* lse_scale, TsOutputs out, TsWorkspace ws) {
+  const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
+  const RowView<T> rv = row_view<T>(logits, rows, w);
+  const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
+  const bool lse = lse_scale != nullptr;
+  const float c = lse ? lse_scale[rv.r] : 0.f;
+
+  float v[kGroupsPerThread][4];
+  Stats s{-kInf, kInf, 0.f, INT_MAX, 0u};
+  s.nan = load_chunk(rv, logits.vocab, g0, v);
+#pragma unroll
+  for (int j = 0; j < kGroupsPerThread; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float x = v[j][e];
+      if (x > s.max) {
+        s.max = x;
+        s.argmax = static_cast<int32_t>(token_of(g0, j, e));
+      }
+      if (x > -kInf) s.min = fminf(s.min, x);
+    }
+  if (lse && s.max > -kInf) {
+#pragma unroll
+    for (int j = 0; j < kGroupsPerThread; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s.sum += expf((v[j][e] - s.max) * c);
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) s = merge_stats(s, shfl_stats(s, o), c, lse);
+
+  __shared__ Stats warp_stats[kThreads / 32];
+  if ((threadIdx.x & 31) == 0) warp_stats[threadIdx.x >> 5] = s;
+  __syncthreads();
+  Stats* partial = static_cast<Stats*>(ws.scratch) + static_cast<int64_t>(w) * splits;
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < kThreads / 32; ++i) s = merge_stats(s, warp_stats[i], c, lse);
+    partial[split] = s;
+  }
+  if (!finish_and_elect_last(ws.counters + w, splits) || threadIdx.x != 0) return;
+
+  Stats row{-kInf, kInf, 0.f, INT_MAX, 0u};
+  for (int i = 0; i < splits; ++i) {
+    const Stats* p = partial + i;
+    const Stats b{__ldcg(&p->max), __ldcg(&p->min), __ldcg(&p->sum), __ldcg(&p->argmax), __ldcg(&p->nan)};
+    row = merge_stats(row, b, c, lse);
+  }
+  const bool valid = row.max > -kInf;
+  if (out.row_max) out.row_max[rv.r] = row.max;
+  if (out.row_min) out.row_min[rv.r] = row.min;
+  if (out.row_logz && lse) out.row_logz[rv.r] = logf(row.sum);
+  if (out.flags) out.flags[rv.r] = static_cast<uint8_t>((row.nan ? 1 : 0) | (valid ? 0 : 2));
+  if (out.tokens)
+    for (int i = 0; i < out.num_samples; ++i)
+      out.tokens[rv.r * out.num_samples + i] = valid ? row.argmax : -1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gumbel-max over the whole vocabulary in one read. z = (x - max) / T needs the row max, known only
+// at the end, so blocks rank tokens by the proxy P = x / T + g_fast (a pure function of the token)
+// and keep the best and the second best P. The winner by P is the winner by the exact score
+// (z + g_exact) whenever the gap to the second exceeds the proxy's error bound; otherwise the last
+// block re-scores the row exactly (counted in ws.fallback_count).
+
+struct Proxy {
+  float p1, p2;
+  int32_t i1;
+};
+
+__device__ __forceinline__ Proxy merge_proxy(Proxy a, const Proxy& b) {
+  if (b.p1 > a.p1 || (b.p1 == a.p1 && b.i1 < a.i1)) {
+    a.p2 = fmaxf(b.p2, a.p1);
+    a.p1 = b.p1;
+    a.i1 = b.i1;
+  } else {
+    a.p2 = fmaxf(a.p2, b.p1);
+  }
+  return a;
+}
+
+struct GumbelPartial {
+  Proxy proxy;
+  float max, sum;
+  uint32_t nan;
+};
+
+// Bound on |(f_i - f_j) - (P_i - P_j)| for the tokens that can win (|z| <= 21, |g| <= 17.4):
+// fp32 rounding of x / T, of the sums, and the error of g_fast, with a factor 2 to spare.
+__device__ __forceinline__ float proxy_margin(float row_max, float inv_t) {
+  return 0x1p-20f * (fabsf(row_max) * inv_t + 64.f) + 4.f * kGumbelFastError;
+}
+
+template <typename T, bool LSE>
+__global__ void __launch_bounds__(kThreads)
+    gumbel_kernel(TsLogits logits, TsRows rows, const float* lse_scale, TsOutputs out, TsWorkspace ws) {
+  const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
+  const RowView<T> rv = row_view<T>(logits, rows, w);
+  const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
+  const float temperature = rows.temperature[rv.r];
+  const float inv_t = 1.f / temperature;
+  const float c = LSE ? lse_scale[rv.r] : 0.f;
+  const NoiseStream noise = row_noise(rows, rv.r, static_cast<uint32_t>(out.sample));
+
+  float v[kGroupsPerThread][4];
+  const bool nan = load_chunk(rv, logits.vocab, g0, v);
+  Proxy px{-kInf, -kInf, INT_MAX};
+  float mx = -kInf;
+#pragma unroll
+  for (int j = 0; j < kGroupsPerThread; ++j) {
+    const uint32_t g = static_cast<uint32_t>(g0) + threadIdx.x + j * kThreads;
+    const uint4 words = noise.group(g);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float x = v[j][e];
+      mx = fmaxf(mx, x);
+      const float p = fmaf(x, inv_t, gumbel_fast(word_of(words, e)));
+      const bool better = p > px.p1;
+      px.p2 = better ? px.p1 : fmaxf(px.p2, p);
+      px.i1 = better ? static_cast<int32_t>(4 * g + e) : px.i1;
+      px.p1 = better ? p : px.p1;
+    }
+  }
+  float sum = 0.f;
+  if (LSE && mx > -kInf) {
+#pragma unroll
+    for (int j = 0; j < kGroupsPerThread; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sum += expf((v[j][e] - mx) * c);
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) {
+    const Proxy b{__shfl_xor_sync(0xffffffffu, px.p1, o), __shfl_xor_sync(0xffffffffu, px.p2, o),
+                  __shfl_xor_sync(0xffffffffu, px.i1, o)};
+    px = merge_proxy(px, b);
+    const float m2 = __shfl_xor_sync(0xffffffffu, mx, o);
+    if (LSE) {
+      const float s2 = __shfl_xor_sync(0xffffffffu, sum, o);
+      const float m = fmaxf(mx, m2);
+      sum = m == -kInf ? 0.f : sum * expf((mx - m) * c) + s2 * expf((m2 - m) * c);
+    }
+    mx = fmaxf(mx, m2);
+  }
+  const bool any_nan = __syncthreads_or(nan);
+  __shared__ GumbelPartial warp_part[kThreads / 32];
+  if ((threadIdx.x & 31) == 0) warp_part[threadIdx.x >> 5] = GumbelPartial{px, mx, sum, 0u};
+  __syncthreads();
+  GumbelPartial* partial = static_cast<GumbelPartial*>(ws.scratch) + static_cast<int64_t>(w) * splits;
+  if (threadIdx.x == 0) {
+    GumbelPartial acc = warp_part[0];
+    for (int i = 1; i < kThreads / 32; ++i) {
+      const GumbelPartial& b = warp_part[i];
+      acc.proxy = merge_proxy(acc.proxy, b.proxy);
+      const float m = fmaxf(acc.max, b.max);
+      if (LSE) acc.sum = m == -kInf ? 0.f : acc.sum * expf((acc.max - m) * c) + b.sum * expf((b.max - m) * c);
+      acc.max = m;
+    }
+    acc.nan = any_nan;
+    partial[split] = acc;
+  }
+  if (!finish_and_elect_last(ws.counters + w, splits)) return;
+
+  __shared__ GumbelPartial row;
+  __shared__ bool rescore;
+  if (threadIdx.x == 0) {
+    GumbelPartial acc{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, 0u};
+    for (int i = 0; i < splits; ++i) {
+      const GumbelPartial* p = partial + i;
+      const Proxy b{__ldcg(&p->proxy.p1), __ldcg(&p->proxy.p2), __ldcg(&p->proxy.i1)};
+      acc.proxy = merge_proxy(acc.proxy, b);
+      const float bmax = __ldcg(&p->max), bsum = __ldcg(&p->sum);
+      const float m = fmaxf(acc.max, bmax);
+      if (LSE) acc.sum = m == -kInf ? 0.f : acc.sum * expf((acc.max - m) * c) + bsum * expf((bmax - m) * c);
+      acc.max = m;
+      acc.nan |= __ldcg(&p->nan);
+    }
+    row = acc;
+    const bool valid = acc.max > -kInf;
+    rescore = valid && !(fabsf(acc.proxy.p1) < kInf && fabsf(acc.max) * inv_t < 0x1p20f &&
+                         acc.proxy.p1 - acc.proxy.p2 > proxy_margin(acc.max, inv_t));
+    if (rescore && ws.fallback_count) atomicAdd(ws.fallback_count, 1ull);
+  }
+  __syncthreads();
+  const float row_max = row.max;
+  int64_t token = row_max > -kInf ? row.proxy.i1 : -1;
+  if (rescore) {
+    uint64_t best = 0;
+    const int64_t groups = (logits.vocab + 3) / 4;
+    for (int64_t g = threadIdx.x; g < groups; g += kThreads) {
+      float x[4];
+      load_group(rv.row, g, logits.vocab, rv.aligned, x);
+      const uint4 words = noise.group(static_cast<uint32_t>(g));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        sanitize(x[e]);
+        if (x[e] > -kInf) {
+          const float f = __fadd_rn(scaled(x[e], row_max, temperature), gumbel_exact(word_of(words, e)));
+          best = max(best, rank_key(f, static_cast<uint32_t>(4 * g + e)));
+        }
+      }
+    }
+    __shared__ uint64_t scratch[kThreads / 32];
+    best = block_allreduce<kThreads>(best, MaxOp{}, scratch);
+    token = key_index(best);
+  }
+  if (threadIdx.x != 0) return;
+  out.tokens[rv.r * out.num_samples + out.sample] = token;
+  if (out.row_max) out.row_max[rv.r] = row_max;
+  if (LSE && out.row_logz) out.row_logz[rv.r] = logf(row.sum);
+  if (out.flags) out.flags[rv.r] = static_cast<uint8_t>((row.nan ? 1 : 0) | (row_max > -kInf ? 0 : 2));
+}
+
+// ---------------------------------------------------------------------------------------------
+// top-k (k + 1 <= K) with optional top-p and min-p in one read. Each block finds its chunk's exact
+// top K by rank key: a threshold (the K-th largest of the threads' maxima, so at least K tokens pass
+// it) selects a few candidates, which are ranked in shared memory. The last block merges the sorted
+// lists (rank of each entry = its position + the entries above it in the other lists), takes the
+// first k + 1, re-sorts them by z, applies min-p and top-p and draws every sample by Gumbel-max.
+
+constexpr int kTopkCap = 2048;  // candidates one block collects; more flags the row (never seen)
+
+__host__ __device__ inline int pow2_at_least(int n) {
+  int p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+
+__host__ __device__ inline size_t topk_smem_bytes(int splits, int bucket) {
+  const size_t block_stage = (kThreads + kTopkCap) * sizeof(uint64_t);
+  const size_t merge_stage = (static_cast<size_t>(pow2_at_least(splits * bucket)) + 2 * bucket) * sizeof(uint64_t);
+  return block_stage > merge_stage ? block_stage : merge_stage;
+}
+
+// Entries of a descending list with a larger key than `key` (zeros, the padding, sort last).
+__device__ __forceinline__ int count_greater(const uint64_t* list, int n, uint64_t key) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (list[mid] > key) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// Lane i gets the i-th largest of the warp's 32 values (bitonic network on shuffles).
+__device__ __forceinline__ uint64_t warp_sort_desc(uint64_t v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int size = 2; size <= 32; size <<= 1)
+#pragma unroll
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      const uint64_t other = __shfl_xor_sync(0xffffffffu, v, stride);
+      const bool keep_max = ((lane & stride) == 0) == ((lane & size) == 0);
+      v = keep_max ? max(v, other) : min(v, other);
+    }
+  return v;
+}
+
+template <typename T, int K>
+__global__ void __launch_bounds__(kThreads)
+    topk_kernel(TsLogits logits, TsRows rows, TsOutputs out, TsWorkspace ws) {
+  extern __shared__ uint64_t smem[];
+  const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
+  const RowView<T> rv = row_view<T>(logits, rows, w);
+  const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
+  const int64_t vocab = logits.vocab;
+  uint64_t* lists = static_cast<uint64_t*>(ws.scratch);
+  uint32_t* block_flags = reinterpret_cast<uint32_t*>(lists + static_cast<int64_t>(rows.num_work_rows) * splits * K);
+
+  // ---- block stage: this chunk's top K
+  uint64_t* thread_max = smem;
+  uint64_t* cand = smem + kThreads;
+  __shared__ uint64_t threshold;
+  __shared__ int num_cand;
+  float v[kGroupsPerThread][4];
+  const bool nan = load_chunk(rv, vocab, g0, v);
+  // The thread's best token: ids rise along the loop, so the first maximum has the lowest id.
+  float best_x = -kInf;
+  uint32_t best_id = UINT_MAX;
+  const uint32_t base = 4 * (static_cast<uint32_t>(g0) + threadIdx.x);
+#pragma unroll
+  for (int j = 0; j < kGroupsPerThread; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const uint32_t id = base + 4 * kThreads * j + e;
+      if (id < vocab && (best_id == UINT_MAX || v[j][e] > best_x)) best_x = v[j][e], best_id = id;
+    }
+  const uint64_t best = best_id == UINT_MAX ? 0 : rank_key(best_x, best_id);
+  // The K-th largest thread maximum: each warp sorts its 32 in registers, then every thread counts
+  // the larger ones in the other warps' sorted lists by binary search.
+  const uint64_t sorted = warp_sort_desc(best);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  thread_max[threadIdx.x] = sorted;
+  if (threadIdx.x == 0) {
+    threshold = 1;  // fewer than K threads hold tokens: take them all
+    num_cand = 0;
+  }
+  __syncthreads();
+  if (sorted != 0) {
+    int above = lane;
+    for (int w2 = 0; w2 < kThreads / 32; ++w2)
+      if (w2 != warp) above += count_greater(thread_max + 32 * w2, 32, sorted);
+    if (above == K - 1) threshold = sorted;
+  }
+  __syncthreads();
+  const uint64_t th = threshold;
+  const float th_x = th == 1 ? -kInf : key_value(th);  // a float test first, the full key on a pass
+#pragma unroll
+  for (int j = 0; j < kGroupsPerThread; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const uint32_t id = base + 4 * kThreads * j + e;
+      if (id >= vocab || !(v[j][e] >= th_x)) continue;
+      const uint64_t key = rank_key(v[j][e], id);
+      if (key >= th) {
+        const int pos = atomicAdd(&num_cand, 1);
+        if (pos < kTopkCap) cand[pos] = key;
+      }
+    }
+  __syncthreads();
+  const int n = min(num_cand, kTopkCap);
+  uint64_t* my_list = lists + (static_cast<int64_t>(w) * splits + split) * K;
+  for (int i = threadIdx.x; i < n; i += kThreads) {
+    const uint64_t key = cand[i];
+    int rank = 0;
+    for (int j = 0; j < n; ++j) rank += cand[j] > key;
+    if (rank < K) my_list[rank] = key;
+  }
+  for (int i = n + threadIdx.x; i < K; i += kThreads) my_list[i] = 0;
+  const bool any_nan = __syncthreads_or(nan);
+  if (threadIdx.x == 0)
+    block_flags[static_cast<int64_t>(w) * splits + split] = (any_nan ? 1u : 0u) | (num_cand > kTopkCap ? 4u : 0u);
+  if (!finish_and_elect_last(ws.counters + w, splits)) return;
+
+  // ---- merge stage (last block of the row)
+  const int64_t r = rv.r;
+  const int k = rows.top_k[r];
+  const int kk = min(k + 1, K);
+  // The first kk of every chunk's list, sorted together: the row's top kk by x.
+  const int total = splits * kk, padded = pow2_at_least(total);
+  uint64_t* top = smem;              // [padded], then the first kk by x
+  uint64_t* zkey = top + padded;     // [kk] rank keys of z, x order
+  uint64_t* zsorted = zkey + kk;     // [kk] by z
+  for (int i = threadIdx.x; i < padded; i += kThreads) {
+    const int s = i / kk, j = i - s * kk;
+    top[i] = i < total ? __ldcg(lists + (static_cast<int64_t>(w) * splits + s) * K + j) : 0;
+  }
+  for (int i = threadIdx.x; i < kk; i += kThreads) zsorted[i] = 0;
+  __shared__ uint32_t row_flags;
+  if (threadIdx.x == 0) {
+    uint32_t f = 0;
+    for (int s = 0; s < splits; ++s) f |= __ldcg(block_flags + static_cast<int64_t>(w) * splits + s);
+    row_flags = f;
+  }
+  block_sort_desc<kThreads>(top, padded);
+
+  const float row_max = key_value(top[0]);
+  const bool valid = top[0] != 0 && row_max > -kInf;
+  const int ns = out.num_samples;
+  if (!valid) {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < ns; ++s) out.tokens[r * ns + s] = -1;
+      out.flags[r] = static_cast<uint8_t>((row_flags & 1u) | 2u);
+      if (out.row_max) out.row_max[r] = row_max;
+    }
+    return;
+  }
+  const float temperature = rows.temperature[r];
+  for (int i = threadIdx.x; i < kk; i += kThreads) {
+    const uint64_t key = top[i];
+    zkey[i] = key ? rank_key(scaled(key_value(key), row_max, temperature), key_index(key)) : 0;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kk; i += kThreads) {
+    const uint64_t key = zkey[i];
+    if (key == 0) continue;
+    int rank = 0;
+    for (int j = 0; j < kk; ++j) rank += zkey[j] > key;
+    zsorted[rank] = key;
+  }
+  __shared__ bool z_tie;
+  if (threadIdx.x == 0) {
+    // Tokens outside the first k by x have x <= x(top[k]) <= x(top[k-1]), hence z <= z(top[k]). If
+    // z(top[k]) < z(top[k-1]) none can tie with the k-th in z. When the two z are equal, an outside
+    // token with a smaller x but the same z could come first by id, unless the k-th and the
+    // (k+1)-th share x and no smaller x reaches that z: otherwise leave the row to the CPU.
+    bool tie = false;
+    if (vocab > k) {
+      const float xk = key_value(top[k - 1]), xn = key_value(top[k]);
+      const float zk = scaled(xk, row_max, temperature);
+      if (xk > -kInf && scaled(xn, row_max, temperature) == zk)
+        tie = xn < xk || scaled(nextafterf(xk, -kInf), row_max, temperature) == zk;
+    }
+    z_tie = tie;
+  }
+  __syncthreads();
+
+  // min-p and top-p over the first k in z order (warp 0: 8 entries a lane, in order)
+  __shared__ int kept;
+  __shared__ double kept_sum;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const float p = rows.top_p[r], m = rows.min_p[r];
+    double q[8];
+    int n1 = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int j = lane * 8 + i;
+      const uint64_t key = j < k ? zsorted[j] : 0;
+      const float z = key ? key_value(key) : -kInf;
+      const float ez = expf(z);
+      const bool keep = z > -kInf && (m <= 0.f || ez >= m);
+      n1 += keep;
+      q[i] = ez;
+    }
+    const int l1 = warp_allreduce(n1, SumOp{});
+    double local = 0.0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (lane * 8 + i >= l1) q[i] = 0.0;
+      local += q[i];
+    }
+    double incl = local;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const double up = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += up;
+    }
+    const double total = __shfl_sync(0xffffffffu, incl, 31);
+    int l2 = l1;
+    if (p < 1.f) {
+      const double target = static_cast<double>(p) * total;
+      double cum = incl - local;
+      int first = INT_MAX;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int j = lane * 8 + i;
+        cum += q[i];
+        if (j < l1 && cum >= target && first == INT_MAX) first = j;
+      }
+      first = warp_allreduce(first, MinOp{});
+      if (first != INT_MAX) l2 = first + 1;
+    }
+    double mass = 0.0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (lane * 8 + i < l2) mass += q[i];
+    mass = warp_allreduce(mass, SumOp{});
+    if (lane == 0) {
+      kept = l2;
+      kept_sum = mass;
+    }
+  }
+  __syncthreads();
+
+  __shared__ uint64_t scratch[kThreads / 32];
+  for (int s = 0; s < ns; ++s) {
+    const NoiseStream noise = row_noise(rows, r, static_cast<uint32_t>(s));
+    uint64_t win = 0;
+    for (int j = threadIdx.x; j < kept; j += kThreads) {
+      const uint64_t key = zsorted[j];
+      win = max(win, gumbel_key(key_value(key), key_index(key), noise));
+    }
+    win = block_allreduce<kThreads>(win, MaxOp{}, scratch);
+    if (threadIdx.x == 0) out.tokens[r * ns + s] = key_index(win);
+  }
+  if (threadIdx.x == 0) {
+    const bool fallback = z_tie || (row_flags & 4u);
+    out.flags[r] = static_cast<uint8_t>((row_flags & 1u) | (fallback ? 4u : 0u));
+    if (out.row_max) out.row_max[r] = row_max;
+    if (out.kept_mass) out.kept_mass[r] = static_cast<float>(kept_sum);
+    if (out.kept_min_key) out.kept_min_key[r] = static_cast<int64_t>(zsorted[kept - 1]);
+    if (fallback && ws.fallback_count) atomicAdd(ws.fallback_count, 1ull);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Exact filtering where the kept set is not bounded by a small k: min-p alone, top-p without k,
+// k above the largest bucket. Needs the row max and min (stats_kernel). One read: tokens that pass
+// min-p go to kBins bins uniform in z over [z_min, 0] with their count, their mass (fixed point)
+// and the bin's Gumbel winner (exact score). Blocks of a row add their bins up with integer
+// atomics and max (order-free, so any number of blocks per row gives the same answer). The last
+// block finds the k and p cut bins from the prefix sums. Bins above the cuts are kept whole; the
+// cut bin matters only if its winner beats theirs or the exact kept mass is needed; then that
+// block re-reads the row, collects the cut range's tokens, sorts them and resolves the cut exactly.
+
+constexpr int kFilterThreads = 512;
+constexpr int kBins = 2048;
+constexpr int kResolveCap = 4096;
+constexpr size_t kHistRowBytes = kBins * (sizeof(uint32_t) + 2 * sizeof(uint64_t)) + 4 * sizeof(uint64_t);
+constexpr size_t kFilterSmemBytes = kBins * (sizeof(uint32_t) + 2 * sizeof(uint64_t)) + kResolveCap * sizeof(uint64_t);
+
+struct HistView {
+  uint32_t* count;
+  uint64_t* mass;
+  uint64_t* win;
+  uint64_t* extra;  // [best, ~min key, mass sum, unused]
+  __device__ static HistView at(void* base) {
+    char* p = static_cast<char*>(base);
+    return {reinterpret_cast<uint32_t*>(p), reinterpret_cast<uint64_t*>(p + kBins * 4),
+            reinterpret_cast<uint64_t*>(p + kBins * 12), reinterpret_cast<uint64_t*>(p + kBins * 20)};
+  }
+};
+
+// First bin whose inclusive prefix reaches `target` (a bin exists: target <= the total).
+template <typename T>
+__device__ int first_bin_reaching(const T* cum, double target, int* result) {
+  __syncthreads();
+  for (int b = threadIdx.x; b < kBins; b += kFilterThreads) {
+    const bool reach = static_cast<double>(cum[b]) >= target;
+    const bool before = b > 0 && static_cast<double>(cum[b - 1]) >= target;
+    if (reach && !before) *result = b;
+  }
+  __syncthreads();
+  return *result;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kFilterThreads)
+    filter_kernel(TsLogits logits, TsRows rows, const float* row_max_in, const float* row_min_in,
+                  const int64_t* row_argmax, const uint8_t* stats_flags, int need_exact_mass, TsOutputs out,
+                  TsWorkspace ws) {
+  extern __shared__ uint64_t smem[];
+  const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
+  const int64_t r = rows.rows ? rows.rows[w] : w;
+  const T* row = static_cast<const T*>(logits.data) + r * logits.vocab;
+  const bool aligned = reinterpret_cast<uintptr_t>(row) % (4 * sizeof(T)) == 0;
+  const int64_t vocab = logits.vocab, groups = (vocab + 3) / 4;
+  const int ns = out.num_samples;
+  const uint8_t sflags = stats_flags[r];
+  if (sflags & 2u) {  // no finite logit: every block leaves, the first writes the row
+    if (split == 0 && threadIdx.x == 0) {
+      out.tokens[r * ns + out.sample] = -1;
+      out.flags[r] = sflags & 3u;
+    }
+    return;
+  }
+  const float row_max = row_max_in[r], temperature = rows.temperature[r];
+  const float z_min = scaled(row_min_in[r], row_max, temperature);
+  const float bin_scale = z_min < 0.f ? static_cast<float>(kBins) / -z_min : 0.f;
+  const int k = rows.top_k[r];
+  const float p = rows.top_p[r], m = rows.min_p[r];
+  const bool use_bins = k > 0 || p < 1.f;
+  const NoiseStream noise = row_noise(rows, r, static_cast<uint32_t>(out.sample));
+  // The argmax (z = 0) is always kept, so the winner scores at least its f = g: a token whose
+  // z + (upper bound of g) is below that cannot win, and its exact noise is never computed.
+  const float floor_score = gumbel_exact(noise.word(static_cast<uint32_t>(row_argmax[r])));
+
+  HistView h{reinterpret_cast<uint32_t*>(smem), smem + kBins / 2, smem + kBins / 2 + kBins, nullptr};
+  uint64_t* cand = h.win + kBins;  // [kResolveCap]
+  __shared__ uint64_t scratch[kFilterThreads / 32];
+  if (use_bins)
+    for (int b = threadIdx.x; b < kBins; b += kFilterThreads) h.count[b] = 0, h.mass[b] = 0, h.win[b] = 0;
+  __syncthreads();
+
+  auto bin_of = [&](float z) -> int {
+    return bin_scale > 0.f ? static_cast<int>(fminf(-z * bin_scale, static_cast<float>(kBins - 1))) : 0;
+  };
+  auto passes_min_p = [&](float x, float z) { return x > -kInf && (m <= 0.f || expf(z) >= m); };
+
+  uint64_t best = 0, min_key = ~0ull, mass_sum = 0;
+  const int64_t per = (groups + splits - 1) / splits;
+  const int64_t g_begin = split * per, g_end = min(groups, g_begin + per);
+  for (int64_t g = g_begin + threadIdx.x; g < g_end; g += kFilterThreads) {
+    float x[4];
+    load_group(row, g, vocab, aligned, x);
+    const uint4 words = noise.group(static_cast<uint32_t>(g));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      sanitize(x[e]);
+      const float z = scaled(x[e], row_max, temperature);
+      if (!passes_min_p(x[e], z)) continue;
+      const uint32_t id = static_cast<uint32_t>(4 * g + e);
+      min_key = min(min_key, rank_key(z, id));
+      const uint64_t q = mass_fixed(z);
+      const uint32_t word = word_of(words, e);
+      const bool may_win = !(z + gumbel_upper_bound(word) < floor_score);
+      if (use_bins) {
+        const int b = bin_of(z);
+        atomicAdd(h.count + b, 1u);
+        atomicAdd(reinterpret_cast<unsigned long long*>(h.mass + b), static_cast<unsigned long long>(q));
+        if (may_win) {
+          const uint64_t f = rank_key(__fadd_rn(z, gumbel_exact(word)), id);
+          if (f > h.win[b]) atomicMax(reinterpret_cast<unsigned long long*>(h.win + b), static_cast<unsigned long long>(f));
+        }
+      } else {
+        if (may_win) best = max(best, rank_key(__fadd_rn(z, gumbel_exact(word)), id));
+        mass_sum += q;
+      }
+    }
+  }
+  best = block_allreduce<kFilterThreads>(best, MaxOp{}, scratch);
+  min_key = block_allreduce<kFilterThreads>(min_key, MinOp{}, scratch);
+  mass_sum = block_allreduce<kFilterThreads>(mass_sum, SumOp{}, scratch);
+
+  if (splits > 1) {
+    HistView g = HistView::at(static_cast<char*>(ws.hist) + static_cast<int64_t>(w) * kHistRowBytes);
+    if (use_bins) {
+      for (int b = threadIdx.x; b < kBins; b += kFilterThreads) {
+        if (!h.count[b]) continue;
+        atomicAdd(g.count + b, h.count[b]);
+        atomicAdd(reinterpret_cast<unsigned long long*>(g.mass + b), static_cast<unsigned long long>(h.mass[b]));
+        atomicMax(reinterpret_cast<unsigned long long*>(g.win + b), static_cast<unsigned long long>(h.win[b]));
+      }
+    }
+    if (threadIdx.x == 0) {
+      atomicMax(reinterpret_cast<unsigned long long*>(g.extra), static_cast<unsigned long long>(best));
+      atomicMax(reinterpret_cast<unsigned long long*>(g.extra + 1), static_cast<unsigned long long>(~min_key));
+      atomicAdd(reinterpret_cast<unsigned long long*>(g.extra + 2), static_cast<unsigned long long>(mass_sum));
+    }
+    if (!finish_and_elect_last(ws.counters + w, splits)) return;
+    if (use_bins) {
+      for (int b = threadIdx.x; b < kBins; b += kFilterThreads) {
+        h.count[b] = __ldcg(g.count + b);
+        h.mass[b] = __ldcg(g.mass + b);
+        h.win[b] = __ldcg(g.win + b);
+        g.count[b] = 0, g.mass[b] = 0, g.win[b] = 0;
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      scratch[0] = __ldcg(g.extra), scratch[1] = ~__ldcg(g.extra + 1), scratch[2] = __ldcg(g.extra + 2);
+      g.extra[0] = g.extra[1] = g.extra[2] = 0;
+    }
+    __syncthreads();
+    best = scratch[0], min_key = scratch[1], mass_sum = scratch[2];
+    __syncthreads();
+  }
+
+  int64_t token = -1;
+  uint32_t flags = sflags & 1u;
+  double kept_mass = __builtin_nan("");
+  uint64_t kept_min = 0;
+  if (!use_bins) {
+    token = key_index(best);
+    kept_mass = mass_sum * kMassUnit;
+    kept_min = min_key;
+  } else {
+    // ---- cuts from the prefix sums
+    block_inclusive_scan<kFilterThreads>(h.count, kBins, reinterpret_cast<uint32_t*>(scratch));
+    block_inclusive_scan<kFilterThreads>(h.mass, kBins, scratch);
+    __shared__ int cut;
+    const uint32_t total_count = h.count[kBins - 1];
+    const uint64_t total_mass = h.mass[kBins - 1];
+    const bool k_cut = k > 0 && static_cast<uint32_t>(k) < total_count;
+    const int c_k = k_cut ? first_bin_reaching(h.count, static_cast<double>(k), &cut) : kBins - 1;
+    const uint64_t l1_lo = k_cut ? (c_k ? h.mass[c_k - 1] : 0) : total_mass;
+    const bool p_cut = p < 1.f;
+    const int c_p_lo = p_cut ? first_bin_reaching(h.mass, static_cast<double>(p) * l1_lo, &cut) : c_k;
+    const int c_lo = c_p_lo, c_hi = k_cut ? c_k : c_p_lo;
+    uint64_t best_above = 0;
+    for (int b = threadIdx.x; b < c_lo; b += kFilterThreads) best_above = max(best_above, h.win[b]);
+    best_above = block_allreduce<kFilterThreads>(best_above, MaxOp{}, scratch);
+    const uint64_t cut_win = h.win[c_lo];
+    const bool whole = !k_cut && !p_cut;
+    const bool resolve = !whole && (k_cut || need_exact_mass || best_above == 0 || cut_win > best_above);
+    if (whole) {
+      uint64_t b = 0;
+      for (int i = threadIdx.x; i < kBins; i += kFilterThreads) b = max(b, h.win[i]);
+      token = key_index(block_allreduce<kFilterThreads>(b, MaxOp{}, scratch));
+      kept_mass = total_mass * kMassUnit;
+      kept_min = min_key;
+    } else if (!resolve) {
+      token = key_index(best_above);
+    } else {
+      const uint32_t count_above = c_lo ? h.count[c_lo - 1] : 0;
+      const uint64_t mass_above = c_lo ? h.mass[c_lo - 1] : 0;
+      const uint32_t n = h.count[c_hi] - count_above;
+      const uint32_t l1 = k_cut ? static_cast<uint32_t>(k) : total_count;
+      if (threadIdx.x == 0 && ws.fallback_count) atomicAdd(ws.fallback_count, 1ull);
+      if (n > kResolveCap) {
+        flags |= 4u;
+      } else {
+        // ---- re-read the row, collect the cut range, sort, walk the prefix exactly
+        __shared__ int num_cand;
+        const unsigned int padded = next_pow2(n);
+        __syncthreads();
+        for (unsigned int i = threadIdx.x; i < padded; i += kFilterThreads) cand[i] = 0;
+        if (threadIdx.x == 0) num_cand = 0;
+        __syncthreads();
+        for (int64_t g = threadIdx.x; g < groups; g += kFilterThreads) {
+          float x[4];
+          load_group(row, g, vocab, aligned, x);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            sanitize(x[e]);
+            const float z = scaled(x[e], row_max, temperature);
+            if (!passes_min_p(x[e], z)) continue;
+            const int b = bin_of(z);
+            if (b < c_lo || b > c_hi) continue;
+            const int pos = atomicAdd(&num_cand, 1);
+            if (pos < kResolveCap) cand[pos] = rank_key(z, static_cast<uint32_t>(4 * g + e));
+          }
+        }
+        block_sort_desc<kFilterThreads>(cand, padded);
+        uint64_t* prefix = h.mass;  // the bins are no longer needed: reuse for the masses
+        for (uint32_t i = threadIdx.x; i < n; i += kFilterThreads) prefix[i] = mass_fixed(key_value(cand[i]));
+        block_inclusive_scan<kFilterThreads>(prefix, static_cast<int>(n), scratch);
+        const uint32_t j1 = min(n, l1 - count_above);
+        // Without a k cut the prefix L1 runs to the last kept bin, past the collected range.
+        const uint64_t l1_mass = k_cut ? mass_above + (j1 ? prefix[j1 - 1] : 0) : total_mass;
+        uint32_t jk = j1;
+        if (p_cut) {
+          const double target = static_cast<double>(p) * l1_mass;
+          uint32_t first = UINT_MAX;
+          for (uint32_t i = threadIdx.x; i < j1; i += kFilterThreads)
+            if (static_cast<double>(mass_above + prefix[i]) >= target) first = min(first, i);
+          first = block_allreduce<kFilterThreads>(first, MinOp{}, reinterpret_cast<uint32_t*>(scratch));
+          if (static_cast<double>(mass_above) >= target) flags |= 4u;  // cut above the range: impossible
+          if (first != UINT_MAX) jk = first + 1;
+        }
+        uint64_t win = best_above;
+        for (uint32_t i = threadIdx.x; i < jk; i += kFilterThreads)
+          win = max(win, gumbel_key(key_value(cand[i]), key_index(cand[i]), noise));
+        win = block_allreduce<kFilterThreads>(win, MaxOp{}, scratch);
+        token = key_index(win);
+        kept_mass = (mass_above + (jk ? prefix[jk - 1] : 0)) * kMassUnit;
+        kept_min = jk ? cand[jk - 1] : 0;
+      }
+    }
+  }
+  if (threadIdx.x != 0) return;
+  out.tokens[r * ns + out.sample] = (flags & 4u) ? -1 : token;
+  out.flags[r] = static_cast<uint8_t>(flags);
+  if (out.kept_mass) out.kept_mass[r] = static_cast<float>(kept_mass);
+  if (out.kept_min_key) out.kept_min_key[r] = static_cast<int64_t>(kept_min);
+}
+
+// ---------------------------------------------------------------------------------------------
+__global__ void noise_kernel(NoiseStream noise, int64_t vocab, uint32_t* words, float* out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= vocab) return;
+  const uint32_t word = noise.word(static_cast<uint32_t>(i));
+  if (words) words[i] = word;
+  if (out) out[i] = gumbel_exact(word);
+}
+
+}  // namespace tokensampler

@@ -1,0 +1,90 @@
+/* C API of the logits-path sampling kernels (csrc/sampling.cu). Plain C types only, so that any
+ * host code (the torch binding in bindings.cpp, a C++ server, a test program) can launch them.
+ * Every array is device memory. Per-row arrays are indexed by the logits row r; kernels run over
+ * the work list `rows` (r of each work row; NULL means rows 0 .. num_work_rows-1).
+ * Semantics: docs/semantics.md. Every launcher returns a cudaError_t as int (0 = success).
+ */
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+  const void* data;  /* [num_rows, vocab], contiguous */
+  int64_t num_rows;
+  int64_t vocab;
+  int32_t dtype; /* 0 fp32, 1 fp16, 2 bf16 */
+} TsLogits;
+
+typedef struct {
+  const int32_t* rows;
+  int32_t num_work_rows;
+  const float* temperature;
+  const int32_t* top_k; /* 0 = off */
+  const float* top_p;   /* 1 = off */
+  const float* min_p;   /* 0 = off */
+  const int64_t* seed;
+  const int64_t* position;
+  const int64_t* iteration;
+} TsRows;
+
+/* Outputs; a NULL pointer is not written. tokens is [num_rows, num_samples]. */
+typedef struct {
+  int64_t* tokens;
+  int32_t num_samples;
+  int32_t sample;       /* the sample (Philox word 3) this launch draws, where one launch draws one */
+  uint8_t* flags;       /* bit 0: nan_detected, bit 1: not valid, bit 2: needs the exact CPU path */
+  float* row_max;       /* max of the sanitized logits */
+  float* row_min;       /* min of the finite logits */
+  float* row_logz;      /* log sum exp(scale * (x - max)) */
+  float* kept_mass;     /* sum over the kept set of exp(z), z = (x - max) / T */
+  int64_t* kept_min_key; /* rank key (z desc, id asc) of the last kept token */
+} TsOutputs;
+
+/* Persistent zeroed buffers (the kernels leave them zeroed) and per-call scratch. */
+typedef struct {
+  unsigned int* counters;  /* >= num_work_rows, zeroed */
+  void* hist;              /* >= ts_hist_bytes(num_work_rows), zeroed */
+  void* scratch;           /* >= the launcher's ts_*_scratch_bytes */
+  unsigned long long* fallback_count; /* incremented once per exact re-evaluation in a kernel */
+} TsWorkspace;
+
+int ts_num_splits(int64_t vocab);
+size_t ts_stats_scratch_bytes(int32_t num_work_rows, int64_t vocab);
+size_t ts_gumbel_scratch_bytes(int32_t num_work_rows, int64_t vocab);
+size_t ts_topk_scratch_bytes(int32_t num_work_rows, int64_t vocab, int32_t bucket);
+size_t ts_hist_bytes(int32_t num_work_rows);
+int ts_topk_bucket(int32_t k); /* smallest bucket holding k + 1 candidates, 0 if none */
+
+/* Row max/min, argmax, nan flag, optional log-sum-exp with a per-row scale (lse_scale NULL: none);
+ * with out->tokens, writes the argmax (or -1) to every sample column: the greedy sampler. */
+int ts_stats(const TsLogits* logits, const TsRows* rows, const float* lse_scale,
+             const TsOutputs* out, const TsWorkspace* ws, void* stream);
+
+/* Gumbel-max over the whole vocabulary (no filter), sample out->sample; optional lse as ts_stats. */
+int ts_gumbel(const TsLogits* logits, const TsRows* rows, const float* lse_scale,
+              const TsOutputs* out, const TsWorkspace* ws, void* stream);
+
+/* top-k (1 <= k, k + 1 <= bucket) with optional top-p and min-p, every sample in one launch. */
+int ts_topk(const TsLogits* logits, const TsRows* rows, int32_t bucket, const TsOutputs* out,
+            const TsWorkspace* ws, void* stream);
+
+/* Exact top-p / min-p / large-k filtering and sampling of sample out->sample, given ts_stats'
+ * row_max, row_min, flags and argmax (its tokens, [num_rows, out->num_samples]).
+ * need_exact_mass: resolve the kept set exactly (processed logprobs).
+ * splits: blocks per row (any value gives the same result). */
+int ts_filter(const TsLogits* logits, const TsRows* rows, const float* row_max,
+              const float* row_min, const int64_t* row_argmax, const uint8_t* stats_flags,
+              int32_t need_exact_mass, int32_t splits, const TsOutputs* out, const TsWorkspace* ws,
+              void* stream);
+
+/* Test hook: the Philox words and exact Gumbel noise of tokens [0, vocab) of one stream. */
+int ts_noise(int64_t seed, int64_t position, int64_t iteration, uint32_t sample, int64_t vocab,
+             uint32_t* words, float* noise, void* stream);
+
+#ifdef __cplusplus
+}
+#endif

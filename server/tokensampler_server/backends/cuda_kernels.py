@@ -1,0 +1,172 @@
+"""Tensor-level entry points of the logits-path CUDA kernels (csrc/sampling.h).
+
+Each function launches one kernel on the current torch stream and returns without synchronising.
+Per-row tensors are indexed by logits row; `rows` (int32, on the device) restricts a launch to a
+subset of rows, and outputs are written only at those rows. Used by the CUDA backend (cuda.py),
+the GPU tests and the kernel benchmark.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cuda_build import load_kernels
+
+_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+FILTER_BLOCKS_TARGET = 264  # filter-kernel blocks to aim for: two per multiprocessor on an H100/H200
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """Per-row sampling parameters on the device, each [B] (docs/semantics.md)."""
+
+    temperature: torch.Tensor  # float32
+    top_k: torch.Tensor  # int32, 0 = off
+    top_p: torch.Tensor  # float32, 1 = off
+    min_p: torch.Tensor  # float32, 0 = off
+    seed: torch.Tensor  # int64 (uint64 bits)
+    position: torch.Tensor  # int64
+    iteration: torch.Tensor  # int64
+
+    @staticmethod
+    def make(num_rows: int, device: torch.device, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             min_p: float = 0.0, seed: int = 0, position: int = 0, iteration: int = 0) -> "RowParams":
+        """The same values in every row (the benchmark's per-row tensors)."""
+        def full(value: float | int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.full((num_rows,), value, dtype=dtype, device=device)
+
+        return RowParams(full(temperature, torch.float32), full(top_k, torch.int32), full(top_p, torch.float32),
+                         full(min_p, torch.float32), full(seed, torch.int64), full(position, torch.int64),
+                         full(iteration, torch.int64))
+
+    def pointers(self) -> list[int]:
+        return [t.data_ptr() for t in (self.temperature, self.top_k, self.top_p, self.min_p, self.seed,
+                                       self.position, self.iteration)]
+
+
+@dataclass
+class Outputs:
+    """What the kernels write, indexed by logits row; None = not asked for."""
+
+    tokens: torch.Tensor | None = None  # int64 [B, num_samples]
+    flags: torch.Tensor | None = None  # uint8 [B]: 1 nan_detected, 2 not valid, 4 needs the CPU path
+    row_max: torch.Tensor | None = None  # float32 [B]
+    row_min: torch.Tensor | None = None
+    row_logz: torch.Tensor | None = None
+    kept_mass: torch.Tensor | None = None
+    kept_min_key: torch.Tensor | None = None  # int64 [B]
+
+    def pointers(self) -> list[int]:
+        return [t.data_ptr() if t is not None else 0 for t in (self.tokens, self.flags, self.row_max, self.row_min,
+                                                               self.row_logz, self.kept_mass, self.kept_min_key)]
+
+
+class Kernels:
+    """The compiled kernels of one device with their reusable workspace.
+
+    Launches go on torch's current stream; workspace buffers are reused by consecutive launches, which
+    that stream orders. Not for concurrent use from several threads or streams.
+    """
+
+    def __init__(self, device_index: int = 0) -> None:
+        self.device = torch.device("cuda", device_index)
+        self.module = load_kernels(device_index)
+        self._counters = torch.zeros(0, dtype=torch.int32, device=self.device)
+        self._hist = torch.zeros(0, dtype=torch.uint8, device=self.device)
+        self._scratch = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self.fallback_count = torch.zeros(1, dtype=torch.int64, device=self.device)
+        """Exact re-evaluations made inside the kernels (close calls, cut-bin resolutions)."""
+
+    kernel_names = ("stats_kernel", "gumbel_kernel", "topk_kernel<16..256>", "filter_kernel")
+
+    # -- workspace ---------------------------------------------------------------------------------
+    def _workspace(self, num_work: int, scratch_bytes: int, hist: bool = False) -> list[int]:
+        if self._counters.numel() < num_work:
+            self._counters = torch.zeros(max(num_work, 2 * self._counters.numel()), dtype=torch.int32, device=self.device)
+        if self._scratch.numel() < scratch_bytes:
+            self._scratch = torch.empty(max(scratch_bytes, 2 * self._scratch.numel()), dtype=torch.uint8, device=self.device)
+        if hist:
+            need = self.module.hist_bytes(num_work)
+            if self._hist.numel() < need:
+                self._hist = torch.zeros(need, dtype=torch.uint8, device=self.device)
+        return [self._counters.data_ptr(), self._hist.data_ptr(), self._scratch.data_ptr(),
+                self.fallback_count.data_ptr()]
+
+    def _logits(self, logits: torch.Tensor) -> tuple[int, int, int, int]:
+        if logits.device != self.device or logits.dim() != 2 or not logits.is_contiguous():
+            raise ValueError("logits: a contiguous [B, V] tensor on the kernels' device expected")
+        if logits.dtype not in _DTYPES:
+            raise ValueError(f"logits: float32, float16 or bfloat16 expected, got {logits.dtype}")
+        return logits.data_ptr(), logits.shape[0], logits.shape[1], _DTYPES[logits.dtype]
+
+    @staticmethod
+    def _rows(rows: torch.Tensor | None, num_rows: int) -> tuple[int, int]:
+        if rows is None:
+            return 0, num_rows
+        if rows.dtype != torch.int32 or not rows.is_contiguous():
+            raise ValueError("rows: contiguous int32 expected")
+        return rows.data_ptr(), rows.numel()
+
+    @staticmethod
+    def _stream() -> int:
+        return torch.cuda.current_stream().cuda_stream
+
+    # -- launches ----------------------------------------------------------------------------------
+    def stats(self, logits: torch.Tensor, params: RowParams, out: Outputs, *, rows: torch.Tensor | None = None,
+              lse_scale: torch.Tensor | None = None) -> None:
+        """Row max/min/argmax/nan (+ log-sum-exp with lse_scale); out.tokens gets the argmax: greedy."""
+        data, b, v, dt = self._logits(logits)
+        rptr, n = self._rows(rows, b)
+        ws = self._workspace(n, self.module.stats_scratch_bytes(n, v))
+        ns = out.tokens.shape[1] if out.tokens is not None else 1
+        self.module.stats(data, b, v, dt, rptr, n, params.pointers(),
+                          lse_scale.data_ptr() if lse_scale is not None else 0, out.pointers(), ns, ws, self._stream())
+
+    def gumbel(self, logits: torch.Tensor, params: RowParams, out: Outputs, sample: int, *,
+               rows: torch.Tensor | None = None, lse_scale: torch.Tensor | None = None) -> None:
+        """Gumbel-max over the whole vocabulary: column `sample` of out.tokens."""
+        data, b, v, dt = self._logits(logits)
+        rptr, n = self._rows(rows, b)
+        ws = self._workspace(n, self.module.gumbel_scratch_bytes(n, v))
+        self.module.gumbel(data, b, v, dt, rptr, n, params.pointers(),
+                           lse_scale.data_ptr() if lse_scale is not None else 0, out.pointers(),
+                           out.tokens.shape[1], sample, ws, self._stream())
+
+    def topk(self, logits: torch.Tensor, params: RowParams, out: Outputs, bucket: int, *,
+             rows: torch.Tensor | None = None) -> None:
+        """top-k (k + 1 <= bucket) with top-p/min-p: every column of out.tokens."""
+        data, b, v, dt = self._logits(logits)
+        rptr, n = self._rows(rows, b)
+        ws = self._workspace(n, self.module.topk_scratch_bytes(n, v, bucket))
+        self.module.topk(data, b, v, dt, rptr, n, params.pointers(), bucket, out.pointers(), out.tokens.shape[1],
+                         ws, self._stream())
+
+    def filter(self, logits: torch.Tensor, params: RowParams, stats: Outputs, out: Outputs, sample: int, *,
+               rows: torch.Tensor | None = None, need_exact_mass: bool = False) -> None:
+        """Exact top-p/min-p/large-k sampling of column `sample`, after stats() on the same rows.
+
+        `stats` is what stats() wrote: row_max, row_min, flags, and tokens [B, 1] (the argmax).
+        """
+        if stats.tokens is None or stats.tokens.shape[1] != 1:
+            raise ValueError("stats.tokens: the [B, 1] argmax of stats() expected")
+        data, b, v, dt = self._logits(logits)
+        rptr, n = self._rows(rows, b)
+        splits = max(1, min(64, -(-FILTER_BLOCKS_TARGET // max(n, 1))))
+        ws = self._workspace(n, 0, hist=splits > 1)
+        self.module.filter(data, b, v, dt, rptr, n, params.pointers(),
+                           [stats.row_max.data_ptr(), stats.row_min.data_ptr(), stats.tokens.data_ptr(),
+                            stats.flags.data_ptr()],
+                           int(need_exact_mass), splits, out.pointers(), out.tokens.shape[1], sample, ws,
+                           self._stream())
+
+    def noise(self, seed: int, position: int, iteration: int, sample: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Philox words (int64 holding uint32) and exact Gumbel noise of one row: for tests."""
+        words = torch.empty(vocab, dtype=torch.int32, device=self.device)
+        noise = torch.empty(vocab, dtype=torch.float32, device=self.device)
+        self.module.noise(seed, position, iteration, sample, vocab, words.data_ptr(), noise.data_ptr(), self._stream())
+        return words.to(torch.int64) & 0xFFFFFFFF, noise
+
+    def topk_bucket(self, k: int) -> int:
+        return self.module.topk_bucket(k)

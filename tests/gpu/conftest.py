@@ -1,0 +1,62 @@
+"""Fixtures of the GPU tests: the CUDA backend, the CPU reference, and batch builders."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokensampler_server.sampling import LogprobsMode, SamplingBatch
+
+MODES: dict[str, dict[str, float | int]] = {
+    "greedy": {"temperature": 0.0},
+    "gumbel": {"temperature": 1.0},
+    "top_k_top_p": {"temperature": 1.0, "top_k": 50, "top_p": 0.9},
+    "top_k": {"temperature": 1.0, "top_k": 50},
+    "top_p": {"temperature": 1.0, "top_p": 0.9},
+    "min_p": {"temperature": 1.0, "min_p": 0.05},
+    "top_p_min_p": {"temperature": 0.7, "top_p": 0.8, "min_p": 0.02},
+    "large_k": {"temperature": 1.0, "top_k": 1000, "top_p": 0.95},
+    "top_k_min_p": {"temperature": 1.3, "top_k": 200, "min_p": 0.1},
+}
+
+
+def logits(generator: str, num_rows: int, vocab: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """spiky: randn + 50 spikes in U(10, 30) (fewer for small V); flat: randn. On the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_rows, vocab, generator=g)
+    if generator == "spiky":
+        spikes = min(50, vocab)
+        idx = torch.randint(0, vocab, (num_rows, spikes), generator=g)
+        x.scatter_(1, idx, torch.rand(num_rows, spikes, generator=g) * 20 + 10)
+    return x.to(dtype)
+
+
+def make_batch(x: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+               seed: int = 1234, num_samples: int = 1, return_logprobs: bool = False,
+               logprobs_mode: LogprobsMode = LogprobsMode.RAW, top_logprobs: int = 0, processing=None,
+               positions: torch.Tensor | None = None) -> SamplingBatch:
+    b = x.shape[0]
+    seeds = torch.arange(b, dtype=torch.int64) * 7919 + seed
+    return SamplingBatch(
+        logits=x, temperature=torch.full((b,), temperature, dtype=torch.float32),
+        top_k=torch.full((b,), top_k, dtype=torch.int32), top_p=torch.full((b,), top_p, dtype=torch.float32),
+        min_p=torch.full((b,), min_p, dtype=torch.float32), seed=seeds,
+        position=positions if positions is not None else torch.arange(b, dtype=torch.int64) % 97,
+        iteration=torch.full((b,), 3, dtype=torch.int64), num_samples=num_samples, processing=processing,
+        return_logprobs=return_logprobs, logprobs_mode=logprobs_mode, top_logprobs=top_logprobs)
+
+
+@pytest.fixture(scope="session")
+def cuda_backend():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from tokensampler_server.backends.cuda import CudaBackend
+
+    return CudaBackend(0)
+
+
+@pytest.fixture(scope="session")
+def cpu_backend():
+    from tokensampler_server.backends.cpu import CpuBackend
+
+    return CpuBackend()
