@@ -21,6 +21,8 @@ from .errors import InvalidArgument, ServiceError
 from .refcounted import RefCountedRegistry
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Rows of W upcast to fp32 at once when computing logits (32 MiB of fp32 at D = 4096).
+_ROWS_PER_SLICE = 2048
 
 
 @dataclass(frozen=True)
@@ -55,16 +57,25 @@ class RegisteredWeight:
         return self.weight.numel() * self.weight.element_size()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [B, vocab_size] of hidden states [B, D] (any float dtype), on W's device."""
-        x = hidden.to(self.weight.device, torch.float32) @ self.weight.to(torch.float32).T
+        """float32 logits [B, vocab_size] of hidden states [B, D] (any float dtype), on W's device.
+
+        W·h with fp32 operands and accumulation (the semantics), W upcast one slice of rows at a time
+        so that a bf16 head is never copied whole to fp32.
+        """
+        h = hidden.to(self.weight.device, torch.float32)
+        vocab = self.finish.vocab_size
+        x = torch.empty(h.shape[0], vocab, dtype=torch.float32, device=h.device)
+        for start in range(0, vocab, _ROWS_PER_SLICE):
+            stop = min(start + _ROWS_PER_SLICE, vocab)
+            torch.mm(h, self.weight[start:stop].to(torch.float32).T, out=x[:, start:stop])
         finish = self.finish
         if finish.bias is not None:
-            x += finish.bias.to(x.device)
+            x += finish.bias[:vocab].to(x.device)
         if finish.logit_scale != 1.0:
             x *= finish.logit_scale
         if finish.soft_cap is not None:
             x = finish.soft_cap * torch.tanh(x / finish.soft_cap)
-        return x[:, : finish.vocab_size]
+        return x
 
 
 def sha256_hex(tensor: torch.Tensor) -> str:

@@ -30,8 +30,9 @@ class Backend(abc.ABC):
 
     @property
     def device(self) -> torch.device:
-        """Where registered LM-head weights live and hidden-state logits are computed."""
-        return torch.device("cpu")
+        """Where registered LM-head weights live and hidden-state logits are computed: the device
+        that info() names ("cpu", or "cuda:N (GPU name)")."""
+        return torch.device(self.info().device.split(" ")[0])
 
     @abc.abstractmethod
     def info(self) -> BackendInfo:

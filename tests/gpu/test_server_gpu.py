@@ -1,0 +1,111 @@
+"""The server on the CUDA backend end to end: logits on the wire, CUDA IPC regions, hidden states."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from tokensampler_client import SamplerClient
+from tokensampler_server.backends.cpu import CpuBackend
+
+from ..batches import make_batch
+from ..conftest import RunningServer, start_server
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
+
+V = 151936
+
+
+@pytest.fixture(scope="module")
+def cuda_server():
+    running = start_server("--device", "cuda", "--allow-cuda-ipc", timeout=300)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cuda_server: RunningServer):
+    with SamplerClient(cuda_server.target, timeout=300) as c:
+        yield c
+
+
+def spiky(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=gen)
+    x.scatter_(1, torch.randint(0, vocab, (rows, 50), generator=gen), torch.rand(rows, 50, generator=gen) * 20 + 10)
+    return x
+
+
+def test_server_reports_the_cuda_backend(client: SamplerClient) -> None:
+    info = client.server_info()
+    assert info.backend == "cuda" and info.device.startswith("cuda:0") and len(info.kernels) > 0
+    assert info.device_memory_allocated_bytes > 0
+
+
+def test_logits_over_the_wire_agree_with_the_cpu_reference(client: SamplerClient) -> None:
+    logits = spiky(64, V, 0)
+    seeds = list(range(64))
+    result = client.sample(logits, top_k=50, top_p=0.9, seed=seeds, num_samples=4)
+    reference = CpuBackend().sample(make_batch(logits, top_k=50, top_p=0.9, seed=torch.tensor(seeds), num_samples=4))
+    agreement = (result.tokens == reference.tokens).float().mean().item()
+    assert agreement >= 0.999, agreement
+    greedy = client.sample(logits, temperature=0.0)
+    assert torch.equal(greedy.tokens[:, 0], logits.argmax(dim=1))
+
+
+def test_cuda_ipc_region_in_and_out(client: SamplerClient) -> None:
+    logits = spiky(32, V, 1).cuda()
+    tokens_out = torch.full((32, 2), -7, dtype=torch.int32, device="cuda")
+    region = client.register_cuda_region("gpu-logits", logits)
+    out_region = client.register_cuda_region("gpu-tokens", tokens_out)
+    try:
+        torch.cuda.synchronize()  # the producer finishes writing before the server reads
+        seeds = list(range(32))
+        by_ref = client.sample(region.view_of(logits), top_k=50, seed=seeds, num_samples=2)
+        by_bytes = client.sample(logits.cpu(), top_k=50, seed=seeds, num_samples=2)
+        assert torch.equal(by_ref.tokens, by_bytes.tokens)
+        written = client.sample(region.view_of(logits), top_k=50, seed=seeds, num_samples=2,
+                                output_tokens=out_region.view_of(tokens_out))
+        assert written.tokens is None
+        torch.cuda.synchronize()
+        assert torch.equal(tokens_out.cpu().long(), by_bytes.tokens)
+        half = logits[16:]  # a view into the middle of the registered allocation
+        assert torch.equal(client.sample(region.view_of(half), top_k=50, seed=seeds[16:], num_samples=2).tokens,
+                           by_bytes.tokens[16:])
+        info = {r.name: r for r in client.list_regions()}
+        assert info["gpu-logits"].kind == "cuda_ipc" and info["gpu-logits"].device.startswith("cuda:")
+    finally:
+        client.unregister_region(region)
+        client.unregister_region(out_region)
+
+
+def test_hidden_states_on_the_gpu(client: SamplerClient) -> None:
+    gen = torch.Generator().manual_seed(2)
+    weight = (torch.randn(V, 1024, generator=gen) / 32).bfloat16()
+    client.register_weights("gpu-head", weight, chunk_bytes=64 << 20)
+    try:
+        hidden = torch.randn(16, 1024, generator=gen)
+        seeds = list(range(16))
+        result = client.sample_hidden(hidden, "gpu-head", top_k=50, top_p=0.9, seed=seeds, num_samples=8)
+        logits = hidden @ weight.float().T
+        reference = CpuBackend().sample(make_batch(logits, top_k=50, top_p=0.9, seed=torch.tensor(seeds), num_samples=8))
+        agreement = (result.tokens == reference.tokens).float().mean().item()
+        assert agreement >= 0.999, agreement
+        hidden_gpu = hidden.cuda()
+        region = client.register_cuda_region("gpu-hidden", hidden_gpu)
+        torch.cuda.synchronize()
+        by_ref = client.sample_hidden(region.view_of(hidden_gpu), "gpu-head", top_k=50, top_p=0.9, seed=seeds, num_samples=8)
+        assert torch.equal(by_ref.tokens, result.tokens)
+        client.unregister_region(region)
+    finally:
+        client.unregister_weights("gpu-head")
+
+
+def test_ipc_region_of_another_gpu_uuid_is_not_found(cuda_server: RunningServer) -> None:
+    from tokensampler_client._proto import sampler_pb2 as pb
+    from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
+
+    request = pb.RegisterRegionRequest(name="x", cuda_ipc=pb.CudaIpcSource(device_uuid="GPU-00000000-0000-0000-0000-000000000000"))
+    with grpc.insecure_channel(cuda_server.target) as channel, pytest.raises(grpc.RpcError) as raised:
+        pb_grpc.SamplerStub(channel).RegisterRegion(request, timeout=30)
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
