@@ -109,3 +109,15 @@ def test_ipc_region_of_another_gpu_uuid_is_not_found(cuda_server: RunningServer)
     with grpc.insecure_channel(cuda_server.target) as channel, pytest.raises(grpc.RpcError) as raised:
         pb_grpc.SamplerStub(channel).RegisterRegion(request, timeout=30)
     assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_metrics_report_the_gpu(cuda_server: RunningServer, client: SamplerClient) -> None:
+    import re
+    import urllib.request
+
+    client.sample(spiky(4, V, 3), seed=1)
+    port = next(int(m.group(1)) for line in cuda_server.log if (m := re.search(r"metrics on http://[^:]+:(\d+)/metrics", line)))
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    allocated = re.search(r'^tokensampler_gpu_memory_allocated_bytes\{device="[^"]+"\} (\S+)$', text, re.MULTILINE)
+    assert allocated and float(allocated.group(1)) > 0
+    assert re.search(r'^tokensampler_build_info\{[^}]*backend="cuda"[^}]*\} 1\.0$', text, re.MULTILINE)
