@@ -78,6 +78,30 @@ def tokensampler_fn(kernels: Kernels, mode: str, logits: torch.Tensor):
     return run
 
 
+def print_targets(workload: str, rows: list[dict]) -> None:
+    """The issue's targets as ratios inside this run, one line per target (B ascending)."""
+    t = {(r["method"] if r["method"] != "tokensampler" else r["mode"], r["B"]): r["median_us"] for r in rows}
+    bs = sorted({r["B"] for r in rows})
+    checks = [("gumbel/argmax <= 1.3", "gumbel", "torch_argmax", 1.3, False),
+              ("greedy/argmax <= 1.0", "greedy", "torch_argmax", 1.0, False),
+              ("top_k/argmax <= 1.5", "top_k", "torch_argmax", 1.5, False),
+              ("top_k_top_p/argmax <= 1.5", "top_k_top_p", "torch_argmax", 1.5, False),
+              ("FI top_k_top_p / top_k >= 4", "top_k", "flashinfer_topk_topp", 4.0, True),
+              ("FI top_k_top_p / top_k_top_p >= 4", "top_k_top_p", "flashinfer_topk_topp", 4.0, True),
+              ("FI softmax+top_p / top_p >= 2", "top_p", "flashinfer_softmax+top_p", 2.0, True),
+              ("FI softmax+min_p / min_p >= 2", "min_p", "flashinfer_softmax+min_p", 2.0, True)]
+    for name, ours, peer, bound, speedup in checks:
+        cells = []
+        for b in bs:
+            if (ours, b) not in t or (peer, b) not in t:
+                cells.append("  -  ")
+                continue
+            ratio = t[(peer, b)] / t[(ours, b)] if speedup else t[(ours, b)] / t[(peer, b)]
+            ok = ratio >= bound if speedup else ratio <= bound
+            cells.append(f"{ratio:5.2f}{'' if ok else '*'}")
+        print(f"TARGET {workload:13s} {name:34s} " + " ".join(cells), flush=True)
+
+
 def gpu_slug(name: str) -> str:
     for short in ("H200", "H100", "B200", "A100", "L40S"):
         if short in name:
@@ -154,6 +178,7 @@ def main() -> None:
                     print(meta["flashinfer"], flush=True)
                     fi = None
             del logits
+        print_targets(workload, rows)
         path = out_dir / f"{workload}-{gpu_slug(gpu)}-{date}.json"
         path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         print(f"wrote {path}", flush=True)

@@ -317,6 +317,12 @@ __global__ void __launch_bounds__(kThreads)
 // first k + 1, re-sorts them by z, applies min-p and top-p and draws every sample by Gumbel-max.
 
 constexpr int kTopkCap = 2048;  // candidates one block collects; more flags the row (never seen)
+// Merge by pruning: the kk-th largest of the lists' first kMergeHeadsPerList entries bounds the
+// row's kk-th largest from below; the entries at or above it (at most kMergeCap, else the full
+// bitonic sort) are ranked by counting.
+constexpr int kMergeHeadsPerList = 4;
+constexpr int kMergeHeads = 256;
+constexpr int kMergeCap = 512;
 
 __host__ __device__ inline int pow2_at_least(int n) {
   int p = 1;
@@ -326,7 +332,8 @@ __host__ __device__ inline int pow2_at_least(int n) {
 
 __host__ __device__ inline size_t topk_smem_bytes(int splits, int bucket) {
   const size_t block_stage = (kThreads + kTopkCap) * sizeof(uint64_t);
-  const size_t merge_stage = (static_cast<size_t>(pow2_at_least(splits * bucket)) + 2 * bucket) * sizeof(uint64_t);
+  const size_t merge_stage =
+      (static_cast<size_t>(pow2_at_least(splits * bucket)) + 2 * bucket + kMergeHeads + kMergeCap) * sizeof(uint64_t);
   return block_stage > merge_stage ? block_stage : merge_stage;
 }
 
@@ -450,7 +457,62 @@ __global__ void __launch_bounds__(kThreads)
     for (int s = 0; s < splits; ++s) f |= __ldcg(block_flags + static_cast<int64_t>(w) * splits + s);
     row_flags = f;
   }
-  block_sort_desc<kThreads>(top, padded);
+  {
+    uint64_t* heads = zsorted + kk;      // [kMergeHeads]
+    uint64_t* pool = heads + kMergeHeads;  // [kMergeCap]
+    const int hp = min(kk, kMergeHeadsPerList), nh = splits * hp;
+    __shared__ uint64_t tau;
+    __shared__ int pool_size;
+    __shared__ bool pruned;
+    if (threadIdx.x == 0) tau = 1, pool_size = 0;  // tau 1: fewer than kk keys among the heads
+    __syncthreads();  // top[] is loaded
+    if (nh <= kMergeHeads) {
+      for (int i = threadIdx.x; i < nh; i += kThreads) {
+        const int sl = i / hp;
+        heads[i] = top[sl * kk + (i - sl * hp)];
+      }
+      __syncthreads();
+      for (int i = threadIdx.x; i < nh; i += kThreads) {
+        const uint64_t key = heads[i];
+        if (key == 0) continue;
+        int rank = 0;
+        for (int j = 0; j < nh; ++j) rank += heads[j] > key;
+        if (rank == kk - 1) tau = key;  // keys are distinct: one writer
+      }
+      __syncthreads();
+      const uint64_t t = tau;
+      // every list is sorted: its entries >= t are a prefix
+      for (int sl = threadIdx.x; sl < splits; sl += kThreads) {
+        const int c = count_greater(top + sl * kk, kk, t - 1);
+        if (c) atomicAdd(&pool_size, c);
+      }
+      __syncthreads();
+      const int n_pool = pool_size;
+      if (threadIdx.x == 0) pruned = n_pool <= kMergeCap;
+      __syncthreads();
+      if (pruned) {
+        __shared__ int fill;
+        if (threadIdx.x == 0) fill = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < total; i += kThreads)
+          if (top[i] >= t) pool[atomicAdd(&fill, 1)] = top[i];
+        __syncthreads();
+        for (int i = threadIdx.x; i < kk; i += kThreads) top[i] = 0;  // fewer than kk keys: zero tail
+        __syncthreads();
+        for (int i = threadIdx.x; i < n_pool; i += kThreads) {
+          const uint64_t key = pool[i];
+          int rank = 0;
+          for (int j = 0; j < n_pool; ++j) rank += pool[j] > key;
+          if (rank < kk) top[rank] = key;
+        }
+        __syncthreads();
+      }
+    } else if (threadIdx.x == 0) {
+      pruned = false;
+    }
+    __syncthreads();
+    if (!pruned) block_sort_desc<kThreads>(top, padded);
+  }
 
   const float row_max = key_value(top[0]);
   const bool valid = top[0] != 0 && row_max > -kInf;
@@ -655,6 +717,8 @@ __global__ void __launch_bounds__(kFilterThreads)
     return bin_scale > 0.f ? static_cast<int>(fminf(-z * bin_scale, static_cast<float>(kBins - 1))) : 0;
   };
   auto passes_min_p = [&](float x, float z) { return x > -kInf && (m <= 0.f || expf(z) >= m); };
+  const float inv_t = 1.f / temperature;
+  const float z_skip = m > 0.f ? logf(m) - 1e-4f : -kInf;
 
   uint64_t best = 0, min_key = ~0ull, mass_sum = 0;
   const int64_t per = (groups + splits - 1) / splits;
@@ -662,10 +726,19 @@ __global__ void __launch_bounds__(kFilterThreads)
   for (int64_t g = g_begin + threadIdx.x; g < g_end; g += kFilterThreads) {
     float x[4];
     load_group(row, g, vocab, aligned, x);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sanitize(x[e]);
+    if (m > 0.f) {
+      // min-p screen on the group's largest logit: z <= z(gx), and the approximate z of gx is within
+      // 2e-7 |z| of the exact one, so a group rejected here has every exact z < log(m) - 1e-4, where
+      // expf(z) < m: no token of it passes min-p (no division, no exp, no Philox).
+      const float gx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+      const float zg = (gx - row_max) * inv_t;
+      if (!(gx > -kInf) || zg + 1e-5f * fabsf(zg) < z_skip) continue;
+    }
     const uint4 words = noise.group(static_cast<uint32_t>(g));
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      sanitize(x[e]);
       const float z = scaled(x[e], row_max, temperature);
       if (!passes_min_p(x[e], z)) continue;
       const uint32_t id = static_cast<uint32_t>(4 * g + e);
