@@ -1,0 +1,116 @@
+"""Renders the README's performance tables from benchmarks/results/*.json.
+
+  python benchmarks/make_tables.py            # print the tables
+  python benchmarks/make_tables.py --readme   # replace the block between the markers in README.md
+
+Kernel tables: median µs per B for our modes and the peers of the same file (same run, same GPU).
+Service table: p50/p99 per call and throughput from the latest service-*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+BEGIN, END = "<!-- performance-tables: begin -->", "<!-- performance-tables: end -->"
+PEERS = {
+    "torch_argmax": "torch argmax",
+    "flashinfer_topk_topp": "FlashInfer top_k_top_p_sampling_from_logits",
+    "flashinfer_gumbel": "FlashInfer sampling_from_logits",
+    "flashinfer_softmax+top_p": "FlashInfer softmax + top_p_sampling_from_probs",
+    "flashinfer_softmax+min_p": "FlashInfer softmax + min_p_sampling_from_probs",
+    "vllm_native_topk_topp": "vLLM PyTorch-native top-k/top-p",
+}
+
+
+def _fmt(value: float | None) -> str:
+    return "—" if value is None else (f"{value:.1f}" if value < 1000 else f"{value:.0f}")
+
+
+def kernel_table(path: Path) -> str:
+    data = json.loads(path.read_text())
+    rows = data["rows"]
+    batches = sorted({r["B"] for r in rows})
+    meta = data["meta"]
+    lines = [
+        f"**{rows[0]['workload']}**, fp32 logits [B, {meta.get('V')}], {meta['gpu']}, {meta['date']} "
+        f"(`{path.relative_to(ROOT)}`); median µs, L2 flushed",
+        "",
+        "| method | " + " | ".join(f"B={b}" for b in batches) + " |",
+        "| --- |" + " --- |" * len(batches),
+    ]
+
+    def line(label: str, select) -> None:
+        values = {r["B"]: r["median_us"] for r in rows if select(r)}
+        if values:
+            lines.append(f"| {label} | " + " | ".join(_fmt(values.get(b)) for b in batches) + " |")
+
+    for mode in ("greedy", "gumbel", "top_k_top_p", "top_k", "top_p", "min_p"):
+        line(f"tokensampler {mode}", lambda r, m=mode: r["method"] == "tokensampler" and r.get("mode") == m)
+    for method, label in PEERS.items():
+        line(label, lambda r, m=method: r["method"] == m)
+    roofline = {r["B"]: r["roofline_us"] for r in rows if r.get("roofline_us") is not None}
+    lines.append("| HBM roofline (one read) | " + " | ".join(_fmt(roofline.get(b)) for b in batches) + " |")
+    return "\n".join(lines)
+
+
+def service_table(path: Path) -> str:
+    data = json.loads(path.read_text())
+    meta = data["meta"]
+    latency = [r for r in data["rows"] if "p50_us" in r]
+    batches = sorted({r["B"] for r in latency if r["B"]})
+    methods = list(dict.fromkeys(r["method"] for r in latency))
+    lines = [
+        f"**service**, {meta['gpu']}, {meta['date']}, grpcio {meta['grpc']} (`{path.relative_to(ROOT)}`); "
+        "p50 / p99 µs per call",
+        "",
+        "| method | " + " | ".join(f"B={b}" for b in batches) + " |",
+        "| --- |" + " --- |" * len(batches),
+    ]
+    for method in methods:
+        cells = []
+        for b in batches:
+            row = next((r for r in latency if r["method"] == method and r["B"] in (b, 0)), None)
+            cells.append("—" if row is None else f"{_fmt(row['p50_us'])} / {_fmt(row['p99_us'])}")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    throughput = [r for r in data["rows"] if "rows_per_s" in r]
+    if throughput:
+        clients = sorted({r["clients"] for r in throughput})
+        lines += ["", "| throughput (B = 16 per call) | " + " | ".join(f"{c} clients" for c in clients) + " |",
+                  "| --- |" + " --- |" * len(clients)]
+        for method in dict.fromkeys(r["method"] for r in throughput):
+            cells = []
+            for c in clients:
+                row = next(r for r in throughput if r["method"] == method and r["clients"] == c)
+                cells.append(f"{row['calls_per_s']:.0f} calls/s" if method.startswith("echo") else f"{row['rows_per_s']:.0f} rows/s")
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render() -> str:
+    parts = [kernel_table(p) for p in sorted(RESULTS.glob("logits-*.json"))]
+    services = sorted(RESULTS.glob("service-*.json"))
+    if services:
+        parts.append(service_table(services[-1]))
+    return "\n\n".join(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--readme", action="store_true", help="rewrite the marked block of README.md")
+    args = parser.parse_args()
+    tables = render()
+    if not args.readme:
+        print(tables)
+        return
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
+    readme.write_text(text[:start] + "\n" + tables + "\n" + text[stop:])
+
+
+if __name__ == "__main__":
+    main()
