@@ -230,7 +230,20 @@ def test_dockerignore_lets_in_what_the_image_needs() -> None:
     rules = (DOCKER.parent / ".dockerignore").read_text().split()
     for needed in ("pyproject.toml", "README.md", "server/", "client/", "csrc/"):
         assert f"!{needed}" in rules, needed
-    assert shlex.split(_instruction("COPY")) == ["csrc", "/opt/tokensampler/csrc"]
+    copies = [shlex.split(arguments) for instruction, arguments in _dockerfile() if instruction == "COPY"]
+    assert ["csrc", "/opt/tokensampler/csrc"] in copies
+
+
+def test_image_runs_on_the_cuda_runtime_base_with_prebuilt_kernels() -> None:
+    instructions = _dockerfile()
+    stages = [arguments.split() for instruction, arguments in instructions if instruction == "FROM"]
+    named = {words[2]: words[0] for words in stages if len(words) == 3 and words[1].upper() == "AS"}
+    assert "-devel-" in named["build-base-cuda"] and "-runtime-" in named["run-base-cuda"]
+    assert stages[-1] == ["run-base-${VARIANT}"]  # the image is the last stage: the runtime base
+    last_from = max(i for i, (instruction, _) in enumerate(instructions) if instruction == "FROM")
+    final = [arguments for instruction, arguments in instructions[last_from:] if instruction == "COPY"]
+    assert "--from=build /opt/tokensampler /opt/tokensampler" in final
+    assert "--from=build /opt/venv /opt/venv" in final
 
 
 def test_round_robin_spreads_calls_over_replicas(live_server: RunningServer) -> None:

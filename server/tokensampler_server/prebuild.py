@@ -2,10 +2,8 @@
 image does it while it is built), so that the server's first request does not wait for a JIT build.
 
 An image build sees no GPU, so the GPU generation to build for is given instead: --capability
-(TOKENSAMPLER_PREBUILD_CAPABILITY), 9.0 for H100/H200 by default. `cuda_build.load_kernels` takes
-its nvcc flags, and so its cache directory under $TOKENSAMPLER_BUILD_DIR, from the device's
-capability; while it runs here torch reports a device of the given capability, so the build lands
-in the very directory that a server on such a GPU loads from.
+(TOKENSAMPLER_PREBUILD_CAPABILITY), 9.0 for H100/H200 by default. The build lands in the cache
+directory under $TOKENSAMPLER_BUILD_DIR that a server on such a GPU imports it from.
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ import os
 import re
 import sys
 import time
-from unittest import mock
 
 
 def _capability(text: str) -> tuple[int, int]:
@@ -35,17 +32,11 @@ def main(argv: list[str] | None = None) -> int:
         help="compute capability of the GPUs to build for (default: %(default)s) [TOKENSAMPLER_PREBUILD_CAPABILITY]",
     )
     capability = parser.parse_args(argv).capability
-    import torch
-
-    from .backends.cuda_build import CudaBackendUnavailable, load_kernels
+    from .backends.cuda_build import CudaBackendUnavailable, build_kernels
 
     started = time.monotonic()
     try:
-        with (
-            mock.patch.object(torch.cuda, "is_available", return_value=True),
-            mock.patch.object(torch.cuda, "get_device_capability", return_value=capability),
-        ):
-            load_kernels()
+        build_kernels(capability)
     except CudaBackendUnavailable as err:
         print(f"tokensampler prebuild: {err}", file=sys.stderr)
         return 1

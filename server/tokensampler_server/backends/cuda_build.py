@@ -2,7 +2,8 @@
 
 torch.utils.cpp_extension.load compiles csrc/sampling.cu and the binding csrc/bindings.cpp with
 ninja. The build directory is keyed by a hash of the sources, the flags and the torch version, so a
-change rebuilds and an unchanged tree loads the cached module at once.
+change rebuilds, and a module already built there is imported directly: neither nvcc nor ninja is
+needed then (a container image prebuilds it and runs on the CUDA runtime base).
 
 No --use_fast_math: it would turn logf/expf and the divisions into approximations, and the noise
 and z = (x - max) / T must match the CPU reference. The kernels call the fast intrinsics by name
@@ -12,6 +13,7 @@ only where the error is bounded and checked (csrc/philox.cuh, gumbel_fast).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import threading
@@ -22,6 +24,7 @@ import torch
 
 _SOURCES = ("sampling.cu", "bindings.cpp")
 _HEADERS = ("sampling.cuh", "sampling.h", "common.cuh", "philox.cuh")
+_MODULE_NAME = "tokensampler_cuda"
 _lock = threading.Lock()
 _module: ModuleType | None = None
 
@@ -59,41 +62,82 @@ def _build_dir(flags: list[str], src: Path) -> Path:
     return path
 
 
-def _check_environment(src: Path) -> None:
-    if not torch.cuda.is_available():
-        raise CudaBackendUnavailable("torch sees no CUDA GPU")
+def _check_sources(src: Path) -> None:
+    missing = [name for name in _SOURCES + _HEADERS if not (src / name).is_file()]
+    if missing:
+        raise CudaBackendUnavailable(f"kernel sources missing in {src}: {', '.join(missing)}")
+
+
+def _check_compiler() -> None:
     if torch.version.cuda is None:
         raise CudaBackendUnavailable(f"torch {torch.__version__} is built without CUDA")
     from torch.utils.cpp_extension import CUDA_HOME
 
     if CUDA_HOME is None and shutil.which("nvcc") is None:
         raise CudaBackendUnavailable("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-    missing = [name for name in _SOURCES + _HEADERS if not (src / name).is_file()]
-    if missing:
-        raise CudaBackendUnavailable(f"kernel sources missing in {src}: {', '.join(missing)}")
+
+
+def _cuda_flags(capability: tuple[int, int]) -> list[str]:
+    return ["-O3", "-std=c++17", "-lineinfo", *arch_flags(capability)]
+
+
+def _compile(src: Path, build_dir: Path, cuda_flags: list[str]) -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    try:
+        return load(
+            name=_MODULE_NAME,
+            sources=[str(src / name) for name in _SOURCES],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=cuda_flags,
+            extra_include_paths=[str(src)],
+            build_directory=str(build_dir),
+            verbose=os.environ.get("TOKENSAMPLER_BUILD_VERBOSE") == "1",
+        )
+    except Exception as err:  # compiler or linker failure: report it, the caller falls back
+        raise CudaBackendUnavailable(f"building the CUDA kernels failed: {err}") from err
+
+
+def _import_built(library: Path) -> ModuleType:
+    """Imports a module compiled earlier (torch is imported, so its libraries resolve)."""
+    spec = importlib.util.spec_from_file_location(_MODULE_NAME, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_kernels(capability: tuple[int, int]) -> Path:
+    """Compiles the kernels for GPUs of `capability` into the cache, without needing a GPU.
+
+    Returns the built library; a library already there is kept.
+    """
+    src = csrc_dir()
+    _check_sources(src)
+    cuda_flags = _cuda_flags(capability)
+    build_dir = _build_dir(cuda_flags, src)
+    library = build_dir / f"{_MODULE_NAME}.so"
+    if not library.is_file():
+        _check_compiler()
+        _compile(src, build_dir, cuda_flags)
+    return library
 
 
 def load_kernels(device_index: int = 0) -> ModuleType:
-    """The compiled extension module, built on the first call (later calls return it at once)."""
+    """The compiled extension module for this GPU: imported when built already, else built first."""
     global _module
     with _lock:
         if _module is not None:
             return _module
+        if not torch.cuda.is_available():
+            raise CudaBackendUnavailable("torch sees no CUDA GPU")
         src = csrc_dir()
-        _check_environment(src)
-        from torch.utils.cpp_extension import load
-
-        cuda_flags = ["-O3", "-std=c++17", "-lineinfo", *arch_flags(torch.cuda.get_device_capability(device_index))]
-        try:
-            _module = load(
-                name="tokensampler_cuda",
-                sources=[str(src / name) for name in _SOURCES],
-                extra_cflags=["-O3"],
-                extra_cuda_cflags=cuda_flags,
-                extra_include_paths=[str(src)],
-                build_directory=str(_build_dir(cuda_flags, src)),
-                verbose=os.environ.get("TOKENSAMPLER_BUILD_VERBOSE") == "1",
-            )
-        except Exception as err:  # compiler or linker failure: report it, the caller falls back
-            raise CudaBackendUnavailable(f"building the CUDA kernels failed: {err}") from err
+        _check_sources(src)
+        cuda_flags = _cuda_flags(torch.cuda.get_device_capability(device_index))
+        build_dir = _build_dir(cuda_flags, src)
+        library = build_dir / f"{_MODULE_NAME}.so"
+        if library.is_file():
+            _module = _import_built(library)
+        else:
+            _check_compiler()
+            _module = _compile(src, build_dir, cuda_flags)
         return _module
