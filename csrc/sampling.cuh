@@ -190,8 +190,94 @@ __device__ __forceinline__ float proxy_margin(float row_max, float inv_t) {
   return 0x1p-20f * (fabsf(row_max) * inv_t + 64.f) + 4.f * kGumbelFastError;
 }
 
+// Screening of the LSE-free kernel (benchmarks/NOTES.md, "gumbel v2"). Each block first scores
+// every thread's first group of four in full; L, the block's best proxy among them, is a real
+// token's proxy, so the block's best proxy is >= L. With thr = L - delta (delta above the gap
+// test's margin), a token whose proxy is below thr can neither win nor be the runner-up that the
+// gap test needs: the block reports p2 = max(p2, thr), and such tokens need no g_fast at all.
+// screen_word gives, for a group whose largest logit is gx, a Philox word threshold below which no
+// token of the group can reach thr:
+//   n = thr - gx / T - slack (slack: 2e-4 + 2^-19 (|thr| + |gx / T|) covers g_fast's error < 1e-5 and
+//   every fp32 rounding of P, gx / T and n), k = floor(n log2 e - 1e-3) clamped to [0, 31], so
+//   k ln 2 < n. A word w with ~w >= 2^(32 - k) has b = w >> 8 <= 2^24 - 2^(24 - k) - 1, hence
+//   1 - u > 2^-k, -log(u) >= 1 - u > 2^-k and g = -log(-log(u)) < k ln 2 < n (for k >= 25 any
+//   word: g < 25 ln 2). So only w >= ~(0xFFFFFFFF >> k) can pass; k = 0 keeps every word.
+__device__ __forceinline__ uint32_t screen_word(float gx, float inv_t, float a) {
+  const float gxs = fmaxf(gx * inv_t, -0x1p30f);  // -inf groups: a huge n, nothing passes
+  const float n = fmaf(-0x1p-19f, fabsf(gxs), a - gxs);
+  const int k = min(max(__float2int_rd(fmaf(n, 1.44269504f, -1e-3f)), 0), 31);  // NaN -> 0: keep all
+  return ~(0xFFFFFFFFu >> k);
+}
+
+__device__ __forceinline__ void proxy_update(Proxy& px, float p, uint32_t id) {
+  const bool better = p > px.p1;
+  px.p2 = better ? px.p1 : fmaxf(px.p2, p);
+  px.i1 = better ? static_cast<int32_t>(id) : px.i1;
+  px.p1 = better ? p : px.p1;
+}
+
+// The block stage of the LSE-free kernel: returns the thread's nan flag; px holds every token
+// whose proxy may reach thr (thr = -inf when the screen is off: all tokens scored).
+// The main loop is branch-free: the Philox words of groups 1..7 are computed unconditionally and
+// interleaved, and only a per-group "some word passes" bit is kept; the rare groups with a bit
+// set are re-done afterwards (Philox again, the four logits re-read from L1/L2).
+template <typename T>
+__device__ __forceinline__ bool gumbel_screened(const RowView<T>& rv, int64_t vocab, int64_t g0, float inv_t,
+                                                const NoiseStream& noise, Proxy& px, float& mx, float& thr_out) {
+  float v[kGroupsPerThread][4];
+  const bool nan = load_chunk(rv, vocab, g0, v);
+  const uint32_t gbase = static_cast<uint32_t>(g0) + threadIdx.x;
+  float gx[kGroupsPerThread];
+#pragma unroll
+  for (int j = 0; j < kGroupsPerThread; ++j) {
+    gx[j] = fmaxf(fmaxf(v[j][0], v[j][1]), fmaxf(v[j][2], v[j][3]));
+    mx = fmaxf(mx, gx[j]);
+  }
+  {  // pilot: group 0 scored in full
+    const uint4 words = noise.group(gbase);
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      proxy_update(px, fmaf(v[0][e], inv_t, gumbel_fast(word_of(words, e))), 4 * gbase + e);
+  }
+  __shared__ float pilot[kThreads / 32];
+  float L = warp_allreduce(px.p1, MaxOp{});
+  if ((threadIdx.x & 31) == 0) pilot[threadIdx.x >> 5] = L;
+  __syncthreads();
+  L = pilot[0];
+#pragma unroll
+  for (int i = 1; i < kThreads / 32; ++i) L = fmaxf(L, pilot[i]);
+  const bool screen = fabsf(L) < 0x1p20f;  // finite and far from overflow; else score everything
+  const float thr = L - (0x1p-18f * (fabsf(L) + 64.f) + 1e-4f);
+  const float a = fmaf(-0x1p-19f, fabsf(thr), thr - 2e-4f);
+  uint32_t gmask = 0;
+#pragma unroll
+  for (int j = 1; j < kGroupsPerThread; ++j) {
+    const uint32_t th = screen ? screen_word(gx[j], inv_t, a) : (gx[j] > -kInf ? 0u : ~0u);
+    const uint4 w = noise.group(gbase + j * kThreads);
+    if (max(max(w.x, w.y), max(w.z, w.w)) >= th) gmask |= 1u << j;
+  }
+  while (gmask) {
+    const int j = __ffs(gmask) - 1;
+    gmask &= gmask - 1;
+    const uint32_t g = gbase + j * kThreads;
+    float x[4];
+    load_group(rv.row, g, vocab, rv.aligned, x);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sanitize(x[e]);
+    const uint32_t th = screen ? screen_word(fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3])), inv_t, a) : 0u;
+    const uint4 words = noise.group(g);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const uint32_t word = word_of(words, e);
+      if (word >= th) proxy_update(px, fmaf(x[e], inv_t, gumbel_fast(word)), 4 * g + e);
+    }
+  }
+  thr_out = screen ? thr : -kInf;
+  return nan;
+}
+
 template <typename T, bool LSE>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, LSE ? 4 : 5)
     gumbel_kernel(TsLogits logits, TsRows rows, const float* lse_scale, TsOutputs out, TsWorkspace ws) {
   const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
   const RowView<T> rv = row_view<T>(logits, rows, w);
@@ -201,31 +287,30 @@ __global__ void __launch_bounds__(kThreads)
   const float c = LSE ? lse_scale[rv.r] : 0.f;
   const NoiseStream noise = row_noise(rows, rv.r, static_cast<uint32_t>(out.sample));
 
-  float v[kGroupsPerThread][4];
-  const bool nan = load_chunk(rv, logits.vocab, g0, v);
   Proxy px{-kInf, -kInf, INT_MAX};
-  float mx = -kInf;
+  float mx = -kInf, sum = 0.f, thr = -kInf;
+  bool nan;
+  if constexpr (!LSE) {
+    nan = gumbel_screened(rv, logits.vocab, g0, inv_t, noise, px, mx, thr);
+  } else {
+    float v[kGroupsPerThread][4];
+    nan = load_chunk(rv, logits.vocab, g0, v);
 #pragma unroll
-  for (int j = 0; j < kGroupsPerThread; ++j) {
-    const uint32_t g = static_cast<uint32_t>(g0) + threadIdx.x + j * kThreads;
-    const uint4 words = noise.group(g);
+    for (int j = 0; j < kGroupsPerThread; ++j) {
+      const uint32_t g = static_cast<uint32_t>(g0) + threadIdx.x + j * kThreads;
+      const uint4 words = noise.group(g);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float x = v[j][e];
-      mx = fmaxf(mx, x);
-      const float p = fmaf(x, inv_t, gumbel_fast(word_of(words, e)));
-      const bool better = p > px.p1;
-      px.p2 = better ? px.p1 : fmaxf(px.p2, p);
-      px.i1 = better ? static_cast<int32_t>(4 * g + e) : px.i1;
-      px.p1 = better ? p : px.p1;
+      for (int e = 0; e < 4; ++e) {
+        mx = fmaxf(mx, v[j][e]);
+        proxy_update(px, fmaf(v[j][e], inv_t, gumbel_fast(word_of(words, e))), 4 * g + e);
+      }
     }
-  }
-  float sum = 0.f;
-  if (LSE && mx > -kInf) {
+    if (mx > -kInf) {
 #pragma unroll
-    for (int j = 0; j < kGroupsPerThread; ++j)
+      for (int j = 0; j < kGroupsPerThread; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) sum += expf((v[j][e] - mx) * c);
+        for (int e = 0; e < 4; ++e) sum += expf((v[j][e] - mx) * c);
+    }
   }
 #pragma unroll
   for (int o = 16; o; o >>= 1) {
@@ -254,6 +339,7 @@ __global__ void __launch_bounds__(kThreads)
       if (LSE) acc.sum = m == -kInf ? 0.f : acc.sum * expf((acc.max - m) * c) + b.sum * expf((b.max - m) * c);
       acc.max = m;
     }
+    acc.proxy.p2 = fmaxf(acc.proxy.p2, thr);  // tokens the screen skipped have proxies below thr
     acc.nan = any_nan;
     partial[split] = acc;
   }
@@ -362,7 +448,7 @@ __device__ __forceinline__ uint64_t warp_sort_desc(uint64_t v) {
 }
 
 template <typename T, int K>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 5)
     topk_kernel(TsLogits logits, TsRows rows, TsOutputs out, TsWorkspace ws) {
   extern __shared__ uint64_t smem[];
   const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
@@ -379,33 +465,51 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int num_cand;
   float v[kGroupsPerThread][4];
   const bool nan = load_chunk(rv, vocab, g0, v);
-  // The thread's best token: ids rise along the loop, so the first maximum has the lowest id.
-  float best_x = -kInf;
-  uint32_t best_id = UINT_MAX;
+  // The thread's best token: ids rise along the loop, so the first maximum has the lowest id. Tokens
+  // past the vocabulary read as -inf and never replace the first (real) token; a thread whose first
+  // token is past the vocabulary holds none.
   const uint32_t base = 4 * (static_cast<uint32_t>(g0) + threadIdx.x);
+  float best_x = v[0][0];
+  uint32_t best_id = base;
 #pragma unroll
   for (int j = 0; j < kGroupsPerThread; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const uint32_t id = base + 4 * kThreads * j + e;
-      if (id < vocab && (best_id == UINT_MAX || v[j][e] > best_x)) best_x = v[j][e], best_id = id;
+      if (j == 0 && e == 0) continue;
+      if (v[j][e] > best_x) best_x = v[j][e], best_id = base + 4 * kThreads * j + e;
     }
-  const uint64_t best = best_id == UINT_MAX ? 0 : rank_key(best_x, best_id);
-  // The K-th largest thread maximum: each warp sorts its 32 in registers, then every thread counts
-  // the larger ones in the other warps' sorted lists by binary search.
+  const uint64_t best = base < vocab ? rank_key(best_x, best_id) : 0;
   const uint64_t sorted = warp_sort_desc(best);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  thread_max[threadIdx.x] = sorted;
-  if (threadIdx.x == 0) {
-    threshold = 1;  // fewer than K threads hold tokens: take them all
-    num_cand = 0;
-  }
-  __syncthreads();
-  if (sorted != 0) {
-    int above = lane;
-    for (int w2 = 0; w2 < kThreads / 32; ++w2)
-      if (w2 != warp) above += count_greater(thread_max + 32 * w2, 32, sorted);
-    if (above == K - 1) threshold = sorted;
+  if constexpr (K <= 128) {
+    // Per-warp threshold: the (K/8)-th largest thread maximum of each warp, then the minimum over the
+    // 8 warps: every warp has K/8 tokens at or above it, so at least K tokens pass (the chunk's top K
+    // among them). No cross-warp ranking. A warp with fewer than K/8 tokens (a chunk of < 1024
+    // tokens): take them all.
+    __shared__ uint64_t warp_tau[kThreads / 32];
+    const uint64_t tau = __shfl_sync(0xffffffffu, sorted, K / 8 - 1);
+    if (lane == 0) warp_tau[warp] = tau;
+    if (threadIdx.x == 0) num_cand = 0;
+    __syncthreads();
+    uint64_t t = warp_tau[0];
+#pragma unroll
+    for (int i = 1; i < kThreads / 32; ++i) t = min(t, warp_tau[i]);
+    if (threadIdx.x == 0) threshold = t == 0 ? 1 : t;
+  } else {
+    // The K-th largest thread maximum: each warp sorts its 32 in registers, then every thread counts
+    // the larger ones in the other warps' sorted lists by binary search.
+    thread_max[threadIdx.x] = sorted;
+    if (threadIdx.x == 0) {
+      threshold = 1;  // fewer than K threads hold tokens: take them all
+      num_cand = 0;
+    }
+    __syncthreads();
+    if (sorted != 0) {
+      int above = lane;
+      for (int w2 = 0; w2 < kThreads / 32; ++w2)
+        if (w2 != warp) above += count_greater(thread_max + 32 * w2, 32, sorted);
+      if (above == K - 1) threshold = sorted;
+    }
   }
   __syncthreads();
   const uint64_t th = threshold;
@@ -414,8 +518,9 @@ __global__ void __launch_bounds__(kThreads)
   for (int j = 0; j < kGroupsPerThread; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
+      if (!(v[j][e] >= th_x)) continue;
       const uint32_t id = base + 4 * kThreads * j + e;
-      if (id >= vocab || !(v[j][e] >= th_x)) continue;
+      if (id >= vocab) continue;
       const uint64_t key = rank_key(v[j][e], id);
       if (key >= th) {
         const int pos = atomicAdd(&num_cand, 1);

@@ -123,3 +123,85 @@ def test_topk_merge_pruning_matches_reference(cuda_backend, cpu_backend, top_k, 
     batch = make_batch(x, num_samples=3, top_k=top_k, top_p=top_p)
     got, want = cuda_backend.sample(batch), cpu_backend.sample(batch)
     assert int((got.tokens != want.tokens).sum()) <= 1
+
+
+def _pilot_stress_rows(vocab: int, b: int, gen: torch.Generator, dev: torch.device) -> torch.Tensor:
+    """Rows aimed at the gumbel block screen (NOTES.md, gumbel v2): each block's pilot is the first
+    1024 tokens of its 8192-token chunk (every thread's first group of four)."""
+    pilot = torch.zeros(vocab, dtype=torch.bool, device=dev)
+    for c in range(0, vocab, 8192):
+        pilot[c:c + 1024] = True
+    rows = []
+    for r in range(b):
+        x = torch.randn(vocab, device=dev, generator=gen)
+        kind = r % 6
+        if kind == 0:  # pilot tokens all -inf: L = -inf, the screen is off, every token is scored
+            x[pilot] = float("-inf")
+        elif kind == 1:  # a very low pilot: nothing can be screened out
+            x[pilot] = -40.0
+        elif kind == 2:  # masked rows: a few allowed tokens
+            keep = torch.rand(vocab, device=dev, generator=gen) < 0.003
+            x = torch.where(keep, x, torch.full_like(x, float("-inf")))
+        elif kind == 3:  # large magnitudes: wide margins
+            x = x + 1.0e4
+        elif kind == 4:  # a high pilot and outsiders just around it
+            x[pilot] += 6.0
+            idx = torch.nonzero(~pilot).flatten()
+            pick = idx[torch.randperm(idx.numel(), device=dev, generator=gen)[:300]]
+            x[pick] = 6.0 + 3.0 * torch.rand(300, device=dev, generator=gen)
+        else:  # one far winner outside the pilot region, NaN and +inf entries elsewhere
+            idx = torch.nonzero(~pilot).flatten()
+            x[idx[-5]] = 25.0
+            x[idx[7]] = float("nan")
+            x[idx[11]] = float("inf")
+        rows.append(x)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.3, 4.0])
+@pytest.mark.parametrize("vocab", [151936, 20001])
+def test_gumbel_block_screen_is_exact(cuda_backend, vocab, temperature, dtype):
+    kernels = cuda_backend._kernels
+    dev = kernels.device
+    gen = torch.Generator(device=dev).manual_seed(vocab + int(temperature * 10))
+    b = 12
+    seeds = [77 + 31 * i for i in range(b)]
+    positions = [i % 7 for i in range(b)]
+    x = _pilot_stress_rows(vocab, b, gen, dev).to(dtype).contiguous()
+    params = _params(b, dev, temperature, seeds, positions)
+    for sample in (0, 1):
+        out = Outputs(tokens=torch.full((b, 2), -7, dtype=torch.int64, device=dev),
+                      flags=torch.empty(b, dtype=torch.uint8, device=dev))
+        kernels.gumbel(x, params, out, sample)
+        got = out.tokens[:, sample].cpu()
+        want = _exact_gumbel_argmax(kernels, x.float(), temperature, seeds, positions, sample)
+        assert torch.equal(got, want), f"rows {(got != want).nonzero().flatten().tolist()} differ"
+        # each row alone gives the same token (batch invariance through the screen)
+        for r in (0, 4, 5):
+            one = Outputs(tokens=torch.full((1, 2), -7, dtype=torch.int64, device=dev),
+                          flags=torch.empty(1, dtype=torch.uint8, device=dev))
+            kernels.gumbel(x[r:r + 1].contiguous(), _params(1, dev, temperature, seeds[r:r + 1], positions[r:r + 1]),
+                           one, sample)
+            assert int(one.tokens[0, sample]) == int(got[r])
+
+
+@pytest.mark.parametrize("vocab", [8192 + 4 * (224 + 8) - 1, 8192 + 4 * (224 + 8) + 3, 2 * 8192 + 37, 1500])
+@pytest.mark.parametrize("top_k", [15, 50, 120, 200])
+def test_topk_warp_threshold_matches_reference(cuda_backend, cpu_backend, vocab, top_k):
+    """The chunk threshold (min over warps of each warp's (K/8)-th thread maximum, K <= 128):
+    partial last chunks around the size where a warp holds fewer than K/8 tokens, the top-k inside
+    the partial chunk, masked rows with fewer finite tokens than k, and ties."""
+    gen = torch.Generator().manual_seed(vocab + top_k)
+    b = 8
+    x = torch.randn(b, vocab, generator=gen)
+    tail = vocab - (vocab % 8192 or 8192)
+    x[0, tail:] += 15.0  # the whole top-k in the partial chunk
+    x[1] = float("-inf")
+    x[1, torch.randperm(vocab, generator=gen)[:7]] = torch.randn(7, generator=gen)  # fewer than k finite
+    x[2, ::3] = 4.0  # ties across every warp
+    x[3, : min(vocab, 300)] += 12.0  # crowded into warp 0 of the first chunk
+    batch = make_batch(x, num_samples=3, top_k=top_k, top_p=0.95)
+    got, want = cuda_backend.sample(batch), cpu_backend.sample(batch)
+    assert torch.equal(got.valid, want.valid)
+    assert int((got.tokens != want.tokens).sum()) <= 1
