@@ -1,19 +1,37 @@
 """Retry policy shared by the sync and async clients: which failures are retried, and when.
 
-Only UNAVAILABLE is retried (the server was not reached or is restarting); every other code is the
-server's answer and is final. No retry starts after the call's deadline.
+Two failures are retried, with backoff and jitter: UNAVAILABLE (the server was not reached, or is
+shutting down), and RESOURCE_EXHAUSTED when the server marks it as overload (its queue is full:
+trailing metadata `x-retryable`). An unmarked RESOURCE_EXHAUSTED is a message over a size limit,
+which no retry can fix. Every other code is the server's answer and is final. No retry starts
+after the call's deadline.
+
+Sample calls, which are idempotent (the same request samples the same tokens), also retry
+CANCELLED: a server that shuts down cancels the calls it had received but not yet started.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
 
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+RETRYABLE_METADATA_KEY = "x-retryable"
+"""Set by the server on failures that a later retry can get past (RESOURCE_EXHAUSTED: queue full)."""
+
+Metadata = Iterable[tuple[str, str | bytes]]
+
+
+def is_retryable(code: grpc.StatusCode | None, trailing_metadata: Metadata | None = None, idempotent: bool = False) -> bool:
+    if code in RETRYABLE_CODES or (idempotent and code == grpc.StatusCode.CANCELLED):
+        return True
+    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and any(
+        key == RETRYABLE_METADATA_KEY for key, _ in trailing_metadata or ()
+    )
 
 
 @dataclass(frozen=True)
@@ -62,9 +80,12 @@ class RetryState:
             return None
         return max(0.0, self._deadline - self._clock())
 
-    def next_delay(self, code: grpc.StatusCode | None) -> float | None:
-        """The wait before retrying after a failure with `code`, or None when the call must fail now."""
-        if code not in RETRYABLE_CODES or self.retries_done >= self._retries:
+    def next_delay(
+        self, code: grpc.StatusCode | None, trailing_metadata: Metadata | None = None, idempotent: bool = False
+    ) -> float | None:
+        """The wait before retrying after a failure with `code` (and the failure's trailing metadata),
+        or None when the call must fail now."""
+        if not is_retryable(code, trailing_metadata, idempotent) or self.retries_done >= self._retries:
             return None
         delay = self._backoff.delay(self.retries_done)
         if self._deadline is not None and self._clock() + delay >= self._deadline:

@@ -9,7 +9,17 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from ._channel import call_metadata, channel_options, health_request, health_status_name, new_request_id
+from ._channel import (
+    PemSource,
+    call_metadata,
+    channel_credentials,
+    channel_options,
+    channel_target,
+    check_auth_token,
+    health_request,
+    health_status_name,
+    new_request_id,
+)
 from ._proto import sampler_pb2 as pb
 from ._proto import sampler_pb2_grpc
 from ._retry import Backoff, CallPolicy
@@ -31,7 +41,7 @@ class AsyncSamplerClient:
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         *,
         timeout: float | None = None,
         retries: int = 3,
@@ -39,9 +49,16 @@ class AsyncSamplerClient:
         max_message_mb: int = 256,
         options: Sequence[tuple[str, Any]] | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        tls_ca: PemSource | None = None,
+        tls_cert: PemSource | None = None,
+        tls_key: PemSource | None = None,
+        auth_token: str | None = None,
     ) -> None:
         self._policy = CallPolicy(timeout, retries, backoff or Backoff())
+        self._auth_token = check_auth_token(auth_token)
         channel_args = channel_options(max_message_mb, options)
+        credentials = channel_credentials(credentials, tls_ca, tls_cert, tls_key)
+        target = channel_target(target)
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(target, options=channel_args)
         else:
@@ -55,16 +72,17 @@ class AsyncSamplerClient:
         request: Any,
         timeout: float | None,
         request_id: str | None,
+        idempotent: bool = False,
     ) -> Response:
-        """Awaits `method`, retrying UNAVAILABLE with backoff within the deadline."""
+        """Awaits `method`, retrying UNAVAILABLE and overload with backoff within the deadline (see _retry.py)."""
         request_id = request_id or new_request_id()
-        metadata = call_metadata(request_id)
+        metadata = call_metadata(request_id, self._auth_token)
         state = self._policy.start(timeout)
         while True:
             try:
                 return await method(request, timeout=state.remaining(), metadata=metadata)
             except grpc.RpcError as err:
-                delay = state.next_delay(err.code())  # type: ignore[attr-defined]
+                delay = state.next_delay(err.code(), err.trailing_metadata(), idempotent)  # type: ignore[attr-defined]
                 if delay is None:
                     raise error_from_rpc(err, request_id) from err
             await asyncio.sleep(delay)
@@ -128,7 +146,7 @@ class AsyncSamplerClient:
         self, request: pb.SampleRequest, *, timeout: float | None = None, request_id: str | None = None
     ) -> SampleResult:
         """Sends a SampleRequest built ahead of time (params.build_sample_request) and decodes the answer."""
-        response = await self._call(self._stub.Sample, request, timeout, request_id)
+        response = await self._call(self._stub.Sample, request, timeout, request_id, idempotent=True)
         return SampleResult.from_response(response)
 
     async def sample_hidden(self, hidden: Any, weights: str, **params: Any) -> SampleResult:
@@ -198,7 +216,7 @@ class AsyncSamplerClient:
 
         `timeout` bounds the whole stream (default: none); UNAVAILABLE is not retried inside it.
         """
-        metadata = call_metadata(request_id or new_request_id())
+        metadata = call_metadata(request_id or new_request_id(), self._auth_token)
         return AsyncSampleStream(self._stub, metadata, timeout)
 
     async def register_shm_region(self, name: str, byte_size: int, *, timeout: float | None = None) -> SharedMemoryRegion:

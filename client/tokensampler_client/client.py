@@ -9,7 +9,17 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from ._channel import call_metadata, channel_options, health_request, health_status_name, new_request_id
+from ._channel import (
+    PemSource,
+    call_metadata,
+    channel_credentials,
+    channel_options,
+    channel_target,
+    check_auth_token,
+    health_request,
+    health_status_name,
+    new_request_id,
+)
 from ._proto import sampler_pb2 as pb
 from ._proto import sampler_pb2_grpc
 from ._retry import Backoff, CallPolicy
@@ -27,21 +37,28 @@ class SamplerClient:
     """Blocking client: `SamplerClient("localhost:50051").sample(logits, top_k=50)`.
 
     Args:
-        target: "host:port", or any gRPC target such as "unix:///path/to/socket".
+        target: "host:port", or any gRPC target such as "unix:///path/to/socket"; or a list of
+            "IP:port" replicas, tried in order: when one goes away (shutdown), calls move to the next.
         timeout: default deadline of each call in seconds, retries included (None: no deadline).
-        retries: how many times a call failing with UNAVAILABLE is retried (other codes never are).
+        retries: how many times a call failing with UNAVAILABLE, or RESOURCE_EXHAUSTED because the
+            server is overloaded, is retried; a Sample call also when a shutting-down server
+            cancelled it before starting it (CANCELLED). Other codes never are.
         backoff: the wait between retries (default: 0.05 s doubling up to 2 s, with jitter).
         max_message_mb: the largest message sent or received, in MiB; the server has the same
             option (`--max-message-mb`), and a request must fit both.
         options: further gRPC channel arguments, e.g. [("grpc.keepalive_time_ms", 10000)].
         credentials: grpc.ChannelCredentials for TLS; None for a plaintext channel.
+        tls_ca, tls_cert, tls_key: TLS from PEM files (paths) or PEM bytes, instead of `credentials`:
+            the CA of the server's certificate (None: the system's roots), and the client's own
+            certificate and key for a server that requires them (`--tls-client-ca`).
+        auth_token: bearer token sent with every call, streams included (`--auth-token-file`).
 
     Every failed call raises TokenSamplerError carrying the gRPC status code.
     """
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         *,
         timeout: float | None = None,
         retries: int = 3,
@@ -49,9 +66,16 @@ class SamplerClient:
         max_message_mb: int = 256,
         options: Sequence[tuple[str, Any]] | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        tls_ca: PemSource | None = None,
+        tls_cert: PemSource | None = None,
+        tls_key: PemSource | None = None,
+        auth_token: str | None = None,
     ) -> None:
         self._policy = CallPolicy(timeout, retries, backoff or Backoff())
+        self._auth_token = check_auth_token(auth_token)
         channel_args = channel_options(max_message_mb, options)
+        credentials = channel_credentials(credentials, tls_ca, tls_cert, tls_key)
+        target = channel_target(target)
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=channel_args)
         else:
@@ -65,16 +89,17 @@ class SamplerClient:
         request: Any,
         timeout: float | None,
         request_id: str | None,
+        idempotent: bool = False,
     ) -> Response:
-        """Calls `method`, retrying UNAVAILABLE with backoff within the deadline."""
+        """Calls `method`, retrying UNAVAILABLE and overload with backoff within the deadline (see _retry.py)."""
         request_id = request_id or new_request_id()
-        metadata = call_metadata(request_id)
+        metadata = call_metadata(request_id, self._auth_token)
         state = self._policy.start(timeout)
         while True:
             try:
                 return method(request, timeout=state.remaining(), metadata=metadata)
             except grpc.RpcError as err:
-                delay = state.next_delay(err.code())  # type: ignore[attr-defined]
+                delay = state.next_delay(err.code(), err.trailing_metadata(), idempotent)  # type: ignore[attr-defined]
                 if delay is None:
                     raise error_from_rpc(err, request_id) from err
             time.sleep(delay)
@@ -159,7 +184,7 @@ class SamplerClient:
         self, request: pb.SampleRequest, *, timeout: float | None = None, request_id: str | None = None
     ) -> SampleResult:
         """Sends a SampleRequest built ahead of time (params.build_sample_request) and decodes the answer."""
-        response = self._call(self._stub.Sample, request, timeout, request_id)
+        response = self._call(self._stub.Sample, request, timeout, request_id, idempotent=True)
         return SampleResult.from_response(response)
 
     def sample_hidden(self, hidden: Any, weights: str, **params: Any) -> SampleResult:
@@ -229,7 +254,7 @@ class SamplerClient:
 
         `timeout` bounds the whole stream (default: none); UNAVAILABLE is not retried inside it.
         """
-        metadata = call_metadata(request_id or new_request_id())
+        metadata = call_metadata(request_id or new_request_id(), self._auth_token)
         return SampleStream(self._stub, metadata, timeout)
 
     def register_shm_region(self, name: str, byte_size: int, *, timeout: float | None = None) -> SharedMemoryRegion:

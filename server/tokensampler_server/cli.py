@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from .config import Limits, ServerConfig
+from .config import Limits, ServerConfig, StartupError
 from .logs import LOG_FORMATS, configure_logging
 
 _MIB = 1024 * 1024
@@ -44,6 +44,12 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         help="most rows in one request [TOKENSAMPLER_MAX_BATCH_ROWS]",
     )
     parser.add_argument(
+        "--max-batch-elements", type=int,
+        default=int(_env("MAX_BATCH_ELEMENTS", str(defaults.limits.max_batch_elements))),
+        help="most logits elements (B·V, also for hidden states through a head) in one request "
+        "[TOKENSAMPLER_MAX_BATCH_ELEMENTS]",
+    )
+    parser.add_argument(
         "--max-queue-delay-us", type=int, default=int(_env("MAX_QUEUE_DELAY_US", str(defaults.max_queue_delay_us))),
         help="how long a request may wait for others to share a backend call while the backend is idle; "
         "requests arriving while it is busy are merged anyway [TOKENSAMPLER_MAX_QUEUE_DELAY_US]",
@@ -71,6 +77,23 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     parser.add_argument(
         "--max-weight-mb", type=int, default=int(_env("MAX_WEIGHT_MB", str(defaults.limits.max_weight_bytes // _MIB))),
         help="largest LM-head weight one registration may hold, in MiB [TOKENSAMPLER_MAX_WEIGHT_MB]",
+    )
+    parser.add_argument(
+        "--auth-token-file", type=Path, default=_env("AUTH_TOKEN_FILE", "") or None,
+        help="accept only calls with metadata 'authorization: Bearer TOKEN', TOKEN one of this file's lines; "
+        "health checks stay open [TOKENSAMPLER_AUTH_TOKEN_FILE]",
+    )
+    parser.add_argument(
+        "--tls-cert", type=Path, default=_env("TLS_CERT", "") or None,
+        help="PEM certificate chain: serve TLS on the TCP port (needs --tls-key) [TOKENSAMPLER_TLS_CERT]",
+    )
+    parser.add_argument(
+        "--tls-key", type=Path, default=_env("TLS_KEY", "") or None,
+        help="PEM private key of --tls-cert [TOKENSAMPLER_TLS_KEY]",
+    )
+    parser.add_argument(
+        "--tls-client-ca", type=Path, default=_env("TLS_CLIENT_CA", "") or None,
+        help="PEM CA bundle: require client certificates it signed (mutual TLS) [TOKENSAMPLER_TLS_CLIENT_CA]",
     )
     parser.add_argument(
         "--grace-period-s", type=float, default=float(_env("GRACE_PERIOD_S", str(defaults.grace_period_s))),
@@ -104,7 +127,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         help="text, or json for one JSON object per line [TOKENSAMPLER_LOG_FORMAT]",
     )
     args = parser.parse_args(argv)
-    for name in ("max_message_mb", "max_batch_rows", "max_queue_rows", "max_weight_mb"):
+    for name in ("max_message_mb", "max_batch_rows", "max_batch_elements", "max_queue_rows", "max_weight_mb"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if not 0 <= args.metrics_port <= 65535:
@@ -113,12 +136,17 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         parser.error("--max-queue-delay-us must be at least 0")
     if args.max_connection_age_s < 0:
         parser.error("--max-connection-age-s must be at least 0")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_client_ca is not None and args.tls_cert is None:
+        parser.error("--tls-client-ca needs --tls-cert and --tls-key")
     return ServerConfig(
         host=args.host,
         port=args.port,
         device=args.device,
         limits=Limits(
             max_batch_rows=args.max_batch_rows,
+            max_batch_elements=args.max_batch_elements,
             max_message_bytes=args.max_message_mb * _MIB,
             max_weight_bytes=args.max_weight_mb * _MIB,
         ),
@@ -134,6 +162,10 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         max_queue_rows=args.max_queue_rows,
         allow_shm=args.allow_shm,
         allow_cuda_ipc=args.allow_cuda_ipc,
+        auth_token_file=args.auth_token_file,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
     )
 
 
@@ -142,7 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(config.log_level, config.log_format)
     from .server import serve  # after logging is set up: importing torch and grpc can log
 
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except StartupError as err:
+        print(f"tokensampler-server: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

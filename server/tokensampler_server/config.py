@@ -6,11 +6,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+class StartupError(ValueError):
+    """A setting the server cannot start with (an unreadable token or certificate file, ...)."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """Per-request limits, enforced by validation.py and reported by GetServerInfo."""
 
     max_batch_rows: int = 4096
+    max_batch_elements: int = 4096 * 262144
+    """Most elements (B·V of the logits, given or computed from hidden states) in one request."""
     max_message_bytes: int = 256 * 1024 * 1024
     max_num_samples: int = 64
     max_top_logprobs: int = 64
@@ -41,8 +47,15 @@ class ServerConfig:
     max_queue_delay_us: int = 0
     """How long a request may wait for others to batch with while the backend is idle."""
     max_queue_rows: int = 32768
+    """Rows waiting for the backend beyond which requests get RESOURCE_EXHAUSTED."""
     allow_shm: bool = False
     """Accept POSIX shared-memory regions from colocated clients."""
     allow_cuda_ipc: bool = False
     """Accept CUDA IPC regions (GPU buffers of colocated processes)."""
-    """Rows waiting for the backend beyond which requests get RESOURCE_EXHAUSTED."""
+    auth_token_file: Path | None = None
+    """File of accepted bearer tokens, one per line; None admits every caller."""
+    tls_cert: Path | None = None
+    """PEM certificate chain of the server; with tls_key, the TCP port speaks TLS only."""
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    """PEM CA bundle: when set, clients must present a certificate it signed (mutual TLS)."""

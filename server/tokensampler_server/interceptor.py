@@ -5,20 +5,30 @@ A ServiceError becomes its own status and message. Anything else is a bug: it be
 its traceback is logged under the request id; the server keeps serving. Every error message ends
 with the request id. Each call gets one DEBUG line: method, request id, status, rows, duration.
 
-Calls with a single response (unary and client-streaming) are wrapped; the server has no others.
+Calls with a single response (unary and client-streaming) are wrapped whole. Calls with streamed
+responses (SampleStream, health Watch, reflection) count and log each message themselves; of those,
+only failures to parse a request and ServiceErrors are turned into statuses here.
+
+Request bytes that do not parse as the method's message answer INVALID_ARGUMENT (grpc alone would
+answer UNKNOWN and log a traceback per call). A RESOURCE_EXHAUSTED raised by the service (a full
+queue) carries the trailing metadata `x-retryable: overload`, which tells a client that retrying
+later can succeed: grpc's own RESOURCE_EXHAUSTED for a message over the size limit lacks it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from .call_record import CallRecord, current_call
-from .errors import ServiceError
+from .errors import InvalidArgument, ServiceError
 from .metrics import ServerMetrics
 from .request_context import REQUEST_ID_METADATA_KEY, current_request_id, request_id_from_metadata
 
@@ -28,6 +38,42 @@ Handler = Callable[[object, grpc.aio.ServicerContext], Awaitable[object]]
 """A unary or client-streaming behaviour: (request or request iterator, context) -> response."""
 Deserializer = Callable[[bytes], object]
 Serializer = Callable[[object], bytes]
+
+RETRYABLE_METADATA_KEY = "x-retryable"
+
+
+@dataclass(frozen=True)
+class _Unparsable:
+    """Stands for a request message whose bytes did not parse; the call's guard raises `error`."""
+
+    error: InvalidArgument
+
+
+def _parse(deserialize: Deserializer | None, raw: bytes) -> object:
+    if deserialize is None:
+        return raw
+    try:
+        return deserialize(raw)
+    except DecodeError as err:
+        # Raising here would escape every guard (grpc parses before the behaviour runs).
+        return _Unparsable(InvalidArgument("request", f"{len(raw)} bytes that do not parse ({err}); "
+                                           "expected a serialized protobuf message of the method's request type"))
+
+
+def _checked(request: object, streaming: bool) -> object:
+    """The request (or the iterator of requests) the behaviour gets; unparsable bytes raise their error."""
+    if streaming:
+        return _checked_stream(request)
+    if isinstance(request, _Unparsable):
+        raise request.error
+    return request
+
+
+async def _checked_stream(requests: AsyncIterator[object]) -> AsyncIterator[object]:
+    async for request in requests:
+        if isinstance(request, _Unparsable):
+            raise request.error
+        yield request
 
 
 def _log_call(call: CallRecord, code: grpc.StatusCode, elapsed_ns: int, error: str) -> None:
@@ -56,8 +102,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or handler.response_streaming:
+        if handler is None:
             return handler
+        if handler.response_streaming:
+            return self._wrap_streaming(handler)
         # grpc asks for the handler once per call, so this record belongs to this call alone.
         request_id = request_id_from_metadata(details.invocation_metadata)
         call = CallRecord(method=details.method.lstrip("/"), request_id=request_id)
@@ -66,16 +114,50 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         else:
             wrap, behaviour = grpc.unary_unary_rpc_method_handler, handler.unary_unary
         return wrap(
-            self._guard(behaviour, call),
+            self._guard(behaviour, call, handler.request_streaming),
             request_deserializer=self._timed_parse(handler.request_deserializer, call),
             response_serializer=self._timed_serialize(handler.response_serializer, call),
+        )
+
+    @staticmethod
+    def _wrap_streaming(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """A response-streaming handler whose unparsable requests and ServiceErrors become statuses."""
+        streaming = handler.request_streaming
+        if streaming:
+            wrap, behaviour = grpc.stream_stream_rpc_method_handler, handler.stream_stream
+        else:
+            wrap, behaviour = grpc.unary_stream_rpc_method_handler, handler.unary_stream
+
+        async def abort(context: grpc.aio.ServicerContext, err: ServiceError) -> None:
+            request_id = request_id_from_metadata(context.invocation_metadata())
+            log.debug("stream %s failed: %s", request_id, err.message)
+            await context.abort(err.code, f"{err.message} (request id {request_id})")
+
+        if inspect.isasyncgenfunction(behaviour):
+            async def guarded(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
+                try:
+                    async for response in behaviour(_checked(request, streaming), context):
+                        yield response
+                except ServiceError as err:
+                    await abort(context, err)
+        else:  # a coroutine that writes its responses with context.write (health Watch)
+            async def guarded(request: object, context: grpc.aio.ServicerContext) -> object:
+                try:
+                    return await behaviour(_checked(request, streaming), context)
+                except ServiceError as err:
+                    await abort(context, err)
+
+        return wrap(
+            guarded,
+            request_deserializer=lambda raw: _parse(handler.request_deserializer, raw),
+            response_serializer=handler.response_serializer,
         )
 
     def _timed_parse(self, deserialize: Deserializer | None, call: CallRecord) -> Deserializer:
         def parse(raw: bytes) -> object:
             call.start()
             started = time.perf_counter_ns()
-            message = deserialize(raw) if deserialize is not None else raw
+            message = _parse(deserialize, raw)
             call.parse_ns += time.perf_counter_ns() - started
             return message
 
@@ -90,16 +172,17 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         return serialize_timed
 
-    def _guard(self, handler: Handler, call: CallRecord) -> Handler:
+    def _guard(self, handler: Handler, call: CallRecord, streaming: bool) -> Handler:
         async def guarded(request: object, context: grpc.aio.ServicerContext) -> object:
             call.start()
             current_request_id.set(call.request_id)
             current_call.set(call)
-            context.set_trailing_metadata(((REQUEST_ID_METADATA_KEY, call.request_id),))
+            trailing = ((REQUEST_ID_METADATA_KEY, call.request_id),)
+            context.set_trailing_metadata(trailing)
             code, error = grpc.StatusCode.OK, ""
             with self._metrics.in_flight.track_inprogress():
                 try:
-                    return await handler(request, context)
+                    return await handler(_checked(request, streaming), context)
                 except grpc.aio.AbortError:  # the handler set its own status
                     code = context.code() or grpc.StatusCode.UNKNOWN
                     raise
@@ -115,6 +198,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     elapsed_ns = call.elapsed_ns()
                     self._metrics.observe_call(call, code, elapsed_ns)
                     _log_call(call, code, elapsed_ns, error)
-            await context.abort(code, f"{error} (request id {call.request_id})")
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                trailing += ((RETRYABLE_METADATA_KEY, "overload"),)
+            await context.abort(code, f"{error} (request id {call.request_id})", trailing)
 
         return guarded

@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 
+from .auth import AuthInterceptor, BearerTokens
 from .backends import create_backend
 from .batcher import DynamicBatcher
 from .config import ServerConfig
@@ -23,6 +24,7 @@ from .interceptor import ErrorInterceptor
 from .regions import RegionRegistry
 from .metrics import ServerMetrics, start_metrics_http
 from .service import SamplerService
+from .tls import server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +47,20 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
 
 
 async def serve(config: ServerConfig) -> None:
+    # Access settings first: a bad token or certificate file stops the server before any work.
+    tokens = None if config.auth_token_file is None else BearerTokens.from_file(config.auth_token_file)
+    credentials = None
+    if config.tls_cert is not None and config.tls_key is not None:
+        credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
     backend = create_backend(config.device)
     info = backend.info()
     log.info("backend %s on %s", info.name, info.device)
 
     metrics = ServerMetrics(info)
-    server = grpc.aio.server(
-        interceptors=[ErrorInterceptor(metrics)], options=grpc_options(config)
-    )
+    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor(metrics)]
+    if tokens is not None:  # outermost: a refused call reaches nothing else
+        interceptors.insert(0, AuthInterceptor(tokens, metrics))
+    server = grpc.aio.server(interceptors=interceptors, options=grpc_options(config))
     batcher = DynamicBatcher(
         backend,
         max_batch_rows=config.limits.max_batch_rows,
@@ -77,9 +85,14 @@ async def serve(config: ServerConfig) -> None:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server,
         )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    address = f"{config.host}:{config.port}"
+    if credentials is not None:
+        port = server.add_secure_port(address, credentials)
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not listen on {config.host}:{config.port}")
+    # The socket file's permissions guard it; bearer tokens still apply there.
     if config.uds is not None and server.add_insecure_port(f"unix:{config.uds}") == 0:
         raise RuntimeError(f"could not listen on unix:{config.uds}")
     metrics_http = None
@@ -89,6 +102,8 @@ async def serve(config: ServerConfig) -> None:
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     # Tests and scripts wait for this line to learn the port (with --port 0 the OS picks it).
+    log.info("access: %s, %s", "bearer tokens required" if tokens is not None else "open to every caller",
+             "plaintext" if credentials is None else "TLS" + (" with client certificates" if config.tls_client_ca else ""))
     log.info("tokensampler serving on %s:%d", config.host, port, extra={"host": config.host, "port": port})
     if config.uds is not None:
         log.info("also serving on unix:%s", config.uds)

@@ -132,31 +132,44 @@ def _seeds(params: pb.SamplingParams, num_rows: int, seed_source: SeedSource) ->
     return seeds
 
 
-def _check_shape(shape: Sequence[int], field: str, rows_limit: int, dims: str) -> None:
-    """Accepts [B, N] with 1 <= B <= rows_limit and N >= 1."""
+def _check_elements(field: str, num_rows: int, width: int, limits: Limits, what: str = "B·V") -> None:
+    """Bounds the memory one request's logits take, whatever the row count."""
+    if num_rows * width > limits.max_batch_elements:
+        raise InvalidArgument(
+            f"{field}.shape",
+            f"got {what} = {num_rows}·{width} = {num_rows * width} elements, "
+            f"expected at most {limits.max_batch_elements} (--max-batch-elements)",
+        )
+
+
+def _check_shape(shape: Sequence[int], field: str, limits: Limits, dims: str) -> None:
+    """Accepts [B, N] with 1 <= B <= max_batch_rows, N >= 1 and B·N <= max_batch_elements."""
     if len(shape) != 2:
         raise InvalidArgument(f"{field}.shape", f"got {list(shape)}, expected {dims}")
     num_rows, width = shape
     if num_rows < 1 or width < 1:
         raise InvalidArgument(f"{field}.shape", f"got {[num_rows, width]}, expected {dims} with both sizes >= 1")
-    if num_rows > rows_limit:
-        raise InvalidArgument(f"{field}.shape", f"got B={num_rows} rows, expected at most {rows_limit} (--max-batch-rows)")
+    if num_rows > limits.max_batch_rows:
+        raise InvalidArgument(
+            f"{field}.shape", f"got B={num_rows} rows, expected at most {limits.max_batch_rows} (--max-batch-rows)"
+        )
+    _check_elements(field, num_rows, width, limits, dims.strip("[]").replace(", ", "·"))
 
 
-def _decode(tensor: pb.Tensor, field: str, rows_limit: int, dims: str) -> torch.Tensor:
+def _decode(tensor: pb.Tensor, field: str, limits: Limits, dims: str) -> torch.Tensor:
     """A [B, N] float32/bfloat16/float16 tensor carried in the message (checked before decoding)."""
     if tensor.dtype not in LOGITS_DTYPES:
         names = ", ".join(dtype_name(d) for d in LOGITS_DTYPES)
         raise InvalidArgument(f"{field}.dtype", f"got {tensor.dtype}, expected one of {names}")
-    _check_shape(tensor.shape, field, rows_limit, dims)
+    _check_shape(tensor.shape, field, limits, dims)
     try:
         return decode_tensor(tensor, field)
     except TensorDecodeError as err:
         raise InvalidArgument(err.field, str(err).removeprefix(f"{err.field}: ")) from None
 
 
-def _referenced(tensor: torch.Tensor, field: str, rows_limit: int, dims: str) -> torch.Tensor:
-    _check_shape(tensor.shape, field, rows_limit, dims)
+def _referenced(tensor: torch.Tensor, field: str, limits: Limits, dims: str) -> torch.Tensor:
+    _check_shape(tensor.shape, field, limits, dims)
     return tensor
 
 
@@ -164,13 +177,13 @@ def _input(request: pb.SampleRequest, referenced: torch.Tensor | None, limits: L
     """(kind, tensor) of the request's input: "logits" or "hidden", carried or referenced."""
     kind = request.WhichOneof("input")
     if kind == "logits_ref":
-        return "logits", _referenced(referenced, "logits_ref", limits.max_batch_rows, "[B, V]")
+        return "logits", _referenced(referenced, "logits_ref", limits, "[B, V]")
     if kind == "logits":
-        return "logits", _decode(request.logits, "logits", limits.max_batch_rows, "[B, V]")
+        return "logits", _decode(request.logits, "logits", limits, "[B, V]")
     if kind == "hidden" and request.hidden.HasField("states_ref"):
-        return "hidden", _referenced(referenced, "hidden.states_ref", limits.max_batch_rows, "[B, D]")
+        return "hidden", _referenced(referenced, "hidden.states_ref", limits, "[B, D]")
     if kind == "hidden":
-        return "hidden", _decode(request.hidden.states, "hidden.states", limits.max_batch_rows, "[B, D]")
+        return "hidden", _decode(request.hidden.states, "hidden.states", limits, "[B, D]")
     raise InvalidArgument("input", "not set; expected logits, logits_ref or hidden")
 
 
@@ -201,6 +214,8 @@ def validate_sample_request(
             )
         hidden = HiddenInput(states=tensor, lm_head=lm_head)
         num_rows, vocab_size = tensor.shape[0], lm_head.finish.vocab_size
+        # The server computes B·V logits from B·D hidden states: bound those too.
+        _check_elements("hidden.states", num_rows, vocab_size, limits, f"B·V of weight {lm_head.name!r}")
 
     params = request.params
     temperature = _column(params.temperature, "params.temperature", num_rows, 1.0, np.float32)

@@ -1,0 +1,180 @@
+"""Load and overload against a real server (loopback, bounded counts).
+
+Every response is checked against the tokens its request gets when sampled alone by the reference
+backend: batch invariance makes them computable, so a lost, duplicated or misrouted row fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from tokensampler_client import Backoff, SamplerClient, TokenSamplerError
+from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
+from tokensampler_client._retry import RetryState
+from tokensampler_client.params import build_sample_request
+from tokensampler_client.result import SampleResult
+from tokensampler_server.backends.cpu import CpuBackend
+from tokensampler_server.config import Limits
+from tokensampler_server.validation import validate_sample_request
+
+from .conftest import RunningServer, start_server
+
+CLIENTS, REQUESTS_PER_CLIENT = 16, 100
+VOCABS = (64, 256, 1000)
+MODES = ("greedy", "top_k", "top_p", "min_p", "gumbel", "processed")
+_REFERENCE = CpuBackend()
+
+
+def mixed_request(rng: random.Random, vocab: int | None = None) -> pb.SampleRequest:
+    """1-6 rows, a random mode and vocabulary size, one seed per row (so every token is determined)."""
+    rows = rng.randint(1, 6)
+    vocab = vocab or rng.choice(VOCABS)
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+    params: dict = {"seed": [rng.randrange(2**64) for _ in range(rows)], "position": rng.randrange(4096)}
+    mode = rng.choice(MODES)
+    if mode == "greedy":
+        params["temperature"] = 0.0
+    elif mode == "top_k":
+        params.update(top_k=[rng.choice([1, 5, 40]) for _ in range(rows)], temperature=0.8)
+    elif mode == "top_p":
+        params["top_p"] = rng.choice([0.5, 0.9])
+    elif mode == "min_p":
+        params["min_p"] = 0.1
+    elif mode == "processed":
+        params.update(banned_token_ids=[rng.randrange(vocab) for _ in range(3)], repetition_penalty=1.3,
+                      output_token_ids=[[rng.randrange(vocab)] * rng.randint(0, 3) for _ in range(rows)],
+                      logit_bias=[{rng.randrange(vocab): 2.0} for _ in range(rows)])
+    return build_sample_request(logits, num_samples=rng.choice([1, 1, 2]), **params)
+
+
+def expected_tokens(request: pb.SampleRequest) -> torch.Tensor:
+    """The tokens of `request` sampled alone by the reference backend."""
+    batch, _ = validate_sample_request(request, Limits())
+    return _REFERENCE.sample(batch.with_logits()).tokens.to(torch.int64)
+
+
+def check(request: pb.SampleRequest, result: SampleResult) -> None:
+    """Exactly the rows of `request`, each with its own tokens and seed."""
+    assert result.seeds == list(request.params.seed)
+    assert torch.equal(result.tokens, expected_tokens(request))
+
+
+@pytest.fixture(scope="module")
+def load_server() -> Iterator[RunningServer]:
+    running = start_server("--device", "cpu")
+    yield running
+    running.stop()
+
+
+def test_many_clients_get_exactly_their_own_rows(load_server: RunningServer) -> None:
+    """16 clients × 100 requests at once; every row checked. Prints the figures for the README."""
+    results: list[tuple[pb.SampleRequest, SampleResult, float]] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    start = threading.Barrier(CLIENTS)
+
+    def client_loop(index: int) -> None:
+        rng = random.Random(index)
+        requests = [mixed_request(rng) for _ in range(REQUESTS_PER_CLIENT)]
+        with SamplerClient(load_server.target, timeout=60) as client:
+            start.wait()
+            for request in requests:
+                try:
+                    sent = time.perf_counter()
+                    result = client.sample_request(request)
+                    with lock:
+                        results.append((request, result, time.perf_counter() - sent))
+                except TokenSamplerError as err:
+                    with lock:
+                        errors.append(err)
+
+    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(CLIENTS)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    elapsed = time.perf_counter() - started
+    assert not errors, errors[:3]
+    assert len(results) == CLIENTS * REQUESTS_PER_CLIENT
+    for request, result, _ in results:
+        check(request, result)
+    latencies = np.array([latency for _, _, latency in results])
+    rows = sum(request.logits.shape[0] for request, _, _ in results)
+    print(f"\nload: {len(results)} requests, {rows} rows, {len(errors)} errors, 0 lost or misrouted, "
+          f"p50 {np.percentile(latencies, 50) * 1e3:.1f} ms, p99 {np.percentile(latencies, 99) * 1e3:.1f} ms, "
+          f"{len(results) / elapsed:.0f} requests/s")
+
+
+def test_overload_answers_resource_exhausted_fast_and_retries_get_through() -> None:
+    """A queue of 8 rows under 16 concurrent 4-row requests: the ones that do not fit are refused at
+    once (not at their 30 s deadline), marked retryable; the client's backoff then gets every one
+    through, each with its own tokens."""
+    running = start_server("--device", "cpu", "--max-queue-rows", "8")
+    rng = random.Random(7)
+    # Wide rows sorted by top-p: each backend call takes a while on the CPU, so the queue fills up.
+    requests = [build_sample_request(torch.randn(4, 100_000, dtype=torch.bfloat16), top_p=0.9,
+                                     seed=[rng.randrange(2**63) for _ in range(4)]) for _ in range(16)]
+
+    async def raw_burst() -> list[tuple[grpc.StatusCode, float, tuple]]:
+        async with grpc.aio.insecure_channel(running.target, options=[("grpc.max_send_message_length", -1)]) as channel:
+            stub = pb_grpc.SamplerStub(channel)
+
+            async def one(request: pb.SampleRequest) -> tuple[grpc.StatusCode, float, tuple]:
+                sent = time.perf_counter()
+                call = stub.Sample(request, timeout=30)
+                try:
+                    await call
+                except grpc.aio.AioRpcError as err:
+                    return err.code(), time.perf_counter() - sent, tuple(err.trailing_metadata())
+                return grpc.StatusCode.OK, time.perf_counter() - sent, ()
+
+            return await asyncio.gather(*(one(r) for r in requests))
+
+    try:
+        outcomes = asyncio.run(raw_burst())
+        refused = [(elapsed, metadata) for code, elapsed, metadata in outcomes if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+        assert {code for code, _, _ in outcomes} <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert refused, "the burst never filled the queue"
+        slowest_refusal = max(elapsed for elapsed, _ in refused)
+        assert slowest_refusal < 1.0, slowest_refusal  # the deadline is 30 s: a refusal is no timeout
+        assert all(("x-retryable", "overload") in metadata for _, metadata in refused)
+        served = [elapsed for code, elapsed, _ in outcomes if code == grpc.StatusCode.OK]
+        print(f"\noverload: {len(refused)}/{len(outcomes)} refused, slowest refusal {slowest_refusal * 1e3:.0f} ms, "
+              f"slowest served {max(served) * 1e3:.0f} ms")
+
+        results: list[tuple[pb.SampleRequest, SampleResult]] = []
+        with SamplerClient(running.target, timeout=60, retries=30, max_message_mb=64,
+                           backoff=Backoff(initial=0.05, maximum=0.5)) as client:
+            threads = [threading.Thread(target=lambda r=r: results.append((r, client.sample_request(r))))
+                       for r in requests]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+        assert len(results) == len(requests)
+        for request, result in results:
+            check(request, result)
+    finally:
+        running.stop()
+
+
+def test_only_resource_exhausted_marked_as_overload_is_retried() -> None:
+    """grpc's own RESOURCE_EXHAUSTED (a message over the size limit) lacks the mark: no retry can help it."""
+    state = RetryState(retries=5, backoff=Backoff(initial=0.0), timeout=None)
+    assert state.next_delay(grpc.StatusCode.RESOURCE_EXHAUSTED) is None
+    assert state.next_delay(grpc.StatusCode.RESOURCE_EXHAUSTED, (("x-retryable", "overload"),)) is not None
+    assert state.next_delay(grpc.StatusCode.UNAVAILABLE, ()) is not None
+    assert state.next_delay(grpc.StatusCode.INVALID_ARGUMENT, (("x-retryable", "overload"),)) is None
+    # A shutting-down server cancels calls it received but never started: only Sample, idempotent, retries them.
+    assert state.next_delay(grpc.StatusCode.CANCELLED) is None
+    assert state.next_delay(grpc.StatusCode.CANCELLED, (), idempotent=True) is not None
