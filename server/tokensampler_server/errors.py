@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
+
+log = logging.getLogger(__name__)
 
 
 class ServiceError(Exception):
@@ -25,3 +29,12 @@ class InvalidArgument(ServiceError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+def failure_status(err: Exception, method: str, request_id: str) -> tuple[grpc.StatusCode, str]:
+    """The status and message a failed call ends with: a ServiceError's own; anything else is a bug,
+    answered INTERNAL without its details and logged with its traceback under the request id."""
+    if isinstance(err, ServiceError):
+        return err.code, err.message
+    log.error("%s %s failed", method, request_id, exc_info=err)
+    return grpc.StatusCode.INTERNAL, "internal error"

@@ -28,7 +28,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from .call_record import CallRecord, current_call
-from .errors import InvalidArgument, ServiceError
+from .errors import InvalidArgument, ServiceError, failure_status
 from .metrics import ServerMetrics
 from .request_context import REQUEST_ID_METADATA_KEY, current_request_id, request_id_from_metadata
 
@@ -189,11 +189,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 except asyncio.CancelledError:  # the client cancelled, or its deadline passed
                     code = grpc.StatusCode.CANCELLED
                     raise
-                except ServiceError as err:
-                    code, error = err.code, err.message
-                except Exception:
-                    log.exception("%s %s failed", call.method, call.request_id)
-                    code, error = grpc.StatusCode.INTERNAL, "internal error"
+                except Exception as err:
+                    code, error = failure_status(err, call.method, call.request_id)
                 finally:
                     elapsed_ns = call.elapsed_ns()
                     self._metrics.observe_call(call, code, elapsed_ns)

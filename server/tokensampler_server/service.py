@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import ExitStack
@@ -22,7 +21,7 @@ from .backends import Backend
 from .batcher import DynamicBatcher
 from .call_record import CallRecord, current_call
 from .config import Limits
-from .errors import InvalidArgument, ServiceError
+from .errors import InvalidArgument, failure_status
 from .metrics import ServerMetrics
 from .regions import Region, RegionRegistry, region_info
 from .request_context import current_request_id, request_id_from_metadata
@@ -30,8 +29,6 @@ from .sampling import SamplingResult
 from .validation import LOGITS_DTYPES, validate_sample_request
 from .weights import WEIGHT_DTYPES, RegisteredWeight, WeightRegistry, load_safetensors, resolve_weights_path, sha256_hex
 from .weights_rpc import finish_from_options, read_upload, weights_info
-
-log = logging.getLogger(__name__)
 
 API_VERSION = "tokensampler.v1"
 STREAM_METHOD = "tokensampler.v1.Sampler/SampleStream"
@@ -179,11 +176,8 @@ class SamplerService(pb_grpc.SamplerServicer):
         code, error = grpc.StatusCode.OK, ""
         try:
             return pb.SampleStreamResponse(response=await self.Sample(request, None))
-        except ServiceError as err:
-            code, error = err.code, err.message
-        except Exception:
-            log.exception("%s %s failed", record.method, record.request_id)
-            code, error = grpc.StatusCode.INTERNAL, "internal error"
+        except Exception as err:
+            code, error = failure_status(err, record.method, record.request_id)
         finally:
             if self._metrics is not None:
                 self._metrics.observe_call(record, code, record.elapsed_ns())
