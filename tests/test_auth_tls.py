@@ -291,3 +291,18 @@ def test_failover_targets() -> None:
     for bad in (["localhost:1"], ["127.0.0.1"], ["127.0.0.1:1", "[::1]:2"], []):
         with pytest.raises(ValueError, match="target"):
             channel_target(bad)
+
+
+def test_command_line_client_with_token_and_mutual_tls(auth_server: RunningServer, mtls_server: RunningServer,
+                                                       pki: Pki, tmp_path: Path, capsys) -> None:
+    from tokensampler_client.cli import main as cli
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKENS[0] + "\n")
+    assert cli(["--target", auth_server.target, "--auth-token-file", str(token_file), "info"]) == 0
+    assert cli(["--target", auth_server.target, "info"]) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    tls = ["--tls-ca", str(pki.ca), "--tls-cert", str(pki.client_cert), "--tls-key", str(pki.client_key)]
+    assert cli(["--target", mtls_server.target, *tls, "sample", "--random-logits", "2x16", "--seed", "3"]) == 0
+    with pytest.raises(SystemExit):
+        cli(["--target", mtls_server.target, "--tls-cert", str(pki.client_cert), "health"])  # no key, no CA

@@ -123,3 +123,49 @@ def test_a_cancelled_caller_does_not_disturb_its_batch() -> None:
     done = asyncio.run(run())
     assert backend.calls == [1, 4]  # the cancelled caller's rows were dropped before the merge
     assert all(result.tokens.shape[1] == 1 for result, _ in done)
+
+
+def test_queued_bytes_are_bounded() -> None:
+    gate = threading.Event()
+
+    async def run() -> ServiceError:
+        batcher = DynamicBatcher(CountingBackend(gate), max_batch_rows=4, max_queue_bytes=4 * 1000 * 4)
+        busy = [asyncio.ensure_future(batcher.submit(make_batch(torch.zeros(4, 1000))))]
+        await asyncio.sleep(0.05)  # that batch is in the backend; the queue is empty again
+        busy.append(asyncio.ensure_future(batcher.submit(make_batch(torch.zeros(4, 1000)))))  # 16000 bytes wait
+        await asyncio.sleep(0.01)
+        with pytest.raises(ServiceError) as raised:
+            await batcher.submit(make_batch(torch.zeros(1, 1000)))
+        gate.set()
+        await asyncio.gather(*busy)
+        await batcher.close()
+        return raised.value
+
+    error = asyncio.run(run())
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "bytes waiting" in error.message
+
+
+class OutOfMemoryBackend(Backend):
+    """Fails like a GPU whose memory ran out on batches of more than 2 rows."""
+
+    def info(self) -> BackendInfo:
+        return BackendInfo(name="cpu", device="cpu")
+
+    def sample(self, batch: SamplingBatch) -> SamplingResult:
+        if batch.num_rows > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return CpuBackend().sample(batch)
+
+
+def test_out_of_memory_is_resource_exhausted_and_the_next_batch_runs() -> None:
+    async def run() -> tuple[ServiceError, SamplingResult]:
+        batcher = DynamicBatcher(OutOfMemoryBackend(), max_batch_rows=64)
+        with pytest.raises(ServiceError) as raised:
+            await batcher.submit(make_batch(torch.zeros(3, 8)))
+        result, _ = await batcher.submit(make_batch(torch.zeros(2, 8)))
+        await batcher.close()
+        return raised.value, result
+
+    error, result = asyncio.run(run())
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "out of memory" in error.message
+    assert result.tokens.shape == (2, 1)

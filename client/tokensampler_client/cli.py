@@ -16,6 +16,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from google.protobuf import json_format
@@ -71,6 +72,13 @@ def _parser() -> argparse.ArgumentParser:
         help="server address, host:port or unix:///path (default: $TOKENSAMPLER_TARGET or %(default)s)",
     )
     parser.add_argument("--timeout", type=float, default=30.0, help="deadline of the call in seconds (default: %(default)s)")
+    parser.add_argument(
+        "--auth-token-file", type=Path, default=os.environ.get("TOKENSAMPLER_AUTH_TOKEN_FILE"),
+        help="file whose first line is the bearer token to send (default: $TOKENSAMPLER_AUTH_TOKEN_FILE)",
+    )
+    parser.add_argument("--tls-ca", type=Path, help="PEM file of the CA that signed the server's certificate (turns TLS on)")
+    parser.add_argument("--tls-cert", type=Path, help="PEM client certificate, for servers that require mutual TLS")
+    parser.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     sample = commands.add_parser("sample", help="sample tokens from random logits", description="Sample tokens from random logits and print them.")
@@ -182,9 +190,14 @@ def _run_health(client: SamplerClient, args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `tokensampler` console script; returns the exit status."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if (args.tls_cert is None) != (args.tls_key is None) or (args.tls_cert and args.tls_ca is None):
+        parser.error("--tls-cert and --tls-key go together, and with --tls-ca")
+    token = args.auth_token_file.read_text().splitlines()[0].strip() if args.auth_token_file else None
     try:
-        with SamplerClient(args.target, timeout=args.timeout) as client:
+        with SamplerClient(args.target, timeout=args.timeout, auth_token=token, tls_ca=args.tls_ca,
+                           tls_cert=args.tls_cert, tls_key=args.tls_key) as client:
             return int(args.run(client, args))
     except TokenSamplerError as err:
         print(f"tokensampler: error: {err.code.name}: {err.details}", file=sys.stderr)

@@ -18,6 +18,7 @@ its CUDA stream) before sending a request that reads it. Close a region to unreg
 from __future__ import annotations
 
 import math
+import os
 import secrets
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -96,7 +97,7 @@ class CudaRegion:
             cuda_ipc=pb.CudaIpcSource(
                 device_uuid=uuid, handle=handle, storage_size_bytes=size_bytes, storage_offset_bytes=offset_bytes,
                 ref_counter_handle=counter_handle, ref_counter_offset=counter_offset,
-                event_handle=event_handle or b"", event_sync_required=event_sync,
+                event_handle=event_handle or b"", event_sync_required=event_sync, producer_pid=os.getpid(),
             ),
         )
 

@@ -17,11 +17,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
 from .backends import Backend
 from .batch_merge import merge_batches, merge_key, split_result
 from .errors import ServiceError
 from .sampling import SamplingBatch, SamplingResult
+
+
+def _host_bytes(batch: SamplingBatch) -> int:
+    """Bytes of the batch's input held in host memory (tensors in GPU regions belong to their producer)."""
+    tensor = batch.logits if batch.logits is not None else batch.hidden.states
+    return tensor.numel() * tensor.element_size() if tensor.device.type == "cpu" else 0
 
 
 @dataclass(frozen=True)
@@ -50,14 +57,17 @@ class DynamicBatcher:
         max_batch_rows: int,
         max_queue_delay_us: int = 0,
         max_queue_rows: int | None = None,
+        max_queue_bytes: int = 2 << 30,
         observe_batch_rows: Callable[[int], None] | None = None,
     ) -> None:
         self._backend = backend
         self._max_batch_rows = max_batch_rows
         self._delay_s = max_queue_delay_us / 1e6
         self._max_queue_rows = max_queue_rows if max_queue_rows is not None else 8 * max_batch_rows
+        self._max_queue_bytes = max_queue_bytes
         self._queue: list[_Pending] = []
         self._queued_rows = 0
+        self._queued_bytes = 0
         self._wakeup: asyncio.Event | None = None
         self._runner: asyncio.Task | None = None
         self._observe_batch_rows = observe_batch_rows
@@ -79,12 +89,19 @@ class DynamicBatcher:
                 f"queue full: {self._queued_rows} rows waiting, at most {self._max_queue_rows}; retry with backoff",
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
             )
+        nbytes = _host_bytes(batch)
+        if self._queued_bytes + nbytes > self._max_queue_bytes:
+            raise ServiceError(
+                f"queue full: {self._queued_bytes} bytes waiting, at most {self._max_queue_bytes}; retry with backoff",
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            )
         if self._runner is None:
             self._wakeup = asyncio.Event()
             self._runner = asyncio.ensure_future(self._run())
         pending = _Pending(batch, asyncio.get_running_loop().create_future())
         self._queue.append(pending)
         self._queued_rows += batch.num_rows
+        self._queued_bytes += nbytes
         self._wakeup.set()
         return await pending.future
 
@@ -98,6 +115,7 @@ class DynamicBatcher:
         for pending in self._queue:
             if pending.future.done():
                 self._queued_rows -= pending.batch.num_rows
+                self._queued_bytes -= _host_bytes(pending.batch)
             elif not group:
                 group, key, rows = [pending], merge_key(pending.batch), pending.batch.num_rows
             elif merge_key(pending.batch) == key and rows + pending.batch.num_rows <= self._max_batch_rows:
@@ -107,6 +125,7 @@ class DynamicBatcher:
                 kept.append(pending)
         self._queue = kept
         self._queued_rows -= rows
+        self._queued_bytes -= sum(_host_bytes(p.batch) for p in group)
         return group
 
     async def _run(self) -> None:
@@ -142,7 +161,15 @@ class DynamicBatcher:
                 pending.future.set_result((part, times))
 
     def _sample(self, batch: SamplingBatch) -> SamplingResult:
-        return self._backend.sample(batch.with_logits())
+        try:
+            return self._backend.sample(batch.with_logits())
+        except (torch.cuda.OutOfMemoryError, MemoryError):
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # give back what the failed batch had taken
+            raise ServiceError(
+                f"out of memory sampling a batch of {batch.num_rows} rows: retry later or with fewer rows",
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            ) from None
 
     async def close(self) -> None:
         """Stops taking batches once the queue is empty; the worker thread finishes its batch."""

@@ -59,6 +59,16 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         help="rows waiting for the backend beyond which requests get RESOURCE_EXHAUSTED [TOKENSAMPLER_MAX_QUEUE_ROWS]",
     )
     parser.add_argument(
+        "--max-queue-mb", type=int, default=int(_env("MAX_QUEUE_MB", str(defaults.max_queue_bytes // _MIB))),
+        help="MiB of request tensors waiting for the backend beyond which requests get RESOURCE_EXHAUSTED "
+        "[TOKENSAMPLER_MAX_QUEUE_MB]",
+    )
+    parser.add_argument(
+        "--gpu-memory-fraction", type=float, default=float(_env("GPU_MEMORY_FRACTION", "0")) or None,
+        help="cap on the share of the GPU's memory the server's allocator may take, 0 < f <= 1; a batch "
+        "that needs more gets RESOURCE_EXHAUSTED [TOKENSAMPLER_GPU_MEMORY_FRACTION]",
+    )
+    parser.add_argument(
         "--uds", default=_env("UDS", "") or None,
         help="also listen on this Unix domain socket path (clients use unix://PATH) [TOKENSAMPLER_UDS]",
     )
@@ -127,11 +137,13 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         help="text, or json for one JSON object per line [TOKENSAMPLER_LOG_FORMAT]",
     )
     args = parser.parse_args(argv)
-    for name in ("max_message_mb", "max_batch_rows", "max_batch_elements", "max_queue_rows", "max_weight_mb"):
+    for name in ("max_message_mb", "max_batch_rows", "max_batch_elements", "max_queue_rows", "max_queue_mb", "max_weight_mb"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if not 0 <= args.metrics_port <= 65535:
         parser.error("--metrics-port must be in 0..65535")
+    if args.gpu_memory_fraction is not None and not 0 < args.gpu_memory_fraction <= 1:
+        parser.error("--gpu-memory-fraction must be in (0, 1]")
     if args.max_queue_delay_us < 0:
         parser.error("--max-queue-delay-us must be at least 0")
     if args.max_connection_age_s < 0:
@@ -160,6 +172,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         weights_dir=args.weights_dir,
         max_queue_delay_us=args.max_queue_delay_us,
         max_queue_rows=args.max_queue_rows,
+        max_queue_bytes=args.max_queue_mb * _MIB,
+        gpu_memory_fraction=args.gpu_memory_fraction,
         allow_shm=args.allow_shm,
         allow_cuda_ipc=args.allow_cuda_ipc,
         auth_token_file=args.auth_token_file,

@@ -47,6 +47,10 @@ class ServerConfig:
     max_queue_delay_us: int = 0
     """How long a request may wait for others to batch with while the backend is idle."""
     max_queue_rows: int = 32768
+    max_queue_bytes: int = 2 << 30
+    """Bytes of request tensors waiting for the backend beyond which requests get RESOURCE_EXHAUSTED."""
+    gpu_memory_fraction: float | None = None
+    """Cap on the share of the GPU's memory this process's allocator may take (None: no cap)."""
     """Rows waiting for the backend beyond which requests get RESOURCE_EXHAUSTED."""
     allow_shm: bool = False
     """Accept POSIX shared-memory regions from colocated clients."""

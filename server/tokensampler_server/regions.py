@@ -10,10 +10,11 @@ its CUDA stream) before it sends a request that reads it.
 from __future__ import annotations
 
 import math
+import os
 import re
 import sys
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -35,6 +36,15 @@ class Region:
     buffer: torch.Tensor
     """uint8 [byte_size], on the CPU (shm) or a GPU (cuda_ipc)."""
     release: Callable[[], None]
+    producer_pid: int = 0
+    """The producing process (cuda_ipc), 0 when unknown: its memory goes when it exits."""
+
+    def check_producer(self, field: str) -> None:
+        """FAILED_PRECONDITION once a CUDA region's producer has exited (reading it would fault)."""
+        if self.producer_pid and not _process_exists(self.producer_pid):
+            raise ServiceError(
+                f"{field}: the process that shared region {self.name!r} (pid {self.producer_pid}) has exited; "
+                "unregister the region", grpc.StatusCode.FAILED_PRECONDITION)
 
     @property
     def byte_size(self) -> int:
@@ -59,6 +69,16 @@ class Region:
                 grpc.StatusCode.OUT_OF_RANGE,
             )
         return self.buffer[ref.offset : ref.offset + size].view(dtype).view(shape)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
 
 
 def open_shared_memory(source: pb.SharedMemorySource) -> tuple[torch.Tensor, Callable[[], None]]:
@@ -147,7 +167,8 @@ class RegionRegistry:
             raise InvalidArgument("name", "got an empty name, expected a non-empty region name")
         opener = open_shared_memory if kind == "shm" else open_cuda_ipc
         buffer, release = opener(getattr(request, kind))
-        region = Region(name=request.name, kind=kind, buffer=buffer, release=release)
+        pid = request.cuda_ipc.producer_pid if kind == "cuda_ipc" else 0
+        region = Region(name=request.name, kind=kind, buffer=buffer, release=release, producer_pid=pid)
         try:
             return self._regions.add(request.name, region)
         except ServiceError:
@@ -164,8 +185,12 @@ class RegionRegistry:
     def total_bytes(self) -> int:
         return sum(region.byte_size for region in self.list())
 
-    def use(self, name: str, field: str) -> AbstractContextManager[Region]:
-        return self._regions.use(name, field)
+    @contextmanager
+    def use(self, name: str, field: str) -> Iterator[Region]:
+        """Holds region `name` for a request; NOT_FOUND if unknown, FAILED_PRECONDITION if its producer died."""
+        with self._regions.use(name, field) as region:
+            region.check_producer(field)
+            yield region
 
     async def unregister(self, name: str) -> Region:
         region = await self._regions.remove(name)

@@ -56,6 +56,10 @@ async def serve(config: ServerConfig) -> None:
     info = backend.info()
     log.info("backend %s on %s", info.name, info.device)
 
+    if config.gpu_memory_fraction is not None and backend.device.type == "cuda":
+        import torch
+
+        torch.cuda.set_per_process_memory_fraction(config.gpu_memory_fraction, backend.device)
     metrics = ServerMetrics(info)
     interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor(metrics)]
     if tokens is not None:  # outermost: a refused call reaches nothing else
@@ -66,6 +70,7 @@ async def serve(config: ServerConfig) -> None:
         max_batch_rows=config.limits.max_batch_rows,
         max_queue_delay_us=config.max_queue_delay_us,
         max_queue_rows=config.max_queue_rows,
+        max_queue_bytes=config.max_queue_bytes,
         observe_batch_rows=metrics.batch_rows.observe,
     )
     regions = RegionRegistry(allow_shm=config.allow_shm, allow_cuda_ipc=config.allow_cuda_ipc)

@@ -271,6 +271,7 @@ class SamplerService(pb_grpc.SamplerServicer):
                 max_num_samples=self._limits.max_num_samples,
                 max_top_logprobs=self._limits.max_top_logprobs,
                 max_weight_bytes=self._limits.max_weight_bytes,
+                max_batch_elements=self._limits.max_batch_elements,
             ),
             logits_dtypes=LOGITS_DTYPES,
             features=FEATURES,

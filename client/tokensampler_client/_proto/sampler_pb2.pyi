@@ -200,18 +200,20 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_batch_rows", "max_message_bytes", "max_num_samples", "max_top_logprobs", "max_weight_bytes")
+    __slots__ = ("max_batch_rows", "max_message_bytes", "max_num_samples", "max_top_logprobs", "max_weight_bytes", "max_batch_elements")
     MAX_BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MAX_WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     max_batch_rows: int
     max_message_bytes: int
     max_num_samples: int
     max_top_logprobs: int
     max_weight_bytes: int
-    def __init__(self, max_batch_rows: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_num_samples: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_weight_bytes: _Optional[int] = ...) -> None: ...
+    max_batch_elements: int
+    def __init__(self, max_batch_rows: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_num_samples: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_weight_bytes: _Optional[int] = ..., max_batch_elements: _Optional[int] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
     __slots__ = ("version", "backend", "device", "limits", "logits_dtypes", "features", "kernels", "api_version", "registered_weights", "registered_weights_bytes", "device_memory_allocated_bytes", "device_memory_reserved_bytes")
@@ -332,7 +334,7 @@ class SharedMemorySource(_message.Message):
     def __init__(self, key: _Optional[str] = ..., byte_size: _Optional[int] = ...) -> None: ...
 
 class CudaIpcSource(_message.Message):
-    __slots__ = ("device_uuid", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    __slots__ = ("device_uuid", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "producer_pid")
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -341,6 +343,7 @@ class CudaIpcSource(_message.Message):
     REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
     EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
     EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_PID_FIELD_NUMBER: _ClassVar[int]
     device_uuid: str
     handle: bytes
     storage_size_bytes: int
@@ -349,7 +352,8 @@ class CudaIpcSource(_message.Message):
     ref_counter_offset: int
     event_handle: bytes
     event_sync_required: bool
-    def __init__(self, device_uuid: _Optional[str] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: bool = ...) -> None: ...
+    producer_pid: int
+    def __init__(self, device_uuid: _Optional[str] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: bool = ..., producer_pid: _Optional[int] = ...) -> None: ...
 
 class RegisterRegionRequest(_message.Message):
     __slots__ = ("name", "shm", "cuda_ipc")
