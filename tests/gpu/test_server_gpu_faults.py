@@ -63,3 +63,46 @@ def test_a_region_whose_producer_exited_fails_cleanly() -> None:
             assert client.list_regions() == []
     finally:
         assert running.stop() == 0
+
+
+def test_bad_requests_do_not_grow_gpu_memory() -> None:
+    """2,000 bad requests of several kinds against the CUDA backend: device memory stays put."""
+    from tokensampler_client._proto import sampler_pb2 as pb
+    from tokensampler_client.params import build_sample_request
+
+    running = start_server("--device", "cuda", "--allow-cuda-ipc", timeout=300)
+    try:
+        with SamplerClient(running.target, timeout=60, retries=0) as client:
+            for _ in range(3):  # warm up: kernels, caches, the allocator's first blocks
+                client.sample(torch.randn(64, V), top_k=50, top_p=0.9, top_logprobs=5, return_logprobs=True)
+            before = client.server_info().device_memory_allocated_bytes
+            good = build_sample_request(torch.randn(1, V))
+            bad = []
+            for kind in range(4):
+                request = pb.SampleRequest()
+                request.CopyFrom(good)
+                if kind == 0:
+                    request.params.top_p.append(0.0)
+                elif kind == 1:
+                    request.logits.data = request.logits.data[:-1]
+                elif kind == 2:
+                    request.params.banned_token_ids.ids.append(V)
+                    request.params.banned_token_ids.lengths.append(1)
+                else:
+                    request.ClearField("logits")
+                    request.hidden.weights = "absent"
+                    request.hidden.states.CopyFrom(good.logits)
+                bad.append(request)
+            refused = 0
+            for index in range(2000):
+                try:
+                    client.sample_request(bad[index % len(bad)])
+                except TokenSamplerError as err:
+                    refused += err.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+            after = client.server_info().device_memory_allocated_bytes
+            assert refused == 2000
+            assert after - before <= 16 << 20, (before, after)  # margin: 16 MiB
+            assert client.sample(torch.randn(2, V), seed=1).valid.all()
+            print(f"GPU memory allocated before {before} after {after} bytes, {refused} bad requests refused")
+    finally:
+        assert running.stop() == 0
