@@ -1,6 +1,8 @@
 // The one torch binding of the logits-path kernels: plain pointers in, launches on the caller's
 // stream. Shapes, dtypes and workspace sizes are checked on the Python side
 // (server/tokensampler_server/backends/cuda_kernels.py), which owns every tensor passed here.
+// copy_h2d / copy_d2h_sync move the CUDA backend's packed per-call upload and results (pinned host
+// memory) with one runtime call each, without a torch op around them.
 #include <cuda_runtime.h>
 #include <torch/extension.h>
 
@@ -96,6 +98,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     ptr<const uint8_t>(stats[3]),
                     static_cast<int32_t>(need_exact_mass), static_cast<int32_t>(splits), &o, &w, ptr<void>(stream)),
           "filter");
+  });
+  m.def("copy_h2d", [](int64_t dst, int64_t src, int64_t nbytes, int64_t stream) {
+    check(cudaMemcpyAsync(ptr<void>(dst), ptr<const void>(src), static_cast<size_t>(nbytes), cudaMemcpyHostToDevice,
+                          ptr<CUstream_st>(stream)),
+          "copy_h2d");
+  });
+  m.def("copy_d2h_sync", [](int64_t dst, int64_t src, int64_t nbytes, int64_t stream) {
+    int err = 0;
+    {
+      pybind11::gil_scoped_release release;  // the wait can be long: let other Python threads run
+      cudaStream_t s = ptr<CUstream_st>(stream);
+      err = cudaMemcpyAsync(ptr<void>(dst), ptr<const void>(src), static_cast<size_t>(nbytes), cudaMemcpyDeviceToHost, s);
+      if (err == 0) err = cudaStreamSynchronize(s);
+    }
+    check(err, "copy_d2h_sync");
   });
   m.def("noise", [](int64_t seed, int64_t position, int64_t iteration, int64_t sample, int64_t vocab, int64_t words,
                     int64_t noise, int64_t stream) {

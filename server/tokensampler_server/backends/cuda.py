@@ -8,10 +8,21 @@ Rows are routed by their parameters (known on the host, so routing costs no sync
 Processing (masks, bias, penalties) runs first, in torch on the GPU (processing.apply_processing).
 Rows a kernel cannot settle exactly (flag 4, rare by construction) are re-sampled by the CPU
 reference after the one synchronisation that returns the results; `fallbacks()` counts both kinds.
+
+Host path of one call (benchmarks/NOTES.md, "Host overhead"): the rows are grouped on the host from the
+CPU parameter tensors (a batch whose rows all share one mode needs no row lists); the per-row
+parameters, the row lists and (with log-probs) the row masks are packed into one reused pinned buffer
+and go up in ONE copy; the kernels are launched on device addresses laid out once per (B, samples) in
+one reused device buffer; without log-probs every kernel writes its rows' tokens and flags into the same
+two arrays, which come back in ONE copy that is also the call's one synchronisation. Reusing the pinned
+buffers across calls is safe because every call ends with that synchronisation and calls hold a lock.
+With log-probs the torch post-processing below runs on views of the same buffers.
 """
 
 from __future__ import annotations
 
+import array
+import ctypes
 import dataclasses
 import threading
 
@@ -20,19 +31,12 @@ import torch
 from ..sampling import LogitProcessing, LogprobsMode, SamplingBatch, SamplingResult, TokenEntries
 from .base import Backend, BackendInfo
 from .cuda_build import CudaBackendUnavailable
-from .cuda_kernels import Kernels, Outputs, RowParams
+from .cuda_kernels import Kernels, Outputs
 from .processing import apply_processing
 
 _FLAG_NAN, _FLAG_INVALID, _FLAG_CPU = 1, 2, 4
 
 __all__ = ["CudaBackend", "CudaBackendUnavailable"]
-
-
-def _device_rows(mask: torch.Tensor, device: torch.device) -> torch.Tensor | None:
-    """int32 row ids of a host mask on the device; None when every row is selected."""
-    if bool(mask.all()):
-        return None
-    return mask.nonzero().squeeze(1).to(torch.int32).to(device, non_blocking=True)
 
 
 _MAX_MERGED_CANDIDATES = 16384  # the top-k merge sorts chunks x bucket keys in shared memory
@@ -46,6 +50,21 @@ def _topk_buckets(top_k: torch.Tensor, vocab: int) -> torch.Tensor:
         fits = (top_k > 0) & (top_k + 1 <= bucket) & (chunks * bucket <= _MAX_MERGED_CANDIDATES)
         buckets = torch.where(fits, bucket, buckets)
     return buckets
+
+
+_BUCKETS = (16, 32, 64, 128, 256)
+_LOOP_ROWS = 128  # mixed batches of up to this many rows are grouped in a Python loop, larger ones in torch
+_ALL = "all"  # a row group holding every row: the kernels get no row list
+_PINNED_ALIGN = 16
+
+
+def _bucket_of(k: int, chunks: int) -> int:
+    """_topk_buckets for one row: the smallest bucket holding k + 1 candidates, 0 when none applies."""
+    if k > 0:
+        for bucket in _BUCKETS:
+            if k + 1 <= bucket:
+                return bucket if chunks * bucket <= _MAX_MERGED_CANDIDATES else 0
+    return 0
 
 
 def _decode_key(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,6 +103,224 @@ def select_rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
         iteration=batch.iteration[rows], processing=processing)
 
 
+def _align(offset: int, alignment: int = _PINNED_ALIGN) -> int:
+    return (offset + alignment - 1) // alignment * alignment
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+class _Plan:
+    """The row groups of one call. A group is None (no row), _ALL, or its row ids (a list of ints or an int32
+    CPU tensor) until _upload places them; then (device address of the row list or 0, number of rows)."""
+
+    __slots__ = ("t_eff", "greedy", "unfiltered", "buckets", "exact", "need_raw", "masks")
+
+    def __init__(self) -> None:
+        self.t_eff: torch.Tensor | None = None  # float32 [B]: T, with 1 in greedy rows
+        self.greedy = self.unfiltered = self.exact = self.need_raw = None
+        self.buckets: list = []  # (bucket, group), buckets ascending
+        self.masks: tuple[torch.Tensor, ...] | None = None  # use_filt, through, need_raw: bool [B] (log-probs only)
+
+
+def _group_of_list(rows: list[int], num_rows: int):
+    if not rows:
+        return None
+    return _ALL if len(rows) == num_rows else rows
+
+
+def _group_of_mask(mask: torch.Tensor):
+    n = int(mask.sum())
+    if n == 0:
+        return None
+    if n == mask.numel():
+        return _ALL
+    return mask.nonzero().squeeze(1).to(torch.int32)
+
+
+def _plan_without_logprobs(batch: SamplingBatch, vocab: int) -> _Plan | None:
+    """Groups from Python lists of the parameters: one group when every row has the same mode, else a loop
+    over the rows up to _LOOP_ROWS rows; None above that (then _plan_with_torch)."""
+    num_rows = batch.num_rows
+    temps = batch.temperature.tolist()
+    ks, ps, ms = batch.top_k.tolist(), batch.top_p.tolist(), batch.min_p.tolist()
+    chunks = -(-vocab // 8192)
+    n_greedy = temps.count(0.0)
+    plan = _Plan()
+    # min == max fails for NaN, which the loop then compares exactly as torch does.
+    if (n_greedy in (0, num_rows) and min(ks) == max(ks) and min(ps) == max(ps) and min(ms) == max(ms)):
+        if n_greedy:  # without processed log-probs greedy rows never go through the filters
+            plan.greedy = _ALL
+            plan.t_eff = torch.ones(num_rows, dtype=torch.float32)
+            return plan
+        plan.t_eff = batch.temperature
+        if ks[0] > 0 or ps[0] < 1 or ms[0] > 0:
+            bucket = _bucket_of(ks[0], chunks)
+            if bucket:
+                plan.buckets.append((bucket, _ALL))
+            else:
+                plan.exact = _ALL
+        else:
+            plan.unfiltered = _ALL
+        return plan
+    if num_rows > _LOOP_ROWS:
+        return None
+    greedy: list[int] = []
+    unfiltered: list[int] = []
+    exact: list[int] = []
+    by_bucket: dict[int, list[int]] = {}
+    for row, (t, k, p, m) in enumerate(zip(temps, ks, ps, ms)):
+        if t == 0:
+            greedy.append(row)
+        elif k > 0 or p < 1 or m > 0:
+            bucket = _bucket_of(k, chunks)
+            if bucket:
+                by_bucket.setdefault(bucket, []).append(row)
+            else:
+                exact.append(row)
+        else:
+            unfiltered.append(row)
+    plan.greedy = _group_of_list(greedy, num_rows)
+    plan.unfiltered = _group_of_list(unfiltered, num_rows)
+    plan.buckets = [(b, _group_of_list(by_bucket[b], num_rows)) for b in _BUCKETS if b in by_bucket]
+    plan.exact = _group_of_list(exact, num_rows)
+    temperature = batch.temperature
+    plan.t_eff = torch.where(temperature == 0, torch.ones_like(temperature), temperature) if greedy else temperature
+    return plan
+
+
+def _plan_with_torch(batch: SamplingBatch, vocab: int, processed: bool, masks: bool, raw_rows: bool) -> _Plan:
+    """Groups from torch ops on the CPU tensors (the original routing, vectorised): log-probs calls, and
+    mixed batches above _LOOP_ROWS rows. masks: also the row masks the log-prob combine needs; raw_rows:
+    also the rows whose raw log-sum-exp needs its own pass."""
+    temperature = batch.temperature
+    greedy = temperature == 0
+    filtered = (batch.top_k > 0) | (batch.top_p < 1) | (batch.min_p > 0)
+    # Greedy rows with filters still need the kept set for processed log-probs (T = 1, choice 6).
+    through = filtered & (~greedy | processed)
+    unfiltered = ~greedy & ~filtered
+    plan = _Plan()
+    plan.t_eff = torch.where(greedy, torch.ones_like(temperature), temperature)
+    plan.greedy = _group_of_mask(greedy)
+    plan.unfiltered = _group_of_mask(unfiltered)
+    if bool(through.any()):
+        buckets = _topk_buckets(batch.top_k, vocab)
+        for bucket in _BUCKETS:
+            group = _group_of_mask(through & (buckets == bucket))
+            if group is not None:
+                plan.buckets.append((bucket, group))
+        plan.exact = _group_of_mask(through & (buckets == 0))
+    if masks:
+        need_raw = torch.ones(batch.num_rows, dtype=torch.bool) if batch.processing is not None else ~(greedy | unfiltered)
+        if raw_rows:
+            plan.need_raw = _group_of_mask(need_raw)
+        plan.masks = (through & ~greedy, through, need_raw)
+    return plan
+
+
+def _stage_bytes(num_rows: int) -> int:
+    """The upload of B rows: seed, position, iteration (int64), T_eff, top_p, min_p (float32), top_k
+    (int32), three bool row masks, then at most 3B int32 row ids (greedy + unfiltered <= B, filtered <= B,
+    raw log-sum-exp rows <= B)."""
+    return _align(43 * num_rows) + 12 * num_rows
+
+
+class _Stage:
+    """Typed views of the upload buffers (pinned host, device) for B rows; see _stage_bytes."""
+
+    def __init__(self, host: torch.Tensor, dev: torch.Tensor, num_rows: int) -> None:
+        b = num_rows
+        self.num_rows = b
+        self.h_i64 = host[: 24 * b].view(torch.int64)
+        self.h_f32 = host[24 * b: 36 * b].view(torch.float32)
+        self.h_topk = host[36 * b: 40 * b].view(torch.int32)
+        self.h_masks = host[40 * b: 43 * b].view(torch.bool).view(3, b)
+        self.lists = _align(43 * b)
+        self.host, self.dev = host, dev
+        self.host_base, self.dev_base = host.data_ptr(), dev.data_ptr()
+        d = self.dev_base
+        # RowParams.pointers() order: temperature, top_k, top_p, min_p, seed, position, iteration.
+        self.params = [d + 24 * b, d + 36 * b, d + 28 * b, d + 32 * b, d, d + 8 * b, d + 16 * b]
+        self._t_eff: torch.Tensor | None = None
+        self._masks: torch.Tensor | None = None
+
+    def dev_t_eff(self) -> torch.Tensor:
+        if self._t_eff is None:
+            self._t_eff = self.dev[24 * self.num_rows: 28 * self.num_rows].view(torch.float32)
+        return self._t_eff
+
+    def dev_masks(self) -> torch.Tensor:
+        """use_filt, through, need_raw: bool [3, B] on the device."""
+        if self._masks is None:
+            b = self.num_rows
+            self._masks = self.dev[40 * b: 43 * b].view(torch.bool).view(3, b)
+        return self._masks
+
+
+class _Out:
+    """Kernel outputs of B rows and S samples in one device buffer. The main tokens [B, S] (int64) and
+    flags [B] come first and back-to-back: they are what returns to the host, in one copy."""
+
+    _FIELDS = (  # name, element size, dtype, per-row elements (0: S)
+        ("filt_tokens", 8, torch.int64, 0), ("pre_tokens", 8, torch.int64, 1), ("kept_min_key", 8, torch.int64, 1),
+        ("main_row_max", 4, torch.float32, 1), ("main_row_min", 4, torch.float32, 1),
+        ("main_row_logz", 4, torch.float32, 1), ("filt_row_max", 4, torch.float32, 1),
+        ("kept_mass", 4, torch.float32, 1), ("pre_row_min", 4, torch.float32, 1),
+        ("raw_row_max", 4, torch.float32, 1), ("raw_row_min", 4, torch.float32, 1),
+        ("raw_row_logz", 4, torch.float32, 1), ("filt_flags", 1, torch.uint8, 1), ("pre_flags", 1, torch.uint8, 1),
+        ("raw_flags", 1, torch.uint8, 1),
+    )
+
+    @staticmethod
+    def offsets(num_rows: int, num_samples: int) -> tuple[dict[str, int], int]:
+        b, s = num_rows, num_samples
+        offsets = {"main_tokens": 0, "main_flags": 8 * b * s}
+        end = 8 * b * s + b
+        for name, size, _, per_row in _Out._FIELDS:
+            offsets[name] = _align(end)
+            end = offsets[name] + size * b * (per_row or s)
+        return offsets, end
+
+    def __init__(self, host: torch.Tensor, dev: torch.Tensor, num_rows: int, num_samples: int) -> None:
+        b, s = num_rows, num_samples
+        self.num_rows, self.num_samples, self.dev = b, s, dev
+        self.off, _ = _Out.offsets(b, s)
+        self.d2h_bytes = 8 * b * s + b
+        self.h_tokens = host[: 8 * b * s].view(torch.int64).view(b, s)
+        self.h_flags = host[8 * b * s: 8 * b * s + b]
+        self.host_base = host.data_ptr()
+        self.dev_base = d = dev.data_ptr()
+        a = {name: d + off for name, off in self.off.items()}
+        # Outputs.pointers() order: tokens, flags, row_max, row_min, row_logz, kept_mass, kept_min_key.
+        self.main = [a["main_tokens"], a["main_flags"], a["main_row_max"], a["main_row_min"], a["main_row_logz"], 0, 0]
+        self.filt = [a["filt_tokens"], a["filt_flags"], a["filt_row_max"], 0, 0, a["kept_mass"], a["kept_min_key"]]
+        # Without log-probs every row is written by exactly one group: filtered rows share the main arrays.
+        self.filt_shared = [a["main_tokens"], a["main_flags"], a["filt_row_max"], 0, 0, a["kept_mass"], a["kept_min_key"]]
+        self.pre = [a["pre_tokens"], a["pre_flags"], a["filt_row_max"], a["pre_row_min"], 0, 0, 0]
+        self.pre_stats = [a["filt_row_max"], a["pre_row_min"], a["pre_tokens"], a["pre_flags"]]  # filter's input
+        self.raw = [0, a["raw_flags"], a["raw_row_max"], a["raw_row_min"], a["raw_row_logz"], 0, 0]
+        self._views: dict[str, torch.Tensor] = {}
+
+    def view(self, name: str) -> torch.Tensor:
+        """A field as a device tensor: main/filt tokens [B, S], pre_tokens [B, 1], the others [B]."""
+        t = self._views.get(name)
+        if t is None:
+            b, s = self.num_rows, self.num_samples
+            if name in ("main_tokens", "filt_tokens"):
+                size, dtype, shape = 8, torch.int64, (b, s)
+            elif name == "main_flags":
+                size, dtype, shape = 1, torch.uint8, (b,)
+            else:
+                size, dtype = next((f[1], f[2]) for f in _Out._FIELDS if f[0] == name)
+                shape = (b, 1) if name == "pre_tokens" else (b,)
+            count = shape[0] * (shape[1] if len(shape) == 2 else 1)
+            off = self.off[name]
+            t = self.dev[off: off + size * count].view(dtype).view(shape)
+            self._views[name] = t
+        return t
+
+
 class CudaBackend(Backend):
     """Samples on one GPU with the kernels of csrc/ (built on first use)."""
 
@@ -99,6 +336,17 @@ class CudaBackend(Backend):
         self._cpu_rows = 0
         self._lock = threading.Lock()
         self._cpu_backend: Backend | None = None
+        self._init_buffers()
+
+    def _init_buffers(self) -> None:
+        """The reused per-call buffers (grown on demand, never shrunk) and the views laid out on them."""
+        self._host_stage: torch.Tensor | None = None
+        self._dev_stage: torch.Tensor | None = None
+        self._host_out: torch.Tensor | None = None
+        self._dev_out: torch.Tensor | None = None
+        self._ones = torch.ones(0, dtype=torch.float32, device=self._device)
+        self._stages: dict[int, _Stage] = {}
+        self._outs: dict[tuple[int, int], _Out] = {}
 
     def info(self) -> BackendInfo:
         return BackendInfo(name="cuda", device=f"cuda:{self._device.index} ({self._gpu_name})",
@@ -111,83 +359,218 @@ class CudaBackend(Backend):
     def sample(self, batch: SamplingBatch) -> SamplingResult:
         batch = batch.with_logits()  # hidden states through their LM head (a no-op for logits)
         with self._lock, torch.cuda.device(self._device):
-            result, cpu_rows = self._sample_on_gpu(batch)
-        if cpu_rows.numel():
+            try:
+                result, cpu_rows = self._sample_on_gpu(batch)
+            except BaseException:
+                self._after_failure()
+                raise
+        if cpu_rows is not None and cpu_rows.numel():
             from ..metrics import record_fallback
 
             record_fallback("cuda_rows_to_cpu_reference")
             result = self._resample_on_cpu(batch, result, cpu_rows)
         return result
 
+    def _after_failure(self) -> None:
+        """A call that raised may have left copies in flight from the reused pinned buffers: wait for them,
+        or, if the stream cannot be waited for, stop using those buffers."""
+        try:
+            torch.cuda.current_stream(self._device).synchronize()
+        except Exception:  # noqa: BLE001 - the original error is what the caller must see
+            self._init_buffers()
+
+    # -- reused buffers ------------------------------------------------------------------------------
+    def _alloc(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        if pinned:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._device.type == "cuda")
+        return torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+
+    def _stage(self, num_rows: int) -> _Stage:
+        stage = self._stages.get(num_rows)
+        if stage is None:
+            need = _stage_bytes(num_rows)
+            if self._host_stage is None or self._host_stage.numel() < need:
+                size = max(need, 2 * (0 if self._host_stage is None else self._host_stage.numel()), 4096)
+                self._host_stage, self._dev_stage = self._alloc(size, True), self._alloc(size, False)
+                self._stages.clear()
+            if len(self._stages) >= 64:
+                self._stages.clear()
+            stage = self._stages[num_rows] = _Stage(self._host_stage, self._dev_stage, num_rows)
+        return stage
+
+    def _out(self, num_rows: int, num_samples: int) -> _Out:
+        key = (num_rows, num_samples)
+        out = self._outs.get(key)
+        if out is None:
+            _, need = _Out.offsets(num_rows, num_samples)
+            host_need = 8 * num_rows * num_samples + num_rows
+            if self._dev_out is None or self._dev_out.numel() < need or self._host_out.numel() < host_need:
+                old = 0 if self._dev_out is None else self._dev_out.numel()
+                self._dev_out = self._alloc(max(need, 2 * old, 16384), False)
+                old = 0 if self._host_out is None else self._host_out.numel()
+                self._host_out = self._alloc(max(host_need, 2 * old, 4096), True)
+                self._outs.clear()
+            if len(self._outs) >= 64:
+                self._outs.clear()
+            out = self._outs[key] = _Out(self._host_out, self._dev_out, num_rows, num_samples)
+        return out
+
+    def _ones_on_device(self, num_rows: int) -> torch.Tensor:
+        if self._ones.numel() < num_rows:
+            self._ones = torch.ones(max(num_rows, 2 * self._ones.numel()), dtype=torch.float32, device=self._device)
+        return self._ones[:num_rows]
+
+    def _upload(self, batch: SamplingBatch, plan: _Plan, stream: int) -> _Stage:
+        """Packs the per-row parameters, the row lists and the masks into the pinned buffer, copies them to
+        the device in one copy, and replaces each group of `plan` by (row-list address or 0, rows)."""
+        num_rows = batch.num_rows
+        stage = self._stage(num_rows)
+        i64, f32 = torch.int64, torch.float32
+        torch.cat([_as(batch.seed, i64), _as(batch.position, i64), _as(batch.iteration, i64)], out=stage.h_i64)
+        torch.cat([_as(plan.t_eff, f32), _as(batch.top_p, f32), _as(batch.min_p, f32)], out=stage.h_f32)
+        stage.h_topk.copy_(batch.top_k)
+        if plan.masks is not None:
+            torch.stack(plan.masks, out=stage.h_masks)
+        used = 0
+        chunks: list = []
+        list_base = stage.dev_base + stage.lists
+
+        def place(group):
+            nonlocal used
+            if group is None:
+                return None
+            if group is _ALL:
+                return 0, num_rows
+            n = len(group) if isinstance(group, list) else int(group.numel())
+            placed = (list_base + 4 * used, n)
+            used += n
+            chunks.append(group)
+            return placed
+
+        plan.greedy = place(plan.greedy)
+        plan.unfiltered = place(plan.unfiltered)
+        plan.buckets = [(bucket, place(group)) for bucket, group in plan.buckets]
+        plan.exact = place(plan.exact)
+        plan.need_raw = place(plan.need_raw)
+        if chunks:
+            if all(isinstance(c, list) for c in chunks):
+                ids = array.array("i", chunks[0] if len(chunks) == 1 else [r for c in chunks for r in c])
+                ctypes.memmove(stage.host_base + stage.lists, ids.buffer_info()[0], 4 * used)
+            else:
+                parts = [c if isinstance(c, torch.Tensor) else torch.tensor(c, dtype=torch.int32) for c in chunks]
+                torch.cat(parts, out=stage.host[stage.lists: stage.lists + 4 * used].view(torch.int32))
+        self._kernels.copy_to_device(stage.dev_base, stage.host_base, stage.lists + 4 * used, stream)
+        return stage
+
     # ---------------------------------------------------------------------------------------------
-    def _sample_on_gpu(self, batch: SamplingBatch) -> tuple[SamplingResult, torch.Tensor]:
-        dev, k = self._device, self._kernels
+    def _launch(self, x: torch.Tensor, plan: _Plan, stage: _Stage, out: _Out, num_samples: int, *, shared: bool,
+                lse_scale: int, processed: bool, stream: int) -> None:
+        """Every kernel of the call, in the original order: greedy, unfiltered, top-k buckets, exact filter."""
+        k = self._kernels
+        data, b, v, dt = k._logits(x)
+        params, main = stage.params, out.main
+        filt = out.filt_shared if shared else out.filt
+        if plan.greedy is not None:
+            rows, n = plan.greedy
+            k.launch_stats(data, b, v, dt, rows, n, params, lse_scale, main, num_samples, stream)
+        if plan.unfiltered is not None:
+            rows, n = plan.unfiltered
+            for s in range(num_samples):
+                k.launch_gumbel(data, b, v, dt, rows, n, params, lse_scale, main, num_samples, s, stream)
+        for bucket, (rows, n) in plan.buckets:
+            k.launch_topk(data, b, v, dt, rows, n, params, bucket, filt, num_samples, stream)
+        if plan.exact is not None:
+            rows, n = plan.exact
+            k.launch_stats(data, b, v, dt, rows, n, params, 0, out.pre, 1, stream)
+            flags = needs_cpu = None
+            if num_samples > 1:  # each sample's launch rewrites the flags: keep every sample's CPU bit
+                flags = out.view("main_flags" if shared else "filt_flags")
+                needs_cpu = torch.zeros(b, dtype=torch.uint8, device=self._device)
+            for s in range(num_samples):
+                k.launch_filter(data, b, v, dt, rows, n, params, out.pre_stats, processed, filt, num_samples, s,
+                                stream)
+                if needs_cpu is not None:
+                    needs_cpu |= flags & _FLAG_CPU
+            if needs_cpu is not None:
+                flags |= needs_cpu
+
+    def _sample_on_gpu(self, batch: SamplingBatch) -> tuple[SamplingResult, torch.Tensor | None]:
+        dev = self._device
         num_rows, vocab, num_samples = batch.num_rows, batch.vocab_size, batch.num_samples
-        if batch.logits.is_cuda:
-            raw_x = batch.logits.to(dev).contiguous()
+        logits = batch.logits
+        if logits.is_cuda:
+            if logits.get_device() == dev.index and logits.is_contiguous():
+                raw_x = logits
+            else:
+                raw_x = logits.to(dev).contiguous()
         else:
-            raw_x = batch.logits.contiguous().pin_memory().to(dev, non_blocking=True)
+            raw_x = logits.contiguous().pin_memory().to(dev, non_blocking=True)
         x = raw_x if batch.processing is None else apply_processing(raw_x.to(torch.float32, copy=True), batch.processing).contiguous()
         wants_logprobs = batch.return_logprobs or batch.top_logprobs > 0
+        if num_rows == 0:
+            return self._empty_result(batch, vocab, wants_logprobs), None
+        if wants_logprobs:
+            return self._sample_with_logprobs(batch, raw_x, x)
+
+        stream = self._kernels.current_stream()
+        plan = _plan_without_logprobs(batch, vocab) or _plan_with_torch(batch, vocab, False, False, False)
+        stage = self._upload(batch, plan, stream)
+        out = self._out(num_rows, num_samples)
+        self._launch(x, plan, stage, out, num_samples, shared=True, lse_scale=0, processed=False, stream=stream)
+        # The one synchronisation: tokens and flags back to the host in one copy.
+        self._kernels.copy_to_host_and_wait(out.host_base, out.dev_base, out.d2h_bytes, stream)
+        flags = out.h_flags
+        top = max(flags.tolist()) if num_rows <= 256 else int(flags.max())
+        tokens = out.h_tokens.clone()
+        if top <= _FLAG_NAN:
+            valid = torch.ones(num_rows, dtype=torch.bool)
+            nan = flags != 0 if top else torch.zeros(num_rows, dtype=torch.bool)
+            return SamplingResult(tokens=tokens, valid=valid, nan_detected=nan), None
+        valid = (flags & _FLAG_INVALID) == 0
+        tokens.masked_fill_(~valid.unsqueeze(1), -1)
+        cpu_rows = ((flags & _FLAG_CPU) != 0).nonzero().squeeze(1) if top >= _FLAG_CPU else None
+        return SamplingResult(tokens=tokens, valid=valid, nan_detected=(flags & _FLAG_NAN) != 0), cpu_rows
+
+    @staticmethod
+    def _empty_result(batch: SamplingBatch, vocab: int, wants_logprobs: bool) -> SamplingResult:
+        """A batch of no rows: empty tensors of the usual shapes."""
+        ns, n = batch.num_samples, min(batch.top_logprobs, vocab)
+        empty_bool = torch.zeros(0, dtype=torch.bool)
+        return SamplingResult(
+            tokens=torch.zeros((0, ns), dtype=torch.int64), valid=empty_bool, nan_detected=empty_bool.clone(),
+            logprobs=torch.zeros((0, ns), dtype=torch.float32) if wants_logprobs and batch.return_logprobs else None,
+            top_logprob_ids=torch.zeros((0, n), dtype=torch.int64) if batch.top_logprobs > 0 else None,
+            top_logprobs=torch.zeros((0, n), dtype=torch.float32) if batch.top_logprobs > 0 else None)
+
+    def _sample_with_logprobs(self, batch: SamplingBatch, raw_x: torch.Tensor,
+                              x: torch.Tensor) -> tuple[SamplingResult, torch.Tensor]:
+        """Log-probs calls: the same upload and launches, main and filter outputs kept apart, and the torch
+        post-processing of the kept set and the tables."""
+        dev, k = self._device, self._kernels
+        num_rows, vocab, num_samples = batch.num_rows, batch.vocab_size, batch.num_samples
         raw_mode = batch.logprobs_mode is LogprobsMode.RAW
-        processed = wants_logprobs and not raw_mode
-
-        greedy = batch.temperature == 0
-        filtered = (batch.top_k > 0) | (batch.top_p < 1) | (batch.min_p > 0)
-        # Greedy rows with filters still need the kept set for processed log-probs (T = 1, choice 6).
-        through_filters = filtered & (~greedy | processed)
-        t_eff = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
-
-        def to_dev(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            return t.to(dtype).pin_memory().to(dev, non_blocking=True)
-
-        params = RowParams(to_dev(t_eff, torch.float32), to_dev(batch.top_k, torch.int32), to_dev(batch.top_p, torch.float32),
-                           to_dev(batch.min_p, torch.float32), to_dev(batch.seed, torch.int64),
-                           to_dev(batch.position, torch.int64), to_dev(batch.iteration, torch.int64))
-
-        def empty(dtype: torch.dtype, *shape: int) -> torch.Tensor:
-            return torch.empty(shape or (num_rows,), dtype=dtype, device=dev)
-
-        main = Outputs(tokens=empty(torch.int64, num_rows, num_samples), flags=empty(torch.uint8),
-                       row_max=empty(torch.float32), row_min=empty(torch.float32), row_logz=empty(torch.float32))
-        ones = torch.ones(num_rows, dtype=torch.float32, device=dev)
+        processed = not raw_mode
+        stream = k.current_stream()
+        plan = _plan_with_torch(batch, vocab, processed, True, raw_mode)
+        stage = self._upload(batch, plan, stream)
+        out = self._out(num_rows, num_samples)
+        t_eff = stage.dev_t_eff()
+        ones = self._ones_on_device(num_rows)
         lse_unfiltered = None
         if processed:
-            lse_unfiltered = 1.0 / params.temperature  # greedy rows have T_eff = 1
-        elif wants_logprobs and batch.processing is None:
+            lse_unfiltered = 1.0 / t_eff  # greedy rows have T_eff = 1
+        elif batch.processing is None:
             lse_unfiltered = ones  # raw log-sum-exp for free in the same pass
-
-        if bool(greedy.any()):
-            k.stats(x, params, main, rows=_device_rows(greedy, dev), lse_scale=lse_unfiltered)
-        unfiltered = ~greedy & ~filtered
-        if bool(unfiltered.any()):
-            rows = _device_rows(unfiltered, dev)
-            for s in range(num_samples):
-                k.gumbel(x, params, main, s, rows=rows, lse_scale=lse_unfiltered)
-
-        filt = Outputs(tokens=empty(torch.int64, num_rows, num_samples), flags=empty(torch.uint8),
-                       row_max=empty(torch.float32), kept_mass=empty(torch.float32), kept_min_key=empty(torch.int64))
-        if bool(through_filters.any()):
-            buckets = _topk_buckets(batch.top_k, vocab)
-            for bucket in (16, 32, 64, 128, 256):
-                chosen = through_filters & (buckets == bucket)
-                if bool(chosen.any()):
-                    k.topk(x, params, filt, bucket, rows=_device_rows(chosen, dev))
-            exact = through_filters & (buckets == 0)
-            if bool(exact.any()):
-                rows = _device_rows(exact, dev)
-                pre = Outputs(tokens=empty(torch.int64, num_rows, 1), flags=empty(torch.uint8), row_max=filt.row_max,
-                              row_min=empty(torch.float32))
-                k.stats(x, params, pre, rows=rows)
-                needs_cpu = torch.zeros(num_rows, dtype=torch.uint8, device=dev)
-                for s in range(num_samples):
-                    k.filter(x, params, pre, filt, s, rows=rows, need_exact_mass=processed)
-                    needs_cpu |= filt.flags & _FLAG_CPU  # each sample's launch rewrites the flags
-                filt.flags |= needs_cpu
+        self._launch(x, plan, stage, out, num_samples, shared=False,
+                     lse_scale=lse_unfiltered.data_ptr() if lse_unfiltered is not None else 0, processed=processed,
+                     stream=stream)
+        main = Outputs(tokens=out.view("main_tokens"), flags=out.view("main_flags"), row_max=out.view("main_row_max"),
+                       row_min=out.view("main_row_min"), row_logz=out.view("main_row_logz"))
+        filt = Outputs(tokens=out.view("filt_tokens"), flags=out.view("filt_flags"), row_max=out.view("filt_row_max"),
+                       kept_mass=out.view("kept_mass"), kept_min_key=out.view("kept_min_key"))
 
         # Combine: sampled filtered rows take the filter outputs; greedy rows keep the argmax.
-        use_filt = (through_filters & ~greedy).to(dev, non_blocking=True)
-        through_dev = through_filters.to(dev, non_blocking=True)
+        use_filt, through_dev, need_dev = stage.dev_masks().unbind(0)
         tokens = torch.where(use_filt.unsqueeze(1), filt.tokens, main.tokens)
         flags = torch.where(use_filt, filt.flags, main.flags)
         flags = flags | torch.where(through_dev, filt.flags & _FLAG_CPU, torch.zeros_like(flags))
@@ -195,42 +578,39 @@ class CudaBackend(Backend):
         valid = (flags & _FLAG_INVALID) == 0
 
         logprobs = top_ids = top_values = None
-        if wants_logprobs:
-            if raw_mode:
-                raw_max, raw_logz = main.row_max, main.row_logz
-                need_raw = torch.ones(num_rows, dtype=torch.bool) if batch.processing is not None else ~(greedy | unfiltered)
-                if bool(need_raw.any()):
-                    raw_out = Outputs(flags=empty(torch.uint8), row_max=empty(torch.float32), row_min=empty(torch.float32),
-                                      row_logz=empty(torch.float32))
-                    k.stats(raw_x, params, raw_out, rows=_device_rows(need_raw, dev), lse_scale=ones)
-                    need_dev = need_raw.to(dev, non_blocking=True)
-                    raw_max = torch.where(need_dev, raw_out.row_max, raw_max)
-                    raw_logz = torch.where(need_dev, raw_out.row_logz, raw_logz)
-                raw_f = raw_x.to(torch.float32)
-                raw_f = torch.where(torch.isnan(raw_f) | torch.isposinf(raw_f), float("-inf"), raw_f)
-                table_norm = (raw_max + raw_logz).unsqueeze(1)
-                source = raw_f
-            else:
-                xs = x.to(torch.float32)
-                xs = torch.where(torch.isnan(xs) | torch.isposinf(xs), float("-inf"), xs)
-                z = (xs - row_max.unsqueeze(1)) / params.temperature.unsqueeze(1)
-                kept_z, kept_id = _decode_key(filt.kept_min_key)
-                ids = torch.arange(vocab, device=dev).unsqueeze(0)
-                in_kept = (z > kept_z.unsqueeze(1)) | ((z == kept_z.unsqueeze(1)) & (ids <= kept_id.unsqueeze(1)))
-                kept = torch.where(through_dev.unsqueeze(1), in_kept, torch.isfinite(z)) & torch.isfinite(z)
-                log_norm = torch.where(through_dev, torch.log(filt.kept_mass), main.row_logz)
-                table_norm = log_norm.unsqueeze(1)
-                source = torch.where(kept, z, float("-inf"))
-            if batch.return_logprobs:
-                picked = source.gather(1, tokens.clamp(min=0))
-                logprobs = torch.where(valid.unsqueeze(1), picked - table_norm, float("nan"))
-            if batch.top_logprobs > 0:
-                n = min(batch.top_logprobs, vocab)
-                table = source - table_norm
-                top_values, top_ids = torch.sort(table, dim=1, descending=True, stable=True)
-                top_values, top_ids = top_values[:, :n], top_ids[:, :n]
-                top_ids = torch.where(valid.unsqueeze(1), top_ids, -1)
-                top_values = torch.where(valid.unsqueeze(1), top_values, float("nan"))
+        if raw_mode:
+            raw_max, raw_logz = main.row_max, main.row_logz
+            if plan.need_raw is not None:
+                rows, n = plan.need_raw
+                data, b, v, dt = k._logits(raw_x)
+                k.launch_stats(data, b, v, dt, rows, n, stage.params, ones.data_ptr(), out.raw, 1, stream)
+                raw_max = torch.where(need_dev, out.view("raw_row_max"), raw_max)
+                raw_logz = torch.where(need_dev, out.view("raw_row_logz"), raw_logz)
+            raw_f = raw_x.to(torch.float32)
+            raw_f = torch.where(torch.isnan(raw_f) | torch.isposinf(raw_f), float("-inf"), raw_f)
+            table_norm = (raw_max + raw_logz).unsqueeze(1)
+            source = raw_f
+        else:
+            xs = x.to(torch.float32)
+            xs = torch.where(torch.isnan(xs) | torch.isposinf(xs), float("-inf"), xs)
+            z = (xs - row_max.unsqueeze(1)) / t_eff.unsqueeze(1)
+            kept_z, kept_id = _decode_key(filt.kept_min_key)
+            ids = torch.arange(vocab, device=dev).unsqueeze(0)
+            in_kept = (z > kept_z.unsqueeze(1)) | ((z == kept_z.unsqueeze(1)) & (ids <= kept_id.unsqueeze(1)))
+            kept = torch.where(through_dev.unsqueeze(1), in_kept, torch.isfinite(z)) & torch.isfinite(z)
+            log_norm = torch.where(through_dev, torch.log(filt.kept_mass), main.row_logz)
+            table_norm = log_norm.unsqueeze(1)
+            source = torch.where(kept, z, float("-inf"))
+        if batch.return_logprobs:
+            picked = source.gather(1, tokens.clamp(min=0))
+            logprobs = torch.where(valid.unsqueeze(1), picked - table_norm, float("nan"))
+        if batch.top_logprobs > 0:
+            n = min(batch.top_logprobs, vocab)
+            table = source - table_norm
+            top_values, top_ids = torch.sort(table, dim=1, descending=True, stable=True)
+            top_values, top_ids = top_values[:, :n], top_ids[:, :n]
+            top_ids = torch.where(valid.unsqueeze(1), top_ids, -1)
+            top_values = torch.where(valid.unsqueeze(1), top_values, float("nan"))
 
         tokens = torch.where(valid.unsqueeze(1), tokens, -1)
         # The one synchronisation: everything back to the host.

@@ -2,8 +2,9 @@
 
 Each function launches one kernel on the current torch stream and returns without synchronising.
 Per-row tensors are indexed by logits row; `rows` (int32, on the device) restricts a launch to a
-subset of rows, and outputs are written only at those rows. Used by the CUDA backend (cuda.py),
-the GPU tests and the kernel benchmark.
+subset of rows, and outputs are written only at those rows. Used by the GPU tests and the kernel
+benchmark. The CUDA backend (cuda.py) calls the `launch_*` forms underneath them, which take device
+addresses it has already laid out (no tensor checks per launch), and the two copy helpers.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from .cuda_build import load_kernels
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 FILTER_BLOCKS_TARGET = 264  # filter-kernel blocks to aim for: two per multiprocessor on an H100/H200
@@ -78,6 +81,9 @@ class Kernels:
         self._scratch = torch.empty(0, dtype=torch.uint8, device=self.device)
         self.fallback_count = torch.zeros(1, dtype=torch.int64, device=self.device)
         """Exact re-evaluations made inside the kernels (close calls, cut-bin resolutions)."""
+        self._ws: list[int] | None = None  # the workspace addresses, rebuilt when a buffer grows
+        self._hist_need: dict[int, int] = {}
+        self._scratch_need: dict[tuple[str, int, int, int], int] = {}
 
     kernel_names = ("stats_kernel", "gumbel_kernel", "topk_kernel<16..256>", "filter_kernel")
 
@@ -85,14 +91,37 @@ class Kernels:
     def _workspace(self, num_work: int, scratch_bytes: int, hist: bool = False) -> list[int]:
         if self._counters.numel() < num_work:
             self._counters = torch.zeros(max(num_work, 2 * self._counters.numel()), dtype=torch.int32, device=self.device)
+            self._ws = None
         if self._scratch.numel() < scratch_bytes:
             self._scratch = torch.empty(max(scratch_bytes, 2 * self._scratch.numel()), dtype=torch.uint8, device=self.device)
+            self._ws = None
         if hist:
-            need = self.module.hist_bytes(num_work)
+            need = self._hist_need.get(num_work)
+            if need is None:
+                need = self._hist_need[num_work] = self.module.hist_bytes(num_work)
             if self._hist.numel() < need:
                 self._hist = torch.zeros(need, dtype=torch.uint8, device=self.device)
-        return [self._counters.data_ptr(), self._hist.data_ptr(), self._scratch.data_ptr(),
-                self.fallback_count.data_ptr()]
+                self._ws = None
+        if self._ws is None:
+            self._ws = [self._counters.data_ptr(), self._hist.data_ptr(), self._scratch.data_ptr(),
+                        self.fallback_count.data_ptr()]
+        return self._ws
+
+    def _scratch_bytes(self, kind: str, num_work: int, vocab: int, bucket: int = 0) -> int:
+        """The launcher's scratch size (sampling.h), remembered per shape."""
+        key = (kind, num_work, vocab, bucket)
+        size = self._scratch_need.get(key)
+        if size is None:
+            if kind == "stats":
+                size = self.module.stats_scratch_bytes(num_work, vocab)
+            elif kind == "gumbel":
+                size = self.module.gumbel_scratch_bytes(num_work, vocab)
+            else:
+                size = self.module.topk_scratch_bytes(num_work, vocab, bucket)
+            if len(self._scratch_need) >= 4096:
+                self._scratch_need.clear()
+            self._scratch_need[key] = size
+        return size
 
     def _logits(self, logits: torch.Tensor) -> tuple[int, int, int, int]:
         if logits.device != self.device or logits.dim() != 2 or not logits.is_contiguous():
@@ -113,35 +142,74 @@ class Kernels:
     def _stream() -> int:
         return torch.cuda.current_stream().cuda_stream
 
-    # -- launches ----------------------------------------------------------------------------------
+    def current_stream(self) -> int:
+        """The current torch stream of the kernels' device, as a cudaStream_t address."""
+        if _raw_stream is not None:
+            return _raw_stream(self.device.index)
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    # -- launches on device addresses (the backend's path: no tensor checks) --------------------------
+    # params: the 7 addresses of RowParams.pointers(); out: the 7 of Outputs.pointers(); rows: the
+    # address of int32 row ids (0: rows 0 .. num_work - 1). Logits: (address, rows, vocab, dtype code).
+    def launch_stats(self, data: int, b: int, v: int, dt: int, rows: int, num_work: int, params: list[int],
+                     lse_scale: int, out: list[int], num_samples: int, stream: int) -> None:
+        ws = self._workspace(num_work, self._scratch_bytes("stats", num_work, v))
+        self.module.stats(data, b, v, dt, rows, num_work, params, lse_scale, out, num_samples, ws, stream)
+
+    def launch_gumbel(self, data: int, b: int, v: int, dt: int, rows: int, num_work: int, params: list[int],
+                      lse_scale: int, out: list[int], num_samples: int, sample: int, stream: int) -> None:
+        ws = self._workspace(num_work, self._scratch_bytes("gumbel", num_work, v))
+        self.module.gumbel(data, b, v, dt, rows, num_work, params, lse_scale, out, num_samples, sample, ws, stream)
+
+    def launch_topk(self, data: int, b: int, v: int, dt: int, rows: int, num_work: int, params: list[int],
+                    bucket: int, out: list[int], num_samples: int, stream: int) -> None:
+        ws = self._workspace(num_work, self._scratch_bytes("topk", num_work, v, bucket))
+        self.module.topk(data, b, v, dt, rows, num_work, params, bucket, out, num_samples, ws, stream)
+
+    def launch_filter(self, data: int, b: int, v: int, dt: int, rows: int, num_work: int, params: list[int],
+                      stats: list[int], need_exact_mass: bool, out: list[int], num_samples: int, sample: int,
+                      stream: int) -> None:
+        """stats: row_max, row_min, argmax ([B, 1] int64) and flags of stats() on the same rows."""
+        splits = max(1, min(64, -(-FILTER_BLOCKS_TARGET // max(num_work, 1))))
+        ws = self._workspace(num_work, 0, hist=splits > 1)
+        self.module.filter(data, b, v, dt, rows, num_work, params, stats, int(need_exact_mass), splits, out,
+                           num_samples, sample, ws, stream)
+
+    def copy_to_device(self, device_address: int, host_address: int, nbytes: int, stream: int) -> None:
+        """Asynchronous copy from pinned host memory, ordered on `stream`."""
+        self.module.copy_h2d(device_address, host_address, nbytes, stream)
+
+    def copy_to_host_and_wait(self, host_address: int, device_address: int, nbytes: int, stream: int) -> None:
+        """Copies into pinned host memory after everything queued on `stream`, and waits for it (the GIL
+        is released while waiting)."""
+        self.module.copy_d2h_sync(host_address, device_address, nbytes, stream)
+
+    # -- launches on tensors -------------------------------------------------------------------------
     def stats(self, logits: torch.Tensor, params: RowParams, out: Outputs, *, rows: torch.Tensor | None = None,
               lse_scale: torch.Tensor | None = None) -> None:
         """Row max/min/argmax/nan (+ log-sum-exp with lse_scale); out.tokens gets the argmax: greedy."""
         data, b, v, dt = self._logits(logits)
         rptr, n = self._rows(rows, b)
-        ws = self._workspace(n, self.module.stats_scratch_bytes(n, v))
         ns = out.tokens.shape[1] if out.tokens is not None else 1
-        self.module.stats(data, b, v, dt, rptr, n, params.pointers(),
-                          lse_scale.data_ptr() if lse_scale is not None else 0, out.pointers(), ns, ws, self._stream())
+        self.launch_stats(data, b, v, dt, rptr, n, params.pointers(),
+                          lse_scale.data_ptr() if lse_scale is not None else 0, out.pointers(), ns, self._stream())
 
     def gumbel(self, logits: torch.Tensor, params: RowParams, out: Outputs, sample: int, *,
                rows: torch.Tensor | None = None, lse_scale: torch.Tensor | None = None) -> None:
         """Gumbel-max over the whole vocabulary: column `sample` of out.tokens."""
         data, b, v, dt = self._logits(logits)
         rptr, n = self._rows(rows, b)
-        ws = self._workspace(n, self.module.gumbel_scratch_bytes(n, v))
-        self.module.gumbel(data, b, v, dt, rptr, n, params.pointers(),
+        self.launch_gumbel(data, b, v, dt, rptr, n, params.pointers(),
                            lse_scale.data_ptr() if lse_scale is not None else 0, out.pointers(),
-                           out.tokens.shape[1], sample, ws, self._stream())
+                           out.tokens.shape[1], sample, self._stream())
 
     def topk(self, logits: torch.Tensor, params: RowParams, out: Outputs, bucket: int, *,
              rows: torch.Tensor | None = None) -> None:
         """top-k (k + 1 <= bucket) with top-p/min-p: every column of out.tokens."""
         data, b, v, dt = self._logits(logits)
         rptr, n = self._rows(rows, b)
-        ws = self._workspace(n, self.module.topk_scratch_bytes(n, v, bucket))
-        self.module.topk(data, b, v, dt, rptr, n, params.pointers(), bucket, out.pointers(), out.tokens.shape[1],
-                         ws, self._stream())
+        self.launch_topk(data, b, v, dt, rptr, n, params.pointers(), bucket, out.pointers(), out.tokens.shape[1],
+                         self._stream())
 
     def filter(self, logits: torch.Tensor, params: RowParams, stats: Outputs, out: Outputs, sample: int, *,
                rows: torch.Tensor | None = None, need_exact_mass: bool = False) -> None:
@@ -153,13 +221,10 @@ class Kernels:
             raise ValueError("stats.tokens: the [B, 1] argmax of stats() expected")
         data, b, v, dt = self._logits(logits)
         rptr, n = self._rows(rows, b)
-        splits = max(1, min(64, -(-FILTER_BLOCKS_TARGET // max(n, 1))))
-        ws = self._workspace(n, 0, hist=splits > 1)
-        self.module.filter(data, b, v, dt, rptr, n, params.pointers(),
+        self.launch_filter(data, b, v, dt, rptr, n, params.pointers(),
                            [stats.row_max.data_ptr(), stats.row_min.data_ptr(), stats.tokens.data_ptr(),
                             stats.flags.data_ptr()],
-                           int(need_exact_mass), splits, out.pointers(), out.tokens.shape[1], sample, ws,
-                           self._stream())
+                           need_exact_mass, out.pointers(), out.tokens.shape[1], sample, self._stream())
 
     def noise(self, seed: int, position: int, iteration: int, sample: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The Philox words (int64 holding uint32) and exact Gumbel noise of one row: for tests."""
