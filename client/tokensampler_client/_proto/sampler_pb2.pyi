@@ -400,3 +400,83 @@ class UnregisterRegionResponse(_message.Message):
     REGION_FIELD_NUMBER: _ClassVar[int]
     region: RegionInfo
     def __init__(self, region: _Optional[_Union[RegionInfo, _Mapping]] = ...) -> None: ...
+
+class DiffusionStepRequest(_message.Message):
+    __slots__ = ("logits", "mask", "params", "confidence_threshold", "commit_count")
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    MASK_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    logits: Tensor
+    mask: Tensor
+    params: SamplingParams
+    confidence_threshold: _containers.RepeatedScalarFieldContainer[float]
+    commit_count: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ..., mask: _Optional[_Union[Tensor, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., confidence_threshold: _Optional[_Iterable[float]] = ..., commit_count: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DiffusionStepResponse(_message.Message):
+    __slots__ = ("tokens", "confidences", "mask", "seeds", "timings", "request_id")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
+    MASK_FIELD_NUMBER: _ClassVar[int]
+    SEEDS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    tokens: Tensor
+    confidences: Tensor
+    mask: Tensor
+    seeds: _containers.RepeatedScalarFieldContainer[int]
+    timings: Timings
+    request_id: str
+    def __init__(self, tokens: _Optional[_Union[Tensor, _Mapping]] = ..., confidences: _Optional[_Union[Tensor, _Mapping]] = ..., mask: _Optional[_Union[Tensor, _Mapping]] = ..., seeds: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class TopKProbsRequest(_message.Message):
+    __slots__ = ("logits", "k", "temperature")
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    logits: Tensor
+    k: int
+    temperature: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[int] = ..., temperature: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class TopKProbsResponse(_message.Message):
+    __slots__ = ("probs", "ids", "timings", "request_id")
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    probs: Tensor
+    ids: Tensor
+    timings: Timings
+    request_id: str
+    def __init__(self, probs: _Optional[_Union[Tensor, _Mapping]] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class VerifyDraftRequest(_message.Message):
+    __slots__ = ("draft_ids", "draft_probs", "draft_logits", "target_logits", "params")
+    DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    draft_ids: Tensor
+    draft_probs: Tensor
+    draft_logits: Tensor
+    target_logits: Tensor
+    params: SamplingParams
+    def __init__(self, draft_ids: _Optional[_Union[Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[Tensor, _Mapping]] = ..., draft_logits: _Optional[_Union[Tensor, _Mapping]] = ..., target_logits: _Optional[_Union[Tensor, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class VerifyDraftResponse(_message.Message):
+    __slots__ = ("accepted", "tokens", "seeds", "timings", "request_id")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEEDS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    accepted: Tensor
+    tokens: Tensor
+    seeds: _containers.RepeatedScalarFieldContainer[int]
+    timings: Timings
+    request_id: str
+    def __init__(self, accepted: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., seeds: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...

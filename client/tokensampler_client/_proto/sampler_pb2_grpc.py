@@ -70,6 +70,21 @@ class SamplerStub(object):
                 request_serializer=tokensampler_dot_v1_dot_sampler__pb2.UnregisterWeightsRequest.SerializeToString,
                 response_deserializer=tokensampler_dot_v1_dot_sampler__pb2.UnregisterWeightsResponse.FromString,
                 _registered_method=True)
+        self.SampleDiffusionStep = channel.unary_unary(
+                '/tokensampler.v1.Sampler/SampleDiffusionStep',
+                request_serializer=tokensampler_dot_v1_dot_sampler__pb2.DiffusionStepRequest.SerializeToString,
+                response_deserializer=tokensampler_dot_v1_dot_sampler__pb2.DiffusionStepResponse.FromString,
+                _registered_method=True)
+        self.TopKProbs = channel.unary_unary(
+                '/tokensampler.v1.Sampler/TopKProbs',
+                request_serializer=tokensampler_dot_v1_dot_sampler__pb2.TopKProbsRequest.SerializeToString,
+                response_deserializer=tokensampler_dot_v1_dot_sampler__pb2.TopKProbsResponse.FromString,
+                _registered_method=True)
+        self.VerifyDraft = channel.unary_unary(
+                '/tokensampler.v1.Sampler/VerifyDraft',
+                request_serializer=tokensampler_dot_v1_dot_sampler__pb2.VerifyDraftRequest.SerializeToString,
+                response_deserializer=tokensampler_dot_v1_dot_sampler__pb2.VerifyDraftResponse.FromString,
+                _registered_method=True)
         self.RegisterRegion = channel.unary_unary(
                 '/tokensampler.v1.Sampler/RegisterRegion',
                 request_serializer=tokensampler_dot_v1_dot_sampler__pb2.RegisterRegionRequest.SerializeToString,
@@ -142,6 +157,28 @@ class SamplerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SampleDiffusionStep(self, request, context):
+        """One denoising step of a diffusion LM: samples every masked position of logits [B, L, V] and
+        commits the confident ones (docs/semantics.md, "Diffusion-LM steps").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TopKProbs(self, request, context):
+        """The K most probable ids of softmax(x / T) for logits [B, S, V], without writing the softmax.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifyDraft(self, request, context):
+        """Speculative decoding: verifies draft tokens against the target model by exact rejection sampling.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RegisterRegion(self, request, context):
         """Registers memory shared by a colocated client (a POSIX shared-memory segment, or a CUDA buffer
         by IPC handle) so that requests can reference tensors in it instead of carrying their bytes.
@@ -201,6 +238,21 @@ def add_SamplerServicer_to_server(servicer, server):
                     servicer.UnregisterWeights,
                     request_deserializer=tokensampler_dot_v1_dot_sampler__pb2.UnregisterWeightsRequest.FromString,
                     response_serializer=tokensampler_dot_v1_dot_sampler__pb2.UnregisterWeightsResponse.SerializeToString,
+            ),
+            'SampleDiffusionStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.SampleDiffusionStep,
+                    request_deserializer=tokensampler_dot_v1_dot_sampler__pb2.DiffusionStepRequest.FromString,
+                    response_serializer=tokensampler_dot_v1_dot_sampler__pb2.DiffusionStepResponse.SerializeToString,
+            ),
+            'TopKProbs': grpc.unary_unary_rpc_method_handler(
+                    servicer.TopKProbs,
+                    request_deserializer=tokensampler_dot_v1_dot_sampler__pb2.TopKProbsRequest.FromString,
+                    response_serializer=tokensampler_dot_v1_dot_sampler__pb2.TopKProbsResponse.SerializeToString,
+            ),
+            'VerifyDraft': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyDraft,
+                    request_deserializer=tokensampler_dot_v1_dot_sampler__pb2.VerifyDraftRequest.FromString,
+                    response_serializer=tokensampler_dot_v1_dot_sampler__pb2.VerifyDraftResponse.SerializeToString,
             ),
             'RegisterRegion': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterRegion,
@@ -408,6 +460,87 @@ class Sampler(object):
             '/tokensampler.v1.Sampler/UnregisterWeights',
             tokensampler_dot_v1_dot_sampler__pb2.UnregisterWeightsRequest.SerializeToString,
             tokensampler_dot_v1_dot_sampler__pb2.UnregisterWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SampleDiffusionStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokensampler.v1.Sampler/SampleDiffusionStep',
+            tokensampler_dot_v1_dot_sampler__pb2.DiffusionStepRequest.SerializeToString,
+            tokensampler_dot_v1_dot_sampler__pb2.DiffusionStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TopKProbs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokensampler.v1.Sampler/TopKProbs',
+            tokensampler_dot_v1_dot_sampler__pb2.TopKProbsRequest.SerializeToString,
+            tokensampler_dot_v1_dot_sampler__pb2.TopKProbsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyDraft(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokensampler.v1.Sampler/VerifyDraft',
+            tokensampler_dot_v1_dot_sampler__pb2.VerifyDraftRequest.SerializeToString,
+            tokensampler_dot_v1_dot_sampler__pb2.VerifyDraftResponse.FromString,
             options,
             channel_credentials,
             insecure,
