@@ -27,6 +27,14 @@ from .errors import error_from_rpc
 from .params import Column, LogitBiasArg, TokenListsArg, build_sample_request
 from .regions import CudaRegion, RegionView, SharedMemoryRegion
 from .result import SampleResult
+from .workloads import (
+    DiffusionStepResult,
+    TopKProbsResult,
+    VerifyDraftResult,
+    build_diffusion_request,
+    build_topk_request,
+    build_verify_request,
+)
 from .stream import SampleStream
 from .weights import DEFAULT_CHUNK_BYTES, Progress, WeightUpload, weight_options
 
@@ -196,6 +204,31 @@ class SamplerClient:
         timeout, request_id = params.pop("timeout", None), params.pop("request_id", None)
         request = build_sample_request(hidden=hidden, weights=weights, **params)
         return self.sample_request(request, timeout=timeout, request_id=request_id)
+
+    def sample_diffusion_step(
+        self, logits: Any, mask: Any, *, timeout: float | None = None, request_id: str | None = None, **params: Any
+    ) -> DiffusionStepResult:
+        """One denoising step of a diffusion LM: logits [B, L, V], mask [B, L] of undecided positions;
+        keywords: confidence_threshold, commit_count and sample()'s per-row sampling parameters."""
+        request = build_diffusion_request(logits, mask, **params)
+        return DiffusionStepResult.from_response(self._call(self._stub.SampleDiffusionStep, request, timeout, request_id))
+
+    def topk_probs(
+        self, logits: Any, k: int, *, temperature: Any = None, timeout: float | None = None, request_id: str | None = None
+    ) -> TopKProbsResult:
+        """The k most probable ids of softmax(logits / T) for logits [B, S, V] or [B, V], sorted."""
+        request = build_topk_request(logits, k, temperature)
+        return TopKProbsResult.from_response(self._call(self._stub.TopKProbs, request, timeout, request_id))
+
+    def verify_draft(
+        self, draft_ids: Any, target_logits: Any, *, timeout: float | None = None, request_id: str | None = None,
+        **params: Any,
+    ) -> VerifyDraftResult:
+        """Speculative decoding: accepts a prefix of draft_ids [B, n] against target_logits [B, n + 1, V]
+        by exact rejection sampling; keywords: draft_probs or draft_logits [B, n, V], and the target's
+        per-row sampling parameters (position = the position of draft token 0)."""
+        request = build_verify_request(draft_ids, target_logits, **params)
+        return VerifyDraftResult.from_response(self._call(self._stub.VerifyDraft, request, timeout, request_id))
 
     def register_weights(
         self,

@@ -191,6 +191,50 @@ def _logprobs_mode(mode: str | int) -> int:
     return int(mode)
 
 
+def fill_sampling_params(
+    params: pb.SamplingParams,
+    batch: int,
+    *,
+    temperature: Column = None,
+    top_k: Column = None,
+    top_p: Column = None,
+    min_p: Column = None,
+    seed: Column = None,
+    position: Column = None,
+    iteration: Column = None,
+    allowed_token_ids: TokenListsArg = None,
+    banned_token_ids: TokenListsArg = None,
+    logit_bias: LogitBiasArg = None,
+    repetition_penalty: Column = None,
+    presence_penalty: Column = None,
+    frequency_penalty: Column = None,
+    output_token_ids: TokenListsArg = None,
+    prompt_token_ids: TokenListsArg = None,
+) -> None:
+    """Fills the columns of `params` for `batch` rows (see the module doc for what each accepts)."""
+    for name, value in (
+        ("temperature", temperature),
+        ("top_k", top_k),
+        ("top_p", top_p),
+        ("min_p", min_p),
+        ("position", position),
+        ("iteration", iteration),
+        ("repetition_penalty", repetition_penalty),
+        ("presence_penalty", presence_penalty),
+        ("frequency_penalty", frequency_penalty),
+    ):
+        _set_column(params, name, value, batch)
+    _set_seed(params, seed, batch)
+    for name, lists in (
+        ("allowed_token_ids", allowed_token_ids),
+        ("banned_token_ids", banned_token_ids),
+        ("output_token_ids", output_token_ids),
+        ("prompt_token_ids", prompt_token_ids),
+    ):
+        _set_token_lists(getattr(params, name), name, lists, batch)
+    _set_logit_bias(params.logit_bias, logit_bias, batch)
+
+
 def build_sample_request(
     logits: Any = None,
     *,
@@ -242,28 +286,13 @@ def build_sample_request(
         request.output.tokens.CopyFrom(output_tokens.ref())
     if output_logprobs is not None:
         request.output.logprobs.CopyFrom(output_logprobs.ref())
-    params = request.params
-    for name, value in (
-        ("temperature", temperature),
-        ("top_k", top_k),
-        ("top_p", top_p),
-        ("min_p", min_p),
-        ("position", position),
-        ("iteration", iteration),
-        ("repetition_penalty", repetition_penalty),
-        ("presence_penalty", presence_penalty),
-        ("frequency_penalty", frequency_penalty),
-    ):
-        _set_column(params, name, value, batch)
-    _set_seed(params, seed, batch)
-    for name, lists in (
-        ("allowed_token_ids", allowed_token_ids),
-        ("banned_token_ids", banned_token_ids),
-        ("output_token_ids", output_token_ids),
-        ("prompt_token_ids", prompt_token_ids),
-    ):
-        _set_token_lists(getattr(params, name), name, lists, batch)
-    _set_logit_bias(params.logit_bias, logit_bias, batch)
+    fill_sampling_params(
+        request.params, batch, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+        position=position, iteration=iteration, allowed_token_ids=allowed_token_ids,
+        banned_token_ids=banned_token_ids, logit_bias=logit_bias, repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, output_token_ids=output_token_ids,
+        prompt_token_ids=prompt_token_ids,
+    )
     if num_samples is not None:
         _set_scalar(request, "num_samples", num_samples)
     _set_scalar(request, "return_logprobs", return_logprobs)

@@ -20,6 +20,7 @@ DTYPE_TO_TORCH: dict[int, torch.dtype] = {
     pb.DTYPE_FLOAT16: torch.float16,
     pb.DTYPE_INT32: torch.int32,
     pb.DTYPE_INT64: torch.int64,
+    pb.DTYPE_UINT8: torch.uint8,
 }
 TORCH_TO_DTYPE: dict[torch.dtype, int] = {v: k for k, v in DTYPE_TO_TORCH.items()}
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 import torch
@@ -23,6 +24,21 @@ from .backends import Backend
 from .batch_merge import merge_batches, merge_key, split_result
 from .errors import ServiceError
 from .sampling import SamplingBatch, SamplingResult
+
+
+T = TypeVar("T")
+
+
+def _out_of_memory_as_status(work: Callable[[], T]) -> T:
+    """Runs `work`; running out of memory becomes RESOURCE_EXHAUSTED after the cache is given back."""
+    try:
+        return work()
+    except (torch.cuda.OutOfMemoryError, MemoryError):
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # give back what the failed work had taken
+        raise ServiceError(
+            "out of memory: retry later or with fewer rows", grpc.StatusCode.RESOURCE_EXHAUSTED
+        ) from None
 
 
 def _host_bytes(batch: SamplingBatch) -> int:
@@ -160,16 +176,14 @@ class DynamicBatcher:
                 times = BatchTimes(started - pending.enqueued_ns, finished - started, merged.num_rows)
                 pending.future.set_result((part, times))
 
+    async def run_exclusive(self, work: Callable[[], T]) -> T:
+        """Runs `work` on the backend's worker thread, between sampling batches (out-of-memory errors
+        answer RESOURCE_EXHAUSTED, as for batches)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._worker, contextvars.copy_context().run, _out_of_memory_as_status, work)
+
     def _sample(self, batch: SamplingBatch) -> SamplingResult:
-        try:
-            return self._backend.sample(batch.with_logits())
-        except (torch.cuda.OutOfMemoryError, MemoryError):
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()  # give back what the failed batch had taken
-            raise ServiceError(
-                f"out of memory sampling a batch of {batch.num_rows} rows: retry later or with fewer rows",
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-            ) from None
+        return _out_of_memory_as_status(lambda: self._backend.sample(batch.with_logits()))
 
     async def close(self) -> None:
         """Stops taking batches once the queue is empty; the worker thread finishes its batch."""

@@ -26,7 +26,11 @@ from .metrics import ServerMetrics
 from .regions import Region, RegionRegistry, region_info
 from .request_context import current_request_id, request_id_from_metadata
 from .sampling import SamplingResult
+from .ops.diffusion import diffusion_step
+from .ops.topk_probs import topk_probs
+from .ops.verify import verify_draft
 from .validation import LOGITS_DTYPES, validate_sample_request
+from .validation_ops import validate_diffusion_request, validate_topk_request, validate_verify_request
 from .weights import WEIGHT_DTYPES, RegisteredWeight, WeightRegistry, load_safetensors, resolve_weights_path, sha256_hex
 from .weights_rpc import finish_from_options, read_upload, weights_info
 
@@ -36,7 +40,8 @@ STREAM_METHOD = "tokensampler.v1.Sampler/SampleStream"
 STREAM_MESSAGES_IN_FLIGHT = 64
 FEATURES = (
     "logits", "hidden_states", "weights_upload", "weights_from_file", "logprobs", "top_logprobs", "penalties",
-    "logit_bias", "token_masks", "num_samples", "dynamic_batching", "sample_stream", "regions",
+    "logit_bias", "token_masks", "num_samples", "dynamic_batching", "sample_stream", "regions", "diffusion_step",
+    "topk_probs", "verify_draft",
 )
 
 
@@ -66,6 +71,13 @@ def _output_tensor(
     if tuple(target.shape) != shape:
         raise InvalidArgument(f"{field}.shape", f"got {list(target.shape)}, expected [B, num_samples] = {list(shape)}")
     return target
+
+
+def _set_timings(timings: pb.Timings, arrived: int, started: int) -> None:
+    """Timings of a request run with run_exclusive: no queue of its own, compute from `started`."""
+    finished = time.perf_counter_ns()
+    timings.compute_ns = finished - started
+    timings.total_ns = finished - arrived
 
 
 def encode_result(result: SamplingResult, seeds: np.ndarray) -> pb.SampleResponse:
@@ -216,6 +228,47 @@ class SamplerService(pb_grpc.SamplerServicer):
         encoded = time.perf_counter_ns()
         call.encode_ns = encoded - finished
         response.timings.total_ns = encoded - arrived
+        return response
+
+    async def SampleDiffusionStep(
+        self, request: pb.DiffusionStepRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DiffusionStepResponse:
+        arrived = time.perf_counter_ns()
+        # The torch references run on the CPU (the backend samples the masked positions on its own
+        # device); CUDA kernels for these workloads are still to come.
+        step, seeds = validate_diffusion_request(request, self._limits)
+        started = time.perf_counter_ns()
+        tokens, confidences, mask = await self._batcher.run_exclusive(lambda: diffusion_step(step, self._backend))
+        response = pb.DiffusionStepResponse(request_id=current_call.get().request_id)
+        encode_tensor(tokens.to(torch.int32).cpu(), out=response.tokens)
+        encode_tensor(confidences.cpu(), out=response.confidences)
+        encode_tensor(mask.to(torch.uint8).cpu(), out=response.mask)
+        response.seeds.extend(seeds.tolist())
+        _set_timings(response.timings, arrived, started)
+        return response
+
+    async def TopKProbs(self, request: pb.TopKProbsRequest, context: grpc.aio.ServicerContext) -> pb.TopKProbsResponse:
+        arrived = time.perf_counter_ns()
+        logits, temperature, k = validate_topk_request(request, self._limits)
+        started = time.perf_counter_ns()
+        probs, ids = await self._batcher.run_exclusive(lambda: topk_probs(logits, temperature, k))
+        shape = [*request.logits.shape[:-1], k]
+        response = pb.TopKProbsResponse(request_id=current_call.get().request_id)
+        encode_tensor(probs.cpu().reshape(shape), out=response.probs)
+        encode_tensor(ids.to(torch.int32).cpu().reshape(shape), out=response.ids)
+        _set_timings(response.timings, arrived, started)
+        return response
+
+    async def VerifyDraft(self, request: pb.VerifyDraftRequest, context: grpc.aio.ServicerContext) -> pb.VerifyDraftResponse:
+        arrived = time.perf_counter_ns()
+        verification, seeds = validate_verify_request(request, self._limits)
+        started = time.perf_counter_ns()
+        accepted, tokens = await self._batcher.run_exclusive(lambda: verify_draft(verification))
+        response = pb.VerifyDraftResponse(request_id=current_call.get().request_id)
+        encode_tensor(accepted.to(torch.int32).cpu(), out=response.accepted)
+        encode_tensor(tokens.to(torch.int32).cpu(), out=response.tokens)
+        response.seeds.extend(seeds.tolist())
+        _set_timings(response.timings, arrived, started)
         return response
 
     async def RegisterWeights(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.WeightsInfo:

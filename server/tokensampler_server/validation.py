@@ -7,6 +7,7 @@ expected. Per-row columns hold 0 values (default), 1 (shared by every row) or B 
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -187,6 +188,52 @@ def _input(request: pb.SampleRequest, referenced: torch.Tensor | None, limits: L
     raise InvalidArgument("input", "not set; expected logits, logits_ref or hidden")
 
 
+@dataclass(frozen=True)
+class RowParams:
+    """The per-row parameters of SamplingParams, checked and expanded to B values (torch, CPU)."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seed: torch.Tensor
+    position: torch.Tensor
+    iteration: torch.Tensor
+    processing: LogitProcessing | None
+    seeds: np.ndarray
+    """The same seeds as uint64, for the response."""
+
+
+def validate_row_params(
+    params: pb.SamplingParams, num_rows: int, vocab_size: int, seed_source: SeedSource = random_seeds
+) -> RowParams:
+    """Checks every column of `params` for B = num_rows rows over a vocabulary of vocab_size."""
+    temperature = _column(params.temperature, "params.temperature", num_rows, 1.0, np.float32)
+    _check(temperature, np.isfinite(temperature) & (temperature >= 0), "params.temperature", "T >= 0 and finite")
+    top_k = _column(params.top_k, "params.top_k", num_rows, 0, np.int64)
+    _check(top_k, top_k >= -1, "params.top_k", "k >= -1 (0 or -1 disables)")
+    top_k = np.where((top_k < 0) | (top_k >= vocab_size), 0, top_k).astype(np.int32)
+    top_p = _column(params.top_p, "params.top_p", num_rows, 1.0, np.float32)
+    _check(top_p, (top_p > 0) & (top_p <= 1), "params.top_p", "0 < p <= 1")
+    min_p = _column(params.min_p, "params.min_p", num_rows, 0.0, np.float32)
+    _check(min_p, (min_p >= 0) & (min_p < 1), "params.min_p", "0 <= min_p < 1")
+    position = _column(params.position, "params.position", num_rows, 0, np.int64)
+    iteration = _column(params.iteration, "params.iteration", num_rows, 0, np.int64)
+    processing = _processing(params, num_rows, vocab_size)
+    seeds = _seeds(params, num_rows, seed_source)
+    return RowParams(
+        temperature=torch.from_numpy(temperature),
+        top_k=torch.from_numpy(top_k),
+        top_p=torch.from_numpy(top_p),
+        min_p=torch.from_numpy(min_p),
+        seed=torch.from_numpy(seeds.view(np.int64)),
+        position=torch.from_numpy(position),
+        iteration=torch.from_numpy(iteration),
+        processing=processing,
+        seeds=seeds,
+    )
+
+
 def validate_sample_request(
     request: pb.SampleRequest,
     limits: Limits,
@@ -217,18 +264,7 @@ def validate_sample_request(
         # The server computes B·V logits from B·D hidden states: bound those too.
         _check_elements("hidden.states", num_rows, vocab_size, limits, f"B·V of weight {lm_head.name!r}")
 
-    params = request.params
-    temperature = _column(params.temperature, "params.temperature", num_rows, 1.0, np.float32)
-    _check(temperature, np.isfinite(temperature) & (temperature >= 0), "params.temperature", "T >= 0 and finite")
-    top_k = _column(params.top_k, "params.top_k", num_rows, 0, np.int64)
-    _check(top_k, top_k >= -1, "params.top_k", "k >= -1 (0 or -1 disables)")
-    top_k = np.where((top_k < 0) | (top_k >= vocab_size), 0, top_k).astype(np.int32)
-    top_p = _column(params.top_p, "params.top_p", num_rows, 1.0, np.float32)
-    _check(top_p, (top_p > 0) & (top_p <= 1), "params.top_p", "0 < p <= 1")
-    min_p = _column(params.min_p, "params.min_p", num_rows, 0.0, np.float32)
-    _check(min_p, (min_p >= 0) & (min_p < 1), "params.min_p", "0 <= min_p < 1")
-    position = _column(params.position, "params.position", num_rows, 0, np.int64)
-    iteration = _column(params.iteration, "params.iteration", num_rows, 0, np.int64)
+    rows = validate_row_params(request.params, num_rows, vocab_size, seed_source)
 
     num_samples = request.num_samples if request.HasField("num_samples") else 1
     if not 1 <= num_samples <= limits.max_num_samples:
@@ -245,22 +281,20 @@ def validate_sample_request(
         raise InvalidArgument("logprobs_mode", f"got {request.logprobs_mode}, expected RAW or PROCESSED")
     mode = LogprobsMode.PROCESSED if request.logprobs_mode == pb.LOGPROBS_MODE_PROCESSED else LogprobsMode.RAW
 
-    processing = _processing(params, num_rows, vocab_size)
-    seeds = _seeds(params, num_rows, seed_source)
     batch = SamplingBatch(
         logits=logits,
         hidden=hidden,
-        temperature=torch.from_numpy(temperature),
-        top_k=torch.from_numpy(top_k),
-        top_p=torch.from_numpy(top_p),
-        min_p=torch.from_numpy(min_p),
-        seed=torch.from_numpy(seeds.view(np.int64)),
-        position=torch.from_numpy(position),
-        iteration=torch.from_numpy(iteration),
+        temperature=rows.temperature,
+        top_k=rows.top_k,
+        top_p=rows.top_p,
+        min_p=rows.min_p,
+        seed=rows.seed,
+        position=rows.position,
+        iteration=rows.iteration,
         num_samples=num_samples,
-        processing=processing,
+        processing=rows.processing,
         return_logprobs=request.return_logprobs,
         logprobs_mode=mode,
         top_logprobs=request.top_logprobs,
     )
-    return batch, seeds
+    return batch, rows.seeds

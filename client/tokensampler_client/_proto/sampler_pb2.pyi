@@ -15,6 +15,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT16: _ClassVar[DType]
     DTYPE_INT32: _ClassVar[DType]
     DTYPE_INT64: _ClassVar[DType]
+    DTYPE_UINT8: _ClassVar[DType]
 
 class LogprobsMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -27,6 +28,7 @@ DTYPE_BFLOAT16: DType
 DTYPE_FLOAT16: DType
 DTYPE_INT32: DType
 DTYPE_INT64: DType
+DTYPE_UINT8: DType
 LOGPROBS_MODE_UNSPECIFIED: LogprobsMode
 LOGPROBS_MODE_RAW: LogprobsMode
 LOGPROBS_MODE_PROCESSED: LogprobsMode

@@ -1,0 +1,142 @@
+"""Requests and results of the workloads beyond Sample: diffusion steps, top-k probabilities and
+draft verification (docs/semantics.md, choices 14-16)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._proto import sampler_pb2 as pb
+from .params import LOGITS_DTYPES, fill_sampling_params
+from .result import Timings
+from .tensors import as_torch, decode_tensor, encode_tensor
+
+
+def _float_tensor(name: str, value: Any, rank: int, out: pb.Tensor) -> torch.Tensor:
+    tensor = as_torch(value)
+    if tensor.ndim != rank:
+        raise ValueError(f"{name}: expected {rank} dimensions, got shape {list(tensor.shape)}")
+    if tensor.dtype not in LOGITS_DTYPES:
+        raise TypeError(f"{name}: dtype {tensor.dtype} cannot be sent; expected float32, bfloat16 or float16")
+    encode_tensor(tensor, out=out)
+    return tensor
+
+
+def _timings(message: pb.Timings) -> Timings:
+    return Timings(message.queue_ns, message.compute_ns, message.total_ns)
+
+
+@dataclass
+class DiffusionStepResult:
+    """tokens int64 [B, L] (-1 where the position was not masked), confidences float32 [B, L],
+    mask bool [B, L] after the step (True: still undecided), and the seed of each row."""
+
+    tokens: torch.Tensor
+    confidences: torch.Tensor
+    mask: torch.Tensor
+    seeds: list[int]
+    timings: Timings
+    request_id: str
+
+    @classmethod
+    def from_response(cls, response: pb.DiffusionStepResponse) -> DiffusionStepResult:
+        return cls(
+            tokens=decode_tensor(response.tokens, "tokens").to(torch.int64, copy=True),
+            confidences=decode_tensor(response.confidences, "confidences").clone(),
+            mask=decode_tensor(response.mask, "mask") != 0,
+            seeds=list(response.seeds),
+            timings=_timings(response.timings),
+            request_id=response.request_id,
+        )
+
+
+def build_diffusion_request(
+    logits: Any, mask: Any, *, confidence_threshold: Any = None, commit_count: Any = None, **params: Any
+) -> pb.DiffusionStepRequest:
+    """logits [B, L, V]; mask [B, L] (bool or integers, nonzero = undecided); threshold and count:
+    None, one value or B values; params: the per-row sampling keywords of sample() (no position)."""
+    request = pb.DiffusionStepRequest()
+    tensor = _float_tensor("logits", logits, 3, request.logits)
+    encode_tensor(as_torch(mask).to(torch.uint8), out=request.mask)
+    batch = tensor.shape[0]
+    fill_sampling_params(request.params, batch, **params)
+    for name, value in (("confidence_threshold", confidence_threshold), ("commit_count", commit_count)):
+        if value is not None:
+            values = as_torch(value).reshape(-1).tolist() if not isinstance(value, (int, float)) else [value]
+            getattr(request, name).extend(values)
+    return request
+
+
+@dataclass
+class TopKProbsResult:
+    """probs float32 and ids int64, [B, S, k] (or [B, k]): probability descending, id ascending on ties."""
+
+    probs: torch.Tensor
+    ids: torch.Tensor
+    timings: Timings
+    request_id: str
+
+    @classmethod
+    def from_response(cls, response: pb.TopKProbsResponse) -> TopKProbsResult:
+        return cls(
+            probs=decode_tensor(response.probs, "probs").clone(),
+            ids=decode_tensor(response.ids, "ids").to(torch.int64, copy=True),
+            timings=_timings(response.timings),
+            request_id=response.request_id,
+        )
+
+
+def build_topk_request(logits: Any, k: int, temperature: Any = None) -> pb.TopKProbsRequest:
+    """logits [B, S, V] or [B, V]; temperature: None (1), one value or B values (> 0)."""
+    request = pb.TopKProbsRequest(k=k)
+    tensor = as_torch(logits)
+    _float_tensor("logits", tensor, tensor.ndim if tensor.ndim in (2, 3) else 3, request.logits)
+    if temperature is not None:
+        request.temperature.extend(as_torch(temperature).reshape(-1).tolist() if not isinstance(temperature, (int, float))
+                                   else [temperature])
+    return request
+
+
+@dataclass
+class VerifyDraftResult:
+    """accepted int64 [B] (0..n) and tokens int64 [B, n + 1]: the accepted draft tokens, then the
+    correction or bonus token, then -1."""
+
+    accepted: torch.Tensor
+    tokens: torch.Tensor
+    seeds: list[int]
+    timings: Timings
+    request_id: str
+
+    @classmethod
+    def from_response(cls, response: pb.VerifyDraftResponse) -> VerifyDraftResult:
+        return cls(
+            accepted=decode_tensor(response.accepted, "accepted").to(torch.int64, copy=True),
+            tokens=decode_tensor(response.tokens, "tokens").to(torch.int64, copy=True),
+            seeds=list(response.seeds),
+            timings=_timings(response.timings),
+            request_id=response.request_id,
+        )
+
+
+def build_verify_request(
+    draft_ids: Any, target_logits: Any, *, draft_probs: Any = None, draft_logits: Any = None, **params: Any
+) -> pb.VerifyDraftRequest:
+    """draft_ids [B, n]; target_logits [B, n + 1, V]; exactly one of draft_probs / draft_logits [B, n, V];
+    params: the target's per-row sampling keywords of sample() (`position` = that of draft token 0)."""
+    if (draft_probs is None) == (draft_logits is None):
+        raise ValueError("draft_probs, draft_logits: expected exactly one of them")
+    request = pb.VerifyDraftRequest()
+    ids = as_torch(draft_ids)
+    if ids.ndim != 2:
+        raise ValueError(f"draft_ids: expected shape [B, n], got {list(ids.shape)}")
+    encode_tensor(ids.to(torch.int64), out=request.draft_ids)
+    _float_tensor("target_logits", target_logits, 3, request.target_logits)
+    if draft_probs is not None:
+        _float_tensor("draft_probs", draft_probs, 3, request.draft_probs)
+    else:
+        _float_tensor("draft_logits", draft_logits, 3, request.draft_logits)
+    fill_sampling_params(request.params, ids.shape[0], **params)
+    return request

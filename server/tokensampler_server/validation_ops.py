@@ -1,0 +1,114 @@
+"""Validation of the requests beyond Sample: diffusion steps, top-k probabilities, draft verification.
+
+Same rules as validation.py: every field is checked before any work, and a rejection names the field
+and what was expected.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client.tensors import TensorDecodeError, decode_tensor, dtype_name
+
+from .config import Limits
+from .errors import InvalidArgument
+from .ops.diffusion import DiffusionStep
+from .ops.verify import DraftVerification
+from .validation import LOGITS_DTYPES, SeedSource, _column, _check, random_seeds, validate_row_params
+
+MASK_DTYPES = (pb.DTYPE_UINT8, pb.DTYPE_INT32, pb.DTYPE_INT64)
+ID_DTYPES = (pb.DTYPE_INT32, pb.DTYPE_INT64)
+MAX_TOPK = 1024
+
+
+def _tensor(message: pb.Tensor, field: str, dtypes: tuple[int, ...], rank: int | tuple[int, ...]) -> torch.Tensor:
+    """Decodes a tensor of one of `dtypes` and rank(s) `rank`, with every size >= 1."""
+    if message.dtype not in dtypes:
+        raise InvalidArgument(f"{field}.dtype", f"got {message.dtype}, expected one of {', '.join(dtype_name(d) for d in dtypes)}")
+    ranks = (rank,) if isinstance(rank, int) else rank
+    if len(message.shape) not in ranks or min(message.shape, default=0) < 1:
+        raise InvalidArgument(f"{field}.shape", f"got {list(message.shape)}, expected {' or '.join(map(str, ranks))} sizes >= 1")
+    try:
+        return decode_tensor(message, field)
+    except TensorDecodeError as err:
+        raise InvalidArgument(err.field, str(err).removeprefix(f"{err.field}: ")) from None
+
+
+def _check_size(field: str, rows: int, vocab: int, limits: Limits) -> None:
+    if rows > limits.max_batch_rows:
+        raise InvalidArgument(f"{field}.shape", f"got {rows} rows in all, expected at most {limits.max_batch_rows} (--max-batch-rows)")
+    if rows * vocab > limits.max_batch_elements:
+        raise InvalidArgument(f"{field}.shape", f"got {rows * vocab} elements, expected at most {limits.max_batch_elements}")
+
+
+def validate_diffusion_request(
+    request: pb.DiffusionStepRequest, limits: Limits, seed_source: SeedSource = random_seeds
+) -> tuple[DiffusionStep, np.ndarray]:
+    logits = _tensor(request.logits, "logits", LOGITS_DTYPES, 3)
+    num_rows, length, vocab = logits.shape
+    _check_size("logits", num_rows * length, vocab, limits)
+    mask = _tensor(request.mask, "mask", MASK_DTYPES, 2)
+    if tuple(mask.shape) != (num_rows, length):
+        raise InvalidArgument("mask.shape", f"got {list(mask.shape)}, expected [B, L] = {[num_rows, length]}")
+    rows = validate_row_params(request.params, num_rows, vocab, seed_source)
+    threshold = _column(request.confidence_threshold, "confidence_threshold", num_rows, np.nan, np.float32)
+    _check(threshold, np.isnan(threshold) | ((threshold >= 0) & (threshold <= 1)), "confidence_threshold",
+           "0 <= threshold <= 1 (NaN: none)")
+    count = _column(request.commit_count, "commit_count", num_rows, 0, np.int64)
+    step = DiffusionStep(
+        logits=logits, mask=mask != 0, temperature=rows.temperature, top_k=rows.top_k, top_p=rows.top_p,
+        min_p=rows.min_p, seed=rows.seed, iteration=rows.iteration, threshold=torch.from_numpy(threshold),
+        count=torch.from_numpy(count), processing=rows.processing,
+    )
+    return step, rows.seeds
+
+
+def validate_topk_request(request: pb.TopKProbsRequest, limits: Limits) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(logits [N, V] with N = B·S, temperature [N], k)."""
+    logits = _tensor(request.logits, "logits", LOGITS_DTYPES, (2, 3))
+    num_rows, vocab = logits.shape[0], logits.shape[-1]
+    flat = logits.reshape(-1, vocab)
+    _check_size("logits", flat.shape[0], vocab, limits)
+    if not 1 <= request.k <= min(vocab, MAX_TOPK):
+        raise InvalidArgument("k", f"got {request.k}, expected 1 <= k <= min(V, {MAX_TOPK}) = {min(vocab, MAX_TOPK)}")
+    temperature = _column(request.temperature, "temperature", num_rows, 1.0, np.float32)
+    _check(temperature, np.isfinite(temperature) & (temperature > 0), "temperature", "T > 0 and finite")
+    per_position = torch.from_numpy(temperature).repeat_interleave(flat.shape[0] // num_rows)
+    return flat, per_position, request.k
+
+
+def validate_verify_request(
+    request: pb.VerifyDraftRequest, limits: Limits, seed_source: SeedSource = random_seeds
+) -> tuple[DraftVerification, np.ndarray]:
+    draft_ids = _tensor(request.draft_ids, "draft_ids", ID_DTYPES, 2).to(torch.int64)
+    num_rows, n = draft_ids.shape
+    target = _tensor(request.target_logits, "target_logits", LOGITS_DTYPES, 3)
+    vocab = target.shape[2]
+    if tuple(target.shape[:2]) != (num_rows, n + 1):
+        raise InvalidArgument("target_logits.shape", f"got {list(target.shape)}, expected [B, n + 1, V] = {[num_rows, n + 1, vocab]}")
+    _check_size("target_logits", num_rows * (n + 1), vocab, limits)
+    kind = request.WhichOneof("draft")
+    if kind is None:
+        raise InvalidArgument("draft", "not set; expected draft_probs or draft_logits")
+    draft = _tensor(getattr(request, kind), kind, LOGITS_DTYPES, 3).to(torch.float32)
+    if tuple(draft.shape) != (num_rows, n, vocab):
+        raise InvalidArgument(f"{kind}.shape", f"got {list(draft.shape)}, expected [B, n, V] = {[num_rows, n, vocab]}")
+    ids = draft_ids.numpy()
+    _check(ids.reshape(-1), ((ids >= 0) & (ids < vocab)).reshape(-1), "draft_ids", f"token ids in [0, V={vocab})")
+    if kind == "draft_logits":
+        probs = torch.softmax(torch.nan_to_num(draft, nan=float("-inf"), posinf=float("-inf")), dim=-1)
+    else:
+        probs = draft
+        bad = ~torch.isfinite(probs) | (probs < 0)
+        if bool(bad.any()):
+            raise InvalidArgument("draft_probs", "got negative or non-finite values, expected probabilities >= 0")
+        if bool((probs.sum(dim=-1) <= 0).any()):
+            raise InvalidArgument("draft_probs", "got a position whose probabilities sum to 0, expected a distribution")
+    rows = validate_row_params(request.params, num_rows, vocab, seed_source)
+    verification = DraftVerification(
+        draft_ids=draft_ids, draft_probs=probs.nan_to_num(0.0), target_logits=target, temperature=rows.temperature,
+        top_k=rows.top_k, top_p=rows.top_p, min_p=rows.min_p, seed=rows.seed, position=rows.position,
+        iteration=rows.iteration, processing=rows.processing,
+    )
+    return verification, rows.seeds
