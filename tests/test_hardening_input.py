@@ -33,9 +33,12 @@ from tokensampler_server.weights import LogitsFinish, RegisteredWeight
 from .conftest import RunningServer, start_server
 
 SAMPLER = "/tokensampler.v1.Sampler/"
-UNARY_METHODS = [SAMPLER + m for m in (
-    "Sample", "RegisterWeightsFromFile", "ListWeights", "UnregisterWeights", "RegisterRegion", "ListRegions",
-    "UnregisterRegion", "GetServerInfo")] + ["/grpc.health.v1.Health/Check"]
+# Every unary method of the contract (new ones are covered as they are added), and health.
+UNARY_METHODS = [
+    SAMPLER + method.name
+    for method in pb.DESCRIPTOR.services_by_name["Sampler"].methods
+    if not method.client_streaming and not method.server_streaming
+] + ["/grpc.health.v1.Health/Check"]
 SPECIFIC = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
             grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED,
             grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED}

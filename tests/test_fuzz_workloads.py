@@ -1,0 +1,89 @@
+"""Hostile but well-typed requests for the diffusion, top-k-probs and verification RPCs.
+
+Every answer must be OK or INVALID_ARGUMENT naming a field; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
+
+from .conftest import RunningServer
+
+ITEMSIZE = {pb.DTYPE_FLOAT32: 4, pb.DTYPE_BFLOAT16: 2, pb.DTYPE_FLOAT16: 2, pb.DTYPE_INT32: 4, pb.DTYPE_INT64: 8,
+            pb.DTYPE_UINT8: 1}
+FIELDS = ("logits", "mask", "params.", "confidence_threshold", "commit_count", "k", "temperature", "draft",
+          "target_logits", "draft_ids", "draft_probs", "draft_logits")
+dims = st.integers(0, 5)
+dtypes = st.sampled_from([pb.DTYPE_FLOAT32] * 4 + [pb.DTYPE_BFLOAT16, pb.DTYPE_INT32, pb.DTYPE_UINT8, 0])
+numbers = st.one_of(st.floats(-3, 3, width=32), st.sampled_from([float("nan"), float("inf"), -1.0, 0.0, 2.0]))
+
+
+@st.composite
+def tensors(draw, shape: list[int], kinds=dtypes) -> pb.Tensor:
+    """A tensor of `shape`, sometimes with another shape, dtype or one byte too many or too few."""
+    if draw(st.integers(0, 5)) == 0:
+        shape = draw(st.lists(dims, min_size=1, max_size=4))
+    dtype = draw(kinds)
+    size = math.prod(shape) * ITEMSIZE.get(dtype, 4) + draw(st.sampled_from([0, 0, 0, 0, 1, -1]))
+    raw = np.random.default_rng(draw(st.integers(0, 9))).integers(0, 4, max(size, 0), dtype=np.uint8).tobytes()
+    return pb.Tensor(dtype=dtype, shape=shape, data=raw)
+
+
+@st.composite
+def requests(draw) -> tuple[str, object]:
+    b, n, v = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 9))
+    kind = draw(st.sampled_from(["diffusion", "topk", "verify"]))
+    params = pb.SamplingParams(temperature=draw(st.lists(numbers, max_size=1)), top_k=draw(st.lists(st.integers(-2, 9), max_size=1)),
+                               seed=draw(st.lists(st.integers(0, 2**64 - 1), max_size=1)))
+    if kind == "diffusion":
+        return "SampleDiffusionStep", pb.DiffusionStepRequest(
+            logits=draw(tensors([b, n, v])), mask=draw(tensors([b, n], st.sampled_from([pb.DTYPE_UINT8, pb.DTYPE_INT32, 0]))),
+            params=params, confidence_threshold=draw(st.lists(numbers, max_size=2)),
+            commit_count=draw(st.lists(st.integers(0, 9), max_size=2)))
+    if kind == "topk":
+        return "TopKProbs", pb.TopKProbsRequest(
+            logits=draw(tensors([b, n, v])), k=draw(st.integers(0, 12)), temperature=draw(st.lists(numbers, max_size=2)))
+    ids = pb.Tensor(dtype=pb.DTYPE_INT64, shape=[b, n],
+                    data=np.random.default_rng(draw(st.integers(0, 9))).integers(0, v + 1, b * n).tobytes())
+    if draw(st.integers(0, 3)) == 0:  # sometimes a malformed id tensor
+        ids = draw(tensors([b, n], st.sampled_from([pb.DTYPE_INT32, pb.DTYPE_INT64, 0])))
+    request = pb.VerifyDraftRequest(draft_ids=ids, target_logits=draw(tensors([b, n + 1, v])), params=params)
+    if draw(st.booleans()):
+        request.draft_probs.CopyFrom(draw(tensors([b, n, v])))
+    elif draw(st.booleans()):
+        request.draft_logits.CopyFrom(draw(tensors([b, n, v])))
+    return "VerifyDraft", request
+
+
+@pytest.fixture(scope="module")
+def channel(server: RunningServer):
+    with grpc.insecure_channel(server.target) as ch:
+        yield ch
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(call=requests())
+def test_hostile_workload_requests_get_ok_or_invalid_argument(channel: grpc.Channel, call) -> None:
+    method, request = call
+    stub = pb_grpc.SamplerStub(channel)
+    try:
+        getattr(stub, method)(request, timeout=30)
+        event(f"{method}: OK")
+    except grpc.RpcError as err:
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, err.code(), err.details())
+        assert err.details().startswith(FIELDS), err.details()
+        event(f"{method}: rejected {err.details().split(':')[0]}")
+
+
+def test_server_still_serves(channel: grpc.Channel) -> None:
+    logits = np.zeros((1, 2, 4), dtype=np.float32)
+    request = pb.TopKProbsRequest(logits=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 2, 4], data=logits.tobytes()), k=2)
+    assert list(pb_grpc.SamplerStub(channel).TopKProbs(request, timeout=30).probs.shape) == [1, 2, 2]
