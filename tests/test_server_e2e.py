@@ -16,7 +16,6 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 from tokensampler_client.tensors import encode_tensor
 from tokensampler_server.backends.cpu import CpuBackend
-from tokensampler_server.sampling import LogprobsMode
 
 from .batches import make_batch
 from .conftest import RunningServer, start_server

@@ -1,4 +1,8 @@
-"""The Sampler gRPC servicer: decode and validate, run the backend off the event loop, encode."""
+"""The Sampler gRPC servicer: decode and validate, run the backend off the event loop, encode.
+
+Every RPC of the contract is one method here; validation lives in validation.py / validation_ops.py,
+sampling in the batcher and the backends, the torch references of the other workloads in ops/.
+"""
 
 from __future__ import annotations
 
@@ -23,12 +27,12 @@ from .call_record import CallRecord, current_call
 from .config import Limits
 from .errors import InvalidArgument, failure_status
 from .metrics import ServerMetrics
-from .regions import Region, RegionRegistry, region_info
-from .request_context import current_request_id, request_id_from_metadata
-from .sampling import SamplingResult
 from .ops.diffusion import diffusion_step
 from .ops.topk_probs import topk_probs
 from .ops.verify import verify_draft
+from .regions import Region, RegionRegistry, region_info
+from .request_context import current_request_id, request_id_from_metadata
+from .sampling import SamplingResult
 from .validation import LOGITS_DTYPES, validate_sample_request
 from .validation_ops import validate_diffusion_request, validate_topk_request, validate_verify_request
 from .weights import WEIGHT_DTYPES, RegisteredWeight, WeightRegistry, load_safetensors, resolve_weights_path, sha256_hex
