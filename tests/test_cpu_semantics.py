@@ -251,3 +251,20 @@ def test_any_vocabulary_size(vocab_size: int) -> None:
     assert result.tokens.shape == (2, 2)
     assert ((result.tokens >= 0) & (result.tokens < vocab_size)).all()
     assert result.valid.all()
+
+
+def test_noise_drawn_at_kept_ids_only_gives_the_same_tokens(monkeypatch) -> None:
+    """The sparse draw (small kept sets) and the full-vocabulary draw pick the same tokens."""
+    import tokensampler_server.backends.cpu as cpu
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(48, 3000, generator=gen) * 2
+    logits[:, 7] = logits[:, 9] = 6.0  # ties inside the kept set go to the lower id either way
+    batch = make_batch(
+        logits, top_k=[0, 1, 5, 50] * 12, top_p=[1.0, 0.9, 0.5] * 16, min_p=[0.0] * 40 + [0.2] * 8,
+        temperature=[0.0, 0.7, 1.0, 3.0] * 12, seed=torch.arange(48) * 977, num_samples=3,
+    )
+    sparse = BACKEND.sample(batch).tokens
+    monkeypatch.setattr(cpu, "_SPARSE_NOISE_MAX_KEPT", 0)
+    dense = BACKEND.sample(batch).tokens
+    assert torch.equal(sparse, dense)

@@ -20,10 +20,12 @@ import torch
 
 from ..sampling import LogprobsMode, SamplingBatch, SamplingResult
 from .base import Backend, BackendInfo
-from .philox import gumbel_noise
+from .philox import gumbel_noise, gumbel_noise_at
 from .processing import apply_processing, sanitize_non_finite
 
 _NEG_INF = float("-inf")
+# Rows whose kept sets are all at most this wide draw noise at the kept ids only.
+_SPARSE_NOISE_MAX_KEPT = 4096
 
 
 def kept_token_mask(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -56,6 +58,35 @@ def kept_token_mask(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, m
     kept_sorted = rank < kept_count.unsqueeze(1)
     kept = torch.zeros_like(kept_sorted)
     return kept.scatter_(1, order, kept_sorted)
+
+
+def gumbel_argmax(z_kept: torch.Tensor, kept: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
+    """Step 10 for `rows` of the batch: argmax over the kept set of z + g, for every sample; int64 [R, n].
+
+    When every kept set is small (top-k, spiky top-p), the noise is drawn at the kept ids only: the
+    same numbers as the full draw (noise is a pure function of the token id), at a fraction of the cost.
+    """
+    seed, position, iteration = batch.seed[rows], batch.position[rows], batch.iteration[rows]
+    num_kept = kept.sum(dim=1)
+    widest = int(num_kept.max())
+    out = torch.empty((rows.numel(), batch.num_samples), dtype=torch.int64)
+    if widest > _SPARSE_NOISE_MAX_KEPT:
+        for sample in range(batch.num_samples):
+            noise = gumbel_noise(seed, position, iteration, sample, z_kept.shape[1])
+            out[:, sample] = (z_kept + noise).argmax(dim=1)
+        return out
+    # The kept ids of each row in ascending order (nonzero is row-major), padded to the widest row:
+    # argmax's first maximum is then the lowest id, as in the dense form.
+    row, ids = kept.nonzero(as_tuple=True)
+    slot = torch.arange(row.numel()) - (torch.cumsum(num_kept, 0) - num_kept)[row]
+    kept_ids = torch.zeros((rows.numel(), max(widest, 1)), dtype=torch.int64)
+    kept_ids[row, slot] = ids
+    scores = torch.full(kept_ids.shape, _NEG_INF)
+    scores[row, slot] = z_kept[row, ids]
+    for sample in range(batch.num_samples):
+        noise = gumbel_noise_at(seed, position, iteration, sample, kept_ids)
+        out[:, sample] = kept_ids.gather(1, (scores + noise).argmax(dim=1, keepdim=True)).squeeze(1)
+    return out
 
 
 def top_n(values: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,12 +136,11 @@ class CpuBackend(Backend):
             kept[rows] = kept_token_mask(z[rows], batch.top_k[rows], batch.top_p[rows], batch.min_p[rows])
         z_kept = torch.where(kept, z, torch.full_like(z, _NEG_INF))
 
-        # 10. Gumbel-max over the kept set, one noise draw per sample.
-        tokens = torch.empty((num_rows, batch.num_samples), dtype=torch.int64)
-        for sample in range(batch.num_samples):
-            noise = gumbel_noise(batch.seed, batch.position, batch.iteration, sample, vocab_size)
-            sampled = (z_kept + noise).argmax(dim=1)
-            tokens[:, sample] = torch.where(greedy, greedy_tokens, sampled)
+        # 10. Gumbel-max over the kept set, one noise draw per sample (greedy rows draw none).
+        tokens = greedy_tokens.unsqueeze(1).repeat(1, batch.num_samples)
+        sampled = (~greedy & valid).nonzero().squeeze(1)
+        if sampled.numel():
+            tokens[sampled] = gumbel_argmax(z_kept[sampled], kept[sampled], batch, sampled)
         tokens[~valid] = -1
 
         # 11. Log-probs in the requested mode.

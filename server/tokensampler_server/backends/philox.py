@@ -93,3 +93,23 @@ def gumbel_noise(
 ) -> torch.Tensor:
     """Gumbel(0, 1) noise of every token of every row: float32 [B, vocab_size]."""
     return gumbel_from_words(random_words(seed, position, iteration, sample, vocab_size))
+
+
+def gumbel_noise_at(
+    seed: torch.Tensor, position: torch.Tensor, iteration: torch.Tensor, sample: int, tokens: torch.Tensor
+) -> torch.Tensor:
+    """The same noise as gumbel_noise, only at the given token ids: float32 [R, K] for tokens int64 [R, K]
+    (seed, position, iteration: int64 [R]). Lets a row draw only where its kept set is."""
+    k0, k1 = seed_key(seed.unsqueeze(1))
+    words = philox4x32(
+        (
+            tokens >> 2,
+            (position & _MASK32).unsqueeze(1),
+            (iteration & _MASK32).unsqueeze(1),
+            torch.full_like(tokens, sample & _MASK32),
+        ),
+        (k0, k1),
+    )
+    # Word i mod 4 of block i div 4, as in random_words.
+    stacked = torch.stack(torch.broadcast_tensors(*words), dim=-1)
+    return gumbel_from_words(stacked.gather(-1, (tokens & 3).unsqueeze(-1)).squeeze(-1))
