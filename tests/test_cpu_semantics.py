@@ -268,3 +268,21 @@ def test_noise_drawn_at_kept_ids_only_gives_the_same_tokens(monkeypatch) -> None
     monkeypatch.setattr(cpu, "_SPARSE_NOISE_MAX_KEPT", 0)
     dense = BACKEND.sample(batch).tokens
     assert torch.equal(sparse, dense)
+
+
+def test_top_k_rows_sort_only_their_candidates_with_the_same_kept_sets(monkeypatch) -> None:
+    """Sorting only the tokens at or above the k-th largest gives the kept sets of the full sort,
+    ties at the cut and -inf tokens included."""
+    import tokensampler_server.backends.cpu as cpu
+
+    gen = torch.Generator().manual_seed(8)
+    z = torch.round(torch.randn(300, 500, generator=gen) * 4) / 4  # many ties
+    z[::7, 250:] = float("-inf")
+    z[::11, 3:] = float("-inf")  # rows with fewer finite tokens than k
+    z = z - z.max(dim=1, keepdim=True).values
+    top_k = torch.randint(1, 300, (300,), generator=gen, dtype=torch.int32)
+    top_p = torch.where(torch.rand(300, generator=gen) < 0.5, 1.0, torch.rand(300, generator=gen) * 0.9 + 0.05)
+    min_p = torch.where(torch.rand(300, generator=gen) < 0.3, 0.1, 0.0)
+    fast = cpu.kept_token_mask(z, top_k, top_p, min_p)
+    monkeypatch.setattr(cpu, "top_k_candidates", cpu.sorted_row)
+    assert torch.equal(fast, cpu.kept_token_mask(z, top_k, top_p, min_p))

@@ -32,11 +32,50 @@ def kept_token_mask(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, m
     """Steps 8 and 9: the kept set K of each row as a bool mask [B, V].
 
     z: float32 [B, V] with max 0 in every row (-inf for masked tokens); top_k int (0 = off),
-    top_p float (1 = off), min_p float (0 = off), each [B].
+    top_p float (1 = off), min_p float (0 = off), each [B]. Rows with top-k sort only the tokens that
+    can enter their prefix; the others sort the whole row.
     """
+    kept = torch.zeros_like(z, dtype=torch.bool)
+    with_k = top_k > 0
+    for rows, sorted_candidates in ((with_k, top_k_candidates), (~with_k, sorted_row)):
+        if bool(rows.any()):
+            index = rows.nonzero().squeeze(1)
+            z_sorted, order = sorted_candidates(z[index], top_k[index])
+            kept[index] = _kept_prefix(z_sorted, order, top_k[index], top_p[index], min_p[index], z.shape[1])
+    return kept
+
+
+def sorted_row(z: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token, sorted by (z descending, id ascending): (z_sorted, ids), both [R, V]."""
+    return torch.sort(z, dim=1, descending=True, stable=True)
+
+
+def top_k_candidates(z: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens that can be in a row's top-k prefix — all at or above its k-th largest z, so ties at
+    the cut are all there — sorted by (z descending, id ascending); padded with -inf and id V."""
     num_rows, vocab_size = z.shape
-    # Stable descending sort: equal z keep ascending index order.
-    z_sorted, order = torch.sort(z, dim=1, descending=True, stable=True)
+    k = top_k.to(torch.int64).clamp(max=vocab_size)  # k >= V keeps every token's candidacy
+    kth = torch.topk(z, int(k.max()), dim=1).values.gather(1, (k - 1).unsqueeze(1))
+    candidate = z >= kth
+    count = candidate.sum(dim=1)
+    row, ids = candidate.nonzero(as_tuple=True)  # row-major: ids ascend within a row
+    slot = torch.arange(row.numel()) - (torch.cumsum(count, 0) - count)[row]
+    width = int(count.max())
+    cand_z = torch.full((num_rows, width), _NEG_INF, dtype=z.dtype)
+    cand_ids = torch.full((num_rows, width), vocab_size, dtype=torch.int64)
+    cand_z[row, slot] = z[row, ids]
+    cand_ids[row, slot] = ids
+    z_sorted, perm = torch.sort(cand_z, dim=1, descending=True, stable=True)  # stable: ids stay ascending on ties
+    return z_sorted, cand_ids.gather(1, perm)
+
+
+def _kept_prefix(
+    z_sorted: torch.Tensor, order: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+    vocab_size: int,
+) -> torch.Tensor:
+    """The kept set from tokens sorted by (z desc, id asc): z_sorted and their ids `order`, [R, W]
+    (W <= V; ids equal to V are padding). Returns the bool mask [R, V]."""
+    num_rows, width = z_sorted.shape
     finite = torch.isfinite(z_sorted)
     # top-k and min-p both keep a prefix of the sorted order; -inf tokens are never kept.
     limit = finite.sum(dim=1)
@@ -45,19 +84,21 @@ def kept_token_mask(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, m
     # max z is 0, so the min-p condition q_i >= m * max q reads exp(z_i) >= m.
     above_min_p = (torch.exp(z_sorted) >= min_p.unsqueeze(1)) & finite
     limit = torch.minimum(limit, above_min_p.sum(dim=1))
-    rank = torch.arange(vocab_size).unsqueeze(0)
+    rank = torch.arange(width).unsqueeze(0)
     in_prefix = rank < limit.unsqueeze(1)
-    # top-p over the prefix, renormalised by the prefix's own mass.
-    probs = torch.where(in_prefix, torch.exp(z_sorted), torch.zeros((), dtype=z.dtype))
-    cumulative = torch.cumsum(probs, dim=1) / probs.sum(dim=1, keepdim=True)
+    # top-p over the prefix, renormalised by the prefix's own mass: the running sum over the sorted
+    # prefix, divided by its last value (one sequential sum, whatever the row's padding).
+    probs = torch.where(in_prefix, torch.exp(z_sorted), torch.zeros((), dtype=z_sorted.dtype))
+    running = torch.cumsum(probs, dim=1)
+    cumulative = running / running[:, -1:]
     reached = (cumulative >= top_p.unsqueeze(1)) & in_prefix
     # L2 = first rank whose cumulative mass reaches p, plus one; L1 when rounding never reaches it.
     first_reached = torch.where(reached.any(dim=1), reached.to(torch.int8).argmax(dim=1) + 1, limit)
     use_top_p = top_p < 1.0
     kept_count = torch.where(use_top_p, torch.minimum(first_reached, limit), limit)
     kept_sorted = rank < kept_count.unsqueeze(1)
-    kept = torch.zeros_like(kept_sorted)
-    return kept.scatter_(1, order, kept_sorted)
+    kept = torch.zeros((num_rows, vocab_size + 1), dtype=torch.bool)  # column V takes the padding
+    return kept.scatter_(1, order, kept_sorted)[:, :vocab_size]
 
 
 def gumbel_argmax(z_kept: torch.Tensor, kept: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
