@@ -34,6 +34,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "server"))
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from generators import spiky_logits  # noqa: E402
 from tokensampler_server.backends.cuda import CudaBackend  # noqa: E402
 from tokensampler_server.backends.cuda_kernels import Outputs, RowParams  # noqa: E402
 from tokensampler_server.sampling import LogitProcessing, LogprobsMode, SamplingBatch, TokenEntries  # noqa: E402
@@ -47,14 +49,6 @@ MODES = {
     "min_p": {"temperature": 1.0, "min_p": 0.05},
 }
 
-
-def spiky_logits(rows: int, vocab: int, device: str, seed: int = 0) -> torch.Tensor:
-    """randn + 50 spikes in U(10, 30) per row (bench_service.py's generator)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(rows, vocab, device=device, generator=gen)
-    idx = torch.randint(0, vocab, (rows, 50), device=device, generator=gen)
-    x.scatter_(1, idx, torch.rand(rows, 50, device=device, generator=gen) * 20 + 10)
-    return x
 
 
 def make_batch(x: torch.Tensor, modes: list[str], *, num_samples: int = 1, seed: int = 0, **extra) -> SamplingBatch:

@@ -40,6 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 for package in ("server", "client"):
     sys.path.insert(0, str(ROOT / package))
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from generators import spiky_logits  # noqa: E402
 import grpc  # noqa: E402
 from tokensampler_client import BatchingClient, SamplerClient  # noqa: E402
 from tokensampler_client.params import build_sample_request  # noqa: E402
@@ -53,14 +55,6 @@ THROUGHPUT_CLIENTS = (1, 4, 16)
 THROUGHPUT_ROWS = 16
 PARAMS = dict(top_k=50, top_p=0.9)
 
-
-def spiky_logits(rows: int, vocab: int, device: str, seed: int = 0) -> torch.Tensor:
-    """randn + 50 spikes in U(10, 30) per row, as the protocol's generator."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(rows, vocab, device=device, generator=gen)
-    idx = torch.randint(0, vocab, (rows, 50), device=device, generator=gen)
-    x.scatter_(1, idx, torch.rand(rows, 50, device=device, generator=gen) * 20 + 10)
-    return x
 
 
 def start(command: list[str], ready: re.Pattern) -> tuple[subprocess.Popen, int]:

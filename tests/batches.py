@@ -10,7 +10,8 @@ from tokensampler_server.sampling import LogitProcessing, LogprobsMode, Sampling
 Column = float | int | Sequence[float] | Sequence[int] | torch.Tensor
 
 
-def _per_row(value: Column, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
+def per_row(value: Column, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """A scalar shared by every row, or one value per row, as a [num_rows] tensor of `dtype`."""
     tensor = torch.as_tensor(value, dtype=dtype)
     return tensor.expand(num_rows).clone() if tensor.dim() == 0 else tensor.clone()
 
@@ -35,13 +36,13 @@ def make_batch(
     num_rows = logits.shape[0]
     return SamplingBatch(
         logits=logits,
-        temperature=_per_row(temperature, num_rows, torch.float32),
-        top_k=_per_row(top_k, num_rows, torch.int32),
-        top_p=_per_row(top_p, num_rows, torch.float32),
-        min_p=_per_row(min_p, num_rows, torch.float32),
-        seed=_per_row(seed, num_rows, torch.int64),
-        position=_per_row(position, num_rows, torch.int64),
-        iteration=_per_row(iteration, num_rows, torch.int64),
+        temperature=per_row(temperature, num_rows, torch.float32),
+        top_k=per_row(top_k, num_rows, torch.int32),
+        top_p=per_row(top_p, num_rows, torch.float32),
+        min_p=per_row(min_p, num_rows, torch.float32),
+        seed=per_row(seed, num_rows, torch.int64),
+        position=per_row(position, num_rows, torch.int64),
+        iteration=per_row(iteration, num_rows, torch.int64),
         num_samples=num_samples,
         processing=processing,
         return_logprobs=return_logprobs,

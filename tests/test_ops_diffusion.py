@@ -18,7 +18,7 @@ from tokensampler_server.backends.cpu import CpuBackend
 from tokensampler_server.ops.diffusion import DiffusionStep, diffusion_step
 from tokensampler_server.sampling import LogitProcessing, SamplingBatch, SamplingResult, TokenEntries
 
-from .batches import Column, make_batch
+from .batches import Column, make_batch, per_row
 from .test_cpu_semantics import LOGITS, assert_fits, exact_distribution
 
 BACKEND = CpuBackend()
@@ -40,11 +40,6 @@ class RecordingBackend(Backend):
         return result
 
 
-def _column(value: Column, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
-    tensor = torch.as_tensor(value, dtype=dtype)
-    return tensor.expand(num_rows).clone() if tensor.dim() == 0 else tensor.clone()
-
-
 def make_step(
     logits: torch.Tensor,
     mask: torch.Tensor | None = None,
@@ -64,14 +59,14 @@ def make_step(
     return DiffusionStep(
         logits=logits,
         mask=torch.ones(num_rows, length, dtype=torch.bool) if mask is None else mask,
-        temperature=_column(temperature, num_rows, torch.float32),
-        top_k=_column(top_k, num_rows, torch.int32),
-        top_p=_column(top_p, num_rows, torch.float32),
-        min_p=_column(min_p, num_rows, torch.float32),
-        seed=_column(seed, num_rows, torch.int64),
-        iteration=_column(iteration, num_rows, torch.int64),
-        threshold=_column(threshold, num_rows, torch.float32),
-        count=_column(count, num_rows, torch.int64),
+        temperature=per_row(temperature, num_rows, torch.float32),
+        top_k=per_row(top_k, num_rows, torch.int32),
+        top_p=per_row(top_p, num_rows, torch.float32),
+        min_p=per_row(min_p, num_rows, torch.float32),
+        seed=per_row(seed, num_rows, torch.int64),
+        iteration=per_row(iteration, num_rows, torch.int64),
+        threshold=per_row(threshold, num_rows, torch.float32),
+        count=per_row(count, num_rows, torch.int64),
         processing=processing,
     )
 
