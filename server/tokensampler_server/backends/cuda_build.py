@@ -22,8 +22,10 @@ from types import ModuleType
 
 import torch
 
-_SOURCES = ("sampling.cu", "bindings.cpp")
-_HEADERS = ("sampling.cuh", "sampling.h", "common.cuh", "philox.cuh")
+# Every .cu/.cpp of csrc/ is compiled into the one module (bindings.cpp holds PYBIND11_MODULE and calls
+# the register_* functions of the other binding files); every header is part of the cache key.
+_SOURCE_SUFFIXES = (".cu", ".cpp")
+_HEADER_SUFFIXES = (".cuh", ".h")
 _MODULE_NAME = "tokensampler_cuda"
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -50,9 +52,14 @@ def arch_flags(capability: tuple[int, int]) -> list[str]:
     return flags
 
 
+def _files(src: Path, suffixes: tuple[str, ...]) -> list[str]:
+    return sorted(p.name for p in src.iterdir() if p.suffix in suffixes) if src.is_dir() else []
+
+
 def _build_dir(flags: list[str], src: Path) -> Path:
     digest = hashlib.sha256()
-    for name in _SOURCES + _HEADERS:
+    for name in _files(src, _SOURCE_SUFFIXES + _HEADER_SUFFIXES):
+        digest.update(name.encode())
         digest.update((src / name).read_bytes())
     digest.update(" ".join(flags).encode())
     digest.update(torch.__version__.encode())
@@ -63,9 +70,8 @@ def _build_dir(flags: list[str], src: Path) -> Path:
 
 
 def _check_sources(src: Path) -> None:
-    missing = [name for name in _SOURCES + _HEADERS if not (src / name).is_file()]
-    if missing:
-        raise CudaBackendUnavailable(f"kernel sources missing in {src}: {', '.join(missing)}")
+    if "bindings.cpp" not in _files(src, _SOURCE_SUFFIXES):
+        raise CudaBackendUnavailable(f"kernel sources missing in {src}: bindings.cpp")
 
 
 def _check_compiler() -> None:
@@ -87,7 +93,7 @@ def _compile(src: Path, build_dir: Path, cuda_flags: list[str]) -> ModuleType:
     try:
         return load(
             name=_MODULE_NAME,
-            sources=[str(src / name) for name in _SOURCES],
+            sources=[str(src / name) for name in _files(src, _SOURCE_SUFFIXES)],
             extra_cflags=["-O3"],
             extra_cuda_cflags=cuda_flags,
             extra_include_paths=[str(src)],
