@@ -1,4 +1,60 @@
-// Torch binding of the fused LM-head matmul + sampling kernels (csrc/fused.h).
+// Torch binding of the fused LM-head matmul + sampling kernels (csrc/fused.h): plain device
+// addresses in, launches on the caller's stream. Shapes, dtypes and alignment are checked on the
+// Python side (server/tokensampler_server/backends/cuda_fused.py), which owns every tensor passed here.
+#include <cuda_runtime.h>
 #include <torch/extension.h>
 
-void register_fused(pybind11::module_& m) { (void)m; }
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "fused.h"
+
+namespace {
+
+template <typename T>
+T* address(int64_t a) { return reinterpret_cast<T*>(static_cast<uintptr_t>(a)); }
+
+using PlanTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>;
+
+PlanTuple plan_tuple(const TsFusedPlan& p) {
+  return {p.rows_per_tile, p.vocab_ctas, p.batch_tiles, static_cast<int64_t>(p.smem_bytes),
+          static_cast<int64_t>(p.scratch_bytes)};
+}
+
+TsFusedPlan plan_of(const PlanTuple& t) {
+  return TsFusedPlan{static_cast<int32_t>(std::get<0>(t)), static_cast<int32_t>(std::get<1>(t)),
+                     static_cast<int32_t>(std::get<2>(t)), static_cast<size_t>(std::get<3>(t)),
+                     static_cast<size_t>(std::get<4>(t))};
+}
+
+}  // namespace
+
+void register_fused(pybind11::module_& m) {
+  // (rows_per_tile, vocab_ctas, batch_tiles, smem_bytes, scratch_bytes); rows_per_tile 0: unsupported.
+  m.def("fused_plan", [](int64_t num_rows, int64_t dim, int64_t vocab, int64_t num_sms, int64_t max_smem) {
+    return plan_tuple(ts_fused_plan(num_rows, dim, vocab, static_cast<int32_t>(num_sms), static_cast<int32_t>(max_smem)));
+  });
+  // head: weight, vocab, dim, dtype, bias (0: none); params: temperature, top_k, top_p, min_p, seed,
+  // position, iteration (device addresses); logprobs 0: not computed.
+  m.def("fused_sample", [](int64_t weight, int64_t vocab, int64_t dim, int64_t dtype, int64_t bias, double logit_scale,
+                           double soft_cap, int64_t states, int64_t num_rows, std::vector<int64_t> params,
+                           PlanTuple plan, int64_t tokens, int64_t num_samples, int64_t logprobs, int64_t flags,
+                           int64_t scratch, int64_t stream) {
+    if (params.size() != 7) throw std::invalid_argument("tokensampler: 7 parameter arrays expected");
+    const TsLmHead head{address<const void>(weight), vocab, dim, static_cast<int32_t>(dtype), address<const float>(bias),
+                        static_cast<float>(logit_scale), static_cast<float>(soft_cap)};
+    const TsRows rows{nullptr, static_cast<int32_t>(num_rows), address<const float>(params[0]),
+                      address<const int32_t>(params[1]), address<const float>(params[2]), address<const float>(params[3]),
+                      address<const int64_t>(params[4]), address<const int64_t>(params[5]),
+                      address<const int64_t>(params[6])};
+    const TsFusedOutputs out{address<int64_t>(tokens), static_cast<int32_t>(num_samples), address<float>(logprobs),
+                             address<uint8_t>(flags)};
+    const TsFusedPlan p = plan_of(plan);
+    const int err = ts_fused_sample(&head, address<const void>(states), num_rows, &rows, &p, &out,
+                                    address<void>(scratch), address<void>(stream));
+    if (err != 0)
+      throw std::runtime_error(std::string("tokensampler fused_sample: ") + cudaGetErrorString(static_cast<cudaError_t>(err)));
+  });
+}

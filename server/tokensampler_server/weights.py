@@ -62,12 +62,18 @@ class RegisteredWeight:
         W·h with fp32 operands and accumulation (the semantics), W upcast one slice of rows at a time
         so that a bf16 head is never copied whole to fp32.
         """
-        h = hidden.to(self.weight.device, torch.float32)
         vocab = self.finish.vocab_size
-        x = torch.empty(h.shape[0], vocab, dtype=torch.float32, device=h.device)
-        for start in range(0, vocab, _ROWS_PER_SLICE):
-            stop = min(start + _ROWS_PER_SLICE, vocab)
-            torch.mm(h, self.weight[start:stop].to(torch.float32).T, out=x[:, start:stop])
+        weight = self.weight
+        if weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and hidden.dtype == weight.dtype:
+            # Products of two 16-bit floats are exact in fp32: tensor cores with fp32 accumulation and
+            # output compute the same W·h as the fp32 form below, at cuBLAS speed.
+            x = torch.mm(hidden.to(weight.device), weight[:vocab].T, out_dtype=torch.float32)
+        else:
+            h = hidden.to(weight.device, torch.float32)
+            x = torch.empty(h.shape[0], vocab, dtype=torch.float32, device=h.device)
+            for start in range(0, vocab, _ROWS_PER_SLICE):
+                stop = min(start + _ROWS_PER_SLICE, vocab)
+                torch.mm(h, weight[start:stop].to(torch.float32).T, out=x[:, start:stop])
         finish = self.finish
         if finish.bias is not None:
             x += finish.bias[:vocab].to(x.device)

@@ -28,7 +28,9 @@ import threading
 
 import torch
 
+from ..metrics import record_fallback
 from ..sampling import LogitProcessing, LogprobsMode, SamplingBatch, SamplingResult, TokenEntries
+from . import cuda_fused
 from .base import Backend, BackendInfo
 from .cuda_build import CudaBackendUnavailable
 from .cuda_kernels import Kernels, Outputs
@@ -357,6 +359,11 @@ class CudaBackend(Backend):
         return {"in_kernel": int(self._kernels.fallback_count.item()), "cpu_rows": self._cpu_rows}
 
     def sample(self, batch: SamplingBatch) -> SamplingResult:
+        if batch.hidden is not None:
+            reason = cuda_fused.unsupported_reason(batch)
+            if reason is None:
+                return self._sample_fused(batch)
+            record_fallback(reason)
         batch = batch.with_logits()  # hidden states through their LM head (a no-op for logits)
         with self._lock, torch.cuda.device(self._device):
             try:
@@ -365,11 +372,18 @@ class CudaBackend(Backend):
                 self._after_failure()
                 raise
         if cpu_rows is not None and cpu_rows.numel():
-            from ..metrics import record_fallback
-
             record_fallback("cuda_rows_to_cpu_reference")
             result = self._resample_on_cpu(batch, result, cpu_rows)
         return result
+
+    def _sample_fused(self, batch: SamplingBatch) -> SamplingResult:
+        """Hidden states through the fused kernel; rows whose kept set it cannot decide, through logits."""
+        with self._lock, torch.cuda.device(self._device):
+            result, redo = cuda_fused.sample_hidden(batch)
+        if not redo.numel():
+            return result
+        record_fallback("fused_kept_set")
+        return _merge_rows(result, redo, self.sample(cuda_fused.select_hidden_rows(batch, redo).with_logits()))
 
     def _after_failure(self) -> None:
         """A call that raised may have left copies in flight from the reused pinned buffers: wait for them,
@@ -629,17 +643,20 @@ class CudaBackend(Backend):
 
             self._cpu_backend = CpuBackend()
         self._cpu_rows += int(rows.numel())
-        sub = self._cpu_backend.sample(select_rows(batch, rows))
+        return _merge_rows(result, rows, self._cpu_backend.sample(select_rows(batch, rows)))
 
-        def put(full: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
-            if full is None or part is None:
-                return full
-            full = full.clone()
-            full[rows] = part
+
+def _merge_rows(result: SamplingResult, rows: torch.Tensor, sub: SamplingResult) -> SamplingResult:
+    """`result` with its `rows` replaced by the rows of `sub` (sampled again on another path)."""
+    def put(full: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
+        if full is None or part is None:
             return full
+        full = full.clone()
+        full[rows] = part
+        return full
 
-        return SamplingResult(tokens=put(result.tokens, sub.tokens), valid=put(result.valid, sub.valid),
-                              nan_detected=put(result.nan_detected, sub.nan_detected),
-                              logprobs=put(result.logprobs, sub.logprobs),
-                              top_logprob_ids=put(result.top_logprob_ids, sub.top_logprob_ids),
-                              top_logprobs=put(result.top_logprobs, sub.top_logprobs))
+    return SamplingResult(tokens=put(result.tokens, sub.tokens), valid=put(result.valid, sub.valid),
+                          nan_detected=put(result.nan_detected, sub.nan_detected),
+                          logprobs=put(result.logprobs, sub.logprobs),
+                          top_logprob_ids=put(result.top_logprob_ids, sub.top_logprob_ids),
+                          top_logprobs=put(result.top_logprobs, sub.top_logprobs))

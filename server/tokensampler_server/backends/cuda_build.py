@@ -1,6 +1,6 @@
 """Builds the logits-path CUDA kernels (csrc/) on first use, into a cache directory.
 
-torch.utils.cpp_extension.load compiles csrc/sampling.cu and the binding csrc/bindings.cpp with
+torch.utils.cpp_extension.load compiles every csrc/*.cu and *.cpp (bindings.cpp holds the module) with
 ninja. The build directory is keyed by a hash of the sources, the flags and the torch version, so a
 change rebuilds, and a module already built there is imported directly: neither nvcc nor ninja is
 needed then (a container image prebuilds it and runs on the CUDA runtime base).

@@ -1,0 +1,153 @@
+"""FUSED workload benchmark per /work/shared/bench/README.md: hidden states [B, D] bf16 x LM head [V, D] bf16.
+
+  python benchmarks/bench_fused.py [--out benchmarks/results] [--batches 1,8,32,64,128,256]
+
+Times, in one process on the same W and h: the fused kernel (`tokensampler_fused`: gumbel, and
+top_k_top_p with raw log-probs on), cuBLAS into fp32 logits followed by our logits kernels
+(`tokensampler_unfused`), `tokensampler` = the one of the two the CUDA backend picks at that B
+(cuda_fused.MAX_ROWS), and the peers: cuBLAS matmul alone, matmul + FlashInfer sampling_from_logits
+and top_k_top_p_sampling_from_logits, FlashSampling's Triton kernel when its fs_core module imports.
+Every row carries the HBM roofline (W bytes / measured read bandwidth).
+Writes fused-<gpu>-<date>.json and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "server"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_kernels import gpu_slug, load_peers, tokensampler_fn  # noqa: E402
+from tokensampler_server.backends import cuda_fused  # noqa: E402
+from tokensampler_server.backends.cuda_kernels import Kernels, RowParams  # noqa: E402
+
+V, D = 151936, 4096
+TOP_K, TOP_P = 50, 0.9
+
+
+def fused_fn(weight: torch.Tensor, hidden: torch.Tensor, mode: str):
+    b = hidden.shape[0]
+    if mode == "gumbel":
+        params = RowParams.make(b, weight.device, temperature=1.0, seed=7)
+        return lambda: cuda_fused.fused_sample(weight, hidden, params)[0]
+    params = RowParams.make(b, weight.device, top_k=TOP_K, top_p=TOP_P, seed=7)
+    return lambda: cuda_fused.fused_sample(weight, hidden, params, logprobs=True)[0]
+
+
+def unfused_fn(kernels: Kernels, weight: torch.Tensor, hidden: torch.Tensor, mode: str):
+    """cuBLAS W·h into fp32 logits (tensor cores, fp32 accumulation), then the logits kernel."""
+    logits = torch.mm(hidden, weight.T, out_dtype=torch.float32)
+    sample = tokensampler_fn(kernels, mode, logits)
+
+    def run() -> torch.Tensor:
+        torch.mm(hidden, weight.T, out_dtype=torch.float32, out=logits)
+        return sample()
+
+    return run
+
+
+def print_targets(rows: list[dict]) -> None:
+    t = {(r["method"], r.get("mode"), r["B"]): r["median_us"] for r in rows}
+    roof = {r["B"]: r["roofline_us"] for r in rows}
+    for b in sorted(roof):
+        gumbel = t.get(("tokensampler", "gumbel", b))
+        topk = t.get(("tokensampler", "top_k_top_p", b))
+        cublas = t.get(("cublas_matmul_only", None, b))
+        fi = t.get(("matmul+flashinfer_gumbel", None, b))
+        cells = [f"B={b:4d}", f"gumbel {gumbel:8.1f} us", f"roof/gumbel {roof[b] / gumbel:5.3f} (>=0.95 for B<=64)"]
+        if cublas:
+            cells.append(f"gumbel/cuBLAS {gumbel / cublas:5.3f} (<=1.05 for B>=128)")
+        if fi:
+            cells.append(f"gumbel/(cuBLAS+FI) {gumbel / fi:5.3f} (<1)")
+        if topk:
+            cells.append(f"top_k_top_p+logprobs/gumbel {topk / gumbel:5.3f} (<=1.1)")
+        print("TARGET fused " + "  ".join(cells), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--batches", default="1,8,32,64,128,256")
+    ap.add_argument("--no-peers", action="store_true")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    peers = load_peers()
+    kernels = Kernels(torch.cuda.current_device())
+    gpu = torch.cuda.get_device_name()
+    date = datetime.date.today().isoformat()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    copy_bw, read_bw = peers.bandwidth()
+    meta = {"gpu": gpu, "torch": torch.__version__, "commit": commit or "unknown", "date": date, "V": V, "D": D,
+            "dtype": "bfloat16", "top_k": TOP_K, "top_p": TOP_P, "fused_max_rows": cuda_fused.MAX_ROWS,
+            "read_bw_GBps": round(read_bw / 1e9, 1), "timing": "triton do_bench warmup=25 rep=100 median, L2 flushed"}
+    fi = fs = None
+    if not args.no_peers:
+        try:
+            fi = peers.import_with_stubs("flashinfer.sampling")
+            meta["flashinfer"] = "imported"
+        except Exception as err:  # noqa: BLE001 - recorded in the results, the run goes on
+            meta["flashinfer"] = f"unavailable: {type(err).__name__}: {err}"[:300]
+        try:
+            fs = importlib.import_module("fs_core")
+            meta["flashsampling"] = "imported"
+        except Exception as err:  # noqa: BLE001
+            meta["flashsampling"] = f"unavailable: {type(err).__name__}: {err}"[:300]
+    print(json.dumps(meta), flush=True)
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weight = torch.randn(V, D, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    roof = V * D * 2 / read_bw * 1e6
+    rows: list[dict] = []
+
+    def emit(method: str, mode: str | None, b: int, us: float) -> None:
+        rows.append({"workload": "fused", "method": method, "mode": mode, "B": b, "median_us": round(us, 2),
+                     "roofline_us": round(roof, 2), "of_roofline": round(roof / us, 3)})
+        print(f"fused {method:28s} {mode or '':12s} B={b:4d} {us:9.2f} us  roof {roof:7.2f} ({roof / us:.0%})", flush=True)
+
+    for b in batches:
+        hidden = torch.randn(b, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for mode in ("gumbel", "top_k_top_p"):
+            fused_us = peers.bench(fused_fn(weight, hidden, mode))
+            unfused_us = peers.bench(unfused_fn(kernels, weight, hidden, mode))
+            emit("tokensampler_fused", mode, b, fused_us)
+            emit("tokensampler_unfused", mode, b, unfused_us)
+            emit("tokensampler", mode, b, fused_us if b <= cuda_fused.MAX_ROWS else unfused_us)
+        if args.no_peers:
+            continue
+        k = torch.full((b,), TOP_K, device="cuda", dtype=torch.int32)
+        p = torch.full((b,), TOP_P, device="cuda", dtype=torch.float32)
+        emit("cublas_matmul_only", None, b, peers.bench(lambda: hidden @ weight.T))
+        if fi is not None:
+            emit("matmul+flashinfer_gumbel", None, b, peers.bench(lambda: fi.sampling_from_logits(hidden @ weight.T)))
+            emit("matmul+flashinfer_topk_topp", None, b,
+                 peers.bench(lambda: fi.top_k_top_p_sampling_from_logits(hidden @ weight.T, k, p)))
+        if fs is not None:
+            temp = torch.tensor(1.0, device="cuda")
+            emit("flashsampling_triton", None, b, peers.bench(
+                lambda: fs.fused_mm_sample_triton(weights=weight, hidden_states=hidden, num_samples=1, temperature=temp, seed=0)))
+    print_targets(rows)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"fused-{gpu_slug(gpu)}-{date}.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {path}", flush=True)
+    try:
+        from plot_results import plot  # noqa: PLC0415 - optional: needs matplotlib
+
+        plot(path)
+    except ImportError as err:
+        print(f"no plot: {err}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+// Launchers of the fused LM-head matmul + sampling kernels (fused.h; device code: fused.cuh).
+#include <cuda_runtime.h>
+
+#include "fused.cuh"
+
+namespace {
+
+using namespace tokensampler;
+using namespace tokensampler::fused;
+
+size_t partials_smem_bytes(int rows_per_tile, int64_t dim) {
+  const int nt = rows_per_tile / 8;
+  return static_cast<size_t>(rows_per_tile) * (dim + kHPad) * sizeof(uint16_t)  // hidden states
+         + static_cast<size_t>(kRowGroups) * 32 * nt * 4 * sizeof(float)        // the second half of D
+         + static_cast<size_t>(rows_per_tile) * kTileRows * sizeof(float)       // one tile of logits
+         + static_cast<size_t>(rows_per_tile) * kCandBuf * sizeof(uint64_t);    // candidate buffers
+}
+
+// The deepest register ring (chunks of 64 bytes per W row in flight) that divides a half of D.
+int ring_depth(int64_t dim) {
+  const int64_t chunks = dim / 2 / kChunk;
+  return chunks % 4 == 0 ? 4 : chunks % 2 == 0 ? 2 : 1;
+}
+
+template <bool BF16, int NT, int PF>
+cudaError_t launch_partials(const PartialsArgs& args, const TsFusedPlan& plan, cudaStream_t stream) {
+  auto kernel = fused_partials_kernel<BF16, NT, PF>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(plan.smem_bytes));
+  if (err != cudaSuccess) return err;
+  kernel<<<plan.vocab_ctas * plan.batch_tiles, kThreads, plan.smem_bytes, stream>>>(args);
+  return cudaGetLastError();
+}
+
+template <bool BF16, int NT>
+cudaError_t launch_partials_ring(const PartialsArgs& args, const TsFusedPlan& plan, cudaStream_t stream) {
+  switch (ring_depth(args.head.dim)) {
+    case 4: return launch_partials<BF16, NT, 4>(args, plan, stream);
+    case 2: return launch_partials<BF16, NT, 2>(args, plan, stream);
+    default: return launch_partials<BF16, NT, 1>(args, plan, stream);
+  }
+}
+
+template <bool BF16>
+cudaError_t launch_partials_typed(const PartialsArgs& args, const TsFusedPlan& plan, cudaStream_t stream) {
+  return plan.rows_per_tile == 16 ? launch_partials_ring<BF16, 2>(args, plan, stream)
+                                  : launch_partials_ring<BF16, 1>(args, plan, stream);
+}
+
+}  // namespace
+
+extern "C" TsFusedPlan ts_fused_plan(int64_t num_rows, int64_t dim, int64_t vocab, int32_t num_sms,
+                                     int32_t max_smem) {
+  TsFusedPlan plan{0, 0, 0, 0, 0};
+  if (dim <= 0 || dim % 64 != 0 || num_rows <= 0 || vocab <= 0 || num_sms <= 0) return plan;
+  // 16 rows per CTA halve the number of passes over W when they fit; 8 otherwise.
+  int rows_per_tile = 0;
+  if (num_rows > 8 && partials_smem_bytes(16, dim) <= static_cast<size_t>(max_smem)) {
+    rows_per_tile = 16;
+  } else if (partials_smem_bytes(8, dim) <= static_cast<size_t>(max_smem)) {
+    rows_per_tile = 8;
+  } else {
+    return plan;
+  }
+  const int64_t batch_tiles = (num_rows + rows_per_tile - 1) / rows_per_tile;
+  const int64_t num_tiles = (vocab + kTileRows - 1) / kTileRows;
+  // One wave of one CTA per SM per batch tile. The vocabulary split depends on V and the GPU only,
+  // never on B, so that a row's partial sums, and hence its result, do not depend on its batch.
+  const int64_t vocab_ctas = num_tiles < num_sms ? num_tiles : num_sms;
+  plan.rows_per_tile = rows_per_tile;
+  plan.vocab_ctas = static_cast<int32_t>(vocab_ctas);
+  plan.batch_tiles = static_cast<int32_t>(batch_tiles);
+  plan.smem_bytes = partials_smem_bytes(rows_per_tile, dim);
+  const size_t parts = static_cast<size_t>(num_rows) * vocab_ctas;
+  plan.scratch_bytes = parts * sizeof(Partial) + parts * kCand * sizeof(uint64_t);
+  return plan;
+}
+
+extern "C" int ts_fused_sample(const TsLmHead* head, const void* states, int64_t num_rows, const TsRows* rows,
+                               const TsFusedPlan* plan, const TsFusedOutputs* out, void* scratch, void* stream) {
+  if (plan->rows_per_tile == 0 || rows->rows != nullptr || (head->dtype != 1 && head->dtype != 2))
+    return cudaErrorInvalidValue;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const size_t parts = static_cast<size_t>(num_rows) * plan->vocab_ctas;
+  Partial* partials = static_cast<Partial*>(scratch);
+  uint64_t* cands = reinterpret_cast<uint64_t*>(partials + parts);
+
+  PartialsArgs args;
+  args.head = *head;
+  args.states = static_cast<const uint16_t*>(states);
+  args.num_rows = num_rows;
+  args.rows = *rows;
+  args.want_sum1 = out->logprobs != nullptr;
+  args.num_tiles = static_cast<int32_t>((head->vocab + kTileRows - 1) / kTileRows);
+  args.vocab_ctas = plan->vocab_ctas;
+  args.batch_tiles = plan->batch_tiles;
+  args.partials = partials;
+  args.cands = cands;
+  cudaError_t err = head->dtype == 2 ? launch_partials_typed<true>(args, *plan, s)
+                                     : launch_partials_typed<false>(args, *plan, s);
+  if (err != cudaSuccess) return err;
+
+  FinishArgs finish;
+  finish.num_rows = num_rows;
+  finish.rows = *rows;
+  finish.vocab_ctas = plan->vocab_ctas;
+  finish.partials = partials;
+  finish.cands = cands;
+  finish.out = *out;
+  fused_finish_kernel<<<static_cast<unsigned>(num_rows), kFinishThreads, 0, s>>>(finish);
+  return cudaGetLastError();
+}

@@ -1,0 +1,585 @@
+// Fused LM-head matmul + sampling (C API: fused.h; launchers: fused.cu). Framework-free device code.
+//
+// Stage 1 (fused_partials_kernel): a persistent CTA of 16 warps holds its batch tile of hidden states
+// (8 or 16 rows, all of D) in shared memory and walks vocabulary tiles of 128 rows. Warp (g, h) owns
+// rows 16g .. 16g+15 of the tile and half h of D: it streams those W rows once from HBM straight into
+// registers (16-byte loads, a ring of PF chunks in flight, the next tile's first chunks issued before
+// this tile's epilogue) and multiplies them with mma.sync m16n8k16 (fp32 accumulation). The two halves
+// are added in shared memory, then one warp per batch row consumes the 128 logits: finish (bias,
+// scale, soft cap, padded rows), running max and sum-exp, and either the Gumbel-max winner / argmax or
+// a candidate buffer (the row's best keys so far above a rising threshold).
+// Stage 2 (fused_finish_kernel): one CTA per batch row merges the CTAs' partial results, selects the
+// kCand best candidates exactly (radix select on unique rank keys), and finishes the semantics.
+//
+// Why registers and not shared memory for W: every W element is used by exactly one warp, so staging it
+// would only add a shared-memory round trip. The k order inside a chunk is permuted (thread t loads 8
+// consecutive elements and feeds them to two MMAs); a dot product does not care, as long as A and B
+// use the same permutation — which is what lets each thread issue 16-byte loads.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "common.cuh"
+#include "fused.h"
+#include "philox.cuh"
+
+namespace tokensampler {
+namespace fused {
+
+constexpr int kRowGroups = 8;                // 16-row MMA groups per tile
+constexpr int kWarps = 2 * kRowGroups;       // x 2 halves of D
+constexpr int kThreads = 32 * kWarps;
+constexpr int kTileRows = 16 * kRowGroups;   // vocabulary rows per tile
+constexpr int kChunk = 32;                   // D elements per warp step (64 bytes of each W row)
+constexpr int kHPad = 32;                    // elements of padding per h row in shared memory
+constexpr int kCand = 64;                    // candidates per (row, CTA), and merged per row
+constexpr int kCandBuf = 256;                // candidate buffer per row in shared memory
+constexpr int kFinishThreads = 256;
+constexpr int kSurvivors = 2048;             // candidate keys stage 2 sorts directly
+
+enum RowMode : int { kGreedy = 0, kGumbel = 1, kCandidates = 2 };
+
+// Per (row, CTA) partial result of stage 1.
+struct Partial {
+  float max;       // max x over the CTA's tokens (-inf: none finite)
+  float sum1;      // sum exp(x - max)         (raw log-probs)
+  float sum_t;     // sum exp((x - max) / T)   (top-p without k)
+  float best_score;
+  float best_x;
+  int32_t best_id; // -1: none
+  int32_t nan;
+  int32_t pad;
+};
+
+struct PartialsArgs {
+  TsLmHead head;
+  const uint16_t* states;
+  int64_t num_rows;
+  TsRows rows;
+  int32_t want_sum1;
+  int32_t num_tiles;
+  int32_t vocab_ctas;   // fixed by V and the GPU, never by B: each row's arithmetic is batch invariant
+  int32_t batch_tiles;
+  Partial* partials;   // [num_rows, vocab_ctas]
+  uint64_t* cands;     // [num_rows, vocab_ctas, kCand]
+};
+
+struct FinishArgs {
+  int64_t num_rows;
+  TsRows rows;
+  int32_t vocab_ctas;
+  const Partial* partials;
+  const uint64_t* cands;
+  TsFusedOutputs out;
+};
+
+__device__ __forceinline__ int row_mode(const TsRows& r, int64_t b) {
+  if (!(r.temperature[b] > 0.f)) return kGreedy;
+  const bool filtered = r.top_k[b] > 0 || r.top_p[b] < 1.f || r.min_p[b] > 0.f;
+  return filtered ? kCandidates : kGumbel;
+}
+
+template <bool BF16>
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  if constexpr (BF16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// W is read exactly once: keep it out of L1 and ask L2 to fetch whole 256-byte lines ahead.
+__device__ __forceinline__ uint4 load_streaming(const uint16_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// Sorts a[0, n) (n a power of two, in shared memory) into descending order with one warp.
+__device__ inline void warp_sort_desc(uint64_t* a, int n, int lane) {
+  for (int size = 2; size <= n; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      __syncwarp();
+      for (int i = lane; i < (n >> 1); i += 32) {
+        const int lo = 2 * i - (i & (stride - 1)), hi = lo + stride;
+        const bool desc = (lo & size) == 0;
+        const uint64_t x = a[lo], y = a[hi];
+        if ((x < y) == desc) {
+          a[lo] = y;
+          a[hi] = x;
+        }
+      }
+    }
+  }
+  __syncwarp();
+}
+
+// A row's candidate buffer: keys above `threshold` are appended; when it fills, it is sorted and cut
+// to the best kCand, whose last key becomes the threshold (so later tiles append few keys).
+struct CandidateBuffer {
+  uint64_t* keys;
+  int count;
+  uint64_t threshold;
+
+  __device__ void compact(int lane) {
+    for (int i = count + lane; i < kCandBuf; i += 32) keys[i] = 0;
+    warp_sort_desc(keys, kCandBuf, lane);
+    count = min(count, kCand);
+    if (count == kCand) threshold = keys[kCand - 1];
+  }
+  __device__ void append(uint64_t key, int lane) {
+    if (count + 32 > kCandBuf) compact(lane);
+    const bool take = key > threshold;
+    const unsigned ballot = __ballot_sync(0xffffffffu, take);
+    if (take) keys[count + __popc(ballot & ((1u << lane) - 1u))] = key;
+    count += __popc(ballot);
+  }
+};
+
+// What one warp keeps of one batch row across the CTA's tiles (per lane, merged at the end).
+struct RowState {
+  int mode;
+  float temperature;
+  NoiseStream noise;
+  float max = -kInf, sum1 = 0.f, sum_t = 0.f;
+  float best_score = -kInf, best_x = -kInf;
+  int32_t best_id = -1;
+  bool nan = false;
+};
+
+__device__ __forceinline__ float finish_logit(float x, int64_t v, const TsLmHead& head) {
+  if (head.bias != nullptr) x += head.bias[v];
+  x *= head.logit_scale;
+  if (head.soft_cap > 0.f) x = head.soft_cap * tanhf(x / head.soft_cap);
+  return x;
+}
+
+// Consumes tokens v0 .. v0+3 (one Philox group) of this lane: x already read from the tile.
+__device__ __forceinline__ void consume(RowState& s, CandidateBuffer& cand, float (&x)[4], int64_t v0,
+                                        const TsLmHead& head, bool want_sum1, int lane) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    if (v0 + j < head.vocab) {
+      x[j] = finish_logit(x[j], v0 + j, head);
+      s.nan |= sanitize(x[j]);
+    } else {
+      x[j] = -kInf;  // padded rows and the tail of the last tile are never sampled
+    }
+  }
+  const float tile_max = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+  if (tile_max > s.max) {
+    if (s.max > -kInf) {
+      s.sum1 *= expf(s.max - tile_max);
+      s.sum_t *= expf((s.max - tile_max) / s.temperature);
+    }
+    s.max = tile_max;
+  }
+  if (s.max > -kInf) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (want_sum1) s.sum1 += expf(x[j] - s.max);
+      if (s.mode == kCandidates) s.sum_t += expf((x[j] - s.max) / s.temperature);
+    }
+  }
+  if (s.mode == kGreedy) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (x[j] > s.best_score) {
+        s.best_score = s.best_x = x[j];
+        s.best_id = static_cast<int32_t>(v0 + j);
+      }
+    }
+  } else if (s.mode == kGumbel) {
+    if (tile_max > -kInf) {
+      const uint4 words = s.noise.group(static_cast<uint32_t>(v0 >> 2));
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (x[j] > -kInf) {
+          const float score = x[j] / s.temperature + gumbel_exact(word_of(words, j));
+          if (score > s.best_score) {
+            s.best_score = score;
+            s.best_x = x[j];
+            s.best_id = static_cast<int32_t>(v0 + j);
+          }
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      cand.append(x[j] > -kInf ? rank_key(x[j], static_cast<uint32_t>(v0 + j)) : 0ull, lane);
+  }
+}
+
+template <bool BF16, int NT, int PF>
+__global__ void __launch_bounds__(kThreads, 1) fused_partials_kernel(const PartialsArgs a) {
+  constexpr int kBatchTile = 8 * NT;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int dim = static_cast<int>(a.head.dim);
+  const int h_stride = dim + kHPad;  // 64 bytes of padding: the 8 threads of a quarter warp hit 8 bank groups
+  uint16_t* hs = reinterpret_cast<uint16_t*>(smem);
+  float* halves = reinterpret_cast<float*>(hs + kBatchTile * h_stride);     // [kRowGroups][32][NT * 4]
+  float* tile_x = halves + kRowGroups * 32 * NT * 4;                        // [kBatchTile][kTileRows]
+  uint64_t* cand_keys = reinterpret_cast<uint64_t*>(tile_x + kBatchTile * kTileRows);  // [kBatchTile][kCandBuf]
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // Batch tiles vary fastest, so the CTAs that read the same W tiles run in the same wave (W from
+  // HBM once, then from L2).
+  const int cta = blockIdx.x / a.batch_tiles;
+  const int64_t b0 = static_cast<int64_t>(blockIdx.x % a.batch_tiles) * kBatchTile;
+
+  // The batch tile's hidden states, all of D, once per CTA.
+  const int vecs = dim / 8;
+  for (int i = threadIdx.x; i < kBatchTile * vecs; i += kThreads) {
+    const int r = i / vecs, c = i - r * vecs;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (b0 + r < a.num_rows) v = *reinterpret_cast<const uint4*>(a.states + (b0 + r) * dim + c * 8);
+    *reinterpret_cast<uint4*>(hs + r * h_stride + c * 8) = v;
+  }
+
+  // The epilogue warp of batch row `warp` (if any) keeps its row's state in registers.
+  const int64_t my_row = b0 + warp;
+  const bool has_row = warp < kBatchTile && my_row < a.num_rows;
+  RowState state;
+  CandidateBuffer cand{cand_keys + (warp % kBatchTile) * kCandBuf, 0, 0ull};
+  if (has_row) {
+    state.mode = row_mode(a.rows, my_row);
+    state.temperature = state.mode == kGreedy ? 1.f : a.rows.temperature[my_row];
+    state.noise = NoiseStream::make(a.rows.seed[my_row], a.rows.position[my_row], a.rows.iteration[my_row], 0u);
+  }
+  __syncthreads();
+
+  // Main-loop role: rows 16 * group .. + 15 of each tile, half `half` of D.
+  const int group = warp % kRowGroups, half = warp / kRowGroups;
+  const int g = lane >> 2, t = lane & 3;
+  const int chunks = dim / 2 / kChunk;
+  const int k_begin = half * (dim / 2);
+  const uint16_t* w = static_cast<const uint16_t*>(a.head.weight);
+  const int64_t last_row = a.head.vocab - 1;
+  auto row_ptr = [&](int tile, int r) {
+    const int64_t row = min(static_cast<int64_t>(tile) * kTileRows + group * 16 + r, last_row);
+    return w + row * dim + k_begin + t * 8;
+  };
+
+  uint4 ring_lo[PF], ring_hi[PF];  // rows g and g + 8 of the next PF chunks
+  int tile = cta;
+  if (tile < a.num_tiles) {
+    const uint16_t *lo = row_ptr(tile, g), *hi = row_ptr(tile, g + 8);
+#pragma unroll
+    for (int p = 0; p < PF; ++p) {
+      ring_lo[p] = load_streaming(lo + p * kChunk);
+      ring_hi[p] = load_streaming(hi + p * kChunk);
+    }
+  }
+  for (; tile < a.num_tiles; tile += a.vocab_ctas) {
+    const int next = tile + a.vocab_ctas;
+    const uint16_t *lo = row_ptr(tile, g), *hi = row_ptr(tile, g + 8);
+    const uint16_t *next_lo = row_ptr(next < a.num_tiles ? next : tile, g),
+                   *next_hi = row_ptr(next < a.num_tiles ? next : tile, g + 8);
+    float acc[NT][4] = {};
+    for (int c0 = 0; c0 < chunks; c0 += PF) {
+#pragma unroll
+      for (int p = 0; p < PF; ++p) {
+        const int c = c0 + p;
+        const uint4 x_lo = ring_lo[p], x_hi = ring_hi[p];
+        const int c_next = c + PF;
+        if (c_next < chunks) {
+          ring_lo[p] = load_streaming(lo + c_next * kChunk);
+          ring_hi[p] = load_streaming(hi + c_next * kChunk);
+        } else if (next < a.num_tiles) {
+          ring_lo[p] = load_streaming(next_lo + (c_next - chunks) * kChunk);
+          ring_hi[p] = load_streaming(next_hi + (c_next - chunks) * kChunk);
+        }
+        const int k = k_begin + c * kChunk + t * 8;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          const uint4 h = *reinterpret_cast<const uint4*>(hs + (n * 8 + g) * h_stride + k);
+          mma16816<BF16>(acc[n], x_lo.x, x_hi.x, x_lo.y, x_hi.y, h.x, h.y);
+          mma16816<BF16>(acc[n], x_lo.z, x_hi.z, x_lo.w, x_hi.w, h.z, h.w);
+        }
+      }
+    }
+    // Add the two halves of D, then lay the tile out as [batch row][vocabulary row].
+    float* mine = halves + (group * 32 + lane) * NT * 4;
+    if (half == 1) {
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) mine[n * 4 + i] = acc[n][i];
+    }
+    __syncthreads();
+    if (half == 0) {
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const int col = n * 8 + 2 * t, row = group * 16 + g;
+        tile_x[col * kTileRows + row] = acc[n][0] + mine[n * 4 + 0];
+        tile_x[(col + 1) * kTileRows + row] = acc[n][1] + mine[n * 4 + 1];
+        tile_x[col * kTileRows + row + 8] = acc[n][2] + mine[n * 4 + 2];
+        tile_x[(col + 1) * kTileRows + row + 8] = acc[n][3] + mine[n * 4 + 3];
+      }
+    }
+    __syncthreads();
+    if (has_row) {
+      const float4 q = *reinterpret_cast<const float4*>(tile_x + warp * kTileRows + 4 * lane);
+      float x[4] = {q.x, q.y, q.z, q.w};
+      consume(state, cand, x, static_cast<int64_t>(tile) * kTileRows + 4 * lane, a.head, a.want_sum1 != 0, lane);
+    }
+  }
+
+  if (!has_row) return;
+  // Merge the lanes and write this CTA's partial result of the row.
+  const float row_max = warp_allreduce(state.max, MaxOp{});
+  float sum1 = 0.f, sum_t = 0.f;
+  if (state.max > -kInf) {
+    sum1 = state.sum1 * expf(state.max - row_max);
+    sum_t = state.sum_t * expf((state.max - row_max) / state.temperature);
+  }
+  sum1 = warp_allreduce(sum1, SumOp{});
+  sum_t = warp_allreduce(sum_t, SumOp{});
+  const uint64_t my_key = state.best_id >= 0 ? rank_key(state.best_score, static_cast<uint32_t>(state.best_id)) : 0ull;
+  const uint64_t best_key = warp_allreduce(my_key, MaxOp{});
+  const bool any_nan = __any_sync(0xffffffffu, state.nan);
+  const int winner = __ffs(__ballot_sync(0xffffffffu, my_key == best_key)) - 1;
+  const float best_x = __shfl_sync(0xffffffffu, state.best_x, winner);
+  const float best_score = __shfl_sync(0xffffffffu, state.best_score, winner);
+  const int64_t slot = my_row * a.vocab_ctas + cta;
+  if (lane == 0) {
+    Partial p;
+    p.max = row_max;
+    p.sum1 = sum1;
+    p.sum_t = sum_t;
+    p.best_score = best_score;
+    p.best_x = best_x;
+    p.best_id = best_key != 0 ? static_cast<int32_t>(key_index(best_key)) : -1;
+    p.nan = any_nan;
+    p.pad = 0;
+    a.partials[slot] = p;
+  }
+  if (state.mode == kCandidates) {
+    cand.compact(lane);
+    for (int i = lane; i < kCand; i += 32) a.cands[slot * kCand + i] = i < cand.count ? cand.keys[i] : 0ull;
+  }
+}
+
+// The key of rank `want` (1-based) among the nonzero keys[0, n), by 8-bit radix select; all keys unique.
+__device__ uint64_t select_key(const uint64_t* keys, int n, int want, unsigned int* hist, int* chosen) {
+  uint64_t prefix = 0, mask = 0;
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    for (int i = threadIdx.x; i < 256; i += kFinishThreads) hist[i] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += kFinishThreads) {
+      const uint64_t k = keys[i];
+      if (k != 0 && (k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int above = 0, digit = 0;
+      for (int d = 255; d >= 0; --d) {
+        if (above + static_cast<int>(hist[d]) >= want) {
+          digit = d;
+          break;
+        }
+        above += hist[d];
+      }
+      chosen[0] = digit;
+      chosen[1] = above;
+    }
+    __syncthreads();
+    prefix |= static_cast<uint64_t>(chosen[0]) << shift;
+    mask |= 255ull << shift;
+    want -= chosen[1];
+    __syncthreads();
+  }
+  return prefix;
+}
+
+// Steps 8-10 for a candidate row, by warp 0: top[0, count) sorted (x desc, id asc), the global
+// max, sum exp(z) over every finite token, and whether the candidates are every finite token.
+// Returns false when the kept set reaches past the candidates (the row takes the logits path).
+__device__ bool sample_candidates(const uint64_t* top, int count, bool complete, float row_max, float sum_t,
+                                  const TsRows& r, int64_t b, int num_samples, int64_t* tokens, int lane) {
+  const float temperature = r.temperature[b];
+  const int k = r.top_k[b];
+  const float p = r.top_p[b], m = r.min_p[b];
+  float z[2];
+  uint32_t id[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int i = lane + 32 * j;
+    z[j] = i < count ? (key_value(top[i]) - row_max) / temperature : -kInf;
+    id[j] = i < count ? key_index(top[i]) : 0u;
+  }
+  // L1: the top-k and min-p prefix; known when it ends inside the candidates.
+  int limit = count;
+  bool known = complete;
+  if (k > 0 && k < count) {
+    limit = k;
+    known = true;
+  }
+  if (m > 0.f) {
+    const int above = __popc(__ballot_sync(0xffffffffu, expf(z[0]) >= m && lane < count)) +
+                      __popc(__ballot_sync(0xffffffffu, expf(z[1]) >= m && lane + 32 < count));
+    if (above < limit) {
+      limit = above;
+      known = true;
+    }
+    if (!known) return false;  // min-p keeps every candidate and maybe more
+  }
+  // L2: top-p over the prefix, divided by the prefix's mass (every finite token's when L1 is the row).
+  int kept = limit;
+  if (p < 1.f) {
+    int reached = -1;
+    if (lane == 0) {
+      float total = 0.f;
+      if (known) {
+        for (int i = 0; i < limit; ++i) total += expf((key_value(top[i]) - row_max) / temperature);
+      } else {
+        total = sum_t;
+      }
+      float running = 0.f;
+      for (int i = 0; i < limit; ++i) {
+        running += expf((key_value(top[i]) - row_max) / temperature);
+        if (running / total >= p) {
+          reached = i + 1;
+          break;
+        }
+      }
+    }
+    reached = __shfl_sync(0xffffffffu, reached, 0);
+    if (reached < 0 && !known) return false;
+    kept = reached < 0 ? limit : reached;
+  }
+  // Step 10: Gumbel-max over the kept prefix, one noise draw per sample.
+  for (int s = 0; s < num_samples; ++s) {
+    const NoiseStream noise = NoiseStream::make(r.seed[b], r.position[b], r.iteration[b], static_cast<uint32_t>(s));
+    uint64_t best = 0;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int i = lane + 32 * j;
+      if (i < kept) best = max(best, rank_key(z[j] + gumbel_exact(noise.word(id[j])), id[j]));
+    }
+    best = warp_allreduce(best, MaxOp{});
+    if (lane == 0) tokens[b * num_samples + s] = key_index(best);
+  }
+  return true;
+}
+
+__global__ void __launch_bounds__(kFinishThreads) fused_finish_kernel(const FinishArgs a) {
+  __shared__ float f_scratch[kFinishThreads / 32];
+  __shared__ uint64_t u_scratch[kFinishThreads / 32];
+  __shared__ unsigned int hist[256];
+  __shared__ int chosen[2];
+  __shared__ uint64_t survivors[kSurvivors];
+  __shared__ int top_count;
+  const uint64_t* top = survivors;  // the best kCand keys, sorted, once the candidate branch ran
+  __shared__ float best_x;
+  const int64_t b = blockIdx.x;
+  const int num_parts = a.vocab_ctas;
+  const Partial* parts = a.partials + b * num_parts;
+
+  float local_max = -kInf;
+  for (int i = threadIdx.x; i < num_parts; i += kFinishThreads) local_max = fmaxf(local_max, parts[i].max);
+  const float row_max = block_allreduce<kFinishThreads>(local_max, MaxOp{}, f_scratch);
+  const int mode = row_mode(a.rows, b);
+  const float temperature = mode == kGreedy ? 1.f : a.rows.temperature[b];
+  float sum1 = 0.f, sum_t = 0.f;
+  uint64_t best = 0;
+  int nan = 0;
+  for (int i = threadIdx.x; i < num_parts; i += kFinishThreads) {
+    const Partial q = parts[i];
+    if (q.max > -kInf) {
+      sum1 += q.sum1 * expf(q.max - row_max);
+      sum_t += q.sum_t * expf((q.max - row_max) / temperature);
+    }
+    if (q.best_id >= 0) best = max(best, rank_key(q.best_score, static_cast<uint32_t>(q.best_id)));
+    nan |= q.nan;
+  }
+  sum1 = block_allreduce<kFinishThreads>(sum1, SumOp{}, f_scratch);
+  sum_t = block_allreduce<kFinishThreads>(sum_t, SumOp{}, f_scratch);
+  nan = block_allreduce<kFinishThreads>(nan, MaxOp{}, reinterpret_cast<int*>(f_scratch));
+  best = block_allreduce<kFinishThreads>(best, MaxOp{}, u_scratch);
+  const bool valid = row_max > -kInf;
+  const int ns = a.out.num_samples;
+  int64_t* tokens = a.out.tokens;
+  __shared__ int needs_logits_path;
+  if (threadIdx.x == 0) needs_logits_path = 0;
+
+  if (valid && mode != kCandidates) {
+    for (int i = threadIdx.x; i < num_parts; i += kFinishThreads) {
+      const Partial q = parts[i];
+      if (q.best_id >= 0 && rank_key(q.best_score, static_cast<uint32_t>(q.best_id)) == best) best_x = q.best_x;
+    }
+    for (int s = threadIdx.x; s < ns; s += kFinishThreads) tokens[b * ns + s] = key_index(best);
+  } else if (valid) {
+    const uint64_t* keys = a.cands + b * num_parts * kCand;
+    const int n = num_parts * kCand;
+    // Each CTA's list is sorted, so the kCand-th best key overall is at least the kCand-th key of any
+    // one list: only keys at or above the largest of those can be in the top kCand.
+    uint64_t floor_key = 0;
+    for (int i = threadIdx.x; i < num_parts; i += kFinishThreads) floor_key = max(floor_key, keys[i * kCand + kCand - 1]);
+    floor_key = block_allreduce<kFinishThreads>(floor_key, MaxOp{}, u_scratch);
+    if (threadIdx.x == 0) top_count = 0;
+    __syncthreads();
+    int nonzero = 0;
+    for (int i = threadIdx.x; i < n; i += kFinishThreads) {
+      const uint64_t k = keys[i];
+      nonzero += k != 0;
+      if (k != 0 && k >= floor_key) {
+        const int slot = atomicAdd(&top_count, 1);
+        if (slot < kSurvivors) survivors[slot] = k;
+      }
+    }
+    nonzero = block_allreduce<kFinishThreads>(nonzero, SumOp{}, reinterpret_cast<int*>(f_scratch));
+    const int found = top_count;
+    if (found <= kSurvivors) {
+      const int width = static_cast<int>(next_pow2(static_cast<unsigned>(max(found, kCand))));
+      for (int i = found + threadIdx.x; i < width; i += kFinishThreads) survivors[i] = 0;
+      block_sort_desc<kFinishThreads>(survivors, width);
+    } else {  // many short lists: select the kCand-th key exactly, then gather and sort those
+      const uint64_t cut = select_key(keys, n, kCand, hist, chosen);
+      if (threadIdx.x == 0) top_count = 0;
+      __syncthreads();
+      for (int i = threadIdx.x; i < n; i += kFinishThreads)
+        if (keys[i] != 0 && keys[i] >= cut) survivors[atomicAdd(&top_count, 1)] = keys[i];
+      __syncthreads();
+      for (int i = top_count + threadIdx.x; i < kCand; i += kFinishThreads) survivors[i] = 0;
+      block_sort_desc<kFinishThreads>(survivors, kCand);
+    }
+    const int count = min(found, kCand);
+    if (threadIdx.x < 32) {
+      // Every CTA reports at most kCand keys: fewer than kCand in all means none was cut off.
+      const bool complete = nonzero < kCand;
+      if (!sample_candidates(top, count, complete, row_max, sum_t, a.rows, b, ns, tokens, threadIdx.x) &&
+          threadIdx.x == 0)
+        needs_logits_path = 1;
+    }
+  }
+  __syncthreads();
+  const bool sampled_here = valid && !needs_logits_path;
+  if (threadIdx.x == 0) a.out.flags[b] = static_cast<uint8_t>((nan ? 1 : 0) | (valid ? 0 : 2) | (needs_logits_path ? 4 : 0));
+  for (int s = threadIdx.x; s < ns; s += kFinishThreads) {
+    if (!valid) tokens[b * ns + s] = -1;
+    if (a.out.logprobs == nullptr) continue;
+    float lp = __int_as_float(0x7fc00000);  // NaN: rows that are not valid (choice 8) or not sampled here
+    if (sampled_here) {
+      float x_token = best_x;
+      if (mode == kCandidates) {
+        const uint32_t token = static_cast<uint32_t>(tokens[b * ns + s]);
+        for (int i = 0; i < kCand; ++i)
+          if (top[i] != 0 && key_index(top[i]) == token) x_token = key_value(top[i]);
+      }
+      lp = x_token - row_max - logf(sum1);
+    }
+    a.out.logprobs[b * ns + s] = lp;
+  }
+}
+
+}  // namespace fused
+}  // namespace tokensampler

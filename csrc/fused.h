@@ -1,0 +1,60 @@
+/* C API of the fused LM-head matmul + sampling kernels (csrc/fused.cu).
+ *
+ * x = W h is computed tile by tile on chip (tensor-core MMA, fp32 accumulation) and consumed there:
+ * per-row running max and sum-exp, the Gumbel-max winner (or the argmax), and for filtered rows the
+ * best kCand = 64 candidates of each CTA's vocabulary range. A second kernel merges the CTAs' partial
+ * results per row and finishes docs/semantics.md. Logits never reach global memory.
+ *
+ * Scope (the host checks it; anything else takes the logits path): W and h both bf16 or both fp16,
+ * D a multiple of 64, no masks/bias/penalties, raw log-probs only, top_k < kCand, one sample per
+ * row for rows without filters. Rows whose kept set cannot be decided from the candidates (top-p or
+ * min-p without k, kept mass beyond the candidates) come back flagged for the exact logits path.
+ * Every array is device memory; every launcher returns a cudaError_t as int (0 = success).
+ */
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+#include "sampling.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+  const void* weight;   /* [padded_vocab, dim], contiguous, 16-byte aligned */
+  int64_t vocab;        /* rows that can be sampled (<= padded rows; the rest are never read) */
+  int64_t dim;
+  int32_t dtype;        /* 1 fp16, 2 bf16 (TsLogits' codes) */
+  const float* bias;    /* [>= vocab] or NULL */
+  float logit_scale;
+  float soft_cap;       /* 0: none */
+} TsLmHead;
+
+typedef struct {
+  int64_t* tokens;      /* [num_rows, num_samples] */
+  int32_t num_samples;
+  float* logprobs;      /* [num_rows, num_samples], raw log-probs; NULL: not computed */
+  uint8_t* flags;       /* [num_rows]: bit 0 nan_detected, bit 1 not valid, bit 2 needs the logits path */
+} TsFusedOutputs;
+
+/* The launch plan for B rows of hidden size dim on a GPU with num_sms SMs: rows per CTA (8 or 16),
+ * CTAs per batch tile along the vocabulary, and the scratch bytes. 0 rows per tile: dim not supported. */
+typedef struct {
+  int32_t rows_per_tile;
+  int32_t vocab_ctas;
+  int32_t batch_tiles;
+  size_t smem_bytes;
+  size_t scratch_bytes;
+} TsFusedPlan;
+
+TsFusedPlan ts_fused_plan(int64_t num_rows, int64_t dim, int64_t vocab, int32_t num_sms, int32_t max_smem);
+
+/* Samples num_rows hidden states [num_rows, dim] (the weight's dtype, 16-byte aligned rows) with the
+ * per-row parameters `rows` (its `rows` work list must be NULL). */
+int ts_fused_sample(const TsLmHead* head, const void* states, int64_t num_rows, const TsRows* rows,
+                    const TsFusedPlan* plan, const TsFusedOutputs* out, void* scratch, void* stream);
+
+#ifdef __cplusplus
+}
+#endif

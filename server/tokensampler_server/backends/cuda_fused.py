@@ -1,0 +1,141 @@
+"""The fused LM-head matmul + sampling path of the CUDA backend (csrc/fused.h).
+
+Hidden states [B, D] go through the registered head W [V, D] inside the kernel: logits are made tile
+by tile on chip and consumed there, never written. What the kernel covers is checked here
+(`unsupported_reason`); everything else, and rows the kernel flags because their kept set reaches past
+its candidates, takes the logits path (W·h by cuBLAS into fp32, then the logits kernels), counted
+in the fallback metric. Both paths give the same tokens up to fp32 rounding of W·h (docs/semantics.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import lru_cache
+
+import torch
+
+from ..sampling import HiddenInput, LogprobsMode, SamplingBatch, SamplingResult
+from .cuda_build import load_kernels
+from .cuda_kernels import RowParams
+
+MAX_TOP_K = 63
+"""The largest top-k the fused kernel takes: k + 1 <= its 64 candidates per row (the cut is then inside)."""
+MAX_ROWS = 16
+"""One batch tile. Beyond it the fused kernel passes over W once per tile of 16 rows (from L2 at best) and
+cuBLAS into fp32 logits + the logits kernels is faster (benchmarks/results/fused-*.json, H200)."""
+
+_DTYPES = {torch.float16: 1, torch.bfloat16: 2}
+_FLAG_NAN, _FLAG_INVALID, _FLAG_LOGITS_PATH = 1, 2, 4
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedPlan:
+    rows_per_tile: int
+    vocab_ctas: int
+    batch_tiles: int
+    smem_bytes: int
+    scratch_bytes: int
+
+    def as_tuple(self) -> tuple[int, int, int, int, int]:
+        return dataclasses.astuple(self)
+
+
+@lru_cache(maxsize=256)
+def plan(num_rows: int, dim: int, vocab: int, device_index: int) -> FusedPlan | None:
+    """The launch plan for this shape on this GPU; None when the kernel cannot take D."""
+    props = torch.cuda.get_device_properties(device_index)
+    raw = load_kernels(device_index).fused_plan(num_rows, dim, vocab, props.multi_processor_count,
+                                                props.shared_memory_per_block_optin)
+    return FusedPlan(*raw) if raw[0] else None
+
+
+def fused_sample(weight: torch.Tensor, states: torch.Tensor, params: RowParams, *, vocab: int | None = None,
+                 bias: torch.Tensor | None = None, logit_scale: float = 1.0, soft_cap: float | None = None,
+                 num_samples: int = 1, logprobs: bool = False,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Samples hidden states [B, D] through W [V_padded, D] on the current stream, without a sync.
+
+    weight and states: same dtype (bf16 or fp16), contiguous, on one GPU. Returns tokens int64
+    [B, num_samples], raw log-probs float32 [B, num_samples] (or None) and flags uint8 [B]
+    (1 nan_detected, 2 not valid, 4 take the logits path).
+    """
+    num_rows, dim = states.shape
+    vocab = weight.shape[0] if vocab is None else vocab
+    device = weight.device
+    if weight.dtype not in _DTYPES or states.dtype != weight.dtype:
+        raise ValueError(f"fused sampling takes bf16/fp16 weight and states of one dtype, got {weight.dtype}/{states.dtype}")
+    if not (weight.is_contiguous() and states.is_contiguous()) or weight.data_ptr() % 16 or states.data_ptr() % 16:
+        raise ValueError("fused sampling needs contiguous, 16-byte aligned weight and states")
+    the_plan = plan(num_rows, dim, vocab, device.index)
+    if the_plan is None:
+        raise ValueError(f"fused sampling does not take hidden size {dim} (a multiple of 64 that fits shared memory)")
+    tokens = torch.empty((num_rows, num_samples), dtype=torch.int64, device=device)
+    out_logprobs = torch.empty((num_rows, num_samples), dtype=torch.float32, device=device) if logprobs else None
+    flags = torch.empty(num_rows, dtype=torch.uint8, device=device)
+    scratch = torch.empty(the_plan.scratch_bytes, dtype=torch.uint8, device=device)
+    bias_ptr = 0
+    if bias is not None:
+        bias = bias.to(device=device, dtype=torch.float32).contiguous()
+        bias_ptr = bias.data_ptr()
+    load_kernels(device.index).fused_sample(
+        weight.data_ptr(), vocab, dim, _DTYPES[weight.dtype], bias_ptr, float(logit_scale), float(soft_cap or 0.0),
+        states.data_ptr(), num_rows, params.pointers(), the_plan.as_tuple(), tokens.data_ptr(), num_samples,
+        0 if out_logprobs is None else out_logprobs.data_ptr(), flags.data_ptr(), scratch.data_ptr(),
+        torch.cuda.current_stream(device).cuda_stream)
+    return tokens, out_logprobs, flags
+
+
+def unsupported_reason(batch: SamplingBatch) -> str | None:
+    """Why the fused kernel cannot sample this hidden-state batch (a metric label), or None if it can."""
+    hidden = batch.hidden
+    weight = hidden.lm_head.weight
+    if not weight.is_cuda or weight.dtype not in _DTYPES or hidden.states.dtype != weight.dtype:
+        return "fused_dtype"
+    if batch.num_rows > MAX_ROWS:
+        return "fused_rows"
+    if batch.processing is not None:
+        return "fused_processing"
+    if batch.top_logprobs > 0 or (batch.return_logprobs and batch.logprobs_mode is not LogprobsMode.RAW):
+        return "fused_logprobs"
+    sampled = batch.temperature > 0
+    if bool((sampled & (batch.top_k > MAX_TOP_K)).any()):
+        return "fused_top_k"
+    unfiltered = sampled & (batch.top_k == 0) & (batch.top_p >= 1) & (batch.min_p <= 0)
+    if batch.num_samples > 1 and bool(unfiltered.any()):
+        return "fused_num_samples"
+    if plan(batch.num_rows, weight.shape[1], hidden.lm_head.finish.vocab_size, weight.device.index) is None:
+        return "fused_hidden_size"
+    return None
+
+
+def _row_params(batch: SamplingBatch, device: torch.device) -> RowParams:
+    columns = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seed, batch.position, batch.iteration)
+    return RowParams(*(column.to(device) for column in columns))
+
+
+def sample_hidden(batch: SamplingBatch) -> tuple[SamplingResult, torch.Tensor]:
+    """Samples a batch that `unsupported_reason` accepted. Returns the result on the CPU and the rows
+    (int64, CPU) that must be sampled again on the logits path (their entries here are placeholders)."""
+    lm_head = batch.hidden.lm_head
+    weight = lm_head.weight
+    states = batch.hidden.states.to(weight.device, non_blocking=True).contiguous()
+    finish = lm_head.finish
+    tokens, logprobs, flags = fused_sample(
+        weight, states, _row_params(batch, weight.device), vocab=finish.vocab_size, bias=finish.bias,
+        logit_scale=finish.logit_scale, soft_cap=finish.soft_cap, num_samples=batch.num_samples,
+        logprobs=batch.return_logprobs)
+    tokens, flags = tokens.cpu(), flags.cpu()
+    logprobs = logprobs.cpu() if logprobs is not None else None
+    valid = (flags & _FLAG_INVALID) == 0
+    result = SamplingResult(tokens=tokens, valid=valid, nan_detected=(flags & _FLAG_NAN) != 0, logprobs=logprobs)
+    return result, ((flags & _FLAG_LOGITS_PATH) != 0).nonzero().squeeze(1)
+
+
+def select_hidden_rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
+    """The sub-batch of `rows` (int64, CPU) of a hidden-state batch without processing."""
+    states = batch.hidden.states
+    return dataclasses.replace(
+        batch, hidden=HiddenInput(states[rows.to(states.device)], batch.hidden.lm_head),
+        temperature=batch.temperature[rows], top_k=batch.top_k[rows], top_p=batch.top_p[rows],
+        min_p=batch.min_p[rows], seed=batch.seed[rows], position=batch.position[rows],
+        iteration=batch.iteration[rows])
