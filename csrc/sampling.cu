@@ -134,6 +134,15 @@ int ts_filter(const TsLogits* logits, const TsRows* rows, const float* row_max, 
   });
 }
 
+// The test hook's kernel: a plain (non-template) kernel lives in the one .cu file that launches it.
+static __global__ void noise_kernel(NoiseStream noise, int64_t vocab, uint32_t* words, float* out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= vocab) return;
+  const uint32_t word = noise.word(static_cast<uint32_t>(i));
+  if (words) words[i] = word;
+  if (out) out[i] = gumbel_exact(word);
+}
+
 int ts_noise(int64_t seed, int64_t position, int64_t iteration, uint32_t sample, int64_t vocab, uint32_t* words,
              float* noise, void* stream) {
   if (vocab < 1) return cudaErrorInvalidValue;

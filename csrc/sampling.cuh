@@ -1002,13 +1002,4 @@ __global__ void __launch_bounds__(kFilterThreads)
   if (out.kept_min_key) out.kept_min_key[r] = static_cast<int64_t>(kept_min);
 }
 
-// ---------------------------------------------------------------------------------------------
-__global__ void noise_kernel(NoiseStream noise, int64_t vocab, uint32_t* words, float* out) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= vocab) return;
-  const uint32_t word = noise.word(static_cast<uint32_t>(i));
-  if (words) words[i] = word;
-  if (out) out[i] = gumbel_exact(word);
-}
-
 }  // namespace tokensampler

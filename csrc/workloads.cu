@@ -1,0 +1,124 @@
+// extern "C" launchers of the workload kernels (workloads.cuh). No framework headers: any host code
+// can call them through workloads.h.
+#include <cuda_runtime.h>
+
+#include "workloads.cuh"
+
+using namespace tokensampler;
+
+namespace {
+
+constexpr int kMaxGridY = 65535;
+
+template <typename F>
+cudaError_t with_dtype(int32_t dtype, F&& f) {
+  switch (dtype) {
+    case kF32: return f(float{});
+    case kF16: return f(__half{});
+    case kBF16: return f(__nv_bfloat16{});
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+bool bad_job(const TsRowJob* job) {
+  return job->vocab < 1 || job->vocab > (int64_t{1} << 31) - 1 || job->num_rows < 0 ||
+         job->num_rows > kMaxGridY || job->per_request < 1 || job->num_rows % job->per_request != 0 ||
+         !job->temperature || !job->seed || !job->iteration;
+}
+
+template <typename T, int K>
+cudaError_t launch_topk_probs(const TsLogits* logits, const float* temperature, int32_t k, float* probs,
+                              int64_t* ids, uint8_t* flags, const TsWorkspace* ws, cudaStream_t stream) {
+  const dim3 grid(num_splits(logits->vocab), static_cast<unsigned int>(logits->num_rows));
+  topk_probs_kernel<T, K><<<grid, kThreads, 0, stream>>>(*logits, temperature, k, probs, ids, flags, *ws);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" {
+
+size_t ts_row_stats_scratch_bytes(int32_t num_rows, int64_t vocab) {
+  return sizeof(RowPartial) * static_cast<size_t>(num_rows) * num_splits(vocab);
+}
+
+int ts_row_stats(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace* ws, void* stream) {
+  if (bad_job(job)) return cudaErrorInvalidValue;
+  if (job->num_rows == 0) return cudaSuccess;
+  const dim3 grid(num_splits(job->vocab), static_cast<unsigned int>(job->num_rows));
+  return with_dtype(job->dtype, [&](auto t) {
+    using T = decltype(t);
+    row_stats_kernel<T><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(*job, *stats, *ws);
+    return cudaGetLastError();
+  });
+}
+
+int ts_diffusion_commit(const TsRowJob* job, const TsRowStats* stats, const float* threshold, const int64_t* count,
+                        int64_t* tokens, float* confidences, uint8_t* mask_out, void* stream) {
+  if (bad_job(job) || !job->active || !stats->token || !stats->row_max || !stats->row_sum) return cudaErrorInvalidValue;
+  const int requests = job->num_rows / job->per_request;
+  if (requests == 0) return cudaSuccess;
+  const size_t smem = static_cast<size_t>(job->per_request) * (sizeof(float) + 1);
+  return with_dtype(job->dtype, [&](auto t) {
+    using T = decltype(t);
+    const void* kernel = reinterpret_cast<const void*>(&diffusion_commit_kernel<T>);
+    if (smem > 48 * 1024) {
+      if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)))
+        return e;
+    }
+    diffusion_commit_kernel<T><<<requests, kCommitThreads, smem, static_cast<cudaStream_t>(stream)>>>(
+        *job, *stats, threshold, count, tokens, confidences, mask_out);
+    return cudaGetLastError();
+  });
+}
+
+size_t ts_verify_scratch_bytes(int32_t num_requests, int64_t vocab) {
+  return sizeof(uint64_t) * static_cast<size_t>(num_requests) * num_splits(vocab);
+}
+
+int ts_verify_finish(const TsRowJob* job, const TsRowStats* stats, const int64_t* draft_ids, int64_t* accepted,
+                     int64_t* tokens, const TsWorkspace* ws, void* stream) {
+  if (bad_job(job) || job->per_request < 2 || !job->aux || job->aux_per_request != job->per_request - 1)
+    return cudaErrorInvalidValue;
+  const int requests = job->num_rows / job->per_request;
+  if (requests == 0) return cudaSuccess;
+  const dim3 grid(num_splits(job->vocab), static_cast<unsigned int>(requests));
+  return with_dtype(job->dtype, [&](auto t) {
+    using T = decltype(t);
+    verify_finish_kernel<T><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(*job, *stats, draft_ids,
+                                                                                     accepted, tokens, *ws);
+    return cudaGetLastError();
+  });
+}
+
+int ts_topk_probs_bucket(int32_t k) {
+  for (int bucket : {32, 64, 128, 256})
+    if (k + 1 <= bucket) return bucket;
+  return 0;
+}
+
+size_t ts_topk_probs_scratch_bytes(int32_t num_rows, int64_t vocab, int32_t bucket) {
+  const size_t blocks = static_cast<size_t>(num_rows) * num_splits(vocab);
+  return blocks * (bucket * sizeof(uint64_t) + sizeof(ChunkSum) + sizeof(uint32_t));
+}
+
+int ts_topk_probs(const TsLogits* logits, const float* temperature, int32_t k, int32_t bucket, float* probs,
+                  int64_t* ids, uint8_t* flags, const TsWorkspace* ws, void* stream) {
+  if (logits->vocab < 1 || logits->vocab > (int64_t{1} << 31) - 1 || logits->num_rows < 0 ||
+      logits->num_rows > kMaxGridY || k < 1 || k > logits->vocab || k + 1 > bucket)
+    return cudaErrorInvalidValue;
+  if (logits->num_rows == 0) return cudaSuccess;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return with_dtype(logits->dtype, [&](auto t) {
+    using T = decltype(t);
+    switch (bucket) {
+      case 32: return launch_topk_probs<T, 32>(logits, temperature, k, probs, ids, flags, ws, s);
+      case 64: return launch_topk_probs<T, 64>(logits, temperature, k, probs, ids, flags, ws, s);
+      case 128: return launch_topk_probs<T, 128>(logits, temperature, k, probs, ids, flags, ws, s);
+      case 256: return launch_topk_probs<T, 256>(logits, temperature, k, probs, ids, flags, ws, s);
+      default: return cudaErrorInvalidValue;
+    }
+  });
+}
+
+}  // extern "C"

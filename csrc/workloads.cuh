@@ -1,0 +1,558 @@
+// The workload kernels as framework-free device templates (launchers: workloads.cu): diffusion steps,
+// top-k probabilities, speculative verification. Built on the logits-path pieces of sampling.cuh:
+// rows cut into kChunk-token chunks, one block each, merged in chunk order by the row's last block
+// (batch-invariant); the Gumbel-max proxy and its exact re-score; rank keys (value desc, id asc).
+// Semantics: docs/semantics.md, choices 14-16.
+#pragma once
+#include <climits>
+#include <cstdint>
+
+#include "common.cuh"
+#include "philox.cuh"
+#include "sampling.cuh"
+#include "workloads.h"
+
+namespace tokensampler {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x by the hardware approximation (<= 2 ulp, subnormal results flushed to 0): used only for the
+// sums of exponentials, whose largest term is 1, so the flushed terms are below 2^-126 of the sum.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row statistics in one read: max and argmax, sum exp(c (x - max)) (c = 1 / T), the Gumbel-max sample
+// of the drawn slots (gumbel_screened's proxy, re-scored exactly when the gap test fails), and the
+// sum of an optional aux row (the draft probabilities of a verification).
+
+struct RowPartial {
+  Proxy proxy;
+  float max, sum, aux;
+  int32_t argmax;
+};
+
+// exp2 of a scaled difference: the sums only need ~1e-6 relative accuracy (confidences, q = e / S).
+__device__ __forceinline__ RowPartial merge_row(RowPartial a, const RowPartial& b, float c2) {
+  a.proxy = merge_proxy(a.proxy, b.proxy);
+  const float m = fmaxf(a.max, b.max);
+  a.sum = m == -kInf ? 0.f : a.sum * exp2f((a.max - m) * c2) + b.sum * exp2f((b.max - m) * c2);
+  if (b.max > a.max || (b.max == a.max && b.argmax < a.argmax)) a.argmax = b.argmax;
+  a.max = m;
+  a.aux += b.aux;
+  return a;
+}
+
+__device__ __forceinline__ RowPartial shfl_row(const RowPartial& s, int o) {
+  return RowPartial{{__shfl_xor_sync(0xffffffffu, s.proxy.p1, o), __shfl_xor_sync(0xffffffffu, s.proxy.p2, o),
+                     __shfl_xor_sync(0xffffffffu, s.proxy.i1, o)},
+                    __shfl_xor_sync(0xffffffffu, s.max, o), __shfl_xor_sync(0xffffffffu, s.sum, o),
+                    __shfl_xor_sync(0xffffffffu, s.aux, o), __shfl_xor_sync(0xffffffffu, s.argmax, o)};
+}
+
+struct JobRow {
+  int b, slot;
+  float temperature, inv_t;  // inv_t = 1 for greedy rows (the confidence of a greedy row uses T = 1)
+  bool greedy;
+};
+
+__device__ __forceinline__ JobRow job_row(const TsRowJob& job, int w) {
+  const int b = w / job.per_request;
+  const float t = job.temperature[b];
+  const bool greedy = !(t > 0.f);
+  return JobRow{b, w - b * job.per_request, t, greedy ? 1.f : 1.f / t, greedy};
+}
+
+__device__ __forceinline__ NoiseStream job_noise(const TsRowJob& job, const JobRow& jr) {
+  const int64_t base = job.position ? job.position[jr.b] : 0;
+  return NoiseStream::make(job.seed[jr.b], base + jr.slot, job.iteration[jr.b], 0u);
+}
+
+template <typename T>
+__device__ __forceinline__ RowView<T> job_view(const TsRowJob& job, int w) {
+  const T* row = static_cast<const T*>(job.logits) + static_cast<int64_t>(w) * job.vocab;
+  return {row, w, reinterpret_cast<uintptr_t>(row) % (4 * sizeof(T)) == 0};
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) row_stats_kernel(TsRowJob job, TsRowStats st, TsWorkspace ws) {
+  const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
+  if (job.active && !job.active[w]) return;  // every block of the row leaves: its counter stays 0
+  const JobRow jr = job_row(job, w);
+  const bool draw = !jr.greedy && (job.draw_slot < 0 || jr.slot == job.draw_slot);
+  const bool has_aux = job.aux && jr.slot < job.aux_per_request;
+  const RowView<T> rv = job_view<T>(job, w);
+  const int64_t vocab = job.vocab, g0 = static_cast<int64_t>(split) * kChunkGroups;
+  const float c2 = jr.inv_t * kLog2e;
+
+  RowPartial s{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, 0.f, INT_MAX};
+  {
+    float v[kGroupsPerThread][4];
+    load_chunk(rv, vocab, g0, v);
+#pragma unroll
+    for (int j = 0; j < kGroupsPerThread; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (v[j][e] > s.max) s.max = v[j][e], s.argmax = static_cast<int32_t>(token_of(g0, j, e));
+    if (s.max > -kInf) {
+#pragma unroll
+      for (int j = 0; j < kGroupsPerThread; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s.sum += fast_exp2((v[j][e] - s.max) * c2);
+    }
+  }
+  if (has_aux) {
+    const float* aux = job.aux + (static_cast<int64_t>(jr.b) * job.aux_per_request + jr.slot) * vocab;
+    const bool aligned = reinterpret_cast<uintptr_t>(aux) % 16 == 0;
+#pragma unroll
+    for (int j = 0; j < kGroupsPerThread; ++j) {
+      float p[4];
+      load_group(aux, g0 + threadIdx.x + j * kThreads, vocab, aligned, p);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s.aux += p[e] > 0.f ? p[e] : 0.f;  // padding reads as -inf
+    }
+  }
+  float thr = -kInf;
+  if (draw) {  // block-uniform: gumbel_screened synchronises the block
+    float unused_max = -kInf;
+    gumbel_screened(rv, vocab, g0, jr.inv_t, job_noise(job, jr), s.proxy, unused_max, thr);
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) s = merge_row(s, shfl_row(s, o), c2);
+  __shared__ RowPartial warp_part[kThreads / 32];
+  if ((threadIdx.x & 31) == 0) warp_part[threadIdx.x >> 5] = s;
+  __syncthreads();
+  RowPartial* partial = static_cast<RowPartial*>(ws.scratch) + static_cast<int64_t>(w) * splits;
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < kThreads / 32; ++i) s = merge_row(s, warp_part[i], c2);
+    s.proxy.p2 = fmaxf(s.proxy.p2, thr);  // tokens the screen skipped have proxies below thr
+    partial[split] = s;
+  }
+  if (!finish_and_elect_last(ws.counters + w, splits)) return;
+
+  __shared__ RowPartial row;
+  __shared__ bool rescore;
+  if (threadIdx.x == 0) {
+    RowPartial acc{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, 0.f, INT_MAX};
+    for (int i = 0; i < splits; ++i) {
+      const RowPartial* p = partial + i;
+      const RowPartial b{{__ldcg(&p->proxy.p1), __ldcg(&p->proxy.p2), __ldcg(&p->proxy.i1)},
+                         __ldcg(&p->max), __ldcg(&p->sum), __ldcg(&p->aux), __ldcg(&p->argmax)};
+      acc = merge_row(acc, b, c2);
+    }
+    row = acc;
+    const bool valid = acc.max > -kInf;
+    rescore = draw && valid &&
+              !(fabsf(acc.proxy.p1) < kInf && fabsf(acc.max) * jr.inv_t < 0x1p20f &&
+                acc.proxy.p1 - acc.proxy.p2 > proxy_margin(acc.max, jr.inv_t));
+    if (rescore && ws.fallback_count) atomicAdd(ws.fallback_count, 1ull);
+  }
+  __syncthreads();
+  const bool valid = row.max > -kInf;
+  int64_t token = !valid ? -1 : draw ? row.proxy.i1 : row.argmax;
+  if (rescore) {  // the exact scores z + g of the whole row, as Sample's reference computes them
+    const NoiseStream noise = job_noise(job, jr);
+    uint64_t best = 0;
+    for (int64_t g = threadIdx.x; g < (vocab + 3) / 4; g += kThreads) {
+      float x[4];
+      load_group(rv.row, g, vocab, rv.aligned, x);
+      const uint4 words = noise.group(static_cast<uint32_t>(g));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        sanitize(x[e]);
+        if (x[e] > -kInf)
+          best = max(best, gumbel_key(scaled(x[e], row.max, jr.temperature), static_cast<uint32_t>(4 * g + e), noise));
+      }
+    }
+    __shared__ uint64_t scratch[kThreads / 32];
+    token = key_index(block_allreduce<kThreads>(best, MaxOp{}, scratch));
+  }
+  if (threadIdx.x != 0) return;
+  if (st.row_max) st.row_max[w] = row.max;
+  if (st.row_sum) st.row_sum[w] = row.sum;
+  if (st.argmax) st.argmax[w] = valid ? row.argmax : -1;
+  if (st.token) st.token[w] = token;
+  if (st.aux_sum && has_aux) st.aux_sum[w] = row.aux;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Diffusion commit: one block per request. Confidence of a masked position = exp(z_tok - log S) with
+// z = (x - max) / T (T = 1 for greedy), then choice 14's rule: threshold, the `count` most confident
+// (confidence desc, index asc), at least one while a committable position remains.
+
+constexpr int kCommitThreads = 256;
+
+__device__ __forceinline__ bool ranks_before(float cj, int j, float ci, int i) {
+  return cj > ci || (cj == ci && j < i);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kCommitThreads)
+    diffusion_commit_kernel(TsRowJob job, TsRowStats st, const float* threshold, const int64_t* count,
+                            int64_t* tokens, float* confidences, uint8_t* mask_out) {
+  extern __shared__ float conf_key[];  // [L]: confidence of committable positions, -1 elsewhere
+  const int b = blockIdx.x, L = job.per_request;
+  uint8_t* commit_of = reinterpret_cast<uint8_t*>(conf_key + L);  // [L]
+  const float tau = threshold[b];
+  const int64_t c = count[b];
+  bool any_eligible = false;
+  for (int l = threadIdx.x; l < L; l += kCommitThreads) {
+    const int w = b * L + l;
+    const bool masked = job.active[w] != 0;
+    const int64_t tok = masked ? st.token[w] : -1;
+    float conf = 0.f;
+    if (tok >= 0) {
+      const JobRow jr = job_row(job, w);
+      const T* row = static_cast<const T*>(job.logits) + static_cast<int64_t>(w) * job.vocab;
+      const float z = scaled(to_f32(row[tok]), st.row_max[w], jr.greedy ? 1.f : jr.temperature);
+      conf = expf(__fsub_rn(z, logf(st.row_sum[w])));
+    }
+    tokens[w] = tok;
+    confidences[w] = conf;
+    conf_key[l] = tok >= 0 ? conf : -1.f;
+    any_eligible |= tok >= 0;
+  }
+  any_eligible = __syncthreads_or(any_eligible);
+  // The most confident committable position (the at-least-one rule), by (confidence desc, index asc).
+  __shared__ float best_c[kCommitThreads / 32];
+  __shared__ int best_i[kCommitThreads / 32];
+  float bc = -2.f;
+  int bi = INT_MAX;
+  for (int l = threadIdx.x; l < L; l += kCommitThreads)
+    if (ranks_before(conf_key[l], l, bc, bi)) bc = conf_key[l], bi = l;
+#pragma unroll
+  for (int o = 16; o; o >>= 1) {
+    const float oc = __shfl_xor_sync(0xffffffffu, bc, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (ranks_before(oc, oi, bc, bi)) bc = oc, bi = oi;
+  }
+  if ((threadIdx.x & 31) == 0) best_c[threadIdx.x >> 5] = bc, best_i[threadIdx.x >> 5] = bi;
+  __syncthreads();
+  for (int i = 0; i < kCommitThreads / 32; ++i)
+    if (ranks_before(best_c[i], best_i[i], bc, bi)) bc = best_c[i], bi = best_i[i];
+
+  bool committed_any = false;
+  for (int l = threadIdx.x; l < L; l += kCommitThreads) {
+    const float k = conf_key[l];
+    bool commit = false;
+    if (k >= 0.f) {
+      commit = k >= tau;  // NaN: no threshold
+      if (!commit && c > 0) {
+        int64_t rank = 0;
+        for (int j = 0; j < L && rank < c; ++j) rank += ranks_before(conf_key[j], j, k, l);
+        commit = rank < c;
+      }
+    }
+    committed_any |= commit;
+    commit_of[l] = commit;
+  }
+  committed_any = __syncthreads_or(committed_any);
+  for (int l = threadIdx.x; l < L; l += kCommitThreads) {
+    const int w = b * L + l;
+    const bool commit = commit_of[l] || (any_eligible && !committed_any && l == bi);
+    mask_out[w] = job.active[w] && !commit;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Verification after row_stats: every block of a request recomputes the accepted prefix (n Philox
+// calls); if a draft token was rejected, the blocks draw the correction from the residual
+// max(0, q - p) at that position over their chunk, merged by the request's last block.
+
+__device__ __forceinline__ double acceptance_uniform(int64_t seed, int64_t position, int64_t iteration) {
+  const uint64_t s = static_cast<uint64_t>(seed);
+  const uint4 w = philox4x32_10(make_uint4(0xFFFFFFFFu, static_cast<uint32_t>(position),
+                                           static_cast<uint32_t>(iteration), 0xFFFFFFFFu),
+                                static_cast<uint32_t>(s), static_cast<uint32_t>(s >> 32));
+  return (static_cast<double>(w.x >> 8) + 0.5) * 0x1p-24;
+}
+
+// q_j(i) for T > 0 without filters: softmax(z), z = (x - max) / T, as the reference's fp32 softmax.
+__device__ __forceinline__ float target_prob(float x, float row_max, float temperature, float row_sum) {
+  return x > -kInf ? __fdiv_rn(expf(scaled(x, row_max, temperature)), row_sum) : 0.f;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    verify_finish_kernel(TsRowJob job, TsRowStats st, const int64_t* draft_ids, int64_t* accepted_out,
+                         int64_t* tokens, TsWorkspace ws) {
+  const int b = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
+  const int P = job.per_request, n = P - 1;
+  const int64_t vocab = job.vocab;
+  const JobRow jr = job_row(job, b * P);
+  __shared__ int acc_s;
+  __shared__ bool valid_s;
+  if (threadIdx.x == 0) {
+    bool valid = true;
+    for (int j = 0; j <= n; ++j) valid &= st.row_max[b * P + j] > -kInf;
+    int a = 0;
+    const int64_t pos = job.position ? job.position[b] : 0;
+    for (; valid && a < n; ++a) {
+      const int w = b * P + a;
+      const int64_t d = draft_ids[static_cast<int64_t>(b) * n + a];
+      float q;
+      if (jr.greedy) {
+        q = d == st.argmax[w] ? 1.f : 0.f;
+      } else {
+        float x = to_f32(static_cast<const T*>(job.logits)[static_cast<int64_t>(w) * vocab + d]);
+        sanitize(x);
+        q = target_prob(x, st.row_max[w], jr.temperature, st.row_sum[w]);
+      }
+      const float p = __fdiv_rn(job.aux[(static_cast<int64_t>(b) * n + a) * vocab + d], st.aux_sum[w]);
+      // u has 25 significant bits and p 24: u * p is exact in double, the comparison too.
+      if (!(acceptance_uniform(job.seed[b], pos + a, job.iteration[b]) * p < static_cast<double>(q))) break;
+    }
+    acc_s = valid ? a : 0;
+    valid_s = valid;
+  }
+  __syncthreads();
+  const int a = acc_s;
+  const bool valid = valid_s;
+  int64_t* out = tokens + static_cast<int64_t>(b) * P;
+  auto write_row = [&](int64_t last) {
+    for (int j = 0; j < P; ++j) out[j] = !valid ? -1 : j < a ? draft_ids[static_cast<int64_t>(b) * n + j] : j == a ? last : -1;
+    accepted_out[b] = a;
+  };
+  const int w = b * P + a;
+  if (!valid || a == n || jr.greedy) {  // bonus token, or the greedy correction (the argmax)
+    if (split == 0 && threadIdx.x == 0) write_row(!valid ? -1 : a == n ? st.token[w] : st.argmax[w]);
+    return;
+  }
+  // The residual at position a over this block's chunk, with the noise of position + a.
+  const RowView<T> rv = job_view<T>(job, w);
+  const float* draft = job.aux + (static_cast<int64_t>(b) * n + a) * vocab;
+  const bool draft_aligned = reinterpret_cast<uintptr_t>(draft) % 16 == 0;
+  const float row_max = st.row_max[w], row_sum = st.row_sum[w], draft_sum = st.aux_sum[w];
+  const NoiseStream noise = job_noise(job, JobRow{b, a, jr.temperature, jr.inv_t, false});
+  const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
+  uint64_t best = 0;
+  float best_f = -kInf;  // the thread's best score: a token whose upper bound is below it cannot win
+#pragma unroll 2
+  for (int j = 0; j < kGroupsPerThread; ++j) {
+    const int64_t g = g0 + threadIdx.x + j * kThreads;
+    if (4 * g >= vocab) break;
+    float x[4], p[4];
+    load_group(rv.row, g, vocab, rv.aligned, x);
+    load_group(draft, g, vocab, draft_aligned, p);
+    const uint4 words = noise.group(static_cast<uint32_t>(g));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      sanitize(x[e]);
+      const float r = __fsub_rn(target_prob(x[e], row_max, jr.temperature, row_sum),
+                                p[e] > 0.f ? __fdiv_rn(p[e], draft_sum) : 0.f);
+      if (!(r > 0.f)) continue;
+      const float lr = logf(r);
+      const uint32_t word = word_of(words, e);
+      if (lr + gumbel_upper_bound(word) < best_f) continue;
+      const float f = __fadd_rn(lr, gumbel_exact(word));
+      const uint64_t key = rank_key(f, static_cast<uint32_t>(4 * g + e));
+      if (key > best) best = key, best_f = f;
+    }
+  }
+  __shared__ uint64_t scratch[kThreads / 32];
+  best = block_allreduce<kThreads>(best, MaxOp{}, scratch);
+  uint64_t* partial = static_cast<uint64_t*>(ws.scratch) + static_cast<int64_t>(b) * splits;
+  if (threadIdx.x == 0) partial[split] = best;
+  if (!finish_and_elect_last(ws.counters + b, splits)) return;
+  best = 0;
+  for (int i = 0; i < splits; ++i) best = max(best, __ldcg(partial + i));
+  if (best == 0) {  // the residual rounded to zero everywhere (q == p up to rounding): draw from q
+    for (int64_t g = threadIdx.x; g < (vocab + 3) / 4; g += kThreads) {
+      float x[4];
+      load_group(rv.row, g, vocab, rv.aligned, x);
+      const uint4 words = noise.group(static_cast<uint32_t>(g));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        sanitize(x[e]);
+        const float q = target_prob(x[e], row_max, jr.temperature, row_sum);
+        if (q > 0.f)
+          best = max(best, rank_key(__fadd_rn(logf(q), gumbel_exact(word_of(words, e))), static_cast<uint32_t>(4 * g + e)));
+      }
+    }
+    best = block_allreduce<kThreads>(best, MaxOp{}, scratch);
+  }
+  if (threadIdx.x == 0) write_row(key_index(best));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Top-k probabilities in one read. Each block keeps its chunk's top K by x (rank keys; the threshold
+// is the K-th largest of the threads' maxima, so at least K tokens pass it) with the chunk's max and
+// sum exp(c (x - max)). The row's last block merges the sorted lists pairwise, computes
+// p = exp(z - log S) for the first k + 1, sorts them by (p desc, id asc) and writes the first k.
+// A token outside the candidates has p <= the (k + 1)-th's: the answer is exact unless the k-th and
+// (k + 1)-th p are equal (a tie at the cut, or p underflowing to 0): such rows are flagged.
+
+struct ChunkSum {
+  float max, sum;
+};
+
+template <int K>
+__host__ __device__ inline size_t topk_probs_list_bytes(int32_t num_rows, int64_t vocab) {
+  return static_cast<size_t>(num_rows) * num_splits(vocab) * K * sizeof(uint64_t);
+}
+
+template <typename T, int K>
+__global__ void __launch_bounds__(kThreads)
+    topk_probs_kernel(TsLogits logits, const float* temperature, int k, float* probs, int64_t* ids,
+                      uint8_t* flags, TsWorkspace ws) {
+  const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
+  const int64_t vocab = logits.vocab, g0 = static_cast<int64_t>(split) * kChunkGroups;
+  const RowView<T> rv{static_cast<const T*>(logits.data) + w * vocab, w,
+                      reinterpret_cast<uintptr_t>(static_cast<const T*>(logits.data) + w * vocab) % (4 * sizeof(T)) == 0};
+  const float t = temperature[w], c2 = kLog2e / t;
+  uint64_t* lists = static_cast<uint64_t*>(ws.scratch);
+  ChunkSum* sums = reinterpret_cast<ChunkSum*>(lists + static_cast<int64_t>(logits.num_rows) * splits * K);
+  uint32_t* block_flags = reinterpret_cast<uint32_t*>(sums + static_cast<int64_t>(logits.num_rows) * splits);
+
+  __shared__ uint64_t thread_max[kThreads];
+  __shared__ uint64_t cand[kTopkCap];
+  __shared__ uint64_t threshold;
+  __shared__ int num_cand;
+  __shared__ float warp_sum[kThreads / 32];
+  float v[kGroupsPerThread][4];
+  load_chunk(rv, vocab, g0, v);
+  const uint32_t base = 4 * (static_cast<uint32_t>(g0) + threadIdx.x);
+  float best_x = v[0][0];
+  uint32_t best_id = base;
+#pragma unroll
+  for (int j = 0; j < kGroupsPerThread; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (v[j][e] > best_x) best_x = v[j][e], best_id = base + 4 * kThreads * j + e;
+  const uint64_t sorted = warp_sort_desc(base < vocab ? rank_key(best_x, best_id) : 0);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  thread_max[threadIdx.x] = sorted;
+  if (threadIdx.x == 0) threshold = 1, num_cand = 0;  // 1: fewer than K tokens, take them all
+  __syncthreads();
+  if (sorted != 0) {
+    int above = lane;
+    for (int w2 = 0; w2 < kThreads / 32; ++w2)
+      if (w2 != warp) above += count_greater(thread_max + 32 * w2, 32, sorted);
+    if (above == K - 1) threshold = sorted;
+  }
+  uint64_t top = thread_max[0];
+#pragma unroll
+  for (int w2 = 1; w2 < kThreads / 32; ++w2) top = max(top, thread_max[32 * w2]);
+  const float chunk_max = top ? key_value(top) : -kInf;
+  float sum = 0.f;
+  if (chunk_max > -kInf) {
+#pragma unroll
+    for (int j = 0; j < kGroupsPerThread; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sum += fast_exp2((v[j][e] - chunk_max) * c2);
+  }
+  sum = warp_allreduce(sum, SumOp{});
+  if (lane == 0) warp_sum[warp] = sum;
+  __syncthreads();
+  const uint64_t th = threshold;
+  const float th_x = th == 1 ? -kInf : key_value(th);
+#pragma unroll
+  for (int j = 0; j < kGroupsPerThread; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (!(v[j][e] >= th_x)) continue;
+      const uint32_t id = base + 4 * kThreads * j + e;
+      if (id >= vocab) continue;
+      const uint64_t key = rank_key(v[j][e], id);
+      if (key >= th) {
+        const int pos = atomicAdd(&num_cand, 1);
+        if (pos < kTopkCap) cand[pos] = key;
+      }
+    }
+  __syncthreads();
+  const int n = min(num_cand, kTopkCap);
+  uint64_t* my_list = lists + (static_cast<int64_t>(w) * splits + split) * K;
+  if (n <= 4 * K) {  // rank by counting
+    for (int i = threadIdx.x; i < n; i += kThreads) {
+      const uint64_t key = cand[i];
+      int rank = 0;
+      for (int j = 0; j < n; ++j) rank += cand[j] > key;
+      if (rank < K) my_list[rank] = key;
+    }
+  } else {
+    const int padded = pow2_at_least(n);
+    for (int i = n + threadIdx.x; i < padded; i += kThreads) cand[i] = 0;
+    block_sort_desc<kThreads>(cand, padded);
+    for (int i = threadIdx.x; i < K && i < n; i += kThreads) my_list[i] = cand[i];
+  }
+  for (int i = n + threadIdx.x; i < K; i += kThreads) my_list[i] = 0;
+  if (threadIdx.x == 0) {
+    float s = 0.f;
+    for (int i = 0; i < kThreads / 32; ++i) s += warp_sum[i];
+    sums[static_cast<int64_t>(w) * splits + split] = ChunkSum{chunk_max, s};
+    block_flags[static_cast<int64_t>(w) * splits + split] = num_cand > kTopkCap ? 4u : 0u;
+  }
+  if (!finish_and_elect_last(ws.counters + w, splits)) return;
+
+  // ---- merge stage: acc = top K of the lists merged so far (descending, zero padded)
+  __shared__ uint64_t buf[3][K];
+  uint64_t *acc = buf[0], *in = buf[1], *out = buf[2];
+  const uint64_t* row_lists = lists + static_cast<int64_t>(w) * splits * K;
+  for (int i = threadIdx.x; i < K; i += kThreads) acc[i] = __ldcg(row_lists + i);
+  for (int s = 1; s < splits; ++s) {
+    for (int i = threadIdx.x; i < K; i += kThreads) in[i] = __ldcg(row_lists + s * K + i), out[i] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < K; i += kThreads) {  // keys are distinct: ranks are too
+      const uint64_t a = acc[i], c = in[i];
+      if (a) {
+        const int r = i + count_greater(in, K, a);
+        if (r < K) out[r] = a;
+      }
+      if (c) {
+        const int r = i + count_greater(acc, K, c);
+        if (r < K) out[r] = c;
+      }
+    }
+    __syncthreads();
+    uint64_t* tmp = acc;
+    acc = out, out = tmp;
+  }
+  __shared__ float lse;
+  __shared__ uint32_t row_flags;
+  const float row_max = acc[0] ? key_value(acc[0]) : -kInf;
+  const bool valid = row_max > -kInf;
+  if (threadIdx.x == 0) {
+    double total = 0.0;
+    uint32_t f = 0;
+    for (int s = 0; s < splits; ++s) {
+      const ChunkSum* cs = sums + static_cast<int64_t>(w) * splits + s;
+      const float m = __ldcg(&cs->max);
+      if (m > -kInf) total += static_cast<double>(__ldcg(&cs->sum)) * exp2(static_cast<double>((m - row_max) * c2));
+      f |= __ldcg(block_flags + static_cast<int64_t>(w) * splits + s);
+    }
+    lse = static_cast<float>(log(total));
+    row_flags = f;
+  }
+  __syncthreads();
+  // p of the first k + 1 by x, ranked by (p desc, id asc) into `in`
+  const int kk = min(k + 1, K);
+  for (int i = threadIdx.x; i < kk; i += kThreads) {
+    const uint64_t key = acc[i];
+    out[i] = key ? rank_key(expf(__fsub_rn(scaled(key_value(key), row_max, t), lse)), key_index(key)) : 0;
+    in[i] = 0;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kk; i += kThreads) {
+    const uint64_t key = out[i];
+    if (!key) continue;
+    int rank = 0;
+    for (int j = 0; j < kk; ++j) rank += out[j] > key;
+    in[rank] = key;
+  }
+  __syncthreads();
+  const int64_t o = static_cast<int64_t>(w) * k;
+  for (int i = threadIdx.x; i < k; i += kThreads) {
+    const uint64_t key = in[i];
+    probs[o + i] = valid && key ? key_value(key) : 0.f;
+    ids[o + i] = valid && key ? static_cast<int64_t>(key_index(key)) : -1;
+  }
+  if (threadIdx.x == 0) {
+    const bool cut_tie = valid && kk == k + 1 && in[k] != 0 && key_value(in[k]) == key_value(in[k - 1]);
+    flags[w] = static_cast<uint8_t>((row_flags & 4u) | (cut_tie ? 4u : 0u));
+  }
+}
+
+}  // namespace tokensampler

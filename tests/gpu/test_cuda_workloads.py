@@ -1,0 +1,215 @@
+"""The workload kernels (backends/cuda_workloads.py) against the torch references of ops/.
+
+Top-k probabilities: ids identical, probabilities to 1e-5 relative (the reference on the same GPU).
+Diffusion steps and draft verification: tokens identical to the CPU reference for >= 99.9% of the
+positions / rows, confidences to 1e-5 relative, the new mask identical where the tokens are.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokensampler_server.backends.cuda_workloads import (
+    WorkloadKernels,
+    diffusion_step_cuda,
+    run_diffusion_step,
+    run_topk_probs,
+    run_verify_draft,
+    topk_probs_cuda,
+    verify_draft_cuda,
+)
+from tokensampler_server.ops.diffusion import DiffusionStep, diffusion_step
+from tokensampler_server.ops.topk_probs import topk_probs
+from tokensampler_server.ops.verify import DraftVerification, verify_draft
+
+from .conftest import logits
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
+
+V_QWEN = 151936
+
+
+@pytest.fixture(scope="module")
+def kernels() -> WorkloadKernels:
+    return WorkloadKernels(0)
+
+
+def _per_row(values: list[float], rows: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor([values[i % len(values)] for i in range(rows)], dtype=dtype)
+
+
+# -- top-k probabilities ------------------------------------------------------------------------------
+@pytest.mark.parametrize("generator", ["spiky", "flat"])
+@pytest.mark.parametrize("k", [1, 20, 50, 255])
+@pytest.mark.parametrize("vocab", [1000, V_QWEN])
+def test_topk_probs_matches_the_reference(kernels, generator, k, vocab):
+    x = logits(generator, 24, vocab, seed=k + vocab).cuda()
+    t = _per_row([1.0, 0.7, 1.6, 0.05], 24, torch.float32).cuda()
+    probs, ids = topk_probs_cuda(x, t, k, kernels)
+    ref_probs, ref_ids = topk_probs(x, t, k)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(probs, ref_probs, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_topk_probs_half_precision(kernels, dtype):
+    x = logits("spiky", 8, 32000, seed=3, dtype=dtype).cuda()
+    t = torch.full((8,), 0.8).cuda()
+    probs, ids = topk_probs_cuda(x, t, 40, kernels)
+    ref_probs, ref_ids = topk_probs(x, t, 40)
+    assert torch.equal(ids, ref_ids)  # bf16 ties are frequent: the flagged rows are recomputed
+    torch.testing.assert_close(probs, ref_probs, rtol=1e-5, atol=1e-9)
+
+
+def test_topk_probs_edge_rows(kernels):
+    x = logits("flat", 6, 5000, seed=1)
+    x[0] = float("-inf")  # nothing finite: probabilities 0, ids -1
+    x[1, ::7] = float("nan")  # NaN and +inf read as -inf
+    x[1, 3] = float("inf")
+    x[2, :] = float("-inf")
+    x[2, [10, 4000, 17]] = torch.tensor([1.0, 1.0, 0.5])  # fewer finite tokens than k, a tie
+    x[3] = 0.0  # every probability equal: ids in order
+    x[4, 100:] = -200.0  # probabilities underflowing to 0 at the cut
+    t = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.5])
+    x, t = x.cuda(), t.cuda()
+    probs, ids = topk_probs_cuda(x, t, 120, kernels)
+    ref_probs, ref_ids = topk_probs(x, t, 120)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(probs, ref_probs, rtol=1e-5, atol=1e-9)
+
+
+def test_topk_probs_large_k_uses_the_reference_on_the_gpu(kernels):
+    x = logits("spiky", 4, 20000, seed=9).cuda()
+    t = torch.ones(4).cuda()
+    probs, ids = topk_probs_cuda(x, t, 1024, kernels)
+    ref_probs, ref_ids = topk_probs(x, t, 1024)
+    assert torch.equal(ids, ref_ids) and torch.equal(probs, ref_probs)
+
+
+# -- diffusion steps ----------------------------------------------------------------------------------
+def _step(num_requests: int, length: int, vocab: int, *, seed: int, temperature: list[float], dtype=torch.float32,
+          top_k: int = 0, threshold: list[float] | None = None, count: list[int] | None = None) -> DiffusionStep:
+    g = torch.Generator().manual_seed(seed)
+    x = logits("spiky", num_requests * length, vocab, seed=seed, dtype=dtype).view(num_requests, length, vocab)
+    mask = torch.rand(num_requests, length, generator=g) < 0.7
+    mask[0] = True
+    if num_requests > 2:
+        mask[2] = False  # nothing to decide in this request
+    b = num_requests
+    return DiffusionStep(
+        logits=x, mask=mask, temperature=_per_row(temperature, b, torch.float32),
+        top_k=torch.full((b,), top_k, dtype=torch.int32), top_p=torch.ones(b), min_p=torch.zeros(b),
+        seed=torch.arange(b, dtype=torch.int64) * 1_000_003 + seed, iteration=torch.full((b,), 5, dtype=torch.int64),
+        threshold=_per_row(threshold or [0.5, float("nan"), 0.99, 0.0], b, torch.float32),
+        count=_per_row(count or [0, 3, 1, 0, 8], b, torch.int64),
+    )
+
+
+def _assert_step_agrees(got, ref, mask: torch.Tensor) -> None:
+    tokens, conf, new_mask = (t.cpu() for t in got)
+    ref_tokens, ref_conf, ref_mask = ref
+    masked = mask.sum().item()
+    agree = ((tokens == ref_tokens) & mask).sum().item()
+    assert agree >= 0.999 * masked, f"{agree} of {masked} masked positions agree"
+    assert torch.equal(tokens[~mask], ref_tokens[~mask])
+    same = tokens == ref_tokens
+    torch.testing.assert_close(conf[same], ref_conf[same], rtol=1e-5, atol=1e-9)
+    if agree == masked:
+        assert torch.equal(new_mask, ref_mask)
+
+
+@pytest.mark.parametrize("vocab", [1000, V_QWEN])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_diffusion_step_matches_the_reference(kernels, cuda_backend, cpu_backend, vocab, dtype):
+    step = _step(5, 40, vocab, seed=vocab % 97, temperature=[1.0, 0.0, 0.7, 1.3, 0.0], dtype=dtype)
+    got = diffusion_step_cuda(step, kernels, cuda_backend)
+    _assert_step_agrees(got, diffusion_step(step, cpu_backend), step.mask)
+
+
+def test_diffusion_step_flat_logits_many_positions(kernels, cuda_backend, cpu_backend):
+    step = _step(8, 64, 32000, seed=11, temperature=[1.0], count=[4], threshold=[0.2])
+    step = DiffusionStep(**{**step.__dict__, "logits": logits("flat", 8 * 64, 32000, seed=12).view(8, 64, 32000)})
+    got = diffusion_step_cuda(step, kernels, cuda_backend)
+    _assert_step_agrees(got, diffusion_step(step, cpu_backend), step.mask)
+
+
+def test_diffusion_positions_without_a_finite_logit(kernels, cuda_backend, cpu_backend):
+    step = _step(2, 16, 500, seed=4, temperature=[1.0, 0.0])
+    step.logits[0, 3] = float("-inf")
+    step.logits[1, 5] = float("nan")
+    step.mask[:, :] = True
+    got = diffusion_step_cuda(step, kernels, cuda_backend)
+    assert got[0][0, 3].item() == -1 and got[1][0, 3].item() == 0.0 and bool(got[2][0, 3])
+    _assert_step_agrees(got, diffusion_step(step, cpu_backend), step.mask)
+
+
+def test_diffusion_with_filters_samples_on_the_backend(kernels, cuda_backend, cpu_backend):
+    step = _step(3, 24, 4000, seed=8, temperature=[1.0], top_k=20)
+    got = run_diffusion_step(step, cuda_backend)
+    _assert_step_agrees(got, diffusion_step(step, cpu_backend), step.mask)
+
+
+# -- speculative verification -------------------------------------------------------------------------
+def _verification(num_requests: int, n: int, vocab: int, *, seed: int, temperature: list[float],
+                  dtype=torch.float32, top_k: int = 0) -> DraftVerification:
+    g = torch.Generator().manual_seed(seed)
+    target = logits("flat", num_requests * (n + 1), vocab, seed=seed).view(num_requests, n + 1, vocab) * 2.5
+    # A draft close to the target: some tokens accepted, some rejected.
+    draft_logits = target[:, :n] + torch.randn(num_requests, n, vocab, generator=g) * 1.5
+    draft_probs = torch.softmax(draft_logits, dim=-1)
+    draft_ids = torch.multinomial(draft_probs.view(-1, vocab), 1, generator=g).view(num_requests, n)
+    b = num_requests
+    return DraftVerification(
+        draft_ids=draft_ids, draft_probs=draft_probs * 3.0,  # unnormalised: renormalised by both
+        target_logits=target.to(dtype), temperature=_per_row(temperature, b, torch.float32),
+        top_k=torch.full((b,), top_k, dtype=torch.int32), top_p=torch.ones(b), min_p=torch.zeros(b),
+        seed=torch.arange(b, dtype=torch.int64) * 7919 + seed,
+        position=_per_row([0, 17, 2**32 - 2], b, torch.int64), iteration=torch.full((b,), 2, dtype=torch.int64),
+    )
+
+
+def _assert_verdicts_agree(got, ref) -> None:
+    accepted, tokens = (t.cpu() for t in got)
+    ref_accepted, ref_tokens = ref
+    rows = accepted.numel()
+    same = (accepted == ref_accepted) & (tokens == ref_tokens).all(dim=1)
+    assert same.sum().item() >= 0.999 * rows, f"{same.sum().item()} of {rows} rows agree"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1000, 32000])
+def test_verify_matches_the_reference(kernels, dtype, vocab):
+    v = _verification(96, 4, vocab, seed=vocab % 101, temperature=[1.0, 0.7, 0.0, 1.2], dtype=dtype)
+    ref = verify_draft(v)
+    _assert_verdicts_agree(verify_draft_cuda(v, kernels), ref)
+    accepted = ref[0]
+    assert 0 < accepted.float().mean().item() < 4, "the case should mix acceptances and rejections"
+
+
+def test_verify_large_vocabulary_and_invalid_rows(kernels):
+    v = _verification(8, 3, V_QWEN, seed=5, temperature=[1.0])
+    v.target_logits[2, 1] = float("-inf")  # no finite target logit at one position: the row is invalid
+    v.target_logits[3, 0, :50] = float("nan")
+    got = verify_draft_cuda(v, kernels)
+    assert got[0][2].item() == 0 and bool((got[1][2] == -1).all())
+    _assert_verdicts_agree(got, verify_draft(v))
+
+
+def test_verify_draft_equal_to_target_accepts_everything(kernels):
+    v = _verification(16, 4, 2000, seed=6, temperature=[1.0])
+    same = DraftVerification(**{**v.__dict__, "draft_probs": torch.softmax(v.target_logits[:, :4].float(), dim=-1)})
+    got = verify_draft_cuda(same, kernels)
+    _assert_verdicts_agree(got, verify_draft(same))
+
+
+def test_dispatch_uses_the_kernels_on_a_cuda_backend(cuda_backend):
+    v = _verification(8, 2, 3000, seed=2, temperature=[1.0, 0.0])
+    _assert_verdicts_agree(run_verify_draft(v, cuda_backend), verify_draft(v))
+    filtered = DraftVerification(**{**v.__dict__, "top_k": torch.full((8,), 5, dtype=torch.int32)})
+    _assert_verdicts_agree(run_verify_draft(filtered, cuda_backend), verify_draft(filtered))
+    x = logits("spiky", 6, 3000, seed=1)
+    t = torch.ones(6)
+    probs, ids = run_topk_probs(x, t, 7, cuda_backend)
+    ref_probs, ref_ids = topk_probs(x, t, 7)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(probs, ref_probs, rtol=1e-5, atol=1e-9)
