@@ -4,8 +4,8 @@
 
 Times, in one process on the same W and h: the fused kernel (`tokensampler_fused`: gumbel, and
 top_k_top_p with raw log-probs on), cuBLAS into fp32 logits followed by our logits kernels
-(`tokensampler_unfused`), `tokensampler` = the one of the two the CUDA backend picks at that B
-(cuda_fused.MAX_ROWS), and the peers: cuBLAS matmul alone, matmul + FlashInfer sampling_from_logits
+(`tokensampler_unfused`), `tokensampler` = the one of the two the CUDA backend picks
+(cuda_fused.fused_is_faster), and the peers: cuBLAS matmul alone, matmul + FlashInfer sampling_from_logits
 and top_k_top_p_sampling_from_logits, FlashSampling's Triton kernel when its fs_core module imports.
 Every row carries the HBM roofline (W bytes / measured read bandwidth).
 Writes fused-<gpu>-<date>.json and a PNG.
@@ -121,7 +121,8 @@ def main() -> None:
             unfused_us = peers.bench(unfused_fn(kernels, weight, hidden, mode))
             emit("tokensampler_fused", mode, b, fused_us)
             emit("tokensampler_unfused", mode, b, unfused_us)
-            emit("tokensampler", mode, b, fused_us if b <= cuda_fused.MAX_ROWS else unfused_us)
+            chosen = cuda_fused.fused_is_faster(b, filtered=mode != "gumbel")
+            emit("tokensampler", mode, b, fused_us if chosen else unfused_us)
         if args.no_peers:
             continue
         k = torch.full((b,), TOP_K, device="cuda", dtype=torch.int32)

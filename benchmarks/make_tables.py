@@ -3,7 +3,8 @@
   python benchmarks/make_tables.py            # print the tables
   python benchmarks/make_tables.py --readme   # replace the block between the markers in README.md
 
-Kernel tables: median µs per B for our modes and the peers of the same file (same run, same GPU).
+Kernel tables: median µs per B for our modes and the peers of the same file (same run, same GPU),
+for the logits workloads and then fused, diffusion, topk_probs and verify.
 Service table: p50/p99 per call and throughput from the latest service-*.json.
 """
 
@@ -57,6 +58,28 @@ def kernel_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def workload_table(path: Path) -> str:
+    """Any other workload (fused, diffusion, topk_probs, verify): one line per method and mode."""
+    data = json.loads(path.read_text())
+    rows, meta = data["rows"], data["meta"]
+    batches = sorted({r["B"] for r in rows})
+    shape = ", ".join(f"{key} = {meta[key]}" for key in ("V", "D", "n", "k") if key in meta)
+    lines = [
+        f"**{rows[0]['workload']}** ({shape}), {meta['gpu']}, {meta['date']} (`{path.relative_to(ROOT)}`); "
+        "median µs, L2 flushed",
+        "",
+        "| method | " + " | ".join(f"B={b}" for b in batches) + " |",
+        "| --- |" + " --- |" * len(batches),
+    ]
+    for label in dict.fromkeys(r["method"] + (f" {r['mode']}" if r.get("mode") else "") for r in rows):
+        values = {r["B"]: r["median_us"] for r in rows
+                  if r["method"] + (f" {r['mode']}" if r.get("mode") else "") == label}
+        lines.append(f"| {label} | " + " | ".join(_fmt(values.get(b)) for b in batches) + " |")
+    roofline = {r["B"]: r["roofline_us"] for r in rows if r.get("roofline_us") is not None}
+    lines.append("| HBM roofline (one read) | " + " | ".join(_fmt(roofline.get(b)) for b in batches) + " |")
+    return "\n".join(lines)
+
+
 def service_table(path: Path) -> str:
     data = json.loads(path.read_text())
     meta = data["meta"]
@@ -92,6 +115,8 @@ def service_table(path: Path) -> str:
 
 def render() -> str:
     parts = [kernel_table(p) for p in sorted(RESULTS.glob("logits-*.json"))]
+    for workload in ("fused", "diffusion", "topk_probs", "verify"):
+        parts += [workload_table(p) for p in sorted(RESULTS.glob(f"{workload}-*.json"))]
     services = sorted(RESULTS.glob("service-*.json"))
     if services:
         parts.append(service_table(services[-1]))

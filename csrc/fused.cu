@@ -107,6 +107,10 @@ extern "C" int ts_fused_sample(const TsLmHead* head, const void* states, int64_t
   finish.partials = partials;
   finish.cands = cands;
   finish.out = *out;
-  fused_finish_kernel<<<static_cast<unsigned>(num_rows), kFinishThreads, 0, s>>>(finish);
+  const size_t staged_bytes = static_cast<size_t>(plan->vocab_ctas) * kCand * sizeof(uint64_t);
+  err = cudaFuncSetAttribute(fused_finish_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(staged_bytes));
+  if (err != cudaSuccess) return err;
+  fused_finish_kernel<<<static_cast<unsigned>(num_rows), kFinishThreads, staged_bytes, s>>>(finish);
   return cudaGetLastError();
 }

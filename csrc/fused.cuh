@@ -35,7 +35,6 @@ constexpr int kHPad = 32;                    // elements of padding per h row in
 constexpr int kCand = 64;                    // candidates per (row, CTA), and merged per row
 constexpr int kCandBuf = 256;                // candidate buffer per row in shared memory
 constexpr int kFinishThreads = 256;
-constexpr int kSurvivors = 2048;             // candidate keys stage 2 sorts directly
 
 enum RowMode : int { kGreedy = 0, kGumbel = 1, kCandidates = 2 };
 
@@ -368,28 +367,48 @@ __global__ void __launch_bounds__(kThreads, 1) fused_partials_kernel(const Parti
   }
 }
 
-// The key of rank `want` (1-based) among the nonzero keys[0, n), by 8-bit radix select; all keys unique.
+// The key of rank `want` (1-based) among the nonzero keys[0, n) (shared memory, all keys unique), by
+// 8-bit radix select: per pass a histogram of the next digit of the keys that match the digits so far,
+// and warp 0 finds the digit holding rank `want` (lane l owns digits 255 - 8l .. 248 - 8l).
 __device__ uint64_t select_key(const uint64_t* keys, int n, int want, unsigned int* hist, int* chosen) {
   uint64_t prefix = 0, mask = 0;
+  const int lane = threadIdx.x & 31;
   for (int shift = 56; shift >= 0; shift -= 8) {
     for (int i = threadIdx.x; i < 256; i += kFinishThreads) hist[i] = 0;
     __syncthreads();
-    for (int i = threadIdx.x; i < n; i += kFinishThreads) {
-      const uint64_t k = keys[i];
-      if (k != 0 && (k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
+    // Most keys share their leading digits: one atomic per distinct digit per warp, not per key.
+    for (int base = 0; base < n; base += kFinishThreads) {
+      const int i = base + threadIdx.x;
+      const uint64_t k = i < n ? keys[i] : 0ull;
+      const bool counted = k != 0 && (k & mask) == prefix;
+      const unsigned int digit = counted ? static_cast<unsigned int>((k >> shift) & 255u) : 256u;
+      const unsigned int same = __match_any_sync(0xffffffffu, digit);
+      if (counted && lane == __ffs(same) - 1) atomicAdd(&hist[digit], static_cast<unsigned int>(__popc(same)));
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      int above = 0, digit = 0;
-      for (int d = 255; d >= 0; --d) {
-        if (above + static_cast<int>(hist[d]) >= want) {
-          digit = d;
-          break;
-        }
-        above += hist[d];
+    if (threadIdx.x < 32) {
+      unsigned int mine[8], total = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) total += mine[j] = hist[255 - 8 * lane - j];
+      unsigned int above = total;  // inclusive scan over lanes, then made exclusive
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const unsigned int up = __shfl_up_sync(0xffffffffu, above, o);
+        if (lane >= o) above += up;
       }
-      chosen[0] = digit;
-      chosen[1] = above;
+      above -= total;
+      int digit = -1;
+      unsigned int before = above;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (digit < 0 && before + mine[j] >= static_cast<unsigned int>(want)) digit = 255 - 8 * lane - j;
+        else if (digit < 0) before += mine[j];
+      }
+      const int first = __ffs(__ballot_sync(0xffffffffu, digit >= 0)) - 1;
+      if (lane == first) {
+        chosen[0] = digit;
+        chosen[1] = static_cast<int>(before);
+      }
     }
     __syncthreads();
     prefix |= static_cast<uint64_t>(chosen[0]) << shift;
@@ -476,9 +495,9 @@ __global__ void __launch_bounds__(kFinishThreads) fused_finish_kernel(const Fini
   __shared__ uint64_t u_scratch[kFinishThreads / 32];
   __shared__ unsigned int hist[256];
   __shared__ int chosen[2];
-  __shared__ uint64_t survivors[kSurvivors];
+  __shared__ uint64_t top[kCand];  // the best kCand keys, sorted, once the candidate branch ran
   __shared__ int top_count;
-  const uint64_t* top = survivors;  // the best kCand keys, sorted, once the candidate branch ran
+  extern __shared__ uint64_t staged[];  // [vocab_ctas * kCand]
   __shared__ float best_x;
   const int64_t b = blockIdx.x;
   const int num_parts = a.vocab_ctas;
@@ -518,42 +537,26 @@ __global__ void __launch_bounds__(kFinishThreads) fused_finish_kernel(const Fini
     }
     for (int s = threadIdx.x; s < ns; s += kFinishThreads) tokens[b * ns + s] = key_index(best);
   } else if (valid) {
-    const uint64_t* keys = a.cands + b * num_parts * kCand;
+    // Every CTA's sorted best keys, staged in shared memory: the radix passes read them from there.
+    const uint64_t* global_keys = a.cands + b * num_parts * kCand;
     const int n = num_parts * kCand;
-    // Each CTA's list is sorted, so the kCand-th best key overall is at least the kCand-th key of any
-    // one list: only keys at or above the largest of those can be in the top kCand.
-    uint64_t floor_key = 0;
-    for (int i = threadIdx.x; i < num_parts; i += kFinishThreads) floor_key = max(floor_key, keys[i * kCand + kCand - 1]);
-    floor_key = block_allreduce<kFinishThreads>(floor_key, MaxOp{}, u_scratch);
-    if (threadIdx.x == 0) top_count = 0;
-    __syncthreads();
     int nonzero = 0;
     for (int i = threadIdx.x; i < n; i += kFinishThreads) {
-      const uint64_t k = keys[i];
+      const uint64_t k = global_keys[i];
+      staged[i] = k;
       nonzero += k != 0;
-      if (k != 0 && k >= floor_key) {
-        const int slot = atomicAdd(&top_count, 1);
-        if (slot < kSurvivors) survivors[slot] = k;
-      }
     }
     nonzero = block_allreduce<kFinishThreads>(nonzero, SumOp{}, reinterpret_cast<int*>(f_scratch));
-    const int found = top_count;
-    if (found <= kSurvivors) {
-      const int width = static_cast<int>(next_pow2(static_cast<unsigned>(max(found, kCand))));
-      for (int i = found + threadIdx.x; i < width; i += kFinishThreads) survivors[i] = 0;
-      block_sort_desc<kFinishThreads>(survivors, width);
-    } else {  // many short lists: select the kCand-th key exactly, then gather and sort those
-      const uint64_t cut = select_key(keys, n, kCand, hist, chosen);
-      if (threadIdx.x == 0) top_count = 0;
-      __syncthreads();
-      for (int i = threadIdx.x; i < n; i += kFinishThreads)
-        if (keys[i] != 0 && keys[i] >= cut) survivors[atomicAdd(&top_count, 1)] = keys[i];
-      __syncthreads();
-      for (int i = top_count + threadIdx.x; i < kCand; i += kFinishThreads) survivors[i] = 0;
-      block_sort_desc<kFinishThreads>(survivors, kCand);
-    }
-    const int count = min(found, kCand);
+    const uint64_t cut = nonzero > kCand ? select_key(staged, n, kCand, hist, chosen) : 1ull;
+    if (threadIdx.x == 0) top_count = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += kFinishThreads)
+      if (staged[i] != 0 && staged[i] >= cut) top[atomicAdd(&top_count, 1)] = staged[i];
+    __syncthreads();
+    const int count = top_count;
     if (threadIdx.x < 32) {
+      for (int i = count + threadIdx.x; i < kCand; i += 32) top[i] = 0;
+      warp_sort_desc(top, kCand, threadIdx.x);
       // Every CTA reports at most kCand keys: fewer than kCand in all means none was cut off.
       const bool complete = nonzero < kCand;
       if (!sample_candidates(top, count, complete, row_max, sum_t, a.rows, b, ns, tokens, threadIdx.x) &&

@@ -24,6 +24,14 @@ MAX_ROWS = 16
 """One batch tile. Beyond it the fused kernel passes over W once per tile of 16 rows (from L2 at best) and
 cuBLAS into fp32 logits + the logits kernels is faster (benchmarks/results/fused-*.json, H200)."""
 
+
+def fused_is_faster(num_rows: int, filtered: bool) -> bool:
+    """Which path the backend takes, by measurement (benchmarks/FUSED_NOTES.md, H200): the fused kernel
+    for greedy / temperature-only batches of one batch tile. With top-k/top-p/min-p rows its candidate
+    buffers and merge cost more than writing fp32 logits at these B (370 vs 328 µs at B = 1)."""
+    return num_rows <= MAX_ROWS and not filtered
+
+
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2}
 _FLAG_NAN, _FLAG_INVALID, _FLAG_LOGITS_PATH = 1, 2, 4
 
@@ -91,13 +99,14 @@ def unsupported_reason(batch: SamplingBatch) -> str | None:
     weight = hidden.lm_head.weight
     if not weight.is_cuda or weight.dtype not in _DTYPES or hidden.states.dtype != weight.dtype:
         return "fused_dtype"
-    if batch.num_rows > MAX_ROWS:
-        return "fused_rows"
+    sampled = batch.temperature > 0
+    filtered = sampled & ((batch.top_k > 0) | (batch.top_p < 1) | (batch.min_p > 0))
+    if not fused_is_faster(batch.num_rows, bool(filtered.any())):
+        return "fused_slower"
     if batch.processing is not None:
         return "fused_processing"
     if batch.top_logprobs > 0 or (batch.return_logprobs and batch.logprobs_mode is not LogprobsMode.RAW):
         return "fused_logprobs"
-    sampled = batch.temperature > 0
     if bool((sampled & (batch.top_k > MAX_TOP_K)).any()):
         return "fused_top_k"
     unfiltered = sampled & (batch.top_k == 0) & (batch.top_p >= 1) & (batch.min_p <= 0)
