@@ -376,14 +376,9 @@ __device__ uint64_t select_key(const uint64_t* keys, int n, int want, unsigned i
   for (int shift = 56; shift >= 0; shift -= 8) {
     for (int i = threadIdx.x; i < 256; i += kFinishThreads) hist[i] = 0;
     __syncthreads();
-    // Most keys share their leading digits: one atomic per distinct digit per warp, not per key.
-    for (int base = 0; base < n; base += kFinishThreads) {
-      const int i = base + threadIdx.x;
-      const uint64_t k = i < n ? keys[i] : 0ull;
-      const bool counted = k != 0 && (k & mask) == prefix;
-      const unsigned int digit = counted ? static_cast<unsigned int>((k >> shift) & 255u) : 256u;
-      const unsigned int same = __match_any_sync(0xffffffffu, digit);
-      if (counted && lane == __ffs(same) - 1) atomicAdd(&hist[digit], static_cast<unsigned int>(__popc(same)));
+    for (int i = threadIdx.x; i < n; i += kFinishThreads) {
+      const uint64_t k = keys[i];
+      if (k != 0 && (k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
     }
     __syncthreads();
     if (threadIdx.x < 32) {
