@@ -137,24 +137,41 @@ __device__ void block_inclusive_scan(T* a, int n, T* scratch) {
   __syncthreads();
 }
 
-// Sorts a[0, n) in shared memory into descending order (n a power of two).
+// One compare-exchange pass of a bitonic sort of a[0, n) into descending order, by the threads
+// first, first + step, ... of the group that sorts (a thread block or one warp).
+__device__ __forceinline__ void bitonic_pass_desc(uint64_t* a, int n, int size, int stride, int first, int step) {
+  for (int i = first; i < (n >> 1); i += step) {
+    const int lo = 2 * i - (i & (stride - 1)), hi = lo + stride;
+    const bool desc = (lo & size) == 0;
+    const uint64_t x = a[lo], y = a[hi];
+    if ((x < y) == desc) {
+      a[lo] = y;
+      a[hi] = x;
+    }
+  }
+}
+
+// Sorts a[0, n) in shared memory into descending order (n a power of two), by the whole block.
 template <int THREADS>
 __device__ void block_sort_desc(uint64_t* a, int n) {
   for (int size = 2; size <= n; size <<= 1) {
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
       __syncthreads();
-      for (int i = threadIdx.x; i < (n >> 1); i += THREADS) {
-        const int lo = 2 * i - (i & (stride - 1)), hi = lo + stride;
-        const bool desc = (lo & size) == 0;
-        const uint64_t x = a[lo], y = a[hi];
-        if ((x < y) == desc) {
-          a[lo] = y;
-          a[hi] = x;
-        }
-      }
+      bitonic_pass_desc(a, n, size, stride, threadIdx.x, THREADS);
     }
   }
   __syncthreads();
+}
+
+// The same by one warp (`lane` = its lane index), the rest of the block free to go on.
+__device__ inline void warp_sort_desc_shared(uint64_t* a, int n, int lane) {
+  for (int size = 2; size <= n; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      __syncwarp();
+      bitonic_pass_desc(a, n, size, stride, lane, 32);
+    }
+  }
+  __syncwarp();
 }
 
 // The last block of a row to finish (counted on a self-resetting counter) returns true. Callers

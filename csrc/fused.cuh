@@ -101,25 +101,6 @@ __device__ __forceinline__ uint4 load_streaming(const uint16_t* p) {
   return v;
 }
 
-// Sorts a[0, n) (n a power of two, in shared memory) into descending order with one warp.
-__device__ inline void warp_sort_desc(uint64_t* a, int n, int lane) {
-  for (int size = 2; size <= n; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      __syncwarp();
-      for (int i = lane; i < (n >> 1); i += 32) {
-        const int lo = 2 * i - (i & (stride - 1)), hi = lo + stride;
-        const bool desc = (lo & size) == 0;
-        const uint64_t x = a[lo], y = a[hi];
-        if ((x < y) == desc) {
-          a[lo] = y;
-          a[hi] = x;
-        }
-      }
-    }
-  }
-  __syncwarp();
-}
-
 // A row's candidate buffer: keys above `threshold` are appended; when it fills, it is sorted and cut
 // to the best kCand, whose last key becomes the threshold (so later tiles append few keys).
 struct CandidateBuffer {
@@ -129,7 +110,7 @@ struct CandidateBuffer {
 
   __device__ void compact(int lane) {
     for (int i = count + lane; i < kCandBuf; i += 32) keys[i] = 0;
-    warp_sort_desc(keys, kCandBuf, lane);
+    warp_sort_desc_shared(keys, kCandBuf, lane);
     count = min(count, kCand);
     if (count == kCand) threshold = keys[kCand - 1];
   }
@@ -551,7 +532,7 @@ __global__ void __launch_bounds__(kFinishThreads) fused_finish_kernel(const Fini
     const int count = top_count;
     if (threadIdx.x < 32) {
       for (int i = count + threadIdx.x; i < kCand; i += 32) top[i] = 0;
-      warp_sort_desc(top, kCand, threadIdx.x);
+      warp_sort_desc_shared(top, kCand, threadIdx.x);
       // Every CTA reports at most kCand keys: fewer than kCand in all means none was cut off.
       const bool complete = nonzero < kCand;
       if (!sample_candidates(top, count, complete, row_max, sum_t, a.rows, b, ns, tokens, threadIdx.x) &&

@@ -29,7 +29,7 @@ import threading
 import torch
 
 from ..metrics import record_fallback
-from ..sampling import LogitProcessing, LogprobsMode, SamplingBatch, SamplingResult, TokenEntries
+from ..sampling import HiddenInput, LogitProcessing, LogprobsMode, SamplingBatch, SamplingResult, TokenEntries
 from . import cuda_fused
 from .base import Backend, BackendInfo
 from .cuda_build import CudaBackendUnavailable
@@ -86,7 +86,13 @@ def _select(entries: TokenEntries | None, mapping: torch.Tensor) -> tuple[TokenE
 
 
 def select_rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
-    """The sub-batch of `rows` (int64, CPU), processing entries remapped to the new row numbers."""
+    """The sub-batch of `rows` (int64, CPU) of a logits or hidden-state batch, processing entries remapped
+    to the new row numbers."""
+    if batch.logits is not None:
+        selected_input = {"logits": batch.logits[rows.to(batch.logits.device)].cpu()}
+    else:
+        states = batch.hidden.states
+        selected_input = {"hidden": HiddenInput(states[rows.to(states.device)], batch.hidden.lm_head)}
     processing = batch.processing
     if processing is not None:
         mapping = torch.full((batch.num_rows,), -1, dtype=torch.int64)
@@ -100,7 +106,7 @@ def select_rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
             output_tokens=_select(processing.output_tokens, mapping)[0],
             prompt_tokens=_select(processing.prompt_tokens, mapping)[0], **per_row)
     return dataclasses.replace(
-        batch, logits=batch.logits[rows.to(batch.logits.device)].cpu(), temperature=batch.temperature[rows], top_k=batch.top_k[rows],
+        batch, **selected_input, temperature=batch.temperature[rows], top_k=batch.top_k[rows],
         top_p=batch.top_p[rows], min_p=batch.min_p[rows], seed=batch.seed[rows], position=batch.position[rows],
         iteration=batch.iteration[rows], processing=processing)
 
@@ -383,7 +389,7 @@ class CudaBackend(Backend):
         if not redo.numel():
             return result
         record_fallback("fused_kept_set")
-        return _merge_rows(result, redo, self.sample(cuda_fused.select_hidden_rows(batch, redo).with_logits()))
+        return _merge_rows(result, redo, self.sample(select_rows(batch, redo).with_logits()))
 
     def _after_failure(self) -> None:
         """A call that raised may have left copies in flight from the reused pinned buffers: wait for them,

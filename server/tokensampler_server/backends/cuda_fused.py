@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import torch
 
-from ..sampling import HiddenInput, LogprobsMode, SamplingBatch, SamplingResult
+from ..sampling import LogprobsMode, SamplingBatch, SamplingResult
 from .cuda_build import load_kernels
 from .cuda_kernels import RowParams
 
@@ -139,12 +139,3 @@ def sample_hidden(batch: SamplingBatch) -> tuple[SamplingResult, torch.Tensor]:
     result = SamplingResult(tokens=tokens, valid=valid, nan_detected=(flags & _FLAG_NAN) != 0, logprobs=logprobs)
     return result, ((flags & _FLAG_LOGITS_PATH) != 0).nonzero().squeeze(1)
 
-
-def select_hidden_rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
-    """The sub-batch of `rows` (int64, CPU) of a hidden-state batch without processing."""
-    states = batch.hidden.states
-    return dataclasses.replace(
-        batch, hidden=HiddenInput(states[rows.to(states.device)], batch.hidden.lm_head),
-        temperature=batch.temperature[rows], top_k=batch.top_k[rows], top_p=batch.top_p[rows],
-        min_p=batch.min_p[rows], seed=batch.seed[rows], position=batch.position[rows],
-        iteration=batch.iteration[rows])
