@@ -12,7 +12,9 @@ process, all in one run:
     CUDA IPC on a GPU, shared memory on the CPU), tokensampler_hidden_ipc (hidden states in a region
     through a registered LM head);
   * throughput with 1, 4 and 16 concurrent clients calling with B = 16: rows/s and calls/s for
-    echo_unary, tokensampler_tcp and tokensampler_batching (client batching on).
+    echo_unary, tokensampler_tcp and tokensampler_batching (client batching on, logits as bytes), and
+    tokensampler_batching_ipc (client batching on, each client's rows a slice of one shared region: the
+    slices that arrive together go out as one zero-copy call).
 Writes service-<device>-<date>.json with those rows, the target ratios of the transport issue, and a
 PNG plot.
 """
@@ -80,14 +82,14 @@ def latency(call: Callable[[], object], iters: int, warmup: int = 5) -> tuple[fl
     return float(np.percentile(times, 50)), float(np.percentile(times, 99))
 
 
-def throughput(call: Callable[[], object], clients: int, seconds: float) -> float:
-    """Calls per second reached by `clients` threads calling `call` in a loop for `seconds`."""
+def throughput(call: Callable[[int], object], clients: int, seconds: float) -> float:
+    """Calls per second reached by `clients` threads calling `call(thread index)` in a loop for `seconds`."""
     counts = [0] * clients
     stop = time.monotonic() + seconds
 
     def loop(index: int) -> None:
         while time.monotonic() < stop:
-            call()
+            call(index)
             counts[index] += 1
 
     threads = [threading.Thread(target=loop, args=(i,)) for i in range(clients)]
@@ -196,17 +198,29 @@ def run(args: argparse.Namespace) -> dict:
 
         small = spiky_logits(THROUGHPUT_ROWS, V, device).cpu()
         batcher = BatchingClient(client, max_rows=256, max_delay_us=200)
+        # One region holding every client's rows, as an engine's logits buffer would.
+        shared = spiky_logits(THROUGHPUT_ROWS * max(THROUGHPUT_CLIENTS), V, device)
+        if on_gpu:
+            shared_region = client.register_cuda_region("throughput", shared)
+            torch.cuda.synchronize()
+        else:
+            shared_region = client.register_shm_region("throughput", shared.numel() * 4)
+            shared_region.tensor(torch.float32, tuple(shared.shape)).copy_(shared)
+        slices = [shared_region.view(torch.float32, (THROUGHPUT_ROWS, V), offset=i * THROUGHPUT_ROWS * V * 4)
+                  for i in range(max(THROUGHPUT_CLIENTS))]
         for clients in THROUGHPUT_CLIENTS:
             for method, call, rows_per_call in (
-                ("echo_unary", lambda: echo_stub.unary(b""), 0),
-                ("tokensampler_tcp", lambda: client.sample(small, **PARAMS), THROUGHPUT_ROWS),
-                ("tokensampler_batching", lambda: batcher.sample(small, **PARAMS), THROUGHPUT_ROWS),
+                ("echo_unary", lambda i: echo_stub.unary(b""), 0),
+                ("tokensampler_tcp", lambda i: client.sample(small, **PARAMS), THROUGHPUT_ROWS),
+                ("tokensampler_batching", lambda i: batcher.sample(small, **PARAMS), THROUGHPUT_ROWS),
+                ("tokensampler_batching_ipc", lambda i: batcher.sample(slices[i], **PARAMS), THROUGHPUT_ROWS),
             ):
                 calls = throughput(call, clients, args.seconds)
                 rows.append({"workload": "service", "method": method, "B": rows_per_call, "clients": clients,
                              "calls_per_s": calls, "rows_per_s": calls * rows_per_call})
                 print(f"{method:28s} clients={clients:<3d} {calls:10.1f} calls/s {calls * rows_per_call:12.1f} rows/s", flush=True)
         batcher.close()
+        client.unregister_region(shared_region)
         stream.close()
     finally:
         server.terminate()
@@ -231,8 +245,10 @@ def targets(rows: list[dict]) -> dict:
             (p50("tokensampler_tcp", batch) - inproc) / p50("echo_unary_payload", batch)
         )
     echo16 = next(r["calls_per_s"] for r in rows if r["method"] == "echo_unary" and r.get("clients") == 16)
-    batching16 = next(r["rows_per_s"] for r in rows if r["method"] == "tokensampler_batching" and r.get("clients") == 16)
-    out["batching_rows_per_s_over_16x_echo_calls_16_clients (>= 1)"] = batching16 / (16 * echo16)
+    for method in ("tokensampler_batching", "tokensampler_batching_ipc"):
+        batching16 = next(r["rows_per_s"] for r in rows if r["method"] == method and r.get("clients") == 16)
+        name = "batching" if method == "tokensampler_batching" else "batching_ipc"
+        out[f"{name}_rows_per_s_over_16x_echo_calls_16_clients (>= 1)"] = batching16 / (16 * echo16)
     return out
 
 

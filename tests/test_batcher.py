@@ -169,3 +169,55 @@ def test_out_of_memory_is_resource_exhausted_and_the_next_batch_runs() -> None:
     error, result = asyncio.run(run())
     assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "out of memory" in error.message
     assert result.tokens.shape == (2, 1)
+
+
+class ThreadRecordingBackend(Backend):
+    """Answers every row with token 0, recording the thread of each call; never reads the logits."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def info(self) -> BackendInfo:
+        return BackendInfo(name="fake", device="meta")
+
+    def sample(self, batch: SamplingBatch) -> SamplingResult:
+        self.threads.append(threading.current_thread().name)
+        rows = batch.num_rows
+        return SamplingResult(tokens=torch.zeros((rows, 1), dtype=torch.int64), valid=torch.ones(rows, dtype=torch.bool),
+                              nan_detected=torch.zeros(rows, dtype=torch.bool))
+
+
+def test_small_batches_already_on_a_device_run_on_the_event_loop_and_host_ones_on_the_worker() -> None:
+    backend = ThreadRecordingBackend()
+
+    async def run() -> None:
+        batcher = DynamicBatcher(backend, max_batch_rows=64)
+        # "meta" stands for a GPU here: the input is not in host memory, as with a CUDA region.
+        await batcher.submit(make_batch(torch.empty(2, 8, device="meta")))
+        await batcher.submit(make_batch(torch.empty(2, 8, device="meta"), top_logprobs=2))  # a full sort: worker
+        await batcher.submit(make_batch(torch.zeros(2, 8)))
+        await batcher.run_exclusive(lambda: None)
+        await batcher.close()
+
+    asyncio.run(run())
+    loop_thread = threading.current_thread().name
+    assert backend.threads == [loop_thread, "tokensampler-backend", "tokensampler-backend"]
+
+
+def test_the_event_loop_waits_for_the_worker_to_be_idle() -> None:
+    backend = ThreadRecordingBackend()
+    gate = threading.Event()
+
+    async def run() -> None:
+        batcher = DynamicBatcher(backend, max_batch_rows=64)
+        busy = asyncio.ensure_future(batcher.run_exclusive(lambda: gate.wait(10)))
+        await asyncio.sleep(0.02)
+        queued = asyncio.ensure_future(batcher.submit(make_batch(torch.empty(1, 8, device="meta"))))
+        await asyncio.sleep(0.02)
+        assert not queued.done()  # not run on the loop beside the exclusive job
+        gate.set()
+        await asyncio.gather(busy, queued)
+        await batcher.close()
+
+    asyncio.run(run())
+    assert backend.threads == ["tokensampler-backend"]

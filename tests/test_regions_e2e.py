@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
+
 import grpc
 import pytest
 import torch
-from tokensampler_client import SamplerClient, TokenSamplerError
+from tokensampler_client import BatchingClient, SamplerClient, TokenSamplerError
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 from tokensampler_client.regions import RegionView
@@ -103,3 +106,47 @@ def test_hidden_states_in_a_region(client: SamplerClient) -> None:
     finally:
         client.unregister_region(region)
         client.unregister_weights("head")
+
+
+def test_client_batching_merges_slices_of_one_region_and_each_caller_gets_its_rows(client: SamplerClient) -> None:
+    threads, rows, steps = 8, 2, 10
+    region = client.register_shm_region("batched", threads * rows * VOCAB * 4)
+    try:
+        logits = torch.randn(threads * rows, VOCAB, generator=torch.Generator().manual_seed(3))
+        region.tensor(torch.float32, (threads * rows, VOCAB)).copy_(logits)
+        results: dict[tuple[int, int], object] = {}
+        with BatchingClient(client, max_rows=64, max_delay_us=5000) as batcher:
+
+            def worker(thread: int) -> None:
+                view = region.view(torch.float32, (rows, VOCAB), offset=thread * rows * VOCAB * 4)
+                for step in range(steps):
+                    results[thread, step] = batcher.sample(view, top_k=20, seed=[thread, step], position=step)
+
+            workers = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+        for (thread, step), result in results.items():
+            alone = client.sample(logits[thread * rows : (thread + 1) * rows], top_k=20, seed=[thread, step], position=step)
+            assert torch.equal(result.tokens, alone.tokens), (thread, step)
+        # Callers that arrived together went out as one call over their adjacent slices.
+        assert len({result.request_id for result in results.values()}) < len(results)
+    finally:
+        client.unregister_region(region)
+
+
+def test_client_batching_sends_a_reference_past_the_region_end_alone(client: SamplerClient) -> None:
+    region = client.register_shm_region("batched-end", 2 * VOCAB * 4)
+    try:
+        region.tensor(torch.float32, (2, VOCAB)).copy_(torch.randn(2, VOCAB))
+        with (BatchingClient(client, max_rows=64, max_delay_us=200_000) as batcher,
+              concurrent.futures.ThreadPoolExecutor(2) as pool):
+            good = pool.submit(batcher.sample, region.view(torch.float32, (1, VOCAB)), seed=1)
+            bad = pool.submit(batcher.sample, RegionView("batched-end", VOCAB * 4, torch.float32, (2, VOCAB)), seed=2)
+            assert good.result().tokens.shape == (1, 1)
+            with pytest.raises(TokenSamplerError) as raised:
+                bad.result()
+        assert raised.value.code == grpc.StatusCode.OUT_OF_RANGE
+    finally:
+        client.unregister_region(region)

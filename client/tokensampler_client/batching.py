@@ -4,7 +4,8 @@ A call waits at most `max_delay_us` for company; a batch closes at `max_rows` ro
 share a request (merge.merge_key) go out together and each gets exactly its own rows back (batch
 invariance makes them the rows it would have got alone). When a merged call is rejected with
 INVALID_ARGUMENT, its requests are re-sent one by one, so the error reaches only the callers whose
-rows were bad; any other error reaches every caller of that batch.
+rows were bad (OUT_OF_RANGE too: a reference past a region's end); any other error reaches every caller
+of that batch. Calls whose logits lie back to back in one region merge into one zero-copy call.
 """
 
 from __future__ import annotations
@@ -24,9 +25,13 @@ from ._proto import sampler_pb2 as pb
 from .aio import AsyncSamplerClient
 from .client import SamplerClient
 from .errors import TokenSamplerError
-from .merge import merge_key, merge_requests, num_rows
+from .merge import follows, merge_key, merge_requests, num_rows
 from .params import build_sample_request
 from .result import SampleResult
+
+
+# A merged call rejected with one of these may hold a single bad request: each is re-sent alone.
+_RESEND_ALONE = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE})
 
 
 @dataclass
@@ -40,15 +45,19 @@ class _Call:
 
 
 def _batches(calls: Sequence[_Call], max_rows: int) -> Iterator[list[_Call]]:
-    """Groups calls by merge key, in arrival order, each group cut at max_rows rows."""
+    """Groups calls by merge key, in arrival order (region references: by offset, cut where one does not
+    follow the other), each group cut at max_rows rows."""
     groups: dict[Hashable, list[_Call]] = defaultdict(list)
     for call in calls:
         groups[merge_key(call.request)].append(call)
     for group in groups.values():
+        by_ref = group[0].request.WhichOneof("input") == "logits_ref"
+        if by_ref:
+            group.sort(key=lambda call: call.request.logits_ref.offset)
         batch: list[_Call] = []
         rows = 0
         for call in group:
-            if batch and rows + call.rows > max_rows:
+            if batch and (rows + call.rows > max_rows or (by_ref and not follows(batch[-1].request, call.request))):
                 yield batch
                 batch, rows = [], 0
             batch.append(call)
@@ -134,7 +143,7 @@ class BatchingClient:
         try:
             result = self._client.sample_request(request)
         except TokenSamplerError as err:
-            if err.code == grpc.StatusCode.INVALID_ARGUMENT and len(batch) > 1:
+            if err.code in _RESEND_ALONE and len(batch) > 1:
                 for call in batch:
                     self._send([call])
             else:
@@ -206,7 +215,7 @@ class AsyncBatchingClient:
         try:
             result = await self._client.sample_request(request)
         except TokenSamplerError as err:
-            if err.code == grpc.StatusCode.INVALID_ARGUMENT and len(batch) > 1:
+            if err.code in _RESEND_ALONE and len(batch) > 1:
                 await asyncio.gather(*(self._send([call]) for call in batch))
             else:
                 for call in batch:

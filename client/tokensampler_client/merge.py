@@ -2,14 +2,19 @@
 
 Batch invariance (docs/semantics.md) makes each row's answer independent of the rows around it, so
 the merged call gives every original request exactly the rows it would have got alone. Requests can
-merge when their `merge_key`s are equal (same logits dtype and V, same per-request options).
+merge when their `merge_key`s are equal (same logits dtype and V, same per-request options). Logits
+carried as bytes are concatenated; logits in a region merge when they lie back to back in the same
+region (`follows`), into one reference spanning them: rows written into one shared buffer by several
+threads go out as one zero-copy call.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
 
 from ._proto import sampler_pb2 as pb
+from .tensors import DTYPE_TO_TORCH
 
 # Per-row columns and the value a row gets when its request sent none (the server's defaults).
 COLUMN_DEFAULTS = {
@@ -26,17 +31,32 @@ COLUMN_DEFAULTS = {
 TOKEN_LIST_FIELDS = ("allowed_token_ids", "banned_token_ids", "output_token_ids", "prompt_token_ids")
 
 
+def _logits(request: pb.SampleRequest) -> pb.Tensor | pb.TensorRef:
+    return request.logits_ref if request.WhichOneof("input") == "logits_ref" else request.logits
+
+
 def num_rows(request: pb.SampleRequest) -> int:
-    return int(request.logits.shape[0])
+    return int(_logits(request).shape[0])
+
+
+def follows(first: pb.SampleRequest, second: pb.SampleRequest) -> bool:
+    """Whether `second`'s logits begin where `first`'s end, in the same region."""
+    a, b = first.logits_ref, second.logits_ref
+    row_bytes = DTYPE_TO_TORCH[a.dtype].itemsize * int(a.shape[1])
+    return a.region == b.region and b.offset == a.offset + row_bytes * int(a.shape[0])
 
 
 def merge_key(request: pb.SampleRequest) -> Hashable:
-    """Requests with equal keys can share one call; those with region references go alone."""
-    if request.WhichOneof("input") != "logits" or request.HasField("output"):
+    """Requests with equal keys can share one call (region references: when they also follow each other);
+    hidden states and output regions go alone."""
+    kind = request.WhichOneof("input")
+    logits = _logits(request)
+    if kind not in ("logits", "logits_ref") or request.HasField("output") or len(logits.shape) != 2:
         return ("alone", id(request))
     return (
-        request.logits.dtype,
-        tuple(request.logits.shape[1:]),
+        logits.region if kind == "logits_ref" else None,
+        logits.dtype,
+        tuple(logits.shape[1:]),
         request.num_samples if request.HasField("num_samples") else 1,
         request.return_logprobs,
         request.logprobs_mode or pb.LOGPROBS_MODE_RAW,
@@ -73,9 +93,16 @@ def merge_requests(requests: Sequence[pb.SampleRequest]) -> pb.SampleRequest:
         return requests[0]
     first = requests[0]
     merged = pb.SampleRequest()
-    merged.logits.dtype = first.logits.dtype
-    merged.logits.shape[:] = [sum(num_rows(r) for r in requests), *first.logits.shape[1:]]
-    merged.logits.data = b"".join(r.logits.data for r in requests)
+    rows = sum(num_rows(r) for r in requests)
+    if first.WhichOneof("input") == "logits_ref":
+        if not all(follows(a, b) for a, b in itertools.pairwise(requests)):
+            raise ValueError("region references that do not follow each other cannot be merged")
+        merged.logits_ref.CopyFrom(first.logits_ref)
+        merged.logits_ref.shape[0] = rows
+    else:
+        merged.logits.dtype = first.logits.dtype
+        merged.logits.shape[:] = [rows, *first.logits.shape[1:]]
+        merged.logits.data = b"".join(r.logits.data for r in requests)
     if first.HasField("num_samples"):
         merged.num_samples = first.num_samples
     merged.return_logprobs = first.return_logprobs

@@ -5,16 +5,24 @@ while it runs, new requests gather, so batches grow with load by themselves. A b
 `max_batch_rows` rows, or `max_queue_delay_us` after its first request arrived (0: no waiting beyond
 the backend being busy). A full queue answers RESOURCE_EXHAUSTED at once. A caller that goes away
 (cancelled, deadline passed) leaves its rows behind; the other requests of its batch are unaffected.
+
+Per-call cost matters as much as merging (benchmarks/SERVICE_NOTES.md): with no queue delay, an idle
+backend gets a request's batch at once from `enqueue` (no runner task to wake), and the worker thread
+hands each result straight back to the event loop with one call_soon_threadsafe. A small batch whose
+input already lies on the GPU (a CUDA region) runs on the event loop itself when the worker is idle:
+its kernels and one synchronisation take less time than the two thread handoffs would.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import queue
+import threading
 import time
 from collections.abc import Callable, Hashable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TypeVar
 
 import grpc
@@ -27,6 +35,8 @@ from .sampling import SamplingBatch, SamplingResult
 
 
 T = TypeVar("T")
+Done = Callable[[object, BaseException | None], None]
+"""Called on the event loop with (outcome, None) or (None, error) when a worker job ends."""
 
 
 def _out_of_memory_as_status(work: Callable[[], T]) -> T:
@@ -45,6 +55,63 @@ def _host_bytes(batch: SamplingBatch) -> int:
     """Bytes of the batch's input held in host memory (tensors in GPU regions belong to their producer)."""
     tensor = batch.logits if batch.logits is not None else batch.hidden.states
     return tensor.numel() * tensor.element_size() if tensor.device.type == "cpu" else 0
+
+
+# Largest GPU-resident batch run on the event loop: B·V logits (64 rows of 262,144), a few hundred µs
+# of kernels at most; larger ones, and those with top log-probs (a full sort), go to the worker.
+_INLINE_MAX_ELEMENTS = 1 << 24
+
+
+def _runs_inline(batch: SamplingBatch) -> bool:
+    tensor = batch.logits if batch.logits is not None else batch.hidden.states
+    return (tensor.device.type != "cpu" and batch.top_logprobs == 0
+            and batch.num_rows * batch.vocab_size <= _INLINE_MAX_ELEMENTS)
+
+
+def _settle(future: asyncio.Future, outcome: object, error: BaseException | None) -> None:
+    if future.done():  # the caller went away
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(outcome)
+
+
+class _Worker:
+    """The backend's one thread: runs jobs in order, and reports each on its event loop.
+
+    Cheaper than run_in_executor (no concurrent Future to wrap, one loop turn less per job).
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, loop: asyncio.AbstractEventLoop, context: contextvars.Context, work: Callable[[], object],
+               done: Done) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="tokensampler-backend", daemon=True)
+            self._thread.start()
+        self._jobs.put((loop, context, work, done))
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            loop, context, work, done = job
+            try:
+                outcome, error = context.run(work), None
+            except BaseException as err:  # every job's caller hears how it ended
+                outcome, error = None, err
+            try:
+                loop.call_soon_threadsafe(done, outcome, error)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
+
+    def shutdown(self) -> None:
+        """Waits for the jobs already submitted, then stops the thread."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
 
 
 @dataclass(frozen=True)
@@ -84,10 +151,15 @@ class DynamicBatcher:
         self._queue: list[_Pending] = []
         self._queued_rows = 0
         self._queued_bytes = 0
+        self._running = False
+        """A merged batch is on the worker; the next one starts when it is back."""
+        self._exclusive = 0
+        """run_exclusive jobs on the worker: no batch runs on the event loop meanwhile."""
         self._wakeup: asyncio.Event | None = None
         self._runner: asyncio.Task | None = None
+        """Waits out max_queue_delay_us before each batch (only when that delay is set)."""
         self._observe_batch_rows = observe_batch_rows
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokensampler-backend")
+        self._worker = _Worker()
 
     @property
     def queued_rows(self) -> int:
@@ -98,8 +170,9 @@ class DynamicBatcher:
         """Requests waiting for the backend whose callers still want the answer."""
         return sum(not pending.future.done() for pending in self._queue)
 
-    async def submit(self, batch: SamplingBatch) -> tuple[SamplingResult, BatchTimes]:
-        """Samples `batch`, possibly together with other requests; returns its own rows."""
+    def enqueue(self, batch: SamplingBatch) -> asyncio.Future:
+        """Queues `batch` to be sampled, possibly together with other requests; the future gets
+        (its own rows, BatchTimes). Raises RESOURCE_EXHAUSTED at once when the queue is full."""
         if self._queued_rows + batch.num_rows > self._max_queue_rows:
             raise ServiceError(
                 f"queue full: {self._queued_rows} rows waiting, at most {self._max_queue_rows}; retry with backoff",
@@ -111,15 +184,20 @@ class DynamicBatcher:
                 f"queue full: {self._queued_bytes} bytes waiting, at most {self._max_queue_bytes}; retry with backoff",
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
             )
-        if self._runner is None:
-            self._wakeup = asyncio.Event()
-            self._runner = asyncio.ensure_future(self._run())
-        pending = _Pending(batch, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        pending = _Pending(batch, loop.create_future())
         self._queue.append(pending)
         self._queued_rows += batch.num_rows
         self._queued_bytes += nbytes
-        self._wakeup.set()
-        return await pending.future
+        if self._delay_s:
+            self._wake_runner()
+        else:  # an idle backend starts on this request now
+            self._launch(loop)
+        return pending.future
+
+    async def submit(self, batch: SamplingBatch) -> tuple[SamplingResult, BatchTimes]:
+        """Samples `batch`, possibly together with other requests; returns its own rows."""
+        return await self.enqueue(batch)
 
     def _take(self) -> list[_Pending]:
         """Removes the next group from the queue: the oldest request and the later ones it can merge
@@ -144,51 +222,88 @@ class DynamicBatcher:
         self._queued_bytes -= sum(_host_bytes(p.batch) for p in group)
         return group
 
+    def _wake_runner(self) -> None:
+        if self._runner is None:
+            self._wakeup = asyncio.Event()
+            self._runner = asyncio.ensure_future(self._run())
+        self._wakeup.set()
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            if self._delay_s and self._queued_rows < self._max_batch_rows:
+            if self._running:  # _finished wakes this again
+                continue
+            if self._queued_rows < self._max_batch_rows:
                 await asyncio.sleep(self._delay_s)
-            group = self._take()
-            if group:
-                await self._run_group(loop, group)
-            if self._queue:
-                self._wakeup.set()
+            self._launch(loop)
 
-    async def _run_group(self, loop: asyncio.AbstractEventLoop, group: list[_Pending]) -> None:
+    def _launch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Runs the next group, if any request still waits and no batch is running."""
+        if self._running:
+            return
+        group = self._take()
+        if not group:
+            return
         started = time.perf_counter_ns()
         try:
             merged = merge_batches([p.batch for p in group])
-            result = await loop.run_in_executor(self._worker, group[0].context.run, self._sample, merged)
         except Exception as err:  # each caller gets the failure; the interceptor classifies it
-            for pending in group:
-                if not pending.future.done():
-                    pending.future.set_exception(err)
+            self._finished(loop, group, started, 0, None, err)
             return
+        done = partial(self._finished, loop, group, started, merged.num_rows)
+        if not self._exclusive and _runs_inline(merged):
+            try:
+                outcome, error = group[0].context.run(self._sample, merged), None
+            except Exception as err:  # handed to the callers, as from the worker
+                outcome, error = None, err
+            done(outcome, error)
+            return
+        self._running = True
+        self._worker.submit(loop, group[0].context, partial(self._sample, merged), done)
+
+    def _finished(self, loop: asyncio.AbstractEventLoop, group: list[_Pending], started: int, rows: int,
+                  result: SamplingResult | None, error: BaseException | None) -> None:
+        """On the event loop: hands every caller its rows (or the error), then starts the next batch."""
+        self._running = False
         finished = time.perf_counter_ns()
-        if self._observe_batch_rows is not None:
-            self._observe_batch_rows(merged.num_rows)
-        parts = split_result(result, [p.batch.num_rows for p in group])
-        for pending, part in zip(group, parts):
-            if not pending.future.done():
-                times = BatchTimes(started - pending.enqueued_ns, finished - started, merged.num_rows)
-                pending.future.set_result((part, times))
+        if error is not None:
+            for pending in group:
+                _settle(pending.future, None, error)
+        else:
+            if self._observe_batch_rows is not None:
+                self._observe_batch_rows(rows)
+            parts = split_result(result, [p.batch.num_rows for p in group]) if len(group) > 1 else [result]
+            for pending, part in zip(group, parts):
+                _settle(pending.future, (part, BatchTimes(started - pending.enqueued_ns, finished - started, rows)), None)
+        if self._queue:
+            if self._delay_s:
+                self._wake_runner()
+            else:  # on the next turn: requests that arrived meanwhile can join the group
+                loop.call_soon(self._launch, loop)
 
     async def run_exclusive(self, work: Callable[[], T]) -> T:
         """Runs `work` on the backend's worker thread, between sampling batches (out-of-memory errors
         answer RESOURCE_EXHAUSTED, as for batches)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._worker, contextvars.copy_context().run, _out_of_memory_as_status, work)
+        future = loop.create_future()
+
+        def done(outcome: object, error: BaseException | None) -> None:
+            self._exclusive -= 1
+            _settle(future, outcome, error)
+
+        self._exclusive += 1
+        self._worker.submit(loop, contextvars.copy_context(), partial(_out_of_memory_as_status, work), done)
+        return await future
 
     def _sample(self, batch: SamplingBatch) -> SamplingResult:
         return _out_of_memory_as_status(lambda: self._backend.sample(batch.with_logits()))
 
     async def close(self) -> None:
-        """Stops taking batches once the queue is empty; the worker thread finishes its batch."""
-        while self._queue:
+        """Stops taking batches once the queue is empty and the last batch is back."""
+        while self._queue or self._running:
             await asyncio.sleep(0.001)
         if self._runner is not None:
             self._runner.cancel()
-        self._worker.shutdown(wait=True)
+        self._worker.shutdown()

@@ -41,6 +41,8 @@ ROW_BUCKETS = tuple(float(2**i) for i in range(13))  # 1 to 4096, the default --
 ROW_MODES = ("greedy", "gumbel", "top_k", "top_p", "min_p", "fused")
 """Values of rows_total's `mode` label. "fused" is for rows sampled from hidden states with a
 registered LM head, which a later API version adds: declared now so dashboards need no change."""
+_GREEDY, _GUMBEL, _TOP_K, _TOP_P, _MIN_P = (ROW_MODES.index(m) for m in ("greedy", "gumbel", "top_k", "top_p", "min_p"))
+_LOOP_ROWS = 16
 
 _FALLBACKS = Counter(
     "tokensampler_fallbacks_total",
@@ -68,6 +70,12 @@ def count_row_modes(batch: SamplingBatch) -> np.ndarray:
     if batch.hidden is not None:
         counts = np.zeros(len(ROW_MODES), dtype=np.int64)
         counts[ROW_MODES.index("fused")] = batch.num_rows
+        return counts
+    if batch.num_rows <= _LOOP_ROWS:  # a loop over Python numbers beats numpy's per-call cost here
+        counts = np.zeros(len(ROW_MODES), dtype=np.int64)
+        params = (batch.temperature.tolist(), batch.top_k.tolist(), batch.top_p.tolist(), batch.min_p.tolist())
+        for t, k, p, m in zip(*params):
+            counts[_GREEDY if t == 0 else _TOP_K if k > 0 else _TOP_P if p < 1 else _MIN_P if m > 0 else _GUMBEL] += 1
         return counts
     mode = np.select(
         [batch.temperature.numpy() == 0, batch.top_k.numpy() > 0, batch.top_p.numpy() < 1, batch.min_p.numpy() > 0],
@@ -165,6 +173,7 @@ class ServerMetrics:
             "tokensampler_registered_regions_bytes", "Bytes of the registered shared-memory regions.",
             registry=registry,
         )
+        self._children: dict[tuple[str, grpc.StatusCode], tuple[Counter, Histogram]] = {}
         registry.register(_FALLBACKS)
         registry.register(ProcessCollector(registry=None))
         device_index = _cuda_device_index(backend) if backend is not None else None
@@ -182,8 +191,13 @@ class ServerMetrics:
 
     def observe_call(self, call: CallRecord, code: grpc.StatusCode, elapsed_ns: int) -> None:
         """Records a finished call; a Sample call that succeeded also records its stages and rows."""
-        self.requests.labels(call.method, code.name).inc()
-        self.request_duration.labels(call.method).observe(elapsed_ns / 1e9)
+        key = (call.method, code)
+        children = self._children.get(key)
+        if children is None:  # labels() takes a lock and checks its arguments: once per (method, code)
+            children = self._children[key] = (self.requests.labels(call.method, code.name),
+                                              self.request_duration.labels(call.method))
+        children[0].inc()
+        children[1].observe(elapsed_ns / 1e9)
         if code != grpc.StatusCode.OK or call.batch is None:
             return
         for counter, count in zip(self._rows_by_mode, count_row_modes(call.batch).tolist()):

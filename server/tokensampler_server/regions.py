@@ -15,7 +15,7 @@ import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -26,6 +26,7 @@ from .errors import InvalidArgument, ServiceError
 from .refcounted import RefCountedRegistry
 
 _SHM_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+_MAX_CACHED_VIEWS = 64
 
 
 @dataclass
@@ -38,6 +39,9 @@ class Region:
     release: Callable[[], None]
     producer_pid: int = 0
     """The producing process (cuda_ipc), 0 when unknown: its memory goes when it exits."""
+    views: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = field(default_factory=dict, repr=False)
+    """Tensors of the references already resolved: a decode loop names the same few every step, and
+    slicing a view anew costs more than the rest of the lookup."""
 
     def check_producer(self, field: str) -> None:
         """FAILED_PRECONDITION once a CUDA region's producer has exited (reading it would fault)."""
@@ -56,10 +60,20 @@ class Region:
             names = ", ".join(dtype_name(d) for d in dtypes)
             raise InvalidArgument(f"{field}.dtype", f"got {ref.dtype}, expected one of {names}")
         shape = tuple(ref.shape)
+        key = (ref.offset, ref.dtype, shape)
+        view = self.views.get(key)
+        if view is None:
+            view = self._view(ref, field, shape)
+            if len(self.views) >= _MAX_CACHED_VIEWS:
+                self.views.clear()
+            self.views[key] = view
+        return view
+
+    def _view(self, ref: pb.TensorRef, field: str, shape: tuple[int, ...]) -> torch.Tensor:
         if any(dim < 0 for dim in shape):
             raise InvalidArgument(f"{field}.shape", f"got {list(shape)}, expected non-negative sizes")
         dtype = DTYPE_TO_TORCH[ref.dtype]
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if ref.offset % itemsize:
             raise InvalidArgument(f"{field}.offset", f"got {ref.offset}, expected a multiple of {itemsize} ({dtype_name(ref.dtype)})")
         size = math.prod(shape) * itemsize
@@ -194,6 +208,7 @@ class RegionRegistry:
 
     async def unregister(self, name: str) -> Region:
         region = await self._regions.remove(name)
+        region.views.clear()  # the cached views hold the mapping open
         region.release()
         return region
 

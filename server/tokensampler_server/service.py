@@ -9,12 +9,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from contextlib import ExitStack
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
-import numpy as np
 import torch
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
@@ -23,25 +20,20 @@ from tokensampler_client.tensors import encode_tensor
 from . import __version__
 from .backends import Backend
 from .batcher import DynamicBatcher
-from .call_record import CallRecord, current_call
+from .call_record import current_call
 from .config import Limits
-from .errors import InvalidArgument, failure_status
+from .errors import InvalidArgument
 from .metrics import ServerMetrics
-from .ops.diffusion import diffusion_step
-from .ops.topk_probs import topk_probs
-from .ops.verify import verify_draft
-from .regions import Region, RegionRegistry, region_info
-from .request_context import current_request_id, request_id_from_metadata
-from .sampling import SamplingResult
-from .validation import LOGITS_DTYPES, validate_sample_request
+from .backends.cuda_workloads import run_diffusion_step, run_topk_probs, run_verify_draft
+from .regions import RegionRegistry, region_info
+from .request_context import request_id_from_metadata
+from .sample_rpc import SamplePath
+from .validation import LOGITS_DTYPES
 from .validation_ops import validate_diffusion_request, validate_topk_request, validate_verify_request
-from .weights import WEIGHT_DTYPES, RegisteredWeight, WeightRegistry, load_safetensors, resolve_weights_path, sha256_hex
+from .weights import WEIGHT_DTYPES, WeightRegistry, load_safetensors, resolve_weights_path, sha256_hex
 from .weights_rpc import finish_from_options, read_upload, weights_info
 
 API_VERSION = "tokensampler.v1"
-STREAM_METHOD = "tokensampler.v1.Sampler/SampleStream"
-# Messages of one stream sampled at once; past that, reading the stream waits (flow control).
-STREAM_MESSAGES_IN_FLIGHT = 64
 FEATURES = (
     "logits", "hidden_states", "weights_upload", "weights_from_file", "logprobs", "top_logprobs", "penalties",
     "logit_bias", "token_masks", "num_samples", "dynamic_batching", "sample_stream", "regions", "diffusion_step",
@@ -49,55 +41,11 @@ FEATURES = (
 )
 
 
-def _input_ref(request: pb.SampleRequest) -> tuple[pb.TensorRef | None, str]:
-    """The region reference holding the request's input tensor, if any, and its field name."""
-    if request.WhichOneof("input") == "logits_ref":
-        return request.logits_ref, "logits_ref"
-    if request.WhichOneof("input") == "hidden" and request.hidden.HasField("states_ref"):
-        return request.hidden.states_ref, "hidden.states_ref"
-    return None, ""
-
-
-def _output_refs(request: pb.SampleRequest) -> list[tuple[str, pb.TensorRef]]:
-    if not request.HasField("output"):
-        return []
-    return [(name, getattr(request.output, name)) for name in ("tokens", "logprobs") if request.output.HasField(name)]
-
-
-def _output_tensor(
-    region: Region, ref: pb.TensorRef, name: str, shape: tuple[int, int], return_logprobs: bool
-) -> torch.Tensor:
-    """Where output `name` ("tokens": int32, "logprobs": float32) of shape [B, num_samples] goes."""
-    field = f"output.{name}"
-    if name == "logprobs" and not return_logprobs:
-        raise InvalidArgument(field, "set without return_logprobs; expected return_logprobs = true")
-    target = region.tensor(ref, field, (pb.DTYPE_INT32,) if name == "tokens" else (pb.DTYPE_FLOAT32,))
-    if tuple(target.shape) != shape:
-        raise InvalidArgument(f"{field}.shape", f"got {list(target.shape)}, expected [B, num_samples] = {list(shape)}")
-    return target
-
-
 def _set_timings(timings: pb.Timings, arrived: int, started: int) -> None:
     """Timings of a request run with run_exclusive: no queue of its own, compute from `started`."""
     finished = time.perf_counter_ns()
     timings.compute_ns = finished - started
     timings.total_ns = finished - arrived
-
-
-def encode_result(result: SamplingResult, seeds: np.ndarray) -> pb.SampleResponse:
-    """Builds the response message of one sampled batch; tokens or log-probs set to None stay out."""
-    response = pb.SampleResponse()
-    if result.tokens is not None:
-        encode_tensor(result.tokens.to(torch.int32), out=response.tokens)
-    response.seeds.extend(seeds.tolist())
-    response.valid.extend(result.valid.tolist())
-    response.nan_detected.extend(result.nan_detected.tolist())
-    if result.logprobs is not None:
-        encode_tensor(result.logprobs, out=response.logprobs)
-    if result.top_logprob_ids is not None:
-        encode_tensor(result.top_logprob_ids.to(torch.int32), out=response.top_logprob_ids)
-        encode_tensor(result.top_logprobs, out=response.top_logprobs)
-    return response
 
 
 class SamplerService(pb_grpc.SamplerServicer):
@@ -125,6 +73,7 @@ class SamplerService(pb_grpc.SamplerServicer):
         self._weights_dir = weights_dir
         self._regions = regions or RegionRegistry()
         self._metrics = metrics
+        self._sample_path = SamplePath(limits, self._batcher, self._registry, self._regions, metrics)
 
     @property
     def queue_depth(self) -> int:
@@ -143,106 +92,24 @@ class SamplerService(pb_grpc.SamplerServicer):
         await self._batcher.close()
 
     async def Sample(self, request: pb.SampleRequest, context: grpc.aio.ServicerContext) -> pb.SampleResponse:
-        # Weights and regions the request names are held until its response is built.
-        with ExitStack() as held:
-            lm_head = None
-            if request.WhichOneof("input") == "hidden":
-                lm_head = held.enter_context(self._registry.use(request.hidden.weights))
-            referenced = None
-            ref, field = _input_ref(request)
-            if ref is not None:
-                region = held.enter_context(self._regions.use(ref.region, f"{field}.region"))
-                referenced = region.tensor(ref, field, LOGITS_DTYPES)
-            outputs = {
-                name: (held.enter_context(self._regions.use(out.region, f"output.{name}.region")), out)
-                for name, out in _output_refs(request)
-            }
-            return await self._sample(request, lm_head, referenced, outputs)
+        return await self._sample_path.unary(request, current_call.get())
 
     async def SampleStream(
         self, request_iterator: AsyncIterator[pb.SampleRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.SampleStreamResponse]:
         """Samples each message as it arrives (so the batcher can merge them) and answers in order."""
         stream_id = request_id_from_metadata(context.invocation_metadata())
-        answers: asyncio.Queue[asyncio.Future | None] = asyncio.Queue(maxsize=STREAM_MESSAGES_IN_FLIGHT)
-
-        async def read() -> None:
-            try:
-                index = 0
-                async for request in request_iterator:
-                    record = CallRecord(method=STREAM_METHOD, request_id=f"{stream_id}.{index}")
-                    await answers.put(asyncio.ensure_future(self._stream_message(request, record)))
-                    index += 1
-            finally:
-                await answers.put(None)
-
-        reader = asyncio.ensure_future(read())
-        try:
-            while (answer := await answers.get()) is not None:
-                yield await answer
-            await reader
-        finally:
-            reader.cancel()
-
-    async def _stream_message(self, request: pb.SampleRequest, record: CallRecord) -> pb.SampleStreamResponse:
-        """One stream message, reported like a unary call; a failure becomes an error message."""
-        record.start()
-        current_request_id.set(record.request_id)
-        current_call.set(record)
-        code, error = grpc.StatusCode.OK, ""
-        try:
-            return pb.SampleStreamResponse(response=await self.Sample(request, None))
-        except Exception as err:
-            code, error = failure_status(err, record.method, record.request_id)
-        finally:
-            if self._metrics is not None:
-                self._metrics.observe_call(record, code, record.elapsed_ns())
-        message = f"{error} (request id {record.request_id})"
-        return pb.SampleStreamResponse(error=pb.StreamError(code=code.value[0], message=message, request_id=record.request_id))
-
-    async def _sample(
-        self,
-        request: pb.SampleRequest,
-        lm_head: RegisteredWeight | None,
-        referenced: torch.Tensor | None,
-        outputs: dict[str, tuple[Region, pb.TensorRef]],
-    ) -> pb.SampleResponse:
-        call = current_call.get()
-        arrived = time.perf_counter_ns()
-        batch, seeds = validate_sample_request(request, self._limits, lm_head=lm_head, referenced=referenced)
-        targets = {
-            name: _output_tensor(region, ref, name, (batch.num_rows, batch.num_samples), request.return_logprobs)
-            for name, (region, ref) in outputs.items()
-        }
-        submitted = time.perf_counter_ns()
-        call.batch, call.decode_ns = batch, submitted - arrived
-        result, times = await self._batcher.submit(batch)
-        finished = time.perf_counter_ns()
-        call.queue_ns, call.compute_ns = times.queue_ns, times.compute_ns
-        if "tokens" in targets:
-            targets["tokens"].copy_(result.tokens)
-            result = replace(result, tokens=None)
-        if "logprobs" in targets:
-            targets["logprobs"].copy_(result.logprobs)
-            result = replace(result, logprobs=None)
-        response = encode_result(result, seeds)
-        response.request_id = call.request_id
-        response.timings.queue_ns = call.queue_ns
-        response.timings.compute_ns = call.compute_ns
-        encoded = time.perf_counter_ns()
-        call.encode_ns = encoded - finished
-        response.timings.total_ns = encoded - arrived
-        return response
+        async for answer in self._sample_path.stream(request_iterator, stream_id):
+            yield answer
 
     async def SampleDiffusionStep(
         self, request: pb.DiffusionStepRequest, context: grpc.aio.ServicerContext
     ) -> pb.DiffusionStepResponse:
         arrived = time.perf_counter_ns()
-        # The torch references run on the CPU (the backend samples the masked positions on its own
-        # device); CUDA kernels for these workloads are still to come.
+        # The CUDA kernels on a CUDA backend, the torch references otherwise (backends/cuda_workloads.py).
         step, seeds = validate_diffusion_request(request, self._limits)
         started = time.perf_counter_ns()
-        tokens, confidences, mask = await self._batcher.run_exclusive(lambda: diffusion_step(step, self._backend))
+        tokens, confidences, mask = await self._batcher.run_exclusive(lambda: run_diffusion_step(step, self._backend))
         response = pb.DiffusionStepResponse(request_id=current_call.get().request_id)
         encode_tensor(tokens.to(torch.int32).cpu(), out=response.tokens)
         encode_tensor(confidences.cpu(), out=response.confidences)
@@ -255,7 +122,7 @@ class SamplerService(pb_grpc.SamplerServicer):
         arrived = time.perf_counter_ns()
         logits, temperature, k = validate_topk_request(request, self._limits)
         started = time.perf_counter_ns()
-        probs, ids = await self._batcher.run_exclusive(lambda: topk_probs(logits, temperature, k))
+        probs, ids = await self._batcher.run_exclusive(lambda: run_topk_probs(logits, temperature, k, self._backend))
         shape = [*request.logits.shape[:-1], k]
         response = pb.TopKProbsResponse(request_id=current_call.get().request_id)
         encode_tensor(probs.cpu().reshape(shape), out=response.probs)
@@ -267,7 +134,7 @@ class SamplerService(pb_grpc.SamplerServicer):
         arrived = time.perf_counter_ns()
         verification, seeds = validate_verify_request(request, self._limits)
         started = time.perf_counter_ns()
-        accepted, tokens = await self._batcher.run_exclusive(lambda: verify_draft(verification))
+        accepted, tokens = await self._batcher.run_exclusive(lambda: run_verify_draft(verification, self._backend))
         response = pb.VerifyDraftResponse(request_id=current_call.get().request_id)
         encode_tensor(accepted.to(torch.int32).cpu(), out=response.accepted)
         encode_tensor(tokens.to(torch.int32).cpu(), out=response.tokens)

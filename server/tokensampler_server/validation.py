@@ -48,14 +48,33 @@ def _check(values: np.ndarray, ok: np.ndarray, field: str, expected: str) -> Non
         raise InvalidArgument(field, f"got {values[int(np.argmin(ok))].item()}, expected {expected}")
 
 
+def _checked_column(
+    values: Sequence, field: str, num_rows: int, default: float | int, dtype: type[np.generic],
+    ok: Callable[[np.ndarray], np.ndarray], expected: str,
+) -> np.ndarray:
+    """_column, then _check of every value against `ok`. The common 0- and 1-valued columns are checked
+    as one scalar (numpy calls on arrays cost microseconds each, which add up on the hot path)."""
+    count = len(values)
+    if count == 0:
+        return np.full(num_rows, default, dtype=dtype)  # the defaults are valid
+    if count == 1:
+        value = dtype(values[0])  # the same conversion np.full does
+        if not ok(value):
+            raise InvalidArgument(field, f"got {value.item()}, expected {expected}")
+        return np.full(num_rows, value, dtype=dtype)
+    column = _column(values, field, num_rows, default, dtype)
+    _check(column, ok(column), field, expected)
+    return column
+
+
 def _token_entries(lists: pb.TokenLists, field: str, num_rows: int, vocab_size: int) -> TokenEntries | None:
     """Per-row token lists in coordinate form, or None when the message is empty."""
+    if len(lists.lengths) == 0:
+        if len(lists.ids):
+            raise InvalidArgument(f"{field}.lengths", f"got 0 values for {len(lists.ids)} ids, expected 1 or B={num_rows}")
+        return None
     ids = np.asarray(lists.ids, dtype=np.int64)
     lengths = np.asarray(lists.lengths, dtype=np.int64)
-    if len(lengths) == 0:
-        if len(ids):
-            raise InvalidArgument(f"{field}.lengths", f"got 0 values for {len(ids)} ids, expected 1 or B={num_rows}")
-        return None
     if len(lengths) not in (1, num_rows):
         raise InvalidArgument(f"{field}.lengths", f"got {len(lengths)} values, expected 1 or B={num_rows}")
     if int(lengths.sum()) != len(ids):
@@ -208,15 +227,15 @@ def validate_row_params(
     params: pb.SamplingParams, num_rows: int, vocab_size: int, seed_source: SeedSource = random_seeds
 ) -> RowParams:
     """Checks every column of `params` for B = num_rows rows over a vocabulary of vocab_size."""
-    temperature = _column(params.temperature, "params.temperature", num_rows, 1.0, np.float32)
-    _check(temperature, np.isfinite(temperature) & (temperature >= 0), "params.temperature", "T >= 0 and finite")
-    top_k = _column(params.top_k, "params.top_k", num_rows, 0, np.int64)
-    _check(top_k, top_k >= -1, "params.top_k", "k >= -1 (0 or -1 disables)")
+    temperature = _checked_column(params.temperature, "params.temperature", num_rows, 1.0, np.float32,
+                                  lambda t: np.isfinite(t) & (t >= 0), "T >= 0 and finite")
+    top_k = _checked_column(params.top_k, "params.top_k", num_rows, 0, np.int64, lambda k: k >= -1,
+                            "k >= -1 (0 or -1 disables)")
     top_k = np.where((top_k < 0) | (top_k >= vocab_size), 0, top_k).astype(np.int32)
-    top_p = _column(params.top_p, "params.top_p", num_rows, 1.0, np.float32)
-    _check(top_p, (top_p > 0) & (top_p <= 1), "params.top_p", "0 < p <= 1")
-    min_p = _column(params.min_p, "params.min_p", num_rows, 0.0, np.float32)
-    _check(min_p, (min_p >= 0) & (min_p < 1), "params.min_p", "0 <= min_p < 1")
+    top_p = _checked_column(params.top_p, "params.top_p", num_rows, 1.0, np.float32, lambda p: (p > 0) & (p <= 1),
+                            "0 < p <= 1")
+    min_p = _checked_column(params.min_p, "params.min_p", num_rows, 0.0, np.float32, lambda m: (m >= 0) & (m < 1),
+                            "0 <= min_p < 1")
     position = _column(params.position, "params.position", num_rows, 0, np.int64)
     iteration = _column(params.iteration, "params.iteration", num_rows, 0, np.int64)
     processing = _processing(params, num_rows, vocab_size)

@@ -1,0 +1,244 @@
+"""The Sample and SampleStream paths of the servicer: hold the weights and regions a request names,
+validate it, queue it on the batcher, encode the answer.
+
+A request is handled in two halves: `start` runs synchronously up to the batcher's future, `finish`
+builds the response from the result. A stream's reader starts each message as it arrives (so the
+batcher can merge them) without a task per message, and the stream answers in order by awaiting the
+futures one after the other: the fewest event-loop turns per message (benchmarks/SERVICE_NOTES.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+
+import grpc
+import numpy as np
+import torch
+from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client.tensors import encode_tensor
+
+from .batcher import BatchTimes, DynamicBatcher
+from .call_record import CallRecord
+from .config import Limits
+from .errors import InvalidArgument, failure_status
+from .metrics import ServerMetrics
+from .regions import Region, RegionRegistry
+from .request_context import current_request_id
+from .sampling import SamplingResult
+from .validation import LOGITS_DTYPES, validate_sample_request
+from .weights import WeightRegistry
+
+STREAM_METHOD = "tokensampler.v1.Sampler/SampleStream"
+# Messages of one stream sampled at once; past that, reading the stream waits (flow control).
+STREAM_MESSAGES_IN_FLIGHT = 64
+
+
+def _input_ref(request: pb.SampleRequest) -> tuple[pb.TensorRef | None, str]:
+    """The region reference holding the request's input tensor, if any, and its field name."""
+    kind = request.WhichOneof("input")
+    if kind == "logits_ref":
+        return request.logits_ref, "logits_ref"
+    if kind == "hidden" and request.hidden.HasField("states_ref"):
+        return request.hidden.states_ref, "hidden.states_ref"
+    return None, ""
+
+
+def _output_refs(request: pb.SampleRequest) -> list[tuple[str, pb.TensorRef]]:
+    if not request.HasField("output"):
+        return []
+    return [(name, getattr(request.output, name)) for name in ("tokens", "logprobs") if request.output.HasField(name)]
+
+
+def _output_tensor(
+    region: Region, ref: pb.TensorRef, name: str, shape: tuple[int, int], return_logprobs: bool
+) -> torch.Tensor:
+    """Where output `name` ("tokens": int32, "logprobs": float32) of shape [B, num_samples] goes."""
+    field = f"output.{name}"
+    if name == "logprobs" and not return_logprobs:
+        raise InvalidArgument(field, "set without return_logprobs; expected return_logprobs = true")
+    target = region.tensor(ref, field, (pb.DTYPE_INT32,) if name == "tokens" else (pb.DTYPE_FLOAT32,))
+    if tuple(target.shape) != shape:
+        raise InvalidArgument(f"{field}.shape", f"got {list(target.shape)}, expected [B, num_samples] = {list(shape)}")
+    return target
+
+
+def _encode_host(tensor: torch.Tensor, dtype: int, out: pb.Tensor) -> None:
+    """tensors.encode_tensor for a CPU tensor already of the wire dtype: fewer torch calls on the hot path."""
+    out.dtype = dtype
+    out.shape[:] = tensor.shape
+    out.data = tensor.contiguous().numpy().tobytes()
+
+
+def encode_result(result: SamplingResult, seeds: np.ndarray) -> pb.SampleResponse:
+    """Builds the response message of one sampled batch; tokens or log-probs set to None stay out."""
+    response = pb.SampleResponse()
+    if result.tokens is not None:
+        _encode_host(result.tokens.to(torch.int32), pb.DTYPE_INT32, response.tokens)
+    response.seeds.extend(seeds.tolist())
+    response.valid.extend(result.valid.tolist())
+    response.nan_detected.extend(result.nan_detected.tolist())
+    if result.logprobs is not None:
+        encode_tensor(result.logprobs, out=response.logprobs)
+    if result.top_logprob_ids is not None:
+        encode_tensor(result.top_logprob_ids.to(torch.int32), out=response.top_logprob_ids)
+        encode_tensor(result.top_logprobs, out=response.top_logprobs)
+    return response
+
+
+@dataclass
+class _Started:
+    """A validated request queued on the batcher; `held` keeps its weights and regions until it is answered."""
+
+    call: CallRecord
+    held: ExitStack
+    future: asyncio.Future
+    seeds: np.ndarray
+    targets: dict[str, torch.Tensor]
+    arrived: int
+
+    def drop(self) -> None:
+        """The answer is no longer wanted: let the batcher skip it and release what it holds."""
+        self.future.cancel()
+        self.held.close()
+
+
+class SamplePath:
+    """Sample and SampleStream over one batcher, weight registry and region registry."""
+
+    def __init__(self, limits: Limits, batcher: DynamicBatcher, registry: WeightRegistry, regions: RegionRegistry,
+                 metrics: ServerMetrics | None) -> None:
+        self._limits = limits
+        self._batcher = batcher
+        self._registry = registry
+        self._regions = regions
+        self._metrics = metrics
+
+    def start(self, request: pb.SampleRequest, call: CallRecord) -> _Started:
+        """Holds what the request names, validates it and queues it (errors raise here)."""
+        held = ExitStack()
+        try:
+            lm_head = None
+            if request.WhichOneof("input") == "hidden":
+                lm_head = held.enter_context(self._registry.use(request.hidden.weights))
+            referenced = None
+            ref, field = _input_ref(request)
+            if ref is not None:
+                region = held.enter_context(self._regions.use(ref.region, f"{field}.region"))
+                referenced = region.tensor(ref, field, LOGITS_DTYPES)
+            outputs = [
+                (name, held.enter_context(self._regions.use(out.region, f"output.{name}.region")), out)
+                for name, out in _output_refs(request)
+            ]
+            arrived = time.perf_counter_ns()
+            batch, seeds = validate_sample_request(request, self._limits, lm_head=lm_head, referenced=referenced)
+            targets = {
+                name: _output_tensor(region, out, name, (batch.num_rows, batch.num_samples), request.return_logprobs)
+                for name, region, out in outputs
+            }
+            submitted = time.perf_counter_ns()
+            call.batch, call.decode_ns = batch, submitted - arrived
+            future = self._batcher.enqueue(batch)
+        except BaseException:
+            held.close()
+            raise
+        return _Started(call, held, future, seeds, targets, arrived)
+
+    @staticmethod
+    def finish(started: _Started, result: SamplingResult, times: BatchTimes) -> pb.SampleResponse:
+        """The response of a sampled request: outputs written to their regions, the rest encoded."""
+        finished = time.perf_counter_ns()
+        call, targets = started.call, started.targets
+        call.queue_ns, call.compute_ns = times.queue_ns, times.compute_ns
+        if "tokens" in targets:
+            targets["tokens"].copy_(result.tokens)
+            result = replace(result, tokens=None)
+        if "logprobs" in targets:
+            targets["logprobs"].copy_(result.logprobs)
+            result = replace(result, logprobs=None)
+        response = encode_result(result, started.seeds)
+        response.request_id = call.request_id
+        timings = response.timings
+        timings.queue_ns = times.queue_ns
+        timings.compute_ns = times.compute_ns
+        encoded = time.perf_counter_ns()
+        call.encode_ns = encoded - finished
+        timings.total_ns = encoded - started.arrived
+        return response
+
+    async def unary(self, request: pb.SampleRequest, call: CallRecord) -> pb.SampleResponse:
+        started = self.start(request, call)
+        with started.held:
+            result, times = await started.future
+            return self.finish(started, result, times)
+
+    async def stream(
+        self, requests: AsyncIterator[pb.SampleRequest], stream_id: str
+    ) -> AsyncIterator[pb.SampleStreamResponse]:
+        """Starts each message as it arrives and answers them in order; a failed message gets an error
+        message of its own and the stream goes on."""
+        answers: asyncio.Queue[tuple[CallRecord, _Started | Exception] | None] = asyncio.Queue(
+            maxsize=STREAM_MESSAGES_IN_FLIGHT
+        )
+
+        async def read() -> None:
+            index = 0
+            async for request in requests:
+                record = CallRecord(method=STREAM_METHOD, request_id=f"{stream_id}.{index}")
+                index += 1
+                record.start()
+                current_request_id.set(record.request_id)  # the batcher runs the backend in this context
+                try:
+                    item: tuple[CallRecord, _Started | Exception] = (record, self.start(request, record))
+                except Exception as err:
+                    item = (record, err)
+                try:
+                    await answers.put(item)
+                except asyncio.CancelledError:
+                    if isinstance(item[1], _Started):
+                        item[1].drop()
+                    raise
+
+        async def read_then_end() -> None:
+            """Reads to the end of the stream, then marks the end (also after a request that did not parse)."""
+            try:
+                await read()
+            except asyncio.CancelledError:  # the answers' side is gone: nobody to tell
+                raise
+            except BaseException:
+                await answers.put(None)
+                raise
+            await answers.put(None)
+
+        reader = asyncio.ensure_future(read_then_end())
+        try:
+            while (item := await answers.get()) is not None:
+                yield await self._answer(*item)
+            await reader  # a request that did not parse ends the stream with its status
+        finally:
+            reader.cancel()
+            while not answers.empty():
+                item = answers.get_nowait()
+                if item is not None and isinstance(item[1], _Started):
+                    item[1].drop()
+
+    async def _answer(self, record: CallRecord, started: _Started | Exception) -> pb.SampleStreamResponse:
+        """One stream message's answer, reported like a unary call."""
+        current_request_id.set(record.request_id)
+        code, error = grpc.StatusCode.OK, ""
+        try:
+            if isinstance(started, Exception):
+                raise started
+            with started.held:
+                result, times = await started.future
+                return pb.SampleStreamResponse(response=self.finish(started, result, times))
+        except Exception as err:
+            code, error = failure_status(err, record.method, record.request_id)
+        finally:
+            if self._metrics is not None:
+                self._metrics.observe_call(record, code, record.elapsed_ns())
+        message = f"{error} (request id {record.request_id})"
+        return pb.SampleStreamResponse(error=pb.StreamError(code=code.value[0], message=message, request_id=record.request_id))
