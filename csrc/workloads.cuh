@@ -258,9 +258,13 @@ __global__ void __launch_bounds__(kCommitThreads)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Verification after row_stats: every block of a request recomputes the accepted prefix (n Philox
-// calls); if a draft token was rejected, the blocks draw the correction from the residual
-// max(0, q - p) at that position over their chunk, merged by the request's last block.
+// Verification after row_stats. Every block of a request settles the accepted prefix itself, the n
+// acceptance tests on n threads at once (the first rejection counts). After a rejection the blocks
+// draw the correction from the residual r = max(0, q - p) at that position over their chunk, merged
+// by the request's last block. Screening as in gumbel_screened: a pilot (one token of every thread's
+// first group, scored exactly) gives L, a real token's score; as r <= q, a token with log q + g < L
+// cannot win, which the logit and the Philox word decide alone (no draft read, no division or log).
+// The few groups that pass are re-scored exactly by the whole block.
 
 __device__ __forceinline__ double acceptance_uniform(int64_t seed, int64_t position, int64_t iteration) {
   const uint64_t s = static_cast<uint64_t>(seed);
@@ -275,42 +279,69 @@ __device__ __forceinline__ float target_prob(float x, float row_max, float tempe
   return x > -kInf ? __fdiv_rn(expf(scaled(x, row_max, temperature)), row_sum) : 0.f;
 }
 
+// Draft token j of request b passes u_j * p_j(d_j) < q_j(d_j).
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
+__device__ __forceinline__ bool draft_accepted(const TsRowJob& job, const TsRowStats& st, const int64_t* draft_ids,
+                                               const JobRow& jr, int j) {
+  const int n = job.per_request - 1, w = jr.b * job.per_request + j;
+  const int64_t d = draft_ids[static_cast<int64_t>(jr.b) * n + j];
+  float q;
+  if (jr.greedy) {
+    q = d == st.argmax[w] ? 1.f : 0.f;
+  } else {
+    float x = to_f32(static_cast<const T*>(job.logits)[static_cast<int64_t>(w) * job.vocab + d]);
+    sanitize(x);
+    q = target_prob(x, st.row_max[w], jr.temperature, st.row_sum[w]);
+  }
+  const float p = __fdiv_rn(job.aux[(static_cast<int64_t>(jr.b) * n + j) * job.vocab + d], st.aux_sum[w]);
+  const int64_t pos = (job.position ? job.position[jr.b] : 0) + j;
+  // u has 25 significant bits and p 24: u * p is exact in double, the comparison too.
+  return acceptance_uniform(job.seed[jr.b], pos, job.iteration[jr.b]) * p < static_cast<double>(q);
+}
+
+struct ResidualRow {
+  float row_max, row_sum, temperature, draft_sum;
+};
+
+// The exact score log r + g of token `id` as a rank key; 0 where r <= 0 (the token cannot be drawn).
+__device__ __forceinline__ uint64_t residual_key(float x, float p, uint32_t word, uint32_t id, const ResidualRow& rr) {
+  sanitize(x);
+  const float r = __fsub_rn(target_prob(x, rr.row_max, rr.temperature, rr.row_sum),
+                            p > 0.f ? __fdiv_rn(p, rr.draft_sum) : 0.f);  // padding reads as -inf
+  return r > 0.f ? rank_key(__fadd_rn(logf(r), gumbel_exact(word)), id) : 0;
+}
+
+// Words below the returned threshold give every token of a group whose largest logit is gx a score
+// below L, where a = L - residual_slack(L, log_s). f = log r + g <= log q + g, and
+// log q <= max((gx - max) / T - log S, -87) (q < 2^-126 has log q < -87.3), up to the rounding of
+// z, q, the logarithms and f, which the slack and screen_word's 2^-19 |zc| cover many times over.
+__device__ __forceinline__ float residual_slack(float L, float log_s) {
+  return 2e-4f + 0x1p-19f * (fabsf(L) + log_s + 32.f);
+}
+__device__ __forceinline__ uint32_t residual_screen(float gx, float row_max, float inv_t, float log_s, float a) {
+  const float zc = (gx - row_max) * inv_t - log_s;
+  if (zc != zc) return 0u;  // 0 * inf (a subnormal T): every word passes
+  return screen_word(fmaxf(zc, -87.f), 1.f, a);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 5)
     verify_finish_kernel(TsRowJob job, TsRowStats st, const int64_t* draft_ids, int64_t* accepted_out,
                          int64_t* tokens, TsWorkspace ws) {
   const int b = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
   const int P = job.per_request, n = P - 1;
   const int64_t vocab = job.vocab;
   const JobRow jr = job_row(job, b * P);
-  __shared__ int acc_s;
-  __shared__ bool valid_s;
-  if (threadIdx.x == 0) {
-    bool valid = true;
-    for (int j = 0; j <= n; ++j) valid &= st.row_max[b * P + j] > -kInf;
-    int a = 0;
-    const int64_t pos = job.position ? job.position[b] : 0;
-    for (; valid && a < n; ++a) {
-      const int w = b * P + a;
-      const int64_t d = draft_ids[static_cast<int64_t>(b) * n + a];
-      float q;
-      if (jr.greedy) {
-        q = d == st.argmax[w] ? 1.f : 0.f;
-      } else {
-        float x = to_f32(static_cast<const T*>(job.logits)[static_cast<int64_t>(w) * vocab + d]);
-        sanitize(x);
-        q = target_prob(x, st.row_max[w], jr.temperature, st.row_sum[w]);
-      }
-      const float p = __fdiv_rn(job.aux[(static_cast<int64_t>(b) * n + a) * vocab + d], st.aux_sum[w]);
-      // u has 25 significant bits and p 24: u * p is exact in double, the comparison too.
-      if (!(acceptance_uniform(job.seed[b], pos + a, job.iteration[b]) * p < static_cast<double>(q))) break;
-    }
-    acc_s = valid ? a : 0;
-    valid_s = valid;
-  }
+  __shared__ int first_rejected;
+  if (threadIdx.x == 0) first_rejected = n;
   __syncthreads();
-  const int a = acc_s;
-  const bool valid = valid_s;
+  bool invalid = false;
+  for (int j = threadIdx.x; j <= n; j += kThreads) {
+    invalid |= !(st.row_max[b * P + j] > -kInf);
+    if (j < n && !draft_accepted<T>(job, st, draft_ids, jr, j)) atomicMin(&first_rejected, j);
+  }
+  const bool valid = !__syncthreads_or(invalid);
+  const int a = valid ? first_rejected : 0;
   int64_t* out = tokens + static_cast<int64_t>(b) * P;
   auto write_row = [&](int64_t last) {
     for (int j = 0; j < P; ++j) out[j] = !valid ? -1 : j < a ? draft_ids[static_cast<int64_t>(b) * n + j] : j == a ? last : -1;
@@ -325,40 +356,79 @@ __global__ void __launch_bounds__(kThreads)
   const RowView<T> rv = job_view<T>(job, w);
   const float* draft = job.aux + (static_cast<int64_t>(b) * n + a) * vocab;
   const bool draft_aligned = reinterpret_cast<uintptr_t>(draft) % 16 == 0;
-  const float row_max = st.row_max[w], row_sum = st.row_sum[w], draft_sum = st.aux_sum[w];
+  const ResidualRow rr{st.row_max[w], st.row_sum[w], jr.temperature, st.aux_sum[w]};
   const NoiseStream noise = job_noise(job, JobRow{b, a, jr.temperature, jr.inv_t, false});
   const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
-  uint64_t best = 0;
-  float best_f = -kInf;  // the thread's best score: a token whose upper bound is below it cannot win
-#pragma unroll 2
+  const uint32_t gbase = static_cast<uint32_t>(g0) + threadIdx.x;
+  const float inv_t = jr.inv_t, log_s = logf(rr.row_sum);
+  __shared__ uint64_t scratch[kThreads / 32];
+  __shared__ uint32_t flagged[kChunkGroups];  // the groups that pass the screen
+  __shared__ int num_flagged;
+  if (threadIdx.x == 0) num_flagged = 0;
+  float gx[kGroupsPerThread];
+  uint64_t pilot = 0;
+  {
+    float v[kGroupsPerThread][4], p[4];
+    load_chunk(rv, vocab, g0, v);
+    load_group(draft, gbase, vocab, draft_aligned, p);
+#pragma unroll
+    for (int j = 0; j < kGroupsPerThread; ++j) gx[j] = fmaxf(fmaxf(v[j][0], v[j][1]), fmaxf(v[j][2], v[j][3]));
+    // The thread's pilot: the token of its first group with the best approximate score (fast
+    // intrinsics: they only choose it), scored exactly.
+    const uint4 words = noise.group(gbase);
+    const float c2 = inv_t * kLog2e, inv_s = 1.f / rr.row_sum, inv_ds = 1.f / rr.draft_sum;
+    float best_a = -kInf, px = 0.f, pp = 0.f;
+    uint32_t pw = 0, pid = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float r = fast_exp2((v[0][e] - rr.row_max) * c2) * inv_s - fmaxf(p[e], 0.f) * inv_ds;
+      const float sa = r > 0.f ? __logf(r) + gumbel_fast(word_of(words, e)) : -kInf;
+      if (sa > best_a) best_a = sa, px = v[0][e], pp = p[e], pw = word_of(words, e), pid = 4 * gbase + e;
+    }
+    if (best_a > -kInf) pilot = residual_key(px, pp, pw, pid, rr);
+  }
+  pilot = block_allreduce<kThreads>(pilot, MaxOp{}, scratch);
+  const float L = pilot ? key_value(pilot) : -kInf;  // -inf: no screen (every group is flagged)
+  const float a_screen = L - residual_slack(L, log_s);
+  const int lane = threadIdx.x & 31;
+#pragma unroll
   for (int j = 0; j < kGroupsPerThread; ++j) {
-    const int64_t g = g0 + threadIdx.x + j * kThreads;
-    if (4 * g >= vocab) break;
+    const uint32_t th = residual_screen(gx[j], rr.row_max, inv_t, log_s, a_screen);
+    const uint4 wd = noise.group(gbase + j * kThreads);
+    const bool pass = max(max(wd.x, wd.y), max(wd.z, wd.w)) >= th;
+    const uint32_t ballot = __ballot_sync(0xffffffffu, pass);
+    if (ballot) {  // one shared atomic per warp
+      int slot = 0;
+      if (lane == 0) slot = atomicAdd(&num_flagged, __popc(ballot));
+      slot = __shfl_sync(0xffffffffu, slot, 0) + __popc(ballot & ((1u << lane) - 1));
+      if (pass) flagged[slot] = gbase + j * kThreads;
+    }
+  }
+  __syncthreads();
+  // The flagged groups, spread over the block (one round of loads): the tokens that pass the screen
+  // on their own logit, exactly, with the draft.
+  uint64_t best = 0;
+  for (int i = threadIdx.x; i < num_flagged; i += kThreads) {
+    const uint32_t g = flagged[i];
     float x[4], p[4];
     load_group(rv.row, g, vocab, rv.aligned, x);
     load_group(draft, g, vocab, draft_aligned, p);
-    const uint4 words = noise.group(static_cast<uint32_t>(g));
+    const uint4 words = noise.group(g);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       sanitize(x[e]);
-      const float r = __fsub_rn(target_prob(x[e], row_max, jr.temperature, row_sum),
-                                p[e] > 0.f ? __fdiv_rn(p[e], draft_sum) : 0.f);
-      if (!(r > 0.f)) continue;
-      const float lr = logf(r);
       const uint32_t word = word_of(words, e);
-      if (lr + gumbel_upper_bound(word) < best_f) continue;
-      const float f = __fadd_rn(lr, gumbel_exact(word));
-      const uint64_t key = rank_key(f, static_cast<uint32_t>(4 * g + e));
-      if (key > best) best = key, best_f = f;
+      if (word >= residual_screen(x[e], rr.row_max, inv_t, log_s, a_screen))
+        best = max(best, residual_key(x[e], p[e], word, 4 * g + e, rr));
     }
   }
-  __shared__ uint64_t scratch[kThreads / 32];
   best = block_allreduce<kThreads>(best, MaxOp{}, scratch);
   uint64_t* partial = static_cast<uint64_t*>(ws.scratch) + static_cast<int64_t>(b) * splits;
   if (threadIdx.x == 0) partial[split] = best;
   if (!finish_and_elect_last(ws.counters + b, splits)) return;
   best = 0;
-  for (int i = 0; i < splits; ++i) best = max(best, __ldcg(partial + i));
+  for (int i = threadIdx.x; i < splits; i += kThreads) best = max(best, __ldcg(partial + i));
+  best = block_allreduce<kThreads>(best, MaxOp{}, scratch);
   if (best == 0) {  // the residual rounded to zero everywhere (q == p up to rounding): draw from q
     for (int64_t g = threadIdx.x; g < (vocab + 3) / 4; g += kThreads) {
       float x[4];
@@ -367,7 +437,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         sanitize(x[e]);
-        const float q = target_prob(x[e], row_max, jr.temperature, row_sum);
+        const float q = target_prob(x[e], rr.row_max, jr.temperature, rr.row_sum);
         if (q > 0.f)
           best = max(best, rank_key(__fadd_rn(logf(q), gumbel_exact(word_of(words, e))), static_cast<uint32_t>(4 * g + e)));
       }
@@ -378,10 +448,10 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Top-k probabilities in one read. Each block keeps its chunk's top K by x (rank keys; the threshold
-// is the K-th largest of the threads' maxima, so at least K tokens pass it) with the chunk's max and
-// sum exp(c (x - max)). The row's last block merges the sorted lists pairwise, computes
-// p = exp(z - log S) for the first k + 1, sorts them by (p desc, id asc) and writes the first k.
+// Top-k probabilities in one read. Each block keeps its chunk's top K by x (rank keys; a threshold
+// that at least K tokens pass selects the candidates) with the chunk's max and sum exp(c (x - max)).
+// The row's last block ranks the first k + 1 of every list among all of them at once, computes
+// p = exp(z - log S) for the row's first k + 1, sorts them by (p desc, id asc) and writes the first k.
 // A token outside the candidates has p <= the (k + 1)-th's: the answer is exact unless the k-th and
 // (k + 1)-th p are equal (a tie at the cut, or p underflowing to 0): such rows are flagged.
 
@@ -389,13 +459,16 @@ struct ChunkSum {
   float max, sum;
 };
 
-template <int K>
-__host__ __device__ inline size_t topk_probs_list_bytes(int32_t num_rows, int64_t vocab) {
-  return static_cast<size_t>(num_rows) * num_splits(vocab) * K * sizeof(uint64_t);
+// Entries larger than `key` in a descending list of n keys (n a power of two) whose last entry is 0.
+__device__ __forceinline__ int count_above(const uint64_t* list, int n, uint64_t key) {
+  int c = 0;
+  for (int step = n >> 1; step; step >>= 1)
+    if (list[c + step - 1] > key) c += step;
+  return c;
 }
 
 template <typename T, int K>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 5)
     topk_probs_kernel(TsLogits logits, const float* temperature, int k, float* probs, int64_t* ids,
                       uint8_t* flags, TsWorkspace ws) {
   const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
@@ -407,11 +480,10 @@ __global__ void __launch_bounds__(kThreads)
   ChunkSum* sums = reinterpret_cast<ChunkSum*>(lists + static_cast<int64_t>(logits.num_rows) * splits * K);
   uint32_t* block_flags = reinterpret_cast<uint32_t*>(sums + static_cast<int64_t>(logits.num_rows) * splits);
 
-  __shared__ uint64_t thread_max[kThreads];
   __shared__ uint64_t cand[kTopkCap];
-  __shared__ uint64_t threshold;
-  __shared__ int num_cand;
+  __shared__ uint64_t warp_top[kThreads / 32];  // each warp's largest thread maximum
   __shared__ float warp_sum[kThreads / 32];
+  __shared__ int num_cand;
   float v[kGroupsPerThread][4];
   load_chunk(rv, vocab, g0, v);
   const uint32_t base = 4 * (static_cast<uint32_t>(g0) + threadIdx.x);
@@ -424,18 +496,38 @@ __global__ void __launch_bounds__(kThreads)
       if (v[j][e] > best_x) best_x = v[j][e], best_id = base + 4 * kThreads * j + e;
   const uint64_t sorted = warp_sort_desc(base < vocab ? rank_key(best_x, best_id) : 0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  thread_max[threadIdx.x] = sorted;
-  if (threadIdx.x == 0) threshold = 1, num_cand = 0;  // 1: fewer than K tokens, take them all
-  __syncthreads();
-  if (sorted != 0) {
-    int above = lane;
-    for (int w2 = 0; w2 < kThreads / 32; ++w2)
-      if (w2 != warp) above += count_greater(thread_max + 32 * w2, 32, sorted);
-    if (above == K - 1) threshold = sorted;
-  }
-  uint64_t top = thread_max[0];
+  if (lane == 0) warp_top[warp] = sorted;
+  if (threadIdx.x == 0) num_cand = 0;
+  uint64_t th;  // 1: fewer than K tokens, take them all
+  if constexpr (K <= 128) {
+    // The (K/8)-th largest thread maximum of each warp, then the least of the 8: every warp has K/8
+    // tokens at or above it. No ranking across warps.
+    __shared__ uint64_t warp_tau[kThreads / 32];
+    if (lane == K / 8 - 1) warp_tau[warp] = sorted;
+    __syncthreads();
+    th = warp_tau[0];
 #pragma unroll
-  for (int w2 = 1; w2 < kThreads / 32; ++w2) top = max(top, thread_max[32 * w2]);
+    for (int i = 1; i < kThreads / 32; ++i) th = min(th, warp_tau[i]);
+    th = th ? th : 1;
+  } else {
+    // The K-th largest thread maximum: ranked by binary search in the other warps' sorted lists.
+    __shared__ uint64_t thread_max[kThreads];
+    __shared__ uint64_t threshold;
+    thread_max[threadIdx.x] = sorted;
+    if (threadIdx.x == 0) threshold = 1;
+    __syncthreads();
+    if (sorted != 0) {
+      int above = lane;
+      for (int w2 = 0; w2 < kThreads / 32; ++w2)
+        if (w2 != warp) above += count_greater(thread_max + 32 * w2, 32, sorted);
+      if (above == K - 1) threshold = sorted;
+    }
+    __syncthreads();
+    th = threshold;
+  }
+  uint64_t top = warp_top[0];
+#pragma unroll
+  for (int i = 1; i < kThreads / 32; ++i) top = max(top, warp_top[i]);
   const float chunk_max = top ? key_value(top) : -kInf;
   float sum = 0.f;
   if (chunk_max > -kInf) {
@@ -446,9 +538,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   sum = warp_allreduce(sum, SumOp{});
   if (lane == 0) warp_sum[warp] = sum;
-  __syncthreads();
-  const uint64_t th = threshold;
-  const float th_x = th == 1 ? -kInf : key_value(th);
+  const float th_x = th == 1 ? -kInf : key_value(th);  // a float test first, the full key on a pass
 #pragma unroll
   for (int j = 0; j < kGroupsPerThread; ++j)
 #pragma unroll
@@ -487,71 +577,80 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (!finish_and_elect_last(ws.counters + w, splits)) return;
 
-  // ---- merge stage: acc = top K of the lists merged so far (descending, zero padded)
-  __shared__ uint64_t buf[3][K];
-  uint64_t *acc = buf[0], *in = buf[1], *out = buf[2];
-  const uint64_t* row_lists = lists + static_cast<int64_t>(w) * splits * K;
-  for (int i = threadIdx.x; i < K; i += kThreads) acc[i] = __ldcg(row_lists + i);
-  for (int s = 1; s < splits; ++s) {
-    for (int i = threadIdx.x; i < K; i += kThreads) in[i] = __ldcg(row_lists + s * K + i), out[i] = 0;
+  // ---- merge stage. Row max, sum and flags: each thread folds its splits (one when splits <= kThreads).
+  const int64_t first = static_cast<int64_t>(w) * splits;
+  float m = -kInf;
+  double s = 0.0;
+  bool overflow = false;
+  for (int i = threadIdx.x; i < splits; i += kThreads) {
+    const float cm = __ldcg(&sums[first + i].max), cs = __ldcg(&sums[first + i].sum);
+    overflow |= __ldcg(block_flags + first + i) != 0;
+    if (cm > -kInf) {
+      const float nm = fmaxf(m, cm);
+      s = s * exp2(static_cast<double>((m - nm) * c2)) + cs * exp2(static_cast<double>((cm - nm) * c2));
+      m = nm;
+    }
+  }
+  // The top kk by x: the lists' first kk entries in slots of `stride` keys (zero padded), batch by
+  // batch; slot 0 holds the top kk so far. An entry's rank is its place in its list plus the entries
+  // above it in the other slots; the kk with rank < kk are the batch's top kk.
+  const int kk = min(k + 1, K);
+  const int stride = pow2_at_least(kk + 1), per_batch = kTopkCap / stride - 1;
+  __shared__ uint64_t buf[2][K];
+  uint64_t *acc = buf[0], *next = buf[1];
+  for (int s0 = 0; s0 < splits; s0 += per_batch) {
+    const int nb = min(per_batch, splits - s0), slots = nb + 1;
+    for (int i = threadIdx.x; i < slots * stride; i += kThreads) {
+      const int j = i / stride, e = i - j * stride;
+      cand[i] = e >= kk ? 0 : j ? __ldcg(lists + (first + s0 + j - 1) * K + e) : s0 ? acc[e] : 0;
+    }
+    for (int i = threadIdx.x; i < kk; i += kThreads) next[i] = 0;
     __syncthreads();
-    for (int i = threadIdx.x; i < K; i += kThreads) {  // keys are distinct: ranks are too
-      const uint64_t a = acc[i], c = in[i];
-      if (a) {
-        const int r = i + count_greater(in, K, a);
-        if (r < K) out[r] = a;
-      }
-      if (c) {
-        const int r = i + count_greater(acc, K, c);
-        if (r < K) out[r] = c;
-      }
+    for (int i = threadIdx.x; i < slots * stride; i += kThreads) {
+      const int j = i / stride, e = i - j * stride;
+      const uint64_t key = cand[i];
+      if (e >= kk || !key) continue;
+      int r = e;
+      for (int j2 = 0; j2 < slots && r < kk; ++j2)
+        if (j2 != j) r += count_above(cand + j2 * stride, stride, key);
+      if (r < kk) next[r] = key;
     }
     __syncthreads();
     uint64_t* tmp = acc;
-    acc = out, out = tmp;
+    acc = next, next = tmp;
   }
-  __shared__ float lse;
-  __shared__ uint32_t row_flags;
-  const float row_max = acc[0] ? key_value(acc[0]) : -kInf;
+  __shared__ double dscratch[kThreads / 32];
+  const float row_max = block_allreduce<kThreads>(m, MaxOp{}, warp_sum);
+  const double total =
+      block_allreduce<kThreads>(m > -kInf ? s * exp2(static_cast<double>((m - row_max) * c2)) : 0.0, SumOp{}, dscratch);
+  overflow = __syncthreads_or(overflow);
+  const float lse = static_cast<float>(log(total));
   const bool valid = row_max > -kInf;
-  if (threadIdx.x == 0) {
-    double total = 0.0;
-    uint32_t f = 0;
-    for (int s = 0; s < splits; ++s) {
-      const ChunkSum* cs = sums + static_cast<int64_t>(w) * splits + s;
-      const float m = __ldcg(&cs->max);
-      if (m > -kInf) total += static_cast<double>(__ldcg(&cs->sum)) * exp2(static_cast<double>((m - row_max) * c2));
-      f |= __ldcg(block_flags + static_cast<int64_t>(w) * splits + s);
-    }
-    lse = static_cast<float>(log(total));
-    row_flags = f;
-  }
-  __syncthreads();
-  // p of the first k + 1 by x, ranked by (p desc, id asc) into `in`
-  const int kk = min(k + 1, K);
+  // p of the first k + 1 by x, ranked by (p desc, id asc) into `ranked`
+  uint64_t *pkey = cand, *ranked = cand + K;
   for (int i = threadIdx.x; i < kk; i += kThreads) {
     const uint64_t key = acc[i];
-    out[i] = key ? rank_key(expf(__fsub_rn(scaled(key_value(key), row_max, t), lse)), key_index(key)) : 0;
-    in[i] = 0;
+    pkey[i] = key ? rank_key(expf(__fsub_rn(scaled(key_value(key), row_max, t), lse)), key_index(key)) : 0;
+    ranked[i] = 0;
   }
   __syncthreads();
   for (int i = threadIdx.x; i < kk; i += kThreads) {
-    const uint64_t key = out[i];
+    const uint64_t key = pkey[i];
     if (!key) continue;
     int rank = 0;
-    for (int j = 0; j < kk; ++j) rank += out[j] > key;
-    in[rank] = key;
+    for (int j = 0; j < kk; ++j) rank += pkey[j] > key;
+    ranked[rank] = key;
   }
   __syncthreads();
   const int64_t o = static_cast<int64_t>(w) * k;
   for (int i = threadIdx.x; i < k; i += kThreads) {
-    const uint64_t key = in[i];
+    const uint64_t key = ranked[i];
     probs[o + i] = valid && key ? key_value(key) : 0.f;
     ids[o + i] = valid && key ? static_cast<int64_t>(key_index(key)) : -1;
   }
   if (threadIdx.x == 0) {
-    const bool cut_tie = valid && kk == k + 1 && in[k] != 0 && key_value(in[k]) == key_value(in[k - 1]);
-    flags[w] = static_cast<uint8_t>((row_flags & 4u) | (cut_tie ? 4u : 0u));
+    const bool cut_tie = valid && kk == k + 1 && ranked[k] != 0 && key_value(ranked[k]) == key_value(ranked[k - 1]);
+    flags[w] = static_cast<uint8_t>(overflow || cut_tie ? 4u : 0u);
   }
 }
 

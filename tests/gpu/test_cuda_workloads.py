@@ -78,6 +78,17 @@ def test_topk_probs_edge_rows(kernels):
     torch.testing.assert_close(probs, ref_probs, rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.parametrize(("k", "vocab"), [(20, 600_000), (127, V_QWEN), (254, 100_000)])
+def test_topk_probs_merges_many_chunk_lists(kernels, k, vocab):
+    # More chunk lists than the merge ranks at once: merged batch by batch.
+    x = logits("spiky", 4, vocab, seed=k).cuda()
+    t = torch.tensor([1.0, 0.5, 2.0, 1.0]).cuda()
+    probs, ids = topk_probs_cuda(x, t, k, kernels)
+    ref_probs, ref_ids = topk_probs(x, t, k)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(probs, ref_probs, rtol=1e-5, atol=1e-9)
+
+
 def test_topk_probs_large_k_uses_the_reference_on_the_gpu(kernels):
     x = logits("spiky", 4, 20000, seed=9).cuda()
     t = torch.ones(4).cuda()
@@ -193,6 +204,16 @@ def test_verify_large_vocabulary_and_invalid_rows(kernels):
     got = verify_draft_cuda(v, kernels)
     assert got[0][2].item() == 0 and bool((got[1][2] == -1).all())
     _assert_verdicts_agree(got, verify_draft(v))
+
+
+@pytest.mark.parametrize("scale", [0.3, 8.0])
+def test_verify_residual_at_extreme_temperatures(kernels, scale):
+    # Large and tiny |z| (logits scaled, T from 0.05 to 3): the residual's screen stays exact.
+    v = _verification(48, 2, V_QWEN, seed=13, temperature=[0.05, 0.4, 1.0, 3.0])
+    v = DraftVerification(**{**v.__dict__, "target_logits": v.target_logits * scale})
+    ref = verify_draft(v)
+    _assert_verdicts_agree(verify_draft_cuda(v, kernels), ref)
+    assert (ref[0] < 2).sum().item() >= 12, "the case should draw many corrections"
 
 
 def test_verify_draft_equal_to_target_accepts_everything(kernels):
