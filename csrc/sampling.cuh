@@ -433,6 +433,19 @@ __device__ __forceinline__ int count_greater(const uint64_t* list, int n, uint64
   return lo;
 }
 
+// The K-th largest of the block's thread maxima: each warp's maxima sorted in descending lane order
+// (`sorted`, this thread's), all of them in thread_max[kThreads]. The thread holding it writes it to
+// `threshold`, which keeps the caller's value when fewer than K threads hold a token.
+template <int K>
+__device__ __forceinline__ void rank_thread_maxima(const uint64_t* thread_max, uint64_t sorted, int lane, int warp,
+                                                   uint64_t& threshold) {
+  if (sorted == 0) return;
+  int above = lane;
+  for (int w2 = 0; w2 < kThreads / 32; ++w2)
+    if (w2 != warp) above += count_greater(thread_max + 32 * w2, 32, sorted);
+  if (above == K - 1) threshold = sorted;
+}
+
 // Lane i gets the i-th largest of the warp's 32 values (bitonic network on shuffles).
 __device__ __forceinline__ uint64_t warp_sort_desc(uint64_t v) {
   const int lane = threadIdx.x & 31;
@@ -504,12 +517,7 @@ __global__ void __launch_bounds__(kThreads, 5)
       num_cand = 0;
     }
     __syncthreads();
-    if (sorted != 0) {
-      int above = lane;
-      for (int w2 = 0; w2 < kThreads / 32; ++w2)
-        if (w2 != warp) above += count_greater(thread_max + 32 * w2, 32, sorted);
-      if (above == K - 1) threshold = sorted;
-    }
+    rank_thread_maxima<K>(thread_max, sorted, lane, warp, threshold);
   }
   __syncthreads();
   const uint64_t th = threshold;

@@ -516,12 +516,7 @@ __global__ void __launch_bounds__(kThreads, 5)
     thread_max[threadIdx.x] = sorted;
     if (threadIdx.x == 0) threshold = 1;
     __syncthreads();
-    if (sorted != 0) {
-      int above = lane;
-      for (int w2 = 0; w2 < kThreads / 32; ++w2)
-        if (w2 != warp) above += count_greater(thread_max + 32 * w2, 32, sorted);
-      if (above == K - 1) threshold = sorted;
-    }
+    rank_thread_maxima<K>(thread_max, sorted, lane, warp, threshold);
     __syncthreads();
     th = threshold;
   }
