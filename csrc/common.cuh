@@ -190,6 +190,22 @@ __device__ __forceinline__ bool finish_and_elect_last(unsigned int* counter, uns
   return last;
 }
 
+// Programmatic dependent launch (sm_90 and up; no-ops elsewhere and when not launched that way). A
+// kernel launched with launch_after_previous (launch.h) may be scheduled while the previous kernel on
+// the stream still runs; it calls wait_for_previous_grid before it touches anything that kernel
+// writes (its results, the shared workspace). The previous kernel calls let_next_grid_launch once
+// its blocks are under way, so the dependent grid takes the SMs its last wave leaves idle.
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void let_next_grid_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 __device__ __forceinline__ unsigned int next_pow2(unsigned int n) {
   return n <= 1 ? 1 : 1u << (32 - __clz(n - 1));
 }

@@ -2,6 +2,7 @@
 // can call them through workloads.h.
 #include <cuda_runtime.h>
 
+#include "launch.h"
 #include "workloads.cuh"
 
 using namespace tokensampler;
@@ -38,14 +39,17 @@ cudaError_t launch_topk_probs(const TsLogits* logits, const float* temperature, 
 
 extern "C" {
 
-size_t ts_row_stats_scratch_bytes(int32_t num_rows, int64_t vocab) {
-  return sizeof(RowPartial) * static_cast<size_t>(num_rows) * num_splits(vocab);
+size_t ts_row_stats_scratch_bytes(int32_t num_rows, int64_t vocab) {  // aux rows: at most num_rows
+  return (sizeof(RowPartial) + sizeof(float)) * static_cast<size_t>(num_rows) * num_splits(vocab);
 }
 
 int ts_row_stats(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace* ws, void* stream) {
   if (bad_job(job)) return cudaErrorInvalidValue;
   if (job->num_rows == 0) return cudaSuccess;
-  const dim3 grid(num_splits(job->vocab), static_cast<unsigned int>(job->num_rows));
+  if (job->aux && (job->aux_per_request < 1 || job->aux_per_request > job->per_request || !stats->aux_sum))
+    return cudaErrorInvalidValue;
+  if (job->num_rows + aux_rows(*job) > kMaxGridY) return cudaErrorInvalidValue;
+  const dim3 grid(num_splits(job->vocab), static_cast<unsigned int>(job->num_rows + aux_rows(*job)));
   return with_dtype(job->dtype, [&](auto t) {
     using T = decltype(t);
     row_stats_kernel<T><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(*job, *stats, *ws);
@@ -66,9 +70,9 @@ int ts_diffusion_commit(const TsRowJob* job, const TsRowStats* stats, const floa
       if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)))
         return e;
     }
-    diffusion_commit_kernel<T><<<requests, kCommitThreads, smem, static_cast<cudaStream_t>(stream)>>>(
-        *job, *stats, threshold, count, tokens, confidences, mask_out);
-    return cudaGetLastError();
+    return launch_after_previous(&diffusion_commit_kernel<T>, dim3(requests), dim3(kCommitThreads), smem,
+                                 static_cast<cudaStream_t>(stream), *job, *stats, threshold, count, tokens,
+                                 confidences, mask_out);
   });
 }
 
@@ -85,9 +89,8 @@ int ts_verify_finish(const TsRowJob* job, const TsRowStats* stats, const int64_t
   const dim3 grid(num_splits(job->vocab), static_cast<unsigned int>(requests));
   return with_dtype(job->dtype, [&](auto t) {
     using T = decltype(t);
-    verify_finish_kernel<T><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(*job, *stats, draft_ids,
-                                                                                     accepted, tokens, *ws);
-    return cudaGetLastError();
+    return launch_after_previous(&verify_finish_kernel<T>, grid, dim3(kThreads), 0, static_cast<cudaStream_t>(stream),
+                                 *job, *stats, draft_ids, accepted, tokens, *ws);
   });
 }
 

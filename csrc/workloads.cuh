@@ -27,11 +27,12 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // ---------------------------------------------------------------------------------------------
 // Row statistics in one read: max and argmax, sum exp(c (x - max)) (c = 1 / T), the Gumbel-max sample
 // of the drawn slots (gumbel_screened's proxy, re-scored exactly when the gap test fails), and the
-// sum of an optional aux row (the draft probabilities of a verification).
+// sums of the optional aux rows (the draft probabilities of a verification). Aux rows are work rows
+// of their own (grid rows num_rows and up): a block then streams one array, not two in turn.
 
 struct RowPartial {
   Proxy proxy;
-  float max, sum, aux;
+  float max, sum;
   int32_t argmax;
 };
 
@@ -42,7 +43,6 @@ __device__ __forceinline__ RowPartial merge_row(RowPartial a, const RowPartial& 
   a.sum = m == -kInf ? 0.f : a.sum * exp2f((a.max - m) * c2) + b.sum * exp2f((b.max - m) * c2);
   if (b.max > a.max || (b.max == a.max && b.argmax < a.argmax)) a.argmax = b.argmax;
   a.max = m;
-  a.aux += b.aux;
   return a;
 }
 
@@ -50,7 +50,7 @@ __device__ __forceinline__ RowPartial shfl_row(const RowPartial& s, int o) {
   return RowPartial{{__shfl_xor_sync(0xffffffffu, s.proxy.p1, o), __shfl_xor_sync(0xffffffffu, s.proxy.p2, o),
                      __shfl_xor_sync(0xffffffffu, s.proxy.i1, o)},
                     __shfl_xor_sync(0xffffffffu, s.max, o), __shfl_xor_sync(0xffffffffu, s.sum, o),
-                    __shfl_xor_sync(0xffffffffu, s.aux, o), __shfl_xor_sync(0xffffffffu, s.argmax, o)};
+                    __shfl_xor_sync(0xffffffffu, s.argmax, o)};
 }
 
 struct JobRow {
@@ -77,18 +77,54 @@ __device__ __forceinline__ RowView<T> job_view(const TsRowJob& job, int w) {
   return {row, w, reinterpret_cast<uintptr_t>(row) % (4 * sizeof(T)) == 0};
 }
 
+// Aux rows of a job (0 without aux): grid rows num_rows .. num_rows + aux_rows - 1.
+__host__ __device__ inline int aux_rows(const TsRowJob& job) {
+  return job.aux ? job.num_rows / job.per_request * job.aux_per_request : 0;
+}
+
+// Sum of aux row a's positive entries over this block's chunk, the chunks added in order by the
+// row's last block (counter num_rows + a). Partials follow the RowPartials in the scratch.
+__device__ __forceinline__ void aux_sum_block(const TsRowJob& job, const TsRowStats& st, const TsWorkspace& ws, int a,
+                                              int split, int splits) {
+  const int b = a / job.aux_per_request, w = b * job.per_request + (a - b * job.aux_per_request);
+  if (job.active && !job.active[w]) return;
+  const int64_t vocab = job.vocab, g0 = static_cast<int64_t>(split) * kChunkGroups;
+  const float* row = job.aux + static_cast<int64_t>(a) * vocab;
+  const bool aligned = reinterpret_cast<uintptr_t>(row) % 16 == 0;
+  float p[kGroupsPerThread][4];
+#pragma unroll
+  for (int j = 0; j < kGroupsPerThread; ++j) load_group(row, g0 + threadIdx.x + j * kThreads, vocab, aligned, p[j]);
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < kGroupsPerThread; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s += p[j][e] > 0.f ? p[j][e] : 0.f;  // padding reads as -inf
+  __shared__ float scratch[kThreads / 32];
+  s = block_allreduce<kThreads>(s, SumOp{}, scratch);
+  float* partial = reinterpret_cast<float*>(static_cast<RowPartial*>(ws.scratch) +
+                                            static_cast<int64_t>(job.num_rows) * splits) +
+                   static_cast<int64_t>(a) * splits;
+  if (threadIdx.x == 0) partial[split] = s;
+  if (!finish_and_elect_last(ws.counters + job.num_rows + a, splits)) return;
+  if (threadIdx.x != 0) return;
+  float total = 0.f;
+  for (int i = 0; i < splits; ++i) total += __ldcg(partial + i);
+  st.aux_sum[w] = total;
+}
+
 template <typename T>
-__global__ void __launch_bounds__(kThreads) row_stats_kernel(TsRowJob job, TsRowStats st, TsWorkspace ws) {
+__global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, TsRowStats st, TsWorkspace ws) {
   const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
+  let_next_grid_launch();  // a dependent kernel may take SMs this grid's last wave leaves idle
+  if (w >= job.num_rows) return aux_sum_block(job, st, ws, w - job.num_rows, split, splits);
   if (job.active && !job.active[w]) return;  // every block of the row leaves: its counter stays 0
   const JobRow jr = job_row(job, w);
   const bool draw = !jr.greedy && (job.draw_slot < 0 || jr.slot == job.draw_slot);
-  const bool has_aux = job.aux && jr.slot < job.aux_per_request;
   const RowView<T> rv = job_view<T>(job, w);
   const int64_t vocab = job.vocab, g0 = static_cast<int64_t>(split) * kChunkGroups;
   const float c2 = jr.inv_t * kLog2e;
 
-  RowPartial s{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, 0.f, INT_MAX};
+  RowPartial s{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, INT_MAX};
   {
     float v[kGroupsPerThread][4];
     load_chunk(rv, vocab, g0, v);
@@ -102,17 +138,6 @@ __global__ void __launch_bounds__(kThreads) row_stats_kernel(TsRowJob job, TsRow
       for (int j = 0; j < kGroupsPerThread; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s.sum += fast_exp2((v[j][e] - s.max) * c2);
-    }
-  }
-  if (has_aux) {
-    const float* aux = job.aux + (static_cast<int64_t>(jr.b) * job.aux_per_request + jr.slot) * vocab;
-    const bool aligned = reinterpret_cast<uintptr_t>(aux) % 16 == 0;
-#pragma unroll
-    for (int j = 0; j < kGroupsPerThread; ++j) {
-      float p[4];
-      load_group(aux, g0 + threadIdx.x + j * kThreads, vocab, aligned, p);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s.aux += p[e] > 0.f ? p[e] : 0.f;  // padding reads as -inf
     }
   }
   float thr = -kInf;
@@ -136,11 +161,11 @@ __global__ void __launch_bounds__(kThreads) row_stats_kernel(TsRowJob job, TsRow
   __shared__ RowPartial row;
   __shared__ bool rescore;
   if (threadIdx.x == 0) {
-    RowPartial acc{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, 0.f, INT_MAX};
+    RowPartial acc{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, INT_MAX};
     for (int i = 0; i < splits; ++i) {
       const RowPartial* p = partial + i;
       const RowPartial b{{__ldcg(&p->proxy.p1), __ldcg(&p->proxy.p2), __ldcg(&p->proxy.i1)},
-                         __ldcg(&p->max), __ldcg(&p->sum), __ldcg(&p->aux), __ldcg(&p->argmax)};
+                         __ldcg(&p->max), __ldcg(&p->sum), __ldcg(&p->argmax)};
       acc = merge_row(acc, b, c2);
     }
     row = acc;
@@ -175,7 +200,6 @@ __global__ void __launch_bounds__(kThreads) row_stats_kernel(TsRowJob job, TsRow
   if (st.row_sum) st.row_sum[w] = row.sum;
   if (st.argmax) st.argmax[w] = valid ? row.argmax : -1;
   if (st.token) st.token[w] = token;
-  if (st.aux_sum && has_aux) st.aux_sum[w] = row.aux;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -195,6 +219,7 @@ __global__ void __launch_bounds__(kCommitThreads)
                             int64_t* tokens, float* confidences, uint8_t* mask_out) {
   extern __shared__ float conf_key[];  // [L]: confidence of committable positions, -1 elsewhere
   const int b = blockIdx.x, L = job.per_request;
+  wait_for_previous_grid();  // launched to overlap row_stats' tail
   uint8_t* commit_of = reinterpret_cast<uint8_t*>(conf_key + L);  // [L]
   const float tau = threshold[b];
   const int64_t c = count[b];
@@ -332,6 +357,7 @@ __global__ void __launch_bounds__(kThreads, 5)
   const int P = job.per_request, n = P - 1;
   const int64_t vocab = job.vocab;
   const JobRow jr = job_row(job, b * P);
+  wait_for_previous_grid();  // launched to overlap row_stats' tail: its results are complete from here
   __shared__ int first_rejected;
   if (threadIdx.x == 0) first_rejected = n;
   __syncthreads();

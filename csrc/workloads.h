@@ -43,11 +43,13 @@ typedef struct {
 
 size_t ts_row_stats_scratch_bytes(int32_t num_rows, int64_t vocab);
 
-/* One read of every active row: max, argmax, sum of exponentials, the Gumbel-max sample. */
+/* One read of every active row: max, argmax, sum of exponentials, the Gumbel-max sample; and of
+ * every aux row (its sum). Workspace counters: num_rows, plus as many again with aux. */
 int ts_row_stats(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace* ws, void* stream);
 
 /* The diffusion step after ts_row_stats on its [B * L] rows (active = the mask): confidences, tokens
  * (-1 at unmasked positions and where nothing is finite) and the commit rule of every request.
+ * Launched to overlap the end of the previous kernel, as ts_verify_finish.
  * threshold: [B] (NaN = none); count: [B] (0 = none); mask_in/mask_out: [B, L] (bool bytes). */
 int ts_diffusion_commit(const TsRowJob* job, const TsRowStats* stats, const float* threshold,
                         const int64_t* count, int64_t* tokens, float* confidences, uint8_t* mask_out,
@@ -55,7 +57,8 @@ int ts_diffusion_commit(const TsRowJob* job, const TsRowStats* stats, const floa
 
 /* Speculative verification after ts_row_stats on the target's [B * (n + 1)] rows (draw_slot = n,
  * aux = the draft probabilities [B * n, vocab] fp32, aux_per_request = n). draft_ids: [B, n].
- * Writes accepted [B] and tokens [B, n + 1]. */
+ * Writes accepted [B] and tokens [B, n + 1]. Launched to overlap the end of the kernel before it on
+ * the stream (programmatic dependent launch): it reads nothing before that kernel has finished. */
 size_t ts_verify_scratch_bytes(int32_t num_requests, int64_t vocab);
 int ts_verify_finish(const TsRowJob* job, const TsRowStats* stats, const int64_t* draft_ids,
                      int64_t* accepted, int64_t* tokens, const TsWorkspace* ws, void* stream);
