@@ -35,7 +35,7 @@ template <typename T, int K>
 cudaError_t launch_topk(const TsLogits* logits, const TsRows* rows, const TsOutputs* out,
                         const TsWorkspace* ws, cudaStream_t stream) {
   const int splits = num_splits(logits->vocab);
-  const size_t smem = topk_smem_bytes(splits, K);
+  const size_t smem = topk_smem_bytes(K);
   const void* kernel = reinterpret_cast<const void*>(&topk_kernel<T, K>);
   if (cudaError_t e = set_smem(kernel, smem)) return e;
   topk_kernel<T, K><<<dim3(splits, rows->num_work_rows), kThreads, smem, stream>>>(*logits, *rows, *out, *ws);

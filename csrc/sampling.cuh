@@ -399,16 +399,10 @@ __global__ void __launch_bounds__(kThreads, LSE ? 4 : 5)
 // top-k (k + 1 <= K) with optional top-p and min-p in one read. Each block finds its chunk's exact
 // top K by rank key: a threshold (the K-th largest of the threads' maxima, so at least K tokens pass
 // it) selects a few candidates, which are ranked in shared memory. The last block merges the sorted
-// lists (rank of each entry = its position + the entries above it in the other lists), takes the
-// first k + 1, re-sorts them by z, applies min-p and top-p and draws every sample by Gumbel-max.
+// lists by warps (warp_merge_list), takes the first k + 1, re-sorts them by z, applies min-p and
+// top-p and draws every sample by Gumbel-max.
 
 constexpr int kTopkCap = 2048;  // candidates one block collects; more flags the row (never seen)
-// Merge by pruning: the kk-th largest of the lists' first kMergeHeadsPerList entries bounds the
-// row's kk-th largest from below; the entries at or above it (at most kMergeCap, else the full
-// bitonic sort) are ranked by counting.
-constexpr int kMergeHeadsPerList = 4;
-constexpr int kMergeHeads = 256;
-constexpr int kMergeCap = 512;
 
 __host__ __device__ inline int pow2_at_least(int n) {
   int p = 1;
@@ -416,11 +410,40 @@ __host__ __device__ inline int pow2_at_least(int n) {
   return p;
 }
 
-__host__ __device__ inline size_t topk_smem_bytes(int splits, int bucket) {
+// Keys a merging warp holds per list: K, at least one per lane.
+__host__ __device__ constexpr int merge_width(int K) { return K < 32 ? 32 : K; }
+
+__host__ __device__ inline size_t topk_smem_bytes(int bucket) {
   const size_t block_stage = (kThreads + kTopkCap) * sizeof(uint64_t);
-  const size_t merge_stage =
-      (static_cast<size_t>(pow2_at_least(splits * bucket)) + 2 * bucket + kMergeHeads + kMergeCap) * sizeof(uint64_t);
+  const size_t merge_stage = static_cast<size_t>(kThreads / 32 * merge_width(bucket) + 2 * bucket) * sizeof(uint64_t);
   return block_stage > merge_stage ? block_stage : merge_stage;
+}
+
+// One warp keeps in a[0, N) (shared, descending) the N largest keys of a and b, where b(j) is entry j
+// of another descending list. max(a[i], b[N - 1 - i]) is bitonic and holds them; log2(N) half-cleaner
+// passes sort it. Latency of a few shuffles-worth per pass, no block barrier: the last block of a
+// row merges its lists warp by warp, then pairwise across warps.
+template <int N, typename Entry>
+__device__ __forceinline__ void warp_merge_list(uint64_t* a, int lane, Entry b) {
+  uint64_t other[N / 32];
+#pragma unroll
+  for (int e = 0; e < N / 32; ++e) other[e] = b(N - 1 - (lane + 32 * e));  // all loads in flight at once
+#pragma unroll
+  for (int e = 0; e < N / 32; ++e) a[lane + 32 * e] = max(a[lane + 32 * e], other[e]);
+#pragma unroll
+  for (int stride = N / 2; stride; stride >>= 1) {
+    __syncwarp();
+#pragma unroll
+    for (int i = lane; i < N / 2; i += 32) {
+      const int lo = 2 * i - (i & (stride - 1)), hi = lo + stride;
+      const uint64_t x = a[lo], y = a[hi];
+      if (x < y) {
+        a[lo] = y;
+        a[hi] = x;
+      }
+    }
+  }
+  __syncwarp();
 }
 
 // Entries of a descending list with a larger key than `key` (zeros, the padding, sort last).
@@ -550,82 +573,35 @@ __global__ void __launch_bounds__(kThreads, 5)
     block_flags[static_cast<int64_t>(w) * splits + split] = (any_nan ? 1u : 0u) | (num_cand > kTopkCap ? 4u : 0u);
   if (!finish_and_elect_last(ws.counters + w, splits)) return;
 
-  // ---- merge stage (last block of the row)
+  // ---- merge stage (last block of the row): warp v folds lists v, v + 8, ... into its slot of
+  // `tree`, then the slots merge pairwise; tree[0, N) ends as the row's top N by x.
   const int64_t r = rv.r;
   const int k = rows.top_k[r];
   const int kk = min(k + 1, K);
-  // The first kk of every chunk's list, sorted together: the row's top kk by x.
-  const int total = splits * kk, padded = pow2_at_least(total);
-  uint64_t* top = smem;              // [padded], then the first kk by x
-  uint64_t* zkey = top + padded;     // [kk] rank keys of z, x order
-  uint64_t* zsorted = zkey + kk;     // [kk] by z
-  for (int i = threadIdx.x; i < padded; i += kThreads) {
-    const int s = i / kk, j = i - s * kk;
-    top[i] = i < total ? __ldcg(lists + (static_cast<int64_t>(w) * splits + s) * K + j) : 0;
-  }
-  for (int i = threadIdx.x; i < kk; i += kThreads) zsorted[i] = 0;
-  __shared__ uint32_t row_flags;
-  if (threadIdx.x == 0) {
-    uint32_t f = 0;
-    for (int s = 0; s < splits; ++s) f |= __ldcg(block_flags + static_cast<int64_t>(w) * splits + s);
-    row_flags = f;
-  }
-  {
-    uint64_t* heads = zsorted + kk;      // [kMergeHeads]
-    uint64_t* pool = heads + kMergeHeads;  // [kMergeCap]
-    const int hp = min(kk, kMergeHeadsPerList), nh = splits * hp;
-    __shared__ uint64_t tau;
-    __shared__ int pool_size;
-    __shared__ bool pruned;
-    if (threadIdx.x == 0) tau = 1, pool_size = 0;  // tau 1: fewer than kk keys among the heads
-    __syncthreads();  // top[] is loaded
-    if (nh <= kMergeHeads) {
-      for (int i = threadIdx.x; i < nh; i += kThreads) {
-        const int sl = i / hp;
-        heads[i] = top[sl * kk + (i - sl * hp)];
-      }
-      __syncthreads();
-      for (int i = threadIdx.x; i < nh; i += kThreads) {
-        const uint64_t key = heads[i];
-        if (key == 0) continue;
-        int rank = 0;
-        for (int j = 0; j < nh; ++j) rank += heads[j] > key;
-        if (rank == kk - 1) tau = key;  // keys are distinct: one writer
-      }
-      __syncthreads();
-      const uint64_t t = tau;
-      // every list is sorted: its entries >= t are a prefix
-      for (int sl = threadIdx.x; sl < splits; sl += kThreads) {
-        const int c = count_greater(top + sl * kk, kk, t - 1);
-        if (c) atomicAdd(&pool_size, c);
-      }
-      __syncthreads();
-      const int n_pool = pool_size;
-      if (threadIdx.x == 0) pruned = n_pool <= kMergeCap;
-      __syncthreads();
-      if (pruned) {
-        __shared__ int fill;
-        if (threadIdx.x == 0) fill = 0;
-        __syncthreads();
-        for (int i = threadIdx.x; i < total; i += kThreads)
-          if (top[i] >= t) pool[atomicAdd(&fill, 1)] = top[i];
-        __syncthreads();
-        for (int i = threadIdx.x; i < kk; i += kThreads) top[i] = 0;  // fewer than kk keys: zero tail
-        __syncthreads();
-        for (int i = threadIdx.x; i < n_pool; i += kThreads) {
-          const uint64_t key = pool[i];
-          int rank = 0;
-          for (int j = 0; j < n_pool; ++j) rank += pool[j] > key;
-          if (rank < kk) top[rank] = key;
-        }
-        __syncthreads();
-      }
-    } else if (threadIdx.x == 0) {
-      pruned = false;
-    }
+  // The row's parameters, loaded now so that their latency hides behind the merge.
+  const float temperature = rows.temperature[r], top_p = rows.top_p[r], min_p = rows.min_p[r];
+  const int64_t seed = rows.seed[r], position = rows.position[r], iteration = rows.iteration[r];
+  constexpr int N = merge_width(K);
+  uint64_t* tree = smem;             // [8][N]
+  uint64_t* top = tree;              // the merged list, its first kk by x
+  uint64_t* zkey = tree + kThreads / 32 * N;  // [kk] rank keys of z, x order
+  uint64_t* zsorted = zkey + kk;              // [kk] by z
+  const uint64_t* row_lists = lists + static_cast<int64_t>(w) * splits * K;
+  auto list_entry = [=](int sl) {
+    return [=](int j) { return j < K ? __ldcg(row_lists + static_cast<int64_t>(sl) * K + j) : uint64_t{0}; };
+  };
+  uint64_t* mine = tree + warp * N;
+  for (int i = lane; i < N; i += 32) mine[i] = warp < splits ? list_entry(warp)(i) : 0;
+  for (int sl = warp + kThreads / 32; sl < splits; sl += kThreads / 32) warp_merge_list<N>(mine, lane, list_entry(sl));
+  for (int half = kThreads / 64; half; half >>= 1) {
     __syncthreads();
-    if (!pruned) block_sort_desc<kThreads>(top, padded);
+    if (warp < half) warp_merge_list<N>(mine, lane, [=](int j) { return tree[(warp + half) * N + j]; });
   }
+  uint32_t row_flags = 0;  // every warp folds all blocks' flags
+  for (int sl = lane; sl < splits; sl += 32) row_flags |= __ldcg(block_flags + static_cast<int64_t>(w) * splits + sl);
+  row_flags = __reduce_or_sync(0xffffffffu, row_flags);
+  for (int i = threadIdx.x; i < kk; i += kThreads) zsorted[i] = 0;
+  __syncthreads();
 
   const float row_max = key_value(top[0]);
   const bool valid = top[0] != 0 && row_max > -kInf;
@@ -638,18 +614,25 @@ __global__ void __launch_bounds__(kThreads, 5)
     }
     return;
   }
-  const float temperature = rows.temperature[r];
   for (int i = threadIdx.x; i < kk; i += kThreads) {
     const uint64_t key = top[i];
     zkey[i] = key ? rank_key(scaled(key_value(key), row_max, temperature), key_index(key)) : 0;
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < kk; i += kThreads) {
-    const uint64_t key = zkey[i];
-    if (key == 0) continue;
-    int rank = 0;
-    for (int j = 0; j < kk; ++j) rank += zkey[j] > key;
-    zsorted[rank] = key;
+  // z is monotone in x, so the x order is the z order unless rounding made two z equal (then ids
+  // decide): rank by z only then.
+  bool out_of_order = false;
+  for (int i = threadIdx.x; i + 1 < kk; i += kThreads) out_of_order |= zkey[i] < zkey[i + 1];
+  const uint64_t* by_z = zkey;
+  if (__syncthreads_or(out_of_order)) {
+    for (int i = threadIdx.x; i < kk; i += kThreads) {
+      const uint64_t key = zkey[i];
+      if (key == 0) continue;
+      int rank = 0;
+      for (int j = 0; j < kk; ++j) rank += zkey[j] > key;
+      zsorted[rank] = key;
+    }
+    by_z = zsorted;
   }
   __shared__ bool z_tie;
   if (threadIdx.x == 0) {
@@ -673,13 +656,13 @@ __global__ void __launch_bounds__(kThreads, 5)
   __shared__ double kept_sum;
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
-    const float p = rows.top_p[r], m = rows.min_p[r];
+    const float p = top_p, m = min_p;
     double q[8];
     int n1 = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int j = lane * 8 + i;
-      const uint64_t key = j < k ? zsorted[j] : 0;
+      const uint64_t key = j < k ? by_z[j] : 0;
       const float z = key ? key_value(key) : -kInf;
       const float ez = expf(z);
       const bool keep = z > -kInf && (m <= 0.f || ez >= m);
@@ -728,10 +711,10 @@ __global__ void __launch_bounds__(kThreads, 5)
 
   __shared__ uint64_t scratch[kThreads / 32];
   for (int s = 0; s < ns; ++s) {
-    const NoiseStream noise = row_noise(rows, r, static_cast<uint32_t>(s));
+    const NoiseStream noise = NoiseStream::make(seed, position, iteration, static_cast<uint32_t>(s));
     uint64_t win = 0;
     for (int j = threadIdx.x; j < kept; j += kThreads) {
-      const uint64_t key = zsorted[j];
+      const uint64_t key = by_z[j];
       win = max(win, gumbel_key(key_value(key), key_index(key), noise));
     }
     win = block_allreduce<kThreads>(win, MaxOp{}, scratch);
@@ -742,7 +725,7 @@ __global__ void __launch_bounds__(kThreads, 5)
     out.flags[r] = static_cast<uint8_t>((row_flags & 1u) | (fallback ? 4u : 0u));
     if (out.row_max) out.row_max[r] = row_max;
     if (out.kept_mass) out.kept_mass[r] = static_cast<float>(kept_sum);
-    if (out.kept_min_key) out.kept_min_key[r] = static_cast<int64_t>(zsorted[kept - 1]);
+    if (out.kept_min_key) out.kept_min_key[r] = static_cast<int64_t>(by_z[kept - 1]);
     if (fallback && ws.fallback_count) atomicAdd(ws.fallback_count, 1ull);
   }
 }
