@@ -14,10 +14,8 @@ Writes fused-<gpu>-<date>.json and a PNG.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "server"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_kernels import gpu_slug, load_peers, tokensampler_fn  # noqa: E402
+from bench_kernels import gpu_slug, load_peers, run_meta, tokensampler_fn  # noqa: E402
 from tokensampler_server.backends import cuda_fused  # noqa: E402
 from tokensampler_server.backends.cuda_kernels import Kernels, RowParams  # noqa: E402
 
@@ -83,13 +81,9 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     peers = load_peers()
     kernels = Kernels(torch.cuda.current_device())
-    gpu = torch.cuda.get_device_name()
-    date = datetime.date.today().isoformat()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    copy_bw, read_bw = peers.bandwidth()
-    meta = {"gpu": gpu, "torch": torch.__version__, "commit": commit or "unknown", "date": date, "V": V, "D": D,
-            "dtype": "bfloat16", "top_k": TOP_K, "top_p": TOP_P, "fused_max_rows": cuda_fused.MAX_ROWS,
-            "read_bw_GBps": round(read_bw / 1e9, 1), "timing": "triton do_bench warmup=25 rep=100 median, L2 flushed"}
+    meta = {**run_meta(peers), "V": V, "D": D, "dtype": "bfloat16", "top_k": TOP_K, "top_p": TOP_P,
+            "fused_max_rows": cuda_fused.MAX_ROWS}
+    gpu, date, read_bw = meta["gpu"], meta["date"], meta["read_bw_GBps"] * 1e9
     fi = fs = None
     if not args.no_peers:
         try:

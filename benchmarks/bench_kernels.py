@@ -109,6 +109,24 @@ def gpu_slug(name: str) -> str:
     return name.lower().replace(" ", "-")
 
 
+def run_meta(peers) -> dict:
+    """What every result file records about its run: GPU, torch, commit, date, measured bandwidths.
+
+    TOKENSAMPLER_BENCH_COMMIT names the commit where the tree was copied without its git history
+    (the GPU machine's copy)."""
+    commit = os.environ.get("TOKENSAMPLER_BENCH_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                    text=True).stdout.strip()
+        except OSError:
+            commit = ""
+    copy_bw, read_bw = peers.bandwidth()
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit or "unknown",
+            "date": datetime.date.today().isoformat(), "read_bw_GBps": round(read_bw / 1e9, 1),
+            "copy_bw_GBps": round(copy_bw / 1e9, 1), "timing": "triton do_bench warmup=25 rep=100 median, L2 flushed"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -118,16 +136,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     peers = load_peers()
     kernels = Kernels(torch.cuda.current_device())
-    gpu = torch.cuda.get_device_name()
-    date = datetime.date.today().isoformat()
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
-    copy_bw, read_bw = peers.bandwidth()
-    meta = {"gpu": gpu, "torch": torch.__version__, "commit": commit or "unknown", "date": date, "V": V,
-            "top_k": TOP_K, "top_p": TOP_P, "min_p": MIN_P, "read_bw_GBps": round(read_bw / 1e9, 1),
-            "copy_bw_GBps": round(copy_bw / 1e9, 1), "timing": "triton do_bench warmup=25 rep=100 median, L2 flushed"}
+    meta = {**run_meta(peers), "V": V, "top_k": TOP_K, "top_p": TOP_P, "min_p": MIN_P}
+    gpu, date, read_bw = meta["gpu"], meta["date"], meta["read_bw_GBps"] * 1e9
     fi = None
     if not args.no_peers:
         try:

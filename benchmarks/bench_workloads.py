@@ -16,9 +16,7 @@ PNG per file. The roofline is one read of the inputs the workload must read at t
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "server"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_kernels import gpu_slug, load_peers  # noqa: E402
+from bench_kernels import gpu_slug, load_peers, run_meta  # noqa: E402
 from tokensampler_server.backends.cuda_workloads import WorkloadKernels  # noqa: E402
 from tokensampler_server.ops.diffusion import DiffusionStep  # noqa: E402
 from tokensampler_server.ops.verify import DraftVerification  # noqa: E402
@@ -93,16 +91,8 @@ def main() -> None:
     args = ap.parse_args()
     peers = load_peers()
     kernels = WorkloadKernels(torch.cuda.current_device())
-    gpu = torch.cuda.get_device_name()
-    date = datetime.date.today().isoformat()
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
-    copy_bw, read_bw = peers.bandwidth()
-    meta = {"gpu": gpu, "torch": torch.__version__, "commit": commit or "unknown", "date": date, "V": V,
-            "read_bw_GBps": round(read_bw / 1e9, 1), "copy_bw_GBps": round(copy_bw / 1e9, 1),
-            "timing": "triton do_bench warmup=25 rep=100 median, L2 flushed"}
+    meta = {**run_meta(peers), "V": V}
+    gpu, date, read_bw = meta["gpu"], meta["date"], meta["read_bw_GBps"] * 1e9
     fi = None
     if not args.no_peers:
         try:
