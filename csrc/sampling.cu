@@ -2,6 +2,7 @@
 // compiles on its own with nvcc, and any host code can call it through sampling.h.
 #include <cuda_runtime.h>
 
+#include "launch.h"
 #include "sampling.cuh"
 
 using namespace tokensampler;
@@ -128,9 +129,8 @@ int ts_filter(const TsLogits* logits, const TsRows* rows, const float* row_max, 
     using T = decltype(t);
     const void* kernel = reinterpret_cast<const void*>(&filter_kernel<T>);
     if (cudaError_t e = set_smem(kernel, kFilterSmemBytes)) return e;
-    filter_kernel<T><<<grid, kFilterThreads, kFilterSmemBytes, s>>>(*logits, *rows, row_max, row_min, row_argmax,
-                                                                    stats_flags, need_exact_mass, *out, *ws);
-    return cudaGetLastError();
+    return launch_after_previous(&filter_kernel<T>, grid, dim3(kFilterThreads), kFilterSmemBytes, s, *logits, *rows,
+                                 row_max, row_min, row_argmax, stats_flags, need_exact_mass, *out, *ws);
   });
 }
 

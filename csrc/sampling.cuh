@@ -101,6 +101,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     stats_kernel(TsLogits logits, TsRows rows, const float* lse_scale, TsOutputs out, TsWorkspace ws) {
   const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
+  let_next_grid_launch();  // the exact filter after it may take the SMs this grid's last wave leaves idle
   const RowView<T> rv = row_view<T>(logits, rows, w);
   const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
   const bool lse = lse_scale != nullptr;
@@ -758,6 +759,24 @@ struct HistView {
   }
 };
 
+// Calls f(g, x) for the groups g_begin + threadIdx.x, + kFilterThreads, ... below g_end, loading
+// kFilterBatch groups a thread before using any: a block that streams a long range by itself keeps
+// that many loads in flight instead of one (its loop was one DRAM latency per 8 KB).
+constexpr int kFilterBatch = 4;
+template <typename T, typename F>
+__device__ __forceinline__ void for_groups_batched(const T* row, int64_t vocab, bool aligned, int64_t g_begin,
+                                                   int64_t g_end, F&& f) {
+  for (int64_t g0 = g_begin + threadIdx.x; g0 < g_end; g0 += kFilterBatch * kFilterThreads) {
+    float x[kFilterBatch][4];
+#pragma unroll
+    for (int u = 0; u < kFilterBatch; ++u)
+      if (g0 + u * kFilterThreads < g_end) load_group(row, g0 + u * kFilterThreads, vocab, aligned, x[u]);
+#pragma unroll
+    for (int u = 0; u < kFilterBatch; ++u)
+      if (g0 + u * kFilterThreads < g_end) f(g0 + u * kFilterThreads, x[u]);
+  }
+}
+
 // First bin whose inclusive prefix reaches `target` (a bin exists: target <= the total).
 template <typename T>
 __device__ int first_bin_reaching(const T* cum, double target, int* result) {
@@ -783,6 +802,7 @@ __global__ void __launch_bounds__(kFilterThreads)
   const bool aligned = reinterpret_cast<uintptr_t>(row) % (4 * sizeof(T)) == 0;
   const int64_t vocab = logits.vocab, groups = (vocab + 3) / 4;
   const int ns = out.num_samples;
+  wait_for_previous_grid();  // launched to overlap stats_kernel's tail: its results are complete from here
   const uint8_t sflags = stats_flags[r];
   if (sflags & 2u) {  // no finite logit: every block leaves, the first writes the row
     if (split == 0 && threadIdx.x == 0) {
@@ -819,9 +839,7 @@ __global__ void __launch_bounds__(kFilterThreads)
   uint64_t best = 0, min_key = ~0ull, mass_sum = 0;
   const int64_t per = (groups + splits - 1) / splits;
   const int64_t g_begin = split * per, g_end = min(groups, g_begin + per);
-  for (int64_t g = g_begin + threadIdx.x; g < g_end; g += kFilterThreads) {
-    float x[4];
-    load_group(row, g, vocab, aligned, x);
+  for_groups_batched(row, vocab, aligned, g_begin, g_end, [&](int64_t g, float (&x)[4]) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) sanitize(x[e]);
     if (m > 0.f) {
@@ -830,7 +848,7 @@ __global__ void __launch_bounds__(kFilterThreads)
       // expf(z) < m: no token of it passes min-p (no division, no exp, no Philox).
       const float gx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
       const float zg = (gx - row_max) * inv_t;
-      if (!(gx > -kInf) || zg + 1e-5f * fabsf(zg) < z_skip) continue;
+      if (!(gx > -kInf) || zg + 1e-5f * fabsf(zg) < z_skip) return;
     }
     const uint4 words = noise.group(static_cast<uint32_t>(g));
 #pragma unroll
@@ -855,7 +873,7 @@ __global__ void __launch_bounds__(kFilterThreads)
         mass_sum += q;
       }
     }
-  }
+  });
   best = block_allreduce<kFilterThreads>(best, MaxOp{}, scratch);
   min_key = block_allreduce<kFilterThreads>(min_key, MinOp{}, scratch);
   mass_sum = block_allreduce<kFilterThreads>(mass_sum, SumOp{}, scratch);
@@ -945,9 +963,7 @@ __global__ void __launch_bounds__(kFilterThreads)
         for (unsigned int i = threadIdx.x; i < padded; i += kFilterThreads) cand[i] = 0;
         if (threadIdx.x == 0) num_cand = 0;
         __syncthreads();
-        for (int64_t g = threadIdx.x; g < groups; g += kFilterThreads) {
-          float x[4];
-          load_group(row, g, vocab, aligned, x);
+        for_groups_batched(row, vocab, aligned, 0, groups, [&](int64_t g, float (&x)[4]) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             sanitize(x[e]);
@@ -958,7 +974,7 @@ __global__ void __launch_bounds__(kFilterThreads)
             const int pos = atomicAdd(&num_cand, 1);
             if (pos < kResolveCap) cand[pos] = rank_key(z, static_cast<uint32_t>(4 * g + e));
           }
-        }
+        });
         block_sort_desc<kFilterThreads>(cand, padded);
         uint64_t* prefix = h.mass;  // the bins are no longer needed: reuse for the masses
         for (uint32_t i = threadIdx.x; i < n; i += kFilterThreads) prefix[i] = mass_fixed(key_value(cand[i]));

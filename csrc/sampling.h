@@ -75,7 +75,9 @@ int ts_topk(const TsLogits* logits, const TsRows* rows, int32_t bucket, const Ts
 /* Exact top-p / min-p / large-k filtering and sampling of sample out->sample, given ts_stats'
  * row_max, row_min, flags and argmax (its tokens, [num_rows, out->num_samples]).
  * need_exact_mass: resolve the kept set exactly (processed logprobs).
- * splits: blocks per row (any value gives the same result). */
+ * splits: blocks per row (any value gives the same result). Launched to overlap the end of the
+ * kernel before it on the stream (programmatic dependent launch); it reads nothing before that kernel
+ * has finished. */
 int ts_filter(const TsLogits* logits, const TsRows* rows, const float* row_max,
               const float* row_min, const int64_t* row_argmax, const uint8_t* stats_flags,
               int32_t need_exact_mass, int32_t splits, const TsOutputs* out, const TsWorkspace* ws,
