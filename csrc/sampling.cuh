@@ -759,23 +759,14 @@ struct HistView {
   }
 };
 
-// Calls f(g, x) for the groups g_begin + threadIdx.x, + kFilterThreads, ... below g_end, loading
-// kFilterBatch groups a thread before using any: a block that streams a long range by itself keeps
-// that many loads in flight instead of one (its loop was one DRAM latency per 8 KB).
-constexpr int kFilterBatch = 4;
-template <typename T, typename F>
-__device__ __forceinline__ void for_groups_batched(const T* row, int64_t vocab, bool aligned, int64_t g_begin,
-                                                   int64_t g_end, F&& f) {
-  for (int64_t g0 = g_begin + threadIdx.x; g0 < g_end; g0 += kFilterBatch * kFilterThreads) {
-    float x[kFilterBatch][4];
-#pragma unroll
-    for (int u = 0; u < kFilterBatch; ++u)
-      if (g0 + u * kFilterThreads < g_end) load_group(row, g0 + u * kFilterThreads, vocab, aligned, x[u]);
-#pragma unroll
-    for (int u = 0; u < kFilterBatch; ++u)
-      if (g0 + u * kFilterThreads < g_end) f(g0 + u * kFilterThreads, x[u]);
-  }
-}
+// A group of four logits that passed the min-p screen, queued for exact work on a full warp.
+struct ScreenedGroup {
+  uint32_t g;
+  float x[4];
+};
+constexpr int kQueuePerWarp = 64;  // a warp drains 32 as soon as it holds 32, so it never holds 64
+static_assert(kFilterThreads / 32 * kQueuePerWarp * sizeof(ScreenedGroup) <= kResolveCap * sizeof(uint64_t),
+              "the queues live in the resolution buffer, unused until the pass ends");
 
 // First bin whose inclusive prefix reaches `target` (a bin exists: target <= the total).
 template <typename T>
@@ -839,23 +830,14 @@ __global__ void __launch_bounds__(kFilterThreads)
   uint64_t best = 0, min_key = ~0ull, mass_sum = 0;
   const int64_t per = (groups + splits - 1) / splits;
   const int64_t g_begin = split * per, g_end = min(groups, g_begin + per);
-  for_groups_batched(row, vocab, aligned, g_begin, g_end, [&](int64_t g, float (&x)[4]) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) sanitize(x[e]);
-    if (m > 0.f) {
-      // min-p screen on the group's largest logit: z <= z(gx), and the approximate z of gx is within
-      // 2e-7 |z| of the exact one, so a group rejected here has every exact z < log(m) - 1e-4, where
-      // expf(z) < m: no token of it passes min-p (no division, no exp, no Philox).
-      const float gx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
-      const float zg = (gx - row_max) * inv_t;
-      if (!(gx > -kInf) || zg + 1e-5f * fabsf(zg) < z_skip) return;
-    }
-    const uint4 words = noise.group(static_cast<uint32_t>(g));
+  // The exact work of one group: z, min-p, mass, bins and the winner, for each of its tokens.
+  auto score_group = [&](uint32_t g, const float (&x)[4]) {
+    const uint4 words = noise.group(g);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float z = scaled(x[e], row_max, temperature);
       if (!passes_min_p(x[e], z)) continue;
-      const uint32_t id = static_cast<uint32_t>(4 * g + e);
+      const uint32_t id = 4 * g + e;
       min_key = min(min_key, rank_key(z, id));
       const uint64_t q = mass_fixed(z);
       const uint32_t word = word_of(words, e);
@@ -873,7 +855,58 @@ __global__ void __launch_bounds__(kFilterThreads)
         mass_sum += q;
       }
     }
-  });
+  };
+  const int lane = threadIdx.x & 31;
+  if (!(m > 0.f)) {
+    for (int64_t g = g_begin + threadIdx.x; g < g_end; g += kFilterThreads) {
+      float x[4];
+      load_group(row, g, vocab, aligned, x);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sanitize(x[e]);
+      score_group(static_cast<uint32_t>(g), x);
+    }
+  } else {
+    // min-p screen on the group's largest logit: z <= z(gx), and the approximate z of gx is within
+    // 2e-7 |z| of the exact one, so a group rejected here has every exact z < log(m) - 1e-4, where
+    // expf(z) < m: no token of it passes min-p (no division, no exp, no Philox). The groups that
+    // pass are queued per warp and scored 32 at a time: with few survivors scattered over the lanes,
+    // scoring them in place would cost the warp a full pass for each one.
+    ScreenedGroup* queue = reinterpret_cast<ScreenedGroup*>(cand) + (threadIdx.x >> 5) * kQueuePerWarp;
+    int queued = 0;  // warp-uniform
+    for (int64_t gw = g_begin + (threadIdx.x & ~31); gw < g_end; gw += kFilterThreads) {  // warp-uniform trip count
+      const int64_t g = gw + lane;
+      float x[4];
+      bool pass = false;
+      if (g < g_end) {
+        load_group(row, g, vocab, aligned, x);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sanitize(x[e]);
+        const float gx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+        const float zg = (gx - row_max) * inv_t;
+        pass = gx > -kInf && !(zg + 1e-5f * fabsf(zg) < z_skip);
+      }
+      const uint32_t ballot = __ballot_sync(0xffffffffu, pass);
+      if (pass) {
+        ScreenedGroup& slot = queue[queued + __popc(ballot & ((1u << lane) - 1))];
+        slot.g = static_cast<uint32_t>(g);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) slot.x[e] = x[e];
+      }
+      queued += __popc(ballot);
+      if (queued >= 32) {
+        __syncwarp();
+        const ScreenedGroup mine = queue[queued - 32 + lane];
+        score_group(mine.g, mine.x);
+        queued -= 32;
+        __syncwarp();
+      }
+    }
+    __syncwarp();
+    if (lane < queued) {
+      const ScreenedGroup mine = queue[lane];
+      score_group(mine.g, mine.x);
+    }
+  }
   best = block_allreduce<kFilterThreads>(best, MaxOp{}, scratch);
   min_key = block_allreduce<kFilterThreads>(min_key, MinOp{}, scratch);
   mass_sum = block_allreduce<kFilterThreads>(mass_sum, SumOp{}, scratch);
@@ -963,7 +996,9 @@ __global__ void __launch_bounds__(kFilterThreads)
         for (unsigned int i = threadIdx.x; i < padded; i += kFilterThreads) cand[i] = 0;
         if (threadIdx.x == 0) num_cand = 0;
         __syncthreads();
-        for_groups_batched(row, vocab, aligned, 0, groups, [&](int64_t g, float (&x)[4]) {
+        for (int64_t g = threadIdx.x; g < groups; g += kFilterThreads) {
+          float x[4];
+          load_group(row, g, vocab, aligned, x);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             sanitize(x[e]);
@@ -974,7 +1009,7 @@ __global__ void __launch_bounds__(kFilterThreads)
             const int pos = atomicAdd(&num_cand, 1);
             if (pos < kResolveCap) cand[pos] = rank_key(z, static_cast<uint32_t>(4 * g + e));
           }
-        });
+        }
         block_sort_desc<kFilterThreads>(cand, padded);
         uint64_t* prefix = h.mass;  // the bins are no longer needed: reuse for the masses
         for (uint32_t i = threadIdx.x; i < n; i += kFilterThreads) prefix[i] = mass_fixed(key_value(cand[i]));
