@@ -745,7 +745,20 @@ constexpr int kFilterThreads = 512;
 constexpr int kBins = 2048;
 constexpr int kResolveCap = 4096;
 constexpr size_t kHistRowBytes = kBins * (sizeof(uint32_t) + 2 * sizeof(uint64_t)) + 4 * sizeof(uint64_t);
-constexpr size_t kFilterSmemBytes = kBins * (sizeof(uint32_t) + 2 * sizeof(uint64_t)) + kResolveCap * sizeof(uint64_t);
+
+// A group of four logits that passed the min-p screen, queued for exact work on a full warp.
+struct ScreenedGroup {
+  uint32_t g;
+  float x[4];
+};
+// A warp screens kScreenBatch loads a lane at once, queues the survivors, then scores 32 at a time
+// while it holds 32: it never holds more than 31 + 32 kScreenBatch.
+constexpr int kScreenBatch = 4;
+constexpr int kQueuePerWarp = 32 * (kScreenBatch + 1);
+// After the bins: the pass's queues, then (the same bytes) the resolution buffer of kResolveCap keys.
+constexpr size_t kQueueBytes = kFilterThreads / 32 * kQueuePerWarp * sizeof(ScreenedGroup);
+constexpr size_t kFilterTailBytes = kQueueBytes > kResolveCap * sizeof(uint64_t) ? kQueueBytes : kResolveCap * sizeof(uint64_t);
+constexpr size_t kFilterSmemBytes = kBins * (sizeof(uint32_t) + 2 * sizeof(uint64_t)) + kFilterTailBytes;
 
 struct HistView {
   uint32_t* count;
@@ -758,15 +771,6 @@ struct HistView {
             reinterpret_cast<uint64_t*>(p + kBins * 12), reinterpret_cast<uint64_t*>(p + kBins * 20)};
   }
 };
-
-// A group of four logits that passed the min-p screen, queued for exact work on a full warp.
-struct ScreenedGroup {
-  uint32_t g;
-  float x[4];
-};
-constexpr int kQueuePerWarp = 64;  // a warp drains 32 as soon as it holds 32, so it never holds 64
-static_assert(kFilterThreads / 32 * kQueuePerWarp * sizeof(ScreenedGroup) <= kResolveCap * sizeof(uint64_t),
-              "the queues live in the resolution buffer, unused until the pass ends");
 
 // First bin whose inclusive prefix reaches `target` (a bin exists: target <= the total).
 template <typename T>
@@ -871,29 +875,38 @@ __global__ void __launch_bounds__(kFilterThreads)
     // expf(z) < m: no token of it passes min-p (no division, no exp, no Philox). The groups that
     // pass are queued per warp and scored 32 at a time: with few survivors scattered over the lanes,
     // scoring them in place would cost the warp a full pass for each one.
+    // Screening is load-bound once scoring is off the lanes, so each lane keeps kScreenBatch loads
+    // in flight.
     ScreenedGroup* queue = reinterpret_cast<ScreenedGroup*>(cand) + (threadIdx.x >> 5) * kQueuePerWarp;
     int queued = 0;  // warp-uniform
-    for (int64_t gw = g_begin + (threadIdx.x & ~31); gw < g_end; gw += kFilterThreads) {  // warp-uniform trip count
-      const int64_t g = gw + lane;
-      float x[4];
-      bool pass = false;
-      if (g < g_end) {
-        load_group(row, g, vocab, aligned, x);
+    for (int64_t gw = g_begin + (threadIdx.x & ~31); gw < g_end; gw += kScreenBatch * kFilterThreads) {
+      float x[kScreenBatch][4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sanitize(x[e]);
-        const float gx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
-        const float zg = (gx - row_max) * inv_t;
-        pass = gx > -kInf && !(zg + 1e-5f * fabsf(zg) < z_skip);
+      for (int u = 0; u < kScreenBatch; ++u) {
+        const int64_t g = gw + u * kFilterThreads + lane;
+        if (g < g_end) load_group(row, g, vocab, aligned, x[u]);
       }
-      const uint32_t ballot = __ballot_sync(0xffffffffu, pass);
-      if (pass) {
-        ScreenedGroup& slot = queue[queued + __popc(ballot & ((1u << lane) - 1))];
-        slot.g = static_cast<uint32_t>(g);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) slot.x[e] = x[e];
+      for (int u = 0; u < kScreenBatch; ++u) {
+        const int64_t g = gw + u * kFilterThreads + lane;
+        bool pass = false;
+        if (g < g_end) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sanitize(x[u][e]);
+          const float gx = fmaxf(fmaxf(x[u][0], x[u][1]), fmaxf(x[u][2], x[u][3]));
+          const float zg = (gx - row_max) * inv_t;
+          pass = gx > -kInf && !(zg + 1e-5f * fabsf(zg) < z_skip);
+        }
+        const uint32_t ballot = __ballot_sync(0xffffffffu, pass);
+        if (pass) {
+          ScreenedGroup& slot = queue[queued + __popc(ballot & ((1u << lane) - 1))];
+          slot.g = static_cast<uint32_t>(g);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) slot.x[e] = x[u][e];
+        }
+        queued += __popc(ballot);
       }
-      queued += __popc(ballot);
-      if (queued >= 32) {
+      while (queued >= 32) {
         __syncwarp();
         const ScreenedGroup mine = queue[queued - 32 + lane];
         score_group(mine.g, mine.x);
