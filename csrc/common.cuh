@@ -190,6 +190,22 @@ __device__ __forceinline__ bool finish_and_elect_last(unsigned int* counter, uns
   return last;
 }
 
+// finish_and_elect_last for blocks whose partial results thread 0 alone wrote: one fence and one
+// barrier instead of a fence in every thread and two barriers.
+__device__ __forceinline__ bool finish_by_thread0_and_elect_last(unsigned int* counter, unsigned int blocks) {
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(counter, 1u) == blocks - 1;
+    if (last) {
+      *counter = 0u;
+      __threadfence();
+    }
+  }
+  __syncthreads();
+  return last;
+}
+
 // Programmatic dependent launch (sm_90 and up; no-ops elsewhere and when not launched that way). A
 // kernel launched with launch_after_previous (launch.h) may be scheduled while the previous kernel on
 // the stream still runs; it calls wait_for_previous_grid before it touches anything that kernel

@@ -192,17 +192,22 @@ __device__ __forceinline__ float proxy_margin(float row_max, float inv_t) {
 }
 
 // Screening of the LSE-free kernel (benchmarks/NOTES.md, "gumbel v2"). Each block first scores
-// every thread's first group of four in full; L, the block's best proxy among them, is a real
-// token's proxy, so the block's best proxy is >= L. With thr = L - delta (delta above the gap
-// test's margin), a token whose proxy is below thr can neither win nor be the runner-up that the
-// gap test needs: the block reports p2 = max(p2, thr), and such tokens need no g_fast at all.
+// every thread's pilot in full, the group of four holding the thread's largest logit; L, the
+// block's best proxy among them, is a real token's proxy, so the block's best proxy is >= L (and L
+// is about the chunk's max + its noise, which on spiky rows rules out nearly every other group).
+// With thr = L - delta (delta above the gap test's margin), a token whose proxy is below thr can
+// neither win nor be the runner-up that the gap test needs: the block reports p2 = max(p2, thr),
+// and such tokens need no g_fast at all.
 // screen_word gives, for a group whose largest logit is gx, a Philox word threshold below which no
 // token of the group can reach thr:
 //   n = thr - gx / T - slack (slack: 2e-4 + 2^-19 (|thr| + |gx / T|) covers g_fast's error < 1e-5 and
 //   every fp32 rounding of P, gx / T and n), k = floor(n log2 e - 1e-3) clamped to [0, 31], so
 //   k ln 2 < n. A word w with ~w >= 2^(32 - k) has b = w >> 8 <= 2^24 - 2^(24 - k) - 1, hence
 //   1 - u > 2^-k, -log(u) >= 1 - u > 2^-k and g = -log(-log(u)) < k ln 2 < n (for k >= 25 any
-//   word: g < 25 ln 2). So only w >= ~(0xFFFFFFFF >> k) can pass; k = 0 keeps every word.
+//   word: g < 25 ln 2). So only w >= ~(0xFFFFFFFF >> k) can pass; k = 0 keeps every word, and a
+//   threshold >= kNoWordPasses (k >= 25) rules the group out before any Philox word is drawn.
+constexpr uint32_t kNoWordPasses = ~(0xFFFFFFFFu >> 25);
+
 __device__ __forceinline__ uint32_t screen_word(float gx, float inv_t, float a) {
   const float gxs = fmaxf(gx * inv_t, -0x1p30f);  // -inf groups: a huge n, nothing passes
   const float n = fmaf(-0x1p-19f, fabsf(gxs), a - gxs);
@@ -217,45 +222,86 @@ __device__ __forceinline__ void proxy_update(Proxy& px, float p, uint32_t id) {
   px.p1 = better ? p : px.p1;
 }
 
-// The block stage of the LSE-free kernel: returns the thread's nan flag; px holds every token
-// whose proxy may reach thr (thr = -inf when the screen is off: all tokens scored).
-// The main loop is branch-free: the Philox words of groups 1..7 are computed unconditionally and
-// interleaved, and only a per-group "some word passes" bit is kept; the rare groups with a bit
-// set are re-done afterwards (Philox again, the four logits re-read from L1/L2).
+// The block stage of the LSE-free kernel: px holds every token whose proxy may reach thr, and
+// p2 >= thr (no thr when the screen is off: all tokens scored).
+// row_best (optional, zero before the row's first block): the order key of the best pilot that
+// the row's blocks have posted; a pilot from any block of the row is a real token's proxy, so the
+// largest one seen is a valid L (the screen's strength then depends on timing, never the result).
+// A thread's other seven groups sit in slots 0..6 (slot i is group i + (i >= pilot)). A slot needs
+// its Philox words only where the logits leave some word able to pass (th < kNoWordPasses). When
+// most slots of a warp need them (flat rows), the words of all seven are computed unconditionally
+// and interleaved; otherwise only the slots some lane needs, warp by warp (spiky rows: few). Either
+// way only a per-group "some word passes" bit is kept; the rare groups with a bit set are re-done
+// afterwards (Philox again, the four logits re-read from L1/L2).
+// v: the block's chunk as load_chunk gives it (a caller that has read it for other statistics
+// passes its registers; the chunk is not read again).
 template <typename T>
-__device__ __forceinline__ bool gumbel_screened(const RowView<T>& rv, int64_t vocab, int64_t g0, float inv_t,
-                                                const NoiseStream& noise, Proxy& px, float& mx, float& thr_out) {
-  float v[kGroupsPerThread][4];
-  const bool nan = load_chunk(rv, vocab, g0, v);
+__device__ __forceinline__ void gumbel_screened(const float (&v)[kGroupsPerThread][4], const RowView<T>& rv,
+                                                int64_t vocab, int64_t g0, float inv_t, const NoiseStream& noise,
+                                                Proxy& px, float& mx, unsigned int* row_best = nullptr) {
+  constexpr int kSlots = kGroupsPerThread - 1;
   const uint32_t gbase = static_cast<uint32_t>(g0) + threadIdx.x;
   float gx[kGroupsPerThread];
+  int pilot = 0;
+  float pilot_max = -kInf;
 #pragma unroll
   for (int j = 0; j < kGroupsPerThread; ++j) {
     gx[j] = fmaxf(fmaxf(v[j][0], v[j][1]), fmaxf(v[j][2], v[j][3]));
-    mx = fmaxf(mx, gx[j]);
+    if (gx[j] > pilot_max) pilot_max = gx[j], pilot = j;
   }
-  {  // pilot: group 0 scored in full
-    const uint4 words = noise.group(gbase);
+  mx = fmaxf(mx, pilot_max);
+  {  // the pilot scored in full; its logits picked by selects (no run-time register indexing)
+    float x[4] = {v[0][0], v[0][1], v[0][2], v[0][3]};
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      proxy_update(px, fmaf(v[0][e], inv_t, gumbel_fast(word_of(words, e))), 4 * gbase + e);
+    for (int j = 1; j < kGroupsPerThread; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[e] = j == pilot ? v[j][e] : x[e];
+    const uint32_t g = gbase + pilot * kThreads;
+    const uint4 words = noise.group(g);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) proxy_update(px, fmaf(x[e], inv_t, gumbel_fast(word_of(words, e))), 4 * g + e);
   }
-  __shared__ float pilot[kThreads / 32];
+  __shared__ float pilot_best[kThreads / 32];
   float L = warp_allreduce(px.p1, MaxOp{});
-  if ((threadIdx.x & 31) == 0) pilot[threadIdx.x >> 5] = L;
+  if ((threadIdx.x & 31) == 0) pilot_best[threadIdx.x >> 5] = L;
   __syncthreads();
-  L = pilot[0];
+  L = pilot_best[0];
 #pragma unroll
-  for (int i = 1; i < kThreads / 32; ++i) L = fmaxf(L, pilot[i]);
+  for (int i = 1; i < kThreads / 32; ++i) L = fmaxf(L, pilot_best[i]);
+  if (row_best && fabsf(L) < 0x1p20f) {  // the best pilot the row's other blocks have posted so far
+    uint32_t seen = 0;
+    if ((threadIdx.x & 31) == 0) seen = atomicMax(row_best, order_key(L));
+    seen = __shfl_sync(0xffffffffu, seen, 0);
+    if (seen) L = fmaxf(L, key_to_float(seen));
+  }
   const bool screen = fabsf(L) < 0x1p20f;  // finite and far from overflow; else score everything
   const float thr = L - (0x1p-18f * (fabsf(L) + 64.f) + 1e-4f);
   const float a = fmaf(-0x1p-19f, fabsf(thr), thr - 2e-4f);
-  uint32_t gmask = 0;
+  uint32_t th[kSlots];
+  uint32_t need = 0;
 #pragma unroll
-  for (int j = 1; j < kGroupsPerThread; ++j) {
-    const uint32_t th = screen ? screen_word(gx[j], inv_t, a) : (gx[j] > -kInf ? 0u : ~0u);
-    const uint4 w = noise.group(gbase + j * kThreads);
-    if (max(max(w.x, w.y), max(w.z, w.w)) >= th) gmask |= 1u << j;
+  for (int i = 0; i < kSlots; ++i) {
+    const float g = i >= pilot ? gx[i + 1] : gx[i];
+    th[i] = screen ? screen_word(g, inv_t, a) : (g > -kInf ? 0u : ~0u);
+    if (th[i] < kNoWordPasses) need |= 1u << i;
+  }
+  const uint32_t warp_need = __reduce_or_sync(0xffffffffu, need);
+  uint32_t gmask = 0;  // bit j: some word of group j may pass
+  if (__popc(warp_need) > kSlots / 2) {
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+      const int j = i + (i >= pilot);
+      const uint4 w = noise.group(gbase + j * kThreads);
+      if (max(max(w.x, w.y), max(w.z, w.w)) >= th[i]) gmask |= 1u << j;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+      if (!(warp_need >> i & 1u)) continue;  // warp-uniform
+      const int j = i + (i >= pilot);
+      const uint4 w = noise.group(gbase + j * kThreads);
+      if ((need >> i & 1u) && max(max(w.x, w.y), max(w.z, w.w)) >= th[i]) gmask |= 1u << j;
+    }
   }
   while (gmask) {
     const int j = __ffs(gmask) - 1;
@@ -273,8 +319,7 @@ __device__ __forceinline__ bool gumbel_screened(const RowView<T>& rv, int64_t vo
       if (word >= th) proxy_update(px, fmaf(x[e], inv_t, gumbel_fast(word)), 4 * g + e);
     }
   }
-  thr_out = screen ? thr : -kInf;
-  return nan;
+  if (screen) px.p2 = fmaxf(px.p2, thr);  // tokens the screen skipped have proxies below thr
 }
 
 template <typename T, bool LSE>
@@ -289,10 +334,12 @@ __global__ void __launch_bounds__(kThreads, LSE ? 4 : 5)
   const NoiseStream noise = row_noise(rows, rv.r, static_cast<uint32_t>(out.sample));
 
   Proxy px{-kInf, -kInf, INT_MAX};
-  float mx = -kInf, sum = 0.f, thr = -kInf;
+  float mx = -kInf, sum = 0.f;
   bool nan;
   if constexpr (!LSE) {
-    nan = gumbel_screened(rv, logits.vocab, g0, inv_t, noise, px, mx, thr);
+    float v[kGroupsPerThread][4];
+    nan = load_chunk(rv, logits.vocab, g0, v);
+    gumbel_screened(v, rv, logits.vocab, g0, inv_t, noise, px, mx);
   } else {
     float v[kGroupsPerThread][4];
     nan = load_chunk(rv, logits.vocab, g0, v);
@@ -340,7 +387,6 @@ __global__ void __launch_bounds__(kThreads, LSE ? 4 : 5)
       if (LSE) acc.sum = m == -kInf ? 0.f : acc.sum * expf((acc.max - m) * c) + b.sum * expf((b.max - m) * c);
       acc.max = m;
     }
-    acc.proxy.p2 = fmaxf(acc.proxy.p2, thr);  // tokens the screen skipped have proxies below thr
     acc.nan = any_nan;
     partial[split] = acc;
   }

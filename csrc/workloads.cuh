@@ -46,11 +46,10 @@ __device__ __forceinline__ RowPartial merge_row(RowPartial a, const RowPartial& 
   return a;
 }
 
-__device__ __forceinline__ RowPartial shfl_row(const RowPartial& s, int o) {
-  return RowPartial{{__shfl_xor_sync(0xffffffffu, s.proxy.p1, o), __shfl_xor_sync(0xffffffffu, s.proxy.p2, o),
-                     __shfl_xor_sync(0xffffffffu, s.proxy.i1, o)},
-                    __shfl_xor_sync(0xffffffffu, s.max, o), __shfl_xor_sync(0xffffffffu, s.sum, o),
-                    __shfl_xor_sync(0xffffffffu, s.argmax, o)};
+// Every field of s through one warp shuffle (shfl: a generic lambda over the field).
+template <typename Shfl>
+__device__ __forceinline__ RowPartial shfl_row(const RowPartial& s, Shfl shfl) {
+  return RowPartial{{shfl(s.proxy.p1), shfl(s.proxy.p2), shfl(s.proxy.i1)}, shfl(s.max), shfl(s.sum), shfl(s.argmax)};
 }
 
 struct JobRow {
@@ -105,7 +104,7 @@ __device__ __forceinline__ void aux_sum_block(const TsRowJob& job, const TsRowSt
                                             static_cast<int64_t>(job.num_rows) * splits) +
                    static_cast<int64_t>(a) * splits;
   if (threadIdx.x == 0) partial[split] = s;
-  if (!finish_and_elect_last(ws.counters + job.num_rows + a, splits)) return;
+  if (!finish_by_thread0_and_elect_last(ws.counters + job.num_rows + a, splits)) return;
   if (threadIdx.x != 0) return;
   float total = 0.f;
   for (int i = 0; i < splits; ++i) total += __ldcg(partial + i);
@@ -124,6 +123,7 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
   const int64_t vocab = job.vocab, g0 = static_cast<int64_t>(split) * kChunkGroups;
   const float c2 = jr.inv_t * kLog2e;
 
+  unsigned int* row_best = ws.counters + 2 * job.num_rows + w;  // after the rows' and aux rows' counters
   RowPartial s{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, INT_MAX};
   {
     float v[kGroupsPerThread][4];
@@ -139,41 +139,48 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
 #pragma unroll
         for (int e = 0; e < 4; ++e) s.sum += fast_exp2((v[j][e] - s.max) * c2);
     }
-  }
-  float thr = -kInf;
-  if (draw) {  // block-uniform: gumbel_screened synchronises the block
-    float unused_max = -kInf;
-    gumbel_screened(rv, vocab, g0, jr.inv_t, job_noise(job, jr), s.proxy, unused_max, thr);
+    if (draw) {  // block-uniform: gumbel_screened synchronises the block
+      float unused_max = -kInf;
+      gumbel_screened(v, rv, vocab, g0, jr.inv_t, job_noise(job, jr), s.proxy, unused_max, row_best);
+    }
   }
 #pragma unroll
-  for (int o = 16; o; o >>= 1) s = merge_row(s, shfl_row(s, o), c2);
+  for (int o = 16; o; o >>= 1)
+    s = merge_row(s, shfl_row(s, [o](auto x) { return __shfl_xor_sync(0xffffffffu, x, o); }), c2);
   __shared__ RowPartial warp_part[kThreads / 32];
   if ((threadIdx.x & 31) == 0) warp_part[threadIdx.x >> 5] = s;
   __syncthreads();
   RowPartial* partial = static_cast<RowPartial*>(ws.scratch) + static_cast<int64_t>(w) * splits;
   if (threadIdx.x == 0) {
     for (int i = 1; i < kThreads / 32; ++i) s = merge_row(s, warp_part[i], c2);
-    s.proxy.p2 = fmaxf(s.proxy.p2, thr);  // tokens the screen skipped have proxies below thr
     partial[split] = s;
   }
-  if (!finish_and_elect_last(ws.counters + w, splits)) return;
+  if (!finish_by_thread0_and_elect_last(ws.counters + w, splits)) return;
 
   __shared__ RowPartial row;
   __shared__ bool rescore;
-  if (threadIdx.x == 0) {
+  if (threadIdx.x < 32) {  // warp 0 fetches 32 partials at once; every lane merges them in chunk order
+    const int lane = threadIdx.x;
     RowPartial acc{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, INT_MAX};
-    for (int i = 0; i < splits; ++i) {
-      const RowPartial* p = partial + i;
-      const RowPartial b{{__ldcg(&p->proxy.p1), __ldcg(&p->proxy.p2), __ldcg(&p->proxy.i1)},
-                         __ldcg(&p->max), __ldcg(&p->sum), __ldcg(&p->argmax)};
-      acc = merge_row(acc, b, c2);
+    for (int base = 0; base < splits; base += 32) {
+      RowPartial mine = acc;
+      if (base + lane < splits) {
+        const RowPartial* p = partial + base + lane;
+        mine = RowPartial{{__ldcg(&p->proxy.p1), __ldcg(&p->proxy.p2), __ldcg(&p->proxy.i1)},
+                          __ldcg(&p->max), __ldcg(&p->sum), __ldcg(&p->argmax)};
+      }
+      for (int i = 0; i < min(32, splits - base); ++i)
+        acc = merge_row(acc, shfl_row(mine, [i](auto x) { return __shfl_sync(0xffffffffu, x, i); }), c2);
     }
-    row = acc;
-    const bool valid = acc.max > -kInf;
-    rescore = draw && valid &&
-              !(fabsf(acc.proxy.p1) < kInf && fabsf(acc.max) * jr.inv_t < 0x1p20f &&
-                acc.proxy.p1 - acc.proxy.p2 > proxy_margin(acc.max, jr.inv_t));
-    if (rescore && ws.fallback_count) atomicAdd(ws.fallback_count, 1ull);
+    if (lane == 0) {
+      row = acc;
+      if (draw) *row_best = 0u;  // every block of the row has posted: zero for the next launch
+      const bool valid = acc.max > -kInf;
+      rescore = draw && valid &&
+                !(fabsf(acc.proxy.p1) < kInf && fabsf(acc.max) * jr.inv_t < 0x1p20f &&
+                  acc.proxy.p1 - acc.proxy.p2 > proxy_margin(acc.max, jr.inv_t));
+      if (rescore && ws.fallback_count) atomicAdd(ws.fallback_count, 1ull);
+    }
   }
   __syncthreads();
   const bool valid = row.max > -kInf;

@@ -103,8 +103,8 @@ class WorkloadKernels:
         }
         if with_aux:
             stats["aux_sum"] = torch.empty(num_rows, dtype=torch.float32, device=dev)
-        counters = 2 * num_rows if with_aux else num_rows  # aux rows count as rows of their own
-        ws = self._workspace(counters, self.module.row_stats_scratch_bytes(num_rows, vocab))
+        # counters of the rows, of the aux rows (rows of their own), and the rows' best screening pilots
+        ws = self._workspace(3 * num_rows, self.module.row_stats_scratch_bytes(num_rows, vocab))
         self.module.row_stats(job, _stats_pointers(stats), ws, self._stream())
         return stats
 
