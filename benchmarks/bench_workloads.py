@@ -32,6 +32,7 @@ from tokensampler_server.ops.diffusion import DiffusionStep  # noqa: E402
 from tokensampler_server.ops.verify import DraftVerification  # noqa: E402
 
 V = 151936
+WORKLOADS = ("diffusion", "topk_probs", "verify")
 DIFFUSION_SHAPES = [(1, 64), (8, 64)]  # (B, L): 64 and 512 masked positions
 DIFFUSION_COMMIT = 8
 TOPK_ROWS = [1, 32, 256]
@@ -88,7 +89,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--no-peers", action="store_true", help="time the tokensampler kernels only")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS),
+                    help=f"comma-separated subset of {','.join(WORKLOADS)} (each writes its own results file)")
     args = ap.parse_args()
+    chosen = set(args.workloads.split(","))
+    if not chosen <= set(WORKLOADS):
+        ap.error(f"--workloads: expected a subset of {','.join(WORKLOADS)}, got {args.workloads}")
     peers = load_peers()
     kernels = WorkloadKernels(torch.cuda.current_device())
     meta = {**run_meta(peers), "V": V}
@@ -123,7 +129,15 @@ def main() -> None:
             print(f"{workload:10s} {method:44s} {mode or '':7s} B={b:4d} {us:9.2f} us  roof {roof:7.2f}", flush=True)
         return emit
 
-    # -- diffusion
+    if "diffusion" in chosen:
+        bench_diffusion(emitter, write, gen, peers, kernels, read_bw, args.no_peers)
+    if "topk_probs" in chosen:
+        bench_topk_probs(emitter, write, gen, peers, kernels, read_bw, args.no_peers)
+    if "verify" in chosen:
+        bench_verify(emitter, write, gen, peers, kernels, read_bw, fi, meta)
+
+
+def bench_diffusion(emitter, write, gen, peers, kernels, read_bw: float, no_peers: bool) -> None:
     rows: list[dict] = []
     emit = emitter("diffusion", rows)
     for b, length in DIFFUSION_SHAPES:
@@ -132,26 +146,28 @@ def main() -> None:
         for mode, temperature in (("gumbel", 1.0), ("greedy", 0.0)):
             step = diffusion_inputs(b, length, temperature, gen, peers)
             emit("tokensampler", mode, masked, peers.bench(lambda: kernels.diffusion(step)), roof, L=length)
-            if not args.no_peers:
+            if not no_peers:
                 emit("plain_softmax_multinomial_topk", mode, masked,
                      peers.bench(lambda: plain_diffusion(step, temperature == 0.0)), roof, L=length)
     write("diffusion", rows, {"commit_count": DIFFUSION_COMMIT, "threshold": 0.9, "generator": "spiky"})
 
-    # -- top-k probabilities
-    rows = []
+
+def bench_topk_probs(emitter, write, gen, peers, kernels, read_bw: float, no_peers: bool) -> None:
+    rows: list[dict] = []
     emit = emitter("topk_probs", rows)
     for b in TOPK_ROWS:
         x = peers.spiky_logits(b, V, gen)
         t = torch.ones(b, device="cuda")
         roof = b * V * 4 / read_bw * 1e6
         emit("tokensampler", None, b, peers.bench(lambda: kernels.topk_probs(x, t, TOPK_K)), roof)
-        if not args.no_peers:
+        if not no_peers:
             emit("torch_softmax_topk20", None, b, peers.bench(lambda: torch.topk(torch.softmax(x / t.unsqueeze(1), -1), TOPK_K, dim=-1)), roof)
             emit("torch_argmax", None, b, peers.bench(lambda: x.argmax(dim=-1)), roof)
     write("topk_probs", rows, {"k": TOPK_K, "generator": "spiky"})
 
-    # -- speculative verification
-    rows = []
+
+def bench_verify(emitter, write, gen, peers, kernels, read_bw: float, fi, meta: dict) -> None:
+    rows: list[dict] = []
     emit = emitter("verify", rows)
     for b in VERIFY_ROWS:
         v, target_probs = verify_inputs(b, gen, peers)
