@@ -144,6 +144,23 @@ def test_diffusion_step_flat_logits_many_positions(kernels, cuda_backend, cpu_ba
     _assert_step_agrees(got, diffusion_step(step, cpu_backend), step.mask)
 
 
+def test_diffusion_screen_bound_does_not_leak_into_the_next_call(kernels, cuda_backend, cpu_backend):
+    # The row pass shares each row's best Gumbel bound through the workspace. A bound left behind by a
+    # call on logits 1000 higher would screen out every token of the next call's rows: the gap test
+    # would still catch it (exact re-scores, same tokens), so the re-score count is what tells.
+    step = _step(4, 16, V_QWEN, seed=21, temperature=[1.0, 0.6])
+    high = DiffusionStep(**{**step.__dict__, "logits": step.logits + 1000.0})
+    diffusion_step_cuda(high, kernels, cuda_backend)
+    before = int(kernels.fallback_count.item())
+    got = diffusion_step_cuda(step, kernels, cuda_backend)
+    rescored = int(kernels.fallback_count.item()) - before
+    _assert_step_agrees(got, diffusion_step(step, cpu_backend), step.mask)
+    fresh_kernels = WorkloadKernels(0)
+    fresh = diffusion_step_cuda(step, fresh_kernels, cuda_backend)
+    assert all(torch.equal(a, b) for a, b in zip(got, fresh, strict=True))
+    assert rescored == int(fresh_kernels.fallback_count.item()) < step.mask.sum().item() // 10
+
+
 def test_diffusion_positions_without_a_finite_logit(kernels, cuda_backend, cpu_backend):
     step = _step(2, 16, 500, seed=4, temperature=[1.0, 0.0])
     step.logits[0, 3] = float("-inf")
