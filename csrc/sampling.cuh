@@ -224,9 +224,9 @@ __device__ __forceinline__ void proxy_update(Proxy& px, float p, uint32_t id) {
 
 // The block stage of the LSE-free kernel: px holds every token whose proxy may reach thr, and
 // p2 >= thr (no thr when the screen is off: all tokens scored).
-// rb (optional): the row's shared bound. Any block's L is a real token's proxy of the row, so the
-// largest L posted when this block started is a valid L here too (the screen's strength then
-// depends on timing, never the result); a warp whose logits cannot reach it skips its pilot.
+// row_best (optional, zero before the row's first block): the order key of the best pilot that
+// the row's blocks have posted; a pilot from any block of the row is a real token's proxy, so the
+// largest one seen is a valid L (the screen's strength then depends on timing, never the result).
 // A thread's other seven groups sit in slots 0..6 (slot i is group i + (i >= pilot)). A slot needs
 // its Philox words only where the logits leave some word able to pass (th < kNoWordPasses). When
 // most slots of a warp need them (flat rows), the words of all seven are computed unconditionally
@@ -235,19 +235,10 @@ __device__ __forceinline__ void proxy_update(Proxy& px, float p, uint32_t id) {
 // afterwards (Philox again, the four logits re-read from L1/L2).
 // v: the block's chunk as load_chunk gives it (a caller that has read it for other statistics
 // passes its registers; the chunk is not read again).
-// A row's screening bound shared by its blocks: `posted`, the largest L they had posted when this
-// block started (-inf if none; read along with the chunk, so it costs no round trip of its own), and
-// `slot`, the order key this block posts its L to (a reduction that nothing waits for; the row's
-// last block zeroes it).
-struct RowBound {
-  unsigned int* slot;
-  float posted;
-};
-
 template <typename T>
 __device__ __forceinline__ void gumbel_screened(const float (&v)[kGroupsPerThread][4], const RowView<T>& rv,
                                                 int64_t vocab, int64_t g0, float inv_t, const NoiseStream& noise,
-                                                Proxy& px, float& mx, RowBound rb = {nullptr, -kInf}) {
+                                                Proxy& px, float& mx, unsigned int* row_best = nullptr) {
   constexpr int kSlots = kGroupsPerThread - 1;
   const uint32_t gbase = static_cast<uint32_t>(g0) + threadIdx.x;
   float gx[kGroupsPerThread];
@@ -259,9 +250,7 @@ __device__ __forceinline__ void gumbel_screened(const float (&v)[kGroupsPerThrea
     if (gx[j] > pilot_max) pilot_max = gx[j], pilot = j;
   }
   mx = fmaxf(mx, pilot_max);
-  // g < 25 ln 2 < 18: a warp whose largest logit cannot reach the posted L needs no pilot.
-  if (!rb.slot || warp_allreduce(pilot_max, MaxOp{}) * inv_t + 18.f >= rb.posted - 0x1p-16f * fabsf(rb.posted)) {
-    // the pilot scored in full; its logits picked by selects (no run-time register indexing)
+  {  // the pilot scored in full; its logits picked by selects (no run-time register indexing)
     float x[4] = {v[0][0], v[0][1], v[0][2], v[0][3]};
 #pragma unroll
     for (int j = 1; j < kGroupsPerThread; ++j)
@@ -279,8 +268,12 @@ __device__ __forceinline__ void gumbel_screened(const float (&v)[kGroupsPerThrea
   L = pilot_best[0];
 #pragma unroll
   for (int i = 1; i < kThreads / 32; ++i) L = fmaxf(L, pilot_best[i]);
-  L = fmaxf(L, rb.posted);
-  if (rb.slot && threadIdx.x == 0 && fabsf(L) < 0x1p20f) atomicMax(rb.slot, order_key(L));  // result unused
+  if (row_best && fabsf(L) < 0x1p20f) {  // the best pilot the row's other blocks have posted so far
+    uint32_t seen = 0;
+    if ((threadIdx.x & 31) == 0) seen = atomicMax(row_best, order_key(L));
+    seen = __shfl_sync(0xffffffffu, seen, 0);
+    if (seen) L = fmaxf(L, key_to_float(seen));
+  }
   const bool screen = fabsf(L) < 0x1p20f;  // finite and far from overflow; else score everything
   const float thr = L - (0x1p-18f * (fabsf(L) + 64.f) + 1e-4f);
   const float a = fmaf(-0x1p-19f, fabsf(thr), thr - 2e-4f);

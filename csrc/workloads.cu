@@ -48,8 +48,8 @@ int ts_row_stats(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace
   if (job->num_rows == 0) return cudaSuccess;
   if (job->aux && (job->aux_per_request < 1 || job->aux_per_request > job->per_request || !stats->aux_sum))
     return cudaErrorInvalidValue;
-  if (num_splits(job->vocab) > kMaxGridY) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned int>(job->num_rows + aux_rows(*job)), num_splits(job->vocab));
+  if (job->num_rows + aux_rows(*job) > kMaxGridY) return cudaErrorInvalidValue;
+  const dim3 grid(num_splits(job->vocab), static_cast<unsigned int>(job->num_rows + aux_rows(*job)));
   return with_dtype(job->dtype, [&](auto t) {
     using T = decltype(t);
     row_stats_kernel<T><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(*job, *stats, *ws);

@@ -113,8 +113,7 @@ __device__ __forceinline__ void aux_sum_block(const TsRowJob& job, const TsRowSt
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, TsRowStats st, TsWorkspace ws) {
-  // Rows vary fastest (blockIdx.x): a row's later chunks start after its first ones posted their bound.
-  const int w = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
+  const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
   let_next_grid_launch();  // a dependent kernel may take SMs this grid's last wave leaves idle
   if (w >= job.num_rows) return aux_sum_block(job, st, ws, w - job.num_rows, split, splits);
   if (job.active && !job.active[w]) return;  // every block of the row leaves: its counter stays 0
@@ -125,7 +124,6 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
   const float c2 = jr.inv_t * kLog2e;
 
   unsigned int* row_best = ws.counters + 2 * job.num_rows + w;  // after the rows' and aux rows' counters
-  const uint32_t posted = draw ? __ldcg(row_best) : 0u;  // issued before the chunk's loads, in flight with them
   RowPartial s{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, INT_MAX};
   {
     float v[kGroupsPerThread][4];
@@ -143,8 +141,7 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
     }
     if (draw) {  // block-uniform: gumbel_screened synchronises the block
       float unused_max = -kInf;
-      gumbel_screened(v, rv, vocab, g0, jr.inv_t, job_noise(job, jr), s.proxy, unused_max,
-                      RowBound{row_best, posted ? key_to_float(posted) : -kInf});
+      gumbel_screened(v, rv, vocab, g0, jr.inv_t, job_noise(job, jr), s.proxy, unused_max, row_best);
     }
   }
 #pragma unroll
