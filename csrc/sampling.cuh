@@ -196,8 +196,8 @@ __device__ __forceinline__ float proxy_margin(float row_max, float inv_t) {
 // block's best proxy among them, is a real token's proxy, so the block's best proxy is >= L (and L
 // is about the chunk's max + its noise, which on spiky rows rules out nearly every other group).
 // With thr = L - delta (delta above the gap test's margin), a token whose proxy is below thr can
-// neither win nor be the runner-up that the gap test needs: the block reports p2 = max(p2, thr),
-// and such tokens need no g_fast at all.
+// neither win nor be the runner-up that the gap test needs: p2 = max(p2, thr) is reported, and such
+// tokens need no g_fast at all.
 // screen_word gives, for a group whose largest logit is gx, a Philox word threshold below which no
 // token of the group can reach thr:
 //   n = thr - gx / T - slack (slack: 2e-4 + 2^-19 (|thr| + |gx / T|) covers g_fast's error < 1e-5 and
@@ -227,6 +227,7 @@ __device__ __forceinline__ void proxy_update(Proxy& px, float p, uint32_t id) {
 // row_best (optional, zero before the row's first block): the order key of the best pilot that
 // the row's blocks have posted; a pilot from any block of the row is a real token's proxy, so the
 // largest one seen is a valid L (the screen's strength then depends on timing, never the result).
+// A warp's L is the larger of the block's and the row's as its lane 0 saw it, so thr is per warp.
 // A thread's other seven groups sit in slots 0..6 (slot i is group i + (i >= pilot)). A slot needs
 // its Philox words only where the logits leave some word able to pass (th < kNoWordPasses). When
 // most slots of a warp need them (flat rows), the words of all seven are computed unconditionally
