@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "server"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_kernels import gpu_slug, load_peers, run_meta, tokensampler_fn  # noqa: E402
+from bench_kernels import import_flashinfer, load_peers, run_meta, tokensampler_fn, write_results  # noqa: E402
 from tokensampler_server.backends import cuda_fused  # noqa: E402
 from tokensampler_server.backends.cuda_kernels import Kernels, RowParams  # noqa: E402
 
@@ -83,14 +83,10 @@ def main() -> None:
     kernels = Kernels(torch.cuda.current_device())
     meta = {**run_meta(peers), "V": V, "D": D, "dtype": "bfloat16", "top_k": TOP_K, "top_p": TOP_P,
             "fused_max_rows": cuda_fused.MAX_ROWS}
-    gpu, date, read_bw = meta["gpu"], meta["date"], meta["read_bw_GBps"] * 1e9
+    read_bw = meta["read_bw_GBps"] * 1e9
     fi = fs = None
     if not args.no_peers:
-        try:
-            fi = peers.import_with_stubs("flashinfer.sampling")
-            meta["flashinfer"] = "imported"
-        except Exception as err:  # noqa: BLE001 - recorded in the results, the run goes on
-            meta["flashinfer"] = f"unavailable: {type(err).__name__}: {err}"[:300]
+        fi = import_flashinfer(peers, meta)
         try:
             fs = importlib.import_module("fs_core")
             meta["flashsampling"] = "imported"
@@ -131,17 +127,7 @@ def main() -> None:
             emit("flashsampling_triton", None, b, peers.bench(
                 lambda: fs.fused_mm_sample_triton(weights=weight, hidden_states=hidden, num_samples=1, temperature=temp, seed=0)))
     print_targets(rows)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"fused-{gpu_slug(gpu)}-{date}.json"
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"wrote {path}", flush=True)
-    try:
-        from plot_results import plot  # noqa: PLC0415 - optional: needs matplotlib
-
-        plot(path)
-    except ImportError as err:
-        print(f"no plot: {err}", flush=True)
+    write_results(Path(args.out), "fused", meta, rows)
 
 
 if __name__ == "__main__":

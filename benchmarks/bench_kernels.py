@@ -127,6 +127,32 @@ def run_meta(peers) -> dict:
             "copy_bw_GBps": round(copy_bw / 1e9, 1), "timing": "triton do_bench warmup=25 rep=100 median, L2 flushed"}
 
 
+def import_flashinfer(peers, meta: dict):
+    """flashinfer.sampling through peers.py's stubs, or None; meta["flashinfer"] records which."""
+    try:
+        fi = peers.import_with_stubs("flashinfer.sampling")
+    except Exception as err:  # noqa: BLE001 - recorded in the results, the run goes on
+        meta["flashinfer"] = f"unavailable: {type(err).__name__}: {err}"[:300]
+        return None
+    meta["flashinfer"] = "imported"
+    return fi
+
+
+def write_results(out_dir: Path, workload: str, meta: dict, rows: list[dict]) -> Path:
+    """<out_dir>/<workload>-<gpu>-<date>.json, and its PNG plot where matplotlib is installed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{workload}-{gpu_slug(meta['gpu'])}-{meta['date']}.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {path}", flush=True)
+    try:
+        from plot_results import plot  # noqa: PLC0415 - optional: needs matplotlib
+
+        plot(path)
+    except ImportError as err:
+        print(f"no plot: {err}", flush=True)
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -137,18 +163,10 @@ def main() -> None:
     peers = load_peers()
     kernels = Kernels(torch.cuda.current_device())
     meta = {**run_meta(peers), "V": V, "top_k": TOP_K, "top_p": TOP_P, "min_p": MIN_P}
-    gpu, date, read_bw = meta["gpu"], meta["date"], meta["read_bw_GBps"] * 1e9
-    fi = None
-    if not args.no_peers:
-        try:
-            fi = peers.import_with_stubs("flashinfer.sampling")
-            meta["flashinfer"] = "imported"
-        except Exception as err:  # noqa: BLE001 - recorded in the results, the run goes on
-            meta["flashinfer"] = f"unavailable: {type(err).__name__}: {err}"[:300]
+    read_bw = meta["read_bw_GBps"] * 1e9
+    fi = None if args.no_peers else import_flashinfer(peers, meta)
     print(json.dumps(meta), flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     for gen_name, make in (("spiky", peers.spiky_logits), ("flat", peers.flat_logits)):
         workload = f"logits-{gen_name}"
         rows: list[dict] = []
@@ -189,15 +207,7 @@ def main() -> None:
                     fi = None
             del logits
         print_targets(workload, rows)
-        path = out_dir / f"{workload}-{gpu_slug(gpu)}-{date}.json"
-        path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        print(f"wrote {path}", flush=True)
-        try:
-            from plot_results import plot  # noqa: PLC0415 - optional: needs matplotlib
-
-            plot(path)
-        except ImportError as err:
-            print(f"no plot: {err}", flush=True)
+        write_results(Path(args.out), workload, meta, rows)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "server"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_kernels import gpu_slug, load_peers, run_meta  # noqa: E402
+from bench_kernels import import_flashinfer, load_peers, run_meta, write_results  # noqa: E402
 from tokensampler_server.backends.cuda_workloads import WorkloadKernels  # noqa: E402
 from tokensampler_server.ops.diffusion import DiffusionStep  # noqa: E402
 from tokensampler_server.ops.verify import DraftVerification  # noqa: E402
@@ -98,29 +98,13 @@ def main() -> None:
     peers = load_peers()
     kernels = WorkloadKernels(torch.cuda.current_device())
     meta = {**run_meta(peers), "V": V}
-    gpu, date, read_bw = meta["gpu"], meta["date"], meta["read_bw_GBps"] * 1e9
-    fi = None
-    if not args.no_peers:
-        try:
-            fi = peers.import_with_stubs("flashinfer.sampling")
-            meta["flashinfer"] = "imported"
-        except Exception as err:  # noqa: BLE001 - recorded in the results, the run goes on
-            meta["flashinfer"] = f"unavailable: {type(err).__name__}: {err}"[:300]
+    read_bw = meta["read_bw_GBps"] * 1e9
+    fi = None if args.no_peers else import_flashinfer(peers, meta)
     print(json.dumps(meta), flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
 
     def write(workload: str, rows: list[dict], extra_meta: dict) -> None:
-        path = out_dir / f"{workload}-{gpu_slug(gpu)}-{date}.json"
-        path.write_text(json.dumps({"meta": {**meta, **extra_meta}, "rows": rows}, indent=1))
-        print(f"wrote {path}", flush=True)
-        try:
-            from plot_results import plot  # noqa: PLC0415 - optional: needs matplotlib
-
-            plot(path)
-        except ImportError as err:
-            print(f"no plot: {err}", flush=True)
+        write_results(Path(args.out), workload, {**meta, **extra_meta}, rows)
 
     def emitter(workload: str, rows: list[dict]):
         def emit(method: str, mode: str | None, b: int, us: float, roof: float, **extra) -> None:
