@@ -71,8 +71,11 @@ def tokensampler_fn(kernels: Kernels, mode: str, logits: torch.Tensor):
                           flags=torch.empty(b, dtype=torch.uint8, device=dev),
                           row_max=torch.empty(b, dtype=torch.float32, device=dev),
                           row_min=torch.empty(b, dtype=torch.float32, device=dev))
-            kernels.stats(logits, params, pre)
-            kernels.filter(logits, params, pre, out, 0)
+            if mode == "top_p":  # the backend's routes: top-p by the frontier, min-p alone by the filter
+                kernels.nucleus(logits, params, pre, out, 0)
+            else:
+                kernels.stats(logits, params, pre)
+                kernels.filter(logits, params, pre, out, 0)
         return out.tokens
 
     return run

@@ -104,6 +104,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     static_cast<int32_t>(need_exact_mass), static_cast<int32_t>(splits), &o, &w, ptr<void>(stream)),
           "filter");
   });
+  m.def("nucleus_scratch_bytes", &ts_nucleus_scratch_bytes);
+  m.def("nucleus", [](int64_t data, int64_t num_rows, int64_t vocab, int64_t dtype, int64_t rows, int64_t num_work,
+                      std::vector<int64_t> params, std::vector<int64_t> pre, std::vector<int64_t> outs,
+                      int64_t num_samples, int64_t sample, std::vector<int64_t> ws, int64_t stream) {
+    const TsLogits l = logits_of(data, num_rows, vocab, dtype);
+    const TsRows r = rows_of(rows, num_work, params);
+    const TsOutputs p = outputs_of(pre, 1, 0);
+    const TsOutputs o = outputs_of(outs, num_samples, sample);
+    const TsWorkspace w = workspace_of(ws);
+    check(ts_nucleus(&l, &r, &p, &o, &w, ptr<void>(stream)), "nucleus");
+  });
   m.def("copy_h2d", [](int64_t dst, int64_t src, int64_t nbytes, int64_t stream) {
     check(cudaMemcpyAsync(ptr<void>(dst), ptr<const void>(src), static_cast<size_t>(nbytes), cudaMemcpyHostToDevice,
                           ptr<CUstream_st>(stream)),

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include "launch.h"
+#include "nucleus.cuh"
 #include "sampling.cuh"
 
 using namespace tokensampler;
@@ -131,6 +132,26 @@ int ts_filter(const TsLogits* logits, const TsRows* rows, const float* row_max, 
     if (cudaError_t e = set_smem(kernel, kFilterSmemBytes)) return e;
     return launch_after_previous(&filter_kernel<T>, grid, dim3(kFilterThreads), kFilterSmemBytes, s, *logits, *rows,
                                  row_max, row_min, row_argmax, stats_flags, need_exact_mass, *out, *ws);
+  });
+}
+
+size_t ts_nucleus_scratch_bytes(int32_t num_work_rows, int64_t vocab) {
+  return frontier_scratch_bytes(num_work_rows, vocab);
+}
+
+int ts_nucleus(const TsLogits* logits, const TsRows* rows, const TsOutputs* pre, const TsOutputs* out,
+               const TsWorkspace* ws, void* stream) {
+  if (bad_args(logits, rows) || !out->tokens || !out->flags || !pre->tokens || !pre->flags || !pre->row_max ||
+      !pre->row_min)
+    return cudaErrorInvalidValue;
+  if (rows->num_work_rows == 0) return cudaSuccess;
+  const dim3 grid(num_splits(logits->vocab), rows->num_work_rows);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return dispatch_dtype(logits->dtype, [&](auto t) {
+    using T = decltype(t);
+    frontier_kernel<T><<<grid, kThreads, 0, s>>>(*logits, *rows, *pre, *out, *ws);
+    if (cudaError_t e = cudaGetLastError()) return e;
+    return launch_after_previous(&nucleus_mass_kernel<T>, grid, dim3(kThreads), 0, s, *logits, *rows, *pre, *out, *ws);
   });
 }
 

@@ -222,6 +222,57 @@ __device__ __forceinline__ void proxy_update(Proxy& px, float p, uint32_t id) {
   px.p1 = better ? p : px.p1;
 }
 
+// A thread's pilot: its group with the largest logit (the first on ties). gx: each group's largest
+// logit; x: the pilot's four logits, picked by selects (no run-time register indexing); pilot_max:
+// the thread's largest logit.
+__device__ __forceinline__ int pick_pilot(const float (&v)[kGroupsPerThread][4], float (&gx)[kGroupsPerThread],
+                                          float (&x)[4], float& pilot_max) {
+  int pilot = 0;
+  pilot_max = -kInf;
+#pragma unroll
+  for (int j = 0; j < kGroupsPerThread; ++j) {
+    gx[j] = fmaxf(fmaxf(v[j][0], v[j][1]), fmaxf(v[j][2], v[j][3]));
+    if (gx[j] > pilot_max) pilot_max = gx[j], pilot = j;
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) x[e] = v[0][e];
+#pragma unroll
+  for (int j = 1; j < kGroupsPerThread; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[e] = j == pilot ? v[j][e] : x[e];
+  return pilot;
+}
+
+// The screen's word pass over a thread's seven non-pilot groups (slot i is group i + (i >= pilot)):
+// bit j of the result is set when some Philox word of group j reaches th of its slot. need: the
+// slots whose th < kNoWordPasses. When most slots of the warp need words (flat rows) the seven
+// Philox chains run unconditionally and interleaved; otherwise only the slots some lane needs,
+// warp by warp (spiky rows: few).
+__device__ __forceinline__ uint32_t groups_with_passing_words(const uint32_t (&th)[kGroupsPerThread - 1],
+                                                              uint32_t need, int pilot, uint32_t gbase,
+                                                              const NoiseStream& noise) {
+  constexpr int kSlots = kGroupsPerThread - 1;
+  const uint32_t warp_need = __reduce_or_sync(0xffffffffu, need);
+  uint32_t gmask = 0;
+  if (__popc(warp_need) > kSlots / 2) {
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+      const int j = i + (i >= pilot);
+      const uint4 w = noise.group(gbase + j * kThreads);
+      if (max(max(w.x, w.y), max(w.z, w.w)) >= th[i]) gmask |= 1u << j;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+      if (!(warp_need >> i & 1u)) continue;  // warp-uniform
+      const int j = i + (i >= pilot);
+      const uint4 w = noise.group(gbase + j * kThreads);
+      if ((need >> i & 1u) && max(max(w.x, w.y), max(w.z, w.w)) >= th[i]) gmask |= 1u << j;
+    }
+  }
+  return gmask;
+}
+
 // The block stage of the LSE-free kernel: px holds every token whose proxy may reach thr, and
 // p2 >= thr (no thr when the screen is off: all tokens scored).
 // row_best (optional, zero before the row's first block): the order key of the best pilot that
@@ -243,20 +294,11 @@ __device__ __forceinline__ void gumbel_screened(const float (&v)[kGroupsPerThrea
   constexpr int kSlots = kGroupsPerThread - 1;
   const uint32_t gbase = static_cast<uint32_t>(g0) + threadIdx.x;
   float gx[kGroupsPerThread];
-  int pilot = 0;
-  float pilot_max = -kInf;
-#pragma unroll
-  for (int j = 0; j < kGroupsPerThread; ++j) {
-    gx[j] = fmaxf(fmaxf(v[j][0], v[j][1]), fmaxf(v[j][2], v[j][3]));
-    if (gx[j] > pilot_max) pilot_max = gx[j], pilot = j;
-  }
+  float x[4];
+  float pilot_max;
+  const int pilot = pick_pilot(v, gx, x, pilot_max);
   mx = fmaxf(mx, pilot_max);
-  {  // the pilot scored in full; its logits picked by selects (no run-time register indexing)
-    float x[4] = {v[0][0], v[0][1], v[0][2], v[0][3]};
-#pragma unroll
-    for (int j = 1; j < kGroupsPerThread; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) x[e] = j == pilot ? v[j][e] : x[e];
+  {  // the pilot scored in full
     const uint32_t g = gbase + pilot * kThreads;
     const uint4 words = noise.group(g);
 #pragma unroll
@@ -286,24 +328,7 @@ __device__ __forceinline__ void gumbel_screened(const float (&v)[kGroupsPerThrea
     th[i] = screen ? screen_word(g, inv_t, a) : (g > -kInf ? 0u : ~0u);
     if (th[i] < kNoWordPasses) need |= 1u << i;
   }
-  const uint32_t warp_need = __reduce_or_sync(0xffffffffu, need);
-  uint32_t gmask = 0;  // bit j: some word of group j may pass
-  if (__popc(warp_need) > kSlots / 2) {
-#pragma unroll
-    for (int i = 0; i < kSlots; ++i) {
-      const int j = i + (i >= pilot);
-      const uint4 w = noise.group(gbase + j * kThreads);
-      if (max(max(w.x, w.y), max(w.z, w.w)) >= th[i]) gmask |= 1u << j;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < kSlots; ++i) {
-      if (!(warp_need >> i & 1u)) continue;  // warp-uniform
-      const int j = i + (i >= pilot);
-      const uint4 w = noise.group(gbase + j * kThreads);
-      if ((need >> i & 1u) && max(max(w.x, w.y), max(w.z, w.w)) >= th[i]) gmask |= 1u << j;
-    }
-  }
+  uint32_t gmask = groups_with_passing_words(th, need, pilot, gbase, noise);
   while (gmask) {
     const int j = __ffs(gmask) - 1;
     gmask &= gmask - 1;
@@ -788,6 +813,11 @@ __global__ void __launch_bounds__(kThreads, 5)
 // cut bin matters only if its winner beats theirs or the exact kept mass is needed; then that
 // block re-reads the row, collects the cut range's tokens, sorts them and resolves the cut exactly.
 
+// Bits of the stats flags beyond stats_kernel's 1 (nan) and 2 (not valid), set by the frontier
+// kernels (nucleus.cuh) that run before the filter on its rows.
+constexpr uint8_t kRowDecided = 8;     // the token is written: filter_kernel skips the row
+constexpr uint8_t kRowNeedsMass = 16;  // top-p: nucleus_mass_kernel decides the row
+
 constexpr int kFilterThreads = 512;
 constexpr int kBins = 2048;
 constexpr int kResolveCap = 4096;
@@ -846,6 +876,7 @@ __global__ void __launch_bounds__(kFilterThreads)
   const int ns = out.num_samples;
   wait_for_previous_grid();  // launched to overlap stats_kernel's tail: its results are complete from here
   const uint8_t sflags = stats_flags[r];
+  if (sflags & kRowDecided) return;
   if (sflags & 2u) {  // no finite logit: every block leaves, the first writes the row
     if (split == 0 && threadIdx.x == 0) {
       out.tokens[r * ns + out.sample] = -1;

@@ -83,6 +83,15 @@ int ts_filter(const TsLogits* logits, const TsRows* rows, const float* row_max,
               int32_t need_exact_mass, int32_t splits, const TsOutputs* out, const TsWorkspace* ws,
               void* stream);
 
+/* Top-p and/or min-p without k, sample out->sample, from a frontier of candidates (nucleus.cuh):
+ * writes what ts_stats writes to pre (row_max, row_min, tokens [num_rows, 1] = argmax, flags) and,
+ * for the rows it settles, the token to out and bit 8 to pre->flags. ts_filter on the same rows and
+ * pre afterwards does the others (and skips these). Two launches; the scratch is
+ * ts_nucleus_scratch_bytes. */
+size_t ts_nucleus_scratch_bytes(int32_t num_work_rows, int64_t vocab);
+int ts_nucleus(const TsLogits* logits, const TsRows* rows, const TsOutputs* pre, const TsOutputs* out,
+               const TsWorkspace* ws, void* stream);
+
 /* Test hook: the Philox words and exact Gumbel noise of tokens [0, vocab) of one stream. */
 int ts_noise(int64_t seed, int64_t position, int64_t iteration, uint32_t sample, int64_t vocab,
              uint32_t* words, float* noise, void* stream);

@@ -4,7 +4,9 @@ Rows are routed by their parameters (known on the host, so routing costs no sync
   greedy (T == 0)               -> stats_kernel: argmax, with the raw log-sum-exp in the same pass
   T > 0, no filter              -> gumbel_kernel: one read, exact up to an in-kernel re-score
   0 < k, k + 1 <= 256           -> topk_kernel<bucket>: one read, min-p and top-p on the candidates
-  top-p / min-p without k, k > 255 -> stats_kernel then filter_kernel: exact binned cut
+  top-p without k (+ min-p)     -> frontier_kernel + nucleus_mass_kernel, then filter_kernel for the rows
+                                   the frontier cannot settle
+  min-p alone, k > 255, processed log-probs -> stats_kernel then filter_kernel: exact binned cut
 Processing (masks, bias, penalties) runs first, in torch on the GPU (processing.apply_processing).
 Rows a kernel cannot settle exactly (flag 4, rare by construction) are re-sampled by the CPU
 reference after the one synchronisation that returns the results; `fallbacks()` counts both kinds.
@@ -123,11 +125,14 @@ class _Plan:
     """The row groups of one call. A group is None (no row), _ALL, or its row ids (a list of ints or an int32
     CPU tensor) until _upload places them; then (device address of the row list or 0, number of rows)."""
 
-    __slots__ = ("t_eff", "greedy", "unfiltered", "buckets", "exact", "need_raw", "masks")
+    __slots__ = ("t_eff", "greedy", "unfiltered", "buckets", "exact", "exact_has_k", "exact_has_top_p", "need_raw",
+                 "masks")
 
     def __init__(self) -> None:
         self.t_eff: torch.Tensor | None = None  # float32 [B]: T, with 1 in greedy rows
         self.greedy = self.unfiltered = self.exact = self.need_raw = None
+        self.exact_has_k = False  # some exact row has k > 255: the frontier cannot settle it
+        self.exact_has_top_p = True  # False: min-p alone in every exact row, which the filter does faster
         self.buckets: list = []  # (bucket, group), buckets ascending
         self.masks: tuple[torch.Tensor, ...] | None = None  # use_filt, through, need_raw: bool [B] (log-probs only)
 
@@ -169,6 +174,8 @@ def _plan_without_logprobs(batch: SamplingBatch, vocab: int) -> _Plan | None:
                 plan.buckets.append((bucket, _ALL))
             else:
                 plan.exact = _ALL
+                plan.exact_has_k = ks[0] > 0
+                plan.exact_has_top_p = ps[0] < 1
         else:
             plan.unfiltered = _ALL
         return plan
@@ -178,6 +185,7 @@ def _plan_without_logprobs(batch: SamplingBatch, vocab: int) -> _Plan | None:
     unfiltered: list[int] = []
     exact: list[int] = []
     by_bucket: dict[int, list[int]] = {}
+    has_top_p = False
     for row, (t, k, p, m) in enumerate(zip(temps, ks, ps, ms)):
         if t == 0:
             greedy.append(row)
@@ -187,12 +195,15 @@ def _plan_without_logprobs(batch: SamplingBatch, vocab: int) -> _Plan | None:
                 by_bucket.setdefault(bucket, []).append(row)
             else:
                 exact.append(row)
+                plan.exact_has_k |= k > 0
+                has_top_p |= p < 1
         else:
             unfiltered.append(row)
     plan.greedy = _group_of_list(greedy, num_rows)
     plan.unfiltered = _group_of_list(unfiltered, num_rows)
     plan.buckets = [(b, _group_of_list(by_bucket[b], num_rows)) for b in _BUCKETS if b in by_bucket]
     plan.exact = _group_of_list(exact, num_rows)
+    plan.exact_has_top_p = has_top_p
     temperature = batch.temperature
     plan.t_eff = torch.where(temperature == 0, torch.ones_like(temperature), temperature) if greedy else temperature
     return plan
@@ -218,7 +229,10 @@ def _plan_with_torch(batch: SamplingBatch, vocab: int, processed: bool, masks: b
             group = _group_of_mask(through & (buckets == bucket))
             if group is not None:
                 plan.buckets.append((bucket, group))
-        plan.exact = _group_of_mask(through & (buckets == 0))
+        exact = through & (buckets == 0)
+        plan.exact = _group_of_mask(exact)
+        plan.exact_has_k = bool((exact & (batch.top_k > 0)).any())
+        plan.exact_has_top_p = bool((exact & (batch.top_p < 1)).any())
     if masks:
         need_raw = torch.ones(batch.num_rows, dtype=torch.bool) if batch.processing is not None else ~(greedy | unfiltered)
         if raw_rows:
@@ -501,12 +515,19 @@ class CudaBackend(Backend):
             k.launch_topk(data, b, v, dt, rows, n, params, bucket, filt, num_samples, stream)
         if plan.exact is not None:
             rows, n = plan.exact
-            k.launch_stats(data, b, v, dt, rows, n, params, 0, out.pre, 1, stream)
+            # The frontier settles top-p (and min-p) without k when the kept mass itself is not needed, and
+            # writes the stats the filter needs for the rows it leaves. For min-p alone the filter's screened
+            # pass is faster (benchmarks/NOTES.md, seventh session).
+            frontier = not processed and not plan.exact_has_k and plan.exact_has_top_p
+            if not frontier:
+                k.launch_stats(data, b, v, dt, rows, n, params, 0, out.pre, 1, stream)
             flags = needs_cpu = None
             if num_samples > 1:  # each sample's launch rewrites the flags: keep every sample's CPU bit
                 flags = out.view("main_flags" if shared else "filt_flags")
                 needs_cpu = torch.zeros(b, dtype=torch.uint8, device=self._device)
             for s in range(num_samples):
+                if frontier:
+                    k.launch_nucleus(data, b, v, dt, rows, n, params, out.pre, filt, num_samples, s, stream)
                 k.launch_filter(data, b, v, dt, rows, n, params, out.pre_stats, processed, filt, num_samples, s,
                                 stream)
                 if needs_cpu is not None:

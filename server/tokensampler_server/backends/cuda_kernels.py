@@ -85,7 +85,8 @@ class Kernels:
         self._hist_need: dict[int, int] = {}
         self._scratch_need: dict[tuple[str, int, int, int], int] = {}
 
-    kernel_names = ("stats_kernel", "gumbel_kernel", "topk_kernel<16..256>", "filter_kernel")
+    kernel_names = ("stats_kernel", "gumbel_kernel", "topk_kernel<16..256>", "frontier_kernel",
+                    "nucleus_mass_kernel", "filter_kernel")
 
     # -- workspace ---------------------------------------------------------------------------------
     def _workspace(self, num_work: int, scratch_bytes: int, hist: bool = False) -> list[int]:
@@ -116,6 +117,8 @@ class Kernels:
                 size = self.module.stats_scratch_bytes(num_work, vocab)
             elif kind == "gumbel":
                 size = self.module.gumbel_scratch_bytes(num_work, vocab)
+            elif kind == "nucleus":
+                size = self.module.nucleus_scratch_bytes(num_work, vocab)
             else:
                 size = self.module.topk_scratch_bytes(num_work, vocab, bucket)
             if len(self._scratch_need) >= 4096:
@@ -165,6 +168,14 @@ class Kernels:
                     bucket: int, out: list[int], num_samples: int, stream: int) -> None:
         ws = self._workspace(num_work, self._scratch_bytes("topk", num_work, v, bucket))
         self.module.topk(data, b, v, dt, rows, num_work, params, bucket, out, num_samples, ws, stream)
+
+    def launch_nucleus(self, data: int, b: int, v: int, dt: int, rows: int, num_work: int, params: list[int],
+                       pre: list[int], out: list[int], num_samples: int, sample: int, stream: int) -> None:
+        """Top-p/min-p without k from a frontier of candidates (csrc/nucleus.cuh). pre: what stats() writes
+        (tokens [B, 1], flags, row_max, row_min), for launch_filter on the same rows, which must follow:
+        it samples the rows this left undecided."""
+        ws = self._workspace(num_work, self._scratch_bytes("nucleus", num_work, v))
+        self.module.nucleus(data, b, v, dt, rows, num_work, params, pre, out, num_samples, sample, ws, stream)
 
     def launch_filter(self, data: int, b: int, v: int, dt: int, rows: int, num_work: int, params: list[int],
                       stats: list[int], need_exact_mass: bool, out: list[int], num_samples: int, sample: int,
@@ -225,6 +236,16 @@ class Kernels:
                            [stats.row_max.data_ptr(), stats.row_min.data_ptr(), stats.tokens.data_ptr(),
                             stats.flags.data_ptr()],
                            need_exact_mass, out.pointers(), out.tokens.shape[1], sample, self._stream())
+
+    def nucleus(self, logits: torch.Tensor, params: RowParams, pre: Outputs, out: Outputs, sample: int, *,
+                rows: torch.Tensor | None = None) -> None:
+        """Top-p/min-p without k, then filter() for the rows the frontier leaves: column `sample` of
+        out.tokens. pre gets stats()' outputs (tokens [B, 1], flags, row_max, row_min)."""
+        data, b, v, dt = self._logits(logits)
+        rptr, n = self._rows(rows, b)
+        self.launch_nucleus(data, b, v, dt, rptr, n, params.pointers(), pre.pointers(), out.pointers(),
+                            out.tokens.shape[1], sample, self._stream())
+        self.filter(logits, params, pre, out, sample, rows=rows)
 
     def noise(self, seed: int, position: int, iteration: int, sample: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The Philox words (int64 holding uint32) and exact Gumbel noise of one row: for tests."""
