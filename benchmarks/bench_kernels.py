@@ -25,6 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "server"))
 
+from tokensampler_server.backends.cuda import FRONTIER_MIN_ROWS  # noqa: E402
 from tokensampler_server.backends.cuda_kernels import Kernels, Outputs, RowParams  # noqa: E402
 
 V = 151936
@@ -71,7 +72,7 @@ def tokensampler_fn(kernels: Kernels, mode: str, logits: torch.Tensor):
                           flags=torch.empty(b, dtype=torch.uint8, device=dev),
                           row_max=torch.empty(b, dtype=torch.float32, device=dev),
                           row_min=torch.empty(b, dtype=torch.float32, device=dev))
-            if mode == "top_p":  # the backend's routes: top-p by the frontier, min-p alone by the filter
+            if mode == "top_p" and b >= FRONTIER_MIN_ROWS:  # the backend's routes (cuda.py)
                 kernels.nucleus(logits, params, pre, out, 0)
             else:
                 kernels.stats(logits, params, pre)

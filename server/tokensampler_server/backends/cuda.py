@@ -57,6 +57,9 @@ def _topk_buckets(top_k: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 _BUCKETS = (16, 32, 64, 128, 256)
+# Top-p rows from this many up take the frontier route (measured on an H200: slower than the filter at
+# B = 1 and 8, 2x faster on spiky rows from B = 32; benchmarks/NOTES.md, seventh session).
+FRONTIER_MIN_ROWS = 32
 _LOOP_ROWS = 128  # mixed batches of up to this many rows are grouped in a Python loop, larger ones in torch
 _ALL = "all"  # a row group holding every row: the kernels get no row list
 _PINNED_ALIGN = 16
@@ -516,9 +519,10 @@ class CudaBackend(Backend):
         if plan.exact is not None:
             rows, n = plan.exact
             # The frontier settles top-p (and min-p) without k when the kept mass itself is not needed, and
-            # writes the stats the filter needs for the rows it leaves. For min-p alone the filter's screened
-            # pass is faster (benchmarks/NOTES.md, seventh session).
-            frontier = not processed and not plan.exact_has_k and plan.exact_has_top_p
+            # writes the stats the filter needs for the rows it leaves. Below FRONTIER_MIN_ROWS rows, and for
+            # min-p alone, the filter is faster (benchmarks/NOTES.md, seventh session).
+            frontier = (not processed and not plan.exact_has_k and plan.exact_has_top_p
+                        and n >= FRONTIER_MIN_ROWS)
             if not frontier:
                 k.launch_stats(data, b, v, dt, rows, n, params, 0, out.pre, 1, stream)
             flags = needs_cpu = None
