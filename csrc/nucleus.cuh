@@ -212,17 +212,7 @@ __global__ void __launch_bounds__(kThreads, 4)
   float v[kGroupsPerThread][4];
   Stats s{-kInf, kInf, 0.f, INT_MAX, 0u};
   s.nan = load_chunk(rv, logits.vocab, g0, v);
-#pragma unroll
-  for (int j = 0; j < kGroupsPerThread; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float x = v[j][e];
-      if (x > s.max) {
-        s.max = x;
-        s.argmax = static_cast<int32_t>(token_of(g0, j, e));
-      }
-      if (x > -kInf) s.min = fminf(s.min, x);
-    }
+  chunk_stats(v, g0, s);
 
   // One pool: the block's candidates, then (last block) the merged reports' keys.
   __shared__ uint64_t pool[2 * kMergeCap];
@@ -250,13 +240,8 @@ __global__ void __launch_bounds__(kThreads, 4)
       if (slot < kFrontierCap) mine.x[slot] = xi, mine.id[slot] = id;
     }
   }
-#pragma unroll
-  for (int o = 16; o; o >>= 1) s = merge_stats(s, shfl_stats(s, o), 0.f, false);
-  __shared__ Stats warp_stats[kThreads / 32];
-  if ((threadIdx.x & 31) == 0) warp_stats[threadIdx.x >> 5] = s;
-  __syncthreads();
+  s = block_stats(s, 0.f, false);  // its barrier also orders num_kept
   if (threadIdx.x == 0) {
-    for (int i = 1; i < kThreads / 32; ++i) s = merge_stats(s, warp_stats[i], 0.f, false);
     mine.stats = s;
     mine.count = num_cand > kBlockCandidates ? kFrontierCap + 1 : min(num_kept, kFrontierCap + 1u);
   }

@@ -97,6 +97,34 @@ __device__ __forceinline__ Stats shfl_stats(const Stats& s, int o) {
                __shfl_xor_sync(0xffffffffu, s.nan, o)};
 }
 
+// A thread's share of the row stats from its part of the chunk: max with the lowest argmax (ids
+// ascend with j and e), min of the finite values.
+__device__ __forceinline__ void chunk_stats(const float (&v)[kGroupsPerThread][4], int64_t g0, Stats& s) {
+#pragma unroll
+  for (int j = 0; j < kGroupsPerThread; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float x = v[j][e];
+      if (x > s.max) {
+        s.max = x;
+        s.argmax = static_cast<int32_t>(token_of(g0, j, e));
+      }
+      if (x > -kInf) s.min = fminf(s.min, x);
+    }
+}
+
+// The block's stats (merged in warp order) in thread 0; one barrier, which every thread reaches.
+__device__ __forceinline__ Stats block_stats(Stats s, float c, bool lse) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) s = merge_stats(s, shfl_stats(s, o), c, lse);
+  __shared__ Stats warp_stats[kThreads / 32];
+  if ((threadIdx.x & 31) == 0) warp_stats[threadIdx.x >> 5] = s;
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int i = 1; i < kThreads / 32; ++i) s = merge_stats(s, warp_stats[i], c, lse);
+  return s;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     stats_kernel(TsLogits logits, TsRows rows, const float* lse_scale, TsOutputs out, TsWorkspace ws) {
@@ -110,34 +138,16 @@ __global__ void __launch_bounds__(kThreads)
   float v[kGroupsPerThread][4];
   Stats s{-kInf, kInf, 0.f, INT_MAX, 0u};
   s.nan = load_chunk(rv, logits.vocab, g0, v);
-#pragma unroll
-  for (int j = 0; j < kGroupsPerThread; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float x = v[j][e];
-      if (x > s.max) {
-        s.max = x;
-        s.argmax = static_cast<int32_t>(token_of(g0, j, e));
-      }
-      if (x > -kInf) s.min = fminf(s.min, x);
-    }
+  chunk_stats(v, g0, s);
   if (lse && s.max > -kInf) {
 #pragma unroll
     for (int j = 0; j < kGroupsPerThread; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s.sum += expf((v[j][e] - s.max) * c);
   }
-#pragma unroll
-  for (int o = 16; o; o >>= 1) s = merge_stats(s, shfl_stats(s, o), c, lse);
-
-  __shared__ Stats warp_stats[kThreads / 32];
-  if ((threadIdx.x & 31) == 0) warp_stats[threadIdx.x >> 5] = s;
-  __syncthreads();
+  s = block_stats(s, c, lse);
   Stats* partial = static_cast<Stats*>(ws.scratch) + static_cast<int64_t>(w) * splits;
-  if (threadIdx.x == 0) {
-    for (int i = 1; i < kThreads / 32; ++i) s = merge_stats(s, warp_stats[i], c, lse);
-    partial[split] = s;
-  }
+  if (threadIdx.x == 0) partial[split] = s;
   if (!finish_and_elect_last(ws.counters + w, splits) || threadIdx.x != 0) return;
 
   Stats row{-kInf, kInf, 0.f, INT_MAX, 0u};
