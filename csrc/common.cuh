@@ -70,6 +70,16 @@ __device__ __forceinline__ float key_value(uint64_t key) {
   return key_to_float(static_cast<uint32_t>(key >> 32));
 }
 
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x by the hardware approximation (<= 2 ulp, subnormal results flushed to 0): used only for the
+// sums of exponentials, whose largest term is 1, so the flushed terms are below 2^-126 of the sum.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Probability mass in fixed point (2^-40 units): integer sums are exact, hence independent of the
 // order of accumulation, of the number of blocks per row, and of the batch.
 __device__ __forceinline__ uint64_t mass_fixed(float z) {

@@ -12,10 +12,12 @@
 // proxy P = x / T + g_fast: a token is dropped only when a token surely ahead of it in z-order has a
 // proxy larger by more than both proxies' error. The last block scores the survivors exactly and
 // keeps the exact frontier. min-p alone is decided there (z is known once the max is). top-p needs
-// the mass ahead of each frontier token: nucleus_mass_kernel, a second read, sums it exactly in the
-// fixed point of filter_kernel and decides. Rows these kernels cannot settle (k > 0, a frontier
-// longer than kFrontierCap, logits beyond kFrontierBound, extreme temperatures) are left to
-// filter_kernel, which runs after them and skips the rows marked kRowDecided.
+// the mass ahead of the last frontier tokens: nucleus_mass_kernel, a second read, sums it with fast
+// exponentials and decides wherever the sums are clear of the cut by their error bound; a second,
+// exact instance re-reads the rare rows they are not (filter_kernel's fixed point either way). Rows
+// these kernels cannot settle (k > 0, a frontier longer than kFrontierCap, logits beyond
+// kFrontierBound, extreme temperatures, a cut before the summed tokens) are left to filter_kernel,
+// which runs after them and skips the rows marked kRowDecided.
 #pragma once
 #include "sampling.cuh"
 
@@ -34,14 +36,20 @@ struct FrontierPartial {
   uint32_t id[kFrontierCap];
 };
 
-// A row's frontier in z-order, for the mass pass. ahead[i]: the mass of the tokens ahead of
-// frontier token i but not of token i - 1; total: of every token min-p keeps. Zeroed by
-// frontier_kernel, summed by nucleus_mass_kernel's blocks.
+// The frontier tokens whose mass ahead the mass pass sums: the last ones (nucleus_mass_kernel).
+constexpr int kMassFrontier = 4;
+
+// A row's frontier in z-order, for the mass pass. Entry j of x_lo, x_hi and ahead is of frontier
+// token count - 1 - j: the logits whose z is its z ([x_lo, x_hi], logit_of_z), and the mass of the
+// tokens ahead of it; total: of every token min-p keeps. Masses in the fixed point of mass_fixed,
+// summed from approximate token masses (kMassTolerance). Zeroed by frontier_kernel, summed by
+// nucleus_mass_kernel's blocks.
 struct RowFrontier {
   uint32_t count;
   uint64_t order[kFrontierCap];  // rank_key(z, id), descending
   uint64_t score[kFrontierCap];  // rank_key(z + g, id), exact
-  unsigned long long ahead[kFrontierCap];
+  float x_lo[kMassFrontier], x_hi[kMassFrontier];
+  unsigned long long ahead[kMassFrontier];
   unsigned long long total;
 };
 
@@ -187,6 +195,20 @@ __device__ __forceinline__ void frontier_candidates(const float (&v)[kGroupsPerT
 
 __device__ __forceinline__ bool passes_min_p(float z, float m) { return m <= 0.f || expf(z) >= m; }
 
+// The largest (upper) or smallest logit x whose z = scaled(x, row_max, t) is z0, by bisection over the
+// ordered keys of the floats from -inf to +inf. scaled is non-decreasing in x, so a token's z compares
+// with z0 as its x compares with the range these two ends bound.
+__device__ __forceinline__ float logit_of_z(float z0, float row_max, float t, bool upper) {
+  uint32_t below = order_key(-kInf), above = order_key(kInf);
+  while (above - below > 1) {  // upper: z(below) <= z0 < z(above); lower: z(below) < z0 <= z(above)
+    const uint32_t mid = below + (above - below) / 2;
+    const float z = scaled(key_to_float(mid), row_max, t);
+    if (upper ? z <= z0 : z < z0) below = mid;
+    else above = mid;
+  }
+  return key_to_float(upper ? below : above);
+}
+
 // Writes a decided row's token.
 __device__ __forceinline__ void decide_row(const TsOutputs& pre, const TsOutputs& out, int64_t r, uint8_t sflags,
                                            int64_t token) {
@@ -327,34 +349,76 @@ __global__ void __launch_bounds__(kThreads, 4)
     if (pos < kFrontierCap) f_order[pos] = order[i], f_score[pos] = score[i];
   }
   __syncthreads();
-  if (threadIdx.x != 0) return;
-  const unsigned int count = num_frontier;
-  const uint8_t sflags = pre.flags[rv.r];
   const float p = rows.top_p[rv.r], m = rows.min_p[rv.r];
+  if (threadIdx.x == 0 && num_frontier <= kFrontierCap) {
+    // The tokens min-p drops, a tail of z-order, never win: the frontier that matters is the rest
+    // (the argmax always passes min-p).
+    unsigned int c = num_frontier;
+    while (c > 1 && !passes_min_p(key_value(f_order[c - 1]), m)) --c;
+    num_frontier = c;
+  }
+  __syncthreads();
+  const unsigned int count = num_frontier;
+  RowFrontier* rf = row_frontier(ws, w, splits, gridDim.y);
+  if (count <= kFrontierCap && count > 1 && p < 1.f && threadIdx.x < 2 * kFrontierCap) {
+    // the mass pass's x ranges, one bisection a thread: x_hi by threads 0.., x_lo by threads 32..
+    const unsigned int j = threadIdx.x % kFrontierCap;
+    const bool upper = threadIdx.x < kFrontierCap;
+    if (j < min(count, static_cast<unsigned int>(kMassFrontier)))
+      (upper ? rf->x_hi : rf->x_lo)[j] = logit_of_z(key_value(f_order[count - 1 - j]), row_max, temperature, upper);
+  }
+  if (threadIdx.x != 0) return;
+  const uint8_t sflags = pre.flags[rv.r];
   if (count > kFrontierCap) {
     if (ws.fallback_count) atomicAdd(ws.fallback_count, 1ull);
     return;
   }
-  if (!(p < 1.f) || count == 1) {  // min-p alone, or the argmax beats every other token
-    uint64_t win = 0;
-    for (unsigned int i = 0; i < count; ++i)
-      if (passes_min_p(key_value(f_order[i]), m)) win = max(win, f_score[i]);
-    decide_row(pre, out, rv.r, sflags, key_index(win));
+  if (!(p < 1.f) || count == 1) {  // min-p alone, or one token left: the last has the best score
+    decide_row(pre, out, rv.r, sflags, key_index(f_score[count - 1]));
     return;
   }
-  RowFrontier* rf = row_frontier(ws, w, splits, gridDim.y);
   rf->count = count;
-  for (unsigned int i = 0; i < count; ++i) rf->order[i] = f_order[i], rf->score[i] = f_score[i], rf->ahead[i] = 0;
+  for (unsigned int i = 0; i < count; ++i) rf->order[i] = f_order[i], rf->score[i] = f_score[i];
+  for (int j = 0; j < kMassFrontier; ++j) rf->ahead[j] = 0;
   rf->total = 0;
   pre.flags[rv.r] = sflags | kRowNeedsMass;
 }
 
-// The top-p decision of the rows frontier_kernel left with kRowNeedsMass: one read summing, in
-// filter_kernel's fixed point, the mass min-p keeps and the mass ahead of each frontier token; the
-// winner is the frontier token with the largest score among those top-p keeps (mass ahead < p x total).
-template <typename T>
+// The approximate mass pass sums token masses 2^((x - max) * log2(e) / T) by the hardware exp2.
+// Against expf(z) of filter_kernel's exact z the relative error is below 4 |z| 2^-24 (the roundings of
+// the product) + 2^-21 (exp2, expf): under 2^-17 for |z| <= 20, where all but 2^-25 of any sum lies;
+// under 2^-15 for every result not flushed (|z| <= 87.4). Fp32 sums of a thread's <= 32 terms and of a
+// warp's lanes add 36 roundings (2^-18.8); the sums then move to the units of mass_fixed, where integer
+// atomics add exactly, with half a unit a token against the exact fixed point (2^-23 of a total >= 1,
+// the argmax's mass). Every sum is within 2^-16 of the row's total of the exact fixed-point sum;
+// kMassTolerance leaves a factor of 4.
+constexpr double kMassTolerance = 0x1p-14;
+
+__device__ __forceinline__ unsigned long long mass_units(float mass) { return __float2ull_rn(mass * 0x1p40f); }
+
+// Whether min-p keeps a token (expf(z) >= m), from its approximate mass a when that is clear of m by
+// more than its error (a > 0 is a normal number, within 2^-15 of expf(z); a flushed 0 stands for
+// less than 2^-126); otherwise from the exact z.
+__device__ __forceinline__ bool min_p_keeps(float a, float x, float row_max, float temperature, float m) {
+  if (m <= 0.f || a >= m * (1.f + 0x1p-14f)) return true;
+  if (a < m * (1.f - 0x1p-14f) && m >= 0x1p-100f) return false;
+  return passes_min_p(scaled(x, row_max, temperature), m);
+}
+
+// The top-p decision of the rows frontier_kernel left with kRowNeedsMass: one read summing the mass
+// min-p keeps and the mass ahead of each of the last kMassFrontier frontier tokens; the winner is the
+// last frontier token top-p keeps (mass ahead < p x total; scores grow along the frontier), as
+// filter_kernel's fixed point decides it. The approximate pass (kExact false) decides when its sums are
+// clear of p x total by kMassTolerance, and leaves the rare closer cuts to the exact pass (kExact
+// true: mass_fixed of the exact z, the filter's own arithmetic), launched after it for those rows.
+// The mass ahead grows along the frontier, so the earlier tokens are kept whenever the first summed
+// one is; a cut before it (the mass ahead of the fourth last frontier token above p: under 1 % of flat
+// rows at p = 0.5) goes to filter_kernel. Whether a token is ahead of frontier token i in z-order
+// follows from its x alone, unless its z ties token i's (x in [x_lo, x_hi]): then the ids decide.
+template <typename T, bool kExact>
 __global__ void __launch_bounds__(kThreads, 4)
     nucleus_mass_kernel(TsLogits logits, TsRows rows, TsOutputs pre, TsOutputs out, TsWorkspace ws) {
+  using Mass = std::conditional_t<kExact, unsigned long long, float>;  // a token's mass, in units or not
   const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
   wait_for_previous_grid();
   const RowView<T> rv = row_view<T>(logits, rows, w);
@@ -362,60 +426,85 @@ __global__ void __launch_bounds__(kThreads, 4)
   if (!(sflags & kRowNeedsMass)) return;
   RowFrontier* rf = row_frontier(ws, w, splits, gridDim.y);
   const unsigned int count = rf->count;
-  __shared__ uint64_t order[kFrontierCap];
-  if (threadIdx.x < count) order[threadIdx.x] = rf->order[threadIdx.x];
-  __syncthreads();
-  const uint64_t last = order[count - 1];
+  float x_lo[kMassFrontier], x_hi[kMassFrontier];  // of frontier token count - 1 - j (+inf: none)
+  uint32_t id_of[kMassFrontier];
+#pragma unroll
+  for (int j = 0; j < kMassFrontier; ++j) {
+    const bool on = j < static_cast<int>(count);
+    x_lo[j] = on ? rf->x_lo[j] : kInf;
+    x_hi[j] = on ? rf->x_hi[j] : kInf;
+    id_of[j] = on ? key_index(rf->order[count - 1 - j]) : 0u;
+  }
   const float row_max = pre.row_max[rv.r], temperature = rows.temperature[rv.r], m = rows.min_p[rv.r];
+  const float c2 = kLog2e / temperature;
   const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
   float v[kGroupsPerThread][4];
   load_chunk(rv, logits.vocab, g0, v);
-  // Most tokens ahead of the last frontier token lie behind one of the last few: those sums stay in
-  // registers (near[d]: behind frontier token count - 1 - d); the rest go to the row's sums directly.
-  constexpr int kNear = 4;
-  unsigned long long total = 0, near[kNear] = {0, 0, 0, 0};
+  Mass total = 0, ahead[kMassFrontier] = {0, 0, 0, 0};
 #pragma unroll
   for (int j = 0; j < kGroupsPerThread; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float x = v[j][e];
-      if (!(x > -kInf)) continue;
-      const float z = scaled(x, row_max, temperature);
-      if (!passes_min_p(z, m)) continue;
-      const unsigned long long q = mass_fixed(z);
-      total += q;
-      const uint64_t key = rank_key(z, static_cast<uint32_t>(token_of(g0, j, e)));
-      if (key <= last) continue;
-      unsigned int lo = 0, hi = count - 1;  // the first frontier token behind this one: order[hi] < key
-      while (lo < hi) {
-        const unsigned int mid = (lo + hi) >> 1;
-        if (order[mid] < key) hi = mid;
-        else lo = mid + 1;
+      Mass a;
+      if constexpr (kExact) {
+        const float z = scaled(x, row_max, temperature);
+        a = x > -kInf && passes_min_p(z, m) ? mass_fixed(z) : 0ull;
+      } else {
+        a = fast_exp2(__fsub_rn(x, row_max) * c2);
+        if (!(x > -kInf) || !min_p_keeps(a, x, row_max, temperature, m)) a = 0.f;
       }
-      const unsigned int d = count - 1 - lo;
-      if (d >= kNear) atomicAdd(&rf->ahead[lo], q);
+      total += a;
+      const uint32_t id = static_cast<uint32_t>(token_of(g0, j, e));
 #pragma unroll
-      for (int i = 0; i < kNear; ++i) near[i] += d == i ? q : 0ull;
+      for (int f = 0; f < kMassFrontier; ++f)
+        if (x > x_hi[f] || (x >= x_lo[f] && id < id_of[f])) ahead[f] += a;
     }
+  auto units = [](Mass s) -> unsigned long long {
+    if constexpr (kExact) return s;
+    else return mass_units(s);
+  };
+  __shared__ unsigned long long block_sums[kMassFrontier + 1];  // ahead[0 ..], total
+  if (threadIdx.x <= kMassFrontier) block_sums[threadIdx.x] = 0;
+  __syncthreads();
   total = warp_allreduce(total, SumOp{});
 #pragma unroll
-  for (int i = 0; i < kNear; ++i) near[i] = warp_allreduce(near[i], SumOp{});
+  for (int f = 0; f < kMassFrontier; ++f) ahead[f] = warp_allreduce(ahead[f], SumOp{});
   if ((threadIdx.x & 31) == 0) {
-    atomicAdd(&rf->total, total);
+    atomicAdd(&block_sums[kMassFrontier], units(total));
 #pragma unroll
-    for (int i = 0; i < kNear; ++i)
-      if (near[i]) atomicAdd(&rf->ahead[count - 1 - i], near[i]);
+    for (int f = 0; f < kMassFrontier; ++f)
+      if (ahead[f] > 0) atomicAdd(&block_sums[f], units(ahead[f]));
   }
+  __syncthreads();
+  if (threadIdx.x < kMassFrontier && block_sums[threadIdx.x]) atomicAdd(&rf->ahead[threadIdx.x], block_sums[threadIdx.x]);
+  if (threadIdx.x == kMassFrontier) atomicAdd(&rf->total, block_sums[kMassFrontier]);
   if (!finish_and_elect_last(ws.counters + w, splits) || threadIdx.x != 0) return;
 
-  const double target = static_cast<double>(rows.top_p[rv.r]) * static_cast<double>(__ldcg(&rf->total));
-  unsigned long long before = 0;  // the mass ahead of frontier token i
-  uint64_t win = 0;
-  for (unsigned int i = 0; i < count; ++i) {
-    before += __ldcg(&rf->ahead[i]);
-    if (static_cast<double>(before) < target && passes_min_p(key_value(order[i]), m)) win = max(win, rf->score[i]);
+  const double total_mass = static_cast<double>(__ldcg(&rf->total));
+  const double tol = kExact ? 0. : kMassTolerance * total_mass, p = rows.top_p[rv.r];
+  const unsigned int first_summed = count > kMassFrontier ? count - kMassFrontier : 0;
+  unsigned int kept = first_summed;  // frontier tokens 0 .. kept - 1 are kept
+  bool clear = true;                 // every summed token's side of the cut is certain
+  for (unsigned int i = first_summed; i < count; ++i) {
+    const double before = static_cast<double>(__ldcg(&rf->ahead[count - 1 - i]));
+    // nothing ahead (the argmax): kept at any p > 0; a token with mass ahead has a sum above 0
+    if (before == 0. || before + tol < p * (total_mass - tol)) {
+      kept = i + 1;
+      continue;
+    }
+    clear = before - tol >= p * (total_mass + tol);
+    break;
   }
-  decide_row(pre, out, rv.r, sflags & ~kRowNeedsMass, key_index(win));
+  if (!clear) {  // too near the cut for the approximate sums: the exact pass sums the row again
+    for (int j = 0; j < kMassFrontier; ++j) rf->ahead[j] = 0;
+    rf->total = 0;
+  } else if (kept > first_summed) {
+    decide_row(pre, out, rv.r, sflags & ~kRowNeedsMass, key_index(rf->score[kept - 1]));
+  } else {  // the cut lies before the summed tokens: filter_kernel places it
+    pre.flags[rv.r] = sflags & ~kRowNeedsMass;
+    if (ws.fallback_count) atomicAdd(ws.fallback_count, 1ull);
+  }
 }
 
 }  // namespace tokensampler

@@ -151,7 +151,11 @@ int ts_nucleus(const TsLogits* logits, const TsRows* rows, const TsOutputs* pre,
     using T = decltype(t);
     frontier_kernel<T><<<grid, kThreads, 0, s>>>(*logits, *rows, *pre, *out, *ws);
     if (cudaError_t e = cudaGetLastError()) return e;
-    return launch_after_previous(&nucleus_mass_kernel<T>, grid, dim3(kThreads), 0, s, *logits, *rows, *pre, *out, *ws);
+    if (cudaError_t e = launch_after_previous(&nucleus_mass_kernel<T, false>, grid, dim3(kThreads), 0, s, *logits,
+                                              *rows, *pre, *out, *ws))
+      return e;
+    return launch_after_previous(&nucleus_mass_kernel<T, true>, grid, dim3(kThreads), 0, s, *logits, *rows, *pre, *out,
+                                 *ws);
   });
 }
 

@@ -14,16 +14,6 @@
 
 namespace tokensampler {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
-// 2^x by the hardware approximation (<= 2 ulp, subnormal results flushed to 0): used only for the
-// sums of exponentials, whose largest term is 1, so the flushed terms are below 2^-126 of the sum.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Row statistics in one read: max and argmax, sum exp(c (x - max)) (c = 1 / T), the Gumbel-max sample
 // of the drawn slots (gumbel_screened's proxy, re-scored exactly when the gap test fails), and the
