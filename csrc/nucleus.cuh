@@ -88,7 +88,7 @@ constexpr int kLevels = 16;  // pilot levels: quarter-nat bands of x / T below t
 // logit). A pilot j beats token i surely when x_j is clearly above x_i and P_j - P_i exceeds
 // score_margin. Two kinds of pilots are used, so that both the tokens below the best pilot l and
 // the few above it get screened: l itself, for every token clearly below x_l; and for a token in
-// level k (x / T in [M/T - (k+1)/4, M/T - k/4), M the block max), the best pilot of levels 0 .. k-2,
+// level k (x / T in [M/T - (k+1)/4, M/T - k/4), M the block max), the best posted pilot of levels 0 .. k-2,
 // which lie at least T/4 higher: clearly above it for T >= kMinTemperature. A group is screened by
 // its largest logit (a bound for each of its tokens), and a token is kept only if its own bound
 // does not drop it.
@@ -132,15 +132,19 @@ __device__ __forceinline__ void frontier_candidates(const float (&v)[kGroupsPerT
     return;
   }
   auto level_of = [&](float y) { return static_cast<int>(fminf(fmaxf((block_max - y) * inv_t * 4.f, 0.f), kLevels - 1.f)); };
-  // Only levels 0 .. kLevels - 3 bound anything; a warp posts one maximum per level it holds.
+  // Only levels 0 .. kLevels - 3 bound anything. Each thread's pilot token with the largest proxy
+  // stands for its group (one warp match and reduction instead of four: they stalled the block), and a
+  // warp posts one maximum per level it holds.
+  float top_x = x[0], top_p = p[0];
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     if (rank_key(p[e], 4 * pg + e) == best) best_x = x[e];
-    const int level = x[e] > -kInf ? level_of(x[e]) : kLevels;
-    const unsigned int peers = __match_any_sync(0xffffffffu, level);
-    const unsigned int top = __reduce_max_sync(peers, order_key(p[e]));
-    if (level < kLevels - 2 && (threadIdx.x & 31) == __ffs(peers) - 1) atomicMax(&level_best[level], top);
+    if (p[e] > top_p) top_x = x[e], top_p = p[e];
   }
+  const int level = top_x > -kInf ? level_of(top_x) : kLevels;
+  const unsigned int peers = __match_any_sync(0xffffffffu, level);
+  const unsigned int top = __reduce_max_sync(peers, order_key(top_p));
+  if (level < kLevels - 2 && (threadIdx.x & 31) == __ffs(peers) - 1) atomicMax(&level_best[level], top);
   __syncthreads();
   __shared__ float level_bound[kLevels];  // the best pilot proxy of levels 0 .. k-2 (-inf: none)
   if (threadIdx.x < kLevels) {
