@@ -131,7 +131,9 @@ __device__ __forceinline__ void frontier_candidates(const float (&v)[kGroupsPerT
     if (threadIdx.x == 0) *num_cand = kBlockCandidates + 1;
     return;
   }
-  auto level_of = [&](float y) { return static_cast<int>(fminf(fmaxf((block_max - y) * inv_t * 4.f, 0.f), kLevels - 1.f)); };
+  auto level_of = [&](float y) {
+    return static_cast<int>(fminf(fmaxf((block_max - y) * inv_t * 4.f, 0.f), kLevels - 1.f));
+  };
   // Only levels 0 .. kLevels - 3 bound anything. Each thread's pilot token with the largest proxy
   // stands for its group (one warp match and reduction instead of four: they stalled the block), and a
   // warp posts one maximum per level it holds.
@@ -260,7 +262,8 @@ __global__ void __launch_bounds__(kThreads, 4)
     const uint32_t id = cand_id[i];
     bool beaten = false;
     for (unsigned int j = 0; j < n && !beaten; ++j)
-      beaten = j != i && surely_ahead(cand_x[j], cand_id[j], xi, id) && cand_p[j] - pi > score_margin(xi, cand_x[j], inv_t);
+      beaten = j != i && surely_ahead(cand_x[j], cand_id[j], xi, id) &&
+               cand_p[j] - pi > score_margin(xi, cand_x[j], inv_t);
     if (!beaten) {
       const unsigned int slot = atomicAdd(&num_kept, 1u);
       if (slot < kFrontierCap) mine.x[slot] = xi, mine.id[slot] = id;
@@ -481,7 +484,8 @@ __global__ void __launch_bounds__(kThreads, 4)
       if (ahead[f] > 0) atomicAdd(&block_sums[f], units(ahead[f]));
   }
   __syncthreads();
-  if (threadIdx.x < kMassFrontier && block_sums[threadIdx.x]) atomicAdd(&rf->ahead[threadIdx.x], block_sums[threadIdx.x]);
+  if (threadIdx.x < kMassFrontier && block_sums[threadIdx.x])
+    atomicAdd(&rf->ahead[threadIdx.x], block_sums[threadIdx.x]);
   if (threadIdx.x == kMassFrontier) atomicAdd(&rf->total, block_sums[kMassFrontier]);
   if (!finish_and_elect_last(ws.counters + w, splits) || threadIdx.x != 0) return;
 
