@@ -40,7 +40,8 @@ cudaError_t launch_topk_probs(const TsLogits* logits, const float* temperature, 
 extern "C" {
 
 size_t ts_row_stats_scratch_bytes(int32_t num_rows, int64_t vocab) {  // aux rows: at most num_rows
-  return (sizeof(RowPartial) + sizeof(float)) * static_cast<size_t>(num_rows) * num_splits(vocab);
+  return (sizeof(RowPartial) + sizeof(float) + kChunkTiles * sizeof(float)) * static_cast<size_t>(num_rows) *
+         num_splits(vocab);
 }
 
 int ts_row_stats(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace* ws, void* stream) {

@@ -101,6 +101,107 @@ __device__ __forceinline__ void aux_sum_block(const TsRowJob& job, const TsRowSt
   st.aux_sum[w] = total;
 }
 
+// Deferred draws. When every slot draws (a diffusion step: many drawing rows), a chunk's block does
+// not screen its tokens against a bound it must guess: it posts the maxima of its 64 tiles of 128
+// tokens, and the row's last block, which knows the row's argmax and so an L close to the winner's
+// proxy, scores only the tiles that can reach it (spiky rows: tens of tiles, read again from L2).
+// A single drawn slot per request (a verification) keeps the chunk-parallel screen: one row's
+// deferred draw would be one block's serial work on the critical path.
+constexpr int kTileGroups = 32;  // a warp's 32 consecutive groups
+constexpr int kChunkTiles = kChunkGroups / kTileGroups;
+
+// This row's tile maxima: after the RowPartials and the aux partials (at most num_rows rows each).
+__device__ __forceinline__ float* row_tile_maxima(const TsRowJob& job, const TsWorkspace& ws, int w, int splits) {
+  const int64_t partials = static_cast<int64_t>(job.num_rows) * splits;
+  float* aux_partials = reinterpret_cast<float*>(static_cast<RowPartial*>(ws.scratch) + partials);
+  return aux_partials + partials + static_cast<int64_t>(w) * splits * kChunkTiles;
+}
+
+// Tile j * 8 + warp of the chunk is the warp's groups j: their maxima reduced over the warp by a
+// transposing butterfly (9 shuffles for 8 maxima); lane 4 j ends up with tile j * 8 + warp's.
+// Written by 8 lanes of each warp, each fencing its store for the row's last block.
+__device__ __forceinline__ void post_tile_maxima(const float (&v)[kGroupsPerThread][4], float* chunk_tiles) {
+  static_assert(kGroupsPerThread == 8 && kThreads / 32 == 8, "tile layout: 8 groups a thread, 8 warps");
+  const int lane = threadIdx.x & 31;
+  float a[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) a[j] = fmaxf(fmaxf(v[j][0], v[j][1]), fmaxf(v[j][2], v[j][3]));
+  // Each step halves the groups a lane holds: it keeps the half its lane bit selects and takes the
+  // partner's maxima of that half.
+#pragma unroll
+  for (int step = 0, half = 4; half; ++step, half >>= 1) {
+    const bool upper = lane & (16 >> step);
+#pragma unroll
+    for (int i = 0; i < half; ++i) {
+      const float keep = upper ? a[i + half] : a[i], send = upper ? a[i] : a[i + half];
+      a[i] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 16 >> step));
+    }
+  }
+  a[0] = fmaxf(a[0], __shfl_xor_sync(0xffffffffu, a[0], 2));
+  a[0] = fmaxf(a[0], __shfl_xor_sync(0xffffffffu, a[0], 1));
+  if ((lane & 3) == 0) {
+    chunk_tiles[(lane >> 2) * (kThreads / 32) + (threadIdx.x >> 5)] = a[0];
+    __threadfence();
+  }
+}
+
+// The Gumbel-max proxy of a row whose chunks posted tile maxima, by its last block (every thread
+// gets the block's result). L = the argmax token's proxy: a real token's, so the winner's is >= L.
+// Rounds of up to 8 kThreads tiles: the passing ones listed in shared memory, then their groups
+// scored four at a time per thread (the loads in flight together).
+template <typename T>
+__device__ Proxy draw_deferred(const RowView<T>& rv, int64_t vocab, float inv_t, const NoiseStream& noise,
+                               float row_max, int32_t argmax, const float* tile_max, int tiles) {
+  constexpr int kRound = 8 * kThreads, kBatch = 4;
+  __shared__ int32_t passing[kRound];
+  __shared__ int num_passing;
+  __shared__ Proxy warp_px[kThreads / 32];
+  const int lane = threadIdx.x & 31;
+  const ScreenBound sb = screen_bound(fmaf(row_max, inv_t, gumbel_fast(noise.word(static_cast<uint32_t>(argmax)))));
+  Proxy px{-kInf, -kInf, INT_MAX};
+  for (int base = 0; base < tiles; base += kRound) {
+    if (threadIdx.x == 0) num_passing = 0;
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kRound / kThreads; ++i) {
+      const int t = base + i * kThreads + threadIdx.x;
+      const bool pass = t < tiles && screen_threshold(sb, __ldcg(tile_max + t), inv_t) < kNoWordPasses;
+      const uint32_t ballot = __ballot_sync(0xffffffffu, pass);
+      int first = 0;
+      if (lane == 0 && ballot) first = atomicAdd(&num_passing, __popc(ballot));
+      first = __shfl_sync(0xffffffffu, first, 0);
+      if (pass) passing[first + __popc(ballot & ((1u << lane) - 1u))] = t;
+    }
+    __syncthreads();
+    const int groups = num_passing * kTileGroups;
+    for (int q0 = threadIdx.x; q0 < groups; q0 += kBatch * kThreads) {
+      float x[kBatch][4];
+      uint32_t g[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int q = q0 + u * kThreads;
+        g[u] = q < groups ? static_cast<uint32_t>(passing[q / kTileGroups]) * kTileGroups + q % kTileGroups : 0u;
+        if (q < groups) load_group(rv.row, g[u], vocab, rv.aligned, x[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+        if (q0 + u * kThreads < groups) score_screened_group(px, x[u], g[u], sb, inv_t, noise);
+    }
+    __syncthreads();  // passing[] is rewritten by the next round
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1)
+    px = merge_proxy(px, Proxy{__shfl_xor_sync(0xffffffffu, px.p1, o), __shfl_xor_sync(0xffffffffu, px.p2, o),
+                               __shfl_xor_sync(0xffffffffu, px.i1, o)});
+  if (lane == 0) warp_px[threadIdx.x >> 5] = px;
+  __syncthreads();
+  px = warp_px[0];
+#pragma unroll
+  for (int i = 1; i < kThreads / 32; ++i) px = merge_proxy(px, warp_px[i]);
+  if (sb.on) px.p2 = fmaxf(px.p2, sb.thr);  // tokens of the tiles and groups screened out are below thr
+  return px;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, TsRowStats st, TsWorkspace ws) {
   const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
@@ -109,6 +210,7 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
   if (job.active && !job.active[w]) return;  // every block of the row leaves: its counter stays 0
   const JobRow jr = job_row(job, w);
   const bool draw = !jr.greedy && (job.draw_slot < 0 || jr.slot == job.draw_slot);
+  const bool deferred = draw && job.draw_slot < 0;
   const RowView<T> rv = job_view<T>(job, w);
   const int64_t vocab = job.vocab, g0 = static_cast<int64_t>(split) * kChunkGroups;
   const float c2 = jr.inv_t * kLog2e;
@@ -129,7 +231,9 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
 #pragma unroll
         for (int e = 0; e < 4; ++e) s.sum += fast_exp2((v[j][e] - s.max) * c2);
     }
-    if (draw) {  // block-uniform: gumbel_screened synchronises the block
+    if (deferred) {
+      post_tile_maxima(v, row_tile_maxima(job, ws, w, splits) + split * kChunkTiles);
+    } else if (draw) {  // block-uniform: gumbel_screened synchronises the block
       float unused_max = -kInf;
       gumbel_screened(v, rv, vocab, g0, jr.inv_t, job_noise(job, jr), s.proxy, unused_max, row_best);
     }
@@ -148,7 +252,6 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
   if (!finish_by_thread0_and_elect_last(ws.counters + w, splits)) return;
 
   __shared__ RowPartial row;
-  __shared__ bool rescore;
   if (threadIdx.x < 32) {  // warp 0 fetches 32 partials at once; every lane merges them in chunk order
     const int lane = threadIdx.x;
     RowPartial acc{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, INT_MAX};
@@ -164,17 +267,19 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
     }
     if (lane == 0) {
       row = acc;
-      if (draw) *row_best = 0u;  // every block of the row has posted: zero for the next launch
-      const bool valid = acc.max > -kInf;
-      rescore = draw && valid &&
-                !(fabsf(acc.proxy.p1) < kInf && fabsf(acc.max) * jr.inv_t < 0x1p20f &&
-                  acc.proxy.p1 - acc.proxy.p2 > proxy_margin(acc.max, jr.inv_t));
-      if (rescore && ws.fallback_count) atomicAdd(ws.fallback_count, 1ull);
+      if (draw && !deferred) *row_best = 0u;  // every block of the row has posted: zero for the next launch
     }
   }
   __syncthreads();
   const bool valid = row.max > -kInf;
-  int64_t token = !valid ? -1 : draw ? row.proxy.i1 : row.argmax;
+  const Proxy px = deferred && valid ? draw_deferred(rv, vocab, jr.inv_t, job_noise(job, jr), row.max, row.argmax,
+                                                     row_tile_maxima(job, ws, w, splits), splits * kChunkTiles)
+                                     : row.proxy;
+  const bool rescore = draw && valid &&
+                       !(fabsf(px.p1) < kInf && fabsf(row.max) * jr.inv_t < 0x1p20f &&
+                         px.p1 - px.p2 > proxy_margin(row.max, jr.inv_t));
+  if (rescore && threadIdx.x == 0 && ws.fallback_count) atomicAdd(ws.fallback_count, 1ull);
+  int64_t token = !valid ? -1 : draw ? px.i1 : row.argmax;
   if (rescore) {  // the exact scores z + g of the whole row, as Sample's reference computes them
     const NoiseStream noise = job_noise(job, jr);
     uint64_t best = 0;

@@ -46,6 +46,18 @@ def make_batch(x: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0, top
         return_logprobs=return_logprobs, logprobs_mode=logprobs_mode, top_logprobs=top_logprobs)
 
 
+def exact_gumbel_argmax(kernels, x: torch.Tensor, temperature: float, seeds, positions, sample: int,
+                        iteration: int = 3) -> torch.Tensor:
+    """Per row, the argmax of the exact score z + g (g from the kernels' own noise), lowest id on ties."""
+    out = []
+    for r in range(x.shape[0]):
+        _, g = kernels.noise(seeds[r], positions[r], iteration, sample, x.shape[1])
+        row = torch.where(torch.isnan(x[r]) | torch.isposinf(x[r]), float("-inf"), x[r])
+        z = (row - row.max()) / torch.tensor(temperature, dtype=torch.float32, device=x.device)
+        out.append(int(torch.argmax(z + g)))  # first maximum: the lowest id on ties
+    return torch.tensor(out)
+
+
 @pytest.fixture(scope="session")
 def cuda_backend():
     if not torch.cuda.is_available():

@@ -20,7 +20,7 @@ import torch
 
 from tokensampler_server.backends.cuda_kernels import Outputs, RowParams
 
-from .conftest import make_batch
+from .conftest import exact_gumbel_argmax, make_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 
@@ -30,16 +30,6 @@ def _params(b: int, dev: torch.device, temperature: float, seeds: list[int], pos
     return RowParams(full(temperature, torch.float32), full(0, torch.int32), full(1.0, torch.float32),
                      full(0.0, torch.float32), torch.tensor(seeds, dtype=torch.int64, device=dev),
                      torch.tensor(positions, dtype=torch.int64, device=dev), full(3, torch.int64))
-
-
-def _exact_gumbel_argmax(kernels, x: torch.Tensor, temperature: float, seeds, positions, sample: int) -> torch.Tensor:
-    out = []
-    for r in range(x.shape[0]):
-        _, g = kernels.noise(seeds[r], positions[r], 3, sample, x.shape[1])
-        row = torch.where(torch.isnan(x[r]) | torch.isposinf(x[r]), float("-inf"), x[r])
-        z = (row - row.max()) / torch.tensor(temperature, dtype=torch.float32, device=x.device)
-        out.append(int(torch.argmax(z + g)))  # first maximum: the lowest id on ties
-    return torch.tensor(out)
 
 
 def _tight_rows(kernels, vocab: int, seeds, positions, gen: torch.Generator) -> torch.Tensor:
@@ -86,7 +76,7 @@ def test_gumbel_screening_is_exact(cuda_backend, vocab, temperature):
                           flags=torch.empty(b, dtype=torch.uint8, device=dev))
             kernels.gumbel(x, params, out, sample)
             got = out.tokens[:, sample].cpu()
-            want = _exact_gumbel_argmax(kernels, x, temperature, seeds, positions, sample)
+            want = exact_gumbel_argmax(kernels, x, temperature, seeds, positions, sample)
             assert torch.equal(got, want), f"{name}: rows {(got != want).nonzero().flatten().tolist()} differ"
 
 
@@ -175,7 +165,7 @@ def test_gumbel_block_screen_is_exact(cuda_backend, vocab, temperature, dtype):
                       flags=torch.empty(b, dtype=torch.uint8, device=dev))
         kernels.gumbel(x, params, out, sample)
         got = out.tokens[:, sample].cpu()
-        want = _exact_gumbel_argmax(kernels, x.float(), temperature, seeds, positions, sample)
+        want = exact_gumbel_argmax(kernels, x.float(), temperature, seeds, positions, sample)
         assert torch.equal(got, want), f"rows {(got != want).nonzero().flatten().tolist()} differ"
         # each row alone gives the same token (batch invariance through the screen)
         for r in (0, 4, 5):

@@ -22,7 +22,7 @@ from tokensampler_server.ops.diffusion import DiffusionStep, diffusion_step
 from tokensampler_server.ops.topk_probs import topk_probs
 from tokensampler_server.ops.verify import DraftVerification, verify_draft
 
-from .conftest import logits
+from .conftest import exact_gumbel_argmax, logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 
@@ -144,10 +144,56 @@ def test_diffusion_step_flat_logits_many_positions(kernels, cuda_backend, cpu_ba
     _assert_step_agrees(got, diffusion_step(step, cpu_backend), step.mask)
 
 
+def _deferred_draw_rows(rows: int, vocab: int, gen: torch.Generator, dev: torch.device) -> torch.Tensor:
+    """Rows aimed at the deferred draw's tile screen (csrc/workloads.cuh), by r % 6."""
+    x = torch.randn(rows, vocab, device=dev, generator=gen)
+    for r in range(rows):
+        kind = r % 6
+        if kind == 0:  # spiky: tens of tiles pass
+            x[r, torch.randint(0, vocab, (50,), device=dev, generator=gen)] = 10 + 20 * torch.rand(50, device=dev,
+                                                                                                   generator=gen)
+        elif kind == 2:  # a few finite tokens: most tiles are all -inf
+            keep = torch.rand(vocab, device=dev, generator=gen) < 0.003
+            x[r] = torch.where(keep, x[r], torch.full_like(x[r], float("-inf")))
+        elif kind == 3:  # large magnitudes: wide margins
+            x[r] += 1.0e4
+        elif kind == 4:  # one far winner in the last tile, NaN and +inf elsewhere
+            x[r, -2] = 30.0
+            x[r, 7] = float("nan")
+            x[r, 11] = float("inf")
+        elif kind == 5:  # a plateau of equal logits: the noise decides, close calls for the gap test
+            x[r, torch.randperm(vocab, device=dev, generator=gen)[:4000]] = 9.5
+        # kind 1: flat, every tile passes (more than one round of tiles when vocab > 262144)
+    return x
+
+
+@pytest.mark.parametrize("vocab", [V_QWEN, 300001])
+@pytest.mark.parametrize("temperature", [1.0, 0.25, 8.0])
+def test_diffusion_deferred_draw_is_exact(kernels, cuda_backend, vocab, temperature):
+    """Every position's token is the argmax of the exact z + g, bit for bit: the tile screen of the row's
+    last block (L from the argmax's noise) may only skip tokens that cannot win. 300001: rows not aligned
+    to a group, a partial last tile, two rounds of tiles."""
+    sampling_kernels = cuda_backend._kernels
+    dev = sampling_kernels.device
+    gen = torch.Generator(device=dev).manual_seed(vocab + int(temperature * 100))
+    b, length = 2, 6
+    x = _deferred_draw_rows(b * length, vocab, gen, dev)
+    seeds = [4242, 97]
+    step = DiffusionStep(
+        logits=x.view(b, length, vocab), mask=torch.ones(b, length, dtype=torch.bool),
+        temperature=torch.full((b,), temperature), top_k=torch.zeros(b, dtype=torch.int32), top_p=torch.ones(b),
+        min_p=torch.zeros(b), seed=torch.tensor(seeds), iteration=torch.full((b,), 3, dtype=torch.int64),
+        threshold=torch.full((b,), float("nan")), count=torch.zeros(b, dtype=torch.int64))
+    tokens = kernels.diffusion(step)[0].flatten().cpu()
+    row_seeds = [seeds[r // length] for r in range(b * length)]
+    want = exact_gumbel_argmax(sampling_kernels, x, temperature, row_seeds, [r % length for r in range(b * length)], 0)
+    assert torch.equal(tokens, want), f"rows {(tokens != want).nonzero().flatten().tolist()} differ"
+
+
 def test_diffusion_screen_bound_does_not_leak_into_the_next_call(kernels, cuda_backend, cpu_backend):
-    # The row pass shares each row's best Gumbel bound through the workspace. A bound left behind by a
-    # call on logits 1000 higher would screen out every token of the next call's rows: the gap test
-    # would still catch it (exact re-scores, same tokens), so the re-score count is what tells.
+    # The row pass keeps per-row state in the workspace (tile maxima, counters). Anything left behind
+    # by a call on logits 1000 higher would screen out every token of the next call's rows: the gap
+    # test would still catch it (exact re-scores, same tokens), so the re-score count is what tells.
     step = _step(4, 16, V_QWEN, seed=21, temperature=[1.0, 0.6])
     high = DiffusionStep(**{**step.__dict__, "logits": step.logits + 1000.0})
     diffusion_step_cuda(high, kernels, cuda_backend)
