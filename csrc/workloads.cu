@@ -41,7 +41,8 @@ extern "C" {
 
 size_t ts_row_stats_scratch_bytes(int32_t num_rows, int64_t vocab) {  // aux rows: at most num_rows
   return (sizeof(RowPartial) + sizeof(float) + kChunkTiles * sizeof(float)) * static_cast<size_t>(num_rows) *
-         num_splits(vocab);
+             num_splits(vocab) +
+         sizeof(int32_t) * static_cast<size_t>(num_rows);
 }
 
 int ts_row_stats(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace* ws, void* stream) {
@@ -50,11 +51,18 @@ int ts_row_stats(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace
   if (job->aux && (job->aux_per_request < 1 || job->aux_per_request > job->per_request || !stats->aux_sum))
     return cudaErrorInvalidValue;
   if (job->num_rows + aux_rows(*job) > kMaxGridY) return cudaErrorInvalidValue;
+  if (job->draw_slot < 0 && (!stats->row_max || !stats->argmax || !stats->token)) return cudaErrorInvalidValue;
   const dim3 grid(num_splits(job->vocab), static_cast<unsigned int>(job->num_rows + aux_rows(*job)));
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
   return with_dtype(job->dtype, [&](auto t) {
     using T = decltype(t);
-    row_stats_kernel<T><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(*job, *stats, *ws);
-    return cudaGetLastError();
+    row_stats_kernel<T><<<grid, kThreads, 0, s>>>(*job, *stats, *ws);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess || job->draw_slot >= 0) return e;
+    // every slot draws: the rows too dense for a deferred draw by their last block
+    int device = 0, sms = 0;
+    if (cudaError_t e = cudaGetDevice(&device)) return e;
+    if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) return e;
+    return launch_after_previous(&dense_draw_kernel<T>, dim3(4 * sms), dim3(kThreads), 0, s, *job, *stats, *ws);
   });
 }
 

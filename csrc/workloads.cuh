@@ -105,21 +105,33 @@ __device__ __forceinline__ void aux_sum_block(const TsRowJob& job, const TsRowSt
 // not screen its tokens against a bound it must guess: it posts the maxima of its 64 tiles of 128
 // tokens, and the row's last block, which knows the row's argmax and so an L close to the winner's
 // proxy, scores only the tiles that can reach it (spiky rows: tens of tiles, read again from L2).
-// A single drawn slot per request (a verification) keeps the chunk-parallel screen: one row's
-// deferred draw would be one block's serial work on the critical path.
+// A row with more passing tiles than one block should score (flat rows) is listed instead, and
+// dense_draw_kernel scores it chunk by chunk across the GPU. A single drawn slot per request (a
+// verification) keeps the chunk-parallel screen of the row pass.
 constexpr int kTileGroups = 32;  // a warp's 32 consecutive groups
 constexpr int kChunkTiles = kChunkGroups / kTileGroups;
+constexpr int kDeferredTileCap = 4 * kChunkTiles;  // 32 groups a thread of the last block
 
-// This row's tile maxima: after the RowPartials and the aux partials (at most num_rows rows each).
-__device__ __forceinline__ float* row_tile_maxima(const TsRowJob& job, const TsWorkspace& ws, int w, int splits) {
+// The workspace of deferred draws: after the RowPartials and the aux partials (at most num_rows
+// rows each) the tile maxima, then the list of dense rows; its counters after the rows' three sets.
+struct DeferredSpace {
+  float* tile_max;        // [num_rows, splits * kChunkTiles]
+  int32_t* dense_rows;    // [num_rows]
+  unsigned int* dense;    // dense rows listed, next work item of dense_draw_kernel, its blocks done
+};
+
+__device__ __forceinline__ DeferredSpace deferred_space(const TsRowJob& job, const TsWorkspace& ws, int splits) {
   const int64_t partials = static_cast<int64_t>(job.num_rows) * splits;
   float* aux_partials = reinterpret_cast<float*>(static_cast<RowPartial*>(ws.scratch) + partials);
-  return aux_partials + partials + static_cast<int64_t>(w) * splits * kChunkTiles;
+  float* tile_max = aux_partials + partials;
+  return DeferredSpace{tile_max, reinterpret_cast<int32_t*>(tile_max + partials * kChunkTiles),
+                       ws.counters + 3 * job.num_rows};
 }
 
 // Tile j * 8 + warp of the chunk is the warp's groups j: their maxima reduced over the warp by a
-// transposing butterfly (9 shuffles for 8 maxima); lane 4 j ends up with tile j * 8 + warp's.
-// Written by 8 lanes of each warp, each fencing its store for the row's last block.
+// transposing butterfly (9 shuffles for 8 maxima); lane 4 j ends up with tile j * 8 + warp's. The
+// row's last block reads them after the barrier and thread 0's fence before the election (a
+// release covers the writes the barrier ordered before it).
 __device__ __forceinline__ void post_tile_maxima(const float (&v)[kGroupsPerThread][4], float* chunk_tiles) {
   static_assert(kGroupsPerThread == 8 && kThreads / 32 == 8, "tile layout: 8 groups a thread, 8 warps");
   const int lane = threadIdx.x & 31;
@@ -139,40 +151,63 @@ __device__ __forceinline__ void post_tile_maxima(const float (&v)[kGroupsPerThre
   }
   a[0] = fmaxf(a[0], __shfl_xor_sync(0xffffffffu, a[0], 2));
   a[0] = fmaxf(a[0], __shfl_xor_sync(0xffffffffu, a[0], 1));
-  if ((lane & 3) == 0) {
-    chunk_tiles[(lane >> 2) * (kThreads / 32) + (threadIdx.x >> 5)] = a[0];
-    __threadfence();
-  }
+  if ((lane & 3) == 0) chunk_tiles[(lane >> 2) * (kThreads / 32) + (threadIdx.x >> 5)] = a[0];
 }
 
-// The Gumbel-max proxy of a row whose chunks posted tile maxima, by its last block (every thread
-// gets the block's result). L = the argmax token's proxy: a real token's, so the winner's is >= L.
-// Rounds of up to 8 kThreads tiles: the passing ones listed in shared memory, then their groups
-// scored four at a time per thread (the loads in flight together).
+// The screen of a deferred draw: L = the argmax token's proxy, a real token's, so the winner's is >= L.
+__device__ __forceinline__ ScreenBound deferred_bound(float row_max, int64_t argmax, float inv_t,
+                                                      const NoiseStream& noise) {
+  return screen_bound(fmaf(row_max, inv_t, gumbel_fast(noise.word(static_cast<uint32_t>(argmax)))));
+}
+
+// Every thread gets the block's merge of px (warps in order).
+__device__ __forceinline__ Proxy block_merge_proxy(Proxy px) {
+  __shared__ Proxy warp_px[kThreads / 32];
+#pragma unroll
+  for (int o = 16; o; o >>= 1)
+    px = merge_proxy(px, Proxy{__shfl_xor_sync(0xffffffffu, px.p1, o), __shfl_xor_sync(0xffffffffu, px.p2, o),
+                               __shfl_xor_sync(0xffffffffu, px.i1, o)});
+  __syncthreads();  // warp_px may still be read from a previous call
+  if ((threadIdx.x & 31) == 0) warp_px[threadIdx.x >> 5] = px;
+  __syncthreads();
+  px = warp_px[0];
+#pragma unroll
+  for (int i = 1; i < kThreads / 32; ++i) px = merge_proxy(px, warp_px[i]);
+  return px;
+}
+
+// The deferred draw of a row by its last block: px (every thread) is the proxy over the tiles that
+// can reach sb.thr, p2 >= thr. Rounds of up to 8 kThreads tiles: the passing ones listed in shared
+// memory, then their groups scored four at a time per thread (the loads in flight together).
+// Returns false, px unset, when a round has more than kDeferredTileCap passing tiles.
 template <typename T>
-__device__ Proxy draw_deferred(const RowView<T>& rv, int64_t vocab, float inv_t, const NoiseStream& noise,
-                               float row_max, int32_t argmax, const float* tile_max, int tiles) {
-  constexpr int kRound = 8 * kThreads, kBatch = 4;
+__device__ bool draw_deferred(const RowView<T>& rv, int64_t vocab, float inv_t, const NoiseStream& noise,
+                              const ScreenBound& sb, const float* tile_max, int tiles, Proxy& out) {
+  constexpr int kPerThread = 8, kRound = kPerThread * kThreads, kBatch = 4;
   __shared__ int32_t passing[kRound];
   __shared__ int num_passing;
-  __shared__ Proxy warp_px[kThreads / 32];
   const int lane = threadIdx.x & 31;
-  const ScreenBound sb = screen_bound(fmaf(row_max, inv_t, gumbel_fast(noise.word(static_cast<uint32_t>(argmax)))));
   Proxy px{-kInf, -kInf, INT_MAX};
   for (int base = 0; base < tiles; base += kRound) {
     if (threadIdx.x == 0) num_passing = 0;
+    float tm[kPerThread];
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int t = base + i * kThreads + threadIdx.x;
+      tm[i] = t < tiles ? __ldcg(tile_max + t) : -kInf;
+    }
     __syncthreads();
 #pragma unroll
-    for (int i = 0; i < kRound / kThreads; ++i) {
-      const int t = base + i * kThreads + threadIdx.x;
-      const bool pass = t < tiles && screen_threshold(sb, __ldcg(tile_max + t), inv_t) < kNoWordPasses;
+    for (int i = 0; i < kPerThread; ++i) {
+      const bool pass = screen_threshold(sb, tm[i], inv_t) < kNoWordPasses;
       const uint32_t ballot = __ballot_sync(0xffffffffu, pass);
       int first = 0;
       if (lane == 0 && ballot) first = atomicAdd(&num_passing, __popc(ballot));
       first = __shfl_sync(0xffffffffu, first, 0);
-      if (pass) passing[first + __popc(ballot & ((1u << lane) - 1u))] = t;
+      if (pass) passing[first + __popc(ballot & ((1u << lane) - 1u))] = base + i * kThreads + threadIdx.x;
     }
     __syncthreads();
+    if (num_passing > kDeferredTileCap) return false;
     const int groups = num_passing * kTileGroups;
     for (int q0 = threadIdx.x; q0 < groups; q0 += kBatch * kThreads) {
       float x[kBatch][4];
@@ -189,17 +224,41 @@ __device__ Proxy draw_deferred(const RowView<T>& rv, int64_t vocab, float inv_t,
     }
     __syncthreads();  // passing[] is rewritten by the next round
   }
+  out = block_merge_proxy(px);
+  if (sb.on) out.p2 = fmaxf(out.p2, sb.thr);  // tokens of the tiles and groups screened out are below thr
+  return true;
+}
+
+// The exact scores z + g of the whole row, as Sample's reference computes them: the token (block-wide).
+template <typename T>
+__device__ int64_t rescore_row(const RowView<T>& rv, int64_t vocab, float row_max, float temperature,
+                               const NoiseStream& noise) {
+  uint64_t best = 0;
+  for (int64_t g = threadIdx.x; g < (vocab + 3) / 4; g += kThreads) {
+    float x[4];
+    load_group(rv.row, g, vocab, rv.aligned, x);
+    const uint4 words = noise.group(static_cast<uint32_t>(g));
 #pragma unroll
-  for (int o = 16; o; o >>= 1)
-    px = merge_proxy(px, Proxy{__shfl_xor_sync(0xffffffffu, px.p1, o), __shfl_xor_sync(0xffffffffu, px.p2, o),
-                               __shfl_xor_sync(0xffffffffu, px.i1, o)});
-  if (lane == 0) warp_px[threadIdx.x >> 5] = px;
-  __syncthreads();
-  px = warp_px[0];
-#pragma unroll
-  for (int i = 1; i < kThreads / 32; ++i) px = merge_proxy(px, warp_px[i]);
-  if (sb.on) px.p2 = fmaxf(px.p2, sb.thr);  // tokens of the tiles and groups screened out are below thr
-  return px;
+    for (int e = 0; e < 4; ++e) {
+      sanitize(x[e]);
+      if (x[e] > -kInf)
+        best = max(best, rank_key(__fadd_rn(scaled(x[e], row_max, temperature), gumbel_exact(word_of(words, e))),
+                                  static_cast<uint32_t>(4 * g + e)));
+    }
+  }
+  __shared__ uint64_t scratch[kThreads / 32];
+  return key_index(block_allreduce<kThreads>(best, MaxOp{}, scratch));
+}
+
+// The sample from a row's merged proxy (block-uniform): its winner when the gap test passes, else the
+// exact re-score (counted).
+template <typename T>
+__device__ int64_t settle_draw(const Proxy& px, const RowView<T>& rv, int64_t vocab, float row_max, const JobRow& jr,
+                               const NoiseStream& noise, unsigned long long* fallback_count) {
+  if (fabsf(px.p1) < kInf && fabsf(row_max) * jr.inv_t < 0x1p20f && px.p1 - px.p2 > proxy_margin(row_max, jr.inv_t))
+    return px.i1;
+  if (threadIdx.x == 0 && fallback_count) atomicAdd(fallback_count, 1ull);
+  return rescore_row(rv, vocab, row_max, jr.temperature, noise);
 }
 
 template <typename T>
@@ -214,6 +273,8 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
   const RowView<T> rv = job_view<T>(job, w);
   const int64_t vocab = job.vocab, g0 = static_cast<int64_t>(split) * kChunkGroups;
   const float c2 = jr.inv_t * kLog2e;
+  const DeferredSpace d = deferred_space(job, ws, splits);
+  float* const row_tiles = d.tile_max + static_cast<int64_t>(w) * splits * kChunkTiles;
 
   unsigned int* row_best = ws.counters + 2 * job.num_rows + w;  // after the rows' and aux rows' counters
   RowPartial s{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, INT_MAX};
@@ -232,7 +293,7 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
         for (int e = 0; e < 4; ++e) s.sum += fast_exp2((v[j][e] - s.max) * c2);
     }
     if (deferred) {
-      post_tile_maxima(v, row_tile_maxima(job, ws, w, splits) + split * kChunkTiles);
+      post_tile_maxima(v, row_tiles + split * kChunkTiles);
     } else if (draw) {  // block-uniform: gumbel_screened synchronises the block
       float unused_max = -kInf;
       gumbel_screened(v, rv, vocab, g0, jr.inv_t, job_noise(job, jr), s.proxy, unused_max, row_best);
@@ -272,36 +333,76 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
   }
   __syncthreads();
   const bool valid = row.max > -kInf;
-  const Proxy px = deferred && valid ? draw_deferred(rv, vocab, jr.inv_t, job_noise(job, jr), row.max, row.argmax,
-                                                     row_tile_maxima(job, ws, w, splits), splits * kChunkTiles)
-                                     : row.proxy;
-  const bool rescore = draw && valid &&
-                       !(fabsf(px.p1) < kInf && fabsf(row.max) * jr.inv_t < 0x1p20f &&
-                         px.p1 - px.p2 > proxy_margin(row.max, jr.inv_t));
-  if (rescore && threadIdx.x == 0 && ws.fallback_count) atomicAdd(ws.fallback_count, 1ull);
-  int64_t token = !valid ? -1 : draw ? px.i1 : row.argmax;
-  if (rescore) {  // the exact scores z + g of the whole row, as Sample's reference computes them
-    const NoiseStream noise = job_noise(job, jr);
-    uint64_t best = 0;
-    for (int64_t g = threadIdx.x; g < (vocab + 3) / 4; g += kThreads) {
-      float x[4];
-      load_group(rv.row, g, vocab, rv.aligned, x);
-      const uint4 words = noise.group(static_cast<uint32_t>(g));
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        sanitize(x[e]);
-        if (x[e] > -kInf)
-          best = max(best, gumbel_key(scaled(x[e], row.max, jr.temperature), static_cast<uint32_t>(4 * g + e), noise));
-      }
-    }
-    __shared__ uint64_t scratch[kThreads / 32];
-    token = key_index(block_allreduce<kThreads>(best, MaxOp{}, scratch));
+  if (threadIdx.x == 0) {
+    if (st.row_max) st.row_max[w] = row.max;
+    if (st.row_sum) st.row_sum[w] = row.sum;
+    if (st.argmax) st.argmax[w] = valid ? row.argmax : -1;
   }
-  if (threadIdx.x != 0) return;
-  if (st.row_max) st.row_max[w] = row.max;
-  if (st.row_sum) st.row_sum[w] = row.sum;
-  if (st.argmax) st.argmax[w] = valid ? row.argmax : -1;
-  if (st.token) st.token[w] = token;
+  int64_t token = valid ? row.argmax : -1;
+  if (valid && draw) {
+    const NoiseStream noise = job_noise(job, jr);
+    Proxy px = row.proxy;
+    if (deferred && !draw_deferred(rv, vocab, jr.inv_t, noise, deferred_bound(row.max, row.argmax, jr.inv_t, noise),
+                                   row_tiles, splits * kChunkTiles, px)) {
+      if (threadIdx.x == 0) d.dense_rows[atomicAdd(d.dense, 1u)] = w;  // dense_draw_kernel draws it
+      return;
+    }
+    token = settle_draw(px, rv, vocab, row.max, jr, noise, ws.fallback_count);
+  }
+  if (threadIdx.x == 0 && st.token) st.token[w] = token;
+}
+
+// The draws of the rows row_stats_kernel listed as dense, after it (programmatic dependent launch):
+// persistent blocks take (row, chunk) items from a counter and score the chunk against the row's
+// deferred bound; the row's last chunk merges the proxies in chunk order and settles the sample.
+// The last block to finish zeroes the three counters for the next launch.
+template <typename T>
+__device__ void draw_dense_chunk(const TsRowJob& job, const TsRowStats& st, const TsWorkspace& ws, int w, int split,
+                                 int splits) {
+  const JobRow jr = job_row(job, w);
+  const RowView<T> rv = job_view<T>(job, w);
+  const NoiseStream noise = job_noise(job, jr);
+  const float row_max = __ldcg(st.row_max + w);
+  const ScreenBound sb = deferred_bound(row_max, __ldcg(st.argmax + w), jr.inv_t, noise);
+  const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
+  float v[kGroupsPerThread][4];
+  load_chunk(rv, job.vocab, g0, v);
+  Proxy px{-kInf, -kInf, INT_MAX};
+#pragma unroll
+  for (int j = 0; j < kGroupsPerThread; ++j)
+    score_screened_group(px, v[j], static_cast<uint32_t>(g0 + threadIdx.x + j * kThreads), sb, jr.inv_t, noise);
+  px = block_merge_proxy(px);
+  RowPartial* partials = static_cast<RowPartial*>(ws.scratch) + static_cast<int64_t>(w) * splits;  // row_stats' own
+  if (threadIdx.x == 0) partials[split].proxy = px;
+  if (!finish_by_thread0_and_elect_last(ws.counters + w, splits)) return;
+  Proxy acc{-kInf, -kInf, INT_MAX};
+  for (int i = 0; i < splits; ++i) {
+    const Proxy* p = &partials[i].proxy;
+    acc = merge_proxy(acc, Proxy{__ldcg(&p->p1), __ldcg(&p->p2), __ldcg(&p->i1)});
+  }
+  if (sb.on) acc.p2 = fmaxf(acc.p2, sb.thr);  // tokens the screen skipped are below thr
+  const int64_t token = settle_draw(acc, rv, job.vocab, row_max, jr, noise, ws.fallback_count);
+  if (threadIdx.x == 0) st.token[w] = token;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) dense_draw_kernel(TsRowJob job, TsRowStats st, TsWorkspace ws) {
+  let_next_grid_launch();
+  wait_for_previous_grid();
+  const int splits = num_splits(job.vocab);
+  const DeferredSpace d = deferred_space(job, ws, splits);
+  const unsigned int items = __ldcg(d.dense) * static_cast<unsigned int>(splits);
+  if (items == 0) return;  // the common case: nothing listed, no counter touched
+  __shared__ unsigned int next;
+  for (;;) {
+    __syncthreads();  // every thread has read `next`
+    if (threadIdx.x == 0) next = atomicAdd(d.dense + 1, 1u);
+    __syncthreads();
+    const unsigned int item = next;
+    if (item >= items) break;
+    draw_dense_chunk<T>(job, st, ws, __ldcg(d.dense_rows + item / splits), static_cast<int>(item % splits), splits);
+  }
+  if (threadIdx.x == 0 && atomicAdd(d.dense + 2, 1u) == gridDim.x - 1) d.dense[0] = d.dense[1] = d.dense[2] = 0u;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -44,8 +44,11 @@ typedef struct {
 size_t ts_row_stats_scratch_bytes(int32_t num_rows, int64_t vocab);
 
 /* One read of every active row: max, argmax, sum of exponentials, the Gumbel-max sample; and of
- * every aux row (its sum). Workspace counters: 3 num_rows (the rows', the aux rows' (at most
- * num_rows) and, from 2 num_rows on, each drawing row's best screening pilot). */
+ * every aux row (its sum). Workspace counters: 3 num_rows + 3 (the rows', the aux rows' (at most
+ * num_rows), from 2 num_rows on each drawing row's best screening pilot, then the three of the
+ * deferred draws). With draw_slot -1 (every slot draws) the sample of each row is drawn after its
+ * statistics, by the row's last block or, for rows with many candidate tiles, by a second kernel
+ * launched here; row_max, argmax and token are then required. */
 int ts_row_stats(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace* ws, void* stream);
 
 /* The diffusion step after ts_row_stats on its [B * L] rows (active = the mask): confidences, tokens

@@ -40,7 +40,8 @@ class WorkloadKernels:
     several threads or streams (the dispatch below holds `lock`).
     """
 
-    kernel_names = ("row_stats_kernel", "diffusion_commit_kernel", "verify_finish_kernel", "topk_probs_kernel<32..256>")
+    kernel_names = ("row_stats_kernel", "dense_draw_kernel", "diffusion_commit_kernel", "verify_finish_kernel",
+                    "topk_probs_kernel<32..256>")
 
     def __init__(self, device_index: int = 0) -> None:
         self.device = torch.device("cuda", device_index)
@@ -103,8 +104,9 @@ class WorkloadKernels:
         }
         if with_aux:
             stats["aux_sum"] = torch.empty(num_rows, dtype=torch.float32, device=dev)
-        # counters of the rows, of the aux rows (rows of their own), and the rows' best screening pilots
-        ws = self._workspace(3 * num_rows, self.module.row_stats_scratch_bytes(num_rows, vocab))
+        # counters of the rows, of the aux rows (rows of their own), the rows' best screening pilots,
+        # and the three of the deferred draws (csrc/workloads.h)
+        ws = self._workspace(3 * num_rows + 3, self.module.row_stats_scratch_bytes(num_rows, vocab))
         self.module.row_stats(job, _stats_pointers(stats), ws, self._stream())
         return stats
 
