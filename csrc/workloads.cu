@@ -53,34 +53,34 @@ int ts_row_stats(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace
   if (job->num_rows + aux_rows(*job) > kMaxGridY) return cudaErrorInvalidValue;
   if (job->draw_slot < 0 && (!stats->row_max || !stats->argmax || !stats->token)) return cudaErrorInvalidValue;
   const dim3 grid(num_splits(job->vocab), static_cast<unsigned int>(job->num_rows + aux_rows(*job)));
-  const cudaStream_t s = static_cast<cudaStream_t>(stream);
   return with_dtype(job->dtype, [&](auto t) {
     using T = decltype(t);
-    row_stats_kernel<T><<<grid, kThreads, 0, s>>>(*job, *stats, *ws);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess || job->draw_slot >= 0) return e;
-    // every slot draws: the rows too dense for a deferred draw by their last block
-    int device = 0, sms = 0;
-    if (cudaError_t e = cudaGetDevice(&device)) return e;
-    if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) return e;
-    return launch_after_previous(&dense_draw_kernel<T>, dim3(4 * sms), dim3(kThreads), 0, s, *job, *stats, *ws);
+    row_stats_kernel<T><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(*job, *stats, *ws);
+    return cudaGetLastError();
   });
 }
 
-int ts_diffusion_commit(const TsRowJob* job, const TsRowStats* stats, const float* threshold, const int64_t* count,
-                        int64_t* tokens, float* confidences, uint8_t* mask_out, void* stream) {
-  if (bad_job(job) || !job->active || !stats->token || !stats->row_max || !stats->row_sum) return cudaErrorInvalidValue;
+int ts_diffusion_commit(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace* ws, const float* threshold,
+                        const int64_t* count, int64_t* tokens, float* confidences, uint8_t* mask_out, void* stream) {
+  if (bad_job(job) || job->draw_slot >= 0 || !job->active || !stats->token || !stats->row_max || !stats->row_sum ||
+      !stats->argmax)
+    return cudaErrorInvalidValue;
   const int requests = job->num_rows / job->per_request;
   if (requests == 0) return cudaSuccess;
   const size_t smem = static_cast<size_t>(job->per_request) * (sizeof(float) + 1);
+  int device = 0, sms = 0;
+  if (cudaError_t e = cudaGetDevice(&device)) return e;
+  if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) return e;
   return with_dtype(job->dtype, [&](auto t) {
     using T = decltype(t);
-    const void* kernel = reinterpret_cast<const void*>(&diffusion_commit_kernel<T>);
+    const void* kernel = reinterpret_cast<const void*>(&diffusion_finish_kernel<T>);
     if (smem > 48 * 1024) {
       if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)))
         return e;
     }
-    return launch_after_previous(&diffusion_commit_kernel<T>, dim3(requests), dim3(kCommitThreads), smem,
-                                 static_cast<cudaStream_t>(stream), *job, *stats, threshold, count, tokens,
+    // persistent: enough blocks for the dense rows' chunks (flat rows), a few per SM
+    return launch_after_previous(&diffusion_finish_kernel<T>, dim3(4 * sms), dim3(kThreads), smem,
+                                 static_cast<cudaStream_t>(stream), *job, *stats, *ws, threshold, count, tokens,
                                  confidences, mask_out);
   });
 }

@@ -106,8 +106,8 @@ __device__ __forceinline__ void aux_sum_block(const TsRowJob& job, const TsRowSt
 // tokens, and the row's last block, which knows the row's argmax and so an L close to the winner's
 // proxy, scores only the tiles that can reach it (spiky rows: tens of tiles, read again from L2).
 // A row with more passing tiles than one block should score (flat rows) is listed instead, and
-// dense_draw_kernel scores it chunk by chunk across the GPU. A single drawn slot per request (a
-// verification) keeps the chunk-parallel screen of the row pass.
+// diffusion_finish_kernel scores it chunk by chunk across the GPU. A single drawn slot per request
+// (a verification) keeps the chunk-parallel screen of the row pass.
 constexpr int kTileGroups = 32;  // a warp's 32 consecutive groups
 constexpr int kChunkTiles = kChunkGroups / kTileGroups;
 constexpr int kDeferredTileCap = 4 * kChunkTiles;  // 32 groups a thread of the last block
@@ -117,15 +117,17 @@ constexpr int kDeferredTileCap = 4 * kChunkTiles;  // 32 groups a thread of the 
 struct DeferredSpace {
   float* tile_max;        // [num_rows, splits * kChunkTiles]
   int32_t* dense_rows;    // [num_rows]
-  unsigned int* dense;    // dense rows listed, next work item of dense_draw_kernel, its blocks done
+  unsigned int* dense;    // [2]: dense rows listed, next work item of diffusion_finish_kernel
+  unsigned int* pending;  // [requests]: dense rows of the request not yet drawn
 };
 
 __device__ __forceinline__ DeferredSpace deferred_space(const TsRowJob& job, const TsWorkspace& ws, int splits) {
   const int64_t partials = static_cast<int64_t>(job.num_rows) * splits;
   float* aux_partials = reinterpret_cast<float*>(static_cast<RowPartial*>(ws.scratch) + partials);
   float* tile_max = aux_partials + partials;
-  return DeferredSpace{tile_max, reinterpret_cast<int32_t*>(tile_max + partials * kChunkTiles),
-                       ws.counters + 3 * job.num_rows};
+  unsigned int* counters = ws.counters + 3 * job.num_rows;
+  return DeferredSpace{tile_max, reinterpret_cast<int32_t*>(tile_max + partials * kChunkTiles), counters,
+                       counters + 2};
 }
 
 // Tile j * 8 + warp of the chunk is the warp's groups j: their maxima reduced over the warp by a
@@ -344,7 +346,10 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
     Proxy px = row.proxy;
     if (deferred && !draw_deferred(rv, vocab, jr.inv_t, noise, deferred_bound(row.max, row.argmax, jr.inv_t, noise),
                                    row_tiles, splits * kChunkTiles, px)) {
-      if (threadIdx.x == 0) d.dense_rows[atomicAdd(d.dense, 1u)] = w;  // dense_draw_kernel draws it
+      if (threadIdx.x == 0) {  // diffusion_finish_kernel draws it
+        atomicAdd(d.pending + jr.b, 1u);
+        d.dense_rows[atomicAdd(d.dense, 1u)] = w;
+      }
       return;
     }
     token = settle_draw(px, rv, vocab, row.max, jr, noise, ws.fallback_count);
@@ -352,77 +357,30 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
   if (threadIdx.x == 0 && st.token) st.token[w] = token;
 }
 
-// The draws of the rows row_stats_kernel listed as dense, after it (programmatic dependent launch):
-// persistent blocks take (row, chunk) items from a counter and score the chunk against the row's
-// deferred bound; the row's last chunk merges the proxies in chunk order and settles the sample.
-// The last block to finish zeroes the three counters for the next launch.
-template <typename T>
-__device__ void draw_dense_chunk(const TsRowJob& job, const TsRowStats& st, const TsWorkspace& ws, int w, int split,
-                                 int splits) {
-  const JobRow jr = job_row(job, w);
-  const RowView<T> rv = job_view<T>(job, w);
-  const NoiseStream noise = job_noise(job, jr);
-  const float row_max = __ldcg(st.row_max + w);
-  const ScreenBound sb = deferred_bound(row_max, __ldcg(st.argmax + w), jr.inv_t, noise);
-  const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
-  float v[kGroupsPerThread][4];
-  load_chunk(rv, job.vocab, g0, v);
-  Proxy px{-kInf, -kInf, INT_MAX};
-#pragma unroll
-  for (int j = 0; j < kGroupsPerThread; ++j)
-    score_screened_group(px, v[j], static_cast<uint32_t>(g0 + threadIdx.x + j * kThreads), sb, jr.inv_t, noise);
-  px = block_merge_proxy(px);
-  RowPartial* partials = static_cast<RowPartial*>(ws.scratch) + static_cast<int64_t>(w) * splits;  // row_stats' own
-  if (threadIdx.x == 0) partials[split].proxy = px;
-  if (!finish_by_thread0_and_elect_last(ws.counters + w, splits)) return;
-  Proxy acc{-kInf, -kInf, INT_MAX};
-  for (int i = 0; i < splits; ++i) {
-    const Proxy* p = &partials[i].proxy;
-    acc = merge_proxy(acc, Proxy{__ldcg(&p->p1), __ldcg(&p->p2), __ldcg(&p->i1)});
-  }
-  if (sb.on) acc.p2 = fmaxf(acc.p2, sb.thr);  // tokens the screen skipped are below thr
-  const int64_t token = settle_draw(acc, rv, job.vocab, row_max, jr, noise, ws.fallback_count);
-  if (threadIdx.x == 0) st.token[w] = token;
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kThreads) dense_draw_kernel(TsRowJob job, TsRowStats st, TsWorkspace ws) {
-  let_next_grid_launch();
-  wait_for_previous_grid();
-  const int splits = num_splits(job.vocab);
-  const DeferredSpace d = deferred_space(job, ws, splits);
-  const unsigned int items = __ldcg(d.dense) * static_cast<unsigned int>(splits);
-  if (items == 0) return;  // the common case: nothing listed, no counter touched
-  __shared__ unsigned int next;
-  for (;;) {
-    __syncthreads();  // every thread has read `next`
-    if (threadIdx.x == 0) next = atomicAdd(d.dense + 1, 1u);
-    __syncthreads();
-    const unsigned int item = next;
-    if (item >= items) break;
-    draw_dense_chunk<T>(job, st, ws, __ldcg(d.dense_rows + item / splits), static_cast<int>(item % splits), splits);
-  }
-  if (threadIdx.x == 0 && atomicAdd(d.dense + 2, 1u) == gridDim.x - 1) d.dense[0] = d.dense[1] = d.dense[2] = 0u;
-}
-
 // ---------------------------------------------------------------------------------------------
-// Diffusion commit: one block per request. Confidence of a masked position = exp(z_tok - log S) with
-// z = (x - max) / T (T = 1 for greedy), then choice 14's rule: threshold, the `count` most confident
-// (confidence desc, index asc), at least one while a committable position remains.
+// Diffusion step after the row pass: the dense rows' draws, then each request's commit by one block.
+// Confidence of a masked position = exp(z_tok - log S) with z = (x - max) / T (T = 1 for greedy), then
+// choice 14's rule: threshold, the `count` most confident (confidence desc, index asc), at least one
+// while a committable position remains.
 
-constexpr int kCommitThreads = 256;
+constexpr int kCommitThreads = kThreads;
 
 __device__ __forceinline__ bool ranks_before(float cj, int j, float ci, int i) {
   return cj > ci || (cj == ci && j < i);
 }
 
+// Request b's commit by one block, once its dense rows are drawn. conf_key: [L] floats then [L] bytes
+// of shared memory.
 template <typename T>
-__global__ void __launch_bounds__(kCommitThreads)
-    diffusion_commit_kernel(TsRowJob job, TsRowStats st, const float* threshold, const int64_t* count,
-                            int64_t* tokens, float* confidences, uint8_t* mask_out) {
-  extern __shared__ float conf_key[];  // [L]: confidence of committable positions, -1 elsewhere
-  const int b = blockIdx.x, L = job.per_request;
-  wait_for_previous_grid();  // launched to overlap row_stats' tail
+__device__ void commit_request(const TsRowJob& job, const TsRowStats& st, const DeferredSpace& d, int b,
+                               const float* threshold, const int64_t* count, int64_t* tokens, float* confidences,
+                               uint8_t* mask_out, float* conf_key) {
+  const int L = job.per_request;
+  if (threadIdx.x == 0) {
+    while (atomicAdd(d.pending + b, 0u) != 0u) __nanosleep(256);  // dense rows taken before any commit item
+    __threadfence();
+  }
+  __syncthreads();
   uint8_t* commit_of = reinterpret_cast<uint8_t*>(conf_key + L);  // [L]
   const float tau = threshold[b];
   const int64_t c = count[b];
@@ -482,6 +440,77 @@ __global__ void __launch_bounds__(kCommitThreads)
     const int w = b * L + l;
     const bool commit = commit_of[l] || (any_eligible && !committed_any && l == bi);
     mask_out[w] = job.active[w] && !commit;
+  }
+  __syncthreads();  // conf_key and commit_of are reused by the block's next item
+}
+
+// A chunk of a row row_stats_kernel listed as dense, scored against the row's deferred bound; the
+// row's last chunk merges the proxies in chunk order, settles the sample and counts the row off its
+// request's pending dense rows.
+template <typename T>
+__device__ void draw_dense_chunk(const TsRowJob& job, const TsRowStats& st, const TsWorkspace& ws,
+                                 const DeferredSpace& d, int w, int split, int splits) {
+  const JobRow jr = job_row(job, w);
+  const RowView<T> rv = job_view<T>(job, w);
+  const NoiseStream noise = job_noise(job, jr);
+  const float row_max = __ldcg(st.row_max + w);
+  const ScreenBound sb = deferred_bound(row_max, __ldcg(st.argmax + w), jr.inv_t, noise);
+  const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
+  float v[kGroupsPerThread][4];
+  load_chunk(rv, job.vocab, g0, v);
+  Proxy px{-kInf, -kInf, INT_MAX};
+#pragma unroll
+  for (int j = 0; j < kGroupsPerThread; ++j)
+    score_screened_group(px, v[j], static_cast<uint32_t>(g0 + threadIdx.x + j * kThreads), sb, jr.inv_t, noise);
+  px = block_merge_proxy(px);
+  RowPartial* partials = static_cast<RowPartial*>(ws.scratch) + static_cast<int64_t>(w) * splits;  // row_stats' own
+  if (threadIdx.x == 0) partials[split].proxy = px;
+  if (!finish_by_thread0_and_elect_last(ws.counters + w, splits)) return;
+  Proxy acc{-kInf, -kInf, INT_MAX};
+  for (int i = 0; i < splits; ++i) {
+    const Proxy* p = &partials[i].proxy;
+    acc = merge_proxy(acc, Proxy{__ldcg(&p->p1), __ldcg(&p->p2), __ldcg(&p->i1)});
+  }
+  if (sb.on) acc.p2 = fmaxf(acc.p2, sb.thr);  // tokens the screen skipped are below thr
+  const int64_t token = settle_draw(acc, rv, job.vocab, row_max, jr, noise, ws.fallback_count);
+  if (threadIdx.x == 0) {
+    st.token[w] = token;
+    __threadfence();
+    atomicSub(d.pending + jr.b, 1u);
+  }
+}
+
+// The diffusion step after row_stats_kernel (programmatic dependent launch): persistent blocks take
+// items from a counter, first the (row, chunk) items of the rows row_stats listed as dense, then one
+// commit per request. Every dense item is taken before any commit item, and a commit waits only for
+// dense items already taken, so the wait always ends. The block that takes the last item (past the
+// end) zeroes the counters for the next launch: every other block has taken its last one by then.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) diffusion_finish_kernel(TsRowJob job, TsRowStats st, TsWorkspace ws,
+                                                                    const float* threshold, const int64_t* count,
+                                                                    int64_t* tokens, float* confidences,
+                                                                    uint8_t* mask_out) {
+  extern __shared__ float conf_key[];
+  wait_for_previous_grid();
+  const int splits = num_splits(job.vocab);
+  const DeferredSpace d = deferred_space(job, ws, splits);
+  const unsigned int dense_items = __ldcg(d.dense) * static_cast<unsigned int>(splits);
+  const unsigned int items = dense_items + static_cast<unsigned int>(job.num_rows / job.per_request);
+  __shared__ unsigned int next;
+  for (;;) {
+    __syncthreads();  // every thread has read `next`
+    if (threadIdx.x == 0) next = atomicAdd(d.dense + 1, 1u);
+    __syncthreads();
+    const unsigned int item = next;
+    if (item >= items) {
+      if (threadIdx.x == 0 && item == items + gridDim.x - 1) d.dense[0] = d.dense[1] = 0u;
+      return;
+    }
+    if (item < dense_items)
+      draw_dense_chunk<T>(job, st, ws, d, __ldcg(d.dense_rows + item / splits), static_cast<int>(item % splits), splits);
+    else
+      commit_request<T>(job, st, d, static_cast<int>(item - dense_items), threshold, count, tokens, confidences,
+                        mask_out, conf_key);
   }
 }
 
