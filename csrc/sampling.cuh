@@ -225,24 +225,6 @@ __device__ __forceinline__ uint32_t screen_word(float gx, float inv_t, float a) 
   return ~(0xFFFFFFFFu >> k);
 }
 
-// The screen of a known L (a real token's proxy): thr = L - delta, with delta above the gap test's
-// margin, and screen_word's `a` for that thr. `on` is false when L is infinite or near overflow:
-// then every finite token is scored.
-struct ScreenBound {
-  bool on;
-  float thr, a;
-};
-
-__device__ __forceinline__ ScreenBound screen_bound(float L) {
-  const float thr = L - (0x1p-18f * (fabsf(L) + 64.f) + 1e-4f);
-  return ScreenBound{fabsf(L) < 0x1p20f, thr, fmaf(-0x1p-19f, fabsf(thr), thr - 2e-4f)};
-}
-
-// Word threshold of a group (or of any set of tokens) whose largest logit is gx, under sb.
-__device__ __forceinline__ uint32_t screen_threshold(const ScreenBound& sb, float gx, float inv_t) {
-  return sb.on ? screen_word(gx, inv_t, sb.a) : (gx > -kInf ? 0u : ~0u);
-}
-
 __device__ __forceinline__ void proxy_update(Proxy& px, float p, uint32_t id) {
   const bool better = p > px.p1;
   px.p2 = better ? px.p1 : fmaxf(px.p2, p);
@@ -301,20 +283,6 @@ __device__ __forceinline__ uint32_t groups_with_passing_words(const uint32_t (&t
   return gmask;
 }
 
-// Group g's tokens (x as load_group read them) into px where their Philox words may reach sb.thr.
-__device__ __forceinline__ void score_screened_group(Proxy& px, float (&x)[4], uint32_t g, const ScreenBound& sb,
-                                                     float inv_t, const NoiseStream& noise) {
-#pragma unroll
-  for (int e = 0; e < 4; ++e) sanitize(x[e]);
-  const uint32_t th = screen_threshold(sb, fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3])), inv_t);
-  const uint4 words = noise.group(g);
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const uint32_t word = word_of(words, e);
-    if (word >= th) proxy_update(px, fmaf(x[e], inv_t, gumbel_fast(word)), 4 * g + e);
-  }
-}
-
 // The block stage of the LSE-free kernel: px holds every token whose proxy may reach thr, and
 // p2 >= thr (no thr when the screen is off: all tokens scored).
 // row_best (optional, zero before the row's first block): the order key of the best pilot that
@@ -359,12 +327,15 @@ __device__ __forceinline__ void gumbel_screened(const float (&v)[kGroupsPerThrea
     seen = __shfl_sync(0xffffffffu, seen, 0);
     if (seen) L = fmaxf(L, key_to_float(seen));
   }
-  const ScreenBound sb = screen_bound(L);
+  const bool screen = fabsf(L) < 0x1p20f;  // finite and far from overflow; else score everything
+  const float thr = L - (0x1p-18f * (fabsf(L) + 64.f) + 1e-4f);
+  const float a = fmaf(-0x1p-19f, fabsf(thr), thr - 2e-4f);
   uint32_t th[kSlots];
   uint32_t need = 0;
 #pragma unroll
   for (int i = 0; i < kSlots; ++i) {
-    th[i] = screen_threshold(sb, i >= pilot ? gx[i + 1] : gx[i], inv_t);
+    const float g = i >= pilot ? gx[i + 1] : gx[i];
+    th[i] = screen ? screen_word(g, inv_t, a) : (g > -kInf ? 0u : ~0u);
     if (th[i] < kNoWordPasses) need |= 1u << i;
   }
   uint32_t gmask = groups_with_passing_words(th, need, pilot, gbase, noise);
@@ -374,9 +345,17 @@ __device__ __forceinline__ void gumbel_screened(const float (&v)[kGroupsPerThrea
     const uint32_t g = gbase + j * kThreads;
     float x[4];
     load_group(rv.row, g, vocab, rv.aligned, x);
-    score_screened_group(px, x, g, sb, inv_t, noise);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sanitize(x[e]);
+    const uint32_t th = screen ? screen_word(fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3])), inv_t, a) : 0u;
+    const uint4 words = noise.group(g);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const uint32_t word = word_of(words, e);
+      if (word >= th) proxy_update(px, fmaf(x[e], inv_t, gumbel_fast(word)), 4 * g + e);
+    }
   }
-  if (sb.on) px.p2 = fmaxf(px.p2, sb.thr);  // tokens the screen skipped have proxies below thr
+  if (screen) px.p2 = fmaxf(px.p2, thr);  // tokens the screen skipped have proxies below thr
 }
 
 template <typename T, bool LSE>

@@ -40,9 +40,7 @@ cudaError_t launch_topk_probs(const TsLogits* logits, const float* temperature, 
 extern "C" {
 
 size_t ts_row_stats_scratch_bytes(int32_t num_rows, int64_t vocab) {  // aux rows: at most num_rows
-  return (sizeof(RowPartial) + sizeof(float) + kChunkTiles * sizeof(float)) * static_cast<size_t>(num_rows) *
-             num_splits(vocab) +
-         sizeof(int32_t) * static_cast<size_t>(num_rows);
+  return (sizeof(RowPartial) + sizeof(float)) * static_cast<size_t>(num_rows) * num_splits(vocab);
 }
 
 int ts_row_stats(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace* ws, void* stream) {
@@ -51,7 +49,6 @@ int ts_row_stats(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace
   if (job->aux && (job->aux_per_request < 1 || job->aux_per_request > job->per_request || !stats->aux_sum))
     return cudaErrorInvalidValue;
   if (job->num_rows + aux_rows(*job) > kMaxGridY) return cudaErrorInvalidValue;
-  if (job->draw_slot < 0 && (!stats->row_max || !stats->argmax || !stats->token)) return cudaErrorInvalidValue;
   const dim3 grid(num_splits(job->vocab), static_cast<unsigned int>(job->num_rows + aux_rows(*job)));
   return with_dtype(job->dtype, [&](auto t) {
     using T = decltype(t);
@@ -60,27 +57,21 @@ int ts_row_stats(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace
   });
 }
 
-int ts_diffusion_commit(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace* ws, const float* threshold,
-                        const int64_t* count, int64_t* tokens, float* confidences, uint8_t* mask_out, void* stream) {
-  if (bad_job(job) || job->draw_slot >= 0 || !job->active || !stats->token || !stats->row_max || !stats->row_sum ||
-      !stats->argmax)
-    return cudaErrorInvalidValue;
+int ts_diffusion_commit(const TsRowJob* job, const TsRowStats* stats, const float* threshold, const int64_t* count,
+                        int64_t* tokens, float* confidences, uint8_t* mask_out, void* stream) {
+  if (bad_job(job) || !job->active || !stats->token || !stats->row_max || !stats->row_sum) return cudaErrorInvalidValue;
   const int requests = job->num_rows / job->per_request;
   if (requests == 0) return cudaSuccess;
   const size_t smem = static_cast<size_t>(job->per_request) * (sizeof(float) + 1);
-  int device = 0, sms = 0;
-  if (cudaError_t e = cudaGetDevice(&device)) return e;
-  if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) return e;
   return with_dtype(job->dtype, [&](auto t) {
     using T = decltype(t);
-    const void* kernel = reinterpret_cast<const void*>(&diffusion_finish_kernel<T>);
+    const void* kernel = reinterpret_cast<const void*>(&diffusion_commit_kernel<T>);
     if (smem > 48 * 1024) {
       if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)))
         return e;
     }
-    // persistent: enough blocks for the dense rows' chunks (flat rows), a few per SM
-    return launch_after_previous(&diffusion_finish_kernel<T>, dim3(4 * sms), dim3(kThreads), smem,
-                                 static_cast<cudaStream_t>(stream), *job, *stats, *ws, threshold, count, tokens,
+    return launch_after_previous(&diffusion_commit_kernel<T>, dim3(requests), dim3(kCommitThreads), smem,
+                                 static_cast<cudaStream_t>(stream), *job, *stats, threshold, count, tokens,
                                  confidences, mask_out);
   });
 }

@@ -101,168 +101,6 @@ __device__ __forceinline__ void aux_sum_block(const TsRowJob& job, const TsRowSt
   st.aux_sum[w] = total;
 }
 
-// Deferred draws. When every slot draws (a diffusion step: many drawing rows), a chunk's block does
-// not screen its tokens against a bound it must guess: it posts the maxima of its 64 tiles of 128
-// tokens, and the row's last block, which knows the row's argmax and so an L close to the winner's
-// proxy, scores only the tiles that can reach it (spiky rows: tens of tiles, read again from L2).
-// A row with more passing tiles than one block should score (flat rows) is listed instead, and
-// diffusion_finish_kernel scores it chunk by chunk across the GPU. A single drawn slot per request
-// (a verification) keeps the chunk-parallel screen of the row pass.
-constexpr int kTileGroups = 32;  // a warp's 32 consecutive groups
-constexpr int kChunkTiles = kChunkGroups / kTileGroups;
-constexpr int kDeferredTileCap = 4 * kChunkTiles;  // 32 groups a thread of the last block
-
-// The workspace of deferred draws: after the RowPartials and the aux partials (at most num_rows
-// rows each) the tile maxima, then the list of dense rows; its counters after the rows' three sets.
-struct DeferredSpace {
-  float* tile_max;        // [num_rows, splits * kChunkTiles]
-  int32_t* dense_rows;    // [num_rows]
-  unsigned int* dense;    // [2]: dense rows listed, next work item of diffusion_finish_kernel
-  unsigned int* pending;  // [requests]: dense rows of the request not yet drawn
-};
-
-__device__ __forceinline__ DeferredSpace deferred_space(const TsRowJob& job, const TsWorkspace& ws, int splits) {
-  const int64_t partials = static_cast<int64_t>(job.num_rows) * splits;
-  float* aux_partials = reinterpret_cast<float*>(static_cast<RowPartial*>(ws.scratch) + partials);
-  float* tile_max = aux_partials + partials;
-  unsigned int* counters = ws.counters + 3 * job.num_rows;
-  return DeferredSpace{tile_max, reinterpret_cast<int32_t*>(tile_max + partials * kChunkTiles), counters,
-                       counters + 2};
-}
-
-// Tile j * 8 + warp of the chunk is the warp's groups j: their maxima reduced over the warp by a
-// transposing butterfly (9 shuffles for 8 maxima); lane 4 j ends up with tile j * 8 + warp's. The
-// row's last block reads them after the barrier and thread 0's fence before the election (a
-// release covers the writes the barrier ordered before it).
-__device__ __forceinline__ void post_tile_maxima(const float (&v)[kGroupsPerThread][4], float* chunk_tiles) {
-  static_assert(kGroupsPerThread == 8 && kThreads / 32 == 8, "tile layout: 8 groups a thread, 8 warps");
-  const int lane = threadIdx.x & 31;
-  float a[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) a[j] = fmaxf(fmaxf(v[j][0], v[j][1]), fmaxf(v[j][2], v[j][3]));
-  // Each step halves the groups a lane holds: it keeps the half its lane bit selects and takes the
-  // partner's maxima of that half.
-#pragma unroll
-  for (int step = 0, half = 4; half; ++step, half >>= 1) {
-    const bool upper = lane & (16 >> step);
-#pragma unroll
-    for (int i = 0; i < half; ++i) {
-      const float keep = upper ? a[i + half] : a[i], send = upper ? a[i] : a[i + half];
-      a[i] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 16 >> step));
-    }
-  }
-  a[0] = fmaxf(a[0], __shfl_xor_sync(0xffffffffu, a[0], 2));
-  a[0] = fmaxf(a[0], __shfl_xor_sync(0xffffffffu, a[0], 1));
-  if ((lane & 3) == 0) chunk_tiles[(lane >> 2) * (kThreads / 32) + (threadIdx.x >> 5)] = a[0];
-}
-
-// The screen of a deferred draw: L = the argmax token's proxy, a real token's, so the winner's is >= L.
-__device__ __forceinline__ ScreenBound deferred_bound(float row_max, int64_t argmax, float inv_t,
-                                                      const NoiseStream& noise) {
-  return screen_bound(fmaf(row_max, inv_t, gumbel_fast(noise.word(static_cast<uint32_t>(argmax)))));
-}
-
-// Every thread gets the block's merge of px (warps in order).
-__device__ __forceinline__ Proxy block_merge_proxy(Proxy px) {
-  __shared__ Proxy warp_px[kThreads / 32];
-#pragma unroll
-  for (int o = 16; o; o >>= 1)
-    px = merge_proxy(px, Proxy{__shfl_xor_sync(0xffffffffu, px.p1, o), __shfl_xor_sync(0xffffffffu, px.p2, o),
-                               __shfl_xor_sync(0xffffffffu, px.i1, o)});
-  __syncthreads();  // warp_px may still be read from a previous call
-  if ((threadIdx.x & 31) == 0) warp_px[threadIdx.x >> 5] = px;
-  __syncthreads();
-  px = warp_px[0];
-#pragma unroll
-  for (int i = 1; i < kThreads / 32; ++i) px = merge_proxy(px, warp_px[i]);
-  return px;
-}
-
-// The deferred draw of a row by its last block: px (every thread) is the proxy over the tiles that
-// can reach sb.thr, p2 >= thr. Rounds of up to 8 kThreads tiles: the passing ones listed in shared
-// memory, then their groups scored four at a time per thread (the loads in flight together).
-// Returns false, px unset, when a round has more than kDeferredTileCap passing tiles.
-template <typename T>
-__device__ bool draw_deferred(const RowView<T>& rv, int64_t vocab, float inv_t, const NoiseStream& noise,
-                              const ScreenBound& sb, const float* tile_max, int tiles, Proxy& out) {
-  constexpr int kPerThread = 8, kRound = kPerThread * kThreads, kBatch = 4;
-  __shared__ int32_t passing[kRound];
-  __shared__ int num_passing;
-  const int lane = threadIdx.x & 31;
-  Proxy px{-kInf, -kInf, INT_MAX};
-  for (int base = 0; base < tiles; base += kRound) {
-    if (threadIdx.x == 0) num_passing = 0;
-    float tm[kPerThread];
-#pragma unroll
-    for (int i = 0; i < kPerThread; ++i) {
-      const int t = base + i * kThreads + threadIdx.x;
-      tm[i] = t < tiles ? __ldcg(tile_max + t) : -kInf;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < kPerThread; ++i) {
-      const bool pass = screen_threshold(sb, tm[i], inv_t) < kNoWordPasses;
-      const uint32_t ballot = __ballot_sync(0xffffffffu, pass);
-      int first = 0;
-      if (lane == 0 && ballot) first = atomicAdd(&num_passing, __popc(ballot));
-      first = __shfl_sync(0xffffffffu, first, 0);
-      if (pass) passing[first + __popc(ballot & ((1u << lane) - 1u))] = base + i * kThreads + threadIdx.x;
-    }
-    __syncthreads();
-    if (num_passing > kDeferredTileCap) return false;
-    const int groups = num_passing * kTileGroups;
-    for (int q0 = threadIdx.x; q0 < groups; q0 += kBatch * kThreads) {
-      float x[kBatch][4];
-      uint32_t g[kBatch];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int q = q0 + u * kThreads;
-        g[u] = q < groups ? static_cast<uint32_t>(passing[q / kTileGroups]) * kTileGroups + q % kTileGroups : 0u;
-        if (q < groups) load_group(rv.row, g[u], vocab, rv.aligned, x[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u)
-        if (q0 + u * kThreads < groups) score_screened_group(px, x[u], g[u], sb, inv_t, noise);
-    }
-    __syncthreads();  // passing[] is rewritten by the next round
-  }
-  out = block_merge_proxy(px);
-  if (sb.on) out.p2 = fmaxf(out.p2, sb.thr);  // tokens of the tiles and groups screened out are below thr
-  return true;
-}
-
-// The exact scores z + g of the whole row, as Sample's reference computes them: the token (block-wide).
-template <typename T>
-__device__ int64_t rescore_row(const RowView<T>& rv, int64_t vocab, float row_max, float temperature,
-                               const NoiseStream& noise) {
-  uint64_t best = 0;
-  for (int64_t g = threadIdx.x; g < (vocab + 3) / 4; g += kThreads) {
-    float x[4];
-    load_group(rv.row, g, vocab, rv.aligned, x);
-    const uint4 words = noise.group(static_cast<uint32_t>(g));
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      sanitize(x[e]);
-      if (x[e] > -kInf)
-        best = max(best, rank_key(__fadd_rn(scaled(x[e], row_max, temperature), gumbel_exact(word_of(words, e))),
-                                  static_cast<uint32_t>(4 * g + e)));
-    }
-  }
-  __shared__ uint64_t scratch[kThreads / 32];
-  return key_index(block_allreduce<kThreads>(best, MaxOp{}, scratch));
-}
-
-// The sample from a row's merged proxy (block-uniform): its winner when the gap test passes, else the
-// exact re-score (counted).
-template <typename T>
-__device__ int64_t settle_draw(const Proxy& px, const RowView<T>& rv, int64_t vocab, float row_max, const JobRow& jr,
-                               const NoiseStream& noise, unsigned long long* fallback_count) {
-  if (fabsf(px.p1) < kInf && fabsf(row_max) * jr.inv_t < 0x1p20f && px.p1 - px.p2 > proxy_margin(row_max, jr.inv_t))
-    return px.i1;
-  if (threadIdx.x == 0 && fallback_count) atomicAdd(fallback_count, 1ull);
-  return rescore_row(rv, vocab, row_max, jr.temperature, noise);
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, TsRowStats st, TsWorkspace ws) {
   const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
@@ -271,12 +109,9 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
   if (job.active && !job.active[w]) return;  // every block of the row leaves: its counter stays 0
   const JobRow jr = job_row(job, w);
   const bool draw = !jr.greedy && (job.draw_slot < 0 || jr.slot == job.draw_slot);
-  const bool deferred = draw && job.draw_slot < 0;
   const RowView<T> rv = job_view<T>(job, w);
   const int64_t vocab = job.vocab, g0 = static_cast<int64_t>(split) * kChunkGroups;
   const float c2 = jr.inv_t * kLog2e;
-  const DeferredSpace d = deferred_space(job, ws, splits);
-  float* const row_tiles = d.tile_max + static_cast<int64_t>(w) * splits * kChunkTiles;
 
   unsigned int* row_best = ws.counters + 2 * job.num_rows + w;  // after the rows' and aux rows' counters
   RowPartial s{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, INT_MAX};
@@ -294,9 +129,7 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
 #pragma unroll
         for (int e = 0; e < 4; ++e) s.sum += fast_exp2((v[j][e] - s.max) * c2);
     }
-    if (deferred) {
-      post_tile_maxima(v, row_tiles + split * kChunkTiles);
-    } else if (draw) {  // block-uniform: gumbel_screened synchronises the block
+    if (draw) {  // block-uniform: gumbel_screened synchronises the block
       float unused_max = -kInf;
       gumbel_screened(v, rv, vocab, g0, jr.inv_t, job_noise(job, jr), s.proxy, unused_max, row_best);
     }
@@ -315,6 +148,7 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
   if (!finish_by_thread0_and_elect_last(ws.counters + w, splits)) return;
 
   __shared__ RowPartial row;
+  __shared__ bool rescore;
   if (threadIdx.x < 32) {  // warp 0 fetches 32 partials at once; every lane merges them in chunk order
     const int lane = threadIdx.x;
     RowPartial acc{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, INT_MAX};
@@ -330,57 +164,59 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
     }
     if (lane == 0) {
       row = acc;
-      if (draw && !deferred) *row_best = 0u;  // every block of the row has posted: zero for the next launch
+      if (draw) *row_best = 0u;  // every block of the row has posted: zero for the next launch
+      const bool valid = acc.max > -kInf;
+      rescore = draw && valid &&
+                !(fabsf(acc.proxy.p1) < kInf && fabsf(acc.max) * jr.inv_t < 0x1p20f &&
+                  acc.proxy.p1 - acc.proxy.p2 > proxy_margin(acc.max, jr.inv_t));
+      if (rescore && ws.fallback_count) atomicAdd(ws.fallback_count, 1ull);
     }
   }
   __syncthreads();
   const bool valid = row.max > -kInf;
-  if (threadIdx.x == 0) {
-    if (st.row_max) st.row_max[w] = row.max;
-    if (st.row_sum) st.row_sum[w] = row.sum;
-    if (st.argmax) st.argmax[w] = valid ? row.argmax : -1;
-  }
-  int64_t token = valid ? row.argmax : -1;
-  if (valid && draw) {
+  int64_t token = !valid ? -1 : draw ? row.proxy.i1 : row.argmax;
+  if (rescore) {  // the exact scores z + g of the whole row, as Sample's reference computes them
     const NoiseStream noise = job_noise(job, jr);
-    Proxy px = row.proxy;
-    if (deferred && !draw_deferred(rv, vocab, jr.inv_t, noise, deferred_bound(row.max, row.argmax, jr.inv_t, noise),
-                                   row_tiles, splits * kChunkTiles, px)) {
-      if (threadIdx.x == 0) {  // diffusion_finish_kernel draws it
-        atomicAdd(d.pending + jr.b, 1u);
-        d.dense_rows[atomicAdd(d.dense, 1u)] = w;
+    uint64_t best = 0;
+    for (int64_t g = threadIdx.x; g < (vocab + 3) / 4; g += kThreads) {
+      float x[4];
+      load_group(rv.row, g, vocab, rv.aligned, x);
+      const uint4 words = noise.group(static_cast<uint32_t>(g));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        sanitize(x[e]);
+        if (x[e] > -kInf)
+          best = max(best, gumbel_key(scaled(x[e], row.max, jr.temperature), static_cast<uint32_t>(4 * g + e), noise));
       }
-      return;
     }
-    token = settle_draw(px, rv, vocab, row.max, jr, noise, ws.fallback_count);
+    __shared__ uint64_t scratch[kThreads / 32];
+    token = key_index(block_allreduce<kThreads>(best, MaxOp{}, scratch));
   }
-  if (threadIdx.x == 0 && st.token) st.token[w] = token;
+  if (threadIdx.x != 0) return;
+  if (st.row_max) st.row_max[w] = row.max;
+  if (st.row_sum) st.row_sum[w] = row.sum;
+  if (st.argmax) st.argmax[w] = valid ? row.argmax : -1;
+  if (st.token) st.token[w] = token;
 }
 
 // ---------------------------------------------------------------------------------------------
-// Diffusion step after the row pass: the dense rows' draws, then each request's commit by one block.
-// Confidence of a masked position = exp(z_tok - log S) with z = (x - max) / T (T = 1 for greedy), then
-// choice 14's rule: threshold, the `count` most confident (confidence desc, index asc), at least one
-// while a committable position remains.
+// Diffusion commit: one block per request. Confidence of a masked position = exp(z_tok - log S) with
+// z = (x - max) / T (T = 1 for greedy), then choice 14's rule: threshold, the `count` most confident
+// (confidence desc, index asc), at least one while a committable position remains.
 
-constexpr int kCommitThreads = kThreads;
+constexpr int kCommitThreads = 256;
 
 __device__ __forceinline__ bool ranks_before(float cj, int j, float ci, int i) {
   return cj > ci || (cj == ci && j < i);
 }
 
-// Request b's commit by one block, once its dense rows are drawn. conf_key: [L] floats then [L] bytes
-// of shared memory.
 template <typename T>
-__device__ void commit_request(const TsRowJob& job, const TsRowStats& st, const DeferredSpace& d, int b,
-                               const float* threshold, const int64_t* count, int64_t* tokens, float* confidences,
-                               uint8_t* mask_out, float* conf_key) {
-  const int L = job.per_request;
-  if (threadIdx.x == 0) {
-    while (atomicAdd(d.pending + b, 0u) != 0u) __nanosleep(256);  // dense rows taken before any commit item
-    __threadfence();
-  }
-  __syncthreads();
+__global__ void __launch_bounds__(kCommitThreads)
+    diffusion_commit_kernel(TsRowJob job, TsRowStats st, const float* threshold, const int64_t* count,
+                            int64_t* tokens, float* confidences, uint8_t* mask_out) {
+  extern __shared__ float conf_key[];  // [L]: confidence of committable positions, -1 elsewhere
+  const int b = blockIdx.x, L = job.per_request;
+  wait_for_previous_grid();  // launched to overlap row_stats' tail
   uint8_t* commit_of = reinterpret_cast<uint8_t*>(conf_key + L);  // [L]
   const float tau = threshold[b];
   const int64_t c = count[b];
@@ -440,77 +276,6 @@ __device__ void commit_request(const TsRowJob& job, const TsRowStats& st, const 
     const int w = b * L + l;
     const bool commit = commit_of[l] || (any_eligible && !committed_any && l == bi);
     mask_out[w] = job.active[w] && !commit;
-  }
-  __syncthreads();  // conf_key and commit_of are reused by the block's next item
-}
-
-// A chunk of a row row_stats_kernel listed as dense, scored against the row's deferred bound; the
-// row's last chunk merges the proxies in chunk order, settles the sample and counts the row off its
-// request's pending dense rows.
-template <typename T>
-__device__ void draw_dense_chunk(const TsRowJob& job, const TsRowStats& st, const TsWorkspace& ws,
-                                 const DeferredSpace& d, int w, int split, int splits) {
-  const JobRow jr = job_row(job, w);
-  const RowView<T> rv = job_view<T>(job, w);
-  const NoiseStream noise = job_noise(job, jr);
-  const float row_max = __ldcg(st.row_max + w);
-  const ScreenBound sb = deferred_bound(row_max, __ldcg(st.argmax + w), jr.inv_t, noise);
-  const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
-  float v[kGroupsPerThread][4];
-  load_chunk(rv, job.vocab, g0, v);
-  Proxy px{-kInf, -kInf, INT_MAX};
-#pragma unroll
-  for (int j = 0; j < kGroupsPerThread; ++j)
-    score_screened_group(px, v[j], static_cast<uint32_t>(g0 + threadIdx.x + j * kThreads), sb, jr.inv_t, noise);
-  px = block_merge_proxy(px);
-  RowPartial* partials = static_cast<RowPartial*>(ws.scratch) + static_cast<int64_t>(w) * splits;  // row_stats' own
-  if (threadIdx.x == 0) partials[split].proxy = px;
-  if (!finish_by_thread0_and_elect_last(ws.counters + w, splits)) return;
-  Proxy acc{-kInf, -kInf, INT_MAX};
-  for (int i = 0; i < splits; ++i) {
-    const Proxy* p = &partials[i].proxy;
-    acc = merge_proxy(acc, Proxy{__ldcg(&p->p1), __ldcg(&p->p2), __ldcg(&p->i1)});
-  }
-  if (sb.on) acc.p2 = fmaxf(acc.p2, sb.thr);  // tokens the screen skipped are below thr
-  const int64_t token = settle_draw(acc, rv, job.vocab, row_max, jr, noise, ws.fallback_count);
-  if (threadIdx.x == 0) {
-    st.token[w] = token;
-    __threadfence();
-    atomicSub(d.pending + jr.b, 1u);
-  }
-}
-
-// The diffusion step after row_stats_kernel (programmatic dependent launch): persistent blocks take
-// items from a counter, first the (row, chunk) items of the rows row_stats listed as dense, then one
-// commit per request. Every dense item is taken before any commit item, and a commit waits only for
-// dense items already taken, so the wait always ends. The block that takes the last item (past the
-// end) zeroes the counters for the next launch: every other block has taken its last one by then.
-template <typename T>
-__global__ void __launch_bounds__(kThreads) diffusion_finish_kernel(TsRowJob job, TsRowStats st, TsWorkspace ws,
-                                                                    const float* threshold, const int64_t* count,
-                                                                    int64_t* tokens, float* confidences,
-                                                                    uint8_t* mask_out) {
-  extern __shared__ float conf_key[];
-  wait_for_previous_grid();
-  const int splits = num_splits(job.vocab);
-  const DeferredSpace d = deferred_space(job, ws, splits);
-  const unsigned int dense_items = __ldcg(d.dense) * static_cast<unsigned int>(splits);
-  const unsigned int items = dense_items + static_cast<unsigned int>(job.num_rows / job.per_request);
-  __shared__ unsigned int next;
-  for (;;) {
-    __syncthreads();  // every thread has read `next`
-    if (threadIdx.x == 0) next = atomicAdd(d.dense + 1, 1u);
-    __syncthreads();
-    const unsigned int item = next;
-    if (item >= items) {
-      if (threadIdx.x == 0 && item == items + gridDim.x - 1) d.dense[0] = d.dense[1] = 0u;
-      return;
-    }
-    if (item < dense_items)
-      draw_dense_chunk<T>(job, st, ws, d, __ldcg(d.dense_rows + item / splits), static_cast<int>(item % splits), splits);
-    else
-      commit_request<T>(job, st, d, static_cast<int>(item - dense_items), threshold, count, tokens, confidences,
-                        mask_out, conf_key);
   }
 }
 

@@ -44,21 +44,17 @@ typedef struct {
 size_t ts_row_stats_scratch_bytes(int32_t num_rows, int64_t vocab);
 
 /* One read of every active row: max, argmax, sum of exponentials, the Gumbel-max sample; and of
- * every aux row (its sum). Workspace counters: 4 num_rows + 2 (the rows', the aux rows' (at most
- * num_rows), from 2 num_rows on each drawing row's best screening pilot, then two for the dense rows
- * of a diffusion step and one per request). With draw_slot -1 (a diffusion step: every slot draws)
- * the sample of each row is drawn after its statistics by the row's last block, except for rows with
- * many candidate tiles: those are drawn by ts_diffusion_commit, which must follow on the stream. */
+ * every aux row (its sum). Workspace counters: 3 num_rows (the rows', the aux rows' (at most
+ * num_rows) and, from 2 num_rows on, each drawing row's best screening pilot). */
 int ts_row_stats(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace* ws, void* stream);
 
-/* The diffusion step after ts_row_stats (draw_slot -1, same job and workspace) on its [B * L] rows
- * (active = the mask): the draws of the dense rows, then confidences, tokens (-1 at unmasked
- * positions and where nothing is finite) and the commit rule of every request. Launched to overlap
- * the end of the previous kernel, as ts_verify_finish.
+/* The diffusion step after ts_row_stats on its [B * L] rows (active = the mask): confidences, tokens
+ * (-1 at unmasked positions and where nothing is finite) and the commit rule of every request.
+ * Launched to overlap the end of the previous kernel, as ts_verify_finish.
  * threshold: [B] (NaN = none); count: [B] (0 = none); mask_in/mask_out: [B, L] (bool bytes). */
-int ts_diffusion_commit(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace* ws,
-                        const float* threshold, const int64_t* count, int64_t* tokens, float* confidences,
-                        uint8_t* mask_out, void* stream);
+int ts_diffusion_commit(const TsRowJob* job, const TsRowStats* stats, const float* threshold,
+                        const int64_t* count, int64_t* tokens, float* confidences, uint8_t* mask_out,
+                        void* stream);
 
 /* Speculative verification after ts_row_stats on the target's [B * (n + 1)] rows (draw_slot = n,
  * aux = the draft probabilities [B * n, vocab] fp32, aux_per_request = n). draft_ids: [B, n].

@@ -144,40 +144,40 @@ def test_diffusion_step_flat_logits_many_positions(kernels, cuda_backend, cpu_ba
     _assert_step_agrees(got, diffusion_step(step, cpu_backend), step.mask)
 
 
-def _deferred_draw_rows(rows: int, vocab: int, gen: torch.Generator, dev: torch.device) -> torch.Tensor:
-    """Rows aimed at the deferred draw's tile screen (csrc/workloads.cuh), by r % 6."""
+def _draw_stress_rows(rows: int, vocab: int, gen: torch.Generator, dev: torch.device) -> torch.Tensor:
+    """Rows aimed at the row pass's Gumbel screen and its gap test (csrc/workloads.cuh), by r % 6."""
     x = torch.randn(rows, vocab, device=dev, generator=gen)
     for r in range(rows):
         kind = r % 6
-        if kind == 0:  # spiky: tens of tiles pass
+        if kind == 0:  # spiky: the screen rules out nearly every group
             x[r, torch.randint(0, vocab, (50,), device=dev, generator=gen)] = 10 + 20 * torch.rand(50, device=dev,
                                                                                                    generator=gen)
-        elif kind == 2:  # a few finite tokens: most tiles are all -inf
+        elif kind == 2:  # a few finite tokens: most groups are all -inf
             keep = torch.rand(vocab, device=dev, generator=gen) < 0.003
             x[r] = torch.where(keep, x[r], torch.full_like(x[r], float("-inf")))
         elif kind == 3:  # large magnitudes: wide margins
             x[r] += 1.0e4
-        elif kind == 4:  # one far winner in the last tile, NaN and +inf elsewhere
+        elif kind == 4:  # one far winner in the last, partial chunk; NaN and +inf elsewhere
             x[r, -2] = 30.0
             x[r, 7] = float("nan")
             x[r, 11] = float("inf")
         elif kind == 5:  # a plateau of equal logits: the noise decides, close calls for the gap test
             x[r, torch.randperm(vocab, device=dev, generator=gen)[:4000]] = 9.5
-        # kind 1: flat, every tile passes (more than one round of tiles when vocab > 262144)
+        # kind 1: flat, every group needs its noise
     return x
 
 
 @pytest.mark.parametrize("vocab", [V_QWEN, 300001])
 @pytest.mark.parametrize("temperature", [1.0, 0.25, 8.0])
-def test_diffusion_deferred_draw_is_exact(kernels, cuda_backend, vocab, temperature):
-    """Every position's token is the argmax of the exact z + g, bit for bit: the tile screen of the row's
-    last block (L from the argmax's noise) may only skip tokens that cannot win. 300001: rows not aligned
-    to a group, a partial last tile, two rounds of tiles."""
+def test_diffusion_draw_is_exact(kernels, cuda_backend, vocab, temperature):
+    """Every position's token is the argmax of the exact z + g, bit for bit: the row pass's screen (a
+    pilot per block, the row's best pilot shared) may only skip tokens that cannot win, and close calls
+    go to the exact re-score. 300001: rows not aligned to a group, a partial last chunk."""
     sampling_kernels = cuda_backend._kernels
     dev = sampling_kernels.device
     gen = torch.Generator(device=dev).manual_seed(vocab + int(temperature * 100))
     b, length = 2, 6
-    x = _deferred_draw_rows(b * length, vocab, gen, dev)
+    x = _draw_stress_rows(b * length, vocab, gen, dev)
     seeds = [4242, 97]
     step = DiffusionStep(
         logits=x.view(b, length, vocab), mask=torch.ones(b, length, dtype=torch.bool),
@@ -191,9 +191,9 @@ def test_diffusion_deferred_draw_is_exact(kernels, cuda_backend, vocab, temperat
 
 
 def test_diffusion_screen_bound_does_not_leak_into_the_next_call(kernels, cuda_backend, cpu_backend):
-    # The row pass keeps per-row state in the workspace (tile maxima, counters). Anything left behind
-    # by a call on logits 1000 higher would screen out every token of the next call's rows: the gap
-    # test would still catch it (exact re-scores, same tokens), so the re-score count is what tells.
+    # The row pass shares each row's best Gumbel bound through the workspace. A bound left behind by a
+    # call on logits 1000 higher would screen out every token of the next call's rows: the gap test
+    # would still catch it (exact re-scores, same tokens), so the re-score count is what tells.
     step = _step(4, 16, V_QWEN, seed=21, temperature=[1.0, 0.6])
     high = DiffusionStep(**{**step.__dict__, "logits": step.logits + 1000.0})
     diffusion_step_cuda(high, kernels, cuda_backend)

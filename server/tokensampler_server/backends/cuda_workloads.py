@@ -40,7 +40,7 @@ class WorkloadKernels:
     several threads or streams (the dispatch below holds `lock`).
     """
 
-    kernel_names = ("row_stats_kernel", "diffusion_finish_kernel", "verify_finish_kernel", "topk_probs_kernel<32..256>")
+    kernel_names = ("row_stats_kernel", "diffusion_commit_kernel", "verify_finish_kernel", "topk_probs_kernel<32..256>")
 
     def __init__(self, device_index: int = 0) -> None:
         self.device = torch.device("cuda", device_index)
@@ -103,13 +103,10 @@ class WorkloadKernels:
         }
         if with_aux:
             stats["aux_sum"] = torch.empty(num_rows, dtype=torch.float32, device=dev)
-        self.module.row_stats(job, _stats_pointers(stats), self._row_workspace(num_rows, vocab), self._stream())
+        # counters of the rows, of the aux rows (rows of their own), and the rows' best screening pilots
+        ws = self._workspace(3 * num_rows, self.module.row_stats_scratch_bytes(num_rows, vocab))
+        self.module.row_stats(job, _stats_pointers(stats), ws, self._stream())
         return stats
-
-    def _row_workspace(self, num_rows: int, vocab: int) -> list[int]:
-        # counters of the rows, of the aux rows (rows of their own), the rows' best screening pilots,
-        # two for a diffusion step's dense rows and one per request (csrc/workloads.h)
-        return self._workspace(4 * num_rows + 2, self.module.row_stats_scratch_bytes(num_rows, vocab))
 
     def diffusion(self, step: DiffusionStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Tokens int64 [B, L], confidences float32 [B, L], the new mask bool [B, L], on the device.
@@ -131,9 +128,8 @@ class WorkloadKernels:
         tokens = torch.empty(num_requests, length, dtype=torch.int64, device=self.device)
         confidences = torch.empty(num_requests, length, dtype=torch.float32, device=self.device)
         new_mask = torch.empty(num_requests, length, dtype=torch.bool, device=self.device)
-        self.module.diffusion_commit(job, _stats_pointers(stats), self._row_workspace(rows, vocab), threshold.data_ptr(),
-                                     count.data_ptr(), tokens.data_ptr(), confidences.data_ptr(), new_mask.data_ptr(),
-                                     self._stream())
+        self.module.diffusion_commit(job, _stats_pointers(stats), threshold.data_ptr(), count.data_ptr(),
+                                     tokens.data_ptr(), confidences.data_ptr(), new_mask.data_ptr(), self._stream())
         return tokens, confidences, new_mask
 
     def verify(self, v: DraftVerification) -> tuple[torch.Tensor, torch.Tensor]:
