@@ -74,6 +74,9 @@ def tokensampler_fn(kernels: Kernels, mode: str, logits: torch.Tensor):
                           row_min=torch.empty(b, dtype=torch.float32, device=dev))
             if mode == "top_p" and b >= FRONTIER_MIN_ROWS:  # the backend's routes (cuda.py)
                 kernels.nucleus(logits, params, pre, out, 0)
+            elif mode == "min_p":
+                kernels.stats(logits, params, pre)
+                kernels.min_p(logits, params, pre, out, 0)
             else:
                 kernels.stats(logits, params, pre)
                 kernels.filter(logits, params, pre, out, 0)

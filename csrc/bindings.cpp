@@ -81,6 +81,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const TsWorkspace w = workspace_of(ws);
     check(ts_gumbel(&l, &r, ptr<const float>(lse_scale), &o, &w, ptr<void>(stream)), "gumbel");
   });
+  m.def("min_p", [](int64_t data, int64_t num_rows, int64_t vocab, int64_t dtype, int64_t rows, int64_t num_work,
+                    std::vector<int64_t> params, int64_t row_max, std::vector<int64_t> outs, int64_t num_samples,
+                    int64_t sample, std::vector<int64_t> ws, int64_t stream) {
+    const TsLogits l = logits_of(data, num_rows, vocab, dtype);
+    const TsRows r = rows_of(rows, num_work, params);
+    const TsOutputs o = outputs_of(outs, num_samples, sample);
+    const TsWorkspace w = workspace_of(ws);
+    check(ts_min_p(&l, &r, ptr<const float>(row_max), &o, &w, ptr<void>(stream)), "min_p");
+  });
   m.def("topk", [](int64_t data, int64_t num_rows, int64_t vocab, int64_t dtype, int64_t rows, int64_t num_work,
                    std::vector<int64_t> params, int64_t bucket, std::vector<int64_t> outs, int64_t num_samples,
                    std::vector<int64_t> ws, int64_t stream) {

@@ -199,8 +199,6 @@ __device__ __forceinline__ void frontier_candidates(const float (&v)[kGroupsPerT
   }
 }
 
-__device__ __forceinline__ bool passes_min_p(float z, float m) { return m <= 0.f || expf(z) >= m; }
-
 // The largest (upper) or smallest logit x whose z = scaled(x, row_max, t) is z0, by bisection over the
 // ordered keys of the floats from -inf to +inf. scaled is non-decreasing in x, so a token's z compares
 // with z0 as its x compares with the range these two ends bound.

@@ -92,10 +92,23 @@ int ts_gumbel(const TsLogits* logits, const TsRows* rows, const float* lse_scale
   return dispatch_dtype(logits->dtype, [&](auto t) {
     using T = decltype(t);
     if (lse_scale)
-      gumbel_kernel<T, true><<<grid, kThreads, 0, s>>>(*logits, *rows, lse_scale, *out, *ws);
+      gumbel_kernel<T, true, false><<<grid, kThreads, 0, s>>>(*logits, *rows, lse_scale, nullptr, *out, *ws);
     else
-      gumbel_kernel<T, false><<<grid, kThreads, 0, s>>>(*logits, *rows, lse_scale, *out, *ws);
+      gumbel_kernel<T, false, false><<<grid, kThreads, 0, s>>>(*logits, *rows, lse_scale, nullptr, *out, *ws);
     return cudaGetLastError();
+  });
+}
+
+int ts_min_p(const TsLogits* logits, const TsRows* rows, const float* row_max, const TsOutputs* out,
+             const TsWorkspace* ws, void* stream) {
+  if (bad_args(logits, rows) || !out->tokens || !row_max) return cudaErrorInvalidValue;
+  if (rows->num_work_rows == 0) return cudaSuccess;
+  const dim3 grid(num_splits(logits->vocab), rows->num_work_rows);
+  return dispatch_dtype(logits->dtype, [&](auto t) {
+    using T = decltype(t);
+    return launch_after_previous(&gumbel_kernel<T, false, true>, grid, dim3(kThreads), 0,
+                                 static_cast<cudaStream_t>(stream), *logits, *rows, static_cast<const float*>(nullptr),
+                                 row_max, *out, *ws);
   });
 }
 

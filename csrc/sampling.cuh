@@ -225,6 +225,55 @@ __device__ __forceinline__ uint32_t screen_word(float gx, float inv_t, float a) 
   return ~(0xFFFFFFFFu >> k);
 }
 
+// min-p keeps a token when expf(z) >= m (docs/semantics.md); the argmax (z = 0) always.
+__device__ __forceinline__ bool passes_min_p(float z, float m) { return m <= 0.f || expf(z) >= m; }
+
+// min-p alone as a mask on the logits, once the row max is known (gumbel_kernel<T, false, true>, after
+// stats_kernel): kept tokens keep their logit, the others become -inf, so Gumbel-max over the masked
+// row is the min-p sample. The test is x against two floors around M + T log m, which decide every
+// token whose z is clear of log m by delta; the tokens between them get the exact test. The screen
+// needs a token's masked logit only where it computes its proxy (pilot and re-done groups); the other
+// groups need only a bound of their kept logits (group_bound).
+// Why delta = 2^-18 (1 + |M| / T + |log m|) suffices: logf, the rounding of keep (one fma), of x - M
+// and of the division move z by less than 2^-21 (|M| / T + |log m| + delta), so x >= keep gives
+// z >= log m + 2^-18 and x < drop gives z <= log m - 2^-18, far beyond expf's 2 ulp (2^-22).
+// Floors that do not come out finite leave every token to the exact test.
+struct MinPMask {
+  float keep, drop;  // x >= keep: kept; x < drop: dropped; between them: the exact test
+  float row_max, temperature, m;
+
+  // Out of line: the band is rare, and its division and expf would crowd the screen's registers.
+  __device__ __noinline__ bool exact_keeps(float x) const {
+    return passes_min_p(scaled(x, row_max, temperature), m);
+  }
+  __device__ __forceinline__ void apply(float& x) const {
+    if (x < keep && (x < drop || !exact_keeps(x))) x = -kInf;
+  }
+  // A bound on the kept logits of a group whose largest logit is gx (-inf: the group keeps none).
+  __device__ __forceinline__ float group_bound(float gx) const { return gx >= drop ? gx : -kInf; }
+};
+
+// No filter: gumbel_kernel's plain instance.
+struct NoMask {
+  __device__ __forceinline__ void apply(float&) const {}
+  __device__ __forceinline__ float group_bound(float gx) const { return gx; }
+};
+
+__device__ __forceinline__ MinPMask min_p_mask(float row_max, float temperature, float m) {
+  MinPMask k{kInf, kInf, row_max, temperature, m};  // no finite logit: nothing to keep
+  if (!(row_max > -kInf)) return k;
+  if (!(m > 0.f)) {  // min-p off: keep every finite logit
+    k.keep = k.drop = -kInf;
+    return k;
+  }
+  const float lm = logf(m);
+  const float delta = 0x1p-18f * (1.f + fabsf(row_max) / temperature + fabsf(lm));
+  k.keep = fmaf(temperature, lm + delta, row_max);
+  k.drop = fmaf(temperature, lm - delta, row_max);
+  if (!(fabsf(k.keep) < kInf && fabsf(k.drop) < kInf)) k.keep = kInf, k.drop = -kInf;
+  return k;
+}
+
 __device__ __forceinline__ void proxy_update(Proxy& px, float p, uint32_t id) {
   const bool better = p > px.p1;
   px.p2 = better ? px.p1 : fmaxf(px.p2, p);
@@ -296,11 +345,13 @@ __device__ __forceinline__ uint32_t groups_with_passing_words(const uint32_t (&t
 // way only a per-group "some word passes" bit is kept; the rare groups with a bit set are re-done
 // afterwards (Philox again, the four logits re-read from L1/L2).
 // v: the block's chunk as load_chunk gives it (a caller that has read it for other statistics
-// passes its registers; the chunk is not read again).
-template <typename T>
+// passes its registers; the chunk is not read again). mask (min-p alone): applied to each token the
+// screen scores (the pilot's, the re-done groups'); the other groups are bounded by group_bound.
+template <typename T, typename Mask = NoMask>
 __device__ __forceinline__ void gumbel_screened(const float (&v)[kGroupsPerThread][4], const RowView<T>& rv,
                                                 int64_t vocab, int64_t g0, float inv_t, const NoiseStream& noise,
-                                                Proxy& px, float& mx, unsigned int* row_best = nullptr) {
+                                                Proxy& px, float& mx, unsigned int* row_best = nullptr,
+                                                const Mask& mask = Mask{}) {
   constexpr int kSlots = kGroupsPerThread - 1;
   const uint32_t gbase = static_cast<uint32_t>(g0) + threadIdx.x;
   float gx[kGroupsPerThread];
@@ -308,6 +359,8 @@ __device__ __forceinline__ void gumbel_screened(const float (&v)[kGroupsPerThrea
   float pilot_max;
   const int pilot = pick_pilot(v, gx, x, pilot_max);
   mx = fmaxf(mx, pilot_max);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) mask.apply(x[e]);
   {  // the pilot scored in full
     const uint32_t g = gbase + pilot * kThreads;
     const uint4 words = noise.group(g);
@@ -334,7 +387,7 @@ __device__ __forceinline__ void gumbel_screened(const float (&v)[kGroupsPerThrea
   uint32_t need = 0;
 #pragma unroll
   for (int i = 0; i < kSlots; ++i) {
-    const float g = i >= pilot ? gx[i + 1] : gx[i];
+    const float g = mask.group_bound(i >= pilot ? gx[i + 1] : gx[i]);
     th[i] = screen ? screen_word(g, inv_t, a) : (g > -kInf ? 0u : ~0u);
     if (th[i] < kNoWordPasses) need |= 1u << i;
   }
@@ -346,7 +399,7 @@ __device__ __forceinline__ void gumbel_screened(const float (&v)[kGroupsPerThrea
     float x[4];
     load_group(rv.row, g, vocab, rv.aligned, x);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) sanitize(x[e]);
+    for (int e = 0; e < 4; ++e) sanitize(x[e]), mask.apply(x[e]);
     const uint32_t th = screen ? screen_word(fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3])), inv_t, a) : 0u;
     const uint4 words = noise.group(g);
 #pragma unroll
@@ -358,9 +411,13 @@ __device__ __forceinline__ void gumbel_screened(const float (&v)[kGroupsPerThrea
   if (screen) px.p2 = fmaxf(px.p2, thr);  // tokens the screen skipped have proxies below thr
 }
 
-template <typename T, bool LSE>
-__global__ void __launch_bounds__(kThreads, LSE ? 4 : 5)
-    gumbel_kernel(TsLogits logits, TsRows rows, const float* lse_scale, TsOutputs out, TsWorkspace ws) {
+// kMinP: min-p alone, after stats_kernel on the same rows (stats_row_max: its row max), launched to
+// overlap its tail: the chunk is read first, then the row max gives the mask (MinPMask).
+template <typename T, bool LSE, bool kMinP>
+__global__ void __launch_bounds__(kThreads, LSE || kMinP ? 4 : 5)
+    gumbel_kernel(TsLogits logits, TsRows rows, const float* lse_scale, const float* stats_row_max, TsOutputs out,
+                  TsWorkspace ws) {
+  static_assert(!(LSE && kMinP), "the min-p instance has no log-sum-exp");
   const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
   const RowView<T> rv = row_view<T>(logits, rows, w);
   const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
@@ -372,7 +429,16 @@ __global__ void __launch_bounds__(kThreads, LSE ? 4 : 5)
   Proxy px{-kInf, -kInf, INT_MAX};
   float mx = -kInf, sum = 0.f;
   bool nan;
-  if constexpr (!LSE) {
+  __shared__ MinPMask min_p;  // kMinP: the row's mask
+  if constexpr (kMinP) {
+    float v[kGroupsPerThread][4];
+    nan = load_chunk(rv, logits.vocab, g0, v);
+    wait_for_previous_grid();  // stats_kernel's row max, and the workspace it used, from here on
+    // in shared memory: its few uses reload it rather than hold five registers through the screen
+    if (threadIdx.x == 0) min_p = min_p_mask(stats_row_max[rv.r], temperature, rows.min_p[rv.r]);
+    __syncthreads();
+    gumbel_screened(v, rv, logits.vocab, g0, inv_t, noise, px, mx, nullptr, min_p);
+  } else if constexpr (!LSE) {
     float v[kGroupsPerThread][4];
     nan = load_chunk(rv, logits.vocab, g0, v);
     gumbel_screened(v, rv, logits.vocab, g0, inv_t, noise, px, mx);
@@ -461,6 +527,7 @@ __global__ void __launch_bounds__(kThreads, LSE ? 4 : 5)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         sanitize(x[e]);
+        if constexpr (kMinP) min_p.apply(x[e]);
         if (x[e] > -kInf) {
           const float f = __fadd_rn(scaled(x[e], row_max, temperature), gumbel_exact(word_of(words, e)));
           best = max(best, rank_key(f, static_cast<uint32_t>(4 * g + e)));

@@ -68,6 +68,12 @@ int ts_stats(const TsLogits* logits, const TsRows* rows, const float* lse_scale,
 int ts_gumbel(const TsLogits* logits, const TsRows* rows, const float* lse_scale,
               const TsOutputs* out, const TsWorkspace* ws, void* stream);
 
+/* min-p alone (no k, no top-p): Gumbel-max over the tokens min-p keeps, sample out->sample, given
+ * ts_stats' row_max of the same rows; scratch as ts_gumbel. Launched to overlap the end of the kernel
+ * before it on the stream (programmatic dependent launch), like ts_filter. */
+int ts_min_p(const TsLogits* logits, const TsRows* rows, const float* row_max, const TsOutputs* out,
+             const TsWorkspace* ws, void* stream);
+
 /* top-k (1 <= k, k + 1 <= bucket) with optional top-p and min-p, every sample in one launch. */
 int ts_topk(const TsLogits* logits, const TsRows* rows, int32_t bucket, const TsOutputs* out,
             const TsWorkspace* ws, void* stream);

@@ -6,7 +6,9 @@ Rows are routed by their parameters (known on the host, so routing costs no sync
   0 < k, k + 1 <= 256           -> topk_kernel<bucket>: one read, min-p and top-p on the candidates
   top-p without k (+ min-p)     -> frontier_kernel + nucleus_mass_kernel, then filter_kernel for the rows
                                    the frontier cannot settle
-  min-p alone, k > 255, processed log-probs -> stats_kernel then filter_kernel: exact binned cut
+  min-p alone                   -> stats_kernel, then gumbel_kernel over the tokens min-p keeps (a mask
+                                   from the row max)
+  k > 255, processed log-probs  -> stats_kernel then filter_kernel: exact binned cut
 Processing (masks, bias, penalties) runs first, in torch on the GPU (processing.apply_processing).
 Rows a kernel cannot settle exactly (flag 4, rare by construction) are re-sampled by the CPU
 reference after the one synchronisation that returns the results; `fallbacks()` counts both kinds.
@@ -135,7 +137,7 @@ class _Plan:
         self.t_eff: torch.Tensor | None = None  # float32 [B]: T, with 1 in greedy rows
         self.greedy = self.unfiltered = self.exact = self.need_raw = None
         self.exact_has_k = False  # some exact row has k > 255: the frontier cannot settle it
-        self.exact_has_top_p = True  # False: min-p alone in every exact row, which the filter does faster
+        self.exact_has_top_p = True  # False: min-p alone in every exact row (the min-p mask route)
         self.buckets: list = []  # (bucket, group), buckets ascending
         self.masks: tuple[torch.Tensor, ...] | None = None  # use_filt, through, need_raw: bool [B] (log-probs only)
 
@@ -518,11 +520,13 @@ class CudaBackend(Backend):
             k.launch_topk(data, b, v, dt, rows, n, params, bucket, filt, num_samples, stream)
         if plan.exact is not None:
             rows, n = plan.exact
-            # The frontier settles top-p (and min-p) without k when the kept mass itself is not needed, and
-            # writes the stats the filter needs for the rows it leaves. Below FRONTIER_MIN_ROWS rows, and for
-            # min-p alone, the filter is faster (benchmarks/NOTES.md, seventh session).
-            frontier = (not processed and not plan.exact_has_k and plan.exact_has_top_p
-                        and n >= FRONTIER_MIN_ROWS)
+            # Without k and without the kept mass itself (processed log-probs), min-p alone is a mask on
+            # Gumbel-max once stats_kernel has the row max; top-p goes to the frontier, which writes the
+            # stats the filter needs for the rows it leaves. Below FRONTIER_MIN_ROWS rows the filter is
+            # faster for top-p (benchmarks/NOTES.md, seventh session).
+            bounded = not processed and not plan.exact_has_k
+            min_p_alone = bounded and not plan.exact_has_top_p
+            frontier = bounded and plan.exact_has_top_p and n >= FRONTIER_MIN_ROWS
             if not frontier:
                 k.launch_stats(data, b, v, dt, rows, n, params, 0, out.pre, 1, stream)
             flags = needs_cpu = None
@@ -530,10 +534,13 @@ class CudaBackend(Backend):
                 flags = out.view("main_flags" if shared else "filt_flags")
                 needs_cpu = torch.zeros(b, dtype=torch.uint8, device=self._device)
             for s in range(num_samples):
-                if frontier:
-                    k.launch_nucleus(data, b, v, dt, rows, n, params, out.pre, filt, num_samples, s, stream)
-                k.launch_filter(data, b, v, dt, rows, n, params, out.pre_stats, processed, filt, num_samples, s,
-                                stream)
+                if min_p_alone:  # exact in the kernel: never flags a row for the CPU
+                    k.launch_min_p(data, b, v, dt, rows, n, params, out.pre_stats[0], filt, num_samples, s, stream)
+                else:
+                    if frontier:
+                        k.launch_nucleus(data, b, v, dt, rows, n, params, out.pre, filt, num_samples, s, stream)
+                    k.launch_filter(data, b, v, dt, rows, n, params, out.pre_stats, processed, filt, num_samples, s,
+                                    stream)
                 if needs_cpu is not None:
                     needs_cpu |= flags & _FLAG_CPU
             if needs_cpu is not None:

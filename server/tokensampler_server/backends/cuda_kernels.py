@@ -85,8 +85,8 @@ class Kernels:
         self._hist_need: dict[int, int] = {}
         self._scratch_need: dict[tuple[str, int, int, int], int] = {}
 
-    kernel_names = ("stats_kernel", "gumbel_kernel", "topk_kernel<16..256>", "frontier_kernel",
-                    "nucleus_mass_kernel", "filter_kernel")
+    kernel_names = ("stats_kernel", "gumbel_kernel", "gumbel_kernel<min-p>", "topk_kernel<16..256>",
+                    "frontier_kernel", "nucleus_mass_kernel", "filter_kernel")
 
     # -- workspace ---------------------------------------------------------------------------------
     def _workspace(self, num_work: int, scratch_bytes: int, hist: bool = False) -> list[int]:
@@ -164,6 +164,13 @@ class Kernels:
         ws = self._workspace(num_work, self._scratch_bytes("gumbel", num_work, v))
         self.module.gumbel(data, b, v, dt, rows, num_work, params, lse_scale, out, num_samples, sample, ws, stream)
 
+    def launch_min_p(self, data: int, b: int, v: int, dt: int, rows: int, num_work: int, params: list[int],
+                     row_max: int, out: list[int], num_samples: int, sample: int, stream: int) -> None:
+        """min-p alone: Gumbel-max over the tokens min-p keeps, after launch_stats on the same rows (row_max:
+        the address of its row max)."""
+        ws = self._workspace(num_work, self._scratch_bytes("gumbel", num_work, v))
+        self.module.min_p(data, b, v, dt, rows, num_work, params, row_max, out, num_samples, sample, ws, stream)
+
     def launch_topk(self, data: int, b: int, v: int, dt: int, rows: int, num_work: int, params: list[int],
                     bucket: int, out: list[int], num_samples: int, stream: int) -> None:
         ws = self._workspace(num_work, self._scratch_bytes("topk", num_work, v, bucket))
@@ -213,6 +220,14 @@ class Kernels:
         self.launch_gumbel(data, b, v, dt, rptr, n, params.pointers(),
                            lse_scale.data_ptr() if lse_scale is not None else 0, out.pointers(),
                            out.tokens.shape[1], sample, self._stream())
+
+    def min_p(self, logits: torch.Tensor, params: RowParams, stats: Outputs, out: Outputs, sample: int, *,
+              rows: torch.Tensor | None = None) -> None:
+        """min-p alone (no k, no top-p) of column `sample`, after stats() on the same rows (stats.row_max)."""
+        data, b, v, dt = self._logits(logits)
+        rptr, n = self._rows(rows, b)
+        self.launch_min_p(data, b, v, dt, rptr, n, params.pointers(), stats.row_max.data_ptr(), out.pointers(),
+                          out.tokens.shape[1], sample, self._stream())
 
     def topk(self, logits: torch.Tensor, params: RowParams, out: Outputs, bucket: int, *,
              rows: torch.Tensor | None = None) -> None:

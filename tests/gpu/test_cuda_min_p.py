@@ -1,0 +1,177 @@
+"""The min-p route (min-p alone: stats_kernel, then gumbel_kernel over the tokens min-p keeps, MinPMask in
+csrc/sampling.cuh) against the binned exact filter and against Gumbel-max computed here.
+
+Every route is exact, so tokens must agree bit for bit: on spiky, flat, tight, plateau and near-equal
+rows, bf16 input, vocabularies that end inside a chunk, temperatures from tiny to huge, logits far from 0,
+and rows with tokens placed a few ulps either side of the min-p floor, where the mask's two floors leave
+the decision to the exact test expf(z) >= m.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tokensampler_server.backends.cuda_kernels import Outputs, RowParams
+
+from .conftest import make_batch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
+
+MIN_PS = (0.05, 0.02, 0.3, 0.9, 1.0, 1e-30)
+
+
+def _params(b: int, dev: torch.device, temperature: float, min_p: list[float]) -> RowParams:
+    return RowParams(torch.full((b,), temperature, dtype=torch.float32, device=dev),
+                     torch.zeros(b, dtype=torch.int32, device=dev), torch.ones(b, dtype=torch.float32, device=dev),
+                     torch.tensor(min_p, dtype=torch.float32, device=dev),
+                     torch.arange(b, dtype=torch.int64, device=dev) * 7919 + 5,
+                     torch.arange(b, dtype=torch.int64, device=dev) % 13,
+                     torch.full((b,), 2, dtype=torch.int64, device=dev))
+
+
+def _stats_outputs(b: int, dev: torch.device) -> Outputs:
+    return Outputs(tokens=torch.empty(b, 1, dtype=torch.int64, device=dev),
+                   flags=torch.empty(b, dtype=torch.uint8, device=dev),
+                   row_max=torch.empty(b, dtype=torch.float32, device=dev),
+                   row_min=torch.empty(b, dtype=torch.float32, device=dev))
+
+
+def _both_routes(kernels, x: torch.Tensor, params: RowParams, samples: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens of the min-p route, tokens of stats + filter), [B, samples] each; flags must agree."""
+    b, dev = x.shape[0], x.device
+    outs = []
+    for use_mask in (True, False):
+        pre = _stats_outputs(b, dev)
+        out = Outputs(tokens=torch.full((b, samples), -7, dtype=torch.int64, device=dev),
+                      flags=torch.empty(b, dtype=torch.uint8, device=dev))
+        for sample in range(samples):
+            kernels.stats(x, params, pre)
+            if use_mask:
+                kernels.min_p(x, params, pre, out, sample)
+            else:
+                kernels.filter(x, params, pre, out, sample)
+        outs.append(out)
+    assert torch.equal(outs[0].flags, outs[1].flags)
+    return outs[0].tokens.cpu(), outs[1].tokens.cpu()
+
+
+def _exact_min_p_sample(kernels, x: torch.Tensor, params: RowParams, sample: int) -> torch.Tensor:
+    """Per row: the argmax of z + g over the tokens with expf(z) >= m (g: the kernels' own noise), lowest id on
+    ties; -1 for a row with no finite logit."""
+    out = []
+    for r in range(x.shape[0]):
+        row = x[r].float()
+        row = torch.where(torch.isnan(row) | torch.isposinf(row), float("-inf"), row)
+        if not bool(torch.isfinite(row).any()):
+            out.append(-1)
+            continue
+        _, g = kernels.noise(int(params.seed[r]), int(params.position[r]), int(params.iteration[r]), sample,
+                             x.shape[1])
+        z = (row - row.max()) / params.temperature[r]
+        kept = torch.exp(z) >= params.min_p[r]
+        out.append(int(torch.argmax(torch.where(kept, z + g, float("-inf")))))
+    return torch.tensor(out)
+
+
+def _rows(kind: str, b: int, vocab: int, gen: torch.Generator, dev: torch.device) -> torch.Tensor:
+    x = torch.randn(b, vocab, device=dev, generator=gen)
+    if kind == "spiky":
+        spikes = min(50, vocab)
+        x.scatter_(1, torch.randint(0, vocab, (b, spikes), device=dev, generator=gen),
+                   torch.rand(b, spikes, device=dev, generator=gen) * 20 + 10)
+    elif kind == "tight":  # many tokens within the screen's margins of each other
+        n = min(3000, vocab)
+        x.scatter_(1, torch.randint(0, vocab, (b, n), device=dev, generator=gen),
+                   6.0 + torch.rand(b, n, device=dev, generator=gen) * 1e-3)
+    elif kind == "plateau":  # equal logits: the noise and the lowest ids decide
+        x[:, ::3] = 4.0
+    elif kind == "near_equal":
+        x = 5.0 + 1e-6 * x
+    return x
+
+
+@pytest.mark.parametrize("vocab", [151936, 32003, 262144, 1000, 3])
+@pytest.mark.parametrize("temperature", [1.0, 0.4, 2.5])
+def test_min_p_route_matches_filter(cuda_backend, vocab, temperature):
+    kernels = cuda_backend._kernels
+    dev = kernels.device
+    gen = torch.Generator(device=dev).manual_seed(vocab + int(10 * temperature))
+    b = 24
+    params = _params(b, dev, temperature, [MIN_PS[i % len(MIN_PS)] for i in range(b)])
+    for kind in ("spiky", "flat", "tight", "plateau", "near_equal"):
+        x = _rows(kind, b, vocab, gen, dev)
+        for dtype in (torch.float32, torch.bfloat16):
+            got, want = _both_routes(kernels, x.to(dtype).contiguous(), params)
+            assert torch.equal(got, want), f"{kind} {dtype}: rows {(got != want).any(1).nonzero().flatten().tolist()}"
+
+
+def test_tokens_at_the_floor(cuda_backend):
+    """Tokens a few ulps either side of x = M + T log m (and of the floors the mask derives from it, a
+    delta away in z), at several temperatures and magnitudes of M: the exact test decides them, and the
+    token drawn is the exact Gumbel-max over the kept set."""
+    kernels = cuda_backend._kernels
+    dev = kernels.device
+    gen = torch.Generator(device=dev).manual_seed(5)
+    b, vocab, m = 16, 40000, 0.05
+    for temperature, scale in ((1.0, 1.0), (0.05, 1.0), (3.0, 100.0), (1.0, 1000.0)):
+        x = torch.randn(b, vocab, device=dev, generator=gen) * scale - 20.0 * scale
+        row_max = torch.linspace(-5.0, 5.0, b, device=dev) * scale
+        x[:, 7] = row_max
+        floor = row_max + temperature * math.log(m)
+        idx = torch.randperm(vocab - 8, device=dev, generator=gen)[:4000] + 8
+        steps = torch.arange(-2000, 2000, device=dev, dtype=torch.int32)  # ulps either side of the floor
+        x[:, idx] = (floor.unsqueeze(1).view(torch.int32) + steps).view(torch.float32)
+        # and tokens about the mask's own floors, delta (in z) either side (MinPMask)
+        delta = 1e-3 + 2.0 ** -16 * (row_max.abs() / temperature + abs(math.log(m)))
+        offsets = torch.linspace(-2, 2, 200, device=dev)
+        x[:, idx[:200]] = floor.unsqueeze(1) + (temperature * delta).unsqueeze(1) * offsets
+        params = _params(b, dev, temperature, [m] * b)
+        got, want = _both_routes(kernels, x, params, samples=2)
+        assert torch.equal(got, want), f"T={temperature}: rows {(got != want).any(1).nonzero().flatten().tolist()}"
+        for sample in range(2):
+            exact = _exact_min_p_sample(kernels, x, params, sample)
+            assert torch.equal(got[:, sample], exact), f"T={temperature} sample {sample}"
+
+
+def test_extreme_rows(cuda_backend):
+    """No finite logit, NaN and +inf (treated as -inf), one finite logit, |M| huge, T tiny and huge."""
+    kernels = cuda_backend._kernels
+    dev = kernels.device
+    gen = torch.Generator(device=dev).manual_seed(9)
+    b, vocab = 8, 20000
+    x = torch.randn(b, vocab, device=dev, generator=gen)
+    x[0] = float("-inf")
+    x[1, ::7] = float("nan")
+    x[2, :] = float("-inf")
+    x[2, 12345] = 1.0
+    x[3, ::5] = float("inf")
+    x[4] *= 3e4
+    x[5] = x[5] * 1e-30
+    params = _params(b, dev, 1.0, [0.1] * b)
+    got, want = _both_routes(kernels, x, params)
+    assert torch.equal(got, want)
+    assert got[0].tolist() == [-1, -1] and got[2].tolist() == [12345, 12345]
+    for temperature in (1e-6, 1e-4, 1e4, 1e20):
+        params = _params(b, dev, temperature, [0.1, 0.5, 1e-20, 0.99, 0.05, 0.2, 1.0, 1e-3])
+        got, want = _both_routes(kernels, x, params)
+        assert torch.equal(got, want), f"T={temperature}: rows {(got != want).any(1).nonzero().flatten().tolist()}"
+        assert torch.equal(got[:, 1], _exact_min_p_sample(kernels, x, params, 1)), f"T={temperature}"
+
+
+def test_backend_routes_min_p_alone_through_the_mask(cuda_backend, cpu_backend, monkeypatch):
+    """A batch of min-p rows without k or top-p takes the mask route (filter_kernel is never launched) and
+    agrees with the CPU reference on nearly every token; with processed log-probs it stays on the filter."""
+    kernels = cuda_backend._kernels
+    calls: list[str] = []
+    for name in ("launch_min_p", "launch_filter"):
+        original = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _f=original, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 32000, generator=gen)
+    batch = make_batch(x, min_p=0.05, num_samples=2)
+    got, want = cuda_backend.sample(batch), cpu_backend.sample(batch)
+    assert set(calls) == {"launch_min_p"}
+    assert float((got.tokens == want.tokens).float().mean()) >= 0.999
