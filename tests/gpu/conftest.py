@@ -46,6 +46,17 @@ def make_batch(x: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0, top
         return_logprobs=return_logprobs, logprobs_mode=logprobs_mode, top_logprobs=top_logprobs)
 
 
+def degenerate_rows(num_rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """randn rows (num_rows >= 3, vocab > 12345) but for three: 0 has no finite logit, 1 a NaN every 7th
+    token (read as -inf), 2 a single finite logit, at id 12345."""
+    x = torch.randn(num_rows, vocab, device=device)
+    x[0] = float("-inf")
+    x[1, ::7] = float("nan")
+    x[2, :] = float("-inf")
+    x[2, 12345] = 1.0
+    return x
+
+
 def exact_gumbel_argmax(kernels, x: torch.Tensor, temperature: float, seeds, positions, sample: int,
                         iteration: int = 3) -> torch.Tensor:
     """Per row, the argmax of the exact score z + g (g from the kernels' own noise), lowest id on ties."""

@@ -16,7 +16,7 @@ import torch
 
 from tokensampler_server.backends.cuda_kernels import Outputs, RowParams
 
-from .conftest import make_batch
+from .conftest import degenerate_rows, make_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 
@@ -140,13 +140,8 @@ def test_extreme_rows(cuda_backend):
     """No finite logit, NaN and +inf (treated as -inf), one finite logit, |M| huge, T tiny and huge."""
     kernels = cuda_backend._kernels
     dev = kernels.device
-    gen = torch.Generator(device=dev).manual_seed(9)
     b, vocab = 8, 20000
-    x = torch.randn(b, vocab, device=dev, generator=gen)
-    x[0] = float("-inf")
-    x[1, ::7] = float("nan")
-    x[2, :] = float("-inf")
-    x[2, 12345] = 1.0
+    x = degenerate_rows(b, vocab, dev)
     x[3, ::5] = float("inf")
     x[4] *= 3e4
     x[5] = x[5] * 1e-30

@@ -16,6 +16,8 @@ import torch
 
 from tokensampler_server.backends.cuda_kernels import Outputs, RowParams
 
+from .conftest import degenerate_rows
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 
 ROW_DECIDED = 8  # csrc/sampling.cuh kRowDecided
@@ -111,11 +113,7 @@ def test_invalid_and_nan_rows(cuda_backend):
     kernels = cuda_backend._kernels
     dev = kernels.device
     b, vocab = 4, 20000
-    x = torch.randn(b, vocab, device=dev)
-    x[0] = float("-inf")
-    x[1, ::7] = float("nan")
-    x[2, :] = float("-inf")
-    x[2, 12345] = 1.0  # one finite logit
+    x = degenerate_rows(b, vocab, dev)
     params = _params(b, dev, 1.0, [0.9, 0.9, 0.5, 1.0], [0.0, 0.1, 0.0, 0.1])
     got, want, _ = _both_routes(kernels, x, params)
     assert torch.equal(got, want)
