@@ -46,6 +46,23 @@ def make_batch(x: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0, top
         return_logprobs=return_logprobs, logprobs_mode=logprobs_mode, top_logprobs=top_logprobs)
 
 
+def rows_of_kind(kind: str, b: int, vocab: int, gen: torch.Generator, dev: torch.device) -> torch.Tensor:
+    """Rows that test the exact routes: spiky (randn + 50 spikes), flat (randn), tight (up to 3000 tokens
+    within 1e-3 of each other at the top), plateau (every third logit 4.0), near_equal (5 + 1e-6 randn)."""
+    x = torch.randn(b, vocab, device=dev, generator=gen)
+    if kind == "spiky":  # ids drawn with replacement: any vocab
+        x.scatter_(1, torch.randint(0, vocab, (b, 50), device=dev, generator=gen),
+                   torch.rand(b, 50, device=dev, generator=gen) * 20 + 10)
+    elif kind == "tight":  # many tokens within the screen's margins of each other
+        x.scatter_(1, torch.randint(0, vocab, (b, 3000), device=dev, generator=gen),
+                   6.0 + torch.rand(b, 3000, device=dev, generator=gen) * 1e-3)
+    elif kind == "plateau":  # equal logits: the noise and the lowest ids decide
+        x[:, ::3] = 4.0
+    elif kind == "near_equal":
+        x = 5.0 + 1e-6 * x
+    return x
+
+
 def degenerate_rows(num_rows: int, vocab: int, device: torch.device) -> torch.Tensor:
     """randn rows (num_rows >= 3, vocab > 12345) but for three: 0 has no finite logit, 1 a NaN every 7th
     token (read as -inf), 2 a single finite logit, at id 12345."""

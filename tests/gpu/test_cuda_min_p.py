@@ -16,7 +16,7 @@ import torch
 
 from tokensampler_server.backends.cuda_kernels import Outputs, RowParams
 
-from .conftest import degenerate_rows, make_batch
+from .conftest import degenerate_rows, make_batch, rows_of_kind
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 
@@ -76,23 +76,6 @@ def _exact_min_p_sample(kernels, x: torch.Tensor, params: RowParams, sample: int
     return torch.tensor(out)
 
 
-def _rows(kind: str, b: int, vocab: int, gen: torch.Generator, dev: torch.device) -> torch.Tensor:
-    x = torch.randn(b, vocab, device=dev, generator=gen)
-    if kind == "spiky":
-        spikes = min(50, vocab)
-        x.scatter_(1, torch.randint(0, vocab, (b, spikes), device=dev, generator=gen),
-                   torch.rand(b, spikes, device=dev, generator=gen) * 20 + 10)
-    elif kind == "tight":  # many tokens within the screen's margins of each other
-        n = min(3000, vocab)
-        x.scatter_(1, torch.randint(0, vocab, (b, n), device=dev, generator=gen),
-                   6.0 + torch.rand(b, n, device=dev, generator=gen) * 1e-3)
-    elif kind == "plateau":  # equal logits: the noise and the lowest ids decide
-        x[:, ::3] = 4.0
-    elif kind == "near_equal":
-        x = 5.0 + 1e-6 * x
-    return x
-
-
 @pytest.mark.parametrize("vocab", [151936, 32003, 262144, 1000, 3])
 @pytest.mark.parametrize("temperature", [1.0, 0.4, 2.5])
 def test_min_p_route_matches_filter(cuda_backend, vocab, temperature):
@@ -102,7 +85,7 @@ def test_min_p_route_matches_filter(cuda_backend, vocab, temperature):
     b = 24
     params = _params(b, dev, temperature, [MIN_PS[i % len(MIN_PS)] for i in range(b)])
     for kind in ("spiky", "flat", "tight", "plateau", "near_equal"):
-        x = _rows(kind, b, vocab, gen, dev)
+        x = rows_of_kind(kind, b, vocab, gen, dev)
         for dtype in (torch.float32, torch.bfloat16):
             got, want = _both_routes(kernels, x.to(dtype).contiguous(), params)
             assert torch.equal(got, want), f"{kind} {dtype}: rows {(got != want).any(1).nonzero().flatten().tolist()}"

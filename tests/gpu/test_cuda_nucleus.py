@@ -16,7 +16,7 @@ import torch
 
 from tokensampler_server.backends.cuda_kernels import Outputs, RowParams
 
-from .conftest import degenerate_rows
+from .conftest import degenerate_rows, rows_of_kind
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 
@@ -57,21 +57,6 @@ def _both_routes(kernels, x: torch.Tensor, params: RowParams, samples: int = 2):
     return out_f.tokens.cpu(), out_s.tokens.cpu(), (pre_f.flags & ROW_DECIDED).cpu() != 0
 
 
-def _rows(kind: str, b: int, vocab: int, gen: torch.Generator, dev: torch.device) -> torch.Tensor:
-    x = torch.randn(b, vocab, device=dev, generator=gen)
-    if kind == "spiky":
-        x.scatter_(1, torch.randint(0, vocab, (b, 50), device=dev, generator=gen),
-                   torch.rand(b, 50, device=dev, generator=gen) * 20 + 10)
-    elif kind == "tight":  # many tokens within the screen's margins of the best one
-        idx = torch.randint(0, vocab, (b, 3000), device=dev, generator=gen)
-        x.scatter_(1, idx, 6.0 + torch.rand(b, 3000, device=dev, generator=gen) * 1e-3)
-    elif kind == "plateau":  # equal logits: the noise and the lowest ids decide
-        x[:, ::3] = 4.0
-    elif kind == "near_equal":
-        x = 5.0 + 1e-6 * x
-    return x
-
-
 @pytest.mark.parametrize("vocab", [151936, 32003, 262144, 1000])
 @pytest.mark.parametrize("temperature", [1.0, 0.4, 2.5])
 def test_frontier_matches_filter(cuda_backend, vocab, temperature):
@@ -84,7 +69,7 @@ def test_frontier_matches_filter(cuda_backend, vocab, temperature):
     top_p = [p if (p < 1 or m > 0) else 0.7 for p, m in zip(top_p, min_p)]
     params = _params(b, dev, temperature, top_p, min_p)
     for kind in ("spiky", "flat", "tight", "plateau", "near_equal"):
-        x = _rows(kind, b, vocab, gen, dev)
+        x = rows_of_kind(kind, b, vocab, gen, dev)
         for dtype in (torch.float32, torch.bfloat16):
             got, want, settled = _both_routes(kernels, x.to(dtype).contiguous(), params)
             assert torch.equal(got, want), f"{kind} {dtype}: rows {(got != want).any(1).nonzero().flatten().tolist()}"
