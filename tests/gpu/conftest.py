@@ -75,14 +75,22 @@ def degenerate_rows(num_rows: int, vocab: int, device: torch.device) -> torch.Te
 
 
 def exact_gumbel_argmax(kernels, x: torch.Tensor, temperature: float, seeds, positions, sample: int,
-                        iteration: int = 3) -> torch.Tensor:
-    """Per row, the argmax of the exact score z + g (g from the kernels' own noise), lowest id on ties."""
+                        iteration: int = 3, min_p=None) -> torch.Tensor:
+    """Per row, the argmax of the exact score z + g (g from the kernels' own noise) over the tokens min-p keeps
+    (expf(z) >= min_p[row], when given), lowest id on ties; -1 for a row without a finite logit."""
     out = []
     for r in range(x.shape[0]):
+        row = x[r].float()
+        row = torch.where(torch.isnan(row) | torch.isposinf(row), float("-inf"), row)
+        if not bool(torch.isfinite(row).any()):
+            out.append(-1)
+            continue
         _, g = kernels.noise(seeds[r], positions[r], iteration, sample, x.shape[1])
-        row = torch.where(torch.isnan(x[r]) | torch.isposinf(x[r]), float("-inf"), x[r])
         z = (row - row.max()) / torch.tensor(temperature, dtype=torch.float32, device=x.device)
-        out.append(int(torch.argmax(z + g)))  # first maximum: the lowest id on ties
+        score = z + g
+        if min_p is not None:
+            score = torch.where(torch.exp(z) >= min_p[r], score, float("-inf"))
+        out.append(int(torch.argmax(score)))  # first maximum: the lowest id on ties
     return torch.tensor(out)
 
 

@@ -16,7 +16,7 @@ import torch
 
 from tokensampler_server.backends.cuda_kernels import Outputs, RowParams
 
-from .conftest import degenerate_rows, make_batch, rows_of_kind
+from .conftest import degenerate_rows, exact_gumbel_argmax, make_batch, rows_of_kind
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 
@@ -59,21 +59,10 @@ def _both_routes(kernels, x: torch.Tensor, params: RowParams, samples: int = 2) 
 
 
 def _exact_min_p_sample(kernels, x: torch.Tensor, params: RowParams, sample: int) -> torch.Tensor:
-    """Per row: the argmax of z + g over the tokens with expf(z) >= m (g: the kernels' own noise), lowest id on
-    ties; -1 for a row with no finite logit."""
-    out = []
-    for r in range(x.shape[0]):
-        row = x[r].float()
-        row = torch.where(torch.isnan(row) | torch.isposinf(row), float("-inf"), row)
-        if not bool(torch.isfinite(row).any()):
-            out.append(-1)
-            continue
-        _, g = kernels.noise(int(params.seed[r]), int(params.position[r]), int(params.iteration[r]), sample,
-                             x.shape[1])
-        z = (row - row.max()) / params.temperature[r]
-        kept = torch.exp(z) >= params.min_p[r]
-        out.append(int(torch.argmax(torch.where(kept, z + g, float("-inf")))))
-    return torch.tensor(out)
+    """The min-p sample of every row from the kernels' noise (_params: one temperature and iteration)."""
+    return exact_gumbel_argmax(kernels, x, float(params.temperature[0]), params.seed.tolist(),
+                               params.position.tolist(), sample, iteration=int(params.iteration[0]),
+                               min_p=params.min_p.tolist())
 
 
 @pytest.mark.parametrize("vocab", [151936, 32003, 262144, 1000, 3])
