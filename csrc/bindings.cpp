@@ -53,6 +53,23 @@ TsWorkspace workspace_of(const std::vector<int64_t>& w) {
   return TsWorkspace{ptr<unsigned int>(w[0]), ptr<void>(w[1]), ptr<void>(w[2]), ptr<unsigned long long>(w[3])};
 }
 
+using SamplerWithRowFloats = int (*)(const TsLogits*, const TsRows*, const float*, const TsOutputs*,
+                                     const TsWorkspace*, void*);
+
+// A sampler of one sample column that takes one per-row float array besides the rows (ts_gumbel, ts_min_p).
+void def_sampler_with_row_floats(pybind11::module_& m, const char* name, SamplerWithRowFloats launch) {
+  m.def(name, [name, launch](int64_t data, int64_t num_rows, int64_t vocab, int64_t dtype, int64_t rows,
+                             int64_t num_work, std::vector<int64_t> params, int64_t row_floats,
+                             std::vector<int64_t> outs, int64_t num_samples, int64_t sample, std::vector<int64_t> ws,
+                             int64_t stream) {
+    const TsLogits l = logits_of(data, num_rows, vocab, dtype);
+    const TsRows r = rows_of(rows, num_work, params);
+    const TsOutputs o = outputs_of(outs, num_samples, sample);
+    const TsWorkspace w = workspace_of(ws);
+    check(launch(&l, &r, ptr<const float>(row_floats), &o, &w, ptr<void>(stream)), name);
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -72,24 +89,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const TsWorkspace w = workspace_of(ws);
     check(ts_stats(&l, &r, ptr<const float>(lse_scale), &o, &w, ptr<void>(stream)), "stats");
   });
-  m.def("gumbel", [](int64_t data, int64_t num_rows, int64_t vocab, int64_t dtype, int64_t rows, int64_t num_work,
-                     std::vector<int64_t> params, int64_t lse_scale, std::vector<int64_t> outs, int64_t num_samples,
-                     int64_t sample, std::vector<int64_t> ws, int64_t stream) {
-    const TsLogits l = logits_of(data, num_rows, vocab, dtype);
-    const TsRows r = rows_of(rows, num_work, params);
-    const TsOutputs o = outputs_of(outs, num_samples, sample);
-    const TsWorkspace w = workspace_of(ws);
-    check(ts_gumbel(&l, &r, ptr<const float>(lse_scale), &o, &w, ptr<void>(stream)), "gumbel");
-  });
-  m.def("min_p", [](int64_t data, int64_t num_rows, int64_t vocab, int64_t dtype, int64_t rows, int64_t num_work,
-                    std::vector<int64_t> params, int64_t row_max, std::vector<int64_t> outs, int64_t num_samples,
-                    int64_t sample, std::vector<int64_t> ws, int64_t stream) {
-    const TsLogits l = logits_of(data, num_rows, vocab, dtype);
-    const TsRows r = rows_of(rows, num_work, params);
-    const TsOutputs o = outputs_of(outs, num_samples, sample);
-    const TsWorkspace w = workspace_of(ws);
-    check(ts_min_p(&l, &r, ptr<const float>(row_max), &o, &w, ptr<void>(stream)), "min_p");
-  });
+  def_sampler_with_row_floats(m, "gumbel", &ts_gumbel);  // the floats: lse_scale (0: none)
+  def_sampler_with_row_floats(m, "min_p", &ts_min_p);    // the floats: stats' row_max
   m.def("topk", [](int64_t data, int64_t num_rows, int64_t vocab, int64_t dtype, int64_t rows, int64_t num_work,
                    std::vector<int64_t> params, int64_t bucket, std::vector<int64_t> outs, int64_t num_samples,
                    std::vector<int64_t> ws, int64_t stream) {
