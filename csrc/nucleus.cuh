@@ -97,7 +97,6 @@ __device__ __forceinline__ void frontier_candidates(const float (&v)[kGroupsPerT
                                                     int64_t vocab, int64_t g0, float temperature, float inv_t,
                                                     const NoiseStream& noise, float* cand_x, float* cand_p,
                                                     uint32_t* cand_id, unsigned int* num_cand) {
-  constexpr int kSlots = kGroupsPerThread - 1;
   const uint32_t gbase = static_cast<uint32_t>(g0) + threadIdx.x;
   float gx[kGroupsPerThread];
   float x[4];
@@ -175,28 +174,16 @@ __device__ __forceinline__ void frontier_candidates(const float (&v)[kGroupsPerT
 
   // Word thresholds of the other groups from the bound at their largest logit (screen_word:
   // words below it leave every token of the group under that bound).
-  uint32_t th[kSlots];
-  uint32_t need = 0;
+  redo_screened_groups(
+      gx, pilot, gbase, rv, vocab, noise,
+      [&](float g) {
+        const float thr = bound(g);
+        return !(g > -kInf) ? ~0u : screen_word(g, inv_t, fmaf(-0x1p-19f, fabsf(thr), thr - 2e-4f));
+      },
+      [&](float (&y)[4], const uint4& words, uint32_t g) {
 #pragma unroll
-  for (int i = 0; i < kSlots; ++i) {
-    const float g = i >= pilot ? gx[i + 1] : gx[i];
-    const float thr = bound(g);
-    th[i] = !(g > -kInf) ? ~0u : screen_word(g, inv_t, fmaf(-0x1p-19f, fabsf(thr), thr - 2e-4f));
-    if (th[i] < kNoWordPasses) need |= 1u << i;
-  }
-  uint32_t gmask = groups_with_passing_words(th, need, pilot, gbase, noise);
-  while (gmask) {
-    const int j = __ffs(gmask) - 1;
-    gmask &= gmask - 1;
-    const uint32_t g = gbase + j * kThreads;
-    float y[4];
-    load_group(rv.row, g, vocab, rv.aligned, y);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) sanitize(y[e]);
-    const uint4 words = noise.group(g);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) push(y[e], fmaf(y[e], inv_t, gumbel_fast(word_of(words, e))), 4 * g + e);
-  }
+        for (int e = 0; e < 4; ++e) push(y[e], fmaf(y[e], inv_t, gumbel_fast(word_of(words, e))), 4 * g + e);
+      });
 }
 
 // The largest (upper) or smallest logit x whose z = scaled(x, row_max, t) is z0, by bisection over the

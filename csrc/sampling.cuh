@@ -332,6 +332,35 @@ __device__ __forceinline__ uint32_t groups_with_passing_words(const uint32_t (&t
   return gmask;
 }
 
+// The screen's second half (gumbel_screened, frontier_candidates): a word threshold per non-pilot
+// group from its largest logit (word_threshold; kNoWordPasses or more: no word can pass), the groups
+// where some Philox word passes, and for each of those its four sanitized logits (re-read from
+// L1/L2) and its words, handed to redo(x, words, g).
+template <typename T, typename WordThreshold, typename Redo>
+__device__ __forceinline__ void redo_screened_groups(const float (&gx)[kGroupsPerThread], int pilot, uint32_t gbase,
+                                                     const RowView<T>& rv, int64_t vocab, const NoiseStream& noise,
+                                                     WordThreshold word_threshold, Redo redo) {
+  constexpr int kSlots = kGroupsPerThread - 1;
+  uint32_t th[kSlots];
+  uint32_t need = 0;
+#pragma unroll
+  for (int i = 0; i < kSlots; ++i) {
+    th[i] = word_threshold(i >= pilot ? gx[i + 1] : gx[i]);
+    if (th[i] < kNoWordPasses) need |= 1u << i;
+  }
+  uint32_t gmask = groups_with_passing_words(th, need, pilot, gbase, noise);
+  while (gmask) {
+    const int j = __ffs(gmask) - 1;
+    gmask &= gmask - 1;
+    const uint32_t g = gbase + j * kThreads;
+    float x[4];
+    load_group(rv.row, g, vocab, rv.aligned, x);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sanitize(x[e]);
+    redo(x, noise.group(g), g);
+  }
+}
+
 // The block stage of the LSE-free kernel: px holds every token whose proxy may reach thr, and
 // p2 >= thr (no thr when the screen is off: all tokens scored).
 // row_best (optional, zero before the row's first block): the order key of the best pilot that
@@ -352,7 +381,6 @@ __device__ __forceinline__ void gumbel_screened(const float (&v)[kGroupsPerThrea
                                                 int64_t vocab, int64_t g0, float inv_t, const NoiseStream& noise,
                                                 Proxy& px, float& mx, unsigned int* row_best = nullptr,
                                                 const Mask& mask = Mask{}) {
-  constexpr int kSlots = kGroupsPerThread - 1;
   const uint32_t gbase = static_cast<uint32_t>(g0) + threadIdx.x;
   float gx[kGroupsPerThread];
   float x[4];
@@ -383,31 +411,22 @@ __device__ __forceinline__ void gumbel_screened(const float (&v)[kGroupsPerThrea
   const bool screen = fabsf(L) < 0x1p20f;  // finite and far from overflow; else score everything
   const float thr = L - (0x1p-18f * (fabsf(L) + 64.f) + 1e-4f);
   const float a = fmaf(-0x1p-19f, fabsf(thr), thr - 2e-4f);
-  uint32_t th[kSlots];
-  uint32_t need = 0;
+  redo_screened_groups(
+      gx, pilot, gbase, rv, vocab, noise,
+      [&](float gmax) {
+        const float g = mask.group_bound(gmax);
+        return screen ? screen_word(g, inv_t, a) : (g > -kInf ? 0u : ~0u);
+      },
+      [&](float (&x)[4], const uint4& words, uint32_t g) {
 #pragma unroll
-  for (int i = 0; i < kSlots; ++i) {
-    const float g = mask.group_bound(i >= pilot ? gx[i + 1] : gx[i]);
-    th[i] = screen ? screen_word(g, inv_t, a) : (g > -kInf ? 0u : ~0u);
-    if (th[i] < kNoWordPasses) need |= 1u << i;
-  }
-  uint32_t gmask = groups_with_passing_words(th, need, pilot, gbase, noise);
-  while (gmask) {
-    const int j = __ffs(gmask) - 1;
-    gmask &= gmask - 1;
-    const uint32_t g = gbase + j * kThreads;
-    float x[4];
-    load_group(rv.row, g, vocab, rv.aligned, x);
+        for (int e = 0; e < 4; ++e) mask.apply(x[e]);
+        const uint32_t th = screen ? screen_word(fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3])), inv_t, a) : 0u;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) sanitize(x[e]), mask.apply(x[e]);
-    const uint32_t th = screen ? screen_word(fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3])), inv_t, a) : 0u;
-    const uint4 words = noise.group(g);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const uint32_t word = word_of(words, e);
-      if (word >= th) proxy_update(px, fmaf(x[e], inv_t, gumbel_fast(word)), 4 * g + e);
-    }
-  }
+        for (int e = 0; e < 4; ++e) {
+          const uint32_t word = word_of(words, e);
+          if (word >= th) proxy_update(px, fmaf(x[e], inv_t, gumbel_fast(word)), 4 * g + e);
+        }
+      });
   if (screen) px.p2 = fmaxf(px.p2, thr);  // tokens the screen skipped have proxies below thr
 }
 
