@@ -16,7 +16,7 @@ import torch
 
 from tokensampler_server.backends.cuda_kernels import Outputs, RowParams
 
-from .conftest import degenerate_rows, exact_gumbel_argmax, make_batch, rows_of_kind
+from .conftest import degenerate_rows, exact_gumbel_argmax, make_batch, rows_of_every_kind
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 
@@ -73,11 +73,9 @@ def test_min_p_route_matches_filter(cuda_backend, vocab, temperature):
     gen = torch.Generator(device=dev).manual_seed(vocab + int(10 * temperature))
     b = 24
     params = _params(b, dev, temperature, [MIN_PS[i % len(MIN_PS)] for i in range(b)])
-    for kind in ("spiky", "flat", "tight", "plateau", "near_equal"):
-        x = rows_of_kind(kind, b, vocab, gen, dev)
-        for dtype in (torch.float32, torch.bfloat16):
-            got, want = _both_routes(kernels, x.to(dtype).contiguous(), params)
-            assert torch.equal(got, want), f"{kind} {dtype}: rows {(got != want).any(1).nonzero().flatten().tolist()}"
+    for kind, dtype, x in rows_of_every_kind(b, vocab, gen, dev):
+        got, want = _both_routes(kernels, x, params)
+        assert torch.equal(got, want), f"{kind} {dtype}: rows {(got != want).any(1).nonzero().flatten().tolist()}"
 
 
 def test_tokens_at_the_floor(cuda_backend):

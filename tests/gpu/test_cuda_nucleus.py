@@ -16,7 +16,7 @@ import torch
 
 from tokensampler_server.backends.cuda_kernels import Outputs, RowParams
 
-from .conftest import degenerate_rows, rows_of_kind
+from .conftest import degenerate_rows, rows_of_every_kind
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 
@@ -68,14 +68,12 @@ def test_frontier_matches_filter(cuda_backend, vocab, temperature):
     min_p = [(0.0, 0.0, 0.02, 0.05, 0.3, 0.0)[i % 6] for i in range(b)]
     top_p = [p if (p < 1 or m > 0) else 0.7 for p, m in zip(top_p, min_p)]
     params = _params(b, dev, temperature, top_p, min_p)
-    for kind in ("spiky", "flat", "tight", "plateau", "near_equal"):
-        x = rows_of_kind(kind, b, vocab, gen, dev)
-        for dtype in (torch.float32, torch.bfloat16):
-            got, want, settled = _both_routes(kernels, x.to(dtype).contiguous(), params)
-            assert torch.equal(got, want), f"{kind} {dtype}: rows {(got != want).any(1).nonzero().flatten().tolist()}"
-            if kind in ("spiky", "flat") and dtype == torch.float32:
-                share = settled.float().mean().item()
-                assert share >= 0.95, f"{kind}: the frontier settled only {share:.0%} of the rows"
+    for kind, dtype, x in rows_of_every_kind(b, vocab, gen, dev):
+        got, want, settled = _both_routes(kernels, x, params)
+        assert torch.equal(got, want), f"{kind} {dtype}: rows {(got != want).any(1).nonzero().flatten().tolist()}"
+        if kind in ("spiky", "flat") and dtype == torch.float32:
+            share = settled.float().mean().item()
+            assert share >= 0.95, f"{kind}: the frontier settled only {share:.0%} of the rows"
 
 
 def test_rows_beyond_the_bounds_go_to_the_filter(cuda_backend):
