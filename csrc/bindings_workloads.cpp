@@ -30,10 +30,11 @@ TsRowJob job_of(const std::vector<int64_t>& j) {
                   static_cast<int32_t>(j[12])};
 }
 
-// stats: row_max, row_sum, argmax, token, aux_sum.
+// stats: row_max, row_sum, argmax, token, aux_sum, confidence.
 TsRowStats stats_of(const std::vector<int64_t>& s) {
-  if (s.size() != 5) throw std::invalid_argument("tokensampler: 5 row-stats arrays expected");
-  return TsRowStats{addr<float>(s[0]), addr<float>(s[1]), addr<int64_t>(s[2]), addr<int64_t>(s[3]), addr<float>(s[4])};
+  if (s.size() != 6) throw std::invalid_argument("tokensampler: 6 row-stats arrays expected");
+  return TsRowStats{addr<float>(s[0]), addr<float>(s[1]), addr<int64_t>(s[2]), addr<int64_t>(s[3]), addr<float>(s[4]),
+                    addr<float>(s[5])};
 }
 
 // workspace: counters, hist (unused here), scratch, fallback_count.

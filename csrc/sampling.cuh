@@ -363,10 +363,9 @@ __device__ __forceinline__ void redo_screened_groups(const float (&gx)[kGroupsPe
 
 // The block stage of the LSE-free kernel: px holds every token whose proxy may reach thr, and
 // p2 >= thr (no thr when the screen is off: all tokens scored).
-// row_best (optional, zero before the row's first block): the order key of the best pilot that
-// the row's blocks have posted; a pilot from any block of the row is a real token's proxy, so the
-// largest one seen is a valid L (the screen's strength then depends on timing, never the result).
-// A warp's L is the larger of the block's and the row's as its lane 0 saw it, so thr is per warp.
+// rb (optional): the row's shared bound. Any block's L is a real token's proxy of the row, so the
+// largest L the row's other blocks have posted is a valid L here too (the screen's strength then
+// depends on timing, never the result); a warp whose logits cannot reach the posted L skips its pilot.
 // A thread's other seven groups sit in slots 0..6 (slot i is group i + (i >= pilot)). A slot needs
 // its Philox words only where the logits leave some word able to pass (th < kNoWordPasses). When
 // most slots of a warp need them (flat rows), the words of all seven are computed unconditionally
@@ -376,10 +375,23 @@ __device__ __forceinline__ void redo_screened_groups(const float (&gx)[kGroupsPe
 // v: the block's chunk as load_chunk gives it (a caller that has read it for other statistics
 // passes its registers; the chunk is not read again). mask (min-p alone): applied to each token the
 // screen scores (the pilot's, the re-done groups'); the other groups are bounded by group_bound.
+// A row's screening bound shared by its blocks through `slot` (order keys of L; the row's last block
+// zeroes it). Two ways to use it, by the grid's order:
+// - posted: the slot as loaded with this block's chunk (-inf if none; no round trip of its own); the
+//   block then posts its L with a reduction nothing waits for. Suits rows that vary fastest in the
+//   grid: a row's first blocks have posted by the time its later ones load.
+// - exchange: the block posts its L with a returning atomicMax and takes the larger value (a round
+//   trip after the pilot). Suits chunks that vary fastest: a row's blocks run side by side.
+struct RowBound {
+  unsigned int* slot = nullptr;
+  float posted = -kInf;
+  bool exchange = false;
+};
+
 template <typename T, typename Mask = NoMask>
 __device__ __forceinline__ void gumbel_screened(const float (&v)[kGroupsPerThread][4], const RowView<T>& rv,
                                                 int64_t vocab, int64_t g0, float inv_t, const NoiseStream& noise,
-                                                Proxy& px, float& mx, unsigned int* row_best = nullptr,
+                                                Proxy& px, float& mx, RowBound rb = {},
                                                 const Mask& mask = Mask{}) {
   const uint32_t gbase = static_cast<uint32_t>(g0) + threadIdx.x;
   float gx[kGroupsPerThread];
@@ -389,7 +401,10 @@ __device__ __forceinline__ void gumbel_screened(const float (&v)[kGroupsPerThrea
   mx = fmaxf(mx, pilot_max);
 #pragma unroll
   for (int e = 0; e < 4; ++e) mask.apply(x[e]);
-  {  // the pilot scored in full
+  // g < 25 ln 2 < 18: a warp whose largest logit cannot reach the posted L needs no pilot.
+  if (!(rb.posted > -kInf) ||
+      warp_allreduce(pilot_max, MaxOp{}) * inv_t + 18.f >= rb.posted - 0x1p-16f * fabsf(rb.posted)) {
+    // the pilot scored in full
     const uint32_t g = gbase + pilot * kThreads;
     const uint4 words = noise.group(g);
 #pragma unroll
@@ -402,11 +417,16 @@ __device__ __forceinline__ void gumbel_screened(const float (&v)[kGroupsPerThrea
   L = pilot_best[0];
 #pragma unroll
   for (int i = 1; i < kThreads / 32; ++i) L = fmaxf(L, pilot_best[i]);
-  if (row_best && fabsf(L) < 0x1p20f) {  // the best pilot the row's other blocks have posted so far
-    uint32_t seen = 0;
-    if ((threadIdx.x & 31) == 0) seen = atomicMax(row_best, order_key(L));
-    seen = __shfl_sync(0xffffffffu, seen, 0);
-    if (seen) L = fmaxf(L, key_to_float(seen));
+  L = fmaxf(L, rb.posted);
+  if (rb.slot && fabsf(L) < 0x1p20f) {
+    if (rb.exchange) {
+      uint32_t seen = 0;
+      if ((threadIdx.x & 31) == 0) seen = atomicMax(rb.slot, order_key(L));
+      seen = __shfl_sync(0xffffffffu, seen, 0);
+      if (seen) L = fmaxf(L, key_to_float(seen));
+    } else if (threadIdx.x == 0) {
+      atomicMax(rb.slot, order_key(L));  // the result is not waited for
+    }
   }
   const bool screen = fabsf(L) < 0x1p20f;  // finite and far from overflow; else score everything
   const float thr = L - (0x1p-18f * (fabsf(L) + 64.f) + 1e-4f);
@@ -456,7 +476,7 @@ __global__ void __launch_bounds__(kThreads, LSE || kMinP ? 4 : 5)
     // in shared memory: its few uses reload it rather than hold five registers through the screen
     if (threadIdx.x == 0) min_p = min_p_mask(stats_row_max[rv.r], temperature, rows.min_p[rv.r]);
     __syncthreads();
-    gumbel_screened(v, rv, logits.vocab, g0, inv_t, noise, px, mx, nullptr, min_p);
+    gumbel_screened(v, rv, logits.vocab, g0, inv_t, noise, px, mx, RowBound{}, min_p);
   } else if constexpr (!LSE) {
     float v[kGroupsPerThread][4];
     nan = load_chunk(rv, logits.vocab, g0, v);

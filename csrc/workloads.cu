@@ -48,32 +48,37 @@ int ts_row_stats(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace
   if (job->num_rows == 0) return cudaSuccess;
   if (job->aux && (job->aux_per_request < 1 || job->aux_per_request > job->per_request || !stats->aux_sum))
     return cudaErrorInvalidValue;
-  if (job->num_rows + aux_rows(*job) > kMaxGridY) return cudaErrorInvalidValue;
-  const dim3 grid(num_splits(job->vocab), static_cast<unsigned int>(job->num_rows + aux_rows(*job)));
+  const unsigned int rows = static_cast<unsigned int>(job->num_rows + aux_rows(*job)), splits = num_splits(job->vocab);
+  // Rows vary fastest for diffusion steps (every slot draws), chunks for verification (row_stats_kernel).
+  const bool rows_fastest = job->draw_slot < 0;
+  if ((rows_fastest ? splits : rows) > kMaxGridY) return cudaErrorInvalidValue;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
   return with_dtype(job->dtype, [&](auto t) {
     using T = decltype(t);
-    row_stats_kernel<T><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(*job, *stats, *ws);
+    if (rows_fastest) {
+      row_stats_kernel<T, true><<<dim3(rows, splits), kThreads, 0, s>>>(*job, *stats, *ws);
+    } else {
+      row_stats_kernel<T, false><<<dim3(splits, rows), kThreads, 0, s>>>(*job, *stats, *ws);
+    }
     return cudaGetLastError();
   });
 }
 
 int ts_diffusion_commit(const TsRowJob* job, const TsRowStats* stats, const float* threshold, const int64_t* count,
                         int64_t* tokens, float* confidences, uint8_t* mask_out, void* stream) {
-  if (bad_job(job) || !job->active || !stats->token || !stats->row_max || !stats->row_sum) return cudaErrorInvalidValue;
+  if (bad_job(job) || !job->active || !stats->token || !stats->confidence || stats->confidence != confidences)
+    return cudaErrorInvalidValue;
   const int requests = job->num_rows / job->per_request;
   if (requests == 0) return cudaSuccess;
   const size_t smem = static_cast<size_t>(job->per_request) * (sizeof(float) + 1);
-  return with_dtype(job->dtype, [&](auto t) {
-    using T = decltype(t);
-    const void* kernel = reinterpret_cast<const void*>(&diffusion_commit_kernel<T>);
-    if (smem > 48 * 1024) {
-      if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)))
-        return e;
-    }
-    return launch_after_previous(&diffusion_commit_kernel<T>, dim3(requests), dim3(kCommitThreads), smem,
-                                 static_cast<cudaStream_t>(stream), *job, *stats, threshold, count, tokens,
-                                 confidences, mask_out);
-  });
+  if (smem > 48 * 1024) {
+    const void* kernel = reinterpret_cast<const void*>(&diffusion_commit_kernel);
+    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)))
+      return e;
+  }
+  return launch_after_previous(&diffusion_commit_kernel, dim3(requests), dim3(kCommitThreads), smem,
+                               static_cast<cudaStream_t>(stream), *job, *stats, threshold, count, tokens, confidences,
+                               mask_out);
 }
 
 size_t ts_verify_scratch_bytes(int32_t num_requests, int64_t vocab) {

@@ -101,9 +101,14 @@ __device__ __forceinline__ void aux_sum_block(const TsRowJob& job, const TsRowSt
   st.aux_sum[w] = total;
 }
 
-template <typename T>
+// kRowsFastest: the grid's order, and with it how a row's blocks share their screening bound (RowBound).
+// Rows fastest (diffusion steps, every slot draws): a row's later chunks start after its first ones
+// posted their bound, which they load with their chunk. Chunks fastest (verification: one drawing
+// slot a request, and aux rows): a row's blocks run side by side and exchange their bounds.
+template <typename T, bool kRowsFastest>
 __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, TsRowStats st, TsWorkspace ws) {
-  const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
+  const int w = kRowsFastest ? blockIdx.x : blockIdx.y, split = kRowsFastest ? blockIdx.y : blockIdx.x;
+  const int splits = kRowsFastest ? gridDim.y : gridDim.x;
   let_next_grid_launch();  // a dependent kernel may take SMs this grid's last wave leaves idle
   if (w >= job.num_rows) return aux_sum_block(job, st, ws, w - job.num_rows, split, splits);
   if (job.active && !job.active[w]) return;  // every block of the row leaves: its counter stays 0
@@ -114,6 +119,8 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
   const float c2 = jr.inv_t * kLog2e;
 
   unsigned int* row_best = ws.counters + 2 * job.num_rows + w;  // after the rows' and aux rows' counters
+  // rows fastest: the row's bound as its earlier blocks posted it, loaded beside the chunk
+  const uint32_t posted = draw && kRowsFastest ? __ldcg(row_best) : 0u;
   RowPartial s{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, INT_MAX};
   {
     float v[kGroupsPerThread][4];
@@ -131,7 +138,8 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
     }
     if (draw) {  // block-uniform: gumbel_screened synchronises the block
       float unused_max = -kInf;
-      gumbel_screened(v, rv, vocab, g0, jr.inv_t, job_noise(job, jr), s.proxy, unused_max, row_best);
+      gumbel_screened(v, rv, vocab, g0, jr.inv_t, job_noise(job, jr), s.proxy, unused_max,
+                      RowBound{row_best, posted ? key_to_float(posted) : -kInf, !kRowsFastest});
     }
   }
 #pragma unroll
@@ -197,11 +205,15 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
   if (st.row_sum) st.row_sum[w] = row.sum;
   if (st.argmax) st.argmax[w] = valid ? row.argmax : -1;
   if (st.token) st.token[w] = token;
+  if (st.confidence) {  // here rather than in the commit kernel: one dependent load fewer after the pass
+    const float z = token < 0 ? -kInf : scaled(to_f32(rv.row[token]), row.max, jr.greedy ? 1.f : jr.temperature);
+    st.confidence[w] = token < 0 ? 0.f : expf(__fsub_rn(z, logf(row.sum)));
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Diffusion commit: one block per request. Confidence of a masked position = exp(z_tok - log S) with
-// z = (x - max) / T (T = 1 for greedy), then choice 14's rule: threshold, the `count` most confident
+// z = (x - max) / T (T = 1 for greedy), as the row pass wrote it (TsRowStats.confidence), then choice 14's rule: threshold, the `count` most confident
 // (confidence desc, index asc), at least one while a committable position remains.
 
 constexpr int kCommitThreads = 256;
@@ -210,7 +222,6 @@ __device__ __forceinline__ bool ranks_before(float cj, int j, float ci, int i) {
   return cj > ci || (cj == ci && j < i);
 }
 
-template <typename T>
 __global__ void __launch_bounds__(kCommitThreads)
     diffusion_commit_kernel(TsRowJob job, TsRowStats st, const float* threshold, const int64_t* count,
                             int64_t* tokens, float* confidences, uint8_t* mask_out) {
@@ -223,15 +234,12 @@ __global__ void __launch_bounds__(kCommitThreads)
   bool any_eligible = false;
   for (int l = threadIdx.x; l < L; l += kCommitThreads) {
     const int w = b * L + l;
+    // all three loaded at once; token and confidence mean something at masked positions only
     const bool masked = job.active[w] != 0;
-    const int64_t tok = masked ? st.token[w] : -1;
-    float conf = 0.f;
-    if (tok >= 0) {
-      const JobRow jr = job_row(job, w);
-      const T* row = static_cast<const T*>(job.logits) + static_cast<int64_t>(w) * job.vocab;
-      const float z = scaled(to_f32(row[tok]), st.row_max[w], jr.greedy ? 1.f : jr.temperature);
-      conf = expf(__fsub_rn(z, logf(st.row_sum[w])));
-    }
+    const int64_t row_token = st.token[w];
+    const float row_conf = st.confidence[w];
+    const int64_t tok = masked ? row_token : -1;
+    const float conf = tok >= 0 ? row_conf : 0.f;
     tokens[w] = tok;
     confidences[w] = conf;
     conf_key[l] = tok >= 0 ? conf : -1.f;

@@ -39,6 +39,7 @@ typedef struct {
   int64_t* argmax;  /* lowest index of the max, -1 if none */
   int64_t* token;   /* the sample: Gumbel-max of c (x - max) at drawn slots, the argmax elsewhere */
   float* aux_sum;   /* sum of the aux row, at slots that have one */
+  float* confidence; /* the token's probability exp(c (x_token - max)) / row_sum; 0 where there is no token */
 } TsRowStats;
 
 size_t ts_row_stats_scratch_bytes(int32_t num_rows, int64_t vocab);
@@ -48,7 +49,8 @@ size_t ts_row_stats_scratch_bytes(int32_t num_rows, int64_t vocab);
  * num_rows) and, from 2 num_rows on, each drawing row's best screening pilot). */
 int ts_row_stats(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace* ws, void* stream);
 
-/* The diffusion step after ts_row_stats on its [B * L] rows (active = the mask): confidences, tokens
+/* The diffusion step after ts_row_stats on its [B * L] rows (active = the mask; stats->confidence = the
+ * confidences output, which the row pass fills at masked positions): confidences, tokens
  * (-1 at unmasked positions and where nothing is finite) and the commit rule of every request.
  * Launched to overlap the end of the previous kernel, as ts_verify_finish.
  * threshold: [B] (NaN = none); count: [B] (0 = none); mask_in/mask_out: [B, L] (bool bytes). */

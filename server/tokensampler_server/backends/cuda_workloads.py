@@ -92,8 +92,10 @@ class WorkloadKernels:
                                probs.data_ptr(), ids.data_ptr(), flags.data_ptr(), ws, self._stream())
         return probs, ids, flags
 
-    def row_stats(self, job: list[int], num_rows: int, vocab: int, with_aux: bool) -> dict[str, torch.Tensor]:
-        """ts_row_stats on the job's rows; returns row_max, row_sum, argmax, token (and aux_sum)."""
+    def row_stats(self, job: list[int], num_rows: int, vocab: int, with_aux: bool,
+                  confidence: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """ts_row_stats on the job's rows; returns row_max, row_sum, argmax, token (and aux_sum).
+        confidence (float32 [num_rows], optional): filled with each sampled token's probability."""
         dev = self.device
         stats = {
             "row_max": torch.empty(num_rows, dtype=torch.float32, device=dev),
@@ -103,6 +105,8 @@ class WorkloadKernels:
         }
         if with_aux:
             stats["aux_sum"] = torch.empty(num_rows, dtype=torch.float32, device=dev)
+        if confidence is not None:
+            stats["confidence"] = confidence
         # counters of the rows, of the aux rows (rows of their own), and the rows' best screening pilots
         ws = self._workspace(3 * num_rows, self.module.row_stats_scratch_bytes(num_rows, vocab))
         self.module.row_stats(job, _stats_pointers(stats), ws, self._stream())
@@ -124,9 +128,9 @@ class WorkloadKernels:
         # position NULL: the noise position of slot l is l; draw_slot -1: every masked position samples
         job = [x.data_ptr(), vocab, _DTYPES[x.dtype], rows, length, mask.data_ptr(), temperature.data_ptr(),
                seed.data_ptr(), 0, iteration.data_ptr(), -1, 0, 0]
-        stats = self.row_stats(job, rows, vocab, with_aux=False)
         tokens = torch.empty(num_requests, length, dtype=torch.int64, device=self.device)
         confidences = torch.empty(num_requests, length, dtype=torch.float32, device=self.device)
+        stats = self.row_stats(job, rows, vocab, with_aux=False, confidence=confidences.view(rows))
         new_mask = torch.empty(num_requests, length, dtype=torch.bool, device=self.device)
         self.module.diffusion_commit(job, _stats_pointers(stats), threshold.data_ptr(), count.data_ptr(),
                                      tokens.data_ptr(), confidences.data_ptr(), new_mask.data_ptr(), self._stream())
@@ -156,7 +160,8 @@ class WorkloadKernels:
 
 
 def _stats_pointers(stats: dict[str, torch.Tensor]) -> list[int]:
-    return [stats[name].data_ptr() if name in stats else 0 for name in ("row_max", "row_sum", "argmax", "token", "aux_sum")]
+    names = ("row_max", "row_sum", "argmax", "token", "aux_sum", "confidence")
+    return [stats[name].data_ptr() if name in stats else 0 for name in names]
 
 
 def _unfiltered(top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, vocab: int) -> bool:
