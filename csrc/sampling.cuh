@@ -361,6 +361,19 @@ __device__ __forceinline__ void redo_screened_groups(const float (&gx)[kGroupsPe
   }
 }
 
+// A row's screening bound shared by its blocks through `slot` (order keys of L; the row's last block
+// zeroes it). Two ways to use it, by the grid's order:
+// - posted: the slot as loaded with this block's chunk (-inf if none; no round trip of its own); the
+//   block then posts its L with a reduction nothing waits for. Suits rows that vary fastest in the
+//   grid: a row's first blocks have posted by the time its later ones load.
+// - exchange: the block posts its L with a returning atomicMax and takes the larger value (a round
+//   trip after the pilot). Suits chunks that vary fastest: a row's blocks run side by side.
+struct RowBound {
+  unsigned int* slot = nullptr;
+  float posted = -kInf;
+  bool exchange = false;
+};
+
 // The block stage of the LSE-free kernel: px holds every token whose proxy may reach thr, and
 // p2 >= thr (no thr when the screen is off: all tokens scored).
 // rb (optional): the row's shared bound. Any block's L is a real token's proxy of the row, so the
@@ -375,19 +388,6 @@ __device__ __forceinline__ void redo_screened_groups(const float (&gx)[kGroupsPe
 // v: the block's chunk as load_chunk gives it (a caller that has read it for other statistics
 // passes its registers; the chunk is not read again). mask (min-p alone): applied to each token the
 // screen scores (the pilot's, the re-done groups'); the other groups are bounded by group_bound.
-// A row's screening bound shared by its blocks through `slot` (order keys of L; the row's last block
-// zeroes it). Two ways to use it, by the grid's order:
-// - posted: the slot as loaded with this block's chunk (-inf if none; no round trip of its own); the
-//   block then posts its L with a reduction nothing waits for. Suits rows that vary fastest in the
-//   grid: a row's first blocks have posted by the time its later ones load.
-// - exchange: the block posts its L with a returning atomicMax and takes the larger value (a round
-//   trip after the pilot). Suits chunks that vary fastest: a row's blocks run side by side.
-struct RowBound {
-  unsigned int* slot = nullptr;
-  float posted = -kInf;
-  bool exchange = false;
-};
-
 template <typename T, typename Mask = NoMask>
 __device__ __forceinline__ void gumbel_screened(const float (&v)[kGroupsPerThread][4], const RowView<T>& rv,
                                                 int64_t vocab, int64_t g0, float inv_t, const NoiseStream& noise,
