@@ -206,15 +206,16 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
   if (st.argmax) st.argmax[w] = valid ? row.argmax : -1;
   if (st.token) st.token[w] = token;
   if (st.confidence) {  // here rather than in the commit kernel: one dependent load fewer after the pass
-    const float z = token < 0 ? -kInf : scaled(to_f32(rv.row[token]), row.max, jr.greedy ? 1.f : jr.temperature);
-    st.confidence[w] = token < 0 ? 0.f : expf(__fsub_rn(z, logf(row.sum)));
+    const float t = jr.greedy ? 1.f : jr.temperature;
+    st.confidence[w] = token < 0 ? 0.f : expf(__fsub_rn(scaled(to_f32(rv.row[token]), row.max, t), logf(row.sum)));
   }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Diffusion commit: one block per request. Confidence of a masked position = exp(z_tok - log S) with
-// z = (x - max) / T (T = 1 for greedy), as the row pass wrote it (TsRowStats.confidence), then choice 14's rule: threshold, the `count` most confident
-// (confidence desc, index asc), at least one while a committable position remains.
+// z = (x - max) / T (T = 1 for greedy), as the row pass wrote it (TsRowStats.confidence), then choice
+// 14's rule: threshold, the `count` most confident (confidence desc, index asc), at least one while a
+// committable position remains.
 
 constexpr int kCommitThreads = 256;
 
