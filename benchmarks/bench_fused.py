@@ -37,7 +37,7 @@ def fused_fn(weight: torch.Tensor, hidden: torch.Tensor, mode: str):
     b = hidden.shape[0]
     if mode == "gumbel":
         params = RowParams.make(b, weight.device, temperature=1.0, seed=7)
-        return lambda: cuda_fused.fused_sample(weight, hidden, params)[0]
+        return lambda: cuda_fused.fused_sample(weight, hidden, params, filtered=False)[0]
     params = RowParams.make(b, weight.device, top_k=TOP_K, top_p=TOP_P, seed=7)
     return lambda: cuda_fused.fused_sample(weight, hidden, params, logprobs=True)[0]
 

@@ -16,25 +16,27 @@ namespace {
 template <typename T>
 T* address(int64_t a) { return reinterpret_cast<T*>(static_cast<uintptr_t>(a)); }
 
-using PlanTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>;
+using PlanTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
 
 PlanTuple plan_tuple(const TsFusedPlan& p) {
-  return {p.rows_per_tile, p.vocab_ctas, p.batch_tiles, static_cast<int64_t>(p.smem_bytes),
+  return {p.kernel, p.rows_per_tile, p.vocab_ctas, p.batch_tiles, static_cast<int64_t>(p.smem_bytes),
           static_cast<int64_t>(p.scratch_bytes)};
 }
 
 TsFusedPlan plan_of(const PlanTuple& t) {
   return TsFusedPlan{static_cast<int32_t>(std::get<0>(t)), static_cast<int32_t>(std::get<1>(t)),
-                     static_cast<int32_t>(std::get<2>(t)), static_cast<size_t>(std::get<3>(t)),
-                     static_cast<size_t>(std::get<4>(t))};
+                     static_cast<int32_t>(std::get<2>(t)), static_cast<int32_t>(std::get<3>(t)),
+                     static_cast<size_t>(std::get<4>(t)), static_cast<size_t>(std::get<5>(t))};
 }
 
 }  // namespace
 
 void register_fused(pybind11::module_& m) {
-  // (rows_per_tile, vocab_ctas, batch_tiles, smem_bytes, scratch_bytes); rows_per_tile 0: unsupported.
-  m.def("fused_plan", [](int64_t num_rows, int64_t dim, int64_t vocab, int64_t num_sms, int64_t max_smem) {
-    return plan_tuple(ts_fused_plan(num_rows, dim, vocab, static_cast<int32_t>(num_sms), static_cast<int32_t>(max_smem)));
+  // (kernel, rows_per_tile, vocab_ctas, batch_tiles, smem_bytes, scratch_bytes); rows_per_tile 0: unsupported.
+  m.def("fused_plan", [](int64_t num_rows, int64_t dim, int64_t vocab, int64_t num_sms, int64_t max_smem,
+                         bool filtered) {
+    return plan_tuple(ts_fused_plan(num_rows, dim, vocab, static_cast<int32_t>(num_sms), static_cast<int32_t>(max_smem),
+                                    filtered ? 1 : 0));
   });
   // head: weight, vocab, dim, dtype, bias (0: none); params: temperature, top_k, top_p, min_p, seed,
   // position, iteration (device addresses); logprobs 0: not computed.

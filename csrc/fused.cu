@@ -1,7 +1,10 @@
 // Launchers of the fused LM-head matmul + sampling kernels (fused.h; device code: fused.cuh).
+#include <cuda.h>
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>
 
 #include "fused.cuh"
+#include "fused_stream.cuh"
 
 namespace {
 
@@ -41,8 +44,63 @@ cudaError_t launch_partials_ring(const PartialsArgs& args, const TsFusedPlan& pl
   }
 }
 
+size_t stream_smem_bytes(int rows_per_tile) {
+  switch (rows_per_tile) {
+    case 8: return StreamLayout<8>::kBytes;
+    case 16: return StreamLayout<16>::kBytes;
+    default: return StreamLayout<32>::kBytes;
+  }
+}
+
+// A 2-D tensor map over rows x dim elements of 2 bytes (row stride dim), boxes of kStageK x box_rows,
+// 128-byte swizzled; rows past the end read as zeros. The driver's encoder is reached through the
+// runtime, so nothing links against libcuda.
+cudaError_t encode_rows(CUtensorMap* map, const void* base, int32_t dtype, int64_t rows, int64_t dim, int box_rows) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (encode == nullptr) {
+    cudaDriverEntryPointQueryResult found;
+    void* fn = nullptr;
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+    if (err != cudaSuccess) return err;
+    if (found != cudaDriverEntryPointSuccess || fn == nullptr) return cudaErrorNotSupported;
+    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(dim), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(dim) * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kStageK), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t unit[2] = {1, 1};
+  const CUresult res = encode(map, dtype == 2 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+                              const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <bool BF16, int N>
+cudaError_t launch_stream(const PartialsArgs& args, const TsFusedPlan& plan, cudaStream_t stream) {
+  CUtensorMap w_map, h_map;
+  cudaError_t err = encode_rows(&w_map, args.head.weight, args.head.dtype, args.head.vocab, args.head.dim, kTileRows);
+  if (err == cudaSuccess) err = encode_rows(&h_map, args.states, args.head.dtype, args.num_rows, args.head.dim, N);
+  if (err != cudaSuccess) return err;
+  auto kernel = fused_stream_kernel<BF16, N>;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem_bytes));
+  if (err != cudaSuccess) return err;
+  kernel<<<plan.vocab_ctas * plan.batch_tiles, kStreamThreads, plan.smem_bytes, stream>>>(w_map, h_map, args);
+  return cudaGetLastError();
+}
+
+template <bool BF16>
+cudaError_t launch_stream_typed(const PartialsArgs& args, const TsFusedPlan& plan, cudaStream_t stream) {
+  switch (plan.rows_per_tile) {
+    case 8: return launch_stream<BF16, 8>(args, plan, stream);
+    case 16: return launch_stream<BF16, 16>(args, plan, stream);
+    default: return launch_stream<BF16, 32>(args, plan, stream);
+  }
+}
+
 template <bool BF16>
 cudaError_t launch_partials_typed(const PartialsArgs& args, const TsFusedPlan& plan, cudaStream_t stream) {
+  if (plan.kernel == TS_FUSED_STREAM) return launch_stream_typed<BF16>(args, plan, stream);
   return plan.rows_per_tile == 16 ? launch_partials_ring<BF16, 2>(args, plan, stream)
                                   : launch_partials_ring<BF16, 1>(args, plan, stream);
 }
@@ -50,12 +108,18 @@ cudaError_t launch_partials_typed(const PartialsArgs& args, const TsFusedPlan& p
 }  // namespace
 
 extern "C" TsFusedPlan ts_fused_plan(int64_t num_rows, int64_t dim, int64_t vocab, int32_t num_sms,
-                                     int32_t max_smem) {
-  TsFusedPlan plan{0, 0, 0, 0, 0};
+                                     int32_t max_smem, int32_t filtered) {
+  TsFusedPlan plan{0, 0, 0, 0, 0, 0};
   if (dim <= 0 || dim % 64 != 0 || num_rows <= 0 || vocab <= 0 || num_sms <= 0) return plan;
-  // 16 rows per CTA halve the number of passes over W when they fit; 8 otherwise.
-  int rows_per_tile = 0;
-  if (num_rows > 8 && partials_smem_bytes(16, dim) <= static_cast<size_t>(max_smem)) {
+  int kernel = TS_FUSED_RING, rows_per_tile = 0;
+  if (!filtered) {
+    // The smallest batch tile that holds the batch, 32 rows at most.
+    kernel = TS_FUSED_STREAM;
+    rows_per_tile = 8;
+    while (rows_per_tile < 32 && rows_per_tile < num_rows) rows_per_tile *= 2;
+    if (stream_smem_bytes(rows_per_tile) > static_cast<size_t>(max_smem)) return plan;
+  } else if (num_rows > 8 && partials_smem_bytes(16, dim) <= static_cast<size_t>(max_smem)) {
+    // 16 rows per CTA halve the number of passes over W when they fit; 8 otherwise.
     rows_per_tile = 16;
   } else if (partials_smem_bytes(8, dim) <= static_cast<size_t>(max_smem)) {
     rows_per_tile = 8;
@@ -67,10 +131,11 @@ extern "C" TsFusedPlan ts_fused_plan(int64_t num_rows, int64_t dim, int64_t voca
   // One wave of one CTA per SM per batch tile. The vocabulary split depends on V and the GPU only,
   // never on B, so that a row's partial sums, and hence its result, do not depend on its batch.
   const int64_t vocab_ctas = num_tiles < num_sms ? num_tiles : num_sms;
+  plan.kernel = kernel;
   plan.rows_per_tile = rows_per_tile;
   plan.vocab_ctas = static_cast<int32_t>(vocab_ctas);
   plan.batch_tiles = static_cast<int32_t>(batch_tiles);
-  plan.smem_bytes = partials_smem_bytes(rows_per_tile, dim);
+  plan.smem_bytes = kernel == TS_FUSED_STREAM ? stream_smem_bytes(rows_per_tile) : partials_smem_bytes(rows_per_tile, dim);
   const size_t parts = static_cast<size_t>(num_rows) * vocab_ctas;
   plan.scratch_bytes = parts * sizeof(Partial) + parts * kCand * sizeof(uint64_t);
   return plan;

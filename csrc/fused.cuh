@@ -47,7 +47,7 @@ struct Partial {
   float best_x;
   int32_t best_id; // -1: none
   int32_t nan;
-  int32_t pad;
+  int32_t no_candidates;  // 1: a filtered row whose candidates this kernel did not collect
 };
 
 struct PartialsArgs {
@@ -134,6 +134,14 @@ struct RowState {
   bool nan = false;
 };
 
+__device__ __forceinline__ RowState make_row_state(const TsRows& r, int64_t b) {
+  RowState s;
+  s.mode = row_mode(r, b);
+  s.temperature = s.mode == kGreedy ? 1.f : r.temperature[b];
+  s.noise = NoiseStream::make(r.seed[b], r.position[b], r.iteration[b], 0u);
+  return s;
+}
+
 __device__ __forceinline__ float finish_logit(float x, int64_t v, const TsLmHead& head) {
   if (head.bias != nullptr) x += head.bias[v];
   x *= head.logit_scale;
@@ -198,6 +206,42 @@ __device__ __forceinline__ void consume(RowState& s, CandidateBuffer& cand, floa
   }
 }
 
+// Merges the lanes' state of one row and writes this CTA's partial result (and, when the kernel
+// collected them, the row's candidates) to its slot.
+__device__ __forceinline__ void write_partial(const RowState& state, CandidateBuffer& cand, const PartialsArgs& a,
+                                              int64_t slot, bool collected, int lane) {
+  const float row_max = warp_allreduce(state.max, MaxOp{});
+  float sum1 = 0.f, sum_t = 0.f;
+  if (state.max > -kInf) {
+    sum1 = state.sum1 * expf(state.max - row_max);
+    sum_t = state.sum_t * expf((state.max - row_max) / state.temperature);
+  }
+  sum1 = warp_allreduce(sum1, SumOp{});
+  sum_t = warp_allreduce(sum_t, SumOp{});
+  const uint64_t my_key = state.best_id >= 0 ? rank_key(state.best_score, static_cast<uint32_t>(state.best_id)) : 0ull;
+  const uint64_t best_key = warp_allreduce(my_key, MaxOp{});
+  const bool any_nan = __any_sync(0xffffffffu, state.nan);
+  const int winner = __ffs(__ballot_sync(0xffffffffu, my_key == best_key)) - 1;
+  const float best_x = __shfl_sync(0xffffffffu, state.best_x, winner);
+  const float best_score = __shfl_sync(0xffffffffu, state.best_score, winner);
+  if (lane == 0) {
+    Partial p;
+    p.max = row_max;
+    p.sum1 = sum1;
+    p.sum_t = sum_t;
+    p.best_score = best_score;
+    p.best_x = best_x;
+    p.best_id = best_key != 0 ? static_cast<int32_t>(key_index(best_key)) : -1;
+    p.nan = any_nan;
+    p.no_candidates = state.mode == kCandidates && !collected;
+    a.partials[slot] = p;
+  }
+  if (state.mode == kCandidates && collected) {
+    cand.compact(lane);
+    for (int i = lane; i < kCand; i += 32) a.cands[slot * kCand + i] = i < cand.count ? cand.keys[i] : 0ull;
+  }
+}
+
 template <bool BF16, int NT, int PF>
 __global__ void __launch_bounds__(kThreads, 1) fused_partials_kernel(const PartialsArgs a) {
   constexpr int kBatchTile = 8 * NT;
@@ -229,11 +273,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_partials_kernel(const Parti
   const bool has_row = warp < kBatchTile && my_row < a.num_rows;
   RowState state;
   CandidateBuffer cand{cand_keys + (warp % kBatchTile) * kCandBuf, 0, 0ull};
-  if (has_row) {
-    state.mode = row_mode(a.rows, my_row);
-    state.temperature = state.mode == kGreedy ? 1.f : a.rows.temperature[my_row];
-    state.noise = NoiseStream::make(a.rows.seed[my_row], a.rows.position[my_row], a.rows.iteration[my_row], 0u);
-  }
+  if (has_row) state = make_row_state(a.rows, my_row);
   __syncthreads();
 
   // Main-loop role: rows 16 * group .. + 15 of each tile, half `half` of D.
@@ -313,39 +353,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_partials_kernel(const Parti
     }
   }
 
-  if (!has_row) return;
-  // Merge the lanes and write this CTA's partial result of the row.
-  const float row_max = warp_allreduce(state.max, MaxOp{});
-  float sum1 = 0.f, sum_t = 0.f;
-  if (state.max > -kInf) {
-    sum1 = state.sum1 * expf(state.max - row_max);
-    sum_t = state.sum_t * expf((state.max - row_max) / state.temperature);
-  }
-  sum1 = warp_allreduce(sum1, SumOp{});
-  sum_t = warp_allreduce(sum_t, SumOp{});
-  const uint64_t my_key = state.best_id >= 0 ? rank_key(state.best_score, static_cast<uint32_t>(state.best_id)) : 0ull;
-  const uint64_t best_key = warp_allreduce(my_key, MaxOp{});
-  const bool any_nan = __any_sync(0xffffffffu, state.nan);
-  const int winner = __ffs(__ballot_sync(0xffffffffu, my_key == best_key)) - 1;
-  const float best_x = __shfl_sync(0xffffffffu, state.best_x, winner);
-  const float best_score = __shfl_sync(0xffffffffu, state.best_score, winner);
-  const int64_t slot = my_row * a.vocab_ctas + cta;
-  if (lane == 0) {
-    Partial p;
-    p.max = row_max;
-    p.sum1 = sum1;
-    p.sum_t = sum_t;
-    p.best_score = best_score;
-    p.best_x = best_x;
-    p.best_id = best_key != 0 ? static_cast<int32_t>(key_index(best_key)) : -1;
-    p.nan = any_nan;
-    p.pad = 0;
-    a.partials[slot] = p;
-  }
-  if (state.mode == kCandidates) {
-    cand.compact(lane);
-    for (int i = lane; i < kCand; i += 32) a.cands[slot * kCand + i] = i < cand.count ? cand.keys[i] : 0ull;
-  }
+  if (has_row) write_partial(state, cand, a, my_row * a.vocab_ctas + cta, true, lane);
 }
 
 // The key of rank `want` (1-based) among the nonzero keys[0, n) (shared memory, all keys unique), by
@@ -486,7 +494,7 @@ __global__ void __launch_bounds__(kFinishThreads) fused_finish_kernel(const Fini
   const float temperature = mode == kGreedy ? 1.f : a.rows.temperature[b];
   float sum1 = 0.f, sum_t = 0.f;
   uint64_t best = 0;
-  int nan = 0;
+  int nan = 0, uncollected = 0;
   for (int i = threadIdx.x; i < num_parts; i += kFinishThreads) {
     const Partial q = parts[i];
     if (q.max > -kInf) {
@@ -495,16 +503,18 @@ __global__ void __launch_bounds__(kFinishThreads) fused_finish_kernel(const Fini
     }
     if (q.best_id >= 0) best = max(best, rank_key(q.best_score, static_cast<uint32_t>(q.best_id)));
     nan |= q.nan;
+    uncollected |= q.no_candidates;
   }
   sum1 = block_allreduce<kFinishThreads>(sum1, SumOp{}, f_scratch);
   sum_t = block_allreduce<kFinishThreads>(sum_t, SumOp{}, f_scratch);
   nan = block_allreduce<kFinishThreads>(nan, MaxOp{}, reinterpret_cast<int*>(f_scratch));
+  uncollected = block_allreduce<kFinishThreads>(uncollected, MaxOp{}, reinterpret_cast<int*>(f_scratch));
   best = block_allreduce<kFinishThreads>(best, MaxOp{}, u_scratch);
   const bool valid = row_max > -kInf;
   const int ns = a.out.num_samples;
   int64_t* tokens = a.out.tokens;
   __shared__ int needs_logits_path;
-  if (threadIdx.x == 0) needs_logits_path = 0;
+  if (threadIdx.x == 0) needs_logits_path = uncollected;
 
   if (valid && mode != kCandidates) {
     for (int i = threadIdx.x; i < num_parts; i += kFinishThreads) {
@@ -512,7 +522,7 @@ __global__ void __launch_bounds__(kFinishThreads) fused_finish_kernel(const Fini
       if (q.best_id >= 0 && rank_key(q.best_score, static_cast<uint32_t>(q.best_id)) == best) best_x = q.best_x;
     }
     for (int s = threadIdx.x; s < ns; s += kFinishThreads) tokens[b * ns + s] = key_index(best);
-  } else if (valid) {
+  } else if (valid && !uncollected) {
     // Every CTA's sorted best keys, staged in shared memory: the radix passes read them from there.
     const uint64_t* global_keys = a.cands + b * num_parts * kCand;
     const int n = num_parts * kCand;

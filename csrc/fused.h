@@ -38,9 +38,17 @@ typedef struct {
   uint8_t* flags;       /* [num_rows]: bit 0 nan_detected, bit 1 not valid, bit 2 needs the logits path */
 } TsFusedOutputs;
 
-/* The launch plan for B rows of hidden size dim on a GPU with num_sms SMs: rows per CTA (8 or 16),
- * CTAs per batch tile along the vocabulary, and the scratch bytes. 0 rows per tile: dim not supported. */
+/* Stage 1 kernels: W through a register ring (every row mode: keeps candidates for filtered rows), or
+ * streamed by the tensor memory accelerator (greedy and temperature-only rows; filtered rows come back
+ * flagged for the logits path). */
+enum { TS_FUSED_RING = 0, TS_FUSED_STREAM = 1 };
+
+/* The launch plan for B rows of hidden size dim on a GPU with num_sms SMs: the stage 1 kernel, rows per
+ * CTA (ring: 8 or 16; stream: 8, 16, 32 or 64), CTAs per batch tile along the vocabulary, and the
+ * scratch bytes. 0 rows per tile: dim not supported. `filtered`: some row has top-k/top-p/min-p (the
+ * ring kernel then). */
 typedef struct {
+  int32_t kernel;
   int32_t rows_per_tile;
   int32_t vocab_ctas;
   int32_t batch_tiles;
@@ -48,7 +56,8 @@ typedef struct {
   size_t scratch_bytes;
 } TsFusedPlan;
 
-TsFusedPlan ts_fused_plan(int64_t num_rows, int64_t dim, int64_t vocab, int32_t num_sms, int32_t max_smem);
+TsFusedPlan ts_fused_plan(int64_t num_rows, int64_t dim, int64_t vocab, int32_t num_sms, int32_t max_smem,
+                          int32_t filtered);
 
 /* Samples num_rows hidden states [num_rows, dim] (the weight's dtype, 16-byte aligned rows) with the
  * per-row parameters `rows` (its `rows` work list must be NULL). */

@@ -99,9 +99,11 @@ def test_fused_matches_the_reference(cuda_backend, dim: int, mode: str) -> None:
 
 
 @pytest.mark.parametrize("num_rows", [1, 17, 64, 256, 512])
-def test_kernel_shapes_and_batch_invariance(num_rows: int) -> None:
-    """The kernel itself at every B of the issue (the backend sends B > MAX_ROWS to cuBLAS), each row
-    identical to the same row sampled alone."""
+@pytest.mark.parametrize("mode", ["top_k_top_p", "gumbel", "greedy"])
+def test_kernel_shapes_and_batch_invariance(num_rows: int, mode: str) -> None:
+    """Each kernel itself at every B of the issue (the backend sends larger B to cuBLAS), each row
+    identical to the same row sampled alone: the candidate kernel for top-k/top-p rows, the streaming
+    kernel (batch tiles of 8, 16 or 32 rows) for gumbel and greedy rows."""
     fused = _fused()
     from tokensampler_server.backends.cuda_kernels import RowParams
 
@@ -109,19 +111,44 @@ def test_kernel_shapes_and_batch_invariance(num_rows: int) -> None:
     head = _head(vocab, dim, padded=32064, seed=5)
     hidden = _hidden(num_rows, dim, seed=11)
     seeds = torch.arange(num_rows, dtype=torch.int64) * 7919 + 1234
+    filtered = mode == "top_k_top_p"
     params = RowParams(*(t.cuda() for t in (
-        torch.full((num_rows,), 1.0), torch.full((num_rows,), 50, dtype=torch.int32), torch.full((num_rows,), 0.9),
-        torch.zeros(num_rows), seeds, torch.arange(num_rows, dtype=torch.int64) % 97,
-        torch.full((num_rows,), 3, dtype=torch.int64))))
-    tokens, logprobs, flags = fused.fused_sample(head.weight, hidden.cuda(), params, vocab=vocab, logprobs=True)
-    want, _ = _reference(head, hidden, **MODES["top_k_top_p"], return_logprobs=True)
+        torch.full((num_rows,), MODES[mode]["temperature"]),
+        torch.full((num_rows,), MODES[mode].get("top_k", 0), dtype=torch.int32),
+        torch.full((num_rows,), MODES[mode].get("top_p", 1.0)), torch.zeros(num_rows), seeds,
+        torch.arange(num_rows, dtype=torch.int64) % 97, torch.full((num_rows,), 3, dtype=torch.int64))))
+    tokens, logprobs, flags = fused.fused_sample(head.weight, hidden.cuda(), params, vocab=vocab, logprobs=True,
+                                                 filtered=filtered)
+    want, _ = _reference(head, hidden, **MODES[mode], return_logprobs=True)  # make_batch: the same seeds, positions
     agreement = (tokens.cpu() == want.tokens).float().mean().item()
     assert agreement >= 0.999 or num_rows < 1000 and (tokens.cpu() != want.tokens).sum() <= 1
     assert int(flags.max()) == 0 and bool((tokens < vocab).all())
     for row in (0, num_rows // 2, num_rows - 1):
         alone = RowParams(*(getattr(params, f.name)[row:row + 1].clone() for f in dataclasses.fields(RowParams)))
-        t1, l1, _ = fused.fused_sample(head.weight, hidden[row:row + 1].cuda(), alone, vocab=vocab, logprobs=True)
+        t1, l1, _ = fused.fused_sample(head.weight, hidden[row:row + 1].cuda(), alone, vocab=vocab, logprobs=True,
+                                       filtered=filtered)
         assert int(t1) == int(tokens[row]) and torch.equal(l1[0], logprobs[row])
+
+
+def test_streaming_kernel_flags_filtered_rows() -> None:
+    """Rows with top-k/top-p/min-p sent to the streaming kernel come back flagged for the logits path;
+    the other rows of the batch are sampled as if alone."""
+    fused = _fused()
+    from tokensampler_server.backends.cuda_kernels import RowParams
+
+    head = _head(5003, 256, seed=9)
+    hidden = _hidden(6, 256, seed=9)
+    columns = [torch.tensor(v) for v in ([1.0, 1.0, 0.0, 1.0, 1.0, 0.7], [0, 40, 0, 0, 0, 0],
+                                         [1.0, 1.0, 1.0, 0.9, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0, 0.2, 0.0])]
+    columns[1] = columns[1].to(torch.int32)
+    columns += [torch.arange(6, dtype=torch.int64) + 5] + [torch.zeros(6, dtype=torch.int64)] * 2
+    params = RowParams(*(c.cuda() for c in columns))
+    tokens, _, flags = fused.fused_sample(head.weight, hidden.cuda(), params, vocab=5003, filtered=False)
+    assert ((flags.cpu() & 4) != 0).tolist() == [False, True, False, True, True, False]
+    for row in (0, 2, 5):
+        alone = RowParams(*(c[row:row + 1].cuda() for c in columns))
+        t1, _, _ = fused.fused_sample(head.weight, hidden[row:row + 1].cuda(), alone, vocab=5003, filtered=False)
+        assert int(t1) == int(tokens[row])
 
 
 def test_reproducible_and_seed_sensitive(cuda_backend) -> None:
@@ -229,6 +256,7 @@ def test_chi_square_against_known_logits(vocab: int, num_rows: int, mode: str) -
     tokens = []
     for call in range(calls):
         rows = slice(call * num_rows, (call + 1) * num_rows)
-        tokens.append(fused.fused_sample(head.weight, hidden, RowParams(*(c[rows] for c in columns)))[0])
+        tokens.append(fused.fused_sample(head.weight, hidden, RowParams(*(c[rows] for c in columns)),
+                                         filtered=mode != "gumbel")[0])
     tokens = torch.cat(tokens).cpu()
     assert _chi_square(tokens, probs) > ALPHA

@@ -20,15 +20,15 @@ from .cuda_kernels import RowParams
 
 MAX_TOP_K = 63
 """The largest top-k the fused kernel takes: k + 1 <= its 64 candidates per row (the cut is then inside)."""
-MAX_ROWS = 16
-"""One batch tile. Beyond it the fused kernel passes over W once per tile of 16 rows (from L2 at best) and
+MAX_ROWS = 32
+"""One batch tile of the streaming kernel. Beyond it the kernel passes over W once per tile of 32 rows and
 cuBLAS into fp32 logits + the logits kernels is faster (benchmarks/results/fused-*.json, H200)."""
 
 
 def fused_is_faster(num_rows: int, filtered: bool) -> bool:
-    """Which path the backend takes, by measurement (benchmarks/FUSED_NOTES.md, H200): the fused kernel
-    for greedy / temperature-only batches of one batch tile. With top-k/top-p/min-p rows its candidate
-    buffers and merge cost more than writing fp32 logits at these B (370 vs 328 µs at B = 1)."""
+    """Which path the backend takes, by measurement (benchmarks/FUSED_NOTES.md, H200): the streaming fused
+    kernel for greedy / temperature-only batches of one batch tile. With top-k/top-p/min-p rows the
+    candidate kernel's buffers and merge cost more than writing fp32 logits (370 vs 328 µs at B = 1)."""
     return num_rows <= MAX_ROWS and not filtered
 
 
@@ -36,36 +36,45 @@ _DTYPES = {torch.float16: 1, torch.bfloat16: 2}
 _FLAG_NAN, _FLAG_INVALID, _FLAG_LOGITS_PATH = 1, 2, 4
 
 
+STREAM_KERNEL = 1
+"""FusedPlan.kernel of the stage 1 that streams W by the tensor memory accelerator (unfiltered rows);
+0 is the register ring, which also keeps candidates for filtered rows."""
+
+
 @dataclasses.dataclass(frozen=True)
 class FusedPlan:
+    kernel: int
     rows_per_tile: int
     vocab_ctas: int
     batch_tiles: int
     smem_bytes: int
     scratch_bytes: int
 
-    def as_tuple(self) -> tuple[int, int, int, int, int]:
+    def as_tuple(self) -> tuple[int, int, int, int, int, int]:
         return dataclasses.astuple(self)
 
 
 @lru_cache(maxsize=256)
-def plan(num_rows: int, dim: int, vocab: int, device_index: int) -> FusedPlan | None:
-    """The launch plan for this shape on this GPU; None when the kernel cannot take D."""
+def plan(num_rows: int, dim: int, vocab: int, device_index: int, filtered: bool = True) -> FusedPlan | None:
+    """The launch plan for this shape on this GPU (`filtered`: some row has top-k/top-p/min-p); None
+    when the kernel cannot take D."""
     props = torch.cuda.get_device_properties(device_index)
     raw = load_kernels(device_index).fused_plan(num_rows, dim, vocab, props.multi_processor_count,
-                                                props.shared_memory_per_block_optin)
-    return FusedPlan(*raw) if raw[0] else None
+                                                props.shared_memory_per_block_optin, filtered)
+    return FusedPlan(*raw) if raw[1] else None
 
 
 def fused_sample(weight: torch.Tensor, states: torch.Tensor, params: RowParams, *, vocab: int | None = None,
                  bias: torch.Tensor | None = None, logit_scale: float = 1.0, soft_cap: float | None = None,
-                 num_samples: int = 1, logprobs: bool = False,
+                 num_samples: int = 1, logprobs: bool = False, filtered: bool = True,
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Samples hidden states [B, D] through W [V_padded, D] on the current stream, without a sync.
 
-    weight and states: same dtype (bf16 or fp16), contiguous, on one GPU. Returns tokens int64
-    [B, num_samples], raw log-probs float32 [B, num_samples] (or None) and flags uint8 [B]
-    (1 nan_detected, 2 not valid, 4 take the logits path).
+    weight and states: same dtype (bf16 or fp16), contiguous, on one GPU. `filtered=False` says that no
+    row has top-k/top-p/min-p: W is then streamed by the copy engine (rows with filters would come back
+    flagged for the logits path); the default runs the kernel that keeps candidates for them.
+    Returns tokens int64 [B, num_samples], raw log-probs float32 [B, num_samples] (or None) and flags
+    uint8 [B] (1 nan_detected, 2 not valid, 4 take the logits path).
     """
     num_rows, dim = states.shape
     vocab = weight.shape[0] if vocab is None else vocab
@@ -74,7 +83,7 @@ def fused_sample(weight: torch.Tensor, states: torch.Tensor, params: RowParams, 
         raise ValueError(f"fused sampling takes bf16/fp16 weight and states of one dtype, got {weight.dtype}/{states.dtype}")
     if not (weight.is_contiguous() and states.is_contiguous()) or weight.data_ptr() % 16 or states.data_ptr() % 16:
         raise ValueError("fused sampling needs contiguous, 16-byte aligned weight and states")
-    the_plan = plan(num_rows, dim, vocab, device.index)
+    the_plan = plan(num_rows, dim, vocab, device.index, filtered)
     if the_plan is None:
         raise ValueError(f"fused sampling does not take hidden size {dim} (a multiple of 64 that fits shared memory)")
     tokens = torch.empty((num_rows, num_samples), dtype=torch.int64, device=device)
@@ -99,22 +108,28 @@ def unsupported_reason(batch: SamplingBatch) -> str | None:
     weight = hidden.lm_head.weight
     if not weight.is_cuda or weight.dtype not in _DTYPES or hidden.states.dtype != weight.dtype:
         return "fused_dtype"
-    sampled = batch.temperature > 0
-    filtered = sampled & ((batch.top_k > 0) | (batch.top_p < 1) | (batch.min_p > 0))
-    if not fused_is_faster(batch.num_rows, bool(filtered.any())):
+    filtered = _has_filters(batch)
+    if not fused_is_faster(batch.num_rows, filtered):
         return "fused_slower"
     if batch.processing is not None:
         return "fused_processing"
     if batch.top_logprobs > 0 or (batch.return_logprobs and batch.logprobs_mode is not LogprobsMode.RAW):
         return "fused_logprobs"
+    sampled = batch.temperature > 0
     if bool((sampled & (batch.top_k > MAX_TOP_K)).any()):
         return "fused_top_k"
     unfiltered = sampled & (batch.top_k == 0) & (batch.top_p >= 1) & (batch.min_p <= 0)
     if batch.num_samples > 1 and bool(unfiltered.any()):
         return "fused_num_samples"
-    if plan(batch.num_rows, weight.shape[1], hidden.lm_head.finish.vocab_size, weight.device.index) is None:
+    if plan(batch.num_rows, weight.shape[1], hidden.lm_head.finish.vocab_size, weight.device.index, filtered) is None:
         return "fused_hidden_size"
     return None
+
+
+def _has_filters(batch: SamplingBatch) -> bool:
+    """Whether a sampled row has top-k, top-p or min-p (the batch's columns are CPU tensors: no sync)."""
+    sampled = batch.temperature > 0
+    return bool((sampled & ((batch.top_k > 0) | (batch.top_p < 1) | (batch.min_p > 0))).any())
 
 
 def _row_params(batch: SamplingBatch, device: torch.device) -> RowParams:
@@ -132,7 +147,7 @@ def sample_hidden(batch: SamplingBatch) -> tuple[SamplingResult, torch.Tensor]:
     tokens, logprobs, flags = fused_sample(
         weight, states, _row_params(batch, weight.device), vocab=finish.vocab_size, bias=finish.bias,
         logit_scale=finish.logit_scale, soft_cap=finish.soft_cap, num_samples=batch.num_samples,
-        logprobs=batch.return_logprobs)
+        logprobs=batch.return_logprobs, filtered=_has_filters(batch))
     tokens, flags = tokens.cpu(), flags.cpu()
     logprobs = logprobs.cpu() if logprobs is not None else None
     valid = (flags & _FLAG_INVALID) == 0
