@@ -48,7 +48,8 @@ size_t stream_smem_bytes(int rows_per_tile) {
   switch (rows_per_tile) {
     case 8: return StreamLayout<8>::kBytes;
     case 16: return StreamLayout<16>::kBytes;
-    default: return StreamLayout<32>::kBytes;
+    case 32: return StreamLayout<32>::kBytes;
+    default: return StreamLayout<64>::kBytes;
   }
 }
 
@@ -94,7 +95,8 @@ cudaError_t launch_stream_typed(const PartialsArgs& args, const TsFusedPlan& pla
   switch (plan.rows_per_tile) {
     case 8: return launch_stream<BF16, 8>(args, plan, stream);
     case 16: return launch_stream<BF16, 16>(args, plan, stream);
-    default: return launch_stream<BF16, 32>(args, plan, stream);
+    case 32: return launch_stream<BF16, 32>(args, plan, stream);
+    default: return launch_stream<BF16, 64>(args, plan, stream);
   }
 }
 
@@ -113,10 +115,10 @@ extern "C" TsFusedPlan ts_fused_plan(int64_t num_rows, int64_t dim, int64_t voca
   if (dim <= 0 || dim % 64 != 0 || num_rows <= 0 || vocab <= 0 || num_sms <= 0) return plan;
   int kernel = TS_FUSED_RING, rows_per_tile = 0;
   if (!filtered) {
-    // The smallest batch tile that holds the batch, 32 rows at most.
+    // The smallest batch tile that holds the batch, 64 rows at most.
     kernel = TS_FUSED_STREAM;
     rows_per_tile = 8;
-    while (rows_per_tile < 32 && rows_per_tile < num_rows) rows_per_tile *= 2;
+    while (rows_per_tile < 64 && rows_per_tile < num_rows) rows_per_tile *= 2;
     if (stream_smem_bytes(rows_per_tile) > static_cast<size_t>(max_smem)) return plan;
   } else if (num_rows > 8 && partials_smem_bytes(16, dim) <= static_cast<size_t>(max_smem)) {
     // 16 rows per CTA halve the number of passes over W when they fit; 8 otherwise.

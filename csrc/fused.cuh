@@ -187,12 +187,20 @@ __device__ __forceinline__ void consume(RowState& s, CandidateBuffer& cand, floa
       }
     }
   } else if (s.mode == kGumbel) {
+    // The row's best score so far, over every lane (the mode is the warp's: one row a warp). A token
+    // whose score cannot reach it (x / T plus an integer-only upper bound of its noise, rounded the
+    // same way) cannot be the row's winner, so it skips the two exact logs; the winner and its
+    // partial are exactly those of scoring every token.
+    const float bound = warp_allreduce(s.best_score, MaxOp{});
     if (tile_max > -kInf) {
       const uint4 words = s.noise.group(static_cast<uint32_t>(v0 >> 2));
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         if (x[j] > -kInf) {
-          const float score = x[j] / s.temperature + gumbel_exact(word_of(words, j));
+          const float xt = x[j] / s.temperature;
+          const uint32_t word = word_of(words, j);
+          if (xt + gumbel_upper_bound(word) < bound) continue;
+          const float score = xt + gumbel_exact(word);
           if (score > s.best_score) {
             s.best_score = score;
             s.best_x = x[j];

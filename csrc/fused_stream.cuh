@@ -1,15 +1,23 @@
 // Stage 1 of the fused path for greedy and temperature-only rows, W streamed by the tensor memory
 // accelerator (launcher: fused.cu; stage 2 and the epilogue's arithmetic: fused.cuh).
 //
-// One persistent CTA per SM and batch tile of N rows (8, 16 or 32) walks the same vocabulary tiles of
-// 128 W rows as fused_partials_kernel. A producer warp issues bulk tensor copies of each tile in stages
-// of 64 D elements (W: 128 rows x 128 bytes; h: N rows x 128 bytes, rows past the batch read as zeros)
-// into a ring of shared-memory stages, 128-byte swizzled; an mbarrier per stage says "full" (bytes
-// landed) and another "empty" (every consumer warp is done with it). Two consumer warpgroups multiply
-// their 64 W rows of the stage with the batch by wgmma (fp32 accumulation over D in order; mma.sync in
-// the portable build). At the end of a tile the logits go through shared memory to the same per-lane
-// epilogue as fused_partials_kernel (`consume`), each warp taking batch rows warp, warp + 8, ..., while
-// the producer already fills the ring with the next tile.
+// One persistent CTA per SM and batch tile of N rows (8, 16, 32 or 64) walks the same vocabulary tiles of
+// 128 W rows as fused_partials_kernel. Three kinds of warps:
+// - a producer warp issues bulk tensor copies of each tile in stages of 64 D elements (W: 128 rows x 128
+//   bytes; h: N rows x 128 bytes, rows past the batch read as zeros) into a ring of shared-memory stages,
+//   128-byte swizzled; an mbarrier per stage says "full" (bytes landed), another "empty" (every multiply
+//   warp is done with it);
+// - two multiply warpgroups multiply their 64 W rows of each stage with the batch by wgmma (fp32
+//   accumulation over D in order; mma.sync in the portable build) and write the tile's logits into one
+//   of two shared-memory tile buffers;
+// - eight epilogue warps take the batch rows of the other buffer, warp e rows e, e + 8, ..., one row at
+//   a time with the whole warp (`consume_row_tile`: 4 tokens a lane, fused_partials_kernel's arithmetic
+//   per token), and lane r keeps the running totals of the warp's row r.
+// Each tile buffer has a "full" and an "empty" mbarrier, so the multiply warps go on to the next tile
+// while the epilogue of this one runs: the epilogue is hidden under the stream instead of stalling it.
+// (Measured: run by the multiply warps themselves, four rows a warp, it cost 20 µs at N = 32; with a
+// whole per-lane state for each of a warp's rows, as `consume` keeps, the states spilled and a tile's
+// epilogue took 50 µs at N = 64.)
 //
 // Why: the register ring of fused_partials_kernel holds 64 KB a SM in flight at its 128-register
 // ceiling and reached 97 % of the HBM roofline at best; the copy engine keeps the whole ring in flight
@@ -22,18 +30,35 @@
 namespace tokensampler {
 namespace fused {
 
-constexpr int kStreamConsumers = 8;                    // warps; 16 W rows of the tile each
-constexpr int kStreamThreads = 32 * (kStreamConsumers + 1);
+constexpr int kStreamMmaWarps = 8;                    // two warpgroups; 16 W rows of the tile each
 constexpr int kStageK = 64;                            // D elements a stage: one 128-byte swizzle span
 constexpr int kStageW = kTileRows * kStageK * 2;       // bytes of W a stage
 constexpr int kTileStride = kTileRows + 4;             // floats a batch row of the logits tile (spreads banks)
 
+constexpr int kStreamEpilogueWarps = 8;               // batch rows e, e + 8, ... each
+constexpr int kStreamThreads = 32 * (kStreamMmaWarps + kStreamEpilogueWarps + 1);  // + the producer warp
+
+// What the epilogue needs of a batch row besides its logits (shared memory, one copy a row).
+struct RowConstants {
+  int mode;
+  float temperature;
+  NoiseStream noise;
+};
+
+__device__ __forceinline__ RowConstants row_constants(const TsRows& r, int64_t b) {
+  const RowState s = make_row_state(r, b);
+  return RowConstants{s.mode, s.temperature, s.noise};
+}
+
 template <int N>
 struct StreamLayout {
+  static constexpr int kRowsPerWarp = N / kStreamEpilogueWarps;
   static constexpr int kStageBytes = kStageW + N * kStageK * 2;  // multiple of 1024 (the swizzle atom)
-  static constexpr int kStages = 8;
+  static constexpr int kStages = N <= 32 ? 8 : 6;                // what fits beside two tile buffers
   static constexpr int kTileBytes = N * kTileStride * 4;
-  static constexpr int kBytes = 1024 + kStages * kStageBytes + kTileBytes + 2 * kStages * 8;  // 1024: alignment
+  static constexpr int kBarriers = 2 * kStages + 4;              // ring full / empty, tile full / empty
+  static constexpr int kBytes = 1024 + kStages * kStageBytes + 2 * kTileBytes + 8 * kBarriers +
+                                N * static_cast<int>(sizeof(RowConstants));  // 1024: alignment
 };
 
 __device__ __forceinline__ uint32_t shared_address(const void* p) {
@@ -95,9 +120,11 @@ __device__ __forceinline__ void wgmma_k16(float (&d)[N / 2], uint64_t a_desc, ui
     TS_WGMMA(8, "%0, %1, %2, %3", "%4", "%5", "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]))
   } else if constexpr (N == 16) {
     TS_WGMMA(16, "%0, %1, %2, %3, %4, %5, %6, %7", "%8", "%9", "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]))
-  } else {
-    static_assert(N == 32, "batch tiles of 8, 16 or 32 rows");
+  } else if constexpr (N == 32) {
     TS_WGMMA(32, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15", "%16", "%17", "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]))
+  } else {
+    static_assert(N == 64, "batch tiles of 8, 16, 32 or 64 rows");
+    TS_WGMMA(64, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31", "%32", "%33", "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]))
   }
 }
 #undef TS_WGMMA
@@ -113,8 +140,9 @@ __device__ __forceinline__ uint64_t tile_descriptor(uint32_t address) {
 
 // acc (W rows 16 warp .. + 15 of the tile x the N batch rows, mma.sync's C layout per 8 columns) += one
 // stage: W tile [128 x 64] and h tile [N x 64], both 128-byte swizzled. On sm_90a each warpgroup issues
-// wgmma for its 64 W rows (operands read from shared memory by the tensor cores); the portable build
-// loads fragments with ldmatrix and multiplies with mma.sync, with the same C layout.
+// wgmma for its 64 W rows (operands read from shared memory by the tensor cores) and returns with them
+// in flight (`wait_stages` retires them); the portable build loads fragments with ldmatrix and multiplies
+// with mma.sync, with the same C layout, and is done on return.
 template <bool BF16, int N>
 __device__ __forceinline__ void multiply_stage(float (&acc)[N / 2], uint32_t w_tile, uint32_t h_tile, int warp, int lane) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -123,9 +151,6 @@ __device__ __forceinline__ void multiply_stage(float (&acc)[N / 2], uint32_t w_t
 #pragma unroll
   for (int kk = 0; kk < kStageK / 16; ++kk) wgmma_k16<BF16, N>(acc, a_desc + 2 * kk, b_desc + 2 * kk);
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#pragma unroll
-  for (int i = 0; i < N / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");  // no read before the wait
 #else
   const int a_row = warp * 16 + (lane & 15), a_chunk = lane >> 4;
   // ldmatrix x4 over h: matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15).
@@ -151,35 +176,140 @@ __device__ __forceinline__ void multiply_stage(float (&acc)[N / 2], uint32_t w_t
 #endif
 }
 
+// Waits until at most `kPending` stages issued by multiply_stage are still being multiplied, so the
+// stages before them may be refilled (and, with none pending, acc read).
+template <int kPending, int N>
+__device__ __forceinline__ void wait_stages(float (&acc)[N / 2]) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");  // no read before the wait
+#endif
+}
+
+// A batch row's running result over the tiles so far, kept by one lane of its epilogue warp.
+struct RowTotals {
+  float max = -kInf;   // max x
+  float sum1 = 0.f;    // sum exp(x - max), when raw log-probs are wanted
+  float best_score = -kInf;
+  float best_x = -kInf;
+  uint64_t best_key = 0;  // rank_key(best_score, id); 0: none yet
+};
+
+// The warp consumes one batch row's 128 logits of a tile (tokens v0 .. v0 + 3 in this lane's x); lane
+// `owner` holds the row's totals and folds the tile in. Tokens are ranked by the same exact scores as
+// `consume` (x / T + gumbel_exact, or x for greedy rows), but per tile across the warp: a lane scores a
+// token exactly only if an integer-only upper bound of its noise can lift it past the row's best so
+// far, and the warp merges the lanes' best only when one beats the row's. Returns whether this lane saw
+// a NaN or +inf logit.
+__device__ __forceinline__ bool consume_row_tile(const RowConstants& c, RowTotals& totals, int owner, float (&x)[4],
+                                                 int64_t v0, const TsLmHead& head, bool want_sum1, int lane) {
+  bool bad = false;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    if (v0 + j < head.vocab) {
+      x[j] = finish_logit(x[j], v0 + j, head);
+      bad |= sanitize(x[j]);
+    } else {
+      x[j] = -kInf;  // padded rows and the tail of the last tile are never sampled
+    }
+  }
+  const float old_max = __shfl_sync(0xffffffffu, totals.max, owner);
+  const float new_max = fmaxf(old_max, warp_allreduce(fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3])), MaxOp{}));
+  float added = 0.f;
+  if (want_sum1 && new_max > -kInf) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) added += expf(x[j] - new_max);
+    added = warp_allreduce(added, SumOp{});
+  }
+  uint64_t key = 0;
+  float key_x = -kInf, key_score = -kInf;
+  if (c.mode == kGreedy) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint64_t k = x[j] > -kInf ? rank_key(x[j], static_cast<uint32_t>(v0 + j)) : 0ull;
+      if (k > key) key = k, key_x = key_score = x[j];
+    }
+  } else {
+    const float bound = __shfl_sync(0xffffffffu, totals.best_score, owner);
+    if (fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3])) > -kInf) {
+      const uint4 words = c.noise.group(static_cast<uint32_t>(v0 >> 2));
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (!(x[j] > -kInf)) continue;
+        const float xt = x[j] / c.temperature;
+        const uint32_t word = word_of(words, j);
+        if (xt + gumbel_upper_bound(word) < bound) continue;  // its score cannot reach the row's best
+        const float score = xt + gumbel_exact(word);
+        const uint64_t k = rank_key(score, static_cast<uint32_t>(v0 + j));
+        if (k > key) key = k, key_x = x[j], key_score = score;
+      }
+    }
+  }
+  if (__any_sync(0xffffffffu, key > __shfl_sync(0xffffffffu, totals.best_key, owner))) {
+    const uint64_t top = warp_allreduce(key, MaxOp{});
+    const int from = __ffs(__ballot_sync(0xffffffffu, key == top)) - 1;
+    const float top_x = __shfl_sync(0xffffffffu, key_x, from), top_score = __shfl_sync(0xffffffffu, key_score, from);
+    if (lane == owner) totals.best_key = top, totals.best_x = top_x, totals.best_score = top_score;
+  }
+  if (lane == owner) {
+    if (want_sum1 && new_max > -kInf) totals.sum1 = (old_max > -kInf ? totals.sum1 * expf(old_max - new_max) : 0.f) + added;
+    totals.max = new_max;
+  }
+  return bad;
+}
+
+// This CTA's partial result of a row, from the lane that kept its totals (the layout of write_partial's).
+__device__ __forceinline__ void write_stream_partial(const RowTotals& t, int mode, bool nan, const PartialsArgs& a,
+                                                     int64_t slot) {
+  Partial p;
+  p.max = t.max;
+  p.sum1 = t.sum1;
+  p.sum_t = 0.f;
+  p.best_score = t.best_score;
+  p.best_x = t.best_x;
+  p.best_id = t.best_key != 0 ? static_cast<int32_t>(key_index(t.best_key)) : -1;
+  p.nan = nan;
+  p.no_candidates = mode == kCandidates;  // filtered rows: their candidates are not collected here
+  a.partials[slot] = p;
+}
+
 template <bool BF16, int N>
 __global__ void __launch_bounds__(kStreamThreads, 1)
     fused_stream_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap h_map,
                         const PartialsArgs a) {
   using L = StreamLayout<N>;
-  constexpr int kRowsPerWarp = N / kStreamConsumers;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = shared_address(smem_raw);
   const uint32_t ring = (raw + 1023u) & ~1023u;
-  float* tile_x = reinterpret_cast<float*>(smem_raw + (ring - raw) + L::kStages * L::kStageBytes);
-  const uint32_t full = shared_address(tile_x + N * kTileStride);  // kStages mbarriers, then kStages "empty"
+  float* tiles = reinterpret_cast<float*>(smem_raw + (ring - raw) + L::kStages * L::kStageBytes);  // [2][N][stride]
+  const uint32_t full = shared_address(tiles + 2 * N * kTileStride);  // kStages mbarriers, then kStages "empty"
   const uint32_t empty = full + 8 * L::kStages;
+  const uint32_t tile_full = empty + 8 * L::kStages;  // two, then two "tile empty"
+  const uint32_t tile_empty = tile_full + 16;
+  RowConstants* constants = reinterpret_cast<RowConstants*>(smem_raw + (tile_empty + 16 - raw));  // [N]
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int cta = blockIdx.x / a.batch_tiles;
   const int b0 = (blockIdx.x % a.batch_tiles) * N;
   const int k_stages = static_cast<int>(a.head.dim / kStageK);
+  constexpr int kMmaThreads = 32 * kStreamMmaWarps, kEpilogueThreads = 32 * kStreamEpilogueWarps;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::kStages; ++s) {
       mbarrier_init(full + 8 * s, 1);
-      mbarrier_init(empty + 8 * s, kStreamConsumers);
+      mbarrier_init(empty + 8 * s, kStreamMmaWarps);
+    }
+    for (int i = 0; i < 2; ++i) {
+      mbarrier_init(tile_full + 8 * i, kMmaThreads);
+      mbarrier_init(tile_empty + 8 * i, kEpilogueThreads);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   }
   __syncthreads();
 
-  if (warp == kStreamConsumers) {  // the producer
+  if (warp == kStreamMmaWarps + kStreamEpilogueWarps) {  // the producer
     if (lane == 0) {
       int step = 0;
       for (int tile = cta; tile < a.num_tiles; tile += a.vocab_ctas) {
@@ -196,52 +326,72 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     return;
   }
 
-  // Consumer warp `warp`: W rows 16 warp .. + 15 of each tile; epilogue of batch rows warp + 8 r.
-  RowState state[kRowsPerWarp];
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    const int64_t row = b0 + warp + kStreamConsumers * r;
-    if (row < a.num_rows) state[r] = make_row_state(a.rows, row);
-  }
-  CandidateBuffer no_candidates{nullptr, 0, 0ull};  // filtered rows are not collected here (write_partial)
-  const int g = lane >> 2, t = lane & 3;
-
-  int step = 0;
-  for (int tile = cta; tile < a.num_tiles; tile += a.vocab_ctas) {
-    float acc[N / 2] = {};
-    for (int k = 0; k < k_stages; ++k, ++step) {
-      const int s = step % L::kStages;
-      mbarrier_wait(full + 8 * s, (step / L::kStages) & 1);
-      const uint32_t w_tile = ring + s * L::kStageBytes;
-      multiply_stage<BF16, N>(acc, w_tile, w_tile + kStageW, warp, lane);
+  if (warp < kStreamMmaWarps) {  // multiply warp: W rows 16 warp .. + 15 of each tile
+    const int g = lane >> 2, t = lane & 3;
+    int step = 0, round = 0;
+    for (int tile = cta; tile < a.num_tiles; tile += a.vocab_ctas, ++round) {
+      float acc[N / 2] = {};
+      // One stage's multiply stays in flight while the next is issued; a stage is handed back to the
+      // producer once the multiply after it has been issued.
+      for (int k = 0; k < k_stages; ++k, ++step) {
+        const int s = step % L::kStages;
+        mbarrier_wait(full + 8 * s, (step / L::kStages) & 1);
+        const uint32_t w_tile = ring + s * L::kStageBytes;
+        multiply_stage<BF16, N>(acc, w_tile, w_tile + kStageW, warp, lane);
+        wait_stages<1, N>(acc);
+        __syncwarp();
+        if (k > 0 && lane == 0) mbarrier_arrive(empty + 8 * ((step - 1) % L::kStages));
+      }
+      wait_stages<0, N>(acc);
       __syncwarp();
-      if (lane == 0) mbarrier_arrive(empty + 8 * s);
-    }
-    // The tile's logits as [batch row][W row], then each warp's batch rows through the epilogue.
-    asm volatile("bar.sync 1, %0;\n" ::"n"(32 * kStreamConsumers) : "memory");  // last tile's epilogue read
+      if (lane == 0) mbarrier_arrive(empty + 8 * ((step - 1) % L::kStages));
+      // The tile's logits as [batch row][W row] into buffer round % 2, once the epilogue is done with it.
+      const int buf = round & 1;
+      if (round >= 2) mbarrier_wait(tile_empty + 8 * buf, ((round >> 1) - 1) & 1);
+      float* tile_x = tiles + buf * N * kTileStride;
 #pragma unroll
-    for (int n = 0; n < N / 8; ++n) {
-      const int col = n * 8 + 2 * t, row = warp * 16 + g;
-      tile_x[col * kTileStride + row] = acc[4 * n];
-      tile_x[(col + 1) * kTileStride + row] = acc[4 * n + 1];
-      tile_x[col * kTileStride + row + 8] = acc[4 * n + 2];
-      tile_x[(col + 1) * kTileStride + row + 8] = acc[4 * n + 3];
+      for (int n = 0; n < N / 8; ++n) {
+        const int col = n * 8 + 2 * t, row = warp * 16 + g;
+        tile_x[col * kTileStride + row] = acc[4 * n];
+        tile_x[(col + 1) * kTileStride + row] = acc[4 * n + 1];
+        tile_x[col * kTileStride + row + 8] = acc[4 * n + 2];
+        tile_x[(col + 1) * kTileStride + row + 8] = acc[4 * n + 3];
+      }
+      mbarrier_arrive(tile_full + 8 * buf);
     }
-    asm volatile("bar.sync 1, %0;\n" ::"n"(32 * kStreamConsumers) : "memory");
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      const int n = warp + kStreamConsumers * r;
-      if (b0 + n >= a.num_rows || state[r].mode == kCandidates) continue;
+    return;
+  }
+
+  // Epilogue warp e: batch rows e + 8 r of each tile, row by row; lane r keeps row r's totals.
+  const int e = warp - kStreamMmaWarps;
+  for (int n = threadIdx.x - kMmaThreads; n < N; n += kEpilogueThreads)
+    if (b0 + n < a.num_rows) constants[n] = row_constants(a.rows, b0 + n);
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kEpilogueThreads) : "memory");
+  const int rows = min(L::kRowsPerWarp, static_cast<int>((a.num_rows - b0 - e + kStreamEpilogueWarps - 1) / kStreamEpilogueWarps));
+  RowTotals totals;
+  uint32_t nan_rows = 0;  // bit r: a NaN / +inf logit of row r seen by this lane
+  int round = 0;
+  for (int tile = cta; tile < a.num_tiles; tile += a.vocab_ctas, ++round) {
+    const int buf = round & 1;
+    mbarrier_wait(tile_full + 8 * buf, (round >> 1) & 1);
+    const float* tile_x = tiles + buf * N * kTileStride;
+#pragma unroll 1
+    for (int r = 0; r < rows; ++r) {
+      const int n = e + kStreamEpilogueWarps * r;
+      const RowConstants c = constants[n];
+      if (c.mode == kCandidates) continue;  // flagged for the logits path (write_stream_partial)
       const float4 q = *reinterpret_cast<const float4*>(tile_x + n * kTileStride + 4 * lane);
       float x[4] = {q.x, q.y, q.z, q.w};
-      consume(state[r], no_candidates, x, static_cast<int64_t>(tile) * kTileRows + 4 * lane, a.head,
-              a.want_sum1 != 0, lane);
+      if (consume_row_tile(c, totals, r, x, static_cast<int64_t>(tile) * kTileRows + 4 * lane, a.head,
+                           a.want_sum1 != 0, lane))
+        nan_rows |= 1u << r;
     }
+    mbarrier_arrive(tile_empty + 8 * buf);
   }
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    const int64_t row = b0 + warp + kStreamConsumers * r;
-    if (row < a.num_rows) write_partial(state[r], no_candidates, a, row * a.vocab_ctas + cta, false, lane);
+  for (int r = 0; r < rows; ++r) {
+    const int n = e + kStreamEpilogueWarps * r;
+    const bool nan = __any_sync(0xffffffffu, (nan_rows >> r) & 1u);
+    if (lane == r) write_stream_partial(totals, constants[n].mode, nan, a, (b0 + n) * a.vocab_ctas + cta);
   }
 }
 

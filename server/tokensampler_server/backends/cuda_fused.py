@@ -20,8 +20,8 @@ from .cuda_kernels import RowParams
 
 MAX_TOP_K = 63
 """The largest top-k the fused kernel takes: k + 1 <= its 64 candidates per row (the cut is then inside)."""
-MAX_ROWS = 32
-"""One batch tile of the streaming kernel. Beyond it the kernel passes over W once per tile of 32 rows and
+MAX_ROWS = 64
+"""The largest batch tile of the streaming kernel. Beyond it the kernel passes over W once per tile of 64 rows and
 cuBLAS into fp32 logits + the logits kernels is faster (benchmarks/results/fused-*.json, H200)."""
 
 
