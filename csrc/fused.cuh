@@ -9,7 +9,8 @@
 // scale, soft cap, padded rows), running max and sum-exp, and either the Gumbel-max winner / argmax or
 // a candidate buffer (the row's best keys so far above a rising threshold).
 // Batches without filtered rows take fused_stream_kernel (fused_stream.cuh) for stage 1 instead: W by
-// the tensor memory accelerator, the same epilogue (consume, write_partial) and the same partials.
+// the tensor memory accelerator, the epilogue in warps of its own (the same per-token arithmetic, a row's
+// totals reduced across the warp per tile) and the same partials.
 // Stage 2 (fused_finish_kernel): one CTA per batch row merges the CTAs' partial results, selects the
 // kCand best candidates exactly (radix select on unique rank keys), and finishes the semantics.
 //
