@@ -152,18 +152,25 @@ __device__ __forceinline__ float finish_logit(float x, int64_t v, const TsLmHead
   return x;
 }
 
-// Consumes tokens v0 .. v0+3 (one Philox group) of this lane: x already read from the tile.
-__device__ __forceinline__ void consume(RowState& s, CandidateBuffer& cand, float (&x)[4], int64_t v0,
-                                        const TsLmHead& head, bool want_sum1, int lane) {
+// Finishes tokens v0 .. v0+3 of this lane in place; returns whether one was NaN or +inf (now -inf).
+__device__ __forceinline__ bool finish_group(float (&x)[4], int64_t v0, const TsLmHead& head) {
+  bool bad = false;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     if (v0 + j < head.vocab) {
       x[j] = finish_logit(x[j], v0 + j, head);
-      s.nan |= sanitize(x[j]);
+      bad |= sanitize(x[j]);
     } else {
       x[j] = -kInf;  // padded rows and the tail of the last tile are never sampled
     }
   }
+  return bad;
+}
+
+// Consumes tokens v0 .. v0+3 (one Philox group) of this lane: x already read from the tile.
+__device__ __forceinline__ void consume(RowState& s, CandidateBuffer& cand, float (&x)[4], int64_t v0,
+                                        const TsLmHead& head, bool want_sum1, int lane) {
+  s.nan |= finish_group(x, v0, head);
   const float tile_max = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
   if (tile_max > s.max) {
     if (s.max > -kInf) {
@@ -217,10 +224,10 @@ __device__ __forceinline__ void consume(RowState& s, CandidateBuffer& cand, floa
   }
 }
 
-// Merges the lanes' state of one row and writes this CTA's partial result (and, when the kernel
-// collected them, the row's candidates) to its slot.
+// Merges the lanes' state of one row and writes this CTA's partial result (and a filtered row's
+// candidates) to its slot.
 __device__ __forceinline__ void write_partial(const RowState& state, CandidateBuffer& cand, const PartialsArgs& a,
-                                              int64_t slot, bool collected, int lane) {
+                                              int64_t slot, int lane) {
   const float row_max = warp_allreduce(state.max, MaxOp{});
   float sum1 = 0.f, sum_t = 0.f;
   if (state.max > -kInf) {
@@ -244,10 +251,10 @@ __device__ __forceinline__ void write_partial(const RowState& state, CandidateBu
     p.best_x = best_x;
     p.best_id = best_key != 0 ? static_cast<int32_t>(key_index(best_key)) : -1;
     p.nan = any_nan;
-    p.no_candidates = state.mode == kCandidates && !collected;
+    p.no_candidates = 0;  // this kernel collects every filtered row's candidates
     a.partials[slot] = p;
   }
-  if (state.mode == kCandidates && collected) {
+  if (state.mode == kCandidates) {
     cand.compact(lane);
     for (int i = lane; i < kCand; i += 32) a.cands[slot * kCand + i] = i < cand.count ? cand.keys[i] : 0ull;
   }
@@ -364,7 +371,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_partials_kernel(const Parti
     }
   }
 
-  if (has_row) write_partial(state, cand, a, my_row * a.vocab_ctas + cta, true, lane);
+  if (has_row) write_partial(state, cand, a, my_row * a.vocab_ctas + cta, lane);
 }
 
 // The key of rank `want` (1-based) among the nonzero keys[0, n) (shared memory, all keys unique), by

@@ -204,18 +204,10 @@ struct RowTotals {
 // a NaN or +inf logit.
 __device__ __forceinline__ bool consume_row_tile(const RowConstants& c, RowTotals& totals, int owner, float (&x)[4],
                                                  int64_t v0, const TsLmHead& head, bool want_sum1, int lane) {
-  bool bad = false;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    if (v0 + j < head.vocab) {
-      x[j] = finish_logit(x[j], v0 + j, head);
-      bad |= sanitize(x[j]);
-    } else {
-      x[j] = -kInf;  // padded rows and the tail of the last tile are never sampled
-    }
-  }
+  const bool bad = finish_group(x, v0, head);
+  const float lane_max = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
   const float old_max = __shfl_sync(0xffffffffu, totals.max, owner);
-  const float new_max = fmaxf(old_max, warp_allreduce(fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3])), MaxOp{}));
+  const float new_max = fmaxf(old_max, warp_allreduce(lane_max, MaxOp{}));
   float added = 0.f;
   if (want_sum1 && new_max > -kInf) {
 #pragma unroll
@@ -232,7 +224,7 @@ __device__ __forceinline__ bool consume_row_tile(const RowConstants& c, RowTotal
     }
   } else {
     const float bound = __shfl_sync(0xffffffffu, totals.best_score, owner);
-    if (fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3])) > -kInf) {
+    if (lane_max > -kInf) {
       const uint4 words = c.noise.group(static_cast<uint32_t>(v0 >> 2));
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -259,7 +251,7 @@ __device__ __forceinline__ bool consume_row_tile(const RowConstants& c, RowTotal
   return bad;
 }
 
-// This CTA's partial result of a row, from the lane that kept its totals (the layout of write_partial's).
+// This CTA's partial result of a row, from the lane that kept its totals (write_partial's for the ring kernel).
 __device__ __forceinline__ void write_stream_partial(const RowTotals& t, int mode, bool nan, const PartialsArgs& a,
                                                      int64_t slot) {
   Partial p;
