@@ -5,6 +5,7 @@
 
 #include "fused.cuh"
 #include "fused_stream.cuh"
+#include "launch.h"
 
 namespace {
 
@@ -174,10 +175,13 @@ extern "C" int ts_fused_sample(const TsLmHead* head, const void* states, int64_t
   finish.partials = partials;
   finish.cands = cands;
   finish.out = *out;
-  const size_t staged_bytes = static_cast<size_t>(plan->vocab_ctas) * kCand * sizeof(uint64_t);
+  // The streaming kernel collects no candidates: without their staging, stage 2's CTAs fit beside it
+  // on an SM and are resident, waiting, when it ends.
+  const size_t staged_bytes =
+      plan->kernel == TS_FUSED_STREAM ? 0 : static_cast<size_t>(plan->vocab_ctas) * kCand * sizeof(uint64_t);
   err = cudaFuncSetAttribute(fused_finish_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(staged_bytes));
   if (err != cudaSuccess) return err;
-  fused_finish_kernel<<<static_cast<unsigned>(num_rows), kFinishThreads, staged_bytes, s>>>(finish);
-  return cudaGetLastError();
+  return launch_after_previous(&fused_finish_kernel, dim3(static_cast<unsigned>(num_rows)), dim3(kFinishThreads),
+                               staged_bytes, s, finish);
 }

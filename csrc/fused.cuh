@@ -501,6 +501,7 @@ __global__ void __launch_bounds__(kFinishThreads) fused_finish_kernel(const Fini
   __shared__ int top_count;
   extern __shared__ uint64_t staged[];  // [vocab_ctas * kCand]
   __shared__ float best_x;
+  wait_for_previous_grid();  // launched while stage 1 runs (launch_after_previous): its partials come first
   const int64_t b = blockIdx.x;
   const int num_parts = a.vocab_ctas;
   const Partial* parts = a.partials + b * num_parts;
