@@ -55,7 +55,6 @@ __device__ __forceinline__ RowConstants row_constants(const TsRows& r, int64_t b
 
 template <int N>
 struct StreamLayout {
-  static constexpr int kRowsPerWarp = (N + kStreamEpilogueWarps - 1) / kStreamEpilogueWarps;
   static constexpr int kStageBytes = kStageW + N * kStageK * 2;  // multiple of 1024 (the swizzle atom)
   static constexpr int kStages = N <= 32 ? 8 : 6;                // what fits beside two tile buffers
   static constexpr int kTileBytes = N * kTileStride * 4;
@@ -363,7 +362,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   for (int n = threadIdx.x - kMmaThreads; n < N; n += kEpilogueThreads)
     if (b0 + n < a.num_rows) constants[n] = row_constants(a.rows, b0 + n);
   asm volatile("bar.sync 1, %0;\n" ::"n"(kEpilogueThreads) : "memory");
-  const int rows = min(L::kRowsPerWarp, static_cast<int>((a.num_rows - b0 - e + kStreamEpilogueWarps - 1) / kStreamEpilogueWarps));
+  const int tile_rows = static_cast<int>(min(static_cast<int64_t>(N), a.num_rows - b0));  // this batch tile's
+  const int rows = (tile_rows - e + kStreamEpilogueWarps - 1) / kStreamEpilogueWarps;          // this warp's
   RowTotals totals;
   uint32_t nan_rows = 0;  // bit r: a NaN / +inf logit of row r seen by this lane
   int round = 0;
