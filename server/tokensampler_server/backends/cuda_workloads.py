@@ -92,25 +92,12 @@ class WorkloadKernels:
                                probs.data_ptr(), ids.data_ptr(), flags.data_ptr(), ws, self._stream())
         return probs, ids, flags
 
-    def row_stats(self, job: list[int], num_rows: int, vocab: int, with_aux: bool,
-                  confidence: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """ts_row_stats on the job's rows; returns row_max, row_sum, argmax, token (and aux_sum).
-        confidence (float32 [num_rows], optional): filled with each sampled token's probability."""
-        dev = self.device
-        stats = {
-            "row_max": torch.empty(num_rows, dtype=torch.float32, device=dev),
-            "row_sum": torch.empty(num_rows, dtype=torch.float32, device=dev),
-            "argmax": torch.empty(num_rows, dtype=torch.int64, device=dev),
-            "token": torch.empty(num_rows, dtype=torch.int64, device=dev),
-        }
-        if with_aux:
-            stats["aux_sum"] = torch.empty(num_rows, dtype=torch.float32, device=dev)
-        if confidence is not None:
-            stats["confidence"] = confidence
+    def row_stats(self, job: list[int], num_rows: int, vocab: int, stats: dict[str, torch.Tensor]) -> None:
+        """ts_row_stats on the job's rows into `stats` (TsRowStats' names, [num_rows] each); the kernel
+        writes only the outputs given."""
         # counters of the rows, of the aux rows (rows of their own), and the rows' best screening pilots
         ws = self._workspace(3 * num_rows, self.module.row_stats_scratch_bytes(num_rows, vocab))
         self.module.row_stats(job, _stats_pointers(stats), ws, self._stream())
-        return stats
 
     def diffusion(self, step: DiffusionStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Tokens int64 [B, L], confidences float32 [B, L], the new mask bool [B, L], on the device.
@@ -130,7 +117,10 @@ class WorkloadKernels:
                seed.data_ptr(), 0, iteration.data_ptr(), -1, 0, 0]
         tokens = torch.empty(num_requests, length, dtype=torch.int64, device=self.device)
         confidences = torch.empty(num_requests, length, dtype=torch.float32, device=self.device)
-        stats = self.row_stats(job, rows, vocab, with_aux=False, confidence=confidences.view(rows))
+        # the commit kernel reads the token and its probability only, which the row pass writes to the output
+        token = torch.empty(rows, dtype=torch.int64, device=self.device)
+        stats = {"token": token, "confidence": confidences.view(rows)}
+        self.row_stats(job, rows, vocab, stats)
         new_mask = torch.empty(num_requests, length, dtype=torch.bool, device=self.device)
         self.module.diffusion_commit(job, _stats_pointers(stats), threshold.data_ptr(), count.data_ptr(),
                                      tokens.data_ptr(), confidences.data_ptr(), new_mask.data_ptr(), self._stream())
@@ -150,13 +140,19 @@ class WorkloadKernels:
         rows = num_requests * positions
         job = [target.data_ptr(), vocab, _DTYPES[target.dtype], rows, positions, 0, temperature.data_ptr(),
                seed.data_ptr(), position.data_ptr(), iteration.data_ptr(), n, draft.data_ptr(), n]
-        stats = self.row_stats(job, rows, vocab, with_aux=True)
+        stats = {name: torch.empty(rows, dtype=dtype, device=self.device) for name, dtype in _VERIFY_STATS.items()}
+        self.row_stats(job, rows, vocab, stats)
         accepted = torch.empty(num_requests, dtype=torch.int64, device=self.device)
         tokens = torch.empty(num_requests, positions, dtype=torch.int64, device=self.device)
         ws = self._workspace(num_requests, self.module.verify_scratch_bytes(num_requests, vocab))
         self.module.verify_finish(job, _stats_pointers(stats), draft_ids.data_ptr(), accepted.data_ptr(),
                                   tokens.data_ptr(), ws, self._stream())
         return accepted, tokens
+
+
+_VERIFY_STATS = {"row_max": torch.float32, "row_sum": torch.float32, "argmax": torch.int64, "token": torch.int64,
+                 "aux_sum": torch.float32}
+"""The row pass's outputs that verify_finish reads."""
 
 
 def _stats_pointers(stats: dict[str, torch.Tensor]) -> list[int]:
