@@ -140,7 +140,8 @@ extern "C" TsFusedPlan ts_fused_plan(int64_t num_rows, int64_t dim, int64_t voca
   plan.batch_tiles = static_cast<int32_t>(batch_tiles);
   plan.smem_bytes = kernel == TS_FUSED_STREAM ? stream_smem_bytes(rows_per_tile) : partials_smem_bytes(rows_per_tile, dim);
   const size_t parts = static_cast<size_t>(num_rows) * vocab_ctas;
-  plan.scratch_bytes = parts * sizeof(Partial) + parts * kCand * sizeof(uint64_t);
+  const size_t cand_bytes = kernel == TS_FUSED_STREAM ? 0 : parts * kCand * sizeof(uint64_t);  // it collects none
+  plan.scratch_bytes = parts * sizeof(Partial) + cand_bytes;
   return plan;
 }
 
@@ -151,7 +152,7 @@ extern "C" int ts_fused_sample(const TsLmHead* head, const void* states, int64_t
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const size_t parts = static_cast<size_t>(num_rows) * plan->vocab_ctas;
   Partial* partials = static_cast<Partial*>(scratch);
-  uint64_t* cands = reinterpret_cast<uint64_t*>(partials + parts);
+  uint64_t* cands = plan->kernel == TS_FUSED_STREAM ? nullptr : reinterpret_cast<uint64_t*>(partials + parts);
 
   PartialsArgs args;
   args.head = *head;
