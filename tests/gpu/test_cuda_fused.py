@@ -103,7 +103,7 @@ def test_fused_matches_the_reference(cuda_backend, dim: int, mode: str) -> None:
 def test_kernel_shapes_and_batch_invariance(num_rows: int, mode: str) -> None:
     """Each kernel itself at every B of the issue (the backend sends larger B to cuBLAS), each row
     identical to the same row sampled alone: the candidate kernel for top-k/top-p rows, the streaming
-    kernel (batch tiles of 8, 16 or 32 rows) for gumbel and greedy rows."""
+    kernel (batch tiles of 8, 16, 32 or 64 rows) for gumbel and greedy rows."""
     fused = _fused()
     from tokensampler_server.backends.cuda_kernels import RowParams
 
