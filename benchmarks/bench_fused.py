@@ -111,7 +111,7 @@ def main() -> None:
             unfused_us = peers.bench(unfused_fn(kernels, weight, hidden, mode))
             emit("tokensampler_fused", mode, b, fused_us)
             emit("tokensampler_unfused", mode, b, unfused_us)
-            chosen = cuda_fused.fused_is_faster(b, filtered=mode != "gumbel")
+            chosen = cuda_fused.fused_is_faster(b)
             emit("tokensampler", mode, b, fused_us if chosen else unfused_us)
         if args.no_peers:
             continue

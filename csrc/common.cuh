@@ -120,6 +120,17 @@ struct SumOp {
   __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
 };
 
+// Inclusive prefix sum of v over the lanes of a warp.
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_scan(T v, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const T up = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += up;
+  }
+  return v;
+}
+
 // In-place inclusive prefix sum of a[0, n) in shared memory. `scratch` holds THREADS / 32 values.
 template <int THREADS, typename T>
 __device__ void block_inclusive_scan(T* a, int n, T* scratch) {
@@ -130,12 +141,7 @@ __device__ void block_inclusive_scan(T* a, int n, T* scratch) {
   for (int i = begin; i < end; ++i) local += a[i];
   // exclusive scan of the per-thread totals across the block
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  T incl = local;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const T up = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += up;
-  }
+  const T incl = warp_inclusive_scan(local, lane);
   if (lane == 31) scratch[warp] = incl;
   __syncthreads();
   T offset = incl - local;

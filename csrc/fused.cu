@@ -103,9 +103,18 @@ cudaError_t launch_stream_typed(const PartialsArgs& args, const TsFusedPlan& pla
 
 template <bool BF16>
 cudaError_t launch_partials_typed(const PartialsArgs& args, const TsFusedPlan& plan, cudaStream_t stream) {
-  if (plan.kernel == TS_FUSED_STREAM) return launch_stream_typed<BF16>(args, plan, stream);
+  if (plan.kernel != TS_FUSED_RING) return launch_stream_typed<BF16>(args, plan, stream);
   return plan.rows_per_tile == 16 ? launch_partials_ring<BF16, 2>(args, plan, stream)
                                   : launch_partials_ring<BF16, 1>(args, plan, stream);
+}
+
+// Below this many CTAs along the vocabulary (V < 8192 on 132 SMs) a row's best 64 tokens crowd into a few
+// CTAs' lists of kStreamCand and would often come back flagged: filtered batches take the ring's 64 a CTA.
+constexpr int64_t kStreamCandMinCtas = 64;
+
+// Keys each CTA keeps of a filtered row (0: the kernel collects none).
+int cands_per_part(int kernel) {
+  return kernel == TS_FUSED_RING ? kCand : kernel == TS_FUSED_STREAM_CANDIDATES ? kStreamCand : 0;
 }
 
 }  // namespace
@@ -114,13 +123,17 @@ extern "C" TsFusedPlan ts_fused_plan(int64_t num_rows, int64_t dim, int64_t voca
                                      int32_t max_smem, int32_t filtered) {
   TsFusedPlan plan{0, 0, 0, 0, 0, 0};
   if (dim <= 0 || dim % 64 != 0 || num_rows <= 0 || vocab <= 0 || num_sms <= 0) return plan;
-  int kernel = TS_FUSED_RING, rows_per_tile = 0;
-  if (!filtered) {
-    // The smallest batch tile that holds the batch, 64 rows at most.
-    kernel = TS_FUSED_STREAM;
-    rows_per_tile = 8;
-    while (rows_per_tile < 64 && rows_per_tile < num_rows) rows_per_tile *= 2;
-    if (stream_smem_bytes(rows_per_tile) > static_cast<size_t>(max_smem)) return plan;
+  const int64_t num_tiles = (vocab + kTileRows - 1) / kTileRows;
+  // One wave of one CTA per SM per batch tile. The vocabulary split depends on V and the GPU only,
+  // never on B, so that a row's partial sums, and hence its result, do not depend on its batch.
+  const int64_t vocab_ctas = num_tiles < num_sms ? num_tiles : num_sms;
+  int kernel = TS_FUSED_RING, rows_per_tile = 8;
+  // The streaming kernel with the smallest batch tile that holds the batch, 64 rows at most, where it fits;
+  // the register ring otherwise.
+  while (rows_per_tile < 64 && rows_per_tile < num_rows) rows_per_tile *= 2;
+  if (stream_smem_bytes(rows_per_tile) <= static_cast<size_t>(max_smem) &&
+      (!filtered || vocab_ctas >= kStreamCandMinCtas)) {
+    kernel = filtered ? TS_FUSED_STREAM_CANDIDATES : TS_FUSED_STREAM;
   } else if (num_rows > 8 && partials_smem_bytes(16, dim) <= static_cast<size_t>(max_smem)) {
     // 16 rows per CTA halve the number of passes over W when they fit; 8 otherwise.
     rows_per_tile = 16;
@@ -130,18 +143,13 @@ extern "C" TsFusedPlan ts_fused_plan(int64_t num_rows, int64_t dim, int64_t voca
     return plan;
   }
   const int64_t batch_tiles = (num_rows + rows_per_tile - 1) / rows_per_tile;
-  const int64_t num_tiles = (vocab + kTileRows - 1) / kTileRows;
-  // One wave of one CTA per SM per batch tile. The vocabulary split depends on V and the GPU only,
-  // never on B, so that a row's partial sums, and hence its result, do not depend on its batch.
-  const int64_t vocab_ctas = num_tiles < num_sms ? num_tiles : num_sms;
   plan.kernel = kernel;
   plan.rows_per_tile = rows_per_tile;
   plan.vocab_ctas = static_cast<int32_t>(vocab_ctas);
   plan.batch_tiles = static_cast<int32_t>(batch_tiles);
-  plan.smem_bytes = kernel == TS_FUSED_STREAM ? stream_smem_bytes(rows_per_tile) : partials_smem_bytes(rows_per_tile, dim);
+  plan.smem_bytes = kernel == TS_FUSED_RING ? partials_smem_bytes(rows_per_tile, dim) : stream_smem_bytes(rows_per_tile);
   const size_t parts = static_cast<size_t>(num_rows) * vocab_ctas;
-  const size_t cand_bytes = kernel == TS_FUSED_STREAM ? 0 : parts * kCand * sizeof(uint64_t);  // it collects none
-  plan.scratch_bytes = parts * sizeof(Partial) + cand_bytes;
+  plan.scratch_bytes = parts * (sizeof(Partial) + cands_per_part(kernel) * sizeof(uint64_t));
   return plan;
 }
 
@@ -152,7 +160,8 @@ extern "C" int ts_fused_sample(const TsLmHead* head, const void* states, int64_t
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const size_t parts = static_cast<size_t>(num_rows) * plan->vocab_ctas;
   Partial* partials = static_cast<Partial*>(scratch);
-  uint64_t* cands = plan->kernel == TS_FUSED_STREAM ? nullptr : reinterpret_cast<uint64_t*>(partials + parts);
+  const int per_part = cands_per_part(plan->kernel);
+  uint64_t* cands = per_part == 0 ? nullptr : reinterpret_cast<uint64_t*>(partials + parts);
 
   PartialsArgs args;
   args.head = *head;
@@ -175,11 +184,11 @@ extern "C" int ts_fused_sample(const TsLmHead* head, const void* states, int64_t
   finish.vocab_ctas = plan->vocab_ctas;
   finish.partials = partials;
   finish.cands = cands;
+  finish.cands_per_part = per_part;
   finish.out = *out;
-  // The streaming kernel collects no candidates: without their staging, stage 2's CTAs fit beside it
-  // on an SM and are resident, waiting, when it ends.
-  const size_t staged_bytes =
-      plan->kernel == TS_FUSED_STREAM ? 0 : static_cast<size_t>(plan->vocab_ctas) * kCand * sizeof(uint64_t);
+  // Without candidates to stage, stage 2's CTAs fit beside the streaming kernel's on an SM and are
+  // resident, waiting, when it ends.
+  const size_t staged_bytes = static_cast<size_t>(plan->vocab_ctas) * per_part * sizeof(uint64_t);
   err = cudaFuncSetAttribute(fused_finish_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(staged_bytes));
   if (err != cudaSuccess) return err;

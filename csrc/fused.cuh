@@ -12,7 +12,8 @@
 // the tensor memory accelerator, the epilogue in warps of its own (the same per-token arithmetic, a row's
 // totals reduced across the warp per tile) and the same partials.
 // Stage 2 (fused_finish_kernel): one CTA per batch row merges the CTAs' partial results, selects the
-// kCand best candidates exactly (radix select on unique rank keys), and finishes the semantics.
+// kCand best candidates exactly (radix select on unique rank keys; fewer when a CTA's list was full
+// above them), and finishes the semantics.
 //
 // Why registers and not shared memory for W: every W element is used by exactly one warp, so staging it
 // would only add a shared-memory round trip. The k order inside a chunk is permuted (thread t loads 8
@@ -71,7 +72,8 @@ struct FinishArgs {
   TsRows rows;
   int32_t vocab_ctas;
   const Partial* partials;
-  const uint64_t* cands;
+  const uint64_t* cands;  // [num_rows, vocab_ctas, cands_per_part]: each CTA's best keys, descending, zero-filled
+  int32_t cands_per_part;
   TsFusedOutputs out;
 };
 
@@ -374,9 +376,10 @@ __global__ void __launch_bounds__(kThreads, 1) fused_partials_kernel(const Parti
   if (has_row) write_partial(state, cand, a, my_row * a.vocab_ctas + cta, lane);
 }
 
-// The key of rank `want` (1-based) among the nonzero keys[0, n) (shared memory, all keys unique), by
+// A cut c such that exactly `want` of the nonzero keys[0, n) (shared memory, all keys unique) are >= c, by
 // 8-bit radix select: per pass a histogram of the next digit of the keys that match the digits so far,
-// and warp 0 finds the digit holding rank `want` (lane l owns digits 255 - 8l .. 248 - 8l).
+// and warp 0 finds the digit holding rank `want` (lane l owns digits 255 - 8l .. 248 - 8l). Stops once the
+// wanted keys are exactly those above the digits so far and all of that digit's (usually 3 of 8 passes).
 __device__ uint64_t select_key(const uint64_t* keys, int n, int want, unsigned int* hist, int* chosen) {
   uint64_t prefix = 0, mask = 0;
   const int lane = threadIdx.x & 31;
@@ -410,13 +413,16 @@ __device__ uint64_t select_key(const uint64_t* keys, int n, int want, unsigned i
       if (lane == first) {
         chosen[0] = digit;
         chosen[1] = static_cast<int>(before);
+        chosen[2] = static_cast<int>(hist[digit]);
       }
     }
     __syncthreads();
     prefix |= static_cast<uint64_t>(chosen[0]) << shift;
     mask |= 255ull << shift;
     want -= chosen[1];
+    const bool whole_bucket = chosen[2] == want;  // every key with this prefix is wanted: it is the cut
     __syncthreads();
+    if (whole_bucket) break;
   }
   return prefix;
 }
@@ -440,9 +446,11 @@ __device__ bool sample_candidates(const uint64_t* top, int count, bool complete,
   // L1: the top-k and min-p prefix; known when it ends inside the candidates.
   int limit = count;
   bool known = complete;
-  if (k > 0 && k < count) {
+  if (k > 0 && k <= count) {
     limit = k;
     known = true;
+  } else if (k > 0 && !complete) {
+    return false;  // the top-k set reaches past the candidates
   }
   if (m > 0.f) {
     const int above = __popc(__ballot_sync(0xffffffffu, expf(z[0]) >= m && lane < count)) +
@@ -453,27 +461,19 @@ __device__ bool sample_candidates(const uint64_t* top, int count, bool complete,
     }
     if (!known) return false;  // min-p keeps every candidate and maybe more
   }
-  // L2: top-p over the prefix, divided by the prefix's mass (every finite token's when L1 is the row).
+  // L2: top-p over the prefix, divided by the prefix's mass (every finite token's when L1 is the row):
+  // the first candidate whose running mass reaches p, by a scan across the warp (candidate i: lane i % 32).
   int kept = limit;
   if (p < 1.f) {
-    int reached = -1;
-    if (lane == 0) {
-      float total = 0.f;
-      if (known) {
-        for (int i = 0; i < limit; ++i) total += expf((key_value(top[i]) - row_max) / temperature);
-      } else {
-        total = sum_t;
-      }
-      float running = 0.f;
-      for (int i = 0; i < limit; ++i) {
-        running += expf((key_value(top[i]) - row_max) / temperature);
-        if (running / total >= p) {
-          reached = i + 1;
-          break;
-        }
-      }
-    }
-    reached = __shfl_sync(0xffffffffu, reached, 0);
+    float e[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) e[j] = lane + 32 * j < limit ? expf(z[j]) : 0.f;
+    const float total = known ? warp_allreduce(e[0] + e[1], SumOp{}) : sum_t;
+    const float run0 = warp_inclusive_scan(e[0], lane);
+    const float run1 = __shfl_sync(0xffffffffu, run0, 31) + warp_inclusive_scan(e[1], lane);
+    const unsigned hit0 = __ballot_sync(0xffffffffu, lane < limit && run0 / total >= p);
+    const unsigned hit1 = __ballot_sync(0xffffffffu, lane + 32 < limit && run1 / total >= p);
+    const int reached = hit0 ? __ffs(hit0) : hit1 ? 32 + __ffs(hit1) : -1;  // how many are kept
     if (reached < 0 && !known) return false;
     kept = reached < 0 ? limit : reached;
   }
@@ -496,10 +496,10 @@ __global__ void __launch_bounds__(kFinishThreads) fused_finish_kernel(const Fini
   __shared__ float f_scratch[kFinishThreads / 32];
   __shared__ uint64_t u_scratch[kFinishThreads / 32];
   __shared__ unsigned int hist[256];
-  __shared__ int chosen[2];
+  __shared__ int chosen[3];
   __shared__ uint64_t top[kCand];  // the best kCand keys, sorted, once the candidate branch ran
   __shared__ int top_count;
-  extern __shared__ uint64_t staged[];  // [vocab_ctas * kCand]
+  extern __shared__ uint64_t staged[];  // [vocab_ctas * cands_per_part]
   __shared__ float best_x;
   wait_for_previous_grid();  // launched while stage 1 runs (launch_after_previous): its partials come first
   const int64_t b = blockIdx.x;
@@ -543,16 +543,28 @@ __global__ void __launch_bounds__(kFinishThreads) fused_finish_kernel(const Fini
     for (int s = threadIdx.x; s < ns; s += kFinishThreads) tokens[b * ns + s] = key_index(best);
   } else if (valid && !uncollected) {
     // Every CTA's sorted best keys, staged in shared memory: the radix passes read them from there.
-    const uint64_t* global_keys = a.cands + b * num_parts * kCand;
-    const int n = num_parts * kCand;
+    const int per_part = a.cands_per_part;
+    const uint64_t* global_keys = a.cands + b * num_parts * per_part;
+    const int n = num_parts * per_part;
     int nonzero = 0;
+    uint64_t floor = 0;  // the highest last key of a full list (0: none full)
     for (int i = threadIdx.x; i < n; i += kFinishThreads) {
       const uint64_t k = global_keys[i];
       staged[i] = k;
       nonzero += k != 0;
+      if (i % per_part == per_part - 1) floor = max(floor, k);
     }
     nonzero = block_allreduce<kFinishThreads>(nonzero, SumOp{}, reinterpret_cast<int*>(f_scratch));
-    const uint64_t cut = nonzero > kCand ? select_key(staged, n, kCand, hist, chosen) : 1ull;
+    floor = block_allreduce<kFinishThreads>(floor, MaxOp{}, u_scratch);
+    // A full list left out only keys below its last, so the keys at or above `floor` are exactly the row's
+    // best `trusted` tokens; below it some may be missing.
+    int trusted = nonzero;
+    if (floor != 0) {
+      trusted = 0;
+      for (int i = threadIdx.x; i < n; i += kFinishThreads) trusted += staged[i] >= floor;
+      trusted = block_allreduce<kFinishThreads>(trusted, SumOp{}, reinterpret_cast<int*>(f_scratch));
+    }
+    const uint64_t cut = trusted > kCand ? select_key(staged, n, kCand, hist, chosen) : max(floor, uint64_t{1});
     if (threadIdx.x == 0) top_count = 0;
     __syncthreads();
     for (int i = threadIdx.x; i < n; i += kFinishThreads)
@@ -562,8 +574,8 @@ __global__ void __launch_bounds__(kFinishThreads) fused_finish_kernel(const Fini
     if (threadIdx.x < 32) {
       for (int i = count + threadIdx.x; i < kCand; i += 32) top[i] = 0;
       warp_sort_desc_shared(top, kCand, threadIdx.x);
-      // Every CTA reports at most kCand keys: fewer than kCand in all means none was cut off.
-      const bool complete = nonzero < kCand;
+      // No list full and at most kCand keys: every finite token is a candidate.
+      const bool complete = floor == 0 && nonzero <= kCand;
       if (!sample_candidates(top, count, complete, row_max, sum_t, a.rows, b, ns, tokens, threadIdx.x) &&
           threadIdx.x == 0)
         needs_logits_path = 1;

@@ -2,13 +2,15 @@
  *
  * x = W h is computed tile by tile on chip (tensor-core MMA, fp32 accumulation) and consumed there:
  * per-row running max and sum-exp, the Gumbel-max winner (or the argmax), and for filtered rows the
- * best kCand = 64 candidates of each CTA's vocabulary range. A second kernel merges the CTAs' partial
- * results per row and finishes docs/semantics.md. Logits never reach global memory.
+ * best keys of each CTA's vocabulary range. A second kernel merges the CTAs' partial results per row
+ * (the best kCand = 64 keys of a filtered row) and finishes docs/semantics.md. Logits never reach
+ * global memory.
  *
  * Scope (the host checks it; anything else takes the logits path): W and h both bf16 or both fp16,
  * D a multiple of 64, no masks/bias/penalties, raw log-probs only, top_k < kCand, one sample per
  * row for rows without filters. Rows whose kept set cannot be decided from the candidates (top-p or
- * min-p without k, kept mass beyond the candidates) come back flagged for the exact logits path.
+ * min-p without k, kept mass beyond the candidates, a kept set reaching below the keys a CTA's full
+ * list may have cut off) come back flagged for the exact logits path.
  * Every array is device memory; every launcher returns a cudaError_t as int (0 = success).
  */
 #pragma once
@@ -38,15 +40,16 @@ typedef struct {
   uint8_t* flags;       /* [num_rows]: bit 0 nan_detected, bit 1 not valid, bit 2 needs the logits path */
 } TsFusedOutputs;
 
-/* Stage 1 kernels: W through a register ring (every row mode: keeps candidates for filtered rows), or
- * streamed by the tensor memory accelerator (greedy and temperature-only rows; filtered rows come back
- * flagged for the logits path). */
-enum { TS_FUSED_RING = 0, TS_FUSED_STREAM = 1 };
+/* Stage 1 kernels: W streamed by the tensor memory accelerator, collecting filtered rows' candidates
+ * (16 a CTA) or, when no row has filters, none (filtered rows then come back flagged); or W through a
+ * register ring (64 candidates a CTA) where the streaming kernel's shared memory does not fit, or for
+ * filtered rows of small vocabularies (fewer than 64 CTAs along V). */
+enum { TS_FUSED_RING = 0, TS_FUSED_STREAM = 1, TS_FUSED_STREAM_CANDIDATES = 2 };
 
 /* The launch plan for B rows of hidden size dim on a GPU with num_sms SMs: the stage 1 kernel, rows per
  * CTA (ring: 8 or 16; stream: 8, 16, 32 or 64), CTAs per batch tile along the vocabulary, and the
- * scratch bytes. 0 rows per tile: dim not supported. `filtered`: some row has top-k/top-p/min-p (the
- * ring kernel then). */
+ * scratch bytes. 0 rows per tile: dim not supported. `filtered`: some row has top-k/top-p/min-p (its
+ * candidates are then collected). */
 typedef struct {
   int32_t kernel;
   int32_t rows_per_tile;

@@ -12,7 +12,8 @@
 //   of two shared-memory tile buffers;
 // - twelve epilogue warps take the batch rows of the other buffer, warp e rows e, e + 12, ..., one row at
 //   a time with the whole warp (`consume_row_tile`: 4 tokens a lane, fused_partials_kernel's arithmetic
-//   per token), and lane r keeps the running totals of the warp's row r.
+//   per token), and lane r keeps the running totals of the warp's row r; a filtered row's best
+//   kStreamCand keys so far are kept in shared memory (`keep_best_keys`).
 // Each tile buffer has a "full" and an "empty" mbarrier, so the multiply warps go on to the next tile
 // while the epilogue of this one runs: the epilogue is hidden under the stream instead of stalling it.
 // (Measured: run by the multiply warps themselves, four rows a warp, it cost 20 µs at N = 32; with a
@@ -41,16 +42,24 @@ constexpr int kTileStride = kTileRows + 4;             // floats a batch row of 
 constexpr int kStreamEpilogueWarps = 12;
 constexpr int kStreamThreads = 32 * (kStreamMmaWarps + kStreamEpilogueWarps + 1);  // + the producer warp
 
+// A filtered row's best keys kept by each CTA (stage 2 takes the best kCand of all CTAs'). Fewer than
+// kCand: a CTA sees 1/132 of the vocabulary, so the row's best 64 rarely put more than a few in one CTA,
+// and stage 2 trusts only the keys no full list can have cut off (rows whose kept set reaches below them
+// take the logits path); 16 keep the per-tile update and stage 2's selection short (H200: top-k + top-p
+// rows in 313-341 µs at B = 1-64, against 324-358 through the register ring or cuBLAS).
+constexpr int kStreamCand = 16;
+
 // What the epilogue needs of a batch row besides its logits (shared memory, one copy a row).
 struct RowConstants {
   int mode;
   float temperature;
   NoiseStream noise;
+  int want_sum_t;  // a filtered row without top-k: stage 2 may need the row's mass at T (top-p)
 };
 
 __device__ __forceinline__ RowConstants row_constants(const TsRows& r, int64_t b) {
   const RowState s = make_row_state(r, b);
-  return RowConstants{s.mode, s.temperature, s.noise};
+  return RowConstants{s.mode, s.temperature, s.noise, s.mode == kCandidates && !(r.top_k[b] > 0)};
 }
 
 template <int N>
@@ -60,7 +69,8 @@ struct StreamLayout {
   static constexpr int kTileBytes = N * kTileStride * 4;
   static constexpr int kBarriers = 2 * kStages + 4;              // ring full / empty, tile full / empty
   static constexpr int kBytes = 1024 + kStages * kStageBytes + 2 * kTileBytes + 8 * kBarriers +
-                                N * static_cast<int>(sizeof(RowConstants));  // 1024: alignment
+                                N * static_cast<int>(sizeof(RowConstants)) +
+                                N * kStreamCand * 8;  // 1024: alignment; the rows' best keys
 };
 
 __device__ __forceinline__ uint32_t shared_address(const void* p) {
@@ -193,19 +203,44 @@ __device__ __forceinline__ void wait_stages(float (&acc)[N / 2]) {
 struct RowTotals {
   float max = -kInf;   // max x
   float sum1 = 0.f;    // sum exp(x - max), when raw log-probs are wanted
+  float sum_t = 0.f;   // sum exp((x - max) / T), for RowConstants::want_sum_t
   float best_score = -kInf;
   float best_x = -kInf;
   uint64_t best_key = 0;  // rank_key(best_score, id); 0: none yet
 };
 
+// Folds this lane's keys into a row's best kStreamCand keys (`best`: shared memory, descending, zeros past
+// the last). The warp takes the best key left above the list's last, inserts it, and repeats until none
+// is left: at most kStreamCand rounds, and after the first tiles usually none (the first test fails).
+__device__ __forceinline__ void keep_best_keys(uint64_t* best, uint64_t (&key)[4], int lane) {
+  uint64_t floor = best[kStreamCand - 1];
+  if (!__any_sync(0xffffffffu, key[0] > floor || key[1] > floor || key[2] > floor || key[3] > floor)) return;
+  uint64_t mine = lane < kStreamCand ? best[lane] : 0ull;  // lane i holds entry i
+  while (true) {
+    uint64_t top = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) top = key[j] > floor && key[j] > top ? key[j] : top;
+    top = warp_allreduce(top, MaxOp{});
+    if (top == 0) break;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) key[j] = key[j] == top ? 0ull : key[j];  // keys are unique
+    // Entries below `top` move down one place; the first of them becomes `top`.
+    const uint64_t above = __shfl_up_sync(0xffffffffu, mine, 1);
+    if (mine < top) mine = lane == 0 || above > top ? top : above;
+    floor = __shfl_sync(0xffffffffu, mine, kStreamCand - 1);
+  }
+  if (lane < kStreamCand) best[lane] = mine;
+}
+
 // The warp consumes one batch row's 128 logits of a tile (tokens v0 .. v0 + 3 in this lane's x); lane
 // `owner` holds the row's totals and folds the tile in. Tokens are ranked by the same exact scores as
 // `consume` (x / T + gumbel_exact, or x for greedy rows), but per tile across the warp: a lane scores a
 // token exactly only if an integer-only upper bound of its noise can lift it past the row's best so
-// far, and the warp merges the lanes' best only when one beats the row's. Returns whether this lane saw
-// a NaN or +inf logit.
-__device__ __forceinline__ bool consume_row_tile(const RowConstants& c, RowTotals& totals, int owner, float (&x)[4],
-                                                 int64_t v0, const TsLmHead& head, bool want_sum1, int lane) {
+// far, and the warp merges the lanes' best only when one beats the row's. A filtered row's tokens go
+// to its best keys (`best_keys`) instead. Returns whether this lane saw a NaN or +inf logit.
+__device__ __forceinline__ bool consume_row_tile(const RowConstants& c, RowTotals& totals, uint64_t* best_keys,
+                                                 int owner, float (&x)[4], int64_t v0, const TsLmHead& head,
+                                                 bool want_sum1, int lane) {
   const bool bad = finish_group(x, v0, head);
   const float lane_max = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
   const float old_max = __shfl_sync(0xffffffffu, totals.max, owner);
@@ -216,9 +251,20 @@ __device__ __forceinline__ bool consume_row_tile(const RowConstants& c, RowTotal
     for (int j = 0; j < 4; ++j) added += expf(x[j] - new_max);
     added = warp_allreduce(added, SumOp{});
   }
+  float added_t = 0.f;
+  if (c.want_sum_t && new_max > -kInf) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) added_t += expf((x[j] - new_max) / c.temperature);
+    added_t = warp_allreduce(added_t, SumOp{});
+  }
   uint64_t key = 0;
   float key_x = -kInf, key_score = -kInf;
-  if (c.mode == kGreedy) {
+  if (c.mode == kCandidates) {
+    uint64_t keys[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) keys[j] = x[j] > -kInf ? rank_key(x[j], static_cast<uint32_t>(v0 + j)) : 0ull;
+    keep_best_keys(best_keys, keys, lane);
+  } else if (c.mode == kGreedy) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const uint64_t k = x[j] > -kInf ? rank_key(x[j], static_cast<uint32_t>(v0 + j)) : 0ull;
@@ -248,23 +294,25 @@ __device__ __forceinline__ bool consume_row_tile(const RowConstants& c, RowTotal
   }
   if (lane == owner) {
     if (want_sum1 && new_max > -kInf) totals.sum1 = (old_max > -kInf ? totals.sum1 * expf(old_max - new_max) : 0.f) + added;
+    if (c.want_sum_t && new_max > -kInf)
+      totals.sum_t = (old_max > -kInf ? totals.sum_t * expf((old_max - new_max) / c.temperature) : 0.f) + added_t;
     totals.max = new_max;
   }
   return bad;
 }
 
 // This CTA's partial result of a row, from the lane that kept its totals (write_partial's for the ring kernel).
-__device__ __forceinline__ void write_stream_partial(const RowTotals& t, int mode, bool nan, const PartialsArgs& a,
+__device__ __forceinline__ void write_stream_partial(const RowTotals& t, bool nan, bool uncollected, const PartialsArgs& a,
                                                      int64_t slot) {
   Partial p;
   p.max = t.max;
   p.sum1 = t.sum1;
-  p.sum_t = 0.f;
+  p.sum_t = t.sum_t;
   p.best_score = t.best_score;
   p.best_x = t.best_x;
   p.best_id = t.best_key != 0 ? static_cast<int32_t>(key_index(t.best_key)) : -1;
   p.nan = nan;
-  p.no_candidates = mode == kCandidates;  // filtered rows: their candidates are not collected here
+  p.no_candidates = uncollected;
   a.partials[slot] = p;
 }
 
@@ -282,6 +330,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   const uint32_t tile_full = empty + 8 * L::kStages;  // two, then two "tile empty"
   const uint32_t tile_empty = tile_full + 16;
   RowConstants* constants = reinterpret_cast<RowConstants*>(smem_raw + (tile_empty + 16 - raw));  // [N]
+  uint64_t* best_keys = reinterpret_cast<uint64_t*>(constants + N);                              // [N][kStreamCand]
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int cta = blockIdx.x / a.batch_tiles;
@@ -361,6 +410,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   const int e = warp - kStreamMmaWarps;
   for (int n = threadIdx.x - kMmaThreads; n < N; n += kEpilogueThreads)
     if (b0 + n < a.num_rows) constants[n] = row_constants(a.rows, b0 + n);
+  for (int i = threadIdx.x - kMmaThreads; i < N * kStreamCand; i += kEpilogueThreads) best_keys[i] = 0;
   asm volatile("bar.sync 1, %0;\n" ::"n"(kEpilogueThreads) : "memory");
   const int tile_rows = static_cast<int>(min(static_cast<int64_t>(N), a.num_rows - b0));  // this batch tile's
   const int rows = (tile_rows - e + kStreamEpilogueWarps - 1) / kStreamEpilogueWarps;          // this warp's
@@ -375,11 +425,11 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     for (int r = 0; r < rows; ++r) {
       const int n = e + kStreamEpilogueWarps * r;
       const RowConstants c = constants[n];
-      if (c.mode == kCandidates) continue;  // flagged for the logits path (write_stream_partial)
+      if (c.mode == kCandidates && a.cands == nullptr) continue;  // no candidates collected: flagged below
       const float4 q = *reinterpret_cast<const float4*>(tile_x + n * kTileStride + 4 * lane);
       float x[4] = {q.x, q.y, q.z, q.w};
-      if (consume_row_tile(c, totals, r, x, static_cast<int64_t>(tile) * kTileRows + 4 * lane, a.head,
-                           a.want_sum1 != 0, lane))
+      if (consume_row_tile(c, totals, best_keys + n * kStreamCand, r, x, static_cast<int64_t>(tile) * kTileRows + 4 * lane,
+                           a.head, a.want_sum1 != 0, lane))
         nan_rows |= 1u << r;
     }
     mbarrier_arrive(tile_empty + 8 * buf);
@@ -387,7 +437,11 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   for (int r = 0; r < rows; ++r) {
     const int n = e + kStreamEpilogueWarps * r;
     const bool nan = __any_sync(0xffffffffu, (nan_rows >> r) & 1u);
-    if (lane == r) write_stream_partial(totals, constants[n].mode, nan, a, (b0 + n) * a.vocab_ctas + cta);
+    const int64_t slot = (b0 + n) * a.vocab_ctas + cta;
+    const bool filtered = constants[n].mode == kCandidates;
+    if (lane == r) write_stream_partial(totals, nan, filtered && a.cands == nullptr, a, slot);
+    if (filtered && a.cands != nullptr && lane < kStreamCand)
+      a.cands[slot * kStreamCand + lane] = best_keys[n * kStreamCand + lane];
   }
 }
 

@@ -99,11 +99,11 @@ def test_fused_matches_the_reference(cuda_backend, dim: int, mode: str) -> None:
 
 
 @pytest.mark.parametrize("num_rows", [1, 17, 64, 256, 512])
-@pytest.mark.parametrize("mode", ["top_k_top_p", "gumbel", "greedy"])
+@pytest.mark.parametrize("mode", ["top_k_top_p", "top_k_min_p", "gumbel", "greedy"])
 def test_kernel_shapes_and_batch_invariance(num_rows: int, mode: str) -> None:
-    """Each kernel itself at every B of the issue (the backend sends larger B to cuBLAS), each row
-    identical to the same row sampled alone: the candidate kernel for top-k/top-p rows, the streaming
-    kernel (batch tiles of 8, 16, 32 or 64 rows) for gumbel and greedy rows."""
+    """The streaming kernel itself at every B of the issue (batch tiles of 8, 16, 32 or 64 rows; the backend
+    sends B > 64 to cuBLAS), collecting candidates for top-k/top-p rows, each row identical to the same row
+    sampled alone."""
     fused = _fused()
     from tokensampler_server.backends.cuda_kernels import RowParams
 
@@ -111,11 +111,12 @@ def test_kernel_shapes_and_batch_invariance(num_rows: int, mode: str) -> None:
     head = _head(vocab, dim, padded=32064, seed=5)
     hidden = _hidden(num_rows, dim, seed=11)
     seeds = torch.arange(num_rows, dtype=torch.int64) * 7919 + 1234
-    filtered = mode == "top_k_top_p"
+    filtered = mode.startswith("top_k")
     params = RowParams(*(t.cuda() for t in (
         torch.full((num_rows,), MODES[mode]["temperature"]),
         torch.full((num_rows,), MODES[mode].get("top_k", 0), dtype=torch.int32),
-        torch.full((num_rows,), MODES[mode].get("top_p", 1.0)), torch.zeros(num_rows), seeds,
+        torch.full((num_rows,), MODES[mode].get("top_p", 1.0)), torch.full((num_rows,), MODES[mode].get("min_p", 0.0)),
+        seeds,
         torch.arange(num_rows, dtype=torch.int64) % 97, torch.full((num_rows,), 3, dtype=torch.int64))))
     tokens, logprobs, flags = fused.fused_sample(head.weight, hidden.cuda(), params, vocab=vocab, logprobs=True,
                                                  filtered=filtered)
@@ -149,6 +150,29 @@ def test_streaming_kernel_flags_filtered_rows() -> None:
         alone = RowParams(*(c[row:row + 1].cuda() for c in columns))
         t1, _, _ = fused.fused_sample(head.weight, hidden[row:row + 1].cuda(), alone, vocab=5003, filtered=False)
         assert int(t1) == int(tokens[row])
+
+
+def test_crowded_candidates_are_trusted_only_above_a_full_list(cuda_backend) -> None:
+    """A row whose 64 best tokens all sit in one vocabulary tile (one CTA's list of 16 keys): the kernel
+    samples it when the kept set lies inside the 16 keys it can trust (top-k 10) and flags it for the
+    logits path otherwise (top-k 50); the backend's tokens agree with the reference either way."""
+    fused = _fused()
+    from tokensampler_server.backends.cuda_kernels import RowParams
+
+    vocab, dim, rows = 32768, 256, 8
+    bias = torch.zeros(vocab)
+    bias[:64] = 12.0  # tile 0 of the streaming kernel's 256 tiles over 132 CTAs
+    finish = LogitsFinish(vocab_size=vocab, bias=bias.cuda())
+    head = _head(vocab, dim, seed=12, finish=finish)
+    hidden = _hidden(rows, dim, seed=12, scale=1.0)
+    assert fused.plan(rows, dim, vocab, torch.cuda.current_device(), True).vocab_ctas >= 64
+    for top_k, flagged in ((10, False), (50, True)):
+        params = RowParams.make(rows, torch.device("cuda"), top_k=top_k, seed=3)
+        _, _, flags = fused.fused_sample(head.weight, hidden.cuda(), params, bias=finish.bias)
+        assert ((flags.cpu() & 4) != 0).tolist() == [flagged] * rows
+        got = cuda_backend.sample(_hidden_batch(head, hidden, temperature=1.0, top_k=top_k))
+        want, _ = _reference(head, hidden, temperature=1.0, top_k=top_k)
+        assert (got.tokens == want.tokens).float().mean().item() >= (rows - 1) / rows
 
 
 def test_reproducible_and_seed_sensitive(cuda_backend) -> None:

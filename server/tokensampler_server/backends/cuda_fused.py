@@ -25,20 +25,15 @@ MAX_ROWS = 64
 cuBLAS into fp32 logits + the logits kernels is faster (benchmarks/results/fused-*.json, H200)."""
 
 
-def fused_is_faster(num_rows: int, filtered: bool) -> bool:
+def fused_is_faster(num_rows: int) -> bool:
     """Which path the backend takes, by measurement (benchmarks/FUSED_NOTES.md, H200): the streaming fused
-    kernel for greedy / temperature-only batches of one batch tile. With top-k/top-p/min-p rows the
-    candidate kernel's buffers and merge cost more than writing fp32 logits (370 vs 328 µs at B = 1)."""
-    return num_rows <= MAX_ROWS and not filtered
+    kernel for batches of one batch tile, with or without top-k/top-p/min-p rows (top-k 50 + top-p 0.9 with
+    log-probs: 313-341 µs at B = 1-64, cuBLAS into fp32 logits + the logits kernels 322-361)."""
+    return num_rows <= MAX_ROWS
 
 
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2}
 _FLAG_NAN, _FLAG_INVALID, _FLAG_LOGITS_PATH = 1, 2, 4
-
-
-STREAM_KERNEL = 1
-"""FusedPlan.kernel of the stage 1 that streams W by the tensor memory accelerator (unfiltered rows);
-0 is the register ring, which also keeps candidates for filtered rows."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +103,7 @@ def unsupported_reason(batch: SamplingBatch) -> str | None:
     weight = hidden.lm_head.weight
     if not weight.is_cuda or weight.dtype not in _DTYPES or hidden.states.dtype != weight.dtype:
         return "fused_dtype"
-    filtered = _has_filters(batch)
-    if not fused_is_faster(batch.num_rows, filtered):
+    if not fused_is_faster(batch.num_rows):
         return "fused_slower"
     if batch.processing is not None:
         return "fused_processing"
@@ -121,7 +115,8 @@ def unsupported_reason(batch: SamplingBatch) -> str | None:
     unfiltered = sampled & (batch.top_k == 0) & (batch.top_p >= 1) & (batch.min_p <= 0)
     if batch.num_samples > 1 and bool(unfiltered.any()):
         return "fused_num_samples"
-    if plan(batch.num_rows, weight.shape[1], hidden.lm_head.finish.vocab_size, weight.device.index, filtered) is None:
+    vocab = hidden.lm_head.finish.vocab_size
+    if plan(batch.num_rows, weight.shape[1], vocab, weight.device.index, _has_filters(batch)) is None:
         return "fused_hidden_size"
     return None
 
