@@ -376,19 +376,40 @@ __global__ void __launch_bounds__(kThreads, 1) fused_partials_kernel(const Parti
   if (has_row) write_partial(state, cand, a, my_row * a.vocab_ctas + cta, lane);
 }
 
-// A cut c such that exactly `want` of the nonzero keys[0, n) (shared memory, all keys unique) are >= c, by
-// 8-bit radix select: per pass a histogram of the next digit of the keys that match the digits so far,
-// and warp 0 finds the digit holding rank `want` (lane l owns digits 255 - 8l .. 248 - 8l). Stops once the
-// wanted keys are exactly those above the digits so far and all of that digit's (usually 3 of 8 passes).
-__device__ uint64_t select_key(const uint64_t* keys, int n, int want, unsigned int* hist, int* chosen) {
-  uint64_t prefix = 0, mask = 0;
+// A key at or below the kCand-th best of a row: the kCand-th best of the first `count` CTAs' best keys
+// (`heads`, shared memory; at least kCand keys are as good), or 1 when fewer of them have one. Every thread
+// gets it; `result` is shared memory.
+__device__ uint64_t rank_floor(const uint64_t* heads, int count, uint64_t* result) {
+  if (threadIdx.x == 0) *result = 1;
+  __syncthreads();
+  for (int c = threadIdx.x; c < count; c += kFinishThreads) {
+    const uint64_t h = heads[c];
+    int above = 0;
+    for (int j = 0; j < count; ++j) above += heads[j] > h;
+    if (h != 0 && above == kCand - 1) *result = h;  // keys are unique: one thread at most
+  }
+  __syncthreads();
+  return *result;
+}
+
+// A cut c such that exactly `want` of the keys[0, n) in [lower, highest] (all keys unique, lower >= 1,
+// `highest` the largest) are >= c, by 8-bit radix select from the first byte where lower and highest
+// differ: per pass a histogram of the next digit of the keys that match the digits so far, and warp 0
+// finds the digit holding rank `want` (lane l owns digits 255 - 8l .. 248 - 8l). Stops once the wanted
+// keys are exactly those above the digits so far and all of that digit's.
+__device__ uint64_t select_key(const uint64_t* keys, int n, int want, uint64_t lower, uint64_t highest,
+                               unsigned int* hist, int* chosen) {
+  const uint64_t differ = lower ^ highest;
+  int shift = differ == 0 ? 0 : (63 - __clzll(static_cast<long long>(differ))) / 8 * 8;
+  uint64_t mask = shift == 56 ? 0ull : ~0ull << (shift + 8);
+  uint64_t prefix = lower & mask;
   const int lane = threadIdx.x & 31;
-  for (int shift = 56; shift >= 0; shift -= 8) {
+  for (; shift >= 0; shift -= 8) {
     for (int i = threadIdx.x; i < 256; i += kFinishThreads) hist[i] = 0;
     __syncthreads();
     for (int i = threadIdx.x; i < n; i += kFinishThreads) {
       const uint64_t k = keys[i];
-      if (k != 0 && (k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
+      if (k >= lower && (k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
     }
     __syncthreads();
     if (threadIdx.x < 32) {
@@ -499,6 +520,8 @@ __global__ void __launch_bounds__(kFinishThreads) fused_finish_kernel(const Fini
   __shared__ int chosen[3];
   __shared__ uint64_t top[kCand];  // the best kCand keys, sorted, once the candidate branch ran
   __shared__ int top_count;
+  __shared__ uint64_t heads[kFinishThreads];  // the first CTAs' best keys (rank_floor)
+  __shared__ uint64_t lower_bound;
   extern __shared__ uint64_t staged[];  // [vocab_ctas * cands_per_part]
   __shared__ float best_x;
   wait_for_previous_grid();  // launched while stage 1 runs (launch_after_previous): its partials come first
@@ -542,33 +565,43 @@ __global__ void __launch_bounds__(kFinishThreads) fused_finish_kernel(const Fini
     }
     for (int s = threadIdx.x; s < ns; s += kFinishThreads) tokens[b * ns + s] = key_index(best);
   } else if (valid && !uncollected) {
-    // Every CTA's sorted best keys, staged in shared memory: the radix passes read them from there.
+    // Every CTA's sorted best keys. The ring's 64 a CTA are staged in shared memory for the radix passes;
+    // the streaming kernel's 16 are read from L2, so that stage 2 needs no dynamic shared memory and its
+    // CTAs wait beside stage 1's.
     const int per_part = a.cands_per_part;
     const uint64_t* global_keys = a.cands + b * num_parts * per_part;
+    const bool staging = per_part == kCand;
+    const uint64_t* keys = staging ? staged : global_keys;
     const int n = num_parts * per_part;
     int nonzero = 0;
-    uint64_t floor = 0;  // the highest last key of a full list (0: none full)
+    uint64_t floor = 0, highest = 0;  // floor: the highest last key of a full list (0: none full)
     for (int i = threadIdx.x; i < n; i += kFinishThreads) {
       const uint64_t k = global_keys[i];
-      staged[i] = k;
+      if (staging) staged[i] = k;
       nonzero += k != 0;
+      highest = max(highest, k);
       if (i % per_part == per_part - 1) floor = max(floor, k);
     }
+    const int num_heads = min(num_parts, kFinishThreads);
+    for (int c = threadIdx.x; c < num_heads; c += kFinishThreads) heads[c] = global_keys[c * per_part];
     nonzero = block_allreduce<kFinishThreads>(nonzero, SumOp{}, reinterpret_cast<int*>(f_scratch));
     floor = block_allreduce<kFinishThreads>(floor, MaxOp{}, u_scratch);
+    highest = block_allreduce<kFinishThreads>(highest, MaxOp{}, u_scratch);
     // A full list left out only keys below its last, so the keys at or above `floor` are exactly the row's
     // best `trusted` tokens; below it some may be missing.
     int trusted = nonzero;
     if (floor != 0) {
       trusted = 0;
-      for (int i = threadIdx.x; i < n; i += kFinishThreads) trusted += staged[i] >= floor;
+      for (int i = threadIdx.x; i < n; i += kFinishThreads) trusted += keys[i] >= floor;
       trusted = block_allreduce<kFinishThreads>(trusted, SumOp{}, reinterpret_cast<int*>(f_scratch));
     }
-    const uint64_t cut = trusted > kCand ? select_key(staged, n, kCand, hist, chosen) : max(floor, uint64_t{1});
+    uint64_t cut = max(floor, uint64_t{1});
+    if (trusted > kCand)  // the kCand best: only keys from the CTAs' kCand-th best head up can be among them
+      cut = select_key(keys, n, kCand, rank_floor(heads, num_heads, &lower_bound), highest, hist, chosen);
     if (threadIdx.x == 0) top_count = 0;
     __syncthreads();
     for (int i = threadIdx.x; i < n; i += kFinishThreads)
-      if (staged[i] != 0 && staged[i] >= cut) top[atomicAdd(&top_count, 1)] = staged[i];
+      if (keys[i] != 0 && keys[i] >= cut) top[atomicAdd(&top_count, 1)] = keys[i];
     __syncthreads();
     const int count = top_count;
     if (threadIdx.x < 32) {
