@@ -8,9 +8,10 @@
 // are added in shared memory, then one warp per batch row consumes the 128 logits: finish (bias,
 // scale, soft cap, padded rows), running max and sum-exp, and either the Gumbel-max winner / argmax or
 // a candidate buffer (the row's best keys so far above a rising threshold).
-// Batches without filtered rows take fused_stream_kernel (fused_stream.cuh) for stage 1 instead: W by
-// the tensor memory accelerator, the epilogue in warps of its own (the same per-token arithmetic, a row's
-// totals reduced across the warp per tile) and the same partials.
+// Where its shared memory fits (and, for filtered rows, the vocabulary spans 64 CTAs or more), stage 1 is
+// fused_stream_kernel (fused_stream.cuh) instead: W by the tensor memory accelerator, the epilogue in warps
+// of its own (the same per-token arithmetic, a row's totals reduced across the warp per tile, a filtered
+// row's best 16 keys a CTA) and the same partials.
 // Stage 2 (fused_finish_kernel): one CTA per batch row merges the CTAs' partial results, selects the
 // kCand best candidates exactly (radix select on unique rank keys; fewer when a CTA's list was full
 // above them), and finishes the semantics.

@@ -1,5 +1,5 @@
-// Stage 1 of the fused path for greedy and temperature-only rows, W streamed by the tensor memory
-// accelerator (launcher: fused.cu; stage 2 and the epilogue's arithmetic: fused.cuh).
+// Stage 1 of the fused path, W streamed by the tensor memory accelerator (launcher: fused.cu; stage 2 and
+// the epilogue's arithmetic: fused.cuh).
 //
 // One persistent CTA per SM and batch tile of N rows (8, 16, 32 or 64) walks the same vocabulary tiles of
 // 128 W rows as fused_partials_kernel. Three kinds of warps:

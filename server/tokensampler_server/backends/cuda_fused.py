@@ -66,8 +66,8 @@ def fused_sample(weight: torch.Tensor, states: torch.Tensor, params: RowParams, 
     """Samples hidden states [B, D] through W [V_padded, D] on the current stream, without a sync.
 
     weight and states: same dtype (bf16 or fp16), contiguous, on one GPU. `filtered=False` says that no
-    row has top-k/top-p/min-p: W is then streamed by the copy engine (rows with filters would come back
-    flagged for the logits path); the default runs the kernel that keeps candidates for them.
+    row has top-k/top-p/min-p, so no candidates are collected (rows with filters would come back flagged
+    for the logits path); the default collects them.
     Returns tokens int64 [B, num_samples], raw log-probs float32 [B, num_samples] (or None) and flags
     uint8 [B] (1 nan_detected, 2 not valid, 4 take the logits path).
     """
