@@ -397,7 +397,7 @@ __device__ uint64_t rank_floor(const uint64_t* heads, int count, uint64_t* resul
 // `highest` the largest) are >= c, by 8-bit radix select from the first byte where lower and highest
 // differ: per pass a histogram of the next digit of the keys that match the digits so far, and warp 0
 // finds the digit holding rank `want` (lane l owns digits 255 - 8l .. 248 - 8l). Stops once the wanted
-// keys are exactly those above the digits so far and all of that digit's.
+// keys are exactly those above the digits so far and all of that digit's from `lower` up.
 __device__ uint64_t select_key(const uint64_t* keys, int n, int want, uint64_t lower, uint64_t highest,
                                unsigned int* hist, int* chosen) {
   const uint64_t differ = lower ^ highest;
@@ -446,7 +446,7 @@ __device__ uint64_t select_key(const uint64_t* keys, int n, int want, uint64_t l
     __syncthreads();
     if (whole_bucket) break;
   }
-  return prefix;
+  return prefix > lower ? prefix : lower;  // keys below `lower` may share the prefix: they were not counted
 }
 
 // Steps 8-10 for a candidate row, by warp 0: top[0, count) sorted (x desc, id asc), the global

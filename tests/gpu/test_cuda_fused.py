@@ -175,6 +175,27 @@ def test_crowded_candidates_are_trusted_only_above_a_full_list(cuda_backend) -> 
         assert (got.tokens == want.tokens).float().mean().item() >= (rows - 1) / rows
 
 
+def test_one_leading_token_per_cta_keeps_exactly_the_best_64(cuda_backend) -> None:
+    """One large logit in each of the 132 CTAs' first tiles: the CTAs' 64th best head is then the row's 64th
+    best key, and the keys just below it share its leading digits; stage 2 must still take exactly the best
+    64 (rows agree with the reference; none flagged)."""
+    fused = _fused()
+    from tokensampler_server.backends.cuda_kernels import RowParams
+
+    vocab, dim, rows = 32768, 256, 8
+    bias = torch.zeros(vocab)
+    bias[torch.arange(132) * 128] = 10.0 + torch.arange(132) * 0.01
+    finish = LogitsFinish(vocab_size=vocab, bias=bias.cuda())
+    head = _head(vocab, dim, seed=13, finish=finish)
+    hidden = _hidden(rows, dim, seed=13, scale=0.2)
+    params = RowParams.make(rows, torch.device("cuda"), top_k=50, top_p=0.9, seed=3)
+    _, _, flags = fused.fused_sample(head.weight, hidden.cuda(), params, bias=finish.bias)
+    assert int(flags.max()) == 0
+    got = cuda_backend.sample(_hidden_batch(head, hidden, temperature=1.0, top_k=50, top_p=0.9))
+    want, _ = _reference(head, hidden, temperature=1.0, top_k=50, top_p=0.9)
+    assert (got.tokens == want.tokens).float().mean().item() >= (rows - 1) / rows
+
+
 def test_reproducible_and_seed_sensitive(cuda_backend) -> None:
     head = _head(32000, 4096, seed=3)
     hidden = _hidden(8, 4096, seed=3, scale=1.0)
