@@ -186,10 +186,8 @@ extern "C" int ts_fused_sample(const TsLmHead* head, const void* states, int64_t
   finish.cands = cands;
   finish.cands_per_part = per_part;
   finish.out = *out;
-  // Only the ring's candidates are staged (fused_finish_kernel): stage 2's CTAs then fit beside the streaming
-  // kernel's on an SM and are resident, waiting, when it ends.
   const size_t staged_bytes =
-      plan->kernel == TS_FUSED_RING ? static_cast<size_t>(plan->vocab_ctas) * kCand * sizeof(uint64_t) : 0;
+      stages_candidates(per_part) ? static_cast<size_t>(plan->vocab_ctas) * per_part * sizeof(uint64_t) : 0;
   err = cudaFuncSetAttribute(fused_finish_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(staged_bytes));
   if (err != cudaSuccess) return err;

@@ -43,6 +43,11 @@ constexpr int kFinishThreads = 256;
 
 enum RowMode : int { kGreedy = 0, kGumbel = 1, kCandidates = 2 };
 
+// Whether stage 2 stages a row's candidate lists in shared memory (its dynamic shared memory, which the
+// launcher sizes): only the ring's kCand a CTA, read in up to 8 radix passes. The streaming kernel's shorter
+// lists are read from L2, so stage 2's CTAs fit beside it and wait there.
+__host__ __device__ constexpr bool stages_candidates(int cands_per_part) { return cands_per_part == kCand; }
+
 // Per (row, CTA) partial result of stage 1.
 struct Partial {
   float max;       // max x over the CTA's tokens (-inf: none finite)
@@ -566,12 +571,10 @@ __global__ void __launch_bounds__(kFinishThreads) fused_finish_kernel(const Fini
     }
     for (int s = threadIdx.x; s < ns; s += kFinishThreads) tokens[b * ns + s] = key_index(best);
   } else if (valid && !uncollected) {
-    // Every CTA's sorted best keys. The ring's 64 a CTA are staged in shared memory for the radix passes;
-    // the streaming kernel's 16 are read from L2, so that stage 2 needs no dynamic shared memory and its
-    // CTAs wait beside stage 1's.
+    // Every CTA's sorted best keys, staged in shared memory or read from L2 (stages_candidates).
     const int per_part = a.cands_per_part;
     const uint64_t* global_keys = a.cands + b * num_parts * per_part;
-    const bool staging = per_part == kCand;
+    const bool staging = stages_candidates(per_part);
     const uint64_t* keys = staging ? staged : global_keys;
     const int n = num_parts * per_part;
     int nonzero = 0;
