@@ -46,7 +46,7 @@ constexpr int kStreamThreads = 32 * (kStreamMmaWarps + kStreamEpilogueWarps + 1)
 // kCand: a CTA sees 1/132 of the vocabulary, so the row's best 64 rarely put more than a few in one CTA,
 // and stage 2 trusts only the keys no full list can have cut off (rows whose kept set reaches below them
 // take the logits path); 16 keep the per-tile update and stage 2's selection short (H200: top-k + top-p
-// rows in 315-337 µs at B = 1-64, against 324-360 through cuBLAS fp32 logits + the logits kernels).
+// rows in 313-333 µs at B = 1-64, against 312-347 through cuBLAS fp32 logits + the logits kernels).
 constexpr int kStreamCand = 16;
 
 // What the epilogue needs of a batch row besides its logits (shared memory, one copy a row).
