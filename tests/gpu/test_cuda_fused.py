@@ -17,6 +17,7 @@ from tokensampler_server.backends.cpu import CpuBackend, kept_token_mask
 from tokensampler_server.sampling import HiddenInput
 from tokensampler_server.weights import LogitsFinish, RegisteredWeight
 
+from ..batches import make_batch as make_batch_of_columns
 from .conftest import make_batch
 
 pytestmark = pytest.mark.gpu
@@ -98,6 +99,43 @@ def test_fused_matches_the_reference(cuda_backend, dim: int, mode: str) -> None:
     assert agree / total >= 0.999 or total - agree <= 1, f"{mode}: {agree}/{total} identical tokens"
 
 
+def _columns(modes: list[str]) -> dict[str, torch.Tensor]:
+    """Per-row parameters (CPU) of rows of the given MODES, with conftest.make_batch's seeds, positions and
+    iteration."""
+    num_rows = len(modes)
+
+    def column(name: str, default: float, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor([MODES[mode].get(name, default) for mode in modes], dtype=dtype)
+
+    return dict(temperature=column("temperature", 1.0, torch.float32), top_k=column("top_k", 0, torch.int32),
+                top_p=column("top_p", 1.0, torch.float32), min_p=column("min_p", 0.0, torch.float32),
+                seed=torch.arange(num_rows, dtype=torch.int64) * 7919 + 1234,
+                position=torch.arange(num_rows, dtype=torch.int64) % 97,
+                iteration=torch.full((num_rows,), 3, dtype=torch.int64))
+
+
+def _sample_streaming(fused, head: RegisteredWeight, hidden: torch.Tensor, columns: dict[str, torch.Tensor],
+                      filtered: bool, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The streaming kernel on the batch; each of `rows` sampled alone must give the same token and log-prob."""
+    from tokensampler_server.backends.cuda_kernels import RowParams
+
+    vocab = head.finish.vocab_size
+    params = RowParams(**{name: column.cuda() for name, column in columns.items()})
+    tokens, logprobs, flags = fused.fused_sample(head.weight, hidden.cuda(), params, vocab=vocab, logprobs=True,
+                                                 filtered=filtered)
+    for row in rows:
+        alone = RowParams(**{name: column[row:row + 1].cuda() for name, column in columns.items()})
+        t1, l1, _ = fused.fused_sample(head.weight, hidden[row:row + 1].cuda(), alone, vocab=vocab, logprobs=True,
+                                       filtered=filtered)
+        assert int(t1) == int(tokens[row]) and torch.equal(l1[0], logprobs[row]), f"row {row} differs alone"
+    return tokens.cpu(), logprobs.cpu(), flags.cpu()
+
+
+def _assert_agreement(tokens: torch.Tensor, want: torch.Tensor) -> None:
+    agreement = (tokens == want).float().mean().item()
+    assert agreement >= 0.999 or (tokens != want).sum() <= 1, f"{agreement:.4f} of tokens agree with the reference"
+
+
 @pytest.mark.parametrize("num_rows", [1, 17, 64, 256, 512])
 @pytest.mark.parametrize("mode", ["top_k_top_p", "top_k_min_p", "gumbel", "greedy"])
 def test_kernel_shapes_and_batch_invariance(num_rows: int, mode: str) -> None:
@@ -105,30 +143,32 @@ def test_kernel_shapes_and_batch_invariance(num_rows: int, mode: str) -> None:
     sends B > 64 to cuBLAS), collecting candidates for top-k/top-p rows, each row identical to the same row
     sampled alone."""
     fused = _fused()
-    from tokensampler_server.backends.cuda_kernels import RowParams
-
     vocab, dim = 32000 + 7, 896
     head = _head(vocab, dim, padded=32064, seed=5)
     hidden = _hidden(num_rows, dim, seed=11)
-    seeds = torch.arange(num_rows, dtype=torch.int64) * 7919 + 1234
-    filtered = mode.startswith("top_k")
-    params = RowParams(*(t.cuda() for t in (
-        torch.full((num_rows,), MODES[mode]["temperature"]),
-        torch.full((num_rows,), MODES[mode].get("top_k", 0), dtype=torch.int32),
-        torch.full((num_rows,), MODES[mode].get("top_p", 1.0)), torch.full((num_rows,), MODES[mode].get("min_p", 0.0)),
-        seeds,
-        torch.arange(num_rows, dtype=torch.int64) % 97, torch.full((num_rows,), 3, dtype=torch.int64))))
-    tokens, logprobs, flags = fused.fused_sample(head.weight, hidden.cuda(), params, vocab=vocab, logprobs=True,
-                                                 filtered=filtered)
+    tokens, _, flags = _sample_streaming(fused, head, hidden, _columns([mode] * num_rows), mode.startswith("top_k"),
+                                         rows=[0, num_rows // 2, num_rows - 1])
     want, _ = _reference(head, hidden, **MODES[mode], return_logprobs=True)  # make_batch: the same seeds, positions
-    agreement = (tokens.cpu() == want.tokens).float().mean().item()
-    assert agreement >= 0.999 or num_rows < 1000 and (tokens.cpu() != want.tokens).sum() <= 1
+    _assert_agreement(tokens, want.tokens)
     assert int(flags.max()) == 0 and bool((tokens < vocab).all())
-    for row in (0, num_rows // 2, num_rows - 1):
-        alone = RowParams(*(getattr(params, f.name)[row:row + 1].clone() for f in dataclasses.fields(RowParams)))
-        t1, l1, _ = fused.fused_sample(head.weight, hidden[row:row + 1].cuda(), alone, vocab=vocab, logprobs=True,
-                                       filtered=filtered)
-        assert int(t1) == int(tokens[row]) and torch.equal(l1[0], logprobs[row])
+
+
+@pytest.mark.parametrize("num_rows", [7, 17, 64])
+def test_mixed_modes_in_one_batch_match_each_row_alone(num_rows: int) -> None:
+    """Greedy, Gumbel and filtered rows in one batch. The streaming kernel hands greedy and Gumbel rows to
+    slice lanes and filtered rows to whole warps, placed by the batch's mix of modes; every row must still
+    come out bit for bit as it does alone, and agree with the reference."""
+    fused = _fused()
+    vocab, dim = 32000 + 7, 896
+    head = _head(vocab, dim, padded=32064, seed=5)
+    hidden = _hidden(num_rows, dim, seed=13)
+    pattern = ("greedy", "top_k_top_p", "gumbel", "gumbel", "top_k_min_p", "greedy", "gumbel")
+    columns = _columns([pattern[(row * 3) % len(pattern)] for row in range(num_rows)])
+    tokens, _, flags = _sample_streaming(fused, head, hidden, columns, True, rows=list(range(num_rows)))
+    cpu_head = dataclasses.replace(head, weight=head.weight.cpu())
+    want = CpuBackend().sample(make_batch_of_columns(cpu_head.logits(hidden), **columns, return_logprobs=True))
+    _assert_agreement(tokens, want.tokens)
+    assert int(flags.max()) == 0
 
 
 def test_streaming_kernel_flags_filtered_rows() -> None:
