@@ -155,9 +155,9 @@ def test_kernel_shapes_and_batch_invariance(num_rows: int, mode: str) -> None:
 
 @pytest.mark.parametrize("num_rows", [7, 17, 64])
 def test_mixed_modes_in_one_batch_match_each_row_alone(num_rows: int) -> None:
-    """Greedy, Gumbel and filtered rows in one batch. The streaming kernel hands greedy and Gumbel rows to
-    slice lanes and filtered rows to whole warps, placed by the batch's mix of modes; every row must still
-    come out bit for bit as it does alone, and agree with the reference."""
+    """Greedy, Gumbel and filtered rows in one batch: each row takes its own path through the streaming kernel's
+    epilogue (a filtered row's best keys, a Gumbel row's screened noise, a greedy row's argmax) wherever the mix
+    places it, and must come out bit for bit as it does alone, and agree with the reference."""
     fused = _fused()
     vocab, dim = 32000 + 7, 896
     head = _head(vocab, dim, padded=32064, seed=5)
