@@ -175,6 +175,16 @@ __device__ __forceinline__ bool finish_group(float (&x)[4], int64_t v0, const Ts
   return bad;
 }
 
+// The Gumbel screen of one finite token, shared by both stage 1 kernels: false when x / T plus an
+// integer-only upper bound of its noise (rounded as the score is) stays below `bound`, so its score
+// cannot reach it and the two exact logs are skipped; otherwise true, with its exact score x / T + g.
+__device__ __forceinline__ bool screened_score(float x, float temperature, uint32_t word, float bound, float& score) {
+  const float xt = x / temperature;
+  if (xt + gumbel_upper_bound(word) < bound) return false;
+  score = xt + gumbel_exact(word);
+  return true;
+}
+
 // Consumes tokens v0 .. v0+3 (one Philox group) of this lane: x already read from the tile.
 __device__ __forceinline__ void consume(RowState& s, CandidateBuffer& cand, float (&x)[4], int64_t v0,
                                         const TsLmHead& head, bool want_sum1, int lane) {
@@ -213,10 +223,8 @@ __device__ __forceinline__ void consume(RowState& s, CandidateBuffer& cand, floa
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         if (x[j] > -kInf) {
-          const float xt = x[j] / s.temperature;
-          const uint32_t word = word_of(words, j);
-          if (xt + gumbel_upper_bound(word) < bound) continue;
-          const float score = xt + gumbel_exact(word);
+          float score;
+          if (!screened_score(x[j], s.temperature, word_of(words, j), bound, score)) continue;
           if (score > s.best_score) {
             s.best_score = score;
             s.best_x = x[j];

@@ -277,10 +277,8 @@ __device__ __forceinline__ bool consume_row_tile(const RowConstants& c, RowTotal
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         if (!(x[j] > -kInf)) continue;
-        const float xt = x[j] / c.temperature;
-        const uint32_t word = word_of(words, j);
-        if (xt + gumbel_upper_bound(word) < bound) continue;  // its score cannot reach the row's best
-        const float score = xt + gumbel_exact(word);
+        float score;
+        if (!screened_score(x[j], c.temperature, word_of(words, j), bound, score)) continue;
         const uint64_t k = rank_key(score, static_cast<uint32_t>(v0 + j));
         if (k > key) key = k, key_x = x[j], key_score = score;
       }
