@@ -55,8 +55,9 @@ size_t stream_smem_bytes(int rows_per_tile) {
 }
 
 // A 2-D tensor map over rows x dim elements of 2 bytes (row stride dim), boxes of kStageK x box_rows,
-// 128-byte swizzled; rows past the end read as zeros. The driver's encoder is reached through the
-// runtime, so nothing links against libcuda.
+// 128-byte swizzled; rows past the end read as zeros. No L2 promotion: with 256-byte promotion the stream
+// kernel ran 8-9 µs slower at every batch (H200; benchmarks/FUSED_NOTES.md, nineteenth session). The
+// driver's encoder is reached through the runtime, so nothing links against libcuda.
 cudaError_t encode_rows(CUtensorMap* map, const void* base, int32_t dtype, int64_t rows, int64_t dim, int box_rows) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (encode == nullptr) {
@@ -73,7 +74,7 @@ cudaError_t encode_rows(CUtensorMap* map, const void* base, int32_t dtype, int64
   const cuuint32_t unit[2] = {1, 1};
   const CUresult res = encode(map, dtype == 2 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
                               const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
