@@ -38,13 +38,26 @@ __device__ __forceinline__ RowView<T> row_view(const TsLogits& logits, const TsR
   return {row, r, reinterpret_cast<uintptr_t>(row) % (4 * sizeof(T)) == 0};
 }
 
+// A launch whose rows hold more bytes than this cannot keep them in L2 (50 MB on H100 / H200) until a later
+// read, so the one-read kernels mark their chunk loads evict-first there: greedy, Gumbel and min-p ran
+// 5-8 % faster at 155 MB (benchmarks/NOTES.md, nineteenth session). Smaller launches keep normal loads:
+// the second kernel of a two-pass route finds their rows in L2 (evict-first loads cost it up to 2x at
+// B = 1-32). The top-k, frontier and workload kernels other than the row pass gained nothing and keep
+// normal loads (the flag cost them registers).
+constexpr int64_t kEvictFirstBytes = int64_t{64} << 20;
+
+template <typename T>
+__device__ __forceinline__ bool rows_exceed_l2(int64_t rows, int64_t vocab) {
+  return rows * vocab * static_cast<int64_t>(sizeof(T)) > kEvictFirstBytes;
+}
+
 // This block's chunk, sanitized: v[j][e] is token 4 * (g0 + threadIdx.x + j * kThreads) + e.
 template <typename T>
 __device__ __forceinline__ bool load_chunk(const RowView<T>& rv, int64_t vocab, int64_t g0,
-                                           float (&v)[kGroupsPerThread][4]) {
+                                           float (&v)[kGroupsPerThread][4], bool evict_first = false) {
 #pragma unroll
   for (int j = 0; j < kGroupsPerThread; ++j)
-    load_group(rv.row, g0 + threadIdx.x + j * kThreads, vocab, rv.aligned, v[j]);
+    load_group(rv.row, g0 + threadIdx.x + j * kThreads, vocab, rv.aligned, v[j], evict_first);
   bool nan = false;
 #pragma unroll
   for (int j = 0; j < kGroupsPerThread; ++j)
@@ -137,7 +150,7 @@ __global__ void __launch_bounds__(kThreads)
 
   float v[kGroupsPerThread][4];
   Stats s{-kInf, kInf, 0.f, INT_MAX, 0u};
-  s.nan = load_chunk(rv, logits.vocab, g0, v);
+  s.nan = load_chunk(rv, logits.vocab, g0, v, rows_exceed_l2<T>(rows.num_work_rows, logits.vocab));
   chunk_stats(v, g0, s);
   if (lse && s.max > -kInf) {
 #pragma unroll
@@ -464,6 +477,7 @@ __global__ void __launch_bounds__(kThreads, LSE || kMinP ? 4 : 5)
   const float inv_t = 1.f / temperature;
   const float c = LSE ? lse_scale[rv.r] : 0.f;
   const NoiseStream noise = row_noise(rows, rv.r, static_cast<uint32_t>(out.sample));
+  const bool evict_first = rows_exceed_l2<T>(rows.num_work_rows, logits.vocab);
 
   Proxy px{-kInf, -kInf, INT_MAX};
   float mx = -kInf, sum = 0.f;
@@ -471,7 +485,7 @@ __global__ void __launch_bounds__(kThreads, LSE || kMinP ? 4 : 5)
   __shared__ MinPMask min_p;  // kMinP: the row's mask
   if constexpr (kMinP) {
     float v[kGroupsPerThread][4];
-    nan = load_chunk(rv, logits.vocab, g0, v);
+    nan = load_chunk(rv, logits.vocab, g0, v, evict_first);
     wait_for_previous_grid();  // stats_kernel's row max, and the workspace it used, from here on
     // in shared memory: its few uses reload it rather than hold five registers through the screen
     if (threadIdx.x == 0) min_p = min_p_mask(stats_row_max[rv.r], temperature, rows.min_p[rv.r]);
@@ -479,11 +493,11 @@ __global__ void __launch_bounds__(kThreads, LSE || kMinP ? 4 : 5)
     gumbel_screened(v, rv, logits.vocab, g0, inv_t, noise, px, mx, RowBound{}, min_p);
   } else if constexpr (!LSE) {
     float v[kGroupsPerThread][4];
-    nan = load_chunk(rv, logits.vocab, g0, v);
+    nan = load_chunk(rv, logits.vocab, g0, v, evict_first);
     gumbel_screened(v, rv, logits.vocab, g0, inv_t, noise, px, mx);
   } else {
     float v[kGroupsPerThread][4];
-    nan = load_chunk(rv, logits.vocab, g0, v);
+    nan = load_chunk(rv, logits.vocab, g0, v, evict_first);
 #pragma unroll
     for (int j = 0; j < kGroupsPerThread; ++j) {
       const uint32_t g = static_cast<uint32_t>(g0) + threadIdx.x + j * kThreads;

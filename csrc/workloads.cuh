@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
   RowPartial s{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, INT_MAX};
   {
     float v[kGroupsPerThread][4];
-    load_chunk(rv, vocab, g0, v);
+    load_chunk(rv, vocab, g0, v, rows_exceed_l2<T>(job.num_rows, vocab));
 #pragma unroll
     for (int j = 0; j < kGroupsPerThread; ++j)
 #pragma unroll
