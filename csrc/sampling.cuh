@@ -40,10 +40,10 @@ __device__ __forceinline__ RowView<T> row_view(const TsLogits& logits, const TsR
 
 // A launch whose rows hold more bytes than this cannot keep them in L2 (50 MB on H100 / H200) until a later
 // read, so the one-read kernels mark their chunk loads evict-first there: greedy, Gumbel and min-p ran
-// 5-8 % faster at 155 MB (benchmarks/NOTES.md, nineteenth session). Smaller launches keep normal loads:
-// the second kernel of a two-pass route finds their rows in L2 (evict-first loads cost it up to 2x at
-// B = 1-32). The top-k, frontier and workload kernels other than the row pass gained nothing and keep
-// normal loads (the flag cost them registers).
+// 5-8 % faster at 155 MB (benchmarks/NOTES.md, nineteenth session). Smaller launches keep normal loads, so
+// that the second kernel of a two-pass route can find their rows in L2 (not settled: the one A/B at
+// B = 1-32 was confounded by two-valued timings). The top-k, frontier and workload kernels other than the
+// row pass gained nothing and keep normal loads (the flag cost them registers).
 constexpr int64_t kEvictFirstBytes = int64_t{64} << 20;
 
 template <typename T>
