@@ -150,42 +150,53 @@ __global__ void __launch_bounds__(256) read_kernel(const float* x, long n4, floa
   if (s == 12345.f) out[0] = s;
 }
 
-struct Bufs { torch::Tensor partial, counters, omax, oarg, osum; };
-static Bufs bufs(const torch::Tensor& x, int splits) {
-  auto o = x.options();
-  int R = x.size(0);
-  return {torch::empty({(long)R * splits * 3}, o), torch::zeros({R}, o.dtype(torch::kInt32)), torch::empty({R}, o),
-          torch::empty({R}, o.dtype(torch::kInt32)), torch::empty({R}, o)};
+struct Bufs {
+  torch::Tensor partial, counters, omax, oarg, osum;
+  Part* parts() { return (Part*)partial.data_ptr<float>(); }
+  unsigned* counts() { return (unsigned*)counters.data_ptr<int>(); }
+};
+// Scratch and outputs per (rows, splits), reused by every variant: the row counters reset themselves.
+static Bufs& bufs_for(const torch::Tensor& x, int splits) {
+  static std::map<std::pair<long, int>, Bufs> cache;
+  const auto key = std::make_pair((long)x.size(0), splits);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    auto o = x.options();
+    const long R = x.size(0);
+    it = cache.emplace(key, Bufs{torch::empty({R * splits * 3}, o), torch::zeros({R}, o.dtype(torch::kInt32)),
+                                 torch::empty({R}, o), torch::empty({R}, o.dtype(torch::kInt32)),
+                                 torch::empty({R}, o)}).first;
+  }
+  return it->second;
 }
-#define ARGS(B) x.data_ptr<float>(), V, (Part*)B.partial.data_ptr<float>(), (unsigned*)B.counters.data_ptr<int>(), \
-  B.omax.data_ptr<float>(), B.oarg.data_ptr<int>(), B.osum.data_ptr<float>()
+template <int THREADS, int GPT>
+int splits_of(long V) { return (int)((V + 4L * THREADS * GPT - 1) / (4L * THREADS * GPT)); }
 
 template <int THREADS, int GPT, int HINT, bool COUNTER, int MINB>
 std::vector<torch::Tensor> run_chunk(torch::Tensor x) {
   const long V = x.size(1); const int R = x.size(0);
-  const int splits = (int)((V + 4L * THREADS * GPT - 1) / (4L * THREADS * GPT));
+  const int splits = splits_of<THREADS, GPT>(V);
   auto stream = at::cuda::getCurrentCUDAStream();
-  static thread_local std::map<std::pair<int,int>, Bufs> cache;
-  auto key = std::make_pair(R, splits * 1000 + THREADS + GPT * 7 + HINT * 13 + COUNTER);
-  if (!cache.count(key)) cache[key] = bufs(x, splits);
-  Bufs& B = cache[key];
-  chunk_kernel<THREADS, GPT, HINT, COUNTER, MINB><<<dim3(splits, R), THREADS, 0, stream>>>(ARGS(B));
-  if (!COUNTER) merge_kernel<<<(R + 127) / 128, 128, 0, stream>>>((Part*)B.partial.data_ptr<float>(), R, splits, B.omax.data_ptr<float>(), B.oarg.data_ptr<int>(), B.osum.data_ptr<float>());
+  Bufs& B = bufs_for(x, splits);
+  chunk_kernel<THREADS, GPT, HINT, COUNTER, MINB><<<dim3(splits, R), THREADS, 0, stream>>>(
+      x.data_ptr<float>(), V, B.parts(), B.counts(), B.omax.data_ptr<float>(), B.oarg.data_ptr<int>(),
+      B.osum.data_ptr<float>());
+  if (!COUNTER)
+    merge_kernel<<<(R + 127) / 128, 128, 0, stream>>>(B.parts(), R, splits, B.omax.data_ptr<float>(),
+                                                      B.oarg.data_ptr<int>(), B.osum.data_ptr<float>());
   return {B.omax, B.oarg, B.osum};
 }
 template <int THREADS, int GPT, int HINT, int MINB>
 std::vector<torch::Tensor> run_persist(torch::Tensor x, int blocks_per_sm) {
   const long V = x.size(1); const int R = x.size(0);
-  const int splits = (int)((V + 4L * THREADS * GPT - 1) / (4L * THREADS * GPT));
-  auto stream = at::cuda::getCurrentCUDAStream();
-  static thread_local std::map<int, Bufs> cache;
-  if (!cache.count(R * 100 + blocks_per_sm)) cache[R * 100 + blocks_per_sm] = bufs(x, splits);
-  Bufs& B = cache[R * 100 + blocks_per_sm];
+  const int splits = splits_of<THREADS, GPT>(V);
+  Bufs& B = bufs_for(x, splits);
   int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device());
   int occ; cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, persist_kernel<THREADS, GPT, HINT, MINB>, THREADS, 0);
   int grid = sms * (blocks_per_sm > 0 ? std::min(blocks_per_sm, occ) : occ);
-  persist_kernel<THREADS, GPT, HINT, MINB><<<grid, THREADS, 0, stream>>>(x.data_ptr<float>(), V, R, splits, (Part*)B.partial.data_ptr<float>(),
-      (unsigned*)B.counters.data_ptr<int>(), B.omax.data_ptr<float>(), B.oarg.data_ptr<int>(), B.osum.data_ptr<float>());
+  persist_kernel<THREADS, GPT, HINT, MINB><<<grid, THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
+      x.data_ptr<float>(), V, R, splits, B.parts(), B.counts(), B.omax.data_ptr<float>(), B.oarg.data_ptr<int>(),
+      B.osum.data_ptr<float>());
   return {B.omax, B.oarg, B.osum};
 }
 template <int HINT>
