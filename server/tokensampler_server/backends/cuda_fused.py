@@ -16,7 +16,7 @@ import torch
 
 from ..sampling import LogprobsMode, SamplingBatch, SamplingResult
 from .cuda_build import load_kernels
-from .cuda_kernels import RowParams
+from .cuda_kernels import RowParams, stream_address
 
 MAX_TOP_K = 63
 """The largest top-k the fused kernel takes: k + 1 <= its 64 candidates per row (the cut is then inside)."""
@@ -94,7 +94,7 @@ def fused_sample(weight: torch.Tensor, states: torch.Tensor, params: RowParams, 
         weight.data_ptr(), vocab, dim, _DTYPES[weight.dtype], bias_ptr, float(logit_scale), float(soft_cap or 0.0),
         states.data_ptr(), num_rows, params.pointers(), the_plan.as_tuple(), tokens.data_ptr(), num_samples,
         0 if out_logprobs is None else out_logprobs.data_ptr(), flags.data_ptr(), scratch.data_ptr(),
-        torch.cuda.current_stream(device).cuda_stream)
+        stream_address(device))
     return tokens, out_logprobs, flags
 
 

@@ -28,6 +28,7 @@ from ..ops.topk_probs import topk_probs
 from ..ops.verify import DraftVerification, verify_draft
 from .base import Backend
 from .cuda_build import load_kernels
+from .cuda_kernels import stream_address
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _FLAG_RECOMPUTE = 4
@@ -61,7 +62,7 @@ class WorkloadKernels:
                 self.fallback_count.data_ptr()]
 
     def _stream(self) -> int:
-        return torch.cuda.current_stream(self.device).cuda_stream
+        return stream_address(self.device)
 
     def _on_device(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         return t.to(device=self.device, dtype=dtype or t.dtype, non_blocking=True).contiguous()
