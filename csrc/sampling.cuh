@@ -51,19 +51,32 @@ __device__ __forceinline__ bool rows_exceed_l2(int64_t rows, int64_t vocab) {
   return rows * vocab * static_cast<int64_t>(sizeof(T)) > kEvictFirstBytes;
 }
 
-// This block's chunk, sanitized: v[j][e] is token 4 * (g0 + threadIdx.x + j * kThreads) + e.
+// This block's chunk as stored (NaN and +inf not yet sanitized): v[j][e] is token
+// 4 * (g0 + threadIdx.x + j * kThreads) + e.
 template <typename T>
-__device__ __forceinline__ bool load_chunk(const RowView<T>& rv, int64_t vocab, int64_t g0,
-                                           float (&v)[kGroupsPerThread][4], bool evict_first = false) {
+__device__ __forceinline__ void load_chunk_raw(const RowView<T>& rv, int64_t vocab, int64_t g0,
+                                               float (&v)[kGroupsPerThread][4], bool evict_first = false) {
 #pragma unroll
   for (int j = 0; j < kGroupsPerThread; ++j)
     load_group(rv.row, g0 + threadIdx.x + j * kThreads, vocab, rv.aligned, v[j], evict_first);
+}
+
+// Returns whether any value was NaN or +inf.
+__device__ __forceinline__ bool sanitize_chunk(float (&v)[kGroupsPerThread][4]) {
   bool nan = false;
 #pragma unroll
   for (int j = 0; j < kGroupsPerThread; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) nan |= sanitize(v[j][e]);
   return nan;
+}
+
+// This block's chunk, sanitized.
+template <typename T>
+__device__ __forceinline__ bool load_chunk(const RowView<T>& rv, int64_t vocab, int64_t g0,
+                                           float (&v)[kGroupsPerThread][4], bool evict_first = false) {
+  load_chunk_raw(rv, vocab, g0, v, evict_first);
+  return sanitize_chunk(v);
 }
 
 __device__ __forceinline__ int64_t token_of(int64_t g0, int j, int e) {
@@ -294,6 +307,30 @@ __device__ __forceinline__ void proxy_update(Proxy& px, float p, uint32_t id) {
   px.p1 = better ? p : px.p1;
 }
 
+__device__ __forceinline__ float max_of_group(const float (&x)[4]) {
+  return fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+}
+
+// The screen's cut from a bound L, a real token's proxy of the row (|L| < 2^20): a token whose proxy
+// is below thr can neither win nor be the runner-up that the gap test needs; a: screen_word's argument.
+struct ScreenCut {
+  float thr, a;
+};
+__device__ __forceinline__ ScreenCut screen_cut(float L) {
+  const float thr = L - (0x1p-18f * (fabsf(L) + 64.f) + 1e-4f);
+  return {thr, fmaf(-0x1p-19f, fabsf(thr), thr - 2e-4f)};
+}
+
+// Scores the tokens of group g whose Philox words reach th (0: all of them).
+__device__ __forceinline__ void score_passing_words(Proxy& px, const float (&x)[4], const uint4& words, uint32_t g,
+                                                    float inv_t, uint32_t th) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const uint32_t word = word_of(words, e);
+    if (word >= th) proxy_update(px, fmaf(x[e], inv_t, gumbel_fast(word)), 4 * g + e);
+  }
+}
+
 // A thread's pilot: its group with the largest logit (the first on ties). gx: each group's largest
 // logit; x: the pilot's four logits, picked by selects (no run-time register indexing); pilot_max:
 // the thread's largest logit.
@@ -303,7 +340,7 @@ __device__ __forceinline__ int pick_pilot(const float (&v)[kGroupsPerThread][4],
   pilot_max = -kInf;
 #pragma unroll
   for (int j = 0; j < kGroupsPerThread; ++j) {
-    gx[j] = fmaxf(fmaxf(v[j][0], v[j][1]), fmaxf(v[j][2], v[j][3]));
+    gx[j] = max_of_group(v[j]);
     if (gx[j] > pilot_max) pilot_max = gx[j], pilot = j;
   }
 #pragma unroll
@@ -315,15 +352,14 @@ __device__ __forceinline__ int pick_pilot(const float (&v)[kGroupsPerThread][4],
   return pilot;
 }
 
-// The screen's word pass over a thread's seven non-pilot groups (slot i is group i + (i >= pilot)):
-// bit j of the result is set when some Philox word of group j reaches th of its slot. need: the
-// slots whose th < kNoWordPasses. When most slots of the warp need words (flat rows) the seven
-// Philox chains run unconditionally and interleaved; otherwise only the slots some lane needs,
+// The screen's word pass over a thread's non-pilot groups (slot i is group i + (i >= pilot)): bit j
+// of the result is set when some Philox word of group j reaches th of its slot. need: the slots
+// whose th < kNoWordPasses. When most slots of the warp need words (flat rows) their Philox chains
+// run unconditionally and interleaved; otherwise only the slots some lane needs,
 // warp by warp (spiky rows: few).
-__device__ __forceinline__ uint32_t groups_with_passing_words(const uint32_t (&th)[kGroupsPerThread - 1],
-                                                              uint32_t need, int pilot, uint32_t gbase,
-                                                              const NoiseStream& noise) {
-  constexpr int kSlots = kGroupsPerThread - 1;
+template <int kSlots>
+__device__ __forceinline__ uint32_t groups_with_passing_words(const uint32_t (&th)[kSlots], uint32_t need, int pilot,
+                                                              uint32_t gbase, const NoiseStream& noise) {
   const uint32_t warp_need = __reduce_or_sync(0xffffffffu, need);
   uint32_t gmask = 0;
   if (__popc(warp_need) > kSlots / 2) {
@@ -345,6 +381,23 @@ __device__ __forceinline__ uint32_t groups_with_passing_words(const uint32_t (&t
   return gmask;
 }
 
+// Hands each group j of gmask (bit j: group gbase + j * kThreads) to redo(x, words, g), its four
+// logits re-read from L1/L2 and sanitized (a run-time j cannot index the chunk's registers).
+template <typename T, typename Redo>
+__device__ __forceinline__ void redo_groups(uint32_t gmask, uint32_t gbase, const RowView<T>& rv, int64_t vocab,
+                                            const NoiseStream& noise, Redo redo) {
+  while (gmask) {
+    const int j = __ffs(gmask) - 1;
+    gmask &= gmask - 1;
+    const uint32_t g = gbase + j * kThreads;
+    float x[4];
+    load_group(rv.row, g, vocab, rv.aligned, x);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sanitize(x[e]);
+    redo(x, noise.group(g), g);
+  }
+}
+
 // The screen's second half (gumbel_screened, frontier_candidates): a word threshold per non-pilot
 // group from its largest logit (word_threshold; kNoWordPasses or more: no word can pass), the groups
 // where some Philox word passes, and for each of those its four sanitized logits (re-read from
@@ -361,17 +414,7 @@ __device__ __forceinline__ void redo_screened_groups(const float (&gx)[kGroupsPe
     th[i] = word_threshold(i >= pilot ? gx[i + 1] : gx[i]);
     if (th[i] < kNoWordPasses) need |= 1u << i;
   }
-  uint32_t gmask = groups_with_passing_words(th, need, pilot, gbase, noise);
-  while (gmask) {
-    const int j = __ffs(gmask) - 1;
-    gmask &= gmask - 1;
-    const uint32_t g = gbase + j * kThreads;
-    float x[4];
-    load_group(rv.row, g, vocab, rv.aligned, x);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) sanitize(x[e]);
-    redo(x, noise.group(g), g);
-  }
+  redo_groups(groups_with_passing_words(th, need, pilot, gbase, noise), gbase, rv, vocab, noise, redo);
 }
 
 // A row's screening bound shared by its blocks through `slot` (order keys of L; the row's last block
@@ -419,9 +462,7 @@ __device__ __forceinline__ void gumbel_screened(const float (&v)[kGroupsPerThrea
       warp_allreduce(pilot_max, MaxOp{}) * inv_t + 18.f >= rb.posted - 0x1p-16f * fabsf(rb.posted)) {
     // the pilot scored in full
     const uint32_t g = gbase + pilot * kThreads;
-    const uint4 words = noise.group(g);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) proxy_update(px, fmaf(x[e], inv_t, gumbel_fast(word_of(words, e))), 4 * g + e);
+    score_passing_words(px, x, noise.group(g), g, inv_t, 0u);
   }
   __shared__ float pilot_best[kThreads / 32];
   float L = warp_allreduce(px.p1, MaxOp{});
@@ -442,25 +483,48 @@ __device__ __forceinline__ void gumbel_screened(const float (&v)[kGroupsPerThrea
     }
   }
   const bool screen = fabsf(L) < 0x1p20f;  // finite and far from overflow; else score everything
-  const float thr = L - (0x1p-18f * (fabsf(L) + 64.f) + 1e-4f);
-  const float a = fmaf(-0x1p-19f, fabsf(thr), thr - 2e-4f);
+  const ScreenCut cut = screen_cut(L);
   redo_screened_groups(
       gx, pilot, gbase, rv, vocab, noise,
       [&](float gmax) {
         const float g = mask.group_bound(gmax);
-        return screen ? screen_word(g, inv_t, a) : (g > -kInf ? 0u : ~0u);
+        return screen ? screen_word(g, inv_t, cut.a) : (g > -kInf ? 0u : ~0u);
       },
       [&](float (&x)[4], const uint4& words, uint32_t g) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) mask.apply(x[e]);
-        const uint32_t th = screen ? screen_word(fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3])), inv_t, a) : 0u;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const uint32_t word = word_of(words, e);
-          if (word >= th) proxy_update(px, fmaf(x[e], inv_t, gumbel_fast(word)), 4 * g + e);
-        }
+        score_passing_words(px, x, words, g, inv_t, screen ? screen_word(max_of_group(x), inv_t, cut.a) : 0u);
       });
-  if (screen) px.p2 = fmaxf(px.p2, thr);  // tokens the screen skipped have proxies below thr
+  if (screen) px.p2 = fmaxf(px.p2, cut.thr);  // tokens the screen skipped have proxies below thr
+}
+
+// The screen when the row's bound L (a real token's proxy, |L| < 2^20) is known before the chunk is
+// read, as rows that vary fastest find it posted by their earlier blocks: no pilot and no block
+// barrier, every group screened against L. A warp none of whose threads' largest logits
+// (thread_max) can reach thr, as most warps of a spiky row, draws no Philox word at all; the other
+// warps draw the words of the groups that need them and re-do the groups where one passes, as
+// gumbel_screened does.
+template <typename T>
+__device__ __forceinline__ void gumbel_screened_by_bound(const float (&v)[kGroupsPerThread][4], const RowView<T>& rv,
+                                                         int64_t vocab, int64_t g0, float inv_t,
+                                                         const NoiseStream& noise, float thread_max, float L,
+                                                         Proxy& px) {
+  const ScreenCut cut = screen_cut(L);
+  if (__any_sync(0xffffffffu, screen_word(thread_max, inv_t, cut.a) < kNoWordPasses)) {
+    const uint32_t gbase = static_cast<uint32_t>(g0) + threadIdx.x;
+    uint32_t th[kGroupsPerThread];
+    uint32_t need = 0;
+#pragma unroll
+    for (int j = 0; j < kGroupsPerThread; ++j) {
+      th[j] = screen_word(max_of_group(v[j]), inv_t, cut.a);
+      if (th[j] < kNoWordPasses) need |= 1u << j;
+    }
+    redo_groups(groups_with_passing_words(th, need, kGroupsPerThread, gbase, noise), gbase, rv, vocab, noise,
+                [&](float (&x)[4], const uint4& words, uint32_t g) {
+                  score_passing_words(px, x, words, g, inv_t, screen_word(max_of_group(x), inv_t, cut.a));
+                });
+  }
+  px.p2 = fmaxf(px.p2, cut.thr);
 }
 
 // kMinP: min-p alone, after stats_kernel on the same rows (stats_row_max: its row max), launched to

@@ -36,10 +36,54 @@ __device__ __forceinline__ RowPartial merge_row(RowPartial a, const RowPartial& 
   return a;
 }
 
+// A thread's share of the row statistics over its chunk values: their max, the first token at the max
+// when `argmax` (block-uniform), and the sum of exp2((x - max) c2). On the values as loaded: a NaN or
+// +inf makes the sum NaN (or leaves no finite max), and only then does the caller sanitize and redo.
+__device__ __forceinline__ void add_thread_stats(const float (&v)[kGroupsPerThread][4], int64_t g0, float c2,
+                                                 bool argmax, RowPartial& s) {
+  if (argmax) {
+#pragma unroll
+    for (int j = 0; j < kGroupsPerThread; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (v[j][e] > s.max) s.max = v[j][e], s.argmax = static_cast<int32_t>(token_of(g0, j, e));
+  } else {
+#pragma unroll
+    for (int j = 0; j < kGroupsPerThread; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s.max = fmaxf(s.max, v[j][e]);
+  }
+  if (s.max > -kInf) {
+#pragma unroll
+    for (int j = 0; j < kGroupsPerThread; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s.sum += fast_exp2((v[j][e] - s.max) * c2);
+  }
+}
+
 // Every field of s through one warp shuffle (shfl: a generic lambda over the field).
 template <typename Shfl>
 __device__ __forceinline__ RowPartial shfl_row(const RowPartial& s, Shfl shfl) {
   return RowPartial{{shfl(s.proxy.p1), shfl(s.proxy.p2), shfl(s.proxy.i1)}, shfl(s.max), shfl(s.sum), shfl(s.argmax)};
+}
+
+// A warp's statistics merged: the max first, then each lane's sum rescaled to it and added (one
+// exponential a lane, where merge_row takes two a shuffle level); the argmax and the Gumbel proxy only
+// where they are used (block-uniform flags).
+__device__ __forceinline__ RowPartial warp_merge_row(const RowPartial& s, float c2, bool argmax, bool draw) {
+  RowPartial w;
+  w.max = warp_allreduce(s.max, MaxOp{});
+  w.sum = warp_allreduce(s.max > -kInf ? s.sum * exp2f((s.max - w.max) * c2) : 0.f, SumOp{});
+  w.argmax = argmax ? warp_allreduce(s.max == w.max ? s.argmax : INT_MAX, MinOp{}) : INT_MAX;
+  w.proxy = s.proxy;
+  if (draw) {
+#pragma unroll
+    for (int o = 16; o; o >>= 1)
+      w.proxy = merge_proxy(w.proxy, Proxy{__shfl_xor_sync(0xffffffffu, w.proxy.p1, o),
+                                           __shfl_xor_sync(0xffffffffu, w.proxy.p2, o),
+                                           __shfl_xor_sync(0xffffffffu, w.proxy.i1, o)});
+  }
+  return w;
 }
 
 struct JobRow {
@@ -119,32 +163,34 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
   const float c2 = jr.inv_t * kLog2e;
 
   unsigned int* row_best = ws.counters + 2 * job.num_rows + w;  // after the rows' and aux rows' counters
-  // rows fastest: the row's bound as its earlier blocks posted it, loaded beside the chunk
-  const uint32_t posted = draw && kRowsFastest ? __ldcg(row_best) : 0u;
+  // Rows fastest: the row's bound as its earlier blocks posted it, read by one thread beside the chunk and
+  // shared, since it picks the screen (block-uniform: only the pilot's screen has a block barrier).
+  const bool read_posted = draw && kRowsFastest;
+  __shared__ uint32_t posted;
+  if (read_posted && threadIdx.x == 0) posted = __ldcg(row_best);
+  const bool argmax = !draw || st.argmax;  // a drawing row's argmax is only reported when asked for
   RowPartial s{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, INT_MAX};
   {
     float v[kGroupsPerThread][4];
-    load_chunk(rv, vocab, g0, v, rows_exceed_l2<T>(job.num_rows, vocab));
-#pragma unroll
-    for (int j = 0; j < kGroupsPerThread; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (v[j][e] > s.max) s.max = v[j][e], s.argmax = static_cast<int32_t>(token_of(g0, j, e));
-    if (s.max > -kInf) {
-#pragma unroll
-      for (int j = 0; j < kGroupsPerThread; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s.sum += fast_exp2((v[j][e] - s.max) * c2);
+    load_chunk_raw(rv, vocab, g0, v, rows_exceed_l2<T>(job.num_rows, vocab));
+    if (read_posted) __syncthreads();  // costs one thread's L2 read, which returns before the chunk does
+    add_thread_stats(v, g0, c2, argmax, s);
+    if (!(s.sum < kInf) || !(s.max > -kInf)) {  // a NaN or +inf among the values, or no finite one
+      sanitize_chunk(v);
+      s = RowPartial{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, INT_MAX};
+      add_thread_stats(v, g0, c2, argmax, s);
     }
-    if (draw) {  // block-uniform: gumbel_screened synchronises the block
-      float unused_max = -kInf;
-      gumbel_screened(v, rv, vocab, g0, jr.inv_t, job_noise(job, jr), s.proxy, unused_max,
-                      RowBound{row_best, posted ? key_to_float(posted) : -kInf, !kRowsFastest});
+    if (draw) {  // block-uniform
+      if (read_posted && posted) {
+        gumbel_screened_by_bound(v, rv, vocab, g0, jr.inv_t, job_noise(job, jr), s.max, key_to_float(posted), s.proxy);
+      } else {  // gumbel_screened synchronises the block
+        float unused_max = -kInf;
+        gumbel_screened(v, rv, vocab, g0, jr.inv_t, job_noise(job, jr), s.proxy, unused_max,
+                        RowBound{row_best, -kInf, !kRowsFastest});
+      }
     }
   }
-#pragma unroll
-  for (int o = 16; o; o >>= 1)
-    s = merge_row(s, shfl_row(s, [o](auto x) { return __shfl_xor_sync(0xffffffffu, x, o); }), c2);
+  s = warp_merge_row(s, c2, argmax, draw);
   __shared__ RowPartial warp_part[kThreads / 32];
   if ((threadIdx.x & 31) == 0) warp_part[threadIdx.x >> 5] = s;
   __syncthreads();
@@ -152,6 +198,8 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
   if (threadIdx.x == 0) {
     for (int i = 1; i < kThreads / 32; ++i) s = merge_row(s, warp_part[i], c2);
     partial[split] = s;
+    // the block's best proxy as the row's bound for its later blocks (not waited for)
+    if (read_posted && fabsf(s.proxy.p1) < 0x1p20f) atomicMax(row_best, order_key(s.proxy.p1));
   }
   if (!finish_by_thread0_and_elect_last(ws.counters + w, splits)) return;
 

@@ -171,14 +171,24 @@ def _draw_stress_rows(rows: int, vocab: int, gen: torch.Generator, dev: torch.de
 @pytest.mark.parametrize("temperature", [1.0, 0.25, 8.0])
 def test_diffusion_draw_is_exact(kernels, cuda_backend, vocab, temperature):
     """Every position's token is the argmax of the exact z + g, bit for bit: the row pass's screen (a
-    pilot per block, the row's best pilot shared) may only skip tokens that cannot win, and close calls
-    go to the exact re-score. 300001: rows not aligned to a group, a partial last chunk."""
+    pilot per block, or the bound the row's earlier blocks posted) may only skip tokens that cannot win,
+    and close calls go to the exact re-score. 300001: rows not aligned to a group, a partial last chunk."""
+    _assert_diffusion_draw_is_exact(kernels, cuda_backend, vocab, temperature, b=2, length=6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.25])
+def test_diffusion_draw_is_exact_when_blocks_screen_by_the_posted_bound(kernels, cuda_backend, temperature):
+    """512 positions: more blocks than the GPU holds at once, so a row's later blocks start after its
+    earlier ones posted their best proxy and screen by it alone (no pilot: gumbel_screened_by_bound)."""
+    _assert_diffusion_draw_is_exact(kernels, cuda_backend, V_QWEN, temperature, b=64, length=8)
+
+
+def _assert_diffusion_draw_is_exact(kernels, cuda_backend, vocab: int, temperature: float, b: int, length: int):
     sampling_kernels = cuda_backend._kernels
     dev = sampling_kernels.device
     gen = torch.Generator(device=dev).manual_seed(vocab + int(temperature * 100))
-    b, length = 2, 6
     x = _draw_stress_rows(b * length, vocab, gen, dev)
-    seeds = [4242, 97]
+    seeds = [4242 + 55 * i for i in range(b)]
     step = DiffusionStep(
         logits=x.view(b, length, vocab), mask=torch.ones(b, length, dtype=torch.bool),
         temperature=torch.full((b,), temperature), top_k=torch.zeros(b, dtype=torch.int32), top_p=torch.ones(b),
