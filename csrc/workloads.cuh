@@ -26,6 +26,8 @@ struct RowPartial {
   int32_t argmax;
 };
 
+__device__ __forceinline__ RowPartial no_tokens() { return RowPartial{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, INT_MAX}; }
+
 // exp2 of a scaled difference: the sums only need ~1e-6 relative accuracy (confidences, q = e / S).
 __device__ __forceinline__ RowPartial merge_row(RowPartial a, const RowPartial& b, float c2) {
   a.proxy = merge_proxy(a.proxy, b.proxy);
@@ -59,12 +61,6 @@ __device__ __forceinline__ void add_thread_stats(const float (&v)[kGroupsPerThre
 #pragma unroll
       for (int e = 0; e < 4; ++e) s.sum += fast_exp2((v[j][e] - s.max) * c2);
   }
-}
-
-// Every field of s through one warp shuffle (shfl: a generic lambda over the field).
-template <typename Shfl>
-__device__ __forceinline__ RowPartial shfl_row(const RowPartial& s, Shfl shfl) {
-  return RowPartial{{shfl(s.proxy.p1), shfl(s.proxy.p2), shfl(s.proxy.i1)}, shfl(s.max), shfl(s.sum), shfl(s.argmax)};
 }
 
 // A warp's statistics merged: the max first, then each lane's sum rescaled to it and added (one
@@ -169,7 +165,7 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
   __shared__ uint32_t posted;
   if (read_posted && threadIdx.x == 0) posted = __ldcg(row_best);
   const bool argmax = !draw || st.argmax;  // a drawing row's argmax is only reported when asked for
-  RowPartial s{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, INT_MAX};
+  RowPartial s = no_tokens();
   {
     float v[kGroupsPerThread][4];
     load_chunk_raw(rv, vocab, g0, v, rows_exceed_l2<T>(job.num_rows, vocab));
@@ -177,7 +173,7 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
     add_thread_stats(v, g0, c2, argmax, s);
     if (!(s.sum < kInf) || !(s.max > -kInf)) {  // a NaN or +inf among the values, or no finite one
       sanitize_chunk(v);
-      s = RowPartial{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, INT_MAX};
+      s = no_tokens();
       add_thread_stats(v, g0, c2, argmax, s);
     }
     if (draw) {  // block-uniform
@@ -195,8 +191,11 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
   if ((threadIdx.x & 31) == 0) warp_part[threadIdx.x >> 5] = s;
   __syncthreads();
   RowPartial* partial = static_cast<RowPartial*>(ws.scratch) + static_cast<int64_t>(w) * splits;
+  // warp 0 merges the warps' partials across its lanes: a chain of log2(32) steps, where thread 0
+  // merging them one by one cost the diffusion step ~10 us (FUSED_NOTES.md, twenty-first session)
+  if (threadIdx.x < 32)
+    s = warp_merge_row(threadIdx.x < kThreads / 32 ? warp_part[threadIdx.x] : no_tokens(), c2, argmax, draw);
   if (threadIdx.x == 0) {
-    for (int i = 1; i < kThreads / 32; ++i) s = merge_row(s, warp_part[i], c2);
     partial[split] = s;
     // the block's best proxy as the row's bound for its later blocks (not waited for)
     if (read_posted && fabsf(s.proxy.p1) < 0x1p20f) atomicMax(row_best, order_key(s.proxy.p1));
@@ -205,18 +204,18 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
 
   __shared__ RowPartial row;
   __shared__ bool rescore;
-  if (threadIdx.x < 32) {  // warp 0 fetches 32 partials at once; every lane merges them in chunk order
+  if (threadIdx.x < 32) {  // warp 0 fetches 32 partials at once and merges them across its lanes
     const int lane = threadIdx.x;
-    RowPartial acc{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, INT_MAX};
+    RowPartial acc = no_tokens();
     for (int base = 0; base < splits; base += 32) {
-      RowPartial mine = acc;
+      RowPartial mine = no_tokens();
       if (base + lane < splits) {
         const RowPartial* p = partial + base + lane;
         mine = RowPartial{{__ldcg(&p->proxy.p1), __ldcg(&p->proxy.p2), __ldcg(&p->proxy.i1)},
                           __ldcg(&p->max), __ldcg(&p->sum), __ldcg(&p->argmax)};
       }
-      for (int i = 0; i < min(32, splits - base); ++i)
-        acc = merge_row(acc, shfl_row(mine, [i](auto x) { return __shfl_sync(0xffffffffu, x, i); }), c2);
+      const RowPartial batch = warp_merge_row(mine, c2, argmax, draw);
+      acc = base == 0 ? batch : merge_row(acc, batch, c2);
     }
     if (lane == 0) {
       row = acc;
