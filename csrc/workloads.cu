@@ -35,6 +35,28 @@ cudaError_t launch_topk_probs(const TsLogits* logits, const float* temperature, 
   return cudaGetLastError();
 }
 
+// The row pass, with the diffusion commit folded in when cj.mask_out is set (rows fastest only).
+cudaError_t launch_row_stats(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace* ws, const CommitJob& cj,
+                             cudaStream_t s) {
+  if (bad_job(job)) return cudaErrorInvalidValue;
+  if (job->num_rows == 0) return cudaSuccess;
+  if (job->aux && (job->aux_per_request < 1 || job->aux_per_request > job->per_request || !stats->aux_sum))
+    return cudaErrorInvalidValue;
+  const unsigned int rows = static_cast<unsigned int>(job->num_rows + aux_rows(*job)), splits = num_splits(job->vocab);
+  // Rows vary fastest for diffusion steps (every slot draws), chunks for verification (row_stats_kernel).
+  const bool rows_fastest = job->draw_slot < 0;
+  if ((rows_fastest ? splits : rows) > kMaxGridY || (cj.mask_out && !rows_fastest)) return cudaErrorInvalidValue;
+  return with_dtype(job->dtype, [&](auto t) {
+    using T = decltype(t);
+    if (rows_fastest) {
+      row_stats_kernel<T, true><<<dim3(rows, splits), kThreads, 0, s>>>(*job, *stats, *ws, cj);
+    } else {
+      row_stats_kernel<T, false><<<dim3(splits, rows), kThreads, 0, s>>>(*job, *stats, *ws, cj);
+    }
+    return cudaGetLastError();
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -44,24 +66,7 @@ size_t ts_row_stats_scratch_bytes(int32_t num_rows, int64_t vocab) {  // aux row
 }
 
 int ts_row_stats(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace* ws, void* stream) {
-  if (bad_job(job)) return cudaErrorInvalidValue;
-  if (job->num_rows == 0) return cudaSuccess;
-  if (job->aux && (job->aux_per_request < 1 || job->aux_per_request > job->per_request || !stats->aux_sum))
-    return cudaErrorInvalidValue;
-  const unsigned int rows = static_cast<unsigned int>(job->num_rows + aux_rows(*job)), splits = num_splits(job->vocab);
-  // Rows vary fastest for diffusion steps (every slot draws), chunks for verification (row_stats_kernel).
-  const bool rows_fastest = job->draw_slot < 0;
-  if ((rows_fastest ? splits : rows) > kMaxGridY) return cudaErrorInvalidValue;
-  const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return with_dtype(job->dtype, [&](auto t) {
-    using T = decltype(t);
-    if (rows_fastest) {
-      row_stats_kernel<T, true><<<dim3(rows, splits), kThreads, 0, s>>>(*job, *stats, *ws);
-    } else {
-      row_stats_kernel<T, false><<<dim3(splits, rows), kThreads, 0, s>>>(*job, *stats, *ws);
-    }
-    return cudaGetLastError();
-  });
+  return launch_row_stats(job, stats, ws, CommitJob{}, static_cast<cudaStream_t>(stream));
 }
 
 int ts_diffusion_commit(const TsRowJob* job, const TsRowStats* stats, const float* threshold, const int64_t* count,
@@ -77,8 +82,21 @@ int ts_diffusion_commit(const TsRowJob* job, const TsRowStats* stats, const floa
       return e;
   }
   return launch_after_previous(&diffusion_commit_kernel, dim3(requests), dim3(kCommitThreads), smem,
-                               static_cast<cudaStream_t>(stream), *job, *stats, threshold, count, tokens, confidences,
-                               mask_out);
+                               static_cast<cudaStream_t>(stream), *job, *stats,
+                               CommitJob{threshold, count, tokens, mask_out});
+}
+
+int ts_diffusion_step(const TsRowJob* job, const TsRowStats* stats, const float* threshold, const int64_t* count,
+                      int64_t* tokens, float* confidences, uint8_t* mask_out, const TsWorkspace* ws, void* stream) {
+  if (bad_job(job) || !job->active || job->draw_slot >= 0 || job->aux || !stats->token || !stats->confidence ||
+      stats->confidence != confidences)
+    return cudaErrorInvalidValue;
+  if (job->per_request > kFoldedCommitMaxLength) {
+    if (int e = ts_row_stats(job, stats, ws, stream)) return e;
+    return ts_diffusion_commit(job, stats, threshold, count, tokens, confidences, mask_out, stream);
+  }
+  return launch_row_stats(job, stats, ws, CommitJob{threshold, count, tokens, mask_out},
+                          static_cast<cudaStream_t>(stream));
 }
 
 size_t ts_verify_scratch_bytes(int32_t num_requests, int64_t vocab) {

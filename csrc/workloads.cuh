@@ -141,17 +141,127 @@ __device__ __forceinline__ void aux_sum_block(const TsRowJob& job, const TsRowSt
   st.aux_sum[w] = total;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Diffusion commit, one block per request. Confidence of a masked position = exp(z_tok - log S) with
+// z = (x - max) / T (T = 1 for greedy), as the row pass wrote it (TsRowStats.confidence), then choice
+// 14's rule: threshold, the `count` most confident (confidence desc, index asc), at least one while a
+// committable position remains. Run by the row pass itself, in the block that finishes a request's last
+// row, for steps of up to kFoldedCommitMaxLength positions; by diffusion_commit_kernel after it otherwise.
+
+constexpr int kCommitThreads = kThreads;
+constexpr int kFoldedCommitMaxLength = 1024;  // the row pass keeps a request's confidences in shared memory
+
+struct CommitJob {  // mask_out NULL: no commit in the row pass
+  const float* threshold;
+  const int64_t* count;
+  int64_t* tokens;
+  uint8_t* mask_out;
+};
+
+__device__ __forceinline__ bool ranks_before(float cj, int j, float ci, int i) {
+  return cj > ci || (cj == ci && j < i);
+}
+
+// Request b's commit by the whole block, once every row of the request has its token and confidence
+// (read through L2: other blocks wrote them). conf_key, commit_of: [L] in shared memory.
+__device__ __forceinline__ void commit_request(const TsRowJob& job, const TsRowStats& st, const CommitJob& cj, int b,
+                                               float* conf_key, uint8_t* commit_of) {
+  const int L = job.per_request;
+  const float tau = cj.threshold[b];
+  const int64_t c = cj.count[b];
+  bool any_eligible = false;
+  for (int l = threadIdx.x; l < L; l += kCommitThreads) {
+    const int w = b * L + l;
+    // all three loaded at once; token and confidence mean something at masked positions only
+    const bool masked = job.active[w] != 0;
+    const int64_t row_token = __ldcg(st.token + w);
+    const float row_conf = __ldcg(st.confidence + w);
+    const int64_t tok = masked ? row_token : -1;
+    const float conf = tok >= 0 ? row_conf : 0.f;
+    cj.tokens[w] = tok;
+    st.confidence[w] = conf;
+    conf_key[l] = tok >= 0 ? conf : -1.f;
+    any_eligible |= tok >= 0;
+  }
+  any_eligible = __syncthreads_or(any_eligible);
+  // The most confident committable position (the at-least-one rule), by (confidence desc, index asc).
+  __shared__ float best_c[kCommitThreads / 32];
+  __shared__ int best_i[kCommitThreads / 32];
+  float bc = -2.f;
+  int bi = INT_MAX;
+  for (int l = threadIdx.x; l < L; l += kCommitThreads)
+    if (ranks_before(conf_key[l], l, bc, bi)) bc = conf_key[l], bi = l;
+#pragma unroll
+  for (int o = 16; o; o >>= 1) {
+    const float oc = __shfl_xor_sync(0xffffffffu, bc, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (ranks_before(oc, oi, bc, bi)) bc = oc, bi = oi;
+  }
+  if ((threadIdx.x & 31) == 0) best_c[threadIdx.x >> 5] = bc, best_i[threadIdx.x >> 5] = bi;
+  __syncthreads();
+  for (int i = 0; i < kCommitThreads / 32; ++i)
+    if (ranks_before(best_c[i], best_i[i], bc, bi)) bc = best_c[i], bi = best_i[i];
+
+  bool committed_any = false;
+  for (int l = threadIdx.x; l < L; l += kCommitThreads) {
+    const float k = conf_key[l];
+    bool commit = false;
+    if (k >= 0.f) {
+      commit = k >= tau;  // NaN: no threshold
+      if (!commit && c > 0) {
+        int64_t rank = 0;
+        for (int j = 0; j < L && rank < c; ++j) rank += ranks_before(conf_key[j], j, k, l);
+        commit = rank < c;
+      }
+    }
+    committed_any |= commit;
+    commit_of[l] = commit;
+  }
+  committed_any = __syncthreads_or(committed_any);
+  for (int l = threadIdx.x; l < L; l += kCommitThreads) {
+    const int w = b * L + l;
+    const bool commit = commit_of[l] || (any_eligible && !committed_any && l == bi);
+    cj.mask_out[w] = job.active[w] && !commit;
+  }
+}
+
+__global__ void __launch_bounds__(kCommitThreads) diffusion_commit_kernel(TsRowJob job, TsRowStats st, CommitJob cj) {
+  extern __shared__ float conf_key[];  // [L] confidences of committable positions (-1 elsewhere), then [L] bytes
+  wait_for_previous_grid();            // launched to overlap row_stats' tail
+  commit_request(job, st, cj, blockIdx.x, conf_key, reinterpret_cast<uint8_t*>(conf_key + job.per_request));
+}
+
+// A diffusion row pass with the commit folded in: each row, once done (an inactive row: by its first
+// block), counts itself in its request's counter (workspace counters from 3 num_rows on), and the
+// block that counts a request's last row commits it.
+template <bool kRowsFastest>
+__device__ __forceinline__ void commit_if_request_done(const TsRowJob& job, const TsRowStats& st, const CommitJob& cj,
+                                                       const TsWorkspace& ws, int w) {
+  if constexpr (kRowsFastest) {
+    if (!cj.mask_out) return;
+    const int b = w / job.per_request;
+    if (!finish_by_thread0_and_elect_last(ws.counters + 3 * job.num_rows + b, job.per_request)) return;
+    __shared__ float conf_key[kFoldedCommitMaxLength];
+    __shared__ uint8_t commit_of[kFoldedCommitMaxLength];
+    commit_request(job, st, cj, b, conf_key, commit_of);
+  }
+}
+
 // kRowsFastest: the grid's order, and with it how a row's blocks share their screening bound (RowBound).
 // Rows fastest (diffusion steps, every slot draws): a row's later chunks start after its first ones
 // posted their bound, which they load with their chunk. Chunks fastest (verification: one drawing
 // slot a request, and aux rows): a row's blocks run side by side and exchange their bounds.
 template <typename T, bool kRowsFastest>
-__global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, TsRowStats st, TsWorkspace ws) {
+__global__ void __launch_bounds__(kThreads, 5)
+    row_stats_kernel(TsRowJob job, TsRowStats st, TsWorkspace ws, CommitJob cj) {
   const int w = kRowsFastest ? blockIdx.x : blockIdx.y, split = kRowsFastest ? blockIdx.y : blockIdx.x;
   const int splits = kRowsFastest ? gridDim.y : gridDim.x;
   let_next_grid_launch();  // a dependent kernel may take SMs this grid's last wave leaves idle
   if (w >= job.num_rows) return aux_sum_block(job, st, ws, w - job.num_rows, split, splits);
-  if (job.active && !job.active[w]) return;  // every block of the row leaves: its counter stays 0
+  if (job.active && !job.active[w]) {  // every block of the row leaves: its counter stays 0
+    if (split == 0) commit_if_request_done<kRowsFastest>(job, st, cj, ws, w);
+    return;
+  }
   const JobRow jr = job_row(job, w);
   const bool draw = !jr.greedy && (job.draw_slot < 0 || jr.slot == job.draw_slot);
   const RowView<T> rv = job_view<T>(job, w);
@@ -247,93 +357,19 @@ __global__ void __launch_bounds__(kThreads, 5) row_stats_kernel(TsRowJob job, Ts
     __shared__ uint64_t scratch[kThreads / 32];
     token = key_index(block_allreduce<kThreads>(best, MaxOp{}, scratch));
   }
-  if (threadIdx.x != 0) return;
-  if (st.row_max) st.row_max[w] = row.max;
-  if (st.row_sum) st.row_sum[w] = row.sum;
-  if (st.argmax) st.argmax[w] = valid ? row.argmax : -1;
-  if (st.token) st.token[w] = token;
-  if (st.confidence) {  // here rather than in the commit kernel: one dependent load fewer after the pass
-    const float t = jr.greedy ? 1.f : jr.temperature;
-    st.confidence[w] = token < 0 ? 0.f : expf(__fsub_rn(scaled(to_f32(rv.row[token]), row.max, t), logf(row.sum)));
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Diffusion commit: one block per request. Confidence of a masked position = exp(z_tok - log S) with
-// z = (x - max) / T (T = 1 for greedy), as the row pass wrote it (TsRowStats.confidence), then choice
-// 14's rule: threshold, the `count` most confident (confidence desc, index asc), at least one while a
-// committable position remains.
-
-constexpr int kCommitThreads = 256;
-
-__device__ __forceinline__ bool ranks_before(float cj, int j, float ci, int i) {
-  return cj > ci || (cj == ci && j < i);
-}
-
-__global__ void __launch_bounds__(kCommitThreads)
-    diffusion_commit_kernel(TsRowJob job, TsRowStats st, const float* threshold, const int64_t* count,
-                            int64_t* tokens, float* confidences, uint8_t* mask_out) {
-  extern __shared__ float conf_key[];  // [L]: confidence of committable positions, -1 elsewhere
-  const int b = blockIdx.x, L = job.per_request;
-  wait_for_previous_grid();  // launched to overlap row_stats' tail
-  uint8_t* commit_of = reinterpret_cast<uint8_t*>(conf_key + L);  // [L]
-  const float tau = threshold[b];
-  const int64_t c = count[b];
-  bool any_eligible = false;
-  for (int l = threadIdx.x; l < L; l += kCommitThreads) {
-    const int w = b * L + l;
-    // all three loaded at once; token and confidence mean something at masked positions only
-    const bool masked = job.active[w] != 0;
-    const int64_t row_token = st.token[w];
-    const float row_conf = st.confidence[w];
-    const int64_t tok = masked ? row_token : -1;
-    const float conf = tok >= 0 ? row_conf : 0.f;
-    tokens[w] = tok;
-    confidences[w] = conf;
-    conf_key[l] = tok >= 0 ? conf : -1.f;
-    any_eligible |= tok >= 0;
-  }
-  any_eligible = __syncthreads_or(any_eligible);
-  // The most confident committable position (the at-least-one rule), by (confidence desc, index asc).
-  __shared__ float best_c[kCommitThreads / 32];
-  __shared__ int best_i[kCommitThreads / 32];
-  float bc = -2.f;
-  int bi = INT_MAX;
-  for (int l = threadIdx.x; l < L; l += kCommitThreads)
-    if (ranks_before(conf_key[l], l, bc, bi)) bc = conf_key[l], bi = l;
-#pragma unroll
-  for (int o = 16; o; o >>= 1) {
-    const float oc = __shfl_xor_sync(0xffffffffu, bc, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    if (ranks_before(oc, oi, bc, bi)) bc = oc, bi = oi;
-  }
-  if ((threadIdx.x & 31) == 0) best_c[threadIdx.x >> 5] = bc, best_i[threadIdx.x >> 5] = bi;
-  __syncthreads();
-  for (int i = 0; i < kCommitThreads / 32; ++i)
-    if (ranks_before(best_c[i], best_i[i], bc, bi)) bc = best_c[i], bi = best_i[i];
-
-  bool committed_any = false;
-  for (int l = threadIdx.x; l < L; l += kCommitThreads) {
-    const float k = conf_key[l];
-    bool commit = false;
-    if (k >= 0.f) {
-      commit = k >= tau;  // NaN: no threshold
-      if (!commit && c > 0) {
-        int64_t rank = 0;
-        for (int j = 0; j < L && rank < c; ++j) rank += ranks_before(conf_key[j], j, k, l);
-        commit = rank < c;
-      }
+  if (threadIdx.x == 0) {
+    if (st.row_max) st.row_max[w] = row.max;
+    if (st.row_sum) st.row_sum[w] = row.sum;
+    if (st.argmax) st.argmax[w] = valid ? row.argmax : -1;
+    if (st.token) st.token[w] = token;
+    if (st.confidence) {  // here rather than in the commit: one dependent load fewer after the pass
+      const float t = jr.greedy ? 1.f : jr.temperature;
+      st.confidence[w] = token < 0 ? 0.f : expf(__fsub_rn(scaled(to_f32(rv.row[token]), row.max, t), logf(row.sum)));
     }
-    committed_any |= commit;
-    commit_of[l] = commit;
   }
-  committed_any = __syncthreads_or(committed_any);
-  for (int l = threadIdx.x; l < L; l += kCommitThreads) {
-    const int w = b * L + l;
-    const bool commit = commit_of[l] || (any_eligible && !committed_any && l == bi);
-    mask_out[w] = job.active[w] && !commit;
-  }
+  commit_if_request_done<kRowsFastest>(job, st, cj, ws, w);
 }
+
 
 // ---------------------------------------------------------------------------------------------
 // Verification after row_stats. Every block of a request settles the accepted prefix itself, the n

@@ -53,10 +53,18 @@ int ts_row_stats(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace
  * confidences output, which the row pass fills at masked positions): confidences, tokens
  * (-1 at unmasked positions and where nothing is finite) and the commit rule of every request.
  * Launched to overlap the end of the previous kernel, as ts_verify_finish.
- * threshold: [B] (NaN = none); count: [B] (0 = none); mask_in/mask_out: [B, L] (bool bytes). */
+ * threshold: [B] (NaN = none); count: [B] (0 = none); mask_out: [B, L] (bool bytes). */
 int ts_diffusion_commit(const TsRowJob* job, const TsRowStats* stats, const float* threshold,
                         const int64_t* count, int64_t* tokens, float* confidences, uint8_t* mask_out,
                         void* stream);
+
+/* A whole diffusion step: ts_row_stats (draw_slot -1, no aux) and the commit of ts_diffusion_commit, same
+ * arguments. Up to 1024 positions a request the row pass commits each request itself, in the block that
+ * finishes its last row (one launch); longer steps take the two launches. Workspace counters:
+ * 3 num_rows + B (the requests' row counts after the row pass's own). */
+int ts_diffusion_step(const TsRowJob* job, const TsRowStats* stats, const float* threshold,
+                      const int64_t* count, int64_t* tokens, float* confidences, uint8_t* mask_out,
+                      const TsWorkspace* ws, void* stream);
 
 /* Speculative verification after ts_row_stats on the target's [B * (n + 1)] rows (draw_slot = n,
  * aux = the draft probabilities [B * n, vocab] fp32, aux_per_request = n). draft_ids: [B, n].

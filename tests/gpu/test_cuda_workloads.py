@@ -137,6 +137,18 @@ def test_diffusion_step_matches_the_reference(kernels, cuda_backend, cpu_backend
     _assert_step_agrees(got, diffusion_step(step, cpu_backend), step.mask)
 
 
+@pytest.mark.parametrize("length", [1024, 1025])
+def test_diffusion_step_commits_in_the_row_pass_or_after_it(kernels, cuda_backend, cpu_backend, length):
+    """Up to 1024 positions a request, the block that finishes a request's last row commits it; longer
+    steps take the commit kernel after the row pass. Both agree with the reference, and a second call
+    gives the same step (the requests' row counters are left zeroed)."""
+    step = _step(3, length, 1000, seed=length, temperature=[1.0, 0.0, 0.5], count=[40, 3, 0])
+    got = diffusion_step_cuda(step, kernels, cuda_backend)
+    _assert_step_agrees(got, diffusion_step(step, cpu_backend), step.mask)
+    again = diffusion_step_cuda(step, kernels, cuda_backend)
+    assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
+
+
 def test_diffusion_step_flat_logits_many_positions(kernels, cuda_backend, cpu_backend):
     step = _step(8, 64, 32000, seed=11, temperature=[1.0], count=[4], threshold=[0.2])
     step = DiffusionStep(**{**step.__dict__, "logits": logits("flat", 8 * 64, 32000, seed=12).view(8, 64, 32000)})

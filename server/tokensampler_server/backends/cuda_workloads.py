@@ -3,8 +3,9 @@
 Same signatures and answers as the torch references in ops/ (docs/semantics.md, choices 14-16):
 
 - `diffusion_step_cuda`: one read of every masked position (max, argmax, sum of exponentials and the
-  Gumbel-max sample in one pass), then the confidences and the commit rule of every request in a second,
-  small kernel. For requests without filters or processing; others go through the reference, whose
+  Gumbel-max sample in one pass), and the confidences and the commit rule of every request, run by the
+  block that finishes the request's last row (a second, small kernel above 1024 positions). For
+  requests without filters or processing; others go through the reference, whose
   sampling runs on the CUDA backend.
 - `topk_probs_cuda`: one read of the logits with a per-chunk max and sum of exponentials and the chunk's
   top candidates, merged by each row's last block; k <= 255 (larger k: the torch reference on the GPU).
@@ -118,13 +119,14 @@ class WorkloadKernels:
                seed.data_ptr(), 0, iteration.data_ptr(), -1, 0, 0]
         tokens = torch.empty(num_requests, length, dtype=torch.int64, device=self.device)
         confidences = torch.empty(num_requests, length, dtype=torch.float32, device=self.device)
-        # the commit kernel reads the token and its probability only, which the row pass writes to the output
+        # the commit reads the token and its probability only, which the row pass writes to the output
         token = torch.empty(rows, dtype=torch.int64, device=self.device)
         stats = {"token": token, "confidence": confidences.view(rows)}
-        self.row_stats(job, rows, vocab, stats)
         new_mask = torch.empty(num_requests, length, dtype=torch.bool, device=self.device)
-        self.module.diffusion_commit(job, _stats_pointers(stats), threshold.data_ptr(), count.data_ptr(),
-                                     tokens.data_ptr(), confidences.data_ptr(), new_mask.data_ptr(), self._stream())
+        # counters of the row pass (3 a row) and of the requests' finished rows
+        ws = self._workspace(3 * rows + num_requests, self.module.row_stats_scratch_bytes(rows, vocab))
+        self.module.diffusion_step(job, _stats_pointers(stats), threshold.data_ptr(), count.data_ptr(),
+                                   tokens.data_ptr(), confidences.data_ptr(), new_mask.data_ptr(), ws, self._stream())
         return tokens, confidences, new_mask
 
     def verify(self, v: DraftVerification) -> tuple[torch.Tensor, torch.Tensor]:
