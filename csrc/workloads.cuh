@@ -1,6 +1,6 @@
 // The workload kernels as framework-free device templates (launchers: workloads.cu): diffusion steps,
 // top-k probabilities, speculative verification. Built on the logits-path pieces of sampling.cuh:
-// rows cut into kChunk-token chunks, one block each, merged in chunk order by the row's last block
+// rows cut into kChunk-token chunks, one block each, merged in a fixed order by the row's last block
 // (batch-invariant); the Gumbel-max proxy and its exact re-score; rank keys (value desc, id asc).
 // Semantics: docs/semantics.md, choices 14-16.
 #pragma once
@@ -274,17 +274,17 @@ __global__ void __launch_bounds__(kThreads, 5)
   const bool read_posted = draw && kRowsFastest;
   __shared__ uint32_t posted;
   if (read_posted && threadIdx.x == 0) posted = __ldcg(row_best);
-  const bool argmax = !draw || st.argmax;  // a drawing row's argmax is only reported when asked for
+  const bool track_argmax = !draw || st.argmax;  // a drawing row's argmax is only reported when asked for
   RowPartial s = no_tokens();
   {
     float v[kGroupsPerThread][4];
     load_chunk_raw(rv, vocab, g0, v, rows_exceed_l2<T>(job.num_rows, vocab));
     if (read_posted) __syncthreads();  // costs one thread's L2 read, which returns before the chunk does
-    add_thread_stats(v, g0, c2, argmax, s);
+    add_thread_stats(v, g0, c2, track_argmax, s);
     if (!(s.sum < kInf) || !(s.max > -kInf)) {  // a NaN or +inf among the values, or no finite one
       sanitize_chunk(v);
       s = no_tokens();
-      add_thread_stats(v, g0, c2, argmax, s);
+      add_thread_stats(v, g0, c2, track_argmax, s);
     }
     if (draw) {  // block-uniform
       if (read_posted && posted) {
@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, 5)
       }
     }
   }
-  s = warp_merge_row(s, c2, argmax, draw);
+  s = warp_merge_row(s, c2, track_argmax, draw);
   __shared__ RowPartial warp_part[kThreads / 32];
   if ((threadIdx.x & 31) == 0) warp_part[threadIdx.x >> 5] = s;
   __syncthreads();
@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(kThreads, 5)
   // warp 0 merges the warps' partials across its lanes: a chain of log2(32) steps, where thread 0
   // merging them one by one cost the diffusion step ~10 us (FUSED_NOTES.md, twenty-first session)
   if (threadIdx.x < 32)
-    s = warp_merge_row(threadIdx.x < kThreads / 32 ? warp_part[threadIdx.x] : no_tokens(), c2, argmax, draw);
+    s = warp_merge_row(threadIdx.x < kThreads / 32 ? warp_part[threadIdx.x] : no_tokens(), c2, track_argmax, draw);
   if (threadIdx.x == 0) {
     partial[split] = s;
     // the block's best proxy as the row's bound for its later blocks (not waited for)
@@ -324,7 +324,7 @@ __global__ void __launch_bounds__(kThreads, 5)
         mine = RowPartial{{__ldcg(&p->proxy.p1), __ldcg(&p->proxy.p2), __ldcg(&p->proxy.i1)},
                           __ldcg(&p->max), __ldcg(&p->sum), __ldcg(&p->argmax)};
       }
-      const RowPartial batch = warp_merge_row(mine, c2, argmax, draw);
+      const RowPartial batch = warp_merge_row(mine, c2, track_argmax, draw);
       acc = base == 0 ? batch : merge_row(acc, batch, c2);
     }
     if (lane == 0) {
