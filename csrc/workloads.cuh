@@ -55,11 +55,13 @@ __device__ __forceinline__ void add_thread_stats(const float (&v)[kGroupsPerThre
 #pragma unroll
       for (int e = 0; e < 4; ++e) s.max = fmaxf(s.max, v[j][e]);
   }
-  if (s.max > -kInf) {
+  if (s.max > -kInf) {  // four partial sums: four chains of additions rather than one
+    float part[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < kGroupsPerThread; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s.sum += fast_exp2((v[j][e] - s.max) * c2);
+      for (int e = 0; e < 4; ++e) part[e] += fast_exp2((v[j][e] - s.max) * c2);
+    s.sum += (part[0] + part[1]) + (part[2] + part[3]);
   }
 }
 
@@ -72,12 +74,15 @@ __device__ __forceinline__ RowPartial warp_merge_row(const RowPartial& s, float 
   w.sum = warp_allreduce(s.max > -kInf ? s.sum * exp2f((s.max - w.max) * c2) : 0.f, SumOp{});
   w.argmax = argmax ? warp_allreduce(s.max == w.max ? s.argmax : INT_MAX, MinOp{}) : INT_MAX;
   w.proxy = s.proxy;
-  if (draw) {
+  if (draw) {  // a warp that drew nothing (every p1 -inf, one p2: the screen's cut) has its merge already
+    const float p2 = __shfl_sync(0xffffffffu, s.proxy.p2, 0);
+    if (!__all_sync(0xffffffffu, s.proxy.p1 == -kInf && s.proxy.p2 == p2)) {
 #pragma unroll
-    for (int o = 16; o; o >>= 1)
-      w.proxy = merge_proxy(w.proxy, Proxy{__shfl_xor_sync(0xffffffffu, w.proxy.p1, o),
-                                           __shfl_xor_sync(0xffffffffu, w.proxy.p2, o),
-                                           __shfl_xor_sync(0xffffffffu, w.proxy.i1, o)});
+      for (int o = 16; o; o >>= 1)
+        w.proxy = merge_proxy(w.proxy, Proxy{__shfl_xor_sync(0xffffffffu, w.proxy.p1, o),
+                                             __shfl_xor_sync(0xffffffffu, w.proxy.p2, o),
+                                             __shfl_xor_sync(0xffffffffu, w.proxy.i1, o)});
+    }
   }
   return w;
 }
