@@ -139,15 +139,25 @@ __device__ __forceinline__ void chunk_stats(const float (&v)[kGroupsPerThread][4
     }
 }
 
-// The block's stats (merged in warp order) in thread 0; one barrier, which every thread reaches.
-__device__ __forceinline__ Stats block_stats(Stats s, float c, bool lse) {
+__device__ __forceinline__ Stats no_stats() { return Stats{-kInf, kInf, 0.f, INT_MAX, 0u}; }
+
+// Every lane of a warp gets the merge of the warp's stats (a butterfly, fixed order).
+__device__ __forceinline__ Stats warp_stats_allmerge(Stats s, float c, bool lse) {
 #pragma unroll
   for (int o = 16; o; o >>= 1) s = merge_stats(s, shfl_stats(s, o), c, lse);
+  return s;
+}
+
+// The block's stats in thread 0 (warp 0 merges the warps' stats across its lanes rather than thread 0
+// one by one: the diffusion row pass lost ~10 us to that chain, FUSED_NOTES.md, twenty-first session);
+// one barrier, which every thread reaches.
+__device__ __forceinline__ Stats block_stats(Stats s, float c, bool lse) {
+  s = warp_stats_allmerge(s, c, lse);
   __shared__ Stats warp_stats[kThreads / 32];
   if ((threadIdx.x & 31) == 0) warp_stats[threadIdx.x >> 5] = s;
   __syncthreads();
-  if (threadIdx.x == 0)
-    for (int i = 1; i < kThreads / 32; ++i) s = merge_stats(s, warp_stats[i], c, lse);
+  if (threadIdx.x < 32)
+    s = warp_stats_allmerge(threadIdx.x < kThreads / 32 ? warp_stats[threadIdx.x] : no_stats(), c, lse);
   return s;
 }
 
@@ -162,7 +172,7 @@ __global__ void __launch_bounds__(kThreads)
   const float c = lse ? lse_scale[rv.r] : 0.f;
 
   float v[kGroupsPerThread][4];
-  Stats s{-kInf, kInf, 0.f, INT_MAX, 0u};
+  Stats s = no_stats();
   s.nan = load_chunk(rv, logits.vocab, g0, v, rows_exceed_l2<T>(rows.num_work_rows, logits.vocab));
   chunk_stats(v, g0, s);
   if (lse && s.max > -kInf) {
@@ -174,14 +184,17 @@ __global__ void __launch_bounds__(kThreads)
   s = block_stats(s, c, lse);
   Stats* partial = static_cast<Stats*>(ws.scratch) + static_cast<int64_t>(w) * splits;
   if (threadIdx.x == 0) partial[split] = s;
-  if (!finish_and_elect_last(ws.counters + w, splits) || threadIdx.x != 0) return;
+  if (!finish_and_elect_last(ws.counters + w, splits) || threadIdx.x >= 32) return;
 
-  Stats row{-kInf, kInf, 0.f, INT_MAX, 0u};
-  for (int i = 0; i < splits; ++i) {
+  // warp 0: each lane merges the partials lane, lane + 32, ... in order, then the lanes merge
+  Stats row = no_stats();
+  for (int i = threadIdx.x; i < splits; i += 32) {
     const Stats* p = partial + i;
     const Stats b{__ldcg(&p->max), __ldcg(&p->min), __ldcg(&p->sum), __ldcg(&p->argmax), __ldcg(&p->nan)};
     row = merge_stats(row, b, c, lse);
   }
+  row = warp_stats_allmerge(row, c, lse);
+  if (threadIdx.x != 0) return;
   const bool valid = row.max > -kInf;
   if (out.row_max) out.row_max[rv.r] = row.max;
   if (out.row_min) out.row_min[rv.r] = row.min;
@@ -597,17 +610,22 @@ __global__ void __launch_bounds__(kThreads, LSE || kMinP ? 4 : 5)
   if ((threadIdx.x & 31) == 0) warp_part[threadIdx.x >> 5] = GumbelPartial{px, mx, sum, 0u};
   __syncthreads();
   GumbelPartial* partial = static_cast<GumbelPartial*>(ws.scratch) + static_cast<int64_t>(w) * splits;
-  if (threadIdx.x == 0) {
-    GumbelPartial acc = warp_part[0];
-    for (int i = 1; i < kThreads / 32; ++i) {
-      const GumbelPartial& b = warp_part[i];
+  if (threadIdx.x < 32) {  // warp 0 merges the warps' partials across its lanes (see block_stats)
+    GumbelPartial acc =
+        threadIdx.x < kThreads / 32 ? warp_part[threadIdx.x] : GumbelPartial{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, 0u};
+#pragma unroll
+    for (int o = kThreads / 64; o; o >>= 1) {
+      const GumbelPartial b{{__shfl_xor_sync(0xffffffffu, acc.proxy.p1, o),
+                             __shfl_xor_sync(0xffffffffu, acc.proxy.p2, o),
+                             __shfl_xor_sync(0xffffffffu, acc.proxy.i1, o)},
+                            __shfl_xor_sync(0xffffffffu, acc.max, o), __shfl_xor_sync(0xffffffffu, acc.sum, o), 0u};
       acc.proxy = merge_proxy(acc.proxy, b.proxy);
       const float m = fmaxf(acc.max, b.max);
       if (LSE) acc.sum = m == -kInf ? 0.f : acc.sum * expf((acc.max - m) * c) + b.sum * expf((b.max - m) * c);
       acc.max = m;
     }
     acc.nan = any_nan;
-    partial[split] = acc;
+    if (threadIdx.x == 0) partial[split] = acc;
   }
   if (!finish_and_elect_last(ws.counters + w, splits)) return;
 
