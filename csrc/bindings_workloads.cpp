@@ -56,14 +56,15 @@ void register_workloads(pybind11::module_& m) {
     const TsWorkspace w = workspace_of(ws);
     check(ts_row_stats(&j, &s, &w, addr<void>(stream)), "row_stats");
   });
+  m.def("diffusion_mailbox_bytes", &ts_diffusion_mailbox_bytes);
   m.def("diffusion_step", [](std::vector<int64_t> job, std::vector<int64_t> stats, int64_t threshold, int64_t count,
                              int64_t tokens, int64_t confidences, int64_t mask_out, std::vector<int64_t> ws,
-                             int64_t stream) {
+                             int64_t mailbox, int64_t stream) {
     const TsRowJob j = job_of(job);
     const TsRowStats s = stats_of(stats);
     const TsWorkspace w = workspace_of(ws);
     check(ts_diffusion_step(&j, &s, addr<const float>(threshold), addr<const int64_t>(count), addr<int64_t>(tokens),
-                            addr<float>(confidences), addr<uint8_t>(mask_out), &w, addr<void>(stream)),
+                            addr<float>(confidences), addr<uint8_t>(mask_out), &w, addr<void>(mailbox), addr<void>(stream)),
           "diffusion_step");
   });
   m.def("verify_finish", [](std::vector<int64_t> job, std::vector<int64_t> stats, int64_t draft_ids, int64_t accepted,

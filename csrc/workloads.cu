@@ -35,26 +35,41 @@ cudaError_t launch_topk_probs(const TsLogits* logits, const float* temperature, 
   return cudaGetLastError();
 }
 
-// The row pass, with the diffusion commit folded in when cj.mask_out is set (rows fastest only).
-cudaError_t launch_row_stats(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace* ws, const CommitJob& cj,
-                             cudaStream_t s) {
+// The row pass: chunks vary fastest in the grid (row statistics, verification), or rows for a diffusion
+// step (`step`), with its commit folded in when step->fold_commit (row_stats_kernel).
+cudaError_t launch_row_stats(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace* ws,
+                             const DiffusionStep* step, cudaStream_t s) {
   if (bad_job(job)) return cudaErrorInvalidValue;
   if (job->num_rows == 0) return cudaSuccess;
   if (job->aux && (job->aux_per_request < 1 || job->aux_per_request > job->per_request || !stats->aux_sum))
     return cudaErrorInvalidValue;
   const unsigned int rows = static_cast<unsigned int>(job->num_rows + aux_rows(*job)), splits = num_splits(job->vocab);
-  // Rows vary fastest for diffusion steps (every slot draws), chunks for verification (row_stats_kernel).
-  const bool rows_fastest = job->draw_slot < 0;
-  if ((rows_fastest ? splits : rows) > kMaxGridY || (cj.mask_out && !rows_fastest)) return cudaErrorInvalidValue;
+  if ((step ? splits : rows) > kMaxGridY) return cudaErrorInvalidValue;
   return with_dtype(job->dtype, [&](auto t) {
     using T = decltype(t);
-    if (rows_fastest) {
-      row_stats_kernel<T, true><<<dim3(rows, splits), kThreads, 0, s>>>(*job, *stats, *ws, cj);
+    if (step) {
+      row_stats_kernel<T, true><<<dim3(rows, splits), kThreads, 0, s>>>(*job, *stats, *ws, *step);
     } else {
-      row_stats_kernel<T, false><<<dim3(splits, rows), kThreads, 0, s>>>(*job, *stats, *ws, cj);
+      row_stats_kernel<T, false><<<dim3(splits, rows), kThreads, 0, s>>>(*job, *stats, *ws, DiffusionStep{});
     }
     return cudaGetLastError();
   });
+}
+
+// The commit of a diffusion step whose requests are too long to commit in the row pass, after it on the
+// stream (launched to overlap its end, as verify_finish_kernel).
+cudaError_t launch_diffusion_commit(const TsRowJob* job, const TsRowStats* stats, const DiffusionStep& step,
+                                    cudaStream_t stream) {
+  const int requests = job->num_rows / job->per_request;
+  if (requests == 0) return cudaSuccess;
+  const size_t smem = static_cast<size_t>(job->per_request) * (sizeof(float) + 1);
+  if (smem > 48 * 1024) {
+    const void* kernel = reinterpret_cast<const void*>(&diffusion_commit_kernel);
+    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)))
+      return e;
+  }
+  return launch_after_previous(&diffusion_commit_kernel, dim3(requests), dim3(kCommitThreads), smem, stream, *job,
+                               *stats, step);
 }
 
 }  // namespace
@@ -66,37 +81,26 @@ size_t ts_row_stats_scratch_bytes(int32_t num_rows, int64_t vocab) {  // aux row
 }
 
 int ts_row_stats(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace* ws, void* stream) {
-  return launch_row_stats(job, stats, ws, CommitJob{}, static_cast<cudaStream_t>(stream));
+  return launch_row_stats(job, stats, ws, nullptr, static_cast<cudaStream_t>(stream));
 }
 
-int ts_diffusion_commit(const TsRowJob* job, const TsRowStats* stats, const float* threshold, const int64_t* count,
-                        int64_t* tokens, float* confidences, uint8_t* mask_out, void* stream) {
-  if (bad_job(job) || !job->active || !stats->token || !stats->confidence || stats->confidence != confidences)
-    return cudaErrorInvalidValue;
-  const int requests = job->num_rows / job->per_request;
-  if (requests == 0) return cudaSuccess;
-  const size_t smem = static_cast<size_t>(job->per_request) * (sizeof(float) + 1);
-  if (smem > 48 * 1024) {
-    const void* kernel = reinterpret_cast<const void*>(&diffusion_commit_kernel);
-    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)))
-      return e;
-  }
-  return launch_after_previous(&diffusion_commit_kernel, dim3(requests), dim3(kCommitThreads), smem,
-                               static_cast<cudaStream_t>(stream), *job, *stats,
-                               CommitJob{threshold, count, tokens, mask_out});
+size_t ts_diffusion_mailbox_bytes(int32_t num_rows, int64_t vocab) {
+  return sizeof(unsigned long long) * mailbox_words(num_rows, vocab);
 }
 
 int ts_diffusion_step(const TsRowJob* job, const TsRowStats* stats, const float* threshold, const int64_t* count,
-                      int64_t* tokens, float* confidences, uint8_t* mask_out, const TsWorkspace* ws, void* stream) {
+                      int64_t* tokens, float* confidences, uint8_t* mask_out, const TsWorkspace* ws, void* mailbox,
+                      void* stream) {
   if (bad_job(job) || !job->active || job->draw_slot >= 0 || job->aux || !stats->token || !stats->confidence ||
-      stats->confidence != confidences)
+      stats->confidence != confidences || !mailbox || reinterpret_cast<uintptr_t>(mailbox) % 8 != 0)
     return cudaErrorInvalidValue;
-  if (job->per_request > kFoldedCommitMaxLength) {
-    if (int e = ts_row_stats(job, stats, ws, stream)) return e;
-    return ts_diffusion_commit(job, stats, threshold, count, tokens, confidences, mask_out, stream);
-  }
-  return launch_row_stats(job, stats, ws, CommitJob{threshold, count, tokens, mask_out},
-                          static_cast<cudaStream_t>(stream));
+  // mailbox words: the epoch, then the rows' bounds, then their partials
+  auto* words = static_cast<unsigned long long*>(mailbox);
+  const DiffusionStep step{threshold, count, tokens, mask_out, job->per_request <= kFoldedCommitMaxLength,
+                           ws->counters, Mailbox{reinterpret_cast<unsigned int*>(words), words + 1, words + 1 + job->num_rows}};
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (cudaError_t e = launch_row_stats(job, stats, ws, &step, s)) return e;
+  return step.fold_commit ? cudaSuccess : launch_diffusion_commit(job, stats, step, s);
 }
 
 size_t ts_verify_scratch_bytes(int32_t num_requests, int64_t vocab) {

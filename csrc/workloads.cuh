@@ -156,11 +156,74 @@ __device__ __forceinline__ void aux_sum_block(const TsRowJob& job, const TsRowSt
 constexpr int kCommitThreads = kThreads;
 constexpr int kFoldedCommitMaxLength = 1024;  // the row pass keeps a request's confidences in shared memory
 
-struct CommitJob {  // mask_out NULL: no commit in the row pass
+// The diffusion step's mailbox (ts_diffusion_mailbox_bytes): a row's blocks pass their chunk partials to
+// the row's last block, and post their screening bounds, without a memory fence. Each 64-bit word
+// carries the step's tag in its upper half and aligned 64-bit relaxed accesses are single-copy atomic,
+// so a reader knows a word is this step's from the word alone (stale words carry older tags, zeroed
+// ones 0). The tag is the epoch + 1, which each block reads as it starts; the block that commits the
+// step's last request advances the epoch, by then read by every block of the step.
+struct Mailbox {
+  unsigned int* epoch;
+  unsigned long long* bound;    // [num_rows]: tag | order_key of the row's best posted proxy
+  unsigned long long* partial;  // [num_rows, splits, kPartialWords]
+};
+constexpr int kPartialWords = 6;  // a RowPartial, a 32-bit field a word
+
+__host__ __device__ inline size_t mailbox_words(int num_rows, int64_t vocab) {
+  return 1 + static_cast<size_t>(num_rows) * (1 + static_cast<size_t>(num_splits(vocab)) * kPartialWords);
+}
+
+__device__ __forceinline__ uint64_t load_relaxed(const unsigned long long* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void store_relaxed(unsigned long long* p, uint64_t v) {
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v));
+}
+__device__ __forceinline__ uint32_t step_tag(const Mailbox& mb) {
+  uint32_t e;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(e) : "l"(mb.epoch));
+  return e + 1u;
+}
+__device__ __forceinline__ uint64_t tagged(uint32_t tag, uint32_t value) {
+  return static_cast<uint64_t>(tag) << 32 | value;
+}
+
+// By one thread: the partial's words, fire and forget.
+__device__ __forceinline__ void publish_partial(unsigned long long* slot, const RowPartial& p, uint32_t tag) {
+  const uint32_t words[kPartialWords] = {__float_as_uint(p.proxy.p1), __float_as_uint(p.proxy.p2),
+                                         static_cast<uint32_t>(p.proxy.i1), __float_as_uint(p.max),
+                                         __float_as_uint(p.sum), static_cast<uint32_t>(p.argmax)};
+#pragma unroll
+  for (int i = 0; i < kPartialWords; ++i) store_relaxed(slot + i, tagged(tag, words[i]));
+}
+
+// The partial at slot once all its words carry the tag (all loads in flight at once, then the check).
+__device__ __forceinline__ RowPartial collect_partial(const unsigned long long* slot, uint32_t tag) {
+  uint64_t v[kPartialWords];
+  bool ready;
+  do {
+#pragma unroll
+    for (int i = 0; i < kPartialWords; ++i) v[i] = load_relaxed(slot + i);
+    ready = true;
+#pragma unroll
+    for (int i = 0; i < kPartialWords; ++i) ready &= static_cast<uint32_t>(v[i] >> 32) == tag;
+  } while (!ready);
+  return RowPartial{{__uint_as_float(static_cast<uint32_t>(v[0])), __uint_as_float(static_cast<uint32_t>(v[1])),
+                     static_cast<int32_t>(v[2])},
+                    __uint_as_float(static_cast<uint32_t>(v[3])), __uint_as_float(static_cast<uint32_t>(v[4])),
+                    static_cast<int32_t>(v[5])};
+}
+
+struct DiffusionStep {
   const float* threshold;
   const int64_t* count;
   int64_t* tokens;
   uint8_t* mask_out;
+  bool fold_commit;             // the row pass commits each request (L <= kFoldedCommitMaxLength)
+  unsigned int* request_done;   // [B] rows done per request, then [1] requests committed; left zeroed
+  Mailbox mailbox;
 };
 
 __device__ __forceinline__ bool ranks_before(float cj, int j, float ci, int i) {
@@ -169,11 +232,11 @@ __device__ __forceinline__ bool ranks_before(float cj, int j, float ci, int i) {
 
 // Request b's commit by the whole block, once every row of the request has its token and confidence
 // (read through L2: other blocks wrote them). conf_key, commit_of: [L] in shared memory.
-__device__ __forceinline__ void commit_request(const TsRowJob& job, const TsRowStats& st, const CommitJob& cj, int b,
+__device__ __forceinline__ void commit_request(const TsRowJob& job, const TsRowStats& st, const DiffusionStep& step, int b,
                                                float* conf_key, uint8_t* commit_of) {
   const int L = job.per_request;
-  const float tau = cj.threshold[b];
-  const int64_t c = cj.count[b];
+  const float tau = step.threshold[b];
+  const int64_t c = step.count[b];
   bool any_eligible = false;
   for (int l = threadIdx.x; l < L; l += kCommitThreads) {
     const int w = b * L + l;
@@ -183,7 +246,7 @@ __device__ __forceinline__ void commit_request(const TsRowJob& job, const TsRowS
     const float row_conf = __ldcg(st.confidence + w);
     const int64_t tok = masked ? row_token : -1;
     const float conf = tok >= 0 ? row_conf : 0.f;
-    cj.tokens[w] = tok;
+    step.tokens[w] = tok;
     st.confidence[w] = conf;
     conf_key[l] = tok >= 0 ? conf : -1.f;
     any_eligible |= tok >= 0;
@@ -226,45 +289,56 @@ __device__ __forceinline__ void commit_request(const TsRowJob& job, const TsRowS
   for (int l = threadIdx.x; l < L; l += kCommitThreads) {
     const int w = b * L + l;
     const bool commit = commit_of[l] || (any_eligible && !committed_any && l == bi);
-    cj.mask_out[w] = job.active[w] && !commit;
+    step.mask_out[w] = job.active[w] && !commit;
   }
 }
 
-__global__ void __launch_bounds__(kCommitThreads) diffusion_commit_kernel(TsRowJob job, TsRowStats st, CommitJob cj) {
+// After a request's commit, by its block: the block that commits the step's last request advances the
+// mailbox's epoch (the step's end: every block of the step has read the epoch before its row finished).
+__device__ __forceinline__ void end_step_after_last_request(const TsRowJob& job, const DiffusionStep& step) {
+  if (threadIdx.x != 0) return;
+  const unsigned int requests = job.num_rows / job.per_request;
+  unsigned int* committed = step.request_done + requests;
+  if (atomicAdd(committed, 1u) != requests - 1) return;
+  *committed = 0u;
+  *step.mailbox.epoch += 1u;
+}
+
+__global__ void __launch_bounds__(kCommitThreads) diffusion_commit_kernel(TsRowJob job, TsRowStats st, DiffusionStep step) {
   extern __shared__ float conf_key[];  // [L] confidences of committable positions (-1 elsewhere), then [L] bytes
   wait_for_previous_grid();            // launched to overlap row_stats' tail
-  commit_request(job, st, cj, blockIdx.x, conf_key, reinterpret_cast<uint8_t*>(conf_key + job.per_request));
+  commit_request(job, st, step, blockIdx.x, conf_key, reinterpret_cast<uint8_t*>(conf_key + job.per_request));
+  end_step_after_last_request(job, step);
 }
 
 // A diffusion row pass with the commit folded in: each row, once done (an inactive row: by its first
-// block), counts itself in its request's counter (workspace counters from 3 num_rows on), and the
-// block that counts a request's last row commits it.
-template <bool kRowsFastest>
-__device__ __forceinline__ void commit_if_request_done(const TsRowJob& job, const TsRowStats& st, const CommitJob& cj,
-                                                       const TsWorkspace& ws, int w) {
-  if constexpr (kRowsFastest) {
-    if (!cj.mask_out) return;
-    const int b = w / job.per_request;
-    if (!finish_by_thread0_and_elect_last(ws.counters + 3 * job.num_rows + b, job.per_request)) return;
-    __shared__ float conf_key[kFoldedCommitMaxLength];
-    __shared__ uint8_t commit_of[kFoldedCommitMaxLength];
-    commit_request(job, st, cj, b, conf_key, commit_of);
-  }
+// block), counts itself in its request's counter, and the block that counts a request's last row commits it.
+__device__ __forceinline__ void commit_if_request_done(const TsRowJob& job, const TsRowStats& st,
+                                                       const DiffusionStep& step, int w) {
+  if (!step.fold_commit) return;
+  const int b = w / job.per_request;
+  if (!finish_by_thread0_and_elect_last(step.request_done + b, job.per_request)) return;
+  __shared__ float conf_key[kFoldedCommitMaxLength];
+  __shared__ uint8_t commit_of[kFoldedCommitMaxLength];
+  commit_request(job, st, step, b, conf_key, commit_of);
+  end_step_after_last_request(job, step);
 }
 
-// kRowsFastest: the grid's order, and with it how a row's blocks share their screening bound (RowBound).
-// Rows fastest (diffusion steps, every slot draws): a row's later chunks start after its first ones
-// posted their bound, which they load with their chunk. Chunks fastest (verification: one drawing
-// slot a request, and aux rows): a row's blocks run side by side and exchange their bounds.
+// kRowsFastest: the grid's order, and with it how a row's blocks share their screening bound and partials.
+// Rows fastest (diffusion steps, every slot draws; `step` in use): a row's later chunks start after its
+// first ones posted their bound, which they load with their chunk, and its last chunk's block starts
+// after all the others and merges; bounds and partials go through the mailbox. Chunks fastest
+// (verification: one drawing slot a request, and aux rows): a row's blocks run side by side, exchange
+// their bounds, and the last to finish (a counter) merges the partials from the scratch.
 template <typename T, bool kRowsFastest>
 __global__ void __launch_bounds__(kThreads, 5)
-    row_stats_kernel(TsRowJob job, TsRowStats st, TsWorkspace ws, CommitJob cj) {
+    row_stats_kernel(TsRowJob job, TsRowStats st, TsWorkspace ws, DiffusionStep step) {
   const int w = kRowsFastest ? blockIdx.x : blockIdx.y, split = kRowsFastest ? blockIdx.y : blockIdx.x;
   const int splits = kRowsFastest ? gridDim.y : gridDim.x;
   let_next_grid_launch();  // a dependent kernel may take SMs this grid's last wave leaves idle
   if (w >= job.num_rows) return aux_sum_block(job, st, ws, w - job.num_rows, split, splits);
-  if (job.active && !job.active[w]) {  // every block of the row leaves: its counter stays 0
-    if (split == 0) commit_if_request_done<kRowsFastest>(job, st, cj, ws, w);
+  if (job.active && !job.active[w]) {  // every block of the row leaves
+    if (kRowsFastest && split == 0) commit_if_request_done(job, st, step, w);
     return;
   }
   const JobRow jr = job_row(job, w);
@@ -273,18 +347,26 @@ __global__ void __launch_bounds__(kThreads, 5)
   const int64_t vocab = job.vocab, g0 = static_cast<int64_t>(split) * kChunkGroups;
   const float c2 = jr.inv_t * kLog2e;
 
-  unsigned int* row_best = ws.counters + 2 * job.num_rows + w;  // after the rows' and aux rows' counters
-  // Rows fastest: the row's bound as its earlier blocks posted it, read by one thread beside the chunk and
-  // shared, since it picks the screen (block-uniform: only the pilot's screen has a block barrier).
+  unsigned int* row_best = ws.counters + 2 * job.num_rows + w;  // chunks fastest: after the rows' and aux rows' counters
+  // Rows fastest: thread 0 reads the step's tag and the row's bound as its earlier blocks posted it beside
+  // the chunk, and shares the bound, since it picks the screen (block-uniform: only the pilot's screen
+  // has a block barrier). Both in shared memory, where they cost no register through the chunk's work.
   const bool read_posted = draw && kRowsFastest;
-  __shared__ uint32_t posted;
-  if (read_posted && threadIdx.x == 0) posted = __ldcg(row_best);
+  __shared__ uint32_t posted, tag;
+  if (kRowsFastest && threadIdx.x == 0) {
+    const uint32_t t = step_tag(step.mailbox);
+    tag = t;
+    if (read_posted) {
+      const uint64_t b = load_relaxed(step.mailbox.bound + w);
+      posted = static_cast<uint32_t>(b >> 32) == t ? static_cast<uint32_t>(b) : 0u;
+    }
+  }
   const bool track_argmax = !draw || st.argmax;  // a drawing row's argmax is only reported when asked for
   RowPartial s = no_tokens();
   {
     float v[kGroupsPerThread][4];
     load_chunk_raw(rv, vocab, g0, v, rows_exceed_l2<T>(job.num_rows, vocab));
-    if (read_posted) __syncthreads();  // costs one thread's L2 read, which returns before the chunk does
+    if (read_posted) __syncthreads();  // costs one thread's L2 reads, which return before the chunk does
     add_thread_stats(v, g0, c2, track_argmax, s);
     if (!(s.sum < kInf) || !(s.max > -kInf)) {  // a NaN or +inf among the values, or no finite one
       sanitize_chunk(v);
@@ -297,7 +379,7 @@ __global__ void __launch_bounds__(kThreads, 5)
       } else {  // gumbel_screened synchronises the block
         float unused_max = -kInf;
         gumbel_screened(v, rv, vocab, g0, jr.inv_t, job_noise(job, jr), s.proxy, unused_max,
-                        RowBound{row_best, -kInf, !kRowsFastest});
+                        kRowsFastest ? RowBound{} : RowBound{row_best, -kInf, true});
       }
     }
   }
@@ -305,17 +387,22 @@ __global__ void __launch_bounds__(kThreads, 5)
   __shared__ RowPartial warp_part[kThreads / 32];
   if ((threadIdx.x & 31) == 0) warp_part[threadIdx.x >> 5] = s;
   __syncthreads();
-  RowPartial* partial = static_cast<RowPartial*>(ws.scratch) + static_cast<int64_t>(w) * splits;
   // warp 0 merges the warps' partials across its lanes: a chain of log2(32) steps, where thread 0
   // merging them one by one cost the diffusion step ~10 us (FUSED_NOTES.md, twenty-first session)
   if (threadIdx.x < 32)
     s = warp_merge_row(threadIdx.x < kThreads / 32 ? warp_part[threadIdx.x] : no_tokens(), c2, track_argmax, draw);
+  unsigned long long* mailed = step.mailbox.partial + static_cast<int64_t>(w) * splits * kPartialWords;
+  RowPartial* partial = static_cast<RowPartial*>(ws.scratch) + static_cast<int64_t>(w) * splits;
   if (threadIdx.x == 0) {
-    partial[split] = s;
-    // the block's best proxy as the row's bound for its later blocks (not waited for)
-    if (read_posted && fabsf(s.proxy.p1) < 0x1p20f) atomicMax(row_best, order_key(s.proxy.p1));
+    if (kRowsFastest) {
+      // the block's best proxy as the row's bound for its later blocks, then its partial, neither waited for
+      if (draw && fabsf(s.proxy.p1) < 0x1p20f) atomicMax(step.mailbox.bound + w, tagged(tag, order_key(s.proxy.p1)));
+      publish_partial(mailed + split * kPartialWords, s, tag);
+    } else {
+      partial[split] = s;
+    }
   }
-  if (!finish_by_thread0_and_elect_last(ws.counters + w, splits)) return;
+  if (kRowsFastest ? split != splits - 1 : !finish_by_thread0_and_elect_last(ws.counters + w, splits)) return;
 
   __shared__ RowPartial row;
   __shared__ bool rescore;
@@ -325,16 +412,20 @@ __global__ void __launch_bounds__(kThreads, 5)
     for (int base = 0; base < splits; base += 32) {
       RowPartial mine = no_tokens();
       if (base + lane < splits) {
-        const RowPartial* p = partial + base + lane;
-        mine = RowPartial{{__ldcg(&p->proxy.p1), __ldcg(&p->proxy.p2), __ldcg(&p->proxy.i1)},
-                          __ldcg(&p->max), __ldcg(&p->sum), __ldcg(&p->argmax)};
+        if (kRowsFastest) {
+          mine = collect_partial(mailed + (base + lane) * kPartialWords, tag);
+        } else {
+          const RowPartial* p = partial + base + lane;
+          mine = RowPartial{{__ldcg(&p->proxy.p1), __ldcg(&p->proxy.p2), __ldcg(&p->proxy.i1)},
+                            __ldcg(&p->max), __ldcg(&p->sum), __ldcg(&p->argmax)};
+        }
       }
       const RowPartial batch = warp_merge_row(mine, c2, track_argmax, draw);
       acc = base == 0 ? batch : merge_row(acc, batch, c2);
     }
     if (lane == 0) {
       row = acc;
-      if (draw) *row_best = 0u;  // every block of the row has posted: zero for the next launch
+      if (!kRowsFastest && draw) *row_best = 0u;  // every block of the row has posted: zero for the next launch
       const bool valid = acc.max > -kInf;
       rescore = draw && valid &&
                 !(fabsf(acc.proxy.p1) < kInf && fabsf(acc.max) * jr.inv_t < 0x1p20f &&
@@ -372,7 +463,7 @@ __global__ void __launch_bounds__(kThreads, 5)
       st.confidence[w] = token < 0 ? 0.f : expf(__fsub_rn(scaled(to_f32(rv.row[token]), row.max, t), logf(row.sum)));
     }
   }
-  commit_if_request_done<kRowsFastest>(job, st, cj, ws, w);
+  if (kRowsFastest) commit_if_request_done(job, st, step, w);
 }
 
 

@@ -46,25 +46,27 @@ size_t ts_row_stats_scratch_bytes(int32_t num_rows, int64_t vocab);
 
 /* One read of every active row: max, argmax, sum of exponentials, the Gumbel-max sample; and of
  * every aux row (its sum). Workspace counters: 3 num_rows (the rows', the aux rows' (at most
- * num_rows) and, from 2 num_rows on, each drawing row's best screening pilot). */
+ * num_rows) and, from 2 num_rows on, each drawing row's best screening pilot). A row's blocks run
+ * side by side and share their screening bound as they go. */
 int ts_row_stats(const TsRowJob* job, const TsRowStats* stats, const TsWorkspace* ws, void* stream);
 
-/* The diffusion step after ts_row_stats on its [B * L] rows (active = the mask; stats->confidence = the
- * confidences output, which the row pass fills at masked positions): confidences, tokens
- * (-1 at unmasked positions and where nothing is finite) and the commit rule of every request.
- * Launched to overlap the end of the previous kernel, as ts_verify_finish.
- * threshold: [B] (NaN = none); count: [B] (0 = none); mask_out: [B, L] (bool bytes). */
-int ts_diffusion_commit(const TsRowJob* job, const TsRowStats* stats, const float* threshold,
-                        const int64_t* count, int64_t* tokens, float* confidences, uint8_t* mask_out,
-                        void* stream);
+/* The diffusion step's mailbox: device memory of ts_diffusion_mailbox_bytes, zeroed before its first
+ * step, through which a step's blocks pass their partial results without a memory fence (each word
+ * carries the step's tag). Reused by consecutive steps on one stream, which keep it consistent; zero
+ * it again before 2^32 steps have used it (the tags would wrap). */
+size_t ts_diffusion_mailbox_bytes(int32_t num_rows, int64_t vocab);
 
-/* A whole diffusion step: ts_row_stats (draw_slot -1, no aux) and the commit of ts_diffusion_commit, same
- * arguments. Up to 1024 positions a request the row pass commits each request itself, in the block that
- * finishes its last row (one launch); longer steps take the two launches. Workspace counters:
- * 3 num_rows + B (the requests' row counts after the row pass's own). */
+/* A diffusion step on [B * L] rows (draw_slot -1, no aux; active = the mask; stats: token, and
+ * confidence = the confidences output): one read of every masked position (max, sum of exponentials
+ * and the Gumbel-max sample, rows varying fastest in the grid so that a row's later blocks screen by
+ * the bound its earlier ones posted), the confidences, tokens (-1 at unmasked positions and where
+ * nothing is finite) and the commit rule of every request. Up to 1024 positions a request the row pass
+ * commits each request itself, in the block that finishes its last row (one launch); longer steps take
+ * a second, small kernel. threshold: [B] (NaN = none); count: [B] (0 = none); mask_out: [B, L] (bool
+ * bytes). Workspace counters: B + 1 (rows done per request, then requests committed); no scratch. */
 int ts_diffusion_step(const TsRowJob* job, const TsRowStats* stats, const float* threshold,
                       const int64_t* count, int64_t* tokens, float* confidences, uint8_t* mask_out,
-                      const TsWorkspace* ws, void* stream);
+                      const TsWorkspace* ws, void* mailbox, void* stream);
 
 /* Speculative verification after ts_row_stats on the target's [B * (n + 1)] rows (draw_slot = n,
  * aux = the draft probabilities [B * n, vocab] fp32, aux_per_request = n). draft_ids: [B, n].

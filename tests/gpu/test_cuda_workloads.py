@@ -229,6 +229,28 @@ def test_diffusion_screen_bound_does_not_leak_into_the_next_call(kernels, cuda_b
     assert rescored == int(fresh_kernels.fallback_count.item()) < step.mask.sum().item() // 10
 
 
+def test_diffusion_steps_of_changing_shapes_share_the_mailbox(cuda_backend, monkeypatch):
+    """A row's blocks pass partials and bounds through the mailbox, each word tagged with its step. Steps
+    of other shapes (rows and chunks land on other words), the two-launch commit (above 1024 positions)
+    and the mailbox zeroed between steps must each give what a fresh mailbox gives; the epoch advances
+    once a step, in either commit path."""
+    import tokensampler_server.backends.cuda_workloads as cuda_workloads
+
+    monkeypatch.setattr(cuda_workloads, "_MAILBOX_STEPS_BEFORE_ZEROING", 4)
+    shared = WorkloadKernels(0)
+    # the largest mailbox first: a mailbox that grows is a new, zeroed one
+    steps = [_step(3, 1025, 1000, seed=33, temperature=[1.0, 0.0, 0.5], count=[40, 3, 0]),
+             _step(4, 16, V_QWEN, seed=31, temperature=[1.0, 0.6]), _step(2, 8, 50000, seed=32, temperature=[0.8]),
+             _step(4, 16, V_QWEN, seed=34, temperature=[1.0, 0.6]), _step(5, 12, 70001, seed=35, temperature=[1.2]),
+             _step(4, 16, V_QWEN, seed=36, temperature=[0.0, 1.0])]
+    for i, step in enumerate(steps):
+        got = shared.diffusion(step)
+        fresh = WorkloadKernels(0).diffusion(step)
+        assert all(torch.equal(a, b) for a, b in zip(got, fresh, strict=True)), f"step {i}"
+        # zeroed before the fifth step: epochs 1, 2, 3, 4, then 1, 2
+        assert int(shared._mailbox[0].item()) & 0xFFFFFFFF == i % 4 + 1, f"step {i}"
+
+
 def test_diffusion_positions_without_a_finite_logit(kernels, cuda_backend, cpu_backend):
     step = _step(2, 16, 500, seed=4, temperature=[1.0, 0.0])
     step.logits[0, 3] = float("-inf")

@@ -53,6 +53,8 @@ class WorkloadKernels:
         self._unused_hist = torch.zeros(1, dtype=torch.uint8, device=self.device)
         self.fallback_count = torch.zeros(1, dtype=torch.int64, device=self.device)
         """Exact re-scores of a Gumbel-max sample made inside the kernels."""
+        self._mailbox = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self._mailbox_steps = 0
 
     def _workspace(self, rows: int, scratch_bytes: int) -> list[int]:
         if self._counters.numel() < rows:  # zeroed once; the kernels leave them zeroed
@@ -61,6 +63,19 @@ class WorkloadKernels:
             self._scratch = torch.empty(max(scratch_bytes, 2 * self._scratch.numel()), dtype=torch.uint8, device=self.device)
         return [self._counters.data_ptr(), self._unused_hist.data_ptr(), self._scratch.data_ptr(),
                 self.fallback_count.data_ptr()]
+
+    def _diffusion_mailbox(self, rows: int, vocab: int) -> int:
+        """The diffusion steps' mailbox (ts_diffusion_mailbox_bytes), zeroed when new and before its
+        32-bit step tags could wrap."""
+        words = -(-self.module.diffusion_mailbox_bytes(rows, vocab) // 8)
+        if self._mailbox.numel() < words:
+            self._mailbox = torch.zeros(max(words, 2 * self._mailbox.numel()), dtype=torch.int64, device=self.device)
+            self._mailbox_steps = 0
+        elif self._mailbox_steps >= _MAILBOX_STEPS_BEFORE_ZEROING:
+            self._mailbox.zero_()
+            self._mailbox_steps = 0
+        self._mailbox_steps += 1
+        return self._mailbox.data_ptr()
 
     def _stream(self) -> int:
         return stream_address(self.device)
@@ -123,10 +138,11 @@ class WorkloadKernels:
         token = torch.empty(rows, dtype=torch.int64, device=self.device)
         stats = {"token": token, "confidence": confidences.view(rows)}
         new_mask = torch.empty(num_requests, length, dtype=torch.bool, device=self.device)
-        # counters of the row pass (3 a row) and of the requests' finished rows
-        ws = self._workspace(3 * rows + num_requests, self.module.row_stats_scratch_bytes(rows, vocab))
+        # counters of the requests' finished rows and of the committed requests; partials go by the mailbox
+        ws = self._workspace(num_requests + 1, 0)
         self.module.diffusion_step(job, _stats_pointers(stats), threshold.data_ptr(), count.data_ptr(),
-                                   tokens.data_ptr(), confidences.data_ptr(), new_mask.data_ptr(), ws, self._stream())
+                                   tokens.data_ptr(), confidences.data_ptr(), new_mask.data_ptr(), ws,
+                                   self._diffusion_mailbox(rows, vocab), self._stream())
         return tokens, confidences, new_mask
 
     def verify(self, v: DraftVerification) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,6 +168,9 @@ class WorkloadKernels:
                                   tokens.data_ptr(), ws, self._stream())
         return accepted, tokens
 
+
+_MAILBOX_STEPS_BEFORE_ZEROING = 1 << 31
+"""Diffusion steps through one mailbox between zeroings: its step tags are 32-bit."""
 
 _VERIFY_STATS = {"row_max": torch.float32, "row_sum": torch.float32, "argmax": torch.int64, "token": torch.int64,
                  "aux_sum": torch.float32}
