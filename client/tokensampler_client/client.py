@@ -213,11 +213,29 @@ class SamplerClient:
         request = build_diffusion_request(logits, mask, **params)
         return DiffusionStepResult.from_response(self._call(self._stub.SampleDiffusionStep, request, timeout, request_id))
 
+    def sample_diffusion_step_hidden(
+        self, hidden: Any, weights: str, mask: Any, *, timeout: float | None = None, request_id: str | None = None,
+        **params: Any,
+    ) -> DiffusionStepResult:
+        """sample_diffusion_step() of the logits that the registered LM head `weights` makes of hidden
+        states [B, L, D] (computed by the server, as for sample_hidden()); the same keywords."""
+        request = build_diffusion_request(None, mask, hidden=hidden, weights=weights, **params)
+        return DiffusionStepResult.from_response(self._call(self._stub.SampleDiffusionStep, request, timeout, request_id))
+
     def topk_probs(
         self, logits: Any, k: int, *, temperature: Any = None, timeout: float | None = None, request_id: str | None = None
     ) -> TopKProbsResult:
         """The k most probable ids of softmax(logits / T) for logits [B, S, V] or [B, V], sorted."""
         request = build_topk_request(logits, k, temperature)
+        return TopKProbsResult.from_response(self._call(self._stub.TopKProbs, request, timeout, request_id))
+
+    def topk_probs_hidden(
+        self, hidden: Any, weights: str, k: int, *, temperature: Any = None, timeout: float | None = None,
+        request_id: str | None = None,
+    ) -> TopKProbsResult:
+        """topk_probs() of the logits that the registered LM head `weights` makes of hidden states
+        [B, S, D] or [B, D] (computed by the server, as for sample_hidden())."""
+        request = build_topk_request(None, k, temperature, hidden=hidden, weights=weights)
         return TopKProbsResult.from_response(self._call(self._stub.TopKProbs, request, timeout, request_id))
 
     def verify_draft(

@@ -14,14 +14,31 @@ from .result import Timings
 from .tensors import as_torch, decode_tensor, encode_tensor
 
 
-def _float_tensor(name: str, value: Any, rank: int, out: pb.Tensor) -> torch.Tensor:
+def _float_tensor(name: str, value: Any, rank: int | tuple[int, ...], out: pb.Tensor) -> torch.Tensor:
     tensor = as_torch(value)
-    if tensor.ndim != rank:
-        raise ValueError(f"{name}: expected {rank} dimensions, got shape {list(tensor.shape)}")
+    ranks = (rank,) if isinstance(rank, int) else rank
+    if tensor.ndim not in ranks:
+        raise ValueError(f"{name}: expected {' or '.join(map(str, ranks))} dimensions, got shape {list(tensor.shape)}")
     if tensor.dtype not in LOGITS_DTYPES:
         raise TypeError(f"{name}: dtype {tensor.dtype} cannot be sent; expected float32, bfloat16 or float16")
     encode_tensor(tensor, out=out)
     return tensor
+
+
+def _set_input(
+    request: pb.DiffusionStepRequest | pb.TopKProbsRequest, logits: Any, hidden: Any, weights: str | None,
+    rank: int | tuple[int, ...],
+) -> torch.Tensor:
+    """Encodes the request's input, `logits` or `hidden` states through the registered LM head named
+    `weights` (exactly one of them), and returns it as a tensor."""
+    if (logits is None) == (hidden is None):
+        raise ValueError("logits, hidden: expected exactly one of them")
+    if logits is not None:
+        return _float_tensor("logits", logits, rank, request.logits)
+    if not weights:
+        raise ValueError("weights: expected the name of a registered LM head with hidden states")
+    request.hidden.weights = weights
+    return _float_tensor("hidden", hidden, rank, request.hidden.states)
 
 
 def _timings(message: pb.Timings) -> Timings:
@@ -53,12 +70,14 @@ class DiffusionStepResult:
 
 
 def build_diffusion_request(
-    logits: Any, mask: Any, *, confidence_threshold: Any = None, commit_count: Any = None, **params: Any
+    logits: Any, mask: Any, *, hidden: Any = None, weights: str | None = None, confidence_threshold: Any = None,
+    commit_count: Any = None, **params: Any,
 ) -> pb.DiffusionStepRequest:
-    """logits [B, L, V]; mask [B, L] (bool or integers, nonzero = undecided); threshold and count:
-    None, one value or B values; params: the per-row sampling keywords of sample() (no position)."""
+    """logits [B, L, V], or (logits None) hidden states [B, L, D] through the registered LM head named
+    `weights`; mask [B, L] (bool or integers, nonzero = undecided); threshold and count: None, one value
+    or B values; params: the per-row sampling keywords of sample() (no position)."""
     request = pb.DiffusionStepRequest()
-    tensor = _float_tensor("logits", logits, 3, request.logits)
+    tensor = _set_input(request, logits, hidden, weights, 3)
     encode_tensor(as_torch(mask).to(torch.uint8), out=request.mask)
     batch = tensor.shape[0]
     fill_sampling_params(request.params, batch, **params)
@@ -88,11 +107,13 @@ class TopKProbsResult:
         )
 
 
-def build_topk_request(logits: Any, k: int, temperature: Any = None) -> pb.TopKProbsRequest:
-    """logits [B, S, V] or [B, V]; temperature: None (1), one value or B values (> 0)."""
+def build_topk_request(
+    logits: Any, k: int, temperature: Any = None, *, hidden: Any = None, weights: str | None = None
+) -> pb.TopKProbsRequest:
+    """logits [B, S, V] or [B, V], or (logits None) hidden states [B, S, D] or [B, D] through the
+    registered LM head named `weights`; temperature: None (1), one value or B values (> 0)."""
     request = pb.TopKProbsRequest(k=k)
-    tensor = as_torch(logits)
-    _float_tensor("logits", tensor, tensor.ndim if tensor.ndim in (2, 3) else 3, request.logits)
+    _set_input(request, logits, hidden, weights, (2, 3))
     if temperature is not None:
         request.temperature.extend(as_torch(temperature).reshape(-1).tolist() if not isinstance(temperature, (int, float))
                                    else [temperature])

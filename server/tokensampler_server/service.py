@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import grpc
@@ -30,14 +31,14 @@ from .request_context import request_id_from_metadata
 from .sample_rpc import SamplePath
 from .validation import LOGITS_DTYPES
 from .validation_ops import validate_diffusion_request, validate_topk_request, validate_verify_request
-from .weights import WEIGHT_DTYPES, WeightRegistry, load_safetensors, resolve_weights_path, sha256_hex
+from .weights import WEIGHT_DTYPES, RegisteredWeight, WeightRegistry, load_safetensors, resolve_weights_path, sha256_hex
 from .weights_rpc import finish_from_options, read_upload, weights_info
 
 API_VERSION = "tokensampler.v1"
 FEATURES = (
     "logits", "hidden_states", "weights_upload", "weights_from_file", "logprobs", "top_logprobs", "penalties",
     "logit_bias", "token_masks", "num_samples", "dynamic_batching", "sample_stream", "regions", "diffusion_step",
-    "topk_probs", "verify_draft",
+    "topk_probs", "verify_draft", "diffusion_step_hidden", "topk_probs_hidden",
 )
 
 
@@ -102,14 +103,27 @@ class SamplerService(pb_grpc.SamplerServicer):
         async for answer in self._sample_path.stream(request_iterator, stream_id):
             yield answer
 
+    def _use_lm_head(
+        self, request: pb.DiffusionStepRequest | pb.TopKProbsRequest
+    ) -> AbstractContextManager[RegisteredWeight | None]:
+        """Holds the weight a hidden-state request names for the call (NOT_FOUND if unknown), as Sample does;
+        None for logits."""
+        if request.WhichOneof("input") != "hidden":
+            return nullcontext()
+        return self._registry.use(request.hidden.weights)
+
     async def SampleDiffusionStep(
         self, request: pb.DiffusionStepRequest, context: grpc.aio.ServicerContext
     ) -> pb.DiffusionStepResponse:
         arrived = time.perf_counter_ns()
-        # The CUDA kernels on a CUDA backend, the torch references otherwise (backends/cuda_workloads.py).
-        step, seeds = validate_diffusion_request(request, self._limits)
-        started = time.perf_counter_ns()
-        tokens, confidences, mask = await self._batcher.run_exclusive(lambda: run_diffusion_step(step, self._backend))
+        with self._use_lm_head(request) as lm_head:
+            logits, step, seeds = validate_diffusion_request(request, self._limits, lm_head=lm_head)
+            started = time.perf_counter_ns()
+            # Hidden states become logits on the worker, on the LM head's (the backend's) device; then the
+            # CUDA kernels on a CUDA backend, the torch references otherwise (backends/cuda_workloads.py).
+            tokens, confidences, mask = await self._batcher.run_exclusive(
+                lambda: run_diffusion_step(step(logits.compute()), self._backend)
+            )
         response = pb.DiffusionStepResponse(request_id=current_call.get().request_id)
         encode_tensor(tokens.to(torch.int32).cpu(), out=response.tokens)
         encode_tensor(confidences.cpu(), out=response.confidences)
@@ -120,10 +134,14 @@ class SamplerService(pb_grpc.SamplerServicer):
 
     async def TopKProbs(self, request: pb.TopKProbsRequest, context: grpc.aio.ServicerContext) -> pb.TopKProbsResponse:
         arrived = time.perf_counter_ns()
-        logits, temperature, k = validate_topk_request(request, self._limits)
-        started = time.perf_counter_ns()
-        probs, ids = await self._batcher.run_exclusive(lambda: run_topk_probs(logits, temperature, k, self._backend))
-        shape = [*request.logits.shape[:-1], k]
+        with self._use_lm_head(request) as lm_head:
+            logits, temperature, k = validate_topk_request(request, self._limits, lm_head=lm_head)
+            started = time.perf_counter_ns()
+            # Hidden states become logits on the worker, as for diffusion steps; one row per position.
+            probs, ids = await self._batcher.run_exclusive(
+                lambda: run_topk_probs(logits.compute().flatten(0, -2), temperature, k, self._backend)
+            )
+        shape = [*logits.shape[:-1], k]
         response = pb.TopKProbsResponse(request_id=current_call.get().request_id)
         encode_tensor(probs.cpu().reshape(shape), out=response.probs)
         encode_tensor(ids.to(torch.int32).cpu().reshape(shape), out=response.ids)

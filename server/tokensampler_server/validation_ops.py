@@ -1,10 +1,16 @@
 """Validation of the requests beyond Sample: diffusion steps, top-k probabilities, draft verification.
 
 Same rules as validation.py: every field is checked before any work, and a rejection names the field
-and what was expected.
+and what was expected. Diffusion steps and top-k probabilities take logits, or hidden states with a
+registered LM head whose logits the service computes on the backend's worker (WorkloadLogits).
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -16,6 +22,7 @@ from .errors import InvalidArgument
 from .ops.diffusion import DiffusionStep
 from .ops.verify import DraftVerification
 from .validation import LOGITS_DTYPES, SeedSource, _column, _check, random_seeds, validate_row_params
+from .weights import RegisteredWeight
 
 MASK_DTYPES = (pb.DTYPE_UINT8, pb.DTYPE_INT32, pb.DTYPE_INT64)
 ID_DTYPES = (pb.DTYPE_INT32, pb.DTYPE_INT64)
@@ -35,19 +42,75 @@ def _tensor(message: pb.Tensor, field: str, dtypes: tuple[int, ...], rank: int |
         raise InvalidArgument(err.field, str(err).removeprefix(f"{err.field}: ")) from None
 
 
-def _check_size(field: str, rows: int, vocab: int, limits: Limits) -> None:
+def _check_size(field: str, rows: int, vocab: int, limits: Limits, what: str = "elements") -> None:
     if rows > limits.max_batch_rows:
         raise InvalidArgument(f"{field}.shape", f"got {rows} rows in all, expected at most {limits.max_batch_rows} (--max-batch-rows)")
     if rows * vocab > limits.max_batch_elements:
-        raise InvalidArgument(f"{field}.shape", f"got {rows * vocab} elements, expected at most {limits.max_batch_elements}")
+        raise InvalidArgument(f"{field}.shape", f"got {rows * vocab} {what}, expected at most {limits.max_batch_elements}")
+
+
+@dataclass(frozen=True)
+class WorkloadLogits:
+    """The logits [..., V] of a diffusion or top-k request: carried in it, or W·h of hidden states [..., D]
+    through a registered LM head (its bias, scale and soft cap applied, as for Sample)."""
+
+    tensor: torch.Tensor
+    """The logits, or the hidden states when `lm_head` is set."""
+    lm_head: RegisteredWeight | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logits' shape."""
+        if self.lm_head is None:
+            return tuple(self.tensor.shape)
+        return (*self.tensor.shape[:-1], self.lm_head.finish.vocab_size)
+
+    def compute(self) -> torch.Tensor:
+        """The logits: as carried, or float32 on the LM head's device (run it on the backend's worker)."""
+        if self.lm_head is None:
+            return self.tensor
+        return self.lm_head.logits(self.tensor.reshape(-1, self.tensor.shape[-1])).reshape(self.shape)
+
+
+def _workload_logits(
+    request: pb.DiffusionStepRequest | pb.TopKProbsRequest, rank: int | tuple[int, ...], limits: Limits,
+    lm_head: RegisteredWeight | None,
+) -> WorkloadLogits:
+    """The request's `logits`, or its `hidden` states through `lm_head` (the weight hidden.weights names),
+    of rank(s) `rank`, within the row and element limits."""
+    kind = request.WhichOneof("input")
+    if kind is None:
+        raise InvalidArgument("input", "not set; expected logits, or hidden (hidden states and a registered weight)")
+    if kind == "logits":
+        logits = _tensor(request.logits, "logits", LOGITS_DTYPES, rank)
+        _check_size("logits", math.prod(logits.shape[:-1]), logits.shape[-1], limits)
+        return WorkloadLogits(logits)
+    if request.hidden.HasField("states_ref"):
+        raise InvalidArgument("hidden.states_ref", "regions are not taken by this RPC; expected hidden.states")
+    if lm_head is None:
+        raise InvalidArgument("hidden.weights", "not set; expected the name of a registered weight")
+    states = _tensor(request.hidden.states, "hidden.states", LOGITS_DTYPES, rank)
+    if states.shape[-1] != lm_head.hidden_size:
+        raise InvalidArgument(
+            "hidden.states.shape", f"got D={states.shape[-1]}, expected D={lm_head.hidden_size} of weight {lm_head.name!r}"
+        )
+    # The server computes the logits: bound them as if they had been sent.
+    vocab = lm_head.finish.vocab_size
+    _check_size("hidden.states", math.prod(states.shape[:-1]), vocab, limits,
+                f"logit elements (V={vocab} of weight {lm_head.name!r})")
+    return WorkloadLogits(states, lm_head)
 
 
 def validate_diffusion_request(
-    request: pb.DiffusionStepRequest, limits: Limits, seed_source: SeedSource = random_seeds
-) -> tuple[DiffusionStep, np.ndarray]:
-    logits = _tensor(request.logits, "logits", LOGITS_DTYPES, 3)
+    request: pb.DiffusionStepRequest, limits: Limits, seed_source: SeedSource = random_seeds,
+    lm_head: RegisteredWeight | None = None,
+) -> tuple[WorkloadLogits, Callable[[torch.Tensor], DiffusionStep], np.ndarray]:
+    """(the logits [B, L, V], the step given its logits, the uint64 seed of each row).
+
+    `lm_head` is the registered weight that `request.hidden.weights` names (hidden-state input).
+    """
+    logits = _workload_logits(request, 3, limits, lm_head)
     num_rows, length, vocab = logits.shape
-    _check_size("logits", num_rows * length, vocab, limits)
     mask = _tensor(request.mask, "mask", MASK_DTYPES, 2)
     if tuple(mask.shape) != (num_rows, length):
         raise InvalidArgument("mask.shape", f"got {list(mask.shape)}, expected [B, L] = {[num_rows, length]}")
@@ -56,26 +119,27 @@ def validate_diffusion_request(
     _check(threshold, np.isnan(threshold) | ((threshold >= 0) & (threshold <= 1)), "confidence_threshold",
            "0 <= threshold <= 1 (NaN: none)")
     count = _column(request.commit_count, "commit_count", num_rows, 0, np.int64)
-    step = DiffusionStep(
-        logits=logits, mask=mask != 0, temperature=rows.temperature, top_k=rows.top_k, top_p=rows.top_p,
+    step = partial(
+        DiffusionStep, mask=mask != 0, temperature=rows.temperature, top_k=rows.top_k, top_p=rows.top_p,
         min_p=rows.min_p, seed=rows.seed, iteration=rows.iteration, threshold=torch.from_numpy(threshold),
         count=torch.from_numpy(count), processing=rows.processing,
     )
-    return step, rows.seeds
+    return logits, step, rows.seeds
 
 
-def validate_topk_request(request: pb.TopKProbsRequest, limits: Limits) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(logits [N, V] with N = B·S, temperature [N], k)."""
-    logits = _tensor(request.logits, "logits", LOGITS_DTYPES, (2, 3))
+def validate_topk_request(
+    request: pb.TopKProbsRequest, limits: Limits, lm_head: RegisteredWeight | None = None
+) -> tuple[WorkloadLogits, torch.Tensor, int]:
+    """(logits [B, S, V] or [B, V], temperature [N] of the N = B·S rows, k); `lm_head` as for
+    validate_diffusion_request."""
+    logits = _workload_logits(request, (2, 3), limits, lm_head)
     num_rows, vocab = logits.shape[0], logits.shape[-1]
-    flat = logits.reshape(-1, vocab)
-    _check_size("logits", flat.shape[0], vocab, limits)
     if not 1 <= request.k <= min(vocab, MAX_TOPK):
         raise InvalidArgument("k", f"got {request.k}, expected 1 <= k <= min(V, {MAX_TOPK}) = {min(vocab, MAX_TOPK)}")
     temperature = _column(request.temperature, "temperature", num_rows, 1.0, np.float32)
     _check(temperature, np.isfinite(temperature) & (temperature > 0), "temperature", "T > 0 and finite")
-    per_position = torch.from_numpy(temperature).repeat_interleave(flat.shape[0] // num_rows)
-    return flat, per_position, request.k
+    per_position = torch.from_numpy(temperature).repeat_interleave(math.prod(logits.shape[1:-1]))
+    return logits, per_position, request.k
 
 
 def validate_verify_request(

@@ -1,4 +1,5 @@
-"""The server on the CUDA backend end to end: logits on the wire, CUDA IPC regions, hidden states."""
+"""The server on the CUDA backend end to end: logits on the wire, CUDA IPC regions, hidden states (for
+Sample and for the diffusion and top-k workloads)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from tokensampler_server.backends.cpu import CpuBackend
 
 from ..batches import make_batch
 from ..conftest import RunningServer, start_server
+from ..test_workloads_hidden_e2e import check_diffusion_step, check_topk_probs, make_heads
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 
@@ -121,3 +123,18 @@ def test_metrics_report_the_gpu(cuda_server: RunningServer, client: SamplerClien
     allocated = re.search(r'^tokensampler_gpu_memory_allocated_bytes\{device="[^"]+"\} (\S+)$', text, re.MULTILINE)
     assert allocated and float(allocated.group(1)) > 0
     assert re.search(r'^tokensampler_build_info\{[^}]*backend="cuda"[^}]*\} 1\.0$', text, re.MULTILINE)
+
+
+def test_workloads_from_hidden_states_equal_the_logits_ones(client: SamplerClient) -> None:
+    """tests/test_workloads_hidden_e2e.py's equalities on the CUDA backend; the test computes the logits'
+    finish on the GPU too, so that they round as the server's."""
+    heads = make_heads("gpu-workload-head")
+    for head in heads:
+        head.register(client)
+    try:
+        for head in heads:
+            check_diffusion_step(client, head, "cuda")
+            check_topk_probs(client, head, "cuda")
+    finally:
+        for head in heads:
+            client.unregister_weights(head.name)

@@ -404,18 +404,20 @@ class UnregisterRegionResponse(_message.Message):
     def __init__(self, region: _Optional[_Union[RegionInfo, _Mapping]] = ...) -> None: ...
 
 class DiffusionStepRequest(_message.Message):
-    __slots__ = ("logits", "mask", "params", "confidence_threshold", "commit_count")
+    __slots__ = ("logits", "hidden", "mask", "params", "confidence_threshold", "commit_count")
     LOGITS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
     MASK_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     COMMIT_COUNT_FIELD_NUMBER: _ClassVar[int]
     logits: Tensor
+    hidden: HiddenStates
     mask: Tensor
     params: SamplingParams
     confidence_threshold: _containers.RepeatedScalarFieldContainer[float]
     commit_count: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ..., mask: _Optional[_Union[Tensor, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., confidence_threshold: _Optional[_Iterable[float]] = ..., commit_count: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ..., hidden: _Optional[_Union[HiddenStates, _Mapping]] = ..., mask: _Optional[_Union[Tensor, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., confidence_threshold: _Optional[_Iterable[float]] = ..., commit_count: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DiffusionStepResponse(_message.Message):
     __slots__ = ("tokens", "confidences", "mask", "seeds", "timings", "request_id")
@@ -434,14 +436,16 @@ class DiffusionStepResponse(_message.Message):
     def __init__(self, tokens: _Optional[_Union[Tensor, _Mapping]] = ..., confidences: _Optional[_Union[Tensor, _Mapping]] = ..., mask: _Optional[_Union[Tensor, _Mapping]] = ..., seeds: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class TopKProbsRequest(_message.Message):
-    __slots__ = ("logits", "k", "temperature")
+    __slots__ = ("logits", "hidden", "k", "temperature")
     LOGITS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     logits: Tensor
+    hidden: HiddenStates
     k: int
     temperature: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[int] = ..., temperature: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ..., hidden: _Optional[_Union[HiddenStates, _Mapping]] = ..., k: _Optional[int] = ..., temperature: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TopKProbsResponse(_message.Message):
     __slots__ = ("probs", "ids", "timings", "request_id")

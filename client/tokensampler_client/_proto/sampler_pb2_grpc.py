@@ -158,15 +158,17 @@ class SamplerServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def SampleDiffusionStep(self, request, context):
-        """One denoising step of a diffusion LM: samples every masked position of logits [B, L, V] and
-        commits the confident ones (docs/semantics.md, "Diffusion-LM steps").
+        """One denoising step of a diffusion LM: samples every masked position of logits [B, L, V] (or of
+        hidden states [B, L, D] through a registered LM head) and commits the confident ones
+        (docs/semantics.md, "Diffusion-LM steps").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def TopKProbs(self, request, context):
-        """The K most probable ids of softmax(x / T) for logits [B, S, V], without writing the softmax.
+        """The K most probable ids of softmax(x / T) for logits [B, S, V] (or hidden states [B, S, D] through a
+        registered LM head), without writing the softmax.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
