@@ -21,7 +21,7 @@ from .config import Limits
 from .errors import InvalidArgument
 from .ops.diffusion import DiffusionStep
 from .ops.verify import DraftVerification
-from .validation import LOGITS_DTYPES, SeedSource, _column, _check, random_seeds, validate_row_params
+from .validation import LOGITS_DTYPES, SeedSource, _column, _check, check_lm_head, random_seeds, validate_row_params
 from .weights import RegisteredWeight
 
 MASK_DTYPES = (pb.DTYPE_UINT8, pb.DTYPE_INT32, pb.DTYPE_INT64)
@@ -87,13 +87,8 @@ def _workload_logits(
         return WorkloadLogits(logits)
     if request.hidden.HasField("states_ref"):
         raise InvalidArgument("hidden.states_ref", "regions are not taken by this RPC; expected hidden.states")
-    if lm_head is None:
-        raise InvalidArgument("hidden.weights", "not set; expected the name of a registered weight")
     states = _tensor(request.hidden.states, "hidden.states", LOGITS_DTYPES, rank)
-    if states.shape[-1] != lm_head.hidden_size:
-        raise InvalidArgument(
-            "hidden.states.shape", f"got D={states.shape[-1]}, expected D={lm_head.hidden_size} of weight {lm_head.name!r}"
-        )
+    lm_head = check_lm_head(lm_head, states.shape[-1])
     # The server computes the logits: bound them as if they had been sent.
     vocab = lm_head.finish.vocab_size
     _check_size("hidden.states", math.prod(states.shape[:-1]), vocab, limits,
