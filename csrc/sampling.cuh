@@ -228,6 +228,29 @@ __device__ __forceinline__ Proxy merge_proxy(Proxy a, const Proxy& b) {
   return a;
 }
 
+// The proxy of the lane `o` away (xor) in the warp.
+__device__ __forceinline__ Proxy shfl_xor_proxy(const Proxy& p, int o) {
+  return Proxy{__shfl_xor_sync(0xffffffffu, p.p1, o), __shfl_xor_sync(0xffffffffu, p.p2, o),
+               __shfl_xor_sync(0xffffffffu, p.i1, o)};
+}
+
+// Proxy, max and (LSE) sum of exp(c (x - max)) merged across lanes xor kFirst, kFirst / 2, ..., 1: a
+// butterfly in a fixed order, every lane ending with the merge of its group of 2 kFirst lanes.
+template <bool LSE, int kFirst>
+__device__ __forceinline__ void butterfly_merge_gumbel(Proxy& px, float& mx, float& sum, float c) {
+#pragma unroll
+  for (int o = kFirst; o; o >>= 1) {
+    px = merge_proxy(px, shfl_xor_proxy(px, o));
+    const float m2 = __shfl_xor_sync(0xffffffffu, mx, o);
+    if (LSE) {
+      const float s2 = __shfl_xor_sync(0xffffffffu, sum, o);
+      const float m = fmaxf(mx, m2);
+      sum = m == -kInf ? 0.f : sum * expf((mx - m) * c) + s2 * expf((m2 - m) * c);
+    }
+    mx = fmaxf(mx, m2);
+  }
+}
+
 struct GumbelPartial {
   Proxy proxy;
   float max, sum;
@@ -592,19 +615,7 @@ __global__ void __launch_bounds__(kThreads, LSE || kMinP ? 4 : 5)
         for (int e = 0; e < 4; ++e) sum += expf((v[j][e] - mx) * c);
     }
   }
-#pragma unroll
-  for (int o = 16; o; o >>= 1) {
-    const Proxy b{__shfl_xor_sync(0xffffffffu, px.p1, o), __shfl_xor_sync(0xffffffffu, px.p2, o),
-                  __shfl_xor_sync(0xffffffffu, px.i1, o)};
-    px = merge_proxy(px, b);
-    const float m2 = __shfl_xor_sync(0xffffffffu, mx, o);
-    if (LSE) {
-      const float s2 = __shfl_xor_sync(0xffffffffu, sum, o);
-      const float m = fmaxf(mx, m2);
-      sum = m == -kInf ? 0.f : sum * expf((mx - m) * c) + s2 * expf((m2 - m) * c);
-    }
-    mx = fmaxf(mx, m2);
-  }
+  butterfly_merge_gumbel<LSE, 16>(px, mx, sum, c);
   const bool any_nan = __syncthreads_or(nan);
   __shared__ GumbelPartial warp_part[kThreads / 32];
   if ((threadIdx.x & 31) == 0) warp_part[threadIdx.x >> 5] = GumbelPartial{px, mx, sum, 0u};
@@ -613,17 +624,7 @@ __global__ void __launch_bounds__(kThreads, LSE || kMinP ? 4 : 5)
   if (threadIdx.x < 32) {  // warp 0 merges the warps' partials across its lanes (see block_stats)
     GumbelPartial acc =
         threadIdx.x < kThreads / 32 ? warp_part[threadIdx.x] : GumbelPartial{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, 0u};
-#pragma unroll
-    for (int o = kThreads / 64; o; o >>= 1) {
-      const GumbelPartial b{{__shfl_xor_sync(0xffffffffu, acc.proxy.p1, o),
-                             __shfl_xor_sync(0xffffffffu, acc.proxy.p2, o),
-                             __shfl_xor_sync(0xffffffffu, acc.proxy.i1, o)},
-                            __shfl_xor_sync(0xffffffffu, acc.max, o), __shfl_xor_sync(0xffffffffu, acc.sum, o), 0u};
-      acc.proxy = merge_proxy(acc.proxy, b.proxy);
-      const float m = fmaxf(acc.max, b.max);
-      if (LSE) acc.sum = m == -kInf ? 0.f : acc.sum * expf((acc.max - m) * c) + b.sum * expf((b.max - m) * c);
-      acc.max = m;
-    }
+    butterfly_merge_gumbel<LSE, kThreads / 64>(acc.proxy, acc.max, acc.sum, c);
     acc.nan = any_nan;
     if (threadIdx.x == 0) partial[split] = acc;
   }

@@ -79,9 +79,7 @@ __device__ __forceinline__ RowPartial warp_merge_row(const RowPartial& s, float 
     if (!__all_sync(0xffffffffu, s.proxy.p1 == -kInf && s.proxy.p2 == p2)) {
 #pragma unroll
       for (int o = 16; o; o >>= 1)
-        w.proxy = merge_proxy(w.proxy, Proxy{__shfl_xor_sync(0xffffffffu, w.proxy.p1, o),
-                                             __shfl_xor_sync(0xffffffffu, w.proxy.p2, o),
-                                             __shfl_xor_sync(0xffffffffu, w.proxy.i1, o)});
+        w.proxy = merge_proxy(w.proxy, shfl_xor_proxy(w.proxy, o));
     }
   }
   return w;
