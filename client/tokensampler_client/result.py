@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,11 @@ class Timings:
     queue_ns: int
     compute_ns: int
     total_ns: int
+
+
+def _flags(values: Sequence[bool]) -> torch.Tensor:
+    """A repeated bool field as a bool tensor the caller owns (one copy into a bytearray, no list)."""
+    return torch.frombuffer(bytearray(values), dtype=torch.bool) if len(values) else torch.zeros(0, dtype=torch.bool)
 
 
 @dataclass
@@ -63,8 +69,8 @@ class SampleResult:
             logprobs=optional("logprobs", torch.float32),
             top_logprob_ids=optional("top_logprob_ids", torch.int64),
             top_logprobs=optional("top_logprobs", torch.float32),
-            valid=torch.tensor(list(response.valid), dtype=torch.bool),
-            nan_detected=torch.tensor(list(response.nan_detected), dtype=torch.bool),
+            valid=_flags(response.valid),
+            nan_detected=_flags(response.nan_detected),
             timings=Timings(timings.queue_ns, timings.compute_ns, timings.total_ns),
             request_id=response.request_id,
         )

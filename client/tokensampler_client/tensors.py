@@ -80,17 +80,19 @@ def decode_tensor(msg: pb.Tensor, field: str = "tensor") -> torch.Tensor:
     shape = tuple(msg.shape)
     if any(dim < 0 for dim in shape):
         raise TensorDecodeError(f"{field}.shape", f"got {list(shape)}, expected non-negative sizes")
-    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    itemsize = torch_dtype.itemsize
     count = 1
     for dim in shape:
         count *= dim
     expected = count * itemsize
-    if len(msg.data) != expected:
+    data = msg.data  # each read of a bytes field builds a new bytes object: read it once
+    if len(data) != expected:
         raise TensorDecodeError(
             f"{field}.data",
-            f"got {len(msg.data)} bytes, expected prod(shape {list(shape)}) * {itemsize} = {expected}",
+            f"got {len(data)} bytes, expected prod(shape {list(shape)}) * {itemsize} = {expected}",
         )
     if count == 0:
         return torch.empty(shape, dtype=torch_dtype)
-    flat = torch.frombuffer(memoryview(msg.data), dtype=torch.uint8)
-    return flat.view(torch_dtype).view(shape)
+    # Few torch calls: a client decodes every response right after waiting idle for it, when each call
+    # costs several times what it does in a loop (benchmarks/SERVICE_NOTES.md).
+    return torch.frombuffer(data, dtype=torch_dtype).view(shape)
