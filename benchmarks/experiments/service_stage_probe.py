@@ -1,0 +1,267 @@
+"""Where a SampleStream message's time goes: server variants that each keep less of the service's own work,
+beside the empty gRPC echo, on logits in a region (CUDA IPC on a GPU, shared memory on the CPU).
+
+  python benchmarks/experiments/service_stage_probe.py --device cuda [--variants base,floor,floorbackend,floorsync]
+      [--rounds 4] [--iters 300] [--batches 1 64] [--stages] [--idle]
+
+Variants (each its own server process, monkeypatched in that process only):
+  base          the server as it is;
+  novalid       validation done once and its batch reused (what validation costs);
+  floorbackend  SampleStream answers every message with the first one's answer after backend.sample of its
+                batch: the backend's host path without parsing, validation or encoding;
+  floorsync     the same, one tiny kernel and a device synchronisation instead of the backend (CUDA only):
+                about what a native data plane would leave;
+  floor         the first answer at once, nothing else.
+Each variant is timed with prebuilt request bytes (`raw`: no client-side protobuf work) and through the client
+library (`client`), in rounds interleaved with the echo (single runs on these machines swing by tens of percent).
+--stages also prints base's per-stage spans inside the server (parse, start with the backend, finish, yield);
+--idle times the backend call and the client's build + decode in this process, hot in a loop and after an
+idle wait, as a server and a waiting client run them. Findings: benchmarks/SERVICE_NOTES.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+for package in ("server", "client", "benchmarks"):
+    sys.path.insert(0, str(ROOT / package))
+
+V = 151936
+PARAMS = dict(top_k=50, top_p=0.9)
+STAGES = (("parse", "p0", "p1"), ("to start", "p1", "s0"), ("start (validation, backend)", "s0", "s1"),
+          ("to finish", "s1", "f0"), ("finish (encode)", "f0", "f1"), ("to serialise", "f1", "w0"))
+
+
+def _repeat_first_answer(variant: str) -> None:
+    """SampleStream answers each message with the first message's answer, after the variant's work."""
+    import torch
+    from tokensampler_client._proto import sampler_pb2 as pb
+    from tokensampler_server import service
+    from tokensampler_server.call_record import CallRecord
+
+    tiny = torch.zeros(1, device="cuda") if variant == "floorsync" else None  # CUDA servers only
+
+    async def sample_stream(self, requests, context):
+        first = None
+        async for request in requests:
+            if first is None:  # the real path once: the batch and the answer to repeat
+                started = self._sample_path.start(request, CallRecord(method="probe", request_id="probe"))
+                with started.held:
+                    result, times = await started.future
+                    answer = pb.SampleStreamResponse(response=self._sample_path.finish(started, result, times))
+                first = (started.call.batch, answer)
+            if variant == "floorbackend":
+                self._backend.sample(first[0])
+            elif tiny is not None:
+                tiny.add_(1)
+                torch.cuda.synchronize()
+            yield first[1]
+
+    service.SamplerService.SampleStream = sample_stream
+
+
+def _cache_validation() -> None:
+    from tokensampler_server import sample_rpc
+
+    validate, cached = sample_rpc.validate_sample_request, []
+
+    def once(request, limits, **kwargs):
+        if not cached:
+            cached.append(validate(request, limits, **kwargs))
+        return cached[0]
+
+    sample_rpc.validate_sample_request = once
+
+
+def _trace_stages(path: str) -> None:
+    """Appends the median span of each stage of every 300 stream messages to `path`."""
+    import grpc
+    from tokensampler_server import interceptor, sample_rpc
+
+    now, marks, spans = time.perf_counter_ns, {}, []
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            marks[name + "0"] = now()
+            out = fn(*args, **kwargs)
+            marks[name + "1"] = now()
+            return out
+        return wrapper
+
+    interceptor._parse = timed("p", interceptor._parse)
+    sample_rpc.SamplePath.start = timed("s", sample_rpc.SamplePath.start)
+    sample_rpc.SamplePath.finish = staticmethod(timed("f", sample_rpc.SamplePath.finish))
+    stream_handler = grpc.stream_stream_rpc_method_handler
+
+    def handler(behaviour, request_deserializer=None, response_serializer=None):
+        if response_serializer is None:
+            return stream_handler(behaviour, request_deserializer, response_serializer)
+
+        def serialise(message):
+            marks["w0"] = now()
+            if "p0" in marks and "f1" in marks:
+                spans.append({name: (marks[b] - marks[a]) / 1e3 for name, a, b in STAGES})
+            marks.clear()
+            if len(spans) == 300:
+                with open(path, "a") as out:
+                    out.write(" | ".join(f"{name} {statistics.median(s[name] for s in spans):.1f}"
+                                         for name, _, _ in STAGES) + "\n")
+                spans.clear()
+            return response_serializer(message)
+
+        return stream_handler(behaviour, request_deserializer, serialise)
+
+    grpc.stream_stream_rpc_method_handler = handler
+
+
+def serve(variant: str, server_args: list[str]) -> int:
+    from tokensampler_server.cli import main
+
+    if variant.startswith("floor"):
+        _repeat_first_answer(variant)
+    if variant == "novalid":
+        _cache_validation()
+    if os.environ.get("PROBE_STAGES"):
+        _trace_stages(os.environ["PROBE_STAGES"])
+    sys.argv = [sys.argv[0], *server_args]
+    return main()
+
+
+def idle_costs(device: str) -> None:
+    """The backend call and the client's build + decode, hot and after an idle wait (p50 µs)."""
+    import torch
+    from generators import spiky_logits
+    from tokensampler_client._proto import sampler_pb2 as pb
+    from tokensampler_client.params import build_sample_request
+    from tokensampler_client.regions import RegionView
+    from tokensampler_client.stream import result_or_error
+    from tokensampler_server.backends import create_backend
+    from tokensampler_server.config import Limits
+    from tokensampler_server.sample_rpc import encode_result
+    from tokensampler_server.validation import validate_sample_request
+
+    backend = create_backend(device)
+    logits = spiky_logits(1, V, device)
+    view = RegionView("probe", 0, torch.float32, (1, V))
+    request = build_sample_request(view, seed=[0], **PARAMS)
+    batch, seeds = validate_sample_request(request, Limits(), referenced=logits)
+    answer = pb.SampleStreamResponse(response=encode_result(backend.sample(batch), seeds)).SerializeToString()
+
+    def client_side() -> None:
+        build_sample_request(view, seed=[0], **PARAMS).SerializeToString()
+        result_or_error(pb.SampleStreamResponse.FromString(answer))
+
+    def p50(work, idle_s: float, count: int = 300) -> float:
+        times = []
+        for _ in range(count):
+            if idle_s:
+                time.sleep(idle_s)
+            started = time.perf_counter_ns()
+            work()
+            times.append((time.perf_counter_ns() - started) / 1e3)
+        return statistics.median(times)
+
+    for name, work in (("backend.sample", lambda: backend.sample(batch)), ("client build + decode", client_side)):
+        for _ in range(2):
+            print(f"{name:22s} hot {p50(work, 0):7.1f}  after 0.5 ms idle {p50(work, 5e-4):7.1f}  "
+                  f"after 2 ms idle {p50(work, 2e-3, 150):7.1f}", flush=True)
+
+
+def measure(args: argparse.Namespace) -> None:
+    import grpc
+    import torch
+    from bench_service import Echo, latency, start
+    from generators import spiky_logits
+    from tokensampler_client import SamplerClient
+    from tokensampler_client.params import build_sample_request
+
+    on_gpu = args.device == "cuda"
+    stages = Path(tempfile.mkdtemp(prefix="probe-")) / "stages.txt"
+    servers, ports = [], {}
+    for variant in args.variants.split(","):
+        os.environ.pop("PROBE_STAGES", None)
+        if args.stages and variant == "base":
+            os.environ["PROBE_STAGES"] = str(stages)
+        process, ports[variant] = start(
+            [sys.executable, __file__, "--serve", variant, "--host", "127.0.0.1", "--port", "0", "--device",
+             args.device, "--no-metrics", "--allow-shm", "--allow-cuda-ipc"],
+            re.compile(r"tokensampler serving on .*:(\d+)"))
+        servers.append(process)
+    echo, echo_port = start([sys.executable, str(ROOT / "benchmarks" / "echo_server.py"), "--port", "0"],
+                            re.compile(r"echo serving on (\d+)"))
+    servers.append(echo)
+    try:
+        echo_stub = Echo(f"127.0.0.1:{echo_port}")
+        echo_stream = echo_stub.stream_session()
+        calls = {"echo_stream": lambda: echo_stream(b""), "echo_unary": lambda: echo_stub.unary(b"")}
+        held = []
+        for batch in args.batches:
+            logits = spiky_logits(batch, V, args.device)
+            params = dict(seed=list(range(batch)), **PARAMS)
+            for variant, port in ports.items():
+                client = SamplerClient(f"127.0.0.1:{port}", timeout=60)
+                if on_gpu:
+                    region = client.register_cuda_region(f"logits-{batch}", logits)
+                    view = region.view_of(logits)
+                    torch.cuda.synchronize()
+                else:
+                    region = client.register_shm_region(f"logits-{batch}", logits.numel() * 4)
+                    region.tensor(torch.float32, tuple(logits.shape)).copy_(logits)
+                    view = region.view(torch.float32, tuple(logits.shape))
+                raw = build_sample_request(view, **params).SerializeToString()
+                requests: queue.SimpleQueue = queue.SimpleQueue()
+                channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+                answers = channel.stream_stream("/tokensampler.v1.Sampler/SampleStream")(iter(requests.get, None))
+                stream = client.stream()
+                held.append((client, region, channel, stream))
+
+                def raw_call(requests=requests, answers=answers, raw=raw):
+                    requests.put(raw)
+                    return next(answers)
+
+                calls[f"{variant} raw B={batch}"] = raw_call
+                if variant != "floor":  # its repeated answer is not this batch's
+                    calls[f"{variant} client B={batch}"] = lambda s=stream, v=view, p=params: s.sample(v, **p)
+        runs: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(args.rounds):
+            for name, call in calls.items():
+                runs[name].append(latency(call, args.iters, warmup=20)[0])
+        for name, p50s in runs.items():
+            print(f"{name:26s} p50 {statistics.median(p50s):8.1f} us  (rounds: {' '.join(f'{x:.0f}' for x in p50s)})",
+                  flush=True)
+        if args.stages and stages.exists():
+            print("base, per-stage medians inside the server (µs, 300 messages a line):")
+            print(stages.read_text(), end="")
+    finally:
+        for process in servers:
+            process.terminate()
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve":
+        sys.exit(serve(sys.argv[2], sys.argv[3:]))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--variants", default="base,floor,floorbackend,floorsync")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--stages", action="store_true")
+    parser.add_argument("--idle", action="store_true")
+    args = parser.parse_args()
+    if args.idle:
+        idle_costs(args.device)
+    measure(args)
+
+
+if __name__ == "__main__":
+    main()
