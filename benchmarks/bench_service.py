@@ -47,6 +47,7 @@ from generators import spiky_logits  # noqa: E402
 import grpc  # noqa: E402
 from tokensampler_client import BatchingClient, SamplerClient  # noqa: E402
 from tokensampler_client.params import build_sample_request  # noqa: E402
+from tokensampler_client.regions import RegionView  # noqa: E402
 from tokensampler_server.backends import create_backend  # noqa: E402
 from tokensampler_server.config import Limits  # noqa: E402
 from tokensampler_server.validation import validate_sample_request  # noqa: E402
@@ -98,6 +99,18 @@ def throughput(call: Callable[[int], object], clients: int, seconds: float) -> f
     for thread in threads:
         thread.join()
     return sum(counts) / seconds
+
+
+def share_tensor(client: SamplerClient, name: str, tensor: torch.Tensor) -> tuple[object, RegionView]:
+    """Registers `tensor` as region `name` (CUDA IPC for a GPU tensor, else a shared-memory copy) and returns
+    the region with the view of the tensor in it, ready to be read by the server."""
+    if tensor.is_cuda:
+        region = client.register_cuda_region(name, tensor)
+        torch.cuda.synchronize()
+        return region, region.view_of(tensor)
+    region = client.register_shm_region(name, tensor.numel() * tensor.element_size())
+    region.tensor(tensor.dtype, tuple(tensor.shape)).copy_(tensor)
+    return region, region.view(tensor.dtype, tuple(tensor.shape))
 
 
 class Echo:
@@ -170,27 +183,13 @@ def run(args: argparse.Namespace) -> dict:
             record("tokensampler_uds", batch, *latency(lambda: uds_client.sample(host_logits, seed=seeds, **PARAMS), iters))
             record("tokensampler_stream", batch, *latency(lambda: stream.sample(host_logits, seed=seeds, **PARAMS), iters))
 
-            if on_gpu:
-                region = client.register_cuda_region(f"logits-{batch}", logits)
-                view = region.view_of(logits)
-                torch.cuda.synchronize()
-            else:
-                region = client.register_shm_region(f"logits-{batch}", logits.numel() * 4)
-                region.tensor(torch.float32, tuple(logits.shape)).copy_(logits)
-                view = region.view(torch.float32, tuple(logits.shape))
+            region, view = share_tensor(client, f"logits-{batch}", logits)
             record("tokensampler_ipc_unary", batch, *latency(lambda: client.sample(view, seed=seeds, **PARAMS), iters))
             record("tokensampler_ipc_stream", batch, *latency(lambda: stream.sample(view, seed=seeds, **PARAMS), iters))
             client.unregister_region(region)
 
             hidden = torch.randn(batch, hidden_size, dtype=torch.bfloat16, device=device)
-            if on_gpu:
-                hidden_region = client.register_cuda_region(f"hidden-{batch}", hidden)
-                hidden_view = hidden_region.view_of(hidden)
-                torch.cuda.synchronize()
-            else:
-                hidden_region = client.register_shm_region(f"hidden-{batch}", hidden.numel() * 2)
-                hidden_region.tensor(torch.bfloat16, tuple(hidden.shape)).copy_(hidden)
-                hidden_view = hidden_region.view(torch.bfloat16, tuple(hidden.shape))
+            hidden_region, hidden_view = share_tensor(client, f"hidden-{batch}", hidden)
             record("tokensampler_hidden_ipc", batch,
                    *latency(lambda: client.sample_hidden(hidden_view, "bench-head", seed=seeds, **PARAMS), iters),
                    hidden_size=hidden_size)
@@ -200,12 +199,7 @@ def run(args: argparse.Namespace) -> dict:
         batcher = BatchingClient(client, max_rows=256, max_delay_us=200)
         # One region holding every client's rows, as an engine's logits buffer would.
         shared = spiky_logits(THROUGHPUT_ROWS * max(THROUGHPUT_CLIENTS), V, device)
-        if on_gpu:
-            shared_region = client.register_cuda_region("throughput", shared)
-            torch.cuda.synchronize()
-        else:
-            shared_region = client.register_shm_region("throughput", shared.numel() * 4)
-            shared_region.tensor(torch.float32, tuple(shared.shape)).copy_(shared)
+        shared_region, _ = share_tensor(client, "throughput", shared)
         slices = [shared_region.view(torch.float32, (THROUGHPUT_ROWS, V), offset=i * THROUGHPUT_ROWS * V * 4)
                   for i in range(max(THROUGHPUT_CLIENTS))]
         for clients in THROUGHPUT_CLIENTS:

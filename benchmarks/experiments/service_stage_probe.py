@@ -178,13 +178,11 @@ def idle_costs(device: str) -> None:
 
 def measure(args: argparse.Namespace) -> None:
     import grpc
-    import torch
-    from bench_service import Echo, latency, start
+    from bench_service import Echo, latency, share_tensor, start
     from generators import spiky_logits
     from tokensampler_client import SamplerClient
     from tokensampler_client.params import build_sample_request
 
-    on_gpu = args.device == "cuda"
     stages = Path(tempfile.mkdtemp(prefix="probe-")) / "stages.txt"
     servers, ports = [], {}
     for variant in args.variants.split(","):
@@ -209,14 +207,7 @@ def measure(args: argparse.Namespace) -> None:
             params = dict(seed=list(range(batch)), **PARAMS)
             for variant, port in ports.items():
                 client = SamplerClient(f"127.0.0.1:{port}", timeout=60)
-                if on_gpu:
-                    region = client.register_cuda_region(f"logits-{batch}", logits)
-                    view = region.view_of(logits)
-                    torch.cuda.synchronize()
-                else:
-                    region = client.register_shm_region(f"logits-{batch}", logits.numel() * 4)
-                    region.tensor(torch.float32, tuple(logits.shape)).copy_(logits)
-                    view = region.view(torch.float32, tuple(logits.shape))
+                region, view = share_tensor(client, f"logits-{batch}", logits)
                 raw = build_sample_request(view, **params).SerializeToString()
                 requests: queue.SimpleQueue = queue.SimpleQueue()
                 channel = grpc.insecure_channel(f"127.0.0.1:{port}")
