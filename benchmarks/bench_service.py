@@ -47,7 +47,7 @@ from generators import spiky_logits  # noqa: E402
 import grpc  # noqa: E402
 from tokensampler_client import BatchingClient, SamplerClient  # noqa: E402
 from tokensampler_client.params import build_sample_request  # noqa: E402
-from tokensampler_client.regions import RegionView  # noqa: E402
+from tokensampler_client.regions import CudaRegion, RegionView, SharedMemoryRegion  # noqa: E402
 from tokensampler_server.backends import create_backend  # noqa: E402
 from tokensampler_server.config import Limits  # noqa: E402
 from tokensampler_server.validation import validate_sample_request  # noqa: E402
@@ -101,7 +101,9 @@ def throughput(call: Callable[[int], object], clients: int, seconds: float) -> f
     return sum(counts) / seconds
 
 
-def share_tensor(client: SamplerClient, name: str, tensor: torch.Tensor) -> tuple[object, RegionView]:
+def share_tensor(
+    client: SamplerClient, name: str, tensor: torch.Tensor
+) -> tuple[CudaRegion | SharedMemoryRegion, RegionView]:
     """Registers `tensor` as region `name` (CUDA IPC for a GPU tensor, else a shared-memory copy) and returns
     the region with the view of the tensor in it, ready to be read by the server."""
     if tensor.is_cuda:
