@@ -12,10 +12,12 @@
 
 #include "sampling.h"
 
-// Defined in bindings_fused.cpp (hidden states x LM head) and bindings_workloads.cpp (diffusion,
-// top-k probabilities, draft verification): one extension module, one binding file per kernel family.
+// Defined in bindings_fused.cpp (hidden states x LM head), bindings_workloads.cpp (diffusion, top-k
+// probabilities, draft verification) and bindings_request_path.cpp (the native request path): one
+// extension module, one binding file per family.
 void register_fused(pybind11::module_& m);
 void register_workloads(pybind11::module_& m);
+void register_request_path(pybind11::module_& m);
 
 namespace {
 
@@ -142,6 +144,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   register_fused(m);
   register_workloads(m);
+  register_request_path(m);
   m.def("noise", [](int64_t seed, int64_t position, int64_t iteration, int64_t sample, int64_t vocab, int64_t words,
                     int64_t noise, int64_t stream) {
     check(ts_noise(seed, position, iteration, static_cast<uint32_t>(sample), vocab, ptr<uint32_t>(words),

@@ -1,0 +1,537 @@
+// The native request path (request_path.h): parse -> validate -> plan -> one upload -> launches -> one
+// copy back and synchronisation -> encode. Each step mirrors a piece of the Python path, named where
+// it is; any request or value outside what is mirrored here is declined, never approximated.
+#include "request_path.h"
+
+#include <signal.h>
+#include <sys/random.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include "sampling.h"
+#include "wire.h"
+
+namespace tokensampler {
+namespace {
+
+// sampler.proto's DType values.
+constexpr uint64_t kFloat32 = 1, kBfloat16 = 2, kFloat16 = 3, kInt32 = 4;
+constexpr uint64_t kMaxLogprobsMode = 2;  // LOGPROBS_MODE_PROCESSED
+
+// backends/cuda.py and cuda_kernels.py: the routing constants.
+constexpr int64_t kChunkTokens = 8192;
+constexpr int64_t kMaxMergedCandidates = 16384;
+constexpr int32_t kBuckets[] = {16, 32, 64, 128, 256};
+constexpr int kNumBuckets = 5;
+constexpr int64_t kFrontierMinRows = 32;
+constexpr int64_t kFilterBlocksTarget = 264;
+constexpr uint8_t kFlagNan = 1, kFlagInvalid = 2, kFlagCpu = 4;
+
+enum Mode { kGreedy, kGumbel, kTopK, kTopP, kMinP };  // metrics.ROW_MODES
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("tokensampler request path: ") + what + ": " + cudaGetErrorString(err));
+}
+
+void check_launch(int err, const char* what) { check(static_cast<cudaError_t>(err), what); }
+
+size_t align16(size_t n) { return (n + 15) / 16 * 16; }
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+float float_of(uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+// validation.py's random_seeds: the OS's cryptographic generator.
+void random_words(uint64_t* out, size_t count) {
+  auto* bytes = reinterpret_cast<char*>(out);
+  size_t left = 8 * count;
+  while (left) {
+    const ssize_t got = getrandom(bytes, left, 0);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      throw std::runtime_error("tokensampler request path: getrandom failed");
+    }
+    bytes += got, left -= static_cast<size_t>(got);
+  }
+}
+
+// backends/cuda.py _bucket_of: the smallest top-k bucket holding k + 1 candidates, 0 when none applies.
+int32_t bucket_of(int32_t k, int64_t chunks) {
+  if (k <= 0) return 0;
+  for (int32_t bucket : kBuckets)
+    if (k + 1 <= bucket) return chunks * bucket <= kMaxMergedCandidates ? bucket : 0;
+  return 0;
+}
+
+// A 0-, 1- or B-valued column of SamplingParams (validation.py _column).
+template <typename T>
+struct Column {
+  const std::vector<T>& values;
+  bool sized(int64_t rows) const { return values.size() <= 1 || static_cast<int64_t>(values.size()) == rows; }
+  bool given() const { return !values.empty(); }
+  T at(int64_t row, T fallback) const { return values.empty() ? fallback : values[values.size() == 1 ? 0 : row]; }
+};
+
+// Work rows of one kernel launch: none (n = 0), every row (rows = nullptr), or a device row list.
+struct Group {
+  const int32_t* rows = nullptr;
+  int32_t n = 0;
+};
+
+bool in_uint32(uint64_t v) { return v <= 0xFFFFFFFFull; }
+// An int32 field's varint: a non-negative value, or a negative one sign-extended to 64 bits.
+bool in_int32(uint64_t v) { return v <= 0x7FFFFFFFull || v >= 0xFFFFFFFF80000000ull; }
+
+}  // namespace
+
+struct RequestPath::Parsed {
+  // SampleRequest.logits_ref (TensorRef)
+  bool has_ref = false;
+  std::string_view region;
+  uint64_t offset = 0, dtype = 0;
+  std::vector<uint64_t> shape;
+  // SampleRequest.params (SamplingParams): floats as their bits
+  bool has_params = false;
+  std::vector<uint32_t> temperature, top_p, min_p;
+  std::vector<uint64_t> top_k, seed, has_seed, position, iteration;
+  // the scalars
+  bool has_num_samples = false;
+  uint64_t num_samples = 0, return_logprobs = 0, logprobs_mode = 0, top_logprobs = 0;
+  // the plan's row lists, reused: greedy, unfiltered, the buckets, exact
+  std::vector<int32_t> greedy, unfiltered, exact, by_bucket[kNumBuckets];
+
+  void clear() {
+    has_ref = has_params = has_num_samples = false;
+    region = {};
+    offset = dtype = num_samples = return_logprobs = logprobs_mode = top_logprobs = 0;
+    for (auto* v : {&shape, &top_k, &seed, &has_seed, &position, &iteration}) v->clear();
+    for (auto* v : {&temperature, &top_p, &min_p}) v->clear();
+    greedy.clear(), unfiltered.clear(), exact.clear();
+    for (auto& v : by_bucket) v.clear();
+  }
+
+  bool parse_ref(std::string_view bytes) {
+    wire::Reader reader(bytes);
+    wire::Field f;
+    while (reader.next(f)) {
+      switch (f.number) {
+        case 1:
+          if (f.type != wire::kLengthDelimited) return false;
+          region = f.bytes;
+          break;
+        case 2:
+          if (f.type != wire::kVarint) return false;
+          offset = f.value;
+          break;
+        case 3:
+          if (f.type != wire::kVarint) return false;
+          dtype = f.value;
+          break;
+        case 4:
+          if (!wire::append_varints(f, shape)) return false;
+          break;
+        default:
+          return false;
+      }
+    }
+    return reader.ok();
+  }
+
+  bool parse_params(std::string_view bytes) {
+    wire::Reader reader(bytes);
+    wire::Field f;
+    while (reader.next(f)) {
+      bool ok = false;
+      switch (f.number) {
+        case 1: ok = wire::append_fixed32(f, temperature); break;
+        case 2: ok = wire::append_varints(f, top_k); break;
+        case 3: ok = wire::append_fixed32(f, top_p); break;
+        case 4: ok = wire::append_fixed32(f, min_p); break;
+        case 5: ok = wire::append_varints(f, seed); break;
+        case 6: ok = wire::append_varints(f, has_seed); break;
+        case 7: ok = wire::append_varints(f, position); break;
+        case 8: ok = wire::append_varints(f, iteration); break;
+        default: return false;  // penalties, token lists, logit bias: the Python path
+      }
+      if (!ok) return false;
+    }
+    return reader.ok();
+  }
+
+  // SampleRequest: logits_ref, params and the scalars; any other field declines (hidden states, logits
+  // carried as bytes, output regions, fields this build does not know).
+  bool parse(std::string_view bytes) {
+    clear();
+    wire::Reader reader(bytes);
+    wire::Field f;
+    while (reader.next(f)) {
+      switch (f.number) {
+        case 3:  // a message field given twice would merge: not mirrored
+          if (has_ref || f.type != wire::kLengthDelimited || !parse_ref(f.bytes)) return false;
+          has_ref = true;
+          break;
+        case 4:
+          if (has_params || f.type != wire::kLengthDelimited || !parse_params(f.bytes)) return false;
+          has_params = true;
+          break;
+        case 5:
+        case 6:
+        case 7:
+        case 8: {
+          if (f.type != wire::kVarint) return false;
+          uint64_t* scalar[] = {&num_samples, &return_logprobs, &logprobs_mode, &top_logprobs};
+          *scalar[f.number - 5] = f.value;
+          has_num_samples |= f.number == 5;
+          break;
+        }
+        default:
+          return false;
+      }
+    }
+    return reader.ok() && has_ref;
+  }
+};
+
+RequestPath::RequestPath(int device, RequestLimits limits, unsigned long long* fallback_count)
+    : device_(device), limits_(limits), fallback_count_(fallback_count), parsed_(new Parsed) {
+  int previous = 0;
+  check(cudaGetDevice(&previous), "cudaGetDevice");
+  check(cudaSetDevice(device_), "cudaSetDevice");
+  const cudaError_t err = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+  cudaSetDevice(previous);
+  check(err, "cudaStreamCreateWithFlags");
+}
+
+RequestPath::~RequestPath() {
+  // Errors are ignored: at interpreter exit the CUDA context may be gone already.
+  cudaSetDevice(device_);
+  for (Buffer* b : {&dev_stage_, &dev_out_, &counters_, &hist_, &scratch_})
+    if (b->ptr) cudaFree(b->ptr);
+  for (Buffer* b : {&host_stage_, &host_out_})
+    if (b->ptr) cudaFreeHost(b->ptr);
+  if (stream_) cudaStreamDestroy(stream_);
+  delete parsed_;
+}
+
+void RequestPath::add_region(const std::string& name, RegionMapping region) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  regions_[name] = region;
+}
+
+void RequestPath::remove_region(const std::string& name) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  regions_.erase(name);
+}
+
+void RequestPath::grow_device(Buffer& buffer, size_t bytes, bool zeroed) {
+  if (buffer.bytes >= bytes) return;
+  const size_t size = std::max({bytes, 2 * buffer.bytes, size_t{4096}});
+  if (buffer.ptr) check(cudaFree(buffer.ptr), "cudaFree");  // waits for the device: rare
+  buffer = Buffer{};
+  check(cudaMalloc(&buffer.ptr, size), "cudaMalloc");
+  buffer.bytes = size;
+  if (zeroed) check(cudaMemsetAsync(buffer.ptr, 0, size, stream_), "cudaMemsetAsync");
+}
+
+void RequestPath::grow_host(Buffer& buffer, size_t bytes) {
+  if (buffer.bytes >= bytes) return;
+  const size_t size = std::max({bytes, 2 * buffer.bytes, size_t{4096}});
+  if (buffer.ptr) check(cudaFreeHost(buffer.ptr), "cudaFreeHost");  // every call ends synchronised
+  buffer = Buffer{};
+  check(cudaHostAlloc(&buffer.ptr, size, cudaHostAllocDefault), "cudaHostAlloc");
+  buffer.bytes = size;
+}
+
+bool RequestPath::sample(std::string_view request, std::string_view request_id, bool stream_message,
+                         AnsweredRequest& answered) {
+  const int64_t started = now_ns();
+  std::lock_guard<std::mutex> lock(mutex_);
+  Parsed& q = *parsed_;
+  if (!q.parse(request)) return false;
+  const auto found = regions_.find(std::string(q.region));
+  if (found == regions_.end()) return false;
+  const RegionMapping& region = found->second;
+  // regions.py check_producer: a dead producer's memory must not be read
+  if (region.producer_pid && kill(region.producer_pid, 0) != 0 && errno == ESRCH) return false;
+
+  struct DeviceGuard {  // the caller's current device back on every way out
+    int previous = 0;
+    explicit DeviceGuard(int device) {
+      check(cudaGetDevice(&previous), "cudaGetDevice");
+      if (previous != device) check(cudaSetDevice(device), "cudaSetDevice");
+    }
+    ~DeviceGuard() { cudaSetDevice(previous); }
+  } guard(device_);
+  return answer(q, region, request_id, stream_message, started, answered);
+}
+
+bool RequestPath::answer(Parsed& q, const RegionMapping& region, std::string_view request_id, bool stream_message,
+                         int64_t started, AnsweredRequest& answered) {
+  // ---- validation.py: the input's shape and the region reference (regions.py Region.tensor)
+  if (q.shape.size() != 2) return false;
+  const int64_t num_rows = static_cast<int64_t>(q.shape[0]), vocab = static_cast<int64_t>(q.shape[1]);
+  if (num_rows < 1 || vocab < 1 || num_rows > limits_.max_batch_rows) return false;
+  if (vocab > limits_.max_batch_elements / num_rows) return false;
+  int32_t dtype_code;  // sampling.h TsLogits.dtype
+  uint64_t itemsize;
+  switch (q.dtype) {
+    case kFloat32: dtype_code = 0, itemsize = 4; break;
+    case kFloat16: dtype_code = 1, itemsize = 2; break;
+    case kBfloat16: dtype_code = 2, itemsize = 2; break;
+    default: return false;
+  }
+  const uint64_t logits_bytes = static_cast<uint64_t>(num_rows) * static_cast<uint64_t>(vocab) * itemsize;
+  if (q.offset % itemsize || q.offset > region.byte_size || logits_bytes > region.byte_size - q.offset) return false;
+
+  // ---- validation.py validate_sample_request's scalars: one sample, tokens only
+  if (q.has_num_samples && q.num_samples != 1) return false;
+  if (q.return_logprobs || q.top_logprobs || q.logprobs_mode > kMaxLogprobsMode) return false;
+
+  // ---- validation.py validate_row_params: every column 0-, 1- or B-valued, every value in range
+  const Column<uint32_t> temperature{q.temperature}, top_p{q.top_p}, min_p{q.min_p};
+  const Column<uint64_t> top_k{q.top_k}, seed{q.seed}, position{q.position}, iteration{q.iteration};
+  for (bool sized : {temperature.sized(num_rows), top_p.sized(num_rows), min_p.sized(num_rows), top_k.sized(num_rows),
+                     seed.sized(num_rows), position.sized(num_rows), iteration.sized(num_rows)})
+    if (!sized) return false;
+  for (uint32_t bits : q.temperature)
+    if (!(std::isfinite(float_of(bits)) && float_of(bits) >= 0.f)) return false;
+  for (uint64_t k : q.top_k)
+    if (!in_int32(k) || static_cast<int32_t>(static_cast<uint32_t>(k)) < -1) return false;
+  for (uint32_t bits : q.top_p)
+    if (!(float_of(bits) > 0.f && float_of(bits) <= 1.f)) return false;
+  for (uint32_t bits : q.min_p)
+    if (!(float_of(bits) >= 0.f && float_of(bits) < 1.f)) return false;
+  for (const auto* column : {&q.position, &q.iteration})
+    for (uint64_t v : *column)
+      if (!in_uint32(v)) return false;
+  // _seeds: has_seed only beside seeds, and then one flag per row
+  if (!q.has_seed.empty() && (q.seed.empty() || static_cast<int64_t>(q.has_seed.size()) != num_rows)) return false;
+  for (uint64_t flag : q.has_seed)
+    if (flag > 1) return false;
+
+  // ---- backends/cuda.py _Stage: the per-row parameters and row lists, packed for one upload
+  const size_t b = static_cast<size_t>(num_rows);
+  const size_t lists_offset = align16(40 * b);
+  grow_host(host_stage_, lists_offset + 4 * b);
+  grow_device(dev_stage_, lists_offset + 4 * b, false);
+  char* host = static_cast<char*>(host_stage_.ptr);
+  auto* seeds = reinterpret_cast<uint64_t*>(host);  // int64 seed, position, iteration
+  auto* positions = reinterpret_cast<int64_t*>(host + 8 * b);
+  auto* iterations = reinterpret_cast<int64_t*>(host + 16 * b);
+  auto* t_eff = reinterpret_cast<float*>(host + 24 * b);  // T, with 1 in greedy rows
+  auto* top_p_col = reinterpret_cast<float*>(host + 28 * b);
+  auto* min_p_col = reinterpret_cast<float*>(host + 32 * b);
+  auto* top_k_col = reinterpret_cast<int32_t*>(host + 36 * b);
+  auto* lists = reinterpret_cast<int32_t*>(host + lists_offset);
+
+  if (seed.given()) {
+    size_t missing = 0;
+    for (size_t r = 0; r < b; ++r) {
+      seeds[r] = seed.at(static_cast<int64_t>(r), 0);
+      missing += !q.has_seed.empty() && !q.has_seed[r];
+    }
+    if (missing) {  // fresh seeds for the rows without one, in row order (validation.py _seeds)
+      std::vector<uint64_t> fresh(missing);
+      random_words(fresh.data(), missing);
+      size_t next = 0;
+      for (size_t r = 0; r < b; ++r)
+        if (!q.has_seed[r]) seeds[r] = fresh[next++];
+    }
+  } else {
+    random_words(seeds, b);
+  }
+
+  // ---- backends/cuda.py _plan_without_logprobs: every row to one group by its mode
+  const int64_t chunks = (vocab + kChunkTokens - 1) / kChunkTokens;
+  bool exact_has_k = false, exact_has_top_p = false;
+  int64_t* modes = answered.rows_by_mode;
+  std::fill(modes, modes + 5, 0);
+  for (size_t r = 0; r < b; ++r) {
+    const int64_t row = static_cast<int64_t>(r);
+    const float t = float_of(temperature.at(row, 0x3F800000u));  // default 1.0
+    int32_t k = static_cast<int32_t>(static_cast<uint32_t>(top_k.at(row, 0)));
+    if (k < 0 || k >= vocab) k = 0;  // -1 and 0 disable; k >= V keeps every token
+    const float p = float_of(top_p.at(row, 0x3F800000u)), m = float_of(min_p.at(row, 0u));
+    positions[r] = static_cast<int64_t>(position.at(row, 0));
+    iterations[r] = static_cast<int64_t>(iteration.at(row, 0));
+    t_eff[r] = t == 0.f ? 1.f : t;
+    top_p_col[r] = p, min_p_col[r] = m, top_k_col[r] = k;
+    ++modes[t == 0.f ? kGreedy : k > 0 ? kTopK : p < 1.f ? kTopP : m > 0.f ? kMinP : kGumbel];
+    const int32_t id = static_cast<int32_t>(r);
+    if (t == 0.f) {
+      q.greedy.push_back(id);
+    } else if (k > 0 || p < 1.f || m > 0.f) {
+      const int32_t bucket = bucket_of(k, chunks);
+      if (bucket) {
+        q.by_bucket[std::find(kBuckets, kBuckets + kNumBuckets, bucket) - kBuckets].push_back(id);
+      } else {
+        q.exact.push_back(id);
+        exact_has_k |= k > 0;
+        exact_has_top_p |= p < 1.f;
+      }
+    } else {
+      q.unfiltered.push_back(id);
+    }
+  }
+  char* dev = static_cast<char*>(dev_stage_.ptr);
+  size_t used = 0;
+  auto place = [&](const std::vector<int32_t>& rows) {
+    if (rows.empty()) return Group{};
+    if (rows.size() == b) return Group{nullptr, static_cast<int32_t>(b)};
+    std::memcpy(lists + used, rows.data(), 4 * rows.size());
+    const Group group{reinterpret_cast<const int32_t*>(dev + lists_offset) + used, static_cast<int32_t>(rows.size())};
+    used += rows.size();
+    return group;
+  };
+  const Group greedy = place(q.greedy), unfiltered = place(q.unfiltered);
+  Group buckets[kNumBuckets];
+  for (int i = 0; i < kNumBuckets; ++i) buckets[i] = place(q.by_bucket[i]);
+  const Group exact = place(q.exact);
+  const bool bounded = !exact_has_k, min_p_alone = bounded && !exact_has_top_p;
+  const bool frontier = bounded && exact_has_top_p && exact.n >= kFrontierMinRows;
+  const int32_t filter_splits =
+      exact.n ? static_cast<int32_t>(std::max<int64_t>(
+                    1, std::min<int64_t>(64, (kFilterBlocksTarget + exact.n - 1) / exact.n)))
+              : 1;
+
+  // ---- backends/cuda.py _Out: tokens and flags first (what comes back), then the filter's inputs
+  size_t end = 9 * b;
+  auto field = [&](size_t bytes_per_row) {
+    const size_t at = align16(end);
+    end = at + bytes_per_row * b;
+    return at;
+  };
+  const size_t main_row_max = field(4), main_row_min = field(4), main_row_logz = field(4), pre_tokens = field(8),
+               kept_min_key = field(8), filt_row_max = field(4), pre_row_min = field(4), kept_mass = field(4),
+               pre_flags = field(1);
+  grow_device(dev_out_, end, false);
+  grow_host(host_out_, 9 * b);
+
+  // ---- cuda_kernels.py Kernels._workspace: counters and histograms zeroed, scratch for the largest launch
+  size_t scratch = 0;
+  int32_t most_rows = 0;
+  auto need = [&](const Group& g, size_t bytes) {
+    if (!g.n) return;
+    scratch = std::max(scratch, bytes);
+    most_rows = std::max(most_rows, g.n);
+  };
+  need(greedy, ts_stats_scratch_bytes(greedy.n, vocab));
+  need(unfiltered, ts_gumbel_scratch_bytes(unfiltered.n, vocab));
+  for (int i = 0; i < kNumBuckets; ++i) need(buckets[i], ts_topk_scratch_bytes(buckets[i].n, vocab, kBuckets[i]));
+  if (exact.n) {
+    need(exact, frontier ? ts_nucleus_scratch_bytes(exact.n, vocab) : ts_stats_scratch_bytes(exact.n, vocab));
+    if (min_p_alone) need(exact, ts_gumbel_scratch_bytes(exact.n, vocab));
+    if (!min_p_alone && filter_splits > 1) grow_device(hist_, ts_hist_bytes(exact.n), true);
+  }
+  grow_device(counters_, 4 * static_cast<size_t>(most_rows), true);
+  grow_device(scratch_, std::max(scratch, size_t{1}), false);
+  const int64_t staged = now_ns();
+
+  // ---- backends/cuda.py _launch, without log-probs (every group writes the same tokens and flags)
+  check(cudaMemcpyAsync(dev, host, lists_offset + 4 * used, cudaMemcpyHostToDevice, stream_), "upload");
+  char* out = static_cast<char*>(dev_out_.ptr);
+  auto* main_tokens = reinterpret_cast<int64_t*>(out);
+  auto* main_flags = reinterpret_cast<uint8_t*>(out + 8 * b);
+  auto f32 = [&](size_t at) { return reinterpret_cast<float*>(out + at); };
+  const TsLogits logits{reinterpret_cast<const void*>(region.base + q.offset), num_rows, vocab, dtype_code};
+  auto rows_of = [&](const Group& g) {
+    return TsRows{g.rows, g.n, reinterpret_cast<const float*>(dev + 24 * b), reinterpret_cast<const int32_t*>(dev + 36 * b),
+                  reinterpret_cast<const float*>(dev + 28 * b), reinterpret_cast<const float*>(dev + 32 * b),
+                  reinterpret_cast<const int64_t*>(dev), reinterpret_cast<const int64_t*>(dev + 8 * b),
+                  reinterpret_cast<const int64_t*>(dev + 16 * b)};
+  };
+  const TsOutputs main{main_tokens, 1, 0, main_flags, f32(main_row_max), f32(main_row_min), f32(main_row_logz),
+                       nullptr, nullptr};
+  const TsOutputs filt{main_tokens, 1, 0, main_flags, f32(filt_row_max), nullptr, nullptr, f32(kept_mass),
+                       reinterpret_cast<int64_t*>(out + kept_min_key)};
+  const TsOutputs pre{reinterpret_cast<int64_t*>(out + pre_tokens), 1, 0, reinterpret_cast<uint8_t*>(out + pre_flags),
+                      f32(filt_row_max), f32(pre_row_min), nullptr, nullptr, nullptr};
+  const TsWorkspace ws{static_cast<unsigned int*>(counters_.ptr), hist_.ptr, scratch_.ptr, fallback_count_};
+  if (greedy.n) {
+    const TsRows r = rows_of(greedy);
+    check_launch(ts_stats(&logits, &r, nullptr, &main, &ws, stream_), "stats");
+  }
+  if (unfiltered.n) {
+    const TsRows r = rows_of(unfiltered);
+    check_launch(ts_gumbel(&logits, &r, nullptr, &main, &ws, stream_), "gumbel");
+  }
+  for (int i = 0; i < kNumBuckets; ++i) {
+    if (!buckets[i].n) continue;
+    const TsRows r = rows_of(buckets[i]);
+    check_launch(ts_topk(&logits, &r, kBuckets[i], &filt, &ws, stream_), "topk");
+  }
+  if (exact.n) {  // min-p alone: a mask on Gumbel-max; top-p: the frontier from 32 rows, then the filter
+    const TsRows r = rows_of(exact);
+    if (!frontier) check_launch(ts_stats(&logits, &r, nullptr, &pre, &ws, stream_), "stats");
+    if (min_p_alone) {
+      check_launch(ts_min_p(&logits, &r, f32(filt_row_max), &filt, &ws, stream_), "min_p");
+    } else {
+      if (frontier) check_launch(ts_nucleus(&logits, &r, &pre, &filt, &ws, stream_), "nucleus");
+      check_launch(ts_filter(&logits, &r, f32(filt_row_max), f32(pre_row_min), pre.tokens, pre.flags, 0, filter_splits,
+                             &filt, &ws, stream_),
+                   "filter");
+    }
+  }
+  // The one synchronisation: tokens and flags back in one copy.
+  check(cudaMemcpyAsync(host_out_.ptr, out, 9 * b, cudaMemcpyDeviceToHost, stream_), "download");
+  check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+  const int64_t computed = now_ns();
+
+  const auto* tokens = static_cast<const int64_t*>(host_out_.ptr);
+  const auto* flags = static_cast<const uint8_t*>(host_out_.ptr) + 8 * b;
+  for (size_t r = 0; r < b; ++r)
+    if (flags[r] & kFlagCpu) return false;  // a row for the CPU reference: the Python path has it
+
+  // ---- sample_rpc.py encode_result + finish: the SampleResponse
+  std::vector<int32_t> token_ids(b);
+  std::vector<uint8_t> valid(b), nan(b);
+  for (size_t r = 0; r < b; ++r) {
+    valid[r] = !(flags[r] & kFlagInvalid);
+    nan[r] = (flags[r] & kFlagNan) != 0;
+    token_ids[r] = valid[r] ? static_cast<int32_t>(tokens[r]) : -1;
+  }
+  wire::Writer tensor;
+  tensor.uint_field(1, kInt32);
+  const int64_t shape[2] = {num_rows, 1};
+  tensor.packed_varints(2, shape, 2);
+  tensor.bytes_field(3, token_ids.data(), 4 * b);
+  wire::Writer response;
+  response.reserve(4 * b + 12 * b + 64 + request_id.size());
+  response.message_field(1, tensor);
+  response.packed_varints(2, seeds, b);
+  response.packed_varints(6, valid.data(), b);
+  response.packed_varints(7, nan.data(), b);
+  wire::Writer timings;
+  timings.uint_field(2, static_cast<uint64_t>(computed - staged));
+  timings.uint_field(3, static_cast<uint64_t>(now_ns() - started));
+  response.message_field(8, timings);
+  response.bytes_field(9, request_id.data(), request_id.size());
+  if (stream_message) {
+    wire::Writer message;
+    message.message_field(1, response);
+    answered.response = message.bytes();
+  } else {
+    answered.response = response.bytes();
+  }
+  const int64_t encoded = now_ns();
+  answered.num_rows = num_rows;
+  answered.decode_ns = staged - started;
+  answered.compute_ns = computed - staged;
+  answered.encode_ns = encoded - computed;
+  return true;
+}
+
+}  // namespace tokensampler
