@@ -25,6 +25,8 @@ class CallRecord:
     """Request bytes to request messages (protobuf)."""
     batch: SamplingBatch | None = None
     """The validated batch of a Sample call; None for other methods and rejected requests."""
+    row_modes: tuple[int, ...] | None = None
+    """Rows per mode (metrics.ROW_MODES order) of a Sample call the native path answered: it has no batch."""
     decode_ns: int = 0
     """Request message to validated batch: validation and tensor decoding."""
     queue_ns: int = 0
@@ -39,6 +41,13 @@ class CallRecord:
 
     def elapsed_ns(self) -> int:
         return time.perf_counter_ns() - self.started_ns
+
+    @property
+    def num_rows(self) -> int | None:
+        """Rows the call sampled; None when it sampled none."""
+        if self.batch is not None:
+            return self.batch.num_rows
+        return sum(self.row_modes) if self.row_modes is not None else None
 
 
 # Set by the interceptor for every call it wraps, read by the servicer.

@@ -81,6 +81,11 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         help="accept CUDA IPC regions (GPU buffers of colocated processes) [TOKENSAMPLER_ALLOW_CUDA_IPC]",
     )
     parser.add_argument(
+        "--no-native-path", action="store_true", default=_env("NO_NATIVE_PATH", "") not in ("", "0"),
+        help="answer every request on the Python path, also the plain CUDA-region ones the CUDA backend "
+        "otherwise answers in C++ [TOKENSAMPLER_NO_NATIVE_PATH]",
+    )
+    parser.add_argument(
         "--weights-dir", type=Path, default=_env("WEIGHTS_DIR", "") or None,
         help="folder whose safetensors files RegisterWeightsFromFile may read; off when unset [TOKENSAMPLER_WEIGHTS_DIR]",
     )
@@ -176,6 +181,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         gpu_memory_fraction=args.gpu_memory_fraction,
         allow_shm=args.allow_shm,
         allow_cuda_ipc=args.allow_cuda_ipc,
+        native_request_path=not args.no_native_path,
         auth_token_file=args.auth_token_file,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,

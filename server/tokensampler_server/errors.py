@@ -31,6 +31,12 @@ class InvalidArgument(ServiceError):
         self.field = field
 
 
+def unparsable(raw: bytes, err: Exception) -> InvalidArgument:
+    """The error of request bytes that do not parse as the method's message."""
+    return InvalidArgument("request", f"{len(raw)} bytes that do not parse ({err}); "
+                           "expected a serialized protobuf message of the method's request type")
+
+
 def failure_status(err: Exception, method: str, request_id: str) -> tuple[grpc.StatusCode, str]:
     """The status and message a failed call ends with: a ServiceError's own; anything else is a bug,
     answered INTERNAL without its details and logged with its traceback under the request id."""

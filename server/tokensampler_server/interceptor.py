@@ -28,7 +28,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from .call_record import CallRecord, current_call
-from .errors import InvalidArgument, ServiceError, failure_status
+from .errors import InvalidArgument, ServiceError, failure_status, unparsable
 from .metrics import ServerMetrics
 from .request_context import REQUEST_ID_METADATA_KEY, current_request_id, request_id_from_metadata
 
@@ -56,8 +56,7 @@ def _parse(deserialize: Deserializer | None, raw: bytes) -> object:
         return deserialize(raw)
     except DecodeError as err:
         # Raising here would escape every guard (grpc parses before the behaviour runs).
-        return _Unparsable(InvalidArgument("request", f"{len(raw)} bytes that do not parse ({err}); "
-                                           "expected a serialized protobuf message of the method's request type"))
+        return _Unparsable(unparsable(raw, err))
 
 
 def _checked(request: object, streaming: bool) -> object:
@@ -79,7 +78,7 @@ async def _checked_stream(requests: AsyncIterator[object]) -> AsyncIterator[obje
 def _log_call(call: CallRecord, code: grpc.StatusCode, elapsed_ns: int, error: str) -> None:
     if not log.isEnabledFor(logging.DEBUG):  # the common case: skip building the fields on the hot path
         return
-    rows = call.batch.num_rows if call.batch is not None else None
+    rows = call.num_rows
     fields = {"method": call.method, "request_id": call.request_id, "code": code.name, "rows": rows,
               "duration_ms": elapsed_ns / 1e6}
     if error:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import deque
 from collections.abc import Iterator
 from wsgiref.simple_server import WSGIServer
 
@@ -43,6 +44,7 @@ ROW_MODES = ("greedy", "gumbel", "top_k", "top_p", "min_p", "fused")
 registered LM head, which a later API version adds: declared now so dashboards need no change."""
 _GREEDY, _GUMBEL, _TOP_K, _TOP_P, _MIN_P = (ROW_MODES.index(m) for m in ("greedy", "gumbel", "top_k", "top_p", "min_p"))
 _LOOP_ROWS = 16
+_MAX_LATER = 4096  # calls observe_call_later keeps before it records them itself
 
 _FALLBACKS = Counter(
     "tokensampler_fallbacks_total",
@@ -85,6 +87,20 @@ def count_row_modes(batch: SamplingBatch) -> np.ndarray:
     return np.bincount(mode, minlength=len(ROW_MODES))
 
 
+class _FlushFirst(Collector):
+    """Yields no metric: collecting it records the calls kept by observe_call_later, before the rest is read."""
+
+    def __init__(self, metrics: "ServerMetrics") -> None:
+        self._metrics = metrics
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(())
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        self._metrics.flush()
+        return iter(())
+
+
 class _GpuMemory(Collector):
     """torch's CUDA caching-allocator counters, read at scrape time. No samples without a GPU."""
 
@@ -121,6 +137,8 @@ class ServerMetrics:
     def __init__(self, backend: BackendInfo | None = None) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
+        self._later: deque[tuple[CallRecord, grpc.StatusCode, int]] = deque()
+        registry.register(_FlushFirst(self))  # first: a scrape sees every call answered before it
         self.requests = Counter(
             "tokensampler_requests_total", "Finished calls by method and gRPC status code.",
             ["method", "code"], registry=registry,
@@ -198,18 +216,36 @@ class ServerMetrics:
                                               self.request_duration.labels(call.method))
         children[0].inc()
         children[1].observe(elapsed_ns / 1e9)
-        if code != grpc.StatusCode.OK or call.batch is None:
+        if code != grpc.StatusCode.OK or (call.batch is None and call.row_modes is None):
             return
-        for counter, count in zip(self._rows_by_mode, count_row_modes(call.batch).tolist()):
+        counts = call.row_modes if call.row_modes is not None else count_row_modes(call.batch).tolist()
+        for counter, count in zip(self._rows_by_mode, counts):
             if count:
                 counter.inc(count)
         self.queue_duration.observe(call.queue_ns / 1e9)
         self.compute_duration.observe(call.compute_ns / 1e9)
         self.deserialize_duration.observe((call.parse_ns + call.decode_ns) / 1e9)
 
+    def observe_call_later(self, call: CallRecord, code: grpc.StatusCode, elapsed_ns: int) -> None:
+        """observe_call at the next scrape (or after _MAX_LATER calls): an append on the hot path instead of
+        a dozen lock-taking metric updates."""
+        self._later.append((call, code, elapsed_ns))
+        if len(self._later) >= _MAX_LATER:
+            self.flush()
+
+    def flush(self) -> None:
+        """Records the calls observe_call_later kept (thread-safe: deque pops)."""
+        later = self._later
+        while True:
+            try:
+                call, code, elapsed_ns = later.popleft()
+            except IndexError:
+                return
+            self.observe_call(call, code, elapsed_ns)
+
     def observe_serialized(self, call: CallRecord, serialize_ns: int) -> None:
         """Records the response's encoding and serialisation, which happen after the call's status is known."""
-        if call.batch is not None:
+        if call.batch is not None or call.row_modes is not None:
             self.serialize_duration.observe((call.encode_ns + serialize_ns) / 1e9)
 
 

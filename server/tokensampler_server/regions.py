@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 import torch
@@ -162,12 +163,23 @@ def open_cuda_ipc(source: pb.CudaIpcSource) -> tuple[torch.Tensor, Callable[[], 
     return buffer, release
 
 
+class RegionMirror(Protocol):
+    """Another reader of the registered regions (native_path.py): told of each region as it comes and goes."""
+
+    def region_added(self, region: Region) -> None: ...
+
+    def region_removed(self, name: str) -> None:
+        """Returns once nothing of the mirror reads region `name` any more."""
+
+
 class RegionRegistry:
     """Registered regions by name; each kind only when the server allows it."""
 
-    def __init__(self, *, allow_shm: bool = False, allow_cuda_ipc: bool = False) -> None:
+    def __init__(self, *, allow_shm: bool = False, allow_cuda_ipc: bool = False,
+                 mirror: RegionMirror | None = None) -> None:
         self._allow = {"shm": allow_shm, "cuda_ipc": allow_cuda_ipc}
         self._regions: RefCountedRegistry[Region] = RefCountedRegistry("region")
+        self._mirror = mirror
 
     def register(self, request: pb.RegisterRegionRequest) -> Region:
         kind = request.WhichOneof("source")
@@ -184,10 +196,13 @@ class RegionRegistry:
         pid = request.cuda_ipc.producer_pid if kind == "cuda_ipc" else 0
         region = Region(name=request.name, kind=kind, buffer=buffer, release=release, producer_pid=pid)
         try:
-            return self._regions.add(request.name, region)
+            self._regions.add(request.name, region)
         except ServiceError:
             release()
             raise
+        if self._mirror is not None:
+            self._mirror.region_added(region)
+        return region
 
     def list(self) -> list[Region]:
         return self._regions.items()
@@ -207,6 +222,8 @@ class RegionRegistry:
             yield region
 
     async def unregister(self, name: str) -> Region:
+        if self._mirror is not None:  # first: from here on, only requests that see NOT_FOUND
+            self._mirror.region_removed(name)
         region = await self._regions.remove(name)
         region.views.clear()  # the cached views hold the mapping open
         region.release()

@@ -1,8 +1,10 @@
 """The Sample and SampleStream paths of the servicer: hold the weights and regions a request names,
 validate it, queue it on the batcher, encode the answer.
 
-A request is handled in two halves: `start` runs synchronously up to the batcher's future, `finish`
-builds the response from the result. A stream's reader starts each message as it arrives (so the
+Both methods take the request's bytes: on the CUDA backend the native path (native_path.py) answers
+the plain region requests from them, in C++, and returns response bytes; everything else is parsed here
+and takes the Python path. A request is handled in two halves: `start` runs synchronously up to the
+batcher's future, `finish` builds the response from the result. A stream's reader starts each message as it arrives (so the
 batcher can merge them) without a task per message, and the stream answers in order by awaiting the
 futures one after the other: the fewest event-loop turns per message (benchmarks/SERVICE_NOTES.md).
 """
@@ -24,8 +26,11 @@ from tokensampler_client.tensors import encode_tensor
 from .batcher import BatchTimes, DynamicBatcher
 from .call_record import CallRecord
 from .config import Limits
-from .errors import InvalidArgument, failure_status
+from google.protobuf.message import DecodeError
+
+from .errors import InvalidArgument, failure_status, unparsable
 from .metrics import ServerMetrics
+from .native_path import NativeRequestPath
 from .regions import Region, RegionRegistry
 from .request_context import current_request_id
 from .sampling import SamplingResult
@@ -35,6 +40,21 @@ from .weights import WeightRegistry
 STREAM_METHOD = "tokensampler.v1.Sampler/SampleStream"
 # Messages of one stream sampled at once; past that, reading the stream waits (flow control).
 STREAM_MESSAGES_IN_FLIGHT = 64
+
+
+def as_request(message: bytes | pb.SampleRequest) -> pb.SampleRequest:
+    """The request a Sample / SampleStream message holds (its bytes, or an already parsed message)."""
+    if not isinstance(message, bytes):
+        return message
+    try:
+        return pb.SampleRequest.FromString(message)
+    except DecodeError as err:
+        raise unparsable(message, err) from None
+
+
+def serialize_answer(answer: bytes | pb.SampleResponse | pb.SampleStreamResponse) -> bytes:
+    """The response serializer of Sample and SampleStream: the native path's answers are bytes already."""
+    return answer if isinstance(answer, bytes) else answer.SerializeToString()
 
 
 def _input_ref(request: pb.SampleRequest) -> tuple[pb.TensorRef | None, str]:
@@ -110,12 +130,39 @@ class SamplePath:
     """Sample and SampleStream over one batcher, weight registry and region registry."""
 
     def __init__(self, limits: Limits, batcher: DynamicBatcher, registry: WeightRegistry, regions: RegionRegistry,
-                 metrics: ServerMetrics | None) -> None:
+                 metrics: ServerMetrics | None, native: NativeRequestPath | None = None) -> None:
         self._limits = limits
         self._batcher = batcher
         self._registry = registry
         self._regions = regions
         self._metrics = metrics
+        self._native = native
+
+    def answer_natively(self, message: bytes | pb.SampleRequest, call: CallRecord, stream_message: bool) -> bytes | None:
+        """The native path's answer to `message` (recorded in `call`), or None when it declines."""
+        if self._native is None or not isinstance(message, bytes):
+            return None
+        answer = self._native.sample(message, call.request_id, stream_message)
+        if answer is None:
+            return None
+        call.row_modes = answer.rows_by_mode
+        call.decode_ns, call.compute_ns, call.encode_ns = answer.decode_ns, answer.compute_ns, answer.encode_ns
+        return answer.response
+
+    def _begin(self, message: bytes | pb.SampleRequest, call: CallRecord) -> bytes | _Started | Exception:
+        """A stream message answered natively, started on the Python path, or its error. Bytes that do not
+        parse raise: they end the stream."""
+        try:
+            answer = self.answer_natively(message, call, stream_message=True)
+        except Exception as err:  # noqa: BLE001 - answered as this message's error
+            return err
+        if answer is not None:
+            return answer
+        request = as_request(message)
+        try:
+            return self.start(request, call)
+        except Exception as err:  # noqa: BLE001
+            return err
 
     def start(self, request: pb.SampleRequest, call: CallRecord) -> _Started:
         """Holds what the request names, validates it and queues it (errors raise here)."""
@@ -169,32 +216,32 @@ class SamplePath:
         timings.total_ns = encoded - started.arrived
         return response
 
-    async def unary(self, request: pb.SampleRequest, call: CallRecord) -> pb.SampleResponse:
-        started = self.start(request, call)
+    async def unary(self, message: bytes | pb.SampleRequest, call: CallRecord) -> bytes | pb.SampleResponse:
+        answer = self.answer_natively(message, call, stream_message=False)
+        if answer is not None:
+            return answer
+        started = self.start(as_request(message), call)
         with started.held:
             result, times = await started.future
             return self.finish(started, result, times)
 
     async def stream(
-        self, requests: AsyncIterator[pb.SampleRequest], stream_id: str
-    ) -> AsyncIterator[pb.SampleStreamResponse]:
+        self, requests: AsyncIterator[bytes | pb.SampleRequest], stream_id: str
+    ) -> AsyncIterator[bytes | pb.SampleStreamResponse]:
         """Starts each message as it arrives and answers them in order; a failed message gets an error
         message of its own and the stream goes on."""
-        answers: asyncio.Queue[tuple[CallRecord, _Started | Exception] | None] = asyncio.Queue(
+        answers: asyncio.Queue[tuple[CallRecord, bytes | _Started | Exception] | None] = asyncio.Queue(
             maxsize=STREAM_MESSAGES_IN_FLIGHT
         )
 
         async def read() -> None:
             index = 0
-            async for request in requests:
+            async for message in requests:
                 record = CallRecord(method=STREAM_METHOD, request_id=f"{stream_id}.{index}")
                 index += 1
                 record.start()
                 current_request_id.set(record.request_id)  # the batcher runs the backend in this context
-                try:
-                    item: tuple[CallRecord, _Started | Exception] = (record, self.start(request, record))
-                except Exception as err:
-                    item = (record, err)
+                item = (record, self._begin(message, record))
                 try:
                     await answers.put(item)
                 except asyncio.CancelledError:
@@ -225,8 +272,12 @@ class SamplePath:
                 if item is not None and isinstance(item[1], _Started):
                     item[1].drop()
 
-    async def _answer(self, record: CallRecord, started: _Started | Exception) -> pb.SampleStreamResponse:
+    async def _answer(self, record: CallRecord, started: bytes | _Started | Exception) -> bytes | pb.SampleStreamResponse:
         """One stream message's answer, reported like a unary call."""
+        if isinstance(started, bytes):  # answered natively: its metrics wait for the next scrape
+            if self._metrics is not None:
+                self._metrics.observe_call_later(record, grpc.StatusCode.OK, record.elapsed_ns())
+            return started
         current_request_id.set(record.request_id)
         code, error = grpc.StatusCode.OK, ""
         try:

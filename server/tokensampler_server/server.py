@@ -14,7 +14,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from tokensampler_client._proto import sampler_pb2 as pb
-from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 
 from .auth import AuthInterceptor, BearerTokens
 from .backends import create_backend
@@ -23,7 +22,8 @@ from .config import ServerConfig
 from .interceptor import ErrorInterceptor
 from .regions import RegionRegistry
 from .metrics import ServerMetrics, start_metrics_http
-from .service import SamplerService
+from .native_path import create_native_path
+from .service import SamplerService, add_sampler_to_server
 from .tls import server_credentials
 
 log = logging.getLogger(__name__)
@@ -73,16 +73,18 @@ async def serve(config: ServerConfig) -> None:
         max_queue_bytes=config.max_queue_bytes,
         observe_batch_rows=metrics.batch_rows.observe,
     )
-    regions = RegionRegistry(allow_shm=config.allow_shm, allow_cuda_ipc=config.allow_cuda_ipc)
+    native = create_native_path(backend, config.limits, config.native_request_path)
+    regions = RegionRegistry(allow_shm=config.allow_shm, allow_cuda_ipc=config.allow_cuda_ipc, mirror=native)
     sampler = SamplerService(
-        backend, config.limits, batcher=batcher, weights_dir=config.weights_dir, regions=regions, metrics=metrics
+        backend, config.limits, batcher=batcher, weights_dir=config.weights_dir, regions=regions, metrics=metrics,
+        native=native,
     )
     metrics.queue_depth.set_function(lambda: sampler.queue_depth)
     metrics.registered_weights.set_function(lambda: len(sampler.registry.list()))
     metrics.registered_weights_bytes.set_function(lambda: sampler.registry.total_bytes)
     metrics.registered_regions.set_function(lambda: len(regions.list()))
     metrics.registered_regions_bytes.set_function(lambda: regions.total_bytes)
-    pb_grpc.add_SamplerServicer_to_server(sampler, server)
+    add_sampler_to_server(sampler, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if config.reflection:

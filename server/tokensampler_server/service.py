@@ -28,7 +28,8 @@ from .metrics import ServerMetrics
 from .backends.cuda_workloads import run_diffusion_step, run_topk_probs, run_verify_draft
 from .regions import RegionRegistry, region_info
 from .request_context import request_id_from_metadata
-from .sample_rpc import SamplePath
+from .native_path import NativeRequestPath
+from .sample_rpc import SamplePath, serialize_answer
 from .validation import LOGITS_DTYPES
 from .validation_ops import validate_diffusion_request, validate_topk_request, validate_verify_request
 from .weights import WEIGHT_DTYPES, RegisteredWeight, WeightRegistry, load_safetensors, resolve_weights_path, sha256_hex
@@ -66,6 +67,7 @@ class SamplerService(pb_grpc.SamplerServicer):
         weights_dir: Path | None = None,
         regions: RegionRegistry | None = None,
         metrics: ServerMetrics | None = None,
+        native: NativeRequestPath | None = None,
     ) -> None:
         self._backend = backend
         self._limits = limits
@@ -74,7 +76,7 @@ class SamplerService(pb_grpc.SamplerServicer):
         self._weights_dir = weights_dir
         self._regions = regions or RegionRegistry()
         self._metrics = metrics
-        self._sample_path = SamplePath(limits, self._batcher, self._registry, self._regions, metrics)
+        self._sample_path = SamplePath(limits, self._batcher, self._registry, self._regions, metrics, native)
 
     @property
     def queue_depth(self) -> int:
@@ -92,12 +94,14 @@ class SamplerService(pb_grpc.SamplerServicer):
     async def close(self) -> None:
         await self._batcher.close()
 
-    async def Sample(self, request: pb.SampleRequest, context: grpc.aio.ServicerContext) -> pb.SampleResponse:
+    async def Sample(
+        self, request: bytes | pb.SampleRequest, context: grpc.aio.ServicerContext
+    ) -> bytes | pb.SampleResponse:
         return await self._sample_path.unary(request, current_call.get())
 
     async def SampleStream(
-        self, request_iterator: AsyncIterator[pb.SampleRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.SampleStreamResponse]:
+        self, request_iterator: AsyncIterator[bytes | pb.SampleRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes | pb.SampleStreamResponse]:
         """Samples each message as it arrives (so the batcher can merge them) and answers in order."""
         stream_id = request_id_from_metadata(context.invocation_metadata())
         async for answer in self._sample_path.stream(request_iterator, stream_id):
@@ -224,3 +228,29 @@ class SamplerService(pb_grpc.SamplerServicer):
             device_memory_allocated_bytes=torch.cuda.memory_allocated(device) if on_gpu else 0,
             device_memory_reserved_bytes=torch.cuda.memory_reserved(device) if on_gpu else 0,
         )
+
+
+class _HandlerCapture:
+    """Stands in for a server while the generated code registers the Sampler's handlers."""
+
+    handlers: dict[str, grpc.RpcMethodHandler]
+
+    def add_generic_rpc_handlers(self, generic_handlers: tuple) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service_name: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self.handlers = handlers
+
+
+def add_sampler_to_server(service: SamplerService, server: grpc.aio.Server) -> None:
+    """The generated registration, except that Sample and SampleStream take the request's bytes and answer
+    bytes or messages: the native path reads and writes the wire bytes itself (sample_rpc.py)."""
+    capture = _HandlerCapture()
+    pb_grpc.add_SamplerServicer_to_server(service, capture)
+    handlers = dict(capture.handlers)
+    handlers["Sample"] = grpc.unary_unary_rpc_method_handler(service.Sample, response_serializer=serialize_answer)
+    handlers["SampleStream"] = grpc.stream_stream_rpc_method_handler(service.SampleStream,
+                                                                     response_serializer=serialize_answer)
+    name = pb.DESCRIPTOR.services_by_name["Sampler"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)

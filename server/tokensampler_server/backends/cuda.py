@@ -379,6 +379,11 @@ class CudaBackend(Backend):
         return BackendInfo(name="cuda", device=f"cuda:{self._device.index} ({self._gpu_name})",
                            kernels=list(Kernels.kernel_names))
 
+    @property
+    def fallback_counter_address(self) -> int:
+        """Device address of the in-kernel fallback counter (uint64), for launchers outside this class."""
+        return self._kernels.fallback_count.data_ptr()
+
     def fallbacks(self) -> dict[str, int]:
         """Exact re-evaluations inside kernels, and rows re-sampled by the CPU reference (synchronises)."""
         return {"in_kernel": int(self._kernels.fallback_count.item()), "cpu_rows": self._cpu_rows}
