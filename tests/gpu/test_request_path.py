@@ -1,0 +1,280 @@
+"""The native request path (csrc/request_path.cpp, native_path.py) against the Python path.
+
+In process, no RPC: a CUDA tensor of this process stands for a registered CUDA region. Every request the
+native path answers must get the response the Python path gives it (validation.py + the CUDA backend):
+the same tokens, flags and seeds, to the bit, since both launch the same kernels on the same rows. Every
+request it must leave to the Python path (other inputs, log-probs, processing, output regions, errors)
+must be declined. Then the server end to end: unary and stream over a CUDA region, metrics included.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+import torch
+from tokensampler_client import SamplerClient
+from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_server.config import Limits
+from tokensampler_server.regions import Region
+from tokensampler_server.validation import validate_sample_request
+
+from ..conftest import RunningServer, start_server
+from .conftest import degenerate_rows, logits
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
+
+LIMITS = Limits(max_batch_rows=512, max_batch_elements=512 * 151936)
+TORCH_TO_PROTO = {torch.float32: pb.DTYPE_FLOAT32, torch.bfloat16: pb.DTYPE_BFLOAT16, torch.float16: pb.DTYPE_FLOAT16}
+REGION = "native-test-region"
+REGION_BYTES = 256 << 20
+
+
+@pytest.fixture(scope="module")
+def region_buffer() -> torch.Tensor:
+    return torch.zeros(REGION_BYTES, dtype=torch.uint8, device="cuda")
+
+
+@pytest.fixture(scope="module")
+def native(cuda_backend, region_buffer: torch.Tensor):
+    from tokensampler_server.native_path import NativeRequestPath
+
+    path = NativeRequestPath(cuda_backend, LIMITS)
+    path.region_added(Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None))
+    return path
+
+
+def put(region_buffer: torch.Tensor, x: torch.Tensor, offset: int = 0) -> pb.TensorRef:
+    """Writes x into the region at `offset` and returns the reference to it."""
+    raw = x.contiguous().view(torch.uint8).flatten()
+    region_buffer[offset: offset + raw.numel()].copy_(raw)
+    torch.cuda.synchronize()
+    return pb.TensorRef(region=REGION, offset=offset, dtype=TORCH_TO_PROTO[x.dtype], shape=list(x.shape))
+
+
+def python_answer(cuda_backend, request: pb.SampleRequest, region_buffer: torch.Tensor) -> pb.SampleResponse:
+    """What the Python path answers: validation.py's batch through the CUDA backend."""
+    ref = request.logits_ref
+    dtype = {v: k for k, v in TORCH_TO_PROTO.items()}[ref.dtype]
+    size = ref.shape[0] * ref.shape[1] * dtype.itemsize
+    referenced = region_buffer[ref.offset: ref.offset + size].view(dtype).view(*ref.shape)
+    batch, seeds = validate_sample_request(request, LIMITS, referenced=referenced)
+    result = cuda_backend.sample(batch)
+    return pb.SampleResponse(
+        tokens=pb.Tensor(dtype=pb.DTYPE_INT32, shape=list(result.tokens.shape),
+                         data=result.tokens.to(torch.int32).numpy().tobytes()),
+        seeds=seeds.tolist(), valid=result.valid.tolist(), nan_detected=result.nan_detected.tolist())
+
+
+def assert_same_answer(native, cuda_backend, region_buffer: torch.Tensor, request: pb.SampleRequest) -> pb.SampleResponse:
+    answer = native.sample(request.SerializeToString(), "rid-1", False)
+    assert answer is not None, "declined a request it should answer"
+    got = pb.SampleResponse.FromString(answer.response)
+    if not request.params.has_seed and not request.params.seed:  # fresh seeds: replay them on the Python path
+        request = pb.SampleRequest.FromString(request.SerializeToString())
+        request.params.seed[:] = got.seeds
+    elif list(request.params.has_seed) and not all(request.params.has_seed):
+        request = pb.SampleRequest.FromString(request.SerializeToString())
+        request.params.seed[:] = got.seeds
+        del request.params.has_seed[:]
+    expected = python_answer(cuda_backend, request, region_buffer)
+    assert got.tokens.dtype == pb.DTYPE_INT32 and list(got.tokens.shape) == list(expected.tokens.shape)
+    assert got.tokens.data == expected.tokens.data
+    assert list(got.seeds) == list(expected.seeds)
+    assert list(got.valid) == list(expected.valid) and list(got.nan_detected) == list(expected.nan_detected)
+    assert got.request_id == "rid-1" and got.timings.total_ns >= got.timings.compute_ns > 0
+    rows = request.logits_ref.shape[0]
+    assert answer.num_rows == rows and sum(answer.rows_by_mode) == rows
+    return got
+
+
+@pytest.mark.parametrize("mode, params", [
+    ("greedy", dict(temperature=[0.0])),
+    ("gumbel", dict(temperature=[0.8])),
+    ("top_k_top_p", dict(top_k=[50], top_p=[0.9])),
+    ("top_p", dict(top_p=[0.9])),
+    ("min_p", dict(min_p=[0.05])),
+    ("top_p_min_p", dict(temperature=[0.7], top_p=[0.8], min_p=[0.02])),
+    ("large_k", dict(top_k=[1000], top_p=[0.95])),
+    ("k_of_minus_one_and_k_past_v", dict(top_k=[-1])),
+])
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_uniform_rows_match_the_python_path(native, cuda_backend, region_buffer, mode: str, params: dict,
+                                            rows: int) -> None:
+    x = logits("spiky" if rows != 3 else "flat", rows, 151936, seed=rows).cuda()
+    request = pb.SampleRequest(logits_ref=put(region_buffer, x), params=pb.SamplingParams(
+        seed=[11 * r + 5 for r in range(rows)], position=[r % 7 for r in range(rows)], iteration=[2], **params))
+    assert_same_answer(native, cuda_backend, region_buffer, request)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [2, 3, 1000, 32000])
+def test_mixed_rows_every_dtype_and_vocabulary(native, cuda_backend, region_buffer, dtype: torch.dtype,
+                                               vocab: int) -> None:
+    """One row per mode and again (top-p past 32 rows takes the frontier), per-row columns."""
+    rows = 40
+    gen = torch.Generator().manual_seed(vocab)
+    x = logits("spiky", rows, vocab, seed=vocab, dtype=dtype).cuda()
+    temperature = [0.0 if r % 6 == 0 else 0.5 + float(torch.rand(1, generator=gen)) for r in range(rows)]
+    top_k = [[0, 5, 0, 0, 300, -1][r % 6] for r in range(rows)]
+    top_p = [[1.0, 0.9, 0.7, 1.0, 1.0, 1.0][r % 6] for r in range(rows)]
+    min_p = [[0.0, 0.0, 0.1, 0.05, 0.0, 0.0][r % 6] for r in range(rows)]
+    request = pb.SampleRequest(logits_ref=put(region_buffer, x), params=pb.SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=[r * 3 + 1 for r in range(rows)]))
+    assert_same_answer(native, cuda_backend, region_buffer, request)
+
+
+def test_frontier_rows_and_degenerate_rows(native, cuda_backend, region_buffer) -> None:
+    x = degenerate_rows(300, 151936, torch.device("cuda"))
+    request = pb.SampleRequest(logits_ref=put(region_buffer, x, offset=4096), params=pb.SamplingParams(
+        top_p=[0.9], seed=list(range(300))))
+    got = assert_same_answer(native, cuda_backend, region_buffer, request)
+    assert list(got.valid)[:3] == [False, True, True] and list(got.nan_detected)[:3] == [False, True, False]
+    assert list(got.tokens.data[:4]) == list((-1).to_bytes(4, "little", signed=True))
+
+
+def test_fresh_and_partly_given_seeds(native, cuda_backend, region_buffer) -> None:
+    x = logits("flat", 8, 1000, seed=3).cuda()
+    fresh = pb.SampleRequest(logits_ref=put(region_buffer, x))  # no params at all: T = 1, fresh seeds
+    first = assert_same_answer(native, cuda_backend, region_buffer, fresh)
+    again = pb.SampleResponse.FromString(native.sample(fresh.SerializeToString(), "rid-2", False).response)
+    assert list(first.seeds) != list(again.seeds)  # 8 fresh 64-bit seeds twice: equal with probability 2^-512
+    partly = pb.SampleRequest(logits_ref=put(region_buffer, x), params=pb.SamplingParams(
+        seed=list(range(8)), has_seed=[True, False] * 4))
+    got = assert_same_answer(native, cuda_backend, region_buffer, partly)
+    assert list(got.seeds)[0::2] == [0, 2, 4, 6]
+
+
+def test_a_stream_message_wraps_the_response(native, region_buffer) -> None:
+    x = logits("spiky", 2, 1000, seed=4).cuda()
+    request = pb.SampleRequest(logits_ref=put(region_buffer, x), params=pb.SamplingParams(temperature=[0.0]))
+    answer = native.sample(request.SerializeToString(), "s.0", True)
+    message = pb.SampleStreamResponse.FromString(answer.response)
+    assert message.WhichOneof("result") == "response" and message.response.request_id == "s.0"
+    tokens = torch.frombuffer(bytearray(message.response.tokens.data), dtype=torch.int32)
+    assert torch.equal(tokens.long(), x.float().argmax(dim=1).cpu())
+
+
+def _declined_requests(ref: pb.TensorRef) -> dict[str, bytes]:
+    def request(**fields) -> bytes:
+        return pb.SampleRequest(logits_ref=ref, **fields).SerializeToString()
+
+    def params(**fields) -> bytes:
+        return request(params=pb.SamplingParams(**fields))
+
+    def ref_with(**fields) -> bytes:
+        changed = pb.TensorRef()
+        changed.CopyFrom(ref)
+        for name, value in fields.items():
+            if name == "shape":
+                changed.shape[:] = value
+            else:
+                setattr(changed, name, value)
+        return pb.SampleRequest(logits_ref=changed).SerializeToString()
+
+    return {
+        "logits as bytes": pb.SampleRequest(logits=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 2], data=bytes(8))).SerializeToString(),
+        "hidden states": pb.SampleRequest(hidden=pb.HiddenStates(weights="w")).SerializeToString(),
+        "no input": pb.SampleRequest(params=pb.SamplingParams(temperature=[0.0])).SerializeToString(),
+        "log-probs": request(return_logprobs=True),
+        "top log-probs": request(top_logprobs=3),
+        "bad log-probs mode": request(logprobs_mode=7),
+        "two samples": request(num_samples=2),
+        "zero samples": request(num_samples=0),
+        "output region": request(output=pb.OutputRefs(tokens=ref)),
+        "penalty": params(repetition_penalty=[1.1]),
+        "banned tokens": params(banned_token_ids=pb.TokenLists(ids=[1], lengths=[1])),
+        "negative temperature": params(temperature=[-1.0]),
+        "nan temperature": params(temperature=[float("nan")]),
+        "infinite temperature": params(temperature=[float("inf")]),
+        "k below -1": params(top_k=[-2]),
+        "p of 0": params(top_p=[0.0]),
+        "p above 1": params(top_p=[1.5]),
+        "min_p of 1": params(min_p=[1.0]),
+        "two values for three rows": params(temperature=[1.0, 0.5]),
+        "has_seed without seeds": params(has_seed=[True, True, True]),
+        "has_seed of one row": params(seed=[1], has_seed=[True]),
+        "unknown region": ref_with(region="nobody"),
+        "past the region's end": ref_with(offset=REGION_BYTES - 64),
+        "misaligned offset": ref_with(offset=2),
+        "int32 dtype": ref_with(dtype=pb.DTYPE_INT32),
+        "three dimensions": ref_with(shape=[3, 10, 10]),
+        "no rows": ref_with(shape=[0, 10]),
+        "rows past the limit": ref_with(shape=[LIMITS.max_batch_rows + 1, 10]),
+        "elements past the limit": ref_with(shape=[2, LIMITS.max_batch_elements]),
+        "garbage": b"\xff\xff\xff",
+        "truncated": request()[:-1],
+    }
+
+
+def test_everything_else_is_declined(native, region_buffer) -> None:
+    ref = put(region_buffer, logits("flat", 3, 100, seed=5).cuda())
+    for name, raw in _declined_requests(ref).items():
+        assert native.sample(raw, "rid", False) is None, name
+
+
+def test_removed_region_and_dead_producer_are_declined(cuda_backend, region_buffer) -> None:
+    from tokensampler_server.native_path import NativeRequestPath
+
+    path = NativeRequestPath(cuda_backend, LIMITS)
+    raw = pb.SampleRequest(logits_ref=put(region_buffer, logits("flat", 2, 100, seed=6).cuda())).SerializeToString()
+    exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    path.region_added(Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None,
+                             producer_pid=int(exited.stdout)))
+    assert path.sample(raw, "rid", False) is None  # its producer has exited
+    path.region_removed(REGION)
+    path.region_added(Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None))
+    assert path.sample(raw, "rid", False) is not None
+    path.region_removed(REGION)
+    assert path.sample(raw, "rid", False) is None
+    path.region_added(Region(name=REGION, kind="shm", buffer=torch.zeros(REGION_BYTES, dtype=torch.uint8),
+                             release=lambda: None))
+    assert path.sample(raw, "rid", False) is None  # shared-memory regions take the Python path
+
+
+@pytest.fixture(scope="module")
+def servers():
+    native = start_server("--device", "cuda", "--allow-cuda-ipc", "--metrics-port", "0", timeout=300)
+    python = start_server("--device", "cuda", "--allow-cuda-ipc", "--no-native-path", "--metrics-port", "0",
+                          timeout=300)
+    yield native, python
+    native.stop()
+    python.stop()
+
+
+def _rows_total(server: RunningServer, mode: str) -> float:
+    port = next(int(m.group(1)) for line in server.log if (m := re.search(r"metrics on http://[^:]+:(\d+)/metrics", line)))
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    found = re.search(rf'^tokensampler_rows_total\{{mode="{mode}"\}} (\S+)$', text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_server_native_and_python_paths_answer_alike(servers) -> None:
+    """Unary and stream over one CUDA region: the native server equals the --no-native-path one, and its
+    metrics count the rows it answered natively."""
+    native_server, python_server = servers
+    assert any("native request path on" in line for line in native_server.log)
+    x = logits("spiky", 48, 151936, seed=8).cuda()
+    torch.cuda.synchronize()
+    answers = []
+    for server in (native_server, python_server):
+        with SamplerClient(server.target, timeout=300) as client:
+            region = client.register_cuda_region("e2e", x)
+            try:
+                view = region.view_of(x)
+                unary = [client.sample(view, top_k=50, top_p=0.9, seed=list(range(48))).tokens,
+                         client.sample(view, top_p=0.9, seed=list(range(48))).tokens,
+                         client.sample(view, temperature=0.0).tokens]
+                with client.stream() as stream:
+                    streamed = [stream.sample(view, min_p=0.05, seed=list(range(48)), position=step).tokens
+                                for step in range(3)]
+            finally:
+                client.unregister_region(region)
+        answers.append(unary + streamed)
+    for got, expected in zip(*answers):
+        assert torch.equal(got, expected)
+    assert torch.equal(answers[0][2][:, 0], x.argmax(dim=1).cpu())
+    assert _rows_total(native_server, "top_k") >= 48 and _rows_total(native_server, "min_p") >= 3 * 48
