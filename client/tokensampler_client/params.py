@@ -48,6 +48,13 @@ def _extend(name: str, field: Any, values: Any) -> None:
 
 def _column(name: str, value: Column, batch: int) -> Sequence[Any]:
     """The values to send for a numeric parameter: [value] for a scalar, B values for a sequence."""
+    kind = type(value)
+    if kind is list or kind is tuple:  # the common cases first: no ABC checks (a client call's hot path)
+        if len(value) != batch:
+            raise ValueError(f"{name}: expected a scalar or {batch} values (one per row), got {len(value)}")
+        return value
+    if kind is float or kind is int:
+        return [value]
     if _is_array(value):
         if value.ndim == 0:
             return [value.item()]
@@ -76,12 +83,6 @@ def _set_scalar(message: Any, name: str, value: Any) -> None:
         raise type(err)(f"{name}: {err}") from None
 
 
-def _set_column(params: pb.SamplingParams, name: str, value: Column, batch: int) -> None:
-    """Fills the repeated field `name` of `params` with 0, 1 or B values."""
-    if value is not None:
-        _extend(name, getattr(params, name), _column(name, value, batch))
-
-
 def _set_seed(params: pb.SamplingParams, seed: Column, batch: int) -> None:
     """`seed`: one shared seed, or B seeds where None entries ask the server to draw one."""
     if seed is None:
@@ -90,7 +91,7 @@ def _set_seed(params: pb.SamplingParams, seed: Column, batch: int) -> None:
         # torch has no general uint64: an int64 tensor holds the seeds' bits in two's complement.
         seed = seed.detach().cpu().numpy().view(np.uint64)
     values = _column("seed", seed, batch)
-    if not _is_array(seed) and any(v is None for v in values):
+    if not _is_array(seed) and None in values:
         _extend("seed", params.has_seed, [v is not None for v in values])
         values = [0 if v is None else v for v in values]
     _extend("seed", params.seed, values)
@@ -119,8 +120,6 @@ def _is_row_list(value: Any) -> bool:
 
 def _set_token_lists(out: pb.TokenLists, name: str, value: TokenListsArg, batch: int) -> None:
     """One list shared by every row (lengths = [n]), or B lists (lengths = B entries)."""
-    if value is None:
-        return
     if _is_array(value) and value.ndim == 2:
         # A [B, L] array: B lists of equal length, converted in one call.
         if value.shape[0] != batch:
@@ -143,8 +142,6 @@ def _set_token_lists(out: pb.TokenLists, name: str, value: TokenListsArg, batch:
 
 def _set_logit_bias(out: pb.LogitBias, bias: LogitBiasArg, batch: int) -> None:
     """One {token: bias} dict shared by every row, or B dicts (None entries are empty)."""
-    if bias is None:
-        return
     if isinstance(bias, Mapping):
         rows: Sequence[Mapping[int, float]] = [bias] if bias else []
     elif isinstance(bias, Sequence) and not isinstance(bias, (str, bytes)):
@@ -223,7 +220,8 @@ def fill_sampling_params(
         ("presence_penalty", presence_penalty),
         ("frequency_penalty", frequency_penalty),
     ):
-        _set_column(params, name, value, batch)
+        if value is not None:  # 0, 1 or B values; a field is touched only when set (getattr builds it)
+            _extend(name, getattr(params, name), _column(name, value, batch))
     _set_seed(params, seed, batch)
     for name, lists in (
         ("allowed_token_ids", allowed_token_ids),
@@ -231,8 +229,10 @@ def fill_sampling_params(
         ("output_token_ids", output_token_ids),
         ("prompt_token_ids", prompt_token_ids),
     ):
-        _set_token_lists(getattr(params, name), name, lists, batch)
-    _set_logit_bias(params.logit_bias, logit_bias, batch)
+        if lists is not None:
+            _set_token_lists(getattr(params, name), name, lists, batch)
+    if logit_bias is not None:
+        _set_logit_bias(params.logit_bias, logit_bias, batch)
 
 
 def build_sample_request(

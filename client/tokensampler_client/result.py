@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ._proto import sampler_pb2 as pb
-from .tensors import decode_tensor
+from .tensors import decode_owned
 
 
 @dataclass(frozen=True)
@@ -55,20 +55,15 @@ class SampleResult:
     @classmethod
     def from_response(cls, response: pb.SampleResponse) -> SampleResult:
         """Decodes a SampleResponse; raises tensors.TensorDecodeError on a malformed tensor."""
-        # Decoded tensors view the message's immutable bytes: dtype conversion or clone() copies them
-        # into memory the caller owns and may write.
-        def optional(field: str, dtype: torch.dtype) -> torch.Tensor | None:
-            if not response.HasField(field):
-                return None
-            return decode_tensor(getattr(response, field), field).to(dtype, copy=True)
-
+        has = response.HasField
         timings = response.timings
         return cls(
-            tokens=optional("tokens", torch.int64),
+            tokens=decode_owned(response.tokens, "tokens", torch.int64) if has("tokens") else None,
             seeds=list(response.seeds),
-            logprobs=optional("logprobs", torch.float32),
-            top_logprob_ids=optional("top_logprob_ids", torch.int64),
-            top_logprobs=optional("top_logprobs", torch.float32),
+            logprobs=decode_owned(response.logprobs, "logprobs", torch.float32) if has("logprobs") else None,
+            top_logprob_ids=(decode_owned(response.top_logprob_ids, "top_logprob_ids", torch.int64)
+                             if has("top_logprob_ids") else None),
+            top_logprobs=decode_owned(response.top_logprobs, "top_logprobs", torch.float32) if has("top_logprobs") else None,
             valid=_flags(response.valid),
             nan_detected=_flags(response.nan_detected),
             timings=Timings(timings.queue_ns, timings.compute_ns, timings.total_ns),
