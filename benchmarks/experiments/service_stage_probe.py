@@ -5,7 +5,8 @@ beside the empty gRPC echo, on logits in a region (CUDA IPC on a GPU, shared mem
       [--rounds 4] [--iters 300] [--batches 1 64] [--stages] [--idle]
 
 Variants (each its own server process, monkeypatched in that process only):
-  base          the server as it is;
+  base          the server as it is (on CUDA, plain region requests take the native path);
+  python        the server with --no-native-path: every message on the Python path;
   novalid       validation done once and its batch reused (what validation costs);
   floorbackend  SampleStream answers every message with the first one's answer after backend.sample of its
                 batch: the backend's host path without parsing, validation or encoding;
@@ -14,7 +15,7 @@ Variants (each its own server process, monkeypatched in that process only):
   floor         the first answer at once, nothing else.
 Each variant is timed with prebuilt request bytes (`raw`: no client-side protobuf work) and through the client
 library (`client`), in rounds interleaved with the echo (single runs on these machines swing by tens of percent).
---stages also prints base's per-stage spans inside the server (parse, start with the backend, finish, yield);
+--stages also prints the Python path's per-stage spans (variant python, else base) inside the server (parse, start with the backend, finish, yield);
 --idle times the backend call and the client's build + decode in this process, hot in a loop and after an
 idle wait, as a server and a waiting client run them. Findings: benchmarks/SERVICE_NOTES.md.
 """
@@ -47,6 +48,7 @@ def _repeat_first_answer(variant: str) -> None:
     from tokensampler_client._proto import sampler_pb2 as pb
     from tokensampler_server import service
     from tokensampler_server.call_record import CallRecord
+    from tokensampler_server.sample_rpc import as_request
 
     tiny = torch.zeros(1, device="cuda") if variant == "floorsync" else None  # CUDA servers only
 
@@ -54,7 +56,7 @@ def _repeat_first_answer(variant: str) -> None:
         first = None
         async for request in requests:
             if first is None:  # the real path once: the batch and the answer to repeat
-                started = self._sample_path.start(request, CallRecord(method="probe", request_id="probe"))
+                started = self._sample_path.start(as_request(request), CallRecord(method="probe", request_id="probe"))
                 with started.held:
                     result, times = await started.future
                     answer = pb.SampleStreamResponse(response=self._sample_path.finish(started, result, times))
@@ -132,7 +134,7 @@ def serve(variant: str, server_args: list[str]) -> int:
         _cache_validation()
     if os.environ.get("PROBE_STAGES"):
         _trace_stages(os.environ["PROBE_STAGES"])
-    sys.argv = [sys.argv[0], *server_args]
+    sys.argv = [sys.argv[0], *server_args, *(["--no-native-path"] if variant == "python" else [])]
     return main()
 
 
@@ -185,9 +187,11 @@ def measure(args: argparse.Namespace) -> None:
 
     stages = Path(tempfile.mkdtemp(prefix="probe-")) / "stages.txt"
     servers, ports = [], {}
-    for variant in args.variants.split(","):
+    variants = args.variants.split(",")
+    traced = "python" if "python" in variants else "base"
+    for variant in variants:
         os.environ.pop("PROBE_STAGES", None)
-        if args.stages and variant == "base":
+        if args.stages and variant == traced:
             os.environ["PROBE_STAGES"] = str(stages)
         process, ports[variant] = start(
             [sys.executable, __file__, "--serve", variant, "--host", "127.0.0.1", "--port", "0", "--device",
@@ -230,7 +234,7 @@ def measure(args: argparse.Namespace) -> None:
             print(f"{name:26s} p50 {statistics.median(p50s):8.1f} us  (rounds: {' '.join(f'{x:.0f}' for x in p50s)})",
                   flush=True)
         if args.stages and stages.exists():
-            print("base, per-stage medians inside the server (µs, 300 messages a line):")
+            print(f"{traced}, per-stage medians inside the server (µs, 300 messages a line):")
             print(stages.read_text(), end="")
     finally:
         for process in servers:
@@ -242,7 +246,7 @@ def main() -> None:
         sys.exit(serve(sys.argv[2], sys.argv[3:]))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--variants", default="base,floor,floorbackend,floorsync")
+    parser.add_argument("--variants", default="base,python,floorsync")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--iters", type=int, default=300)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
