@@ -228,19 +228,45 @@ class SamplePath:
     async def stream(
         self, requests: AsyncIterator[bytes | pb.SampleRequest], stream_id: str
     ) -> AsyncIterator[bytes | pb.SampleStreamResponse]:
-        """Starts each message as it arrives and answers them in order; a failed message gets an error
-        message of its own and the stream goes on."""
+        """Answers each message in order; a failed message gets an error message of its own and the stream
+        goes on. While the native path answers every message, one loop reads and answers them (no task, no
+        queue: ~60 µs a message less on the H200 machines, SERVICE_NOTES.md); from the first message it
+        does not answer, the rest of the stream is pipelined (`_pipelined`)."""
+        messages = aiter(requests)
+        index = 0
+        async for message in messages:
+            record = self._stream_record(stream_id, index)
+            index += 1
+            begun = self._begin(message, record)
+            if not isinstance(begun, bytes):
+                async for answer in self._pipelined(messages, stream_id, index, (record, begun)):
+                    yield answer
+                return
+            yield self._answer_native(record, begun)
+
+    @staticmethod
+    def _stream_record(stream_id: str, index: int) -> CallRecord:
+        record = CallRecord(method=STREAM_METHOD, request_id=f"{stream_id}.{index}")
+        record.start()
+        current_request_id.set(record.request_id)  # the batcher runs the backend in this context
+        return record
+
+    async def _pipelined(
+        self, messages: AsyncIterator[bytes | pb.SampleRequest], stream_id: str, index: int,
+        first: tuple[CallRecord, _Started | Exception],
+    ) -> AsyncIterator[bytes | pb.SampleStreamResponse]:
+        """Starts each message as it arrives (so the batcher can merge them) and answers them in order,
+        beginning with `first`, the message of number index - 1."""
         answers: asyncio.Queue[tuple[CallRecord, bytes | _Started | Exception] | None] = asyncio.Queue(
             maxsize=STREAM_MESSAGES_IN_FLIGHT
         )
+        answers.put_nowait(first)
 
         async def read() -> None:
-            index = 0
-            async for message in requests:
-                record = CallRecord(method=STREAM_METHOD, request_id=f"{stream_id}.{index}")
-                index += 1
-                record.start()
-                current_request_id.set(record.request_id)  # the batcher runs the backend in this context
+            number = index
+            async for message in messages:
+                record = self._stream_record(stream_id, number)
+                number += 1
                 item = (record, self._begin(message, record))
                 try:
                     await answers.put(item)
@@ -272,12 +298,16 @@ class SamplePath:
                 if item is not None and isinstance(item[1], _Started):
                     item[1].drop()
 
+    def _answer_native(self, record: CallRecord, response: bytes) -> bytes:
+        """A natively answered stream message: its metrics wait for the next scrape."""
+        if self._metrics is not None:
+            self._metrics.observe_call_later(record, grpc.StatusCode.OK, record.elapsed_ns())
+        return response
+
     async def _answer(self, record: CallRecord, started: bytes | _Started | Exception) -> bytes | pb.SampleStreamResponse:
         """One stream message's answer, reported like a unary call."""
-        if isinstance(started, bytes):  # answered natively: its metrics wait for the next scrape
-            if self._metrics is not None:
-                self._metrics.observe_call_later(record, grpc.StatusCode.OK, record.elapsed_ns())
-            return started
+        if isinstance(started, bytes):
+            return self._answer_native(record, started)
         current_request_id.set(record.request_id)
         code, error = grpc.StatusCode.OK, ""
         try:
