@@ -278,3 +278,24 @@ def test_client_streaming_calls_are_guarded_and_counted() -> None:
     count = metrics.registry.get_sample_value
     assert count("tokensampler_requests_total", {"method": "test.Upload/Put", "code": "OK"}) == 1
     assert count("tokensampler_requests_total", {"method": "test.Upload/Put", "code": "INVALID_ARGUMENT"}) == 1
+
+
+def test_calls_observed_later_are_recorded_before_a_scrape_reads_them() -> None:
+    """The native path's stream messages are recorded at the next scrape, rows by mode included; without
+    scrapes the backlog stays bounded."""
+    from tokensampler_server.call_record import CallRecord
+    from tokensampler_server.metrics import _MAX_LATER
+
+    metrics = ServerMetrics()
+    method = "tokensampler.v1.Sampler/SampleStream"
+    call = CallRecord(method=method, request_id="s.0", row_modes=(1, 2, 0, 0, 3))
+    metrics.observe_call_later(call, grpc.StatusCode.OK, 2_000_000)
+    count = metrics.registry.get_sample_value
+    assert count("tokensampler_requests_total", {"method": method, "code": "OK"}) == 1
+    assert count("tokensampler_rows_total", {"mode": "min_p"}) == 3
+    assert count("tokensampler_rows_total", {"mode": "gumbel"}) == 2
+    assert count("tokensampler_request_duration_seconds_sum", {"method": method}) == pytest.approx(0.002)
+    for _ in range(_MAX_LATER + 100):
+        metrics.observe_call_later(call, grpc.StatusCode.OK, 1000)
+    assert len(metrics._later) <= _MAX_LATER  # noqa: SLF001 - the bound is the point
+    assert count("tokensampler_requests_total", {"method": method, "code": "OK"}) == _MAX_LATER + 101

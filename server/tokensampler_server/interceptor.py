@@ -192,7 +192,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     code, error = failure_status(err, call.method, call.request_id)
                 finally:
                     elapsed_ns = call.elapsed_ns()
-                    self._metrics.observe_call(call, code, elapsed_ns)
+                    self._metrics.observe_call_later(call, code, elapsed_ns)  # recorded at the next scrape
                     _log_call(call, code, elapsed_ns, error)
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 trailing += ((RETRYABLE_METADATA_KEY, "overload"),)

@@ -11,6 +11,7 @@ says what each one means.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 from collections import deque
@@ -44,7 +45,8 @@ ROW_MODES = ("greedy", "gumbel", "top_k", "top_p", "min_p", "fused")
 registered LM head, which a later API version adds: declared now so dashboards need no change."""
 _GREEDY, _GUMBEL, _TOP_K, _TOP_P, _MIN_P = (ROW_MODES.index(m) for m in ("greedy", "gumbel", "top_k", "top_p", "min_p"))
 _LOOP_ROWS = 16
-_MAX_LATER = 4096  # calls observe_call_later keeps before it records them itself
+_MAX_LATER = 4096  # calls observe_call_later keeps before it records them itself,
+_FLUSH_CHUNK = 8  # this many at a time
 
 _FALLBACKS = Counter(
     "tokensampler_fallbacks_total",
@@ -229,14 +231,17 @@ class ServerMetrics:
     def observe_call_later(self, call: CallRecord, code: grpc.StatusCode, elapsed_ns: int) -> None:
         """observe_call at the next scrape (or after _MAX_LATER calls): an append on the hot path instead of
         a dozen lock-taking metric updates."""
+        if call.batch is not None:  # keep its row counts, not the batch and its tensors, until then
+            call.row_modes = tuple(count_row_modes(call.batch).tolist())
+            call.batch = None
         self._later.append((call, code, elapsed_ns))
-        if len(self._later) >= _MAX_LATER:
-            self.flush()
+        if len(self._later) >= _MAX_LATER:  # no scrape for a while: a few at a time, never a long pause
+            self.flush(_FLUSH_CHUNK)
 
-    def flush(self) -> None:
-        """Records the calls observe_call_later kept (thread-safe: deque pops)."""
+    def flush(self, most: int | None = None) -> None:
+        """Records the calls observe_call_later kept (all, or the `most` oldest; thread-safe: deque pops)."""
         later = self._later
-        while True:
+        for _ in itertools.repeat(None) if most is None else range(most):
             try:
                 call, code, elapsed_ns = later.popleft()
             except IndexError:
