@@ -13,6 +13,8 @@ Variants (each its own server process, monkeypatched in that process only):
   floorsync     the same, one tiny kernel and a device synchronisation instead of the backend (CUDA only):
                 about what a native data plane would leave;
   floor         the first answer at once, nothing else.
+  inline        base's native answers from a stream loop without the reader task and queue (every message
+                must be one the native path answers): what the stream plumbing costs.
 Each variant is timed with prebuilt request bytes (`raw`: no client-side protobuf work) and through the client
 library (`client`), in rounds interleaved with the echo (single runs on these machines swing by tens of percent).
 --stages also prints the Python path's per-stage spans (variant python, else base) inside the server (parse, start with the backend, finish, yield);
@@ -67,6 +69,25 @@ def _repeat_first_answer(variant: str) -> None:
                 tiny.add_(1)
                 torch.cuda.synchronize()
             yield first[1]
+
+    service.SamplerService.SampleStream = sample_stream
+
+
+def _answer_inline() -> None:
+    """SampleStream as one loop over the native path's answers, no reader task, no queue."""
+    from tokensampler_server import service
+    from tokensampler_server.call_record import CallRecord
+    from tokensampler_server.sample_rpc import STREAM_METHOD
+
+    async def sample_stream(self, requests, context):
+        index = 0
+        async for message in requests:
+            record = CallRecord(method=STREAM_METHOD, request_id=f"inline.{index}")
+            index += 1
+            answer = self._sample_path.answer_natively(message, record, stream_message=True)
+            if answer is None:
+                raise RuntimeError("the inline variant needs requests the native path answers")
+            yield answer
 
     service.SamplerService.SampleStream = sample_stream
 
@@ -132,6 +153,8 @@ def serve(variant: str, server_args: list[str]) -> int:
         _repeat_first_answer(variant)
     if variant == "novalid":
         _cache_validation()
+    if variant == "inline":
+        _answer_inline()
     if os.environ.get("PROBE_STAGES"):
         _trace_stages(os.environ["PROBE_STAGES"])
     sys.argv = [sys.argv[0], *server_args, *(["--no-native-path"] if variant == "python" else [])]

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import urllib.request
 
+import grpc
 import pytest
 import torch
 from tokensampler_client import SamplerClient
@@ -278,3 +279,34 @@ def test_server_native_and_python_paths_answer_alike(servers) -> None:
         assert torch.equal(got, expected)
     assert torch.equal(answers[0][2][:, 0], x.argmax(dim=1).cpu())
     assert _rows_total(native_server, "top_k") >= 48 and _rows_total(native_server, "min_p") >= 3 * 48
+
+
+def test_a_stream_goes_on_in_order_past_a_message_the_native_path_declines(servers) -> None:
+    """Native answers, then a message for the Python path, an invalid one and a native one again: every
+    answer in order, the stream open throughout."""
+    from tokensampler_client import TokenSamplerError
+
+    native_server, _ = servers
+    x = logits("spiky", 4, 1000, seed=9).cuda()
+    torch.cuda.synchronize()
+    with SamplerClient(native_server.target, timeout=300) as client:
+        region = client.register_cuda_region("mixed", x)
+        try:
+            view = region.view_of(x)
+            with client.stream() as stream:
+                stream.send(view, temperature=0.0)
+                stream.send(view, temperature=0.0, return_logprobs=True)
+                stream.send(view, temperature=-1.0)
+                stream.send(view, temperature=0.0)
+                first, second = stream.receive(), stream.receive()
+                with pytest.raises(TokenSamplerError) as raised:
+                    stream.receive()
+                fourth = stream.receive()
+        finally:
+            client.unregister_region(region)
+    argmax = x.argmax(dim=1).cpu()
+    for result in (first, second, fourth):
+        assert torch.equal(result.tokens[:, 0], argmax)
+    assert first.logprobs is None and second.logprobs is not None
+    assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert first.request_id.endswith(".0") and fourth.request_id.endswith(".3")
