@@ -16,7 +16,6 @@ import datetime
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,6 +26,9 @@ sys.path.insert(0, str(ROOT / "server"))
 
 from tokensampler_server.backends.cuda import FRONTIER_MIN_ROWS  # noqa: E402
 from tokensampler_server.backends.cuda_kernels import Kernels, Outputs, RowParams  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from provenance import tree_commit  # noqa: E402
 
 V = 151936
 TOP_K, TOP_P, MIN_P = 50, 0.9, 0.05
@@ -117,19 +119,9 @@ def gpu_slug(name: str) -> str:
 
 
 def run_meta(peers) -> dict:
-    """What every result file records about its run: GPU, torch, commit, date, measured bandwidths.
-
-    TOKENSAMPLER_BENCH_COMMIT names the commit where the tree was copied without its git history
-    (the GPU machine's copy)."""
-    commit = os.environ.get("TOKENSAMPLER_BENCH_COMMIT", "")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                    text=True).stdout.strip()
-        except OSError:
-            commit = ""
+    """What every result file records about its run: GPU, torch, commit, date, measured bandwidths."""
     copy_bw, read_bw = peers.bandwidth()
-    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit or "unknown",
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": tree_commit(),
             "date": datetime.date.today().isoformat(), "read_bw_GBps": round(read_bw / 1e9, 1),
             "copy_bw_GBps": round(copy_bw / 1e9, 1), "timing": "triton do_bench warmup=25 rep=100 median, L2 flushed"}
 

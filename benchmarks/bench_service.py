@@ -44,6 +44,7 @@ for package in ("server", "client"):
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from generators import spiky_logits  # noqa: E402
+from provenance import tree_commit  # noqa: E402
 import grpc  # noqa: E402
 from tokensampler_client import BatchingClient, SamplerClient  # noqa: E402
 from tokensampler_client.params import build_sample_request  # noqa: E402
@@ -258,9 +259,8 @@ def main() -> None:
     result = run(args)
     gpu = torch.cuda.get_device_name().replace(" ", "_") if args.device == "cuda" else f"cpu{os.cpu_count()}"
     date = datetime.date.today().isoformat()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     result["meta"] = {"gpu": gpu, "device": args.device, "torch": torch.__version__, "grpc": grpc.__version__,
-                      "commit": commit, "date": date, "cpus": os.cpu_count(), "iters": args.iters}
+                      "commit": tree_commit(), "date": date, "cpus": os.cpu_count(), "iters": args.iters}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"service-{gpu}-{date}.json"
     path.write_text(json.dumps(result, indent=1))
