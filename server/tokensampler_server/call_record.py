@@ -26,7 +26,10 @@ class CallRecord:
     batch: SamplingBatch | None = None
     """The validated batch of a Sample call; None for other methods and rejected requests."""
     row_modes: tuple[int, ...] | None = None
-    """Rows per mode (metrics.ROW_MODES order) of a Sample call the native path answered: it has no batch."""
+    """Rows per mode (metrics.ROW_MODES order) of a Sample call without a batch: answered natively, or
+    recorded later (metrics.observe_call_later keeps the counts, not the batch)."""
+    native: bool = False
+    """Answered by the native request path: its rows were a backend batch of their own."""
     decode_ns: int = 0
     """Request message to validated batch: validation and tensor decoding."""
     queue_ns: int = 0

@@ -145,7 +145,7 @@ class SamplePath:
         answer = self._native.sample(message, call.request_id, stream_message)
         if answer is None:
             return None
-        call.row_modes = answer.rows_by_mode
+        call.row_modes, call.native = answer.rows_by_mode, True
         call.decode_ns, call.compute_ns, call.encode_ns = answer.decode_ns, answer.compute_ns, answer.encode_ns
         return answer.response
 
