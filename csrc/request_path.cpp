@@ -275,7 +275,12 @@ bool RequestPath::sample(std::string_view request, std::string_view request_id, 
     }
     ~DeviceGuard() { cudaSetDevice(previous); }
   } guard(device_);
-  return answer(q, region, request_id, stream_message, started, answered);
+  try {
+    return answer(q, region, request_id, stream_message, started, answered);
+  } catch (...) {
+    cudaStreamSynchronize(stream_);  // no copy from the reused pinned buffers may outlive a failed request
+    throw;
+  }
 }
 
 bool RequestPath::answer(Parsed& q, const RegionMapping& region, std::string_view request_id, bool stream_message,
