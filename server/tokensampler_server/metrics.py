@@ -11,7 +11,6 @@ says what each one means.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import re
 from collections import deque
@@ -45,8 +44,8 @@ ROW_MODES = ("greedy", "gumbel", "top_k", "top_p", "min_p", "fused")
 registered LM head, which a later API version adds: declared now so dashboards need no change."""
 _GREEDY, _GUMBEL, _TOP_K, _TOP_P, _MIN_P = (ROW_MODES.index(m) for m in ("greedy", "gumbel", "top_k", "top_p", "min_p"))
 _LOOP_ROWS = 16
-_MAX_LATER = 4096  # calls observe_call_later keeps before it records them itself,
-_FLUSH_CHUNK = 8  # this many at a time
+_MAX_LATER = 4096  # calls observe_call_later keeps at most; past that, each new call records _FLUSH_CHUNK of them
+_FLUSH_CHUNK = 8
 
 _FALLBACKS = Counter(
     "tokensampler_fallbacks_total",
@@ -243,7 +242,7 @@ class ServerMetrics:
     def flush(self, most: int | None = None) -> None:
         """Records the calls observe_call_later kept (all, or the `most` oldest; thread-safe: deque pops)."""
         later = self._later
-        for _ in itertools.repeat(None) if most is None else range(most):
+        for _ in range(len(later) if most is None else most):
             try:
                 call, code, elapsed_ns = later.popleft()
             except IndexError:

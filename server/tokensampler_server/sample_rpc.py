@@ -3,10 +3,12 @@ validate it, queue it on the batcher, encode the answer.
 
 Both methods take the request's bytes: on the CUDA backend the native path (native_path.py) answers
 the plain region requests from them, in C++, and returns response bytes; everything else is parsed here
-and takes the Python path. A request is handled in two halves: `start` runs synchronously up to the
-batcher's future, `finish` builds the response from the result. A stream's reader starts each message as it arrives (so the
-batcher can merge them) without a task per message, and the stream answers in order by awaiting the
-futures one after the other: the fewest event-loop turns per message (benchmarks/SERVICE_NOTES.md).
+and takes the Python path. There a request is handled in two halves: `start` runs synchronously up to
+the batcher's future, `finish` builds the response from the result. A stream answers natively answered
+messages in one loop; from its first message on the Python path, a reader starts each message as it
+arrives (so the batcher can merge them) without a task per message, and the stream answers in order by
+awaiting the futures one after the other: the fewest event-loop turns per message
+(benchmarks/SERVICE_NOTES.md).
 """
 
 from __future__ import annotations
@@ -20,14 +22,13 @@ from dataclasses import dataclass, replace
 import grpc
 import numpy as np
 import torch
+from google.protobuf.message import DecodeError
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.tensors import encode_tensor
 
 from .batcher import BatchTimes, DynamicBatcher
 from .call_record import CallRecord
 from .config import Limits
-from google.protobuf.message import DecodeError
-
 from .errors import InvalidArgument, failure_status, unparsable
 from .metrics import ServerMetrics
 from .native_path import NativeRequestPath
