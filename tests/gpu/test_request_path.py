@@ -21,7 +21,8 @@ from tokensampler_client import SamplerClient
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_server.config import Limits
 from tokensampler_server.regions import Region
-from tokensampler_server.validation import validate_sample_request
+from tokensampler_server.errors import ServiceError
+from tokensampler_server.validation import LOGITS_DTYPES, validate_sample_request
 
 from ..conftest import RunningServer, start_server
 from .conftest import degenerate_rows, logits
@@ -57,11 +58,12 @@ def put(region_buffer: torch.Tensor, x: torch.Tensor, offset: int = 0) -> pb.Ten
 
 
 def python_answer(cuda_backend, request: pb.SampleRequest, region_buffer: torch.Tensor) -> pb.SampleResponse:
-    """What the Python path answers: validation.py's batch through the CUDA backend."""
-    ref = request.logits_ref
-    dtype = {v: k for k, v in TORCH_TO_PROTO.items()}[ref.dtype]
-    size = ref.shape[0] * ref.shape[1] * dtype.itemsize
-    referenced = region_buffer[ref.offset: ref.offset + size].view(dtype).view(*ref.shape)
+    """What the Python path answers (sample_rpc.py's steps): the region reference resolved by regions.py,
+    validation.py's batch, the CUDA backend. Its errors raise (ServiceError)."""
+    if request.WhichOneof("input") != "logits_ref" or request.logits_ref.region != REGION:
+        raise ServiceError("not a request for this test's region")
+    region = Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None)
+    referenced = region.tensor(request.logits_ref, "logits_ref", LOGITS_DTYPES)
     batch, seeds = validate_sample_request(request, LIMITS, referenced=referenced)
     result = cuda_backend.sample(batch)
     return pb.SampleResponse(
@@ -310,3 +312,50 @@ def test_a_stream_goes_on_in_order_past_a_message_the_native_path_declines(serve
     assert first.logprobs is None and second.logprobs is not None
     assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert first.request_id.endswith(".0") and fourth.request_id.endswith(".3")
+
+
+def test_mutated_requests_are_answered_as_the_python_path_answers_them_or_declined(native, cuda_backend,
+                                                                                   region_buffer) -> None:
+    """C++ parses untrusted bytes here: 3000 byte-level mutations of valid requests (flipped bits, random
+    bytes, cuts, repeated spans). The native path must never fail; whatever it answers, the Python path must
+    answer too, with the same tokens, flags and seeds."""
+    import random
+
+    from google.protobuf.message import DecodeError
+
+    rng = random.Random(20261122)
+    x = logits("spiky", 6, 1000, seed=10).cuda()
+    bases = [pb.SampleRequest(logits_ref=put(region_buffer, x), params=pb.SamplingParams(**params)).SerializeToString()
+             for params in (dict(seed=list(range(6)), top_k=[20], top_p=[0.9]), dict(temperature=[0.0]),
+                            dict(seed=[3], min_p=[0.1], position=[1, 2, 3, 4, 5, 6]),
+                            dict(seed=list(range(6)), has_seed=[True, False] * 3, top_p=[0.5]))]
+    answered = 0
+    for _ in range(3000):
+        raw = bytearray(rng.choice(bases))
+        for _ in range(rng.randint(1, 3)):
+            kind, at = rng.randrange(4), rng.randrange(len(raw))
+            if kind == 0:
+                raw[at] ^= 1 << rng.randrange(8)
+            elif kind == 1:
+                raw[at] = rng.randrange(256)
+            elif kind == 2:
+                del raw[at:]
+            else:
+                raw[at:at] = raw[at: at + rng.randint(1, 8)]
+            if not raw:
+                raw = bytearray(rng.choice(bases))
+        answer = native.sample(bytes(raw), "fuzz", False)
+        if answer is None:
+            continue
+        answered += 1
+        got = pb.SampleResponse.FromString(answer.response)
+        try:
+            request = pb.SampleRequest.FromString(bytes(raw))
+            request.params.seed[:] = got.seeds  # fresh seeds replayed
+            del request.params.has_seed[:]
+            expected = python_answer(cuda_backend, request, region_buffer)
+        except (DecodeError, ServiceError) as err:
+            raise AssertionError(f"native answered {bytes(raw)!r}, the Python path refuses it: {err}") from None
+        assert got.tokens.data == expected.tokens.data and list(got.seeds) == list(expected.seeds), bytes(raw)
+        assert list(got.valid) == list(expected.valid) and list(got.nan_detected) == list(expected.nan_detected)
+    assert 50 <= answered <= 2950, answered  # both sides of the decision exercised (127 answered at this seed)
