@@ -206,7 +206,7 @@ struct RequestPath::Parsed {
 };
 
 RequestPath::RequestPath(int device, RequestLimits limits, unsigned long long* fallback_count)
-    : device_(device), limits_(limits), fallback_count_(fallback_count), parsed_(new Parsed) {
+    : device_(device), limits_(limits), fallback_count_(fallback_count), parsed_(std::make_unique<Parsed>()) {
   int previous = 0;
   check(cudaGetDevice(&previous), "cudaGetDevice");
   check(cudaSetDevice(device_), "cudaSetDevice");
@@ -223,7 +223,6 @@ RequestPath::~RequestPath() {
   for (Buffer* b : {&host_stage_, &host_out_})
     if (b->ptr) cudaFreeHost(b->ptr);
   if (stream_) cudaStreamDestroy(stream_);
-  delete parsed_;
 }
 
 void RequestPath::add_region(const std::string& name, RegionMapping region) {

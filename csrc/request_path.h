@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -74,7 +75,7 @@ class RequestPath {
   cudaStream_t stream_ = nullptr;
   std::mutex mutex_;  // one request at a time; regions change between requests only
   std::unordered_map<std::string, RegionMapping> regions_;
-  Parsed* parsed_;
+  std::unique_ptr<Parsed> parsed_;
   Buffer host_stage_, dev_stage_, host_out_, dev_out_, counters_, hist_, scratch_;
 };
 
