@@ -68,12 +68,13 @@ void random_words(uint64_t* out, size_t count) {
   }
 }
 
-// backends/cuda.py _bucket_of: the smallest top-k bucket holding k + 1 candidates, 0 when none applies.
-int32_t bucket_of(int32_t k, int64_t chunks) {
-  if (k <= 0) return 0;
-  for (int32_t bucket : kBuckets)
-    if (k + 1 <= bucket) return chunks * bucket <= kMaxMergedCandidates ? bucket : 0;
-  return 0;
+// backends/cuda.py _bucket_of: the index in kBuckets of the smallest top-k bucket holding k + 1 candidates,
+// -1 when none applies.
+int bucket_index(int32_t k, int64_t chunks) {
+  if (k <= 0) return -1;
+  for (int i = 0; i < kNumBuckets; ++i)
+    if (k + 1 <= kBuckets[i]) return chunks * kBuckets[i] <= kMaxMergedCandidates ? i : -1;
+  return -1;
 }
 
 // A 0-, 1- or B-valued column of SamplingParams (validation.py _column).
@@ -378,9 +379,9 @@ bool RequestPath::answer(Parsed& q, const RegionMapping& region, std::string_vie
     if (t == 0.f) {
       q.greedy.push_back(id);
     } else if (k > 0 || p < 1.f || m > 0.f) {
-      const int32_t bucket = bucket_of(k, chunks);
-      if (bucket) {
-        q.by_bucket[std::find(kBuckets, kBuckets + kNumBuckets, bucket) - kBuckets].push_back(id);
+      const int bucket = bucket_index(k, chunks);
+      if (bucket >= 0) {
+        q.by_bucket[bucket].push_back(id);
       } else {
         q.exact.push_back(id);
         exact_has_k |= k > 0;
