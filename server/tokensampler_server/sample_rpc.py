@@ -308,7 +308,7 @@ class SamplePath:
                     item[1].drop()
 
     def _answer_native(self, record: CallRecord, response: bytes) -> bytes:
-        """A natively answered stream message: its metrics wait for the next scrape."""
+        """A natively answered stream message, reported like every call (at the next scrape)."""
         if self._metrics is not None:
             self._metrics.observe_call_later(record, grpc.StatusCode.OK, record.elapsed_ns())
         return response
@@ -329,6 +329,6 @@ class SamplePath:
             code, error = failure_status(err, record.method, record.request_id)
         finally:
             if self._metrics is not None:
-                self._metrics.observe_call(record, code, record.elapsed_ns())
+                self._metrics.observe_call_later(record, code, record.elapsed_ns())
         message = f"{error} (request id {record.request_id})"
         return pb.SampleStreamResponse(error=pb.StreamError(code=code.value[0], message=message, request_id=record.request_id))
