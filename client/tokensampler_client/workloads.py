@@ -11,7 +11,7 @@ import torch
 from ._proto import sampler_pb2 as pb
 from .params import LOGITS_DTYPES, fill_sampling_params
 from .result import Timings
-from .tensors import as_torch, decode_tensor, encode_tensor
+from .tensors import as_torch, decode_owned, decode_tensor, encode_tensor
 
 
 def _float_tensor(name: str, value: Any, rank: int | tuple[int, ...], out: pb.Tensor) -> torch.Tensor:
@@ -60,8 +60,8 @@ class DiffusionStepResult:
     @classmethod
     def from_response(cls, response: pb.DiffusionStepResponse) -> DiffusionStepResult:
         return cls(
-            tokens=decode_tensor(response.tokens, "tokens").to(torch.int64, copy=True),
-            confidences=decode_tensor(response.confidences, "confidences").clone(),
+            tokens=decode_owned(response.tokens, "tokens", torch.int64),
+            confidences=decode_owned(response.confidences, "confidences", torch.float32),
             mask=decode_tensor(response.mask, "mask") != 0,
             seeds=list(response.seeds),
             timings=_timings(response.timings),
@@ -100,8 +100,8 @@ class TopKProbsResult:
     @classmethod
     def from_response(cls, response: pb.TopKProbsResponse) -> TopKProbsResult:
         return cls(
-            probs=decode_tensor(response.probs, "probs").clone(),
-            ids=decode_tensor(response.ids, "ids").to(torch.int64, copy=True),
+            probs=decode_owned(response.probs, "probs", torch.float32),
+            ids=decode_owned(response.ids, "ids", torch.int64),
             timings=_timings(response.timings),
             request_id=response.request_id,
         )
@@ -134,8 +134,8 @@ class VerifyDraftResult:
     @classmethod
     def from_response(cls, response: pb.VerifyDraftResponse) -> VerifyDraftResult:
         return cls(
-            accepted=decode_tensor(response.accepted, "accepted").to(torch.int64, copy=True),
-            tokens=decode_tensor(response.tokens, "tokens").to(torch.int64, copy=True),
+            accepted=decode_owned(response.accepted, "accepted", torch.int64),
+            tokens=decode_owned(response.tokens, "tokens", torch.int64),
             seeds=list(response.seeds),
             timings=_timings(response.timings),
             request_id=response.request_id,
