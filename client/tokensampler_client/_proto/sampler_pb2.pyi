@@ -117,6 +117,18 @@ class TensorRef(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class RowsRef(_message.Message):
+    __slots__ = ("region", "dtype", "row_size", "row_offsets")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ROW_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ROW_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    dtype: DType
+    row_size: int
+    row_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, region: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., row_size: _Optional[int] = ..., row_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class OutputRefs(_message.Message):
     __slots__ = ("tokens", "logprobs")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -126,10 +138,11 @@ class OutputRefs(_message.Message):
     def __init__(self, tokens: _Optional[_Union[TensorRef, _Mapping]] = ..., logprobs: _Optional[_Union[TensorRef, _Mapping]] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("logits", "hidden", "logits_ref", "params", "num_samples", "return_logprobs", "logprobs_mode", "top_logprobs", "output")
+    __slots__ = ("logits", "hidden", "logits_ref", "logits_rows", "params", "num_samples", "return_logprobs", "logprobs_mode", "top_logprobs", "output")
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     LOGITS_REF_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_ROWS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -139,13 +152,14 @@ class SampleRequest(_message.Message):
     logits: Tensor
     hidden: HiddenStates
     logits_ref: TensorRef
+    logits_rows: RowsRef
     params: SamplingParams
     num_samples: int
     return_logprobs: bool
     logprobs_mode: LogprobsMode
     top_logprobs: int
     output: OutputRefs
-    def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ..., hidden: _Optional[_Union[HiddenStates, _Mapping]] = ..., logits_ref: _Optional[_Union[TensorRef, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., return_logprobs: bool = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ..., top_logprobs: _Optional[int] = ..., output: _Optional[_Union[OutputRefs, _Mapping]] = ...) -> None: ...
+    def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ..., hidden: _Optional[_Union[HiddenStates, _Mapping]] = ..., logits_ref: _Optional[_Union[TensorRef, _Mapping]] = ..., logits_rows: _Optional[_Union[RowsRef, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., return_logprobs: bool = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ..., top_logprobs: _Optional[int] = ..., output: _Optional[_Union[OutputRefs, _Mapping]] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_ns", "compute_ns", "total_ns")
