@@ -30,7 +30,7 @@ void check(int err, const char* what) {
 }
 
 TsLogits logits_of(int64_t data, int64_t num_rows, int64_t vocab, int64_t dtype) {
-  return TsLogits{ptr<const void>(data), num_rows, vocab, static_cast<int32_t>(dtype)};
+  return TsLogits{ptr<const void>(data), num_rows, vocab, static_cast<int32_t>(dtype), nullptr};
 }
 
 // params: temperature, top_k, top_p, min_p, seed, position, iteration (device addresses).

@@ -79,7 +79,7 @@ void register_workloads(pybind11::module_& m) {
   m.def("topk_probs", [](int64_t data, int64_t num_rows, int64_t vocab, int64_t dtype, int64_t temperature, int64_t k,
                          int64_t bucket, int64_t probs, int64_t ids, int64_t flags, std::vector<int64_t> ws,
                          int64_t stream) {
-    const TsLogits l{addr<const void>(data), num_rows, vocab, static_cast<int32_t>(dtype)};
+    const TsLogits l{addr<const void>(data), num_rows, vocab, static_cast<int32_t>(dtype), nullptr};
     const TsWorkspace w = workspace_of(ws);
     check(ts_topk_probs(&l, addr<const float>(temperature), static_cast<int32_t>(k), static_cast<int32_t>(bucket),
                         addr<float>(probs), addr<int64_t>(ids), addr<uint8_t>(flags), &w, addr<void>(stream)),

@@ -31,10 +31,16 @@ struct RowView {
   bool aligned;
 };
 
+// Where logits row r begins: contiguous rows, or rows gathered by TsLogits.row_start.
+template <typename T>
+__device__ __forceinline__ const T* logits_row(const TsLogits& logits, int64_t r) {
+  return static_cast<const T*>(logits.data) + (logits.row_start ? logits.row_start[r] : r * logits.vocab);
+}
+
 template <typename T>
 __device__ __forceinline__ RowView<T> row_view(const TsLogits& logits, const TsRows& rows, int w) {
   const int64_t r = rows.rows ? rows.rows[w] : w;
-  const T* row = static_cast<const T*>(logits.data) + r * logits.vocab;
+  const T* row = logits_row<T>(logits, r);
   return {row, r, reinterpret_cast<uintptr_t>(row) % (4 * sizeof(T)) == 0};
 }
 
@@ -1083,7 +1089,7 @@ __global__ void __launch_bounds__(kFilterThreads)
   extern __shared__ uint64_t smem[];
   const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
   const int64_t r = rows.rows ? rows.rows[w] : w;
-  const T* row = static_cast<const T*>(logits.data) + r * logits.vocab;
+  const T* row = logits_row<T>(logits, r);
   const bool aligned = reinterpret_cast<uintptr_t>(row) % (4 * sizeof(T)) == 0;
   const int64_t vocab = logits.vocab, groups = (vocab + 3) / 4;
   const int ns = out.num_samples;

@@ -13,10 +13,12 @@ extern "C" {
 #endif
 
 typedef struct {
-  const void* data;  /* [num_rows, vocab], contiguous */
+  const void* data;  /* [num_rows, vocab], contiguous unless row_start is given */
   int64_t num_rows;
   int64_t vocab;
   int32_t dtype; /* 0 fp32, 1 fp16, 2 bf16 */
+  const int64_t* row_start; /* device [num_rows]: row r begins row_start[r] elements past data (rows
+                               gathered from a region, no copy); NULL: r * vocab */
 } TsLogits;
 
 typedef struct {

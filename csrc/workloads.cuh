@@ -682,8 +682,8 @@ __global__ void __launch_bounds__(kThreads, 5)
                       uint8_t* flags, TsWorkspace ws) {
   const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
   const int64_t vocab = logits.vocab, g0 = static_cast<int64_t>(split) * kChunkGroups;
-  const RowView<T> rv{static_cast<const T*>(logits.data) + w * vocab, w,
-                      reinterpret_cast<uintptr_t>(static_cast<const T*>(logits.data) + w * vocab) % (4 * sizeof(T)) == 0};
+  const T* row = logits_row<T>(logits, w);
+  const RowView<T> rv{row, w, reinterpret_cast<uintptr_t>(row) % (4 * sizeof(T)) == 0};
   const float t = temperature[w], c2 = kLog2e / t;
   uint64_t* lists = static_cast<uint64_t*>(ws.scratch);
   ChunkSum* sums = reinterpret_cast<ChunkSum*>(lists + static_cast<int64_t>(logits.num_rows) * splits * K);
