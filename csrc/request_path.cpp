@@ -99,11 +99,11 @@ bool in_int32(uint64_t v) { return v <= 0x7FFFFFFFull || v >= 0xFFFFFFFF80000000
 }  // namespace
 
 struct RequestPath::Parsed {
-  // SampleRequest.logits_ref (TensorRef)
-  bool has_ref = false;
+  // SampleRequest.logits_ref (TensorRef) or logits_rows (RowsRef: row_size and row_offsets, gathered)
+  bool has_ref = false, gathered = false;
   std::string_view region;
-  uint64_t offset = 0, dtype = 0;
-  std::vector<uint64_t> shape;
+  uint64_t offset = 0, dtype = 0, row_size = 0;
+  std::vector<uint64_t> shape, row_offsets;
   // SampleRequest.params (SamplingParams): floats as their bits
   bool has_params = false;
   std::vector<uint32_t> temperature, top_p, min_p;
@@ -115,10 +115,10 @@ struct RequestPath::Parsed {
   std::vector<int32_t> greedy, unfiltered, exact, by_bucket[kNumBuckets];
 
   void clear() {
-    has_ref = has_params = has_num_samples = false;
+    has_ref = gathered = has_params = has_num_samples = false;
     region = {};
-    offset = dtype = num_samples = return_logprobs = logprobs_mode = top_logprobs = 0;
-    for (auto* v : {&shape, &top_k, &seed, &has_seed, &position, &iteration}) v->clear();
+    offset = dtype = row_size = num_samples = return_logprobs = logprobs_mode = top_logprobs = 0;
+    for (auto* v : {&shape, &row_offsets, &top_k, &seed, &has_seed, &position, &iteration}) v->clear();
     for (auto* v : {&temperature, &top_p, &min_p}) v->clear();
     greedy.clear(), unfiltered.clear(), exact.clear();
     for (auto& v : by_bucket) v.clear();
@@ -151,6 +151,31 @@ struct RequestPath::Parsed {
     return reader.ok();
   }
 
+  bool parse_rows(std::string_view bytes) {
+    wire::Reader reader(bytes);
+    wire::Field f;
+    while (reader.next(f)) {
+      switch (f.number) {
+        case 1:
+          if (f.type != wire::kLengthDelimited) return false;
+          region = f.bytes;
+          break;
+        case 2:
+        case 3:
+          if (f.type != wire::kVarint) return false;
+          *(f.number == 2 ? &dtype : &row_size) = f.value;
+          break;
+        case 4:
+          if (!wire::append_varints(f, row_offsets)) return false;
+          break;
+        default:
+          return false;
+      }
+    }
+    gathered = true;
+    return reader.ok();
+  }
+
   bool parse_params(std::string_view bytes) {
     wire::Reader reader(bytes);
     wire::Field f;
@@ -172,16 +197,18 @@ struct RequestPath::Parsed {
     return reader.ok();
   }
 
-  // SampleRequest: logits_ref, params and the scalars; any other field declines (hidden states, logits
-  // carried as bytes, output regions, fields this build does not know).
+  // SampleRequest: logits_ref or logits_rows, params and the scalars; any other field declines (hidden states,
+  // logits carried as bytes, output regions, fields this build does not know).
   bool parse(std::string_view bytes) {
     clear();
     wire::Reader reader(bytes);
     wire::Field f;
     while (reader.next(f)) {
       switch (f.number) {
-        case 3:  // a message field given twice would merge: not mirrored
-          if (has_ref || f.type != wire::kLengthDelimited || !parse_ref(f.bytes)) return false;
+        case 3:  // a message field given twice would merge, and a second oneof case replace the first: not mirrored
+        case 10:
+          if (has_ref || f.type != wire::kLengthDelimited) return false;
+          if (!(f.number == 3 ? parse_ref(f.bytes) : parse_rows(f.bytes))) return false;
           has_ref = true;
           break;
         case 4:
@@ -285,9 +312,11 @@ bool RequestPath::sample(std::string_view request, std::string_view request_id, 
 
 bool RequestPath::answer(Parsed& q, const RegionMapping& region, std::string_view request_id, bool stream_message,
                          int64_t started, AnsweredRequest& answered) {
-  // ---- validation.py: the input's shape and the region reference (regions.py Region.tensor)
-  if (q.shape.size() != 2) return false;
-  const int64_t num_rows = static_cast<int64_t>(q.shape[0]), vocab = static_cast<int64_t>(q.shape[1]);
+  // ---- validation.py: the input's shape and the region reference (regions.py Region.tensor, Region.rows)
+  const bool gathered = q.gathered;
+  if (gathered ? q.row_size > static_cast<uint64_t>(INT64_MAX) : q.shape.size() != 2) return false;
+  const int64_t num_rows = static_cast<int64_t>(gathered ? q.row_offsets.size() : q.shape[0]);
+  const int64_t vocab = static_cast<int64_t>(gathered ? q.row_size : q.shape[1]);
   if (num_rows < 1 || vocab < 1 || num_rows > limits_.max_batch_rows) return false;
   if (vocab > limits_.max_batch_elements / num_rows) return false;
   int32_t dtype_code;  // sampling.h TsLogits.dtype
@@ -298,8 +327,14 @@ bool RequestPath::answer(Parsed& q, const RegionMapping& region, std::string_vie
     case kBfloat16: dtype_code = 2, itemsize = 2; break;
     default: return false;
   }
-  const uint64_t logits_bytes = static_cast<uint64_t>(num_rows) * static_cast<uint64_t>(vocab) * itemsize;
-  if (q.offset % itemsize || q.offset > region.byte_size || logits_bytes > region.byte_size - q.offset) return false;
+  const uint64_t row_bytes = static_cast<uint64_t>(vocab) * itemsize;
+  if (gathered) {
+    for (uint64_t start : q.row_offsets)
+      if (start % itemsize || start > region.byte_size || row_bytes > region.byte_size - start) return false;
+  } else {
+    const uint64_t logits_bytes = static_cast<uint64_t>(num_rows) * row_bytes;
+    if (q.offset % itemsize || q.offset > region.byte_size || logits_bytes > region.byte_size - q.offset) return false;
+  }
 
   // ---- validation.py validate_sample_request's scalars: one sample, tokens only
   if (q.has_num_samples && q.num_samples != 1) return false;
@@ -327,9 +362,10 @@ bool RequestPath::answer(Parsed& q, const RegionMapping& region, std::string_vie
   for (uint64_t flag : q.has_seed)
     if (flag > 1) return false;
 
-  // ---- backends/cuda.py _Stage: the per-row parameters and row lists, packed for one upload
+  // ---- backends/cuda.py _Stage: the per-row parameters (and gathered rows' starts) and row lists, packed
+  // for one upload
   const size_t b = static_cast<size_t>(num_rows);
-  const size_t lists_offset = align16(40 * b);
+  const size_t lists_offset = align16((gathered ? 48 : 40) * b);
   grow_host(host_stage_, lists_offset + 4 * b);
   grow_device(dev_stage_, lists_offset + 4 * b, false);
   char* host = static_cast<char*>(host_stage_.ptr);
@@ -341,6 +377,10 @@ bool RequestPath::answer(Parsed& q, const RegionMapping& region, std::string_vie
   auto* min_p_col = reinterpret_cast<float*>(host + 32 * b);
   auto* top_k_col = reinterpret_cast<int32_t*>(host + 36 * b);
   auto* lists = reinterpret_cast<int32_t*>(host + lists_offset);
+  if (gathered) {  // in elements past the region's base
+    auto* row_start = reinterpret_cast<int64_t*>(host + 40 * b);
+    for (size_t r = 0; r < b; ++r) row_start[r] = static_cast<int64_t>(q.row_offsets[r] / itemsize);
+  }
 
   if (seed.given()) {
     size_t missing = 0;
@@ -451,7 +491,10 @@ bool RequestPath::answer(Parsed& q, const RegionMapping& region, std::string_vie
   auto* main_tokens = reinterpret_cast<int64_t*>(out);
   auto* main_flags = reinterpret_cast<uint8_t*>(out + 8 * b);
   auto f32 = [&](size_t at) { return reinterpret_cast<float*>(out + at); };
-  const TsLogits logits{reinterpret_cast<const void*>(region.base + q.offset), num_rows, vocab, dtype_code};
+  const TsLogits logits =
+      gathered ? TsLogits{reinterpret_cast<const void*>(region.base), num_rows, vocab, dtype_code,
+                          reinterpret_cast<const int64_t*>(dev + 40 * b)}
+               : TsLogits{reinterpret_cast<const void*>(region.base + q.offset), num_rows, vocab, dtype_code, nullptr};
   auto rows_of = [&](const Group& g) {
     return TsRows{g.rows, g.n, reinterpret_cast<const float*>(dev + 24 * b), reinterpret_cast<const int32_t*>(dev + 36 * b),
                   reinterpret_cast<const float*>(dev + 28 * b), reinterpret_cast<const float*>(dev + 32 * b),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 import urllib.request
 
 import grpc
@@ -22,7 +23,7 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_server.config import Limits
 from tokensampler_server.regions import Region
 from tokensampler_server.errors import ServiceError
-from tokensampler_server.validation import LOGITS_DTYPES, validate_sample_request
+from tokensampler_server.validation import LOGITS_DTYPES, check_rows_shape, validate_sample_request
 
 from ..conftest import RunningServer, start_server
 from .conftest import degenerate_rows, logits
@@ -60,10 +61,15 @@ def put(region_buffer: torch.Tensor, x: torch.Tensor, offset: int = 0) -> pb.Ten
 def python_answer(cuda_backend, request: pb.SampleRequest, region_buffer: torch.Tensor) -> pb.SampleResponse:
     """What the Python path answers (sample_rpc.py's steps): the region reference resolved by regions.py,
     validation.py's batch, the CUDA backend. Its errors raise (ServiceError)."""
-    if request.WhichOneof("input") != "logits_ref" or request.logits_ref.region != REGION:
+    kind = request.WhichOneof("input")
+    if kind not in ("logits_ref", "logits_rows") or getattr(request, kind).region != REGION:
         raise ServiceError("not a request for this test's region")
     region = Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None)
-    referenced = region.tensor(request.logits_ref, "logits_ref", LOGITS_DTYPES)
+    if kind == "logits_rows":
+        check_rows_shape(request.logits_rows, LIMITS)
+        referenced = region.rows(request.logits_rows, kind, LOGITS_DTYPES)
+    else:
+        referenced = region.tensor(request.logits_ref, kind, LOGITS_DTYPES)
     batch, seeds = validate_sample_request(request, LIMITS, referenced=referenced)
     result = cuda_backend.sample(batch)
     return pb.SampleResponse(
@@ -89,7 +95,7 @@ def assert_same_answer(native, cuda_backend, region_buffer: torch.Tensor, reques
     assert list(got.seeds) == list(expected.seeds)
     assert list(got.valid) == list(expected.valid) and list(got.nan_detected) == list(expected.nan_detected)
     assert got.request_id == "rid-1" and got.timings.total_ns >= got.timings.compute_ns > 0
-    rows = request.logits_ref.shape[0]
+    rows = len(expected.valid)
     assert answer.num_rows == rows and sum(answer.rows_by_mode) == rows
     return got
 
@@ -127,6 +133,38 @@ def test_mixed_rows_every_dtype_and_vocabulary(native, cuda_backend, region_buff
     min_p = [[0.0, 0.0, 0.1, 0.05, 0.0, 0.0][r % 6] for r in range(rows)]
     request = pb.SampleRequest(logits_ref=put(region_buffer, x), params=pb.SamplingParams(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=[r * 3 + 1 for r in range(rows)]))
+    assert_same_answer(native, cuda_backend, region_buffer, request)
+
+
+def rows_at(region_buffer: torch.Tensor, x: torch.Tensor, order: list[int], offset: int) -> pb.RowsRef:
+    """Writes x's rows into the region from `offset` on, one element apart (so every other row starts off the
+    16-byte grid the kernels' vector loads want), and returns the reference gathering rows `order` of x."""
+    stride = (x.shape[1] + 1) * x.element_size()
+    for i in range(x.shape[0]):
+        put(region_buffer, x[i], offset + i * stride)
+    return pb.RowsRef(region=REGION, dtype=TORCH_TO_PROTO[x.dtype], row_size=x.shape[1],
+                      row_offsets=[offset + i * stride for i in order])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_gathered_from_anywhere_in_the_region_match_the_python_path(native, cuda_backend, region_buffer,
+                                                                         dtype: torch.dtype) -> None:
+    """logits_rows: rows out of order, one repeated, none 16-byte aligned in half of them, every mode; and 300
+    top-p rows (the frontier route). The Python path copies the rows together; the kernels read them in place."""
+    x = logits("spiky", 8, 151936, seed=12, dtype=dtype).cuda()
+    order = [5, 0, 7, 7, 2, 1, 6, 3, 4]
+    params = pb.SamplingParams(temperature=[0.0, 0.8, 0.7, 1.0, 1.0, 0.9, 1.2, 1.0, 0.6],
+                               top_k=[0, 0, 50, 0, 0, 1000, 0, 0, 5], top_p=[1.0, 1.0, 0.9, 0.9, 1.0, 0.95, 1.0, 1.0, 1.0],
+                               min_p=[0.0, 0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.0], seed=list(range(9)))
+    request = pb.SampleRequest(logits_rows=rows_at(region_buffer, x, order, offset=1024), params=params)
+    got = assert_same_answer(native, cuda_backend, region_buffer, request)
+    tokens = torch.frombuffer(bytearray(got.tokens.data), dtype=torch.int32)
+    assert tokens[0] == x[5].float().argmax()  # the greedy row read row 5
+
+    many = logits("flat", 300, 32000, seed=13, dtype=dtype).cuda()
+    order = list(range(299, -1, -1))
+    request = pb.SampleRequest(logits_rows=rows_at(region_buffer, many, order, offset=64 << 20),
+                               params=pb.SamplingParams(top_p=[0.9], seed=list(range(300))))
     assert_same_answer(native, cuda_backend, region_buffer, request)
 
 
@@ -213,9 +251,41 @@ def _declined_requests(ref: pb.TensorRef) -> dict[str, bytes]:
     }
 
 
+def _declined_rows_requests(rows: pb.RowsRef) -> dict[str, bytes]:
+    def rows_with(**fields) -> bytes:
+        changed = pb.RowsRef()
+        changed.CopyFrom(rows)
+        for name, value in fields.items():
+            if name == "row_offsets":
+                changed.row_offsets[:] = value
+            else:
+                setattr(changed, name, value)
+        return pb.SampleRequest(logits_rows=changed).SerializeToString()
+
+    both = pb.SampleRequest(logits_ref=pb.TensorRef(region=REGION, dtype=rows.dtype, shape=[1, rows.row_size]))
+    return {
+        "unknown region": rows_with(region="nobody"),
+        "a row past the region's end": rows_with(row_offsets=[0, REGION_BYTES - 64]),
+        "a misaligned row": rows_with(row_offsets=[0, 2]),
+        "int32 dtype": rows_with(dtype=pb.DTYPE_INT32),
+        "no rows": rows_with(row_offsets=[]),
+        "rows of no elements": rows_with(row_size=0),
+        "rows past the limit": rows_with(row_offsets=[0] * (LIMITS.max_batch_rows + 1)),
+        "elements past the limit": rows_with(row_size=LIMITS.max_batch_elements),
+        "a row size past int64": rows_with(row_size=1 << 63),
+        "two oneof cases (the last would win)": both.SerializeToString() + rows_with(),
+        "log-probs": pb.SampleRequest(logits_rows=rows, return_logprobs=True).SerializeToString(),
+    }
+
+
 def test_everything_else_is_declined(native, region_buffer) -> None:
-    ref = put(region_buffer, logits("flat", 3, 100, seed=5).cuda())
+    x = logits("flat", 3, 100, seed=5).cuda()
+    ref = put(region_buffer, x)
     for name, raw in _declined_requests(ref).items():
+        assert native.sample(raw, "rid", False) is None, name
+    rows = rows_at(region_buffer, x, [2, 0], offset=4096)
+    assert native.sample(pb.SampleRequest(logits_rows=rows).SerializeToString(), "rid", False) is not None
+    for name, raw in _declined_rows_requests(rows).items():
         assert native.sample(raw, "rid", False) is None, name
 
 
@@ -283,6 +353,39 @@ def test_server_native_and_python_paths_answer_alike(servers) -> None:
     assert _rows_total(native_server, "top_k") >= 48 and _rows_total(native_server, "min_p") >= 3 * 48
 
 
+def test_client_batching_over_slices_with_gaps_answers_as_each_call_alone(servers) -> None:
+    """8 threads, each with a 2-row slice of one CUDA buffer and a gap after it: BatchingClient merges their calls
+    into logits_rows, which the native path reads in place; every caller gets what it gets alone."""
+    from tokensampler_client import BatchingClient
+
+    native_server, _ = servers
+    threads, rows, steps = 8, 2, 6
+    x = logits("spiky", threads * 2 * rows, 151936, seed=15).cuda()
+    torch.cuda.synchronize()
+    results: dict[tuple[int, int], object] = {}
+    with SamplerClient(native_server.target, timeout=300) as client:
+        region = client.register_cuda_region("gaps", x)
+        try:
+            views = [region.view(torch.float32, (rows, 151936), offset=t * 2 * rows * 151936 * 4) for t in range(threads)]
+            with BatchingClient(client, max_rows=64, max_delay_us=5000) as batcher:
+                def worker(thread: int) -> None:
+                    for step in range(steps):
+                        results[thread, step] = batcher.sample(views[thread], top_k=50, top_p=0.9,
+                                                               seed=[thread, step], position=step)
+
+                workers = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+                for w in workers:
+                    w.start()
+                for w in workers:
+                    w.join()
+            for (thread, step), result in results.items():
+                alone = client.sample(views[thread], top_k=50, top_p=0.9, seed=[thread, step], position=step)
+                assert torch.equal(result.tokens, alone.tokens), (thread, step)
+        finally:
+            client.unregister_region(region)
+    assert len({result.request_id for result in results.values()}) < len(results)
+
+
 def test_a_stream_goes_on_in_order_past_a_message_the_native_path_declines(servers) -> None:
     """Native answers, then a message for the Python path, an invalid one and a native one again: every
     answer in order, the stream open throughout."""
@@ -314,23 +417,17 @@ def test_a_stream_goes_on_in_order_past_a_message_the_native_path_declines(serve
     assert first.request_id.endswith(".0") and fourth.request_id.endswith(".3")
 
 
-def test_mutated_requests_are_answered_as_the_python_path_answers_them_or_declined(native, cuda_backend,
-                                                                                   region_buffer) -> None:
-    """C++ parses untrusted bytes here: 3000 byte-level mutations of valid requests (flipped bits, random
-    bytes, cuts, repeated spans). The native path must never fail; whatever it answers, the Python path must
-    answer too, with the same tokens, flags and seeds."""
+def _answered_mutations(native, cuda_backend, region_buffer, bases: list[bytes], count: int, seed: int) -> int:
+    """Sends `count` byte-level mutations of `bases` (flipped bits, random bytes, cuts, repeated spans) to the
+    native path, which must never fail; whatever it answers, the Python path must answer too, with the same
+    tokens, flags and seeds. Returns how many it answered."""
     import random
 
     from google.protobuf.message import DecodeError
 
-    rng = random.Random(20261122)
-    x = logits("spiky", 6, 1000, seed=10).cuda()
-    bases = [pb.SampleRequest(logits_ref=put(region_buffer, x), params=pb.SamplingParams(**params)).SerializeToString()
-             for params in (dict(seed=list(range(6)), top_k=[20], top_p=[0.9]), dict(temperature=[0.0]),
-                            dict(seed=[3], min_p=[0.1], position=[1, 2, 3, 4, 5, 6]),
-                            dict(seed=list(range(6)), has_seed=[True, False] * 3, top_p=[0.5]))]
+    rng = random.Random(seed)
     answered = 0
-    for _ in range(3000):
+    for _ in range(count):
         raw = bytearray(rng.choice(bases))
         for _ in range(rng.randint(1, 3)):
             kind, at = rng.randrange(4), rng.randrange(len(raw))
@@ -358,4 +455,29 @@ def test_mutated_requests_are_answered_as_the_python_path_answers_them_or_declin
             raise AssertionError(f"native answered {bytes(raw)!r}, the Python path refuses it: {err}") from None
         assert got.tokens.data == expected.tokens.data and list(got.seeds) == list(expected.seeds), bytes(raw)
         assert list(got.valid) == list(expected.valid) and list(got.nan_detected) == list(expected.nan_detected)
+    return answered
+
+
+def test_mutated_requests_are_answered_as_the_python_path_answers_them_or_declined(native, cuda_backend,
+                                                                                   region_buffer) -> None:
+    """C++ parses untrusted bytes here: 3000 mutations of valid logits_ref requests."""
+    x = logits("spiky", 6, 1000, seed=10).cuda()
+    bases = [pb.SampleRequest(logits_ref=put(region_buffer, x), params=pb.SamplingParams(**params)).SerializeToString()
+             for params in (dict(seed=list(range(6)), top_k=[20], top_p=[0.9]), dict(temperature=[0.0]),
+                            dict(seed=[3], min_p=[0.1], position=[1, 2, 3, 4, 5, 6]),
+                            dict(seed=list(range(6)), has_seed=[True, False] * 3, top_p=[0.5]))]
+    answered = _answered_mutations(native, cuda_backend, region_buffer, bases, 3000, seed=20261122)
     assert 50 <= answered <= 2950, answered  # both sides of the decision exercised (127 answered at this seed)
+
+
+def test_mutated_gathered_requests_are_answered_as_the_python_path_answers_them_or_declined(native, cuda_backend,
+                                                                                            region_buffer) -> None:
+    """1000 mutations of valid logits_rows requests (row offsets in the region's first kilobytes, so that a
+    mutated offset often still lands inside it)."""
+    x = logits("spiky", 4, 50, seed=14).cuda()
+    rows = rows_at(region_buffer, x, [3, 1, 1, 0, 2], offset=0)
+    bases = [pb.SampleRequest(logits_rows=rows, params=pb.SamplingParams(**params)).SerializeToString()
+             for params in (dict(seed=list(range(5)), top_k=[20], top_p=[0.9]), dict(temperature=[0.0]))]
+    answered = _answered_mutations(native, cuda_backend, region_buffer, bases, 1000, seed=20261123)
+    print(f"answered {answered} of 1000 mutated gathered requests")
+    assert 10 <= answered <= 990, answered
