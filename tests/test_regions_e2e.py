@@ -11,6 +11,7 @@ import torch
 from tokensampler_client import BatchingClient, SamplerClient, TokenSamplerError
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
+from tokensampler_client.params import build_sample_request
 from tokensampler_client.regions import RegionView
 
 from .conftest import RunningServer, start_server
@@ -80,6 +81,50 @@ def test_bad_references(client: SamplerClient) -> None:
         client.unregister_region(region)
 
 
+def test_rows_gathered_from_anywhere_in_a_region_sample_like_those_rows_on_the_wire(client: SamplerClient) -> None:
+    """logits_rows: rows out of order and repeated, with gaps between them; the server lists the feature."""
+    assert "region_rows" in client.server_info().features
+    region = client.register_shm_region("rows", 2 * ROWS * VOCAB * 4)
+    try:
+        logits = torch.randn(ROWS, VOCAB, generator=torch.Generator().manual_seed(4))
+        region.tensor(torch.float32, (2 * ROWS, VOCAB))[::2].copy_(logits)  # row i at 2i: a row's gap after each
+        order = [5, 0, 9, 9, 15, 3]
+        request = build_sample_request(logits[order], top_k=30, top_p=0.9, seed=list(range(len(order))),
+                                       return_logprobs=True)
+        by_bytes = client.sample_request(request)
+        request.logits_rows.CopyFrom(pb.RowsRef(region="rows", dtype=pb.DTYPE_FLOAT32, row_size=VOCAB,
+                                                row_offsets=[2 * i * VOCAB * 4 for i in order]))
+        by_rows = client.sample_request(request)
+        assert torch.equal(by_rows.tokens, by_bytes.tokens) and torch.equal(by_rows.logprobs, by_bytes.logprobs)
+    finally:
+        client.unregister_region(region)
+
+
+def test_bad_row_references(client: SamplerClient) -> None:
+    region = client.register_shm_region("small-rows", 1024)
+    try:
+        def rows(**fields) -> pb.SampleRequest:
+            ref = dict(region="small-rows", dtype=pb.DTYPE_FLOAT32, row_size=8, row_offsets=[0, 32]) | fields
+            return pb.SampleRequest(logits_rows=pb.RowsRef(**ref))
+
+        cases = [
+            (rows(row_offsets=[0, 1000]), grpc.StatusCode.OUT_OF_RANGE, "logits_rows.row_offsets[1]"),
+            (rows(row_offsets=[0, 6]), grpc.StatusCode.INVALID_ARGUMENT, "logits_rows.row_offsets[1]"),
+            (rows(dtype=pb.DTYPE_INT32), grpc.StatusCode.INVALID_ARGUMENT, "logits_rows.dtype"),
+            (rows(row_offsets=[]), grpc.StatusCode.INVALID_ARGUMENT, "logits_rows.shape"),
+            (rows(row_size=0), grpc.StatusCode.INVALID_ARGUMENT, "logits_rows.shape"),
+            (rows(row_size=1 << 40), grpc.StatusCode.INVALID_ARGUMENT, "logits_rows.shape"),  # before any copy
+            (rows(row_offsets=[0] * 100_000), grpc.StatusCode.INVALID_ARGUMENT, "logits_rows.shape"),
+            (rows(region="absent"), grpc.StatusCode.NOT_FOUND, "logits_rows.region"),
+        ]
+        for request, code, field in cases:
+            with pytest.raises(TokenSamplerError) as raised:
+                client.sample_request(request)
+            assert raised.value.code == code and raised.value.details.startswith(field), raised.value
+    finally:
+        client.unregister_region(region)
+
+
 def test_unknown_segment_is_not_found(shm_server: RunningServer) -> None:
     request = pb.RegisterRegionRequest(name="ghost", shm=pb.SharedMemorySource(key="tokensampler-no-such-segment", byte_size=8))
     with grpc.insecure_channel(shm_server.target) as channel, pytest.raises(grpc.RpcError) as raised:
@@ -131,6 +176,35 @@ def test_client_batching_merges_slices_of_one_region_and_each_caller_gets_its_ro
             alone = client.sample(logits[thread * rows : (thread + 1) * rows], top_k=20, seed=[thread, step], position=step)
             assert torch.equal(result.tokens, alone.tokens), (thread, step)
         # Callers that arrived together went out as one call over their adjacent slices.
+        assert len({result.request_id for result in results.values()}) < len(results)
+    finally:
+        client.unregister_region(region)
+
+
+def test_client_batching_gathers_slices_with_gaps_between_them(client: SamplerClient) -> None:
+    """Each thread's slice has a gap before the next one's: merged calls name every row's place (logits_rows)."""
+    threads, rows, steps = 8, 2, 10
+    region = client.register_shm_region("gathered", 2 * threads * rows * VOCAB * 4)
+    try:
+        logits = torch.randn(threads * rows, VOCAB, generator=torch.Generator().manual_seed(5))
+        slices = logits.view(threads, rows, VOCAB)
+        region.tensor(torch.float32, (threads, 2 * rows, VOCAB))[:, :rows].copy_(slices)
+        results: dict[tuple[int, int], object] = {}
+        with BatchingClient(client, max_rows=64, max_delay_us=5000) as batcher:
+
+            def worker(thread: int) -> None:
+                view = region.view(torch.float32, (rows, VOCAB), offset=thread * 2 * rows * VOCAB * 4)
+                for step in range(steps):
+                    results[thread, step] = batcher.sample(view, top_p=0.8, seed=[thread, step], position=step)
+
+            workers = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+        for (thread, step), result in results.items():
+            alone = client.sample(slices[thread], top_p=0.8, seed=[thread, step], position=step)
+            assert torch.equal(result.tokens, alone.tokens), (thread, step)
         assert len({result.request_id for result in results.values()}) < len(results)
     finally:
         client.unregister_region(region)

@@ -1,7 +1,8 @@
 """Zero-copy regions: memory a colocated client shares with the server, referenced by requests.
 
 A region is a flat byte buffer: a POSIX shared-memory segment (CPU) or a CUDA allocation opened by
-IPC handle (GPU). Requests name (region, offset, dtype, shape); every reference is bounds-checked.
+IPC handle (GPU). Requests name (region, offset, dtype, shape), or for logits rows anywhere in a region
+(region, dtype, row size, one offset per row); every reference is bounds-checked.
 Requests hold the region while they use it; unregistering waits for them, then releases the mapping.
 The producer owns the memory, keeps it alive while registered, and finishes writing (synchronises
 its CUDA stream) before it sends a request that reads it.
@@ -84,6 +85,29 @@ class Region:
                 grpc.StatusCode.OUT_OF_RANGE,
             )
         return self.buffer[ref.offset : ref.offset + size].view(dtype).view(shape)
+
+    def rows(self, ref: pb.RowsRef, field: str, dtypes: tuple[int, ...]) -> torch.Tensor:
+        """The [B, row_size] tensor whose row i starts at byte row_offsets[i]: one view when the rows lie back to
+        back, else a copy made of one slice per run of adjacent rows. The caller bounds B·row_size first."""
+        if ref.dtype not in dtypes:
+            names = ", ".join(dtype_name(d) for d in dtypes)
+            raise InvalidArgument(f"{field}.dtype", f"got {ref.dtype}, expected one of {names}")
+        dtype = DTYPE_TO_TORCH[ref.dtype]
+        row_bytes = ref.row_size * dtype.itemsize
+        runs: list[list[int]] = []  # [first byte, rows]
+        for i, start in enumerate(ref.row_offsets):
+            if start % dtype.itemsize:
+                raise InvalidArgument(f"{field}.row_offsets[{i}]",
+                                      f"got {start}, expected a multiple of {dtype.itemsize} ({dtype_name(ref.dtype)})")
+            if start + row_bytes > self.byte_size:
+                raise ServiceError(f"{field}.row_offsets[{i}]: bytes [{start}, {start + row_bytes}) fall outside "
+                                   f"region {self.name!r} of {self.byte_size} bytes", grpc.StatusCode.OUT_OF_RANGE)
+            if runs and runs[-1][0] + runs[-1][1] * row_bytes == start:
+                runs[-1][1] += 1
+            else:
+                runs.append([start, 1])
+        slices = [self.buffer[start : start + n * row_bytes].view(dtype).view(n, ref.row_size) for start, n in runs]
+        return slices[0] if len(slices) == 1 else torch.cat(slices)
 
 
 def _process_exists(pid: int) -> bool:

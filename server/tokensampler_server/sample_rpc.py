@@ -35,7 +35,7 @@ from .native_path import NativeRequestPath
 from .regions import Region, RegionRegistry
 from .request_context import current_request_id
 from .sampling import SamplingResult
-from .validation import LOGITS_DTYPES, validate_sample_request
+from .validation import LOGITS_DTYPES, check_rows_shape, validate_sample_request
 from .weights import WeightRegistry
 
 STREAM_METHOD = "tokensampler.v1.Sampler/SampleStream"
@@ -58,11 +58,11 @@ def serialize_answer(answer: bytes | pb.SampleResponse | pb.SampleStreamResponse
     return answer if isinstance(answer, bytes) else answer.SerializeToString()
 
 
-def _input_ref(request: pb.SampleRequest) -> tuple[pb.TensorRef | None, str]:
+def _input_ref(request: pb.SampleRequest) -> tuple[pb.TensorRef | pb.RowsRef | None, str]:
     """The region reference holding the request's input tensor, if any, and its field name."""
     kind = request.WhichOneof("input")
-    if kind == "logits_ref":
-        return request.logits_ref, "logits_ref"
+    if kind in ("logits_ref", "logits_rows"):
+        return getattr(request, kind), kind
     if kind == "hidden" and request.hidden.HasField("states_ref"):
         return request.hidden.states_ref, "hidden.states_ref"
     return None, ""
@@ -184,7 +184,11 @@ class SamplePath:
             ref, field = _input_ref(request)
             if ref is not None:
                 region = held.enter_context(self._regions.use(ref.region, f"{field}.region"))
-                referenced = region.tensor(ref, field, LOGITS_DTYPES)
+                if field == "logits_rows":
+                    check_rows_shape(ref, self._limits)  # before the rows are copied together
+                    referenced = region.rows(ref, field, LOGITS_DTYPES)
+                else:
+                    referenced = region.tensor(ref, field, LOGITS_DTYPES)
             outputs = [
                 (name, held.enter_context(self._regions.use(out.region, f"output.{name}.region")), out)
                 for name, out in _output_refs(request)

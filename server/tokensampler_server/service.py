@@ -39,7 +39,7 @@ API_VERSION = "tokensampler.v1"
 FEATURES = (
     "logits", "hidden_states", "weights_upload", "weights_from_file", "logprobs", "top_logprobs", "penalties",
     "logit_bias", "token_masks", "num_samples", "dynamic_batching", "sample_stream", "regions", "diffusion_step",
-    "topk_probs", "verify_draft", "diffusion_step_hidden", "topk_probs_hidden",
+    "topk_probs", "verify_draft", "diffusion_step_hidden", "topk_probs_hidden", "region_rows",
 )
 
 

@@ -199,6 +199,11 @@ def _decode(tensor: pb.Tensor, field: str, limits: Limits, dims: str) -> torch.T
         raise InvalidArgument(err.field, str(err).removeprefix(f"{err.field}: ")) from None
 
 
+def check_rows_shape(ref: pb.RowsRef, limits: Limits) -> None:
+    """Bounds logits_rows' [B, V] = [number of row_offsets, row_size] within the request limits."""
+    _check_shape((len(ref.row_offsets), ref.row_size), "logits_rows", limits, "[B, V]")
+
+
 def _referenced(tensor: torch.Tensor, field: str, limits: Limits, dims: str) -> torch.Tensor:
     _check_shape(tensor.shape, field, limits, dims)
     return tensor
@@ -207,15 +212,15 @@ def _referenced(tensor: torch.Tensor, field: str, limits: Limits, dims: str) -> 
 def _input(request: pb.SampleRequest, referenced: torch.Tensor | None, limits: Limits) -> tuple[str, torch.Tensor]:
     """(kind, tensor) of the request's input: "logits" or "hidden", carried or referenced."""
     kind = request.WhichOneof("input")
-    if kind == "logits_ref":
-        return "logits", _referenced(referenced, "logits_ref", limits, "[B, V]")
+    if kind in ("logits_ref", "logits_rows"):
+        return "logits", _referenced(referenced, kind, limits, "[B, V]")
     if kind == "logits":
         return "logits", _decode(request.logits, "logits", limits, "[B, V]")
     if kind == "hidden" and request.hidden.HasField("states_ref"):
         return "hidden", _referenced(referenced, "hidden.states_ref", limits, "[B, D]")
     if kind == "hidden":
         return "hidden", _decode(request.hidden.states, "hidden.states", limits, "[B, D]")
-    raise InvalidArgument("input", "not set; expected logits, logits_ref or hidden")
+    raise InvalidArgument("input", "not set; expected logits, logits_ref, logits_rows or hidden")
 
 
 @dataclass(frozen=True)
@@ -274,7 +279,7 @@ def validate_sample_request(
     """Checks a SampleRequest and returns the batch to sample with the uint64 seed of each row.
 
     `lm_head` is the registered weight that `request.hidden.weights` names (hidden-state input);
-    `referenced` is the tensor a logits_ref or hidden.states_ref points to, already resolved.
+    `referenced` is the tensor a logits_ref, logits_rows or hidden.states_ref points to, already resolved.
     """
     logits = hidden = None
     kind, tensor = _input(request, referenced, limits)
