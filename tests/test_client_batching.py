@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import random
 import threading
 from typing import Any
@@ -11,8 +12,11 @@ import grpc
 import pytest
 import torch
 from tokensampler_client import AsyncBatchingClient, AsyncSamplerClient, BatchingClient, SamplerClient, TokenSamplerError
+from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.merge import merge_requests
 from tokensampler_client.params import build_sample_request
+from tokensampler_client.regions import RegionView
+from tokensampler_client.result import SampleResult
 
 from .conftest import RunningServer
 
@@ -133,3 +137,64 @@ def test_closed_batching_client_refuses_calls(server: RunningServer) -> None:
         batcher.close()
         with pytest.raises(RuntimeError, match="closed"):
             batcher.sample(torch.zeros(1, 4))
+
+
+class _RowEchoClient:
+    """Stands for a SamplerClient whose server lists `features`: records each request and answers every row with
+    the index of the buffer row it names (its byte offset / the row's bytes)."""
+
+    def __init__(self, features: list[str]) -> None:
+        self.features, self.sent = features, []
+
+    def server_info(self) -> pb.ServerInfo:
+        return pb.ServerInfo(features=self.features)
+
+    def sample_request(self, request: pb.SampleRequest) -> SampleResult:
+        self.sent.append(request)
+        if request.WhichOneof("input") == "logits_rows":
+            starts = list(request.logits_rows.row_offsets)
+        else:
+            ref = request.logits_ref
+            starts = [ref.offset + i * VOCAB * 4 for i in range(ref.shape[0])]
+        tokens = torch.tensor([[start // (VOCAB * 4)] for start in starts], dtype=torch.int32)
+        return SampleResult.from_response(pb.SampleResponse(tokens=pb.Tensor(
+            dtype=pb.DTYPE_INT32, shape=list(tokens.shape), data=tokens.numpy().tobytes())))
+
+
+@pytest.mark.parametrize("features, expected_calls", [(["regions", "region_rows"], 1), (["regions"], 4)])
+def test_region_slices_with_gaps_merge_only_where_the_server_takes_logits_rows(features: list[str],
+                                                                               expected_calls: int) -> None:
+    """Four callers' 2-row slices of one region, a row apart: one logits_rows call where the server lists
+    "region_rows", else four calls (an older server would not read logits_rows); each caller gets its rows."""
+    fake = _RowEchoClient(features)
+    views = [RegionView("buffer", 3 * k * VOCAB * 4, torch.float32, (2, VOCAB)) for k in range(4)]
+    with (BatchingClient(fake, max_rows=8, max_delay_us=2_000_000) as batcher,
+          concurrent.futures.ThreadPoolExecutor(4) as pool):
+        results = list(pool.map(lambda view: batcher.sample(view, seed=1), views))
+    for k, result in enumerate(results):
+        assert result.tokens[:, 0].tolist() == [3 * k, 3 * k + 1]
+    assert len(fake.sent) == expected_calls
+    assert {r.WhichOneof("input") for r in fake.sent} == {"logits_rows" if expected_calls == 1 else "logits_ref"}
+
+
+class _AsyncRowEchoClient(_RowEchoClient):
+    async def server_info(self) -> pb.ServerInfo:  # type: ignore[override]
+        return super().server_info()
+
+    async def sample_request(self, request: pb.SampleRequest) -> SampleResult:  # type: ignore[override]
+        return super().sample_request(request)
+
+
+@pytest.mark.parametrize("features, expected_calls", [(["regions", "region_rows"], 1), (["regions"], 4)])
+def test_async_region_slices_with_gaps_merge_only_where_the_server_takes_logits_rows(features: list[str],
+                                                                                     expected_calls: int) -> None:
+    fake = _AsyncRowEchoClient(features)
+    views = [RegionView("buffer", 3 * k * VOCAB * 4, torch.float32, (2, VOCAB)) for k in range(4)]
+
+    async def run() -> list[SampleResult]:
+        async with AsyncBatchingClient(fake, max_rows=8, max_delay_us=2_000_000) as batcher:
+            return await asyncio.gather(*(batcher.sample(view, seed=1) for view in views))
+
+    for k, result in enumerate(asyncio.run(run())):
+        assert result.tokens[:, 0].tolist() == [3 * k, 3 * k + 1]
+    assert len(fake.sent) == expected_calls

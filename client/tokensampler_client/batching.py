@@ -5,7 +5,8 @@ share a request (merge.merge_key) go out together and each gets exactly its own 
 invariance makes them the rows it would have got alone). When a merged call is rejected with
 INVALID_ARGUMENT, its requests are re-sent one by one, so the error reaches only the callers whose
 rows were bad (OUT_OF_RANGE too: a reference past a region's end); any other error reaches every caller
-of that batch. Calls whose logits lie back to back in one region merge into one zero-copy call.
+of that batch. Calls whose logits lie in one region merge into one zero-copy call: wherever they lie when
+the server lists the feature "region_rows" (asked once), else when they lie back to back.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from .result import SampleResult
 
 # A merged call rejected with one of these may hold a single bad request: each is re-sent alone.
 _RESEND_ALONE = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE})
+# Listed by servers that take `logits_rows`: region calls then merge wherever their rows lie.
+_ROWS_FEATURE = "region_rows"
 
 
 @dataclass
@@ -44,9 +47,13 @@ class _Call:
         self.rows = num_rows(self.request)
 
 
-def _batches(calls: Sequence[_Call], max_rows: int) -> Iterator[list[_Call]]:
-    """Groups calls by merge key, in arrival order (region references: by offset, cut where one does not
-    follow the other), each group cut at max_rows rows."""
+def _region_calls(calls: Sequence[_Call]) -> int:
+    return sum(call.request.WhichOneof("input") == "logits_ref" for call in calls)
+
+
+def _batches(calls: Sequence[_Call], max_rows: int, gather: bool) -> Iterator[list[_Call]]:
+    """Groups calls by merge key, in arrival order (region references: by offset and, without `gather`, cut
+    where one does not follow the other), each group cut at max_rows rows."""
     groups: dict[Hashable, list[_Call]] = defaultdict(list)
     for call in calls:
         groups[merge_key(call.request)].append(call)
@@ -57,7 +64,8 @@ def _batches(calls: Sequence[_Call], max_rows: int) -> Iterator[list[_Call]]:
         batch: list[_Call] = []
         rows = 0
         for call in group:
-            if batch and (rows + call.rows > max_rows or (by_ref and not follows(batch[-1].request, call.request))):
+            apart = by_ref and not gather and bool(batch) and not follows(batch[-1].request, call.request)
+            if batch and (rows + call.rows > max_rows or apart):
                 yield batch
                 batch, rows = [], 0
             batch.append(call)
@@ -65,12 +73,12 @@ def _batches(calls: Sequence[_Call], max_rows: int) -> Iterator[list[_Call]]:
         yield batch
 
 
-def _merged_or_alone(batch: list[_Call]) -> tuple[pb.SampleRequest | None, list[_Call]]:
+def _merged_or_alone(batch: list[_Call], gather: bool) -> tuple[pb.SampleRequest | None, list[_Call]]:
     """The merged request of `batch`, or None with the calls that must go alone."""
     if len(batch) == 1:
         return batch[0].request, []
     try:
-        return merge_requests([call.request for call in batch]), []
+        return merge_requests([call.request for call in batch], gather=gather), []
     except ValueError:
         return None, batch
 
@@ -102,6 +110,7 @@ class BatchingClient:
         self._pending_rows = 0
         self._lock = threading.Condition()
         self._closed = False
+        self._gather: bool | None = None  # whether the server takes logits_rows: asked when first needed
         self._senders = concurrent.futures.ThreadPoolExecutor(max_in_flight, thread_name_prefix="tokensampler-batch")
         self._collector = threading.Thread(target=self._collect, name="tokensampler-batcher", daemon=True)
         self._collector.start()
@@ -131,21 +140,30 @@ class BatchingClient:
                         break
                     self._lock.wait(remaining)
                 calls, self._pending, self._pending_rows = self._pending, [], 0
-            for batch in _batches(calls, self._max_rows):
-                self._senders.submit(self._send, batch)
+            gather = _region_calls(calls) > 1 and self._server_gathers()
+            for batch in _batches(calls, self._max_rows, gather):
+                self._senders.submit(self._send, batch, gather)
 
-    def _send(self, batch: list[_Call]) -> None:
-        request, alone = _merged_or_alone(batch)
+    def _server_gathers(self) -> bool:
+        if self._gather is None:
+            try:
+                self._gather = _ROWS_FEATURE in self._client.server_info().features
+            except TokenSamplerError:
+                return False  # asked again with the next batch
+        return self._gather
+
+    def _send(self, batch: list[_Call], gather: bool) -> None:
+        request, alone = _merged_or_alone(batch, gather)
         if request is None:
             for call in alone:
-                self._send([call])
+                self._send([call], gather)
             return
         try:
             result = self._client.sample_request(request)
         except TokenSamplerError as err:
             if err.code in _RESEND_ALONE and len(batch) > 1:
                 for call in batch:
-                    self._send([call])
+                    self._send([call], gather)
             else:
                 for call in batch:
                     call.future.set_exception(err)
@@ -184,6 +202,7 @@ class AsyncBatchingClient:
         self._pending_rows = 0
         self._flush_handle: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._gather: bool | None = None  # whether the server takes logits_rows: asked when first needed
 
     async def sample(self, logits: Any, **params: Any) -> SampleResult:
         """Samples like AsyncSamplerClient.sample; returns when this call's rows are back."""
@@ -202,21 +221,32 @@ class AsyncBatchingClient:
             self._flush_handle.cancel()
             self._flush_handle = None
         calls, self._pending, self._pending_rows = self._pending, [], 0
-        for batch in _batches(calls, self._max_rows):
-            task = asyncio.ensure_future(self._send(batch))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        task = asyncio.ensure_future(self._send_all(calls))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, batch: list[_Call]) -> None:
-        request, alone = _merged_or_alone(batch)
+    async def _server_gathers(self) -> bool:
+        if self._gather is None:
+            try:
+                self._gather = _ROWS_FEATURE in (await self._client.server_info()).features
+            except TokenSamplerError:
+                return False  # asked again with the next batch
+        return self._gather
+
+    async def _send_all(self, calls: list[_Call]) -> None:
+        gather = _region_calls(calls) > 1 and await self._server_gathers()
+        await asyncio.gather(*(self._send(batch, gather) for batch in _batches(calls, self._max_rows, gather)))
+
+    async def _send(self, batch: list[_Call], gather: bool) -> None:
+        request, alone = _merged_or_alone(batch, gather)
         if request is None:
-            await asyncio.gather(*(self._send([call]) for call in alone))
+            await asyncio.gather(*(self._send([call], gather) for call in alone))
             return
         try:
             result = await self._client.sample_request(request)
         except TokenSamplerError as err:
             if err.code in _RESEND_ALONE and len(batch) > 1:
-                await asyncio.gather(*(self._send([call]) for call in batch))
+                await asyncio.gather(*(self._send([call], gather) for call in batch))
             else:
                 for call in batch:
                     if not call.future.done():

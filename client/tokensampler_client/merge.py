@@ -3,9 +3,10 @@
 Batch invariance (docs/semantics.md) makes each row's answer independent of the rows around it, so
 the merged call gives every original request exactly the rows it would have got alone. Requests can
 merge when their `merge_key`s are equal (same logits dtype and V, same per-request options). Logits
-carried as bytes are concatenated; logits in a region merge when they lie back to back in the same
-region (`follows`), into one reference spanning them: rows written into one shared buffer by several
-threads go out as one zero-copy call.
+carried as bytes are concatenated. Logits in one region merge into one zero-copy call: into a reference
+spanning them when they lie back to back (`follows`), else, where the server takes it (`gather`), into
+`logits_rows`, which names each row's place in the region: rows written into one shared buffer by several
+threads go out together wherever they lie.
 """
 
 from __future__ import annotations
@@ -84,10 +85,18 @@ def _expand_lists(lists: pb.TokenLists, rows: int, values: Sequence[float] = ())
     return list(lists.lengths), list(lists.ids), list(values)
 
 
-def merge_requests(requests: Sequence[pb.SampleRequest]) -> pb.SampleRequest:
+def _row_starts(ref: pb.TensorRef) -> range:
+    """Where each row of a [B, V] region reference starts, in bytes from the region's start."""
+    row_bytes = DTYPE_TO_TORCH[ref.dtype].itemsize * int(ref.shape[1])
+    return range(ref.offset, ref.offset + row_bytes * int(ref.shape[0]), row_bytes)
+
+
+def merge_requests(requests: Sequence[pb.SampleRequest], *, gather: bool = False) -> pb.SampleRequest:
     """One request whose rows are the rows of `requests`, in order. All must share a merge_key.
 
-    Raises ValueError for a request whose columns are malformed: it must be sent alone.
+    Region references that do not follow each other merge only with `gather` (the server lists the feature
+    "region_rows"). Raises ValueError for requests that must be sent alone: malformed columns, or region
+    references that cannot be merged.
     """
     if len(requests) == 1:
         return requests[0]
@@ -95,10 +104,16 @@ def merge_requests(requests: Sequence[pb.SampleRequest]) -> pb.SampleRequest:
     merged = pb.SampleRequest()
     rows = sum(num_rows(r) for r in requests)
     if first.WhichOneof("input") == "logits_ref":
-        if not all(follows(a, b) for a, b in itertools.pairwise(requests)):
-            raise ValueError("region references that do not follow each other cannot be merged")
-        merged.logits_ref.CopyFrom(first.logits_ref)
-        merged.logits_ref.shape[0] = rows
+        if all(follows(a, b) for a, b in itertools.pairwise(requests)):
+            merged.logits_ref.CopyFrom(first.logits_ref)
+            merged.logits_ref.shape[0] = rows
+        elif gather:
+            ref, rows_ref = first.logits_ref, merged.logits_rows
+            rows_ref.region, rows_ref.dtype, rows_ref.row_size = ref.region, ref.dtype, ref.shape[1]
+            for r in requests:
+                rows_ref.row_offsets.extend(_row_starts(r.logits_ref))
+        else:
+            raise ValueError("region references that do not follow each other cannot be merged by this server")
     else:
         merged.logits.dtype = first.logits.dtype
         merged.logits.shape[:] = [rows, *first.logits.shape[1:]]
