@@ -198,3 +198,62 @@ def test_async_region_slices_with_gaps_merge_only_where_the_server_takes_logits_
     for k, result in enumerate(asyncio.run(run())):
         assert result.tokens[:, 0].tolist() == [3 * k, 3 * k + 1]
     assert len(fake.sent) == expected_calls
+
+
+def test_calls_gather_while_every_slot_is_busy() -> None:
+    """max_in_flight = 1: the first call goes out alone; four calls arriving while it is in flight wait for the
+    slot and then go out as one batch (with no delay of their own)."""
+    started, release = threading.Event(), threading.Event()
+
+    class HeldFirst(_RowEchoClient):
+        def sample_request(self, request: pb.SampleRequest) -> SampleResult:
+            if not started.is_set():
+                started.set()
+                release.wait(30)
+            return super().sample_request(request)
+
+    fake = HeldFirst(["regions"])
+    views = [RegionView("buffer", 2 * k * VOCAB * 4, torch.float32, (2, VOCAB)) for k in range(5)]
+    with (BatchingClient(fake, max_rows=64, max_delay_us=0, max_in_flight=1) as batcher,
+          concurrent.futures.ThreadPoolExecutor(5) as pool):
+        first = pool.submit(batcher.sample, views[0], seed=1)
+        assert started.wait(30)
+        rest = [pool.submit(batcher.sample, view, seed=1) for view in views[1:]]
+        while len(batcher._pending) < 4:  # all four are waiting for the slot
+            threading.Event().wait(0.001)
+        release.set()
+        results = [first.result(30)] + [future.result(30) for future in rest]
+    assert [r.logits_ref.shape[0] for r in fake.sent] == [2, 8]
+    for k, result in enumerate(results):
+        assert result.tokens[:, 0].tolist() == [2 * k, 2 * k + 1]
+
+
+def test_async_calls_gather_while_every_slot_is_busy() -> None:
+    views = [RegionView("buffer", 2 * k * VOCAB * 4, torch.float32, (2, VOCAB)) for k in range(5)]
+
+    async def run() -> tuple[list[SampleResult], list[pb.SampleRequest]]:
+        release = asyncio.Event()
+
+        class HeldFirst(_AsyncRowEchoClient):
+            async def sample_request(self, request: pb.SampleRequest) -> SampleResult:
+                if not self.sent:
+                    self.sent.append(request)
+                    await release.wait()
+                    self.sent.pop()
+                return await super().sample_request(request)
+
+        fake = HeldFirst(["regions"])
+        async with AsyncBatchingClient(fake, max_rows=64, max_delay_us=0, max_in_flight=1) as batcher:
+            first = asyncio.ensure_future(batcher.sample(views[0], seed=1))
+            while not fake.sent:
+                await asyncio.sleep(0.001)
+            rest = [asyncio.ensure_future(batcher.sample(view, seed=1)) for view in views[1:]]
+            await asyncio.sleep(0.05)  # their flush timers fire while the only slot is busy
+            release.set()
+            results = await asyncio.gather(first, *rest)
+        return results, fake.sent
+
+    results, sent = asyncio.run(run())
+    assert [r.logits_ref.shape[0] for r in sent] == [2, 8]
+    for k, result in enumerate(results):
+        assert result.tokens[:, 0].tolist() == [2 * k, 2 * k + 1]

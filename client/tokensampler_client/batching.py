@@ -1,6 +1,8 @@
 """Client-side batching: concurrent sample() calls coalesced into one Sample RPC.
 
-A call waits at most `max_delay_us` for company; a batch closes at `max_rows` rows. Calls that can
+A batch forms only when one of the `max_in_flight` RPC slots is free: while every slot is busy, calls
+gather, so batches grow with the load instead of queueing behind each other. Once a slot is free, the
+first call waits at most `max_delay_us` for company; a batch closes at `max_rows` rows. Calls that can
 share a request (merge.merge_key) go out together and each gets exactly its own rows back (batch
 invariance makes them the rows it would have got alone). When a merged call is rejected with
 INVALID_ARGUMENT, its requests are re-sent one by one, so the error reaches only the callers whose
@@ -95,7 +97,8 @@ class BatchingClient:
 
     `BatchingClient(SamplerClient(target), max_rows=256, max_delay_us=500)`; sample() takes the
     arguments of SamplerClient.sample (but no per-call timeout or request id: the batch uses the
-    wrapped client's deadline). Up to `max_in_flight` batches are in flight at once.
+    wrapped client's deadline). Up to `max_in_flight` batches are in flight at once; calls arriving meanwhile
+    wait for a free slot and go out together.
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class BatchingClient:
         self._lock = threading.Condition()
         self._closed = False
         self._gather: bool | None = None  # whether the server takes logits_rows: asked when first needed
+        self._slots = threading.Semaphore(max_in_flight)
         self._senders = concurrent.futures.ThreadPoolExecutor(max_in_flight, thread_name_prefix="tokensampler-batch")
         self._collector = threading.Thread(target=self._collect, name="tokensampler-batcher", daemon=True)
         self._collector.start()
@@ -128,6 +132,7 @@ class BatchingClient:
 
     def _collect(self) -> None:
         while True:
+            self._slots.acquire()  # calls keep gathering while every slot is busy
             with self._lock:
                 while not self._pending and not self._closed:
                     self._lock.wait()
@@ -141,8 +146,10 @@ class BatchingClient:
                     self._lock.wait(remaining)
                 calls, self._pending, self._pending_rows = self._pending, [], 0
             gather = _region_calls(calls) > 1 and self._server_gathers()
-            for batch in _batches(calls, self._max_rows, gather):
-                self._senders.submit(self._send, batch, gather)
+            for index, batch in enumerate(_batches(calls, self._max_rows, gather)):
+                if index:  # the first batch has the slot taken above
+                    self._slots.acquire()
+                self._senders.submit(self._send_in_slot, batch, gather)
 
     def _server_gathers(self) -> bool:
         if self._gather is None:
@@ -151,6 +158,12 @@ class BatchingClient:
             except TokenSamplerError:
                 return False  # asked again with the next batch
         return self._gather
+
+    def _send_in_slot(self, batch: list[_Call], gather: bool) -> None:
+        try:
+            self._send(batch, gather)
+        finally:
+            self._slots.release()
 
     def _send(self, batch: list[_Call], gather: bool) -> None:
         request, alone = _merged_or_alone(batch, gather)
@@ -192,16 +205,20 @@ class BatchingClient:
 class AsyncBatchingClient:
     """asyncio twin of BatchingClient around an AsyncSamplerClient; create it inside its event loop."""
 
-    def __init__(self, client: AsyncSamplerClient, *, max_rows: int = 256, max_delay_us: int = 500) -> None:
-        if max_rows < 1 or max_delay_us < 0:
-            raise ValueError("max_rows must be >= 1 and max_delay_us >= 0")
+    def __init__(
+        self, client: AsyncSamplerClient, *, max_rows: int = 256, max_delay_us: int = 500, max_in_flight: int = 4
+    ) -> None:
+        if max_rows < 1 or max_delay_us < 0 or max_in_flight < 1:
+            raise ValueError("max_rows and max_in_flight must be >= 1 and max_delay_us >= 0")
         self._client = client
         self._max_rows = max_rows
         self._max_delay_s = max_delay_us / 1e6
+        self._max_in_flight = max_in_flight
         self._pending: list[_Call] = []
         self._pending_rows = 0
         self._flush_handle: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task] = set()
+        """Flushes in flight: each sends the batches of the calls it took."""
         self._gather: bool | None = None  # whether the server takes logits_rows: asked when first needed
 
     async def sample(self, logits: Any, **params: Any) -> SampleResult:
@@ -220,10 +237,17 @@ class AsyncBatchingClient:
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
+        if len(self._tasks) >= self._max_in_flight:
+            return  # the calls keep gathering; the next flush to finish sends them
         calls, self._pending, self._pending_rows = self._pending, [], 0
         task = asyncio.ensure_future(self._send_all(calls))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._flushed)
+
+    def _flushed(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if self._pending:
+            self._flush()
 
     async def _server_gathers(self) -> bool:
         if self._gather is None:
@@ -266,10 +290,11 @@ class AsyncBatchingClient:
 
     async def close(self) -> None:
         """Sends what is pending and waits for every batch in flight."""
-        if self._pending:
-            self._flush()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        while self._pending or self._tasks:
+            if self._pending:
+                self._flush()
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def __aenter__(self) -> AsyncBatchingClient:
         return self
