@@ -1,6 +1,7 @@
 """What bounds the service's throughput target: 16 threads calling with B = 16 logits in a CUDA region,
 through BatchingClient at several max_in_flight / max_delay_us and without client batching, beside the empty
-unary echo reached by 16 threads (the target: rows/s >= 16 x echo calls/s).
+unary echo reached by 16 threads (the target: rows/s >= 16 x echo calls/s). For the batching runs it also
+reports the RPCs the batcher sent: how many per second, their mean rows and their mean latency.
 
   python benchmarks/experiments/throughput_probe.py [server flags, e.g. --no-native-path]
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,6 +27,33 @@ from tokensampler_client import BatchingClient, SamplerClient  # noqa: E402
 
 V, ROWS, CLIENTS, SECONDS = 151936, 16, 16, 3.0
 PARAMS = dict(top_k=50, top_p=0.9)
+
+
+class RecordingClient:
+    """The SamplerClient a BatchingClient wraps, counting the RPCs it sends: rows and latency of each."""
+
+    def __init__(self, client: SamplerClient) -> None:
+        self._client = client
+        self._lock = threading.Lock()
+        self.calls = self.rows = self.latency_ns = self.server_ns = 0
+
+    def server_info(self):
+        return self._client.server_info()
+
+    def sample_request(self, request):
+        started = time.perf_counter_ns()
+        result = self._client.sample_request(request)
+        with self._lock:
+            self.calls += 1
+            self.rows += result.tokens.shape[0]
+            self.latency_ns += time.perf_counter_ns() - started
+            self.server_ns += result.timings.total_ns
+        return result
+
+    def summary(self, seconds: float) -> str:
+        calls = max(self.calls, 1)
+        return (f"{self.calls / seconds:6.0f} RPCs/s of {self.rows / calls:5.1f} rows, "
+                f"{self.latency_ns / calls / 1e3:6.0f} us each ({self.server_ns / calls / 1e3:4.0f} in the server's timings)")
 
 
 def main() -> None:
@@ -48,10 +78,12 @@ def main() -> None:
 
             for in_flight in (4, 16, 64):
                 for delay_us in (200, 1000):
-                    batcher = BatchingClient(client, max_rows=256, max_delay_us=delay_us, max_in_flight=in_flight)
+                    recording = RecordingClient(client)
+                    batcher = BatchingClient(recording, max_rows=256, max_delay_us=delay_us, max_in_flight=in_flight)
                     report(f"batching in_flight={in_flight} delay={delay_us}us",
                            throughput(lambda i: batcher.sample(slices[i], **PARAMS), CLIENTS, SECONDS))
                     batcher.close()
+                    print(f"    {recording.summary(SECONDS)}", flush=True)
             report("no client batching", throughput(lambda i: client.sample(slices[i], **PARAMS), CLIENTS, SECONDS))
     finally:
         server.terminate()
