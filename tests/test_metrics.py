@@ -23,7 +23,7 @@ from tokensampler_server.backends.cpu import CpuBackend
 from tokensampler_server.cli import parse_args
 from tokensampler_server.config import Limits
 from tokensampler_server.errors import InvalidArgument
-from tokensampler_server.interceptor import ErrorInterceptor
+from tokensampler_server.call_guard import CallGuard
 from tokensampler_server.metrics import ServerMetrics, record_fallback, start_metrics_http
 from tokensampler_server.sampling import SamplingBatch, SamplingResult
 from tokensampler_server.service import SamplerService
@@ -193,10 +193,10 @@ def test_queue_depth_in_flight_cancellation_and_internal_errors() -> None:
     gauge = metrics.registry.get_sample_value
 
     async def run() -> None:
-        server = grpc.aio.server(interceptors=[ErrorInterceptor(metrics)])
+        server = grpc.aio.server()
         service = SamplerService(backend, Limits())
         metrics.queue_depth.set_function(lambda: service.queue_depth)
-        pb_grpc.add_SamplerServicer_to_server(service, server)
+        pb_grpc.add_SamplerServicer_to_server(service, CallGuard(metrics).registration(server))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
@@ -257,8 +257,9 @@ def test_client_streaming_calls_are_guarded_and_counted() -> None:
     handler = grpc.stream_unary_rpc_method_handler(upload)  # raw bytes in and out
 
     async def run() -> tuple[bytes, grpc.aio.AioRpcError]:
-        server = grpc.aio.server(interceptors=[ErrorInterceptor(metrics)])
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Upload", {"Put": handler}),))
+        server = grpc.aio.server()
+        CallGuard(metrics).registration(server).add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("test.Upload", {"Put": handler}),))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:

@@ -99,9 +99,9 @@ def _refusal(request_id: str) -> grpc.RpcMethodHandler:
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Admits calls with a valid bearer token, and health checks; refuses the rest (UNAUTHENTICATED).
 
-    Placed before ErrorInterceptor: a refused call never reaches it. Refusals are counted in
-    tokensampler_requests_total with code UNAUTHENTICATED ("unknown" for methods the server lacks,
-    so that callers cannot add label values).
+    The server's one interceptor: a refused call never reaches a handler or its guard (call_guard.py).
+    Refusals are counted in tokensampler_requests_total with code UNAUTHENTICATED ("unknown" for methods
+    the server lacks, so that callers cannot add label values).
     """
 
     def __init__(self, tokens: BearerTokens, metrics: ServerMetrics | None = None) -> None:

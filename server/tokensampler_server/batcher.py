@@ -249,7 +249,7 @@ class DynamicBatcher:
         started = time.perf_counter_ns()
         try:
             merged = merge_batches([p.batch for p in group])
-        except Exception as err:  # each caller gets the failure; the interceptor classifies it
+        except Exception as err:  # each caller gets the failure; the call guard classifies it
             self._finished(loop, group, started, 0, None, err)
             return
         done = partial(self._finished, loop, group, started, merged.num_rows)

@@ -1,8 +1,8 @@
 """What the layers serving one call learn about it, gathered for its metrics and its log line.
 
-interceptor.py opens a record per call, times the protobuf parse and serialisation, and makes the
-record visible through `current_call`; the servicer fills in the sampling stages. The interceptor
-then reports the call once, when its status is known.
+call_guard.py opens a record per call, times the protobuf parse and serialisation, and makes the
+record visible through `current_call`; the servicer fills in the sampling stages. The guard then
+reports the call once, when its status is known.
 """
 
 from __future__ import annotations
@@ -53,5 +53,5 @@ class CallRecord:
         return sum(self.row_modes) if self.row_modes is not None else None
 
 
-# Set by the interceptor for every call it wraps, read by the servicer.
+# Set by the call guard for every call it wraps, read by the servicer (and by the guard's serialiser).
 current_call: ContextVar[CallRecord] = ContextVar("current_call")

@@ -1,4 +1,4 @@
-"""Errors the service raises on purpose; interceptor.py turns each into its gRPC status."""
+"""Errors the service raises on purpose; call_guard.py turns each into its gRPC status."""
 
 from __future__ import annotations
 

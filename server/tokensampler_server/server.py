@@ -12,14 +12,14 @@ import signal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from tokensampler_client._proto import sampler_pb2 as pb
 
 from .auth import AuthInterceptor, BearerTokens
 from .backends import create_backend
 from .batcher import DynamicBatcher
 from .config import ServerConfig
-from .interceptor import ErrorInterceptor
+from .call_guard import CallGuard
 from .regions import RegionRegistry
 from .metrics import ServerMetrics, start_metrics_http
 from .native_path import create_native_path
@@ -61,10 +61,10 @@ async def serve(config: ServerConfig) -> None:
 
         torch.cuda.set_per_process_memory_fraction(config.gpu_memory_fraction, backend.device)
     metrics = ServerMetrics(info)
-    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor(metrics)]
-    if tokens is not None:  # outermost: a refused call reaches nothing else
-        interceptors.insert(0, AuthInterceptor(tokens, metrics))
+    # The only interceptor: a refused call reaches nothing else. Every handler is guarded as it registers.
+    interceptors = [AuthInterceptor(tokens, metrics)] if tokens is not None else None
     server = grpc.aio.server(interceptors=interceptors, options=grpc_options(config))
+    registration = CallGuard(metrics).registration(server)
     batcher = DynamicBatcher(
         backend,
         max_batch_rows=config.limits.max_batch_rows,
@@ -84,14 +84,14 @@ async def serve(config: ServerConfig) -> None:
     metrics.registered_weights_bytes.set_function(lambda: sampler.registry.total_bytes)
     metrics.registered_regions.set_function(lambda: len(regions.list()))
     metrics.registered_regions_bytes.set_function(lambda: regions.total_bytes)
-    add_sampler_to_server(sampler, server)
+    add_sampler_to_server(sampler, registration)
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, registration)
     if config.reflection:
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            server,
-        )
+        # reflection.enable_server_reflection, with the asyncio servicer named (it picks by the server's type)
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)),
+            registration)
     address = f"{config.host}:{config.port}"
     if credentials is not None:
         port = server.add_secure_port(address, credentials)

@@ -51,7 +51,7 @@ def _set_timings(timings: pb.Timings, arrived: int, started: int) -> None:
 
 
 class SamplerService(pb_grpc.SamplerServicer):
-    """Serves tokensampler.v1.Sampler with one backend, under ErrorInterceptor (which opens each call's record).
+    """Serves tokensampler.v1.Sampler with one backend, under call_guard.CallGuard (which opens each call's record).
 
     Sample requests are validated on the event loop and sampled by the DynamicBatcher, which merges
     concurrent ones into single backend calls on its worker thread.

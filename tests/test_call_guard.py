@@ -12,7 +12,7 @@ from tokensampler_client.tensors import encode_tensor
 from tokensampler_server.backends.base import Backend, BackendInfo
 from tokensampler_server.backends.cpu import CpuBackend
 from tokensampler_server.config import Limits
-from tokensampler_server.interceptor import ErrorInterceptor
+from tokensampler_server.call_guard import CallGuard
 from tokensampler_server.sampling import SamplingBatch, SamplingResult
 from tokensampler_server.service import SamplerService
 
@@ -37,9 +37,9 @@ def _request(vocab_size: int) -> pb.SampleRequest:
 
 def test_unexpected_errors_become_internal_with_the_request_id(caplog) -> None:
     async def run() -> tuple[grpc.aio.AioRpcError, pb.SampleResponse]:
-        server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+        server = grpc.aio.server()
         service = SamplerService(FailsOnWideRows(), Limits())
-        pb_grpc.add_SamplerServicer_to_server(service, server)
+        pb_grpc.add_SamplerServicer_to_server(service, CallGuard().registration(server))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
