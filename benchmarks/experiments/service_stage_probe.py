@@ -13,8 +13,7 @@ Variants (each its own server process, monkeypatched in that process only):
   floorsync     the same, one tiny kernel and a device synchronisation instead of the backend (CUDA only):
                 about what a native data plane would leave;
   floor         the first answer at once, nothing else.
-  nointercept   base without ErrorInterceptor (Sample opens its own call record): what it costs a unary call;
-  passthrough   the same with an interceptor that returns grpc's handler unchanged (grpc's interceptor cost);
+  passthrough   base plus a grpc interceptor that returns the handler unchanged (grpc's interceptor cost);
   inline        base's native answers from a stream loop without the reader task and queue (every message
                 must be one the native path answers): what the stream plumbing costs.
 Each variant is timed with prebuilt request bytes (`raw`: no client-side protobuf work) and through the client
@@ -148,30 +147,18 @@ def _trace_stages(path: str) -> None:
     grpc.stream_stream_rpc_method_handler = handler
 
 
-def _without_interceptor(keep_a_passthrough: bool) -> None:
-    """The server without ErrorInterceptor (Sample opens its own call record): with no interceptor at all, or
-    with one that hands grpc the handler unchanged (what grpc's interceptor machinery alone costs)."""
+def _with_passthrough_interceptor() -> None:
+    """The server with one grpc interceptor that hands grpc the handler unchanged: what grpc's interceptor
+    machinery alone costs a call (the call guard used to be such an interceptor)."""
     import grpc
-    from tokensampler_server import server as server_module
-    from tokensampler_server.call_record import CallRecord, current_call
-    from tokensampler_server.service import SamplerService
 
     class Passthrough(grpc.aio.ServerInterceptor):
         async def intercept_service(self, continuation, details):
             return await continuation(details)
 
-    server_module.ErrorInterceptor = lambda metrics: Passthrough()
-    if not keep_a_passthrough:
-        original_server = grpc.aio.server
-        grpc.aio.server = lambda interceptors=None, **kwargs: original_server(**kwargs)
-
-    async def sample(self, request, context):
-        call = CallRecord(method="tokensampler.v1.Sampler/Sample", request_id="probe")
-        call.start()
-        current_call.set(call)
-        return await self._sample_path.unary(request, call)
-
-    SamplerService.Sample = sample
+    original_server = grpc.aio.server
+    grpc.aio.server = lambda interceptors=None, **kwargs: original_server(
+        interceptors=[*(interceptors or ()), Passthrough()], **kwargs)
 
 
 def serve(variant: str, server_args: list[str]) -> int:
@@ -183,8 +170,8 @@ def serve(variant: str, server_args: list[str]) -> int:
         _cache_validation()
     if variant == "inline":
         _answer_inline()
-    if variant in ("nointercept", "passthrough"):
-        _without_interceptor(keep_a_passthrough=variant == "passthrough")
+    if variant == "passthrough":
+        _with_passthrough_interceptor()
     if os.environ.get("PROBE_STAGES"):
         _trace_stages(os.environ["PROBE_STAGES"])
     sys.argv = [sys.argv[0], *server_args, *(["--no-native-path"] if variant == "python" else [])]
@@ -279,7 +266,7 @@ def measure(args: argparse.Namespace) -> None:
                 calls[f"{variant} raw B={batch}"] = raw_call
                 if variant != "floor":  # its repeated answer is not this batch's
                     calls[f"{variant} client B={batch}"] = lambda s=stream, v=view, p=params: s.sample(v, **p)
-                if variant in ("base", "python", "nointercept", "passthrough"):  # their unary Sample is the server's
+                if variant in ("base", "python", "passthrough"):  # their unary Sample is the server's own
                     unary = channel.unary_unary("/tokensampler.v1.Sampler/Sample")
                     calls[f"{variant} unary raw B={batch}"] = lambda u=unary, raw=raw: u(raw)
                     calls[f"{variant} unary client B={batch}"] = lambda c=client, v=view, p=params: c.sample(v, **p)
