@@ -102,7 +102,8 @@ def merge_requests(requests: Sequence[pb.SampleRequest], *, gather: bool = False
         return requests[0]
     first = requests[0]
     merged = pb.SampleRequest()
-    rows = sum(num_rows(r) for r in requests)
+    row_counts = [num_rows(r) for r in requests]
+    rows = sum(row_counts)
     if first.WhichOneof("input") == "logits_ref":
         if all(follows(a, b) for a, b in itertools.pairwise(requests)):
             merged.logits_ref.CopyFrom(first.logits_ref)
@@ -125,26 +126,30 @@ def merge_requests(requests: Sequence[pb.SampleRequest], *, gather: bool = False
     merged.top_logprobs = first.top_logprobs
 
     params = merged.params
-    for name, default in COLUMN_DEFAULTS.items():
-        if any(len(getattr(r.params, name)) for r in requests):
-            for r in requests:
-                getattr(params, name).extend(_expand(getattr(r.params, name), num_rows(r), default))
-    if any(len(r.params.seed) for r in requests):
-        for r in requests:
-            rows = num_rows(r)
-            params.seed.extend(_expand(r.params.seed, rows, 0))
-            has_seed = list(r.params.has_seed) if len(r.params.has_seed) else [len(r.params.seed) > 0] * rows
+    # The fields any request sets (ListFields lists the set ones alone): a decode loop's calls set a few.
+    present = set().union(*({field.name for field, _ in r.params.ListFields()} for r in requests))
+    for name in present.intersection(COLUMN_DEFAULTS):
+        columns = [getattr(r.params, name) for r in requests]
+        if all(len(column) == 1 and column[0] == columns[0][0] for column in columns):
+            getattr(params, name).append(columns[0][0])  # one value every row shares stays one value
+            continue
+        default = COLUMN_DEFAULTS[name]
+        for column, count in zip(columns, row_counts):
+            getattr(params, name).extend(_expand(column, count, default))
+    if "seed" in present:
+        for r, count in zip(requests, row_counts):
+            params.seed.extend(_expand(r.params.seed, count, 0))
+            has_seed = list(r.params.has_seed) if len(r.params.has_seed) else [len(r.params.seed) > 0] * count
             params.has_seed.extend(has_seed)
-    for name in TOKEN_LIST_FIELDS:
-        if any(len(getattr(r.params, name).lengths) for r in requests):
-            for r in requests:
-                lengths, ids, _ = _expand_lists(getattr(r.params, name), num_rows(r))
-                getattr(params, name).lengths.extend(lengths)
-                getattr(params, name).ids.extend(ids)
-    if any(len(r.params.logit_bias.tokens.lengths) for r in requests):
-        for r in requests:
+    for name in present.intersection(TOKEN_LIST_FIELDS):
+        for r, count in zip(requests, row_counts):
+            lengths, ids, _ = _expand_lists(getattr(r.params, name), count)
+            getattr(params, name).lengths.extend(lengths)
+            getattr(params, name).ids.extend(ids)
+    if "logit_bias" in present:
+        for r, count in zip(requests, row_counts):
             bias = r.params.logit_bias
-            lengths, ids, values = _expand_lists(bias.tokens, num_rows(r), bias.values)
+            lengths, ids, values = _expand_lists(bias.tokens, count, bias.values)
             params.logit_bias.tokens.lengths.extend(lengths)
             params.logit_bias.tokens.ids.extend(ids)
             params.logit_bias.values.extend(values)
