@@ -13,6 +13,7 @@ the server lists the feature "region_rows" (asked once), else when they lie back
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import concurrent.futures
 import threading
@@ -42,11 +43,38 @@ _ROWS_FEATURE = "region_rows"
 @dataclass
 class _Call:
     request: pb.SampleRequest
-    future: Any  # concurrent.futures.Future or asyncio.Future
+    future: Any  # _Waiter (BatchingClient) or asyncio.Future
     rows: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.rows = num_rows(self.request)
+
+
+class _Waiter:
+    """The one result of a BatchingClient call, waited for on a bare lock: a concurrent.futures.Future's
+    condition, callbacks and state machine cost a decode loop's thread more than the wait itself."""
+
+    __slots__ = ("_done", "_value", "_error")
+
+    def __init__(self) -> None:
+        self._done = _thread.allocate_lock()
+        self._done.acquire()  # held until the result is in
+        self._value: SampleResult | None = None
+        self._error: BaseException | None = None
+
+    def set_result(self, value: SampleResult) -> None:
+        self._value = value
+        self._done.release()
+
+    def set_exception(self, error: BaseException) -> None:
+        self._error = error
+        self._done.release()
+
+    def result(self) -> SampleResult:
+        self._done.acquire()
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
 
 
 def _region_calls(calls: Sequence[_Call]) -> int:
@@ -121,13 +149,15 @@ class BatchingClient:
 
     def sample(self, logits: Any, **params: Any) -> SampleResult:
         """Samples like SamplerClient.sample; blocks until this call's rows are back."""
-        call = _Call(build_sample_request(logits, **params), concurrent.futures.Future())
+        call = _Call(build_sample_request(logits, **params), _Waiter())
         with self._lock:
             if self._closed:
                 raise RuntimeError("BatchingClient is closed")
             self._pending.append(call)
             self._pending_rows += call.rows
-            self._lock.notify()
+            # The collector waits for a first call, then for max_rows: it need not wake for the calls between.
+            if len(self._pending) == 1 or self._pending_rows >= self._max_rows:
+                self._lock.notify()
         return call.future.result()
 
     def _collect(self) -> None:
