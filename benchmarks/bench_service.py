@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> dict:
             client.unregister_region(hidden_region)
 
         small = spiky_logits(THROUGHPUT_ROWS, V, device).cpu()
-        batcher = BatchingClient(client, max_rows=256, max_delay_us=200)
+        batcher = BatchingClient(client, max_rows=256, max_delay_us=200, max_in_flight=2)
         # One region holding every client's rows, as an engine's logits buffer would.
         shared = spiky_logits(THROUGHPUT_ROWS * max(THROUGHPUT_CLIENTS), V, device)
         shared_region, _ = share_tensor(client, "throughput", shared)
