@@ -6,8 +6,8 @@ its traceback is logged under the request id; the server keeps serving. Every er
 with the request id. Each call gets one DEBUG line: method, request id, status, rows, duration.
 
 The guard wraps each method's handler once, as services register (`CallGuard.registration`), rather
-than as a grpc interceptor, which grpc would run for every call (a unary Sample call spent some 100 µs
-there). Calls with a single response (unary and client-streaming) are guarded whole. Calls with
+than as a grpc interceptor, whose chain grpc runs, and whose handler it would have us rebuild, for every
+call (benchmarks/SERVICE_NOTES.md, twenty-fifth session). Calls with a single response (unary and client-streaming) are guarded whole. Calls with
 streamed responses (SampleStream, health Watch, reflection) count and log each message themselves; of
 those, only failures to parse a request and ServiceErrors are turned into statuses here.
 
