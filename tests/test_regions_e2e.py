@@ -153,59 +153,50 @@ def test_hidden_states_in_a_region(client: SamplerClient) -> None:
         client.unregister_weights("head")
 
 
+def assert_batched_calls_equal_calls_alone(client: SamplerClient, views: list[RegionView], slices: torch.Tensor,
+                                           steps: int, **params) -> None:
+    """One thread per view calls BatchingClient.sample `steps` times: each result equals the same call made alone
+    on the thread's logits (slices[thread]), and some calls shared an RPC (the server's request id)."""
+    results: dict[tuple[int, int], object] = {}
+    with BatchingClient(client, max_rows=64, max_delay_us=5000) as batcher:
+
+        def worker(thread: int) -> None:
+            for step in range(steps):
+                results[thread, step] = batcher.sample(views[thread], seed=[thread, step], position=step, **params)
+
+        workers = [threading.Thread(target=worker, args=(t,)) for t in range(len(views))]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    for (thread, step), result in results.items():
+        alone = client.sample(slices[thread], seed=[thread, step], position=step, **params)
+        assert torch.equal(result.tokens, alone.tokens), (thread, step)
+    assert len({result.request_id for result in results.values()}) < len(results)
+
+
 def test_client_batching_merges_slices_of_one_region_and_each_caller_gets_its_rows(client: SamplerClient) -> None:
-    threads, rows, steps = 8, 2, 10
+    """Adjacent slices: merged calls name one reference spanning them."""
+    threads, rows = 8, 2
     region = client.register_shm_region("batched", threads * rows * VOCAB * 4)
     try:
-        logits = torch.randn(threads * rows, VOCAB, generator=torch.Generator().manual_seed(3))
-        region.tensor(torch.float32, (threads * rows, VOCAB)).copy_(logits)
-        results: dict[tuple[int, int], object] = {}
-        with BatchingClient(client, max_rows=64, max_delay_us=5000) as batcher:
-
-            def worker(thread: int) -> None:
-                view = region.view(torch.float32, (rows, VOCAB), offset=thread * rows * VOCAB * 4)
-                for step in range(steps):
-                    results[thread, step] = batcher.sample(view, top_k=20, seed=[thread, step], position=step)
-
-            workers = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
-        for (thread, step), result in results.items():
-            alone = client.sample(logits[thread * rows : (thread + 1) * rows], top_k=20, seed=[thread, step], position=step)
-            assert torch.equal(result.tokens, alone.tokens), (thread, step)
-        # Callers that arrived together went out as one call over their adjacent slices.
-        assert len({result.request_id for result in results.values()}) < len(results)
+        slices = torch.randn(threads, rows, VOCAB, generator=torch.Generator().manual_seed(3))
+        region.tensor(torch.float32, (threads, rows, VOCAB)).copy_(slices)
+        views = [region.view(torch.float32, (rows, VOCAB), offset=t * rows * VOCAB * 4) for t in range(threads)]
+        assert_batched_calls_equal_calls_alone(client, views, slices, steps=10, top_k=20)
     finally:
         client.unregister_region(region)
 
 
 def test_client_batching_gathers_slices_with_gaps_between_them(client: SamplerClient) -> None:
     """Each thread's slice has a gap before the next one's: merged calls name every row's place (logits_rows)."""
-    threads, rows, steps = 8, 2, 10
+    threads, rows = 8, 2
     region = client.register_shm_region("gathered", 2 * threads * rows * VOCAB * 4)
     try:
-        logits = torch.randn(threads * rows, VOCAB, generator=torch.Generator().manual_seed(5))
-        slices = logits.view(threads, rows, VOCAB)
+        slices = torch.randn(threads, rows, VOCAB, generator=torch.Generator().manual_seed(5))
         region.tensor(torch.float32, (threads, 2 * rows, VOCAB))[:, :rows].copy_(slices)
-        results: dict[tuple[int, int], object] = {}
-        with BatchingClient(client, max_rows=64, max_delay_us=5000) as batcher:
-
-            def worker(thread: int) -> None:
-                view = region.view(torch.float32, (rows, VOCAB), offset=thread * 2 * rows * VOCAB * 4)
-                for step in range(steps):
-                    results[thread, step] = batcher.sample(view, top_p=0.8, seed=[thread, step], position=step)
-
-            workers = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
-        for (thread, step), result in results.items():
-            alone = client.sample(slices[thread], top_p=0.8, seed=[thread, step], position=step)
-            assert torch.equal(result.tokens, alone.tokens), (thread, step)
-        assert len({result.request_id for result in results.values()}) < len(results)
+        views = [region.view(torch.float32, (rows, VOCAB), offset=t * 2 * rows * VOCAB * 4) for t in range(threads)]
+        assert_batched_calls_equal_calls_alone(client, views, slices, steps=10, top_p=0.8)
     finally:
         client.unregister_region(region)
 
