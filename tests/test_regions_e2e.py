@@ -100,6 +100,27 @@ def test_rows_gathered_from_anywhere_in_a_region_sample_like_those_rows_on_the_w
         client.unregister_region(region)
 
 
+def test_region_rows_through_the_client_and_its_batcher(client: SamplerClient) -> None:
+    """The client's RegionRows (region.rows): sample() and BatchingClient send it as logits_rows."""
+    region = client.register_shm_region("client-rows", ROWS * VOCAB * 4)
+    try:
+        logits = torch.randn(ROWS, VOCAB, generator=torch.Generator().manual_seed(6))
+        region.tensor(torch.float32, (ROWS, VOCAB)).copy_(logits)
+        order = [7, 2, 2, 11]
+        rows = region.rows(torch.float32, VOCAB, [i * VOCAB * 4 for i in order])
+        assert rows.shape == (4, VOCAB)
+        expected = client.sample(logits[order], top_k=40, seed=[1, 2, 3, 4])
+        assert torch.equal(client.sample(rows, top_k=40, seed=[1, 2, 3, 4]).tokens, expected.tokens)
+        with BatchingClient(client, max_delay_us=1000) as batcher:
+            assert torch.equal(batcher.sample(rows, top_k=40, seed=[1, 2, 3, 4]).tokens, expected.tokens)
+        with pytest.raises(ValueError, match=r"row_offsets\[1\]"):
+            region.rows(torch.float32, VOCAB, [0, ROWS * VOCAB * 4])
+        with pytest.raises(ValueError, match=r"row_offsets\[0\]"):
+            region.rows(torch.float32, VOCAB, [2])
+    finally:
+        client.unregister_region(region)
+
+
 def test_bad_row_references(client: SamplerClient) -> None:
     region = client.register_shm_region("small-rows", 1024)
     try:

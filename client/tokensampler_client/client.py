@@ -144,7 +144,8 @@ class SamplerClient:
 
         Args:
             logits: [B, V] float32, bfloat16 or float16, a torch tensor on any device (copied to the
-                CPU) or a numpy array (no bfloat16 in numpy); a 1-D [V] tensor is one row (B = 1).
+                CPU) or a numpy array (no bfloat16 in numpy); a 1-D [V] tensor is one row (B = 1). Or, zero
+                copy, a RegionView or RegionRows of a registered region (regions.py).
             temperature, top_k, top_p, min_p, seed, position, iteration, repetition_penalty,
             presence_penalty, frequency_penalty: None (server default), a scalar shared by every
                 row, or B values, one per row. `seed` entries may be None (the server draws one).

@@ -37,6 +37,8 @@ def _logits(request: pb.SampleRequest) -> pb.Tensor | pb.TensorRef:
 
 
 def num_rows(request: pb.SampleRequest) -> int:
+    if request.WhichOneof("input") == "logits_rows":
+        return len(request.logits_rows.row_offsets)
     return int(_logits(request).shape[0])
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ._proto import sampler_pb2 as pb
-from .regions import RegionView
+from .regions import RegionRows, RegionView
 from .tensors import as_torch, encode_tensor
 
 # What a caller may pass for a per-row numeric parameter.
@@ -264,7 +264,8 @@ def build_sample_request(
 ) -> pb.SampleRequest:
     """A SampleRequest for `logits` ([B, V] or [V]), or for `hidden` states ([B, D] or [D]) through the
     registered LM head named `weights`, with the given parameters (see module doc). Either input may
-    be a RegionView (zero copy); output_tokens / output_logprobs name where the server writes those."""
+    be a RegionView (zero copy), logits also RegionRows (rows anywhere in a region); output_tokens /
+    output_logprobs name where the server writes those."""
     request = pb.SampleRequest()
     if (logits is None) == (hidden is None):
         raise ValueError("logits, hidden: expected exactly one of them")
@@ -280,6 +281,9 @@ def build_sample_request(
     elif isinstance(logits, RegionView):
         request.logits_ref.CopyFrom(logits.ref())
         batch = logits.shape[0]
+    elif isinstance(logits, RegionRows):
+        request.logits_rows.CopyFrom(logits.ref())
+        batch = len(logits.row_offsets)
     else:
         batch = encode_logits(logits, request.logits)
     if output_tokens is not None:

@@ -10,6 +10,7 @@ at them instead of carrying their bytes:
     region = client.register_cuda_region("logits", gpu_logits)             # GPU tensors, by IPC
     torch.cuda.current_stream().synchronize()                             # the server reads it next
     client.sample(region.view_of(gpu_logits), top_k=50)
+    client.sample(region.rows_of(gpu_logits, [3, 17, 40]), top_k=50)     # some rows, wherever they lie
 
 The producer keeps the memory alive while it is registered and finishes writing it (synchronises
 its CUDA stream) before sending a request that reads it. Close a region to unregister it.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
@@ -41,6 +43,35 @@ class RegionView:
 
     def ref(self) -> pb.TensorRef:
         return pb.TensorRef(region=self.region, offset=self.offset, dtype=TORCH_TO_DTYPE[self.dtype], shape=self.shape)
+
+
+@dataclass(frozen=True)
+class RegionRows:
+    """Logits rows of one size lying anywhere in a registered region (row i at byte row_offsets[i]): pass it
+    to sample() instead of logits. Servers that list the feature "region_rows" take it."""
+
+    region: str
+    dtype: torch.dtype
+    row_size: int
+    row_offsets: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self.row_offsets), self.row_size)
+
+    def ref(self) -> pb.RowsRef:
+        return pb.RowsRef(region=self.region, dtype=TORCH_TO_DTYPE[self.dtype], row_size=self.row_size,
+                          row_offsets=self.row_offsets)
+
+
+def _rows(region: str, byte_size: int, dtype: torch.dtype, row_size: int, row_offsets: Sequence[int]) -> RegionRows:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    row_bytes = row_size * itemsize
+    for i, start in enumerate(row_offsets):
+        if start < 0 or start % itemsize or start + row_bytes > byte_size:
+            raise ValueError(f"row_offsets[{i}]: row bytes [{start}, {start + row_bytes}) are misaligned for "
+                             f"{dtype} or fall outside the region's {byte_size} bytes")
+    return RegionRows(region, dtype, row_size, tuple(int(start) for start in row_offsets))
 
 
 def _view(region: str, byte_size: int, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> RegionView:
@@ -68,6 +99,10 @@ class SharedMemoryRegion:
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> RegionView:
         return _view(self.name, self.byte_size, dtype, shape, offset)
+
+    def rows(self, dtype: torch.dtype, row_size: int, row_offsets: Sequence[int]) -> RegionRows:
+        """Rows of `row_size` elements starting at the given byte offsets of the segment."""
+        return _rows(self.name, self.byte_size, dtype, row_size, row_offsets)
 
     def release(self) -> None:
         """Frees the segment (after the server unregistered it)."""
@@ -109,6 +144,23 @@ class CudaRegion:
         if tensor.untyped_storage().data_ptr() != self._tensor.untyped_storage().data_ptr() or not tensor.is_contiguous():
             raise ValueError("tensor: expected a contiguous tensor in this region's storage")
         return self.view(tensor.dtype, tuple(tensor.shape), tensor.storage_offset() * tensor.element_size())
+
+    def rows(self, dtype: torch.dtype, row_size: int, row_offsets: Sequence[int]) -> RegionRows:
+        """Rows of `row_size` elements starting at the given byte offsets of the shared storage."""
+        return _rows(self.name, self.byte_size, dtype, row_size, row_offsets)
+
+    def rows_of(self, tensor: torch.Tensor, rows: Sequence[int]) -> RegionRows:
+        """Rows `rows` (in that order, repeats allowed) of a contiguous [N, V] tensor in this region's storage: an
+        engine's last-token rows of a packed batch, say, sampled without a gather."""
+        view = self.view_of(tensor)
+        if len(view.shape) != 2:
+            raise ValueError(f"tensor: expected [N, V], got shape {list(view.shape)}")
+        num_rows, row_size = view.shape
+        row_bytes = row_size * tensor.element_size()
+        for i, row in enumerate(rows):
+            if not 0 <= row < num_rows:
+                raise ValueError(f"rows[{i}]: got {row}, expected 0..{num_rows - 1}")
+        return self.rows(tensor.dtype, row_size, [view.offset + row * row_bytes for row in rows])
 
     def release(self) -> None:
         """Drops this region's hold on the tensor (after the server unregistered it)."""

@@ -353,6 +353,26 @@ def test_server_native_and_python_paths_answer_alike(servers) -> None:
     assert _rows_total(native_server, "top_k") >= 48 and _rows_total(native_server, "min_p") >= 3 * 48
 
 
+def test_rows_of_a_cuda_tensor_through_both_servers(servers) -> None:
+    """CudaRegion.rows_of: the rows a caller names, in its order, answered alike by the native and Python paths."""
+    x = logits("spiky", 48, 151936, seed=16).cuda()
+    torch.cuda.synchronize()
+    order = [5, 1, 1, 40, 47]
+    answers = []
+    for server in servers:
+        with SamplerClient(server.target, timeout=300) as client:
+            region = client.register_cuda_region("rows-of", x)
+            try:
+                rows = region.rows_of(x, order)
+                answers.append([client.sample(rows, temperature=0.0).tokens,
+                                client.sample(rows, top_k=50, top_p=0.9, seed=list(range(5))).tokens])
+            finally:
+                client.unregister_region(region)
+    for got, expected in zip(*answers):
+        assert torch.equal(got, expected)
+    assert answers[0][0][:, 0].tolist() == x[order].argmax(dim=1).tolist()
+
+
 def test_client_batching_over_slices_with_gaps_answers_as_each_call_alone(servers) -> None:
     """8 threads, each with a 2-row slice of one CUDA buffer and a gap after it: BatchingClient merges their calls
     into logits_rows, which the native path reads in place; every caller gets what it gets alone."""
