@@ -58,9 +58,7 @@ class Region:
 
     def tensor(self, ref: pb.TensorRef, field: str, dtypes: tuple[int, ...]) -> torch.Tensor:
         """The tensor `ref` points to: OUT_OF_RANGE past the region's end, INVALID_ARGUMENT if malformed."""
-        if ref.dtype not in dtypes:
-            names = ", ".join(dtype_name(d) for d in dtypes)
-            raise InvalidArgument(f"{field}.dtype", f"got {ref.dtype}, expected one of {names}")
+        _check_dtype(ref.dtype, field, dtypes)
         shape = tuple(ref.shape)
         key = (ref.offset, ref.dtype, shape)
         view = self.views.get(key)
@@ -89,9 +87,7 @@ class Region:
     def rows(self, ref: pb.RowsRef, field: str, dtypes: tuple[int, ...]) -> torch.Tensor:
         """The [B, row_size] tensor whose row i starts at byte row_offsets[i]: one view when the rows lie back to
         back, else a copy made of one slice per run of adjacent rows. The caller bounds B·row_size first."""
-        if ref.dtype not in dtypes:
-            names = ", ".join(dtype_name(d) for d in dtypes)
-            raise InvalidArgument(f"{field}.dtype", f"got {ref.dtype}, expected one of {names}")
+        _check_dtype(ref.dtype, field, dtypes)
         dtype = DTYPE_TO_TORCH[ref.dtype]
         row_bytes = ref.row_size * dtype.itemsize
         runs: list[list[int]] = []  # [first byte, rows]
@@ -108,6 +104,12 @@ class Region:
                 runs.append([start, 1])
         slices = [self.buffer[start : start + n * row_bytes].view(dtype).view(n, ref.row_size) for start, n in runs]
         return slices[0] if len(slices) == 1 else torch.cat(slices)
+
+
+def _check_dtype(dtype: int, field: str, dtypes: tuple[int, ...]) -> None:
+    if dtype not in dtypes:
+        names = ", ".join(dtype_name(d) for d in dtypes)
+        raise InvalidArgument(f"{field}.dtype", f"got {dtype}, expected one of {names}")
 
 
 def _process_exists(pid: int) -> bool:

@@ -68,6 +68,15 @@ def _input_ref(request: pb.SampleRequest) -> tuple[pb.TensorRef | pb.RowsRef | N
     return None, ""
 
 
+def referenced_input(region: Region, ref: pb.TensorRef | pb.RowsRef, field: str, limits: Limits) -> torch.Tensor:
+    """The input tensor a region reference (`field`, from _input_ref) names in `region`: logits_rows' rows are
+    bounded by the limits before they are copied together."""
+    if field == "logits_rows":
+        check_rows_shape(ref, limits)
+        return region.rows(ref, field, LOGITS_DTYPES)
+    return region.tensor(ref, field, LOGITS_DTYPES)
+
+
 def _output_refs(request: pb.SampleRequest) -> list[tuple[str, pb.TensorRef]]:
     if not request.HasField("output"):
         return []
@@ -184,11 +193,7 @@ class SamplePath:
             ref, field = _input_ref(request)
             if ref is not None:
                 region = held.enter_context(self._regions.use(ref.region, f"{field}.region"))
-                if field == "logits_rows":
-                    check_rows_shape(ref, self._limits)  # before the rows are copied together
-                    referenced = region.rows(ref, field, LOGITS_DTYPES)
-                else:
-                    referenced = region.tensor(ref, field, LOGITS_DTYPES)
+                referenced = referenced_input(region, ref, field, self._limits)
             outputs = [
                 (name, held.enter_context(self._regions.use(out.region, f"output.{name}.region")), out)
                 for name, out in _output_refs(request)

@@ -23,7 +23,8 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_server.config import Limits
 from tokensampler_server.regions import Region
 from tokensampler_server.errors import ServiceError
-from tokensampler_server.validation import LOGITS_DTYPES, check_rows_shape, validate_sample_request
+from tokensampler_server.sample_rpc import referenced_input
+from tokensampler_server.validation import validate_sample_request
 
 from ..conftest import RunningServer, start_server
 from .conftest import degenerate_rows, logits
@@ -65,11 +66,7 @@ def python_answer(cuda_backend, request: pb.SampleRequest, region_buffer: torch.
     if kind not in ("logits_ref", "logits_rows") or getattr(request, kind).region != REGION:
         raise ServiceError("not a request for this test's region")
     region = Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None)
-    if kind == "logits_rows":
-        check_rows_shape(request.logits_rows, LIMITS)
-        referenced = region.rows(request.logits_rows, kind, LOGITS_DTYPES)
-    else:
-        referenced = region.tensor(request.logits_ref, kind, LOGITS_DTYPES)
+    referenced = referenced_input(region, getattr(request, kind), kind, LIMITS)
     batch, seeds = validate_sample_request(request, LIMITS, referenced=referenced)
     result = cuda_backend.sample(batch)
     return pb.SampleResponse(
@@ -199,6 +196,18 @@ def test_a_stream_message_wraps_the_response(native, region_buffer) -> None:
     assert torch.equal(tokens.long(), x.float().argmax(dim=1).cpu())
 
 
+def _input_with(kind: str, ref: pb.TensorRef | pb.RowsRef, **fields) -> bytes:
+    """A request whose input `kind` is a copy of `ref` with `fields` changed (lists replace repeated fields)."""
+    changed = type(ref)()
+    changed.CopyFrom(ref)
+    for name, value in fields.items():
+        if isinstance(value, list):
+            getattr(changed, name)[:] = value
+        else:
+            setattr(changed, name, value)
+    return pb.SampleRequest(**{kind: changed}).SerializeToString()
+
+
 def _declined_requests(ref: pb.TensorRef) -> dict[str, bytes]:
     def request(**fields) -> bytes:
         return pb.SampleRequest(logits_ref=ref, **fields).SerializeToString()
@@ -207,14 +216,7 @@ def _declined_requests(ref: pb.TensorRef) -> dict[str, bytes]:
         return request(params=pb.SamplingParams(**fields))
 
     def ref_with(**fields) -> bytes:
-        changed = pb.TensorRef()
-        changed.CopyFrom(ref)
-        for name, value in fields.items():
-            if name == "shape":
-                changed.shape[:] = value
-            else:
-                setattr(changed, name, value)
-        return pb.SampleRequest(logits_ref=changed).SerializeToString()
+        return _input_with("logits_ref", ref, **fields)
 
     return {
         "logits as bytes": pb.SampleRequest(logits=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 2], data=bytes(8))).SerializeToString(),
@@ -253,14 +255,7 @@ def _declined_requests(ref: pb.TensorRef) -> dict[str, bytes]:
 
 def _declined_rows_requests(rows: pb.RowsRef) -> dict[str, bytes]:
     def rows_with(**fields) -> bytes:
-        changed = pb.RowsRef()
-        changed.CopyFrom(rows)
-        for name, value in fields.items():
-            if name == "row_offsets":
-                changed.row_offsets[:] = value
-            else:
-                setattr(changed, name, value)
-        return pb.SampleRequest(logits_rows=changed).SerializeToString()
+        return _input_with("logits_rows", rows, **fields)
 
     both = pb.SampleRequest(logits_ref=pb.TensorRef(region=REGION, dtype=rows.dtype, shape=[1, rows.row_size]))
     return {
