@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "client"))
+for package in ("server", "client", "benchmarks"):
+    sys.path.insert(0, str(ROOT / package))
 
 import torch  # noqa: E402
+from bench_service import throughput  # noqa: E402
 from tokensampler_client import BatchingClient  # noqa: E402
 from tokensampler_client._proto import sampler_pb2 as pb  # noqa: E402
 from tokensampler_client.regions import RegionView  # noqa: E402
@@ -50,21 +50,9 @@ def run(in_flight: int, delay_us: int, seconds: float) -> None:
     client = InstantClient()
     views = [RegionView("buffer", i * ROWS * V * 4, torch.float32, (ROWS, V)) for i in range(CLIENTS)]
     batcher = BatchingClient(client, max_rows=ROWS * CLIENTS, max_delay_us=delay_us, max_in_flight=in_flight)
-    counts = [0] * CLIENTS
-    stop = time.monotonic() + seconds
-
-    def loop(index: int) -> None:
-        while time.monotonic() < stop:
-            batcher.sample(views[index], **PARAMS)
-            counts[index] += 1
-
-    threads = [threading.Thread(target=loop, args=(i,)) for i in range(CLIENTS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    calls = throughput(lambda i: batcher.sample(views[i], **PARAMS), CLIENTS, seconds)
     batcher.close()
-    print(f"in_flight={in_flight} delay={delay_us}us: {sum(counts) / seconds:7.0f} calls/s, "
+    print(f"in_flight={in_flight} delay={delay_us}us: {calls:7.0f} calls/s, "
           f"{client.calls / seconds:5.0f} RPCs/s", flush=True)
 
 
