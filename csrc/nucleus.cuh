@@ -408,7 +408,7 @@ __device__ __forceinline__ bool min_p_keeps(float a, float x, float row_max, flo
 // rows at p = 0.5) goes to filter_kernel. Whether a token is ahead of frontier token i in z-order
 // follows from its x alone, unless its z ties token i's (x in [x_lo, x_hi]): then the ids decide.
 template <typename T, bool kExact>
-__global__ void __launch_bounds__(kThreads, 4)
+__global__ void __launch_bounds__(kThreads, kExact ? 4 : 5)
     nucleus_mass_kernel(TsLogits logits, TsRows rows, TsOutputs pre, TsOutputs out, TsWorkspace ws) {
   using Mass = std::conditional_t<kExact, unsigned long long, float>;  // a token's mass, in units or not
   const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
