@@ -124,34 +124,9 @@ struct RequestPath::Parsed {
     for (auto& v : by_bucket) v.clear();
   }
 
-  bool parse_ref(std::string_view bytes) {
-    wire::Reader reader(bytes);
-    wire::Field f;
-    while (reader.next(f)) {
-      switch (f.number) {
-        case 1:
-          if (f.type != wire::kLengthDelimited) return false;
-          region = f.bytes;
-          break;
-        case 2:
-          if (f.type != wire::kVarint) return false;
-          offset = f.value;
-          break;
-        case 3:
-          if (f.type != wire::kVarint) return false;
-          dtype = f.value;
-          break;
-        case 4:
-          if (!wire::append_varints(f, shape)) return false;
-          break;
-        default:
-          return false;
-      }
-    }
-    return reader.ok();
-  }
-
-  bool parse_rows(std::string_view bytes) {
+  // TensorRef {region = 1, offset = 2, dtype = 3, shape = 4} and RowsRef {region = 1, dtype = 2, row_size = 3,
+  // row_offsets = 4} share one wire layout: a string, two varints and a packed list.
+  bool parse_reference(std::string_view bytes, uint64_t& field2, uint64_t& field3, std::vector<uint64_t>& field4) {
     wire::Reader reader(bytes);
     wire::Field f;
     while (reader.next(f)) {
@@ -163,16 +138,15 @@ struct RequestPath::Parsed {
         case 2:
         case 3:
           if (f.type != wire::kVarint) return false;
-          *(f.number == 2 ? &dtype : &row_size) = f.value;
+          (f.number == 2 ? field2 : field3) = f.value;
           break;
         case 4:
-          if (!wire::append_varints(f, row_offsets)) return false;
+          if (!wire::append_varints(f, field4)) return false;
           break;
         default:
           return false;
       }
     }
-    gathered = true;
     return reader.ok();
   }
 
@@ -208,7 +182,10 @@ struct RequestPath::Parsed {
         case 3:  // a message field given twice would merge, and a second oneof case replace the first: not mirrored
         case 10:
           if (has_ref || f.type != wire::kLengthDelimited) return false;
-          if (!(f.number == 3 ? parse_ref(f.bytes) : parse_rows(f.bytes))) return false;
+          gathered = f.number == 10;
+          if (!(gathered ? parse_reference(f.bytes, dtype, row_size, row_offsets)
+                         : parse_reference(f.bytes, offset, dtype, shape)))
+            return false;
           has_ref = true;
           break;
         case 4:
