@@ -81,6 +81,19 @@ __device__ __forceinline__ float score_margin(float xi, float xj, float inv_t) {
   return 0x1p-19f * ((fabsf(xi) + fabsf(xj) + 2.f * kFrontierBound) * inv_t + 64.f) + 8.f * kGumbelFastError;
 }
 
+// Whether beats(j) holds for some j < n, kStep entries a step: a step's shared-memory loads are independent
+// and the early exit is tested once a step, not once an entry (the loops this serves ran at a load latency
+// an entry). Past the end a step reads the last entry again, which cannot change an "any".
+template <int kStep, typename Beats>
+__device__ __forceinline__ bool any_entry(unsigned int n, Beats beats) {
+  bool any = false;
+  for (unsigned int j0 = 0; j0 < n && !any; j0 += kStep) {
+#pragma unroll
+    for (unsigned int k = 0; k < kStep; ++k) any |= beats(min(j0 + k, n - 1));
+  }
+  return any;
+}
+
 constexpr int kLevels = 16;  // pilot levels: quarter-nat bands of x / T below the block's max
 
 // The block's frontier candidates (x, P, id) into cand_*: every token whose proxy was computed and
@@ -186,15 +199,36 @@ __device__ __forceinline__ void frontier_candidates(const float (&v)[kGroupsPerT
       });
 }
 
-// The largest (upper) or smallest logit x whose z = scaled(x, row_max, t) is z0, by bisection over the
-// ordered keys of the floats from -inf to +inf. scaled is non-decreasing in x, so a token's z compares
-// with z0 as its x compares with the range these two ends bound.
+// The largest (upper) or smallest logit x whose z = scaled(x, row_max, t) is z0. scaled is non-decreasing
+// in x, so a token's z compares with z0 as its x compares with the range these two ends bound. In range: z(x)
+// <= z0 (upper) or z(x) < z0 (lower); the answer is the last float in range (upper) or the first out of it
+// (lower). A walk over adjacent floats from x = z0 t + max finds it in a step or two; a longer walk gives way
+// to a bisection over the ordered keys of the floats from -inf to +inf. (The two may differ in the sign of a
+// zero, which no comparison of x tells apart.)
 __device__ __forceinline__ float logit_of_z(float z0, float row_max, float t, bool upper) {
+  auto in_range = [&](float x) {
+    const float z = scaled(x, row_max, t);
+    return upper ? z <= z0 : z < z0;
+  };
+  float x = fmaf(z0, t, row_max);
+  if (fabsf(x) < kInf) {
+    const bool start_in = in_range(x);
+    for (int step = 0; step < 16; ++step) {
+      if (start_in) {  // up while the next float is in range
+        const float up = nextafterf(x, kInf);
+        if (!in_range(up)) return upper ? x : up;
+        x = up;
+      } else {  // down until a float is in range
+        const float down = nextafterf(x, -kInf);
+        if (in_range(down)) return upper ? down : x;
+        x = down;
+      }
+    }
+  }
   uint32_t below = order_key(-kInf), above = order_key(kInf);
-  while (above - below > 1) {  // upper: z(below) <= z0 < z(above); lower: z(below) < z0 <= z(above)
+  while (above - below > 1) {  // below in range, above out of it
     const uint32_t mid = below + (above - below) / 2;
-    const float z = scaled(key_to_float(mid), row_max, t);
-    if (upper ? z <= z0 : z < z0) below = mid;
+    if (in_range(key_to_float(mid))) below = mid;
     else above = mid;
   }
   return key_to_float(upper ? below : above);
@@ -245,10 +279,10 @@ __global__ void __launch_bounds__(kThreads, 4)
   for (unsigned int i = threadIdx.x; i < n; i += kThreads) {
     const float xi = cand_x[i], pi = cand_p[i];
     const uint32_t id = cand_id[i];
-    bool beaten = false;
-    for (unsigned int j = 0; j < n && !beaten; ++j)
-      beaten = j != i && surely_ahead(cand_x[j], cand_id[j], xi, id) &&
-               cand_p[j] - pi > score_margin(xi, cand_x[j], inv_t);
+    const bool beaten = any_entry<4>(n, [&](unsigned int j) {
+      const float xj = cand_x[j];
+      return (j != i) & surely_ahead(xj, cand_id[j], xi, id) & (cand_p[j] - pi > score_margin(xi, xj, inv_t));
+    });
     if (!beaten) {
       const unsigned int slot = atomicAdd(&num_kept, 1u);
       if (slot < kFrontierCap) mine.x[slot] = xi, mine.id[slot] = id;
@@ -324,9 +358,8 @@ __global__ void __launch_bounds__(kThreads, 4)
   }
   __syncthreads();
   for (unsigned int i = threadIdx.x; i < total; i += kThreads) {
-    bool beaten = false;
-    for (unsigned int j = 0; j < total && !beaten; ++j) beaten = order[j] > order[i] && score[j] > score[i];
-    on_frontier[i] = !beaten;
+    const uint64_t oi = order[i], si = score[i];
+    on_frontier[i] = !any_entry<8>(total, [&](unsigned int j) { return (order[j] > oi) & (score[j] > si); });
   }
   __syncthreads();
   __shared__ uint64_t f_order[kFrontierCap], f_score[kFrontierCap];
@@ -336,8 +369,10 @@ __global__ void __launch_bounds__(kThreads, 4)
   for (unsigned int i = threadIdx.x; i < total; i += kThreads) {
     if (!on_frontier[i]) continue;
     atomicAdd(&num_frontier, 1u);
+    const uint64_t oi = order[i];
     unsigned int pos = 0;  // its place in z-order among the frontier
-    for (unsigned int j = 0; j < total; ++j) pos += on_frontier[j] && order[j] > order[i];
+#pragma unroll 8
+    for (unsigned int j = 0; j < total; ++j) pos += on_frontier[j] & (order[j] > oi);
     if (pos < kFrontierCap) f_order[pos] = order[i], f_score[pos] = score[i];
   }
   __syncthreads();
