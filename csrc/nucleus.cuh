@@ -295,49 +295,47 @@ __global__ void __launch_bounds__(kThreads, 4)
   }
   if (!finish_and_elect_last(ws.counters + w, splits)) return;
 
-  // ---- the last block: row stats, then the exact frontier of the blocks' reports
+  // ---- the last block: row stats, then the exact frontier of the blocks' reports. Warp 0 merges the blocks'
+  // partials across its lanes (lane i: block i, or i, i + 32, ... when there are more blocks than lanes).
   constexpr int kMaxSplits = kMergeCap / kFrontierCap;
-  __shared__ Stats row, block_stats[kMaxSplits];
-  __shared__ unsigned int first[kMaxSplits + 1];  // where each block's reports start (counts first)
+  static_assert(kMaxSplits <= 32, "a lane a block's reports");
+  __shared__ Stats row;
+  __shared__ unsigned int first[kMaxSplits + 1];  // where each block's reports start
   __shared__ bool settle;
-  const bool mergeable = splits <= kMaxSplits;
-  if (mergeable && threadIdx.x < splits) {  // every block's partial in one round trip
-    const FrontierPartial* q = partial + threadIdx.x;
-    block_stats[threadIdx.x] = Stats{__ldcg(&q->stats.max), __ldcg(&q->stats.min), 0.f, __ldcg(&q->stats.argmax),
-                                     __ldcg(&q->stats.nan)};
-    first[threadIdx.x] = __ldcg(&q->count);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    Stats acc{-kInf, kInf, 0.f, INT_MAX, 0u};
-    unsigned int total = 0;
-    bool fits = usable && mergeable;
-    for (int i = 0; i < splits; ++i) {
-      Stats b;
-      unsigned int c = 0;
-      if (mergeable) {
-        b = block_stats[i], c = first[i];
-      } else {
-        const FrontierPartial* q = partial + i;
-        b = Stats{__ldcg(&q->stats.max), __ldcg(&q->stats.min), 0.f, __ldcg(&q->stats.argmax), __ldcg(&q->stats.nan)};
-      }
-      acc = merge_stats(acc, b, 0.f, false);
-      fits = fits && c <= kFrontierCap;
-      if (mergeable) first[i] = total;
-      total += c;
+  if (threadIdx.x < 32) {
+    const bool mergeable = splits <= kMaxSplits;  // then each lane holds one block's partial at most
+    Stats acc = no_stats();
+    unsigned int count = 0;
+    for (int i = threadIdx.x; i < splits; i += 32) {
+      const FrontierPartial* q = partial + i;
+      acc = merge_stats(acc, Stats{__ldcg(&q->stats.max), __ldcg(&q->stats.min), 0.f, __ldcg(&q->stats.argmax),
+                                   __ldcg(&q->stats.nan)}, 0.f, false);
+      count = __ldcg(&q->count);
     }
-    row = acc;
-    const bool valid = acc.max > -kInf;
-    const uint8_t sflags = static_cast<uint8_t>((acc.nan ? 1 : 0) | (valid ? 0 : 2));
-    pre.row_max[rv.r] = acc.max;
-    pre.row_min[rv.r] = acc.min;
-    pre.tokens[rv.r] = valid ? acc.argmax : -1;
-    pre.flags[rv.r] = sflags;
-    fits = fits && fabsf(acc.max) <= kFrontierBound;
-    settle = valid && fits;
-    if (!valid) decide_row(pre, out, rv.r, sflags, -1);
-    else if (!fits && ws.fallback_count) atomicAdd(ws.fallback_count, 1ull);
-    if (mergeable) first[splits] = total;
+    acc = warp_stats_allmerge(acc, 0.f, false);
+    unsigned int end = count;  // the counts' inclusive prefix sum
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const unsigned int t = __shfl_up_sync(0xffffffffu, end, o);
+      if (static_cast<int>(threadIdx.x) >= o) end += t;
+    }
+    const bool counts_fit = __all_sync(0xffffffffu, count <= kFrontierCap);
+    const unsigned int total = __shfl_sync(0xffffffffu, end, 31);
+    if (mergeable && static_cast<int>(threadIdx.x) < splits) first[threadIdx.x] = end - count;
+    if (threadIdx.x == 0) {
+      row = acc;
+      const bool valid = acc.max > -kInf;
+      const uint8_t sflags = static_cast<uint8_t>((acc.nan ? 1 : 0) | (valid ? 0 : 2));
+      pre.row_max[rv.r] = acc.max;
+      pre.row_min[rv.r] = acc.min;
+      pre.tokens[rv.r] = valid ? acc.argmax : -1;
+      pre.flags[rv.r] = sflags;
+      const bool fits = usable && mergeable && counts_fit && fabsf(acc.max) <= kFrontierBound;
+      settle = valid && fits;
+      if (!valid) decide_row(pre, out, rv.r, sflags, -1);
+      else if (!fits && ws.fallback_count) atomicAdd(ws.fallback_count, 1ull);
+      if (mergeable) first[splits] = total;
+    }
   }
   __syncthreads();
   if (!settle) return;
@@ -447,8 +445,15 @@ __global__ void __launch_bounds__(kThreads, kExact ? 4 : 5)
     nucleus_mass_kernel(TsLogits logits, TsRows rows, TsOutputs pre, TsOutputs out, TsWorkspace ws) {
   using Mass = std::conditional_t<kExact, unsigned long long, float>;  // a token's mass, in units or not
   const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
-  wait_for_previous_grid();
   const RowView<T> rv = row_view<T>(logits, rows, w);
+  const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
+  float v[kGroupsPerThread][4];
+  // When the launch's rows fit in L2, where frontier_kernel has just read them, the approximate pass reads its
+  // chunk before waiting for that kernel's results, so the reads overlap its last blocks (at small B the chain
+  // of the two kernels is the call's time). Larger launches read only the rows that need it.
+  const bool read_early = !kExact && !rows_exceed_l2<T>(rows.num_work_rows, logits.vocab);
+  if (read_early) load_chunk(rv, logits.vocab, g0, v);
+  wait_for_previous_grid();
   const uint8_t sflags = pre.flags[rv.r];
   if (!(sflags & kRowNeedsMass)) return;
   RowFrontier* rf = row_frontier(ws, w, splits, gridDim.y);
@@ -464,9 +469,7 @@ __global__ void __launch_bounds__(kThreads, kExact ? 4 : 5)
   }
   const float row_max = pre.row_max[rv.r], temperature = rows.temperature[rv.r], m = rows.min_p[rv.r];
   const float c2 = kLog2e / temperature;
-  const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
-  float v[kGroupsPerThread][4];
-  load_chunk(rv, logits.vocab, g0, v);
+  if (!read_early) load_chunk(rv, logits.vocab, g0, v);
   Mass total = 0, ahead[kMassFrontier] = {0, 0, 0, 0};
 #pragma unroll
   for (int j = 0; j < kGroupsPerThread; ++j)
