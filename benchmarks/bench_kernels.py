@@ -76,15 +76,14 @@ def tokensampler_fn(kernels: Kernels, mode: str, logits: torch.Tensor):
             kernels.gumbel(logits, params, out, 0)
         elif mode in ("top_k_top_p", "top_k"):
             kernels.topk(logits, params, out, bucket)
+        elif mode == "top_p" and b >= FRONTIER_MIN_ROWS:  # the backend's routes (cuda.py)
+            kernels.nucleus(logits, params, pre, out, 0)
+        elif mode == "min_p":
+            kernels.stats(logits, params, pre)
+            kernels.min_p(logits, params, pre, out, 0)
         else:
-            if mode == "top_p" and b >= FRONTIER_MIN_ROWS:  # the backend's routes (cuda.py)
-                kernels.nucleus(logits, params, pre, out, 0)
-            elif mode == "min_p":
-                kernels.stats(logits, params, pre)
-                kernels.min_p(logits, params, pre, out, 0)
-            else:
-                kernels.stats(logits, params, pre)
-                kernels.filter(logits, params, pre, out, 0)
+            kernels.stats(logits, params, pre)
+            kernels.filter(logits, params, pre, out, 0)
         return out.tokens
 
     return run
