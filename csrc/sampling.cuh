@@ -31,17 +31,22 @@ struct RowView {
   bool aligned;
 };
 
-// Where logits row r begins: contiguous rows, or rows gathered by TsLogits.row_start.
+// Row r starting at `row`, and whether its groups of four can be loaded 16 bytes at a time.
 template <typename T>
-__device__ __forceinline__ const T* logits_row(const TsLogits& logits, int64_t r) {
-  return static_cast<const T*>(logits.data) + (logits.row_start ? logits.row_start[r] : r * logits.vocab);
+__device__ __forceinline__ RowView<T> view_of_row(const T* row, int64_t r) {
+  return {row, r, reinterpret_cast<uintptr_t>(row) % (4 * sizeof(T)) == 0};
 }
 
+// Logits row r: contiguous rows, or rows gathered by TsLogits.row_start.
+template <typename T>
+__device__ __forceinline__ RowView<T> logits_row(const TsLogits& logits, int64_t r) {
+  return view_of_row(static_cast<const T*>(logits.data) + (logits.row_start ? logits.row_start[r] : r * logits.vocab), r);
+}
+
+// The row work row w samples (TsRows.rows, or row w itself).
 template <typename T>
 __device__ __forceinline__ RowView<T> row_view(const TsLogits& logits, const TsRows& rows, int w) {
-  const int64_t r = rows.rows ? rows.rows[w] : w;
-  const T* row = logits_row<T>(logits, r);
-  return {row, r, reinterpret_cast<uintptr_t>(row) % (4 * sizeof(T)) == 0};
+  return logits_row<T>(logits, rows.rows ? rows.rows[w] : w);
 }
 
 // A launch whose rows hold more bytes than this cannot keep them in L2 (50 MB on H100 / H200) until a later
@@ -1088,9 +1093,10 @@ __global__ void __launch_bounds__(kFilterThreads)
                   TsWorkspace ws) {
   extern __shared__ uint64_t smem[];
   const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
-  const int64_t r = rows.rows ? rows.rows[w] : w;
-  const T* row = logits_row<T>(logits, r);
-  const bool aligned = reinterpret_cast<uintptr_t>(row) % (4 * sizeof(T)) == 0;
+  const RowView<T> rv = row_view<T>(logits, rows, w);
+  const int64_t r = rv.r;
+  const T* row = rv.row;
+  const bool aligned = rv.aligned;
   const int64_t vocab = logits.vocab, groups = (vocab + 3) / 4;
   const int ns = out.num_samples;
   wait_for_previous_grid();  // launched to overlap stats_kernel's tail: its results are complete from here

@@ -105,8 +105,7 @@ __device__ __forceinline__ NoiseStream job_noise(const TsRowJob& job, const JobR
 
 template <typename T>
 __device__ __forceinline__ RowView<T> job_view(const TsRowJob& job, int w) {
-  const T* row = static_cast<const T*>(job.logits) + static_cast<int64_t>(w) * job.vocab;
-  return {row, w, reinterpret_cast<uintptr_t>(row) % (4 * sizeof(T)) == 0};
+  return view_of_row(static_cast<const T*>(job.logits) + static_cast<int64_t>(w) * job.vocab, w);
 }
 
 // Aux rows of a job (0 without aux): grid rows num_rows .. num_rows + aux_rows - 1.
@@ -682,8 +681,7 @@ __global__ void __launch_bounds__(kThreads, 5)
                       uint8_t* flags, TsWorkspace ws) {
   const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
   const int64_t vocab = logits.vocab, g0 = static_cast<int64_t>(split) * kChunkGroups;
-  const T* row = logits_row<T>(logits, w);
-  const RowView<T> rv{row, w, reinterpret_cast<uintptr_t>(row) % (4 * sizeof(T)) == 0};
+  const RowView<T> rv = logits_row<T>(logits, w);
   const float t = temperature[w], c2 = kLog2e / t;
   uint64_t* lists = static_cast<uint64_t*>(ws.scratch);
   ChunkSum* sums = reinterpret_cast<ChunkSum*>(lists + static_cast<int64_t>(logits.num_rows) * splits * K);
