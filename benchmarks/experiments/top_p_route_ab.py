@@ -21,9 +21,14 @@ BATCHES = (1, 8, 32, 64, 128, 256)
 
 def time_tree(tree: Path, tag: str) -> None:
     sys.path.insert(0, str(tree / "server"))
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_kernels import load_peers  # noqa: PLC0415 - after the tree's server is on the path
+    # The tree's package first: bench_kernels puts this checkout's server/ ahead on the path as it is imported.
+    from tokensampler_server.backends import cuda_kernels  # noqa: PLC0415
     from tokensampler_server.backends.cuda_kernels import Kernels, Outputs, RowParams  # noqa: PLC0415
+
+    if not Path(cuda_kernels.__file__).resolve().is_relative_to(tree):
+        raise SystemExit(f"imported {cuda_kernels.__file__}, not the tree's package")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_kernels import load_peers  # noqa: PLC0415
 
     peers = load_peers()
     kernels = Kernels(torch.cuda.current_device())
