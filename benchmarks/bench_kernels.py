@@ -62,10 +62,7 @@ def tokensampler_fn(kernels: Kernels, mode: str, logits: torch.Tensor):
     bucket = kernels.topk_bucket(TOP_K)
     # The two-launch routes' intermediate row statistics are workspace, reused from call to call as the backend
     # reuses its buffers (allocating four tensors a call made the host, not the GPU, the bound at small B).
-    pre = Outputs(tokens=torch.empty(b, 1, dtype=torch.int64, device=dev),
-                  flags=torch.empty(b, dtype=torch.uint8, device=dev),
-                  row_max=torch.empty(b, dtype=torch.float32, device=dev),
-                  row_min=torch.empty(b, dtype=torch.float32, device=dev))
+    pre = Outputs.row_stats(b, dev)
 
     def run() -> torch.Tensor:
         out = Outputs(tokens=torch.empty(b, 1, dtype=torch.int64, device=dev),

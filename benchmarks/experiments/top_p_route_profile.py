@@ -37,10 +37,7 @@ def main() -> None:
             params = RowParams.make(b, "cuda", top_p=0.9, seed=7)
             out = Outputs(tokens=torch.empty(b, 1, dtype=torch.int64, device="cuda"),
                           flags=torch.empty(b, dtype=torch.uint8, device="cuda"))
-            pre = Outputs(tokens=torch.empty(b, 1, dtype=torch.int64, device="cuda"),
-                          flags=torch.empty(b, dtype=torch.uint8, device="cuda"),
-                          row_max=torch.empty(b, dtype=torch.float32, device="cuda"),
-                          row_min=torch.empty(b, dtype=torch.float32, device="cuda"))
+            pre = Outputs.row_stats(b, "cuda")
             for _ in range(5):
                 kernels.nucleus(logits, params, pre, out, 0)
             torch.cuda.synchronize()

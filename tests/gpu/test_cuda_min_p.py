@@ -32,19 +32,12 @@ def _params(b: int, dev: torch.device, temperature: float, min_p: list[float]) -
                      torch.full((b,), 2, dtype=torch.int64, device=dev))
 
 
-def _stats_outputs(b: int, dev: torch.device) -> Outputs:
-    return Outputs(tokens=torch.empty(b, 1, dtype=torch.int64, device=dev),
-                   flags=torch.empty(b, dtype=torch.uint8, device=dev),
-                   row_max=torch.empty(b, dtype=torch.float32, device=dev),
-                   row_min=torch.empty(b, dtype=torch.float32, device=dev))
-
-
 def _both_routes(kernels, x: torch.Tensor, params: RowParams, samples: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens of the min-p route, tokens of stats + filter), [B, samples] each; flags must agree."""
     b, dev = x.shape[0], x.device
     outs = []
     for use_mask in (True, False):
-        pre = _stats_outputs(b, dev)
+        pre = Outputs.row_stats(b, dev)
         out = Outputs(tokens=torch.full((b, samples), -7, dtype=torch.int64, device=dev),
                       flags=torch.empty(b, dtype=torch.uint8, device=dev))
         for sample in range(samples):

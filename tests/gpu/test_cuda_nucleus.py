@@ -34,10 +34,7 @@ def _params(b: int, dev: torch.device, temperature: float, top_p: list[float], m
 
 
 def _outputs(b: int, dev: torch.device, samples: int) -> tuple[Outputs, Outputs]:
-    pre = Outputs(tokens=torch.empty(b, 1, dtype=torch.int64, device=dev),
-                  flags=torch.empty(b, dtype=torch.uint8, device=dev),
-                  row_max=torch.empty(b, dtype=torch.float32, device=dev),
-                  row_min=torch.empty(b, dtype=torch.float32, device=dev))
+    pre = Outputs.row_stats(b, dev)
     out = Outputs(tokens=torch.full((b, samples), -7, dtype=torch.int64, device=dev),
                   flags=torch.empty(b, dtype=torch.uint8, device=dev))
     return pre, out

@@ -75,6 +75,15 @@ class Outputs:
     kept_mass: torch.Tensor | None = None
     kept_min_key: torch.Tensor | None = None  # int64 [B]
 
+    @classmethod
+    def row_stats(cls, rows: int, device: torch.device | str) -> Outputs:
+        """Buffers for what stats_kernel (and the frontier kernel) write for `rows` rows: the argmax as tokens
+        [rows, 1], flags, row max and min; the two-launch routes pass them to their second kernel."""
+        return cls(tokens=torch.empty(rows, 1, dtype=torch.int64, device=device),
+                   flags=torch.empty(rows, dtype=torch.uint8, device=device),
+                   row_max=torch.empty(rows, dtype=torch.float32, device=device),
+                   row_min=torch.empty(rows, dtype=torch.float32, device=device))
+
     def pointers(self) -> list[int]:
         return [t.data_ptr() if t is not None else 0 for t in (self.tokens, self.flags, self.row_max, self.row_min,
                                                                self.row_logz, self.kept_mass, self.kept_min_key)]
