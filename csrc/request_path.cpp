@@ -99,9 +99,10 @@ bool in_int32(uint64_t v) { return v <= 0x7FFFFFFFull || v >= 0xFFFFFFFF80000000
 }  // namespace
 
 struct RequestPath::Parsed {
-  // SampleRequest.logits_ref (TensorRef) or logits_rows (RowsRef: row_size and row_offsets, gathered)
-  bool has_ref = false, gathered = false;
-  std::string_view region;
+  // SampleRequest.logits (Tensor, carried in the request's bytes), logits_ref (TensorRef) or logits_rows (RowsRef:
+  // row_size and row_offsets, gathered)
+  bool has_input = false, carried = false, gathered = false;
+  std::string_view region, data;
   uint64_t offset = 0, dtype = 0, row_size = 0;
   std::vector<uint64_t> shape, row_offsets;
   // SampleRequest.params (SamplingParams): floats as their bits
@@ -115,8 +116,8 @@ struct RequestPath::Parsed {
   std::vector<int32_t> greedy, unfiltered, exact, by_bucket[kNumBuckets];
 
   void clear() {
-    has_ref = gathered = has_params = has_num_samples = false;
-    region = {};
+    has_input = carried = gathered = has_params = has_num_samples = false;
+    region = data = {};
     offset = dtype = row_size = num_samples = return_logprobs = logprobs_mode = top_logprobs = 0;
     for (auto* v : {&shape, &row_offsets, &top_k, &seed, &has_seed, &position, &iteration}) v->clear();
     for (auto* v : {&temperature, &top_p, &min_p}) v->clear();
@@ -150,6 +151,30 @@ struct RequestPath::Parsed {
     return reader.ok();
   }
 
+  // Tensor {dtype = 1, shape = 2, data = 3}; the data stays where it is, in the request's bytes.
+  bool parse_tensor(std::string_view bytes) {
+    wire::Reader reader(bytes);
+    wire::Field f;
+    while (reader.next(f)) {
+      switch (f.number) {
+        case 1:
+          if (f.type != wire::kVarint) return false;
+          dtype = f.value;
+          break;
+        case 2:
+          if (!wire::append_varints(f, shape)) return false;
+          break;
+        case 3:
+          if (f.type != wire::kLengthDelimited) return false;
+          data = f.bytes;
+          break;
+        default:
+          return false;
+      }
+    }
+    return reader.ok();
+  }
+
   bool parse_params(std::string_view bytes) {
     wire::Reader reader(bytes);
     wire::Field f;
@@ -171,22 +196,24 @@ struct RequestPath::Parsed {
     return reader.ok();
   }
 
-  // SampleRequest: logits_ref or logits_rows, params and the scalars; any other field declines (hidden states,
-  // logits carried as bytes, output regions, fields this build does not know).
+  // SampleRequest: logits, logits_ref or logits_rows, params and the scalars; any other field declines (hidden
+  // states, output regions, fields this build does not know).
   bool parse(std::string_view bytes) {
     clear();
     wire::Reader reader(bytes);
     wire::Field f;
     while (reader.next(f)) {
       switch (f.number) {
-        case 3:  // a message field given twice would merge, and a second oneof case replace the first: not mirrored
+        case 1:  // a message field given twice would merge, and a second oneof case replace the first: not mirrored
+        case 3:
         case 10:
-          if (has_ref || f.type != wire::kLengthDelimited) return false;
-          gathered = f.number == 10;
-          if (!(gathered ? parse_reference(f.bytes, dtype, row_size, row_offsets)
-                         : parse_reference(f.bytes, offset, dtype, shape)))
+          if (has_input || f.type != wire::kLengthDelimited) return false;
+          carried = f.number == 1, gathered = f.number == 10;
+          if (!(carried    ? parse_tensor(f.bytes)
+                : gathered ? parse_reference(f.bytes, dtype, row_size, row_offsets)
+                           : parse_reference(f.bytes, offset, dtype, shape)))
             return false;
-          has_ref = true;
+          has_input = true;
           break;
         case 4:
           if (has_params || f.type != wire::kLengthDelimited || !parse_params(f.bytes)) return false;
@@ -206,7 +233,7 @@ struct RequestPath::Parsed {
           return false;
       }
     }
-    return reader.ok() && has_ref;
+    return reader.ok() && has_input;
   }
 };
 
@@ -223,7 +250,7 @@ RequestPath::RequestPath(int device, RequestLimits limits, unsigned long long* f
 RequestPath::~RequestPath() {
   // Errors are ignored: at interpreter exit the CUDA context may be gone already.
   cudaSetDevice(device_);
-  for (Buffer* b : {&dev_stage_, &dev_out_, &counters_, &hist_, &scratch_})
+  for (Buffer* b : {&dev_logits_, &dev_stage_, &dev_out_, &counters_, &hist_, &scratch_})
     if (b->ptr) cudaFree(b->ptr);
   for (Buffer* b : {&host_stage_, &host_out_})
     if (b->ptr) cudaFreeHost(b->ptr);
@@ -265,11 +292,14 @@ bool RequestPath::sample(std::string_view request, std::string_view request_id, 
   std::lock_guard<std::mutex> lock(mutex_);
   Parsed& q = *parsed_;
   if (!q.parse(request)) return false;
-  const auto found = regions_.find(std::string(q.region));
-  if (found == regions_.end()) return false;
-  const RegionMapping& region = found->second;
-  // regions.py check_producer: a dead producer's memory must not be read
-  if (region.producer_pid && kill(region.producer_pid, 0) != 0 && errno == ESRCH) return false;
+  const RegionMapping* region = nullptr;  // none for logits carried in the request
+  if (!q.carried) {
+    const auto found = regions_.find(std::string(q.region));
+    if (found == regions_.end()) return false;
+    region = &found->second;
+    // regions.py check_producer: a dead producer's memory must not be read
+    if (region->producer_pid && kill(region->producer_pid, 0) != 0 && errno == ESRCH) return false;
+  }
 
   struct DeviceGuard {  // the caller's current device back on every way out
     int previous = 0;
@@ -287,9 +317,10 @@ bool RequestPath::sample(std::string_view request, std::string_view request_id, 
   }
 }
 
-bool RequestPath::answer(Parsed& q, const RegionMapping& region, std::string_view request_id, bool stream_message,
+bool RequestPath::answer(Parsed& q, const RegionMapping* region, std::string_view request_id, bool stream_message,
                          int64_t started, AnsweredRequest& answered) {
-  // ---- validation.py: the input's shape and the region reference (regions.py Region.tensor, Region.rows)
+  // ---- validation.py: the input's shape and its bytes (tensors.py _checked), or the region reference
+  // (regions.py Region.tensor, Region.rows)
   const bool gathered = q.gathered;
   if (gathered ? q.row_size > static_cast<uint64_t>(INT64_MAX) : q.shape.size() != 2) return false;
   const int64_t num_rows = static_cast<int64_t>(gathered ? q.row_offsets.size() : q.shape[0]);
@@ -305,12 +336,15 @@ bool RequestPath::answer(Parsed& q, const RegionMapping& region, std::string_vie
     default: return false;
   }
   const uint64_t row_bytes = static_cast<uint64_t>(vocab) * itemsize;
-  if (gathered) {
+  const uint64_t logits_bytes = static_cast<uint64_t>(num_rows) * row_bytes;
+  if (q.carried) {
+    if (q.data.size() != logits_bytes) return false;
+  } else if (gathered) {
     for (uint64_t start : q.row_offsets)
-      if (start % itemsize || start > region.byte_size || row_bytes > region.byte_size - start) return false;
+      if (start % itemsize || start > region->byte_size || row_bytes > region->byte_size - start) return false;
   } else {
-    const uint64_t logits_bytes = static_cast<uint64_t>(num_rows) * row_bytes;
-    if (q.offset % itemsize || q.offset > region.byte_size || logits_bytes > region.byte_size - q.offset) return false;
+    if (q.offset % itemsize || q.offset > region->byte_size || logits_bytes > region->byte_size - q.offset)
+      return false;
   }
 
   // ---- validation.py validate_sample_request's scalars: one sample, tokens only
@@ -460,18 +494,26 @@ bool RequestPath::answer(Parsed& q, const RegionMapping& region, std::string_vie
   }
   grow_device(counters_, 4 * static_cast<size_t>(most_rows), true);
   grow_device(scratch_, std::max(scratch, size_t{1}), false);
+  if (q.carried) grow_device(dev_logits_, logits_bytes, false);
   const int64_t staged = now_ns();
 
   // ---- backends/cuda.py _launch, without log-probs (every group writes the same tokens and flags)
   check(cudaMemcpyAsync(dev, host, lists_offset + 4 * used, cudaMemcpyHostToDevice, stream_), "upload");
+  // Carried logits straight from the request's bytes: a copy from pageable memory returns once the driver has
+  // staged the bytes, so they need not outlive this call (they do anyway: the caller holds the request).
+  if (q.carried)
+    check(cudaMemcpyAsync(dev_logits_.ptr, q.data.data(), logits_bytes, cudaMemcpyHostToDevice, stream_),
+          "logits upload");
   char* out = static_cast<char*>(dev_out_.ptr);
   auto* main_tokens = reinterpret_cast<int64_t*>(out);
   auto* main_flags = reinterpret_cast<uint8_t*>(out + 8 * b);
   auto f32 = [&](size_t at) { return reinterpret_cast<float*>(out + at); };
   const TsLogits logits =
-      gathered ? TsLogits{reinterpret_cast<const void*>(region.base), num_rows, vocab, dtype_code,
-                          reinterpret_cast<const int64_t*>(dev + 40 * b)}
-               : TsLogits{reinterpret_cast<const void*>(region.base + q.offset), num_rows, vocab, dtype_code, nullptr};
+      q.carried  ? TsLogits{dev_logits_.ptr, num_rows, vocab, dtype_code, nullptr}
+      : gathered ? TsLogits{reinterpret_cast<const void*>(region->base), num_rows, vocab, dtype_code,
+                            reinterpret_cast<const int64_t*>(dev + 40 * b)}
+                 : TsLogits{reinterpret_cast<const void*>(region->base + q.offset), num_rows, vocab, dtype_code,
+                            nullptr};
   auto rows_of = [&](const Group& g) {
     return TsRows{g.rows, g.n, reinterpret_cast<const float*>(dev + 24 * b), reinterpret_cast<const int32_t*>(dev + 36 * b),
                   reinterpret_cast<const float*>(dev + 28 * b), reinterpret_cast<const float*>(dev + 32 * b),

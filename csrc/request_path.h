@@ -1,7 +1,7 @@
 // The native request path of the CUDA backend (issue 5): a SampleRequest whose logits lie in a CUDA
-// region and that asks for tokens alone (no log-probs, no logit processing, no output regions, one
-// sample) is parsed, validated, planned, launched and answered here, without a Python line between
-// the request's bytes and the response's. The server's Python path (sample_rpc.py) answers every other
+// region or are carried in its own bytes, and that asks for tokens alone (no log-probs, no logit
+// processing, no output regions, one sample) is parsed, validated, planned, launched and answered
+// here, without a Python line between the request's bytes and the response's. The server's Python path (sample_rpc.py) answers every other
 // request and every error: sample() declines (returns false) whatever it does not take, before
 // anything a client could see has happened, and the Python path then takes the request as if this
 // one did not exist. The rules it applies are validation.py's and backends/cuda.py's, mirrored:
@@ -66,7 +66,7 @@ class RequestPath {
   };
   void grow_device(Buffer& buffer, size_t bytes, bool zeroed);
   void grow_host(Buffer& buffer, size_t bytes);
-  bool answer(Parsed& request, const RegionMapping& region, std::string_view request_id, bool stream_message,
+  bool answer(Parsed& request, const RegionMapping* region, std::string_view request_id, bool stream_message,
               int64_t started_ns, AnsweredRequest& answer);
 
   int device_;
@@ -76,6 +76,7 @@ class RequestPath {
   std::mutex mutex_;  // one request at a time; regions change between requests only
   std::unordered_map<std::string, RegionMapping> regions_;
   std::unique_ptr<Parsed> parsed_;
+  Buffer dev_logits_;  // carried logits, uploaded (as large as the largest such request so far)
   Buffer host_stage_, dev_stage_, host_out_, dev_out_, counters_, hist_, scratch_;
 };
 

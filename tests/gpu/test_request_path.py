@@ -59,14 +59,22 @@ def put(region_buffer: torch.Tensor, x: torch.Tensor, offset: int = 0) -> pb.Ten
     return pb.TensorRef(region=REGION, offset=offset, dtype=TORCH_TO_PROTO[x.dtype], shape=list(x.shape))
 
 
+def carried(x: torch.Tensor) -> pb.Tensor:
+    """x carried in the request: its dtype, shape and bytes."""
+    data = x.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    return pb.Tensor(dtype=TORCH_TO_PROTO[x.dtype], shape=list(x.shape), data=data)
+
+
 def python_answer(cuda_backend, request: pb.SampleRequest, region_buffer: torch.Tensor) -> pb.SampleResponse:
-    """What the Python path answers (sample_rpc.py's steps): the region reference resolved by regions.py,
-    validation.py's batch, the CUDA backend. Its errors raise (ServiceError)."""
+    """What the Python path answers (sample_rpc.py's steps): the region reference resolved by regions.py (or
+    the carried logits decoded), validation.py's batch, the CUDA backend. Its errors raise (ServiceError)."""
     kind = request.WhichOneof("input")
-    if kind not in ("logits_ref", "logits_rows") or getattr(request, kind).region != REGION:
-        raise ServiceError("not a request for this test's region")
-    region = Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None)
-    referenced = referenced_input(region, getattr(request, kind), kind, LIMITS)
+    referenced = None
+    if kind != "logits":
+        if kind not in ("logits_ref", "logits_rows") or getattr(request, kind).region != REGION:
+            raise ServiceError("not a request for this test's region")
+        region = Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None)
+        referenced = referenced_input(region, getattr(request, kind), kind, LIMITS)
     batch, seeds = validate_sample_request(request, LIMITS, referenced=referenced)
     result = cuda_backend.sample(batch)
     return pb.SampleResponse(
@@ -108,18 +116,22 @@ def assert_same_answer(native, cuda_backend, region_buffer: torch.Tensor, reques
     ("k_of_minus_one_and_k_past_v", dict(top_k=[-1])),
 ])
 @pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("input_kind", ["logits_ref", "logits"])
 def test_uniform_rows_match_the_python_path(native, cuda_backend, region_buffer, mode: str, params: dict,
-                                            rows: int) -> None:
+                                            rows: int, input_kind: str) -> None:
+    """Logits in the region, or carried in the request's bytes (uploaded from them)."""
     x = logits("spiky" if rows != 3 else "flat", rows, 151936, seed=rows).cuda()
-    request = pb.SampleRequest(logits_ref=put(region_buffer, x), params=pb.SamplingParams(
+    logits_input = {input_kind: put(region_buffer, x) if input_kind == "logits_ref" else carried(x)}
+    request = pb.SampleRequest(**logits_input, params=pb.SamplingParams(
         seed=[11 * r + 5 for r in range(rows)], position=[r % 7 for r in range(rows)], iteration=[2], **params))
     assert_same_answer(native, cuda_backend, region_buffer, request)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab", [2, 3, 1000, 32000])
+@pytest.mark.parametrize("input_kind", ["logits_ref", "logits"])
 def test_mixed_rows_every_dtype_and_vocabulary(native, cuda_backend, region_buffer, dtype: torch.dtype,
-                                               vocab: int) -> None:
+                                               vocab: int, input_kind: str) -> None:
     """One row per mode and again (top-p past 32 rows takes the frontier), per-row columns."""
     rows = 40
     gen = torch.Generator().manual_seed(vocab)
@@ -128,7 +140,8 @@ def test_mixed_rows_every_dtype_and_vocabulary(native, cuda_backend, region_buff
     top_k = [[0, 5, 0, 0, 300, -1][r % 6] for r in range(rows)]
     top_p = [[1.0, 0.9, 0.7, 1.0, 1.0, 1.0][r % 6] for r in range(rows)]
     min_p = [[0.0, 0.0, 0.1, 0.05, 0.0, 0.0][r % 6] for r in range(rows)]
-    request = pb.SampleRequest(logits_ref=put(region_buffer, x), params=pb.SamplingParams(
+    logits_input = {input_kind: put(region_buffer, x) if input_kind == "logits_ref" else carried(x)}
+    request = pb.SampleRequest(**logits_input, params=pb.SamplingParams(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=[r * 3 + 1 for r in range(rows)]))
     assert_same_answer(native, cuda_backend, region_buffer, request)
 
@@ -219,7 +232,6 @@ def _declined_requests(ref: pb.TensorRef) -> dict[str, bytes]:
         return _input_with("logits_ref", ref, **fields)
 
     return {
-        "logits as bytes": pb.SampleRequest(logits=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 2], data=bytes(8))).SerializeToString(),
         "hidden states": pb.SampleRequest(hidden=pb.HiddenStates(weights="w")).SerializeToString(),
         "no input": pb.SampleRequest(params=pb.SamplingParams(temperature=[0.0])).SerializeToString(),
         "log-probs": request(return_logprobs=True),
@@ -273,10 +285,39 @@ def _declined_rows_requests(rows: pb.RowsRef) -> dict[str, bytes]:
     }
 
 
+def _declined_carried_requests(x: torch.Tensor, ref: pb.TensorRef) -> dict[str, bytes]:
+    tensor = carried(x)
+
+    def tensor_with(**fields) -> bytes:
+        return _input_with("logits", tensor, **fields)
+
+    unknown_field = pb.SampleRequest()
+    unknown_field.logits.MergeFromString(tensor.SerializeToString() + b"\x20\x01")  # field 4, a varint
+
+    return {
+        "int32 dtype": tensor_with(dtype=pb.DTYPE_INT32, data=tensor.data),
+        "no dtype": tensor_with(dtype=pb.DTYPE_UNSPECIFIED),
+        "three dimensions": tensor_with(shape=[3, 10, 10]),
+        "one dimension": tensor_with(shape=[300]),
+        "no rows": tensor_with(shape=[0, 100], data=b""),
+        "a byte short": tensor_with(data=tensor.data[:-1]),
+        "a byte over": tensor_with(data=tensor.data + b"\0"),
+        "no bytes": tensor_with(data=b""),
+        "rows past the limit": tensor_with(shape=[LIMITS.max_batch_rows + 1, 1], data=bytes(4 * (LIMITS.max_batch_rows + 1))),
+        "elements past the limit": tensor_with(shape=[1, LIMITS.max_batch_elements + 1]),
+        "an unknown Tensor field": unknown_field.SerializeToString(),
+        "a region reference beside": _input_with("logits", tensor) + pb.SampleRequest(logits_ref=ref).SerializeToString(),
+        "log-probs": pb.SampleRequest(logits=tensor, return_logprobs=True).SerializeToString(),
+    }
+
+
 def test_everything_else_is_declined(native, region_buffer) -> None:
     x = logits("flat", 3, 100, seed=5).cuda()
     ref = put(region_buffer, x)
     for name, raw in _declined_requests(ref).items():
+        assert native.sample(raw, "rid", False) is None, name
+    assert native.sample(pb.SampleRequest(logits=carried(x)).SerializeToString(), "rid", False) is not None
+    for name, raw in _declined_carried_requests(x, ref).items():
         assert native.sample(raw, "rid", False) is None, name
     rows = rows_at(region_buffer, x, [2, 0], offset=4096)
     assert native.sample(pb.SampleRequest(logits_rows=rows).SerializeToString(), "rid", False) is not None
@@ -321,8 +362,8 @@ def _rows_total(server: RunningServer, mode: str) -> float:
 
 
 def test_server_native_and_python_paths_answer_alike(servers) -> None:
-    """Unary and stream over one CUDA region: the native server equals the --no-native-path one, and its
-    metrics count the rows it answered natively."""
+    """Unary and stream over one CUDA region, and with the logits carried in the request: the native server
+    equals the --no-native-path one, and its metrics count the rows it answered natively."""
     native_server, python_server = servers
     assert any("native request path on" in line for line in native_server.log)
     x = logits("spiky", 48, 151936, seed=8).cuda()
@@ -339,9 +380,12 @@ def test_server_native_and_python_paths_answer_alike(servers) -> None:
                 with client.stream() as stream:
                     streamed = [stream.sample(view, min_p=0.05, seed=list(range(48)), position=step).tokens
                                 for step in range(3)]
+                    streamed.append(stream.sample(x.cpu(), top_p=0.8, seed=list(range(48))).tokens)
+                carried_logits = [client.sample(x.cpu(), top_k=50, top_p=0.9, seed=list(range(48))).tokens,
+                                  client.sample(x.cpu().half(), temperature=0.7, seed=list(range(48))).tokens]
             finally:
                 client.unregister_region(region)
-        answers.append(unary + streamed)
+        answers.append(unary + streamed + carried_logits)
     for got, expected in zip(*answers):
         assert torch.equal(got, expected)
     assert torch.equal(answers[0][2][:, 0], x.argmax(dim=1).cpu())
@@ -495,4 +539,16 @@ def test_mutated_gathered_requests_are_answered_as_the_python_path_answers_them_
              for params in (dict(seed=list(range(5)), top_k=[20], top_p=[0.9]), dict(temperature=[0.0]))]
     answered = _answered_mutations(native, cuda_backend, region_buffer, bases, 1000, seed=20261123)
     print(f"answered {answered} of 1000 mutated gathered requests")
+    assert 10 <= answered <= 990, answered
+
+
+def test_mutated_carried_requests_are_answered_as_the_python_path_answers_them_or_declined(native, cuda_backend,
+                                                                                           region_buffer) -> None:
+    """1000 mutations of requests carrying their logits: a mutated length or shape must never make the native
+    path read past the request's bytes, and mutated logits must sample as they do on the Python path."""
+    x = logits("spiky", 4, 50, seed=17).cuda()
+    bases = [pb.SampleRequest(logits=carried(x), params=pb.SamplingParams(**params)).SerializeToString()
+             for params in (dict(seed=list(range(4)), top_k=[20], top_p=[0.9]), dict(temperature=[0.0]))]
+    answered = _answered_mutations(native, cuda_backend, region_buffer, bases, 1000, seed=20261124)
+    print(f"answered {answered} of 1000 mutated carried requests")
     assert 10 <= answered <= 990, answered
