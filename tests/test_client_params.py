@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tokensampler_client._proto import sampler_pb2 as pb
-from tokensampler_client.params import build_sample_request
+from tokensampler_client.params import build_sample_request, serialize_sample_request
+from tokensampler_client.regions import RegionRows, RegionView
 from tokensampler_client.tensors import decode_tensor
 
 B, V = 3, 16
@@ -205,3 +206,40 @@ def test_request_level_options() -> None:
     assert request(logprobs_mode="RAW").logprobs_mode == pb.LOGPROBS_MODE_RAW
     with pytest.raises(ValueError, match=r"^logprobs_mode: "):
         request(logprobs_mode="softmax")
+
+
+@pytest.mark.parametrize("logits", [
+    torch.randn(B, V),
+    torch.randn(1, 151936).to(torch.bfloat16),
+    torch.randn(V).to(torch.float16),  # one row
+    torch.randn(V, B).t(),  # not contiguous: sent row-major
+    np.random.default_rng(1).standard_normal((2, 300)).astype(np.float32),
+    torch.zeros(B, 0),  # no bytes: nothing to splice (the server refuses the shape)
+], ids=["float32", "bfloat16", "1-d", "transposed", "numpy", "empty"])
+@pytest.mark.parametrize("params", [
+    {},
+    dict(temperature=0.7, top_k=50, top_p=0.9, seed=7, return_logprobs=True, top_logprobs=3, num_samples=2),
+    dict(logit_bias={5: -1.0}, banned_token_ids=[1, 2], repetition_penalty=1.1, logprobs_mode="processed"),
+])
+def test_serialized_requests_are_the_messages_bytes(logits: object, params: dict) -> None:
+    """serialize_sample_request joins the logits' memory into the request: the bytes must be exactly those of
+    the message build_sample_request builds, so that any protobuf parser reads the same request."""
+    rows = 1 if logits.ndim == 1 else logits.shape[0]
+    params = {k: ([v] * rows if k == "seed" else v) for k, v in params.items()}
+    expected = build_sample_request(logits, **params).SerializeToString()
+    assert serialize_sample_request(logits, **params) == expected
+    assert pb.SampleRequest.FromString(expected) == build_sample_request(logits, **params)
+
+
+def test_serialized_requests_without_carried_logits_and_their_errors() -> None:
+    view = RegionView("region", 64, torch.float32, (B, V))
+    rows = RegionRows("region", torch.float16, V, (0, 128))
+    for built in (dict(logits=view, top_k=5), dict(logits=rows, seed=[1, 2]),
+                  dict(hidden=torch.randn(2, 8), weights="head", temperature=0.0)):
+        assert serialize_sample_request(**built) == build_sample_request(**built).SerializeToString()
+    with pytest.raises(ValueError, match=r"^temperature: expected a scalar or 3 values"):
+        serialize_sample_request(torch.zeros(B, V), temperature=[1.0, 2.0])
+    with pytest.raises(TypeError, match=r"^logits: dtype torch.int32"):
+        serialize_sample_request(torch.zeros(B, V, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^logits, hidden: expected exactly one"):
+        serialize_sample_request(torch.zeros(B, V), hidden=torch.zeros(B, 4), weights="head")

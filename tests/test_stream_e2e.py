@@ -8,6 +8,7 @@ import grpc
 import pytest
 import torch
 from tokensampler_client import AsyncSamplerClient, SamplerClient, TokenSamplerError
+from tokensampler_client.params import build_sample_request, serialize_sample_request
 
 from .conftest import RunningServer
 
@@ -32,6 +33,19 @@ def test_stream_answers_in_order_and_matches_unary_calls(server: RunningServer) 
     for s, u in zip(streamed, unary):
         assert torch.equal(s.tokens, u.tokens) and s.seeds == u.seeds
     assert len({s.request_id for s in streamed}) == len(streamed)
+
+
+def test_prebuilt_requests_as_messages_or_bytes(server: RunningServer) -> None:
+    """A decode loop may build its requests ahead: stream and unary calls take the message or its bytes."""
+    logits, params = _steps(1)[0]
+    message = build_sample_request(logits, **params)
+    with SamplerClient(server.target, timeout=60) as client:
+        expected = client.sample(logits, **params)
+        answers = [client.sample_request(message), client.sample_request(serialize_sample_request(logits, **params))]
+        with client.stream() as stream:
+            answers += [stream.sample(message), stream.sample(message.SerializeToString())]
+    for got in answers:
+        assert torch.equal(got.tokens, expected.tokens) and got.seeds == expected.seeds
 
 
 def test_a_bad_message_gets_an_error_and_the_stream_stays_open(server: RunningServer) -> None:

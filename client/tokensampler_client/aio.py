@@ -24,7 +24,7 @@ from ._proto import sampler_pb2 as pb
 from ._proto import sampler_pb2_grpc
 from ._retry import Backoff, CallPolicy
 from .errors import error_from_rpc
-from .params import Column, LogitBiasArg, TokenListsArg, build_sample_request
+from .params import Column, LogitBiasArg, TokenListsArg, build_sample_request, serialize_sample_request
 from .regions import CudaRegion, RegionView, SharedMemoryRegion
 from .result import SampleResult
 from .workloads import (
@@ -37,6 +37,7 @@ from .workloads import (
 )
 from .stream import AsyncSampleStream
 from .weights import DEFAULT_CHUNK_BYTES, Progress, WeightUpload, weight_options
+from .wire import sample_methods
 
 Response = TypeVar("Response")
 
@@ -72,6 +73,7 @@ class AsyncSamplerClient:
         else:
             self._channel = grpc.aio.secure_channel(target, credentials, options=channel_args)
         self._stub = sampler_pb2_grpc.SamplerStub(self._channel)
+        self._sample, self._sample_stream = sample_methods(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def _call(
@@ -124,7 +126,7 @@ class AsyncSamplerClient:
         request_id: str | None = None,
     ) -> SampleResult:
         """Samples `num_samples` tokens per row of `logits`; arguments as SamplerClient.sample."""
-        request = build_sample_request(
+        request = serialize_sample_request(
             logits,
             temperature=temperature,
             top_k=top_k,
@@ -151,10 +153,11 @@ class AsyncSamplerClient:
         return await self.sample_request(request, timeout=timeout, request_id=request_id)
 
     async def sample_request(
-        self, request: pb.SampleRequest, *, timeout: float | None = None, request_id: str | None = None
+        self, request: pb.SampleRequest | bytes, *, timeout: float | None = None, request_id: str | None = None
     ) -> SampleResult:
-        """Sends a SampleRequest built ahead of time (params.build_sample_request) and decodes the answer."""
-        response = await self._call(self._stub.Sample, request, timeout, request_id, idempotent=True)
+        """Sends a SampleRequest built ahead of time (params.build_sample_request, or its bytes from
+        params.serialize_sample_request) and decodes the answer."""
+        response = await self._call(self._sample, request, timeout, request_id, idempotent=True)
         return SampleResult.from_response(response)
 
     async def sample_hidden(self, hidden: Any, weights: str, **params: Any) -> SampleResult:
@@ -268,7 +271,7 @@ class AsyncSamplerClient:
         `timeout` bounds the whole stream (default: none); UNAVAILABLE is not retried inside it.
         """
         metadata = call_metadata(request_id or new_request_id(), self._auth_token)
-        return AsyncSampleStream(self._stub, metadata, timeout)
+        return AsyncSampleStream(self._sample_stream, metadata, timeout)
 
     async def register_shm_region(self, name: str, byte_size: int, *, timeout: float | None = None) -> SharedMemoryRegion:
         """Creates a POSIX shared-memory segment of byte_size bytes and registers it as `name`

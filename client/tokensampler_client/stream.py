@@ -14,7 +14,7 @@ import grpc
 
 from ._proto import sampler_pb2 as pb
 from .errors import TokenSamplerError, error_from_rpc
-from .params import build_sample_request
+from .params import serialize_sample_request
 from .result import SampleResult
 
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
@@ -30,25 +30,27 @@ def result_or_error(message: pb.SampleStreamResponse) -> SampleResult:
     return SampleResult.from_response(message.response)
 
 
-def stream_request(logits: Any, params: dict[str, Any]) -> pb.SampleRequest:
-    """A prebuilt SampleRequest as is, else one built from logits (or hidden=, weights=) and params."""
-    if isinstance(logits, pb.SampleRequest):
+def stream_request(logits: Any, params: dict[str, Any]) -> pb.SampleRequest | bytes:
+    """A prebuilt SampleRequest (or its bytes) as is, else one serialized from logits (or hidden=, weights=)
+    and params."""
+    if isinstance(logits, (pb.SampleRequest, bytes)):
         return logits
-    return build_sample_request(logits, **params)
+    return serialize_sample_request(logits, **params)
 
 
 class SampleStream:
     """A blocking SampleStream call; use `SamplerClient.stream()` to open one."""
 
-    def __init__(self, stub: Any, metadata: tuple[tuple[str, str], ...], timeout: float | None) -> None:
+    def __init__(self, method: Any, metadata: tuple[tuple[str, str], ...], timeout: float | None) -> None:
+        """`method`: the channel's SampleStream (wire.sample_methods)."""
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._call = stub.SampleStream(iter(self._requests.get, _END), metadata=metadata, timeout=timeout)
+        self._call = method(iter(self._requests.get, _END), metadata=metadata, timeout=timeout)
         self._metadata = metadata
         self._outstanding = 0
 
     def send(self, logits: Any = None, **params: Any) -> None:
         """Queues one request: logits [B, V] (or hidden=..., weights=...) with sample()'s keywords,
-        or a prebuilt SampleRequest."""
+        or a prebuilt SampleRequest or its bytes."""
         self._requests.put(stream_request(logits, params))
         self._outstanding += 1
 
@@ -83,8 +85,8 @@ class SampleStream:
 class AsyncSampleStream:
     """An asyncio SampleStream call; use `AsyncSamplerClient.stream()` to open one."""
 
-    def __init__(self, stub: Any, metadata: tuple[tuple[str, str], ...], timeout: float | None) -> None:
-        self._call = stub.SampleStream(metadata=metadata, timeout=timeout)
+    def __init__(self, method: Any, metadata: tuple[tuple[str, str], ...], timeout: float | None) -> None:
+        self._call = method(metadata=metadata, timeout=timeout)
         self._metadata = metadata
         self._outstanding = 0
 

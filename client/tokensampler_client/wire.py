@@ -1,0 +1,61 @@
+"""SampleRequests serialized with their carried logits copied once, and the Sample methods that send them.
+
+A request built as a message and then serialized copies a [B, V] tensor's bytes three times (numpy's tobytes,
+the message's bytes field, the serialized message): 25 ms each for B = 64 float32 rows of 151936 on a 2-core
+machine, more than the call's wire time. Here the request is serialized without its logits and the tensor's
+own memory is joined in, in the place SerializeToString would write it (field 1, ahead of every other field),
+so the bytes are those SerializeToString gives, after one copy. The Sample and SampleStream methods take either
+such bytes or a message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._proto import sampler_pb2 as pb
+from .tensors import TORCH_TO_DTYPE
+
+SAMPLE_METHOD = "/tokensampler.v1.Sampler/Sample"
+SAMPLE_STREAM_METHOD = "/tokensampler.v1.Sampler/SampleStream"
+_LENGTH_DELIMITED = 2
+_REQUEST_LOGITS_FIELD = 1  # SampleRequest.logits
+_TENSOR_DATA_FIELD = 3  # Tensor.data
+
+
+def serialize_request(message: bytes | pb.SampleRequest) -> bytes:
+    """The request serializer of Sample and SampleStream: a request serialized here is bytes already."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def sample_methods(channel: Any) -> tuple[Any, Any]:
+    """(Sample, SampleStream) of a sync or asyncio channel, taking requests as messages or as bytes."""
+    sample = channel.unary_unary(SAMPLE_METHOD, request_serializer=serialize_request,
+                                 response_deserializer=pb.SampleResponse.FromString, _registered_method=True)
+    stream = channel.stream_stream(SAMPLE_STREAM_METHOD, request_serializer=serialize_request,
+                                   response_deserializer=pb.SampleStreamResponse.FromString, _registered_method=True)
+    return sample, stream
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _length_prefix(field_number: int, length: int) -> bytes:
+    return _varint(field_number << 3 | _LENGTH_DELIMITED) + _varint(length)
+
+
+def serialize_with_logits(request: pb.SampleRequest, rows: torch.Tensor) -> bytes:
+    """`request` (no input set) serialized with logits = `rows`, a contiguous CPU tensor of at least one element:
+    the bytes of the full message's SerializeToString, with the rows' memory copied once."""
+    head = pb.Tensor(dtype=TORCH_TO_DTYPE[rows.dtype], shape=rows.shape).SerializeToString()
+    data = memoryview(rows.view(torch.uint8).numpy()).cast("B")  # raw little-endian bytes, bfloat16 included
+    data_prefix = _length_prefix(_TENSOR_DATA_FIELD, data.nbytes)
+    tensor_prefix = _length_prefix(_REQUEST_LOGITS_FIELD, len(head) + len(data_prefix) + data.nbytes)
+    return b"".join((tensor_prefix, head, data_prefix, data, request.SerializeToString()))
