@@ -10,7 +10,8 @@ process, all in one run:
     bytes echoed), inprocess (the backend called directly), tokensampler_tcp, tokensampler_uds,
     tokensampler_stream, tokensampler_ipc_unary and tokensampler_ipc_stream (logits in a region:
     CUDA IPC on a GPU, shared memory on the CPU), tokensampler_hidden_ipc (hidden states in a region
-    through a registered LM head);
+    through a registered LM head). Every tokensampler call's time includes reading the result's tokens
+    (results decode fields as they are read, and a caller reads at least the tokens);
   * throughput with 1, 4 and 16 concurrent clients calling with B = 16: rows/s and calls/s for
     echo_unary, tokensampler_tcp and tokensampler_batching (client batching on, logits as bytes), and
     tokensampler_batching_ipc (client batching on, each client's rows a slice of one shared region: the
@@ -182,19 +183,19 @@ def run(args: argparse.Namespace) -> dict:
             # The backend alone, on a batch validated beforehand (logits already on its device).
             prepared = replace(validate_sample_request(request, Limits())[0], logits=logits)
             record("inprocess", batch, *latency(lambda: backend.sample(prepared), iters))
-            record("tokensampler_tcp", batch, *latency(lambda: client.sample(host_logits, seed=seeds, **PARAMS), iters))
-            record("tokensampler_uds", batch, *latency(lambda: uds_client.sample(host_logits, seed=seeds, **PARAMS), iters))
-            record("tokensampler_stream", batch, *latency(lambda: stream.sample(host_logits, seed=seeds, **PARAMS), iters))
+            record("tokensampler_tcp", batch, *latency(lambda: client.sample(host_logits, seed=seeds, **PARAMS).tokens, iters))
+            record("tokensampler_uds", batch, *latency(lambda: uds_client.sample(host_logits, seed=seeds, **PARAMS).tokens, iters))
+            record("tokensampler_stream", batch, *latency(lambda: stream.sample(host_logits, seed=seeds, **PARAMS).tokens, iters))
 
             region, view = share_tensor(client, f"logits-{batch}", logits)
-            record("tokensampler_ipc_unary", batch, *latency(lambda: client.sample(view, seed=seeds, **PARAMS), iters))
-            record("tokensampler_ipc_stream", batch, *latency(lambda: stream.sample(view, seed=seeds, **PARAMS), iters))
+            record("tokensampler_ipc_unary", batch, *latency(lambda: client.sample(view, seed=seeds, **PARAMS).tokens, iters))
+            record("tokensampler_ipc_stream", batch, *latency(lambda: stream.sample(view, seed=seeds, **PARAMS).tokens, iters))
             client.unregister_region(region)
 
             hidden = torch.randn(batch, hidden_size, dtype=torch.bfloat16, device=device)
             hidden_region, hidden_view = share_tensor(client, f"hidden-{batch}", hidden)
             record("tokensampler_hidden_ipc", batch,
-                   *latency(lambda: client.sample_hidden(hidden_view, "bench-head", seed=seeds, **PARAMS), iters),
+                   *latency(lambda: client.sample_hidden(hidden_view, "bench-head", seed=seeds, **PARAMS).tokens, iters),
                    hidden_size=hidden_size)
             client.unregister_region(hidden_region)
 
@@ -208,9 +209,9 @@ def run(args: argparse.Namespace) -> dict:
         for clients in THROUGHPUT_CLIENTS:
             for method, call, rows_per_call in (
                 ("echo_unary", lambda i: echo_stub.unary(b""), 0),
-                ("tokensampler_tcp", lambda i: client.sample(small, **PARAMS), THROUGHPUT_ROWS),
-                ("tokensampler_batching", lambda i: batcher.sample(small, **PARAMS), THROUGHPUT_ROWS),
-                ("tokensampler_batching_ipc", lambda i: batcher.sample(slices[i], **PARAMS), THROUGHPUT_ROWS),
+                ("tokensampler_tcp", lambda i: client.sample(small, **PARAMS).tokens, THROUGHPUT_ROWS),
+                ("tokensampler_batching", lambda i: batcher.sample(small, **PARAMS).tokens, THROUGHPUT_ROWS),
+                ("tokensampler_batching_ipc", lambda i: batcher.sample(slices[i], **PARAMS).tokens, THROUGHPUT_ROWS),
             ):
                 calls = throughput(call, clients, args.seconds)
                 rows.append({"workload": "service", "method": method, "B": rows_per_call, "clients": clients,

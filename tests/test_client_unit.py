@@ -69,6 +69,20 @@ def test_result_without_logprobs() -> None:
     assert result.logprobs is None and result.top_logprob_ids is None and result.top_logprobs is None
 
 
+def test_result_fields_decoded_on_read_equal_the_whole_result() -> None:
+    """from_response decodes a field when it is read; what is read, in any order, is what rows() copies out."""
+    response = hand_built_response(with_logprobs=True)
+    lazy = SampleResult.from_response(response)
+    assert lazy.seeds == [11, 2**64 - 1]  # read first: the rest are still undecoded
+    whole = SampleResult.from_response(response).rows(0, 2)
+    assert type(whole) is SampleResult and torch.equal(lazy.tokens, whole.tokens)
+    assert torch.equal(lazy.valid, whole.valid) and torch.equal(lazy.top_logprob_ids, whole.top_logprob_ids)
+    assert lazy.tokens is lazy.tokens  # decoded once, then kept
+    assert "tokens=tensor([[ 3,  4]" in repr(lazy)
+    with pytest.raises(AttributeError, match="no attribute 'token'"):
+        lazy.token  # noqa: B018 - a misspelt field is an AttributeError, not a decode
+
+
 def test_result_rejects_malformed_tensor() -> None:
     response = hand_built_response(with_logprobs=False)
     response.tokens.data = b"\x00"

@@ -94,6 +94,11 @@ def _checked(msg: pb.Tensor, field: str) -> tuple[torch.dtype, tuple[int, ...], 
     return torch_dtype, shape, data, count
 
 
+def check_tensor(msg: pb.Tensor, field: str) -> None:
+    """Raises TensorDecodeError naming `field` when the dtype, shape or byte length is invalid (no torch call)."""
+    _checked(msg, field)
+
+
 def decode_tensor(msg: pb.Tensor, field: str = "tensor") -> torch.Tensor:
     """Decodes a Tensor message into a read-only CPU tensor that shares the message's bytes.
 
