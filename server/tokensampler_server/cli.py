@@ -82,8 +82,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     )
     parser.add_argument(
         "--no-native-path", action="store_true", default=_env("NO_NATIVE_PATH", "") not in ("", "0"),
-        help="answer every request on the Python path, also the plain CUDA-region ones the CUDA backend "
-        "otherwise answers in C++ [TOKENSAMPLER_NO_NATIVE_PATH]",
+        help="answer every request on the Python path, also the plain ones (logits in a CUDA region or carried, "
+        "tokens alone) the CUDA backend otherwise answers in C++ [TOKENSAMPLER_NO_NATIVE_PATH]",
     )
     parser.add_argument(
         "--weights-dir", type=Path, default=_env("WEIGHTS_DIR", "") or None,

@@ -67,5 +67,5 @@ def create_native_path(backend: Backend, limits: Limits, enabled: bool) -> Nativ
     except Exception as err:  # noqa: BLE001 - the Python path still serves every request
         log.warning("native request path unavailable (%s): every request takes the Python path", err)
         return None
-    log.info("native request path on: plain CUDA-region requests are answered in C++")
+    log.info("native request path on: plain requests (logits in a CUDA region or carried) are answered in C++")
     return path

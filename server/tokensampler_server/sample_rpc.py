@@ -2,8 +2,8 @@
 validate it, queue it on the batcher, encode the answer.
 
 Both methods take the request's bytes: on the CUDA backend the native path (native_path.py) answers
-the plain region requests from them, in C++, and returns response bytes; everything else is parsed here
-and takes the Python path. There a request is handled in two halves: `start` runs synchronously up to
+the plain requests (logits in a region or carried) from them, in C++, and returns response bytes;
+everything else is parsed here and takes the Python path. There a request is handled in two halves: `start` runs synchronously up to
 the batcher's future, `finish` builds the response from the result. A stream answers natively answered
 messages in one loop; from its first message on the Python path, a reader starts each message as it
 arrives (so the batcher can merge them) without a task per message, and the stream answers in order by
