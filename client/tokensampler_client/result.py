@@ -102,7 +102,8 @@ class _DecodedOnRead(SampleResult):
     reads the tokens and seldom the rest, and right after a client has waited idle for the answer each torch
     call costs 40-70 µs (benchmarks/SERVICE_NOTES.md): decoding every field took ~130 µs a call at B = 64."""
 
-    def __init__(self, response: pb.SampleResponse) -> None:  # noqa: D107 - no dataclass __init__: nothing decoded yet
+    def __init__(self, response: pb.SampleResponse) -> None:
+        # Not the dataclass __init__: no field is set until it is read.
         for field in _TENSOR_DTYPES:
             if response.HasField(field):
                 check_tensor(getattr(response, field), field)
