@@ -20,6 +20,7 @@ import pytest
 import torch
 from tokensampler_client import SamplerClient
 from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client.tensors import encode_tensor
 from tokensampler_server.config import Limits
 from tokensampler_server.regions import Region
 from tokensampler_server.errors import ServiceError
@@ -57,12 +58,6 @@ def put(region_buffer: torch.Tensor, x: torch.Tensor, offset: int = 0) -> pb.Ten
     region_buffer[offset: offset + raw.numel()].copy_(raw)
     torch.cuda.synchronize()
     return pb.TensorRef(region=REGION, offset=offset, dtype=TORCH_TO_PROTO[x.dtype], shape=list(x.shape))
-
-
-def carried(x: torch.Tensor) -> pb.Tensor:
-    """x carried in the request: its dtype, shape and bytes."""
-    data = x.cpu().contiguous().view(torch.uint8).numpy().tobytes()
-    return pb.Tensor(dtype=TORCH_TO_PROTO[x.dtype], shape=list(x.shape), data=data)
 
 
 def python_answer(cuda_backend, request: pb.SampleRequest, region_buffer: torch.Tensor) -> pb.SampleResponse:
@@ -121,7 +116,7 @@ def test_uniform_rows_match_the_python_path(native, cuda_backend, region_buffer,
                                             rows: int, input_kind: str) -> None:
     """Logits in the region, or carried in the request's bytes (uploaded from them)."""
     x = logits("spiky" if rows != 3 else "flat", rows, 151936, seed=rows).cuda()
-    logits_input = {input_kind: put(region_buffer, x) if input_kind == "logits_ref" else carried(x)}
+    logits_input = {input_kind: put(region_buffer, x) if input_kind == "logits_ref" else encode_tensor(x)}
     request = pb.SampleRequest(**logits_input, params=pb.SamplingParams(
         seed=[11 * r + 5 for r in range(rows)], position=[r % 7 for r in range(rows)], iteration=[2], **params))
     assert_same_answer(native, cuda_backend, region_buffer, request)
@@ -140,7 +135,7 @@ def test_mixed_rows_every_dtype_and_vocabulary(native, cuda_backend, region_buff
     top_k = [[0, 5, 0, 0, 300, -1][r % 6] for r in range(rows)]
     top_p = [[1.0, 0.9, 0.7, 1.0, 1.0, 1.0][r % 6] for r in range(rows)]
     min_p = [[0.0, 0.0, 0.1, 0.05, 0.0, 0.0][r % 6] for r in range(rows)]
-    logits_input = {input_kind: put(region_buffer, x) if input_kind == "logits_ref" else carried(x)}
+    logits_input = {input_kind: put(region_buffer, x) if input_kind == "logits_ref" else encode_tensor(x)}
     request = pb.SampleRequest(**logits_input, params=pb.SamplingParams(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=[r * 3 + 1 for r in range(rows)]))
     assert_same_answer(native, cuda_backend, region_buffer, request)
@@ -286,7 +281,7 @@ def _declined_rows_requests(rows: pb.RowsRef) -> dict[str, bytes]:
 
 
 def _declined_carried_requests(x: torch.Tensor, ref: pb.TensorRef) -> dict[str, bytes]:
-    tensor = carried(x)
+    tensor = encode_tensor(x)
 
     def tensor_with(**fields) -> bytes:
         return _input_with("logits", tensor, **fields)
@@ -316,7 +311,7 @@ def test_everything_else_is_declined(native, region_buffer) -> None:
     ref = put(region_buffer, x)
     for name, raw in _declined_requests(ref).items():
         assert native.sample(raw, "rid", False) is None, name
-    assert native.sample(pb.SampleRequest(logits=carried(x)).SerializeToString(), "rid", False) is not None
+    assert native.sample(pb.SampleRequest(logits=encode_tensor(x)).SerializeToString(), "rid", False) is not None
     for name, raw in _declined_carried_requests(x, ref).items():
         assert native.sample(raw, "rid", False) is None, name
     rows = rows_at(region_buffer, x, [2, 0], offset=4096)
@@ -547,7 +542,7 @@ def test_mutated_carried_requests_are_answered_as_the_python_path_answers_them_o
     """1000 mutations of requests carrying their logits: a mutated length or shape must never make the native
     path read past the request's bytes, and mutated logits must sample as they do on the Python path."""
     x = logits("spiky", 4, 50, seed=17).cuda()
-    bases = [pb.SampleRequest(logits=carried(x), params=pb.SamplingParams(**params)).SerializeToString()
+    bases = [pb.SampleRequest(logits=encode_tensor(x), params=pb.SamplingParams(**params)).SerializeToString()
              for params in (dict(seed=list(range(4)), top_k=[20], top_p=[0.9]), dict(temperature=[0.0]))]
     answered = _answered_mutations(native, cuda_backend, region_buffer, bases, 1000, seed=20261124)
     print(f"answered {answered} of 1000 mutated carried requests")
