@@ -1,8 +1,8 @@
 #!/bin/bash
 # Nsight Compute profile of one call of a kernel path (ncu_drive.py), on the device tool's H200 machines
 # (Firecracker runtime: ncu reads the hardware counters there). Writes into OUT_DIR (default $OUT):
-# NAME.details.txt (every section of every kernel matched) and NAME.sass.csv (per-instruction counters of the
-# first kernel matched), then prints ncu_sass_summary.py's reading of the SASS. Clocks are left alone
+# NAME.details.txt (every section of every kernel matched) and NAME.sass.csv (per-instruction counters of every
+# kernel matched), then prints ncu_sass_summary.py's reading of the first kernel's SASS. Clocks are left alone
 # (--clock-control none), as the device notes ask. An experiment, not part of the package
 # (benchmarks/NOTES.md, twenty-ninth session):
 #
