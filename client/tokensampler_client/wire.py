@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from google.protobuf.message import Message
 
 from ._proto import sampler_pb2 as pb
 from .tensors import TORCH_TO_DTYPE
@@ -24,16 +25,17 @@ _REQUEST_LOGITS_FIELD = 1  # SampleRequest.logits
 _TENSOR_DATA_FIELD = 3  # Tensor.data
 
 
-def serialize_request(message: bytes | pb.SampleRequest) -> bytes:
-    """The request serializer of Sample and SampleStream: a request serialized here is bytes already."""
+def serialized(message: bytes | Message) -> bytes:
+    """The serializer of Sample and SampleStream messages on both sides: bytes (a request serialized here, an
+    answer of the server's native path) go as they are, messages are serialized."""
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 def sample_methods(channel: Any) -> tuple[Any, Any]:
     """(Sample, SampleStream) of a sync or asyncio channel, taking requests as messages or as bytes."""
-    sample = channel.unary_unary(SAMPLE_METHOD, request_serializer=serialize_request,
+    sample = channel.unary_unary(SAMPLE_METHOD, request_serializer=serialized,
                                  response_deserializer=pb.SampleResponse.FromString, _registered_method=True)
-    stream = channel.stream_stream(SAMPLE_STREAM_METHOD, request_serializer=serialize_request,
+    stream = channel.stream_stream(SAMPLE_STREAM_METHOD, request_serializer=serialized,
                                    response_deserializer=pb.SampleStreamResponse.FromString, _registered_method=True)
     return sample, stream
 

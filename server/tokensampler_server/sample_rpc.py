@@ -53,11 +53,6 @@ def as_request(message: bytes | pb.SampleRequest) -> pb.SampleRequest:
         raise unparsable(message, err) from None
 
 
-def serialize_answer(answer: bytes | pb.SampleResponse | pb.SampleStreamResponse) -> bytes:
-    """The response serializer of Sample and SampleStream: the native path's answers are bytes already."""
-    return answer if isinstance(answer, bytes) else answer.SerializeToString()
-
-
 def _input_ref(request: pb.SampleRequest) -> tuple[pb.TensorRef | pb.RowsRef | None, str]:
     """The region reference holding the request's input tensor, if any, and its field name."""
     kind = request.WhichOneof("input")

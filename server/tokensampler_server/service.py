@@ -17,6 +17,7 @@ import torch
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 from tokensampler_client.tensors import encode_tensor
+from tokensampler_client.wire import serialized
 
 from . import __version__
 from .backends import Backend
@@ -29,7 +30,7 @@ from .backends.cuda_workloads import run_diffusion_step, run_topk_probs, run_ver
 from .regions import RegionRegistry, region_info
 from .request_context import request_id_from_metadata
 from .native_path import NativeRequestPath
-from .sample_rpc import SamplePath, serialize_answer
+from .sample_rpc import SamplePath
 from .validation import LOGITS_DTYPES
 from .validation_ops import validate_diffusion_request, validate_topk_request, validate_verify_request
 from .weights import WEIGHT_DTYPES, RegisteredWeight, WeightRegistry, load_safetensors, resolve_weights_path, sha256_hex
@@ -248,9 +249,9 @@ def add_sampler_to_server(service: SamplerService, server: grpc.aio.Server) -> N
     capture = _HandlerCapture()
     pb_grpc.add_SamplerServicer_to_server(service, capture)
     handlers = dict(capture.handlers)
-    handlers["Sample"] = grpc.unary_unary_rpc_method_handler(service.Sample, response_serializer=serialize_answer)
+    handlers["Sample"] = grpc.unary_unary_rpc_method_handler(service.Sample, response_serializer=serialized)
     handlers["SampleStream"] = grpc.stream_stream_rpc_method_handler(service.SampleStream,
-                                                                     response_serializer=serialize_answer)
+                                                                     response_serializer=serialized)
     name = pb.DESCRIPTOR.services_by_name["Sampler"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
     server.add_registered_method_handlers(name, handlers)
