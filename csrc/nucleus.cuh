@@ -39,8 +39,9 @@ struct FrontierPartial {
 // The frontier tokens whose mass ahead the mass pass sums: the last ones (nucleus_mass_kernel).
 constexpr int kMassFrontier = 4;
 
-// A row's frontier in z-order, for the mass pass. Entry j of x_lo, x_hi and ahead is of frontier
-// token count - 1 - j: the logits whose z is its z ([x_lo, x_hi], logit_of_z), and the mass of the
+// A row's frontier in z-order, for the mass pass. Entry j of x_lo, x_above, id_of and ahead is of
+// frontier token count - 1 - j (x_lo = x_above = +inf, id_of = 0 past the first token): the logits whose z
+// is its z ([x_lo, x_above), logit_of_z), its id, and the mass of the
 // tokens ahead of it; total: of every token min-p keeps. Masses in the fixed point of mass_fixed,
 // summed from approximate token masses (kMassTolerance). Zeroed by frontier_kernel, summed by
 // nucleus_mass_kernel's blocks.
@@ -48,19 +49,31 @@ struct RowFrontier {
   uint32_t count;
   uint64_t order[kFrontierCap];  // rank_key(z, id), descending
   uint64_t score[kFrontierCap];  // rank_key(z + g, id), exact
-  float x_lo[kMassFrontier], x_hi[kMassFrontier];
+  float x_lo[kMassFrontier], x_above[kMassFrontier];
+  uint32_t id_of[kMassFrontier];
   unsigned long long ahead[kMassFrontier];
   unsigned long long total;
 };
 
 __host__ __device__ inline size_t frontier_scratch_bytes(int32_t num_work_rows, int64_t vocab) {
   return sizeof(FrontierPartial) * static_cast<size_t>(num_work_rows) * num_splits(vocab) +
-         sizeof(RowFrontier) * static_cast<size_t>(num_work_rows);
+         sizeof(RowFrontier) * static_cast<size_t>(num_work_rows) + sizeof(uint32_t) * (num_work_rows + 1u);
 }
 
 __device__ __forceinline__ RowFrontier* row_frontier(const TsWorkspace& ws, int w, int splits, int num_work) {
   char* base = static_cast<char*>(ws.scratch) + sizeof(FrontierPartial) * static_cast<size_t>(num_work) * splits;
   return reinterpret_cast<RowFrontier*>(base) + w;
+}
+
+// The rows the approximate mass pass leaves to the exact one (scratch after the rows' RowFrontier): how many,
+// and which work rows. frontier_kernel zeroes the count, the approximate pass lists, the exact pass reads.
+struct ExactRows {
+  unsigned int count;
+  int32_t w[1];  // [num_work_rows]
+};
+
+__device__ __forceinline__ ExactRows* exact_rows(const TsWorkspace& ws, int splits, int num_work) {
+  return reinterpret_cast<ExactRows*>(row_frontier(ws, num_work, splits, num_work));
 }
 
 // z_j > z_i for z = (x - max) / T in fp32 and every |max| <= kFrontierBound: the gap exceeds what
@@ -335,6 +348,7 @@ __global__ void __launch_bounds__(kThreads, 4)
       if (!valid) decide_row(pre, out, rv.r, sflags, -1);
       else if (!fits && ws.fallback_count) atomicAdd(ws.fallback_count, 1ull);
       if (mergeable) first[splits] = total;
+      if (w == 0) exact_rows(ws, splits, gridDim.y)->count = 0;  // the mass passes read it after this grid
     }
   }
   __syncthreads();
@@ -386,11 +400,14 @@ __global__ void __launch_bounds__(kThreads, 4)
   const unsigned int count = num_frontier;
   RowFrontier* rf = row_frontier(ws, w, splits, gridDim.y);
   if (count <= kFrontierCap && count > 1 && p < 1.f && threadIdx.x < 2 * kFrontierCap) {
-    // the mass pass's x ranges, one bisection a thread: x_hi by threads 0.., x_lo by threads 32..
+    // the mass pass's x ranges, one bisection a thread: x_above by threads 0.., x_lo by threads 32..
     const unsigned int j = threadIdx.x % kFrontierCap;
     const bool upper = threadIdx.x < kFrontierCap;
-    if (j < min(count, static_cast<unsigned int>(kMassFrontier)))
-      (upper ? rf->x_hi : rf->x_lo)[j] = logit_of_z(key_value(f_order[count - 1 - j]), row_max, temperature, upper);
+    if (j < min(count, static_cast<unsigned int>(kMassFrontier))) {
+      const float x = logit_of_z(key_value(f_order[count - 1 - j]), row_max, temperature, upper);
+      if (upper) rf->x_above[j] = key_to_float(order_key(x) + 1);  // the next float up (x < +inf)
+      else rf->x_lo[j] = x;
+    }
   }
   if (threadIdx.x != 0) return;
   const uint8_t sflags = pre.flags[rv.r];
@@ -404,7 +421,11 @@ __global__ void __launch_bounds__(kThreads, 4)
   }
   rf->count = count;
   for (unsigned int i = 0; i < count; ++i) rf->order[i] = f_order[i], rf->score[i] = f_score[i];
-  for (int j = 0; j < kMassFrontier; ++j) rf->ahead[j] = 0;
+  for (unsigned int j = 0; j < kMassFrontier; ++j) {
+    rf->id_of[j] = j < count ? key_index(f_order[count - 1 - j]) : 0u;
+    if (j >= count) rf->x_lo[j] = rf->x_above[j] = kInf;
+    rf->ahead[j] = 0;
+  }
   rf->total = 0;
   pre.flags[rv.r] = sflags | kRowNeedsMass;
 }
@@ -423,78 +444,109 @@ __device__ __forceinline__ unsigned long long mass_units(float mass) { return __
 
 // Whether min-p keeps a token (expf(z) >= m), from its approximate mass a when that is clear of m by
 // more than its error (a > 0 is a normal number, within 2^-15 of expf(z); a flushed 0 stands for
-// less than 2^-126); otherwise from the exact z.
+// less than 2^-126); otherwise from the exact z. For m > 0.
 __device__ __forceinline__ bool min_p_keeps(float a, float x, float row_max, float temperature, float m) {
-  if (m <= 0.f || a >= m * (1.f + 0x1p-14f)) return true;
+  if (a >= m * (1.f + 0x1p-14f)) return true;
   if (a < m * (1.f - 0x1p-14f) && m >= 0x1p-100f) return false;
   return passes_min_p(scaled(x, row_max, temperature), m);
 }
 
-// The top-p decision of the rows frontier_kernel left with kRowNeedsMass: one read summing the mass
-// min-p keeps and the mass ahead of each of the last kMassFrontier frontier tokens; the winner is the
-// last frontier token top-p keeps (mass ahead < p x total; scores grow along the frontier), as
-// filter_kernel's fixed point decides it. The approximate pass (kExact false) decides when its sums are
-// clear of p x total by kMassTolerance, and leaves the rare closer cuts to the exact pass (kExact
-// true: mass_fixed of the exact z, the filter's own arithmetic), launched after it for those rows.
-// The mass ahead grows along the frontier, so the earlier tokens are kept whenever the first summed
-// one is; a cut before it (the mass ahead of the fourth last frontier token above p: under 1 % of flat
-// rows at p = 0.5) goes to filter_kernel. Whether a token is ahead of frontier token i in z-order
-// follows from its x alone, unless its z ties token i's (x in [x_lo, x_hi]): then the ids decide.
-template <typename T, bool kExact>
-__global__ void __launch_bounds__(kThreads, kExact ? 4 : 5)
-    nucleus_mass_kernel(TsLogits logits, TsRows rows, TsOutputs pre, TsOutputs out, TsWorkspace ws) {
-  using Mass = std::conditional_t<kExact, unsigned long long, float>;  // a token's mass, in units or not
-  const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
-  const RowView<T> rv = row_view<T>(logits, rows, w);
-  const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
-  float v[kGroupsPerThread][4];
-  // When the launch's rows fit in L2, where frontier_kernel has just read them, the approximate pass reads its
-  // chunk before waiting for that kernel's results, so the reads overlap its last blocks (at small B the chain
-  // of the two kernels is the call's time). Larger launches read only the rows that need it.
-  const bool read_early = !kExact && !rows_exceed_l2<T>(rows.num_work_rows, logits.vocab);
-  if (read_early) load_chunk(rv, logits.vocab, g0, v);
-  wait_for_previous_grid();
-  const uint8_t sflags = pre.flags[rv.r];
-  if (!(sflags & kRowNeedsMass)) return;
-  RowFrontier* rf = row_frontier(ws, w, splits, gridDim.y);
-  const unsigned int count = rf->count;
-  float x_lo[kMassFrontier], x_hi[kMassFrontier];  // of frontier token count - 1 - j (+inf: none)
+// What a mass pass needs of its row (RowFrontier's fields, the row's max, T and min-p).
+struct MassRow {
+  RowFrontier* rf;
+  float x_lo[kMassFrontier], x_above[kMassFrontier];
   uint32_t id_of[kMassFrontier];
+  float row_max, temperature, min_p;
+  float c2;  // log2(e) / T: a mass is 2^((x - max) c2)
+};
+
+__device__ __forceinline__ MassRow mass_row(RowFrontier* rf, float row_max, float temperature, float min_p) {
+  MassRow m;
+  m.rf = rf;
 #pragma unroll
-  for (int j = 0; j < kMassFrontier; ++j) {
-    const bool on = j < static_cast<int>(count);
-    x_lo[j] = on ? rf->x_lo[j] : kInf;
-    x_hi[j] = on ? rf->x_hi[j] : kInf;
-    id_of[j] = on ? key_index(rf->order[count - 1 - j]) : 0u;
+  for (int j = 0; j < kMassFrontier; ++j) m.x_lo[j] = rf->x_lo[j], m.x_above[j] = rf->x_above[j], m.id_of[j] = rf->id_of[j];
+  m.row_max = row_max, m.temperature = temperature, m.min_p = min_p;
+  m.c2 = kLog2e / temperature;
+  return m;
+}
+
+// A token's mass in a pass's units: mass_fixed of the exact z (exact pass), or the hardware exp2 (0 for
+// the tokens min-p drops, and for -inf).
+template <bool kExact, bool kMinP>
+__device__ __forceinline__ std::conditional_t<kExact, unsigned long long, float> token_mass(float x, const MassRow& m) {
+  if constexpr (kExact) {
+    const float z = scaled(x, m.row_max, m.temperature);
+    return x > -kInf && passes_min_p(z, m.min_p) ? mass_fixed(z) : 0ull;
+  } else {
+    float a = fast_exp2(__fsub_rn(x, m.row_max) * m.c2);
+    if (!(x > -kInf) || (kMinP && !min_p_keeps(a, x, m.row_max, m.temperature, m.min_p))) a = 0.f;
+    return a;
   }
-  const float row_max = pre.row_max[rv.r], temperature = rows.temperature[rv.r], m = rows.min_p[rv.r];
-  const float c2 = kLog2e / temperature;
-  if (!read_early) load_chunk(rv, logits.vocab, g0, v);
-  Mass total = 0, ahead[kMassFrontier] = {0, 0, 0, 0};
+}
+
+// The approximate sums of this thread's tokens (load_chunk's v; g0: the chunk's first group). Token i is
+// ahead of summed frontier token f when x >= x_above[f], or x >= x_lo[f] and i < id_of[f]. A group of four
+// ids lies wholly on one side of id_of[f] but for the one group a row that holds it, so a group tests x
+// against one threshold a frontier token: x_lo[f] when its ids are below, else x_above[f]. The group
+// holding id_of[f] takes the latter, and its thread first adds what that leaves out: its tokens below
+// id_of[f] with x in [x_lo[f], x_above[f]). Each token still enters each sum at most once.
+template <typename T, bool kMinP>
+__device__ __forceinline__ void approximate_sums(const float (&v)[kGroupsPerThread][4], int64_t g0, const RowView<T>& rv,
+                                                 int64_t vocab, const MassRow& m, float& total,
+                                                 float (&ahead)[kMassFrontier]) {
 #pragma unroll
-  for (int j = 0; j < kGroupsPerThread; ++j)
+  for (int f = 0; f < kMassFrontier; ++f) {
+    const uint32_t id = m.id_of[f];
+    const int64_t held = static_cast<int64_t>(id / 4) - g0 - threadIdx.x;  // kThreads x the holding group's j
+    if (id % 4 != 0 && held >= 0 && held % kThreads == 0 && held < kThreads * kGroupsPerThread) {
+      float y[4];
+      load_group(rv.row, id / 4, vocab, rv.aligned, y);
+      for (uint32_t e = 0; e < id % 4; ++e) {
+        sanitize(y[e]);
+        if (y[e] >= m.x_lo[f] && y[e] < m.x_above[f]) ahead[f] += token_mass<false, kMinP>(y[e], m);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kGroupsPerThread; ++j) {
+    const uint32_t first = static_cast<uint32_t>(token_of(g0, j, 0));
+    float threshold[kMassFrontier];
+#pragma unroll
+    for (int f = 0; f < kMassFrontier; ++f) threshold[f] = first + 3 < m.id_of[f] ? m.x_lo[f] : m.x_above[f];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float x = v[j][e];
-      Mass a;
-      if constexpr (kExact) {
-        const float z = scaled(x, row_max, temperature);
-        a = x > -kInf && passes_min_p(z, m) ? mass_fixed(z) : 0ull;
-      } else {
-        a = fast_exp2(__fsub_rn(x, row_max) * c2);
-        if (!(x > -kInf) || !min_p_keeps(a, x, row_max, temperature, m)) a = 0.f;
-      }
+      const float x = v[j][e], a = token_mass<false, kMinP>(x, m);
       total += a;
-      const uint32_t id = static_cast<uint32_t>(token_of(g0, j, e));
 #pragma unroll
       for (int f = 0; f < kMassFrontier; ++f)
-        if (x > x_hi[f] || (x >= x_lo[f] && id < id_of[f])) ahead[f] += a;
+        if (x >= threshold[f]) ahead[f] += a;
     }
+  }
+}
+
+// The exact sums of this thread's group g (ids 4 g ..): the plain test of each token against each frontier token.
+__device__ __forceinline__ void exact_sums(const float (&x)[4], int64_t g, const MassRow& m, unsigned long long& total,
+                                           unsigned long long (&ahead)[kMassFrontier]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const unsigned long long a = token_mass<true, true>(x[e], m);
+    const uint32_t id = static_cast<uint32_t>(4 * g + e);
+    total += a;
+#pragma unroll
+    for (int f = 0; f < kMassFrontier; ++f)
+      if (x[e] >= m.x_above[f] || (x[e] >= m.x_lo[f] && id < m.id_of[f])) ahead[f] += a;
+  }
+}
+
+// The block's sums into the row's (integer units, so the order of the blocks cannot change them).
+template <typename Mass>
+__device__ __forceinline__ void add_block_sums(Mass total, Mass (&ahead)[kMassFrontier], RowFrontier* rf) {
   auto units = [](Mass s) -> unsigned long long {
-    if constexpr (kExact) return s;
-    else return mass_units(s);
+    if constexpr (std::is_same_v<Mass, float>) return mass_units(s);
+    else return s;
   };
   __shared__ unsigned long long block_sums[kMassFrontier + 1];  // ahead[0 ..], total
+  __syncthreads();  // a looping block's previous sums are posted
   if (threadIdx.x <= kMassFrontier) block_sums[threadIdx.x] = 0;
   __syncthreads();
   total = warp_allreduce(total, SumOp{});
@@ -507,13 +559,24 @@ __global__ void __launch_bounds__(kThreads, kExact ? 4 : 5)
       if (ahead[f] > 0) atomicAdd(&block_sums[f], units(ahead[f]));
   }
   __syncthreads();
-  if (threadIdx.x < kMassFrontier && block_sums[threadIdx.x])
-    atomicAdd(&rf->ahead[threadIdx.x], block_sums[threadIdx.x]);
+  if (threadIdx.x < kMassFrontier && block_sums[threadIdx.x]) atomicAdd(&rf->ahead[threadIdx.x], block_sums[threadIdx.x]);
   if (threadIdx.x == kMassFrontier) atomicAdd(&rf->total, block_sums[kMassFrontier]);
-  if (!finish_and_elect_last(ws.counters + w, splits) || threadIdx.x != 0) return;
+}
 
+// The top-p decision from a row's summed masses, by the last block of the row (thread 0): the winner is the last
+// frontier token top-p keeps (mass ahead < p x total; scores grow along the frontier), as filter_kernel's fixed
+// point decides it. The approximate pass decides when its sums are clear of p x total by kMassTolerance and lists
+// the closer rows for the exact pass (tolerance 0). The mass ahead grows along the frontier, so the earlier
+// tokens are kept whenever the first summed one is; a cut before it (the mass ahead of the fourth last frontier
+// token above p: under 1 % of flat rows at p = 0.5) goes to filter_kernel.
+template <bool kExact>
+__device__ __forceinline__ void decide_top_p(const MassRow& m, float p, int64_t r, int w, uint8_t sflags,
+                                             const TsOutputs& pre, const TsOutputs& out, const TsWorkspace& ws,
+                                             ExactRows* exact) {
+  RowFrontier* rf = m.rf;
+  const unsigned int count = rf->count;
   const double total_mass = static_cast<double>(__ldcg(&rf->total));
-  const double tol = kExact ? 0. : kMassTolerance * total_mass, p = rows.top_p[rv.r];
+  const double tol = kExact ? 0. : kMassTolerance * total_mass;
   const unsigned int first_summed = count > kMassFrontier ? count - kMassFrontier : 0;
   unsigned int kept = first_summed;  // frontier tokens 0 .. kept - 1 are kept
   bool clear = true;                 // every summed token's side of the cut is certain
@@ -527,14 +590,79 @@ __global__ void __launch_bounds__(kThreads, kExact ? 4 : 5)
     clear = before - tol >= p * (total_mass + tol);
     break;
   }
-  if (!clear) {  // too near the cut for the approximate sums: the exact pass sums the row again
-    for (int j = 0; j < kMassFrontier; ++j) rf->ahead[j] = 0;
-    rf->total = 0;
+  if (!clear) {  // too near the cut for the approximate sums (never with tol 0): the exact pass sums the row again
+    if constexpr (!kExact) {
+      for (int j = 0; j < kMassFrontier; ++j) rf->ahead[j] = 0;
+      rf->total = 0;
+      exact->w[atomicAdd(&exact->count, 1u)] = w;
+    }
   } else if (kept > first_summed) {
-    decide_row(pre, out, rv.r, sflags & ~kRowNeedsMass, key_index(rf->score[kept - 1]));
+    decide_row(pre, out, r, sflags & ~kRowNeedsMass, key_index(rf->score[kept - 1]));
   } else {  // the cut lies before the summed tokens: filter_kernel places it
-    pre.flags[rv.r] = sflags & ~kRowNeedsMass;
+    pre.flags[r] = sflags & ~kRowNeedsMass;
     if (ws.fallback_count) atomicAdd(ws.fallback_count, 1ull);
+  }
+}
+
+// The approximate mass pass over the rows frontier_kernel left with kRowNeedsMass: one read summing the mass
+// min-p keeps and the mass ahead of each of the last kMassFrontier frontier tokens, one chunk a block.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 5)
+    nucleus_mass_kernel(TsLogits logits, TsRows rows, TsOutputs pre, TsOutputs out, TsWorkspace ws) {
+  const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
+  const RowView<T> rv = row_view<T>(logits, rows, w);
+  const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
+  float v[kGroupsPerThread][4];
+  // When the launch's rows fit in L2, where frontier_kernel has just read them, the pass reads its chunk before
+  // waiting for that kernel's results, so the reads overlap its last blocks (at small B the chain of the two
+  // kernels is the call's time). Larger launches read only the rows that need it.
+  const bool read_early = !rows_exceed_l2<T>(rows.num_work_rows, logits.vocab);
+  if (read_early) load_chunk(rv, logits.vocab, g0, v);
+  wait_for_previous_grid();
+  const uint8_t sflags = pre.flags[rv.r];
+  if (!(sflags & kRowNeedsMass)) return;
+  const MassRow m = mass_row(row_frontier(ws, w, splits, gridDim.y), pre.row_max[rv.r], rows.temperature[rv.r],
+                             rows.min_p[rv.r]);
+  if (!read_early) load_chunk(rv, logits.vocab, g0, v);
+  float total = 0.f, ahead[kMassFrontier] = {0.f, 0.f, 0.f, 0.f};
+  if (m.min_p > 0.f) approximate_sums<T, true>(v, g0, rv, logits.vocab, m, total, ahead);
+  else approximate_sums<T, false>(v, g0, rv, logits.vocab, m, total, ahead);
+  add_block_sums(total, ahead, m.rf);
+  if (finish_and_elect_last(ws.counters + w, splits) && threadIdx.x == 0)
+    decide_top_p<false>(m, rows.top_p[rv.r], rv.r, w, sflags, pre, out, ws, exact_rows(ws, splits, gridDim.y));
+}
+
+// The exact mass pass over the rows the approximate one listed (rare: cuts within kMassTolerance of a summed
+// token's mass ahead), in filter_kernel's own fixed point. Each chunk is split kExactParts ways, one group of
+// four a thread, and the blocks loop over (listed row, chunk, part): the exact arithmetic is a long chain a
+// token, so a row's sums take the latency of a few tokens instead of 32, and a launch with no listed row costs
+// a small grid of blocks that exit at once.
+constexpr int kExactParts = kGroupsPerThread;
+constexpr int kExactRowsAtOnce = 2;  // listed rows whose blocks the grid holds at once
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    nucleus_exact_mass_kernel(TsLogits logits, TsRows rows, TsOutputs pre, TsOutputs out, TsWorkspace ws) {
+  wait_for_previous_grid();
+  const int splits = num_splits(logits.vocab), num_work = rows.num_work_rows;
+  const unsigned int parts = static_cast<unsigned int>(splits) * kExactParts;
+  ExactRows* exact = exact_rows(ws, splits, num_work);
+  const unsigned int items = __ldcg(&exact->count) * parts;
+  for (unsigned int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int w = __ldcg(&exact->w[item / parts]);
+    const RowView<T> rv = row_view<T>(logits, rows, w);
+    const MassRow m = mass_row(row_frontier(ws, w, splits, num_work), pre.row_max[rv.r], rows.temperature[rv.r],
+                               rows.min_p[rv.r]);
+    const int64_t g = (item % parts) * static_cast<int64_t>(kThreads) + threadIdx.x;  // chunk-major, as the chunks
+    float x[4];
+    load_group(rv.row, g, logits.vocab, rv.aligned, x);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sanitize(x[e]);
+    unsigned long long total = 0, ahead[kMassFrontier] = {0, 0, 0, 0};
+    exact_sums(x, g, m, total, ahead);
+    add_block_sums(total, ahead, m.rf);
+    if (finish_and_elect_last(ws.counters + w, parts) && threadIdx.x == 0)
+      decide_top_p<true>(m, rows.top_p[rv.r], rv.r, w, pre.flags[rv.r], pre, out, ws, exact);
   }
 }
 

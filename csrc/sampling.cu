@@ -164,11 +164,13 @@ int ts_nucleus(const TsLogits* logits, const TsRows* rows, const TsOutputs* pre,
     using T = decltype(t);
     frontier_kernel<T><<<grid, kThreads, 0, s>>>(*logits, *rows, *pre, *out, *ws);
     if (cudaError_t e = cudaGetLastError()) return e;
-    if (cudaError_t e = launch_after_previous(&nucleus_mass_kernel<T, false>, grid, dim3(kThreads), 0, s, *logits,
-                                              *rows, *pre, *out, *ws))
+    if (cudaError_t e = launch_after_previous(&nucleus_mass_kernel<T>, grid, dim3(kThreads), 0, s, *logits, *rows,
+                                              *pre, *out, *ws))
       return e;
-    return launch_after_previous(&nucleus_mass_kernel<T, true>, grid, dim3(kThreads), 0, s, *logits, *rows, *pre, *out,
-                                 *ws);
+    const int at_once = rows->num_work_rows < kExactRowsAtOnce ? rows->num_work_rows : kExactRowsAtOnce;
+    const dim3 exact_grid(grid.x * kExactParts * at_once);
+    return launch_after_previous(&nucleus_exact_mass_kernel<T>, exact_grid, dim3(kThreads), 0, s, *logits, *rows,
+                                 *pre, *out, *ws);
   });
 }
 

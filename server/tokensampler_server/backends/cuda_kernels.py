@@ -109,7 +109,7 @@ class Kernels:
         self._scratch_need: dict[tuple[str, int, int, int], int] = {}
 
     kernel_names = ("stats_kernel", "gumbel_kernel", "gumbel_kernel<min-p>", "topk_kernel<16..256>",
-                    "frontier_kernel", "nucleus_mass_kernel", "filter_kernel")
+                    "frontier_kernel", "nucleus_mass_kernel", "nucleus_exact_mass_kernel", "filter_kernel")
 
     # -- workspace ---------------------------------------------------------------------------------
     def _workspace(self, num_work: int, scratch_bytes: int, hist: bool = False) -> list[int]:
