@@ -22,24 +22,32 @@ __device__ __forceinline__ float half_bits_to_f32(uint32_t bits) {
   else return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
 }
 
+// Tokens 4g .. 4g+3 of a row as one 16- or 8-byte load: the row start is aligned to a group and the group
+// lies inside the row. `evict_first`: the load is marked evict-first in L1 and L2 (ld.global.cs), for rows
+// read once.
+template <typename T>
+__device__ __forceinline__ void load_whole_group(const T* __restrict__ row, int64_t g, float (&v)[4],
+                                                 bool evict_first = false) {
+  if constexpr (sizeof(T) == 4) {
+    const float4* p = reinterpret_cast<const float4*>(row + g * 4);
+    const float4 q = evict_first ? __ldcs(p) : *p;
+    v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+  } else {
+    const uint2* p = reinterpret_cast<const uint2*>(row + g * 4);
+    const uint2 q = evict_first ? __ldcs(p) : *p;
+    v[0] = half_bits_to_f32<T>(q.x & 0xFFFFu); v[1] = half_bits_to_f32<T>(q.x >> 16);
+    v[2] = half_bits_to_f32<T>(q.y & 0xFFFFu); v[3] = half_bits_to_f32<T>(q.y >> 16);
+  }
+}
+
 // Tokens 4g .. 4g+3 of a row (one Philox call covers exactly these). Tokens past the vocabulary read
 // as -inf. `aligned`: the row start is aligned to one group, so a group is one 16- or 8-byte load.
-// `evict_first`: the load is marked evict-first in L1 and L2 (ld.global.cs), for rows read once.
 template <typename T>
 __device__ __forceinline__ void load_group(const T* __restrict__ row, int64_t g, int64_t vocab,
                                            bool aligned, float (&v)[4], bool evict_first = false) {
   const int64_t i0 = g * 4;
   if (aligned && i0 + 4 <= vocab) {
-    if constexpr (sizeof(T) == 4) {
-      const float4* p = reinterpret_cast<const float4*>(row + i0);
-      const float4 q = evict_first ? __ldcs(p) : *p;
-      v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
-    } else {
-      const uint2* p = reinterpret_cast<const uint2*>(row + i0);
-      const uint2 q = evict_first ? __ldcs(p) : *p;
-      v[0] = half_bits_to_f32<T>(q.x & 0xFFFFu); v[1] = half_bits_to_f32<T>(q.x >> 16);
-      v[2] = half_bits_to_f32<T>(q.y & 0xFFFFu); v[3] = half_bits_to_f32<T>(q.y >> 16);
-    }
+    load_whole_group(row, g, v, evict_first);
   } else {
 #pragma unroll
     for (int j = 0; j < 4; ++j) v[j] = i0 + j < vocab ? to_f32(row[i0 + j]) : -kInf;
