@@ -40,7 +40,7 @@ struct FrontierPartial {
 constexpr int kMassFrontier = 4;
 
 // A row's frontier in z-order, for the mass pass. Entry j of x_lo, x_above, id_of and ahead is of
-// frontier token count - 1 - j (x_lo = x_above = +inf, id_of = 0 past the first token): the logits whose z
+// frontier token count - 1 - j (x_lo = x_above = +inf and id_of = 0 when count <= j): the logits whose z
 // is its z ([x_lo, x_above), logit_of_z), its id, and the mass of the
 // tokens ahead of it; total: of every token min-p keeps. Masses in the fixed point of mass_fixed,
 // summed from approximate token masses (kMassTolerance). Zeroed by frontier_kernel, summed by
