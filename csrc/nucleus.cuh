@@ -109,69 +109,110 @@ __device__ __forceinline__ bool any_entry(unsigned int n, Beats beats) {
 
 constexpr int kLevels = 16;  // pilot levels: quarter-nat bands of x / T below the block's max
 
+// A thread's part of the chunk as the block stage reads it: its pilot (pick_pilot: the group with the largest
+// logit) and its share of the row stats, taken from the groups' maxima where they suffice: the thread max is
+// the pilot's largest logit, and its lowest id lies in the pilot, the first group that holds it.
+struct ThreadChunk {
+  float gx[kGroupsPerThread];  // each group's largest logit
+  float x[4];                  // the pilot's logits
+  float max, min;              // the largest logit, the smallest finite one (+inf: none)
+  int pilot;
+  uint32_t argmax;             // lowest id of max (INT_MAX: no finite logit)
+};
+
+__device__ __forceinline__ ThreadChunk thread_chunk(const float (&v)[kGroupsPerThread][4], int64_t g0) {
+  ThreadChunk c;
+  c.pilot = pick_pilot(v, c.gx, c.x, c.max);
+  c.min = kInf;
+#pragma unroll
+  for (int j = 0; j < kGroupsPerThread; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (v[j][e] > -kInf) c.min = fminf(c.min, v[j][e]);
+  int first = 3;
+#pragma unroll
+  for (int e = 3; e >= 0; --e)
+    if (c.x[e] == c.max) first = e;
+  c.argmax = c.max > -kInf ? static_cast<uint32_t>(token_of(g0, c.pilot, first)) : static_cast<uint32_t>(INT_MAX);
+  return c;
+}
+
+// What the block stage needs of the whole block at its first barrier: the row stats of the chunk and the best
+// pilot key (rank_key of a pilot proxy; 0: no finite logit). As 32-bit keys, so that a warp reduces each with
+// one REDUX instead of a five-step butterfly of shuffles.
+struct BlockHead {
+  uint32_t max, argmax, min, nan;  // order keys of max and min
+  uint64_t best;
+
+  __device__ __forceinline__ Stats stats() const {
+    return Stats{key_to_float(max), key_to_float(min), 0.f, static_cast<int32_t>(argmax), nan};
+  }
+};
+
+__device__ __forceinline__ BlockHead warp_head(const BlockHead& h) {
+  constexpr unsigned int kAll = 0xffffffffu;
+  const uint32_t max = __reduce_max_sync(kAll, h.max);
+  const uint32_t best_hi = __reduce_max_sync(kAll, static_cast<uint32_t>(h.best >> 32));
+  const uint32_t best_lo =
+      __reduce_max_sync(kAll, static_cast<uint32_t>(h.best >> 32) == best_hi ? static_cast<uint32_t>(h.best) : 0u);
+  return BlockHead{max, __reduce_min_sync(kAll, h.max == max ? h.argmax : ~0u), __reduce_min_sync(kAll, h.min),
+                   __reduce_or_sync(kAll, h.nan), static_cast<uint64_t>(best_hi) << 32 | best_lo};
+}
+
+// The block's head in every thread: each warp reduces its lanes, then the warps' heads (lane l takes warp l % 8's).
+// One barrier.
+__device__ __forceinline__ BlockHead block_head(const ThreadChunk& c, bool nan, uint64_t best) {
+  __shared__ BlockHead warps[kThreads / 32];
+  const BlockHead h = warp_head(BlockHead{order_key(c.max), c.argmax, order_key(c.min), nan ? 1u : 0u, best});
+  if ((threadIdx.x & 31) == 0) warps[threadIdx.x >> 5] = h;
+  __syncthreads();
+  return warp_head(warps[threadIdx.x % (kThreads / 32)]);
+}
+
 // The block's frontier candidates (x, P, id) into cand_*: every token whose proxy was computed and
 // that no pilot surely beats. Pilots as in gumbel_screened (each thread's group with the largest
-// logit). A pilot j beats token i surely when x_j is clearly above x_i and P_j - P_i exceeds
-// score_margin. Two kinds of pilots are used, so that both the tokens below the best pilot l and
-// the few above it get screened: l itself, for every token clearly below x_l; and for a token in
-// level k (x / T in [M/T - (k+1)/4, M/T - k/4), M the block max), the best posted pilot of levels 0 .. k-2,
-// which lie at least T/4 higher: clearly above it for T >= kMinTemperature. A group is screened by
-// its largest logit (a bound for each of its tokens), and a token is kept only if its own bound
-// does not drop it.
+// logit; p: its proxies, best: the thread's best pilot key, head.best the block's). A pilot j beats token i
+// surely when x_j is clearly above x_i and P_j - P_i exceeds score_margin. Two kinds of pilots are used, so
+// that both the tokens below the best pilot l and the few above it get screened: l itself, for every token
+// clearly below x_l; and for a token in level k (x / T in [M/T - (k+1)/4, M/T - k/4), M the block max), the
+// best posted pilot of levels 0 .. k-2, which lie at least T/4 higher: clearly above it for T >=
+// kMinTemperature. A group is screened by its largest logit (a bound for each of its tokens), and a token is
+// kept only if its own bound does not drop it. level_best: kLevels zeroed words, ordered before this call.
 template <typename T>
-__device__ __forceinline__ void frontier_candidates(const float (&v)[kGroupsPerThread][4], const RowView<T>& rv,
-                                                    int64_t vocab, int64_t g0, float temperature, float inv_t,
-                                                    const NoiseStream& noise, float* cand_x, float* cand_p,
-                                                    uint32_t* cand_id, unsigned int* num_cand) {
-  const uint32_t gbase = static_cast<uint32_t>(g0) + threadIdx.x;
-  float gx[kGroupsPerThread];
-  float x[4];
-  float thread_max;
-  const int pilot = pick_pilot(v, gx, x, thread_max);
-  const uint32_t pg = gbase + pilot * kThreads;
-  float p[4];
-  uint64_t best = 0;  // (order_key(P), ~id) of the thread's best pilot token
-  {
-    const uint4 words = noise.group(pg);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      p[e] = fmaf(x[e], inv_t, gumbel_fast(word_of(words, e)));
-      if (x[e] > -kInf) best = max(best, rank_key(p[e], 4 * pg + e));
-    }
-  }
-  __shared__ uint64_t warp_best[kThreads / 32];
-  __shared__ float warp_max[kThreads / 32], best_x;
-  __shared__ unsigned int level_best[kLevels];  // order keys of the levels' best pilot proxies
-  if (threadIdx.x < kLevels) level_best[threadIdx.x] = 0;
-  best = warp_allreduce(best, MaxOp{});
-  thread_max = warp_allreduce(thread_max, MaxOp{});
-  if ((threadIdx.x & 31) == 0) warp_best[threadIdx.x >> 5] = best, warp_max[threadIdx.x >> 5] = thread_max;
-  __syncthreads();
-  best = warp_best[0];
-  float block_max = warp_max[0];
-#pragma unroll
-  for (int i = 1; i < kThreads / 32; ++i) best = max(best, warp_best[i]), block_max = fmaxf(block_max, warp_max[i]);
-  if (best == 0) return;  // no finite logit in the chunk
+__device__ __forceinline__ void frontier_candidates(const ThreadChunk& c, const float (&p)[4], uint64_t best,
+                                                    const BlockHead& head, unsigned int* level_best,
+                                                    const RowView<T>& rv, int64_t vocab, int64_t g0,
+                                                    float temperature, float inv_t, const NoiseStream& noise,
+                                                    float* cand_x, float* cand_p, uint32_t* cand_id,
+                                                    unsigned int* num_cand) {
+  if (head.best == 0) return;  // no finite logit in the chunk
+  const float block_max = key_to_float(head.max);
   if (!(fabsf(block_max) <= kFrontierBound)) {  // the margins assume it: leave the row to the filter
     if (threadIdx.x == 0) *num_cand = kBlockCandidates + 1;
     return;
   }
+  const uint32_t gbase = static_cast<uint32_t>(g0) + threadIdx.x;
+  const uint32_t pg = gbase + c.pilot * kThreads;
   auto level_of = [&](float y) {
     return static_cast<int>(fminf(fmaxf((block_max - y) * inv_t * 4.f, 0.f), kLevels - 1.f));
   };
-  // Only levels 0 .. kLevels - 3 bound anything. Each thread's pilot token with the largest proxy
-  // stands for its group (one warp match and reduction instead of four: they stalled the block), and a
-  // warp posts one maximum per level it holds.
-  float top_x = x[0], top_p = p[0];
+  __shared__ float best_x;
+  if (best == head.best) {  // this thread holds the block's best pilot token
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    if (rank_key(p[e], 4 * pg + e) == best) best_x = x[e];
-    if (p[e] > top_p) top_x = x[e], top_p = p[e];
+    for (int e = 0; e < 4; ++e)
+      if (rank_key(p[e], 4 * pg + e) == best) best_x = c.x[e];
   }
-  const int level = top_x > -kInf ? level_of(top_x) : kLevels;
-  const unsigned int peers = __match_any_sync(0xffffffffu, level);
-  const unsigned int top = __reduce_max_sync(peers, order_key(top_p));
-  if (level < kLevels - 2 && (threadIdx.x & 31) == __ffs(peers) - 1) atomicMax(&level_best[level], top);
+  // Only levels 0 .. kLevels - 3 bound anything. Each thread's pilot token with the largest proxy stands
+  // for its group; a thread posts it where it beats what its level holds.
+  float top_x = c.x[0], top_p = p[0];
+#pragma unroll
+  for (int e = 1; e < 4; ++e)
+    if (p[e] > top_p) top_x = c.x[e], top_p = p[e];
+  if (top_x > -kInf) {
+    const int level = level_of(top_x);
+    const uint32_t key = order_key(top_p);
+    if (level < kLevels - 2 && key > level_best[level]) atomicMax(level_best + level, key);
+  }
   __syncthreads();
   __shared__ float level_bound[kLevels];  // the best pilot proxy of levels 0 .. k-2 (-inf: none)
   if (threadIdx.x < kLevels) {
@@ -181,14 +222,20 @@ __device__ __forceinline__ void frontier_candidates(const float (&v)[kGroupsPerT
     level_bound[threadIdx.x] = t;
   }
   __syncthreads();
-  const float xl = best_x, L = key_value(best);
+  const float xl = best_x, L = key_value(head.best);
   // |x| of any pilot that screens: l, or one within 3.5 T of the block max
   const float pilot_abs = fmaxf(fabsf(xl), fabsf(block_max) + 4.f * temperature);
+  // One margin and one "clearly below x_l" cut for all of the thread's tokens, from a bound of their |x|:
+  // score_margin grows with |x|, and x < below_l gives x_l - x > 2^-20 (|x_l| + |x| + kFrontierBound) less
+  // the cut's rounding, more than clearly_above asks. Both only keep more tokens than per-token tests would.
+  const float abs_bound = fmaxf(fabsf(c.max), fabsf(c.min));
+  const float margin = score_margin(abs_bound, pilot_abs, inv_t);
+  const float below_l = xl - 0x1p-20f * (fabsf(xl) + abs_bound + kFrontierBound);
   // The best proxy of a pilot that surely beats a token at x, minus the margin (-inf: none).
   auto bound = [&](float y) {
     float t = level_bound[level_of(y)];
-    if (clearly_above(xl, y)) t = fmaxf(t, L);
-    return t - score_margin(y, pilot_abs, inv_t);
+    if (y < below_l) t = fmaxf(t, L);
+    return t - margin;
   };
   auto push = [&](float xe, float pe, uint32_t id) {
     if (!(xe > -kInf) || pe < bound(xe)) return;
@@ -196,12 +243,12 @@ __device__ __forceinline__ void frontier_candidates(const float (&v)[kGroupsPerT
     if (slot < kBlockCandidates) cand_x[slot] = xe, cand_p[slot] = pe, cand_id[slot] = id;
   };
 #pragma unroll
-  for (int e = 0; e < 4; ++e) push(x[e], p[e], 4 * pg + e);
+  for (int e = 0; e < 4; ++e) push(c.x[e], p[e], 4 * pg + e);
 
   // Word thresholds of the other groups from the bound at their largest logit (screen_word:
   // words below it leave every token of the group under that bound).
   redo_screened_groups(
-      gx, pilot, gbase, rv, vocab, noise,
+      c.gx, c.pilot, gbase, rv, vocab, noise,
       [&](float g) {
         const float thr = bound(g);
         return !(g > -kInf) ? ~0u : screen_word(g, inv_t, fmaf(-0x1p-19f, fabsf(thr), thr - 2e-4f));
@@ -270,25 +317,39 @@ __global__ void __launch_bounds__(kThreads, 4)
   const NoiseStream noise = row_noise(rows, rv.r, static_cast<uint32_t>(out.sample));
 
   float v[kGroupsPerThread][4];
-  Stats s{-kInf, kInf, 0.f, INT_MAX, 0u};
-  s.nan = load_chunk(rv, logits.vocab, g0, v);
-  chunk_stats(v, g0, s);
+  const bool nan = load_chunk(rv, logits.vocab, g0, v);
+  const ThreadChunk chunk = thread_chunk(v, g0);
+  // The pilot's proxies (rows the frontier can settle only).
+  float pilot_p[4] = {-kInf, -kInf, -kInf, -kInf};
+  uint64_t best = 0;
+  if (usable) {
+    const uint32_t pg = static_cast<uint32_t>(g0) + threadIdx.x + chunk.pilot * kThreads;
+    const uint4 words = noise.group(pg);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      pilot_p[e] = fmaf(chunk.x[e], inv_t, gumbel_fast(word_of(words, e)));
+      if (chunk.x[e] > -kInf) best = max(best, rank_key(pilot_p[e], 4 * pg + e));
+    }
+  }
 
   // One pool: the block's candidates, then (last block) the merged reports' keys.
   __shared__ uint64_t pool[2 * kMergeCap];
   float* cand_x = reinterpret_cast<float*>(pool);
   float* cand_p = cand_x + kBlockCandidates;
   uint32_t* cand_id = reinterpret_cast<uint32_t*>(cand_p + kBlockCandidates);
-  __shared__ unsigned int num_cand, num_kept;
+  __shared__ unsigned int num_cand, num_kept, level_best[kLevels];
   if (threadIdx.x == 0) num_cand = 0, num_kept = 0;
-  __syncthreads();
+  if (threadIdx.x < kLevels) level_best[threadIdx.x] = 0;
+  const BlockHead head = block_head(chunk, nan, best);  // its barrier orders the zeroing above
   if (usable)
-    frontier_candidates(v, rv, logits.vocab, g0, temperature, inv_t, noise, cand_x, cand_p, cand_id, &num_cand);
+    frontier_candidates(chunk, pilot_p, best, head, level_best, rv, logits.vocab, g0, temperature, inv_t, noise, cand_x,
+                        cand_p, cand_id, &num_cand);
   __syncthreads();
 
   FrontierPartial* partial = static_cast<FrontierPartial*>(ws.scratch) + static_cast<int64_t>(w) * splits;
   FrontierPartial& mine = partial[split];
   const unsigned int n = min(num_cand, static_cast<unsigned int>(kBlockCandidates));
+  bool reported = false;
   for (unsigned int i = threadIdx.x; i < n; i += kThreads) {
     const float xi = cand_x[i], pi = cand_p[i];
     const uint32_t id = cand_id[i];
@@ -298,15 +359,16 @@ __global__ void __launch_bounds__(kThreads, 4)
     });
     if (!beaten) {
       const unsigned int slot = atomicAdd(&num_kept, 1u);
-      if (slot < kFrontierCap) mine.x[slot] = xi, mine.id[slot] = id;
+      if (slot < kFrontierCap) mine.x[slot] = xi, mine.id[slot] = id, reported = true;
     }
   }
-  s = block_stats(s, 0.f, false);  // its barrier also orders num_kept
+  if (reported) __threadfence();  // the reports before the count (finish_by_thread0_and_elect_last)
+  __syncthreads();                // num_kept final
   if (threadIdx.x == 0) {
-    mine.stats = s;
+    mine.stats = head.stats();
     mine.count = num_cand > kBlockCandidates ? kFrontierCap + 1 : min(num_kept, kFrontierCap + 1u);
   }
-  if (!finish_and_elect_last(ws.counters + w, splits)) return;
+  if (!finish_by_thread0_and_elect_last(ws.counters + w, splits)) return;
 
   // ---- the last block: row stats, then the exact frontier of the blocks' reports. Warp 0 merges the blocks'
   // partials across its lanes (lane i: block i, or i, i + 32, ... when there are more blocks than lanes).
@@ -538,29 +600,46 @@ __device__ __forceinline__ void exact_sums(const float (&x)[4], int64_t g, const
   }
 }
 
-// The block's sums into the row's (integer units, so the order of the blocks cannot change them).
+// A warp's sum of mass units (< 2^51 a lane), exact: REDUX adds the 24-bit low parts and the high parts apart,
+// and 32 of either cannot carry out of 32 bits.
+__device__ __forceinline__ unsigned long long warp_sum_units(unsigned long long u) {
+  const uint32_t lo = __reduce_add_sync(0xffffffffu, static_cast<uint32_t>(u & 0xFFFFFFu));
+  const uint32_t hi = __reduce_add_sync(0xffffffffu, static_cast<uint32_t>(u >> 24));
+  return (static_cast<unsigned long long>(hi) << 24) + lo;
+}
+
+// The block's sums into the row's (integer units, so the order of the blocks cannot change them), then
+// finish_by_thread0_and_elect_last. Each lane's sums move to units, each warp adds its lanes', and lanes
+// 0 .. kMassFrontier of warp 0 add the warps' and post them: two barriers in all.
 template <typename Mass>
-__device__ __forceinline__ void add_block_sums(Mass total, Mass (&ahead)[kMassFrontier], RowFrontier* rf) {
+__device__ __forceinline__ bool post_block_sums_and_elect_last(Mass total, const Mass (&ahead)[kMassFrontier],
+                                                               RowFrontier* rf, unsigned int* counter,
+                                                               unsigned int blocks) {
   auto units = [](Mass s) -> unsigned long long {
     if constexpr (std::is_same_v<Mass, float>) return mass_units(s);
     else return s;
   };
-  __shared__ unsigned long long block_sums[kMassFrontier + 1];  // ahead[0 ..], total
-  __syncthreads();  // a looping block's previous sums are posted
-  if (threadIdx.x <= kMassFrontier) block_sums[threadIdx.x] = 0;
-  __syncthreads();
-  total = warp_allreduce(total, SumOp{});
+  __shared__ unsigned long long warp_sums[kMassFrontier + 1][kThreads / 32];  // ahead[0 ..], total
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned long long warp_total = warp_sum_units(units(total));
+  if (lane == 0) warp_sums[kMassFrontier][warp] = warp_total;
 #pragma unroll
-  for (int f = 0; f < kMassFrontier; ++f) ahead[f] = warp_allreduce(ahead[f], SumOp{});
-  if ((threadIdx.x & 31) == 0) {
-    atomicAdd(&block_sums[kMassFrontier], units(total));
-#pragma unroll
-    for (int f = 0; f < kMassFrontier; ++f)
-      if (ahead[f] > 0) atomicAdd(&block_sums[f], units(ahead[f]));
+  for (int f = 0; f < kMassFrontier; ++f) {
+    const unsigned long long sum = warp_sum_units(units(ahead[f]));
+    if (lane == 0) warp_sums[f][warp] = sum;
   }
   __syncthreads();
-  if (threadIdx.x < kMassFrontier && block_sums[threadIdx.x]) atomicAdd(&rf->ahead[threadIdx.x], block_sums[threadIdx.x]);
-  if (threadIdx.x == kMassFrontier) atomicAdd(&rf->total, block_sums[kMassFrontier]);
+  if (threadIdx.x <= kMassFrontier) {
+    unsigned long long sum = 0;
+#pragma unroll
+    for (int i = 0; i < kThreads / 32; ++i) sum += warp_sums[threadIdx.x][i];
+    if (sum) {
+      atomicAdd(threadIdx.x < kMassFrontier ? &rf->ahead[threadIdx.x] : &rf->total, sum);
+      __threadfence();  // before thread 0's count
+    }
+  }
+  __syncwarp();
+  return finish_by_thread0_and_elect_last(counter, blocks);
 }
 
 // The top-p decision from a row's summed masses, by the last block of the row (thread 0): the winner is the last
@@ -627,8 +706,7 @@ __global__ void __launch_bounds__(kThreads, 5)
   float total = 0.f, ahead[kMassFrontier] = {0.f, 0.f, 0.f, 0.f};
   if (m.min_p > 0.f) approximate_sums<T, true>(v, g0, rv, logits.vocab, m, total, ahead);
   else approximate_sums<T, false>(v, g0, rv, logits.vocab, m, total, ahead);
-  add_block_sums(total, ahead, m.rf);
-  if (finish_and_elect_last(ws.counters + w, splits) && threadIdx.x == 0)
+  if (post_block_sums_and_elect_last(total, ahead, m.rf, ws.counters + w, splits) && threadIdx.x == 0)
     decide_top_p<false>(m, rows.top_p[rv.r], rv.r, w, sflags, pre, out, ws, exact_rows(ws, splits, gridDim.y));
 }
 
@@ -660,8 +738,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int e = 0; e < 4; ++e) sanitize(x[e]);
     unsigned long long total = 0, ahead[kMassFrontier] = {0, 0, 0, 0};
     exact_sums(x, g, m, total, ahead);
-    add_block_sums(total, ahead, m.rf);
-    if (finish_and_elect_last(ws.counters + w, parts) && threadIdx.x == 0)
+    if (post_block_sums_and_elect_last(total, ahead, m.rf, ws.counters + w, parts) && threadIdx.x == 0)
       decide_top_p<true>(m, rows.top_p[rv.r], rv.r, w, pre.flags[rv.r], pre, out, ws, exact);
   }
 }
