@@ -495,10 +495,10 @@ __global__ void __launch_bounds__(kThreads, 4)
 // The approximate mass pass sums token masses 2^((x - max) * log2(e) / T) by the hardware exp2.
 // Against expf(z) of filter_kernel's exact z the relative error is below 4 |z| 2^-24 (the roundings of
 // the product) + 2^-21 (exp2, expf): under 2^-17 for |z| <= 20, where all but 2^-25 of any sum lies;
-// under 2^-15 for every result not flushed (|z| <= 87.4). Fp32 sums of a thread's <= 32 terms and of a
-// warp's lanes add 36 roundings (2^-18.8); the sums then move to the units of mass_fixed, where integer
-// atomics add exactly, with half a unit a token against the exact fixed point (2^-23 of a total >= 1,
-// the argmax's mass). Every sum is within 2^-16 of the row's total of the exact fixed-point sum;
+// under 2^-15 for every result not flushed (|z| <= 87.4). Fp32 sums of a thread's <= 32 terms add 31
+// roundings (2^-19); each thread's sums then move to the units of mass_fixed, where integer sums are exact,
+// with half a unit a thread, less than half a unit a token against the exact fixed point (2^-23 of a total
+// >= 1, the argmax's mass). Every sum is within 2^-16 of the row's total of the exact fixed-point sum;
 // kMassTolerance leaves a factor of 4.
 constexpr double kMassTolerance = 0x1p-14;
 
