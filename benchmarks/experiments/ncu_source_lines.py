@@ -12,9 +12,10 @@ per warp (the kernel's first instruction runs once a warp). The script checks th
 address, so a cubin from another build is refused rather than misread.
 """
 import argparse
-import csv
 import re
 from collections import Counter
+
+from ncu_sass_summary import INSTRUCTIONS, SAMPLES, read_lines
 
 LOCATION = re.compile(r'File "([^"]+)", line (\d+)')
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
@@ -46,20 +47,6 @@ def disassembly(path: str, kernel: str) -> dict[int, tuple[str, list[str]]]:
     return out
 
 
-def export_rows(path: str) -> tuple[dict[str, int], list[list[str]]]:
-    """The header columns and the SASS rows of the first kernel in an `ncu --page source --csv` export."""
-    rows = list(csv.reader(open(path)))
-    start = next(i for i, row in enumerate(rows) if row and row[0] == "Address")
-    header = rows[start]
-    lines = []
-    for row in rows[start + 1:]:
-        if row and row[0] == "Kernel Name":
-            break
-        if len(row) == len(header) and row[0].startswith("0x"):
-            lines.append(row)
-    return {name: i for i, name in enumerate(header)}, lines
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("export")
@@ -69,21 +56,23 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args()
     code = disassembly(args.sass, args.kernel)
-    column, lines = export_rows(args.export)
+    header, lines = read_lines(args.export)
+    column = {name: i for i, name in enumerate(header)}
 
     def number(row: list[str], name: str) -> float:
         return float(row[column[name]].replace(",", "") or 0)
 
     base = int(lines[0][0], 16)
-    warps = number(lines[0], "Instructions Executed")
+    warps = number(lines[0], INSTRUCTIONS)
     executed, samples = Counter(), Counter()
     for row in lines:
         text, frames = code.get(int(row[0], 16) - base, ("?", []))
-        if text.split()[:1] != row[1].split()[:1]:
-            raise SystemExit(f"opcode mismatch at {row[0]}: {row[1].strip()!r} against {text!r}: another build?")
+        source = row[column["Source"]].strip()
+        if text.split()[:1] != source.split()[:1]:
+            raise SystemExit(f"opcode mismatch at {row[0]}: {source!r} against {text!r}: another build?")
         key = " > ".join(frames[: args.depth]) or "?"
-        executed[key] += number(row, "Instructions Executed")
-        samples[key] += number(row, "Warp Stall Sampling (All Samples)")
+        executed[key] += number(row, INSTRUCTIONS)
+        samples[key] += number(row, SAMPLES)
     total = sum(executed.values())
     print(f"{total:.4g} warp instructions, {total / warps:.0f} a warp")
     for key, count in executed.most_common(args.top):

@@ -57,7 +57,8 @@ class ServerConfig:
     allow_cuda_ipc: bool = False
     """Accept CUDA IPC regions (GPU buffers of colocated processes)."""
     native_request_path: bool = True
-    """On the CUDA backend, answer plain Sample requests (logits in a CUDA region or carried, tokens alone) in C++ (native_path.py)."""
+    """On the CUDA backend, answer plain Sample requests (logits in a CUDA region or carried, tokens alone)
+    in C++ (native_path.py)."""
     auth_token_file: Path | None = None
     """File of accepted bearer tokens, one per line; None admits every caller."""
     tls_cert: Path | None = None

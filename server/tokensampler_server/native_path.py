@@ -1,11 +1,11 @@
 """The native request path beside the Python one (csrc/request_path.cpp; issue 5).
 
-On the CUDA backend, a SampleRequest whose logits lie in a CUDA region of the backend's GPU or are carried
-in the request (uploaded straight from its bytes), and that asks for tokens alone (no log-probs, no logit
+On the CUDA backend, a SampleRequest whose logits lie in a CUDA region of the backend's GPU or are carried in
+the request (uploaded straight from its bytes), and that asks for tokens alone (no log-probs, no logit
 processing, no output regions, one sample) is parsed, validated, sampled and answered in C++ from its bytes:
-the per-message Python that dominated a stream message's time (benchmarks/SERVICE_NOTES.md) is not run. Everything else, errors included, is declined
-before anything a client could see, and sample_rpc.py answers it as before. The region registry tells
-this path which CUDA regions exist (`region_added` / `region_removed`).
+the per-message Python that dominated a stream message's time (benchmarks/SERVICE_NOTES.md) is not run.
+Everything else, errors included, is declined before anything a client could see, and sample_rpc.py answers it
+as before. The region registry tells this path which CUDA regions exist (`region_added` / `region_removed`).
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """The Sample and SampleStream paths of the servicer: hold the weights and regions a request names,
 validate it, queue it on the batcher, encode the answer.
 
-Both methods take the request's bytes: on the CUDA backend the native path (native_path.py) answers
-the plain requests (logits in a region or carried) from them, in C++, and returns response bytes;
-everything else is parsed here and takes the Python path. There a request is handled in two halves: `start` runs synchronously up to
-the batcher's future, `finish` builds the response from the result. A stream answers natively answered
-messages in one loop; from its first message on the Python path, a reader starts each message as it
-arrives (so the batcher can merge them) without a task per message, and the stream answers in order by
-awaiting the futures one after the other: the fewest event-loop turns per message
-(benchmarks/SERVICE_NOTES.md).
+Both methods take the request's bytes: on the CUDA backend the native path (native_path.py) answers the plain
+requests (logits in a region or carried) from them, in C++, and returns response bytes; everything else is
+parsed here and takes the Python path. There a request is handled in two halves: `start` runs synchronously up
+to the batcher's future, `finish` builds the response from the result. A stream answers natively answered
+messages in one loop; from its first message on the Python path, a reader starts each message as it arrives
+(so the batcher can merge them) without a task per message, and the stream answers in order by awaiting the
+futures one after the other: the fewest event-loop turns per message (benchmarks/SERVICE_NOTES.md).
 """
 
 from __future__ import annotations
