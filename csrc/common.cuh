@@ -105,6 +105,15 @@ __device__ __forceinline__ T warp_allreduce(T v, Op op) {
   return v;
 }
 
+// The largest 64-bit key of a full warp, in every lane: two REDUXes (the high words, then the low words of
+// the lanes that hold the highest high word) instead of five 64-bit shuffle rounds.
+__device__ __forceinline__ uint64_t warp_max_key(uint64_t key) {
+  constexpr unsigned int kAll = 0xffffffffu;
+  const uint32_t hi = __reduce_max_sync(kAll, static_cast<uint32_t>(key >> 32));
+  const uint32_t lo = __reduce_max_sync(kAll, static_cast<uint32_t>(key >> 32) == hi ? static_cast<uint32_t>(key) : 0u);
+  return static_cast<uint64_t>(hi) << 32 | lo;
+}
+
 // Every thread gets the reduction of all `v`. `scratch` holds THREADS / 32 values.
 template <int THREADS, typename T, typename Op>
 __device__ __forceinline__ T block_allreduce(T v, Op op, T* scratch) {

@@ -40,6 +40,7 @@ constexpr int kHPad = 32;                    // elements of padding per h row in
 constexpr int kCand = 64;                    // candidates per (row, CTA), and merged per row
 constexpr int kCandBuf = 256;                // candidate buffer per row in shared memory
 constexpr int kFinishThreads = 256;
+constexpr int kFinishWarps = kFinishThreads / 32;
 
 enum RowMode : int { kGreedy = 0, kGumbel = 1, kCandidates = 2 };
 
@@ -390,20 +391,17 @@ __global__ void __launch_bounds__(kThreads, 1) fused_partials_kernel(const Parti
   if (has_row) write_partial(state, cand, a, my_row * a.vocab_ctas + cta, lane);
 }
 
-// A key at or below the kCand-th best of a row: the kCand-th best of the first `count` CTAs' best keys
-// (`heads`, shared memory; at least kCand keys are as good), or 1 when fewer of them have one. Every thread
-// gets it; `result` is shared memory.
-__device__ uint64_t rank_floor(const uint64_t* heads, int count, uint64_t* result) {
-  if (threadIdx.x == 0) *result = 1;
-  __syncthreads();
+// The kCand-th best of the first `count` CTAs' best keys (`heads`, shared memory), which at least kCand keys
+// match or beat, so it lies at or below the row's kCand-th best key: written to `*floor` by the one thread that
+// holds it, and not at all when fewer than kCand heads hold a key. No barrier: the heads are visible before
+// the call, and `*floor` is read after the next barrier.
+__device__ void post_rank_floor(const uint64_t* heads, int count, uint64_t* floor) {
   for (int c = threadIdx.x; c < count; c += kFinishThreads) {
     const uint64_t h = heads[c];
     int above = 0;
     for (int j = 0; j < count; ++j) above += heads[j] > h;
-    if (h != 0 && above == kCand - 1) *result = h;  // keys are unique: one thread at most
+    if (h != 0 && above == kCand - 1) *floor = h;  // keys are unique: one thread at most
   }
-  __syncthreads();
-  return *result;
 }
 
 // A cut c such that exactly `want` of the keys[0, n) in [lower, highest] (all keys unique, lower >= 1,
@@ -462,20 +460,34 @@ __device__ uint64_t select_key(const uint64_t* keys, int n, int want, uint64_t l
   return prefix > lower ? prefix : lower;  // keys below `lower` may share the prefix: they were not counted
 }
 
+// A candidate row's parameters: inputs, so stage 2 reads them before it waits for stage 1.
+struct CandidateRow {
+  float temperature, top_p, min_p;
+  int32_t top_k;
+  int64_t seed, position, iteration;
+
+  __device__ static CandidateRow read(const TsRows& r, int64_t b) {
+    return CandidateRow{r.temperature[b], r.top_p[b], r.min_p[b], r.top_k[b], r.seed[b], r.position[b], r.iteration[b]};
+  }
+};
+
 // Steps 8-10 for a candidate row, by warp 0: top[0, count) sorted (x desc, id asc), the global
-// max, sum exp(z) over every finite token, and whether the candidates are every finite token.
+// max, sum exp(z) over every finite token, and whether the candidates are every finite token. Writes each
+// sample's token and, when `logprobs` is set, its raw log-prob x - max - log_sum1.
 // Returns false when the kept set reaches past the candidates (the row takes the logits path).
 __device__ bool sample_candidates(const uint64_t* top, int count, bool complete, float row_max, float sum_t,
-                                  const TsRows& r, int64_t b, int num_samples, int64_t* tokens, int lane) {
-  const float temperature = r.temperature[b];
-  const int k = r.top_k[b];
-  const float p = r.top_p[b], m = r.min_p[b];
-  float z[2];
+                                  float log_sum1, const CandidateRow& r, int64_t b, int num_samples, int64_t* tokens,
+                                  float* logprobs, int lane) {
+  const float temperature = r.temperature;
+  const int k = r.top_k;
+  const float p = r.top_p, m = r.min_p;
+  float x[2], z[2];
   uint32_t id[2];
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int i = lane + 32 * j;
-    z[j] = i < count ? (key_value(top[i]) - row_max) / temperature : -kInf;
+    x[j] = i < count ? key_value(top[i]) : -kInf;
+    z[j] = i < count ? (x[j] - row_max) / temperature : -kInf;
     id[j] = i < count ? key_index(top[i]) : 0u;
   }
   // L1: the top-k and min-p prefix; known when it ends inside the candidates.
@@ -512,137 +524,238 @@ __device__ bool sample_candidates(const uint64_t* top, int count, bool complete,
     if (reached < 0 && !known) return false;
     kept = reached < 0 ? limit : reached;
   }
-  // Step 10: Gumbel-max over the kept prefix, one noise draw per sample.
+  // Step 10: Gumbel-max over the kept prefix, one noise draw per sample; the winner's lane writes it.
   for (int s = 0; s < num_samples; ++s) {
-    const NoiseStream noise = NoiseStream::make(r.seed[b], r.position[b], r.iteration[b], static_cast<uint32_t>(s));
-    uint64_t best = 0;
+    const NoiseStream noise = NoiseStream::make(r.seed, r.position, r.iteration, static_cast<uint32_t>(s));
+    uint64_t key[2] = {0, 0};
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      if (lane + 32 * j < kept) key[j] = rank_key(z[j] + gumbel_exact(noise.word(id[j])), id[j]);
+    const uint64_t best = warp_max_key(max(key[0], key[1]));
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const int i = lane + 32 * j;
-      if (i < kept) best = max(best, rank_key(z[j] + gumbel_exact(noise.word(id[j])), id[j]));
+      if (key[j] != best || best == 0) continue;
+      tokens[b * num_samples + s] = id[j];
+      if (logprobs != nullptr) logprobs[b * num_samples + s] = x[j] - row_max - log_sum1;
     }
-    best = warp_allreduce(best, MaxOp{});
-    if (lane == 0) tokens[b * num_samples + s] = key_index(best);
   }
   return true;
 }
 
-__global__ void __launch_bounds__(kFinishThreads) fused_finish_kernel(const FinishArgs a) {
-  __shared__ float f_scratch[kFinishThreads / 32];
-  __shared__ uint64_t u_scratch[kFinishThreads / 32];
-  __shared__ unsigned int hist[256];
-  __shared__ int chosen[3];
-  __shared__ uint64_t top[kCand];  // the best kCand keys, sorted, once the candidate branch ran
-  __shared__ int top_count;
-  __shared__ uint64_t heads[kFinishThreads];  // the first CTAs' best keys (rank_floor)
-  __shared__ uint64_t lower_bound;
-  extern __shared__ uint64_t staged[];  // [vocab_ctas * cands_per_part]
-  __shared__ float best_x;
-  wait_for_previous_grid();  // launched while stage 1 runs (launch_after_previous): its partials come first
-  const int64_t b = blockIdx.x;
-  const int num_parts = a.vocab_ctas;
-  const Partial* parts = a.partials + b * num_parts;
+// A row's totals over CTA partials (stage 2): sums relative to `max` (-inf: no finite token; the sums are 0).
+struct PartsTotals {
+  float max, sum1, sum_t;
+  uint64_t best;   // the best Gumbel / argmax key (0: none)
+  uint32_t flags;  // kPartNan | kPartUncollected
+};
+constexpr uint32_t kPartNan = 1, kPartUncollected = 2;
 
-  float local_max = -kInf;
-  for (int i = threadIdx.x; i < num_parts; i += kFinishThreads) local_max = fmaxf(local_max, parts[i].max);
-  const float row_max = block_allreduce<kFinishThreads>(local_max, MaxOp{}, f_scratch);
-  const int mode = row_mode(a.rows, b);
-  const float temperature = mode == kGreedy ? 1.f : a.rows.temperature[b];
-  float sum1 = 0.f, sum_t = 0.f;
-  uint64_t best = 0;
-  int nan = 0, uncollected = 0;
-  for (int i = threadIdx.x; i < num_parts; i += kFinishThreads) {
-    const Partial q = parts[i];
-    if (q.max > -kInf) {
-      sum1 += q.sum1 * expf(q.max - row_max);
-      sum_t += q.sum_t * expf((q.max - row_max) / temperature);
-    }
-    if (q.best_id >= 0) best = max(best, rank_key(q.best_score, static_cast<uint32_t>(q.best_id)));
-    nan |= q.nan;
-    uncollected |= q.no_candidates;
+// A sum relative to `from` made relative to `to` (>= from): times exp((from - to) / T), inv_t = 1 / T.
+__device__ __forceinline__ float rebased(float sum, float from, float to, float inv_t) {
+  return from > -kInf ? sum * expf((from - to) * inv_t) : 0.f;
+}
+
+// What stage 2 reads of a row's candidate lists before it selects: how many keys there are, the highest last
+// key of a full list (`floor`; 0: none is full) and the highest key.
+struct ListsScan {
+  uint64_t floor, highest;
+  int nonzero;
+};
+
+// Stage 2's shared memory besides the staged lists.
+struct FinishShared {
+  PartsTotals warp_totals[kFinishWarps];
+  ListsScan warp_scans[kFinishWarps];
+  unsigned int hist[256];
+  int chosen[3];
+  uint64_t top[kCand];            // a candidate row's best keys, sorted
+  uint64_t keys[kFinishThreads];  // the first CTAs' best keys (the rank floor's), then the keys above the floors
+  uint64_t lower_bound;
+  int num_above, top_count, needs_logits_path;
+  float best_x;
+  CandidateRow params;
+};
+
+// A warp's totals in every lane: max first, so each lane's sums are rebased once; the sums by a butterfly,
+// so every lane gets the same bits (float addition commutes). WIDTH lanes hold distinct totals.
+template <int WIDTH>
+__device__ __forceinline__ PartsTotals warp_parts_totals(const PartsTotals& t, float inv_t) {
+  constexpr unsigned int kAll = 0xffffffffu;
+  const float max = key_to_float(__reduce_max_sync(kAll, order_key(t.max)));
+  float sum1 = rebased(t.sum1, t.max, max, 1.f), sum_t = rebased(t.sum_t, t.max, max, inv_t);
+#pragma unroll
+  for (int o = 1; o < WIDTH; o <<= 1) {
+    sum1 += __shfl_xor_sync(kAll, sum1, o);
+    sum_t += __shfl_xor_sync(kAll, sum_t, o);
   }
-  sum1 = block_allreduce<kFinishThreads>(sum1, SumOp{}, f_scratch);
-  sum_t = block_allreduce<kFinishThreads>(sum_t, SumOp{}, f_scratch);
-  nan = block_allreduce<kFinishThreads>(nan, MaxOp{}, reinterpret_cast<int*>(f_scratch));
-  uncollected = block_allreduce<kFinishThreads>(uncollected, MaxOp{}, reinterpret_cast<int*>(f_scratch));
-  best = block_allreduce<kFinishThreads>(best, MaxOp{}, u_scratch);
-  const bool valid = row_max > -kInf;
-  const int ns = a.out.num_samples;
-  int64_t* tokens = a.out.tokens;
-  __shared__ int needs_logits_path;
-  if (threadIdx.x == 0) needs_logits_path = uncollected;
+  return PartsTotals{max, sum1, sum_t, warp_max_key(t.best), __reduce_or_sync(kAll, t.flags)};
+}
 
-  if (valid && mode != kCandidates) {
-    for (int i = threadIdx.x; i < num_parts; i += kFinishThreads) {
-      const Partial q = parts[i];
-      if (q.best_id >= 0 && rank_key(q.best_score, static_cast<uint32_t>(q.best_id)) == best) best_x = q.best_x;
-    }
-    for (int s = threadIdx.x; s < ns; s += kFinishThreads) tokens[b * ns + s] = key_index(best);
-  } else if (valid && !uncollected) {
-    // Every CTA's sorted best keys, staged in shared memory or read from L2 (stages_candidates).
-    const int per_part = a.cands_per_part;
-    const uint64_t* global_keys = a.cands + b * num_parts * per_part;
-    const bool staging = stages_candidates(per_part);
-    const uint64_t* keys = staging ? staged : global_keys;
-    const int n = num_parts * per_part;
-    int nonzero = 0;
-    uint64_t floor = 0, highest = 0;  // floor: the highest last key of a full list (0: none full)
-    for (int i = threadIdx.x; i < n; i += kFinishThreads) {
-      const uint64_t k = global_keys[i];
-      if (staging) staged[i] = k;
-      nonzero += k != 0;
-      highest = max(highest, k);
-      if (i % per_part == per_part - 1) floor = max(floor, k);
-    }
-    const int num_heads = min(num_parts, kFinishThreads);
-    for (int c = threadIdx.x; c < num_heads; c += kFinishThreads) heads[c] = global_keys[c * per_part];
-    nonzero = block_allreduce<kFinishThreads>(nonzero, SumOp{}, reinterpret_cast<int*>(f_scratch));
-    floor = block_allreduce<kFinishThreads>(floor, MaxOp{}, u_scratch);
-    highest = block_allreduce<kFinishThreads>(highest, MaxOp{}, u_scratch);
-    // A full list left out only keys below its last, so the keys at or above `floor` are exactly the row's
-    // best `trusted` tokens; below it some may be missing.
-    int trusted = nonzero;
-    if (floor != 0) {
-      trusted = 0;
-      for (int i = threadIdx.x; i < n; i += kFinishThreads) trusted += keys[i] >= floor;
-      trusted = block_allreduce<kFinishThreads>(trusted, SumOp{}, reinterpret_cast<int*>(f_scratch));
-    }
-    uint64_t cut = max(floor, uint64_t{1});
-    if (trusted > kCand)  // the kCand best: only keys from the CTAs' kCand-th best head up can be among them
-      cut = select_key(keys, n, kCand, rank_floor(heads, num_heads, &lower_bound), highest, hist, chosen);
-    if (threadIdx.x == 0) top_count = 0;
-    __syncthreads();
-    for (int i = threadIdx.x; i < n; i += kFinishThreads)
-      if (keys[i] != 0 && keys[i] >= cut) top[atomicAdd(&top_count, 1)] = keys[i];
-    __syncthreads();
-    const int count = top_count;
-    if (threadIdx.x < 32) {
-      for (int i = count + threadIdx.x; i < kCand; i += 32) top[i] = 0;
-      warp_sort_desc_shared(top, kCand, threadIdx.x);
-      // No list full and at most kCand keys: every finite token is a candidate.
-      const bool complete = floor == 0 && nonzero <= kCand;
-      if (!sample_candidates(top, count, complete, row_max, sum_t, a.rows, b, ns, tokens, threadIdx.x) &&
-          threadIdx.x == 0)
-        needs_logits_path = 1;
-    }
+// The row's totals in every thread: each warp merges its lanes', then every warp the warps' (lane l takes
+// warp l % kFinishWarps's). One barrier.
+__device__ __forceinline__ PartsTotals block_row_totals(const PartsTotals& t, float inv_t, PartsTotals* warps) {
+  const PartsTotals w = warp_parts_totals<32>(t, inv_t);
+  if ((threadIdx.x & 31) == 0) warps[threadIdx.x >> 5] = w;
+  __syncthreads();
+  return warp_parts_totals<kFinishWarps>(warps[threadIdx.x % kFinishWarps], inv_t);
+}
+
+// A candidate row's lists as this thread reads them (keys i = threadIdx.x + kFinishThreads j), the CTAs' heads
+// into sh.keys and, when stages_candidates, every key into `staged`.
+__device__ __forceinline__ ListsScan scan_lists(const FinishArgs& a, int64_t b, FinishShared& sh, uint64_t* staged) {
+  const int per_part = a.cands_per_part, n = a.vocab_ctas * per_part;
+  const uint64_t* keys = a.cands + b * n;
+  const bool staging = stages_candidates(per_part);
+  // A thread reads the same slot of a list at every step (per_part divides kFinishThreads), and its list
+  // advances by kFinishThreads / per_part.
+  const int slot = threadIdx.x % per_part, lists_a_step = kFinishThreads / per_part;
+  ListsScan mine{0, 0, 0};
+  for (int i = threadIdx.x, list = threadIdx.x / per_part; i < n; i += kFinishThreads, list += lists_a_step) {
+    const uint64_t k = keys[i];
+    if (staging) staged[i] = k;
+    mine.nonzero += k != 0;
+    mine.highest = max(mine.highest, k);
+    if (slot == per_part - 1) mine.floor = max(mine.floor, k);
+    if (slot == 0 && list < kFinishThreads) sh.keys[list] = k;
+  }
+  return mine;
+}
+
+// A warp's scans merged and posted for merged_lists, which reads them after the next barrier.
+__device__ __forceinline__ void post_warp_lists(const ListsScan& t, ListsScan* warps) {
+  const ListsScan w{warp_max_key(t.floor), warp_max_key(t.highest), __reduce_add_sync(0xffffffffu, t.nonzero)};
+  if ((threadIdx.x & 31) == 0) warps[threadIdx.x >> 5] = w;
+}
+
+// The row's scan in every thread, from the warps' (lane l takes warp l % kFinishWarps's).
+__device__ __forceinline__ ListsScan merged_lists(const ListsScan* warps) {
+  const ListsScan v = warps[threadIdx.x % kFinishWarps];
+  return ListsScan{warp_max_key(v.floor), warp_max_key(v.highest),
+                   __reduce_add_sync(0xffffffffu, (threadIdx.x & 31) < kFinishWarps ? v.nonzero : 0)};
+}
+
+// A candidate row's kCand best keys, sorted descending into sh.top, and their count, from every CTA's sorted
+// list (staged in shared memory or read from L2: stages_candidates) and the row's scan of them (the heads in
+// sh.keys). A full list left out only keys below its last, so the keys at or above `floor` are exactly the
+// row's best; when fewer than kCand are, only those are taken. `complete`: no list is full and there are at
+// most kCand keys, so every finite token is a candidate.
+struct Selected {
+  int count;
+  bool complete;
+};
+__device__ __forceinline__ Selected select_candidates(const FinishArgs& a, int64_t b, const ListsScan& lists,
+                                                      FinishShared& sh, const uint64_t* staged) {
+  const int num_parts = a.vocab_ctas, n = num_parts * a.cands_per_part;
+  const uint64_t* keys = stages_candidates(a.cands_per_part) ? staged : a.cands + b * n;
+  const bool complete = lists.floor == 0 && lists.nonzero <= kCand;
+  post_rank_floor(sh.keys, min(num_parts, kFinishThreads), &sh.lower_bound);
+  __syncthreads();
+  // The kCand best trusted keys are at or above both floors (the rank floor lies at or below the kCand-th
+  // best key); gather those, a warp's at a time, into sh.keys.
+  const uint64_t lower = max(max(sh.lower_bound, lists.floor), uint64_t{1});
+  const int lane = threadIdx.x & 31;
+  for (int base = 0; base < n; base += kFinishThreads) {
+    const int i = base + threadIdx.x;
+    const uint64_t k = i < n ? keys[i] : 0;
+    const unsigned int takers = __ballot_sync(0xffffffffu, k >= lower);
+    int first = 0;
+    if (lane == 0 && takers != 0) first = atomicAdd(&sh.num_above, __popc(takers));
+    const int at = __shfl_sync(0xffffffffu, first, 0) + __popc(takers & ((1u << lane) - 1u));
+    if (k >= lower && at < kFinishThreads) sh.keys[at] = k;
   }
   __syncthreads();
-  const bool sampled_here = valid && !needs_logits_path;
-  if (threadIdx.x == 0) a.out.flags[b] = static_cast<uint8_t>((nan ? 1 : 0) | (valid ? 0 : 2) | (needs_logits_path ? 4 : 0));
+  const int above = sh.num_above;
+  if (above <= kFinishThreads) {  // one key a thread, ranked by counting (keys are unique: ranks are distinct)
+    if (threadIdx.x < above) {
+      const uint64_t k = sh.keys[threadIdx.x];
+      int rank = 0;
+      for (int j = 0; j < above; ++j) rank += sh.keys[j] > k;
+      if (rank < kCand) sh.top[rank] = k;
+    }
+    __syncthreads();
+    return Selected{min(above, kCand), complete};
+  }
+  // More than the block has threads (many keys near the floors): the kCand-th best by radix select.
+  const uint64_t cut = select_key(keys, n, kCand, lower, lists.highest, sh.hist, sh.chosen);
+  for (int i = threadIdx.x; i < n; i += kFinishThreads)
+    if (keys[i] >= cut) sh.top[atomicAdd(&sh.top_count, 1)] = keys[i];
+  __syncthreads();
+  if (threadIdx.x < 32) warp_sort_desc_shared(sh.top, kCand, threadIdx.x);
+  __syncthreads();
+  return Selected{kCand, complete};
+}
+
+// Adds a CTA's partial to this thread's totals.
+__device__ __forceinline__ void add_partial(PartsTotals& t, float& best_x, const Partial& q, float inv_t) {
+  const float top_max = fmaxf(t.max, q.max);
+  t.sum1 = rebased(t.sum1, t.max, top_max, 1.f) + rebased(q.sum1, q.max, top_max, 1.f);
+  t.sum_t = rebased(t.sum_t, t.max, top_max, inv_t) + rebased(q.sum_t, q.max, top_max, inv_t);
+  t.max = top_max;
+  const uint64_t key = q.best_id >= 0 ? rank_key(q.best_score, static_cast<uint32_t>(q.best_id)) : 0;
+  if (key > t.best) {
+    t.best = key;
+    best_x = q.best_x;
+  }
+  t.flags |= (q.nan ? kPartNan : 0u) | (q.no_candidates ? kPartUncollected : 0u);
+}
+
+// One CTA a row. The minimum of one block a SM keeps ptxas from capping registers for occupancy, which spilled
+// around the division slow paths; 48 registers a thread still fit beside stage 1's CTA.
+__global__ void __launch_bounds__(kFinishThreads, 1) fused_finish_kernel(const FinishArgs a) {
+  __shared__ FinishShared sh;
+  extern __shared__ uint64_t staged[];  // [vocab_ctas * cands_per_part]
+  const int64_t b = blockIdx.x;
+  // The row's parameters are inputs, not stage 1's results: read before the wait.
+  const int mode = row_mode(a.rows, b);
+  const float inv_t = mode == kGreedy ? 1.f : 1.f / a.rows.temperature[b];
+  if (threadIdx.x == 0) {
+    if (mode == kCandidates) sh.params = CandidateRow::read(a.rows, b);
+    sh.lower_bound = 1;
+    sh.num_above = 0;
+    sh.top_count = 0;
+  }
+  wait_for_previous_grid();  // launched while stage 1 runs (launch_after_previous): its partials come first
+  const int num_parts = a.vocab_ctas;
+  const Partial* parts = a.partials + b * num_parts;
+  // The first partial is loaded before a candidate row's lists are read, so that both reads overlap; both
+  // are merged across the block under one barrier.
+  Partial first{-kInf, 0.f, 0.f, 0.f, 0.f, -1, 0, 0};
+  if (threadIdx.x < num_parts) first = parts[threadIdx.x];
+  if (mode == kCandidates) post_warp_lists(scan_lists(a, b, sh, staged), sh.warp_scans);
+  PartsTotals mine{-kInf, 0.f, 0.f, 0, 0};
+  float mine_best_x = 0.f;
+  add_partial(mine, mine_best_x, first, inv_t);
+  for (int i = threadIdx.x + kFinishThreads; i < num_parts; i += kFinishThreads)
+    add_partial(mine, mine_best_x, parts[i], inv_t);
+  const PartsTotals row = block_row_totals(mine, inv_t, sh.warp_totals);
+  const bool valid = row.max > -kInf;
+  const bool uncollected = row.flags & kPartUncollected;
+  const int ns = a.out.num_samples;
+  int64_t* tokens = a.out.tokens;
+  if (threadIdx.x == 0) sh.needs_logits_path = uncollected;
+
+  if (valid && mode != kCandidates) {
+    if (row.best != 0 && mine.best == row.best) sh.best_x = mine_best_x;
+    for (int s = threadIdx.x; s < ns; s += kFinishThreads) tokens[b * ns + s] = key_index(row.best);
+  } else if (valid && !uncollected) {
+    const Selected selected = select_candidates(a, b, merged_lists(sh.warp_scans), sh, staged);
+    if (threadIdx.x < 32 &&
+        !sample_candidates(sh.top, selected.count, selected.complete, row.max, row.sum_t, logf(row.sum1),
+                           sh.params, b, ns, tokens, a.out.logprobs, threadIdx.x) &&
+        threadIdx.x == 0)
+      sh.needs_logits_path = 1;
+  }
+  __syncthreads();
+  const bool sampled_here = valid && !sh.needs_logits_path;
+  if (threadIdx.x == 0)
+    a.out.flags[b] =
+        static_cast<uint8_t>((row.flags & kPartNan ? 1 : 0) | (valid ? 0 : 2) | (sh.needs_logits_path ? 4 : 0));
   for (int s = threadIdx.x; s < ns; s += kFinishThreads) {
     if (!valid) tokens[b * ns + s] = -1;
-    if (a.out.logprobs == nullptr) continue;
-    float lp = __int_as_float(0x7fc00000);  // NaN: rows that are not valid (choice 8) or not sampled here
-    if (sampled_here) {
-      float x_token = best_x;
-      if (mode == kCandidates) {
-        const uint32_t token = static_cast<uint32_t>(tokens[b * ns + s]);
-        for (int i = 0; i < kCand; ++i)
-          if (top[i] != 0 && key_index(top[i]) == token) x_token = key_value(top[i]);
-      }
-      lp = x_token - row_max - logf(sum1);
-    }
-    a.out.logprobs[b * ns + s] = lp;
+    // Sampled candidate rows have their log-probs from sample_candidates; NaN marks rows that are not valid
+    // (choice 8) or not sampled here.
+    if (a.out.logprobs == nullptr || (sampled_here && mode == kCandidates)) continue;
+    a.out.logprobs[b * ns + s] = sampled_here ? sh.best_x - row.max - logf(row.sum1) : __int_as_float(0x7fc00000);
   }
 }
 
