@@ -13,8 +13,9 @@
 // of its own (the same per-token arithmetic, a row's totals reduced across the warp per tile, a filtered
 // row's best 16 keys a CTA) and the same partials.
 // Stage 2 (fused_finish_kernel): one CTA per batch row merges the CTAs' partial results, selects the
-// kCand best candidates exactly (radix select on unique rank keys; fewer when a CTA's list was full
-// above them), and finishes the semantics.
+// kCand best candidates exactly (unique rank keys, ranked by counting above two floors, or a radix select
+// when more than a block's worth lie above them; fewer when a CTA's list was full above them), and
+// finishes the semantics.
 //
 // Why registers and not shared memory for W: every W element is used by exactly one warp, so staging it
 // would only add a shared-memory round trip. The k order inside a chunk is permuted (thread t loads 8
