@@ -110,7 +110,8 @@ __device__ __forceinline__ T warp_allreduce(T v, Op op) {
 __device__ __forceinline__ uint64_t warp_max_key(uint64_t key) {
   constexpr unsigned int kAll = 0xffffffffu;
   const uint32_t hi = __reduce_max_sync(kAll, static_cast<uint32_t>(key >> 32));
-  const uint32_t lo = __reduce_max_sync(kAll, static_cast<uint32_t>(key >> 32) == hi ? static_cast<uint32_t>(key) : 0u);
+  const uint32_t lo =
+      __reduce_max_sync(kAll, static_cast<uint32_t>(key >> 32) == hi ? static_cast<uint32_t>(key) : 0u);
   return static_cast<uint64_t>(hi) << 32 | lo;
 }
 

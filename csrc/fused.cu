@@ -115,7 +115,8 @@ constexpr int64_t kStreamCandMinCtas = 64;
 
 // Keys each CTA keeps of a filtered row (0: the kernel collects none). Stage 2 reads a list's slots by thread,
 // so each count divides its block.
-static_assert(kFinishThreads % kCand == 0 && kFinishThreads % kStreamCand == 0, "per_part must divide kFinishThreads");
+static_assert(kFinishThreads % kCand == 0 && kFinishThreads % kStreamCand == 0,
+              "a candidate list's length must divide kFinishThreads");
 int cands_per_part(int kernel) {
   return kernel == TS_FUSED_RING ? kCand : kernel == TS_FUSED_STREAM_CANDIDATES ? kStreamCand : 0;
 }
