@@ -236,6 +236,30 @@ def test_one_leading_token_per_cta_keeps_exactly_the_best_64(cuda_backend) -> No
     assert (got.tokens == want.tokens).float().mean().item() >= (rows - 1) / rows
 
 
+def test_many_keys_above_the_floors_take_the_radix_select(cuda_backend) -> None:
+    """Seven large logits in each of the two tiles of 30 CTAs: 14 a list, so no list is full of them (the
+    highest last key is small) and the CTAs' 64th best head is a small one, which leaves 420 keys above both
+    floors, more than stage 2 ranks by counting; its radix select must still take exactly the best 64."""
+    fused = _fused()
+    from tokensampler_server.backends.cuda_kernels import RowParams
+
+    vocab, dim, rows = 32768, 256, 8
+    tiles = [c + 132 * half for c in range(30) for half in range(2)]  # CTA c's tiles of the 256 over 132 CTAs
+    large = torch.tensor([128 * tile + 9 * j for tile in tiles for j in range(7)])
+    bias = torch.zeros(vocab)
+    bias[large] = 10.0 + 0.002 * torch.randperm(len(large), generator=torch.Generator().manual_seed(5)).float()
+    finish = LogitsFinish(vocab_size=vocab, bias=bias.cuda())
+    head = _head(vocab, dim, seed=14, finish=finish)
+    hidden = _hidden(rows, dim, seed=14, scale=0.2)
+    assert fused.plan(rows, dim, vocab, torch.cuda.current_device(), True).vocab_ctas >= 64
+    params = RowParams.make(rows, torch.device("cuda"), top_k=50, top_p=0.9, seed=3)
+    _, _, flags = fused.fused_sample(head.weight, hidden.cuda(), params, bias=finish.bias)
+    assert int(flags.max()) == 0
+    got = cuda_backend.sample(_hidden_batch(head, hidden, temperature=1.0, top_k=50, top_p=0.9))
+    want, _ = _reference(head, hidden, temperature=1.0, top_k=50, top_p=0.9)
+    assert (got.tokens == want.tokens).float().mean().item() >= (rows - 1) / rows
+
+
 def test_reproducible_and_seed_sensitive(cuda_backend) -> None:
     head = _head(32000, 4096, seed=3)
     hidden = _hidden(8, 4096, seed=3, scale=1.0)
