@@ -215,25 +215,33 @@ def test_crowded_candidates_are_trusted_only_above_a_full_list(cuda_backend) -> 
         assert (got.tokens == want.tokens).float().mean().item() >= (rows - 1) / rows
 
 
+def _assert_top_k_top_p_sampled_by_stage_2(cuda_backend, head: RegisteredWeight, hidden: torch.Tensor) -> None:
+    """Top-k 50 + top-p 0.9 rows through the fused kernel: none flagged for the logits path, and the backend's
+    tokens agree with the reference (one row of the batch may differ)."""
+    from tokensampler_server.backends import cuda_fused
+    from tokensampler_server.backends.cuda_kernels import RowParams
+
+    rows = hidden.shape[0]
+    params = RowParams.make(rows, torch.device("cuda"), top_k=50, top_p=0.9, seed=3)
+    _, _, flags = cuda_fused.fused_sample(head.weight, hidden.cuda(), params, bias=head.finish.bias)
+    assert int(flags.max()) == 0
+    got = cuda_backend.sample(_hidden_batch(head, hidden, temperature=1.0, top_k=50, top_p=0.9))
+    want, _ = _reference(head, hidden, temperature=1.0, top_k=50, top_p=0.9)
+    assert (got.tokens == want.tokens).float().mean().item() >= (rows - 1) / rows
+
+
 def test_one_leading_token_per_cta_keeps_exactly_the_best_64(cuda_backend) -> None:
     """One large logit in each of the 132 CTAs' first tiles: the CTAs' 64th best head is then the row's 64th
     best key, and the keys just below it share its leading digits; stage 2 must still take exactly the best
     64 (rows agree with the reference; none flagged)."""
-    fused = _fused()
-    from tokensampler_server.backends.cuda_kernels import RowParams
-
+    _fused()
     vocab, dim, rows = 32768, 256, 8
     bias = torch.zeros(vocab)
     bias[torch.arange(132) * 128] = 10.0 + torch.arange(132) * 0.01
     finish = LogitsFinish(vocab_size=vocab, bias=bias.cuda())
     head = _head(vocab, dim, seed=13, finish=finish)
     hidden = _hidden(rows, dim, seed=13, scale=0.2)
-    params = RowParams.make(rows, torch.device("cuda"), top_k=50, top_p=0.9, seed=3)
-    _, _, flags = fused.fused_sample(head.weight, hidden.cuda(), params, bias=finish.bias)
-    assert int(flags.max()) == 0
-    got = cuda_backend.sample(_hidden_batch(head, hidden, temperature=1.0, top_k=50, top_p=0.9))
-    want, _ = _reference(head, hidden, temperature=1.0, top_k=50, top_p=0.9)
-    assert (got.tokens == want.tokens).float().mean().item() >= (rows - 1) / rows
+    _assert_top_k_top_p_sampled_by_stage_2(cuda_backend, head, hidden)
 
 
 def test_many_keys_above_the_floors_take_the_radix_select(cuda_backend) -> None:
@@ -241,8 +249,6 @@ def test_many_keys_above_the_floors_take_the_radix_select(cuda_backend) -> None:
     highest last key is small) and the CTAs' 64th best head is a small one, which leaves 420 keys above both
     floors, more than stage 2 ranks by counting; its radix select must still take exactly the best 64."""
     fused = _fused()
-    from tokensampler_server.backends.cuda_kernels import RowParams
-
     vocab, dim, rows = 32768, 256, 8
     tiles = [c + 132 * half for c in range(30) for half in range(2)]  # CTA c's tiles of the 256 over 132 CTAs
     large = torch.tensor([128 * tile + 9 * j for tile in tiles for j in range(7)])
@@ -252,12 +258,7 @@ def test_many_keys_above_the_floors_take_the_radix_select(cuda_backend) -> None:
     head = _head(vocab, dim, seed=14, finish=finish)
     hidden = _hidden(rows, dim, seed=14, scale=0.2)
     assert fused.plan(rows, dim, vocab, torch.cuda.current_device(), True).vocab_ctas >= 64
-    params = RowParams.make(rows, torch.device("cuda"), top_k=50, top_p=0.9, seed=3)
-    _, _, flags = fused.fused_sample(head.weight, hidden.cuda(), params, bias=finish.bias)
-    assert int(flags.max()) == 0
-    got = cuda_backend.sample(_hidden_batch(head, hidden, temperature=1.0, top_k=50, top_p=0.9))
-    want, _ = _reference(head, hidden, temperature=1.0, top_k=50, top_p=0.9)
-    assert (got.tokens == want.tokens).float().mean().item() >= (rows - 1) / rows
+    _assert_top_k_top_p_sampled_by_stage_2(cuda_backend, head, hidden)
 
 
 def test_reproducible_and_seed_sensitive(cuda_backend) -> None:
