@@ -232,19 +232,37 @@ __device__ __forceinline__ void keep_best_keys(uint64_t* best, uint64_t (&key)[4
   if (lane < kStreamCand) best[lane] = mine;
 }
 
+// finish_group for a head without bias and soft cap (`plain_head`): the same values, with no branch a token.
+__device__ __forceinline__ bool finish_group_plain(float (&x)[4], int64_t v0, const TsLmHead& head) {
+  bool bad = false;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float scaled = x[j] * head.logit_scale;
+    bad |= v0 + j < head.vocab && !(scaled < kInf);
+    x[j] = v0 + j < head.vocab && scaled < kInf ? scaled : -kInf;  // padded rows, the last tile's tail, NaN, +inf
+  }
+  return bad;
+}
+
+__device__ __forceinline__ bool plain_head(const TsLmHead& head) { return head.bias == nullptr && !(head.soft_cap > 0.f); }
+
 // The warp consumes one batch row's 128 logits of a tile (tokens v0 .. v0 + 3 in this lane's x); lane
 // `owner` holds the row's totals and folds the tile in. Tokens are ranked by the same exact scores as
 // `consume` (x / T + gumbel_exact, or x for greedy rows), but per tile across the warp: a lane scores a
 // token exactly only if an integer-only upper bound of its noise can lift it past the row's best so
 // far, and the warp merges the lanes' best only when one beats the row's. A filtered row's tokens go
 // to its best keys (`best_keys`) instead. Returns whether this lane saw a NaN or +inf logit.
+// The last tile's epilogue, which nothing hides, ends stage 1 (H200, B = 64: 6 rows a warp, 8.3 us), so a
+// row's tile is kept short: the max by one REDUX, no branch a token for a plain head (PLAIN) or at T = 1, the
+// Philox words drawn whatever the lane holds (6.1 us; two rows interleaved a warp gained nothing more).
+template <bool PLAIN>
 __device__ __forceinline__ bool consume_row_tile(const RowConstants& c, RowTotals& totals, uint64_t* best_keys,
                                                  int owner, float (&x)[4], int64_t v0, const TsLmHead& head,
                                                  bool want_sum1, int lane) {
-  const bool bad = finish_group(x, v0, head);
+  const bool bad = PLAIN ? finish_group_plain(x, v0, head) : finish_group(x, v0, head);
   const float lane_max = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
   const float old_max = __shfl_sync(0xffffffffu, totals.max, owner);
-  const float new_max = fmaxf(old_max, warp_allreduce(lane_max, MaxOp{}));
+  const float new_max = fmaxf(old_max, key_to_float(__reduce_max_sync(0xffffffffu, order_key(lane_max))));
   float added = 0.f;
   if (want_sum1 && new_max > -kInf) {
 #pragma unroll
@@ -272,20 +290,21 @@ __device__ __forceinline__ bool consume_row_tile(const RowConstants& c, RowTotal
     }
   } else {
     const float bound = __shfl_sync(0xffffffffu, totals.best_score, owner);
-    if (lane_max > -kInf) {
-      const uint4 words = c.noise.group(static_cast<uint32_t>(v0 >> 2));
+    const uint4 words = c.noise.group(static_cast<uint32_t>(v0 >> 2));
+    float xt[4] = {x[0], x[1], x[2], x[3]};  // x / T: exactly x at T = 1
+    if (c.temperature != 1.f)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (!(x[j] > -kInf)) continue;
-        float score;
-        if (!screened_score(x[j], c.temperature, word_of(words, j), bound, score)) continue;
-        const uint64_t k = rank_key(score, static_cast<uint32_t>(v0 + j));
-        if (k > key) key = k, key_x = x[j], key_score = score;
-      }
+      for (int j = 0; j < 4; ++j) xt[j] = x[j] / c.temperature;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // screened_score, on the quotients above
+      if (!(x[j] > -kInf) || xt[j] + gumbel_upper_bound(word_of(words, j)) < bound) continue;
+      const float score = xt[j] + gumbel_exact(word_of(words, j));
+      const uint64_t k = rank_key(score, static_cast<uint32_t>(v0 + j));
+      if (k > key) key = k, key_x = x[j], key_score = score;
     }
   }
   if (__any_sync(0xffffffffu, key > __shfl_sync(0xffffffffu, totals.best_key, owner))) {
-    const uint64_t top = warp_allreduce(key, MaxOp{});
+    const uint64_t top = warp_max_key(key);
     const int from = __ffs(__ballot_sync(0xffffffffu, key == top)) - 1;
     const float top_x = __shfl_sync(0xffffffffu, key_x, from), top_score = __shfl_sync(0xffffffffu, key_score, from);
     if (lane == owner) totals.best_key = top, totals.best_x = top_x, totals.best_score = top_score;
@@ -412,6 +431,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   asm volatile("bar.sync 1, %0;\n" ::"n"(kEpilogueThreads) : "memory");
   const int tile_rows = static_cast<int>(min(static_cast<int64_t>(N), a.num_rows - b0));  // this batch tile's
   const int rows = (tile_rows - e + kStreamEpilogueWarps - 1) / kStreamEpilogueWarps;          // this warp's
+  const bool plain = plain_head(a.head);
   RowTotals totals;
   uint32_t nan_rows = 0;  // bit r: a NaN / +inf logit of row r seen by this lane
   int round = 0;
@@ -426,8 +446,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       if (c.mode == kCandidates && a.cands == nullptr) continue;  // no candidates collected: flagged below
       const float4 q = *reinterpret_cast<const float4*>(tile_x + n * kTileStride + 4 * lane);
       float x[4] = {q.x, q.y, q.z, q.w};
-      if (consume_row_tile(c, totals, best_keys + n * kStreamCand, r, x, static_cast<int64_t>(tile) * kTileRows + 4 * lane,
-                           a.head, a.want_sum1 != 0, lane))
+      const int64_t v0 = static_cast<int64_t>(tile) * kTileRows + 4 * lane;
+      const bool want_sum1 = a.want_sum1 != 0;
+      if (plain ? consume_row_tile<true>(c, totals, best_keys + n * kStreamCand, r, x, v0, a.head, want_sum1, lane)
+                : consume_row_tile<false>(c, totals, best_keys + n * kStreamCand, r, x, v0, a.head, want_sum1, lane))
         nan_rows |= 1u << r;
     }
     mbarrier_arrive(tile_empty + 8 * buf);
