@@ -244,7 +244,9 @@ __device__ __forceinline__ bool finish_group_plain(float (&x)[4], int64_t v0, co
   return bad;
 }
 
-__device__ __forceinline__ bool plain_head(const TsLmHead& head) { return head.bias == nullptr && !(head.soft_cap > 0.f); }
+__device__ __forceinline__ bool plain_head(const TsLmHead& head) {
+  return head.bias == nullptr && !(head.soft_cap > 0.f);
+}
 
 // The warp consumes one batch row's 128 logits of a tile (tokens v0 .. v0 + 3 in this lane's x); lane
 // `owner` holds the row's totals and folds the tile in. Tokens are ranked by the same exact scores as
@@ -254,7 +256,10 @@ __device__ __forceinline__ bool plain_head(const TsLmHead& head) { return head.b
 // to its best keys (`best_keys`) instead. Returns whether this lane saw a NaN or +inf logit.
 // The last tile's epilogue, which nothing hides, ends stage 1 (H200, B = 64: 6 rows a warp, 8.3 us), so a
 // row's tile is kept short: the max by one REDUX, no branch a token for a plain head (PLAIN) or at T = 1, the
-// Philox words drawn whatever the lane holds (6.1 us; two rows interleaved a warp gained nothing more).
+// Philox words drawn whatever the lane holds (~6.1 us). Two rows interleaved a warp gained nothing more and
+// took 70-78 registers, and then stage 2 ended 0.4-3.3 us later: past 64, by our reading, not all eight of its
+// waiting warps fit beside this kernel's 21 (a scheduler holding six of them at 72 registers has 16K - 6 x 2304
+// left, room for one of stage 2's 56-register warps, not two).
 template <bool PLAIN>
 __device__ __forceinline__ bool consume_row_tile(const RowConstants& c, RowTotals& totals, uint64_t* best_keys,
                                                  int owner, float (&x)[4], int64_t v0, const TsLmHead& head,
