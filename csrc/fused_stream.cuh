@@ -10,7 +10,7 @@
 // - two multiply warpgroups multiply their 64 W rows of each stage with the batch by wgmma (fp32
 //   accumulation over D in order; mma.sync in the portable build) and write the tile's logits into one
 //   of two shared-memory tile buffers;
-// - twelve epilogue warps take the batch rows of the other buffer, warp e rows e, e + 12, ..., one row at
+// - fourteen epilogue warps take the batch rows of the other buffer, warp e rows e, e + 14, ..., one row at
 //   a time with the whole warp (`consume_row_tile`: 4 tokens a lane, fused_partials_kernel's arithmetic
 //   per token), and lane r keeps the running totals of the warp's row r; a filtered row's best
 //   kStreamCand keys so far are kept in shared memory (`keep_best_keys`).
@@ -36,10 +36,12 @@ constexpr int kStageK = 64;                            // D elements a stage: on
 constexpr int kStageW = kTileRows * kStageK * 2;       // bytes of W a stage
 constexpr int kTileStride = kTileRows + 4;             // floats a batch row of the logits tile (spreads banks)
 
-// Batch rows e, e + 12, ... each. Twelve rather than eight: a row's tile costs an epilogue warp ~3400 cycles
-// beside the multiplies (measured at 128 rows), so the last tile's epilogue, which nothing hides, is shorter
-// (H200: -1 µs at 32 rows, -3 at 64); sixteen lose the room stage 2's CTAs wait in (fused.cu).
-constexpr int kStreamEpilogueWarps = 12;
+// Batch rows e, e + 14, ... each. The last tile's epilogue, which nothing hides, is a chain of row tiles on the
+// busiest warp (~1 µs each on the H200), so more warps shorten it: twelve rather than eight took 1 µs off 32 rows
+// and 3 off 64, fourteen rather than twelve 0.9 off 64 (5 rows a warp, not 6). Sixteen lose the room stage 2's
+// CTAs wait in (fused.cu): by our reading, the scheduler holding seven of 25 warps has room for one of stage 2's
+// warps, not two; 24 warps fit.
+constexpr int kStreamEpilogueWarps = 14;
 constexpr int kStreamThreads = 32 * (kStreamMmaWarps + kStreamEpilogueWarps + 1);  // + the producer warp
 
 // A filtered row's best keys kept by each CTA (stage 2 takes the best kCand of all CTAs'). Fewer than
@@ -254,12 +256,12 @@ __device__ __forceinline__ bool plain_head(const TsLmHead& head) {
 // token exactly only if an integer-only upper bound of its noise can lift it past the row's best so
 // far, and the warp merges the lanes' best only when one beats the row's. A filtered row's tokens go
 // to its best keys (`best_keys`) instead. Returns whether this lane saw a NaN or +inf logit.
-// The last tile's epilogue, which nothing hides, ends stage 1 (H200, B = 64: 6 rows a warp, 8.3 us), so a
-// row's tile is kept short: the max by one REDUX, no branch a token for a plain head (PLAIN) or at T = 1, the
-// Philox words drawn whatever the lane holds (~6.1 us). Two rows interleaved a warp gained nothing more and
-// took 70-78 registers, and then stage 2 ended 0.4-3.3 us later: past 64, by our reading, not all eight of its
-// waiting warps fit beside this kernel's 21 (a scheduler holding six of them at 72 registers has 16K - 6 x 2304
-// left, room for one of stage 2's 56-register warps, not two).
+// The last tile's epilogue, which nothing hides, ends stage 1 (H200, B = 64, twelve epilogue warps: 6 rows a
+// warp, 8.3 us), so a row's tile is kept short: the max by one REDUX, no branch a token for a plain head (PLAIN)
+// or at T = 1, the Philox words drawn whatever the lane holds (~6.1 us). Two rows interleaved a warp gained
+// nothing more and took 70-78 registers, and then stage 2 ended 0.4-3.3 us later: past 64, by our reading, not
+// all eight of its waiting warps fit beside this kernel's (then 21; a scheduler holding six of them at 72
+// registers has 16K - 6 x 2304 left, room for one of stage 2's 56-register warps, not two).
 template <bool PLAIN>
 __device__ __forceinline__ bool consume_row_tile(const RowConstants& c, RowTotals& totals, uint64_t* best_keys,
                                                  int owner, float (&x)[4], int64_t v0, const TsLmHead& head,
@@ -428,7 +430,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     return;
   }
 
-  // Epilogue warp e: batch rows e + 12 r of each tile, row by row; lane r keeps row r's totals.
+  // Epilogue warp e: batch rows e + 14 r of each tile, row by row; lane r keeps row r's totals.
   const int e = warp - kStreamMmaWarps;
   for (int n = threadIdx.x - kMmaThreads; n < N; n += kEpilogueThreads)
     if (b0 + n < a.num_rows) constants[n] = row_constants(a.rows, b0 + n);
