@@ -177,11 +177,10 @@ __device__ __forceinline__ bool finish_group(float (&x)[4], int64_t v0, const Ts
   return bad;
 }
 
-// The Gumbel screen of one finite token, shared by both stage 1 kernels: false when x / T plus an
+// The Gumbel screen of one finite token, shared by both stage 1 kernels: false when xt = x / T plus an
 // integer-only upper bound of its noise (rounded as the score is) stays below `bound`, so its score
-// cannot reach it and the two exact logs are skipped; otherwise true, with its exact score x / T + g.
-__device__ __forceinline__ bool screened_score(float x, float temperature, uint32_t word, float bound, float& score) {
-  const float xt = x / temperature;
+// cannot reach it and the two exact logs are skipped; otherwise true, with its exact score xt + g.
+__device__ __forceinline__ bool screened_score(float xt, uint32_t word, float bound, float& score) {
   if (xt + gumbel_upper_bound(word) < bound) return false;
   score = xt + gumbel_exact(word);
   return true;
@@ -226,7 +225,7 @@ __device__ __forceinline__ void consume(RowState& s, CandidateBuffer& cand, floa
       for (int j = 0; j < 4; ++j) {
         if (x[j] > -kInf) {
           float score;
-          if (!screened_score(x[j], s.temperature, word_of(words, j), bound, score)) continue;
+          if (!screened_score(x[j] / s.temperature, word_of(words, j), bound, score)) continue;
           if (score > s.best_score) {
             s.best_score = score;
             s.best_x = x[j];
@@ -635,15 +634,17 @@ __device__ __forceinline__ ListsScan merged_lists(const ListsScan* warps) {
                    __reduce_add_sync(0xffffffffu, (threadIdx.x & 31) < kFinishWarps ? v.nonzero : 0)};
 }
 
+// What select_candidates found: how many best keys sh.top holds, and whether they are every finite token.
+struct Selected {
+  int count;
+  bool complete;
+};
+
 // A candidate row's kCand best keys, sorted descending into sh.top, and their count, from every CTA's sorted
 // list (staged in shared memory or read from L2: stages_candidates) and the row's scan of them (the heads in
 // sh.keys). A full list left out only keys below its last, so the keys at or above `floor` are exactly the
 // row's best; when fewer than kCand are, only those are taken. `complete`: no list is full and there are at
 // most kCand keys, so every finite token is a candidate.
-struct Selected {
-  int count;
-  bool complete;
-};
 __device__ __forceinline__ Selected select_candidates(const FinishArgs& a, int64_t b, const ListsScan& lists,
                                                       FinishShared& sh, const uint64_t* staged) {
   const int num_parts = a.vocab_ctas, n = num_parts * a.cands_per_part;

@@ -303,9 +303,9 @@ __device__ __forceinline__ bool consume_row_tile(const RowConstants& c, RowTotal
 #pragma unroll
       for (int j = 0; j < 4; ++j) xt[j] = x[j] / c.temperature;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {  // screened_score, on the quotients above
-      if (!(x[j] > -kInf) || xt[j] + gumbel_upper_bound(word_of(words, j)) < bound) continue;
-      const float score = xt[j] + gumbel_exact(word_of(words, j));
+    for (int j = 0; j < 4; ++j) {
+      float score;
+      if (!(x[j] > -kInf) || !screened_score(xt[j], word_of(words, j), bound, score)) continue;
       const uint64_t k = rank_key(score, static_cast<uint32_t>(v0 + j));
       if (k > key) key = k, key_x = x[j], key_score = score;
     }
