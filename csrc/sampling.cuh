@@ -71,7 +71,8 @@ __device__ __forceinline__ void load_chunk_raw(const RowView<T>& rv, int64_t voc
   // of every kernel's main path). Not for 2-byte types: there the second copy of the loads spilled in topk_kernel.
   if (sizeof(T) == 4 && rv.aligned && 4 * (g0 + kChunkGroups) <= vocab) {
 #pragma unroll
-    for (int j = 0; j < kGroupsPerThread; ++j) load_whole_group(rv.row, g0 + threadIdx.x + j * kThreads, v[j], evict_first);
+    for (int j = 0; j < kGroupsPerThread; ++j)
+      load_whole_group(rv.row, g0 + threadIdx.x + j * kThreads, v[j], evict_first);
   } else {
 #pragma unroll
     for (int j = 0; j < kGroupsPerThread; ++j)
