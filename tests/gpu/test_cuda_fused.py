@@ -274,9 +274,8 @@ def test_reproducible_and_seed_sensitive(cuda_backend) -> None:
 @pytest.mark.parametrize("with_bias_and_cap", [True, False])  # False: the epilogue's branch-free plain head
 def test_padded_rows_bias_scale_and_soft_cap(cuda_backend, with_bias_and_cap: bool) -> None:
     vocab, padded, dim = 990, 1024, 128
-    gen = torch.Generator().manual_seed(8)
-    bias = torch.randn(padded, generator=gen) * 2
     if with_bias_and_cap:
+        bias = torch.randn(padded, generator=torch.Generator().manual_seed(8)) * 2
         finish = LogitsFinish(vocab_size=vocab, bias=bias.cuda(), soft_cap=15.0, logit_scale=0.7)
     else:
         finish = LogitsFinish(vocab_size=vocab, logit_scale=0.7)
