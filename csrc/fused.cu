@@ -50,7 +50,8 @@ size_t stream_smem_bytes(int rows_per_tile) {
     case 8: return StreamLayout<8>::kBytes;
     case 16: return StreamLayout<16>::kBytes;
     case 32: return StreamLayout<32>::kBytes;
-    default: return StreamLayout<64>::kBytes;
+    case 64: return StreamLayout<64>::kBytes;
+    default: return StreamLayout<128>::kBytes;
   }
 }
 
@@ -88,7 +89,8 @@ cudaError_t launch_stream(const PartialsArgs& args, const TsFusedPlan& plan, cud
   auto kernel = fused_stream_kernel<BF16, N>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem_bytes));
   if (err != cudaSuccess) return err;
-  kernel<<<plan.vocab_ctas * plan.batch_tiles, kStreamThreads, plan.smem_bytes, stream>>>(w_map, h_map, args);
+  const int grid = plan.vocab_ctas * plan.batch_tiles;
+  kernel<<<grid, StreamLayout<N>::kThreads, plan.smem_bytes, stream>>>(w_map, h_map, args);
   return cudaGetLastError();
 }
 
@@ -98,7 +100,8 @@ cudaError_t launch_stream_typed(const PartialsArgs& args, const TsFusedPlan& pla
     case 8: return launch_stream<BF16, 8>(args, plan, stream);
     case 16: return launch_stream<BF16, 16>(args, plan, stream);
     case 32: return launch_stream<BF16, 32>(args, plan, stream);
-    default: return launch_stream<BF16, 64>(args, plan, stream);
+    case 64: return launch_stream<BF16, 64>(args, plan, stream);
+    default: return launch_stream<BF16, 128>(args, plan, stream);
   }
 }
 
@@ -132,9 +135,9 @@ extern "C" TsFusedPlan ts_fused_plan(int64_t num_rows, int64_t dim, int64_t voca
   // never on B, so that a row's partial sums, and hence its result, do not depend on its batch.
   const int64_t vocab_ctas = num_tiles < num_sms ? num_tiles : num_sms;
   int kernel = TS_FUSED_RING, rows_per_tile = 8;
-  // The streaming kernel with the smallest batch tile that holds the batch, 64 rows at most, where it fits;
+  // The streaming kernel with the smallest batch tile that holds the batch, 128 rows at most, where it fits;
   // the register ring otherwise.
-  while (rows_per_tile < 64 && rows_per_tile < num_rows) rows_per_tile *= 2;
+  while (rows_per_tile < 128 && rows_per_tile < num_rows) rows_per_tile *= 2;
   if (stream_smem_bytes(rows_per_tile) <= static_cast<size_t>(max_smem) &&
       (!filtered || vocab_ctas >= kStreamCandMinCtas)) {
     kernel = filtered ? TS_FUSED_STREAM_CANDIDATES : TS_FUSED_STREAM;

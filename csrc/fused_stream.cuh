@@ -1,7 +1,7 @@
 // Stage 1 of the fused path, W streamed by the tensor memory accelerator (launcher: fused.cu; stage 2 and
 // the epilogue's arithmetic: fused.cuh).
 //
-// One persistent CTA per SM and batch tile of N rows (8, 16, 32 or 64) walks the same vocabulary tiles of
+// One persistent CTA per SM and batch tile of N rows (8, 16, 32, 64 or 128) walks the same vocabulary tiles of
 // 128 W rows as fused_partials_kernel. Three kinds of warps:
 // - a producer warp issues bulk tensor copies of each tile in stages of 64 D elements (W: 128 rows x 128
 //   bytes; h: N rows x 128 bytes, rows past the batch read as zeros) into a ring of shared-memory stages,
@@ -9,10 +9,10 @@
 //   warp is done with it);
 // - two multiply warpgroups multiply their 64 W rows of each stage with the batch by wgmma (fp32
 //   accumulation over D in order; mma.sync in the portable build) and write the tile's logits into one
-//   of two shared-memory tile buffers;
-// - fourteen epilogue warps take the batch rows of the other buffer, warp e rows e, e + 14, ..., one row at
-//   a time with the whole warp (`consume_row_tile`: 4 tokens a lane, fused_partials_kernel's arithmetic
-//   per token), and lane r keeps the running totals of the warp's row r; a filtered row's best
+//   of two shared-memory tile buffers (one at N = 128);
+// - fourteen epilogue warps (eleven at N = 128) take the batch rows of the other buffer, warp e rows e,
+//   e + 14, ..., one row at a time with the whole warp (`consume_row_tile`: 4 tokens a lane,
+//   fused_partials_kernel's arithmetic per token), and lane r keeps the running totals of the warp's row r; a filtered row's best
 //   kStreamCand keys so far are kept in shared memory (`keep_best_keys`).
 // Each tile buffer has a "full" and an "empty" mbarrier, so the multiply warps go on to the next tile
 // while the epilogue of this one runs: the epilogue is hidden under the stream instead of stalling it.
@@ -42,7 +42,6 @@ constexpr int kTileStride = kTileRows + 4;             // floats a batch row of 
 // CTAs wait in (fused.cu): by our reading, the scheduler holding seven of 25 warps has room for one of stage 2's
 // warps, not two; 24 warps fit.
 constexpr int kStreamEpilogueWarps = 14;
-constexpr int kStreamThreads = 32 * (kStreamMmaWarps + kStreamEpilogueWarps + 1);  // + the producer warp
 
 // A filtered row's best keys kept by each CTA (stage 2 takes the best kCand of all CTAs'). Fewer than
 // kCand: a CTA sees 1/132 of the vocabulary, so the row's best 64 rarely put more than a few in one CTA,
@@ -67,10 +66,17 @@ __device__ __forceinline__ RowConstants row_constants(const TsRows& r, int64_t b
 template <int N>
 struct StreamLayout {
   static constexpr int kStageBytes = kStageW + N * kStageK * 2;  // multiple of 1024 (the swizzle atom)
-  static constexpr int kStages = N <= 32 ? 8 : 6;                // what fits beside two tile buffers
+  // Two tile buffers let the multiply run a tile ahead of the epilogue; at N = 128 one (66 KB) is what fits
+  // beside a ring of four stages, and the multiply then waits for the epilogue only to write its tile.
+  static constexpr int kTileBuffers = N <= 64 ? 2 : 1;
+  static constexpr int kStages = N <= 32 ? 8 : N == 64 ? 6 : 4;  // what fits beside the tile buffers
   static constexpr int kTileBytes = N * kTileStride * 4;
   static constexpr int kBarriers = 2 * kStages + 4;              // ring full / empty, tile full / empty
-  static constexpr int kBytes = 1024 + kStages * kStageBytes + 2 * kTileBytes + 8 * kBarriers +
+  // At N = 128 the multiply's 64 accumulators a thread need 90 registers or more; ptxas allots registers as if
+  // warps came in fours, so 20 warps (96 registers) rather than 23 (80).
+  static constexpr int kEpilogueWarps = N <= 64 ? kStreamEpilogueWarps : 11;
+  static constexpr int kThreads = 32 * (kStreamMmaWarps + kEpilogueWarps + 1);  // + the producer warp
+  static constexpr int kBytes = 1024 + kStages * kStageBytes + kTileBuffers * kTileBytes + 8 * kBarriers +
                                 N * static_cast<int>(sizeof(RowConstants)) +
                                 N * kStreamCand * 8;  // 1024: alignment; the rows' best keys
 };
@@ -136,9 +142,11 @@ __device__ __forceinline__ void wgmma_k16(float (&d)[N / 2], uint64_t a_desc, ui
     TS_WGMMA(16, "%0, %1, %2, %3, %4, %5, %6, %7", "%8", "%9", "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]))
   } else if constexpr (N == 32) {
     TS_WGMMA(32, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15", "%16", "%17", "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]))
-  } else {
-    static_assert(N == 64, "batch tiles of 8, 16, 32 or 64 rows");
+  } else if constexpr (N == 64) {
     TS_WGMMA(64, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31", "%32", "%33", "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]))
+  } else {
+    static_assert(N == 128, "batch tiles of 8, 16, 32, 64 or 128 rows");
+    TS_WGMMA(128, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63", "%64", "%65", "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]))
   }
 }
 #undef TS_WGMMA
@@ -190,12 +198,11 @@ __device__ __forceinline__ void multiply_stage(float (&acc)[N / 2], uint32_t w_t
 #endif
 }
 
-// Waits until at most `kPending` stages issued by multiply_stage are still being multiplied, so the
-// stages before them may be refilled (and, with none pending, acc read).
-template <int kPending, int N>
+// Waits until the stages issued by multiply_stage are multiplied, so that they may be refilled and acc read.
+template <int N>
 __device__ __forceinline__ void wait_stages(float (&acc)[N / 2]) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");  // no read before the wait
 #endif
@@ -341,15 +348,15 @@ __device__ __forceinline__ void write_stream_partial(const RowTotals& t, bool na
 }
 
 template <bool BF16, int N>
-__global__ void __launch_bounds__(kStreamThreads, 1)
+__global__ void __launch_bounds__(StreamLayout<N>::kThreads, 1)
     fused_stream_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap h_map,
                         const PartialsArgs a) {
   using L = StreamLayout<N>;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = shared_address(smem_raw);
   const uint32_t ring = (raw + 1023u) & ~1023u;
-  float* tiles = reinterpret_cast<float*>(smem_raw + (ring - raw) + L::kStages * L::kStageBytes);  // [2][N][stride]
-  const uint32_t full = shared_address(tiles + 2 * N * kTileStride);  // kStages mbarriers, then kStages "empty"
+  float* tiles = reinterpret_cast<float*>(smem_raw + (ring - raw) + L::kStages * L::kStageBytes);  // [buf][N][stride]
+  const uint32_t full = shared_address(tiles + L::kTileBuffers * N * kTileStride);  // kStages mbarriers, then "empty"
   const uint32_t empty = full + 8 * L::kStages;
   const uint32_t tile_full = empty + 8 * L::kStages;  // two, then two "tile empty"
   const uint32_t tile_empty = tile_full + 16;
@@ -360,14 +367,14 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   const int cta = blockIdx.x / a.batch_tiles;
   const int b0 = (blockIdx.x % a.batch_tiles) * N;
   const int k_stages = static_cast<int>(a.head.dim / kStageK);
-  constexpr int kMmaThreads = 32 * kStreamMmaWarps, kEpilogueThreads = 32 * kStreamEpilogueWarps;
+  constexpr int kMmaThreads = 32 * kStreamMmaWarps, kEpilogueThreads = 32 * L::kEpilogueWarps;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::kStages; ++s) {
       mbarrier_init(full + 8 * s, 1);
       mbarrier_init(empty + 8 * s, kStreamMmaWarps);
     }
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < L::kTileBuffers; ++i) {
       mbarrier_init(tile_full + 8 * i, kMmaThreads);
       mbarrier_init(tile_empty + 8 * i, kEpilogueThreads);
     }
@@ -377,7 +384,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   __syncthreads();
   let_next_grid_launch();  // stage 2's CTAs may take their place beside this one and wait for it
 
-  if (warp == kStreamMmaWarps + kStreamEpilogueWarps) {  // the producer
+  if (warp == kStreamMmaWarps + L::kEpilogueWarps) {  // the producer
     if (lane == 0) {
       int step = 0;
       for (int tile = cta; tile < a.num_tiles; tile += a.vocab_ctas) {
@@ -406,16 +413,13 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
         mbarrier_wait(full + 8 * s, (step / L::kStages) & 1);
         const uint32_t w_tile = ring + s * L::kStageBytes;
         multiply_stage<BF16, N>(acc, w_tile, w_tile + kStageW, warp, lane);
-        wait_stages<1, N>(acc);
+        wait_stages<N>(acc);
         __syncwarp();
-        if (k > 0 && lane == 0) mbarrier_arrive(empty + 8 * ((step - 1) % L::kStages));
+        if (lane == 0) mbarrier_arrive(empty + 8 * s);
       }
-      wait_stages<0, N>(acc);
-      __syncwarp();
-      if (lane == 0) mbarrier_arrive(empty + 8 * ((step - 1) % L::kStages));
-      // The tile's logits as [batch row][W row] into buffer round % 2, once the epilogue is done with it.
-      const int buf = round & 1;
-      if (round >= 2) mbarrier_wait(tile_empty + 8 * buf, ((round >> 1) - 1) & 1);
+      // The tile's logits as [batch row][W row] into buffer round % kTileBuffers, once the epilogue is done with it.
+      const int buf = round % L::kTileBuffers;
+      if (round >= L::kTileBuffers) mbarrier_wait(tile_empty + 8 * buf, (round / L::kTileBuffers - 1) & 1);
       float* tile_x = tiles + buf * N * kTileStride;
 #pragma unroll
       for (int n = 0; n < N / 8; ++n) {
@@ -430,25 +434,25 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     return;
   }
 
-  // Epilogue warp e: batch rows e + 14 r of each tile, row by row; lane r keeps row r's totals.
+  // Epilogue warp e: batch rows e + kEpilogueWarps r of each tile, row by row; lane r keeps row r's totals.
   const int e = warp - kStreamMmaWarps;
   for (int n = threadIdx.x - kMmaThreads; n < N; n += kEpilogueThreads)
     if (b0 + n < a.num_rows) constants[n] = row_constants(a.rows, b0 + n);
   for (int i = threadIdx.x - kMmaThreads; i < N * kStreamCand; i += kEpilogueThreads) best_keys[i] = 0;
   asm volatile("bar.sync 1, %0;\n" ::"n"(kEpilogueThreads) : "memory");
   const int tile_rows = static_cast<int>(min(static_cast<int64_t>(N), a.num_rows - b0));  // this batch tile's
-  const int rows = (tile_rows - e + kStreamEpilogueWarps - 1) / kStreamEpilogueWarps;          // this warp's
+  const int rows = (tile_rows - e + L::kEpilogueWarps - 1) / L::kEpilogueWarps;          // this warp's
   const bool plain = plain_head(a.head);
   RowTotals totals;
   uint32_t nan_rows = 0;  // bit r: a NaN / +inf logit of row r seen by this lane
   int round = 0;
   for (int tile = cta; tile < a.num_tiles; tile += a.vocab_ctas, ++round) {
-    const int buf = round & 1;
-    mbarrier_wait(tile_full + 8 * buf, (round >> 1) & 1);
+    const int buf = round % L::kTileBuffers;
+    mbarrier_wait(tile_full + 8 * buf, (round / L::kTileBuffers) & 1);
     const float* tile_x = tiles + buf * N * kTileStride;
 #pragma unroll 1
     for (int r = 0; r < rows; ++r) {
-      const int n = e + kStreamEpilogueWarps * r;
+      const int n = e + L::kEpilogueWarps * r;
       const RowConstants c = constants[n];
       if (c.mode == kCandidates && a.cands == nullptr) continue;  // no candidates collected: flagged below
       const float4 q = *reinterpret_cast<const float4*>(tile_x + n * kTileStride + 4 * lane);
@@ -462,7 +466,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     mbarrier_arrive(tile_empty + 8 * buf);
   }
   for (int r = 0; r < rows; ++r) {
-    const int n = e + kStreamEpilogueWarps * r;
+    const int n = e + L::kEpilogueWarps * r;
     const bool nan = __any_sync(0xffffffffu, (nan_rows >> r) & 1u);
     const int64_t slot = (b0 + n) * a.vocab_ctas + cta;
     const bool filtered = constants[n].mode == kCandidates;

@@ -139,9 +139,9 @@ def _assert_agreement(tokens: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("num_rows", [1, 17, 64, 256, 512])
 @pytest.mark.parametrize("mode", ["top_k_top_p", "top_k_min_p", "gumbel", "greedy"])
 def test_kernel_shapes_and_batch_invariance(num_rows: int, mode: str) -> None:
-    """The streaming kernel itself at every B of the issue (batch tiles of 8, 16, 32 or 64 rows; the backend
-    sends B > 64 to cuBLAS), collecting candidates for top-k/top-p rows, each row identical to the same row
-    sampled alone."""
+    """The streaming kernel itself at every B of the issue (batch tiles of 8, 16, 32, 64 or 128 rows; the backend
+    sends B > 128, and filtered B > 64, to cuBLAS), collecting candidates for top-k/top-p rows, each row identical
+    to the same row sampled alone."""
     fused = _fused()
     vocab, dim = 32000 + 7, 896
     head = _head(vocab, dim, padded=32064, seed=5)
