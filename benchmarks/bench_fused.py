@@ -82,7 +82,8 @@ def main() -> None:
     peers = load_peers()
     kernels = Kernels(torch.cuda.current_device())
     meta = {**run_meta(peers), "V": V, "D": D, "dtype": "bfloat16", "top_k": TOP_K, "top_p": TOP_P,
-            "fused_max_rows": cuda_fused.MAX_ROWS}
+            "fused_max_rows": cuda_fused.MAX_ROWS,
+            "fused_max_filtered_rows": cuda_fused.MAX_FILTERED_ROWS}
     read_bw = meta["read_bw_GBps"] * 1e9
     fi = fs = None
     if not args.no_peers:
@@ -111,7 +112,7 @@ def main() -> None:
             unfused_us = peers.bench(unfused_fn(kernels, weight, hidden, mode))
             emit("tokensampler_fused", mode, b, fused_us)
             emit("tokensampler_unfused", mode, b, unfused_us)
-            chosen = cuda_fused.fused_is_faster(b)
+            chosen = cuda_fused.fused_is_faster(b, filtered=mode != "gumbel")
             emit("tokensampler", mode, b, fused_us if chosen else unfused_us)
         if args.no_peers:
             continue

@@ -20,17 +20,20 @@ from .cuda_kernels import RowParams, stream_address
 
 MAX_TOP_K = 63
 """The largest top-k the fused kernel takes: k + 1 <= its 64 candidates per row (the cut is then inside)."""
-MAX_ROWS = 64
-"""The largest batch tile of the streaming kernel. Beyond it the kernel passes over W once per tile of 64 rows and
-cuBLAS into fp32 logits + the logits kernels is faster (benchmarks/results/fused-*.json, H200)."""
+MAX_ROWS = 128
+"""The largest batch tile of the streaming kernel, and the most rows the backend sends it without filters. Beyond it
+the kernel passes over W once per tile and cuBLAS into fp32 logits + the logits kernels is faster
+(benchmarks/results/fused-*.json, H200)."""
+MAX_FILTERED_ROWS = 64
+"""The most rows the backend sends the streaming kernel when a row has top-k/top-p/min-p: at 128 rows its candidate
+epilogue is slower than cuBLAS + the logits kernels (benchmarks/FUSED_NOTES.md, thirty-fourth session)."""
 
 
-def fused_is_faster(num_rows: int) -> bool:
+def fused_is_faster(num_rows: int, filtered: bool) -> bool:
     """Which path the backend takes, by measurement (benchmarks/FUSED_NOTES.md, H200): the streaming fused
-    kernel for batches of one batch tile, with or without top-k/top-p/min-p rows (top-k 50 + top-p 0.9 with
-    log-probs: 313-333 µs at B = 1-64; cuBLAS into fp32 logits + the logits kernels 312-347, 1.4 µs faster at
-    B = 1 and 3-13 µs slower from B = 8)."""
-    return num_rows <= MAX_ROWS
+    kernel for batches of one batch tile (top-k 50 + top-p 0.9 with log-probs: 313-333 µs at B = 1-64; cuBLAS into
+    fp32 logits + the logits kernels 312-347), for filtered batches up to 64 rows."""
+    return num_rows <= (MAX_FILTERED_ROWS if filtered else MAX_ROWS)
 
 
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2}
@@ -104,7 +107,8 @@ def unsupported_reason(batch: SamplingBatch) -> str | None:
     weight = hidden.lm_head.weight
     if not weight.is_cuda or weight.dtype not in _DTYPES or hidden.states.dtype != weight.dtype:
         return "fused_dtype"
-    if not fused_is_faster(batch.num_rows):
+    filtered = _has_filters(batch)
+    if not fused_is_faster(batch.num_rows, filtered):
         return "fused_slower"
     if batch.processing is not None:
         return "fused_processing"
@@ -117,7 +121,7 @@ def unsupported_reason(batch: SamplingBatch) -> str | None:
     if batch.num_samples > 1 and bool(unfiltered.any()):
         return "fused_num_samples"
     vocab = hidden.lm_head.finish.vocab_size
-    if plan(batch.num_rows, weight.shape[1], vocab, weight.device.index, _has_filters(batch)) is None:
+    if plan(batch.num_rows, weight.shape[1], vocab, weight.device.index, filtered) is None:
         return "fused_hidden_size"
     return None
 
