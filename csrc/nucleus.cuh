@@ -152,11 +152,8 @@ struct BlockHead {
 __device__ __forceinline__ BlockHead warp_head(const BlockHead& h) {
   constexpr unsigned int kAll = 0xffffffffu;
   const uint32_t max = __reduce_max_sync(kAll, h.max);
-  const uint32_t best_hi = __reduce_max_sync(kAll, static_cast<uint32_t>(h.best >> 32));
-  const uint32_t best_lo =
-      __reduce_max_sync(kAll, static_cast<uint32_t>(h.best >> 32) == best_hi ? static_cast<uint32_t>(h.best) : 0u);
   return BlockHead{max, __reduce_min_sync(kAll, h.max == max ? h.argmax : ~0u), __reduce_min_sync(kAll, h.min),
-                   __reduce_or_sync(kAll, h.nan), static_cast<uint64_t>(best_hi) << 32 | best_lo};
+                   __reduce_or_sync(kAll, h.nan), warp_max_key(h.best)};
 }
 
 // The block's head in every thread: each warp reduces its lanes, then the warps' heads (lane l takes warp l % 8's).
