@@ -1,8 +1,8 @@
 """SM clock, power and throttle reasons while a hidden-state call runs back to back (do_bench's shape: the L2 flush,
 then the call, never waiting) and spaced (a synchronisation and a 0.3 ms pause after each call; a ~0.1 ms sleep
 kernel ahead of each timed call keeps the host's enqueue out of its time), read by `nvidia-smi -lms 20` beside
-the timings. An experiment, not part of the package (benchmarks/FUSED_NOTES.md,
-thirty-fifth session); on a GPU machine:
+the timings. An experiment, not part of the package (benchmarks/FUSED_NOTES.md, thirty-fifth session); on a GPU
+machine:
 
   python benchmarks/experiments/power_clock_probe.py 64 128 256
 
