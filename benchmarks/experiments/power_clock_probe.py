@@ -10,6 +10,7 @@ For each B: cuBLAS alone back to back, then the fused Gumbel call back to back a
 """
 import collections
 import datetime
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,10 +25,6 @@ from bench_fused import fused_fn  # noqa: E402
 
 V, D = 151936, 4096
 SMI_FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
-
-
-def median(values: list) -> float:
-    return sorted(values)[len(values) // 2]
 
 
 def run_phase(call, flush: torch.Tensor, spaced: bool, seconds: float = 2.0) -> tuple[float, float, float]:
@@ -52,7 +49,7 @@ def run_phase(call, flush: torch.Tensor, spaced: bool, seconds: float = 2.0) -> 
                 time.sleep(0.0003)
         torch.cuda.synchronize()
         times += [b.elapsed_time(e) * 1e3 for b, e in events]
-    return start, time.time(), median(times)
+    return start, time.time(), statistics.median_high(times)
 
 
 def parse_samples(lines: list[str]) -> list[tuple[float, int, float, str, str]]:
@@ -98,8 +95,9 @@ def main() -> None:
             continue
         clocks, watts = [s[1] for s in window], [s[2] for s in window]
         reasons = collections.Counter(s[4] for s in window).most_common(2)
-        print(f"{name:32s} {us:7.1f} us | SM MHz min/median/max {min(clocks)}/{median(clocks)}/{max(clocks)} | "
-              f"W median/max {median(watts):.0f}/{max(watts):.0f} | {window[-1][3]} C | throttle reasons {reasons}",
+        clock, watt = statistics.median_high(clocks), statistics.median_high(watts)
+        print(f"{name:32s} {us:7.1f} us | SM MHz min/median/max {min(clocks)}/{clock}/{max(clocks)} | "
+              f"W median/max {watt:.0f}/{max(watts):.0f} | {window[-1][3]} C | throttle reasons {reasons}",
               flush=True)
 
 
