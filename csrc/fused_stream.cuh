@@ -13,7 +13,9 @@
 // - fourteen epilogue warps (eleven at N = 128) take the batch rows of the other buffer, warp e rows e,
 //   e + 14, ..., one row at a time with the whole warp (`consume_row_tile`: 4 tokens a lane,
 //   fused_partials_kernel's arithmetic per token), and lane r keeps the running totals of the warp's row r;
-//   a filtered row's best kStreamCand keys so far are kept in shared memory (`keep_best_keys`).
+//   a filtered row's best kStreamCand keys so far are kept in shared memory (`keep_best_keys`). A 128-row tile
+//   with neither candidates nor log-probs to collect takes `lane_row_epilogue` instead: one thread a row and
+//   half tile, no warp-wide step.
 // Each tile buffer has a "full" and an "empty" mbarrier, so the multiply warps go on to the next tile
 // while the epilogue of this one runs: the epilogue is hidden under the stream instead of stalling it.
 // (Measured: run by the multiply warps themselves, four rows a warp, it cost 20 µs at N = 32; with a
@@ -242,15 +244,22 @@ __device__ __forceinline__ void keep_best_keys(uint64_t* best, uint64_t (&key)[4
 }
 
 // finish_group for a head without bias and soft cap (`plain_head`): the same values, with no branch a token.
-__device__ __forceinline__ bool finish_group_plain(float (&x)[4], int64_t v0, const TsLmHead& head) {
+// `in_vocab`: how many of the four tokens lie inside the vocabulary (any int; 4 or more: all), so that the
+// bound costs one 32-bit compare a token.
+__device__ __forceinline__ bool finish_group_plain(float (&x)[4], int in_vocab, float logit_scale) {
   bool bad = false;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const float scaled = x[j] * head.logit_scale;
-    bad |= v0 + j < head.vocab && !(scaled < kInf);
-    x[j] = v0 + j < head.vocab && scaled < kInf ? scaled : -kInf;  // padded rows, the last tile's tail, NaN, +inf
+    const float scaled = x[j] * logit_scale;
+    bad |= j < in_vocab && !(scaled < kInf);
+    x[j] = j < in_vocab && scaled < kInf ? scaled : -kInf;  // padded rows, the last tile's tail, NaN, +inf
   }
   return bad;
+}
+
+// Tokens v0 .. v0 + span - 1 inside the vocabulary, as an int (span at most that of a tile).
+__device__ __forceinline__ int tokens_in_vocab(int64_t v0, int span, const TsLmHead& head) {
+  return static_cast<int>(max(min(head.vocab - v0, static_cast<int64_t>(span)), int64_t{0}));
 }
 
 __device__ __forceinline__ bool plain_head(const TsLmHead& head) {
@@ -273,7 +282,8 @@ template <bool PLAIN>
 __device__ __forceinline__ bool consume_row_tile(const RowConstants& c, RowTotals& totals, uint64_t* best_keys,
                                                  int owner, float (&x)[4], int64_t v0, const TsLmHead& head,
                                                  bool want_sum1, int lane) {
-  const bool bad = PLAIN ? finish_group_plain(x, v0, head) : finish_group(x, v0, head);
+  const bool bad = PLAIN ? finish_group_plain(x, tokens_in_vocab(v0, 4, head), head.logit_scale)
+                         : finish_group(x, v0, head);
   const float lane_max = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
   const float old_max = __shfl_sync(0xffffffffu, totals.max, owner);
   const float new_max = fmaxf(old_max, key_to_float(__reduce_max_sync(0xffffffffu, order_key(lane_max))));
@@ -332,6 +342,61 @@ __device__ __forceinline__ bool consume_row_tile(const RowConstants& c, RowTotal
   return bad;
 }
 
+// One Philox group (tokens v .. v + 3, read from the tile) of a Gumbel or greedy row in the lane-row epilogue: the
+// lane alone keeps the row's totals over its span of each tile. The same exact scores and keys as
+// `consume_row_tile`; the screen is taken once a group: x / T and the noise's integer bound both grow with their
+// argument, so when the group's largest x / T plus the bound of its largest word stays below the best score so
+// far, no token of the group can reach it (`screened_score`'s test, for all four at once). Returns whether a logit
+// was NaN or +inf.
+template <bool PLAIN>
+__device__ __forceinline__ bool consume_lane_group(const RowConstants& c, RowTotals& t, float (&x)[4], int64_t v,
+                                                   int in_vocab, const TsLmHead& head) {
+  bool bad = false;
+  if (PLAIN && in_vocab >= 4) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) x[j] *= head.logit_scale;
+    // One test for the four: a NaN or +inf makes their sum NaN or +inf (so may a finite sum past the float range,
+    // and the tokens' own tests then change nothing).
+    if (!(x[0] + x[1] + x[2] + x[3] < kInf))
+#pragma unroll
+      for (int j = 0; j < 4; ++j) bad |= sanitize(x[j]);
+  } else {
+    bad = PLAIN ? finish_group_plain(x, in_vocab, head.logit_scale) : finish_group(x, v, head);
+  }
+  const float group_max = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+  t.max = fmaxf(t.max, group_max);
+  if (!(group_max > -kInf)) return bad;
+  if (c.mode == kGreedy) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint64_t k = x[j] > -kInf ? rank_key(x[j], static_cast<uint32_t>(v + j)) : 0ull;
+      if (k > t.best_key) t.best_key = k, t.best_x = t.best_score = x[j];
+    }
+    return bad;
+  }
+  const uint4 words = c.noise.group(static_cast<uint32_t>(v >> 2));
+  const uint32_t top_word = max(max(words.x, words.y), max(words.z, words.w));
+  const bool unit_t = c.temperature == 1.f;  // x / T is exactly x
+  if ((unit_t ? group_max : group_max / c.temperature) + gumbel_upper_bound(top_word) < t.best_score) return bad;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float score;
+    if (!(x[j] > -kInf) ||
+        !screened_score(unit_t ? x[j] : x[j] / c.temperature, word_of(words, j), t.best_score, score))
+      continue;
+    const uint64_t k = rank_key(score, static_cast<uint32_t>(v + j));
+    if (k > t.best_key) t.best_key = k, t.best_x = x[j], t.best_score = score;
+  }
+  return bad;
+}
+
+// A lane-row epilogue lane's totals, handed to the lane that keeps the same row's other half of each tile.
+struct LaneHalf {
+  uint64_t best_key;
+  float max, best_score, best_x;
+  int32_t nan;
+};
+
 // This CTA's partial result of a row, from the lane that kept its totals (write_partial's for the ring kernel).
 __device__ __forceinline__ void write_stream_partial(const RowTotals& t, bool nan, bool uncollected, const PartialsArgs& a,
                                                      int64_t slot) {
@@ -345,6 +410,62 @@ __device__ __forceinline__ void write_stream_partial(const RowTotals& t, bool na
   p.nan = nan;
   p.no_candidates = uncollected;
   a.partials[slot] = p;
+}
+
+// The epilogue of a 128-row batch tile with neither candidates nor log-probs to collect (its rows greedy or Gumbel;
+// filtered rows come back flagged): epilogue thread t < 256 keeps batch row t % 128 alone over half t / 128 of
+// each tile, 16 Philox groups a tile with no shuffle, reduction or vote, and the two halves' totals meet once,
+// after the last tile (threads from 256 on only arrive on the barriers). Why: beside the m64n128 multiply, the
+// warp-per-row `consume_row_tile` took ~2.85 us a row's tile, its warp-wide steps and per-token screen waiting for
+// dispatch behind the tensor pipe, and at B >= 128 the epilogue bounds the kernel; this form issues ~2.6x fewer
+// instructions a tile (benchmarks/FUSED_NOTES.md, thirty-sixth session).
+// Tokens and flags are the same as the warp-per-row form's (the best key decomposes over any split of the
+// vocabulary); log-probs would not be bit for bit, which is why rows that want them keep that form.
+template <int N>
+__device__ __forceinline__ void lane_row_epilogue(const PartialsArgs& a, const float* tiles, uint32_t tile_full,
+                                                  uint32_t tile_empty, const RowConstants* constants,
+                                                  LaneHalf* halves, int cta, int b0, int tile_rows, int t) {
+  using L = StreamLayout<N>;
+  constexpr int kEpilogueThreads = 32 * L::kEpilogueWarps;
+  constexpr int kHalf = kTileRows / 2;
+  static_assert(2 * N <= kEpilogueThreads && N * kStreamCand * 8 >= N * static_cast<int>(sizeof(LaneHalf)),
+                "two epilogue threads a row, and room for the halves in the best keys' memory");
+  const int n = t % N, half = t / N;
+  const bool active = half < 2 && n < tile_rows && constants[n].mode != kCandidates;
+  const RowConstants c = constants[n];
+  const bool plain = plain_head(a.head);
+  RowTotals totals;
+  bool nan = false;
+  int round = 0;
+  for (int tile = cta; tile < a.num_tiles; tile += a.vocab_ctas, ++round) {
+    const int buf = round % L::kTileBuffers;
+    mbarrier_wait(tile_full + 8 * buf, (round / L::kTileBuffers) & 1);
+    if (active) {
+      // Lanes of a warp read consecutive batch rows at one column: 16-byte loads, conflict-free (stride 132 floats).
+      const float* xs = tiles + (buf * N + n) * kTileStride + kHalf * half;
+      const int64_t v0 = static_cast<int64_t>(tile) * kTileRows + kHalf * half;
+      const int in_vocab = tokens_in_vocab(v0, kHalf, a.head);
+#pragma unroll 2
+      for (int g = 0; g < kHalf / 4; ++g) {
+        const float4 q = *reinterpret_cast<const float4*>(xs + 4 * g);
+        float x[4] = {q.x, q.y, q.z, q.w};
+        nan |= plain ? consume_lane_group<true>(c, totals, x, v0 + 4 * g, in_vocab - 4 * g, a.head)
+                     : consume_lane_group<false>(c, totals, x, v0 + 4 * g, in_vocab - 4 * g, a.head);
+      }
+    }
+    mbarrier_arrive(tile_empty + 8 * buf);
+  }
+  if (active && half == 1) halves[n] = LaneHalf{totals.best_key, totals.max, totals.best_score, totals.best_x, nan};
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kEpilogueThreads) : "memory");
+  if (half != 0 || n >= tile_rows) return;
+  if (active) {
+    const LaneHalf other = halves[n];
+    totals.max = fmaxf(totals.max, other.max);
+    if (other.best_key > totals.best_key)
+      totals.best_key = other.best_key, totals.best_score = other.best_score, totals.best_x = other.best_x;
+    nan |= other.nan != 0;
+  }
+  write_stream_partial(totals, nan, !active, a, (b0 + n) * a.vocab_ctas + cta);
 }
 
 template <bool BF16, int N>
@@ -442,6 +563,13 @@ __global__ void __launch_bounds__(StreamLayout<N>::kThreads, 1)
   for (int i = threadIdx.x - kMmaThreads; i < N * kStreamCand; i += kEpilogueThreads) best_keys[i] = 0;
   asm volatile("bar.sync 1, %0;\n" ::"n"(kEpilogueThreads) : "memory");
   const int tile_rows = static_cast<int>(min(static_cast<int64_t>(N), a.num_rows - b0));  // this batch tile's
+  if constexpr (N == 128) {
+    if (a.cands == nullptr && a.want_sum1 == 0) {
+      lane_row_epilogue<N>(a, tiles, tile_full, tile_empty, constants, reinterpret_cast<LaneHalf*>(best_keys), cta, b0,
+                           tile_rows, threadIdx.x - kMmaThreads);
+      return;
+    }
+  }
   const int rows = (tile_rows - e + L::kEpilogueWarps - 1) / L::kEpilogueWarps;          // this warp's
   const bool plain = plain_head(a.head);
   RowTotals totals;

@@ -171,6 +171,51 @@ def test_mixed_modes_in_one_batch_match_each_row_alone(num_rows: int) -> None:
     assert int(flags.max()) == 0
 
 
+@pytest.mark.parametrize("with_bias_and_cap", [True, False])  # False: the plain head's branch-free finish
+def test_lane_row_epilogue_matches_the_warp_per_row_epilogue(with_bias_and_cap: bool) -> None:
+    """More than 64 rows with neither filters nor log-probs take the 128-row tile's lane-row epilogue (each row's
+    share of a tile split between two threads, merged after the last tile). Greedy rows, Gumbel rows at T = 1 and
+    T = 0.8, a NaN row, a filtered row (flagged), a partial last batch tile and a vocabulary that ends in the first
+    half of a tile: every row's token and flags must equal those of the same rows sampled 64 at a time and alone
+    (the warp-per-row epilogue), and agree with the reference."""
+    fused = _fused()
+    from tokensampler_server.backends.cuda_kernels import RowParams
+
+    vocab, padded, dim, num_rows = 32000 + 7, 32064, 896, 300
+    bias = torch.randn(padded, generator=torch.Generator().manual_seed(21)) * 2 if with_bias_and_cap else None
+    finish = LogitsFinish(vocab_size=vocab, bias=None if bias is None else bias.cuda(),
+                          soft_cap=15.0 if with_bias_and_cap else None, logit_scale=0.7)
+    head = _head(vocab, dim, padded=padded, seed=6, finish=finish)
+    hidden = _hidden(num_rows, dim, seed=17)
+    hidden[5, 3] = float("nan")
+    modes = [("gumbel", "greedy", "gumbel", "gumbel")[row % 4] for row in range(num_rows)]
+    modes[77] = "top_k_top_p"
+    columns = _columns(modes)
+    columns["temperature"][2::4] = 1.0  # T = 1: the screen without a division
+    kwargs = dict(vocab=vocab, bias=finish.bias, logit_scale=finish.logit_scale, soft_cap=finish.soft_cap,
+                  filtered=False)
+
+    def sample(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        params = RowParams(**{name: column[rows].cuda() for name, column in columns.items()})
+        tokens, logprobs, flags = fused.fused_sample(head.weight, hidden[rows].cuda(), params, **kwargs)
+        assert logprobs is None
+        return tokens.cpu(), flags.cpu()
+
+    tokens, flags = sample(slice(0, num_rows))
+    assert ((flags & 4) != 0).nonzero().flatten().tolist() == [77]
+    assert ((flags & 1) != 0).nonzero().flatten().tolist() == [5]
+    by_64 = [sample(slice(start, start + 64)) for start in range(0, num_rows, 64)]
+    assert torch.equal(torch.cat([t for t, _ in by_64]), tokens)
+    assert torch.equal(torch.cat([f for _, f in by_64]), flags)
+    for row in (0, 1, 2, 127, 128, 255, 299):
+        alone_tokens, alone_flags = sample(slice(row, row + 1))
+        assert torch.equal(alone_tokens, tokens[row:row + 1]) and torch.equal(alone_flags, flags[row:row + 1]), row
+    cpu_head = dataclasses.replace(head, weight=head.weight.cpu(), finish=dataclasses.replace(finish, bias=bias))
+    want = CpuBackend().sample(make_batch_of_columns(cpu_head.logits(hidden), **columns))
+    sampled = flags == 0
+    _assert_agreement(tokens[sampled], want.tokens[sampled])
+
+
 def test_streaming_kernel_flags_filtered_rows() -> None:
     """Rows with top-k/top-p/min-p sent to the streaming kernel come back flagged for the logits path;
     the other rows of the batch are sampled as if alone."""
