@@ -417,7 +417,7 @@ __device__ __forceinline__ void write_stream_partial(const RowTotals& t, bool na
 // each tile, 16 Philox groups a tile with no shuffle, reduction or vote, and the two halves' totals meet once,
 // after the last tile (threads from 256 on only arrive on the barriers). Why: beside the m64n128 multiply, the
 // warp-per-row `consume_row_tile` took ~2.85 us a row's tile, its warp-wide steps and per-token screen waiting for
-// dispatch behind the tensor pipe, and at B >= 128 the epilogue bounds the kernel; this form issues ~2.6x fewer
+// dispatch behind the tensor pipe, and at B >= 128 the epilogue bounds the kernel; this form issues ~2.7x fewer
 // instructions a tile (benchmarks/FUSED_NOTES.md, thirty-sixth session).
 // Tokens and flags are the same as the warp-per-row form's (the best key decomposes over any split of the
 // vocabulary); log-probs would not be bit for bit, which is why rows that want them keep that form.
