@@ -420,7 +420,8 @@ __device__ __forceinline__ void write_stream_partial(const RowTotals& t, bool na
 // dispatch behind the tensor pipe, and at B >= 128 the epilogue bounds the kernel; this form issues ~2.7x fewer
 // instructions a tile (benchmarks/FUSED_NOTES.md, thirty-sixth session).
 // Tokens and flags are the same as the warp-per-row form's (the best key decomposes over any split of the
-// vocabulary); log-probs would not be bit for bit, which is why rows that want them keep that form.
+// vocabulary); split in halves, a row's sums would be added in another order than the warp's, and log-probs would
+// then depend on the batch, so rows that want them keep the warp form.
 template <int N>
 __device__ __forceinline__ void lane_row_epilogue(const PartialsArgs& a, const float* tiles, uint32_t tile_full,
                                                   uint32_t tile_empty, const RowConstants* constants,
