@@ -245,9 +245,18 @@ __device__ __forceinline__ void keep_best_keys(uint64_t* best, uint64_t (&key)[4
 
 // finish_group for a head without bias and soft cap (`plain_head`): the same values, with no branch a token.
 // `in_vocab`: how many of the four tokens lie inside the vocabulary (any int; 4 or more: all), so that the
-// bound costs one 32-bit compare a token.
+// bound costs one 32-bit compare a token. A full group takes one test for the four: a NaN or +inf makes their sum
+// NaN or +inf (so may a finite sum past the float range, and the tokens' own tests then change nothing).
 __device__ __forceinline__ bool finish_group_plain(float (&x)[4], int in_vocab, float logit_scale) {
   bool bad = false;
+  if (in_vocab >= 4) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) x[j] *= logit_scale;
+    if (!(x[0] + x[1] + x[2] + x[3] < kInf))
+#pragma unroll
+      for (int j = 0; j < 4; ++j) bad |= sanitize(x[j]);
+    return bad;
+  }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const float scaled = x[j] * logit_scale;
@@ -255,6 +264,32 @@ __device__ __forceinline__ bool finish_group_plain(float (&x)[4], int in_vocab, 
     x[j] = j < in_vocab && scaled < kInf ? scaled : -kInf;  // padded rows, the last tile's tail, NaN, +inf
   }
   return bad;
+}
+
+// Folds a greedy row's tokens v0 .. v0 + 3 into a best key (by x, the lowest id first) and its logit.
+__device__ __forceinline__ void fold_greedy_group(const float (&x)[4], int64_t v0, uint64_t& key, float& key_x,
+                                                  float& key_score) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint64_t k = x[j] > -kInf ? rank_key(x[j], static_cast<uint32_t>(v0 + j)) : 0ull;
+    if (k > key) key = k, key_x = key_score = x[j];
+  }
+}
+
+// Folds a Gumbel row's tokens v0 .. v0 + 3 (noise `words`) into a best key by exact score x / T + g; a token is
+// scored only if `screened_score` lets it reach `bound`.
+__device__ __forceinline__ void fold_gumbel_group(const float (&x)[4], float temperature, const uint4& words,
+                                                  int64_t v0, float bound, uint64_t& key, float& key_x,
+                                                  float& key_score) {
+  const bool unit_t = temperature == 1.f;  // x / T is exactly x
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float score;
+    if (!(x[j] > -kInf) || !screened_score(unit_t ? x[j] : x[j] / temperature, word_of(words, j), bound, score))
+      continue;
+    const uint64_t k = rank_key(score, static_cast<uint32_t>(v0 + j));
+    if (k > key) key = k, key_x = x[j], key_score = score;
+  }
 }
 
 // Tokens v0 .. v0 + span - 1 inside the vocabulary, as an int (span at most that of a tile).
@@ -307,25 +342,11 @@ __device__ __forceinline__ bool consume_row_tile(const RowConstants& c, RowTotal
     for (int j = 0; j < 4; ++j) keys[j] = x[j] > -kInf ? rank_key(x[j], static_cast<uint32_t>(v0 + j)) : 0ull;
     keep_best_keys(best_keys, keys, lane);
   } else if (c.mode == kGreedy) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint64_t k = x[j] > -kInf ? rank_key(x[j], static_cast<uint32_t>(v0 + j)) : 0ull;
-      if (k > key) key = k, key_x = key_score = x[j];
-    }
+    fold_greedy_group(x, v0, key, key_x, key_score);
   } else {
     const float bound = __shfl_sync(0xffffffffu, totals.best_score, owner);
-    const uint4 words = c.noise.group(static_cast<uint32_t>(v0 >> 2));
-    float xt[4] = {x[0], x[1], x[2], x[3]};  // x / T: exactly x at T = 1
-    if (c.temperature != 1.f)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) xt[j] = x[j] / c.temperature;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float score;
-      if (!(x[j] > -kInf) || !screened_score(xt[j], word_of(words, j), bound, score)) continue;
-      const uint64_t k = rank_key(score, static_cast<uint32_t>(v0 + j));
-      if (k > key) key = k, key_x = x[j], key_score = score;
-    }
+    fold_gumbel_group(x, c.temperature, c.noise.group(static_cast<uint32_t>(v0 >> 2)), v0, bound, key, key_x,
+                      key_score);
   }
   if (__any_sync(0xffffffffu, key > __shfl_sync(0xffffffffu, totals.best_key, owner))) {
     const uint64_t top = warp_max_key(key);
@@ -351,42 +372,19 @@ __device__ __forceinline__ bool consume_row_tile(const RowConstants& c, RowTotal
 template <bool PLAIN>
 __device__ __forceinline__ bool consume_lane_group(const RowConstants& c, RowTotals& t, float (&x)[4], int64_t v,
                                                    int in_vocab, const TsLmHead& head) {
-  bool bad = false;
-  if (PLAIN && in_vocab >= 4) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) x[j] *= head.logit_scale;
-    // One test for the four: a NaN or +inf makes their sum NaN or +inf (so may a finite sum past the float range,
-    // and the tokens' own tests then change nothing).
-    if (!(x[0] + x[1] + x[2] + x[3] < kInf))
-#pragma unroll
-      for (int j = 0; j < 4; ++j) bad |= sanitize(x[j]);
-  } else {
-    bad = PLAIN ? finish_group_plain(x, in_vocab, head.logit_scale) : finish_group(x, v, head);
-  }
+  const bool bad = PLAIN ? finish_group_plain(x, in_vocab, head.logit_scale) : finish_group(x, v, head);
   const float group_max = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
   t.max = fmaxf(t.max, group_max);
   if (!(group_max > -kInf)) return bad;
   if (c.mode == kGreedy) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint64_t k = x[j] > -kInf ? rank_key(x[j], static_cast<uint32_t>(v + j)) : 0ull;
-      if (k > t.best_key) t.best_key = k, t.best_x = t.best_score = x[j];
-    }
+    fold_greedy_group(x, v, t.best_key, t.best_x, t.best_score);
     return bad;
   }
   const uint4 words = c.noise.group(static_cast<uint32_t>(v >> 2));
   const uint32_t top_word = max(max(words.x, words.y), max(words.z, words.w));
-  const bool unit_t = c.temperature == 1.f;  // x / T is exactly x
-  if ((unit_t ? group_max : group_max / c.temperature) + gumbel_upper_bound(top_word) < t.best_score) return bad;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    float score;
-    if (!(x[j] > -kInf) ||
-        !screened_score(unit_t ? x[j] : x[j] / c.temperature, word_of(words, j), t.best_score, score))
-      continue;
-    const uint64_t k = rank_key(score, static_cast<uint32_t>(v + j));
-    if (k > t.best_key) t.best_key = k, t.best_x = x[j], t.best_score = score;
-  }
+  const float xt_max = c.temperature == 1.f ? group_max : group_max / c.temperature;
+  if (xt_max + gumbel_upper_bound(top_word) < t.best_score) return bad;
+  fold_gumbel_group(x, c.temperature, words, v, t.best_score, t.best_key, t.best_x, t.best_score);
   return bad;
 }
 
