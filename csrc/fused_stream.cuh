@@ -478,7 +478,7 @@ __global__ void __launch_bounds__(StreamLayout<N>::kThreads, 1)
   float* tiles = reinterpret_cast<float*>(smem_raw + (ring - raw) + L::kStages * L::kStageBytes);  // [buf][N][stride]
   const uint32_t full = shared_address(tiles + L::kTileBuffers * N * kTileStride);  // kStages mbarriers, then "empty"
   const uint32_t empty = full + 8 * L::kStages;
-  const uint32_t tile_full = empty + 8 * L::kStages;  // two, then two "tile empty"
+  const uint32_t tile_full = empty + 8 * L::kStages;  // room for two "tile full", then two "tile empty"
   const uint32_t tile_empty = tile_full + 16;
   RowConstants* constants = reinterpret_cast<RowConstants*>(smem_raw + (tile_empty + 16 - raw));  // [N]
   uint64_t* best_keys = reinterpret_cast<uint64_t*>(constants + N);                              // [N][kStreamCand]
@@ -570,7 +570,7 @@ __global__ void __launch_bounds__(StreamLayout<N>::kThreads, 1)
     }
   }
   const int rows = (tile_rows - e + L::kEpilogueWarps - 1) / L::kEpilogueWarps;          // this warp's
-  const bool plain = plain_head(a.head);
+  const bool plain = plain_head(a.head), want_sum1 = a.want_sum1 != 0;
   RowTotals totals;
   uint32_t nan_rows = 0;  // bit r: a NaN / +inf logit of row r seen by this lane
   int round = 0;
@@ -586,7 +586,6 @@ __global__ void __launch_bounds__(StreamLayout<N>::kThreads, 1)
       const float4 q = *reinterpret_cast<const float4*>(tile_x + n * kTileStride + 4 * lane);
       float x[4] = {q.x, q.y, q.z, q.w};
       const int64_t v0 = static_cast<int64_t>(tile) * kTileRows + 4 * lane;
-      const bool want_sum1 = a.want_sum1 != 0;
       if (plain ? consume_row_tile<true>(c, totals, best_keys + n * kStreamCand, r, x, v0, a.head, want_sum1, lane)
                 : consume_row_tile<false>(c, totals, best_keys + n * kStreamCand, r, x, v0, a.head, want_sum1, lane))
         nan_rows |= 1u << r;
