@@ -2,7 +2,7 @@
 from its first kernel's start to its last kernel's end, at a few B on both generators. An experiment, not part
 of the package (benchmarks/NOTES.md, twenty-sixth session); on a GPU machine:
 
-  python benchmarks/experiments/top_p_route_profile.py
+  python benchmarks/experiments/top_p_route_profile.py [B ...]   (default: 1 32 64 256)
 """
 import statistics
 import sys
@@ -32,7 +32,7 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for name, make in (("spiky", peers.spiky_logits), ("flat", peers.flat_logits)):
-        for b in (1, 32, 64, 256):
+        for b in [int(arg) for arg in sys.argv[1:]] or (1, 32, 64, 256):
             logits = make(b, V, gen)
             params = RowParams.make(b, "cuda", top_p=0.9, seed=7)
             out = Outputs(tokens=torch.empty(b, 1, dtype=torch.int64, device="cuda"),
