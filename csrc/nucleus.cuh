@@ -212,11 +212,16 @@ __device__ __forceinline__ void frontier_candidates(const ThreadChunk& c, const 
   }
   __syncthreads();
   __shared__ float level_bound[kLevels];  // the best pilot proxy of levels 0 .. k-2 (-inf: none)
-  if (threadIdx.x < kLevels) {
-    float t = -kInf;
-    for (int i = 0; i + 2 <= static_cast<int>(threadIdx.x); ++i)
-      if (level_best[i]) t = fmaxf(t, key_to_float(level_best[i]));
-    level_bound[threadIdx.x] = t;
+  if (threadIdx.x < 32) {  // a prefix max of the levels' keys by warp 0 (0: none; posted keys are above it)
+    const int lane = threadIdx.x;
+    uint32_t key = lane < kLevels ? level_best[lane] : 0u;
+#pragma unroll
+    for (int o = 1; o < kLevels; o <<= 1) {
+      const uint32_t below = __shfl_up_sync(0xffffffffu, key, o);
+      if (lane >= o) key = max(key, below);
+    }
+    const uint32_t two_below = __shfl_up_sync(0xffffffffu, key, 2);
+    if (lane < kLevels) level_bound[lane] = lane >= 2 && two_below ? key_to_float(two_below) : -kInf;
   }
   __syncthreads();
   const float xl = best_x, L = key_value(head.best);
