@@ -227,8 +227,11 @@ __device__ __forceinline__ bool finish_and_elect_last(unsigned int* counter, uns
   return last;
 }
 
-// finish_and_elect_last for blocks whose partial results thread 0 alone wrote: one fence and one
-// barrier instead of a fence in every thread and two barriers.
+// finish_and_elect_last with one fence and one barrier instead of a fence in every thread and two
+// barriers: for blocks whose partial results thread 0 wrote, or other threads wrote before a barrier
+// that thread 0 passed since. A fence is cumulative: it orders before the count every write its
+// thread has observed, and a barrier makes its threads' earlier writes observed (the grid sync of
+// cooperative groups relies on the same: a barrier, then one thread's fence and atomic).
 __device__ __forceinline__ bool finish_by_thread0_and_elect_last(unsigned int* counter, unsigned int blocks) {
   __shared__ bool last;
   if (threadIdx.x == 0) {

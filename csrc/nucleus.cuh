@@ -351,7 +351,6 @@ __global__ void __launch_bounds__(kThreads, 4)
   FrontierPartial* partial = static_cast<FrontierPartial*>(ws.scratch) + static_cast<int64_t>(w) * splits;
   FrontierPartial& mine = partial[split];
   const unsigned int n = min(num_cand, static_cast<unsigned int>(kBlockCandidates));
-  bool reported = false;
   for (unsigned int i = threadIdx.x; i < n; i += kThreads) {
     const float xi = cand_x[i], pi = cand_p[i];
     const uint32_t id = cand_id[i];
@@ -361,11 +360,10 @@ __global__ void __launch_bounds__(kThreads, 4)
     });
     if (!beaten) {
       const unsigned int slot = atomicAdd(&num_kept, 1u);
-      if (slot < kFrontierCap) mine.x[slot] = xi, mine.id[slot] = id, reported = true;
+      if (slot < kFrontierCap) mine.x[slot] = xi, mine.id[slot] = id;
     }
   }
-  if (reported) __threadfence();  // the reports before the count (finish_by_thread0_and_elect_last)
-  __syncthreads();                // num_kept final
+  __syncthreads();  // num_kept final; the reports ordered before thread 0's fence (finish_by_thread0_and_elect_last)
   if (threadIdx.x == 0) {
     mine.stats = head.stats();
     mine.count = num_cand > kBlockCandidates ? kFrontierCap + 1 : min(num_kept, kFrontierCap + 1u);
