@@ -559,8 +559,10 @@ __device__ __forceinline__ void approximate_sums(const float (&v)[kGroupsPerThre
 #pragma unroll
   for (int f = 0; f < kMassFrontier; ++f) {
     const uint32_t id = m.id_of[f];
-    const int64_t held = static_cast<int64_t>(id / 4) - g0 - threadIdx.x;  // kThreads x the holding group's j
-    if (id % 4 != 0 && held >= 0 && held % kThreads == 0 && held < kThreads * kGroupsPerThread) {
+    // kThreads x the holding group's j, in 32 bits as every group index is
+    const int held = static_cast<int>(id / 4 - static_cast<uint32_t>(g0) - threadIdx.x);
+    static_assert((kThreads & (kThreads - 1)) == 0, "held % kThreads as a mask");
+    if (id % 4 != 0 && held >= 0 && (held & (kThreads - 1)) == 0 && held < kThreads * kGroupsPerThread) {
       float y[4];
       load_group(rv.row, id / 4, vocab, rv.aligned, y);
       for (uint32_t e = 0; e < id % 4; ++e) {
