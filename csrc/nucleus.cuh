@@ -540,9 +540,9 @@ __device__ __forceinline__ std::conditional_t<kExact, unsigned long long, float>
     const float z = scaled(x, m.row_max, m.temperature);
     return x > -kInf && passes_min_p(z, m.min_p) ? mass_fixed(z) : 0ull;
   } else {
-    float a = fast_exp2(__fsub_rn(x, m.row_max) * m.c2);
-    if (!(x > -kInf) || (kMinP && !min_p_keeps(a, x, m.row_max, m.temperature, m.min_p))) a = 0.f;
-    return a;
+    // -inf gives 0 unasked: x - max stays -inf (the rows here have a finite max), and ex2 of -inf is +0
+    const float a = fast_exp2(__fsub_rn(x, m.row_max) * m.c2);
+    return kMinP && !min_p_keeps(a, x, m.row_max, m.temperature, m.min_p) ? 0.f : a;
   }
 }
 
