@@ -635,12 +635,9 @@ __device__ __forceinline__ bool post_block_sums_and_elect_last(Mass total, const
     unsigned long long sum = 0;
 #pragma unroll
     for (int i = 0; i < kThreads / 32; ++i) sum += warp_sums[threadIdx.x][i];
-    if (sum) {
-      atomicAdd(threadIdx.x < kMassFrontier ? &rf->ahead[threadIdx.x] : &rf->total, sum);
-      __threadfence();  // before thread 0's count
-    }
+    if (sum) atomicAdd(threadIdx.x < kMassFrontier ? &rf->ahead[threadIdx.x] : &rf->total, sum);
   }
-  __syncwarp();
+  __syncwarp();  // the sums ordered before thread 0's fence (finish_by_thread0_and_elect_last)
   return finish_by_thread0_and_elect_last(counter, blocks);
 }
 
