@@ -682,19 +682,26 @@ __device__ __forceinline__ void decide_top_p(const MassRow& m, float p, int64_t 
   }
 }
 
+// The rows the mass pass reads before frontier_kernel's results are in: the last that kernel read, still in L2
+// (50 MB on H100 / H200). Of 16, 24, 32, 40 and 64 MiB, 16-32 measured best (benchmarks/NOTES.md, thirty-eighth
+// session); 24 keeps every row of a 32-row launch early.
+constexpr int64_t kMassEarlyBytes = int64_t{24} << 20;
+
 // The approximate mass pass over the rows frontier_kernel left with kRowNeedsMass: one read summing the mass
 // min-p keeps and the mass ahead of each of the last kMassFrontier frontier tokens, one chunk a block.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 5)
     nucleus_mass_kernel(TsLogits logits, TsRows rows, TsOutputs pre, TsOutputs out, TsWorkspace ws) {
-  const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
+  // Rows in reverse order: the first blocks take the rows frontier_kernel read last, while L2 holds them.
+  const int w = gridDim.y - 1 - blockIdx.y, split = blockIdx.x, splits = gridDim.x;
   const RowView<T> rv = row_view<T>(logits, rows, w);
   const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
   float v[kGroupsPerThread][4];
-  // When the launch's rows fit in L2, where frontier_kernel has just read them, the pass reads its chunk before
-  // waiting for that kernel's results, so the reads overlap its last blocks (at small B the chain of the two
-  // kernels is the call's time). Larger launches read only the rows that need it.
-  const bool read_early = !rows_exceed_l2<T>(rows.num_work_rows, logits.vocab);
+  // The first kMassEarlyBytes of rows in that order read their chunk before waiting for frontier_kernel's results,
+  // so the reads, from L2, overlap its last blocks (at small B the chain of the two kernels is the call's time).
+  // The other rows are read only where they need it.
+  const bool read_early =
+      (static_cast<int64_t>(blockIdx.y) + 1) * logits.vocab * static_cast<int64_t>(sizeof(T)) <= kMassEarlyBytes;
   if (read_early) load_chunk(rv, logits.vocab, g0, v);
   wait_for_previous_grid();
   const uint8_t sflags = pre.flags[rv.r];

@@ -589,7 +589,8 @@ __global__ void __launch_bounds__(kThreads, LSE || kMinP ? 4 : 5)
     gumbel_kernel(TsLogits logits, TsRows rows, const float* lse_scale, const float* stats_row_max, TsOutputs out,
                   TsWorkspace ws) {
   static_assert(!(LSE && kMinP), "the min-p instance has no log-sum-exp");
-  const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
+  // min-p takes the rows in reverse order: its first blocks read the rows stats_kernel read last, from L2.
+  const int w = kMinP ? gridDim.y - 1 - blockIdx.y : blockIdx.y, split = blockIdx.x, splits = gridDim.x;
   const RowView<T> rv = row_view<T>(logits, rows, w);
   const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
   const float temperature = rows.temperature[rv.r];
