@@ -481,6 +481,10 @@ __global__ void __launch_bounds__(kThreads, 4)
     decide_row(pre, out, rv.r, sflags, key_index(f_score[count - 1]));
     return;
   }
+  if (sflags & 1u) {  // NaN or +inf in the row: the mass pass reads logits unsanitized, so filter_kernel decides
+    if (ws.fallback_count) atomicAdd(ws.fallback_count, 1ull);
+    return;
+  }
   rf->count = count;
   for (unsigned int i = 0; i < count; ++i) rf->order[i] = f_order[i], rf->score[i] = f_score[i];
   for (unsigned int j = 0; j < kMassFrontier; ++j) {
@@ -546,18 +550,24 @@ __device__ __forceinline__ std::conditional_t<kExact, unsigned long long, float>
   }
 }
 
-// The approximate sums of this thread's tokens (load_chunk's v; g0: the chunk's first group). Token i is
-// ahead of summed frontier token f when x >= x_above[f], or x >= x_lo[f] and i < id_of[f]. A group of four
-// ids lies wholly on one side of id_of[f] but for the one group a row that holds it, so a group tests x
-// against one threshold a frontier token: x_lo[f] when its ids are below, else x_above[f]. The group
-// holding id_of[f] takes the latter, and its thread first adds what that leaves out: its tokens below
-// id_of[f] with x in [x_lo[f], x_above[f]). Each token still enters each sum at most once.
-template <typename T, bool kMinP>
+// The approximate sums of this thread's tokens (load_chunk_raw's v: the mass pass's rows hold no NaN or +inf;
+// g0: the chunk's first group). Token i is ahead of summed frontier token f when x >= x_above[f], or x >= x_lo[f]
+// and i < id_of[f]. A group of four ids lies wholly on one side of id_of[f] but for the one group a row that holds
+// it, so a group tests x against one threshold a frontier token: x_lo[f] when its ids are below, else x_above[f].
+// The group holding id_of[f] takes the latter, and its thread first adds what that leaves out: its tokens below
+// id_of[f] with x in [x_lo[f], x_above[f]). Each token still enters each sum at most once. kSplit: some id_of[f]
+// lies inside the chunk (chunk_is_split), so the threshold varies by group; otherwise one threshold serves the
+// whole chunk, and the token loop is the exp2, the total and a compare and an add a frontier token.
+template <typename T, bool kMinP, bool kSplit>
 __device__ __forceinline__ void approximate_sums(const float (&v)[kGroupsPerThread][4], int64_t g0, const RowView<T>& rv,
                                                  int64_t vocab, const MassRow& m, float& total,
                                                  float (&ahead)[kMassFrontier]) {
+  const uint32_t chunk_end = static_cast<uint32_t>(4 * (g0 + kChunkGroups));
+  float uniform[kMassFrontier];
 #pragma unroll
   for (int f = 0; f < kMassFrontier; ++f) {
+    uniform[f] = m.id_of[f] >= chunk_end ? m.x_lo[f] : m.x_above[f];
+    if constexpr (!kSplit) continue;
     const uint32_t id = m.id_of[f];
     // kThreads x the holding group's j, in 32 bits as every group index is
     const int held = static_cast<int>(id / 4 - static_cast<uint32_t>(g0) - threadIdx.x);
@@ -565,10 +575,8 @@ __device__ __forceinline__ void approximate_sums(const float (&v)[kGroupsPerThre
     if (id % 4 != 0 && held >= 0 && (held & (kThreads - 1)) == 0 && held < kThreads * kGroupsPerThread) {
       float y[4];
       load_group(rv.row, id / 4, vocab, rv.aligned, y);
-      for (uint32_t e = 0; e < id % 4; ++e) {
-        sanitize(y[e]);
+      for (uint32_t e = 0; e < id % 4; ++e)
         if (y[e] >= m.x_lo[f] && y[e] < m.x_above[f]) ahead[f] += token_mass<false, kMinP>(y[e], m);
-      }
     }
   }
 #pragma unroll
@@ -576,7 +584,8 @@ __device__ __forceinline__ void approximate_sums(const float (&v)[kGroupsPerThre
     const uint32_t first = static_cast<uint32_t>(token_of(g0, j, 0));
     float threshold[kMassFrontier];
 #pragma unroll
-    for (int f = 0; f < kMassFrontier; ++f) threshold[f] = first + 3 < m.id_of[f] ? m.x_lo[f] : m.x_above[f];
+    for (int f = 0; f < kMassFrontier; ++f)
+      threshold[f] = !kSplit ? uniform[f] : first + 3 < m.id_of[f] ? m.x_lo[f] : m.x_above[f];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float x = v[j][e], a = token_mass<false, kMinP>(x, m);
@@ -586,6 +595,16 @@ __device__ __forceinline__ void approximate_sums(const float (&v)[kGroupsPerThre
         if (x >= threshold[f]) ahead[f] += a;
     }
   }
+}
+
+// Whether some summed frontier token's id lies inside the chunk from group g0 (past its first token): then
+// approximate_sums' threshold varies by group. At most kMassFrontier of a row's chunks are.
+__device__ __forceinline__ bool chunk_is_split(const MassRow& m, int64_t g0) {
+  const uint32_t begin = static_cast<uint32_t>(4 * g0), end = static_cast<uint32_t>(4 * (g0 + kChunkGroups));
+  bool split = false;
+#pragma unroll
+  for (int f = 0; f < kMassFrontier; ++f) split |= m.id_of[f] > begin && m.id_of[f] < end;
+  return split;
 }
 
 // The exact sums of this thread's group g (ids 4 g ..): the plain test of each token against each frontier token.
@@ -702,16 +721,22 @@ __global__ void __launch_bounds__(kThreads, 5)
   // The other rows are read only where they need it.
   const bool read_early =
       (static_cast<int64_t>(blockIdx.y) + 1) * logits.vocab * static_cast<int64_t>(sizeof(T)) <= kMassEarlyBytes;
-  if (read_early) load_chunk(rv, logits.vocab, g0, v);
+  if (read_early) load_chunk_raw(rv, logits.vocab, g0, v);
   wait_for_previous_grid();
   const uint8_t sflags = pre.flags[rv.r];
   if (!(sflags & kRowNeedsMass)) return;
   const MassRow m = mass_row(row_frontier(ws, w, splits, gridDim.y), pre.row_max[rv.r], rows.temperature[rv.r],
                              rows.min_p[rv.r]);
-  if (!read_early) load_chunk(rv, logits.vocab, g0, v);
+  if (!read_early) load_chunk_raw(rv, logits.vocab, g0, v);
   float total = 0.f, ahead[kMassFrontier] = {0.f, 0.f, 0.f, 0.f};
-  if (m.min_p > 0.f) approximate_sums<T, true>(v, g0, rv, logits.vocab, m, total, ahead);
-  else approximate_sums<T, false>(v, g0, rv, logits.vocab, m, total, ahead);
+  const bool split_chunk = chunk_is_split(m, g0);
+  if (m.min_p > 0.f) {
+    if (split_chunk) approximate_sums<T, true, true>(v, g0, rv, logits.vocab, m, total, ahead);
+    else approximate_sums<T, true, false>(v, g0, rv, logits.vocab, m, total, ahead);
+  } else {
+    if (split_chunk) approximate_sums<T, false, true>(v, g0, rv, logits.vocab, m, total, ahead);
+    else approximate_sums<T, false, false>(v, g0, rv, logits.vocab, m, total, ahead);
+  }
   if (post_block_sums_and_elect_last(total, ahead, m.rf, ws.counters + w, splits) && threadIdx.x == 0)
     decide_top_p<false>(m, rows.top_p[rv.r], rv.r, w, sflags, pre, out, ws, exact_rows(ws, splits, gridDim.y));
 }

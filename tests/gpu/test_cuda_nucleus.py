@@ -90,14 +90,19 @@ def test_rows_beyond_the_bounds_go_to_the_filter(cuda_backend):
 
 
 def test_invalid_and_nan_rows(cuda_backend):
+    """Rows with NaN or +inf (read as -inf) that need the mass pass go to the filter: the mass pass reads
+    logits unsanitized. Rows 4 and 5 are such rows, with +inf and with NaN, with and without min-p."""
     kernels = cuda_backend._kernels
     dev = kernels.device
-    b, vocab = 4, 20000
+    b, vocab = 6, 20000
     x = degenerate_rows(b, vocab, dev)
-    params = _params(b, dev, 1.0, [0.9, 0.9, 0.5, 1.0], [0.0, 0.1, 0.0, 0.1])
-    got, want, _ = _both_routes(kernels, x, params)
+    x[4, 5::11] = float("inf")
+    x[5, 3::5] = float("nan")
+    params = _params(b, dev, 1.0, [0.9, 0.9, 0.5, 1.0, 0.9, 0.5], [0.0, 0.1, 0.0, 0.1, 0.05, 0.0])
+    got, want, settled = _both_routes(kernels, x, params)
     assert torch.equal(got, want)
     assert got[0].tolist() == [-1, -1] and got[2].tolist() == [12345, 12345]
+    assert not settled[[1, 4, 5]].any()
 
 
 def test_frontier_matches_filter_on_the_agreement_matrix_case(cuda_backend):
