@@ -231,16 +231,17 @@ __device__ __forceinline__ bool finish_and_elect_last(unsigned int* counter, uns
 // barriers: for blocks whose partial results thread 0 wrote, or other threads wrote before a barrier
 // that thread 0 passed since. A fence is cumulative: it orders before the count every write its
 // thread has observed, and a barrier makes its threads' earlier writes observed (the grid sync of
-// cooperative groups relies on the same: a barrier, then one thread's fence and atomic).
-__device__ __forceinline__ bool finish_by_thread0_and_elect_last(unsigned int* counter, unsigned int blocks) {
+// cooperative groups relies on the same: a barrier, then one thread's fence and atomic). The count runs from
+// start (0 unless the kernel before left the counter elsewhere: nucleus.cuh's row readiness); reset: the last
+// block returns the counter to 0, as every kernel finds it.
+__device__ __forceinline__ bool finish_by_thread0_and_elect_last(unsigned int* counter, unsigned int blocks,
+                                                                 unsigned int start = 0, bool reset = true) {
   __shared__ bool last;
   if (threadIdx.x == 0) {
     __threadfence();
-    last = atomicAdd(counter, 1u) == blocks - 1;
-    if (last) {
-      *counter = 0u;
-      __threadfence();
-    }
+    last = atomicAdd(counter, 1u) == start + blocks - 1;
+    if (last && reset) *counter = 0u;
+    if (last) __threadfence();
   }
   __syncthreads();
   return last;

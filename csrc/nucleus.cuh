@@ -12,12 +12,13 @@
 // proxy P = x / T + g_fast: a token is dropped only when a token surely ahead of it in z-order has a
 // proxy larger by more than both proxies' error. The last block scores the survivors exactly and
 // keeps the exact frontier. min-p alone is decided there (z is known once the max is). top-p needs
-// the mass ahead of the last frontier tokens: nucleus_mass_kernel, a second read, sums it with fast
-// exponentials and decides wherever the sums are clear of the cut by their error bound; a second,
-// exact instance re-reads the rare rows they are not (filter_kernel's fixed point either way). Rows
-// these kernels cannot settle (k > 0, a frontier longer than kFrontierCap, logits beyond
-// kFrontierBound, extreme temperatures, a cut before the summed tokens) are left to filter_kernel,
-// which runs after them and skips the rows marked kRowDecided.
+// the mass ahead of the last frontier tokens: nucleus_mass_kernel, a second read that starts on each
+// row as soon as its frontier is merged, sums it with fast exponentials and decides wherever the sums
+// are clear of the cut by their error bound; a second, exact instance re-reads the rare rows they are
+// not (filter_kernel's fixed point either way). Rows these kernels cannot settle (k > 0, a frontier
+// longer than kFrontierCap, logits beyond kFrontierBound, extreme temperatures, a cut before the
+// summed tokens, NaN or +inf where the mass pass would read them) are left to filter_kernel, which
+// runs after them and skips the rows marked kRowDecided.
 #pragma once
 #include "sampling.cuh"
 
@@ -57,23 +58,12 @@ struct RowFrontier {
 
 __host__ __device__ inline size_t frontier_scratch_bytes(int32_t num_work_rows, int64_t vocab) {
   return sizeof(FrontierPartial) * static_cast<size_t>(num_work_rows) * num_splits(vocab) +
-         sizeof(RowFrontier) * static_cast<size_t>(num_work_rows) + sizeof(uint32_t) * (num_work_rows + 1u);
+         sizeof(RowFrontier) * static_cast<size_t>(num_work_rows);
 }
 
 __device__ __forceinline__ RowFrontier* row_frontier(const TsWorkspace& ws, int w, int splits, int num_work) {
   char* base = static_cast<char*>(ws.scratch) + sizeof(FrontierPartial) * static_cast<size_t>(num_work) * splits;
   return reinterpret_cast<RowFrontier*>(base) + w;
-}
-
-// The rows the approximate mass pass leaves to the exact one (scratch after the rows' RowFrontier): how many,
-// and which work rows. frontier_kernel zeroes the count, the approximate pass lists, the exact pass reads.
-struct ExactRows {
-  unsigned int count;
-  int32_t w[1];  // [num_work_rows]
-};
-
-__device__ __forceinline__ ExactRows* exact_rows(const TsWorkspace& ws, int splits, int num_work) {
-  return reinterpret_cast<ExactRows*>(row_frontier(ws, num_work, splits, num_work));
 }
 
 // z_j > z_i for z = (x - max) / T in fp32 and every |max| <= kFrontierBound: the gap exceeds what
@@ -304,74 +294,15 @@ __device__ __forceinline__ void decide_row(const TsOutputs& pre, const TsOutputs
   pre.flags[r] = sflags | kRowDecided;
 }
 
+// The last block of a row: row stats, then the exact frontier of the blocks' reports (pool: kernel's shared keys);
+// the row decided, left to filter_kernel, or marked kRowNeedsMass with the RowFrontier the mass pass sums against.
+// Warp 0 merges the blocks' partials across its lanes (lane i: block i, or i, i + 32, ... when there are more
+// blocks than lanes).
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 4)
-    frontier_kernel(TsLogits logits, TsRows rows, TsOutputs pre, TsOutputs out, TsWorkspace ws) {
-  const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
-  let_next_grid_launch();  // the mass pass and the filter after it wait for this grid's results
-  const RowView<T> rv = row_view<T>(logits, rows, w);
-  const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
-  const float temperature = rows.temperature[rv.r];
-  const float inv_t = 1.f / temperature;
-  // Rows the frontier can settle: no top-k, and temperatures that keep the proxies and the
-  // rounding bounds above valid (the last block also checks the row max).
-  const bool usable = rows.top_k[rv.r] <= 0 && temperature >= kMinTemperature && temperature <= 0x1p20f;
-  const NoiseStream noise = row_noise(rows, rv.r, static_cast<uint32_t>(out.sample));
-
-  float v[kGroupsPerThread][4];
-  const bool nan = load_chunk(rv, logits.vocab, g0, v);
-  const ThreadChunk chunk = thread_chunk(v, g0);
-  // The pilot's proxies (rows the frontier can settle only).
-  float pilot_p[4] = {-kInf, -kInf, -kInf, -kInf};
-  uint64_t best = 0;
-  if (usable) {
-    const uint32_t pg = static_cast<uint32_t>(g0) + threadIdx.x + chunk.pilot * kThreads;
-    const uint4 words = noise.group(pg);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      pilot_p[e] = fmaf(chunk.x[e], inv_t, gumbel_fast(word_of(words, e)));
-      if (chunk.x[e] > -kInf) best = max(best, rank_key(pilot_p[e], 4 * pg + e));
-    }
-  }
-
-  // One pool: the block's candidates, then (last block) the merged reports' keys.
-  __shared__ uint64_t pool[2 * kMergeCap];
-  float* cand_x = reinterpret_cast<float*>(pool);
-  float* cand_p = cand_x + kBlockCandidates;
-  uint32_t* cand_id = reinterpret_cast<uint32_t*>(cand_p + kBlockCandidates);
-  __shared__ unsigned int num_cand, num_kept, level_best[kLevels];
-  if (threadIdx.x == 0) num_cand = 0, num_kept = 0;
-  if (threadIdx.x < kLevels) level_best[threadIdx.x] = 0;
-  const BlockHead head = block_head(chunk, nan, best);  // its barrier orders the zeroing above
-  if (usable)
-    frontier_candidates(chunk, pilot_p, best, head, level_best, rv, logits.vocab, g0, temperature, inv_t, noise, cand_x,
-                        cand_p, cand_id, &num_cand);
-  __syncthreads();
-
-  FrontierPartial* partial = static_cast<FrontierPartial*>(ws.scratch) + static_cast<int64_t>(w) * splits;
-  FrontierPartial& mine = partial[split];
-  const unsigned int n = min(num_cand, static_cast<unsigned int>(kBlockCandidates));
-  for (unsigned int i = threadIdx.x; i < n; i += kThreads) {
-    const float xi = cand_x[i], pi = cand_p[i];
-    const uint32_t id = cand_id[i];
-    const bool beaten = any_entry<4>(n, [&](unsigned int j) {
-      const float xj = cand_x[j];
-      return (j != i) & surely_ahead(xj, cand_id[j], xi, id) & (cand_p[j] - pi > score_margin(xi, xj, inv_t));
-    });
-    if (!beaten) {
-      const unsigned int slot = atomicAdd(&num_kept, 1u);
-      if (slot < kFrontierCap) mine.x[slot] = xi, mine.id[slot] = id;
-    }
-  }
-  __syncthreads();  // num_kept final; the reports ordered before thread 0's fence (finish_by_thread0_and_elect_last)
-  if (threadIdx.x == 0) {
-    mine.stats = head.stats();
-    mine.count = num_cand > kBlockCandidates ? kFrontierCap + 1 : min(num_kept, kFrontierCap + 1u);
-  }
-  if (!finish_by_thread0_and_elect_last(ws.counters + w, splits)) return;
-
-  // ---- the last block: row stats, then the exact frontier of the blocks' reports. Warp 0 merges the blocks'
-  // partials across its lanes (lane i: block i, or i, i + 32, ... when there are more blocks than lanes).
+__device__ __forceinline__ void merge_row_frontier(const FrontierPartial* partial, const RowView<T>& rv, int w,
+                                                   int splits, const TsRows& rows, const TsOutputs& pre,
+                                                   const TsOutputs& out, const TsWorkspace& ws, bool usable,
+                                                   float temperature, const NoiseStream& noise, uint64_t* pool) {
   constexpr int kMaxSplits = kMergeCap / kFrontierCap;
   static_assert(kMaxSplits <= 32, "a lane a block's reports");
   __shared__ Stats row;
@@ -410,7 +341,6 @@ __global__ void __launch_bounds__(kThreads, 4)
       if (!valid) decide_row(pre, out, rv.r, sflags, -1);
       else if (!fits && ws.fallback_count) atomicAdd(ws.fallback_count, 1ull);
       if (mergeable) first[splits] = total;
-      if (w == 0) exact_rows(ws, splits, gridDim.y)->count = 0;  // the mass passes read it after this grid
     }
   }
   __syncthreads();
@@ -494,6 +424,80 @@ __global__ void __launch_bounds__(kThreads, 4)
   }
   rf->total = 0;
   pre.flags[rv.r] = sflags | kRowNeedsMass;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 4)
+    frontier_kernel(TsLogits logits, TsRows rows, TsOutputs pre, TsOutputs out, TsWorkspace ws) {
+  const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
+  let_next_grid_launch();  // the mass pass waits for each row's merge (wait_until_row_merged), not the grid
+  const RowView<T> rv = row_view<T>(logits, rows, w);
+  const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
+  const float temperature = rows.temperature[rv.r];
+  const float inv_t = 1.f / temperature;
+  // Rows the frontier can settle: no top-k, and temperatures that keep the proxies and the
+  // rounding bounds above valid (the last block also checks the row max).
+  const bool usable = rows.top_k[rv.r] <= 0 && temperature >= kMinTemperature && temperature <= 0x1p20f;
+  const NoiseStream noise = row_noise(rows, rv.r, static_cast<uint32_t>(out.sample));
+
+  float v[kGroupsPerThread][4];
+  const bool nan = load_chunk(rv, logits.vocab, g0, v);
+  const ThreadChunk chunk = thread_chunk(v, g0);
+  // The pilot's proxies (rows the frontier can settle only).
+  float pilot_p[4] = {-kInf, -kInf, -kInf, -kInf};
+  uint64_t best = 0;
+  if (usable) {
+    const uint32_t pg = static_cast<uint32_t>(g0) + threadIdx.x + chunk.pilot * kThreads;
+    const uint4 words = noise.group(pg);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      pilot_p[e] = fmaf(chunk.x[e], inv_t, gumbel_fast(word_of(words, e)));
+      if (chunk.x[e] > -kInf) best = max(best, rank_key(pilot_p[e], 4 * pg + e));
+    }
+  }
+
+  // One pool: the block's candidates, then (last block) the merged reports' keys.
+  __shared__ uint64_t pool[2 * kMergeCap];
+  float* cand_x = reinterpret_cast<float*>(pool);
+  float* cand_p = cand_x + kBlockCandidates;
+  uint32_t* cand_id = reinterpret_cast<uint32_t*>(cand_p + kBlockCandidates);
+  __shared__ unsigned int num_cand, num_kept, level_best[kLevels];
+  if (threadIdx.x == 0) num_cand = 0, num_kept = 0;
+  if (threadIdx.x < kLevels) level_best[threadIdx.x] = 0;
+  const BlockHead head = block_head(chunk, nan, best);  // its barrier orders the zeroing above
+  if (usable)
+    frontier_candidates(chunk, pilot_p, best, head, level_best, rv, logits.vocab, g0, temperature, inv_t, noise, cand_x,
+                        cand_p, cand_id, &num_cand);
+  __syncthreads();
+
+  FrontierPartial* partial = static_cast<FrontierPartial*>(ws.scratch) + static_cast<int64_t>(w) * splits;
+  FrontierPartial& mine = partial[split];
+  const unsigned int n = min(num_cand, static_cast<unsigned int>(kBlockCandidates));
+  for (unsigned int i = threadIdx.x; i < n; i += kThreads) {
+    const float xi = cand_x[i], pi = cand_p[i];
+    const uint32_t id = cand_id[i];
+    const bool beaten = any_entry<4>(n, [&](unsigned int j) {
+      const float xj = cand_x[j];
+      return (j != i) & surely_ahead(xj, cand_id[j], xi, id) & (cand_p[j] - pi > score_margin(xi, xj, inv_t));
+    });
+    if (!beaten) {
+      const unsigned int slot = atomicAdd(&num_kept, 1u);
+      if (slot < kFrontierCap) mine.x[slot] = xi, mine.id[slot] = id;
+    }
+  }
+  __syncthreads();  // num_kept final; the reports ordered before thread 0's fence (finish_by_thread0_and_elect_last)
+  if (threadIdx.x == 0) {
+    mine.stats = head.stats();
+    mine.count = num_cand > kBlockCandidates ? kFrontierCap + 1 : min(num_kept, kFrontierCap + 1u);
+  }
+  // Not reset: the count left at splits, and splits + 1 once the row is merged, tells the mass pass the row is ready.
+  if (!finish_by_thread0_and_elect_last(ws.counters + w, splits, 0, false)) return;
+  merge_row_frontier(partial, rv, w, splits, rows, pre, out, ws, usable, temperature, noise, pool);
+  __syncthreads();  // the merge's writes ordered before thread 0's fence
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(ws.counters + w, 1u);
+  }
 }
 
 // The approximate mass pass sums token masses 2^((x - max) * log2(e) / T) by the hardware exp2.
@@ -635,7 +639,7 @@ __device__ __forceinline__ unsigned long long warp_sum_units(unsigned long long 
 template <typename Mass>
 __device__ __forceinline__ bool post_block_sums_and_elect_last(Mass total, const Mass (&ahead)[kMassFrontier],
                                                                RowFrontier* rf, unsigned int* counter,
-                                                               unsigned int blocks) {
+                                                               unsigned int blocks, unsigned int start) {
   auto units = [](Mass s) -> unsigned long long {
     if constexpr (std::is_same_v<Mass, float>) return mass_units(s);
     else return s;
@@ -657,7 +661,7 @@ __device__ __forceinline__ bool post_block_sums_and_elect_last(Mass total, const
     if (sum) atomicAdd(threadIdx.x < kMassFrontier ? &rf->ahead[threadIdx.x] : &rf->total, sum);
   }
   __syncwarp();  // the sums ordered before thread 0's fence (finish_by_thread0_and_elect_last)
-  return finish_by_thread0_and_elect_last(counter, blocks);
+  return finish_by_thread0_and_elect_last(counter, blocks, start);
 }
 
 // The top-p decision from a row's summed masses, by the last block of the row (thread 0): the winner is the last
@@ -667,9 +671,8 @@ __device__ __forceinline__ bool post_block_sums_and_elect_last(Mass total, const
 // tokens are kept whenever the first summed one is; a cut before it (the mass ahead of the fourth last frontier
 // token above p: under 1 % of flat rows at p = 0.5) goes to filter_kernel.
 template <bool kExact>
-__device__ __forceinline__ void decide_top_p(const MassRow& m, float p, int64_t r, int w, uint8_t sflags,
-                                             const TsOutputs& pre, const TsOutputs& out, const TsWorkspace& ws,
-                                             ExactRows* exact) {
+__device__ __forceinline__ void decide_top_p(const MassRow& m, float p, int64_t r, uint8_t sflags, const TsOutputs& pre,
+                                             const TsOutputs& out, const TsWorkspace& ws) {
   RowFrontier* rf = m.rf;
   const unsigned int count = rf->count;
   const double total_mass = static_cast<double>(__ldcg(&rf->total));
@@ -691,7 +694,7 @@ __device__ __forceinline__ void decide_top_p(const MassRow& m, float p, int64_t 
     if constexpr (!kExact) {
       for (int j = 0; j < kMassFrontier; ++j) rf->ahead[j] = 0;
       rf->total = 0;
-      exact->w[atomicAdd(&exact->count, 1u)] = w;
+      pre.flags[r] = sflags | kRowNeedsExact;
     }
   } else if (kept > first_summed) {
     decide_row(pre, out, r, sflags & ~kRowNeedsMass, key_index(rf->score[kept - 1]));
@@ -701,33 +704,45 @@ __device__ __forceinline__ void decide_top_p(const MassRow& m, float p, int64_t 
   }
 }
 
-// The rows the mass pass reads before frontier_kernel's results are in: the last that kernel read, still in L2
-// (50 MB on H100 / H200). Of 16, 24, 32, 40 and 64 MiB, 16-32 measured best (benchmarks/NOTES.md, thirty-eighth
-// session); 24 keeps every row of a 32-row launch early.
-constexpr int64_t kMassEarlyBytes = int64_t{24} << 20;
+// The mass pass waits for each row's merge, not for the whole frontier grid (programmatic dependent launch starts
+// it once every frontier block has started): frontier_kernel leaves the row's counter at splits once its blocks
+// have reported, and at splits + 1 once the last has merged them; the mass pass's blocks count on from there,
+// and its last block returns the counter to 0.
+__device__ __forceinline__ void wait_until_row_merged(const unsigned int* counter, unsigned int merged) {
+  if (threadIdx.x == 0) {
+    unsigned int seen;
+    for (;;) {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+      if (seen >= merged) break;
+      __nanosleep(256);
+    }
+  }
+  __syncthreads();  // with thread 0's acquire, the other threads' reads of the row's results come after the merge
+}
 
 // The approximate mass pass over the rows frontier_kernel left with kRowNeedsMass: one read summing the mass
 // min-p keeps and the mass ahead of each of the last kMassFrontier frontier tokens, one chunk a block.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 5)
     nucleus_mass_kernel(TsLogits logits, TsRows rows, TsOutputs pre, TsOutputs out, TsWorkspace ws) {
-  // Rows in reverse order: the first blocks take the rows frontier_kernel read last, while L2 holds them.
-  const int w = gridDim.y - 1 - blockIdx.y, split = blockIdx.x, splits = gridDim.x;
+  // Rows in order: the first rows' merges are long done when the grid starts, while the frontier kernel's last
+  // wave still reads the last rows (an order starting from the rows just before that wave, the likeliest still in
+  // L2, measured 2 % slower at B = 256: benchmarks/NOTES.md, thirty-ninth session).
+  const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
+  unsigned int* counter = ws.counters + w;
+  const unsigned int merged = splits + 1;
+  wait_until_row_merged(counter, merged);
   const RowView<T> rv = row_view<T>(logits, rows, w);
+  const uint8_t sflags = pre.flags[rv.r];
+  if (!(sflags & kRowNeedsMass)) {
+    finish_by_thread0_and_elect_last(counter, splits, merged);  // the count still returns to 0
+    return;
+  }
   const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
   float v[kGroupsPerThread][4];
-  // The first kMassEarlyBytes of rows in that order read their chunk before waiting for frontier_kernel's results,
-  // so the reads, from L2, overlap its last blocks (at small B the chain of the two kernels is the call's time).
-  // The other rows are read only where they need it.
-  const bool read_early =
-      (static_cast<int64_t>(blockIdx.y) + 1) * logits.vocab * static_cast<int64_t>(sizeof(T)) <= kMassEarlyBytes;
-  if (read_early) load_chunk_raw(rv, logits.vocab, g0, v);
-  wait_for_previous_grid();
-  const uint8_t sflags = pre.flags[rv.r];
-  if (!(sflags & kRowNeedsMass)) return;
+  load_chunk_raw(rv, logits.vocab, g0, v);
   const MassRow m = mass_row(row_frontier(ws, w, splits, gridDim.y), pre.row_max[rv.r], rows.temperature[rv.r],
                              rows.min_p[rv.r]);
-  if (!read_early) load_chunk_raw(rv, logits.vocab, g0, v);
   float total = 0.f, ahead[kMassFrontier] = {0.f, 0.f, 0.f, 0.f};
   const bool split_chunk = chunk_is_split(m, g0);
   if (m.min_p > 0.f) {
@@ -737,17 +752,17 @@ __global__ void __launch_bounds__(kThreads, 5)
     if (split_chunk) approximate_sums<T, false, true>(v, g0, rv, logits.vocab, m, total, ahead);
     else approximate_sums<T, false, false>(v, g0, rv, logits.vocab, m, total, ahead);
   }
-  if (post_block_sums_and_elect_last(total, ahead, m.rf, ws.counters + w, splits) && threadIdx.x == 0)
-    decide_top_p<false>(m, rows.top_p[rv.r], rv.r, w, sflags, pre, out, ws, exact_rows(ws, splits, gridDim.y));
+  if (post_block_sums_and_elect_last(total, ahead, m.rf, counter, splits, merged) && threadIdx.x == 0)
+    decide_top_p<false>(m, rows.top_p[rv.r], rv.r, sflags, pre, out, ws);
 }
 
-// The exact mass pass over the rows the approximate one listed (rare: cuts within kMassTolerance of a summed
-// token's mass ahead), in filter_kernel's own fixed point. Each chunk is split kExactParts ways, one group of
-// four a thread, and the blocks loop over (listed row, chunk, part): the exact arithmetic is a long chain a
-// token, so a row's sums take the latency of a few tokens instead of 32, and a launch with no listed row costs
-// a small grid of blocks that exit at once.
+// The exact mass pass over the rows the approximate one marked kRowNeedsExact (rare: cuts within kMassTolerance of
+// a summed token's mass ahead), in filter_kernel's own fixed point. Each chunk is split kExactParts ways, one group
+// of four a thread, and the blocks loop over (marked row, chunk, part): the exact arithmetic is a long chain a
+// token, so a row's sums take the latency of a few tokens instead of 32, and a launch with no marked row costs a
+// small grid of blocks that exit after reading the flags.
 constexpr int kExactParts = kGroupsPerThread;
-constexpr int kExactRowsAtOnce = 2;  // listed rows whose blocks the grid holds at once
+constexpr int kExactRowsAtOnce = 2;  // marked rows whose blocks the grid holds at once
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
@@ -755,22 +770,40 @@ __global__ void __launch_bounds__(kThreads)
   wait_for_previous_grid();
   const int splits = num_splits(logits.vocab), num_work = rows.num_work_rows;
   const unsigned int parts = static_cast<unsigned int>(splits) * kExactParts;
-  ExactRows* exact = exact_rows(ws, splits, num_work);
-  const unsigned int items = __ldcg(&exact->count) * parts;
-  for (unsigned int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int w = __ldcg(&exact->w[item / parts]);
-    const RowView<T> rv = row_view<T>(logits, rows, w);
-    const MassRow m = mass_row(row_frontier(ws, w, splits, num_work), pre.row_max[rv.r], rows.temperature[rv.r],
-                               rows.min_p[rv.r]);
-    const int64_t g = (item % parts) * static_cast<int64_t>(kThreads) + threadIdx.x;  // chunk-major, as the chunks
-    float x[4];
-    load_group(rv.row, g, logits.vocab, rv.aligned, x);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __shared__ int32_t marked_rows[kThreads];
+  __shared__ unsigned int warp_marked[kThreads / 32];
+  for (int w0 = 0; w0 < num_work; w0 += kThreads) {
+    // The marked rows of work rows w0 .., in row order, so that every block lists them alike.
+    const int mine = w0 + static_cast<int>(threadIdx.x);
+    const bool marked = mine < num_work && (pre.flags[row_view<T>(logits, rows, mine).r] & kRowNeedsExact);
+    const unsigned int ballot = __ballot_sync(0xffffffffu, marked);
+    if (lane == 0) warp_marked[warp] = __popc(ballot);
+    __syncthreads();
+    unsigned int before = __popc(ballot & ((1u << lane) - 1u)), num_marked = 0;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) sanitize(x[e]);
-    unsigned long long total = 0, ahead[kMassFrontier] = {0, 0, 0, 0};
-    exact_sums(x, g, m, total, ahead);
-    if (post_block_sums_and_elect_last(total, ahead, m.rf, ws.counters + w, parts) && threadIdx.x == 0)
-      decide_top_p<true>(m, rows.top_p[rv.r], rv.r, w, pre.flags[rv.r], pre, out, ws, exact);
+    for (int i = 0; i < kThreads / 32; ++i) {
+      before += i < warp ? warp_marked[i] : 0u;
+      num_marked += warp_marked[i];
+    }
+    if (marked) marked_rows[before] = mine;
+    __syncthreads();
+    for (unsigned int item = blockIdx.x; item < num_marked * parts; item += gridDim.x) {
+      const int w = marked_rows[item / parts];
+      const RowView<T> rv = row_view<T>(logits, rows, w);
+      const MassRow m = mass_row(row_frontier(ws, w, splits, num_work), pre.row_max[rv.r], rows.temperature[rv.r],
+                                 rows.min_p[rv.r]);
+      const int64_t g = (item % parts) * static_cast<int64_t>(kThreads) + threadIdx.x;  // chunk-major, as the chunks
+      float x[4];
+      load_group(rv.row, g, logits.vocab, rv.aligned, x);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sanitize(x[e]);
+      unsigned long long total = 0, ahead[kMassFrontier] = {0, 0, 0, 0};
+      exact_sums(x, g, m, total, ahead);
+      if (post_block_sums_and_elect_last(total, ahead, m.rf, ws.counters + w, parts, 0) && threadIdx.x == 0)
+        decide_top_p<true>(m, rows.top_p[rv.r], rv.r, pre.flags[rv.r] & ~kRowNeedsExact, pre, out, ws);
+    }
+    __syncthreads();  // marked_rows and warp_marked read before the next rows' are written
   }
 }
 

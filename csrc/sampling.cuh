@@ -1050,6 +1050,7 @@ __global__ void __launch_bounds__(kThreads, 5)
 // kernels (nucleus.cuh) that run before the filter on its rows.
 constexpr uint8_t kRowDecided = 8;     // the token is written: filter_kernel skips the row
 constexpr uint8_t kRowNeedsMass = 16;  // top-p: nucleus_mass_kernel decides the row
+constexpr uint8_t kRowNeedsExact = 32;  // top-p: nucleus_exact_mass_kernel decides the row
 
 constexpr int kFilterThreads = 512;
 constexpr int kBins = 2048;
