@@ -426,6 +426,30 @@ __device__ __forceinline__ void merge_row_frontier(const FrontierPartial* partia
   pre.flags[rv.r] = sflags | kRowNeedsMass;
 }
 
+// The mass pass waits for each row's merge, not for the whole frontier grid (programmatic dependent launch starts
+// it once every frontier block has started, so none of them can be kept from finishing): frontier_kernel's blocks
+// leave the row's counter at splits (finish_by_thread0_and_elect_last without the reset), its last block marks the
+// merge by one more, and the mass pass's blocks count on from splits + 1; its last block returns the counter to 0.
+__device__ __forceinline__ void mark_row_merged(unsigned int* counter) {
+  __syncthreads();  // the merge's writes ordered before thread 0's fence
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(counter, 1u);
+  }
+}
+
+__device__ __forceinline__ void wait_until_row_merged(const unsigned int* counter, unsigned int merged) {
+  if (threadIdx.x == 0) {
+    unsigned int seen;
+    for (;;) {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+      if (seen >= merged) break;
+      __nanosleep(256);
+    }
+  }
+  __syncthreads();  // with thread 0's acquire, the other threads' reads of the row's results come after the merge
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 4)
     frontier_kernel(TsLogits logits, TsRows rows, TsOutputs pre, TsOutputs out, TsWorkspace ws) {
@@ -490,14 +514,9 @@ __global__ void __launch_bounds__(kThreads, 4)
     mine.stats = head.stats();
     mine.count = num_cand > kBlockCandidates ? kFrontierCap + 1 : min(num_kept, kFrontierCap + 1u);
   }
-  // Not reset: the count left at splits, and splits + 1 once the row is merged, tells the mass pass the row is ready.
-  if (!finish_by_thread0_and_elect_last(ws.counters + w, splits, 0, false)) return;
+  if (!finish_by_thread0_and_elect_last(ws.counters + w, splits, 0, false)) return;  // not reset: mark_row_merged
   merge_row_frontier(partial, rv, w, splits, rows, pre, out, ws, usable, temperature, noise, pool);
-  __syncthreads();  // the merge's writes ordered before thread 0's fence
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(ws.counters + w, 1u);
-  }
+  mark_row_merged(ws.counters + w);
 }
 
 // The approximate mass pass sums token masses 2^((x - max) * log2(e) / T) by the hardware exp2.
@@ -569,9 +588,9 @@ __device__ __forceinline__ void approximate_sums(const float (&v)[kGroupsPerThre
   const uint32_t chunk_end = static_cast<uint32_t>(4 * (g0 + kChunkGroups));
   float uniform[kMassFrontier];
 #pragma unroll
-  for (int f = 0; f < kMassFrontier; ++f) {
-    uniform[f] = m.id_of[f] >= chunk_end ? m.x_lo[f] : m.x_above[f];
-    if constexpr (!kSplit) continue;
+  for (int f = 0; f < kMassFrontier; ++f) uniform[f] = m.id_of[f] >= chunk_end ? m.x_lo[f] : m.x_above[f];
+#pragma unroll
+  for (int f = 0; f < kMassFrontier && kSplit; ++f) {
     const uint32_t id = m.id_of[f];
     // kThreads x the holding group's j, in 32 bits as every group index is
     const int held = static_cast<int>(id / 4 - static_cast<uint32_t>(g0) - threadIdx.x);
@@ -702,22 +721,6 @@ __device__ __forceinline__ void decide_top_p(const MassRow& m, float p, int64_t 
     pre.flags[r] = sflags & ~kRowNeedsMass;
     if (ws.fallback_count) atomicAdd(ws.fallback_count, 1ull);
   }
-}
-
-// The mass pass waits for each row's merge, not for the whole frontier grid (programmatic dependent launch starts
-// it once every frontier block has started): frontier_kernel leaves the row's counter at splits once its blocks
-// have reported, and at splits + 1 once the last has merged them; the mass pass's blocks count on from there,
-// and its last block returns the counter to 0.
-__device__ __forceinline__ void wait_until_row_merged(const unsigned int* counter, unsigned int merged) {
-  if (threadIdx.x == 0) {
-    unsigned int seen;
-    for (;;) {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
-      if (seen >= merged) break;
-      __nanosleep(256);
-    }
-  }
-  __syncthreads();  // with thread 0's acquire, the other threads' reads of the row's results come after the merge
 }
 
 // The approximate mass pass over the rows frontier_kernel left with kRowNeedsMass: one read summing the mass
