@@ -1043,8 +1043,9 @@ __global__ void __launch_bounds__(kThreads, 5)
 // and the bin's Gumbel winner (exact score). Blocks of a row add their bins up with integer
 // atomics and max (order-free, so any number of blocks per row gives the same answer). The last
 // block finds the k and p cut bins from the prefix sums. Bins above the cuts are kept whole; the
-// cut bin matters only if its winner beats theirs or the exact kept mass is needed; then that
-// block re-reads the row, collects the cut range's tokens, sorts them and resolves the cut exactly.
+// cut bin matters only if its winner beats theirs or the exact kept mass is needed; then, unless the
+// bin holds one token (kept by top-p), that block re-reads the row, collects the cut range's tokens,
+// sorts them and resolves the cut exactly.
 
 // Bits of the stats flags beyond stats_kernel's 1 (nan) and 2 (not valid), set by the frontier
 // kernels (nucleus.cuh) that run before the filter on its rows.
@@ -1096,8 +1097,37 @@ __device__ int first_bin_reaching(const T* cum, double target, int* result) {
   return *result;
 }
 
+constexpr int kResolveBatch = 2;  // groups a thread loads at once when the cut range is collected (2, 4, 8 measured)
+
+// A closed interval of logits [lo, hi] that holds every x whose bin (filter_kernel's bin_of(scaled(x))) lies in
+// [c_lo, c_hi]: the cut range's tokens are collected from it, the rest skip the division.
+struct LogitInterval {
+  float lo, hi;
+  __device__ __forceinline__ bool holds(float x) const { return x >= lo && x <= hi; }
+  // Whether a group may hold a logit in the interval: its largest is not below it and its smallest not above it
+  // (fmaxf and fminf pass NaN over, and a group of NaNs fails both).
+  __device__ __forceinline__ bool meets_group(const float (&x)[4]) const {
+    return fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3])) >= lo && fminf(fminf(x[0], x[1]), fminf(x[2], x[3])) <= hi;
+  }
+};
+
+// Bins count down from z = 0, so bin_of(scaled(x)) does not increase with x. With w = T / bin_scale, a token in a bin
+// at most c has max - x below (c + 1) w, and one in a bin at least c has max - x at least c w, each up to roundings
+// of a few parts in 2^24: one bin more on each side, plus 2^-20 of the magnitudes for the roundings of the ends
+// themselves, holds them all. Without a bin scale (every token in bin 0) or when an end overflows, every logit.
+__device__ __forceinline__ LogitInterval logits_of_bins(int c_lo, int c_hi, float row_max, float temperature,
+                                                        float bin_scale) {
+  LogitInterval all{-kInf, kInf};
+  if (!(bin_scale > 0.f)) return all;
+  const float w = temperature / bin_scale;
+  const float below = static_cast<float>(c_hi + 2) * w, above = static_cast<float>(c_lo - 1) * w;
+  const float slack = 0x1p-20f * (fabsf(row_max) + below);
+  LogitInterval range{c_hi >= kBins - 1 ? -kInf : row_max - below - slack, c_lo <= 1 ? kInf : row_max - above + slack};
+  return range.lo <= range.hi ? range : all;  // NaN or inf ends fail the test
+}
+
 template <typename T>
-__global__ void __launch_bounds__(kFilterThreads)
+__global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: FILTER_BLOCKS_TARGET
     filter_kernel(TsLogits logits, TsRows rows, const float* row_max_in, const float* row_min_in,
                   const int64_t* row_argmax, const uint8_t* stats_flags, int need_exact_mass, TsOutputs out,
                   TsWorkspace ws) {
@@ -1311,8 +1341,13 @@ __global__ void __launch_bounds__(kFilterThreads)
       const uint64_t mass_above = c_lo ? h.mass[c_lo - 1] : 0;
       const uint32_t n = h.count[c_hi] - count_above;
       const uint32_t l1 = k_cut ? static_cast<uint32_t>(k) : total_count;
-      if (threadIdx.x == 0 && ws.fallback_count) atomicAdd(ws.fallback_count, 1ull);
-      if (n > kResolveCap) {
+      // The cut bin holds one token (on spiky rows, often the spike whose mass reaches p x the total): top-p keeps
+      // it, and its exact score is the bin's winner unless it cannot beat the argmax. No re-read.
+      const bool one_token = !k_cut && n == 1 && !need_exact_mass;
+      if (!one_token && threadIdx.x == 0 && ws.fallback_count) atomicAdd(ws.fallback_count, 1ull);
+      if (one_token) {
+        token = key_index(max(best_above, cut_win));
+      } else if (n > kResolveCap) {
         flags |= 4u;
       } else {
         // ---- re-read the row, collect the cut range, sort, walk the prefix exactly
@@ -1322,18 +1357,30 @@ __global__ void __launch_bounds__(kFilterThreads)
         for (unsigned int i = threadIdx.x; i < padded; i += kFilterThreads) cand[i] = 0;
         if (threadIdx.x == 0) num_cand = 0;
         __syncthreads();
-        for (int64_t g = threadIdx.x; g < groups; g += kFilterThreads) {
-          float x[4];
-          load_group(row, g, vocab, aligned, x);
+        // One block reads the whole row here, so the loop is kept lean: kResolveBatch loads in flight a thread, a
+        // group skipped by its largest and smallest logit, and the exact z only for logits in the cut range's
+        // interval (one load at a time and a division a token, it took ~50 us of a 600 KB row on an H200).
+        const LogitInterval range = logits_of_bins(c_lo, c_hi, row_max, temperature, bin_scale);
+        for (int64_t g0 = threadIdx.x; g0 < groups; g0 += kResolveBatch * kFilterThreads) {
+          float x[kResolveBatch][4];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            sanitize(x[e]);
-            const float z = scaled(x[e], row_max, temperature);
-            if (!passes_min_p(x[e], z)) continue;
-            const int b = bin_of(z);
-            if (b < c_lo || b > c_hi) continue;
-            const int pos = atomicAdd(&num_cand, 1);
-            if (pos < kResolveCap) cand[pos] = rank_key(z, static_cast<uint32_t>(4 * g + e));
+          for (int u = 0; u < kResolveBatch; ++u)
+            if (g0 + u * kFilterThreads < groups) load_group(row, g0 + u * kFilterThreads, vocab, aligned, x[u]);
+#pragma unroll
+          for (int u = 0; u < kResolveBatch; ++u) {
+            const int64_t g = g0 + u * kFilterThreads;
+            if (g >= groups || !range.meets_group(x[u])) continue;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              sanitize(x[u][e]);
+              if (!range.holds(x[u][e])) continue;
+              const float z = scaled(x[u][e], row_max, temperature);
+              if (!passes_min_p(x[u][e], z)) continue;
+              const int b = bin_of(z);
+              if (b < c_lo || b > c_hi) continue;
+              const int pos = atomicAdd(&num_cand, 1);
+              if (pos < kResolveCap) cand[pos] = rank_key(z, static_cast<uint32_t>(4 * g + e));
+            }
           }
         }
         block_sort_desc<kFilterThreads>(cand, padded);

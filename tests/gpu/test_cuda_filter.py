@@ -1,0 +1,39 @@
+"""filter_kernel's cut-range resolution against the CPU reference.
+
+Where the cut bin's winner beats the bins above it (often on spiky rows under top-p), or a top-k above the largest
+bucket cuts inside a bin, the row's last block re-reads the row and collects the tokens of the cut range, testing
+the exact z only for logits inside an interval derived from the bins (sampling.cuh, logits_of_bins). These rows put
+that interval's ends far from the origin, near the bins' ends, and at extreme temperatures: a token the interval
+missed would change the kept set and the token drawn.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .conftest import logits, make_batch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
+
+ROWS, SAMPLES = 16, 4  # below 32 rows, top-p without k takes stats + filter (backends/cuda.py)
+
+
+@pytest.mark.parametrize("shift,scale,temperature", [
+    (0.0, 1.0, 1.0),
+    (1e4, 1.0, 1.0),        # |max| dwarfs the bins' width: the ends' rounding
+    (-3e4, 1.0, 0.05),
+    (0.0, 1e-3, 1.0),       # every logit within a few hundredths: wide bins in x
+    (50.0, 3.0, 40.0),      # T far above the spread
+])
+@pytest.mark.parametrize("params", [{"top_k": 1000}, {"top_p": 0.9}, {"top_k": 300, "top_p": 0.8},
+                                    {"top_p": 0.995, "min_p": 1e-4}])
+def test_cut_range_resolution_matches_reference(cuda_backend, cpu_backend, shift, scale, temperature, params):
+    x = logits("spiky", ROWS, 151936, seed=17) * scale + shift
+    batch = make_batch(x, num_samples=SAMPLES, seed=23, temperature=temperature, **params)
+    resolved_before = cuda_backend.fallbacks()["in_kernel"]
+    got, want = cuda_backend.sample(batch), cpu_backend.sample(batch)
+    mismatches = int((got.tokens != want.tokens).sum())
+    assert mismatches <= 1, f"{mismatches} of {got.tokens.numel()} tokens differ"
+    if "top_k" in params:  # a top-k above the largest bucket always resolves its cut range
+        assert cuda_backend.fallbacks()["in_kernel"] > resolved_before
