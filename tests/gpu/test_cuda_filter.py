@@ -23,7 +23,7 @@ ROWS, SAMPLES = 16, 4  # below 32 rows, top-p without k takes stats + filter (ba
     (0.0, 1.0, 1.0),
     (1e4, 1.0, 1.0),        # |max| dwarfs the bins' width: the ends' rounding
     (-3e4, 1.0, 0.05),
-    (0.0, 1e-3, 1.0),       # every logit within a few hundredths: wide bins in x
+    (0.0, 1e-3, 1.0),       # every logit within a few hundredths: bins ~2e-5 wide in x
     (50.0, 3.0, 40.0),      # T far above the spread
 ])
 @pytest.mark.parametrize("params", [{"top_k": 1000}, {"top_p": 0.9}, {"top_k": 300, "top_p": 0.8},
