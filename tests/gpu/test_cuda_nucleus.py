@@ -120,6 +120,26 @@ def test_frontier_matches_filter_on_the_agreement_matrix_case(cuda_backend):
         assert torch.equal(got, want), f"p={top_p} m={min_p}: {(got != want).nonzero().tolist()[:8]}"
 
 
+@pytest.mark.parametrize("kind", ["flat", "spiky"])
+def test_frontier_matches_filter_on_a_large_batch(cuda_backend, kind):
+    """B = 512 rows of V = 151936: the frontier grid runs in several waves while the mass pass's blocks wait on
+    each row's merge, so rows merge and are summed in every order; p from 0.02 to 0.995 (cuts before, among and
+    after the summed frontier tokens) and three temperatures, against the filter's tokens."""
+    kernels = cuda_backend._kernels
+    dev = kernels.device
+    gen = torch.Generator(device=dev).manual_seed(29 if kind == "flat" else 37)
+    b, vocab = 512, 151936
+    x = torch.randn(b, vocab, device=dev, generator=gen)
+    if kind == "spiky":
+        spikes = torch.randint(0, vocab, (b, 50), device=dev, generator=gen)
+        x.scatter_(1, spikes, torch.rand(b, 50, device=dev, generator=gen) * 20 + 10)
+    top_p = (0.02, 0.3, 0.6, 0.8, 0.9, 0.95, 0.99, 0.995)
+    for temperature in (1.0, 0.5, 3.0):
+        params = _params(b, dev, temperature, [top_p[i % len(top_p)] for i in range(b)], [0.0] * b)
+        got, want, _ = _both_routes(kernels, x, params, samples=1)
+        assert torch.equal(got, want), f"T={temperature}: rows {(got != want).any(1).nonzero().flatten().tolist()}"
+
+
 def _frontier_masses(kernels, x: torch.Tensor, params: RowParams, row: int) -> list[tuple[float, float]]:
     """(mass ahead, total) of each frontier token of one row and sample 0, on the CPU in float64: the
     tokens of z-order (z desc, id asc) whose exact score z + g beats every token ahead of them."""
