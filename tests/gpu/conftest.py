@@ -46,7 +46,7 @@ def make_batch(x: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0, top
         return_logprobs=return_logprobs, logprobs_mode=logprobs_mode, top_logprobs=top_logprobs)
 
 
-def _rows_of_kind(kind: str, b: int, vocab: int, gen: torch.Generator, dev: torch.device) -> torch.Tensor:
+def rows_of_kind(kind: str, b: int, vocab: int, gen: torch.Generator, dev: torch.device) -> torch.Tensor:
     """Rows that test the exact routes: spiky (randn + 50 spikes), flat (randn), tight (up to 3000 tokens
     within 1e-3 of each other at the top), plateau (every third logit 4.0), near_equal (5 + 1e-6 randn)."""
     x = torch.randn(b, vocab, device=dev, generator=gen)
@@ -64,9 +64,9 @@ def _rows_of_kind(kind: str, b: int, vocab: int, gen: torch.Generator, dev: torc
 
 
 def rows_of_every_kind(b: int, vocab: int, gen: torch.Generator, dev: torch.device):
-    """(kind, dtype, rows) for every kind of _rows_of_kind, each in fp32 and in bf16 (contiguous)."""
+    """(kind, dtype, rows) for every kind of rows_of_kind, each in fp32 and in bf16 (contiguous)."""
     for kind in ("spiky", "flat", "tight", "plateau", "near_equal"):
-        x = _rows_of_kind(kind, b, vocab, gen, dev)
+        x = rows_of_kind(kind, b, vocab, gen, dev)
         for dtype in (torch.float32, torch.bfloat16):
             yield kind, dtype, x.to(dtype).contiguous()
 

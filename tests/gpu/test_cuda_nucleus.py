@@ -16,7 +16,7 @@ import torch
 
 from tokensampler_server.backends.cuda_kernels import Outputs, RowParams
 
-from .conftest import degenerate_rows, rows_of_every_kind
+from .conftest import degenerate_rows, rows_of_every_kind, rows_of_kind
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 
@@ -129,10 +129,7 @@ def test_frontier_matches_filter_on_a_large_batch(cuda_backend, kind):
     dev = kernels.device
     gen = torch.Generator(device=dev).manual_seed(29 if kind == "flat" else 37)
     b, vocab = 512, 151936
-    x = torch.randn(b, vocab, device=dev, generator=gen)
-    if kind == "spiky":
-        spikes = torch.randint(0, vocab, (b, 50), device=dev, generator=gen)
-        x.scatter_(1, spikes, torch.rand(b, 50, device=dev, generator=gen) * 20 + 10)
+    x = rows_of_kind(kind, b, vocab, gen, dev)
     top_p = (0.02, 0.3, 0.6, 0.8, 0.9, 0.95, 0.99, 0.995)
     for temperature in (1.0, 0.5, 3.0):
         params = _params(b, dev, temperature, [top_p[i % len(top_p)] for i in range(b)], [0.0] * b)
