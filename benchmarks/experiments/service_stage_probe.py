@@ -16,8 +16,16 @@ Variants (each its own server process, monkeypatched in that process only):
   passthrough   base plus a grpc interceptor that returns the handler unchanged (grpc's interceptor cost);
   inline        base's native answers from a stream loop without the reader task and queue (every message
                 must be one the native path answers): what the stream plumbing costs.
+  bare          unary Sample without the call guard: the native path's answer returned as it is (no record,
+                no contextvars, no trailing metadata, no metrics); on the CPU backend the Python path's answer.
+  unaryfloor    unary Sample without the guard answering the first answer again at once: our server's unary
+                floor for these messages.
+  unaryfloorsync  the same after one tiny kernel and a device synchronisation.
+  guardfloor    unary Sample answering the first answer again at once, under the call guard (any backend): with
+                unaryfloor, what the guard alone costs a unary call.
 Each variant is timed with prebuilt request bytes (`raw`: no client-side protobuf work) and through the client
-library (`client`), base and python also as unary calls, in rounds interleaved with the echo (single runs on these machines swing by tens of percent).
+library (`client`), base and python also as unary calls (base also raw with the client's deadline and request id
+metadata: `unary raw md`), the unary variants as raw unary calls only, in rounds interleaved with the echo (single runs on these machines swing by tens of percent).
 --stages also prints the Python path's per-stage spans (variant python, else base) inside the server (parse, start with the backend, finish, yield);
 --idle times the backend call and the client's build + decode in this process, hot in a loop and after an
 idle wait, as a server and a waiting client run them. Findings: benchmarks/SERVICE_NOTES.md.
@@ -33,6 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,7 +118,7 @@ def _cache_validation() -> None:
 def _trace_stages(path: str) -> None:
     """Appends the median span of each stage of every 300 stream messages to `path`."""
     import grpc
-    from tokensampler_server import interceptor, sample_rpc
+    from tokensampler_server import call_guard, sample_rpc
 
     now, marks, spans = time.perf_counter_ns, {}, []
 
@@ -121,7 +130,7 @@ def _trace_stages(path: str) -> None:
             return out
         return wrapper
 
-    interceptor._parse = timed("p", interceptor._parse)
+    call_guard._parse = timed("p", call_guard._parse)
     sample_rpc.SamplePath.start = timed("s", sample_rpc.SamplePath.start)
     sample_rpc.SamplePath.finish = staticmethod(timed("f", sample_rpc.SamplePath.finish))
     stream_handler = grpc.stream_stream_rpc_method_handler
@@ -145,6 +154,39 @@ def _trace_stages(path: str) -> None:
         return stream_handler(behaviour, request_deserializer, serialise)
 
     grpc.stream_stream_rpc_method_handler = handler
+
+
+UNARY_VARIANTS = ("bare", "unaryfloor", "unaryfloorsync", "guardfloor")
+
+
+def _bare_unary(variant: str) -> None:
+    """Sample answered per the variant: without the call guard (bare, unaryfloor, unaryfloorsync), or with it
+    (guardfloor); every answer after the first one repeated (the floors) or answered anew (bare)."""
+    from tokensampler_server import call_guard, service
+    from tokensampler_server.call_record import CallRecord, current_call
+
+    if variant != "guardfloor":
+        guard = call_guard.CallGuard.guard
+        call_guard.CallGuard.guard = lambda self, handler, method: (
+            handler if method.endswith("/Sample") else guard(self, handler, method))
+    tiny = None
+    if variant == "unaryfloorsync":
+        import torch
+
+        tiny = torch.zeros(1, device="cuda")
+    first: list[bytes] = []
+
+    async def sample(self, request, context):
+        if variant == "bare" or not first:
+            record = current_call.get(None) or CallRecord(method="probe", request_id="probe")
+            first.append(await self._sample_path.unary(request, record))
+            return first[-1]
+        if tiny is not None:
+            tiny.add_(1)
+            torch.cuda.synchronize()
+        return first[0]
+
+    service.SamplerService.Sample = sample
 
 
 def _with_passthrough_interceptor() -> None:
@@ -172,6 +214,8 @@ def serve(variant: str, server_args: list[str]) -> int:
         _answer_inline()
     if variant == "passthrough":
         _with_passthrough_interceptor()
+    if variant in UNARY_VARIANTS:
+        _bare_unary(variant)
     if os.environ.get("PROBE_STAGES"):
         _trace_stages(os.environ["PROBE_STAGES"])
     sys.argv = [sys.argv[0], *server_args, *(["--no-native-path"] if variant == "python" else [])]
@@ -263,12 +307,18 @@ def measure(args: argparse.Namespace) -> None:
                     requests.put(raw)
                     return next(answers)
 
+                unary = channel.unary_unary("/tokensampler.v1.Sampler/Sample", _registered_method=True)
+                if variant in UNARY_VARIANTS:
+                    calls[f"{variant} unary raw B={batch}"] = lambda u=unary, raw=raw: u(raw)
+                    continue
                 calls[f"{variant} raw B={batch}"] = raw_call
                 if variant != "floor":  # its repeated answer is not this batch's
                     calls[f"{variant} client B={batch}"] = lambda s=stream, v=view, p=params: s.sample(v, **p)
                 if variant in ("base", "python", "passthrough"):  # their unary Sample is the server's own
-                    unary = channel.unary_unary("/tokensampler.v1.Sampler/Sample")
                     calls[f"{variant} unary raw B={batch}"] = lambda u=unary, raw=raw: u(raw)
+                    if variant == "base":
+                        calls[f"base unary raw md B={batch}"] = lambda u=unary, raw=raw: u(
+                            raw, timeout=60, metadata=(("x-request-id", uuid.uuid4().hex),))
                     calls[f"{variant} unary client B={batch}"] = lambda c=client, v=view, p=params: c.sample(v, **p)
         runs: dict[str, list[float]] = {name: [] for name in calls}
         for _ in range(args.rounds):
