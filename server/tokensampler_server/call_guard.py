@@ -171,7 +171,7 @@ class CallGuard:
             raw = serialize(message) if serialize is not None else message
             call = current_call.get(None)  # the guarded behaviour's record: grpc serialises in the call's task
             if call is not None:
-                self._metrics.observe_serialized(call, time.perf_counter_ns() - started)
+                self._metrics.observe_serialized_later(call, time.perf_counter_ns() - started)
             return raw
 
         return serialize_timed
@@ -185,25 +185,27 @@ class CallGuard:
             trailing = ((REQUEST_ID_METADATA_KEY, call.request_id),)
             context.set_trailing_metadata(trailing)
             code, error = grpc.StatusCode.OK, ""
-            with self._metrics.in_flight.track_inprogress():
-                try:
-                    if not streaming:
-                        parse_started = time.perf_counter_ns()
-                        request = _parse(deserialize, request)
-                        call.parse_ns = time.perf_counter_ns() - parse_started
-                    return await handler(_checked(request, streaming), context)
-                except grpc.aio.AbortError:  # the handler set its own status
-                    code = context.code() or grpc.StatusCode.UNKNOWN
-                    raise
-                except asyncio.CancelledError:  # the client cancelled, or its deadline passed
-                    code = grpc.StatusCode.CANCELLED
-                    raise
-                except Exception as err:
-                    code, error = failure_status(err, call.method, call.request_id)
-                finally:
-                    elapsed_ns = call.elapsed_ns()
-                    self._metrics.observe_call_later(call, code, elapsed_ns)  # recorded at the next scrape
-                    _log_call(call, code, elapsed_ns, error)
+            metrics = self._metrics
+            metrics.calls_in_flight += 1  # every guarded call runs on the server's event loop: no lock needed
+            try:
+                if not streaming:
+                    parse_started = time.perf_counter_ns()
+                    request = _parse(deserialize, request)
+                    call.parse_ns = time.perf_counter_ns() - parse_started
+                return await handler(_checked(request, streaming), context)
+            except grpc.aio.AbortError:  # the handler set its own status
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                raise
+            except asyncio.CancelledError:  # the client cancelled, or its deadline passed
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as err:
+                code, error = failure_status(err, call.method, call.request_id)
+            finally:
+                metrics.calls_in_flight -= 1
+                elapsed_ns = call.elapsed_ns()
+                metrics.observe_call_later(call, code, elapsed_ns)  # recorded at the next scrape
+                _log_call(call, code, elapsed_ns, error)
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 trailing += ((RETRYABLE_METADATA_KEY, "overload"),)
             await context.abort(code, f"{error} (request id {call.request_id})", trailing)

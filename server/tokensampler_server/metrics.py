@@ -138,7 +138,11 @@ class ServerMetrics:
     def __init__(self, backend: BackendInfo | None = None) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
-        self._later: deque[tuple[CallRecord, grpc.StatusCode, int]] = deque()
+        # Calls (call, code, duration) and response serialisations (seconds) recorded at the next scrape.
+        self._later: deque[tuple[CallRecord, grpc.StatusCode, int] | float] = deque()
+        self.calls_in_flight = 0
+        """Calls being served; counted by the call guard on the event loop (plain integer updates, read at scrape
+        time), where the gauge's track_inprogress took a lock twice a call."""
         registry.register(_FlushFirst(self))  # first: a scrape sees every call answered before it
         self.requests = Counter(
             "tokensampler_requests_total", "Finished calls by method and gRPC status code.",
@@ -173,6 +177,7 @@ class ServerMetrics:
         self.in_flight = Gauge(
             "tokensampler_in_flight_requests", "Calls being served now.", registry=registry,
         )
+        self.in_flight.set_function(lambda: self.calls_in_flight)
         self.queue_depth = Gauge(
             "tokensampler_queue_depth", "Validated batches waiting for the backend now (read at scrape time).",
             registry=registry,
@@ -235,24 +240,32 @@ class ServerMetrics:
         if call.batch is not None:  # keep its row counts, not the batch and its tensors, until then
             call.row_modes = tuple(count_row_modes(call.batch).tolist())
             call.batch = None
-        self._later.append((call, code, elapsed_ns))
+        self._keep_for_later((call, code, elapsed_ns))
+
+    def observe_serialized_later(self, call: CallRecord, serialize_ns: int) -> None:
+        """Records a Sample response's encoding and serialisation, which happen after the call's status is known, at
+        the next scrape."""
+        if call.batch is not None or call.row_modes is not None:
+            self._keep_for_later((call.encode_ns + serialize_ns) / 1e9)
+
+    def _keep_for_later(self, item: tuple[CallRecord, grpc.StatusCode, int] | float) -> None:
+        self._later.append(item)
         if len(self._later) >= _MAX_LATER:  # no scrape for a while: a few at a time, never a long pause
             self.flush(_FLUSH_CHUNK)
 
     def flush(self, most: int | None = None) -> None:
-        """Records the calls observe_call_later kept (all, or the `most` oldest; thread-safe: deque pops)."""
+        """Records what observe_call_later and observe_serialized_later kept (all, or the `most` oldest;
+        thread-safe: deque pops)."""
         later = self._later
         for _ in range(len(later) if most is None else most):
             try:
-                call, code, elapsed_ns = later.popleft()
+                item = later.popleft()
             except IndexError:
                 return
-            self.observe_call(call, code, elapsed_ns)
-
-    def observe_serialized(self, call: CallRecord, serialize_ns: int) -> None:
-        """Records the response's encoding and serialisation, which happen after the call's status is known."""
-        if call.batch is not None or call.row_modes is not None:
-            self.serialize_duration.observe((call.encode_ns + serialize_ns) / 1e9)
+            if isinstance(item, float):
+                self.serialize_duration.observe(item)
+            else:
+                self.observe_call(*item)
 
 
 def start_metrics_http(metrics: ServerMetrics, host: str, port: int) -> WSGIServer | None:
