@@ -16,8 +16,8 @@ Variants (each its own server process, monkeypatched in that process only):
   passthrough   base plus a grpc interceptor that returns the handler unchanged (grpc's interceptor cost);
   inline        base's native answers from a stream loop without the reader task and queue (every message
                 must be one the native path answers): what the stream plumbing costs.
-  bare          unary Sample without the call guard: the native path's answer returned as it is (no record,
-                no contextvars, no trailing metadata, no metrics); on the CPU backend the Python path's answer.
+  bare          unary Sample without the call guard (no contextvars, trailing metadata or metrics): each request
+                answered by SamplePath.unary (natively on CUDA, in Python on the CPU).
   unaryfloor    unary Sample without the guard answering the first answer again at once: our server's unary
                 floor for these messages.
   unaryfloorsync  the same after one tiny kernel and a device synchronisation.
@@ -25,7 +25,8 @@ Variants (each its own server process, monkeypatched in that process only):
                 unaryfloor, what the guard alone costs a unary call.
 Each variant is timed with prebuilt request bytes (`raw`: no client-side protobuf work) and through the client
 library (`client`), base and python also as unary calls (base also raw with the client's deadline and request id
-metadata: `unary raw md`), the unary variants as raw unary calls only, in rounds interleaved with the echo (single runs on these machines swing by tens of percent).
+metadata: `unary raw md`), the unary variants as raw unary calls only, in rounds interleaved with the echo (single
+runs on these machines swing by tens of percent).
 --stages also prints the Python path's per-stage spans (variant python, else base) inside the server (parse, start with the backend, finish, yield);
 --idle times the backend call and the client's build + decode in this process, hot in a loop and after an
 idle wait, as a server and a waiting client run them. Findings: benchmarks/SERVICE_NOTES.md.
@@ -159,7 +160,7 @@ def _trace_stages(path: str) -> None:
 UNARY_VARIANTS = ("bare", "unaryfloor", "unaryfloorsync", "guardfloor")
 
 
-def _bare_unary(variant: str) -> None:
+def _unary_variant(variant: str) -> None:
     """Sample answered per the variant: without the call guard (bare, unaryfloor, unaryfloorsync), or with it
     (guardfloor); every answer after the first one repeated (the floors) or answered anew (bare)."""
     from tokensampler_server import call_guard, service
@@ -174,7 +175,7 @@ def _bare_unary(variant: str) -> None:
         import torch
 
         tiny = torch.zeros(1, device="cuda")
-    first: list[bytes] = []
+    first: list[object] = []  # the first answer: bytes (native) or a SampleResponse (Python path)
 
     async def sample(self, request, context):
         if variant == "bare" or not first:
@@ -215,7 +216,7 @@ def serve(variant: str, server_args: list[str]) -> int:
     if variant == "passthrough":
         _with_passthrough_interceptor()
     if variant in UNARY_VARIANTS:
-        _bare_unary(variant)
+        _unary_variant(variant)
     if os.environ.get("PROBE_STAGES"):
         _trace_stages(os.environ["PROBE_STAGES"])
     sys.argv = [sys.argv[0], *server_args, *(["--no-native-path"] if variant == "python" else [])]
