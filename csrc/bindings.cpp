@@ -145,10 +145,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused(m);
   register_workloads(m);
   register_request_path(m);
-  m.def("noise", [](int64_t seed, int64_t position, int64_t iteration, int64_t sample, int64_t vocab, int64_t words,
-                    int64_t noise, int64_t stream) {
-    check(ts_noise(seed, position, iteration, static_cast<uint32_t>(sample), vocab, ptr<uint32_t>(words),
-                   ptr<float>(noise), ptr<void>(stream)),
+  m.def("noise", [](int64_t seed, int64_t position, int64_t iteration, int64_t sample, int64_t vocab,
+                    bool split_products, int64_t words, int64_t noise, int64_t stream) {
+    check(ts_noise(seed, position, iteration, static_cast<uint32_t>(sample), vocab, split_products ? 1 : 0,
+                   ptr<uint32_t>(words), ptr<float>(noise), ptr<void>(stream)),
           "noise");
   });
 }

@@ -165,11 +165,11 @@ __device__ __forceinline__ BlockHead block_head(const ThreadChunk& c, bool nan, 
 // best posted pilot of levels 0 .. k-2, which lie at least T/4 higher: clearly above it for T >=
 // kMinTemperature. A group is screened by its largest logit (a bound for each of its tokens), and a token is
 // kept only if its own bound does not drop it. level_best: kLevels zeroed words, ordered before this call.
-template <typename T>
+template <typename T, typename Noise>
 __device__ __forceinline__ void frontier_candidates(const ThreadChunk& c, const float (&p)[4], uint64_t best,
                                                     const BlockHead& head, unsigned int* level_best,
                                                     const RowView<T>& rv, int64_t vocab, int64_t g0,
-                                                    float temperature, float inv_t, const NoiseStream& noise,
+                                                    float temperature, float inv_t, const Noise& noise,
                                                     float* cand_x, float* cand_p, uint32_t* cand_id,
                                                     unsigned int* num_cand) {
   if (head.best == 0) return;  // no finite logit in the chunk
@@ -298,11 +298,11 @@ __device__ __forceinline__ void decide_row(const TsOutputs& pre, const TsOutputs
 // the row decided, left to filter_kernel, or marked kRowNeedsMass with the RowFrontier the mass pass sums against.
 // Warp 0 merges the blocks' partials across its lanes (lane i: block i, or i, i + 32, ... when there are more
 // blocks than lanes).
-template <typename T>
+template <typename T, typename Noise>
 __device__ __forceinline__ void merge_row_frontier(const FrontierPartial* partial, const RowView<T>& rv, int w,
                                                    int splits, const TsRows& rows, const TsOutputs& pre,
                                                    const TsOutputs& out, const TsWorkspace& ws, bool usable,
-                                                   float temperature, const NoiseStream& noise, uint64_t* pool) {
+                                                   float temperature, const Noise& noise, uint64_t* pool) {
   constexpr int kMaxSplits = kMergeCap / kFrontierCap;
   static_assert(kMaxSplits <= 32, "a lane a block's reports");
   __shared__ Stats row;
@@ -450,8 +450,10 @@ __device__ __forceinline__ void wait_until_row_merged(const unsigned int* counte
   __syncthreads();  // with thread 0's acquire, the other threads' reads of the row's results come after the merge
 }
 
+// Five blocks a SM at 48 registers, with Philox's split products (philox.cuh, PhiloxProducts): with the wide form
+// the kernel needs 64 registers (four blocks), or spills at 48.
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 4)
+__global__ void __launch_bounds__(kThreads, 5)
     frontier_kernel(TsLogits logits, TsRows rows, TsOutputs pre, TsOutputs out, TsWorkspace ws) {
   const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
   let_next_grid_launch();  // the mass pass waits for each row's merge (wait_until_row_merged), not the grid
@@ -462,7 +464,8 @@ __global__ void __launch_bounds__(kThreads, 4)
   // Rows the frontier can settle: no top-k, and temperatures that keep the proxies and the
   // rounding bounds above valid (the last block also checks the row max).
   const bool usable = rows.top_k[rv.r] <= 0 && temperature >= kMinTemperature && temperature <= 0x1p20f;
-  const NoiseStream noise = row_noise(rows, rv.r, static_cast<uint32_t>(out.sample));
+  const auto noise =
+      row_noise(rows, rv.r, static_cast<uint32_t>(out.sample)).template with_products<PhiloxProducts::kSplit>();
 
   float v[kGroupsPerThread][4];
   const bool nan = load_chunk(rv, logits.vocab, g0, v);

@@ -11,7 +11,15 @@ constexpr uint32_t kPhiloxM1 = 0xCD9E8D57u;
 constexpr uint32_t kPhiloxW0 = 0x9E3779B9u;
 constexpr uint32_t kPhiloxW1 = 0xBB67AE85u;
 
+// How a Philox round forms its two 32 x 32 -> 64-bit products; the words are the same either way.
+// kWide: one 64-bit product each, for which ptxas adds a zero to the high word (an instruction a product);
+// kSplit: __umulhi and a 32-bit product, without that add. The split form fits frontier_kernel in 48 registers
+// (five blocks a SM, top-p 3-6 % faster), but makes ptxas spill in the Gumbel kernels, where the results were
+// mixed: they keep the wide form (benchmarks/NOTES.md, forty-third session).
+enum class PhiloxProducts { kWide, kSplit };
+
 // Philox4x32-10 (Salmon et al., 2011): counter (c.x, c.y, c.z, c.w), key (k0, k1).
+template <PhiloxProducts kProducts = PhiloxProducts::kWide>
 __host__ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint32_t k0, uint32_t k1) {
 #pragma unroll
   for (int round = 0; round < 10; ++round) {
@@ -19,6 +27,13 @@ __host__ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint32_t k0, ui
       k0 += kPhiloxW0;
       k1 += kPhiloxW1;
     }
+#ifdef __CUDA_ARCH__
+    if constexpr (kProducts == PhiloxProducts::kSplit) {
+      c = make_uint4(__umulhi(kPhiloxM1, c.z) ^ c.y ^ k0, kPhiloxM1 * c.z, __umulhi(kPhiloxM0, c.x) ^ c.w ^ k1,
+                     kPhiloxM0 * c.x);
+      continue;
+    }
+#endif
     const uint64_t p0 = static_cast<uint64_t>(kPhiloxM0) * c.x;
     const uint64_t p1 = static_cast<uint64_t>(kPhiloxM1) * c.z;
     c = make_uint4(static_cast<uint32_t>(p1 >> 32) ^ c.y ^ k0, static_cast<uint32_t>(p1),
@@ -28,18 +43,24 @@ __host__ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint32_t k0, ui
 }
 
 // The noise stream of one row and one sample: token i uses word i mod 4 of counter (i div 4, ...).
-struct NoiseStream {
+template <PhiloxProducts kProducts = PhiloxProducts::kWide>
+struct BasicNoiseStream {
   uint32_t k0, k1, position, iteration, sample;
 
-  __host__ __device__ __forceinline__ static NoiseStream make(int64_t seed, int64_t position,
-                                                             int64_t iteration, uint32_t sample) {
+  __host__ __device__ __forceinline__ static BasicNoiseStream make(int64_t seed, int64_t position,
+                                                                  int64_t iteration, uint32_t sample) {
     const uint64_t s = static_cast<uint64_t>(seed);
-    return NoiseStream{static_cast<uint32_t>(s), static_cast<uint32_t>(s >> 32),
-                       static_cast<uint32_t>(position), static_cast<uint32_t>(iteration), sample};
+    return BasicNoiseStream{static_cast<uint32_t>(s), static_cast<uint32_t>(s >> 32),
+                            static_cast<uint32_t>(position), static_cast<uint32_t>(iteration), sample};
+  }
+  // The same stream, its words computed with the other product form.
+  template <PhiloxProducts kOther>
+  __host__ __device__ __forceinline__ BasicNoiseStream<kOther> with_products() const {
+    return BasicNoiseStream<kOther>{k0, k1, position, iteration, sample};
   }
   // The four words of tokens 4g .. 4g+3.
   __host__ __device__ __forceinline__ uint4 group(uint32_t g) const {
-    return philox4x32_10(make_uint4(g, position, iteration, sample), k0, k1);
+    return philox4x32_10<kProducts>(make_uint4(g, position, iteration, sample), k0, k1);
   }
   __host__ __device__ __forceinline__ uint32_t word(uint32_t token) const {
     const uint4 w = group(token >> 2);
@@ -47,6 +68,8 @@ struct NoiseStream {
     return j == 0 ? w.x : j == 1 ? w.y : j == 2 ? w.z : w.w;
   }
 };
+
+using NoiseStream = BasicNoiseStream<>;
 
 __host__ __device__ __forceinline__ uint32_t word_of(const uint4& w, int j) {
   return j == 0 ? w.x : j == 1 ? w.y : j == 2 ? w.z : w.w;

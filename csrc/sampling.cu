@@ -44,6 +44,16 @@ cudaError_t launch_topk(const TsLogits* logits, const TsRows* rows, const TsOutp
   return cudaGetLastError();
 }
 
+// The test hook's kernel (ts_noise), for either Philox product form.
+template <typename Noise>
+__global__ void noise_kernel(Noise noise, int64_t vocab, uint32_t* words, float* out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= vocab) return;
+  const uint32_t word = noise.word(static_cast<uint32_t>(i));
+  if (words) words[i] = word;
+  if (out) out[i] = gumbel_exact(word);
+}
+
 }  // namespace
 
 extern "C" {
@@ -174,21 +184,16 @@ int ts_nucleus(const TsLogits* logits, const TsRows* rows, const TsOutputs* pre,
   });
 }
 
-// The test hook's kernel: a plain (non-template) kernel lives in the one .cu file that launches it.
-static __global__ void noise_kernel(NoiseStream noise, int64_t vocab, uint32_t* words, float* out) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= vocab) return;
-  const uint32_t word = noise.word(static_cast<uint32_t>(i));
-  if (words) words[i] = word;
-  if (out) out[i] = gumbel_exact(word);
-}
-
-int ts_noise(int64_t seed, int64_t position, int64_t iteration, uint32_t sample, int64_t vocab, uint32_t* words,
-             float* noise, void* stream) {
+int ts_noise(int64_t seed, int64_t position, int64_t iteration, uint32_t sample, int64_t vocab, int split_products,
+             uint32_t* words, float* noise, void* stream) {
   if (vocab < 1) return cudaErrorInvalidValue;
   const NoiseStream stream_of_row = NoiseStream::make(seed, position, iteration, sample);
   const unsigned int blocks = static_cast<unsigned int>((vocab + 255) / 256);
-  noise_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(stream_of_row, vocab, words, noise);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (split_products)
+    noise_kernel<<<blocks, 256, 0, s>>>(stream_of_row.with_products<PhiloxProducts::kSplit>(), vocab, words, noise);
+  else
+    noise_kernel<<<blocks, 256, 0, s>>>(stream_of_row, vocab, words, noise);
   return cudaGetLastError();
 }
 

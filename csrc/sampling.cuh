@@ -108,7 +108,8 @@ __device__ __forceinline__ float scaled(float x, float row_max, float temperatur
 }
 
 // The score Gumbel-max ranks: z + g, correctly rounded, as a rank key.
-__device__ __forceinline__ uint64_t gumbel_key(float z, uint32_t id, const NoiseStream& noise) {
+template <typename Noise>
+__device__ __forceinline__ uint64_t gumbel_key(float z, uint32_t id, const Noise& noise) {
   return rank_key(__fadd_rn(z, gumbel_exact(noise.word(id))), id);
 }
 
@@ -412,9 +413,9 @@ __device__ __forceinline__ int pick_pilot(const float (&v)[kGroupsPerThread][4],
 // whose th < kNoWordPasses. When most slots of the warp need words (flat rows) their Philox chains
 // run unconditionally and interleaved; otherwise only the slots some lane needs,
 // warp by warp (spiky rows: few).
-template <int kSlots>
+template <int kSlots, typename Noise>
 __device__ __forceinline__ uint32_t groups_with_passing_words(const uint32_t (&th)[kSlots], uint32_t need, int pilot,
-                                                              uint32_t gbase, const NoiseStream& noise) {
+                                                              uint32_t gbase, const Noise& noise) {
   const uint32_t warp_need = __reduce_or_sync(0xffffffffu, need);
   uint32_t gmask = 0;
   if (__popc(warp_need) > kSlots / 2) {
@@ -438,9 +439,9 @@ __device__ __forceinline__ uint32_t groups_with_passing_words(const uint32_t (&t
 
 // Hands each group j of gmask (bit j: group gbase + j * kThreads) to redo(x, words, g), its four
 // logits re-read from L1/L2 and sanitized (a run-time j cannot index the chunk's registers).
-template <typename T, typename Redo>
+template <typename T, typename Noise, typename Redo>
 __device__ __forceinline__ void redo_groups(uint32_t gmask, uint32_t gbase, const RowView<T>& rv, int64_t vocab,
-                                            const NoiseStream& noise, Redo redo) {
+                                            const Noise& noise, Redo redo) {
   while (gmask) {
     const int j = __ffs(gmask) - 1;
     gmask &= gmask - 1;
@@ -457,9 +458,9 @@ __device__ __forceinline__ void redo_groups(uint32_t gmask, uint32_t gbase, cons
 // group from its largest logit (word_threshold; kNoWordPasses or more: no word can pass), the groups
 // where some Philox word passes, and for each of those its four sanitized logits (re-read from
 // L1/L2) and its words, handed to redo(x, words, g).
-template <typename T, typename WordThreshold, typename Redo>
+template <typename T, typename Noise, typename WordThreshold, typename Redo>
 __device__ __forceinline__ void redo_screened_groups(const float (&gx)[kGroupsPerThread], int pilot, uint32_t gbase,
-                                                     const RowView<T>& rv, int64_t vocab, const NoiseStream& noise,
+                                                     const RowView<T>& rv, int64_t vocab, const Noise& noise,
                                                      WordThreshold word_threshold, Redo redo) {
   constexpr int kSlots = kGroupsPerThread - 1;
   uint32_t th[kSlots];

@@ -100,8 +100,9 @@ size_t ts_nucleus_scratch_bytes(int32_t num_work_rows, int64_t vocab);
 int ts_nucleus(const TsLogits* logits, const TsRows* rows, const TsOutputs* pre, const TsOutputs* out,
                const TsWorkspace* ws, void* stream);
 
-/* Test hook: the Philox words and exact Gumbel noise of tokens [0, vocab) of one stream. */
-int ts_noise(int64_t seed, int64_t position, int64_t iteration, uint32_t sample, int64_t vocab,
+/* Test hook: the Philox words and exact Gumbel noise of tokens [0, vocab) of one stream, each Philox product
+ * formed as one 64-bit product (split_products = 0) or by __umulhi and a 32-bit product (1). */
+int ts_noise(int64_t seed, int64_t position, int64_t iteration, uint32_t sample, int64_t vocab, int split_products,
              uint32_t* words, float* noise, void* stream);
 
 #ifdef __cplusplus

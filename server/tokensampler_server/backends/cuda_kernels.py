@@ -279,11 +279,15 @@ class Kernels:
                             out.tokens.shape[1], sample, self.current_stream())
         self.filter(logits, params, pre, out, sample, rows=rows)
 
-    def noise(self, seed: int, position: int, iteration: int, sample: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The Philox words (int64 holding uint32) and exact Gumbel noise of one row: for tests."""
+    def noise(
+        self, seed: int, position: int, iteration: int, sample: int, vocab: int, split_products: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Philox words (int64 holding uint32) and exact Gumbel noise of one row: for tests. split_products: the
+        words computed with the product form of the kernels that take PhiloxProducts::kSplit (csrc/philox.cuh)."""
         words = torch.empty(vocab, dtype=torch.int32, device=self.device)
         noise = torch.empty(vocab, dtype=torch.float32, device=self.device)
-        self.module.noise(seed, position, iteration, sample, vocab, words.data_ptr(), noise.data_ptr(), self.current_stream())
+        self.module.noise(seed, position, iteration, sample, vocab, split_products, words.data_ptr(), noise.data_ptr(),
+                          self.current_stream())
         return words.to(torch.int64) & 0xFFFFFFFF, noise
 
     def topk_bucket(self, k: int) -> int:
