@@ -71,10 +71,11 @@ def rows_of_every_kind(b: int, vocab: int, gen: torch.Generator, dev: torch.devi
             yield kind, dtype, x.to(dtype).contiguous()
 
 
-def degenerate_rows(num_rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+def degenerate_rows(num_rows: int, vocab: int, device: torch.device,
+                    generator: torch.Generator | None = None) -> torch.Tensor:
     """randn rows (num_rows >= 3, vocab > 12345) but for three: 0 has no finite logit, 1 a NaN every 7th
     token (read as -inf), 2 a single finite logit, at id 12345."""
-    x = torch.randn(num_rows, vocab, device=device)
+    x = torch.randn(num_rows, vocab, device=device, generator=generator)
     x[0] = float("-inf")
     x[1, ::7] = float("nan")
     x[2, :] = float("-inf")

@@ -91,11 +91,13 @@ def test_rows_beyond_the_bounds_go_to_the_filter(cuda_backend):
 
 def test_invalid_and_nan_rows(cuda_backend):
     """Rows with NaN or +inf (read as -inf) that need the mass pass go to the filter: the mass pass reads
-    logits unsanitized. Rows 4 and 5 are such rows, with +inf and with NaN, with and without min-p."""
+    logits unsanitized. Rows 4 and 5 are such rows, with +inf and with NaN, with and without min-p. A row whose
+    frontier is the argmax alone needs no mass pass and is settled whatever its NaNs (8 of 300 random draws of
+    these rows, each time with the filter's tokens), so the rows are drawn from a fixed seed where none is."""
     kernels = cuda_backend._kernels
     dev = kernels.device
     b, vocab = 6, 20000
-    x = degenerate_rows(b, vocab, dev)
+    x = degenerate_rows(b, vocab, dev, torch.Generator(device=dev).manual_seed(0))
     x[4, 5::11] = float("inf")
     x[5, 3::5] = float("nan")
     params = _params(b, dev, 1.0, [0.9, 0.9, 0.5, 1.0, 0.9, 0.5], [0.0, 0.1, 0.0, 0.1, 0.05, 0.0])
