@@ -14,7 +14,7 @@ constexpr uint32_t kPhiloxW1 = 0xBB67AE85u;
 // How a Philox round forms its two 32 x 32 -> 64-bit products; the words are the same either way.
 // kWide: one 64-bit product each, for which ptxas adds a zero to the high word (an instruction a product);
 // kSplit: __umulhi and a 32-bit product, without that add. The split form fits frontier_kernel in 48 registers
-// (five blocks a SM, top-p 3-6 % faster), but makes ptxas spill in the Gumbel kernels, where the results were
+// (five blocks a SM, top-p 3-6 % faster from B = 64), but makes ptxas spill in the Gumbel kernels, where results were
 // mixed: they keep the wide form (benchmarks/NOTES.md, forty-third session).
 enum class PhiloxProducts { kWide, kSplit };
 
@@ -53,7 +53,7 @@ struct BasicNoiseStream {
     return BasicNoiseStream{static_cast<uint32_t>(s), static_cast<uint32_t>(s >> 32),
                             static_cast<uint32_t>(position), static_cast<uint32_t>(iteration), sample};
   }
-  // The same stream, its words computed with the other product form.
+  // The same stream, its words computed with product form kOther.
   template <PhiloxProducts kOther>
   __host__ __device__ __forceinline__ BasicNoiseStream<kOther> with_products() const {
     return BasicNoiseStream<kOther>{k0, k1, position, iteration, sample};
