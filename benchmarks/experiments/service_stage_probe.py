@@ -42,7 +42,6 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -268,6 +267,7 @@ def measure(args: argparse.Namespace) -> None:
     from bench_service import Echo, latency, share_tensor, start
     from generators import spiky_logits
     from tokensampler_client import SamplerClient
+    from tokensampler_client._channel import call_metadata, new_request_id
     from tokensampler_client.params import build_sample_request
 
     stages = Path(tempfile.mkdtemp(prefix="probe-")) / "stages.txt"
@@ -319,7 +319,7 @@ def measure(args: argparse.Namespace) -> None:
                     calls[f"{variant} unary raw B={batch}"] = lambda u=unary, raw=raw: u(raw)
                     if variant == "base":
                         calls[f"base unary raw md B={batch}"] = lambda u=unary, raw=raw: u(
-                            raw, timeout=60, metadata=(("x-request-id", uuid.uuid4().hex),))
+                            raw, timeout=60, metadata=call_metadata(new_request_id()))
                     calls[f"{variant} unary client B={batch}"] = lambda c=client, v=view, p=params: c.sample(v, **p)
         runs: dict[str, list[float]] = {name: [] for name in calls}
         for _ in range(args.rounds):
