@@ -525,8 +525,8 @@ __global__ void __launch_bounds__(kThreads, 5)
 // The approximate mass pass sums token masses 2^((x - max) * log2(e) / T) by the hardware exp2.
 // Against expf(z) of filter_kernel's exact z the relative error is below 4 |z| 2^-24 (the roundings of
 // the product) + 2^-21 (exp2, expf): under 2^-17 for |z| <= 20, where all but 2^-25 of any sum lies;
-// under 2^-15 for every result not flushed (|z| <= 87.4). Fp32 sums of a thread's <= 32 terms add 31
-// roundings (2^-19); each thread's sums then move to the units of mass_fixed, where integer sums are exact,
+// under 2^-15 for every result not flushed (|z| <= 87.4). Fp32 sums of a thread's <= 64 terms (two chunks) add 63
+// roundings (2^-18); each thread's sums then move to the units of mass_fixed, where integer sums are exact,
 // with half a unit a thread, less than half a unit a token against the exact fixed point (2^-23 of a total
 // >= 1, the argmax's mass). Every sum is within 2^-16 of the row's total of the exact fixed-point sum;
 // kMassTolerance leaves a factor of 4.
@@ -726,39 +726,66 @@ __device__ __forceinline__ void decide_top_p(const MassRow& m, float p, int64_t 
   }
 }
 
+// One chunk's approximate sums (from group g0) added to the thread's, by the variant of approximate_sums that the
+// chunk and the row need.
+template <typename T>
+__device__ __forceinline__ void add_chunk_sums(const float (&v)[kGroupsPerThread][4], int64_t g0, const RowView<T>& rv,
+                                               int64_t vocab, const MassRow& m, float& total,
+                                               float (&ahead)[kMassFrontier]) {
+  const bool split_chunk = chunk_is_split(m, g0);
+  if (m.min_p > 0.f) {
+    if (split_chunk) approximate_sums<T, true, true>(v, g0, rv, vocab, m, total, ahead);
+    else approximate_sums<T, true, false>(v, g0, rv, vocab, m, total, ahead);
+  } else {
+    if (split_chunk) approximate_sums<T, false, true>(v, g0, rv, vocab, m, total, ahead);
+    else approximate_sums<T, false, false>(v, g0, rv, vocab, m, total, ahead);
+  }
+}
+
+// Chunks a mass-pass block sums. The work a block does once (the wait for its row, the row's parameters, posting
+// the sums and the count) is about 40 % of a one-chunk block's instructions, so grids of several waves take two
+// chunks a block; smaller ones keep one, so that their blocks still fill the GPU.
+constexpr int kMassChunksPerBlockFrom = 2048;  // rows x chunks
+
+// Every block gets a chunk: with b = ceil(splits / 2) blocks, 2 (b - 1) < splits.
+__host__ __device__ inline int mass_blocks_per_row(int32_t num_work_rows, int splits) {
+  const bool two = static_cast<int64_t>(num_work_rows) * splits >= kMassChunksPerBlockFrom;
+  return two ? (splits + 1) / 2 : splits;
+}
+
 // The approximate mass pass over the rows frontier_kernel left with kRowNeedsMass: one read summing the mass
-// min-p keeps and the mass ahead of each of the last kMassFrontier frontier tokens, one chunk a block.
+// min-p keeps and the mass ahead of each of the last kMassFrontier frontier tokens, one or two chunks a block
+// (mass_blocks_per_row). A block's sums are fp32 over at most 64 tokens a thread (kMassTolerance's bound).
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 5)
     nucleus_mass_kernel(TsLogits logits, TsRows rows, TsOutputs pre, TsOutputs out, TsWorkspace ws) {
   // Rows in order: the first rows' merges are long done when the grid starts, while the frontier kernel's last
   // wave still reads the last rows (an order starting from the rows just before that wave, the likeliest still in
   // L2, measured 2 % slower at B = 256: benchmarks/NOTES.md, thirty-ninth session).
-  const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
+  const int w = blockIdx.y, blocks = gridDim.x, splits = num_splits(logits.vocab);
+  const int per_block = (splits + blocks - 1) / blocks;
+  const int first_chunk = blockIdx.x * per_block, end_chunk = min(splits, first_chunk + per_block);
   unsigned int* counter = ws.counters + w;
   const unsigned int merged = splits + 1;
   wait_until_row_merged(counter, merged);
   const RowView<T> rv = row_view<T>(logits, rows, w);
   const uint8_t sflags = pre.flags[rv.r];
   if (!(sflags & kRowNeedsMass)) {
-    finish_by_thread0_and_elect_last(counter, splits, merged);  // the count still returns to 0
+    finish_by_thread0_and_elect_last(counter, blocks, merged);  // the count still returns to 0
     return;
   }
-  const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
-  float v[kGroupsPerThread][4];
-  load_chunk_raw(rv, logits.vocab, g0, v);
   const MassRow m = mass_row(row_frontier(ws, w, splits, gridDim.y), pre.row_max[rv.r], rows.temperature[rv.r],
                              rows.min_p[rv.r]);
   float total = 0.f, ahead[kMassFrontier] = {0.f, 0.f, 0.f, 0.f};
-  const bool split_chunk = chunk_is_split(m, g0);
-  if (m.min_p > 0.f) {
-    if (split_chunk) approximate_sums<T, true, true>(v, g0, rv, logits.vocab, m, total, ahead);
-    else approximate_sums<T, true, false>(v, g0, rv, logits.vocab, m, total, ahead);
-  } else {
-    if (split_chunk) approximate_sums<T, false, true>(v, g0, rv, logits.vocab, m, total, ahead);
-    else approximate_sums<T, false, false>(v, g0, rv, logits.vocab, m, total, ahead);
+  for (int chunk = first_chunk; chunk < end_chunk; ++chunk) {
+    // Each chunk's read and its sums in one basic block: with the first read ahead of the loop, ptxas took every
+    // token's exponent as ready at once, scheduled them all first and spilled.
+    const int64_t g0 = static_cast<int64_t>(chunk) * kChunkGroups;
+    float v[kGroupsPerThread][4];
+    load_chunk_raw(rv, logits.vocab, g0, v);
+    add_chunk_sums(v, g0, rv, logits.vocab, m, total, ahead);
   }
-  if (post_block_sums_and_elect_last(total, ahead, m.rf, counter, splits, merged) && threadIdx.x == 0)
+  if (post_block_sums_and_elect_last(total, ahead, m.rf, counter, blocks, merged) && threadIdx.x == 0)
     decide_top_p<false>(m, rows.top_p[rv.r], rv.r, sflags, pre, out, ws);
 }
 

@@ -174,7 +174,8 @@ int ts_nucleus(const TsLogits* logits, const TsRows* rows, const TsOutputs* pre,
     using T = decltype(t);
     frontier_kernel<T><<<grid, kThreads, 0, s>>>(*logits, *rows, *pre, *out, *ws);
     if (cudaError_t e = cudaGetLastError()) return e;
-    if (cudaError_t e = launch_after_previous(&nucleus_mass_kernel<T>, grid, dim3(kThreads), 0, s, *logits, *rows,
+    const dim3 mass_grid(mass_blocks_per_row(rows->num_work_rows, static_cast<int>(grid.x)), grid.y);
+    if (cudaError_t e = launch_after_previous(&nucleus_mass_kernel<T>, mass_grid, dim3(kThreads), 0, s, *logits, *rows,
                                               *pre, *out, *ws))
       return e;
     const int at_once = rows->num_work_rows < kExactRowsAtOnce ? rows->num_work_rows : kExactRowsAtOnce;

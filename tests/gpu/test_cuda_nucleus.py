@@ -159,21 +159,25 @@ def _frontier_masses(kernels, x: torch.Tensor, params: RowParams, row: int) -> l
     return frontier
 
 
-def test_cuts_the_approximate_mass_pass_cannot_place(cuda_backend):
+@pytest.mark.parametrize("b,vocab", [(16, 20000), (128, 151936)])
+def test_cuts_the_approximate_mass_pass_cannot_place(cuda_backend, b, vocab):
     """Two kinds of rows the approximate mass pass must not decide. p x total within a part in 10^7 of
     the mass ahead of one of the last two frontier tokens, closer than its sums can tell
     (kMassTolerance): the exact mass pass decides them (a wrong approximate decision would show as a
     token different from the filter's about half the time). p between the masses ahead of the sixth and
     fifth last frontier tokens, before the last four whose masses the passes sum (kMassFrontier): the
-    filter's exact fixed point samples them."""
+    filter's exact fixed point samples them. In the first 16 rows; at B = 128, V = 151936 the mass pass
+    takes two chunks a block (mass_blocks_per_row) and the other rows keep p = 0.9."""
     kernels = cuda_backend._kernels
     dev = kernels.device
     gen = torch.Generator(device=dev).manual_seed(11)
-    b, vocab = 16, 20000
     x = torch.randn(b, vocab, device=dev, generator=gen)
     base = _params(b, dev, 2.0, [0.9] * b, [0.0] * b)
     top_p, near_cut, early_cut = [], [], []
     for row in range(b):
+        if row >= 16:
+            top_p.append(0.9)
+            continue
         frontier = _frontier_masses(kernels, x, base, row)
         total = frontier[0][1]
         if row % 2 == 0 and len(frontier) >= 3:
