@@ -37,7 +37,7 @@ from ..sampling import HiddenInput, LogitProcessing, LogprobsMode, SamplingBatch
 from . import cuda_fused
 from .base import Backend, BackendInfo
 from .cuda_build import CudaBackendUnavailable
-from .cuda_kernels import Kernels, Outputs
+from .cuda_kernels import FILTER_BLOCKS_TARGET, NUCLEUS_FILTER_BLOCKS_TARGET, Kernels, Outputs
 from .processing import apply_processing
 
 _FLAG_NAN, _FLAG_INVALID, _FLAG_CPU = 1, 2, 4
@@ -545,7 +545,7 @@ class CudaBackend(Backend):
                     if frontier:
                         k.launch_nucleus(data, b, v, dt, rows, n, params, out.pre, filt, num_samples, s, stream)
                     k.launch_filter(data, b, v, dt, rows, n, params, out.pre_stats, processed, filt, num_samples, s,
-                                    stream)
+                                    stream, NUCLEUS_FILTER_BLOCKS_TARGET if frontier else FILTER_BLOCKS_TARGET)
                 if needs_cpu is not None:
                     needs_cpu |= flags & _FLAG_CPU
             if needs_cpu is not None:

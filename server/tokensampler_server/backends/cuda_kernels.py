@@ -20,6 +20,10 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 FILTER_BLOCKS_TARGET = 264  # filter-kernel blocks to aim for: two per multiprocessor on an H100/H200
+# After the frontier route the filter gets only the rows the frontier left (rare), and its grid is mostly blocks that
+# find their row decided: one block a multiprocessor (one a row from 132 rows) took 0.5 us off flat top-p at B = 256
+# against two (benchmarks/NOTES.md, forty-fourth session).
+NUCLEUS_FILTER_BLOCKS_TARGET = FILTER_BLOCKS_TARGET // 2
 
 
 def stream_address(device: torch.device) -> int:
@@ -203,9 +207,9 @@ class Kernels:
 
     def launch_filter(self, data: int, b: int, v: int, dt: int, rows: int, num_work: int, params: list[int],
                       stats: list[int], need_exact_mass: bool, out: list[int], num_samples: int, sample: int,
-                      stream: int) -> None:
+                      stream: int, blocks_target: int = FILTER_BLOCKS_TARGET) -> None:
         """stats: row_max, row_min, argmax ([B, 1] int64) and flags of stats() on the same rows."""
-        splits = max(1, min(64, -(-FILTER_BLOCKS_TARGET // max(num_work, 1))))
+        splits = max(1, min(64, -(-blocks_target // max(num_work, 1))))
         ws = self._workspace(num_work, 0, hist=splits > 1)
         self.module.filter(data, b, v, dt, rows, num_work, params, stats, int(need_exact_mass), splits, out,
                            num_samples, sample, ws, stream)
@@ -255,7 +259,8 @@ class Kernels:
                          self.current_stream())
 
     def filter(self, logits: torch.Tensor, params: RowParams, stats: Outputs, out: Outputs, sample: int, *,
-               rows: torch.Tensor | None = None, need_exact_mass: bool = False) -> None:
+               rows: torch.Tensor | None = None, need_exact_mass: bool = False,
+               blocks_target: int = FILTER_BLOCKS_TARGET) -> None:
         """Exact top-p/min-p/large-k sampling of column `sample`, after stats() on the same rows.
 
         `stats` is what stats() wrote: row_max, row_min, flags, and tokens [B, 1] (the argmax).
@@ -267,7 +272,8 @@ class Kernels:
         self.launch_filter(data, b, v, dt, rptr, n, params.pointers(),
                            [stats.row_max.data_ptr(), stats.row_min.data_ptr(), stats.tokens.data_ptr(),
                             stats.flags.data_ptr()],
-                           need_exact_mass, out.pointers(), out.tokens.shape[1], sample, self.current_stream())
+                           need_exact_mass, out.pointers(), out.tokens.shape[1], sample, self.current_stream(),
+                           blocks_target)
 
     def nucleus(self, logits: torch.Tensor, params: RowParams, pre: Outputs, out: Outputs, sample: int, *,
                 rows: torch.Tensor | None = None) -> None:
@@ -277,7 +283,7 @@ class Kernels:
         rptr, n = self._rows(rows, b)
         self.launch_nucleus(data, b, v, dt, rptr, n, params.pointers(), pre.pointers(), out.pointers(),
                             out.tokens.shape[1], sample, self.current_stream())
-        self.filter(logits, params, pre, out, sample, rows=rows)
+        self.filter(logits, params, pre, out, sample, rows=rows, blocks_target=NUCLEUS_FILTER_BLOCKS_TARGET)
 
     def noise(
         self, seed: int, position: int, iteration: int, sample: int, vocab: int, split_products: bool = False
