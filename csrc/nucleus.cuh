@@ -743,7 +743,7 @@ __device__ __forceinline__ void add_chunk_sums(const float (&v)[kGroupsPerThread
 }
 
 // Chunks a mass-pass block sums. The work a block does once (the wait for its row, the row's parameters, posting
-// the sums and the count) is about 40 % of a one-chunk block's instructions, so grids of several waves take two
+// the sums and the count) is about 45 % of a one-chunk block's instructions, so grids of several waves take two
 // chunks a block; smaller ones keep one, so that their blocks still fill the GPU.
 constexpr int kMassChunksPerBlockFrom = 2048;  // rows x chunks
 

@@ -208,7 +208,8 @@ class Kernels:
     def launch_filter(self, data: int, b: int, v: int, dt: int, rows: int, num_work: int, params: list[int],
                       stats: list[int], need_exact_mass: bool, out: list[int], num_samples: int, sample: int,
                       stream: int, blocks_target: int = FILTER_BLOCKS_TARGET) -> None:
-        """stats: row_max, row_min, argmax ([B, 1] int64) and flags of stats() on the same rows."""
+        """stats: row_max, row_min, argmax ([B, 1] int64) and flags of stats() on the same rows. blocks_target: the
+        blocks the grid aims at (ceil(target / rows) a row, 1 to 64)."""
         splits = max(1, min(64, -(-blocks_target // max(num_work, 1))))
         ws = self._workspace(num_work, 0, hist=splits > 1)
         self.module.filter(data, b, v, dt, rows, num_work, params, stats, int(need_exact_mass), splits, out,
