@@ -18,11 +18,10 @@ import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(BENCHMARKS), str(BENCHMARKS.parent / "server")]
-from bench_fused import fused_fn  # noqa: E402
+from bench_fused import D, V, fused_fn  # noqa: E402
 from bench_kernels import tokensampler_fn  # noqa: E402
 from tokensampler_server.backends.cuda_kernels import Kernels  # noqa: E402
 
-V, D = 151936, 4096
 SECONDS = 2.0
 
 
