@@ -36,7 +36,7 @@ from .workloads import (
     build_verify_request,
 )
 from .stream import SampleStream
-from .weights import DEFAULT_CHUNK_BYTES, Progress, WeightUpload, weight_options
+from .weights import DEFAULT_CHUNK_BYTES, Progress, WeightUpload, region_weights_request, weight_options
 from .wire import sample_methods
 
 Response = TypeVar("Response")
@@ -294,6 +294,24 @@ class SamplerClient:
         options = weight_options(vocab_size=vocab_size, bias=bias, soft_cap=soft_cap, logit_scale=logit_scale)
         request = pb.RegisterWeightsFromFileRequest(name=name, path=path, tensor=tensor, options=options)
         return self._call(self._stub.RegisterWeightsFromFile, request, timeout, None)
+
+    def register_weights_from_region(
+        self,
+        name: str,
+        weight: RegionView,
+        *,
+        vocab_size: int | None = None,
+        bias: Any = None,
+        soft_cap: float | None = None,
+        logit_scale: float | None = None,
+        timeout: float | None = None,
+    ) -> pb.WeightsInfo:
+        """Registers the LM head W [V, D] that lies in a registered region, in place: the engine's own weight,
+        `client.register_cuda_region("lm_head", w)` then `register_weights_from_region("lm_head", region.view_of(w))`.
+        Keep W alive and unchanged until the weight is unregistered; the region cannot be unregistered before."""
+        options = weight_options(vocab_size=vocab_size, bias=bias, soft_cap=soft_cap, logit_scale=logit_scale)
+        request = region_weights_request(name, weight, options)
+        return self._call(self._stub.RegisterWeightsFromRegion, request, timeout, None)
 
     def list_weights(self, *, timeout: float | None = None) -> list[pb.WeightsInfo]:
         """The registered weights."""

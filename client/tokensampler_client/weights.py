@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._proto import sampler_pb2 as pb
+from .regions import RegionView
 from .tensors import as_torch, encode_tensor
 
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
@@ -29,6 +30,13 @@ def weight_options(
     if logit_scale is not None:
         options.logit_scale = logit_scale
     return options
+
+
+def region_weights_request(name: str, weight: RegionView, options: pb.WeightOptions) -> pb.RegisterWeightsFromRegionRequest:
+    """The request that registers the LM head W [V, D] lying at `weight` in a registered region."""
+    if not isinstance(weight, RegionView) or len(weight.shape) != 2:
+        raise ValueError(f"weight: expected the RegionView of W [V, D] (region.view_of(lm_head_weight)), got {weight!r}")
+    return pb.RegisterWeightsFromRegionRequest(name=name, weight=weight.ref(), options=options)
 
 
 class WeightUpload:

@@ -42,6 +42,11 @@ class RefCountedRegistry(Generic[T]):
             self._in_flight[id(item)] = 0
         return item
 
+    def get(self, name: str) -> T | None:
+        """The item registered as `name`, without holding it; None if there is none."""
+        with self._lock:
+            return self._items.get(name)
+
     def items(self) -> list[T]:
         with self._lock:
             return list(self._items.values())

@@ -4,6 +4,8 @@ A region is a flat byte buffer: a POSIX shared-memory segment (CPU) or a CUDA al
 IPC handle (GPU). Requests name (region, offset, dtype, shape), or for logits rows anywhere in a region
 (region, dtype, row size, one offset per row); every reference is bounds-checked.
 Requests hold the region while they use it; unregistering waits for them, then releases the mapping.
+A region that holds a registered LM-head weight (RegisterWeightsFromRegion) cannot be unregistered
+until that weight is.
 The producer owns the memory, keeps it alive while registered, and finishes writing (synchronises
 its CUDA stream) before it sends a request that reads it.
 """
@@ -41,6 +43,8 @@ class Region:
     release: Callable[[], None]
     producer_pid: int = 0
     """The producing process (cuda_ipc), 0 when unknown: its memory goes when it exits."""
+    weights: set[str] = field(default_factory=set)
+    """Names of the registered weights that lie in this region."""
     views: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = field(default_factory=dict, repr=False)
     """Tensors of the references already resolved: a decode loop names the same few every step, and
     slicing a view anew costs more than the rest of the lookup."""
@@ -248,6 +252,11 @@ class RegionRegistry:
             yield region
 
     async def unregister(self, name: str) -> Region:
+        region = self._regions.get(name)
+        if region is not None and region.weights:
+            raise ServiceError(
+                f"name: region {name!r} holds the registered weight(s) {sorted(region.weights)}; "
+                "unregister them first", grpc.StatusCode.FAILED_PRECONDITION)
         if self._mirror is not None:  # first: from here on, only requests that see NOT_FOUND
             self._mirror.region_removed(name)
         region = await self._regions.remove(name)

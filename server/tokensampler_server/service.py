@@ -34,13 +34,13 @@ from .sample_rpc import SamplePath
 from .validation import LOGITS_DTYPES
 from .validation_ops import validate_diffusion_request, validate_topk_request, validate_verify_request
 from .weights import WEIGHT_DTYPES, RegisteredWeight, WeightRegistry, load_safetensors, resolve_weights_path, sha256_hex
-from .weights_rpc import finish_from_options, read_upload, weights_info
+from .weights_rpc import WIRE_DTYPES, finish_from_options, read_upload, weights_info
 
 API_VERSION = "tokensampler.v1"
 FEATURES = (
     "logits", "hidden_states", "weights_upload", "weights_from_file", "logprobs", "top_logprobs", "penalties",
     "logit_bias", "token_masks", "num_samples", "dynamic_batching", "sample_stream", "regions", "diffusion_step",
-    "topk_probs", "verify_draft", "diffusion_step_hidden", "topk_probs_hidden", "region_rows",
+    "topk_probs", "verify_draft", "diffusion_step_hidden", "topk_probs_hidden", "region_rows", "weights_from_region",
 )
 
 
@@ -182,6 +182,20 @@ class SamplerService(pb_grpc.SamplerServicer):
         finish = finish_from_options(request.options, int(weight.shape[0]))
         entry = self._registry.register(request.name, weight, finish, sha256_hex(weight))
         return weights_info(entry)
+
+    async def RegisterWeightsFromRegion(
+        self, request: pb.RegisterWeightsFromRegionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WeightsInfo:
+        if not request.HasField("weight"):
+            raise InvalidArgument("weight", "not set; expected a reference to W [V, D] in a registered region")
+        with self._regions.use(request.weight.region, "weight.region") as region:
+            weight = region.tensor(request.weight, "weight", WIRE_DTYPES)
+            if weight.dim() != 2 or min(weight.shape) < 1:
+                raise InvalidArgument("weight.shape", f"got {list(weight.shape)}, expected [V, D] with V, D >= 1")
+            if weight.numel() * weight.element_size() > self._limits.max_weight_bytes:
+                raise InvalidArgument("weight.shape", f"{list(weight.shape)} is larger than {self._limits.max_weight_bytes} bytes")
+            finish = finish_from_options(request.options, int(weight.shape[0]))
+            return weights_info(self._registry.register(request.name, weight, finish, sha256="", region=region))
 
     async def ListWeights(self, request: pb.ListWeightsRequest, context: grpc.aio.ServicerContext) -> pb.ListWeightsResponse:
         registry = self._registry

@@ -2,7 +2,8 @@
 
 A weight is usable only once it is complete and verified (uploads are assembled aside and checked
 against their SHA-256 first). Requests hold a reference while they use a weight; unregistering waits
-until none does, then frees it.
+until none does, then frees it. A weight registered from a region is a view of the producer's memory:
+the region stays registered while the weight does, and a request fails cleanly once its producer exited.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import torch
 
 from .errors import InvalidArgument, ServiceError
 from .refcounted import RefCountedRegistry
+from .regions import Region
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows of W upcast to fp32 at once when computing logits (32 MiB of fp32 at D = 4096).
@@ -43,6 +46,9 @@ class RegisteredWeight:
     """[padded V, D] on the backend's device."""
     finish: LogitsFinish
     sha256: str
+    """Empty for a weight in a region, whose bytes are the producer's."""
+    region: Region | None = None
+    """The region W lies in (RegisterWeightsFromRegion), else None."""
 
     @property
     def padded_vocab_size(self) -> int:
@@ -165,14 +171,20 @@ class WeightRegistry:
         self._device = device
         self._weights: RefCountedRegistry[RegisteredWeight] = RefCountedRegistry("weight")
 
-    def register(self, name: str, weight: torch.Tensor, finish: LogitsFinish, sha256: str) -> RegisteredWeight:
-        """Makes a complete, verified weight usable under `name` (ALREADY_EXISTS if taken)."""
+    def register(
+        self, name: str, weight: torch.Tensor, finish: LogitsFinish, sha256: str, region: Region | None = None
+    ) -> RegisteredWeight:
+        """Makes a complete, verified weight usable under `name` (ALREADY_EXISTS if taken). A weight that
+        lies in `region` on this registry's device is used in place, not copied."""
         if weight.dtype not in WEIGHT_DTYPES or weight.dim() != 2:
             raise InvalidArgument("weight", f"got {weight.dtype} {list(weight.shape)}, expected a [V, D] float tensor")
         placed = weight.to(self._device).contiguous()
         bias = None if finish.bias is None else finish.bias.to(self._device)
-        entry = RegisteredWeight(name=name, weight=placed, finish=replace(finish, bias=bias), sha256=sha256)
-        return self._weights.add(name, entry)
+        entry = RegisteredWeight(name=name, weight=placed, finish=replace(finish, bias=bias), sha256=sha256, region=region)
+        self._weights.add(name, entry)
+        if region is not None:
+            region.weights.add(name)
+        return entry
 
     def list(self) -> list[RegisteredWeight]:
         return self._weights.items()
@@ -184,10 +196,19 @@ class WeightRegistry:
     def total_bytes(self) -> int:
         return sum(entry.nbytes for entry in self.list())
 
-    def use(self, name: str, field: str = "hidden.weights") -> AbstractContextManager[RegisteredWeight]:
-        """Holds weight `name` for the duration of a request (NOT_FOUND naming `field` if unknown)."""
-        return self._weights.use(name, field)
+    @contextmanager
+    def use(self, name: str, field: str = "hidden.weights") -> Iterator[RegisteredWeight]:
+        """Holds weight `name` for the duration of a request (NOT_FOUND naming `field` if unknown;
+        FAILED_PRECONDITION if it lies in a region whose producer has exited)."""
+        with self._weights.use(name, field) as entry:
+            if entry.region is not None:
+                entry.region.check_producer(field)
+            yield entry
 
     async def unregister(self, name: str) -> RegisteredWeight:
-        """Removes `name` at once for new requests, waits for the ones using it, then frees it."""
-        return await self._weights.remove(name)
+        """Removes `name` at once for new requests, waits for the ones using it, then frees it (and
+        lets its region go)."""
+        entry = await self._weights.remove(name)
+        if entry.region is not None:
+            entry.region.weights.discard(name)
+        return entry

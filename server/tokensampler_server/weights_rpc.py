@@ -51,6 +51,7 @@ def weights_info(entry: RegisteredWeight, in_flight: int = 0) -> pb.WeightsInfo:
         bytes=entry.nbytes,
         sha256=entry.sha256,
         in_flight=in_flight,
+        region=entry.region.name if entry.region is not None else "",
     )
 
 

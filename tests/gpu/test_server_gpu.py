@@ -103,6 +103,36 @@ def test_hidden_states_on_the_gpu(client: SamplerClient) -> None:
         client.unregister_weights("gpu-head")
 
 
+def test_a_weight_registered_from_an_ipc_region_is_the_engines_own_memory(client: SamplerClient) -> None:
+    """The engine's bf16 head shared by CUDA IPC and registered in place: the server allocates no copy of W,
+    the fused kernel samples from it what it samples from the same head uploaded, and the engine's later
+    writes to it are what the next request sees."""
+    gen = torch.Generator().manual_seed(4)
+    weight = (torch.randn(V, 1024, generator=gen) / 32).bfloat16().cuda()
+    region = client.register_cuda_region("engine-head", weight)
+    torch.cuda.synchronize()
+    allocated = client.server_info().device_memory_allocated_bytes
+    info = client.register_weights_from_region("ipc-head", region.view_of(weight))
+    try:
+        assert (info.region, info.padded_vocab_size, info.hidden_size) == ("engine-head", V, 1024)
+        assert client.server_info().device_memory_allocated_bytes - allocated < weight.numel()  # under half of W
+        client.register_weights("uploaded-head", weight.cpu(), chunk_bytes=64 << 20)
+        hidden = torch.randn(16, 1024, generator=gen).bfloat16()  # bf16 like W: the fused kernel's case
+        params = dict(top_k=50, top_p=0.9, seed=list(range(16)), num_samples=4, return_logprobs=True)
+        in_place = client.sample_hidden(hidden, "ipc-head", **params)
+        uploaded = client.sample_hidden(hidden, "uploaded-head", **params)
+        assert torch.equal(in_place.tokens, uploaded.tokens) and torch.equal(in_place.logprobs, uploaded.logprobs)
+        weight[7].fill_(1.0)  # the engine rewrites its head: token 7 now scores 1024 against ones
+        torch.cuda.synchronize()
+        greedy = client.sample_hidden(torch.ones(2, 1024, dtype=torch.bfloat16), "ipc-head", temperature=0)
+        assert greedy.tokens.flatten().tolist() == [7, 7]
+    finally:
+        for name in ("ipc-head", "uploaded-head"):
+            if name in {w.name for w in client.list_weights()}:
+                client.unregister_weights(name)
+        client.unregister_region(region)
+
+
 def test_ipc_region_of_another_gpu_uuid_is_not_found(cuda_server: RunningServer) -> None:
     from tokensampler_client._proto import sampler_pb2 as pb
     from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc

@@ -299,8 +299,18 @@ class RegisterWeightsFromFileRequest(_message.Message):
     options: WeightOptions
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., tensor: _Optional[str] = ..., options: _Optional[_Union[WeightOptions, _Mapping]] = ...) -> None: ...
 
+class RegisterWeightsFromRegionRequest(_message.Message):
+    __slots__ = ("name", "weight", "options")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    weight: TensorRef
+    options: WeightOptions
+    def __init__(self, name: _Optional[str] = ..., weight: _Optional[_Union[TensorRef, _Mapping]] = ..., options: _Optional[_Union[WeightOptions, _Mapping]] = ...) -> None: ...
+
 class WeightsInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "padded_vocab_size", "hidden_size", "dtype", "bytes", "sha256", "in_flight")
+    __slots__ = ("name", "vocab_size", "padded_vocab_size", "hidden_size", "dtype", "bytes", "sha256", "in_flight", "region")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     PADDED_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +319,7 @@ class WeightsInfo(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     padded_vocab_size: int
@@ -317,7 +328,8 @@ class WeightsInfo(_message.Message):
     bytes: int
     sha256: str
     in_flight: int
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., padded_vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., in_flight: _Optional[int] = ...) -> None: ...
+    region: str
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., padded_vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., in_flight: _Optional[int] = ..., region: _Optional[str] = ...) -> None: ...
 
 class ListWeightsRequest(_message.Message):
     __slots__ = ()

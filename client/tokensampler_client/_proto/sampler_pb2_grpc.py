@@ -100,6 +100,11 @@ class SamplerStub(object):
                 request_serializer=tokensampler_dot_v1_dot_sampler__pb2.UnregisterRegionRequest.SerializeToString,
                 response_deserializer=tokensampler_dot_v1_dot_sampler__pb2.UnregisterRegionResponse.FromString,
                 _registered_method=True)
+        self.RegisterWeightsFromRegion = channel.unary_unary(
+                '/tokensampler.v1.Sampler/RegisterWeightsFromRegion',
+                request_serializer=tokensampler_dot_v1_dot_sampler__pb2.RegisterWeightsFromRegionRequest.SerializeToString,
+                response_deserializer=tokensampler_dot_v1_dot_sampler__pb2.WeightsInfo.FromString,
+                _registered_method=True)
 
 
 class SamplerServicer(object):
@@ -203,6 +208,16 @@ class SamplerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterWeightsFromRegion(self, request, context):
+        """Registers an LM-head weight that already lies in a registered region: the engine's own weight,
+        shared by CUDA IPC, is used in place (no copy when it is on the server's GPU). The region cannot
+        be unregistered while a weight lies in it; the producer keeps the memory alive until the weight is
+        unregistered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SamplerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -270,6 +285,11 @@ def add_SamplerServicer_to_server(servicer, server):
                     servicer.UnregisterRegion,
                     request_deserializer=tokensampler_dot_v1_dot_sampler__pb2.UnregisterRegionRequest.FromString,
                     response_serializer=tokensampler_dot_v1_dot_sampler__pb2.UnregisterRegionResponse.SerializeToString,
+            ),
+            'RegisterWeightsFromRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterWeightsFromRegion,
+                    request_deserializer=tokensampler_dot_v1_dot_sampler__pb2.RegisterWeightsFromRegionRequest.FromString,
+                    response_serializer=tokensampler_dot_v1_dot_sampler__pb2.WeightsInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -624,6 +644,33 @@ class Sampler(object):
             '/tokensampler.v1.Sampler/UnregisterRegion',
             tokensampler_dot_v1_dot_sampler__pb2.UnregisterRegionRequest.SerializeToString,
             tokensampler_dot_v1_dot_sampler__pb2.UnregisterRegionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterWeightsFromRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokensampler.v1.Sampler/RegisterWeightsFromRegion',
+            tokensampler_dot_v1_dot_sampler__pb2.RegisterWeightsFromRegionRequest.SerializeToString,
+            tokensampler_dot_v1_dot_sampler__pb2.WeightsInfo.FromString,
             options,
             channel_credentials,
             insecure,
