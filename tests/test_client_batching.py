@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import random
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -18,9 +19,10 @@ from tokensampler_client.params import build_sample_request
 from tokensampler_client.regions import RegionView
 from tokensampler_client.result import SampleResult
 
-from .conftest import RunningServer
+from .conftest import RunningServer, start_server
 
 VOCAB = 256
+CALLS_PER_THREAD = 200
 
 
 def random_call(rng: random.Random) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -63,9 +65,20 @@ def test_merged_request_carries_every_row(server: RunningServer) -> None:
             start += rows
 
 
-def test_sixteen_threads_each_get_their_own_rows(server: RunningServer) -> None:
+@pytest.fixture(scope="module")
+def merging_server() -> Iterator[RunningServer]:
+    """A CPU server whose dynamic batcher waits for more requests, so that both batchers merge calls."""
+    running = start_server("--device", "cpu", "--max-queue-delay-us", "300")
+    yield running
+    running.stop()
+
+
+def test_sixteen_threads_of_two_hundred_calls_each_get_their_own_rows(merging_server: RunningServer) -> None:
+    """Exact under concurrency, by batch invariance: 16 threads x 200 calls with per-row seeds, merged by the
+    client's batcher and the server's, each result equal to the same call made alone."""
+    server = merging_server
     rng = random.Random(1)
-    calls = [[random_call(rng) for _ in range(25)] for _ in range(16)]
+    calls = [[random_call(rng) for _ in range(CALLS_PER_THREAD)] for _ in range(16)]
     for thread_calls in calls:
         for _, params in thread_calls:
             params["seed"] = [s if s is not None else 3 for s in params["seed"]]
@@ -86,7 +99,7 @@ def test_sixteen_threads_each_get_their_own_rows(server: RunningServer) -> None:
             alone = client.sample(logits, **params)
             assert torch.equal(result.tokens, alone.tokens), (thread, index)
             assert result.seeds == alone.seeds
-    assert len(results) == 16 * 25
+    assert len(results) == 16 * CALLS_PER_THREAD
     # Batching happened: calls in one batch share the server's request id.
     assert len({result.request_id for result in results.values()}) < len(results)
 

@@ -158,6 +158,11 @@ def test_regions_are_off_by_default(server: RunningServer) -> None:
         with pytest.raises(TokenSamplerError) as raised:
             plain.register_shm_region("x", 64)
     assert raised.value.code == grpc.StatusCode.PERMISSION_DENIED and "--allow-shm" in raised.value.details
+    # A CUDA IPC registration is refused before the server opens anything the message names.
+    request = pb.RegisterRegionRequest(name="y", cuda_ipc=pb.CudaIpcSource(device_uuid="GPU-0", handle=b"\0" * 64))
+    with grpc.insecure_channel(server.target) as channel, pytest.raises(grpc.RpcError) as refused:
+        pb_grpc.SamplerStub(channel).RegisterRegion(request, timeout=10)
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED and "--allow-cuda-ipc" in refused.value.details()
 
 
 def test_hidden_states_in_a_region(client: SamplerClient) -> None:
