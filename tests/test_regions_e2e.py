@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 
 import grpc
 import pytest
@@ -33,7 +34,7 @@ def client(shm_server: RunningServer):
 
 
 def test_logits_in_a_region_sample_like_logits_on_the_wire(client: SamplerClient) -> None:
-    region = client.register_shm_region("in", ROWS * VOCAB * 4 + ROWS * 4)
+    region = client.register_shm_region("in", ROWS * VOCAB * 4 + ROWS * 8)
     try:
         logits = torch.randn(ROWS, VOCAB, generator=torch.Generator().manual_seed(0))
         region.tensor(torch.float32, (ROWS, VOCAB)).copy_(logits)
@@ -47,6 +48,12 @@ def test_logits_in_a_region_sample_like_logits_on_the_wire(client: SamplerClient
         written = client.sample(region.view(torch.float32, (ROWS, VOCAB)), output_tokens=out, **params)
         assert written.tokens is None
         assert torch.equal(region.tensor(torch.int32, (ROWS, 1), ROWS * VOCAB * 4).long(), by_bytes.tokens)
+
+        # Log-probs written after the tokens, the tokens returned: each output goes where it is named.
+        out_logprobs = region.view(torch.float32, (ROWS, 1), offset=ROWS * VOCAB * 4 + ROWS * 4)
+        written = client.sample(region.view(torch.float32, (ROWS, VOCAB)), output_logprobs=out_logprobs, **params)
+        assert written.logprobs is None and torch.equal(written.tokens, by_bytes.tokens)
+        assert torch.equal(region.tensor(torch.float32, (ROWS, 1), ROWS * VOCAB * 4 + ROWS * 4), by_bytes.logprobs)
 
         info = client.list_regions()
         assert [(r.name, r.kind, r.byte_size, r.device) for r in info] == [("in", "shm", region.byte_size, "cpu")]
@@ -144,6 +151,23 @@ def test_bad_row_references(client: SamplerClient) -> None:
             assert raised.value.code == code and raised.value.details.startswith(field), raised.value
     finally:
         client.unregister_region(region)
+
+
+def test_unregister_waits_for_the_request_reading_the_region(client: SamplerClient) -> None:
+    rows, vocab = 48, 151936
+    region = client.register_shm_region("busy-region", rows * vocab * 4)
+    region.tensor(torch.float32, (rows, vocab)).copy_(torch.randn(rows, vocab, generator=torch.Generator().manual_seed(5)))
+    results: list[object] = []
+    slow = threading.Thread(target=lambda: results.append(
+        client.sample(region.view(torch.float32, (rows, vocab)), top_p=0.9, seed=3)))
+    slow.start()
+    while not (held := client.list_regions()[0].in_flight) and slow.is_alive():
+        time.sleep(0.002)  # until the request holds the region
+    info = client.unregister_region(region)
+    slow.join(60)
+    assert held, "the request ended before it was seen holding the region"
+    assert info.in_flight == 0 and len(results) == 1 and results[0].valid.all()
+    assert client.list_regions() == []
 
 
 def test_unknown_segment_is_not_found(shm_server: RunningServer) -> None:
