@@ -20,10 +20,12 @@ void register_request_path(py::module_& m) {
            }),
            py::arg("device"), py::arg("max_batch_rows"), py::arg("max_batch_elements"), py::arg("fallback_count"))
       .def("add_region",
-           [](RequestPath& self, const std::string& name, int64_t base, int64_t byte_size, int64_t producer_pid) {
+           [](RequestPath& self, const std::string& name, int64_t base, int64_t byte_size, int64_t producer_pid,
+              int64_t ready_event) {
              self.add_region(name, tokensampler::RegionMapping{static_cast<uintptr_t>(base),
                                                                static_cast<uint64_t>(byte_size),
-                                                               static_cast<int32_t>(producer_pid)});
+                                                               static_cast<int32_t>(producer_pid),
+                                                               static_cast<uintptr_t>(ready_event)});
            })
       .def("remove_region",
            [](RequestPath& self, const std::string& name) {

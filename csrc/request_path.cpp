@@ -310,6 +310,9 @@ bool RequestPath::sample(std::string_view request, std::string_view request_id, 
     ~DeviceGuard() { cudaSetDevice(previous); }
   } guard(device_);
   try {
+    if (region && region->ready_event)  // the producer's writes before this request, without a host wait
+      check(cudaStreamWaitEvent(stream_, reinterpret_cast<cudaEvent_t>(region->ready_event), 0),
+            "cudaStreamWaitEvent");
     return answer(q, region, request_id, stream_message, started, answered);
   } catch (...) {
     cudaStreamSynchronize(stream_);  // no copy from the reused pinned buffers may outlive a failed request

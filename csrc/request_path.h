@@ -31,6 +31,7 @@ struct RegionMapping {
   uintptr_t base;
   uint64_t byte_size;
   int32_t producer_pid;  // 0: unknown
+  uintptr_t ready_event;  // the producer's interprocess cudaEvent_t, recorded after each write; 0: none
 };
 
 // An answered request: the serialized response and what the server's metrics record of it.

@@ -302,11 +302,14 @@ class AsyncSamplerClient:
             raise
         return region
 
-    async def register_cuda_region(self, name: str, tensor: Any, *, timeout: float | None = None) -> CudaRegion:
+    async def register_cuda_region(
+        self, name: str, tensor: Any, *, ready_event: bool = False, timeout: float | None = None
+    ) -> CudaRegion:
         """Shares the CUDA allocation under `tensor` with the server by IPC handle, as `name` (the server
         needs --allow-cuda-ipc and the same machine). Keep the tensor alive while it is registered and
-        synchronise its stream before each request that reads it."""
-        region = CudaRegion(name, tensor)
+        synchronise its stream before each request that reads it, or, with ready_event=True, call
+        region.mark_ready() after writing: the server's GPU work then waits for the writes, the host does not."""
+        region = CudaRegion(name, tensor, ready_event)
         await self._call(self._stub.RegisterRegion, region.request, timeout, None)
         return region
 

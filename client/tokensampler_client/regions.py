@@ -12,8 +12,14 @@ at them instead of carrying their bytes:
     client.sample(region.view_of(gpu_logits), top_k=50)
     client.sample(region.rows_of(gpu_logits, [3, 17, 40]), top_k=50)     # some rows, wherever they lie
 
-The producer keeps the memory alive while it is registered and finishes writing it (synchronises
-its CUDA stream) before sending a request that reads it. Close a region to unregister it.
+    region = client.register_cuda_region("logits", gpu_logits, ready_event=True)
+    region.mark_ready()                                                   # instead of synchronising
+    client.sample(region.view_of(gpu_logits), top_k=50)                  # the server's GPU work waits
+
+The producer keeps the memory alive while it is registered and finishes writing it before sending a
+request that reads it: it synchronises its CUDA stream, or, for a region registered with a ready event,
+records the event on the stream that wrote it (`mark_ready`), which costs the producer no host wait.
+Close a region to unregister it.
 """
 
 from __future__ import annotations
@@ -112,13 +118,15 @@ class SharedMemoryRegion:
 
 
 class CudaRegion:
-    """The CUDA allocation under `tensor`, shared by IPC handle; holds the tensor alive."""
+    """The CUDA allocation under `tensor`, shared by IPC handle; holds the tensor alive. With `ready_event`, an
+    interprocess CUDA event is shared too: `mark_ready()` after each write tells the server's GPU work to wait."""
 
-    def __init__(self, name: str, tensor: torch.Tensor) -> None:
+    def __init__(self, name: str, tensor: torch.Tensor, ready_event: bool = False) -> None:
         if not tensor.is_cuda:
             raise ValueError(f"tensor: expected a CUDA tensor, got one on {tensor.device}")
         self.name = name
         self._tensor = tensor
+        self._device = tensor.device
         storage = tensor.untyped_storage()
         # torch's own CUDA sharing (torch.multiprocessing): the handle plus its reference counter, so
         # the caching allocator keeps the block while the server maps it.
@@ -127,14 +135,28 @@ class CudaRegion:
         )
         uuid = str(torch.cuda.get_device_properties(device).uuid)
         self.byte_size = int(size_bytes)
+        self._ready_event: torch.cuda.Event | None = None
+        ready_handle = b""
+        if ready_event:
+            self._ready_event = torch.cuda.Event(interprocess=True)  # interprocess events cannot time
+            with torch.cuda.device(tensor.device):
+                ready_handle = self._ready_event.ipc_handle()  # creates the event on the tensor's GPU
         self.request = pb.RegisterRegionRequest(
             name=name,
             cuda_ipc=pb.CudaIpcSource(
                 device_uuid=uuid, handle=handle, storage_size_bytes=size_bytes, storage_offset_bytes=offset_bytes,
                 ref_counter_handle=counter_handle, ref_counter_offset=counter_offset,
                 event_handle=event_handle or b"", event_sync_required=event_sync, producer_pid=os.getpid(),
+                ready_event_handle=ready_handle,
             ),
         )
+
+    def mark_ready(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Records the ready event on `stream` (default: the tensor's current stream) once the writes a request
+        will read are queued there: the server's work on the next request waits for them on the GPU."""
+        if self._ready_event is None:
+            raise RuntimeError(f"region {self.name!r} was registered without ready_event=True: synchronise instead")
+        self._ready_event.record(stream if stream is not None else torch.cuda.current_stream(self._device))
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> RegionView:
         return _view(self.name, self.byte_size, dtype, shape, offset)

@@ -45,7 +45,8 @@ class NativeRequestPath:
     def region_added(self, region: Region) -> None:
         """A region the registry has just made usable: CUDA regions of this GPU become readable here."""
         if region.kind == "cuda_ipc" and region.buffer.device == self._device:
-            self._path.add_region(region.name, region.buffer.data_ptr(), region.byte_size, region.producer_pid)
+            event = region.ready_event.cuda_event if region.ready_event is not None else 0
+            self._path.add_region(region.name, region.buffer.data_ptr(), region.byte_size, region.producer_pid, event)
 
     def region_removed(self, name: str) -> None:
         """A region about to go: waits for a request reading it, then forgets it."""

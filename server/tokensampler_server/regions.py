@@ -6,8 +6,9 @@ IPC handle (GPU). Requests name (region, offset, dtype, shape), or for logits ro
 Requests hold the region while they use it; unregistering waits for them, then releases the mapping.
 A region that holds a registered LM-head weight (RegisterWeightsFromRegion) cannot be unregistered
 until that weight is.
-The producer owns the memory, keeps it alive while registered, and finishes writing (synchronises
-its CUDA stream) before it sends a request that reads it.
+The producer owns the memory, keeps it alive while registered, and finishes writing before it sends a
+request that reads it: it synchronises its CUDA stream, or records the region's ready event (a CUDA region
+registered with one), which the server's work on the request then waits for on the GPU.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class Region:
     release: Callable[[], None]
     producer_pid: int = 0
     """The producing process (cuda_ipc), 0 when unknown: its memory goes when it exits."""
+    ready_event: torch.cuda.Event | None = None
+    """The producer's interprocess event (cuda_ipc), recorded after each write: work on the region waits for it."""
     weights: set[str] = field(default_factory=set)
     """Names of the registered weights that lie in this region."""
     views: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = field(default_factory=dict, repr=False)
@@ -55,6 +58,12 @@ class Region:
             raise ServiceError(
                 f"{field}: the process that shared region {self.name!r} (pid {self.producer_pid}) has exited; "
                 "unregister the region", grpc.StatusCode.FAILED_PRECONDITION)
+
+    def wait_for_producer_writes(self) -> None:
+        """Orders the work this thread queues next on the region's GPU (the current stream, which the backend
+        shares) after the producer's latest record of the ready event; nothing without one."""
+        if self.ready_event is not None:
+            torch.cuda.current_stream(self.buffer.device).wait_event(self.ready_event)
 
     @property
     def byte_size(self) -> int:
@@ -166,6 +175,17 @@ def cuda_index_of(device_uuid: str) -> int:
                        grpc.StatusCode.NOT_FOUND)
 
 
+def open_ready_event(source: pb.CudaIpcSource, device: torch.device) -> torch.cuda.Event | None:
+    """The producer's ready event of a CUDA region, opened by its IPC handle; None when it sent none."""
+    if not source.ready_event_handle:
+        return None
+    try:
+        return torch.cuda.Event.from_ipc_handle(device, source.ready_event_handle)
+    except RuntimeError as err:  # not an event handle, or another GPU's event
+        raise ServiceError(f"cuda_ipc.ready_event_handle: could not open it: {err}",
+                           grpc.StatusCode.FAILED_PRECONDITION) from None
+
+
 def open_cuda_ipc(source: pb.CudaIpcSource) -> tuple[torch.Tensor, Callable[[], None]]:
     """Opens a CUDA allocation of another process by its IPC handle, as torch.multiprocessing does."""
     if not torch.cuda.is_available():
@@ -224,7 +244,13 @@ class RegionRegistry:
         opener = open_shared_memory if kind == "shm" else open_cuda_ipc
         buffer, release = opener(getattr(request, kind))
         pid = request.cuda_ipc.producer_pid if kind == "cuda_ipc" else 0
-        region = Region(name=request.name, kind=kind, buffer=buffer, release=release, producer_pid=pid)
+        try:
+            event = open_ready_event(request.cuda_ipc, buffer.device) if kind == "cuda_ipc" else None
+        except ServiceError:
+            release()
+            raise
+        region = Region(name=request.name, kind=kind, buffer=buffer, release=release, producer_pid=pid,
+                        ready_event=event)
         try:
             self._regions.add(request.name, region)
         except ServiceError:
@@ -249,6 +275,7 @@ class RegionRegistry:
         """Holds region `name` for a request; NOT_FOUND if unknown, FAILED_PRECONDITION if its producer died."""
         with self._regions.use(name, field) as region:
             region.check_producer(field)
+            region.wait_for_producer_writes()
             yield region
 
     async def unregister(self, name: str) -> Region:

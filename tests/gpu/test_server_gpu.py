@@ -81,6 +81,48 @@ def test_cuda_ipc_region_in_and_out(client: SamplerClient) -> None:
         client.unregister_region(out_region)
 
 
+def test_a_producer_marks_its_region_ready_with_an_event_instead_of_synchronising(client: SamplerClient) -> None:
+    """The producer writes on a side stream behind a long GPU sleep, records the region's ready event and calls
+    at once, without synchronising: the native path (tokens only), the Python path (log-probs) and a stream
+    message each read what it wrote, not what the buffer held before."""
+    rows = 4
+    logits = torch.zeros(rows, V, device="cuda")
+    region = client.register_cuda_region("evented", logits, ready_event=True)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    calls = (
+        lambda view: client.sample(view, temperature=0),
+        lambda view: client.sample(view, temperature=0, return_logprobs=True),
+        lambda view: stream.sample(view, temperature=0),
+    )
+    try:
+        with client.stream() as stream:
+            for step, call in enumerate(calls):
+                targets = [1 + step * 7 + row * 1000 for row in range(rows)]  # a new argmax every step
+                with torch.cuda.stream(side):
+                    torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time: the write lands after the call is sent
+                    logits.zero_()
+                    logits[torch.arange(rows, device="cuda"), torch.tensor(targets, device="cuda")] = 5.0
+                    region.mark_ready(side)
+                assert call(region.view_of(logits)).tokens[:, 0].tolist() == targets, step
+    finally:
+        side.synchronize()
+        client.unregister_region(region)
+
+
+def test_a_ready_event_handle_that_does_not_open_is_refused(cuda_server: RunningServer) -> None:
+    from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
+    from tokensampler_client.regions import CudaRegion
+
+    tensor = torch.zeros(1024, device="cuda")
+    request = CudaRegion("bad-event", tensor).request
+    request.cuda_ipc.ready_event_handle = b"\x01" * 64
+    with grpc.insecure_channel(cuda_server.target) as channel, pytest.raises(grpc.RpcError) as raised:
+        pb_grpc.SamplerStub(channel).RegisterRegion(request, timeout=30)
+    assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert raised.value.details().startswith("cuda_ipc.ready_event_handle")
+
+
 def test_hidden_states_on_the_gpu(client: SamplerClient) -> None:
     gen = torch.Generator().manual_seed(2)
     weight = (torch.randn(V, 1024, generator=gen) / 32).bfloat16()

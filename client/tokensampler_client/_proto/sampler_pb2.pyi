@@ -362,7 +362,7 @@ class SharedMemorySource(_message.Message):
     def __init__(self, key: _Optional[str] = ..., byte_size: _Optional[int] = ...) -> None: ...
 
 class CudaIpcSource(_message.Message):
-    __slots__ = ("device_uuid", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "producer_pid")
+    __slots__ = ("device_uuid", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "producer_pid", "ready_event_handle")
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -372,6 +372,7 @@ class CudaIpcSource(_message.Message):
     EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
     EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_PID_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
     device_uuid: str
     handle: bytes
     storage_size_bytes: int
@@ -381,7 +382,8 @@ class CudaIpcSource(_message.Message):
     event_handle: bytes
     event_sync_required: bool
     producer_pid: int
-    def __init__(self, device_uuid: _Optional[str] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: bool = ..., producer_pid: _Optional[int] = ...) -> None: ...
+    ready_event_handle: bytes
+    def __init__(self, device_uuid: _Optional[str] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: bool = ..., producer_pid: _Optional[int] = ..., ready_event_handle: _Optional[bytes] = ...) -> None: ...
 
 class RegisterRegionRequest(_message.Message):
     __slots__ = ("name", "shm", "cuda_ipc")
