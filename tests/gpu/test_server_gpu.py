@@ -99,10 +99,12 @@ def test_a_producer_marks_its_region_ready_with_an_event_instead_of_synchronisin
         with client.stream() as stream:
             for step, call in enumerate(calls):
                 targets = [1 + step * 7 + row * 1000 for row in range(rows)]  # a new argmax every step
-                with torch.cuda.stream(side):
+                flat = torch.tensor([row * V + t for row, t in enumerate(targets)], device="cuda")
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # nothing in here waits on the host
                     torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time: the write lands after the call is sent
                     logits.zero_()
-                    logits[torch.arange(rows, device="cuda"), torch.tensor(targets, device="cuda")] = 5.0
+                    logits.view(-1).index_fill_(0, flat, 5.0)
                     region.mark_ready(side)
                 assert call(region.view_of(logits)).tokens[:, 0].tolist() == targets, step
     finally:
