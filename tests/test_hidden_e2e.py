@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
@@ -14,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 from scipy import stats
 from tokensampler_client import SamplerClient, TokenSamplerError
+from tokensampler_client._proto import sampler_pb2 as pb
 
 from .conftest import RunningServer, start_server
 
@@ -51,6 +53,8 @@ def test_upload_register_sample_and_unregister(client: SamplerClient) -> None:
         chunk_bytes=50_000, progress=lambda sent, total: progress.append((sent, total)),
     )
     assert (info.vocab_size, info.padded_vocab_size, info.hidden_size) == (990, 1000, 96)
+    assert (info.dtype, info.bytes, info.region) == (pb.DTYPE_FLOAT16, weight.numel() * 2, "")
+    assert info.sha256 == hashlib.sha256(weight.numpy().tobytes()).hexdigest()
     assert progress[-1] == (weight.numel() * 2, weight.numel() * 2) and len(progress) == 4
     assert [w.name for w in client.list_weights()] == ["head-a"]
     assert client.server_info().registered_weights_bytes == weight.numel() * 2

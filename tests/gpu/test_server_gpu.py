@@ -170,6 +170,9 @@ def test_a_weight_registered_from_an_ipc_region_is_the_engines_own_memory(client
         torch.cuda.synchronize()
         greedy = client.sample_hidden(torch.ones(2, 1024, dtype=torch.bfloat16), "ipc-head", temperature=0)
         assert greedy.tokens.flatten().tolist() == [7, 7]
+        uploaded_held = client.server_info().device_memory_allocated_bytes
+        client.unregister_weights("uploaded-head")  # the server's own copy is freed
+        assert uploaded_held - client.server_info().device_memory_allocated_bytes >= weight.numel() * 2
     finally:
         for name in ("ipc-head", "uploaded-head"):
             if name in {w.name for w in client.list_weights()}:
