@@ -74,3 +74,11 @@ def server() -> Iterator[RunningServer]:
     running = start_server("--device", "cpu")
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="module")
+def shm_server() -> Iterator[RunningServer]:
+    """A CPU server that takes shared-memory regions, one for each test module that asks."""
+    running = start_server("--device", "cpu", "--allow-shm")
+    yield running
+    running.stop()

@@ -15,16 +15,9 @@ from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 from tokensampler_client.params import build_sample_request
 from tokensampler_client.regions import RegionView
 
-from .conftest import RunningServer, start_server
+from .conftest import RunningServer
 
 ROWS, VOCAB = 16, 4096
-
-
-@pytest.fixture(scope="module")
-def shm_server():
-    running = start_server("--device", "cpu", "--allow-shm")
-    yield running
-    running.stop()
 
 
 @pytest.fixture(scope="module")

@@ -13,16 +13,9 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 from tokensampler_client.regions import RegionView
 
-from .conftest import RunningServer, start_server
+from .conftest import RunningServer
 
 VOCAB, PADDED, DIM = 1000, 1024, 64
-
-
-@pytest.fixture(scope="module")
-def shm_server():
-    running = start_server("--device", "cpu", "--allow-shm")
-    yield running
-    running.stop()
 
 
 @pytest.fixture(scope="module")
