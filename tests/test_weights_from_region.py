@@ -47,6 +47,7 @@ def test_a_weight_in_a_region_samples_like_the_same_weight_uploaded(client: Samp
         uploaded = client.sample_hidden(hidden, "uploaded", **params)
         assert torch.equal(in_place.tokens, uploaded.tokens) and torch.equal(in_place.logprobs, uploaded.logprobs)
         assert {w.name: w.region for w in client.list_weights()} == {"in-place": "head-region", "uploaded": ""}
+        assert client.server_info().registered_weights_bytes == nbytes  # the upload's copy alone
     finally:
         for name in ("in-place", "uploaded"):
             if name in {w.name for w in client.list_weights()}:

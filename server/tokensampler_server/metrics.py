@@ -188,7 +188,9 @@ class ServerMetrics:
             registry=registry,
         )
         self.registered_weights_bytes = Gauge(
-            "tokensampler_registered_weights_bytes", "Bytes of the registered LM-head weights.", registry=registry,
+            "tokensampler_registered_weights_bytes",
+            "Bytes the server holds of the registered LM-head weights (those used in place in a region hold none).",
+            registry=registry,
         )
         self.registered_regions = Gauge(
             "tokensampler_registered_regions", "Shared-memory regions registered by clients.", registry=registry,

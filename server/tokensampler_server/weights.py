@@ -49,6 +49,8 @@ class RegisteredWeight:
     """Empty for a weight in a region, whose bytes are the producer's."""
     region: Region | None = None
     """The region W lies in (RegisterWeightsFromRegion), else None."""
+    in_place: bool = False
+    """W is the region's memory itself (not a copy on another device): the server holds no bytes of it."""
 
     @property
     def padded_vocab_size(self) -> int:
@@ -180,7 +182,8 @@ class WeightRegistry:
             raise InvalidArgument("weight", f"got {weight.dtype} {list(weight.shape)}, expected a [V, D] float tensor")
         placed = weight.to(self._device).contiguous()
         bias = None if finish.bias is None else finish.bias.to(self._device)
-        entry = RegisteredWeight(name=name, weight=placed, finish=replace(finish, bias=bias), sha256=sha256, region=region)
+        entry = RegisteredWeight(name=name, weight=placed, finish=replace(finish, bias=bias), sha256=sha256, region=region,
+                                 in_place=region is not None and placed.data_ptr() == weight.data_ptr())
         self._weights.add(name, entry)
         if region is not None:
             region.weights.add(name)
@@ -194,7 +197,8 @@ class WeightRegistry:
 
     @property
     def total_bytes(self) -> int:
-        return sum(entry.nbytes for entry in self.list())
+        """The bytes of the weights the server holds (weights used in place count among their regions' bytes)."""
+        return sum(entry.nbytes for entry in self.list() if not entry.in_place)
 
     @contextmanager
     def use(self, name: str, field: str = "hidden.weights") -> Iterator[RegisteredWeight]:
