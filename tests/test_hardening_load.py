@@ -178,3 +178,51 @@ def test_only_resource_exhausted_marked_as_overload_is_retried() -> None:
     # A shutting-down server cancels calls it received but never started: only Sample, idempotent, retries them.
     assert state.next_delay(grpc.StatusCode.CANCELLED) is None
     assert state.next_delay(grpc.StatusCode.CANCELLED, (), idempotent=True) is not None
+    # A server at its --max-concurrent-rpcs: grpc's own refusal, which carries no metadata, is overload too.
+    assert state.next_delay(grpc.StatusCode.RESOURCE_EXHAUSTED, (), details="Concurrent RPC limit exceeded!") is not None
+    assert state.next_delay(grpc.StatusCode.RESOURCE_EXHAUSTED, (), details="Received message larger than max") is None
+
+
+def test_calls_past_the_concurrency_limit_are_refused_at_once_and_retries_get_through() -> None:
+    """--max-concurrent-rpcs 2 under 8 concurrent slow requests: grpc refuses the ones past the limit at once,
+    the server keeps serving, and the client's retries get every request through with its own tokens."""
+    running = start_server("--device", "cpu", "--max-concurrent-rpcs", "2")
+    rng = random.Random(8)
+    requests = [build_sample_request(torch.randn(4, 100_000, dtype=torch.bfloat16), top_p=0.9,
+                                     seed=[rng.randrange(2**63) for _ in range(4)]) for _ in range(8)]
+
+    async def raw_burst() -> list[tuple[grpc.StatusCode, float, str]]:
+        async with grpc.aio.insecure_channel(running.target, options=[("grpc.max_send_message_length", -1)]) as channel:
+            stub = pb_grpc.SamplerStub(channel)
+
+            async def one(request: pb.SampleRequest) -> tuple[grpc.StatusCode, float, str]:
+                sent = time.perf_counter()
+                try:
+                    await stub.Sample(request, timeout=30)
+                except grpc.aio.AioRpcError as err:
+                    return err.code(), time.perf_counter() - sent, err.details() or ""
+                return grpc.StatusCode.OK, time.perf_counter() - sent, ""
+
+            return await asyncio.gather(*(one(r) for r in requests))
+
+    try:
+        outcomes = asyncio.run(raw_burst())
+        refused = [(elapsed, details) for code, elapsed, details in outcomes if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+        assert {code for code, _, _ in outcomes} <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert refused and sum(code == grpc.StatusCode.OK for code, _, _ in outcomes) >= 2
+        assert all(details == "Concurrent RPC limit exceeded!" and elapsed < 1.0 for elapsed, details in refused)
+
+        results: list[tuple[pb.SampleRequest, SampleResult]] = []
+        with SamplerClient(running.target, timeout=60, retries=30, max_message_mb=64,
+                           backoff=Backoff(initial=0.05, maximum=0.5)) as client:
+            threads = [threading.Thread(target=lambda r=r: results.append((r, client.sample_request(r))))
+                       for r in requests]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+        assert len(results) == len(requests)
+        for request, result in results:
+            check(request, result)
+    finally:
+        running.stop()

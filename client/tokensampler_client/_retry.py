@@ -1,8 +1,9 @@
 """Retry policy shared by the sync and async clients: which failures are retried, and when.
 
 Two failures are retried, with backoff and jitter: UNAVAILABLE (the server was not reached, or is
-shutting down), and RESOURCE_EXHAUSTED when the server marks it as overload (its queue is full:
-trailing metadata `x-retryable`). An unmarked RESOURCE_EXHAUSTED is a message over a size limit,
+shutting down), and RESOURCE_EXHAUSTED when it is overload: the server's queue is full (trailing
+metadata `x-retryable`), or grpc refused the call at the server's limit of concurrent calls (its own
+message, which carries no metadata). Any other RESOURCE_EXHAUSTED is a message over a size limit,
 which no retry can fix. Every other code is the server's answer and is final. No retry starts
 after the call's deadline.
 
@@ -23,14 +24,19 @@ RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
 RETRYABLE_METADATA_KEY = "x-retryable"
 """Set by the server on failures that a later retry can get past (RESOURCE_EXHAUSTED: queue full)."""
 
+CONCURRENCY_LIMIT_DETAILS = "Concurrent RPC limit exceeded!"
+"""grpc's own message when a server at its maximum_concurrent_rpcs (--max-concurrent-rpcs) refuses a call."""
+
 Metadata = Iterable[tuple[str, str | bytes]]
 
 
-def is_retryable(code: grpc.StatusCode | None, trailing_metadata: Metadata | None = None, idempotent: bool = False) -> bool:
+def is_retryable(
+    code: grpc.StatusCode | None, trailing_metadata: Metadata | None = None, idempotent: bool = False, details: str = ""
+) -> bool:
     if code in RETRYABLE_CODES or (idempotent and code == grpc.StatusCode.CANCELLED):
         return True
-    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and any(
-        key == RETRYABLE_METADATA_KEY for key, _ in trailing_metadata or ()
+    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and (
+        details == CONCURRENCY_LIMIT_DETAILS or any(key == RETRYABLE_METADATA_KEY for key, _ in trailing_metadata or ())
     )
 
 
@@ -81,11 +87,15 @@ class RetryState:
         return max(0.0, self._deadline - self._clock())
 
     def next_delay(
-        self, code: grpc.StatusCode | None, trailing_metadata: Metadata | None = None, idempotent: bool = False
+        self,
+        code: grpc.StatusCode | None,
+        trailing_metadata: Metadata | None = None,
+        idempotent: bool = False,
+        details: str = "",
     ) -> float | None:
-        """The wait before retrying after a failure with `code` (and the failure's trailing metadata),
-        or None when the call must fail now."""
-        if not is_retryable(code, trailing_metadata, idempotent) or self.retries_done >= self._retries:
+        """The wait before retrying after a failure with `code` (and the failure's trailing metadata and
+        message), or None when the call must fail now."""
+        if not is_retryable(code, trailing_metadata, idempotent, details) or self.retries_done >= self._retries:
             return None
         delay = self._backoff.delay(self.retries_done)
         if self._deadline is not None and self._clock() + delay >= self._deadline:

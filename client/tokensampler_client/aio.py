@@ -92,7 +92,7 @@ class AsyncSamplerClient:
             try:
                 return await method(request, timeout=state.remaining(), metadata=metadata)
             except grpc.RpcError as err:
-                delay = state.next_delay(err.code(), err.trailing_metadata(), idempotent)  # type: ignore[attr-defined]
+                delay = state.next_delay(err.code(), err.trailing_metadata(), idempotent, err.details())  # type: ignore[attr-defined]
                 if delay is None:
                     raise error_from_rpc(err, request_id) from err
             await asyncio.sleep(delay)

@@ -64,6 +64,12 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         "[TOKENSAMPLER_MAX_QUEUE_MB]",
     )
     parser.add_argument(
+        "--max-concurrent-rpcs", type=int,
+        default=int(_env("MAX_CONCURRENT_RPCS", str(defaults.max_concurrent_rpcs))),
+        help="calls held at once (a stream counts as one); past it new calls get RESOURCE_EXHAUSTED, which the "
+        "client retries; 0: no limit [TOKENSAMPLER_MAX_CONCURRENT_RPCS]",
+    )
+    parser.add_argument(
         "--gpu-memory-fraction", type=float, default=float(_env("GPU_MEMORY_FRACTION", "0")) or None,
         help="cap on the share of the GPU's memory the server's allocator may take, 0 < f <= 1; a batch "
         "that needs more gets RESOURCE_EXHAUSTED [TOKENSAMPLER_GPU_MEMORY_FRACTION]",
@@ -151,6 +157,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         parser.error("--gpu-memory-fraction must be in (0, 1]")
     if args.max_queue_delay_us < 0:
         parser.error("--max-queue-delay-us must be at least 0")
+    if args.max_concurrent_rpcs < 0:
+        parser.error("--max-concurrent-rpcs must be at least 0")
     if args.max_connection_age_s < 0:
         parser.error("--max-connection-age-s must be at least 0")
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -178,6 +186,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         max_queue_delay_us=args.max_queue_delay_us,
         max_queue_rows=args.max_queue_rows,
         max_queue_bytes=args.max_queue_mb * _MIB,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
         gpu_memory_fraction=args.gpu_memory_fraction,
         allow_shm=args.allow_shm,
         allow_cuda_ipc=args.allow_cuda_ipc,

@@ -63,7 +63,8 @@ async def serve(config: ServerConfig) -> None:
     metrics = ServerMetrics(info)
     # The only interceptor: a refused call reaches nothing else. Every handler is guarded as it registers.
     interceptors = [AuthInterceptor(tokens, metrics)] if tokens is not None else None
-    server = grpc.aio.server(interceptors=interceptors, options=grpc_options(config))
+    server = grpc.aio.server(interceptors=interceptors, options=grpc_options(config),
+                             maximum_concurrent_rpcs=config.max_concurrent_rpcs or None)
     registration = CallGuard(metrics).registration(server)
     batcher = DynamicBatcher(
         backend,
