@@ -3,7 +3,8 @@
   python examples/transformers_decode.py [--target HOST:PORT] [--steps 32] [--device cpu|cuda]
 
 Builds a small Llama-style causal LM from a config with random weights (nothing is downloaded),
-registers its `lm_head.weight` with the server, and decodes by sending the last hidden state of each
+registers its `lm_head.weight` with the server (on a GPU in place, by CUDA IPC: the server samples from
+the model's own tensor; on the CPU by upload), and decodes by sending the last hidden state of each
 step over one SampleStream and feeding the sampled token back:
   1. greedy, checked token for token against the model's own `generate(do_sample=False)`;
   2. seeded top-k/top-p, run twice to show that the same seed gives the same continuation.
@@ -37,7 +38,7 @@ def small_model(device: str) -> LlamaForCausalLM:
 
 def start_server(device: str) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "tokensampler_server", "--host", "127.0.0.1", "--port", "0",
-               "--no-metrics", "--device", "cuda" if device == "cuda" else "cpu"]
+               "--no-metrics", "--device", device, *(["--allow-cuda-ipc"] if device == "cuda" else [])]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     for line in process.stderr:
         match = re.search(r"tokensampler serving on .*:(\d+)", line)
@@ -82,7 +83,14 @@ def main() -> int:
         model = small_model(args.device)
         prompt = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1)).to(args.device)
         with SamplerClient(target, timeout=120) as client:
-            client.register_weights(WEIGHTS, model.lm_head.weight.detach().float().cpu())
+            head = model.lm_head.weight.detach()
+            region = None
+            if head.is_cuda:  # the engine's own weight, used in place (the server needs --allow-cuda-ipc)
+                region = client.register_cuda_region(WEIGHTS, head)
+                torch.cuda.synchronize()
+                client.register_weights_from_region(WEIGHTS, region.view_of(head))
+            else:
+                client.register_weights(WEIGHTS, head.float())
             try:
                 with client.stream() as stream:
                     greedy, rate = decode(model, stream, prompt, args.steps, temperature=0.0)
@@ -102,6 +110,8 @@ def main() -> int:
                     print("seeded top-k/top-p continuation is reproducible")
             finally:
                 client.unregister_weights(WEIGHTS)
+                if region is not None:
+                    client.unregister_region(region)
     finally:
         if server is not None:
             server.terminate()
