@@ -38,7 +38,7 @@ def small_model(device: str) -> LlamaForCausalLM:
 
 def start_server(device: str) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "tokensampler_server", "--host", "127.0.0.1", "--port", "0",
-               "--no-metrics", "--device", device, *(["--allow-cuda-ipc"] if device == "cuda" else [])]
+               "--no-metrics", "--device", device, *(["--allow-cuda-ipc"] if device.startswith("cuda") else [])]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     for line in process.stderr:
         match = re.search(r"tokensampler serving on .*:(\d+)", line)
