@@ -11,6 +11,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -115,55 +116,77 @@ def test_many_clients_get_exactly_their_own_rows(load_server: RunningServer) -> 
           f"{len(results) / elapsed:.0f} requests/s")
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """How one raw Sample call of a burst ended."""
+
+    code: grpc.StatusCode
+    elapsed_s: float
+    details: str = ""
+    trailing_metadata: tuple = ()
+
+
+def slow_requests(count: int, seed: int) -> list[pb.SampleRequest]:
+    """Wide 4-row requests sorted by top-p: each takes a while on the CPU backend, so calls pile up."""
+    rng = random.Random(seed)
+    return [build_sample_request(torch.randn(4, 100_000, dtype=torch.bfloat16), top_p=0.9,
+                                 seed=[rng.randrange(2**63) for _ in range(4)]) for _ in range(count)]
+
+
+def raw_burst(target: str, requests: list[pb.SampleRequest]) -> list[Outcome]:
+    """Every request sent at once on one channel, without the client's retries."""
+
+    async def burst() -> list[Outcome]:
+        async with grpc.aio.insecure_channel(target, options=[("grpc.max_send_message_length", -1)]) as channel:
+            stub = pb_grpc.SamplerStub(channel)
+
+            async def one(request: pb.SampleRequest) -> Outcome:
+                sent = time.perf_counter()
+                try:
+                    await stub.Sample(request, timeout=30)
+                except grpc.aio.AioRpcError as err:
+                    return Outcome(err.code(), time.perf_counter() - sent, err.details() or "",
+                                   tuple(err.trailing_metadata() or ()))
+                return Outcome(grpc.StatusCode.OK, time.perf_counter() - sent)
+
+            return await asyncio.gather(*(one(r) for r in requests))
+
+    return asyncio.run(burst())
+
+
+def assert_retries_get_every_request_through(target: str, requests: list[pb.SampleRequest]) -> None:
+    """The same requests from threads through the client with retries: each answered with its own tokens."""
+    results: list[tuple[pb.SampleRequest, SampleResult]] = []
+    with SamplerClient(target, timeout=60, retries=30, max_message_mb=64,
+                       backoff=Backoff(initial=0.05, maximum=0.5)) as client:
+        threads = [threading.Thread(target=lambda r=r: results.append((r, client.sample_request(r)))) for r in requests]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    assert len(results) == len(requests)
+    for request, result in results:
+        check(request, result)
+
+
 def test_overload_answers_resource_exhausted_fast_and_retries_get_through() -> None:
     """A queue of 8 rows under 16 concurrent 4-row requests: the ones that do not fit are refused at
     once (not at their 30 s deadline), marked retryable; the client's backoff then gets every one
     through, each with its own tokens."""
     running = start_server("--device", "cpu", "--max-queue-rows", "8")
-    rng = random.Random(7)
-    # Wide rows sorted by top-p: each backend call takes a while on the CPU, so the queue fills up.
-    requests = [build_sample_request(torch.randn(4, 100_000, dtype=torch.bfloat16), top_p=0.9,
-                                     seed=[rng.randrange(2**63) for _ in range(4)]) for _ in range(16)]
-
-    async def raw_burst() -> list[tuple[grpc.StatusCode, float, tuple]]:
-        async with grpc.aio.insecure_channel(running.target, options=[("grpc.max_send_message_length", -1)]) as channel:
-            stub = pb_grpc.SamplerStub(channel)
-
-            async def one(request: pb.SampleRequest) -> tuple[grpc.StatusCode, float, tuple]:
-                sent = time.perf_counter()
-                call = stub.Sample(request, timeout=30)
-                try:
-                    await call
-                except grpc.aio.AioRpcError as err:
-                    return err.code(), time.perf_counter() - sent, tuple(err.trailing_metadata())
-                return grpc.StatusCode.OK, time.perf_counter() - sent, ()
-
-            return await asyncio.gather(*(one(r) for r in requests))
-
+    requests = slow_requests(16, seed=7)
     try:
-        outcomes = asyncio.run(raw_burst())
-        refused = [(elapsed, metadata) for code, elapsed, metadata in outcomes if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
-        assert {code for code, _, _ in outcomes} <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+        outcomes = raw_burst(running.target, requests)
+        refused = [o for o in outcomes if o.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+        assert {o.code for o in outcomes} <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
         assert refused, "the burst never filled the queue"
-        slowest_refusal = max(elapsed for elapsed, _ in refused)
+        slowest_refusal = max(o.elapsed_s for o in refused)
         assert slowest_refusal < 1.0, slowest_refusal  # the deadline is 30 s: a refusal is no timeout
-        assert all(("x-retryable", "overload") in metadata for _, metadata in refused)
-        served = [elapsed for code, elapsed, _ in outcomes if code == grpc.StatusCode.OK]
+        assert all(("x-retryable", "overload") in o.trailing_metadata for o in refused)
+        served = [o.elapsed_s for o in outcomes if o.code == grpc.StatusCode.OK]
         print(f"\noverload: {len(refused)}/{len(outcomes)} refused, slowest refusal {slowest_refusal * 1e3:.0f} ms, "
               f"slowest served {max(served) * 1e3:.0f} ms")
-
-        results: list[tuple[pb.SampleRequest, SampleResult]] = []
-        with SamplerClient(running.target, timeout=60, retries=30, max_message_mb=64,
-                           backoff=Backoff(initial=0.05, maximum=0.5)) as client:
-            threads = [threading.Thread(target=lambda r=r: results.append((r, client.sample_request(r))))
-                       for r in requests]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(120)
-        assert len(results) == len(requests)
-        for request, result in results:
-            check(request, result)
+        assert_retries_get_every_request_through(running.target, requests)
     finally:
         running.stop()
 
@@ -187,42 +210,13 @@ def test_calls_past_the_concurrency_limit_are_refused_at_once_and_retries_get_th
     """--max-concurrent-rpcs 2 under 8 concurrent slow requests: grpc refuses the ones past the limit at once,
     the server keeps serving, and the client's retries get every request through with its own tokens."""
     running = start_server("--device", "cpu", "--max-concurrent-rpcs", "2")
-    rng = random.Random(8)
-    requests = [build_sample_request(torch.randn(4, 100_000, dtype=torch.bfloat16), top_p=0.9,
-                                     seed=[rng.randrange(2**63) for _ in range(4)]) for _ in range(8)]
-
-    async def raw_burst() -> list[tuple[grpc.StatusCode, float, str]]:
-        async with grpc.aio.insecure_channel(running.target, options=[("grpc.max_send_message_length", -1)]) as channel:
-            stub = pb_grpc.SamplerStub(channel)
-
-            async def one(request: pb.SampleRequest) -> tuple[grpc.StatusCode, float, str]:
-                sent = time.perf_counter()
-                try:
-                    await stub.Sample(request, timeout=30)
-                except grpc.aio.AioRpcError as err:
-                    return err.code(), time.perf_counter() - sent, err.details() or ""
-                return grpc.StatusCode.OK, time.perf_counter() - sent, ""
-
-            return await asyncio.gather(*(one(r) for r in requests))
-
+    requests = slow_requests(8, seed=8)
     try:
-        outcomes = asyncio.run(raw_burst())
-        refused = [(elapsed, details) for code, elapsed, details in outcomes if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
-        assert {code for code, _, _ in outcomes} <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
-        assert refused and sum(code == grpc.StatusCode.OK for code, _, _ in outcomes) >= 2
-        assert all(details == "Concurrent RPC limit exceeded!" and elapsed < 1.0 for elapsed, details in refused)
-
-        results: list[tuple[pb.SampleRequest, SampleResult]] = []
-        with SamplerClient(running.target, timeout=60, retries=30, max_message_mb=64,
-                           backoff=Backoff(initial=0.05, maximum=0.5)) as client:
-            threads = [threading.Thread(target=lambda r=r: results.append((r, client.sample_request(r))))
-                       for r in requests]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(120)
-        assert len(results) == len(requests)
-        for request, result in results:
-            check(request, result)
+        outcomes = raw_burst(running.target, requests)
+        refused = [o for o in outcomes if o.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+        assert {o.code for o in outcomes} <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert refused and sum(o.code == grpc.StatusCode.OK for o in outcomes) >= 2
+        assert all(o.details == "Concurrent RPC limit exceeded!" and o.elapsed_s < 1.0 for o in refused)
+        assert_retries_get_every_request_through(running.target, requests)
     finally:
         running.stop()
