@@ -20,7 +20,7 @@ import torch
 from tokensampler_client import Backoff, SamplerClient, TokenSamplerError
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
-from tokensampler_client._retry import RetryState
+from tokensampler_client._retry import CONCURRENCY_LIMIT_DETAILS, RetryState
 from tokensampler_client.params import build_sample_request
 from tokensampler_client.result import SampleResult
 from tokensampler_server.backends.cpu import CpuBackend
@@ -202,7 +202,7 @@ def test_only_resource_exhausted_marked_as_overload_is_retried() -> None:
     assert state.next_delay(grpc.StatusCode.CANCELLED) is None
     assert state.next_delay(grpc.StatusCode.CANCELLED, (), idempotent=True) is not None
     # A server at its --max-concurrent-rpcs: grpc's own refusal, which carries no metadata, is overload too.
-    assert state.next_delay(grpc.StatusCode.RESOURCE_EXHAUSTED, (), details="Concurrent RPC limit exceeded!") is not None
+    assert state.next_delay(grpc.StatusCode.RESOURCE_EXHAUSTED, (), details=CONCURRENCY_LIMIT_DETAILS) is not None
     assert state.next_delay(grpc.StatusCode.RESOURCE_EXHAUSTED, (), details="Received message larger than max") is None
 
 
@@ -216,7 +216,7 @@ def test_calls_past_the_concurrency_limit_are_refused_at_once_and_retries_get_th
         refused = [o for o in outcomes if o.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
         assert {o.code for o in outcomes} <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
         assert refused and sum(o.code == grpc.StatusCode.OK for o in outcomes) >= 2
-        assert all(o.details == "Concurrent RPC limit exceeded!" and o.elapsed_s < 1.0 for o in refused)
+        assert all(o.details == CONCURRENCY_LIMIT_DETAILS and o.elapsed_s < 1.0 for o in refused)
         assert_retries_get_every_request_through(running.target, requests)
     finally:
         running.stop()

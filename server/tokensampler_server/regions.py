@@ -244,14 +244,10 @@ class RegionRegistry:
         opener = open_shared_memory if kind == "shm" else open_cuda_ipc
         buffer, release = opener(getattr(request, kind))
         pid = request.cuda_ipc.producer_pid if kind == "cuda_ipc" else 0
-        try:
+        try:  # a bad event handle or a name taken: the mapping goes again
             event = open_ready_event(request.cuda_ipc, buffer.device) if kind == "cuda_ipc" else None
-        except ServiceError:
-            release()
-            raise
-        region = Region(name=request.name, kind=kind, buffer=buffer, release=release, producer_pid=pid,
-                        ready_event=event)
-        try:
+            region = Region(name=request.name, kind=kind, buffer=buffer, release=release, producer_pid=pid,
+                            ready_event=event)
             self._regions.add(request.name, region)
         except ServiceError:
             release()

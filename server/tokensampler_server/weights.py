@@ -49,8 +49,12 @@ class RegisteredWeight:
     """Empty for a weight in a region, whose bytes are the producer's."""
     region: Region | None = None
     """The region W lies in (RegisterWeightsFromRegion), else None."""
-    in_place: bool = False
-    """W is the region's memory itself (not a copy on another device): the server holds no bytes of it."""
+
+    @property
+    def in_place(self) -> bool:
+        """W is the region's memory itself (not a copy on another device): the server holds no bytes of it."""
+        region = self.region
+        return region is not None and self.weight.untyped_storage().data_ptr() == region.buffer.untyped_storage().data_ptr()
 
     @property
     def padded_vocab_size(self) -> int:
@@ -182,8 +186,7 @@ class WeightRegistry:
             raise InvalidArgument("weight", f"got {weight.dtype} {list(weight.shape)}, expected a [V, D] float tensor")
         placed = weight.to(self._device).contiguous()
         bias = None if finish.bias is None else finish.bias.to(self._device)
-        entry = RegisteredWeight(name=name, weight=placed, finish=replace(finish, bias=bias), sha256=sha256, region=region,
-                                 in_place=region is not None and placed.data_ptr() == weight.data_ptr())
+        entry = RegisteredWeight(name=name, weight=placed, finish=replace(finish, bias=bias), sha256=sha256, region=region)
         self._weights.add(name, entry)
         if region is not None:
             region.weights.add(name)
