@@ -1,5 +1,6 @@
-// The torch-extension binding of the native request path (request_path.h): bytes in, bytes out, the
-// GIL released for the whole request (parse to response), since nothing there touches Python.
+// The torch-extension binding of the native request path (request_path.h): request bytes in, prepared
+// requests sampled together, response bytes out. The GIL is released while a batch is sampled (upload,
+// launches, the synchronisation), since nothing there touches Python.
 #include <torch/extension.h>
 
 #include <memory>
@@ -11,7 +12,16 @@ namespace py = pybind11;
 
 void register_request_path(py::module_& m) {
   using tokensampler::AnsweredRequest;
+  using tokensampler::PreparedRequest;
   using tokensampler::RequestPath;
+  py::class_<PreparedRequest, std::shared_ptr<PreparedRequest>>(m, "PreparedRequest")
+      .def_readonly("num_rows", &PreparedRequest::num_rows)
+      .def_property_readonly("merge_key",  // requests of one key may be sampled together
+                             [](const PreparedRequest& p) { return py::make_tuple(p.vocab, p.dtype_code); })
+      .def_property_readonly("rows_by_mode", [](const PreparedRequest& p) {
+        const int64_t* modes = p.rows_by_mode;
+        return py::make_tuple(modes[0], modes[1], modes[2], modes[3], modes[4]);
+      });
   py::class_<RequestPath>(m, "RequestPath")
       .def(py::init([](int device, int64_t max_batch_rows, int64_t max_batch_elements, int64_t fallback_count) {
              return std::make_unique<RequestPath>(
@@ -27,26 +37,36 @@ void register_request_path(py::module_& m) {
                                                                static_cast<int32_t>(producer_pid),
                                                                static_cast<uintptr_t>(ready_event)});
            })
-      .def("remove_region",
-           [](RequestPath& self, const std::string& name) {
-             py::gil_scoped_release release;  // waits for a request in flight
-             self.remove_region(name);
+      .def("remove_region", &RequestPath::remove_region, py::call_guard<py::gil_scoped_release>())
+      // The PreparedRequest, or None: declined. Logits carried in `request` are read from its bytes when the
+      // request is sampled: the caller keeps them until then.
+      .def("prepare",
+           [](RequestPath& self, const py::bytes& request, const std::string& request_id,
+              bool stream_message) -> py::object {
+             char* data = nullptr;
+             Py_ssize_t size = 0;
+             if (PyBytes_AsStringAndSize(request.ptr(), &data, &size) != 0) throw py::error_already_set();
+             auto prepared = self.prepare(std::string_view(data, static_cast<size_t>(size)), request_id, stream_message);
+             if (!prepared) return py::none();
+             return py::cast(std::move(prepared));
            })
-      // (response, rows, decode_ns, compute_ns, encode_ns, rows by mode) or None: declined.
-      .def("sample", [](RequestPath& self, const py::bytes& request, const std::string& request_id,
-                        bool stream_message) -> py::object {
-        char* data = nullptr;
-        Py_ssize_t size = 0;
-        if (PyBytes_AsStringAndSize(request.ptr(), &data, &size) != 0) throw py::error_already_set();
-        AnsweredRequest answer;
-        bool answered = false;
+      // Per request of the batch: (response, decode_ns, queue_ns, compute_ns, encode_ns, batch_rows), or None:
+      // declined after all.
+      .def("sample", [](RequestPath& self, const std::vector<std::shared_ptr<PreparedRequest>>& batch) {
+        std::vector<AnsweredRequest> answers;
         {
           py::gil_scoped_release release;
-          answered = self.sample(std::string_view(data, static_cast<size_t>(size)), request_id, stream_message, answer);
+          answers = self.sample(batch);
         }
-        if (!answered) return py::none();
-        const int64_t* modes = answer.rows_by_mode;
-        return py::make_tuple(py::bytes(answer.response), answer.num_rows, answer.decode_ns, answer.compute_ns,
-                              answer.encode_ns, py::make_tuple(modes[0], modes[1], modes[2], modes[3], modes[4]));
+        py::list out(answers.size());
+        for (size_t i = 0; i < answers.size(); ++i) {
+          const AnsweredRequest& a = answers[i];
+          if (a.answered)
+            out[i] = py::make_tuple(py::bytes(a.response), a.decode_ns, a.queue_ns, a.compute_ns, a.encode_ns,
+                                    a.batch_rows);
+          else
+            out[i] = py::none();
+        }
+        return out;
       });
 }

@@ -112,8 +112,6 @@ struct RequestPath::Parsed {
   // the scalars
   bool has_num_samples = false;
   uint64_t num_samples = 0, return_logprobs = 0, logprobs_mode = 0, top_logprobs = 0;
-  // the plan's row lists, reused: greedy, unfiltered, the buckets, exact
-  std::vector<int32_t> greedy, unfiltered, exact, by_bucket[kNumBuckets];
 
   void clear() {
     has_input = carried = gathered = has_params = has_num_samples = false;
@@ -121,8 +119,6 @@ struct RequestPath::Parsed {
     offset = dtype = row_size = num_samples = return_logprobs = logprobs_mode = top_logprobs = 0;
     for (auto* v : {&shape, &row_offsets, &top_k, &seed, &has_seed, &position, &iteration}) v->clear();
     for (auto* v : {&temperature, &top_p, &min_p}) v->clear();
-    greedy.clear(), unfiltered.clear(), exact.clear();
-    for (auto& v : by_bucket) v.clear();
   }
 
   // TensorRef {region = 1, offset = 2, dtype = 3, shape = 4} and RowsRef {region = 1, dtype = 2, row_size = 3,
@@ -237,14 +233,24 @@ struct RequestPath::Parsed {
   }
 };
 
+
+namespace {
+
+struct DeviceGuard {  // the caller's current device back on every way out
+  int previous = 0;
+  explicit DeviceGuard(int device) {
+    check(cudaGetDevice(&previous), "cudaGetDevice");
+    if (previous != device) check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() { cudaSetDevice(previous); }
+};
+
+}  // namespace
+
 RequestPath::RequestPath(int device, RequestLimits limits, unsigned long long* fallback_count)
     : device_(device), limits_(limits), fallback_count_(fallback_count), parsed_(std::make_unique<Parsed>()) {
-  int previous = 0;
-  check(cudaGetDevice(&previous), "cudaGetDevice");
-  check(cudaSetDevice(device_), "cudaSetDevice");
-  const cudaError_t err = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
-  cudaSetDevice(previous);
-  check(err, "cudaStreamCreateWithFlags");
+  DeviceGuard guard(device_);
+  check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
 }
 
 RequestPath::~RequestPath() {
@@ -280,48 +286,36 @@ void RequestPath::grow_device(Buffer& buffer, size_t bytes, bool zeroed) {
 void RequestPath::grow_host(Buffer& buffer, size_t bytes) {
   if (buffer.bytes >= bytes) return;
   const size_t size = std::max({bytes, 2 * buffer.bytes, size_t{4096}});
-  if (buffer.ptr) check(cudaFreeHost(buffer.ptr), "cudaFreeHost");  // every call ends synchronised
+  if (buffer.ptr) check(cudaFreeHost(buffer.ptr), "cudaFreeHost");  // every batch ends synchronised
   buffer = Buffer{};
   check(cudaHostAlloc(&buffer.ptr, size, cudaHostAllocDefault), "cudaHostAlloc");
   buffer.bytes = size;
 }
 
-bool RequestPath::sample(std::string_view request, std::string_view request_id, bool stream_message,
-                         AnsweredRequest& answered) {
+std::shared_ptr<PreparedRequest> RequestPath::prepare(std::string_view request, std::string_view request_id,
+                                                      bool stream_message) {
   const int64_t started = now_ns();
   std::lock_guard<std::mutex> lock(mutex_);
   Parsed& q = *parsed_;
-  if (!q.parse(request)) return false;
+  if (!q.parse(request)) return nullptr;
   const RegionMapping* region = nullptr;  // none for logits carried in the request
   if (!q.carried) {
     const auto found = regions_.find(std::string(q.region));
-    if (found == regions_.end()) return false;
+    if (found == regions_.end()) return nullptr;
     region = &found->second;
     // regions.py check_producer: a dead producer's memory must not be read
-    if (region->producer_pid && kill(region->producer_pid, 0) != 0 && errno == ESRCH) return false;
+    if (region->producer_pid && kill(region->producer_pid, 0) != 0 && errno == ESRCH) return nullptr;
   }
-
-  struct DeviceGuard {  // the caller's current device back on every way out
-    int previous = 0;
-    explicit DeviceGuard(int device) {
-      check(cudaGetDevice(&previous), "cudaGetDevice");
-      if (previous != device) check(cudaSetDevice(device), "cudaSetDevice");
-    }
-    ~DeviceGuard() { cudaSetDevice(previous); }
-  } guard(device_);
-  try {
-    if (region && region->ready_event)  // the producer's writes before this request, without a host wait
-      check(cudaStreamWaitEvent(stream_, reinterpret_cast<cudaEvent_t>(region->ready_event), 0),
-            "cudaStreamWaitEvent");
-    return answer(q, region, request_id, stream_message, started, answered);
-  } catch (...) {
-    cudaStreamSynchronize(stream_);  // no copy from the reused pinned buffers may outlive a failed request
-    throw;
-  }
+  auto prepared = std::make_shared<PreparedRequest>();
+  if (!validate(q, region, *prepared)) return nullptr;
+  prepared->request_id.assign(request_id);
+  prepared->stream_message = stream_message;
+  prepared->started_ns = started;
+  prepared->prepared_ns = now_ns();
+  return prepared;
 }
 
-bool RequestPath::answer(Parsed& q, const RegionMapping* region, std::string_view request_id, bool stream_message,
-                         int64_t started, AnsweredRequest& answered) {
+bool RequestPath::validate(const Parsed& q, const RegionMapping* region, PreparedRequest& p) const {
   // ---- validation.py: the input's shape and its bytes (tensors.py _checked), or the region reference
   // (regions.py Region.tensor, Region.rows)
   const bool gathered = q.gathered;
@@ -330,23 +324,21 @@ bool RequestPath::answer(Parsed& q, const RegionMapping* region, std::string_vie
   const int64_t vocab = static_cast<int64_t>(gathered ? q.row_size : q.shape[1]);
   if (num_rows < 1 || vocab < 1 || num_rows > limits_.max_batch_rows) return false;
   if (vocab > limits_.max_batch_elements / num_rows) return false;
-  int32_t dtype_code;  // sampling.h TsLogits.dtype
-  uint64_t itemsize;
   switch (q.dtype) {
-    case kFloat32: dtype_code = 0, itemsize = 4; break;
-    case kFloat16: dtype_code = 1, itemsize = 2; break;
-    case kBfloat16: dtype_code = 2, itemsize = 2; break;
+    case kFloat32: p.dtype_code = 0, p.itemsize = 4; break;
+    case kFloat16: p.dtype_code = 1, p.itemsize = 2; break;
+    case kBfloat16: p.dtype_code = 2, p.itemsize = 2; break;
     default: return false;
   }
-  const uint64_t row_bytes = static_cast<uint64_t>(vocab) * itemsize;
+  const uint64_t row_bytes = static_cast<uint64_t>(vocab) * p.itemsize;
   const uint64_t logits_bytes = static_cast<uint64_t>(num_rows) * row_bytes;
   if (q.carried) {
     if (q.data.size() != logits_bytes) return false;
   } else if (gathered) {
     for (uint64_t start : q.row_offsets)
-      if (start % itemsize || start > region->byte_size || row_bytes > region->byte_size - start) return false;
+      if (start % p.itemsize || start > region->byte_size || row_bytes > region->byte_size - start) return false;
   } else {
-    if (q.offset % itemsize || q.offset > region->byte_size || logits_bytes > region->byte_size - q.offset)
+    if (q.offset % p.itemsize || q.offset > region->byte_size || logits_bytes > region->byte_size - q.offset)
       return false;
   }
 
@@ -376,10 +368,129 @@ bool RequestPath::answer(Parsed& q, const RegionMapping* region, std::string_vie
   for (uint64_t flag : q.has_seed)
     if (flag > 1) return false;
 
-  // ---- backends/cuda.py _Stage: the per-row parameters (and gathered rows' starts) and row lists, packed
-  // for one upload
+  // ---- where the rows are
+  p.num_rows = num_rows, p.vocab = vocab, p.gathered = gathered;
+  if (q.carried) {
+    p.carried = q.data;
+  } else {
+    p.region.assign(q.region);
+    p.region_base = region->base;
+    p.offset = q.offset;
+    p.row_offsets = q.row_offsets;
+  }
+
+  // ---- validation.py _seeds and the per-row columns (backends/cuda.py _Stage)
   const size_t b = static_cast<size_t>(num_rows);
-  const size_t lists_offset = align16((gathered ? 48 : 40) * b);
+  p.seeds.resize(b);
+  if (seed.given()) {
+    size_t missing = 0;
+    for (size_t r = 0; r < b; ++r) {
+      p.seeds[r] = seed.at(static_cast<int64_t>(r), 0);
+      missing += !q.has_seed.empty() && !q.has_seed[r];
+    }
+    if (missing) {  // fresh seeds for the rows without one, in row order
+      std::vector<uint64_t> fresh(missing);
+      random_words(fresh.data(), missing);
+      size_t next = 0;
+      for (size_t r = 0; r < b; ++r)
+        if (!q.has_seed[r]) p.seeds[r] = fresh[next++];
+    }
+  } else {
+    random_words(p.seeds.data(), b);
+  }
+  p.positions.resize(b), p.iterations.resize(b), p.temperature.resize(b), p.top_p.resize(b), p.min_p.resize(b),
+      p.top_k.resize(b);
+  for (size_t r = 0; r < b; ++r) {
+    const int64_t row = static_cast<int64_t>(r);
+    const float t = float_of(temperature.at(row, 0x3F800000u));  // default 1.0
+    int32_t k = static_cast<int32_t>(static_cast<uint32_t>(top_k.at(row, 0)));
+    if (k < 0 || k >= vocab) k = 0;  // -1 and 0 disable; k >= V keeps every token
+    const float top = float_of(top_p.at(row, 0x3F800000u)), floor = float_of(min_p.at(row, 0u));
+    p.positions[r] = static_cast<int64_t>(position.at(row, 0));
+    p.iterations[r] = static_cast<int64_t>(iteration.at(row, 0));
+    p.temperature[r] = t, p.top_p[r] = top, p.min_p[r] = floor, p.top_k[r] = k;
+    ++p.rows_by_mode[t == 0.f ? kGreedy : k > 0 ? kTopK : top < 1.f ? kTopP : floor > 0.f ? kMinP : kGumbel];
+  }
+  return true;
+}
+
+std::vector<AnsweredRequest> RequestPath::sample(const std::vector<std::shared_ptr<PreparedRequest>>& batch) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (batch.empty()) throw std::invalid_argument("tokensampler request path: an empty batch");
+  std::vector<PreparedRequest*> included;
+  std::vector<AnsweredRequest> answers(batch.size());
+  int64_t rows = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    PreparedRequest& p = *batch[i];
+    if (p.vocab != batch[0]->vocab || p.dtype_code != batch[0]->dtype_code)
+      throw std::invalid_argument("tokensampler request path: a batch of more than one vocabulary or dtype");
+    if (!p.region.empty()) {  // regions.py: a request after the region's unregister finds it gone
+      const auto found = regions_.find(p.region);
+      if (found == regions_.end() || found->second.base != p.region_base) continue;
+    }
+    answers[i].answered = true;  // until its rows say otherwise
+    included.push_back(&p);
+    rows += p.num_rows;
+  }
+  if (rows > limits_.max_batch_rows || rows > limits_.max_batch_elements / batch[0]->vocab)
+    throw std::invalid_argument("tokensampler request path: a batch past the limits");
+  if (!rows) return answers;
+  const int64_t launched = now_ns();
+  {
+    DeviceGuard guard(device_);
+    try {
+      launch_rows(included, rows);
+      check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");  // the one synchronisation
+    } catch (...) {
+      cudaStreamSynchronize(stream_);  // no copy from the reused pinned buffers may outlive a failed batch
+      throw;
+    }
+  }
+  const int64_t computed = now_ns();
+  const size_t b = static_cast<size_t>(rows);
+  const auto* tokens = static_cast<const int64_t*>(host_out_.ptr);
+  const auto* flags = static_cast<const uint8_t*>(host_out_.ptr) + 8 * b;
+  for (size_t i = 0, row = 0; i < batch.size(); ++i) {
+    AnsweredRequest& a = answers[i];
+    if (!a.answered) continue;
+    const PreparedRequest& p = *batch[i];
+    const size_t n = static_cast<size_t>(p.num_rows);
+    // a row for the CPU reference: the Python path has the request
+    a.answered = std::none_of(flags + row, flags + row + n, [](uint8_t f) { return (f & kFlagCpu) != 0; });
+    if (a.answered) {
+      a.response = encode(p, tokens + row, flags + row, launched, computed);
+      a.decode_ns = p.prepared_ns - p.started_ns;
+      a.queue_ns = launched - p.prepared_ns;
+      a.compute_ns = computed - launched;
+      a.encode_ns = now_ns() - computed;  // this request's encoding, and those before it in the batch
+      a.batch_rows = rows;
+    }
+    row += n;
+  }
+  return answers;
+}
+
+void RequestPath::launch_rows(const std::vector<PreparedRequest*>& requests, int64_t num_rows) {
+  const PreparedRequest& first = *requests.front();
+  const int64_t vocab = first.vocab;
+  const uint64_t itemsize = first.itemsize, row_bytes = static_cast<uint64_t>(vocab) * itemsize;
+  const size_t b = static_cast<size_t>(num_rows);
+  // Rows of more than one request, or gathered rows, are found through per-row starts.
+  const bool per_row_start = requests.size() > 1 || first.gathered;
+
+  // ---- the producers' writes before this batch, without a host wait
+  for (const PreparedRequest* p : requests) {
+    if (p->region.empty()) continue;
+    const uintptr_t event = regions_.at(p->region).ready_event;
+    if (event) check(cudaStreamWaitEvent(stream_, reinterpret_cast<cudaEvent_t>(event), 0), "cudaStreamWaitEvent");
+  }
+
+  // ---- backends/cuda.py _Stage: the per-row parameters (and the rows' starts) and row lists, packed for one
+  // upload; carried logits one after the other in dev_logits_
+  size_t carried_bytes = 0;
+  for (const PreparedRequest* p : requests) carried_bytes += align16(p->carried.size());
+  if (carried_bytes) grow_device(dev_logits_, carried_bytes, false);
+  const size_t lists_offset = align16((per_row_start ? 48 : 40) * b);
   grow_host(host_stage_, lists_offset + 4 * b);
   grow_device(dev_stage_, lists_offset + 4 * b, false);
   char* host = static_cast<char*>(host_stage_.ptr);
@@ -390,59 +501,52 @@ bool RequestPath::answer(Parsed& q, const RegionMapping* region, std::string_vie
   auto* top_p_col = reinterpret_cast<float*>(host + 28 * b);
   auto* min_p_col = reinterpret_cast<float*>(host + 32 * b);
   auto* top_k_col = reinterpret_cast<int32_t*>(host + 36 * b);
+  auto* row_start = per_row_start ? reinterpret_cast<int64_t*>(host + 40 * b) : nullptr;
   auto* lists = reinterpret_cast<int32_t*>(host + lists_offset);
-  if (gathered) {  // in elements past the region's base
-    auto* row_start = reinterpret_cast<int64_t*>(host + 40 * b);
-    for (size_t r = 0; r < b; ++r) row_start[r] = static_cast<int64_t>(q.row_offsets[r] / itemsize);
-  }
-
-  if (seed.given()) {
-    size_t missing = 0;
-    for (size_t r = 0; r < b; ++r) {
-      seeds[r] = seed.at(static_cast<int64_t>(r), 0);
-      missing += !q.has_seed.empty() && !q.has_seed[r];
-    }
-    if (missing) {  // fresh seeds for the rows without one, in row order (validation.py _seeds)
-      std::vector<uint64_t> fresh(missing);
-      random_words(fresh.data(), missing);
-      size_t next = 0;
-      for (size_t r = 0; r < b; ++r)
-        if (!q.has_seed[r]) seeds[r] = fresh[next++];
-    }
-  } else {
-    random_words(seeds, b);
-  }
 
   // ---- backends/cuda.py _plan_without_logprobs: every row to one group by its mode
   const int64_t chunks = (vocab + kChunkTokens - 1) / kChunkTokens;
   bool exact_has_k = false, exact_has_top_p = false;
-  int64_t* modes = answered.rows_by_mode;
-  std::fill(modes, modes + 5, 0);
-  for (size_t r = 0; r < b; ++r) {
-    const int64_t row = static_cast<int64_t>(r);
-    const float t = float_of(temperature.at(row, 0x3F800000u));  // default 1.0
-    int32_t k = static_cast<int32_t>(static_cast<uint32_t>(top_k.at(row, 0)));
-    if (k < 0 || k >= vocab) k = 0;  // -1 and 0 disable; k >= V keeps every token
-    const float p = float_of(top_p.at(row, 0x3F800000u)), m = float_of(min_p.at(row, 0u));
-    positions[r] = static_cast<int64_t>(position.at(row, 0));
-    iterations[r] = static_cast<int64_t>(iteration.at(row, 0));
-    t_eff[r] = t == 0.f ? 1.f : t;
-    top_p_col[r] = p, min_p_col[r] = m, top_k_col[r] = k;
-    ++modes[t == 0.f ? kGreedy : k > 0 ? kTopK : p < 1.f ? kTopP : m > 0.f ? kMinP : kGumbel];
-    const int32_t id = static_cast<int32_t>(r);
-    if (t == 0.f) {
-      q.greedy.push_back(id);
-    } else if (k > 0 || p < 1.f || m > 0.f) {
-      const int bucket = bucket_index(k, chunks);
-      if (bucket >= 0) {
-        q.by_bucket[bucket].push_back(id);
-      } else {
-        q.exact.push_back(id);
-        exact_has_k |= k > 0;
-        exact_has_top_p |= p < 1.f;
-      }
+  greedy_.clear(), unfiltered_.clear(), exact_.clear();
+  for (auto& v : by_bucket_) v.clear();
+  uintptr_t first_row = 0;  // the address TsLogits.data holds; rows start past it (or before it) by row_start
+  size_t row = 0, carried_at = 0;
+  for (const PreparedRequest* p : requests) {
+    uintptr_t rows_at;  // row 0 of a contiguous request; the region's base for gathered rows
+    if (!p->carried.empty()) {
+      rows_at = reinterpret_cast<uintptr_t>(dev_logits_.ptr) + carried_at;
+      check(cudaMemcpyAsync(reinterpret_cast<void*>(rows_at), p->carried.data(), p->carried.size(),
+                            cudaMemcpyHostToDevice, stream_),
+            "logits upload");  // from pageable memory: returns once the driver has staged the bytes
+      carried_at += align16(p->carried.size());
     } else {
-      q.unfiltered.push_back(id);
+      rows_at = p->region_base + (p->gathered ? 0 : p->offset);
+    }
+    for (size_t r = 0; r < static_cast<size_t>(p->num_rows); ++r, ++row) {
+      const uintptr_t at = p->gathered ? rows_at + p->row_offsets[r] : rows_at + r * row_bytes;
+      if (row == 0) first_row = at;
+      // every address is a multiple of the item size (validate(), align16), so the difference divides
+      if (row_start) row_start[row] = static_cast<int64_t>(at - first_row) / static_cast<int64_t>(itemsize);
+      const float t = p->temperature[r], top = p->top_p[r], floor = p->min_p[r];
+      const int32_t k = p->top_k[r];
+      seeds[row] = p->seeds[r], positions[row] = p->positions[r], iterations[row] = p->iterations[r];
+      t_eff[row] = t == 0.f ? 1.f : t;
+      top_p_col[row] = top, min_p_col[row] = floor, top_k_col[row] = k;
+      const int32_t id = static_cast<int32_t>(row);
+      if (t == 0.f) {
+        greedy_.push_back(id);
+      } else if (k > 0 || top < 1.f || floor > 0.f) {
+        const int bucket = bucket_index(k, chunks);
+        if (bucket >= 0) {
+          by_bucket_[bucket].push_back(id);
+        } else {
+          exact_.push_back(id);
+          exact_has_k |= k > 0;
+          exact_has_top_p |= top < 1.f;
+        }
+      } else {
+        unfiltered_.push_back(id);
+      }
     }
   }
   char* dev = static_cast<char*>(dev_stage_.ptr);
@@ -455,10 +559,10 @@ bool RequestPath::answer(Parsed& q, const RegionMapping* region, std::string_vie
     used += rows.size();
     return group;
   };
-  const Group greedy = place(q.greedy), unfiltered = place(q.unfiltered);
+  const Group greedy = place(greedy_), unfiltered = place(unfiltered_);
   Group buckets[kNumBuckets];
-  for (int i = 0; i < kNumBuckets; ++i) buckets[i] = place(q.by_bucket[i]);
-  const Group exact = place(q.exact);
+  for (int i = 0; i < kNumBuckets; ++i) buckets[i] = place(by_bucket_[i]);
+  const Group exact = place(exact_);
   const bool bounded = !exact_has_k, min_p_alone = bounded && !exact_has_top_p;
   const bool frontier = bounded && exact_has_top_p && exact.n >= kFrontierMinRows;
   const int32_t filter_splits =
@@ -497,26 +601,15 @@ bool RequestPath::answer(Parsed& q, const RegionMapping* region, std::string_vie
   }
   grow_device(counters_, 4 * static_cast<size_t>(most_rows), true);
   grow_device(scratch_, std::max(scratch, size_t{1}), false);
-  if (q.carried) grow_device(dev_logits_, logits_bytes, false);
-  const int64_t staged = now_ns();
 
   // ---- backends/cuda.py _launch, without log-probs (every group writes the same tokens and flags)
   check(cudaMemcpyAsync(dev, host, lists_offset + 4 * used, cudaMemcpyHostToDevice, stream_), "upload");
-  // Carried logits straight from the request's bytes: a copy from pageable memory returns once the driver has
-  // staged the bytes, so they need not outlive this call (they do anyway: the caller holds the request).
-  if (q.carried)
-    check(cudaMemcpyAsync(dev_logits_.ptr, q.data.data(), logits_bytes, cudaMemcpyHostToDevice, stream_),
-          "logits upload");
   char* out = static_cast<char*>(dev_out_.ptr);
   auto* main_tokens = reinterpret_cast<int64_t*>(out);
   auto* main_flags = reinterpret_cast<uint8_t*>(out + 8 * b);
   auto f32 = [&](size_t at) { return reinterpret_cast<float*>(out + at); };
-  const TsLogits logits =
-      q.carried  ? TsLogits{dev_logits_.ptr, num_rows, vocab, dtype_code, nullptr}
-      : gathered ? TsLogits{reinterpret_cast<const void*>(region->base), num_rows, vocab, dtype_code,
-                            reinterpret_cast<const int64_t*>(dev + 40 * b)}
-                 : TsLogits{reinterpret_cast<const void*>(region->base + q.offset), num_rows, vocab, dtype_code,
-                            nullptr};
+  const TsLogits logits{reinterpret_cast<const void*>(first_row), num_rows, vocab, first.dtype_code,
+                        row_start ? reinterpret_cast<const int64_t*>(dev + 40 * b) : nullptr};
   auto rows_of = [&](const Group& g) {
     return TsRows{g.rows, g.n, reinterpret_cast<const float*>(dev + 24 * b), reinterpret_cast<const int32_t*>(dev + 36 * b),
                   reinterpret_cast<const float*>(dev + 28 * b), reinterpret_cast<const float*>(dev + 32 * b),
@@ -555,17 +648,14 @@ bool RequestPath::answer(Parsed& q, const RegionMapping* region, std::string_vie
                    "filter");
     }
   }
-  // The one synchronisation: tokens and flags back in one copy.
+  // Tokens and flags back in one copy.
   check(cudaMemcpyAsync(host_out_.ptr, out, 9 * b, cudaMemcpyDeviceToHost, stream_), "download");
-  check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
-  const int64_t computed = now_ns();
+}
 
-  const auto* tokens = static_cast<const int64_t*>(host_out_.ptr);
-  const auto* flags = static_cast<const uint8_t*>(host_out_.ptr) + 8 * b;
-  for (size_t r = 0; r < b; ++r)
-    if (flags[r] & kFlagCpu) return false;  // a row for the CPU reference: the Python path has it
-
-  // ---- sample_rpc.py encode_result + finish: the SampleResponse
+// sample_rpc.py encode_result + finish: the SampleResponse (in a SampleStreamResponse for a stream message).
+std::string RequestPath::encode(const PreparedRequest& p, const int64_t* tokens, const uint8_t* flags,
+                                int64_t launched_ns, int64_t computed_ns) const {
+  const size_t b = static_cast<size_t>(p.num_rows);
   std::vector<int32_t> token_ids(b);
   std::vector<uint8_t> valid(b), nan(b);
   for (size_t r = 0; r < b; ++r) {
@@ -575,33 +665,25 @@ bool RequestPath::answer(Parsed& q, const RegionMapping* region, std::string_vie
   }
   wire::Writer tensor;
   tensor.uint_field(1, kInt32);
-  const int64_t shape[2] = {num_rows, 1};
+  const int64_t shape[2] = {p.num_rows, 1};
   tensor.packed_varints(2, shape, 2);
   tensor.bytes_field(3, token_ids.data(), 4 * b);
   wire::Writer response;
-  response.reserve(4 * b + 12 * b + 64 + request_id.size());
+  response.reserve(4 * b + 12 * b + 64 + p.request_id.size());
   response.message_field(1, tensor);
-  response.packed_varints(2, seeds, b);
+  response.packed_varints(2, p.seeds.data(), b);
   response.packed_varints(6, valid.data(), b);
   response.packed_varints(7, nan.data(), b);
   wire::Writer timings;
-  timings.uint_field(2, static_cast<uint64_t>(computed - staged));
-  timings.uint_field(3, static_cast<uint64_t>(now_ns() - started));
+  timings.uint_field(1, static_cast<uint64_t>(launched_ns - p.prepared_ns));
+  timings.uint_field(2, static_cast<uint64_t>(computed_ns - launched_ns));
+  timings.uint_field(3, static_cast<uint64_t>(now_ns() - p.started_ns));
   response.message_field(8, timings);
-  response.bytes_field(9, request_id.data(), request_id.size());
-  if (stream_message) {
-    wire::Writer message;
-    message.message_field(1, response);
-    answered.response = message.bytes();
-  } else {
-    answered.response = response.bytes();
-  }
-  const int64_t encoded = now_ns();
-  answered.num_rows = num_rows;
-  answered.decode_ns = staged - started;
-  answered.compute_ns = computed - staged;
-  answered.encode_ns = encoded - computed;
-  return true;
+  response.bytes_field(9, p.request_id.data(), p.request_id.size());
+  if (!p.stream_message) return response.bytes();
+  wire::Writer message;
+  message.message_field(1, response);
+  return message.bytes();
 }
 
 }  // namespace tokensampler

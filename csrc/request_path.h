@@ -2,10 +2,15 @@
 // are carried in its own bytes, and that asks for tokens alone (no log-probs, no logit processing, no output
 // regions, one sample) is parsed, validated, planned, launched and answered here, without a Python line
 // between the request's bytes and the response's. The server's Python path (sample_rpc.py) answers every
-// other request and every error: sample() declines (returns false) whatever it does not take, before anything
+// other request and every error: prepare() declines (returns null) whatever it does not take, before anything
 // a client could see has happened, and the Python path then takes the request as if this one did not exist.
 // The rules it applies are validation.py's and backends/cuda.py's, mirrored: tests/gpu/test_request_path.py
 // holds the two paths to the same answers.
+//
+// A request is prepared (parsed and validated) as it arrives; prepared requests of one vocabulary and dtype are
+// sampled together as one batch (their rows merged, each row's logits found through a per-row start), and
+// each gets its own answer. Batch invariance (docs/semantics.md) makes a request's tokens the same alone or
+// merged. native_path.py decides what to merge and when.
 //
 // Plain C++ and the CUDA runtime, no torch: bindings_request_path.cpp is the thin binding.
 #pragma once
@@ -34,14 +39,37 @@ struct RegionMapping {
   uintptr_t ready_event;  // the producer's interprocess cudaEvent_t, recorded after each write; 0: none
 };
 
-// An answered request: the serialized response and what the server's metrics record of it.
-struct AnsweredRequest {
-  std::string response;  // SampleResponse, or SampleStreamResponse for a stream message
-  int64_t num_rows = 0;
-  int64_t decode_ns = 0;   // parse, validation, plan and upload staging
-  int64_t compute_ns = 0;  // upload, launches, results back (the one synchronisation)
-  int64_t encode_ns = 0;
+// A validated request waiting for its launch: its rows' parameters (seeds drawn) and where its logits are.
+struct PreparedRequest {
+  std::string request_id;
+  bool stream_message = false;
+  std::string region;        // empty: the logits are carried in the request
+  uintptr_t region_base = 0;  // the region's mapping when the request was prepared
+  std::string_view carried;  // carried logits: a view of the request's bytes, which the caller keeps alive
+                             // until it is sampled
+  bool gathered = false;
+  uint64_t offset = 0;                // contiguous rows: the first row's byte offset in the region
+  std::vector<uint64_t> row_offsets;  // gathered rows: each row's byte offset in the region
+  int64_t num_rows = 0, vocab = 0;
+  int32_t dtype_code = 0;  // sampling.h TsLogits.dtype
+  uint32_t itemsize = 0;
+  std::vector<uint64_t> seeds;
+  std::vector<int64_t> positions, iterations;
+  std::vector<float> temperature, top_p, min_p;  // temperature as given: 0 in greedy rows
+  std::vector<int32_t> top_k;                    // 0: off (-1, 0 and k >= vocab)
   int64_t rows_by_mode[5] = {};  // greedy, gumbel, top_k, top_p, min_p: metrics.ROW_MODES' order
+  int64_t started_ns = 0, prepared_ns = 0;
+};
+
+// A sampled request's answer: the serialized response and what the server's metrics record of it.
+struct AnsweredRequest {
+  bool answered = false;  // false: declined after all (a row for the CPU reference, its region gone)
+  std::string response;   // SampleResponse, or SampleStreamResponse for a stream message
+  int64_t decode_ns = 0;   // parse and validation
+  int64_t queue_ns = 0;    // prepared to sampled
+  int64_t compute_ns = 0;  // staging, upload, launches, results back
+  int64_t encode_ns = 0;
+  int64_t batch_rows = 0;  // rows of the batch it was part of
 };
 
 class RequestPath {
@@ -53,10 +81,15 @@ class RequestPath {
   RequestPath& operator=(const RequestPath&) = delete;
 
   void add_region(const std::string& name, RegionMapping region);
-  void remove_region(const std::string& name);  // waits for a request using it
+  void remove_region(const std::string& name);  // waits for a batch being sampled
 
-  // Answers `request` (serialized SampleRequest bytes) into `answer`, or returns false.
-  bool sample(std::string_view request, std::string_view request_id, bool stream_message, AnsweredRequest& answer);
+  // The request (serialized SampleRequest bytes) parsed and validated, or null: declined.
+  std::shared_ptr<PreparedRequest> prepare(std::string_view request, std::string_view request_id,
+                                           bool stream_message);
+  // Samples `batch` (prepared requests of one vocabulary and dtype, their rows together within the limits) in
+  // one set of launches and one synchronisation, and answers its requests in order. A request whose region
+  // went since it was prepared is left out and declined.
+  std::vector<AnsweredRequest> sample(const std::vector<std::shared_ptr<PreparedRequest>>& batch);
 
   struct Parsed;  // the request's fields, reused from call to call (request_path.cpp)
 
@@ -67,17 +100,21 @@ class RequestPath {
   };
   void grow_device(Buffer& buffer, size_t bytes, bool zeroed);
   void grow_host(Buffer& buffer, size_t bytes);
-  bool answer(Parsed& request, const RegionMapping* region, std::string_view request_id, bool stream_message,
-              int64_t started_ns, AnsweredRequest& answer);
+  bool validate(const Parsed& q, const RegionMapping* region, PreparedRequest& prepared) const;
+  void launch_rows(const std::vector<PreparedRequest*>& requests, int64_t rows);
+  std::string encode(const PreparedRequest& request, const int64_t* tokens, const uint8_t* flags, int64_t launched_ns,
+                     int64_t computed_ns) const;
 
   int device_;
   RequestLimits limits_;
   unsigned long long* fallback_count_;
   cudaStream_t stream_ = nullptr;
-  std::mutex mutex_;  // one request at a time; regions change between requests only
+  std::mutex mutex_;  // one request or batch at a time; regions change between them only
   std::unordered_map<std::string, RegionMapping> regions_;
   std::unique_ptr<Parsed> parsed_;
-  Buffer dev_logits_;  // carried logits, uploaded (as large as the largest such request so far)
+  // the plan's row lists, reused: greedy, unfiltered, the buckets, exact
+  std::vector<int32_t> greedy_, unfiltered_, exact_, by_bucket_[5];
+  Buffer dev_logits_;  // carried logits, uploaded (as large as the largest such batch so far)
   Buffer host_stage_, dev_stage_, host_out_, dev_out_, counters_, hist_, scratch_;
 };
 

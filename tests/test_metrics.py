@@ -289,14 +289,13 @@ def test_calls_observed_later_are_recorded_before_a_scrape_reads_them() -> None:
 
     metrics = ServerMetrics()
     method = "tokensampler.v1.Sampler/SampleStream"
-    call = CallRecord(method=method, request_id="s.0", row_modes=(1, 2, 0, 0, 3), native=True)
+    call = CallRecord(method=method, request_id="s.0", row_modes=(1, 2, 0, 0, 3))
     metrics.observe_call_later(call, grpc.StatusCode.OK, 2_000_000)
     count = metrics.registry.get_sample_value
     assert count("tokensampler_requests_total", {"method": method, "code": "OK"}) == 1
     assert count("tokensampler_rows_total", {"mode": "min_p"}) == 3
     assert count("tokensampler_rows_total", {"mode": "gumbel"}) == 2
     assert count("tokensampler_request_duration_seconds_sum", {"method": method}) == pytest.approx(0.002)
-    assert count("tokensampler_batch_rows_sum") == 6  # a native answer is a batch of its own
     for _ in range(_MAX_LATER + 100):
         metrics.observe_call_later(call, grpc.StatusCode.OK, 1000)
     assert len(metrics._later) <= _MAX_LATER  # noqa: SLF001 - the bound is the point

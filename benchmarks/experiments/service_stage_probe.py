@@ -94,10 +94,10 @@ def _answer_inline() -> None:
         async for message in requests:
             record = CallRecord(method=STREAM_METHOD, request_id=f"inline.{index}")
             index += 1
-            answer = self._sample_path.answer_natively(message, record, stream_message=True)
+            answer = await self._native.sample(message, record.request_id, stream_message=True)
             if answer is None:
                 raise RuntimeError("the inline variant needs requests the native path answers")
-            yield answer
+            yield answer.response
 
     service.SamplerService.SampleStream = sample_stream
 

@@ -28,8 +28,6 @@ class CallRecord:
     row_modes: tuple[int, ...] | None = None
     """Rows per mode (metrics.ROW_MODES order) of a Sample call without a batch: answered natively, or
     recorded later (metrics.observe_call_later keeps the counts, not the batch)."""
-    native: bool = False
-    """Answered by the native request path: its rows were a backend batch of their own."""
     decode_ns: int = 0
     """Request message to validated batch: validation and tensor decoding."""
     queue_ns: int = 0

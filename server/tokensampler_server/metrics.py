@@ -230,8 +230,6 @@ class ServerMetrics:
         for counter, count in zip(self._rows_by_mode, counts):
             if count:
                 counter.inc(count)
-        if call.native:  # the batcher records the batches it samples; these never reach it
-            self.batch_rows.observe(sum(counts))
         self.queue_duration.observe(call.queue_ns / 1e9)
         self.compute_duration.observe(call.compute_ns / 1e9)
         self.deserialize_duration.observe((call.parse_ns + call.decode_ns) / 1e9)

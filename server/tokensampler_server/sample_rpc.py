@@ -1,13 +1,14 @@
 """The Sample and SampleStream paths of the servicer: hold the weights and regions a request names,
 validate it, queue it on the batcher, encode the answer.
 
-Both methods take the request's bytes: on the CUDA backend the native path (native_path.py) answers the plain
-requests (logits in a region or carried) from them, in C++, and returns response bytes; everything else is
-parsed here and takes the Python path. There a request is handled in two halves: `start` runs synchronously up
-to the batcher's future, `finish` builds the response from the result. A stream answers natively answered
-messages in one loop; from its first message on the Python path, a reader starts each message as it arrives
-(so the batcher can merge them) without a task per message, and the stream answers in order by awaiting the
-futures one after the other: the fewest event-loop turns per message (benchmarks/SERVICE_NOTES.md).
+Both methods take the request's bytes: on the CUDA backend the native path (native_path.py) takes the plain
+requests (logits in a region or carried) from them, in C++, and its future gets response bytes; everything else
+(and whatever it declines after all) is parsed here and takes the Python path. There a request is handled in two
+halves: `start` runs synchronously up to the batcher's future, `finish` builds the response from the result. A
+stream answers natively answered messages in one loop; from its first message on the Python path, a reader
+starts each message as it arrives (so the batcher can merge them) without a task per message, and the stream
+answers in order by awaiting the futures one after the other: the fewest event-loop turns per message
+(benchmarks/SERVICE_NOTES.md).
 """
 
 from __future__ import annotations
@@ -130,6 +131,18 @@ class _Started:
         self.held.close()
 
 
+_StreamItem = tuple[CallRecord, bytes | pb.SampleRequest, asyncio.Future | _Started | Exception]
+"""A stream message: its record, the message, and what _begin made of it."""
+
+
+def _drop(begun: asyncio.Future | _Started | Exception) -> None:
+    """A begun stream message whose answer is no longer wanted."""
+    if isinstance(begun, _Started):
+        begun.drop()
+    elif isinstance(begun, asyncio.Future):
+        begun.cancel()
+
+
 class SamplePath:
     """Sample and SampleStream over one batcher, weight registry and region registry."""
 
@@ -142,15 +155,23 @@ class SamplePath:
         self._metrics = metrics
         self._native = native
 
-    def answer_natively(self, message: bytes | pb.SampleRequest, call: CallRecord, stream_message: bool) -> bytes | None:
-        """The native path's answer to `message` (recorded in `call`), or None when it declines."""
+    def _submit_natively(self, message: bytes | pb.SampleRequest, call: CallRecord,
+                         stream_message: bool) -> asyncio.Future | None:
+        """`message` queued on the native path (the future of its answer), or None when the path declines it."""
         if self._native is None or not isinstance(message, bytes):
             return None
-        answer = self._native.sample(message, call.request_id, stream_message)
+        return self._native.submit(message, call.request_id, stream_message)
+
+    @staticmethod
+    async def _native_response(pending: asyncio.Future, call: CallRecord) -> bytes | None:
+        """The response bytes of a request submitted natively (its stages recorded in `call`), or None when
+        the native path declined it after all."""
+        answer = await pending
         if answer is None:
             return None
-        call.row_modes, call.native = answer.rows_by_mode, True
-        call.decode_ns, call.compute_ns, call.encode_ns = answer.decode_ns, answer.compute_ns, answer.encode_ns
+        call.row_modes = answer.rows_by_mode
+        call.decode_ns, call.queue_ns = answer.decode_ns, answer.queue_ns
+        call.compute_ns, call.encode_ns = answer.compute_ns, answer.encode_ns
         return answer.response
 
     @staticmethod
@@ -161,15 +182,17 @@ class SamplePath:
         call.parse_ns += time.perf_counter_ns() - started
         return request
 
-    def _begin(self, message: bytes | pb.SampleRequest, call: CallRecord) -> bytes | _Started | Exception:
-        """A stream message answered natively, started on the Python path, or its error. Bytes that do not
-        parse raise: they end the stream."""
+    def _begin(self, message: bytes | pb.SampleRequest, call: CallRecord) -> asyncio.Future | _Started | Exception:
+        """A stream message submitted natively (its future), started on the Python path, or its error."""
         try:
-            answer = self.answer_natively(message, call, stream_message=True)
+            pending = self._submit_natively(message, call, stream_message=True)
         except Exception as err:  # noqa: BLE001 - answered as this message's error
             return err
-        if answer is not None:
-            return answer
+        return pending if pending is not None else self._begin_python(message, call)
+
+    def _begin_python(self, message: bytes | pb.SampleRequest, call: CallRecord) -> _Started | Exception:
+        """A stream message started on the Python path, or its error. Bytes that do not parse raise: they end
+        the stream."""
         request = self._parsed(message, call)
         try:
             return self.start(request, call)
@@ -229,9 +252,9 @@ class SamplePath:
         return response
 
     async def unary(self, message: bytes | pb.SampleRequest, call: CallRecord) -> bytes | pb.SampleResponse:
-        answer = self.answer_natively(message, call, stream_message=False)
-        if answer is not None:
-            return answer
+        pending = self._submit_natively(message, call, stream_message=False)
+        if pending is not None and (response := await self._native_response(pending, call)) is not None:
+            return response
         started = self.start(self._parsed(message, call), call)
         with started.held:
             result, times = await started.future
@@ -250,11 +273,11 @@ class SamplePath:
             record = self._stream_record(stream_id, index)
             index += 1
             begun = self._begin(message, record)
-            if not isinstance(begun, bytes):
-                async for answer in self._pipelined(messages, stream_id, index, (record, begun)):
+            if not isinstance(begun, asyncio.Future):
+                async for answer in self._pipelined(messages, stream_id, index, (record, message, begun)):
                     yield answer
                 return
-            yield self._answer_native(record, begun)
+            yield await self._answer(record, message, begun)
 
     @staticmethod
     def _stream_record(stream_id: str, index: int) -> CallRecord:
@@ -264,14 +287,11 @@ class SamplePath:
         return record
 
     async def _pipelined(
-        self, messages: AsyncIterator[bytes | pb.SampleRequest], stream_id: str, index: int,
-        first: tuple[CallRecord, _Started | Exception],
+        self, messages: AsyncIterator[bytes | pb.SampleRequest], stream_id: str, index: int, first: _StreamItem,
     ) -> AsyncIterator[bytes | pb.SampleStreamResponse]:
-        """Starts each message as it arrives (so the batcher can merge them) and answers them in order,
+        """Starts each message as it arrives (so the batchers can merge them) and answers them in order,
         beginning with `first`, the message of number index - 1."""
-        answers: asyncio.Queue[tuple[CallRecord, bytes | _Started | Exception] | None] = asyncio.Queue(
-            maxsize=STREAM_MESSAGES_IN_FLIGHT
-        )
+        answers: asyncio.Queue[_StreamItem | None] = asyncio.Queue(maxsize=STREAM_MESSAGES_IN_FLIGHT)
         answers.put_nowait(first)
 
         async def read() -> None:
@@ -279,12 +299,11 @@ class SamplePath:
             async for message in messages:
                 record = self._stream_record(stream_id, number)
                 number += 1
-                item = (record, self._begin(message, record))
+                item = (record, message, self._begin(message, record))
                 try:
                     await answers.put(item)
                 except asyncio.CancelledError:
-                    if isinstance(item[1], _Started):
-                        item[1].drop()
+                    _drop(item[2])
                     raise
 
         async def read_then_end() -> None:
@@ -307,8 +326,8 @@ class SamplePath:
             reader.cancel()
             while not answers.empty():
                 item = answers.get_nowait()
-                if item is not None and isinstance(item[1], _Started):
-                    item[1].drop()
+                if item is not None:
+                    _drop(item[2])
 
     def _answer_native(self, record: CallRecord, response: bytes) -> bytes:
         """A natively answered stream message, reported like every call (at the next scrape)."""
@@ -316,12 +335,20 @@ class SamplePath:
             self._metrics.observe_call_later(record, grpc.StatusCode.OK, record.elapsed_ns())
         return response
 
-    async def _answer(self, record: CallRecord, started: bytes | _Started | Exception) -> bytes | pb.SampleStreamResponse:
+    async def _answer(self, record: CallRecord, message: bytes | pb.SampleRequest,
+                      started: asyncio.Future | _Started | Exception) -> bytes | pb.SampleStreamResponse:
         """One stream message's answer, reported like a unary call."""
-        if isinstance(started, bytes):
-            return self._answer_native(record, started)
         current_request_id.set(record.request_id)
         code, error = grpc.StatusCode.OK, ""
+        if isinstance(started, asyncio.Future):
+            try:
+                response = await self._native_response(started, record)
+            except Exception as err:  # noqa: BLE001 - answered below as this message's error
+                started = err
+            else:
+                if response is not None:
+                    return self._answer_native(record, response)
+                started = self._begin_python(message, record)
         try:
             if isinstance(started, Exception):
                 raise started
@@ -333,5 +360,5 @@ class SamplePath:
         finally:
             if self._metrics is not None:
                 self._metrics.observe_call_later(record, code, record.elapsed_ns())
-        message = f"{error} (request id {record.request_id})"
-        return pb.SampleStreamResponse(error=pb.StreamError(code=code.value[0], message=message, request_id=record.request_id))
+        text = f"{error} (request id {record.request_id})"
+        return pb.SampleStreamResponse(error=pb.StreamError(code=code.value[0], message=text, request_id=record.request_id))

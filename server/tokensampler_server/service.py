@@ -77,12 +77,14 @@ class SamplerService(pb_grpc.SamplerServicer):
         self._weights_dir = weights_dir
         self._regions = regions or RegionRegistry()
         self._metrics = metrics
+        self._native = native
         self._sample_path = SamplePath(limits, self._batcher, self._registry, self._regions, metrics, native)
 
     @property
     def queue_depth(self) -> int:
-        """Validated requests waiting for the backend."""
-        return self._batcher.queued_requests
+        """Validated requests waiting for the backend (the batcher's and the native path's)."""
+        native = self._native.queued_requests if self._native is not None else 0
+        return self._batcher.queued_requests + native
 
     @property
     def registry(self) -> WeightRegistry:

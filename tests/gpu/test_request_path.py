@@ -9,6 +9,7 @@ must be declined. Then the server end to end: unary and stream over a CUDA regio
 
 from __future__ import annotations
 
+import asyncio
 import re
 import subprocess
 import sys
@@ -47,7 +48,7 @@ def region_buffer() -> torch.Tensor:
 def native(cuda_backend, region_buffer: torch.Tensor):
     from tokensampler_server.native_path import NativeRequestPath
 
-    path = NativeRequestPath(cuda_backend, LIMITS)
+    path = NativeRequestPath.for_backend(cuda_backend, LIMITS)
     path.region_added(Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None))
     return path
 
@@ -78,8 +79,13 @@ def python_answer(cuda_backend, request: pb.SampleRequest, region_buffer: torch.
         seeds=seeds.tolist(), valid=result.valid.tolist(), nan_detected=result.nan_detected.tolist())
 
 
+def answer_alone(native, raw: bytes, request_id: str, stream_message: bool):
+    """The native path's answer to one request submitted alone (its own launch), or None: declined."""
+    return asyncio.run(native.sample(raw, request_id, stream_message))
+
+
 def assert_same_answer(native, cuda_backend, region_buffer: torch.Tensor, request: pb.SampleRequest) -> pb.SampleResponse:
-    answer = native.sample(request.SerializeToString(), "rid-1", False)
+    answer = answer_alone(native, request.SerializeToString(), "rid-1", False)
     assert answer is not None, "declined a request it should answer"
     got = pb.SampleResponse.FromString(answer.response)
     if not request.params.has_seed and not request.params.seed:  # fresh seeds: replay them on the Python path
@@ -96,7 +102,7 @@ def assert_same_answer(native, cuda_backend, region_buffer: torch.Tensor, reques
     assert list(got.valid) == list(expected.valid) and list(got.nan_detected) == list(expected.nan_detected)
     assert got.request_id == "rid-1" and got.timings.total_ns >= got.timings.compute_ns > 0
     rows = len(expected.valid)
-    assert answer.num_rows == rows and sum(answer.rows_by_mode) == rows
+    assert answer.batch_rows == rows and sum(answer.rows_by_mode) == rows
     return got
 
 
@@ -186,7 +192,7 @@ def test_fresh_and_partly_given_seeds(native, cuda_backend, region_buffer) -> No
     x = logits("flat", 8, 1000, seed=3).cuda()
     fresh = pb.SampleRequest(logits_ref=put(region_buffer, x))  # no params at all: T = 1, fresh seeds
     first = assert_same_answer(native, cuda_backend, region_buffer, fresh)
-    again = pb.SampleResponse.FromString(native.sample(fresh.SerializeToString(), "rid-2", False).response)
+    again = pb.SampleResponse.FromString(answer_alone(native, fresh.SerializeToString(), "rid-2", False).response)
     assert list(first.seeds) != list(again.seeds)  # 8 fresh 64-bit seeds twice: equal with probability 2^-512
     partly = pb.SampleRequest(logits_ref=put(region_buffer, x), params=pb.SamplingParams(
         seed=list(range(8)), has_seed=[True, False] * 4))
@@ -197,7 +203,7 @@ def test_fresh_and_partly_given_seeds(native, cuda_backend, region_buffer) -> No
 def test_a_stream_message_wraps_the_response(native, region_buffer) -> None:
     x = logits("spiky", 2, 1000, seed=4).cuda()
     request = pb.SampleRequest(logits_ref=put(region_buffer, x), params=pb.SamplingParams(temperature=[0.0]))
-    answer = native.sample(request.SerializeToString(), "s.0", True)
+    answer = answer_alone(native, request.SerializeToString(), "s.0", True)
     message = pb.SampleStreamResponse.FromString(answer.response)
     assert message.WhichOneof("result") == "response" and message.response.request_id == "s.0"
     tokens = torch.frombuffer(bytearray(message.response.tokens.data), dtype=torch.int32)
@@ -310,33 +316,134 @@ def test_everything_else_is_declined(native, region_buffer) -> None:
     x = logits("flat", 3, 100, seed=5).cuda()
     ref = put(region_buffer, x)
     for name, raw in _declined_requests(ref).items():
-        assert native.sample(raw, "rid", False) is None, name
-    assert native.sample(pb.SampleRequest(logits=encode_tensor(x)).SerializeToString(), "rid", False) is not None
+        assert answer_alone(native, raw, "rid", False) is None, name
+    assert answer_alone(native, pb.SampleRequest(logits=encode_tensor(x)).SerializeToString(), "rid", False) is not None
     for name, raw in _declined_carried_requests(x, ref).items():
-        assert native.sample(raw, "rid", False) is None, name
+        assert answer_alone(native, raw, "rid", False) is None, name
     rows = rows_at(region_buffer, x, [2, 0], offset=4096)
-    assert native.sample(pb.SampleRequest(logits_rows=rows).SerializeToString(), "rid", False) is not None
+    assert answer_alone(native, pb.SampleRequest(logits_rows=rows).SerializeToString(), "rid", False) is not None
     for name, raw in _declined_rows_requests(rows).items():
-        assert native.sample(raw, "rid", False) is None, name
+        assert answer_alone(native, raw, "rid", False) is None, name
 
 
 def test_removed_region_and_dead_producer_are_declined(cuda_backend, region_buffer) -> None:
     from tokensampler_server.native_path import NativeRequestPath
 
-    path = NativeRequestPath(cuda_backend, LIMITS)
+    path = NativeRequestPath.for_backend(cuda_backend, LIMITS)
     raw = pb.SampleRequest(logits_ref=put(region_buffer, logits("flat", 2, 100, seed=6).cuda())).SerializeToString()
     exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     path.region_added(Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None,
                              producer_pid=int(exited.stdout)))
-    assert path.sample(raw, "rid", False) is None  # its producer has exited
+    assert answer_alone(path, raw, "rid", False) is None  # its producer has exited
     path.region_removed(REGION)
     path.region_added(Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None))
-    assert path.sample(raw, "rid", False) is not None
+    assert answer_alone(path, raw, "rid", False) is not None
     path.region_removed(REGION)
-    assert path.sample(raw, "rid", False) is None
+    assert answer_alone(path, raw, "rid", False) is None
     path.region_added(Region(name=REGION, kind="shm", buffer=torch.zeros(REGION_BYTES, dtype=torch.uint8),
                              release=lambda: None))
-    assert path.sample(raw, "rid", False) is None  # shared-memory regions take the Python path
+    assert answer_alone(path, raw, "rid", False) is None  # shared-memory regions take the Python path
+
+
+def _same_tokens(got: pb.SampleResponse, expected: pb.SampleResponse) -> bool:
+    return (got.tokens == expected.tokens and got.seeds == expected.seeds and got.valid == expected.valid
+            and got.nan_detected == expected.nan_detected)
+
+
+def test_queued_requests_are_sampled_as_one_batch_each_answered_as_alone(cuda_backend, native,
+                                                                        region_buffer) -> None:
+    """Seven seeded requests queued together (a queue delay): one batch per vocabulary and dtype, contiguous,
+    gathered and carried rows of mixed modes merged. Every answer equals the same request's answer alone, to the
+    bit (batch invariance)."""
+    from tokensampler_server.native_path import NativeRequestPath
+
+    queued = NativeRequestPath.for_backend(cuda_backend, LIMITS, max_queue_delay_us=20_000)
+    queued.region_added(Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None))
+    x1, x2 = logits("spiky", 6, 1000, seed=30).cuda(), logits("flat", 5, 1000, seed=31).cuda()
+    x3 = logits("spiky", 4, 1000, seed=32)
+    x4, x5 = logits("spiky", 3, 700, seed=33).cuda(), logits("spiky", 3, 1000, seed=34).half().cuda()
+    requests = [
+        pb.SampleRequest(logits_ref=put(region_buffer, x1), params=pb.SamplingParams(
+            top_k=[50], top_p=[0.9], seed=list(range(6)))),
+        pb.SampleRequest(logits_ref=put(region_buffer, x2, 1 << 20), params=pb.SamplingParams(
+            temperature=[0.0], seed=list(range(5)))),
+        pb.SampleRequest(logits_rows=rows_at(region_buffer, x1, [5, 0, 3], offset=2 << 20),
+                         params=pb.SamplingParams(min_p=[0.1], seed=[7, 8, 9])),
+        pb.SampleRequest(logits=encode_tensor(x3), params=pb.SamplingParams(temperature=[0.7], seed=[11])),
+        pb.SampleRequest(logits_ref=put(region_buffer, x4, 3 << 20), params=pb.SamplingParams(
+            top_p=[0.8], seed=[1, 2, 3])),
+        pb.SampleRequest(logits_ref=put(region_buffer, x5, 4 << 20), params=pb.SamplingParams(
+            top_k=[20], seed=[4, 5, 6])),
+        pb.SampleRequest(logits_ref=put(region_buffer, x2, 1 << 20), params=pb.SamplingParams(
+            top_p=[0.5], seed=[12], position=[3])),
+    ]
+    raws = [request.SerializeToString() for request in requests]
+    alone = [answer_alone(native, raw, f"a{i}", False) for i, raw in enumerate(raws)]
+
+    async def together():
+        return await asyncio.gather(*[queued.submit(raw, f"m{i}", False) for i, raw in enumerate(raws)])
+
+    merged = asyncio.run(together())
+    assert [answer.batch_rows for answer in merged] == [23, 23, 23, 23, 3, 3, 23]
+    for i, (got, expected) in enumerate(zip(merged, alone)):
+        assert expected.batch_rows == len(pb.SampleResponse.FromString(expected.response).valid)
+        assert _same_tokens(pb.SampleResponse.FromString(got.response),
+                            pb.SampleResponse.FromString(expected.response)), i
+    assert pb.SampleResponse.FromString(merged[1].response).timings.queue_ns >= 10_000_000  # the delay
+
+
+def test_a_waiting_request_whose_region_goes_is_declined(cuda_backend, region_buffer) -> None:
+    """A queued request whose region is unregistered before it is sampled is declined (the Python path answers it
+    NOT_FOUND), and the path goes on serving."""
+    from tokensampler_server.native_path import NativeRequestPath
+
+    path = NativeRequestPath.for_backend(cuda_backend, LIMITS, max_queue_delay_us=20_000)
+    path.region_added(Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None))
+    raw = pb.SampleRequest(logits_ref=put(region_buffer, logits("spiky", 3, 1000, seed=35).cuda()),
+                           params=pb.SamplingParams(temperature=[0.0])).SerializeToString()
+
+    async def run():
+        queued = path.submit(raw, "r1", False)
+        path.region_removed(REGION)
+        return await queued
+
+    assert asyncio.run(run()) is None
+    assert answer_alone(path, raw, "r3", False) is None
+    path.region_added(Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None))
+    assert answer_alone(path, raw, "r4", False) is not None
+
+
+def test_the_queue_is_bounded_and_a_delay_gathers_requests(cuda_backend, region_buffer) -> None:
+    """Past max_queue_rows queued rows a request gets RESOURCE_EXHAUSTED at once; with max_queue_delay_us a
+    lone request waits that long for others, which join its batch."""
+    import grpc
+    from tokensampler_server.native_path import NativeRequestPath
+
+    raw = pb.SampleRequest(logits_ref=put(region_buffer, logits("spiky", 6, 1000, seed=36).cuda()),
+                           params=pb.SamplingParams(seed=list(range(6)))).SerializeToString()
+    bounded = NativeRequestPath.for_backend(cuda_backend, LIMITS, max_queue_rows=10, max_queue_delay_us=20_000)
+    delayed = NativeRequestPath.for_backend(cuda_backend, LIMITS, max_queue_delay_us=50_000)
+    for path in (bounded, delayed):
+        path.region_added(Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None))
+
+    async def overfill():
+        queued = bounded.submit(raw, "r1", False)
+        with pytest.raises(ServiceError) as raised:
+            bounded.submit(raw, "r2", False)
+        return raised.value, await queued
+
+    refused, answered = asyncio.run(overfill())
+    assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 10" in refused.message
+    assert answered.batch_rows == 6
+
+    async def gathered():
+        first = delayed.submit(raw, "d1", False)
+        await asyncio.sleep(0.005)
+        second = delayed.submit(raw, "d2", False)
+        return await first, await second
+
+    first, second = asyncio.run(gathered())
+    assert first.batch_rows == second.batch_rows == 12 and first.response != second.response
 
 
 @pytest.fixture(scope="module")
@@ -349,11 +456,16 @@ def servers():
     python.stop()
 
 
-def _rows_total(server: RunningServer, mode: str) -> float:
+def _metric(server: RunningServer, sample: str) -> float:
+    """The value of one Prometheus sample (its name and labels as exposed) on `server`; 0 when absent."""
     port = next(int(m.group(1)) for line in server.log if (m := re.search(r"metrics on http://[^:]+:(\d+)/metrics", line)))
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    found = re.search(rf'^tokensampler_rows_total\{{mode="{mode}"\}} (\S+)$', text, re.MULTILINE)
+    found = re.search(rf"^{re.escape(sample)} (\S+)$", text, re.MULTILINE)
     return float(found.group(1)) if found else 0.0
+
+
+def _rows_total(server: RunningServer, mode: str) -> float:
+    return _metric(server, f'tokensampler_rows_total{{mode="{mode}"}}')
 
 
 def test_server_native_and_python_paths_answer_alike(servers) -> None:
@@ -495,7 +607,7 @@ def _answered_mutations(native, cuda_backend, region_buffer, bases: list[bytes],
                 raw[at:at] = raw[at: at + rng.randint(1, 8)]
             if not raw:
                 raw = bytearray(rng.choice(bases))
-        answer = native.sample(bytes(raw), "fuzz", False)
+        answer = answer_alone(native, bytes(raw), "fuzz", False)
         if answer is None:
             continue
         answered += 1
@@ -547,3 +659,42 @@ def test_mutated_carried_requests_are_answered_as_the_python_path_answers_them_o
     answered = _answered_mutations(native, cuda_backend, region_buffer, bases, 1000, seed=20261124)
     print(f"answered {answered} of 1000 mutated carried requests")
     assert 10 <= answered <= 990, answered
+
+
+def test_concurrent_calls_to_a_server_are_merged_natively_each_answered_as_alone() -> None:
+    """16 threads x 10 unary calls over slices of one CUDA region, against a server whose queue waits 2 ms: the
+    native path merges them (fewer batches than calls in the batch-rows metric), and every call gets what the
+    same call gets alone."""
+    server = start_server("--device", "cuda", "--allow-cuda-ipc", "--max-queue-delay-us", "2000", timeout=300)
+    threads, steps, rows = 16, 10, 2
+    x = logits("spiky", threads * rows, 32000, seed=37).cuda()
+    torch.cuda.synchronize()
+    results: dict[tuple[int, int], torch.Tensor] = {}
+    try:
+        with SamplerClient(server.target, timeout=300) as client:
+            region = client.register_cuda_region("merged", x)
+            try:
+                views = [region.view_of(x[t * rows:(t + 1) * rows]) for t in range(threads)]
+                batches = _metric(server, "tokensampler_batch_rows_count")
+
+                def worker(thread: int) -> None:
+                    for step in range(steps):
+                        results[thread, step] = client.sample(views[thread], top_k=40, top_p=0.9,
+                                                              seed=[thread, step], position=step).tokens
+
+                workers = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+                for w in workers:
+                    w.start()
+                for w in workers:
+                    w.join()
+                batches = _metric(server, "tokensampler_batch_rows_count") - batches
+                for (thread, step), tokens in results.items():
+                    alone = client.sample(views[thread], top_k=40, top_p=0.9, seed=[thread, step], position=step)
+                    assert torch.equal(tokens, alone.tokens), (thread, step)
+            finally:
+                client.unregister_region(region)
+    finally:
+        server.stop()
+    assert len(results) == threads * steps
+    print(f"{threads * steps} calls in {batches:.0f} batches")
+    assert 0 < batches < threads * steps / 2
