@@ -52,7 +52,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     parser.add_argument(
         "--max-queue-delay-us", type=int, default=int(_env("MAX_QUEUE_DELAY_US", str(defaults.max_queue_delay_us))),
         help="how long a request may wait for others to share a backend call while the backend is idle; "
-        "requests arriving while it is busy are merged anyway [TOKENSAMPLER_MAX_QUEUE_DELAY_US]",
+        "requests arriving while it is busy are merged anyway; the native path's requests are merged only "
+        "with a delay [TOKENSAMPLER_MAX_QUEUE_DELAY_US]",
     )
     parser.add_argument(
         "--max-queue-rows", type=int, default=int(_env("MAX_QUEUE_ROWS", str(defaults.max_queue_rows))),

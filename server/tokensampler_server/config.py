@@ -47,13 +47,14 @@ class ServerConfig:
     max_queue_delay_us: int = 0
     """How long a request may wait for others to batch with while the backend is idle."""
     max_queue_rows: int = 32768
-    """Rows waiting for the backend beyond which requests get RESOURCE_EXHAUSTED."""
+    """Rows waiting for the backend beyond which requests get RESOURCE_EXHAUSTED (in each queue: the dynamic
+    batcher's and the native path's)."""
     max_queue_bytes: int = 2 << 30
     """Bytes of request tensors waiting for the backend beyond which requests get RESOURCE_EXHAUSTED."""
     max_concurrent_rpcs: int = 1024
     """Calls (a stream counts as one) the server holds at once; past it grpc refuses new ones with
-    RESOURCE_EXHAUSTED (0: no limit). This bounds what waits ahead of the native path, which answers each
-    request as it runs and so never reaches the dynamic batcher's queue."""
+    RESOURCE_EXHAUSTED (0: no limit). This bounds what waits ahead of the native path, which with no queue
+    delay answers each request as it arrives, ahead of any queue."""
     gpu_memory_fraction: float | None = None
     """Cap on the share of the GPU's memory this process's allocator may take (None: no cap)."""
     allow_shm: bool = False
