@@ -68,7 +68,8 @@ def _runs_inline(batch: SamplingBatch) -> bool:
             and batch.num_rows * batch.vocab_size <= _INLINE_MAX_ELEMENTS)
 
 
-def _settle(future: asyncio.Future, outcome: object, error: BaseException | None) -> None:
+def settle(future: asyncio.Future, outcome: object, error: BaseException | None) -> None:
+    """Hands a caller its outcome or error, unless it went away (native_path.py shares it)."""
     if future.done():  # the caller went away
         return
     if error is not None:
@@ -270,13 +271,13 @@ class DynamicBatcher:
         finished = time.perf_counter_ns()
         if error is not None:
             for pending in group:
-                _settle(pending.future, None, error)
+                settle(pending.future, None, error)
         else:
             if self._observe_batch_rows is not None:
                 self._observe_batch_rows(rows)
             parts = split_result(result, [p.batch.num_rows for p in group]) if len(group) > 1 else [result]
             for pending, part in zip(group, parts):
-                _settle(pending.future, (part, BatchTimes(started - pending.enqueued_ns, finished - started, rows)), None)
+                settle(pending.future, (part, BatchTimes(started - pending.enqueued_ns, finished - started, rows)), None)
         if self._queue:
             if self._delay_s:
                 self._wake_runner()
@@ -291,7 +292,7 @@ class DynamicBatcher:
 
         def done(outcome: object, error: BaseException | None) -> None:
             self._exclusive -= 1
-            _settle(future, outcome, error)
+            settle(future, outcome, error)
 
         self._exclusive += 1
         self._worker.submit(loop, contextvars.copy_context(), partial(_out_of_memory_as_status, work), done)

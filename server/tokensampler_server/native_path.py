@@ -8,8 +8,8 @@ Everything else, errors included, is declined before anything a client could see
 as before. The region registry tells this path which CUDA regions exist (`region_added` / `region_removed`).
 
 Batching follows the dynamic batcher's rule for small GPU-resident batches (batcher.py): with no queue delay a
-request is sampled at once, on the event loop (its launches and one synchronisation cost less than any hand-off
-would: SERVICE_NOTES.md measured the alternatives). With `--max-queue-delay-us`, requests wait in a bounded queue
+request is sampled at once, on the event loop (its launches and one synchronisation cost less than a hand-off
+to a thread, and polling from the loop instead showed no gain: SERVICE_NOTES.md, forty-eighth session). With `--max-queue-delay-us`, requests wait in a bounded queue
 until that long after the oldest arrived, or until they fill `max_batch_rows`; then the oldest and the waiting
 requests of its vocabulary and dtype are sampled as one batch (one set of launches, one synchronisation), each
 answered with its own rows.
@@ -28,6 +28,7 @@ import grpc
 import torch
 
 from .backends import Backend
+from .batcher import settle
 from .config import Limits
 from .errors import ServiceError
 from .regions import Region
@@ -43,7 +44,7 @@ class NativeAnswer(NamedTuple):
     compute_ns: int
     encode_ns: int
     batch_rows: int
-    """Rows of the launch the request was part of."""
+    """Rows of the batch the request was sampled in."""
     rows_by_mode: tuple[int, int, int, int, int]
     """Rows per mode in metrics.ROW_MODES order (fused excluded: never on this path)."""
 
@@ -56,15 +57,6 @@ class _Waiting:
     """Kept until sampled: carried logits are read from these bytes."""
     future: asyncio.Future
     arrived_ns: int
-
-
-def _settle(future: asyncio.Future, result: object = None, error: BaseException | None = None) -> None:
-    if future.done():  # the caller went away
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
 
 
 class NativeRequestPath:
@@ -181,15 +173,15 @@ class NativeRequestPath:
             answers = self._path.sample([waiting.prepared for waiting in group])
         except Exception as err:  # noqa: BLE001 - each caller gets the failure; the call guard classifies it
             for waiting in group:
-                _settle(waiting.future, error=err)
+                settle(waiting.future, None, err)
             return
         batch_rows = 0
         for waiting, answer in zip(group, answers):
             if answer is None:
-                _settle(waiting.future, None)
+                settle(waiting.future, None, None)
             else:
                 batch_rows = answer[-1]
-                _settle(waiting.future, NativeAnswer(*answer, waiting.prepared.rows_by_mode))
+                settle(waiting.future, NativeAnswer(*answer, waiting.prepared.rows_by_mode), None)
         if batch_rows and self._observe_batch_rows is not None:
             self._observe_batch_rows(batch_rows)
 

@@ -4,7 +4,8 @@ In process, no RPC: a CUDA tensor of this process stands for a registered CUDA r
 native path answers must get the response the Python path gives it (validation.py + the CUDA backend):
 the same tokens, flags and seeds, to the bit, since both launch the same kernels on the same rows. Every
 request it must leave to the Python path (other inputs, log-probs, processing, output regions, errors)
-must be declined. Then the server end to end: unary and stream over a CUDA region, metrics included.
+must be declined. Requests queued together are sampled as one batch, each answered as alone. Then the server
+end to end: unary and stream over a CUDA region, metrics included, and concurrent calls merged.
 """
 
 from __future__ import annotations
