@@ -374,7 +374,7 @@ bool RequestPath::validate(const Parsed& q, const RegionMapping* region, Prepare
     p.carried = q.data;
   } else {
     p.region.assign(q.region);
-    p.region_base = region->base;
+    p.region_base = region->base, p.region_bytes = region->byte_size;
     p.offset = q.offset;
     p.row_offsets = q.row_offsets;
   }
@@ -417,16 +417,18 @@ bool RequestPath::validate(const Parsed& q, const RegionMapping* region, Prepare
 std::vector<AnsweredRequest> RequestPath::sample(const std::vector<std::shared_ptr<PreparedRequest>>& batch) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (batch.empty()) throw std::invalid_argument("tokensampler request path: an empty batch");
-  std::vector<PreparedRequest*> included;
+  std::vector<const PreparedRequest*> included;
   std::vector<AnsweredRequest> answers(batch.size());
   int64_t rows = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
-    PreparedRequest& p = *batch[i];
+    const PreparedRequest& p = *batch[i];
     if (p.vocab != batch[0]->vocab || p.dtype_code != batch[0]->dtype_code)
       throw std::invalid_argument("tokensampler request path: a batch of more than one vocabulary or dtype");
     if (!p.region.empty()) {  // regions.py: a request after the region's unregister finds it gone
       const auto found = regions_.find(p.region);
-      if (found == regions_.end() || found->second.base != p.region_base) continue;
+      const bool same = found != regions_.end() && found->second.base == p.region_base &&
+                        found->second.byte_size == p.region_bytes;
+      if (!same) continue;
     }
     answers[i].answered = true;  // until its rows say otherwise
     included.push_back(&p);
@@ -470,7 +472,7 @@ std::vector<AnsweredRequest> RequestPath::sample(const std::vector<std::shared_p
   return answers;
 }
 
-void RequestPath::launch_rows(const std::vector<PreparedRequest*>& requests, int64_t num_rows) {
+void RequestPath::launch_rows(const std::vector<const PreparedRequest*>& requests, int64_t num_rows) {
   const PreparedRequest& first = *requests.front();
   const int64_t vocab = first.vocab;
   const uint64_t itemsize = first.itemsize, row_bytes = static_cast<uint64_t>(vocab) * itemsize;

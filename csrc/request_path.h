@@ -44,7 +44,8 @@ struct PreparedRequest {
   std::string request_id;
   bool stream_message = false;
   std::string region;        // empty: the logits are carried in the request
-  uintptr_t region_base = 0;  // the region's mapping when the request was prepared
+  uintptr_t region_base = 0;  // the region's mapping when the request was prepared, which bounded its rows
+  uint64_t region_bytes = 0;
   std::string_view carried;  // carried logits: a view of the request's bytes, which the caller keeps alive
                              // until it is sampled
   bool gathered = false;
@@ -101,7 +102,7 @@ class RequestPath {
   void grow_device(Buffer& buffer, size_t bytes, bool zeroed);
   void grow_host(Buffer& buffer, size_t bytes);
   bool validate(const Parsed& q, const RegionMapping* region, PreparedRequest& prepared) const;
-  void launch_rows(const std::vector<PreparedRequest*>& requests, int64_t rows);
+  void launch_rows(const std::vector<const PreparedRequest*>& requests, int64_t rows);
   std::string encode(const PreparedRequest& request, const int64_t* tokens, const uint8_t* flags, int64_t launched_ns,
                      int64_t computed_ns) const;
 
