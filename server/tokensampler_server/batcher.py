@@ -30,7 +30,7 @@ import torch
 
 from .backends import Backend
 from .batch_merge import merge_batches, merge_key, split_result
-from .errors import ServiceError
+from .errors import ServiceError, queue_full
 from .sampling import SamplingBatch, SamplingResult
 
 
@@ -175,16 +175,10 @@ class DynamicBatcher:
         """Queues `batch` to be sampled, possibly together with other requests; the future gets
         (its own rows, BatchTimes). Raises RESOURCE_EXHAUSTED at once when the queue is full."""
         if self._queued_rows + batch.num_rows > self._max_queue_rows:
-            raise ServiceError(
-                f"queue full: {self._queued_rows} rows waiting, at most {self._max_queue_rows}; retry with backoff",
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-            )
+            raise queue_full(self._queued_rows, self._max_queue_rows, "rows")
         nbytes = _host_bytes(batch)
         if self._queued_bytes + nbytes > self._max_queue_bytes:
-            raise ServiceError(
-                f"queue full: {self._queued_bytes} bytes waiting, at most {self._max_queue_bytes}; retry with backoff",
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-            )
+            raise queue_full(self._queued_bytes, self._max_queue_bytes, "bytes")
         loop = asyncio.get_running_loop()
         pending = _Pending(batch, loop.create_future())
         self._queue.append(pending)

@@ -31,6 +31,12 @@ class InvalidArgument(ServiceError):
         self.field = field
 
 
+def queue_full(waiting: int, limit: int, unit: str) -> ServiceError:
+    """RESOURCE_EXHAUSTED of a request that does not fit a bounded queue (the batcher's, the native path's)."""
+    return ServiceError(f"queue full: {waiting} {unit} waiting, at most {limit}; retry with backoff",
+                        grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
 def unparsable(raw: bytes, err: Exception) -> InvalidArgument:
     """The error of request bytes that do not parse as the method's message."""
     return InvalidArgument("request", f"{len(raw)} bytes that do not parse ({err}); "

@@ -24,13 +24,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import grpc
 import torch
 
 from .backends import Backend
 from .batcher import settle
 from .config import Limits
-from .errors import ServiceError
+from .errors import queue_full
 from .regions import Region
 
 log = logging.getLogger(__name__)
@@ -110,10 +109,7 @@ class NativeRequestPath:
         if prepared is None:
             return None
         if self._queued_rows + prepared.num_rows > self._max_queue_rows:
-            raise ServiceError(
-                f"queue full: {self._queued_rows} rows waiting, at most {self._max_queue_rows}; retry with backoff",
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-            )
+            raise queue_full(self._queued_rows, self._max_queue_rows, "rows")
         loop = asyncio.get_running_loop()
         waiting = _Waiting(prepared, request, loop.create_future(), time.perf_counter_ns())
         self._waiting.append(waiting)
