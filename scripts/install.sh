@@ -3,21 +3,39 @@
 #
 # torch comes first: the CPU build on machines without an NVIDIA GPU (so pip does not pull gigabytes
 # of CUDA packages), the default CUDA build otherwise. TORCH_SPEC overrides the choice, e.g.
-# TORCH_SPEC="torch==2.11.0". PYTHON picks the interpreter (default python3, 3.10 or newer).
+# TORCH_SPEC="torch==2.11.0"; TORCH_INDEX_URL names the index of the CPU builds (PyTorch's own by
+# default), which is used only when it answers: machines that cannot reach it take torch from their
+# configured indexes and wheel folders instead of retrying it for every package.
+# PYTHON picks the interpreter (default python3, 3.10 or newer).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 python=${PYTHON:-python3}
+torch_index=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
-pip=(.venv/bin/python -m pip install --disable-pip-version-check -q)
+# Progress stays visible: torch and its dependencies are large downloads that would otherwise look hung.
+pip=(.venv/bin/python -m pip install --disable-pip-version-check --progress-bar on)
+
+reachable() {
+  .venv/bin/python - "$1" <<'PY'
+import sys, urllib.request
+try:
+    urllib.request.urlopen(sys.argv[1], timeout=5).close()
+except Exception:
+    sys.exit(1)
+PY
+}
 
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   if [ -n "${TORCH_SPEC:-}" ]; then
     "${pip[@]}" "$TORCH_SPEC"
   elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     "${pip[@]}" torch
+  elif reachable "$torch_index/torch/"; then
+    "${pip[@]}" "torch==2.13.0" --extra-index-url "$torch_index"
   else
-    "${pip[@]}" "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
+    echo "install: $torch_index does not answer; taking torch from the configured indexes" >&2
+    "${pip[@]}" "torch==2.13.0"
   fi
 fi
 "${pip[@]}" -e ".[dev]"
