@@ -196,7 +196,7 @@ def test_small_batches_already_on_a_device_run_on_the_event_loop_and_host_ones_o
         await batcher.submit(make_batch(torch.empty(2, 8, device="meta")))
         await batcher.submit(make_batch(torch.empty(2, 8, device="meta"), top_logprobs=2))  # a full sort: worker
         await batcher.submit(make_batch(torch.zeros(2, 8)))
-        await batcher.run_exclusive(lambda: None)
+        await batcher.run_exclusive(lambda: None, rows=0, nbytes=0)
         await batcher.close()
 
     asyncio.run(run())
@@ -210,7 +210,7 @@ def test_the_event_loop_waits_for_the_worker_to_be_idle() -> None:
 
     async def run() -> None:
         batcher = DynamicBatcher(backend, max_batch_rows=64)
-        busy = asyncio.ensure_future(batcher.run_exclusive(lambda: gate.wait(10)))
+        busy = asyncio.ensure_future(batcher.run_exclusive(lambda: gate.wait(10), rows=0, nbytes=0))
         await asyncio.sleep(0.02)
         queued = asyncio.ensure_future(batcher.submit(make_batch(torch.empty(1, 8, device="meta"))))
         await asyncio.sleep(0.02)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import os
 import random
 import secrets
 import time
@@ -22,10 +23,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 from tokensampler_client.params import build_sample_request
 from tokensampler_client.tensors import encode_tensor
 from tokensampler_server.cli import parse_args
-from tokensampler_server.config import Limits
+from tokensampler_server.config import Limits, cpu_max_batch_elements
 from tokensampler_server.errors import InvalidArgument
 from tokensampler_server.validation import validate_sample_request
 from tokensampler_server.weights import LogitsFinish, RegisteredWeight
@@ -116,17 +118,28 @@ def test_element_limit_is_checked_before_anything_is_decoded() -> None:
 
 
 def test_element_limit_flag() -> None:
-    assert parse_args([]).limits.max_batch_elements == 4096 * 262144
+    assert parse_args([]).limits.max_batch_elements == 4096 * 262144 and not parse_args([]).max_elements_given
     assert parse_args(["--max-batch-elements", "5"]).limits.max_batch_elements == 5
+    assert parse_args(["--max-batch-elements", "5"]).max_elements_given
     with pytest.raises(SystemExit):
         parse_args(["--max-batch-elements", "0"])
+
+
+def test_the_cpu_backends_default_element_limit_is_sized_to_its_time_and_memory(channel: grpc.Channel) -> None:
+    """2^30 elements would cost the CPU reference minutes and gigabytes per request: its default is 2^26 at
+    most, and 1/64 of the machine's memory in bytes."""
+    info = pb_grpc.SamplerStub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+    assert info.backend == "cpu"
+    assert info.limits.max_batch_elements == cpu_max_batch_elements(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    assert cpu_max_batch_elements(1 << 40) == 1 << 26 and cpu_max_batch_elements(64 << 20) == 1 << 20
 
 
 def test_huge_declared_shapes_are_refused_by_the_default_limits(channel: grpc.Channel) -> None:
     """Shapes that would need gigabytes, declared over a few bytes: refused without allocating."""
     raw = channel.unary_unary(SAMPLER + "Sample")
-    for shape, field in (([1, 4096 * 262144 + 1], "logits.shape"), ([4097, 8], "logits.shape"),
-                         ([4096, 262144], "logits.data")):
+    elements = pb_grpc.SamplerStub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=30).limits.max_batch_elements
+    for shape, field in (([1, elements + 1], "logits.shape"), ([4097, 8], "logits.shape"),
+                         ([4096, elements // 4096], "logits.data")):
         request = pb.SampleRequest(logits=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=shape, data=b"\0" * 16))
         code, details = _code(lambda: raw(request.SerializeToString(), timeout=30))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(f"{field}:"), details

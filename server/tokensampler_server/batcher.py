@@ -3,8 +3,13 @@
 Requests wait in a bounded queue. The backend runs one merged batch at a time on its worker thread;
 while it runs, new requests gather, so batches grow with load by themselves. A batch closes at
 `max_batch_rows` rows, or `max_queue_delay_us` after its first request arrived (0: no waiting beyond
-the backend being busy). A full queue answers RESOURCE_EXHAUSTED at once. A caller that goes away
-(cancelled, deadline passed) leaves its rows behind; the other requests of its batch are unaffected.
+the backend being busy), and within max_batch_elements. A full queue answers RESOURCE_EXHAUSTED at once.
+A caller that goes away (cancelled, deadline passed) leaves its rows behind; the other requests of its batch
+are unaffected, and work whose every caller has gone is dropped before it starts.
+
+Each queued request holds a share of its lease (leases.py): the regions and weights it reads stay registered
+and mapped until the backend is done with it, however early its call ends. The other workloads
+(`run_exclusive`) count against the same bounds, hold their leases the same way, and are dropped the same way.
 
 Per-call cost matters as much as merging (benchmarks/SERVICE_NOTES.md): with no queue delay, an idle
 backend gets a request's batch at once from `enqueue` (no runner task to wake), and the worker thread
@@ -31,6 +36,8 @@ import torch
 from .backends import Backend
 from .batch_merge import merge_batches, merge_key, split_result
 from .errors import ServiceError, queue_full
+from .leases import Lease
+from .request_context import current_abandoned
 from .sampling import SamplingBatch, SamplingResult
 
 
@@ -76,6 +83,23 @@ def settle(future: asyncio.Future, outcome: object, error: BaseException | None)
         future.set_exception(error)
     else:
         future.set_result(outcome)
+
+
+def _watched(abandoned: Callable[[], bool], work: Callable[..., T], *args: object) -> T:
+    """Runs `work(*args)` unless `abandoned()` (every caller gone), telling the work's long loops how to ask
+    the same (request_context.raise_if_abandoned)."""
+    if abandoned():
+        raise ServiceError("cancelled: the caller went away before its work started", grpc.StatusCode.CANCELLED)
+    current_abandoned.set(abandoned)
+    return work(*args)
+
+
+def _finished_on(device: torch.device, work: Callable[[], T]) -> T:
+    """`work()`, returned only once the device's stream has finished it: until then its inputs are still read."""
+    outcome = work()
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return outcome
 
 
 class _Worker:
@@ -131,6 +155,13 @@ class _Pending:
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
     context: contextvars.Context = field(default_factory=contextvars.copy_context)
     """The caller's context (request id): the backend logs a batch under its first request's."""
+    lease: Lease | None = None
+    """The batcher's share of what the request holds, released once the backend is done with it."""
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
 
 
 class DynamicBatcher:
@@ -139,6 +170,7 @@ class DynamicBatcher:
         backend: Backend,
         *,
         max_batch_rows: int,
+        max_batch_elements: int | None = None,
         max_queue_delay_us: int = 0,
         max_queue_rows: int | None = None,
         max_queue_bytes: int = 2 << 30,
@@ -146,6 +178,7 @@ class DynamicBatcher:
     ) -> None:
         self._backend = backend
         self._max_batch_rows = max_batch_rows
+        self._max_batch_elements = max_batch_elements
         self._delay_s = max_queue_delay_us / 1e6
         self._max_queue_rows = max_queue_rows if max_queue_rows is not None else 8 * max_batch_rows
         self._max_queue_bytes = max_queue_bytes
@@ -156,6 +189,9 @@ class DynamicBatcher:
         """A merged batch is on the worker; the next one starts when it is back."""
         self._exclusive = 0
         """run_exclusive jobs on the worker: no batch runs on the event loop meanwhile."""
+        self._exclusive_rows = 0
+        self._exclusive_bytes = 0
+        """Rows and host bytes of the run_exclusive jobs not yet finished, within the queue's bounds."""
         self._wakeup: asyncio.Event | None = None
         self._runner: asyncio.Task | None = None
         """Waits out max_queue_delay_us before each batch (only when that delay is set)."""
@@ -171,16 +207,23 @@ class DynamicBatcher:
         """Requests waiting for the backend whose callers still want the answer."""
         return sum(not pending.future.done() for pending in self._queue)
 
-    def enqueue(self, batch: SamplingBatch) -> asyncio.Future:
+    def _check_room(self, rows: int, nbytes: int) -> None:
+        """RESOURCE_EXHAUSTED when `rows` and `nbytes` more would not fit the queue's bounds."""
+        waiting_rows = self._queued_rows + self._exclusive_rows
+        if waiting_rows + rows > self._max_queue_rows:
+            raise queue_full(waiting_rows, self._max_queue_rows, "rows")
+        waiting_bytes = self._queued_bytes + self._exclusive_bytes
+        if waiting_bytes + nbytes > self._max_queue_bytes:
+            raise queue_full(waiting_bytes, self._max_queue_bytes, "bytes")
+
+    def enqueue(self, batch: SamplingBatch, lease: Lease | None = None) -> asyncio.Future:
         """Queues `batch` to be sampled, possibly together with other requests; the future gets
-        (its own rows, BatchTimes). Raises RESOURCE_EXHAUSTED at once when the queue is full."""
-        if self._queued_rows + batch.num_rows > self._max_queue_rows:
-            raise queue_full(self._queued_rows, self._max_queue_rows, "rows")
+        (its own rows, BatchTimes). Raises RESOURCE_EXHAUSTED at once when the queue is full. A share of
+        `lease` is held until the backend is done with the batch."""
         nbytes = _host_bytes(batch)
-        if self._queued_bytes + nbytes > self._max_queue_bytes:
-            raise queue_full(self._queued_bytes, self._max_queue_bytes, "bytes")
+        self._check_room(batch.num_rows, nbytes)
         loop = asyncio.get_running_loop()
-        pending = _Pending(batch, loop.create_future())
+        pending = _Pending(batch, loop.create_future(), lease=None if lease is None else lease.share())
         self._queue.append(pending)
         self._queued_rows += batch.num_rows
         self._queued_bytes += nbytes
@@ -200,14 +243,18 @@ class DynamicBatcher:
         group: list[_Pending] = []
         kept: list[_Pending] = []
         key: Hashable = None
-        rows = 0
+        rows = most_rows = 0
         for pending in self._queue:
             if pending.future.done():
                 self._queued_rows -= pending.batch.num_rows
                 self._queued_bytes -= _host_bytes(pending.batch)
+                pending.release()
             elif not group:
                 group, key, rows = [pending], merge_key(pending.batch), pending.batch.num_rows
-            elif merge_key(pending.batch) == key and rows + pending.batch.num_rows <= self._max_batch_rows:
+                most_rows = self._max_batch_rows
+                if self._max_batch_elements is not None:  # one request alone is within it (validation)
+                    most_rows = min(most_rows, max(rows, self._max_batch_elements // pending.batch.vocab_size))
+            elif merge_key(pending.batch) == key and rows + pending.batch.num_rows <= most_rows:
                 group.append(pending)
                 rows += pending.batch.num_rows
             else:
@@ -256,7 +303,10 @@ class DynamicBatcher:
             done(outcome, error)
             return
         self._running = True
-        self._worker.submit(loop, group[0].context, partial(self._sample, merged), done)
+        def abandoned() -> bool:
+            return all(p.future.done() for p in group)
+
+        self._worker.submit(loop, group[0].context, partial(_watched, abandoned, self._sample, merged), done)
 
     def _finished(self, loop: asyncio.AbstractEventLoop, group: list[_Pending], started: int, rows: int,
                   result: SamplingResult | None, error: BaseException | None) -> None:
@@ -272,32 +322,51 @@ class DynamicBatcher:
             parts = split_result(result, [p.batch.num_rows for p in group]) if len(group) > 1 else [result]
             for pending, part in zip(group, parts):
                 settle(pending.future, (part, BatchTimes(started - pending.enqueued_ns, finished - started, rows)), None)
+        for pending in group:  # the backend is done with their memory
+            pending.release()
         if self._queue:
             if self._delay_s:
                 self._wake_runner()
             else:  # on the next turn: requests that arrived meanwhile can join the group
                 loop.call_soon(self._launch, loop)
 
-    async def run_exclusive(self, work: Callable[[], T]) -> T:
-        """Runs `work` on the backend's worker thread, between sampling batches (out-of-memory errors
-        answer RESOURCE_EXHAUSTED, as for batches)."""
+    async def run_exclusive(self, work: Callable[[], T], *, rows: int, nbytes: int, lease: Lease | None = None) -> T:
+        """Runs `work` on the backend's worker thread, between sampling batches; its `rows` and host `nbytes`
+        count against the queue's bounds (RESOURCE_EXHAUSTED at once past them) until it ends. Work whose caller
+        has gone is dropped before it starts; a share of `lease` is held until the work, GPU stream included, is
+        done. Out-of-memory errors answer RESOURCE_EXHAUSTED, as for batches."""
+        self._check_room(rows, nbytes)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
+        share = None if lease is None else lease.share()
 
         def done(outcome: object, error: BaseException | None) -> None:
             self._exclusive -= 1
+            self._exclusive_rows -= rows
+            self._exclusive_bytes -= nbytes
+            if share is not None:
+                share.release()
             settle(future, outcome, error)
 
         self._exclusive += 1
-        self._worker.submit(loop, contextvars.copy_context(), partial(_out_of_memory_as_status, work), done)
+        self._exclusive_rows += rows
+        self._exclusive_bytes += nbytes
+        device = self._backend.device
+        job = partial(_watched, future.done, _out_of_memory_as_status, partial(_finished_on, device, work))
+        self._worker.submit(loop, contextvars.copy_context(), job, done)
         return await future
 
     def _sample(self, batch: SamplingBatch) -> SamplingResult:
         return _out_of_memory_as_status(lambda: self._backend.sample(batch.with_logits()))
 
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, running, or on the worker."""
+        return not (self._queue or self._running or self._exclusive)
+
     async def close(self) -> None:
         """Stops taking batches once the queue is empty and the last batch is back."""
-        while self._queue or self._running:
+        while not self.idle:
             await asyncio.sleep(0.001)
         if self._runner is not None:
             self._runner.cancel()

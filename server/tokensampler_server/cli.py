@@ -45,9 +45,24 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     )
     parser.add_argument(
         "--max-batch-elements", type=int,
-        default=int(_env("MAX_BATCH_ELEMENTS", str(defaults.limits.max_batch_elements))),
-        help="most logits elements (B·V, also for hidden states through a head) in one request "
-        "[TOKENSAMPLER_MAX_BATCH_ELEMENTS]",
+        default=int(_env("MAX_BATCH_ELEMENTS", "0")) or None,
+        help=f"most logits elements (B·V, also for hidden states through a head) in one request and one merged batch; "
+        f"default {defaults.limits.max_batch_elements} on the CUDA backend, on the CPU backend at most 2^26 and "
+        "1/64 of the memory in bytes [TOKENSAMPLER_MAX_BATCH_ELEMENTS]",
+    )
+    parser.add_argument(
+        "--max-regions", type=int, default=int(_env("MAX_REGIONS", str(defaults.max_regions))),
+        help="regions registered at once; past it RegisterRegion gets RESOURCE_EXHAUSTED [TOKENSAMPLER_MAX_REGIONS]",
+    )
+    parser.add_argument(
+        "--max-weights", type=int, default=int(_env("MAX_WEIGHTS", str(defaults.max_weights))),
+        help="weights registered at once; past it registering gets RESOURCE_EXHAUSTED [TOKENSAMPLER_MAX_WEIGHTS]",
+    )
+    parser.add_argument(
+        "--unregister-timeout-s", type=float,
+        default=float(_env("UNREGISTER_TIMEOUT_S", str(defaults.unregister_timeout_s))),
+        help="how long an unregister waits for the requests using the weight or region; then it stays registered "
+        "and the call gets FAILED_PRECONDITION [TOKENSAMPLER_UNREGISTER_TIMEOUT_S]",
     )
     parser.add_argument(
         "--max-queue-delay-us", type=int, default=int(_env("MAX_QUEUE_DELAY_US", str(defaults.max_queue_delay_us))),
@@ -149,13 +164,18 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         help="text, or json for one JSON object per line [TOKENSAMPLER_LOG_FORMAT]",
     )
     args = parser.parse_args(argv)
-    for name in ("max_message_mb", "max_batch_rows", "max_batch_elements", "max_queue_rows", "max_queue_mb", "max_weight_mb"):
+    for name in ("max_message_mb", "max_batch_rows", "max_queue_rows", "max_queue_mb", "max_weight_mb", "max_regions",
+                 "max_weights"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if not 0 <= args.metrics_port <= 65535:
         parser.error("--metrics-port must be in 0..65535")
     if args.gpu_memory_fraction is not None and not 0 < args.gpu_memory_fraction <= 1:
         parser.error("--gpu-memory-fraction must be in (0, 1]")
+    if args.max_batch_elements is not None and args.max_batch_elements < 1:
+        parser.error("--max-batch-elements must be at least 1")
+    if not args.unregister_timeout_s > 0:
+        parser.error("--unregister-timeout-s must be greater than 0")
     if args.max_queue_delay_us < 0:
         parser.error("--max-queue-delay-us must be at least 0")
     if args.max_concurrent_rpcs < 0:
@@ -172,10 +192,14 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         device=args.device,
         limits=Limits(
             max_batch_rows=args.max_batch_rows,
-            max_batch_elements=args.max_batch_elements,
+            max_batch_elements=args.max_batch_elements or defaults.limits.max_batch_elements,
             max_message_bytes=args.max_message_mb * _MIB,
             max_weight_bytes=args.max_weight_mb * _MIB,
         ),
+        max_elements_given=args.max_batch_elements is not None,
+        max_regions=args.max_regions,
+        max_weights=args.max_weights,
+        unregister_timeout_s=args.unregister_timeout_s,
         log_level=args.log_level,
         grace_period_s=args.grace_period_s,
         reflection=not args.no_reflection,

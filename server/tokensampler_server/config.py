@@ -16,7 +16,8 @@ class Limits:
 
     max_batch_rows: int = 4096
     max_batch_elements: int = 4096 * 262144
-    """Most elements (B·V of the logits, given or computed from hidden states) in one request."""
+    """Most elements (B·V of the logits, given or computed from hidden states) in one request, and in one merged
+    batch (cpu_max_batch_elements lowers it on the CPU backend when not given)."""
     max_message_bytes: int = 256 * 1024 * 1024
     max_num_samples: int = 64
     max_top_logprobs: int = 64
@@ -55,6 +56,15 @@ class ServerConfig:
     """Calls (a stream counts as one) the server holds at once; past it grpc refuses new ones with
     RESOURCE_EXHAUSTED (0: no limit). This bounds what waits ahead of the native path, which with no queue
     delay answers each request as it arrives, ahead of any queue."""
+    max_elements_given: bool = True
+    """limits.max_batch_elements was set by the operator; when not, the CPU backend sizes it (cpu_max_batch_elements)."""
+    max_regions: int = 256
+    """Regions registered at once (each shared-memory region holds a file descriptor); past it RESOURCE_EXHAUSTED."""
+    max_weights: int = 64
+    """Weights registered at once; past it RESOURCE_EXHAUSTED."""
+    unregister_timeout_s: float = 60.0
+    """How long an unregister waits for the requests using the weight or region before it gives up and leaves
+    it registered (FAILED_PRECONDITION)."""
     gpu_memory_fraction: float | None = None
     """Cap on the share of the GPU's memory this process's allocator may take (None: no cap)."""
     allow_shm: bool = False
@@ -71,3 +81,14 @@ class ServerConfig:
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
     """PEM CA bundle: when set, clients must present a certificate it signed (mutual TLS)."""
+
+
+# The CPU reference spends ~130 ns and ~30 bytes of working memory per logits element (top-k + top-p,
+# 64 x 151936 on 2 cores: 1.24 s, peak RSS +300 MiB): 2^26 elements is at most ~9 s of one core's work.
+_CPU_MAX_BATCH_ELEMENTS = 1 << 26
+_CPU_BYTES_PER_ELEMENT = 64
+
+
+def cpu_max_batch_elements(memory_bytes: int) -> int:
+    """The CPU backend's element limit: bounded in time, and in memory to 1/64 of the machine's per element."""
+    return max(1, min(_CPU_MAX_BATCH_ELEMENTS, memory_bytes // _CPU_BYTES_PER_ELEMENT))

@@ -13,10 +13,11 @@ registered with one), which the server's work on the request then waits for on t
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
-import sys
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -32,25 +33,34 @@ from .refcounted import RefCountedRegistry
 
 _SHM_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _MAX_CACHED_VIEWS = 64
+_SHM_DIR = "/dev/shm"
+# Each shared-memory region holds one file descriptor; well inside the usual limit of 1024 per process.
+DEFAULT_MAX_REGIONS = 256
 
 
-@dataclass
+@dataclass(eq=False)
 class Region:
+    """A registered region. Compared by identity: a name can come back as another region."""
+
     name: str
     kind: str
     """"shm" or "cuda_ipc"."""
-    buffer: torch.Tensor
-    """uint8 [byte_size], on the CPU (shm) or a GPU (cuda_ipc)."""
+    byte_size: int
+    device: torch.device
     release: Callable[[], None]
+    buffer: torch.Tensor | None = None
+    """uint8 [byte_size] on a GPU (cuda_ipc); None for shm, which is read and written through `segment`."""
+    segment: SharedSegment | None = None
+    """The shared-memory segment (shm), opened as a regular file and never mapped (docs/hardening.md)."""
     producer_pid: int = 0
     """The producing process (cuda_ipc), 0 when unknown: its memory goes when it exits."""
     ready_event: torch.cuda.Event | None = None
     """The producer's interprocess event (cuda_ipc), recorded after each write: work on the region waits for it."""
-    weights: set[str] = field(default_factory=set)
-    """Names of the registered weights that lie in this region."""
+    weights: set = field(default_factory=set)
+    """The registered weights (RegisteredWeight objects) that lie in this region."""
     views: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = field(default_factory=dict, repr=False)
-    """Tensors of the references already resolved: a decode loop names the same few every step, and
-    slicing a view anew costs more than the rest of the lookup."""
+    """Tensors of the references already resolved in a GPU region: a decode loop names the same few every step,
+    and slicing a view anew costs more than the rest of the lookup."""
 
     def check_producer(self, field: str) -> None:
         """FAILED_PRECONDITION once a CUDA region's producer has exited (reading it would fault)."""
@@ -63,26 +73,33 @@ class Region:
         """Orders the work this thread queues next on the region's GPU (the current stream, which the backend
         shares) after the producer's latest record of the ready event; nothing without one."""
         if self.ready_event is not None:
-            torch.cuda.current_stream(self.buffer.device).wait_event(self.ready_event)
-
-    @property
-    def byte_size(self) -> int:
-        return int(self.buffer.numel())
+            torch.cuda.current_stream(self.device).wait_event(self.ready_event)
 
     def tensor(self, ref: pb.TensorRef, field: str, dtypes: tuple[int, ...]) -> torch.Tensor:
-        """The tensor `ref` points to: OUT_OF_RANGE past the region's end, INVALID_ARGUMENT if malformed."""
+        """The tensor `ref` points to (a view of a GPU region; a copy read from a shared-memory segment):
+        OUT_OF_RANGE past the region's end, INVALID_ARGUMENT if malformed."""
         _check_dtype(ref.dtype, field, dtypes)
         shape = tuple(ref.shape)
+        if self.segment is not None:
+            return self._read(*self._span(ref, field, shape), field).view(DTYPE_TO_TORCH[ref.dtype]).view(shape)
         key = (ref.offset, ref.dtype, shape)
         view = self.views.get(key)
         if view is None:
-            view = self._view(ref, field, shape)
+            view = self._read(*self._span(ref, field, shape), field).view(DTYPE_TO_TORCH[ref.dtype]).view(shape)
             if len(self.views) >= _MAX_CACHED_VIEWS:
                 self.views.clear()
             self.views[key] = view
         return view
 
-    def _view(self, ref: pb.TensorRef, field: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def target(self, ref: pb.TensorRef, field: str, dtypes: tuple[int, ...]) -> OutputTarget:
+        """Where an output of the reference's shape is written: checked as `tensor` checks a reference."""
+        _check_dtype(ref.dtype, field, dtypes)
+        shape = tuple(ref.shape)
+        offset, size = self._span(ref, field, shape)
+        return OutputTarget(self, offset, DTYPE_TO_TORCH[ref.dtype], shape, field)
+
+    def _span(self, ref: pb.TensorRef, field: str, shape: tuple[int, ...]) -> tuple[int, int]:
+        """(offset, byte count) of a reference, checked against the region's bounds."""
         if any(dim < 0 for dim in shape):
             raise InvalidArgument(f"{field}.shape", f"got {list(shape)}, expected non-negative sizes")
         dtype = DTYPE_TO_TORCH[ref.dtype]
@@ -95,11 +112,18 @@ class Region:
                 f"{field}: bytes [{ref.offset}, {ref.offset + size}) fall outside region {self.name!r} of {self.byte_size} bytes",
                 grpc.StatusCode.OUT_OF_RANGE,
             )
-        return self.buffer[ref.offset : ref.offset + size].view(dtype).view(shape)
+        return ref.offset, size
+
+    def _read(self, offset: int, size: int, field: str) -> torch.Tensor:
+        """uint8 [size] of the region from `offset`: a view of a GPU region, a copy of a segment's bytes."""
+        if self.segment is not None:
+            return self.segment.read(offset, size, f"{field}: region {self.name!r}")
+        return self.buffer[offset : offset + size]
 
     def rows(self, ref: pb.RowsRef, field: str, dtypes: tuple[int, ...]) -> torch.Tensor:
         """The [B, row_size] tensor whose row i starts at byte row_offsets[i]: one view when the rows lie back to
-        back, else a copy made of one slice per run of adjacent rows. The caller bounds B·row_size first."""
+        back in a GPU region, else a copy made of one read per run of adjacent rows. The caller bounds
+        B·row_size first."""
         _check_dtype(ref.dtype, field, dtypes)
         dtype = DTYPE_TO_TORCH[ref.dtype]
         row_bytes = ref.row_size * dtype.itemsize
@@ -115,8 +139,30 @@ class Region:
                 runs[-1][1] += 1
             else:
                 runs.append([start, 1])
-        slices = [self.buffer[start : start + n * row_bytes].view(dtype).view(n, ref.row_size) for start, n in runs]
+        slices = [self._read(start, n * row_bytes, field).view(dtype).view(n, ref.row_size) for start, n in runs]
         return slices[0] if len(slices) == 1 else torch.cat(slices)
+
+
+@dataclass(frozen=True)
+class OutputTarget:
+    """A checked place in a region where the server writes one output tensor."""
+
+    region: Region
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    field: str
+
+    def write(self, tensor: torch.Tensor) -> None:
+        """Writes `tensor` (of `shape`, converted to `dtype`) there."""
+        values = tensor.to(self.dtype).reshape(self.shape)
+        region = self.region
+        if region.segment is not None:
+            region.segment.write(self.offset, values.contiguous().view(torch.uint8).reshape(-1),
+                                 f"{self.field}: region {region.name!r}")
+        else:
+            size = values.numel() * values.element_size()
+            region.buffer[self.offset : self.offset + size].view(self.dtype).view(self.shape).copy_(values)
 
 
 def _check_dtype(dtype: int, field: str, dtypes: tuple[int, ...]) -> None:
@@ -135,34 +181,77 @@ def _process_exists(pid: int) -> bool:
     return True
 
 
-def open_shared_memory(source: pb.SharedMemorySource) -> tuple[torch.Tensor, Callable[[], None]]:
-    """Maps the client's segment /dev/shm/<key> (it must exist and hold byte_size bytes)."""
-    from multiprocessing import resource_tracker, shared_memory
+class SharedSegment:
+    """A POSIX shared-memory segment, opened as a regular file and read and written with pread/pwrite.
 
-    if not _SHM_KEY.match(source.key):
-        raise InvalidArgument("shm.key", f"got {source.key!r}, expected 1-200 letters, digits, '_', '.' or '-'")
+    Never mapped: a producer may shrink (ftruncate) its segment at any time, and touching a mapping past the
+    new end raises SIGBUS, which kills the process. A size check before each use would be racy; a read past
+    the end is only a short read. So every access is a copy, and a short one answers FAILED_PRECONDITION.
+    """
+
+    def __init__(self, fd: int, byte_size: int) -> None:
+        self._fd = fd
+        self.byte_size = byte_size
+
+    def read(self, offset: int, size: int, what: str) -> torch.Tensor:
+        out = torch.empty(size, dtype=torch.uint8)
+        view = memoryview(out.numpy())
+        done = 0
+        while done < size:
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise _shrunk(what, offset + done)
+            done += got
+        return out
+
+    def write(self, offset: int, data: torch.Tensor, what: str) -> None:
+        end = offset + data.numel()
+        if os.fstat(self._fd).st_size < end:  # a write past the end would grow the producer's segment
+            raise _shrunk(what, os.fstat(self._fd).st_size)
+        view = memoryview(data.numpy())
+        done = 0
+        while done < len(view):
+            done += os.pwritev(self._fd, [view[done:]], offset + done)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def _shrunk(what: str, size: int) -> ServiceError:
+    return ServiceError(f"{what}: the segment ends at byte {size}, before the bytes named: its producer shrank it "
+                        "after registering; register it again", grpc.StatusCode.FAILED_PRECONDITION)
+
+
+def open_shared_memory(source: pb.SharedMemorySource) -> SharedSegment:
+    """Opens the client's segment /dev/shm/<key>: a regular file (no link, directory or FIFO) of at least
+    byte_size bytes."""
+    if not _SHM_KEY.match(source.key) or source.key in (".", ".."):
+        raise InvalidArgument("shm.key", f"got {source.key!r}, expected 1-200 letters, digits, '_', '.' or '-' "
+                              "naming a segment (not '.' or '..')")
+    path = os.path.join(_SHM_DIR, source.key)
     try:
-        segment = shared_memory.SharedMemory(name=source.key, create=False)
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW: no symbolic links.
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         raise ServiceError(f"shm.key: no shared-memory segment named {source.key!r}", grpc.StatusCode.NOT_FOUND) from None
-    # Attaching registers the segment with this process's resource tracker, which would unlink the
-    # client's segment when the server exits: the client owns it, so take it back out.
-    if sys.version_info < (3, 13):
-        resource_tracker.unregister(segment._name, "shared_memory")  # noqa: SLF001 - the documented workaround
-    if source.byte_size == 0 or source.byte_size > segment.size:
-        segment.close()
-        raise InvalidArgument("shm.byte_size", f"got {source.byte_size}, expected 1..{segment.size} (the segment's size)")
-    buffer = torch.frombuffer(segment.buf, dtype=torch.uint8, count=source.byte_size)
-
-    def release() -> None:
-        nonlocal buffer
-        del buffer
-        try:
-            segment.close()
-        except BufferError:  # a result tensor still views it; the mapping goes when that does
-            pass
-
-    return buffer, release
+    except OSError as err:
+        if err.errno in (errno.EMFILE, errno.ENFILE):
+            raise ServiceError("shm.key: the server has no file descriptors left; unregister regions first",
+                               grpc.StatusCode.RESOURCE_EXHAUSTED) from None
+        raise ServiceError(f"shm.key: cannot open segment {source.key!r} ({os.strerror(err.errno)}); expected a "
+                           "shared-memory segment the server may read and write",
+                           grpc.StatusCode.FAILED_PRECONDITION) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ServiceError(f"shm.key: {source.key!r} is not a shared-memory segment (a regular file)",
+                               grpc.StatusCode.FAILED_PRECONDITION)
+        if source.byte_size == 0 or source.byte_size > info.st_size:
+            raise InvalidArgument("shm.byte_size", f"got {source.byte_size}, expected 1..{info.st_size} (the segment's size)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return SharedSegment(fd, source.byte_size)
 
 
 def cuda_index_of(device_uuid: str) -> int:
@@ -223,12 +312,14 @@ class RegionMirror(Protocol):
 
 
 class RegionRegistry:
-    """Registered regions by name; each kind only when the server allows it."""
+    """Registered regions by name; each kind only when the server allows it, at most `max_regions` at once."""
 
     def __init__(self, *, allow_shm: bool = False, allow_cuda_ipc: bool = False,
-                 mirror: RegionMirror | None = None) -> None:
+                 mirror: RegionMirror | None = None, max_regions: int = DEFAULT_MAX_REGIONS,
+                 unregister_timeout_s: float = 60.0) -> None:
         self._allow = {"shm": allow_shm, "cuda_ipc": allow_cuda_ipc}
-        self._regions: RefCountedRegistry[Region] = RefCountedRegistry("region")
+        self._regions: RefCountedRegistry[Region] = RefCountedRegistry(
+            "region", max_items=max_regions, unregister_timeout_s=unregister_timeout_s)
         self._mirror = mirror
 
     def register(self, request: pb.RegisterRegionRequest) -> Region:
@@ -241,16 +332,20 @@ class RegionRegistry:
                                grpc.StatusCode.PERMISSION_DENIED)
         if not request.name:
             raise InvalidArgument("name", "got an empty name, expected a non-empty region name")
-        opener = open_shared_memory if kind == "shm" else open_cuda_ipc
-        buffer, release = opener(getattr(request, kind))
-        pid = request.cuda_ipc.producer_pid if kind == "cuda_ipc" else 0
-        try:  # a bad event handle or a name taken: the mapping goes again
-            event = open_ready_event(request.cuda_ipc, buffer.device) if kind == "cuda_ipc" else None
-            region = Region(name=request.name, kind=kind, buffer=buffer, release=release, producer_pid=pid,
-                            ready_event=event)
+        if kind == "shm":
+            segment = open_shared_memory(request.shm)
+            region = Region(name=request.name, kind=kind, byte_size=segment.byte_size, device=torch.device("cpu"),
+                            release=segment.close, segment=segment)
+        else:
+            buffer, release = open_cuda_ipc(request.cuda_ipc)
+            region = Region(name=request.name, kind=kind, byte_size=int(buffer.numel()), device=buffer.device,
+                            release=release, buffer=buffer, producer_pid=request.cuda_ipc.producer_pid)
+        try:  # a bad event handle, a name taken, too many regions: the mapping goes again
+            if kind == "cuda_ipc":
+                region.ready_event = open_ready_event(request.cuda_ipc, region.device)
             self._regions.add(request.name, region)
         except ServiceError:
-            release()
+            _release(region)
             raise
         if self._mirror is not None:
             self._mirror.region_added(region)
@@ -275,20 +370,30 @@ class RegionRegistry:
             yield region
 
     async def unregister(self, name: str) -> Region:
-        region = self._regions.get(name)
-        if region is not None and region.weights:
-            raise ServiceError(
-                f"name: region {name!r} holds the registered weight(s) {sorted(region.weights)}; "
-                "unregister them first", grpc.StatusCode.FAILED_PRECONDITION)
-        if self._mirror is not None:  # first: from here on, only requests that see NOT_FOUND
-            self._mirror.region_removed(name)
-        region = await self._regions.remove(name)
-        region.views.clear()  # the cached views hold the mapping open
-        region.release()
-        return region
+        """Removes region `name` once no request and no registered weight uses it (refcounted.py: atomic, and
+        bounded by the registry's timeout)."""
+        mirror = self._mirror
+        return await self._regions.remove(
+            name, check=_holds_no_weights,
+            # first: from here on the mirror (the native path) serves only requests that see NOT_FOUND
+            hidden=None if mirror is None else lambda region: mirror.region_removed(region.name),
+            restored=None if mirror is None else mirror.region_added,
+            finalize=_release)
+
+
+def _holds_no_weights(region: Region) -> None:
+    if region.weights:
+        names = sorted(weight.name for weight in region.weights)
+        raise ServiceError(f"name: region {region.name!r} holds the registered weight(s) {names}; "
+                           "unregister them first", grpc.StatusCode.FAILED_PRECONDITION)
+
+
+def _release(region: Region) -> None:
+    region.views.clear()  # the cached views hold the mapping open
+    region.release()
 
 
 def region_info(region: Region, in_flight: int = 0) -> pb.RegionInfo:
-    device = "cpu" if region.buffer.device.type == "cpu" else f"cuda:{region.buffer.device.index}"
+    device = "cpu" if region.device.type == "cpu" else f"cuda:{region.device.index}"
     return pb.RegionInfo(name=region.name, kind=region.kind, byte_size=region.byte_size, device=device,
                          in_flight=in_flight)

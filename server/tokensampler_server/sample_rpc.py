@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from contextlib import ExitStack
 from dataclasses import dataclass, replace
 
 import grpc
@@ -30,9 +29,10 @@ from .batcher import BatchTimes, DynamicBatcher
 from .call_record import CallRecord
 from .config import Limits
 from .errors import InvalidArgument, failure_status, unparsable
+from .leases import Lease
 from .metrics import ServerMetrics
 from .native_path import NativeRequestPath
-from .regions import Region, RegionRegistry
+from .regions import OutputTarget, Region, RegionRegistry
 from .request_context import current_request_id
 from .sampling import SamplingResult
 from .validation import LOGITS_DTYPES, check_rows_shape, validate_sample_request
@@ -78,14 +78,14 @@ def _output_refs(request: pb.SampleRequest) -> list[tuple[str, pb.TensorRef]]:
     return [(name, getattr(request.output, name)) for name in ("tokens", "logprobs") if request.output.HasField(name)]
 
 
-def _output_tensor(
+def _output_target(
     region: Region, ref: pb.TensorRef, name: str, shape: tuple[int, int], return_logprobs: bool
-) -> torch.Tensor:
+) -> OutputTarget:
     """Where output `name` ("tokens": int32, "logprobs": float32) of shape [B, num_samples] goes."""
     field = f"output.{name}"
     if name == "logprobs" and not return_logprobs:
         raise InvalidArgument(field, "set without return_logprobs; expected return_logprobs = true")
-    target = region.tensor(ref, field, (pb.DTYPE_INT32,) if name == "tokens" else (pb.DTYPE_FLOAT32,))
+    target = region.target(ref, field, (pb.DTYPE_INT32,) if name == "tokens" else (pb.DTYPE_FLOAT32,))
     if tuple(target.shape) != shape:
         raise InvalidArgument(f"{field}.shape", f"got {list(target.shape)}, expected [B, num_samples] = {list(shape)}")
     return target
@@ -116,19 +116,20 @@ def encode_result(result: SamplingResult, seeds: np.ndarray) -> pb.SampleRespons
 
 @dataclass
 class _Started:
-    """A validated request queued on the batcher; `held` keeps its weights and regions until it is answered."""
+    """A validated request queued on the batcher; `held` is the call's share of what it holds (the batcher's
+    share keeps the weights and regions until the backend is done with them)."""
 
     call: CallRecord
-    held: ExitStack
+    held: Lease
     future: asyncio.Future
     seeds: np.ndarray
-    targets: dict[str, torch.Tensor]
+    targets: dict[str, OutputTarget]
     arrived: int
 
     def drop(self) -> None:
         """The answer is no longer wanted: let the batcher skip it and release what it holds."""
         self.future.cancel()
-        self.held.close()
+        self.held.release()
 
 
 _StreamItem = tuple[CallRecord, bytes | pb.SampleRequest, asyncio.Future | _Started | Exception]
@@ -201,31 +202,31 @@ class SamplePath:
 
     def start(self, request: pb.SampleRequest, call: CallRecord) -> _Started:
         """Holds what the request names, validates it and queues it (errors raise here)."""
-        held = ExitStack()
+        held = Lease()
         try:
             lm_head = None
             if request.WhichOneof("input") == "hidden":
-                lm_head = held.enter_context(self._registry.use(request.hidden.weights))
+                lm_head = held.enter(self._registry.use(request.hidden.weights))
             referenced = None
             ref, field = _input_ref(request)
             if ref is not None:
-                region = held.enter_context(self._regions.use(ref.region, f"{field}.region"))
+                region = held.enter(self._regions.use(ref.region, f"{field}.region"))
                 referenced = referenced_input(region, ref, field, self._limits)
             outputs = [
-                (name, held.enter_context(self._regions.use(out.region, f"output.{name}.region")), out)
+                (name, held.enter(self._regions.use(out.region, f"output.{name}.region")), out)
                 for name, out in _output_refs(request)
             ]
             arrived = time.perf_counter_ns()
             batch, seeds = validate_sample_request(request, self._limits, lm_head=lm_head, referenced=referenced)
             targets = {
-                name: _output_tensor(region, out, name, (batch.num_rows, batch.num_samples), request.return_logprobs)
+                name: _output_target(region, out, name, (batch.num_rows, batch.num_samples), request.return_logprobs)
                 for name, region, out in outputs
             }
             submitted = time.perf_counter_ns()
             call.batch, call.decode_ns = batch, submitted - arrived
-            future = self._batcher.enqueue(batch)
+            future = self._batcher.enqueue(batch, held)
         except BaseException:
-            held.close()
+            held.release()
             raise
         return _Started(call, held, future, seeds, targets, arrived)
 
@@ -236,10 +237,10 @@ class SamplePath:
         call, targets = started.call, started.targets
         call.queue_ns, call.compute_ns = times.queue_ns, times.compute_ns
         if "tokens" in targets:
-            targets["tokens"].copy_(result.tokens)
+            targets["tokens"].write(result.tokens)
             result = replace(result, tokens=None)
         if "logprobs" in targets:
-            targets["logprobs"].copy_(result.logprobs)
+            targets["logprobs"].write(result.logprobs)
             result = replace(result, logprobs=None)
         response = encode_result(result, started.seeds)
         response.request_id = call.request_id

@@ -131,3 +131,49 @@ class SamplingResult:
     """int64 [B, N] when top_logprobs = N > 0."""
     top_logprobs: torch.Tensor | None = None
     """float32 [B, N] when top_logprobs = N > 0."""
+
+
+def _select(entries: TokenEntries | None, mapping: torch.Tensor) -> tuple[TokenEntries | None, torch.Tensor | None]:
+    if entries is None:
+        return None, None
+    new_rows = mapping[entries.rows]
+    keep = new_rows >= 0
+    return TokenEntries(new_rows[keep], entries.tokens[keep]), keep
+
+
+def select_rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
+    """The sub-batch of `rows` (int64, CPU) of a logits or hidden-state batch, processing entries remapped
+    to the new row numbers."""
+    if batch.logits is not None:
+        selected_input = {"logits": batch.logits[rows.to(batch.logits.device)].cpu()}
+    else:
+        states = batch.hidden.states
+        selected_input = {"hidden": HiddenInput(states[rows.to(states.device)], batch.hidden.lm_head)}
+    processing = batch.processing
+    if processing is not None:
+        mapping = torch.full((batch.num_rows,), -1, dtype=torch.int64)
+        mapping[rows] = torch.arange(rows.numel())
+        bias, keep = _select(processing.bias, mapping)
+        per_row = {name: getattr(processing, name)[rows] if getattr(processing, name) is not None else None
+                   for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")}
+        processing = LogitProcessing(
+            allowed=_select(processing.allowed, mapping)[0], banned=_select(processing.banned, mapping)[0],
+            bias=bias, bias_values=processing.bias_values[keep] if keep is not None else None,
+            output_tokens=_select(processing.output_tokens, mapping)[0],
+            prompt_tokens=_select(processing.prompt_tokens, mapping)[0], **per_row)
+    return replace(
+        batch, **selected_input, temperature=batch.temperature[rows], top_k=batch.top_k[rows],
+        top_p=batch.top_p[rows], min_p=batch.min_p[rows], seed=batch.seed[rows], position=batch.position[rows],
+        iteration=batch.iteration[rows], processing=processing)
+
+
+def concat_results(parts: list[SamplingResult]) -> SamplingResult:
+    """One result whose rows are the rows of `parts`, in order (the inverse of batch_merge.split_result)."""
+
+    def cat(name: str) -> torch.Tensor | None:
+        tensors = [getattr(part, name) for part in parts]
+        return None if tensors[0] is None else torch.cat(tensors)
+
+    return SamplingResult(tokens=cat("tokens"), valid=cat("valid"), nan_detected=cat("nan_detected"),
+                          logprobs=cat("logprobs"), top_logprob_ids=cat("top_logprob_ids"),
+                          top_logprobs=cat("top_logprobs"))

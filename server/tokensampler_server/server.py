@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+from dataclasses import replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -18,17 +20,22 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from .auth import AuthInterceptor, BearerTokens
 from .backends import create_backend
 from .batcher import DynamicBatcher
-from .config import ServerConfig
+from .config import ServerConfig, cpu_max_batch_elements
 from .call_guard import CallGuard
 from .regions import RegionRegistry
 from .metrics import ServerMetrics, start_metrics_http
 from .native_path import create_native_path
 from .service import SamplerService, add_sampler_to_server
 from .tls import server_credentials
+from .weights import WeightRegistry
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Sampler"].full_name
+
+
+def _memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -60,6 +67,11 @@ async def serve(config: ServerConfig) -> None:
         import torch
 
         torch.cuda.set_per_process_memory_fraction(config.gpu_memory_fraction, backend.device)
+    if not config.max_elements_given and backend.device.type == "cpu":
+        limits = replace(config.limits, max_batch_elements=cpu_max_batch_elements(_memory_bytes()))
+        config = replace(config, limits=limits)
+        log.info("CPU backend: at most %d elements in a request or batch (--max-batch-elements)",
+                 limits.max_batch_elements)
     metrics = ServerMetrics(info)
     # The only interceptor: a refused call reaches nothing else. Every handler is guarded as it registers.
     interceptors = [AuthInterceptor(tokens, metrics)] if tokens is not None else None
@@ -69,6 +81,7 @@ async def serve(config: ServerConfig) -> None:
     batcher = DynamicBatcher(
         backend,
         max_batch_rows=config.limits.max_batch_rows,
+        max_batch_elements=config.limits.max_batch_elements,
         max_queue_delay_us=config.max_queue_delay_us,
         max_queue_rows=config.max_queue_rows,
         max_queue_bytes=config.max_queue_bytes,
@@ -77,10 +90,13 @@ async def serve(config: ServerConfig) -> None:
     native = create_native_path(backend, config.limits, config.native_request_path,
                                 max_queue_delay_us=config.max_queue_delay_us, max_queue_rows=config.max_queue_rows,
                                 observe_batch_rows=metrics.batch_rows.observe)
-    regions = RegionRegistry(allow_shm=config.allow_shm, allow_cuda_ipc=config.allow_cuda_ipc, mirror=native)
+    regions = RegionRegistry(allow_shm=config.allow_shm, allow_cuda_ipc=config.allow_cuda_ipc, mirror=native,
+                             max_regions=config.max_regions, unregister_timeout_s=config.unregister_timeout_s)
+    weights = WeightRegistry(backend.device, max_weights=config.max_weights,
+                             unregister_timeout_s=config.unregister_timeout_s)
     sampler = SamplerService(
-        backend, config.limits, batcher=batcher, weights_dir=config.weights_dir, regions=regions, metrics=metrics,
-        native=native,
+        backend, config.limits, batcher=batcher, registry=weights, weights_dir=config.weights_dir, regions=regions,
+        metrics=metrics, native=native,
     )
     metrics.queue_depth.set_function(lambda: sampler.queue_depth)
     metrics.registered_weights.set_function(lambda: len(sampler.registry.list()))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from contextlib import AbstractContextManager, nullcontext
+import math
 from pathlib import Path
 
 import grpc
@@ -25,6 +25,7 @@ from .batcher import DynamicBatcher
 from .call_record import current_call
 from .config import Limits
 from .errors import InvalidArgument
+from .leases import Lease
 from .metrics import ServerMetrics
 from .backends.cuda_workloads import run_diffusion_step, run_topk_probs, run_verify_draft
 from .regions import RegionRegistry, region_info
@@ -42,6 +43,11 @@ FEATURES = (
     "logit_bias", "token_masks", "num_samples", "dynamic_batching", "sample_stream", "regions", "diffusion_step",
     "topk_probs", "verify_draft", "diffusion_step_hidden", "topk_probs_hidden", "region_rows", "weights_from_region",
 )
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    """Host bytes of a request's tensor (tensors already on a GPU belong to their producer)."""
+    return tensor.numel() * tensor.element_size() if tensor.device.type == "cpu" else 0
 
 
 def _set_timings(timings: pb.Timings, arrived: int, started: int) -> None:
@@ -72,7 +78,8 @@ class SamplerService(pb_grpc.SamplerServicer):
     ) -> None:
         self._backend = backend
         self._limits = limits
-        self._batcher = batcher or DynamicBatcher(backend, max_batch_rows=limits.max_batch_rows)
+        self._batcher = batcher or DynamicBatcher(backend, max_batch_rows=limits.max_batch_rows,
+                                                  max_batch_elements=limits.max_batch_elements)
         self._registry = registry or WeightRegistry(backend.device)
         self._weights_dir = weights_dir
         self._regions = regions or RegionRegistry()
@@ -110,27 +117,27 @@ class SamplerService(pb_grpc.SamplerServicer):
         async for answer in self._sample_path.stream(request_iterator, stream_id):
             yield answer
 
-    def _use_lm_head(
-        self, request: pb.DiffusionStepRequest | pb.TopKProbsRequest
-    ) -> AbstractContextManager[RegisteredWeight | None]:
-        """Holds the weight a hidden-state request names for the call (NOT_FOUND if unknown), as Sample does;
+    def _hold_lm_head(self, request: pb.DiffusionStepRequest | pb.TopKProbsRequest,
+                      held: Lease) -> RegisteredWeight | None:
+        """Holds the weight a hidden-state request names in `held` (NOT_FOUND if unknown), as Sample does;
         None for logits."""
         if request.WhichOneof("input") != "hidden":
-            return nullcontext()
-        return self._registry.use(request.hidden.weights)
+            return None
+        return held.enter(self._registry.use(request.hidden.weights))
 
     async def SampleDiffusionStep(
         self, request: pb.DiffusionStepRequest, context: grpc.aio.ServicerContext
     ) -> pb.DiffusionStepResponse:
         arrived = time.perf_counter_ns()
-        with self._use_lm_head(request) as lm_head:
+        with Lease() as held:
+            lm_head = self._hold_lm_head(request, held)
             logits, step, seeds = validate_diffusion_request(request, self._limits, lm_head=lm_head)
             started = time.perf_counter_ns()
             # Hidden states become logits on the worker, on the LM head's (the backend's) device; then the
             # CUDA kernels on a CUDA backend, the torch references otherwise (backends/cuda_workloads.py).
             tokens, confidences, mask = await self._batcher.run_exclusive(
-                lambda: run_diffusion_step(step(logits.compute()), self._backend)
-            )
+                lambda: run_diffusion_step(step(logits.compute()), self._backend),
+                rows=math.prod(logits.shape[:-1]), nbytes=_nbytes(logits.tensor), lease=held)
         response = pb.DiffusionStepResponse(request_id=current_call.get().request_id)
         encode_tensor(tokens.to(torch.int32).cpu(), out=response.tokens)
         encode_tensor(confidences.cpu(), out=response.confidences)
@@ -141,13 +148,14 @@ class SamplerService(pb_grpc.SamplerServicer):
 
     async def TopKProbs(self, request: pb.TopKProbsRequest, context: grpc.aio.ServicerContext) -> pb.TopKProbsResponse:
         arrived = time.perf_counter_ns()
-        with self._use_lm_head(request) as lm_head:
+        with Lease() as held:
+            lm_head = self._hold_lm_head(request, held)
             logits, temperature, k = validate_topk_request(request, self._limits, lm_head=lm_head)
             started = time.perf_counter_ns()
             # Hidden states become logits on the worker, as for diffusion steps; one row per position.
             probs, ids = await self._batcher.run_exclusive(
-                lambda: run_topk_probs(logits.compute().flatten(0, -2), temperature, k, self._backend)
-            )
+                lambda: run_topk_probs(logits.compute().flatten(0, -2), temperature, k, self._backend),
+                rows=math.prod(logits.shape[:-1]), nbytes=_nbytes(logits.tensor), lease=held)
         shape = [*logits.shape[:-1], k]
         response = pb.TopKProbsResponse(request_id=current_call.get().request_id)
         encode_tensor(probs.cpu().reshape(shape), out=response.probs)
@@ -159,7 +167,10 @@ class SamplerService(pb_grpc.SamplerServicer):
         arrived = time.perf_counter_ns()
         verification, seeds = validate_verify_request(request, self._limits)
         started = time.perf_counter_ns()
-        accepted, tokens = await self._batcher.run_exclusive(lambda: run_verify_draft(verification, self._backend))
+        accepted, tokens = await self._batcher.run_exclusive(
+            lambda: run_verify_draft(verification, self._backend),
+            rows=int(verification.target_logits.shape[0] * verification.target_logits.shape[1]),
+            nbytes=_nbytes(verification.target_logits) + _nbytes(verification.draft_probs))
         response = pb.VerifyDraftResponse(request_id=current_call.get().request_id)
         encode_tensor(accepted.to(torch.int32).cpu(), out=response.accepted)
         encode_tensor(tokens.to(torch.int32).cpu(), out=response.tokens)

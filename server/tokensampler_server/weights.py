@@ -22,10 +22,12 @@ import torch
 from .errors import InvalidArgument, ServiceError
 from .refcounted import RefCountedRegistry
 from .regions import Region
+from .request_context import raise_if_abandoned
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows of W upcast to fp32 at once when computing logits (32 MiB of fp32 at D = 4096).
 _ROWS_PER_SLICE = 2048
+DEFAULT_MAX_WEIGHTS = 64
 
 
 @dataclass(frozen=True)
@@ -39,8 +41,10 @@ class LogitsFinish:
     logit_scale: float = 1.0
 
 
-@dataclass
+@dataclass(eq=False)
 class RegisteredWeight:
+    """A registered LM head. Compared by identity: a name can come back as another weight."""
+
     name: str
     weight: torch.Tensor
     """[padded V, D] on the backend's device."""
@@ -54,7 +58,8 @@ class RegisteredWeight:
     def in_place(self) -> bool:
         """W is the region's memory itself (not a copy on another device): the server holds no bytes of it."""
         region = self.region
-        return region is not None and self.weight.untyped_storage().data_ptr() == region.buffer.untyped_storage().data_ptr()
+        return (region is not None and region.buffer is not None
+                and self.weight.untyped_storage().data_ptr() == region.buffer.untyped_storage().data_ptr())
 
     @property
     def padded_vocab_size(self) -> int:
@@ -84,6 +89,7 @@ class RegisteredWeight:
             h = hidden.to(weight.device, torch.float32)
             x = torch.empty(h.shape[0], vocab, dtype=torch.float32, device=h.device)
             for start in range(0, vocab, _ROWS_PER_SLICE):
+                raise_if_abandoned()  # minutes of CPU work at the largest sizes: stop once nobody waits
                 stop = min(start + _ROWS_PER_SLICE, vocab)
                 torch.mm(h, weight[start:stop].to(torch.float32).T, out=x[:, start:stop])
         finish = self.finish
@@ -173,9 +179,11 @@ def load_safetensors(path: Path, tensor: str) -> torch.Tensor:
 class WeightRegistry:
     """Registered LM heads by name, on one device (see refcounted.py for the reference counting)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, max_weights: int = DEFAULT_MAX_WEIGHTS,
+                 unregister_timeout_s: float = 60.0) -> None:
         self._device = device
-        self._weights: RefCountedRegistry[RegisteredWeight] = RefCountedRegistry("weight")
+        self._weights: RefCountedRegistry[RegisteredWeight] = RefCountedRegistry(
+            "weight", max_items=max_weights, unregister_timeout_s=unregister_timeout_s)
 
     def register(
         self, name: str, weight: torch.Tensor, finish: LogitsFinish, sha256: str, region: Region | None = None
@@ -189,7 +197,7 @@ class WeightRegistry:
         entry = RegisteredWeight(name=name, weight=placed, finish=replace(finish, bias=bias), sha256=sha256, region=region)
         self._weights.add(name, entry)
         if region is not None:
-            region.weights.add(name)
+            region.weights.add(entry)
         return entry
 
     def list(self) -> list[RegisteredWeight]:
@@ -213,9 +221,11 @@ class WeightRegistry:
             yield entry
 
     async def unregister(self, name: str) -> RegisteredWeight:
-        """Removes `name` at once for new requests, waits for the ones using it, then frees it (and
-        lets its region go)."""
-        entry = await self._weights.remove(name)
-        if entry.region is not None:
-            entry.region.weights.discard(name)
-        return entry
+        """Removes `name` at once for new requests, waits for the ones using it, then frees it (and lets its
+        region go): atomic, and bounded by the registry's timeout (refcounted.py)."""
+        return await self._weights.remove(name, finalize=_leave_region)
+
+
+def _leave_region(entry: RegisteredWeight) -> None:
+    if entry.region is not None:
+        entry.region.weights.discard(entry)

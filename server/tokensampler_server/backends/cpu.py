@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import LogprobsMode, SamplingBatch, SamplingResult
+from ..request_context import raise_if_abandoned
+from ..sampling import LogprobsMode, SamplingBatch, SamplingResult, concat_results, select_rows
 from .base import Backend, BackendInfo
 from .philox import gumbel_noise, gumbel_noise_at
 from .processing import apply_processing, sanitize_non_finite
@@ -136,6 +137,10 @@ def top_n(values: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :n], sorted_values[:, :n]
 
 
+# Logits sampled at once: ~0.5 s and ~120 MiB of working memory on the CPU.
+_CHUNK_ELEMENTS = 1 << 22
+
+
 class CpuBackend(Backend):
     """The reference implementation of docs/semantics.md on the CPU."""
 
@@ -143,6 +148,19 @@ class CpuBackend(Backend):
         return BackendInfo(name="cpu", device="cpu")
 
     def sample(self, batch: SamplingBatch) -> SamplingResult:
+        """Samples at most _CHUNK_ELEMENTS logits at a time (batch invariance makes the rows independent): the
+        working memory stays bounded, and between chunks work whose callers have gone stops."""
+        rows_per_chunk = max(1, _CHUNK_ELEMENTS // batch.vocab_size)
+        if batch.num_rows <= rows_per_chunk:
+            return self._sample(batch.with_logits())
+        parts = []
+        for start in range(0, batch.num_rows, rows_per_chunk):
+            raise_if_abandoned()
+            rows = torch.arange(start, min(start + rows_per_chunk, batch.num_rows))
+            parts.append(self._sample(select_rows(batch, rows).with_logits()))
+        return concat_results(parts)
+
+    def _sample(self, batch: SamplingBatch) -> SamplingResult:
         x = batch.logits.to(torch.float32, copy=True)
         num_rows, vocab_size = x.shape
         wants_logprobs = batch.return_logprobs or batch.top_logprobs > 0

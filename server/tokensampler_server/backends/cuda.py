@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import array
 import ctypes
-import dataclasses
 import threading
 
 import torch
 
 from ..metrics import record_fallback
-from ..sampling import HiddenInput, LogitProcessing, LogprobsMode, SamplingBatch, SamplingResult, TokenEntries
+from ..sampling import LogprobsMode, SamplingBatch, SamplingResult, select_rows
 from . import cuda_fused
 from .base import Backend, BackendInfo
 from .cuda_build import CudaBackendUnavailable
@@ -82,40 +81,6 @@ def _decode_key(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     bits = torch.where(high >= 0x80000000, high & 0x7FFFFFFF, (~high) & 0xFFFFFFFF)
     z = bits.to(torch.int32).view(torch.float32)
     return z, 0xFFFFFFFF - (key & 0xFFFFFFFF)
-
-
-def _select(entries: TokenEntries | None, mapping: torch.Tensor) -> tuple[TokenEntries | None, torch.Tensor | None]:
-    if entries is None:
-        return None, None
-    new_rows = mapping[entries.rows]
-    keep = new_rows >= 0
-    return TokenEntries(new_rows[keep], entries.tokens[keep]), keep
-
-
-def select_rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
-    """The sub-batch of `rows` (int64, CPU) of a logits or hidden-state batch, processing entries remapped
-    to the new row numbers."""
-    if batch.logits is not None:
-        selected_input = {"logits": batch.logits[rows.to(batch.logits.device)].cpu()}
-    else:
-        states = batch.hidden.states
-        selected_input = {"hidden": HiddenInput(states[rows.to(states.device)], batch.hidden.lm_head)}
-    processing = batch.processing
-    if processing is not None:
-        mapping = torch.full((batch.num_rows,), -1, dtype=torch.int64)
-        mapping[rows] = torch.arange(rows.numel())
-        bias, keep = _select(processing.bias, mapping)
-        per_row = {name: getattr(processing, name)[rows] if getattr(processing, name) is not None else None
-                   for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")}
-        processing = LogitProcessing(
-            allowed=_select(processing.allowed, mapping)[0], banned=_select(processing.banned, mapping)[0],
-            bias=bias, bias_values=processing.bias_values[keep] if keep is not None else None,
-            output_tokens=_select(processing.output_tokens, mapping)[0],
-            prompt_tokens=_select(processing.prompt_tokens, mapping)[0], **per_row)
-    return dataclasses.replace(
-        batch, **selected_input, temperature=batch.temperature[rows], top_k=batch.top_k[rows],
-        top_p=batch.top_p[rows], min_p=batch.min_p[rows], seed=batch.seed[rows], position=batch.position[rows],
-        iteration=batch.iteration[rows], processing=processing)
 
 
 def _align(offset: int, alignment: int = _PINNED_ALIGN) -> int:
