@@ -39,8 +39,38 @@ from .validation import LOGITS_DTYPES, check_rows_shape, validate_sample_request
 from .weights import WeightRegistry
 
 STREAM_METHOD = "tokensampler.v1.Sampler/SampleStream"
-# Messages of one stream sampled at once; past that, reading the stream waits (flow control).
+# Messages of one stream begun and not yet answered, and their request bytes: past either, reading the stream
+# waits (flow control pushes back on the client), so a client that never reads its answers holds at most this
+# much of the server's memory per stream (docs/hardening.md). One message is always let in, whatever its size.
 STREAM_MESSAGES_IN_FLIGHT = 64
+STREAM_BYTES_IN_FLIGHT = 32 << 20
+
+
+class _InFlight:
+    """The begun and unanswered messages of one stream, bounded in count and bytes."""
+
+    def __init__(self) -> None:
+        self._messages = 0
+        self._bytes = 0
+        self._room = asyncio.Event()
+
+    async def admit(self, nbytes: int) -> None:
+        """Waits until a message of `nbytes` fits, then counts it in."""
+        while self._messages and (self._messages >= STREAM_MESSAGES_IN_FLIGHT
+                                  or self._bytes + nbytes > STREAM_BYTES_IN_FLIGHT):
+            self._room.clear()
+            await self._room.wait()
+        self._messages += 1
+        self._bytes += nbytes
+
+    def answered(self, nbytes: int) -> None:
+        self._messages -= 1
+        self._bytes -= nbytes
+        self._room.set()
+
+
+def _message_bytes(message: bytes | pb.SampleRequest) -> int:
+    return len(message) if isinstance(message, bytes) else message.ByteSize()
 
 
 def as_request(message: bytes | pb.SampleRequest) -> pb.SampleRequest:
@@ -292,20 +322,18 @@ class SamplePath:
     ) -> AsyncIterator[bytes | pb.SampleStreamResponse]:
         """Starts each message as it arrives (so the batchers can merge them) and answers them in order,
         beginning with `first`, the message of number index - 1."""
-        answers: asyncio.Queue[_StreamItem | None] = asyncio.Queue(maxsize=STREAM_MESSAGES_IN_FLIGHT)
+        answers: asyncio.Queue[_StreamItem | None] = asyncio.Queue()
+        in_flight = _InFlight()
+        await in_flight.admit(_message_bytes(first[1]))
         answers.put_nowait(first)
 
         async def read() -> None:
             number = index
             async for message in messages:
+                await in_flight.admit(_message_bytes(message))
                 record = self._stream_record(stream_id, number)
                 number += 1
-                item = (record, message, self._begin(message, record))
-                try:
-                    await answers.put(item)
-                except asyncio.CancelledError:
-                    _drop(item[2])
-                    raise
+                answers.put_nowait((record, message, self._begin(message, record)))
 
         async def read_then_end() -> None:
             """Reads to the end of the stream, then marks the end (also after a request that did not parse)."""
@@ -322,6 +350,7 @@ class SamplePath:
         try:
             while (item := await answers.get()) is not None:
                 yield await self._answer(*item)
+                in_flight.answered(_message_bytes(item[1]))
             await reader  # a request that did not parse ends the stream with its status
         finally:
             reader.cancel()
