@@ -6,7 +6,7 @@ while it runs, new requests gather, so batches grow with load by themselves. A b
 the backend being busy). A full queue answers RESOURCE_EXHAUSTED at once. A caller that goes away
 (cancelled, deadline passed) leaves its rows behind; the other requests of its batch are unaffected.
 
-Per-call cost matters as much as merging (benchmarks/SERVICE_NOTES.md): with no queue delay, an idle
+Per-call cost matters as much as merging (docs/design/service-path.md): with no queue delay, an idle
 backend gets a request's batch at once from `enqueue` (no runner task to wake), and the worker thread
 hands each result straight back to the event loop with one call_soon_threadsafe. A small batch whose
 input already lies on the GPU (a CUDA region) runs on the event loop itself when the worker is idle:
