@@ -1,4 +1,4 @@
-"""Host overhead of one `CudaBackend.sample` call, per mode and B (issue 5: the in-process call).
+"""Host overhead of one `CudaBackend.sample` call, per mode and B (the in-process call of the service path).
 
   python benchmarks/bench_backend_overhead.py [--batches 1,8,64] [--iters 300] [--json out.json]
       [--baseline path/to/older/cuda.py] [--check] [--profile]

@@ -1,6 +1,6 @@
-"""FUSED workload benchmark per /work/shared/bench/README.md: hidden states [B, D] bf16 x LM head [V, D] bf16.
+"""FUSED workload benchmark (docs/performance.md): hidden states [B, D] bf16 x LM head [V, D] bf16.
 
-  python benchmarks/bench_fused.py [--out benchmarks/results] [--batches 1,8,32,64,128,256]
+  python benchmarks/bench_fused.py (--peers PATH/peers.py | --no-peers) [--out benchmarks/results] [--batches 1,8,32,64,128,256]
 
 Times, in one process on the same W and h: the fused kernel (`tokensampler_fused`: gumbel, and
 top_k_top_p with raw log-probs on), cuBLAS into fp32 logits followed by our logits kernels
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "server"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_kernels import import_flashinfer, load_peers, run_meta, tokensampler_fn, write_results  # noqa: E402
+from bench_kernels import add_peers_arguments, import_flashinfer, load_peers, run_meta, tokensampler_fn, write_results  # noqa: E402
 from tokensampler_server.backends import cuda_fused  # noqa: E402
 from tokensampler_server.backends.cuda_kernels import Kernels, RowParams  # noqa: E402
 
@@ -76,10 +76,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--batches", default="1,8,32,64,128,256")
-    ap.add_argument("--no-peers", action="store_true")
+    add_peers_arguments(ap)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    peers = load_peers()
+    peers = load_peers(args.peers, args.no_peers)
     kernels = Kernels(torch.cuda.current_device())
     meta = {**run_meta(peers), "V": V, "D": D, "dtype": "bfloat16", "top_k": TOP_K, "top_p": TOP_P,
             "fused_max_rows": cuda_fused.MAX_ROWS,

@@ -1,11 +1,12 @@
-"""Kernel benchmark of the logits path, per /work/shared/bench/README.md (LOGITS workload).
+"""Kernel benchmark of the logits path (the LOGITS workload of docs/performance.md).
 
-  python benchmarks/bench_kernels.py [--out benchmarks/results] [--batches 1,8,32,64,128,256]
+  python benchmarks/bench_kernels.py --peers PATH/peers.py [--out benchmarks/results] [--batches 1,8,32,64,128,256]
+  python benchmarks/bench_kernels.py --no-peers          # tokensampler alone, from this repository only
 
 For both generators (spiky, flat) and every B, times the tokensampler kernels in the six modes
 (greedy, gumbel, top_k_top_p, top_k, top_p, min_p; k, p, T, min_p as per-row tensors) next to the
-peers of peers.py in the same process on the same logits: torch argmax, FlashInfer's samplers, the
-PyTorch-native vLLM path. Writes logits-<generator>-<gpu>-<date>.json (rows: workload, method,
+peers of the peers module (`--peers`, or $PEERS_PY) in the same process on the same logits: torch
+argmax, FlashInfer's samplers, the PyTorch-native vLLM path. Writes logits-<generator>-<gpu>-<date>.json (rows: workload, method,
 mode, B, median_us, roofline_us, of_roofline) and a PNG plot per file.
 """
 
@@ -35,15 +36,28 @@ TOP_K, TOP_P, MIN_P = 50, 0.9, 0.05
 MODES = ("greedy", "gumbel", "top_k_top_p", "top_k", "top_p", "min_p")
 
 
-def load_peers():
-    """peers.py: $PEERS_PY, the carried copy in .bench_peers/, or ../shared/bench/ beside the checkout."""
-    for candidate in (os.environ.get("PEERS_PY"), ROOT / ".bench_peers" / "peers.py", ROOT.parent / "shared" / "bench" / "peers.py"):
-        if candidate and Path(candidate).is_file():
-            spec = importlib.util.spec_from_file_location("peers", candidate)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return module
-    raise SystemExit("peers.py not found: set PEERS_PY")
+def add_peers_arguments(ap: argparse.ArgumentParser) -> None:
+    """--peers PATH and --no-peers, shared by the kernel benchmarks."""
+    ap.add_argument("--peers", default=os.environ.get("PEERS_PY"),
+                    help="the peers module (peers.py) whose peers are timed beside tokensampler; default $PEERS_PY")
+    ap.add_argument("--no-peers", action="store_true", help="time the tokensampler kernels only")
+
+
+def load_peers(path: str | None, no_peers: bool):
+    """The module the benchmark times with: the peers module at `path`, or with --no-peers and no path this
+    repository's own timing.py (same helper names, no peers)."""
+    if path:
+        if not Path(path).is_file():
+            raise SystemExit(f"--peers: no file {path}")
+        spec = importlib.util.spec_from_file_location("peers", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    if not no_peers:
+        raise SystemExit("timing the peers needs their module: pass --peers PATH (or set PEERS_PY), or --no-peers")
+    import timing  # noqa: PLC0415 - benchmarks/ is on sys.path
+
+    return timing
 
 
 def tokensampler_fn(kernels: Kernels, mode: str, logits: torch.Tensor):
@@ -87,7 +101,7 @@ def tokensampler_fn(kernels: Kernels, mode: str, logits: torch.Tensor):
 
 
 def print_targets(workload: str, rows: list[dict]) -> None:
-    """The issue's targets as ratios inside this run, one line per target (B ascending)."""
+    """The project's targets as ratios inside this run, one line per target (B ascending)."""
     t = {(r["method"] if r["method"] != "tokensampler" else r["mode"], r["B"]): r["median_us"] for r in rows}
     bs = sorted({r["B"] for r in rows})
     checks = [("gumbel/argmax <= 1.3", "gumbel", "torch_argmax", 1.3, False),
@@ -126,7 +140,7 @@ def run_meta(peers) -> dict:
 
 
 def import_flashinfer(peers, meta: dict):
-    """flashinfer.sampling through peers.py's stubs, or None; meta["flashinfer"] records which."""
+    """flashinfer.sampling through the peers module's stubs, or None; meta["flashinfer"] records which."""
     try:
         fi = peers.import_with_stubs("flashinfer.sampling")
     except Exception as err:  # noqa: BLE001 - recorded in the results, the run goes on
@@ -155,10 +169,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--batches", default="1,8,32,64,128,256")
-    ap.add_argument("--no-peers", action="store_true", help="time the tokensampler kernels only")
+    add_peers_arguments(ap)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    peers = load_peers()
+    peers = load_peers(args.peers, args.no_peers)
     kernels = Kernels(torch.cuda.current_device())
     meta = {**run_meta(peers), "V": V, "top_k": TOP_K, "top_p": TOP_P, "min_p": MIN_P}
     read_bw = meta["read_bw_GBps"] * 1e9

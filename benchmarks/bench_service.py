@@ -1,4 +1,4 @@
-"""Service benchmark: the SERVICE workload of the benchmark protocol (shared/bench/README.md).
+"""Service benchmark: the SERVICE workload of docs/performance.md.
 
   python benchmarks/bench_service.py --device cuda [--out benchmarks/results] [--iters 200]
 
@@ -16,8 +16,8 @@ process, all in one run:
     echo_unary, tokensampler_tcp and tokensampler_batching (client batching on, logits as bytes), and
     tokensampler_batching_ipc (client batching on, each client's rows a slice of one shared region: the
     slices that arrive together go out as one zero-copy call).
-Writes service-<device>-<date>.json with those rows, the target ratios of the transport issue, and a
-PNG plot.
+Writes service-<device>-<date>.json with those rows, the service's target ratios (docs/performance.md), and
+a PNG plot.
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def targets(rows: list[dict]) -> dict:
-    """The transport issue's target ratios, computed from this run's rows."""
+    """The service's target ratios (docs/performance.md), computed from this run's rows."""
     def p50(method: str, batch: int) -> float:
         return next(r["p50_us"] for r in rows if r["method"] == method and r["B"] == batch and "p50_us" in r)
 

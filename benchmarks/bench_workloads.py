@@ -1,6 +1,6 @@
-"""Benchmark of the workload kernels, per /work/shared/bench/README.md (issue #8).
+"""Benchmark of the workload kernels (diffusion, topk_probs, verify; docs/performance.md).
 
-  python benchmarks/bench_workloads.py [--out benchmarks/results] [--no-peers]
+  python benchmarks/bench_workloads.py (--peers PATH/peers.py | --no-peers) [--out benchmarks/results]
 
 Times, in one process on the same inputs (fp32, V = 151936), each workload next to its peers:
 - diffusion (masked positions B * L, all masked, commit count 8 and threshold 0.9): tokensampler's
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "server"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_kernels import import_flashinfer, load_peers, run_meta, write_results  # noqa: E402
+from bench_kernels import add_peers_arguments, import_flashinfer, load_peers, run_meta, write_results  # noqa: E402
 from tokensampler_server.backends.cuda_workloads import WorkloadKernels  # noqa: E402
 from tokensampler_server.ops.diffusion import DiffusionStep  # noqa: E402
 from tokensampler_server.ops.verify import DraftVerification  # noqa: E402
@@ -88,14 +88,14 @@ def verify_inputs(b: int, gen: torch.Generator, peers) -> tuple[DraftVerificatio
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    ap.add_argument("--no-peers", action="store_true", help="time the tokensampler kernels only")
+    add_peers_arguments(ap)
     ap.add_argument("--workloads", default=",".join(WORKLOADS),
                     help=f"comma-separated subset of {','.join(WORKLOADS)} (each writes its own results file)")
     args = ap.parse_args()
     chosen = set(args.workloads.split(","))
     if not chosen <= set(WORKLOADS):
         ap.error(f"--workloads: expected a subset of {','.join(WORKLOADS)}, got {args.workloads}")
-    peers = load_peers()
+    peers = load_peers(args.peers, args.no_peers)
     kernels = WorkloadKernels(torch.cuda.current_device())
     meta = {**run_meta(peers), "V": V}
     read_bw = meta["read_bw_GBps"] * 1e9

@@ -1,7 +1,7 @@
-"""Renders the README's performance tables from benchmarks/results/*.json.
+"""Renders the performance tables of docs/performance.md from benchmarks/results/*.json.
 
   python benchmarks/make_tables.py            # print the tables
-  python benchmarks/make_tables.py --readme   # replace the block between the markers in README.md
+  python benchmarks/make_tables.py --write    # replace the block between the markers in docs/performance.md
 
 Kernel tables: median µs per B for our modes and the peers of the same file (same run, same GPU),
 for the logits workloads and then fused, diffusion, topk_probs and verify.
@@ -16,6 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+DOC = ROOT / "docs" / "performance.md"
 BEGIN, END = "<!-- performance-tables: begin -->", "<!-- performance-tables: end -->"
 PEERS = {
     "torch_argmax": "torch argmax",
@@ -125,16 +126,15 @@ def render() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--readme", action="store_true", help="rewrite the marked block of README.md")
+    parser.add_argument("--write", action="store_true", help="rewrite the marked block of docs/performance.md")
     args = parser.parse_args()
     tables = render()
-    if not args.readme:
+    if not args.write:
         print(tables)
         return
-    readme = ROOT / "README.md"
-    text = readme.read_text()
+    text = DOC.read_text()
     start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
-    readme.write_text(text[:start] + "\n" + tables + "\n" + text[stop:])
+    DOC.write_text(text[:start] + "\n" + tables + "\n" + text[stop:])
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def tree_commit() -> str:
     """The checkout's short commit; TOKENSAMPLER_BENCH_COMMIT names it where the tree was copied without its
-    git history (the GPU machine's copy). "unknown" when neither says."""
+    git history. "unknown" when neither says."""
     commit = os.environ.get("TOKENSAMPLER_BENCH_COMMIT", "")
     if not commit:
         try:

@@ -5,7 +5,7 @@ beside the empty gRPC echo, on logits in a shared-memory region (no bytes on the
 
 Prints p50 / p99 of the empty unary and stream echoes and of Sample over unary and over SampleStream, twice
 each, interleaved (single runs on a small machine swing by tens of percent). What separates the
-tokensampler rows from the echo rows is the service's own Python on both sides (benchmarks/SERVICE_NOTES.md).
+tokensampler rows from the echo rows is the service's own Python on both sides (docs/design/service-path.md).
 """
 
 from __future__ import annotations

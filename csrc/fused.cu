@@ -57,7 +57,7 @@ size_t stream_smem_bytes(int rows_per_tile) {
 
 // A 2-D tensor map over rows x dim elements of 2 bytes (row stride dim), boxes of kStageK x box_rows,
 // 128-byte swizzled; rows past the end read as zeros. No L2 promotion: with 256-byte promotion the stream
-// kernel ran 3-9 µs slower at every batch (two H200s; benchmarks/FUSED_NOTES.md, nineteenth session). The
+// kernel ran 3-9 µs slower at every batch (two H200s; docs/design/fused-lm-head.md). The
 // driver's encoder is reached through the runtime, so nothing links against libcuda.
 cudaError_t encode_rows(CUtensorMap* map, const void* base, int32_t dtype, int64_t rows, int64_t dim, int box_rows) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;

@@ -20,7 +20,7 @@
 // Why registers and not shared memory for W: every W element is used by exactly one warp, so staging it
 // would only add a shared-memory round trip. The k order inside a chunk is permuted (thread t loads 8
 // consecutive elements and feeds them to two MMAs); a dot product does not care, as long as A and B
-// use the same permutation — which is what lets each thread issue 16-byte loads.
+// use the same permutation — which is what lets each thread load 16 bytes at once.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -416,7 +416,7 @@ __device__ __forceinline__ void write_stream_partial(const RowTotals& t, bool na
 // after the last tile (threads from 256 on only arrive on the barriers). Why: beside the m64n128 multiply, the
 // warp-per-row `consume_row_tile` took ~2.85 us a row's tile, its warp-wide steps and per-token screen waiting for
 // dispatch behind the tensor pipe, and at B >= 128 the epilogue bounds the kernel; this form issues ~2.7x fewer
-// instructions a tile (benchmarks/FUSED_NOTES.md, thirty-sixth session).
+// instructions a tile (docs/design/fused-lm-head.md).
 // Tokens and flags are the same as the warp-per-row form's (the best key decomposes over any split of the
 // vocabulary); split in halves, a row's sums would be added in another order than the warp's, and log-probs would
 // then depend on the batch, so rows that want them keep the warp form.

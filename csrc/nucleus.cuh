@@ -1,5 +1,5 @@
 // Top-p and min-p without k, decided from a frontier of candidates instead of the binned cut of
-// filter_kernel (launchers: sampling.cu; notes: benchmarks/NOTES.md, "frontier").
+// filter_kernel (launchers: sampling.cu; design and measurements: docs/design/top-p-frontier.md).
 //
 // With z-order = (z desc, id asc), top-p and min-p both keep a prefix of it, and the token sampled
 // is the kept token with the largest exact score z + g. A token that has, ahead of it in z-order,
@@ -761,7 +761,7 @@ __global__ void __launch_bounds__(kThreads, 5)
     nucleus_mass_kernel(TsLogits logits, TsRows rows, TsOutputs pre, TsOutputs out, TsWorkspace ws) {
   // Rows in order: the first rows' merges are long done when the grid starts, while the frontier kernel's last
   // wave still reads the last rows (an order starting from the rows just before that wave, the likeliest still in
-  // L2, measured 2 % slower at B = 256: benchmarks/NOTES.md, thirty-ninth session).
+  // L2, measured 2 % slower at B = 256: docs/design/top-p-frontier.md).
   const int w = blockIdx.y, blocks = gridDim.x, splits = num_splits(logits.vocab);
   const int per_block = (splits + blocks - 1) / blocks;
   const int first_chunk = blockIdx.x * per_block, end_chunk = min(splits, first_chunk + per_block);

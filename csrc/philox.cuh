@@ -15,7 +15,7 @@ constexpr uint32_t kPhiloxW1 = 0xBB67AE85u;
 // kWide: one 64-bit product each, for which ptxas adds a zero to the high word (an instruction a product);
 // kSplit: __umulhi and a 32-bit product, without that add. The split form fits frontier_kernel in 48 registers
 // (five blocks a SM, top-p 3-6 % faster from B = 64), but makes ptxas spill in the Gumbel kernels, where results were
-// mixed: they keep the wide form (benchmarks/NOTES.md, forty-third session).
+// mixed: they keep the wide form (docs/design/logits-kernels.md).
 enum class PhiloxProducts { kWide, kSplit };
 
 // Philox4x32-10 (Salmon et al., 2011): counter (c.x, c.y, c.z, c.w), key (k0, k1).

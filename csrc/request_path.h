@@ -1,11 +1,11 @@
-// The native request path of the CUDA backend (issue 5): a SampleRequest whose logits lie in a CUDA region or
+// The native request path of the CUDA backend: a SampleRequest whose logits lie in a CUDA region or
 // are carried in its own bytes, and that asks for tokens alone (no log-probs, no logit processing, no output
 // regions, one sample) is parsed, validated, planned, launched and answered here, without a Python line
 // between the request's bytes and the response's. The server's Python path (sample_rpc.py) answers every
 // other request and every error: prepare() declines (returns null) whatever it does not take, before anything
 // a client could see has happened, and the Python path then takes the request as if this one did not exist.
 // The rules it applies are validation.py's and backends/cuda.py's, mirrored: tests/gpu/test_request_path.py
-// holds the two paths to the same answers.
+// holds the two paths to the same answers. Why it exists, and what it measured: docs/design/service-path.md.
 //
 // A request is prepared (parsed and validated) as it arrives; prepared requests of one vocabulary and dtype are
 // sampled together as one batch (their rows merged, each row's logits found through a per-row start), and

@@ -51,7 +51,7 @@ __device__ __forceinline__ RowView<T> row_view(const TsLogits& logits, const TsR
 
 // A launch whose rows hold more bytes than this cannot keep them in L2 (50 MB on H100 / H200) until a later
 // read, so the one-read kernels mark their chunk loads evict-first there: greedy, Gumbel and min-p ran
-// 5-8 % faster at 155 MB (benchmarks/NOTES.md, nineteenth session). Smaller launches keep normal loads, so
+// 5-8 % faster at 155 MB (docs/design/logits-kernels.md). Smaller launches keep normal loads, so
 // that the second kernel of a two-pass route can find their rows in L2 (not settled: the one A/B at
 // B = 1-32 was confounded by two-valued timings). The top-k, frontier and workload kernels other than the
 // row pass gained nothing and keep normal loads (the flag cost them registers).
@@ -169,7 +169,7 @@ __device__ __forceinline__ Stats warp_stats_allmerge(Stats s, float c, bool lse)
 }
 
 // The block's stats in thread 0 (warp 0 merges the warps' stats across its lanes rather than thread 0
-// one by one: the diffusion row pass lost ~10 us to that chain, FUSED_NOTES.md, twenty-first session);
+// one by one: the diffusion row pass lost ~10 us to that chain, docs/design/logits-kernels.md);
 // one barrier, which every thread reaches.
 __device__ __forceinline__ Stats block_stats(Stats s, float c, bool lse) {
   s = warp_stats_allmerge(s, c, lse);
@@ -283,7 +283,7 @@ __device__ __forceinline__ float proxy_margin(float row_max, float inv_t) {
   return 0x1p-20f * (fabsf(row_max) * inv_t + 64.f) + 4.f * kGumbelFastError;
 }
 
-// Screening of the LSE-free kernel (benchmarks/NOTES.md, "gumbel v2"). Each block first scores
+// Screening of the LSE-free kernel (docs/design/logits-kernels.md, "The Gumbel screen"). Each block first scores
 // every thread's pilot in full, the group of four holding the thread's largest logit; L, the
 // block's best proxy among them, is a real token's proxy, so the block's best proxy is >= L (and L
 // is about the chunk's max + its noise, which on spiky rows rules out nearly every other group).

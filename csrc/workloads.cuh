@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(kThreads, 5)
   if ((threadIdx.x & 31) == 0) warp_part[threadIdx.x >> 5] = s;
   __syncthreads();
   // warp 0 merges the warps' partials across its lanes: a chain of log2(32) steps, where thread 0
-  // merging them one by one cost the diffusion step ~10 us (FUSED_NOTES.md, twenty-first session)
+  // merging them one by one cost the diffusion step ~10 us (docs/design/workload-kernels.md)
   if (threadIdx.x < 32)
     s = warp_merge_row(threadIdx.x < kThreads / 32 ? warp_part[threadIdx.x] : no_tokens(), c2, track_argmax, draw);
   unsigned long long* mailed = step.mailbox.partial + static_cast<int64_t>(w) * splits * kPartialWords;

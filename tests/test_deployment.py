@@ -129,7 +129,7 @@ def test_dashboard_queries_only_exported_metrics(live_server: RunningServer) -> 
         if variable["type"] == "query":
             metric = re.fullmatch(r"label_values\((\w+), *\w+\)", variable["definition"])[1]
             assert metric in exported, variable
-    # The panels the issue asks for, by the metrics they need.
+    # The panels the dashboard must have, by the metrics they need.
     assert {
         "tokensampler_requests_total", "tokensampler_request_duration_seconds_bucket",
         "tokensampler_queue_duration_seconds_bucket", "tokensampler_compute_duration_seconds_bucket",
@@ -247,7 +247,7 @@ def test_image_runs_on_the_cuda_runtime_base_with_prebuilt_kernels() -> None:
 
 
 def test_round_robin_spreads_calls_over_replicas(live_server: RunningServer) -> None:
-    """What README.md tells clients of several replicas: one channel over every address, round_robin."""
+    """What docs/deployment.md tells clients of several replicas: one channel over every address, round_robin."""
     other = start_server("--device", "cpu", "--metrics-port", "0", "--max-connection-age-s", "60")
     try:
         replicas = (live_server, other)

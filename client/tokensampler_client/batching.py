@@ -127,7 +127,7 @@ class BatchingClient:
     arguments of SamplerClient.sample (but no per-call timeout or request id: the batch uses the
     wrapped client's deadline). Up to `max_in_flight` batches are in flight at once; calls arriving meanwhile
     wait for a free slot and go out together. Two (the default) keep one batch gathering while the server
-    works on the other: with 16 threads, 1 reached 5-10 % fewer rows/s and 4 15-25 % fewer (throughput_probe.py).
+    works on the other: with 16 threads, 1 reached 5-10 % fewer rows/s and 4 15-25 % fewer (docs/design/service-path.md).
     """
 
     def __init__(

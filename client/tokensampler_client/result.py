@@ -100,7 +100,7 @@ _DECODERS: dict[str, Callable[[pb.SampleResponse], Any]] = {
 class _DecodedOnRead(SampleResult):
     """A SampleResult that decodes each field from its response when the field is first read. A decode loop
     reads the tokens and seldom the rest, and right after a client has waited idle for the answer each torch
-    call costs 40-70 µs (benchmarks/SERVICE_NOTES.md): decoding every field took ~130 µs a call at B = 64."""
+    call costs 40-70 µs (docs/design/service-path.md): decoding every field took ~130 µs a call at B = 64."""
 
     def __init__(self, response: pb.SampleResponse) -> None:
         # Not the dataclass __init__: no field is set until it is read.

@@ -108,7 +108,7 @@ def decode_tensor(msg: pb.Tensor, field: str = "tensor") -> torch.Tensor:
     if count == 0:
         return torch.empty(shape, dtype=torch_dtype)
     # Few torch calls: a client decodes every response right after waiting idle for it, when each call
-    # costs several times what it does in a loop (benchmarks/SERVICE_NOTES.md).
+    # costs several times what it does in a loop (docs/design/service-path.md).
     return torch.frombuffer(data, dtype=torch_dtype).view(shape)
 
 

@@ -11,7 +11,7 @@ Each queued request holds a share of its lease (leases.py): the regions and weig
 and mapped until the backend is done with it, however early its call ends. The other workloads
 (`run_exclusive`) count against the same bounds, hold their leases the same way, and are dropped the same way.
 
-Per-call cost matters as much as merging (benchmarks/SERVICE_NOTES.md): with no queue delay, an idle
+Per-call cost matters as much as merging (docs/design/service-path.md): with no queue delay, an idle
 backend gets a request's batch at once from `enqueue` (no runner task to wake), and the worker thread
 hands each result straight back to the event loop with one call_soon_threadsafe. A small batch whose
 input already lies on the GPU (a CUDA region) runs on the event loop itself when the worker is idle:

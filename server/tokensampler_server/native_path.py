@@ -1,18 +1,18 @@
-"""The native request path beside the Python one (csrc/request_path.cpp; issue 5).
+"""The native request path beside the Python one (csrc/request_path.cpp; docs/design/service-path.md).
 
 On the CUDA backend, a SampleRequest whose logits lie in a CUDA region of the backend's GPU or are carried in
 the request (uploaded straight from its bytes), and that asks for tokens alone (no log-probs, no logit
 processing, no output regions, one sample) is parsed, validated, sampled and answered in C++ from its bytes:
-the per-message Python that dominated a stream message's time (benchmarks/SERVICE_NOTES.md) is not run.
+the per-message Python that dominated a stream message's time (docs/design/service-path.md) is not run.
 Everything else, errors included, is declined before anything a client could see, and sample_rpc.py answers it
 as before. The region registry tells this path which CUDA regions exist (`region_added` / `region_removed`).
 
 Batching follows the dynamic batcher's rule for small GPU-resident batches (batcher.py): with no queue delay a
 request is sampled at once, on the event loop (its launches and one synchronisation cost less than a hand-off
-to a thread, and polling from the loop instead showed no gain: SERVICE_NOTES.md, forty-eighth session). With `--max-queue-delay-us`, requests wait in a bounded queue
-until that long after the oldest arrived, or until they fill `max_batch_rows`; then the oldest and the waiting
-requests of its vocabulary and dtype are sampled as one batch (one set of launches, one synchronisation), each
-answered with its own rows.
+to a thread, and polling from the loop instead showed no gain: docs/design/service-path.md). With
+`--max-queue-delay-us`, requests wait in a bounded queue until that long after the oldest arrived, or until
+they fill `max_batch_rows`; then the oldest and the waiting requests of its vocabulary and dtype are sampled as
+one batch (one set of launches, one synchronisation), each answered with its own rows.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ halves: `start` runs synchronously up to the batcher's future, `finish` builds t
 stream answers natively answered messages in one loop; from its first message on the Python path, a reader
 starts each message as it arrives (so the batcher can merge them) without a task per message, and the stream
 answers in order by awaiting the futures one after the other: the fewest event-loop turns per message
-(benchmarks/SERVICE_NOTES.md).
+(docs/design/service-path.md).
 """
 
 from __future__ import annotations
@@ -296,7 +296,7 @@ class SamplePath:
     ) -> AsyncIterator[bytes | pb.SampleStreamResponse]:
         """Answers each message in order; a failed message gets an error message of its own and the stream
         goes on. While the native path answers every message, one loop reads and answers them (no task, no
-        queue: ~60 µs a message less on the H200 machines, SERVICE_NOTES.md); from the first message it
+        queue: 25-70 µs a message less on an H200 host, docs/design/service-path.md); from the first message it
         does not answer, the rest of the stream is pipelined (`_pipelined`)."""
         messages = aiter(requests)
         index = 0

@@ -1,4 +1,4 @@
-"""The CUDA backend against the CPU reference on the same requests (issue 3's agreement matrix).
+"""The CUDA backend against the CPU reference on the same requests (the agreement matrix).
 
 Greedy must agree exactly. Sampled modes may differ where two perturbed scores are within fp32
 rounding (the GPU's logf and the CPU's differ in the last bit now and then): each case tolerates one

@@ -1,6 +1,6 @@
 """The fused LM-head matmul + sampling kernel (csrc/fused.cuh) against the CPU reference on W·h.
 
-Agreement with the reference over the issue's shapes, exactness where it holds (greedy away from
+Agreement with the reference over the benchmark's shapes, exactness where it holds (greedy away from
 near-ties, seeded reproducibility, batch invariance), chi-square against distributions known
 exactly (W and h built so that W·h is exact in bf16 arithmetic), NaN rows, padded vocabularies,
 bias / scale / soft cap, and the rows the kernel hands to the logits path.
@@ -139,7 +139,7 @@ def _assert_agreement(tokens: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("num_rows", [1, 17, 64, 256, 512])
 @pytest.mark.parametrize("mode", ["top_k_top_p", "top_k_min_p", "gumbel", "greedy"])
 def test_kernel_shapes_and_batch_invariance(num_rows: int, mode: str) -> None:
-    """The streaming kernel itself at every B of the issue (batch tiles of 8, 16, 32, 64 or 128 rows; the backend
+    """The streaming kernel itself at every B of the benchmark (batch tiles of 8, 16, 32, 64 or 128 rows; the backend
     sends B > 128, and filtered B > 64, to cuBLAS), collecting candidates for top-k/top-p rows, each row identical
     to the same row sampled alone."""
     fused = _fused()

@@ -1,9 +1,9 @@
-"""Exactness of the screening shortcuts and close-call paths in csrc/sampling.cuh (benchmarks/NOTES.md).
+"""Exactness of the screening shortcuts and close-call paths in csrc/sampling.cuh (docs/design/logits-kernels.md).
 
 - gumbel_kernel ranks by a fast proxy and re-scores close calls exactly. Its answer must equal, bit
   for bit, the argmax of the exact score z + gumbel_exact computed here in torch from the kernels'
   own exact noise, also on rows built so that the proxy's gap test is tight (many scores within
-  rounding of each other, many just under the best); any future screening of the noise (NOTES.md)
+  rounding of each other, many just under the best); any future screening of the noise
   must keep passing this.
 - filter_kernel rejects whole groups by the min-p test on an approximate z: tokens just above and
   just below exp(z) = m must be kept and dropped exactly as the CPU reference does.
@@ -116,7 +116,7 @@ def test_topk_merge_pruning_matches_reference(cuda_backend, cpu_backend, top_k, 
 
 
 def _pilot_stress_rows(vocab: int, b: int, gen: torch.Generator, dev: torch.device) -> torch.Tensor:
-    """Rows aimed at the gumbel block screen (NOTES.md, gumbel v2): each block's pilot is the first
+    """Rows aimed at the gumbel block screen (docs/design/logits-kernels.md): each block's pilot is the first
     1024 tokens of its 8192-token chunk (every thread's first group of four)."""
     pilot = torch.zeros(vocab, dtype=torch.bool, device=dev)
     for c in range(0, vocab, 8192):

@@ -13,7 +13,7 @@ Processing (masks, bias, penalties) runs first, in torch on the GPU (processing.
 Rows a kernel cannot settle exactly (flag 4, rare by construction) are re-sampled by the CPU
 reference after the one synchronisation that returns the results; `fallbacks()` counts both kinds.
 
-Host path of one call (benchmarks/NOTES.md, "Host overhead"): the rows are grouped on the host from the
+Host path of one call (docs/design/host-path.md): the rows are grouped on the host from the
 CPU parameter tensors (a batch whose rows all share one mode needs no row lists); the per-row
 parameters, the row lists and (with log-probs) the row masks are packed into one reused pinned buffer
 and go up in ONE copy; the kernels are launched on device addresses laid out once per (B, samples) in
@@ -59,7 +59,7 @@ def _topk_buckets(top_k: torch.Tensor, vocab: int) -> torch.Tensor:
 
 _BUCKETS = (16, 32, 64, 128, 256)
 # Top-p rows from this many up take the frontier route (measured on an H200: slower than the filter at
-# B = 1 and 8, 2x faster on spiky rows from B = 32; benchmarks/NOTES.md, seventh session).
+# B = 1 and 8, 2x faster on spiky rows from B = 32; docs/design/kernel-routing.md).
 FRONTIER_MIN_ROWS = 32
 _LOOP_ROWS = 128  # mixed batches of up to this many rows are grouped in a Python loop, larger ones in torch
 _ALL = "all"  # a row group holding every row: the kernels get no row list
@@ -493,7 +493,7 @@ class CudaBackend(Backend):
             # Without k and without the kept mass itself (processed log-probs), min-p alone is a mask on
             # Gumbel-max once stats_kernel has the row max; top-p goes to the frontier, which writes the
             # stats the filter needs for the rows it leaves. Below FRONTIER_MIN_ROWS rows the filter is
-            # faster for top-p (benchmarks/NOTES.md, seventh session).
+            # faster for top-p (docs/design/kernel-routing.md).
             bounded = not processed and not plan.exact_has_k
             min_p_alone = bounded and not plan.exact_has_top_p
             frontier = bounded and plan.exact_has_top_p and n >= FRONTIER_MIN_ROWS

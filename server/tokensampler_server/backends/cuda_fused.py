@@ -26,11 +26,11 @@ the kernel passes over W once per tile and cuBLAS into fp32 logits + the logits 
 (benchmarks/results/fused-*.json, H200)."""
 MAX_FILTERED_ROWS = 64
 """The most rows the backend sends the streaming kernel when a row has top-k/top-p/min-p: at 128 rows its candidate
-epilogue is slower than cuBLAS + the logits kernels (benchmarks/FUSED_NOTES.md, thirty-fourth session)."""
+epilogue is slower than cuBLAS + the logits kernels (docs/design/fused-lm-head.md)."""
 
 
 def fused_is_faster(num_rows: int, filtered: bool) -> bool:
-    """Which path the backend takes, by measurement (benchmarks/FUSED_NOTES.md, H200): the streaming fused
+    """Which path the backend takes, by measurement (docs/design/fused-lm-head.md, H200): the streaming fused
     kernel for batches of one batch tile (top-k 50 + top-p 0.9 with log-probs: 313-333 µs at B = 1-64; cuBLAS into
     fp32 logits + the logits kernels 312-347), for filtered batches up to 64 rows."""
     return num_rows <= (MAX_FILTERED_ROWS if filtered else MAX_ROWS)

@@ -22,13 +22,13 @@ _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 FILTER_BLOCKS_TARGET = 264  # filter-kernel blocks to aim for: two per multiprocessor on an H100/H200
 # After the frontier route the filter gets only the rows the frontier left (rare), and its grid is mostly blocks that
 # find their row decided: one block a multiprocessor (one a row from 132 rows) took 0.5 us off flat top-p at B = 256
-# against two (benchmarks/NOTES.md, forty-fourth session).
+# against two (docs/design/top-p-frontier.md).
 NUCLEUS_FILTER_BLOCKS_TARGET = FILTER_BLOCKS_TARGET // 2
 
 
 def stream_address(device: torch.device) -> int:
     """The current torch stream of `device` (a tensor's device: indexed) as a cudaStream_t address. torch's raw
-    getter takes 0.15-0.2 µs a call where torch.cuda.current_stream() takes 4-7 (H200 machines)."""
+    getter takes 0.15-0.2 µs a call where torch.cuda.current_stream() takes 4-7 (H200 hosts)."""
     if _raw_stream is not None:
         return _raw_stream(device.index)
     return torch.cuda.current_stream(device).cuda_stream
