@@ -1,0 +1,47 @@
+"""A SampleStream whose client never reads its answers holds a bounded amount of the server's memory."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+from tokensampler_client.params import build_sample_request
+from tokensampler_server.backends.cpu import CpuBackend
+from tokensampler_server.batcher import DynamicBatcher
+from tokensampler_server.config import Limits
+from tokensampler_server.regions import RegionRegistry
+from tokensampler_server.sample_rpc import STREAM_BYTES_IN_FLIGHT, SamplePath
+from tokensampler_server.weights import WeightRegistry
+
+MESSAGE_ROWS, VOCAB = 1, 1 << 18  # 1 MiB of fp32 logits a message
+
+
+def test_a_stream_is_not_read_past_its_bytes_in_flight() -> None:
+    message = build_sample_request(logits=torch.zeros(MESSAGE_ROWS, VOCAB), seed=[1]).SerializeToString()
+    bound = STREAM_BYTES_IN_FLIGHT // len(message)
+    read = 0
+
+    async def requests():  # noqa: ANN202 - an endless client stream
+        nonlocal read
+        while True:
+            read += 1
+            yield message
+
+    async def run() -> None:
+        batcher = DynamicBatcher(CpuBackend(), max_batch_rows=64)
+        path = SamplePath(Limits(), batcher, WeightRegistry(torch.device("cpu")), RegionRegistry(), None)
+        answers = path.stream(requests(), "s")
+        await answers.__anext__()  # the first answer; the client reads no more
+        previous = -1
+        for _ in range(600):  # until reading stops: each message is sampled in a few ms
+            await asyncio.sleep(0.05)
+            if read == previous and batcher.idle:
+                break
+            previous = read
+        # the answered first message, `bound` unanswered ones, and one read and waiting for room
+        assert read <= bound + 2, (read, bound)
+        assert read >= bound, (read, bound)  # it did read up to the bound
+        await answers.aclose()
+        await batcher.close()
+
+    asyncio.run(run())
