@@ -45,8 +45,6 @@ class Region:
     name: str
     kind: str
     """"shm" or "cuda_ipc"."""
-    byte_size: int
-    device: torch.device
     release: Callable[[], None]
     buffer: torch.Tensor | None = None
     """uint8 [byte_size] on a GPU (cuda_ipc); None for shm, which is read and written through `segment`."""
@@ -61,6 +59,14 @@ class Region:
     views: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = field(default_factory=dict, repr=False)
     """Tensors of the references already resolved in a GPU region: a decode loop names the same few every step,
     and slicing a view anew costs more than the rest of the lookup."""
+
+    @property
+    def byte_size(self) -> int:
+        return self.segment.byte_size if self.segment is not None else int(self.buffer.numel())
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu") if self.segment is not None else self.buffer.device
 
     def check_producer(self, field: str) -> None:
         """FAILED_PRECONDITION once a CUDA region's producer has exited (reading it would fault)."""
@@ -334,12 +340,11 @@ class RegionRegistry:
             raise InvalidArgument("name", "got an empty name, expected a non-empty region name")
         if kind == "shm":
             segment = open_shared_memory(request.shm)
-            region = Region(name=request.name, kind=kind, byte_size=segment.byte_size, device=torch.device("cpu"),
-                            release=segment.close, segment=segment)
+            region = Region(name=request.name, kind=kind, release=segment.close, segment=segment)
         else:
             buffer, release = open_cuda_ipc(request.cuda_ipc)
-            region = Region(name=request.name, kind=kind, byte_size=int(buffer.numel()), device=buffer.device,
-                            release=release, buffer=buffer, producer_pid=request.cuda_ipc.producer_pid)
+            region = Region(name=request.name, kind=kind, release=release, buffer=buffer,
+                            producer_pid=request.cuda_ipc.producer_pid)
         try:  # a bad event handle, a name taken, too many regions: the mapping goes again
             if kind == "cuda_ipc":
                 region.ready_event = open_ready_event(request.cuda_ipc, region.device)
