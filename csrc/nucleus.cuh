@@ -381,12 +381,15 @@ __device__ __forceinline__ void merge_row_frontier(const FrontierPartial* partia
   }
   __syncthreads();
   const float p = rows.top_p[rv.r], m = rows.min_p[rv.r];
-  if (threadIdx.x == 0 && num_frontier <= kFrontierCap) {
+  if (threadIdx.x == 0) {
     // The tokens min-p drops, a tail of z-order, never win: the frontier that matters is the rest
-    // (the argmax always passes min-p).
+    // (the argmax always passes min-p). num_frontier is read inside the branch: as `threadIdx.x == 0 &&
+    // num_frontier <= kFrontierCap` every thread loaded it while thread 0 stored it (racecheck).
     unsigned int c = num_frontier;
-    while (c > 1 && !passes_min_p(key_value(f_order[c - 1]), m)) --c;
-    num_frontier = c;
+    if (c <= kFrontierCap) {
+      while (c > 1 && !passes_min_p(key_value(f_order[c - 1]), m)) --c;
+      num_frontier = c;
+    }
   }
   __syncthreads();
   const unsigned int count = num_frontier;

@@ -90,8 +90,13 @@ def _watched(abandoned: Callable[[], bool], work: Callable[..., T], *args: objec
     the same (request_context.raise_if_abandoned)."""
     if abandoned():
         raise ServiceError("cancelled: the caller went away before its work started", grpc.StatusCode.CANCELLED)
-    current_abandoned.set(abandoned)
-    return work(*args)
+    # Reset after the work: the context outlives the job, and `abandoned` reaches the batch (its LM head
+    # included), whose memory an unregister must free at once.
+    token = current_abandoned.set(abandoned)
+    try:
+        return work(*args)
+    finally:
+        current_abandoned.reset(token)
 
 
 def _finished_on(device: torch.device, work: Callable[[], T]) -> T:
