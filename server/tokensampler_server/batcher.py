@@ -135,6 +135,8 @@ class _Worker:
                 loop.call_soon_threadsafe(done, outcome, error)
             except RuntimeError:  # the loop is closed: nobody waits any more
                 pass
+            # The finished job's batch (and so its LM head) must not wait here for the next job to come.
+            del job, context, work, done, outcome, error
 
     def shutdown(self) -> None:
         """Waits for the jobs already submitted, then stops the thread."""
