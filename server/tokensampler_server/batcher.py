@@ -206,6 +206,10 @@ class DynamicBatcher:
         self._worker = _Worker()
 
     @property
+    def max_queue_bytes(self) -> int:
+        return self._max_queue_bytes
+
+    @property
     def queued_rows(self) -> int:
         return self._queued_rows
 

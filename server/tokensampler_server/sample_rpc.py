@@ -35,40 +35,11 @@ from .native_path import NativeRequestPath
 from .regions import OutputTarget, Region, RegionRegistry
 from .request_context import current_request_id
 from .sampling import SamplingResult
+from .stream_flow import StreamBudget
 from .validation import LOGITS_DTYPES, check_rows_shape, validate_sample_request
 from .weights import WeightRegistry
 
 STREAM_METHOD = "tokensampler.v1.Sampler/SampleStream"
-# Messages of one stream begun and not yet answered, and their request bytes: past either, reading the stream
-# waits (flow control pushes back on the client), so a client that never reads its answers holds at most this
-# much of the server's memory per stream (docs/hardening.md). One message is always let in, whatever its size.
-STREAM_MESSAGES_IN_FLIGHT = 64
-STREAM_BYTES_IN_FLIGHT = 32 << 20
-
-
-class _InFlight:
-    """The begun and unanswered messages of one stream, bounded in count and bytes."""
-
-    def __init__(self) -> None:
-        self._messages = 0
-        self._bytes = 0
-        self._room = asyncio.Event()
-
-    async def admit(self, nbytes: int) -> None:
-        """Waits until a message of `nbytes` fits, then counts it in."""
-        while self._messages and (self._messages >= STREAM_MESSAGES_IN_FLIGHT
-                                  or self._bytes + nbytes > STREAM_BYTES_IN_FLIGHT):
-            self._room.clear()
-            await self._room.wait()
-        self._messages += 1
-        self._bytes += nbytes
-
-    def answered(self, nbytes: int) -> None:
-        self._messages -= 1
-        self._bytes -= nbytes
-        self._room.set()
-
-
 def _message_bytes(message: bytes | pb.SampleRequest) -> int:
     return len(message) if isinstance(message, bytes) else message.ByteSize()
 
@@ -162,8 +133,14 @@ class _Started:
         self.held.release()
 
 
-_StreamItem = tuple[CallRecord, bytes | pb.SampleRequest, asyncio.Future | _Started | Exception]
-"""A stream message: its record, the message, and what _begin made of it."""
+_StreamItem = tuple[CallRecord, bytes | pb.SampleRequest | None, asyncio.Future | _Started | Exception, int]
+"""A stream message: its record, the message (None once it has started on the Python path: its bytes are no
+longer needed), what _begin made of it, and its size in the stream's window."""
+
+
+def _stream_item(record: CallRecord, message: bytes | pb.SampleRequest,
+                 begun: asyncio.Future | _Started | Exception) -> _StreamItem:
+    return record, None if isinstance(begun, _Started) else message, begun, _message_bytes(message)
 
 
 def _drop(begun: asyncio.Future | _Started | Exception) -> None:
@@ -185,6 +162,8 @@ class SamplePath:
         self._regions = regions
         self._metrics = metrics
         self._native = native
+        # streams' unanswered messages together: as much as the queue may hold
+        self._stream_budget = StreamBudget(batcher.max_queue_bytes)
 
     def _submit_natively(self, message: bytes | pb.SampleRequest, call: CallRecord,
                          stream_message: bool) -> asyncio.Future | None:
@@ -305,7 +284,7 @@ class SamplePath:
             index += 1
             begun = self._begin(message, record)
             if not isinstance(begun, asyncio.Future):
-                async for answer in self._pipelined(messages, stream_id, index, (record, message, begun)):
+                async for answer in self._pipelined(messages, stream_id, index, _stream_item(record, message, begun)):
                     yield answer
                 return
             yield await self._answer(record, message, begun)
@@ -323,17 +302,17 @@ class SamplePath:
         """Starts each message as it arrives (so the batchers can merge them) and answers them in order,
         beginning with `first`, the message of number index - 1."""
         answers: asyncio.Queue[_StreamItem | None] = asyncio.Queue()
-        in_flight = _InFlight()
-        await in_flight.admit(_message_bytes(first[1]))
+        window = self._stream_budget.window()
+        await window.admit(first[3])
         answers.put_nowait(first)
 
         async def read() -> None:
             number = index
             async for message in messages:
-                await in_flight.admit(_message_bytes(message))
+                await window.admit(_message_bytes(message))
                 record = self._stream_record(stream_id, number)
                 number += 1
-                answers.put_nowait((record, message, self._begin(message, record)))
+                answers.put_nowait(_stream_item(record, message, self._begin(message, record)))
 
         async def read_then_end() -> None:
             """Reads to the end of the stream, then marks the end (also after a request that did not parse)."""
@@ -349,11 +328,12 @@ class SamplePath:
         reader = asyncio.ensure_future(read_then_end())
         try:
             while (item := await answers.get()) is not None:
-                yield await self._answer(*item)
-                in_flight.answered(_message_bytes(item[1]))
+                yield await self._answer(*item[:3])
+                window.answered(item[3])
             await reader  # a request that did not parse ends the stream with its status
         finally:
             reader.cancel()
+            window.close()
             while not answers.empty():
                 item = answers.get_nowait()
                 if item is not None:
