@@ -207,8 +207,9 @@ def test_only_resource_exhausted_marked_as_overload_is_retried() -> None:
 
 
 def test_calls_past_the_concurrency_limit_are_refused_at_once_and_retries_get_through() -> None:
-    """--max-concurrent-rpcs 2 under 8 concurrent slow requests: grpc refuses the ones past the limit at once,
-    the server keeps serving, and the client's retries get every request through with its own tokens."""
+    """--max-concurrent-rpcs 2 under 8 concurrent slow requests: the ones past the limit are refused at once,
+    marked retryable, the server keeps serving, and the client's retries get every request through with its
+    own tokens."""
     running = start_server("--device", "cpu", "--max-concurrent-rpcs", "2")
     requests = slow_requests(8, seed=8)
     try:
@@ -216,7 +217,8 @@ def test_calls_past_the_concurrency_limit_are_refused_at_once_and_retries_get_th
         refused = [o for o in outcomes if o.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
         assert {o.code for o in outcomes} <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
         assert refused and sum(o.code == grpc.StatusCode.OK for o in outcomes) >= 2
-        assert all(o.details == CONCURRENCY_LIMIT_DETAILS and o.elapsed_s < 1.0 for o in refused)
+        assert all("at most 2 (--max-concurrent-rpcs)" in o.details and ("x-retryable", "overload") in o.trailing_metadata
+                   and o.elapsed_s < 1.0 for o in refused)
         assert_retries_get_every_request_through(running.target, requests)
     finally:
         running.stop()

@@ -72,6 +72,10 @@ class BearerTokens:
 
     def admits(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
         """True when an `authorization` entry carries one of the tokens (scheme case-insensitive)."""
+        return self.digest_of(metadata) is not None
+
+    def digest_of(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> bytes | None:
+        """The digest of the accepted token an `authorization` entry carries, else None."""
         for key, value in metadata or ():
             if key != AUTHORIZATION_METADATA_KEY or not isinstance(value, str):
                 continue
@@ -82,8 +86,8 @@ class BearerTokens:
             for digest in self._digests:  # no early exit: every token is compared every time
                 match |= hmac.compare_digest(presented, digest)
             if match:
-                return True
-        return False
+                return presented
+        return None
 
 
 def _refusal(request_id: str) -> grpc.RpcMethodHandler:

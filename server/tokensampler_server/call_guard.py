@@ -14,8 +14,9 @@ ServiceErrors are turned into statuses here.
 
 Request bytes that do not parse as the method's message answer INVALID_ARGUMENT (grpc alone would
 answer UNKNOWN and log a traceback per call). A RESOURCE_EXHAUSTED raised by the service (a full
-queue) carries the trailing metadata `x-retryable: overload`, which tells a client that retrying
-later can succeed: grpc's own RESOURCE_EXHAUSTED for a message over the size limit lacks it.
+queue, a cap of admission.py, which the guard applies before the behaviour runs) carries the trailing
+metadata `x-retryable: overload`, which tells a client that retrying later can succeed: grpc's own
+RESOURCE_EXHAUSTED for a message over the size limit lacks it.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
 from google.protobuf.message import DecodeError
 
+from .admission import Admission
 from .call_record import CallRecord, current_call
 from .errors import InvalidArgument, ServiceError, failure_status, unparsable
 from .metrics import ServerMetrics
@@ -43,6 +46,8 @@ Deserializer = Callable[[bytes], object]
 Serializer = Callable[[object], bytes]
 
 RETRYABLE_METADATA_KEY = "x-retryable"
+Admit = Callable[[grpc.aio.ServicerContext], None]
+"""Takes the call's admission slots, or raises RESOURCE_EXHAUSTED."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,13 @@ async def _checked_stream(requests: AsyncIterator[object]) -> AsyncIterator[obje
         yield request
 
 
+def _trailing(code: grpc.StatusCode, trailing: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[str, str], ...]:
+    """`trailing`, marked retryable for an overload."""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return trailing + ((RETRYABLE_METADATA_KEY, "overload"),)
+    return trailing
+
+
 def _log_call(call: CallRecord, code: grpc.StatusCode, elapsed_ns: int, error: str) -> None:
     if not log.isEnabledFor(logging.DEBUG):  # the common case: skip building the fields on the hot path
         return
@@ -95,8 +107,9 @@ def _log_call(call: CallRecord, code: grpc.StatusCode, elapsed_ns: int, error: s
 class CallGuard:
     """Wraps each method's behaviour, and the parsing and serialisation of its messages, once per method."""
 
-    def __init__(self, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, metrics: ServerMetrics | None = None, admission: Admission | None = None) -> None:
         self._metrics = metrics or ServerMetrics()
+        self._admission = admission
 
     def registration(self, server: grpc.aio.Server) -> GuardedRegistration:
         """What services register on instead of `server`: every handler they add reaches it guarded."""
@@ -104,8 +117,9 @@ class CallGuard:
 
     def guard(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         """`handler` of `method` (the full name without the leading slash) with this guard around it."""
+        admit = self._admit(method)
         if handler.response_streaming:
-            return self._wrap_streaming(handler)
+            return self._wrap_streaming(handler, admit)
         if handler.request_streaming:
             wrap, behaviour = grpc.stream_unary_rpc_method_handler, handler.stream_unary
             # grpc parses each message as the behaviour reads it, inside the guarded call
@@ -114,13 +128,20 @@ class CallGuard:
             wrap, behaviour = grpc.unary_unary_rpc_method_handler, handler.unary_unary
             deserializer = None  # the guard parses the request bytes itself, timed into the call's record
         return wrap(
-            self._guard(behaviour, method, handler.request_deserializer, handler.request_streaming),
+            self._guard(behaviour, method, handler.request_deserializer, handler.request_streaming, admit),
             request_deserializer=deserializer,
             response_serializer=self._timed_serialize(handler.response_serializer),
         )
 
+    def _admit(self, method: str) -> Admit | None:
+        """What takes a call's admission slots for `method`; None when nothing is counted."""
+        if self._admission is None:
+            return None
+        pool = self._admission.pool_of(method)
+        return None if pool is None else partial(self._admission.admit, pool)
+
     @staticmethod
-    def _wrap_streaming(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def _wrap_streaming(handler: grpc.RpcMethodHandler, admit: Admit | None) -> grpc.RpcMethodHandler:
         """A response-streaming handler whose unparsable requests and ServiceErrors become statuses."""
         streaming = handler.request_streaming
         if streaming:
@@ -131,11 +152,13 @@ class CallGuard:
         async def abort(context: grpc.aio.ServicerContext, err: ServiceError) -> None:
             request_id = request_id_from_metadata(context.invocation_metadata())
             log.debug("stream %s failed: %s", request_id, err.message)
-            await context.abort(err.code, f"{err.message} (request id {request_id})")
+            await context.abort(err.code, f"{err.message} (request id {request_id})", _trailing(err.code))
 
         if inspect.isasyncgenfunction(behaviour):
             async def guarded(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
                 try:
+                    if admit is not None:
+                        admit(context)
                     async for response in behaviour(_checked(request, streaming), context):
                         yield response
                 except ServiceError as err:
@@ -143,6 +166,8 @@ class CallGuard:
         else:  # a coroutine that writes its responses with context.write (health Watch)
             async def guarded(request: object, context: grpc.aio.ServicerContext) -> object:
                 try:
+                    if admit is not None:
+                        admit(context)
                     return await behaviour(_checked(request, streaming), context)
                 except ServiceError as err:
                     await abort(context, err)
@@ -176,7 +201,8 @@ class CallGuard:
 
         return serialize_timed
 
-    def _guard(self, handler: Handler, method: str, deserialize: Deserializer | None, streaming: bool) -> Handler:
+    def _guard(self, handler: Handler, method: str, deserialize: Deserializer | None, streaming: bool,
+               admit: Admit | None) -> Handler:
         async def guarded(request: object, context: grpc.aio.ServicerContext) -> object:
             call = CallRecord(method=method, request_id=request_id_from_metadata(context.invocation_metadata()))
             call.start()
@@ -188,6 +214,8 @@ class CallGuard:
             metrics = self._metrics
             metrics.calls_in_flight += 1  # every guarded call runs on the server's event loop: no lock needed
             try:
+                if admit is not None:
+                    admit(context)
                 if not streaming:
                     parse_started = time.perf_counter_ns()
                     request = _parse(deserialize, request)
@@ -206,9 +234,7 @@ class CallGuard:
                 elapsed_ns = call.elapsed_ns()
                 metrics.observe_call_later(call, code, elapsed_ns)  # recorded at the next scrape
                 _log_call(call, code, elapsed_ns, error)
-            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                trailing += ((RETRYABLE_METADATA_KEY, "overload"),)
-            await context.abort(code, f"{error} (request id {call.request_id})", trailing)
+            await context.abort(code, f"{error} (request id {call.request_id})", _trailing(code, trailing))
 
         return guarded
 

@@ -82,8 +82,21 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     parser.add_argument(
         "--max-concurrent-rpcs", type=int,
         default=int(_env("MAX_CONCURRENT_RPCS", str(defaults.max_concurrent_rpcs))),
-        help="calls held at once (a stream counts as one); past it new calls get RESOURCE_EXHAUSTED, which the "
-        "client retries; 0: no limit [TOKENSAMPLER_MAX_CONCURRENT_RPCS]",
+        help="calls of the Sampler and reflection held at once (a stream counts as one until it ends), counted "
+        "after authentication; past it new calls get RESOURCE_EXHAUSTED, which the client retries; 0: no limit "
+        "[TOKENSAMPLER_MAX_CONCURRENT_RPCS]",
+    )
+    parser.add_argument(
+        "--max-health-watchers", type=int,
+        default=int(_env("MAX_HEALTH_WATCHERS", str(defaults.max_health_watchers))),
+        help="health Watch streams held at once, in a pool of their own (health is open to every caller); "
+        "health Check is not counted; 0: no limit [TOKENSAMPLER_MAX_HEALTH_WATCHERS]",
+    )
+    parser.add_argument(
+        "--max-calls-per-client", type=int,
+        default=int(_env("MAX_CALLS_PER_CLIENT", str(defaults.max_calls_per_client))),
+        help="calls one client holds at once; a client is its bearer token, else its address (without the "
+        "port); 0: no limit [TOKENSAMPLER_MAX_CALLS_PER_CLIENT]",
     )
     parser.add_argument(
         "--gpu-memory-fraction", type=float, default=float(_env("GPU_MEMORY_FRACTION", "0")) or None,
@@ -178,8 +191,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         parser.error("--unregister-timeout-s must be greater than 0")
     if args.max_queue_delay_us < 0:
         parser.error("--max-queue-delay-us must be at least 0")
-    if args.max_concurrent_rpcs < 0:
-        parser.error("--max-concurrent-rpcs must be at least 0")
+    for name in ("max_concurrent_rpcs", "max_health_watchers", "max_calls_per_client"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be at least 0")
     if args.max_connection_age_s < 0:
         parser.error("--max-connection-age-s must be at least 0")
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -212,6 +226,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         max_queue_rows=args.max_queue_rows,
         max_queue_bytes=args.max_queue_mb * _MIB,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
+        max_health_watchers=args.max_health_watchers,
+        max_calls_per_client=args.max_calls_per_client,
         gpu_memory_fraction=args.gpu_memory_fraction,
         allow_shm=args.allow_shm,
         allow_cuda_ipc=args.allow_cuda_ipc,

@@ -53,9 +53,17 @@ class ServerConfig:
     max_queue_bytes: int = 2 << 30
     """Bytes of request tensors waiting for the backend beyond which requests get RESOURCE_EXHAUSTED."""
     max_concurrent_rpcs: int = 1024
-    """Calls (a stream counts as one) the server holds at once; past it grpc refuses new ones with
-    RESOURCE_EXHAUSTED (0: no limit). This bounds what waits ahead of the native path, which with no queue
-    delay answers each request as it arrives, ahead of any queue."""
+    """Calls of the Sampler service and reflection (a stream counts as one until it ends) the server holds at
+    once; past it new ones get RESOURCE_EXHAUSTED, marked retryable (0: no limit). Counted after authentication
+    (admission.py). This bounds what waits ahead of the native path, which with no queue delay answers each
+    request as it arrives, ahead of any queue."""
+    max_health_watchers: int = 64
+    """Health Watch streams held at once, in a pool of their own (0: no limit). One per watching load balancer
+    or client channel: a replica has a few dozen watchers at most, and the pool keeps the open health
+    service from taking the slots of the Sampler's calls."""
+    max_calls_per_client: int = 256
+    """Calls one client (its accepted bearer token, else its address) holds at once (0: no limit): a quarter of
+    max_concurrent_rpcs, so that one client alone cannot take every slot from the others."""
     max_elements_given: bool = True
     """limits.max_batch_elements was set by the operator; when not, the CPU backend sizes it (cpu_max_batch_elements)."""
     max_regions: int = 256

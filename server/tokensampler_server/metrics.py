@@ -178,6 +178,16 @@ class ServerMetrics:
             "tokensampler_in_flight_requests", "Calls being served now.", registry=registry,
         )
         self.in_flight.set_function(lambda: self.calls_in_flight)
+        # Set by admission.py, which owns the counts.
+        self.admitted_calls = Gauge(
+            "tokensampler_admitted_calls", "Calls holding a slot of an admission cap now, by pool.", ["pool"],
+            registry=registry,
+        )
+        self.admission_refusals = Counter(
+            "tokensampler_admission_refusals_total",
+            "Calls refused at once (RESOURCE_EXHAUSTED) because a cap on calls held was reached, by limit.",
+            ["limit"], registry=registry,
+        )
         self.queue_depth = Gauge(
             "tokensampler_queue_depth", "Validated batches waiting for the backend now (read at scrape time).",
             registry=registry,

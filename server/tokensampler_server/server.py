@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from tokensampler_client._proto import sampler_pb2 as pb
 
+from .admission import Admission
 from .auth import AuthInterceptor, BearerTokens
 from .backends import create_backend
 from .batcher import DynamicBatcher
@@ -53,6 +54,16 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     return options
 
 
+def grpc_call_backstop(config: ServerConfig) -> int | None:
+    """grpc's own cap on calls (None: none), a backstop far above admission's caps (admission.py), which count
+    only the calls they admit, from their handler's start. grpc counts every call from its arrival: also health
+    checks, calls being refused (for their token or at a cap) and unary calls whose request is still arriving.
+    Those get as much room again as the service's calls: only a flood of them reaches it."""
+    if not config.max_concurrent_rpcs or not config.max_health_watchers:
+        return None
+    return 2 * config.max_concurrent_rpcs + config.max_health_watchers
+
+
 async def serve(config: ServerConfig) -> None:
     # Access settings first: a bad token or certificate file stops the server before any work.
     tokens = None if config.auth_token_file is None else BearerTokens.from_file(config.auth_token_file)
@@ -73,11 +84,14 @@ async def serve(config: ServerConfig) -> None:
         log.info("CPU backend: at most %d elements in a request or batch (--max-batch-elements)",
                  limits.max_batch_elements)
     metrics = ServerMetrics(info)
-    # The only interceptor: a refused call reaches nothing else. Every handler is guarded as it registers.
+    # The only interceptor: a refused call reaches nothing else. Every handler is guarded as it registers, and
+    # the guard admits each call (admission.py): after authentication, so outsiders take no slot of the service.
     interceptors = [AuthInterceptor(tokens, metrics)] if tokens is not None else None
     server = grpc.aio.server(interceptors=interceptors, options=grpc_options(config),
-                             maximum_concurrent_rpcs=config.max_concurrent_rpcs or None)
-    registration = CallGuard(metrics).registration(server)
+                             maximum_concurrent_rpcs=grpc_call_backstop(config))
+    admission = Admission(config.max_concurrent_rpcs, config.max_health_watchers, config.max_calls_per_client,
+                          tokens, metrics)
+    registration = CallGuard(metrics, admission).registration(server)
     batcher = DynamicBatcher(
         backend,
         max_batch_rows=config.limits.max_batch_rows,

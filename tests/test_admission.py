@@ -1,0 +1,291 @@
+"""Admission control against real servers: caps on the calls held at once, counted after authentication.
+
+Calls are held open without a gate in the server: streams that send nothing (SampleStream, RegisterWeights,
+health Watch) and a unary Sample that waits out a long --max-queue-delay-us. What each server holds is read
+from its metrics (`tokensampler_admitted_calls`), polled with a deadline. The caps are set through their
+TOKENSAMPLER_* variables, the flags' other spelling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import signal
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2
+from tokensampler_client import AsyncSamplerClient, TokenSamplerError
+from tokensampler_client._channel import call_metadata
+from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client.params import build_sample_request
+from tokensampler_server.admission import peer_address
+from tokensampler_server.cli import parse_args
+
+from .conftest import RunningServer, start_server
+from .test_metrics import metrics_port, parse_samples, scrape_text, value
+
+TOKENS = [secrets.token_urlsafe(32), secrets.token_urlsafe(32)]
+SAMPLER = "/tokensampler.v1.Sampler/"
+WATCH = "/grpc.health.v1.Health/Watch"
+OVERLOAD = ("x-retryable", "overload")
+
+
+def start_capped(tmp_path: Path, *, calls: int, watchers: int = 64, per_client: int = 256, tokens: bool = True,
+                 args: Sequence[str] = ()) -> RunningServer:
+    flags = ["--device", "cpu", "--max-concurrent-rpcs", str(calls), *args]
+    if tokens:
+        path = tmp_path / "tokens"
+        path.write_text("\n".join(TOKENS) + "\n")
+        flags += ["--auth-token-file", str(path)]
+    return start_server(*flags, env={"TOKENSAMPLER_MAX_HEALTH_WATCHERS": str(watchers),
+                                     "TOKENSAMPLER_MAX_CALLS_PER_CLIENT": str(per_client)})
+
+
+def metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return call_metadata(secrets.token_hex(8), token)
+
+
+def held(server: RunningServer) -> dict[str, float | None]:
+    samples = parse_samples(scrape_text(metrics_port(server)))
+    return {pool: value(samples, "tokensampler_admitted_calls", pool=pool) for pool in ("calls", "health_watchers")}
+
+
+async def wait_held(server: RunningServer, calls: int, watchers: int = 0, timeout: float = 20.0) -> None:
+    """Polls the metrics until the server holds `calls` service calls and `watchers` Watch streams."""
+    expected = {"calls": calls, "health_watchers": watchers}
+    deadline = time.monotonic() + timeout
+    while (seen := await asyncio.to_thread(held, server)) != expected:
+        assert time.monotonic() < deadline, f"held {seen}, expected {expected}"
+        await asyncio.sleep(0.05)
+
+
+def refusals(server: RunningServer, limit: str) -> float | None:
+    return value(parse_samples(scrape_text(metrics_port(server))), "tokensampler_admission_refusals_total", limit=limit)
+
+
+async def assert_refused(call: grpc.aio.Call, flag: str, limit: int) -> None:
+    """The call ended at once with RESOURCE_EXHAUSTED naming the limit, marked retryable."""
+    code = await asyncio.wait_for(call.code(), 10)
+    details = await call.details()
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+    assert f"at most {limit} ({flag})" in details and "(request id " in details, details
+    assert OVERLOAD in tuple(await call.trailing_metadata())
+
+
+def open_stream(channel: grpc.aio.Channel, token: str | None,
+                timeout: float | None = None) -> grpc.aio.StreamStreamCall:
+    """A SampleStream that sends nothing: it holds its slot until it is cancelled or its deadline passes."""
+    method = channel.stream_stream(SAMPLER + "SampleStream", request_serializer=pb.SampleRequest.SerializeToString,
+                                   response_deserializer=pb.SampleStreamResponse.FromString)
+    return method(metadata=metadata(token), timeout=timeout)
+
+
+def open_watch(channel: grpc.aio.Channel, timeout: float | None = None) -> grpc.aio.UnaryStreamCall:
+    method = channel.unary_stream(WATCH, request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                                  response_deserializer=health_pb2.HealthCheckResponse.FromString)
+    return method(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+
+
+async def first_answer(call: grpc.aio.Call) -> object:
+    """The call's first response, or its status code when it ended without one."""
+    try:
+        return await asyncio.wait_for(call.read(), 10)
+    except grpc.aio.AioRpcError as err:
+        return err.code()
+
+
+async def sample_on(call: grpc.aio.StreamStreamCall) -> pb.SampleStreamResponse:
+    await call.write(build_sample_request(torch.randn(1, 16), seed=1))
+    return await asyncio.wait_for(call.read(), 30)
+
+
+async def open_held(channel: grpc.aio.Channel, token: str | None) -> grpc.aio.StreamStreamCall:
+    """A SampleStream that answered one message (so it was admitted) and stays open, holding its slot."""
+    call = open_stream(channel, token)
+    assert (await sample_on(call)).response.tokens.shape == [1, 1]
+    return call
+
+
+def test_limits_are_flags() -> None:
+    config = parse_args(["--max-concurrent-rpcs", "9", "--max-health-watchers", "3", "--max-calls-per-client", "2"])
+    assert (config.max_concurrent_rpcs, config.max_health_watchers, config.max_calls_per_client) == (9, 3, 2)
+    for flag in ("--max-health-watchers", "--max-calls-per-client"):
+        with pytest.raises(SystemExit):
+            parse_args([flag, "-1"])
+
+
+def test_peer_address_drops_the_port() -> None:
+    assert peer_address("ipv4:127.0.0.1:53412") == "ipv4:127.0.0.1"
+    assert peer_address("ipv6:[::1]:53412") == "ipv6:[::1]"
+    assert peer_address("unix:/run/tokensampler.sock") == "unix:/run/tokensampler.sock"
+    assert peer_address("unix:") == "unix:"
+
+
+def test_unauthenticated_watchers_cannot_take_the_slots_of_the_service(tmp_path: Path) -> None:
+    """12 Watch streams without a token against 8 service slots and 4 watcher slots: 4 are held, 8 refused, and
+    an authenticated Sample and a health Check still get through."""
+    running = start_capped(tmp_path, calls=8, watchers=4)
+
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(running.target) as channel:
+            watches = [open_watch(channel) for _ in range(12)]
+            firsts = await asyncio.gather(*(first_answer(call) for call in watches))
+            serving = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+            assert sum(first == serving for first in firsts) == 4, firsts
+            for call, first in zip(watches, firsts):
+                if first != serving:
+                    await assert_refused(call, "--max-health-watchers", 4)
+            async with AsyncSamplerClient(running.target, timeout=30, retries=0, auth_token=TOKENS[0]) as client:
+                assert (await client.sample(torch.randn(2, 16), seed=[1, 2])).tokens.shape == (2, 1)
+            async with AsyncSamplerClient(running.target, timeout=30, retries=0) as anonymous:
+                assert await anonymous.health() == "SERVING"  # Check: not counted, probes get through
+            await wait_held(running, calls=0, watchers=4)
+            for call in watches:
+                call.cancel()
+        assert refusals(running, "health_watchers") == 8
+
+    try:
+        asyncio.run(run())
+    finally:
+        running.stop()
+
+
+def test_one_client_at_its_cap_leaves_the_others_their_slots(tmp_path: Path) -> None:
+    """Token A holds its 3 calls: its next stream and its next unary call are refused, its held streams still
+    sample, and token B, from the same address, gets through."""
+    running = start_capped(tmp_path, calls=16, per_client=3)
+
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(running.target) as channel:
+            streams = [await open_held(channel, TOKENS[0]) for _ in range(3)]
+            extra = open_stream(channel, TOKENS[0])
+            await assert_refused(extra, "--max-calls-per-client", 3)
+            async with AsyncSamplerClient(running.target, timeout=30, retries=0, auth_token=TOKENS[0]) as client_a:
+                with pytest.raises(TokenSamplerError) as raised:
+                    await client_a.sample(torch.randn(1, 16))
+                assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "at most 3 (--max-calls-per-client)" in raised.value.details
+            async with AsyncSamplerClient(running.target, timeout=30, retries=0, auth_token=TOKENS[1]) as client_b:
+                assert (await client_b.sample(torch.randn(2, 16), seed=[1, 2])).tokens.shape == (2, 1)
+            other = await open_held(channel, TOKENS[1])
+            assert (await sample_on(streams[0])).response.tokens.shape == [1, 1]  # A's held calls go on
+            for call in (*streams, other):
+                call.cancel()
+            await wait_held(running, calls=0)
+        assert refusals(running, "calls_per_client") == 2
+
+    try:
+        asyncio.run(run())
+    finally:
+        running.stop()
+
+
+def test_without_tokens_a_client_is_its_address_whatever_its_connections(tmp_path: Path) -> None:
+    """Three connections from 127.0.0.1 against a cap of 2 per client: the third connection's stream is refused."""
+    running = start_capped(tmp_path, calls=16, per_client=2, tokens=False)
+
+    async def run() -> None:
+        channels = [grpc.aio.insecure_channel(running.target) for _ in range(3)]
+        try:
+            streams = [await open_held(channel, None) for channel in channels[:2]]
+            await assert_refused(open_stream(channels[2], None), "--max-calls-per-client", 2)
+            for call in streams:
+                call.cancel()
+        finally:
+            for channel in channels:
+                await channel.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        running.stop()
+
+
+async def open_every_kind(channel: grpc.aio.Channel, timeout: float | None) -> list[grpc.aio.Call]:
+    """One held call of each kind: unary (a Sample waiting out the queue delay), client streaming
+    (RegisterWeights sending no chunk), server streaming (health Watch), bidirectional (SampleStream)."""
+    sample = channel.unary_unary(SAMPLER + "Sample", request_serializer=pb.SampleRequest.SerializeToString,
+                                 response_deserializer=pb.SampleResponse.FromString)
+    register = channel.stream_unary(SAMPLER + "RegisterWeights",
+                                    request_serializer=pb.RegisterWeightsChunk.SerializeToString,
+                                    response_deserializer=pb.WeightsInfo.FromString)
+    return [sample(build_sample_request(torch.randn(1, 16), seed=1), metadata=metadata(TOKENS[0]), timeout=timeout),
+            register(metadata=metadata(TOKENS[0]), timeout=timeout),
+            open_watch(channel, timeout), open_stream(channel, TOKENS[0], timeout)]
+
+
+def test_slots_come_back_after_cancel_and_deadline(tmp_path: Path) -> None:
+    """3 service slots, 3 per client, 1 watcher slot, each full with one call of every kind: cancelled, then
+    past their deadline, the calls give their slots back, and the same calls are admitted again."""
+    running = start_capped(tmp_path, calls=3, watchers=1, per_client=3, args=["--max-queue-delay-us", "600000000"])
+
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(running.target) as channel:
+            calls = await open_every_kind(channel, timeout=None)
+            await wait_held(running, calls=3, watchers=1)
+            for call in calls:
+                call.cancel()
+            await wait_held(running, calls=0, watchers=0)
+
+            calls = await open_every_kind(channel, timeout=8.0)
+            await wait_held(running, calls=3, watchers=1)
+            codes = await asyncio.wait_for(asyncio.gather(*(call.code() for call in calls)), 30)
+            assert set(codes) == {grpc.StatusCode.DEADLINE_EXCEEDED}, codes
+            await wait_held(running, calls=0, watchers=0)
+
+            calls = await open_every_kind(channel, timeout=None)
+            await wait_held(running, calls=3, watchers=1)
+            await assert_refused(open_stream(channel, TOKENS[1]), "--max-concurrent-rpcs", 3)
+            for call in calls:
+                call.cancel()
+            await wait_held(running, calls=0, watchers=0)
+
+    try:
+        asyncio.run(run())
+    finally:
+        running.stop(signal.SIGKILL)  # a graceful stop would wait out the queue delay of the cancelled Samples
+
+
+def test_the_global_cap_refuses_at_once_and_spares_health(tmp_path: Path) -> None:
+    """Tokens A and B hold 2 calls each of 4 service slots: A's third call is refused by the global cap (A is
+    below its own), quickly; a Watch stream and a health Check still get through."""
+    running = start_capped(tmp_path, calls=4, per_client=3)
+
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(running.target) as channel:
+            streams = [await open_held(channel, token) for token in (*TOKENS, *TOKENS)]
+            await assert_refused(open_stream(channel, TOKENS[0]), "--max-concurrent-rpcs", 4)
+            info = channel.unary_unary(SAMPLER + "GetServerInfo",
+                                       request_serializer=pb.GetServerInfoRequest.SerializeToString,
+                                       response_deserializer=pb.ServerInfo.FromString)
+            elapsed = []
+            for _ in range(200):
+                started = time.perf_counter()
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await info(pb.GetServerInfoRequest(), metadata=metadata(TOKENS[1]), timeout=30)
+                elapsed.append(time.perf_counter() - started)
+                assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert OVERLOAD in tuple(raised.value.trailing_metadata())
+            quantiles = statistics.quantiles(elapsed, n=100)
+            print(f"\n200 refusals at the global cap: p50 {quantiles[49] * 1e3:.2f} ms, "
+                  f"p99 {quantiles[98] * 1e3:.2f} ms")
+            assert max(elapsed) < 5.0  # the deadline is 30 s: a refusal is no wait
+            watch = open_watch(channel)
+            assert (await first_answer(watch)).status == health_pb2.HealthCheckResponse.SERVING
+            async with AsyncSamplerClient(running.target, timeout=30, retries=0) as anonymous:
+                assert await anonymous.health() == "SERVING"
+            for call in (*streams, watch):
+                call.cancel()
+            await wait_held(running, calls=0)
+        assert refusals(running, "calls") == 201
+
+    try:
+        asyncio.run(run())
+    finally:
+        running.stop()
