@@ -3,10 +3,10 @@
   python benchmarks/bench_token_lists.py [--ids 20000000] [--rows 8] [--vocab 128000] [--shared]
 
 Starts a CPU server (a subprocess), then from this process: a second client sends tiny Samples
-(logits [1, 8]) back to back on its own channel, while the first client sends one Sample whose
+(logits [1, 8]) back to back on its own channel and a third ListWeights (the event loop alone), while the first client sends one Sample whose
 `params.output_token_ids` hold `--ids` ids (one list per row, or with --shared one list given once for
-every row). Prints the request's size, status and time, the tiny Samples' latency p50/p99/max before and
-while it was processed, and the server's peak resident memory (VmHWM) over its memory before the request,
+every row). Prints the request's size, status and time, the tiny Samples' and ListWeights' latency p50/p99/max
+before and while it was processed, and the server's peak resident memory (VmHWM) over its memory before the request,
 relative to the request's size.
 """
 
@@ -30,6 +30,7 @@ from tests.conftest import start_server  # noqa: E402
 from tokensampler_client._proto import sampler_pb2 as pb  # noqa: E402
 
 SAMPLE = "/tokensampler.v1.Sampler/Sample"
+LIST = "/tokensampler.v1.Sampler/ListWeights"
 
 
 def _memory(pid: int, key: str) -> int:
@@ -69,22 +70,25 @@ def main() -> None:
     server = start_server("--device", "cpu", "--max-message-mb", "512", env={"PYTHONPATH": paths})
     try:
         timings: list[tuple[float, float]] = []  # (start, end) of each tiny Sample
+        listings: list[tuple[float, float]] = []  # of each ListWeights: the event loop alone, no backend
         stop = threading.Event()
 
-        def tiny_client() -> None:
+        def client(method: str, message: bytes, out: list[tuple[float, float]]) -> None:
             with grpc.insecure_channel(server.target) as channel:
-                call = channel.unary_unary(SAMPLE)
+                call = channel.unary_unary(method)
                 while not stop.is_set():
                     started = time.perf_counter()
-                    call(tiny, timeout=60)
-                    timings.append((started, time.perf_counter()))
+                    call(message, timeout=60)
+                    out.append((started, time.perf_counter()))
 
         with grpc.insecure_channel(server.target, options=[("grpc.max_send_message_length", 1 << 30),
                                                           ("grpc.max_receive_message_length", 1 << 30)]) as channel:
             big = channel.unary_unary(SAMPLE)
             big(tiny, timeout=60)  # connected and warm
-            thread = threading.Thread(target=tiny_client)
-            thread.start()
+            threads = [threading.Thread(target=client, args=(SAMPLE, tiny, timings)),
+                       threading.Thread(target=client, args=(LIST, b"", listings))]
+            for thread in threads:
+                thread.start()
             deadline = time.monotonic() + 30
             while len(timings) < 200 and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -98,13 +102,19 @@ def main() -> None:
             answered = time.perf_counter()
             peak = _memory(server.process.pid, "VmHWM:")
             stop.set()
-            thread.join()
-        before = [end - start for start, end in timings if end < sent]
-        during = [end - start for start, end in timings if end > sent and start < answered]
+            for thread in threads:
+                thread.join()
+        def split(calls: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
+            return ([end - start for start, end in calls if end < sent],
+                    [end - start for start, end in calls if end > sent and start < answered])
+
+        before, during = split(timings)
+        listed_before, listed_during = split(listings)
         print(f"request {len(raw) / 2**20:.1f} MiB ({args.ids} ids, {args.rows} rows, "
               f"{'one shared list' if args.shared else 'one list per row'}): {status} in {answered - sent:.2f} s")
         print(f"tiny Samples before: {_percentiles(before)}")
         print(f"tiny Samples while it was processed: {_percentiles(during)}")
+        print(f"ListWeights before: {_percentiles(listed_before)}; while it was processed: {_percentiles(listed_during)}")
         print(f"server RSS before {rss_before / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB: "
               f"+{(peak - rss_before) / 2**20:.0f} MiB = {(peak - rss_before) / len(raw):.1f}x the request")
     finally:

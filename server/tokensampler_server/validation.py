@@ -118,14 +118,26 @@ def _decoded(lists: pb.TokenLists, field: str, num_rows: int, budget: _EntryBudg
         raise InvalidArgument(f"{field}.lengths", f"sum is {total}, expected len(ids)={num_ids}")
     shared_rows = num_rows if num_lists == 1 else 1
     budget.take(field, num_ids * shared_rows, shared_rows)
-    ids = decode_varints(runs.get(1), num_ids)
+    ids = torch.from_numpy(decode_varints(runs.get(1), num_ids))
     low, high = (int(ids.min()), int(ids.max())) if num_ids else (0, 0)
-    if shared_rows > 1:  # one list given to every row
-        rows = np.repeat(np.arange(num_rows, dtype=np.int64), num_ids)
-        ids = np.tile(ids, num_rows)
-    else:
-        rows = np.repeat(np.arange(num_rows, dtype=np.int64), lengths)
-    return _Decoded(TokenEntries(rows=torch.from_numpy(rows), tokens=torch.from_numpy(ids)), low, high)
+    tokens = ids.repeat(shared_rows) if shared_rows > 1 else ids  # a shared list: given to every row
+    return _Decoded(TokenEntries(rows=_row_indices(lengths, num_rows, num_ids), tokens=tokens), low, high)
+
+
+def _row_indices(lengths: np.ndarray, num_rows: int, num_ids: int) -> torch.Tensor:
+    """int64: the row of each entry, for one list per row (`lengths`) or one list given to every row.
+
+    Written in place by torch, which lets go of the interpreter meanwhile (np.repeat holds it), with no
+    temporary of the entries' size (repeat_interleave builds one)."""
+    if len(lengths) == 1:
+        rows = torch.empty(num_rows, num_ids, dtype=torch.int64)
+        rows.copy_(torch.arange(num_rows).unsqueeze(1).expand(num_rows, num_ids))
+        return rows.view(-1)
+    rows = torch.zeros(num_ids, dtype=torch.int64)
+    firsts = torch.from_numpy(np.cumsum(lengths[:-1]))  # where rows 1..B-1 begin
+    firsts = firsts[firsts < num_ids]  # trailing empty rows begin past the end
+    rows.index_add_(0, firsts, torch.ones_like(firsts))
+    return rows.cumsum_(0)
 
 
 def _checked_ids(decoded: _Decoded | None, field: str, vocab_size: int) -> TokenEntries | None:
