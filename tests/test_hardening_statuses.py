@@ -260,3 +260,14 @@ def test_a_weight_wider_than_uint32_is_refused_before_it_is_registered(stub: pb_
     header = pb.RegisterWeightsChunk(name="tall", dtype=pb.DTYPE_FLOAT16, shape=[2**32 + 1, 1])
     _assert_invalid(_status(stub.RegisterWeights, iter([header])), "shape", f"V = {2**32 + 1}", str(UINT32_MAX))
     assert stub.ListWeights(pb.ListWeightsRequest(), timeout=60).weights == []
+
+
+def test_an_empty_weight_file_tensor_is_refused(stub: pb_grpc.SamplerStub, weights_dir: Path) -> None:
+    """[0, D] used to register, then answer INTERNAL to every Sample through it; [V, 0] registered unusable."""
+    from safetensors.torch import save_file
+
+    save_file({"no_rows": torch.zeros(0, 4), "no_columns": torch.zeros(4, 0)}, str(weights_dir / "empty.safetensors"))
+    for tensor, words in (("no_rows", "V = 0"), ("no_columns", "D = 0")):
+        request = pb.RegisterWeightsFromFileRequest(name=tensor, path="empty.safetensors", tensor=tensor)
+        _assert_invalid(_status(stub.RegisterWeightsFromFile, request), "weight.shape", words, "1 <= V, D")
+    assert stub.ListWeights(pb.ListWeightsRequest(), timeout=60).weights == []

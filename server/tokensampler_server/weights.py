@@ -100,10 +100,11 @@ class RegisteredWeight:
 
 
 def check_weight_shape(shape: tuple[int, ...], field: str) -> None:
-    """INVALID_ARGUMENT naming `field` when V or D of a [V, D] weight exceeds MAX_WEIGHT_SIZE."""
+    """INVALID_ARGUMENT naming `field` unless both sizes of a [V, D] weight are in [1, MAX_WEIGHT_SIZE]
+    (an empty head would register, then fail every request through it)."""
     for name, size in zip("VD", shape):
-        if size > MAX_WEIGHT_SIZE:
-            raise InvalidArgument(field, f"got {list(shape)}: {name} = {size}, expected V, D <= {MAX_WEIGHT_SIZE}")
+        if not 1 <= size <= MAX_WEIGHT_SIZE:
+            raise InvalidArgument(field, f"got {list(shape)}: {name} = {size}, expected 1 <= V, D <= {MAX_WEIGHT_SIZE}")
 
 
 def sha256_hex(tensor: torch.Tensor) -> str:
