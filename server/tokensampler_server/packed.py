@@ -1,9 +1,9 @@
 """Repeated numeric fields of a parsed message as numpy arrays, without a Python step per element.
 
 A repeated field of the upb runtime yields one Python int per element: 20 million token ids took
-2.2 s and 1.2 GiB through np.asarray. Serializing the message instead gives its packed runs in C
-(0.33 s for the same ids), which numpy decodes in slices: the temporaries stay a few MiB and the
-work between slices gives other threads the interpreter.
+2.2 s through np.asarray (65 ns an id through np.fromiter), all of it holding the interpreter.
+Serializing the message instead gives its packed runs in C (16 ns an id), which numpy decodes in
+slices (25 ns an id, mostly without the interpreter): the temporaries stay a few MiB.
 """
 
 from __future__ import annotations
