@@ -1,7 +1,8 @@
 """Property-based fuzzing of well-typed but hostile Sample requests against a real server.
 
-Every answer must be OK (and then well-formed) or INVALID_ARGUMENT naming a request field; never
-INTERNAL or any other status, and the server must keep serving afterwards.
+Every answer must be OK and well-formed (dtypes, shapes, token ids in [0, V) or -1 in rows that are not
+valid, the seeds given) or INVALID_ARGUMENT naming a request field; never INTERNAL or any other status,
+and the server must keep serving afterwards.
 """
 
 from __future__ import annotations
@@ -122,6 +123,38 @@ def stub(server: RunningServer):
         yield pb_grpc.SamplerStub(channel)
 
 
+def _array(tensor: pb.Tensor, dtype: int, shape: list[int]) -> np.ndarray:
+    """The response tensor, once its dtype, shape and byte length are the ones the contract states."""
+    assert tensor.dtype == dtype and list(tensor.shape) == shape, (tensor.dtype, list(tensor.shape), dtype, shape)
+    array = np.frombuffer(tensor.data, dtype=np.int32 if dtype == pb.DTYPE_INT32 else np.float32)
+    assert array.size == math.prod(shape)
+    return array.reshape(shape)
+
+
+def assert_well_formed(request: pb.SampleRequest, response: pb.SampleResponse) -> None:
+    """Shapes, dtypes and values of a Sample response as docs/semantics.md states them."""
+    rows, vocab = request.logits.shape
+    samples = request.num_samples if request.HasField("num_samples") else 1
+    assert len(response.valid) == len(response.seeds) == len(response.nan_detected) == rows
+    tokens = _array(response.tokens, pb.DTYPE_INT32, [rows, samples])
+    valid = np.array(response.valid)
+    assert ((tokens >= 0) & (tokens < vocab))[valid].all(), tokens
+    assert (tokens[~valid] == -1).all(), tokens
+    if len(request.params.seed) and not len(request.params.has_seed):
+        given = np.broadcast_to(np.array(request.params.seed, dtype=np.uint64), rows)
+        assert (np.array(response.seeds, dtype=np.uint64) == given).all()
+    if request.return_logprobs:
+        logprobs = _array(response.logprobs, pb.DTYPE_FLOAT32, [rows, samples])
+        assert not (logprobs[valid] > 1e-5).any() and np.isnan(logprobs[~valid]).all(), logprobs
+    else:
+        assert not response.HasField("logprobs")
+    if request.top_logprobs:
+        listed = min(request.top_logprobs, vocab)
+        ids = _array(response.top_logprob_ids, pb.DTYPE_INT32, [rows, listed])
+        _array(response.top_logprobs, pb.DTYPE_FLOAT32, [rows, listed])
+        assert ((ids >= 0) & (ids < vocab))[valid].all() and (ids[~valid] == -1).all(), ids
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(request=sample_requests())
 def test_hostile_requests_get_ok_or_invalid_argument(stub: pb_grpc.SamplerStub, request: pb.SampleRequest) -> None:
@@ -133,10 +166,7 @@ def test_hostile_requests_get_ok_or_invalid_argument(stub: pb_grpc.SamplerStub, 
         event(f"rejected: {err.details().split(':')[0]}")
         return
     event("sampled")
-    rows = request.logits.shape[0]
-    samples = request.num_samples if request.HasField("num_samples") else 1
-    assert list(response.tokens.shape) == [rows, samples]
-    assert len(response.valid) == len(response.seeds) == rows
+    assert_well_formed(request, response)
 
 
 def test_server_still_serves_after_fuzzing(stub: pb_grpc.SamplerStub) -> None:

@@ -1,6 +1,7 @@
 """Hostile but well-typed requests for the diffusion, top-k-probs and verification RPCs.
 
-Every answer must be OK or INVALID_ARGUMENT naming a field; the server keeps serving.
+Every answer must be OK and well-formed (dtypes, shapes, ids in [0, V) or -1 where the contract says so)
+or INVALID_ARGUMENT naming a field; never INTERNAL; the server keeps serving.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ def requests(draw) -> tuple[str, object]:
     kind = draw(st.sampled_from(["diffusion", "topk", "verify"]))
     params = pb.SamplingParams(temperature=draw(st.lists(numbers, max_size=1)), top_k=draw(st.lists(st.integers(-2, 9), max_size=1)),
                                seed=draw(st.lists(st.integers(0, 2**64 - 1), max_size=1)))
+    for name in ("banned_token_ids", "output_token_ids"):
+        if draw(st.integers(0, 3)) == 0:  # one list shared by every row, or one per row, ids sometimes past V
+            lengths = draw(st.sampled_from([[2], [1] * b, [1] * (b + 1)]))
+            ids = draw(st.lists(st.integers(-1, v), min_size=sum(lengths), max_size=sum(lengths)))
+            getattr(params, name).CopyFrom(pb.TokenLists(ids=ids, lengths=lengths))
     if kind == "diffusion":
         return "SampleDiffusionStep", pb.DiffusionStepRequest(
             logits=draw(tensors([b, n, v])), mask=draw(tensors([b, n], st.sampled_from([pb.DTYPE_UINT8, pb.DTYPE_INT32, 0]))),
@@ -69,18 +75,57 @@ def channel(server: RunningServer):
         yield ch
 
 
+def _array(tensor: pb.Tensor, dtype: int, shape: list[int]) -> np.ndarray:
+    """The response tensor, once its dtype, shape and byte length are the ones the contract states."""
+    assert tensor.dtype == dtype and list(tensor.shape) == shape, (tensor.dtype, list(tensor.shape), dtype, shape)
+    kind = {pb.DTYPE_INT32: np.int32, pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_UINT8: np.uint8}[dtype]
+    array = np.frombuffer(tensor.data, dtype=kind)
+    assert array.size == math.prod(shape)
+    return array.reshape(shape)
+
+
+def assert_well_formed(method: str, request, response) -> None:
+    """Dtypes, shapes and value ranges of a successful answer, as the contract states them."""
+    if method == "SampleDiffusionStep":
+        b, length, vocab = request.logits.shape
+        tokens = _array(response.tokens, pb.DTYPE_INT32, [b, length])
+        confidences = _array(response.confidences, pb.DTYPE_FLOAT32, [b, length])
+        mask = _array(response.mask, pb.DTYPE_UINT8, [b, length])
+        assert ((tokens == -1) | ((tokens >= 0) & (tokens < vocab))).all(), tokens
+        assert ((confidences >= 0) & (confidences <= 1)).all(), confidences
+        assert set(np.unique(mask)) <= {0, 1} and len(response.seeds) == b
+    elif method == "TopKProbs":
+        shape = [*request.logits.shape[:-1], request.k]
+        probs = _array(response.probs, pb.DTYPE_FLOAT32, shape)
+        ids = _array(response.ids, pb.DTYPE_INT32, shape)
+        assert ((ids >= 0) & (ids < request.logits.shape[-1])).all(), ids
+        assert ((probs >= 0) & (probs <= 1 + 1e-6)).all() and (np.diff(probs, axis=-1) <= 0).all(), probs
+    else:
+        b, n = request.draft_ids.shape
+        vocab = request.target_logits.shape[2]
+        accepted = _array(response.accepted, pb.DTYPE_INT32, [b])
+        tokens = _array(response.tokens, pb.DTYPE_INT32, [b, n + 1])
+        assert ((accepted >= 0) & (accepted <= n)).all(), accepted
+        for row, count in zip(tokens, accepted):  # the accepted ids and one more, then -1 (a row may hold none)
+            assert ((row[: count + 1] == -1) | ((row[: count + 1] >= 0) & (row[: count + 1] < vocab))).all(), row
+            assert (row[count + 1 :] == -1).all(), row
+        assert len(response.seeds) == b
+
+
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(call=requests())
 def test_hostile_workload_requests_get_ok_or_invalid_argument(channel: grpc.Channel, call) -> None:
     method, request = call
     stub = pb_grpc.SamplerStub(channel)
     try:
-        getattr(stub, method)(request, timeout=30)
-        event(f"{method}: OK")
+        response = getattr(stub, method)(request, timeout=30)
     except grpc.RpcError as err:
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, err.code(), err.details())
         assert err.details().startswith(FIELDS), err.details()
         event(f"{method}: rejected {err.details().split(':')[0]}")
+        return
+    event(f"{method}: OK")
+    assert_well_formed(method, request, response)
 
 
 def test_server_still_serves(channel: grpc.Channel) -> None:

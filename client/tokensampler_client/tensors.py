@@ -6,6 +6,7 @@ copying them (the tensor is read-only memory owned by the message).
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from typing import Any
@@ -84,6 +85,10 @@ def _checked(msg: pb.Tensor, field: str) -> tuple[torch.dtype, tuple[int, ...], 
     count = 1
     for dim in shape:
         count *= dim
+    # torch sizes the storage of even an empty tensor from its sizes, zeros aside, in int64.
+    if not count and math.prod(dim or 1 for dim in shape) * itemsize >= 2**63:
+        raise TensorDecodeError(f"{field}.shape", f"got {list(shape)}, expected sizes whose product (zeros aside) "
+                                                  f"times {itemsize} bytes is below 2^63")
     expected = count * itemsize
     data = msg.data  # each read of a bytes field builds a new bytes object: read it once
     if len(data) != expected:

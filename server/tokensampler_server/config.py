@@ -22,6 +22,10 @@ class Limits:
     max_num_samples: int = 64
     max_top_logprobs: int = 64
     max_weight_bytes: int = 16 * 1024**3
+    max_token_entries: int = 1 << 25
+    """Most token-list entries (id, row) in one request, a list given once for every row counting once per
+    row: 2^25 holds 128k-token histories for 256 rows, or a 128k-id allowed list shared by 256 rows (16 bytes
+    an entry: 512 MiB). GetServerInfo does not report it: the contract's Limits has no field for it."""
 
 
 @dataclass(frozen=True)

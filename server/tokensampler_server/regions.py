@@ -113,6 +113,9 @@ class Region:
         if ref.offset % itemsize:
             raise InvalidArgument(f"{field}.offset", f"got {ref.offset}, expected a multiple of {itemsize} ({dtype_name(ref.dtype)})")
         size = math.prod(shape) * itemsize
+        if not size and math.prod(dim or 1 for dim in shape) * itemsize >= 2**63:  # torch's view sizes it in int64
+            raise InvalidArgument(f"{field}.shape", f"got {list(shape)}, expected sizes whose product (zeros aside) "
+                                                    f"times {itemsize} bytes is below 2^63")
         if ref.offset + size > self.byte_size:
             raise ServiceError(
                 f"{field}: bytes [{ref.offset}, {ref.offset + size}) fall outside region {self.name!r} of {self.byte_size} bytes",

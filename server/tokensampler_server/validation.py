@@ -17,6 +17,7 @@ from tokensampler_client.tensors import TensorDecodeError, decode_tensor, dtype_
 
 from .config import Limits
 from .errors import InvalidArgument
+from .packed import decode_floats, decode_varints, packed_runs
 from .sampling import HiddenInput, LogitProcessing, LogprobsMode, SamplingBatch, TokenEntries
 from .weights import RegisteredWeight
 
@@ -67,25 +68,123 @@ def _checked_column(
     return column
 
 
-def _token_entries(lists: pb.TokenLists, field: str, num_rows: int, vocab_size: int) -> TokenEntries | None:
-    """Per-row token lists in coordinate form, or None when the message is empty."""
-    if len(lists.lengths) == 0:
-        if len(lists.ids):
-            raise InvalidArgument(f"{field}.lengths", f"got 0 values for {len(lists.ids)} ids, expected 1 or B={num_rows}")
+class _EntryBudget:
+    """The token entries one request's lists may expand to (Limits.max_token_entries), checked before
+    each list is decoded or expanded; `positions` counts the copies a workload makes of each entry."""
+
+    def __init__(self, limits: Limits, positions: int = 1) -> None:
+        self.left = limits.max_token_entries
+        self.limit = limits.max_token_entries
+        self.positions = positions
+
+    def take(self, field: str, entries: int, shared_rows: int) -> None:
+        count = entries * self.positions
+        if count <= self.left:
+            self.left -= count
+            return
+        how = f"one list of {entries // shared_rows} ids for each of B={shared_rows} rows, " if shared_rows > 1 else ""
+        copies = f" × {self.positions} positions" if self.positions > 1 else ""
+        before = self.limit - self.left
+        after = f" after {before} in the lists before it" if before else ""
+        raise InvalidArgument(f"{field}.lengths", f"got {how}{entries}{copies} token entries{after}, expected at most "
+                                                  f"{self.limit} in one request (max_token_entries)")
+
+
+@dataclass(frozen=True)
+class _Decoded:
+    """One list field in coordinate form, with the smallest and largest id (checked against V later)."""
+
+    entries: TokenEntries
+    low: int
+    high: int
+
+
+def _decoded(lists: pb.TokenLists, field: str, num_rows: int, budget: _EntryBudget,
+             serialized: memoryview | None = None) -> _Decoded | None:
+    """Per-row token lists in coordinate form, or None when the message is empty. The counts are checked
+    before anything is decoded, the entries against `budget` before a shared list is expanded.
+    `serialized` is the message's serialization when the caller has it."""
+    num_ids, num_lists = len(lists.ids), len(lists.lengths)
+    if num_lists == 0:
+        if num_ids:
+            raise InvalidArgument(f"{field}.lengths", f"got 0 values for {num_ids} ids, expected 1 or B={num_rows}")
         return None
-    ids = np.asarray(lists.ids, dtype=np.int64)
-    lengths = np.asarray(lists.lengths, dtype=np.int64)
-    if len(lengths) not in (1, num_rows):
-        raise InvalidArgument(f"{field}.lengths", f"got {len(lengths)} values, expected 1 or B={num_rows}")
-    if int(lengths.sum()) != len(ids):
-        raise InvalidArgument(f"{field}.lengths", f"sum is {int(lengths.sum())}, expected len(ids)={len(ids)}")
-    _check(ids, (ids >= 0) & (ids < vocab_size), f"{field}.ids", f"token ids in [0, V={vocab_size})")
-    if len(lengths) == 1:  # one list shared by every row
-        rows = np.repeat(np.arange(num_rows, dtype=np.int64), len(ids))
-        ids = np.tile(ids, num_rows)
-    else:
-        rows = np.repeat(np.arange(num_rows, dtype=np.int64), lengths)
-    return TokenEntries(rows=torch.from_numpy(rows), tokens=torch.from_numpy(ids))
+    if num_lists not in (1, num_rows):
+        raise InvalidArgument(f"{field}.lengths", f"got {num_lists} values, expected 1 or B={num_rows}")
+    runs = packed_runs(lists.SerializeToString() if serialized is None else serialized, (1, 2))
+    lengths = decode_varints(runs.get(2), num_lists)
+    total = int(lengths.sum())
+    if total != num_ids:
+        raise InvalidArgument(f"{field}.lengths", f"sum is {total}, expected len(ids)={num_ids}")
+    shared_rows = num_rows if num_lists == 1 else 1
+    budget.take(field, num_ids * shared_rows, shared_rows)
+    ids = torch.from_numpy(decode_varints(runs.get(1), num_ids))
+    low, high = (int(ids.min()), int(ids.max())) if num_ids else (0, 0)
+    tokens = ids.repeat(shared_rows) if shared_rows > 1 else ids  # a shared list: given to every row
+    return _Decoded(TokenEntries(rows=_row_indices(lengths, num_rows, num_ids), tokens=tokens), low, high)
+
+
+def _row_indices(lengths: np.ndarray, num_rows: int, num_ids: int) -> torch.Tensor:
+    """int64: the row of each entry, for one list per row (`lengths`) or one list given to every row.
+
+    Written in place by torch, which lets go of the interpreter meanwhile (np.repeat holds it), with no
+    temporary of the entries' size (repeat_interleave builds one)."""
+    if len(lengths) == 1:
+        rows = torch.empty(num_rows, num_ids, dtype=torch.int64)
+        rows.copy_(torch.arange(num_rows).unsqueeze(1).expand(num_rows, num_ids))
+        return rows.view(-1)
+    rows = torch.zeros(num_ids, dtype=torch.int64)
+    firsts = torch.from_numpy(np.cumsum(lengths[:-1]))  # where rows 1..B-1 begin
+    firsts = firsts[firsts < num_ids]  # trailing empty rows begin past the end
+    rows.index_add_(0, firsts, torch.ones_like(firsts))
+    return rows.cumsum_(0)
+
+
+def _checked_ids(decoded: _Decoded | None, field: str, vocab_size: int) -> TokenEntries | None:
+    """The entries, once every id is in [0, V) (the first one outside named otherwise)."""
+    if decoded is None:
+        return None
+    if decoded.low < 0 or decoded.high >= vocab_size:
+        tokens = decoded.entries.tokens.numpy()
+        _check(tokens, (tokens >= 0) & (tokens < vocab_size), f"{field}.ids", f"token ids in [0, V={vocab_size})")
+    return decoded.entries
+
+
+LIST_FIELDS = ("allowed_token_ids", "banned_token_ids", "logit_bias.tokens", "output_token_ids", "prompt_token_ids")
+
+
+@dataclass(frozen=True)
+class DecodedLists:
+    """The token lists of a request's SamplingParams decoded for B = num_rows rows (decode_token_lists);
+    their ids are checked against V by validation."""
+
+    num_rows: int
+    lists: dict[str, _Decoded | None]
+    """By LIST_FIELDS name."""
+    bias_values: torch.Tensor | None
+
+
+def _decode_lists(params: pb.SamplingParams, num_rows: int, limits: Limits, positions: int = 1) -> DecodedLists:
+    budget = _EntryBudget(limits, positions)
+    bias = params.logit_bias
+    num_values, num_bias_ids = len(bias.values), len(bias.tokens.ids)
+    if num_values != num_bias_ids:
+        raise InvalidArgument("params.logit_bias.values", f"got {num_values} values, expected one per id ({num_bias_ids})")
+    bias_runs = packed_runs(bias.SerializeToString(), (1, 2)) if num_values or len(bias.tokens.lengths) else {}
+    lists: dict[str, _Decoded | None] = {}
+    for name in LIST_FIELDS:
+        if name == "logit_bias.tokens":
+            lists[name] = _decoded(bias.tokens, "params.logit_bias.tokens", num_rows, budget, bias_runs.get(1, memoryview(b"")))
+        else:
+            lists[name] = _decoded(getattr(params, name), f"params.{name}", num_rows, budget)
+    bias_values = None
+    if lists["logit_bias.tokens"] is not None:
+        values = decode_floats(bias_runs.get(2), num_values)
+        _check(values, np.isfinite(values), "params.logit_bias.values", "finite numbers")
+        if len(bias.tokens.lengths) == 1:
+            values = np.tile(values, num_rows)
+        bias_values = torch.from_numpy(values)
+    return DecodedLists(num_rows, lists, bias_values)
 
 
 def _penalty(values: Sequence[float], field: str, num_rows: int, default: float) -> torch.Tensor | None:
@@ -96,38 +195,22 @@ def _penalty(values: Sequence[float], field: str, num_rows: int, default: float)
     return torch.from_numpy(column)
 
 
-def _processing(params: pb.SamplingParams, num_rows: int, vocab_size: int) -> LogitProcessing | None:
-    allowed = _token_entries(params.allowed_token_ids, "params.allowed_token_ids", num_rows, vocab_size)
-    banned = _token_entries(params.banned_token_ids, "params.banned_token_ids", num_rows, vocab_size)
-    bias = _token_entries(params.logit_bias.tokens, "params.logit_bias.tokens", num_rows, vocab_size)
-    bias_values = None
-    num_bias_ids = len(params.logit_bias.tokens.ids)
-    if len(params.logit_bias.values) != num_bias_ids:
-        raise InvalidArgument(
-            "params.logit_bias.values", f"got {len(params.logit_bias.values)} values, expected one per id ({num_bias_ids})"
-        )
-    if bias is not None:
-        values = np.asarray(params.logit_bias.values, dtype=np.float32)
-        _check(values, np.isfinite(values), "params.logit_bias.values", "finite numbers")
-        if len(params.logit_bias.tokens.lengths) == 1:
-            values = np.tile(values, num_rows)
-        bias_values = torch.from_numpy(values)
-    output_tokens = _token_entries(params.output_token_ids, "params.output_token_ids", num_rows, vocab_size)
-    prompt_tokens = _token_entries(params.prompt_token_ids, "params.prompt_token_ids", num_rows, vocab_size)
+def _processing(params: pb.SamplingParams, num_rows: int, vocab_size: int, decoded: DecodedLists) -> LogitProcessing | None:
+    entries = {name: _checked_ids(decoded.lists[name], f"params.{name}", vocab_size) for name in LIST_FIELDS}
     repetition = _penalty(params.repetition_penalty, "params.repetition_penalty", num_rows, 1.0)
     if repetition is not None:
         _check(repetition.numpy(), repetition.numpy() > 0, "params.repetition_penalty", "r > 0")
     presence = _penalty(params.presence_penalty, "params.presence_penalty", num_rows, 0.0)
     frequency = _penalty(params.frequency_penalty, "params.frequency_penalty", num_rows, 0.0)
-    if allowed is None and banned is None and bias is None and output_tokens is None and prompt_tokens is None:
+    if all(value is None for value in entries.values()):
         return None  # penalties without a history change nothing
     return LogitProcessing(
-        allowed=allowed,
-        banned=banned,
-        bias=bias,
-        bias_values=bias_values,
-        output_tokens=output_tokens,
-        prompt_tokens=prompt_tokens,
+        allowed=entries["allowed_token_ids"],
+        banned=entries["banned_token_ids"],
+        bias=entries["logit_bias.tokens"],
+        bias_values=decoded.bias_values,
+        output_tokens=entries["output_token_ids"],
+        prompt_tokens=entries["prompt_token_ids"],
         repetition_penalty=repetition,
         presence_penalty=presence,
         frequency_penalty=frequency,
@@ -240,9 +323,14 @@ class RowParams:
 
 
 def validate_row_params(
-    params: pb.SamplingParams, num_rows: int, vocab_size: int, seed_source: SeedSource = random_seeds
+    params: pb.SamplingParams, num_rows: int, vocab_size: int, limits: Limits, seed_source: SeedSource = random_seeds,
+    positions: int = 1, token_lists: DecodedLists | None = None,
 ) -> RowParams:
-    """Checks every column of `params` for B = num_rows rows over a vocabulary of vocab_size."""
+    """Checks every column of `params` for B = num_rows rows over a vocabulary of vocab_size.
+
+    `positions`: the copies of each token-list entry the workload makes (one per position it samples);
+    `token_lists`: the lists already decoded off the event loop (decode_token_lists), used when decoded
+    for num_rows rows."""
     temperature = _checked_column(params.temperature, "params.temperature", num_rows, 1.0, np.float32,
                                   lambda t: np.isfinite(t) & (t >= 0), "T >= 0 and finite")
     top_k = _checked_column(params.top_k, "params.top_k", num_rows, 0, np.int64, lambda k: k >= -1,
@@ -254,7 +342,9 @@ def validate_row_params(
                             "0 <= min_p < 1")
     position = _column(params.position, "params.position", num_rows, 0, np.int64)
     iteration = _column(params.iteration, "params.iteration", num_rows, 0, np.int64)
-    processing = _processing(params, num_rows, vocab_size)
+    if token_lists is None or token_lists.num_rows != num_rows:
+        token_lists = _decode_lists(params, num_rows, limits, positions)
+    processing = _processing(params, num_rows, vocab_size, token_lists)
     seeds = _seeds(params, num_rows, seed_source)
     return RowParams(
         temperature=torch.from_numpy(temperature),
@@ -275,11 +365,13 @@ def validate_sample_request(
     seed_source: SeedSource = random_seeds,
     lm_head: RegisteredWeight | None = None,
     referenced: torch.Tensor | None = None,
+    token_lists: DecodedLists | None = None,
 ) -> tuple[SamplingBatch, np.ndarray]:
     """Checks a SampleRequest and returns the batch to sample with the uint64 seed of each row.
 
     `lm_head` is the registered weight that `request.hidden.weights` names (hidden-state input);
-    `referenced` is the tensor a logits_ref, logits_rows or hidden.states_ref points to, already resolved.
+    `referenced` is the tensor a logits_ref, logits_rows or hidden.states_ref points to, already resolved;
+    `token_lists` is decode_token_lists(request, limits) when the caller ran it off the event loop.
     """
     logits = hidden = None
     kind, tensor = _input(request, referenced, limits)
@@ -292,7 +384,7 @@ def validate_sample_request(
         # The server computes B·V logits from B·D hidden states: bound those too.
         _check_elements("hidden.states", num_rows, vocab_size, limits, f"B·V of weight {lm_head.name!r}")
 
-    rows = validate_row_params(request.params, num_rows, vocab_size, seed_source)
+    rows = validate_row_params(request.params, num_rows, vocab_size, limits, seed_source, token_lists=token_lists)
 
     num_samples = request.num_samples if request.HasField("num_samples") else 1
     if not 1 <= num_samples <= limits.max_num_samples:
@@ -326,3 +418,42 @@ def validate_sample_request(
         top_logprobs=request.top_logprobs,
     )
     return batch, rows.seeds
+
+
+# Token-list entries above which decoding them is worth a thread hop: ~40 ns each on one core, so 2^18 of
+# them hold the event loop ~10 ms.
+OFF_LOOP_ENTRIES = 1 << 18
+
+
+def declared_rows(request: pb.SampleRequest) -> int:
+    """B as the request's input declares it (its shape, or its row offsets); 0 without an input."""
+    kind = request.WhichOneof("input")
+    if kind == "logits_rows":
+        return len(request.logits_rows.row_offsets)
+    shape = {"logits": request.logits.shape, "logits_ref": request.logits_ref.shape}.get(kind)
+    if kind == "hidden":
+        hidden = request.hidden
+        shape = hidden.states_ref.shape if hidden.HasField("states_ref") else hidden.states.shape
+    return int(shape[0]) if shape is not None and len(shape) == 2 else 0
+
+
+def heavy_token_lists(request: pb.SampleRequest) -> bool:
+    """Whether the request's token lists expand to more than OFF_LOOP_ENTRIES entries (from their counts
+    alone: no element is read)."""
+    params = request.params
+    rows = declared_rows(request)
+    entries = 0
+    for lists in (params.allowed_token_ids, params.banned_token_ids, params.logit_bias.tokens,
+                  params.output_token_ids, params.prompt_token_ids):
+        entries += len(lists.ids) * (rows if len(lists.lengths) == 1 else 1)
+    return entries > OFF_LOOP_ENTRIES
+
+
+def decode_token_lists(request: pb.SampleRequest, limits: Limits) -> DecodedLists:
+    """The request's token lists decoded and expanded for the rows its input declares (INVALID_ARGUMENT as
+    validate_sample_request would raise it), to run off the event loop (asyncio.to_thread) when
+    heavy_token_lists(request): pass the result to validate_sample_request."""
+    rows = declared_rows(request)
+    if not 1 <= rows <= limits.max_batch_rows:
+        return DecodedLists(0, {}, None)  # validation refuses the input's shape first
+    return _decode_lists(request.params, rows, limits)

@@ -109,7 +109,8 @@ def validate_diffusion_request(
     mask = _tensor(request.mask, "mask", MASK_DTYPES, 2)
     if tuple(mask.shape) != (num_rows, length):
         raise InvalidArgument("mask.shape", f"got {list(mask.shape)}, expected [B, L] = {[num_rows, length]}")
-    rows = validate_row_params(request.params, num_rows, vocab, seed_source)
+    # A diffusion step copies each token-list entry to every position it samples (up to L).
+    rows = validate_row_params(request.params, num_rows, vocab, limits, seed_source, positions=length)
     threshold = _column(request.confidence_threshold, "confidence_threshold", num_rows, np.nan, np.float32)
     _check(threshold, np.isnan(threshold) | ((threshold >= 0) & (threshold <= 1)), "confidence_threshold",
            "0 <= threshold <= 1 (NaN: none)")
@@ -164,7 +165,7 @@ def validate_verify_request(
             raise InvalidArgument("draft_probs", "got negative or non-finite values, expected probabilities >= 0")
         if bool((probs.sum(dim=-1) <= 0).any()):
             raise InvalidArgument("draft_probs", "got a position whose probabilities sum to 0, expected a distribution")
-    rows = validate_row_params(request.params, num_rows, vocab, seed_source)
+    rows = validate_row_params(request.params, num_rows, vocab, limits, seed_source)
     verification = DraftVerification(
         draft_ids=draft_ids, draft_probs=probs.nan_to_num(0.0), target_logits=target, temperature=rows.temperature,
         top_k=rows.top_k, top_p=rows.top_p, min_p=rows.min_p, seed=rows.seed, position=rows.position,

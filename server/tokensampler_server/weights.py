@@ -8,6 +8,7 @@ the region stays registered while the weight does, and a request fails cleanly o
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import math
 import os
@@ -25,6 +26,8 @@ from .regions import Region
 from .request_context import raise_if_abandoned
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# WeightsInfo carries V and D as uint32.
+MAX_WEIGHT_SIZE = 2**32 - 1
 # Rows of W upcast to fp32 at once when computing logits (32 MiB of fp32 at D = 4096).
 _ROWS_PER_SLICE = 2048
 DEFAULT_MAX_WEIGHTS = 64
@@ -102,6 +105,14 @@ class RegisteredWeight:
         return x
 
 
+def check_weight_shape(shape: tuple[int, ...], field: str) -> None:
+    """INVALID_ARGUMENT naming `field` unless both sizes of a [V, D] weight are in [1, MAX_WEIGHT_SIZE]
+    (an empty head would register, then fail every request through it)."""
+    for name, size in zip("VD", shape):
+        if not 1 <= size <= MAX_WEIGHT_SIZE:
+            raise InvalidArgument(field, f"got {list(shape)}: {name} = {size}, expected 1 <= V, D <= {MAX_WEIGHT_SIZE}")
+
+
 def sha256_hex(tensor: torch.Tensor) -> str:
     """SHA-256 of a CPU tensor's row-major bytes."""
     return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
@@ -134,6 +145,19 @@ def check_finish(
     )
 
 
+def _file_error(err: OSError, relative: str) -> ServiceError:
+    """The status of a file-system error on the weight file `relative` (what the server may say of it)."""
+    if err.errno == errno.ENAMETOOLONG:
+        return InvalidArgument("path", f"got a path of {len(relative)} characters that the file system finds too long, "
+                                       "expected shorter names")
+    if err.errno in (errno.EACCES, errno.EPERM):
+        return ServiceError(f"path: the server may not read {relative!r}", grpc.StatusCode.PERMISSION_DENIED)
+    if err.errno in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENODEV):
+        return ServiceError(f"path: {relative!r} is not a file inside --weights-dir", grpc.StatusCode.NOT_FOUND)
+    return ServiceError(f"path: the server could not read {relative!r}: {os.strerror(err.errno or 0)}",
+                        grpc.StatusCode.FAILED_PRECONDITION)
+
+
 def resolve_weights_path(weights_dir: Path | None, relative: str) -> Path:
     """The file `relative` inside weights_dir; PERMISSION_DENIED outside it, for links and for "..".
 
@@ -142,21 +166,26 @@ def resolve_weights_path(weights_dir: Path | None, relative: str) -> Path:
     if weights_dir is None:
         raise ServiceError("path: loading weights from server files is off (start the server with --weights-dir)",
                            grpc.StatusCode.FAILED_PRECONDITION)
+    if "\0" in relative:
+        raise InvalidArgument("path", f"got {relative!r}, expected a path without NUL characters")
     parts = Path(relative).parts
     if not relative or Path(relative).is_absolute() or ".." in parts:
         raise ServiceError(f"path: got {relative!r}, expected a relative path inside --weights-dir without '..'",
                            grpc.StatusCode.PERMISSION_DENIED)
-    root = weights_dir.resolve()
-    candidate = root
-    for part in parts:
-        candidate = candidate / part
-        if candidate.is_symlink():
-            raise ServiceError(f"path: {relative!r} goes through a symbolic link, which is refused",
-                               grpc.StatusCode.PERMISSION_DENIED)
-    if not candidate.is_file():
-        raise ServiceError(f"path: {relative!r} is not a file inside --weights-dir", grpc.StatusCode.NOT_FOUND)
-    if root not in candidate.resolve().parents:
-        raise ServiceError(f"path: {relative!r} is outside --weights-dir", grpc.StatusCode.PERMISSION_DENIED)
+    try:
+        root = weights_dir.resolve()
+        candidate = root
+        for part in parts:
+            candidate = candidate / part
+            if candidate.is_symlink():
+                raise ServiceError(f"path: {relative!r} goes through a symbolic link, which is refused",
+                                   grpc.StatusCode.PERMISSION_DENIED)
+        if not candidate.is_file():
+            raise ServiceError(f"path: {relative!r} is not a file inside --weights-dir", grpc.StatusCode.NOT_FOUND)
+        if root not in candidate.resolve().parents:
+            raise ServiceError(f"path: {relative!r} is outside --weights-dir", grpc.StatusCode.PERMISSION_DENIED)
+    except OSError as err:  # a name too long, a directory the server may not list, ...
+        raise _file_error(err, relative) from None
     return candidate
 
 
@@ -172,6 +201,13 @@ def load_safetensors(path: Path, tensor: str) -> torch.Tensor:
             return handle.get_tensor(tensor)
     except ServiceError:
         raise
+    except MemoryError:
+        raise ServiceError(f"tensor: the server has no memory for {tensor!r} of {path.name}",
+                           grpc.StatusCode.RESOURCE_EXHAUSTED) from None
+    except OSError as err:  # gone, or no longer readable, since it was resolved
+        if err.errno is not None:
+            raise _file_error(err, path.name) from None
+        raise InvalidArgument("path", f"could not read {path.name} as safetensors: {err}") from None
     except Exception as err:  # a corrupt or foreign file
         raise InvalidArgument("path", f"could not read {path.name} as safetensors: {err}") from None
 
@@ -192,6 +228,7 @@ class WeightRegistry:
         lies in `region` on this registry's device is used in place, not copied."""
         if weight.dtype not in WEIGHT_DTYPES or weight.dim() != 2:
             raise InvalidArgument("weight", f"got {weight.dtype} {list(weight.shape)}, expected a [V, D] float tensor")
+        check_weight_shape(tuple(weight.shape), "weight.shape")
         placed = weight.to(self._device).contiguous()
         bias = None if finish.bias is None else finish.bias.to(self._device)
         entry = RegisteredWeight(name=name, weight=placed, finish=replace(finish, bias=bias), sha256=sha256, region=region)

@@ -12,7 +12,7 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.tensors import DTYPE_TO_TORCH, TORCH_TO_DTYPE, TensorDecodeError, decode_tensor
 
 from .errors import InvalidArgument
-from .weights import LogitsFinish, RegisteredWeight, check_finish
+from .weights import LogitsFinish, RegisteredWeight, check_finish, check_weight_shape
 
 WIRE_DTYPES = (pb.DTYPE_FLOAT32, pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT16)
 
@@ -69,6 +69,7 @@ async def read_upload(chunks: AsyncIterator[pb.RegisterWeightsChunk], max_bytes:
                 raise InvalidArgument("dtype", f"got {header.dtype}, expected float32, bfloat16 or float16")
             if len(header.shape) != 2 or min(header.shape) < 1:
                 raise InvalidArgument("shape", f"got {list(header.shape)}, expected [V, D] with V, D >= 1")
+            check_weight_shape(tuple(header.shape), "shape")
             itemsize = torch.empty((), dtype=DTYPE_TO_TORCH[header.dtype]).element_size()
             expected_bytes = math.prod(header.shape) * itemsize
             if expected_bytes > max_bytes:
