@@ -36,7 +36,14 @@ from .regions import OutputTarget, Region, RegionRegistry
 from .request_context import current_request_id
 from .sampling import SamplingResult
 from .stream_flow import StreamBudget
-from .validation import LOGITS_DTYPES, check_rows_shape, validate_sample_request
+from .validation import (
+    LOGITS_DTYPES,
+    DecodedLists,
+    check_rows_shape,
+    decode_token_lists,
+    heavy_token_lists,
+    validate_sample_request,
+)
 from .weights import WeightRegistry
 
 STREAM_METHOD = "tokensampler.v1.Sampler/SampleStream"
@@ -192,25 +199,34 @@ class SamplePath:
         call.parse_ns += time.perf_counter_ns() - started
         return request
 
-    def _begin(self, message: bytes | pb.SampleRequest, call: CallRecord) -> asyncio.Future | _Started | Exception:
+    async def _begin(self, message: bytes | pb.SampleRequest,
+                     call: CallRecord) -> asyncio.Future | _Started | Exception:
         """A stream message submitted natively (its future), started on the Python path, or its error."""
         try:
             pending = self._submit_natively(message, call, stream_message=True)
         except Exception as err:  # noqa: BLE001 - answered as this message's error
             return err
-        return pending if pending is not None else self._begin_python(message, call)
+        return pending if pending is not None else await self._begin_python(message, call)
 
-    def _begin_python(self, message: bytes | pb.SampleRequest, call: CallRecord) -> _Started | Exception:
+    async def _begin_python(self, message: bytes | pb.SampleRequest, call: CallRecord) -> _Started | Exception:
         """A stream message started on the Python path, or its error. Bytes that do not parse raise: they end
         the stream."""
         request = self._parsed(message, call)
         try:
-            return self.start(request, call)
+            return self.start(request, call, await self._token_lists(request))
         except Exception as err:  # noqa: BLE001
             return err
 
-    def start(self, request: pb.SampleRequest, call: CallRecord) -> _Started:
-        """Holds what the request names, validates it and queues it (errors raise here)."""
+    async def _token_lists(self, request: pb.SampleRequest) -> DecodedLists | None:
+        """The request's token lists decoded on a thread when they are long (millions of ids take seconds, which
+        would stall every other call on the event loop); None when validation may decode them itself."""
+        if not heavy_token_lists(request):
+            return None
+        return await asyncio.to_thread(decode_token_lists, request, self._limits)
+
+    def start(self, request: pb.SampleRequest, call: CallRecord, token_lists: DecodedLists | None = None) -> _Started:
+        """Holds what the request names, validates it and queues it (errors raise here). `token_lists`: the
+        request's lists already decoded (_token_lists)."""
         held = Lease()
         try:
             lm_head = None
@@ -226,7 +242,8 @@ class SamplePath:
                 for name, out in _output_refs(request)
             ]
             arrived = time.perf_counter_ns()
-            batch, seeds = validate_sample_request(request, self._limits, lm_head=lm_head, referenced=referenced)
+            batch, seeds = validate_sample_request(request, self._limits, lm_head=lm_head, referenced=referenced,
+                                                   token_lists=token_lists)
             targets = {
                 name: _output_target(region, out, name, (batch.num_rows, batch.num_samples), request.return_logprobs)
                 for name, region, out in outputs
@@ -265,7 +282,8 @@ class SamplePath:
         pending = self._submit_natively(message, call, stream_message=False)
         if pending is not None and (response := await self._native_response(pending, call)) is not None:
             return response
-        started = self.start(self._parsed(message, call), call)
+        request = self._parsed(message, call)
+        started = self.start(request, call, await self._token_lists(request))
         with started.held:
             result, times = await started.future
             return self.finish(started, result, times)
@@ -282,7 +300,7 @@ class SamplePath:
         async for message in messages:
             record = self._stream_record(stream_id, index)
             index += 1
-            begun = self._begin(message, record)
+            begun = await self._begin(message, record)
             if not isinstance(begun, asyncio.Future):
                 async for answer in self._pipelined(messages, stream_id, index, _stream_item(record, message, begun)):
                     yield answer
@@ -312,7 +330,7 @@ class SamplePath:
                 await window.admit(_message_bytes(message))
                 record = self._stream_record(stream_id, number)
                 number += 1
-                answers.put_nowait(_stream_item(record, message, self._begin(message, record)))
+                answers.put_nowait(_stream_item(record, message, await self._begin(message, record)))
 
         async def read_then_end() -> None:
             """Reads to the end of the stream, then marks the end (also after a request that did not parse)."""
@@ -358,7 +376,7 @@ class SamplePath:
             else:
                 if response is not None:
                     return self._answer_native(record, response)
-                started = self._begin_python(message, record)
+                started = await self._begin_python(message, record)
         try:
             if isinstance(started, Exception):
                 raise started
