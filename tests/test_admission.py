@@ -24,7 +24,6 @@ from tokensampler_client import AsyncSamplerClient, TokenSamplerError
 from tokensampler_client._channel import call_metadata
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.params import build_sample_request
-from tokensampler_server.admission import peer_address
 from tokensampler_server.cli import parse_args
 
 from .conftest import RunningServer, start_server
@@ -120,11 +119,6 @@ def test_limits_are_flags() -> None:
             parse_args([flag, "-1"])
 
 
-def test_peer_address_drops_the_port() -> None:
-    assert peer_address("ipv4:127.0.0.1:53412") == "ipv4:127.0.0.1"
-    assert peer_address("ipv6:[::1]:53412") == "ipv6:[::1]"
-    assert peer_address("unix:/run/tokensampler.sock") == "unix:/run/tokensampler.sock"
-    assert peer_address("unix:") == "unix:"
 
 
 def test_unauthenticated_watchers_cannot_take_the_slots_of_the_service(tmp_path: Path) -> None:
@@ -186,15 +180,19 @@ def test_one_client_at_its_cap_leaves_the_others_their_slots(tmp_path: Path) -> 
         running.stop()
 
 
-def test_without_tokens_a_client_is_its_address_whatever_its_connections(tmp_path: Path) -> None:
-    """Three connections from 127.0.0.1 against a cap of 2 per client: the third connection's stream is refused."""
+def test_without_tokens_a_client_is_its_connection(tmp_path: Path) -> None:
+    """Colocated engines all come from 127.0.0.1: without tokens each connection is a client of its own. Against
+    a cap of 2 per client, a connection's third stream is refused while another connection's is admitted."""
     running = start_capped(tmp_path, calls=16, per_client=2, tokens=False)
 
     async def run() -> None:
-        channels = [grpc.aio.insecure_channel(running.target) for _ in range(3)]
+        # a subchannel pool of its own each: two connections, not one shared
+        channels = [grpc.aio.insecure_channel(running.target, options=[("grpc.use_local_subchannel_pool", 1)])
+                    for _ in range(2)]
         try:
-            streams = [await open_held(channel, None) for channel in channels[:2]]
-            await assert_refused(open_stream(channels[2], None), "--max-calls-per-client", 2)
+            streams = [await open_held(channels[0], None) for _ in range(2)]
+            await assert_refused(open_stream(channels[0], None), "--max-calls-per-client", 2)
+            streams.append(await open_held(channels[1], None))
             for call in streams:
                 call.cancel()
         finally:

@@ -10,9 +10,10 @@ refused (auth.py) never takes a slot. Three caps, each 0 for no limit:
   nothing, and a probe must get through while the watchers are full.
 - `--max-calls-per-client`: the calls one client holds at once, of every kind counted.
 
-A client is the accepted bearer token it presents (kept as its SHA-256 digest), else its address without the
-port: one engine that opens many connections (or reconnects) stays one client. Engines that share an address
-without tokens share one cap; give each its own token to tell them apart.
+A client is the accepted bearer token it presents (kept as its SHA-256 digest), else its connection (the peer
+with its port): colocated engines all connect from 127.0.0.1, and keyed by address they would share one cap. A
+caller without a token can open more connections for more calls; the global cap still bounds them all, and
+tokens make a client one client whatever its connections.
 
 Past a cap the call gets RESOURCE_EXHAUSTED at once, its message naming the limit and its value, with the
 trailing metadata `x-retryable: overload` of a full queue: retrying later can succeed. The slot comes back when
@@ -50,14 +51,6 @@ class Pool:
     held: int = 0
 
 
-def peer_address(peer: str) -> str:
-    """grpc's peer string without the port ("ipv4:10.0.0.7:53412" -> "ipv4:10.0.0.7"): connections of one
-    host are one client. Other kinds ("unix:...") stay whole: every local socket client shares one key."""
-    if peer.startswith(("ipv4:", "ipv6:")):
-        return peer.rpartition(":")[0]
-    return peer
-
-
 class Admission:
     """Counts the calls held now, per pool and per client, and refuses a call past a cap."""
 
@@ -85,13 +78,13 @@ class Admission:
         return pool if pool.limit or self._per_client else None
 
     def client_of(self, context: grpc.aio.ServicerContext) -> bytes | str:
-        """The digest of the accepted token the call presents, else the peer's address (types keep them apart).
+        """The digest of the accepted token the call presents, else the peer's connection (types keep them apart).
         Only an accepted token counts: any other string would give a caller a fresh cap per call."""
         if self._tokens is not None:
             digest = self._tokens.digest_of(context.invocation_metadata())
             if digest is not None:
                 return digest
-        return peer_address(context.peer())
+        return context.peer()
 
     def admit(self, pool: Pool, context: grpc.aio.ServicerContext) -> None:
         """Takes a slot of `pool` and of the call's client until the call ends; raises RESOURCE_EXHAUSTED past

@@ -95,8 +95,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     parser.add_argument(
         "--max-calls-per-client", type=int,
         default=int(_env("MAX_CALLS_PER_CLIENT", str(defaults.max_calls_per_client))),
-        help="calls one client holds at once; a client is its bearer token, else its address (without the "
-        "port); 0: no limit [TOKENSAMPLER_MAX_CALLS_PER_CLIENT]",
+        help="calls one client holds at once; a client is its bearer token, else its connection; 0: no limit "
+        "[TOKENSAMPLER_MAX_CALLS_PER_CLIENT]",
     )
     parser.add_argument(
         "--gpu-memory-fraction", type=float, default=float(_env("GPU_MEMORY_FRACTION", "0")) or None,

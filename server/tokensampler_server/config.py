@@ -66,7 +66,7 @@ class ServerConfig:
     or client channel: a replica has a few dozen watchers at most, and the pool keeps the open health
     service from taking the slots of the Sampler's calls."""
     max_calls_per_client: int = 256
-    """Calls one client (its accepted bearer token, else its address) holds at once (0: no limit): a quarter of
+    """Calls one client (its accepted bearer token, else its connection) holds at once (0: no limit): a quarter of
     max_concurrent_rpcs, so that one client alone cannot take every slot from the others."""
     max_elements_given: bool = True
     """limits.max_batch_elements was set by the operator; when not, the CPU backend sizes it (cpu_max_batch_elements)."""
