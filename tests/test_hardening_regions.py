@@ -19,6 +19,7 @@ import torch
 from tokensampler_client import SamplerClient, TokenSamplerError
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
+from tokensampler_client.tensors import encode_tensor
 
 from .conftest import RunningServer, start_server
 
@@ -52,6 +53,20 @@ def _status(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
     except grpc.RpcError as err:
         return err.code(), err.details()
     return grpc.StatusCode.OK, ""
+
+
+def _print_refusal_times(server: RunningServer, what: str, method: str, request: object, count: int = 50) -> None:
+    """Times `count` refused calls of `method` (each must be refused; no client retries) and prints p50 / p99
+    (pytest -s)."""
+    times = []
+    with grpc.insecure_channel(server.target) as channel:
+        call = getattr(pb_grpc.SamplerStub(channel), method)
+        for _ in range(count):
+            started = time.perf_counter()
+            assert _status(lambda: call(request, timeout=30))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+            times.append(time.perf_counter() - started)
+    times.sort()
+    print(f"\n{what}: refused in p50 {times[count // 2] * 1e3:.2f} ms, p99 {times[-1] * 1e3:.2f} ms ({count} calls)")
 
 
 def _segment_path(region) -> str:  # noqa: ANN001 - the client's SharedMemoryRegion
@@ -108,10 +123,13 @@ def test_keys_that_name_no_plain_segment_get_a_specific_status(capped_server: Ru
     assert capped_server.process.poll() is None
 
 
-def test_regions_and_weights_past_their_caps_are_refused(client: SamplerClient) -> None:
+def test_regions_and_weights_past_their_caps_are_refused(client: SamplerClient, capped_server: RunningServer) -> None:
     regions = [client.register_shm_region(f"r{i}", 64) for i in range(4)]
     code, details = _status(lambda: client.register_shm_region("r4", 64))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith("name: 4 regions are registered"), details
+    extra = regions[1].request
+    extra.name = "r5"
+    _print_refusal_times(capped_server, "RegisterRegion past --max-regions", "RegisterRegion", extra)
     client.unregister_region(regions[0])
     client.register_shm_region("r4", 64)  # room again
     for i in range(3):
@@ -120,10 +138,15 @@ def test_regions_and_weights_past_their_caps_are_refused(client: SamplerClient) 
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith("name: 3 weights are registered"), details
 
 
-def test_the_other_workloads_count_against_the_queue_bound(client: SamplerClient) -> None:
+def test_the_other_workloads_count_against_the_queue_bound(client: SamplerClient,
+                                                          capped_server: RunningServer) -> None:
     """--max-queue-mb 1: a TopKProbs request of 2 MiB is refused at once, as a Sample of that size is."""
-    code, details = _status(lambda: client.topk_probs(torch.randn(1, 16, VOCAB * 1024), k=4))
+    logits = torch.randn(1, 16, VOCAB * 1024)
+    code, details = _status(lambda: client.topk_probs(logits, k=4))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith("queue full"), details
+    request = pb.TopKProbsRequest(k=4, temperature=[1.0])
+    encode_tensor(logits, out=request.logits)
+    _print_refusal_times(capped_server, "TopKProbs of 2 MiB past --max-queue-mb 1", "TopKProbs", request)
     assert client.topk_probs(torch.randn(1, 2, VOCAB), k=4).ids.shape == (1, 2, 4)
 
 
