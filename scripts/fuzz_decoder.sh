@@ -52,14 +52,13 @@ compiles() {  # compiles <libfuzzer 0|1> <compiler> <flags...>: links a trivial 
 }
 
 if [ "$force_driver" = 0 ] && compiles 1 clang++ "${sanitize[@]}" -fsanitize=fuzzer; then
-  mode=libFuzzer
-  cxx=clang++
-  build=("$cxx" "${flags[@]}" "${sanitize[@]}" -fsanitize=fuzzer "${sources[@]}" fuzz/decoder/libfuzzer_mutator.cpp)
+  mode=libFuzzer cxx=clang++
+  sanitize+=(-fsanitize=fuzzer)
+  sources+=(fuzz/decoder/libfuzzer_mutator.cpp)
   guidance=(-dict=fuzz/decoder/decoder.dict)
 elif compiles 0 "${CXX:-g++}" "${sanitize[@]}"; then
-  mode=driver
-  cxx=${CXX:-g++}
-  build=("$cxx" "${flags[@]}" "${sanitize[@]}" "${sources[@]}" fuzz/decoder/driver.cpp)
+  mode=driver cxx=${CXX:-g++}
+  sources+=(fuzz/decoder/driver.cpp)
   guidance=()
 else
   echo "fuzz_decoder: no C++ compiler with AddressSanitizer and UndefinedBehaviorSanitizer (clang++ or ${CXX:-g++})" >&2
@@ -67,7 +66,15 @@ else
 fi
 
 echo "fuzz_decoder: building with $cxx ($mode)"
-"${build[@]}" -o "$work/fuzz_decoder"
+mkdir -p "$work/obj"
+objects=() pids=()
+for src in "${sources[@]}"; do  # one compiler per file, side by side
+  objects+=("$work/obj/$(basename "${src%.cpp}").o")
+  "$cxx" "${flags[@]}" "${sanitize[@]}" -c "$src" -o "${objects[-1]}" &
+  pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "$pid"; done
+"$cxx" "${sanitize[@]}" "${objects[@]}" -o "$work/fuzz_decoder"
 "$python" fuzz/decoder/make_seeds.py "$work/seeds"
 
 export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=0:detect_leaks=1}
