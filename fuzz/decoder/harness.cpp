@@ -6,9 +6,9 @@
 //   2. RequestPath::prepare (csrc/request_path.cpp, compiled unchanged) under three sets of limits (the server's
 //      defaults, small ones, and none at all, as an operator may configure); a request it takes must satisfy the
 //      invariants below, computed in 128 bits so that no overflow can hide a violation;
-//   3. RequestPath::sample of the prepared request, alone and merged with a second copy of itself, through the
-//      stand-in device of host_device.cpp (every row's logits checked inside its region or buffer), and the
-//      response read back.
+//   3. RequestPath::sample of the prepared request, alone, then merged with a second copy of itself between a
+//      carried and a gathered one-row request, through the stand-in device of host_device.cpp (every row's logits
+//      checked inside its region or buffer), and each response read back.
 // Any sanitizer report, or fuzz::fail on a broken invariant, aborts: the input is a bug.
 #include <cmath>
 #include <cstdint>
@@ -214,6 +214,35 @@ void check_response(const PreparedRequest& p, std::string_view response) {
   expect(valid.size() == static_cast<size_t>(p.num_rows), "one valid flag per row");
 }
 
+// One-row requests of p's vocabulary and dtype, to merge it with: logits carried in the request, and a row
+// gathered from region "big" (empty where the row does not fit).
+uint64_t proto_dtype(const PreparedRequest& p) { return p.dtype_code == 0 ? 1 : p.dtype_code == 1 ? 3 : 2; }
+
+std::string carried_companion(const PreparedRequest& p) {
+  const u128 bytes = static_cast<u128>(p.vocab) * p.itemsize;
+  if (bytes > 65536) return {};
+  tokensampler::wire::Writer tensor, request;
+  tensor.uint_field(1, proto_dtype(p));
+  const int64_t shape[2] = {1, p.vocab};
+  tensor.packed_varints(2, shape, 2);
+  const std::string data(static_cast<size_t>(bytes), '\0');
+  tensor.bytes_field(3, data.data(), data.size());
+  request.message_field(1, tensor);
+  return request.bytes();
+}
+
+std::string gathered_companion(const PreparedRequest& p) {
+  const uint64_t offset = 3 * p.itemsize;  // not the region's start
+  if (static_cast<u128>(p.vocab) * p.itemsize + offset > region_named("big")->bytes) return {};
+  tokensampler::wire::Writer rows, request;
+  rows.bytes_field(1, "big", 3);
+  rows.uint_field(2, proto_dtype(p));
+  rows.uint_field(3, static_cast<uint64_t>(p.vocab));
+  rows.packed_varints(4, &offset, 1);
+  request.message_field(10, rows);
+  return request.bytes();
+}
+
 void sample(const Path& path, const std::vector<std::shared_ptr<PreparedRequest>>& batch) {
   std::vector<tokensampler::AnsweredRequest> answers;
   try {
@@ -240,13 +269,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (!prepared) continue;
     check_prepared(*prepared, path, input);
     sample(path, {prepared});
-    const u128 rows = 2 * static_cast<u128>(prepared->num_rows);
-    if (rows <= static_cast<u128>(path.limits.max_batch_rows) &&
-        rows * static_cast<u128>(prepared->vocab) <= static_cast<u128>(path.limits.max_batch_elements)) {
-      const auto again = path.path->prepare(input, "fuzz-merged", !stream_message);
-      expect(again != nullptr, "a request taken once and declined the second time");
-      sample(path, {prepared, again});
+    // merged: a second copy of itself, between a carried and a gathered request of its vocabulary and dtype
+    const std::string carried = carried_companion(*prepared), gathered = gathered_companion(*prepared);
+    std::vector<std::shared_ptr<PreparedRequest>> batch;
+    u128 rows = 0;
+    for (int i = 0; i < 4; ++i) {
+      const std::string_view bytes = i == 0 ? carried : i == 3 ? gathered : input;
+      if (bytes.empty()) continue;
+      auto request = i == 1 ? prepared : path.path->prepare(bytes, "fuzz-merged", i % 2);
+      expect(request != nullptr, "a request taken once, or a one-row request of its shape, declined");
+      rows += static_cast<u128>(request->num_rows);
+      if (rows > static_cast<u128>(path.limits.max_batch_rows) ||
+          rows * static_cast<u128>(prepared->vocab) > static_cast<u128>(path.limits.max_batch_elements))
+        break;
+      batch.push_back(std::move(request));
     }
+    if (batch.size() > 1) sample(path, batch);
   }
   return 0;
 }
