@@ -77,12 +77,14 @@ for pid in "${pids[@]}"; do wait "$pid"; done
 "$cxx" "${sanitize[@]}" "${objects[@]}" -o "$work/fuzz_decoder"
 "$python" fuzz/decoder/make_seeds.py "$work/seeds"
 
-export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=0:detect_leaks=1}
-export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-abort_on_error=1:halt_on_error=1:print_stacktrace=1}
 report() {  # report <log>: the crash, its input, and exit 1
   echo "fuzz_decoder: CRASH" >&2
-  grep -E -A40 'ERROR: |runtime error: |==fuzz== ' "$1" | head -80 >&2 || tail -40 "$1" >&2
-  ls "$work"/artifacts/* 2>/dev/null | sed 's/^/fuzz_decoder: input at fault: /' >&2
+  local found='ERROR: |runtime error: |==fuzz== '
+  if grep -qE "$found" "$1"; then grep -E -A40 "$found" "$1" | head -80 >&2 || true; else tail -40 "$1" >&2; fi
+  { grep -E '^Running: ' "$1" | tail -1 | sed 's/^Running: //' || true; ls "$work"/artifacts/* 2>/dev/null || true; } |
+    sed 's/^/fuzz_decoder: input at fault: /' >&2
   exit 1
 }
 

@@ -1,10 +1,10 @@
 // A main() for harness.cpp where libFuzzer is not available (g++): it runs every file given, then `-runs=N`
 // random mutations of them, without coverage guidance: half byte-level (bit flips, byte values, varints of edge
 // values, cuts, repeats, splices), half protobuf-aware (mutator.h). Its flags and its closing line are libFuzzer's, so that scripts/fuzz_decoder.sh reads
-// both alike. On a sanitizer report or an abort the input at fault is written to <artifact_prefix>crash-input.
+// both alike. On a sanitizer report (made to abort, below) or a crash the input at fault is written to
+// <artifact_prefix>crash-input.
 //   driver [-runs=N] [-seed=S] [-max_len=L] [-artifact_prefix=P] FILE_OR_DIR...
 #include <fcntl.h>
-#include <sanitizer/common_interface_defs.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -114,6 +114,10 @@ bool flag(const std::string& arg, const char* name, std::string& value) {
 
 }  // namespace
 
+// Reports end in abort(), which on_abort sees; ASAN_OPTIONS and UBSAN_OPTIONS still override these.
+extern "C" const char* __asan_default_options() { return "abort_on_error=1"; }
+extern "C" const char* __ubsan_default_options() { return "abort_on_error=1:halt_on_error=1:print_stacktrace=1"; }
+
 int main(int argc, char** argv) {
   uint64_t runs = 0, seed = 1;
   size_t max_len = 8192;
@@ -141,7 +145,6 @@ int main(int argc, char** argv) {
       }
     }
   }
-  __sanitizer_set_death_callback(save_current);
   std::signal(SIGABRT, on_abort);
   std::signal(SIGSEGV, on_abort);
   const auto start = std::chrono::steady_clock::now();
