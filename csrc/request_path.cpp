@@ -330,8 +330,12 @@ bool RequestPath::validate(const Parsed& q, const RegionMapping* region, Prepare
     case kBfloat16: p.dtype_code = 2, p.itemsize = 2; break;
     default: return false;
   }
-  const uint64_t row_bytes = static_cast<uint64_t>(vocab) * p.itemsize;
-  const uint64_t logits_bytes = static_cast<uint64_t>(num_rows) * row_bytes;
+  // Limits near INT64_MAX (an operator's choice) let these products pass 64 bits, and a wrapped byte count is
+  // small enough to pass every check below: such a request is declined (the Python path refuses it).
+  uint64_t row_bytes = 0, logits_bytes = 0;
+  if (__builtin_mul_overflow(static_cast<uint64_t>(vocab), p.itemsize, &row_bytes) ||
+      __builtin_mul_overflow(static_cast<uint64_t>(num_rows), row_bytes, &logits_bytes))
+    return false;
   if (q.carried) {
     if (q.data.size() != logits_bytes) return false;
   } else if (gathered) {

@@ -108,6 +108,7 @@ inline bool append_fixed32(const Field& field, std::vector<uint32_t>& out) {
   }
   if (field.type != kLengthDelimited || field.bytes.size() % 4) return false;
   const size_t count = field.bytes.size() / 4;
+  if (!count) return true;  // an empty run: out may have no storage, and memcpy's pointers must not be null
   const size_t start = out.size();
   out.resize(start + count);
   std::memcpy(out.data() + start, field.bytes.data(), 4 * count);

@@ -1,0 +1,209 @@
+// The sanitizer build's stand-ins for the CUDA runtime (cuda_runtime.h here) and for the launchers of
+// csrc/sampling.h. Each launcher checks, before it writes an answer, that everything the real kernel would read
+// or write lies inside a block the request path allocated or a region registered with it: the logits of every
+// work row, the per-row columns, the row lists, the outputs, the workspace. A row outside its region is the
+// worst a decoding or validation bug can do on the GPU (a read of another allocation), and on the GPU no
+// sanitizer sees it; here fail() stops the run on it.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+
+#include "host_device.h"
+#include "sampling.h"
+
+namespace fuzz {
+namespace {
+
+std::map<uintptr_t, size_t>& blocks() {
+  static std::map<uintptr_t, size_t> tracked;
+  return tracked;
+}
+
+uint64_t bytes_of(uint64_t count, uint64_t size, const char* what) {
+  uint64_t bytes = 0;
+  if (__builtin_mul_overflow(count, size, &bytes)) fail(what);
+  return bytes;
+}
+
+void need(const void* p, uint64_t count, uint64_t size, const char* what) {
+  if (!p || !inside(p, bytes_of(count, size, what))) fail(what);
+}
+
+size_t itemsize_of(int32_t dtype) {
+  switch (dtype) {
+    case 0: return 4;
+    case 1:
+    case 2: return 2;
+    default: fail("TsLogits.dtype is not 0, 1 or 2");
+  }
+}
+
+constexpr uint8_t kFlagCpu = 4;
+
+// One stand-in launch over a work list: every read checked, then a token and flags for each work row. The
+// answer comes from the row's first byte, so that a fuzzed input reaches both the answered and the declined
+// (kFlagCpu) ends of RequestPath::sample.
+void run(const TsLogits* l, const TsRows* r, const TsOutputs* out, const TsWorkspace* ws, size_t scratch_bytes) {
+  if (l->num_rows < 1 || l->vocab < 1) fail("TsLogits without rows or tokens");
+  if (r->num_work_rows < 1 || r->num_work_rows > l->num_rows) fail("TsRows.num_work_rows outside [1, num_rows]");
+  const uint64_t rows = static_cast<uint64_t>(l->num_rows), n = static_cast<uint64_t>(r->num_work_rows);
+  const size_t itemsize = itemsize_of(l->dtype);
+  need(r->temperature, rows, 4, "TsRows.temperature");
+  need(r->top_k, rows, 4, "TsRows.top_k");
+  need(r->top_p, rows, 4, "TsRows.top_p");
+  need(r->min_p, rows, 4, "TsRows.min_p");
+  need(r->seed, rows, 8, "TsRows.seed");
+  need(r->position, rows, 8, "TsRows.position");
+  need(r->iteration, rows, 8, "TsRows.iteration");
+  if (r->rows) need(r->rows, n, 4, "TsRows.rows");
+  if (l->row_start) need(l->row_start, rows, 8, "TsLogits.row_start");
+  need(ws->counters, n, 4, "TsWorkspace.counters");
+  need(ws->scratch, scratch_bytes, 1, "TsWorkspace.scratch");
+  if (out->num_samples != 1 || out->sample != 0) fail("TsOutputs: more than one sample");
+  need(out->tokens, rows, 8, "TsOutputs.tokens");
+  need(out->flags, rows, 1, "TsOutputs.flags");
+  for (float* column : {out->row_max, out->row_min, out->row_logz, out->kept_mass})
+    if (column) need(column, rows, 4, "TsOutputs' per-row floats");
+  if (out->kept_min_key) need(out->kept_min_key, rows, 8, "TsOutputs.kept_min_key");
+  const uint64_t row_bytes = bytes_of(static_cast<uint64_t>(l->vocab), itemsize, "a row's bytes overflow");
+  for (uint64_t i = 0; i < n; ++i) {
+    const int64_t row = r->rows ? r->rows[i] : static_cast<int64_t>(i);
+    if (row < 0 || static_cast<uint64_t>(row) >= rows) fail("TsRows.rows holds a row outside [0, num_rows)");
+    const __int128 element = l->row_start ? static_cast<__int128>(l->row_start[row])
+                                          : static_cast<__int128>(row) * l->vocab;
+    const __int128 at = static_cast<__int128>(reinterpret_cast<uintptr_t>(l->data)) + element * itemsize;
+    if (at <= 0 || at > static_cast<__int128>(UINTPTR_MAX)) fail("a row's address outside the address space");
+    const auto* logits = reinterpret_cast<const volatile uint8_t*>(static_cast<uintptr_t>(at));
+    if (!inside(const_cast<const uint8_t*>(logits), row_bytes)) fail("a row's logits outside every region and buffer");
+    const uint8_t first = logits[0];
+    (void)logits[row_bytes - 1];  // both ends read, for AddressSanitizer too
+    out->tokens[row] = first % l->vocab;
+    out->flags[row] = first == 0xC4 ? kFlagCpu : first & 3;
+    for (float* column : {out->row_max, out->row_min, out->row_logz, out->kept_mass})
+      if (column) column[row] = 0.f;
+    if (out->kept_min_key) out->kept_min_key[row] = 0;
+  }
+}
+
+}  // namespace
+
+void track(const void* base, size_t bytes) { blocks()[reinterpret_cast<uintptr_t>(base)] = bytes; }
+
+void untrack(const void* base) {
+  if (!blocks().erase(reinterpret_cast<uintptr_t>(base))) fail("a free of a block never allocated");
+}
+
+bool inside(const void* p, size_t bytes) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(p);
+  auto next = blocks().upper_bound(at);
+  if (next == blocks().begin()) return false;
+  const auto& [base, size] = *--next;
+  return at - base <= size && bytes <= size - (at - base);
+}
+
+void fail(const char* what) {
+  std::fprintf(stderr, "==fuzz== request path invariant broken: %s\n", what);
+  std::abort();
+}
+
+}  // namespace fuzz
+
+// ---- the CUDA runtime, on the heap
+namespace {
+char stream_token;
+constexpr size_t kMostBytes = size_t{1} << 32;  // a larger request than any fuzzed input can make: a failure
+}  // namespace
+
+const char* cudaGetErrorString(cudaError_t err) { return err == cudaSuccess ? "no error" : "out of memory"; }
+cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int) { return cudaSuccess; }
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int) {
+  *stream = reinterpret_cast<cudaStream_t>(&stream_token);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned int) { return cudaSuccess; }
+
+cudaError_t cudaMalloc(void** ptr, size_t bytes) {
+  if (bytes > kMostBytes) return cudaErrorMemoryAllocation;
+  *ptr = std::malloc(bytes ? bytes : 1);
+  if (!*ptr) return cudaErrorMemoryAllocation;
+  fuzz::track(*ptr, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaFree(void* ptr) {
+  fuzz::untrack(ptr);
+  std::free(ptr);
+  return cudaSuccess;
+}
+cudaError_t cudaHostAlloc(void** ptr, size_t bytes, unsigned int) { return cudaMalloc(ptr, bytes); }
+cudaError_t cudaFreeHost(void* ptr) { return cudaFree(ptr); }
+
+cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t) {
+  if (!fuzz::inside(ptr, bytes)) fuzz::fail("cudaMemsetAsync outside its buffer");
+  std::memset(ptr, value, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t) {
+  // a host source may be any host memory (the request's own bytes): AddressSanitizer checks that read
+  if (!fuzz::inside(dst, bytes) || (kind == cudaMemcpyDeviceToHost && !fuzz::inside(src, bytes)))
+    fuzz::fail("cudaMemcpyAsync outside its buffers");
+  if (bytes) std::memcpy(dst, src, bytes);
+  return cudaSuccess;
+}
+
+// ---- the launchers request_path.cpp calls, with scratch sizes of the same shape as the real ones
+size_t ts_stats_scratch_bytes(int32_t n, int64_t) { return 16 * static_cast<size_t>(n); }
+size_t ts_gumbel_scratch_bytes(int32_t n, int64_t) { return 24 * static_cast<size_t>(n); }
+size_t ts_topk_scratch_bytes(int32_t n, int64_t, int32_t bucket) {
+  return 8 * static_cast<size_t>(n) * static_cast<size_t>(bucket);
+}
+size_t ts_nucleus_scratch_bytes(int32_t n, int64_t) { return 32 * static_cast<size_t>(n); }
+size_t ts_hist_bytes(int32_t n) { return 256 * static_cast<size_t>(n); }
+
+int ts_stats(const TsLogits* l, const TsRows* r, const float*, const TsOutputs* out, const TsWorkspace* ws, void*) {
+  fuzz::run(l, r, out, ws, ts_stats_scratch_bytes(r->num_work_rows, l->vocab));
+  return 0;
+}
+int ts_gumbel(const TsLogits* l, const TsRows* r, const float*, const TsOutputs* out, const TsWorkspace* ws, void*) {
+  fuzz::run(l, r, out, ws, ts_gumbel_scratch_bytes(r->num_work_rows, l->vocab));
+  return 0;
+}
+int ts_min_p(const TsLogits* l, const TsRows* r, const float* row_max, const TsOutputs* out, const TsWorkspace* ws,
+             void*) {
+  fuzz::need(row_max, static_cast<uint64_t>(l->num_rows), 4, "ts_min_p row_max");
+  fuzz::run(l, r, out, ws, ts_gumbel_scratch_bytes(r->num_work_rows, l->vocab));
+  return 0;
+}
+int ts_topk(const TsLogits* l, const TsRows* r, int32_t bucket, const TsOutputs* out, const TsWorkspace* ws, void*) {
+  fuzz::run(l, r, out, ws, ts_topk_scratch_bytes(r->num_work_rows, l->vocab, bucket));
+  return 0;
+}
+int ts_filter(const TsLogits* l, const TsRows* r, const float* row_max, const float* row_min,
+              const int64_t* row_argmax, const uint8_t* stats_flags, int32_t, int32_t splits, const TsOutputs* out,
+              const TsWorkspace* ws, void*) {
+  const uint64_t rows = static_cast<uint64_t>(l->num_rows);
+  fuzz::need(row_max, rows, 4, "ts_filter row_max");
+  fuzz::need(row_min, rows, 4, "ts_filter row_min");
+  fuzz::need(row_argmax, rows, 8, "ts_filter row_argmax");
+  fuzz::need(stats_flags, rows, 1, "ts_filter stats_flags");
+  if (splits < 1 || splits > 64) fuzz::fail("ts_filter splits outside [1, 64]");
+  if (splits > 1) fuzz::need(ws->hist, ts_hist_bytes(r->num_work_rows), 1, "TsWorkspace.hist");
+  fuzz::run(l, r, out, ws, 0);
+  return 0;
+}
+int ts_nucleus(const TsLogits* l, const TsRows* r, const TsOutputs* pre, const TsOutputs* out, const TsWorkspace* ws,
+               void*) {
+  const size_t scratch = ts_nucleus_scratch_bytes(r->num_work_rows, l->vocab);
+  fuzz::run(l, r, pre, ws, scratch);
+  fuzz::run(l, r, out, ws, scratch);
+  return 0;
+}
