@@ -86,12 +86,12 @@ class Region:
         OUT_OF_RANGE past the region's end, INVALID_ARGUMENT if malformed."""
         _check_dtype(ref.dtype, field, dtypes)
         shape = tuple(ref.shape)
-        if self.segment is not None:
-            return self._read(*self._span(ref, field, shape), field).view(DTYPE_TO_TORCH[ref.dtype]).view(shape)
         key = (ref.offset, ref.dtype, shape)
         view = self.views.get(key)
         if view is None:
             view = self._read(*self._span(ref, field, shape), field).view(DTYPE_TO_TORCH[ref.dtype]).view(shape)
+            if self.segment is not None:  # a copy, read anew for every request
+                return view
             if len(self.views) >= _MAX_CACHED_VIEWS:
                 self.views.clear()
             self.views[key] = view
@@ -101,7 +101,7 @@ class Region:
         """Where an output of the reference's shape is written: checked as `tensor` checks a reference."""
         _check_dtype(ref.dtype, field, dtypes)
         shape = tuple(ref.shape)
-        offset, size = self._span(ref, field, shape)
+        offset, _ = self._span(ref, field, shape)
         return OutputTarget(self, offset, DTYPE_TO_TORCH[ref.dtype], shape, field)
 
     def _span(self, ref: pb.TensorRef, field: str, shape: tuple[int, ...]) -> tuple[int, int]:
