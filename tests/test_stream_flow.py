@@ -69,13 +69,14 @@ def _rss_mib(pid: int) -> float:
 
 
 def test_streams_that_are_never_read_hold_bounded_server_memory() -> None:
-    """4 streams offer 80 messages of 1 MiB each, whose answers are 33 KiB (64 top log-probs of 64 rows) and never read an
+    """4 streams offer 80 messages of 1 MiB each, whose answers are 516 KiB (64 top log-probs of 1024 rows: more than
+    any transport window takes in 80 answers) and never read an
     answer: once the client's transport stops taking answers, the server stops reading each stream when its
     unanswered messages hold STREAM_BYTES_IN_FLIGHT, so its memory grows by a bounded amount per stream. The
     server returns freed memory to the system at once (a fixed mmap threshold), so that its RSS follows what it
     holds."""
     streams, cap = 4, 80  # a window of 64 messages (the bound before) took all 80
-    rows = 64
+    rows = 1024
     message = build_sample_request(logits=torch.zeros(rows, VOCAB // rows), seed=list(range(rows)), top_logprobs=64)
     sent = [0] * streams
 
