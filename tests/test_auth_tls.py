@@ -239,7 +239,8 @@ def test_tls(tls_server: RunningServer, pki: Pki) -> None:
         assert by_name.health() == "SERVING"
     with SamplerClient(tls_server.target, timeout=30, retries=0) as plaintext:
         _unavailable(plaintext)  # plaintext to a TLS port
-    with SamplerClient(tls_server.target, timeout=30, retries=0, credentials=grpc.ssl_channel_credentials()) as untrusted:
+    with SamplerClient(tls_server.target, timeout=30, retries=0,
+                       credentials=grpc.ssl_channel_credentials()) as untrusted:
         _unavailable(untrusted)  # the system's roots do not know the test CA
 
 

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import numpy as np
@@ -132,6 +132,8 @@ class Outcome:
     elapsed_s: float
     details: str = ""
     trailing_metadata: tuple = ()
+    while_held: bool = False
+    """Answered while the gated backend held the calls the server admitted (burst_while_held)."""
 
 
 SLOW_ROWS = 4
@@ -146,18 +148,17 @@ def slow_requests(count: int, seed: int) -> list[pb.SampleRequest]:
             for _ in range(count)]
 
 
-def burst_while_held(server: RunningServer, requests: list[pb.SampleRequest]) -> tuple[list[Outcome], set[int]]:
+def burst_while_held(server: RunningServer, requests: list[pb.SampleRequest]) -> list[Outcome]:
     """Every request (slow_requests) sent at once on one channel, without the client's retries, to a gated
     server: its backend holds the first batch, so each call the server admits waits there or in the queue, and
-    every other one is answered meanwhile. The gate opens once every call is answered or admitted. Returns the
-    outcomes, and the indices of the calls answered while the gate was shut."""
+    every other one is answered meanwhile. The gate opens once every call is answered or admitted."""
     assert server.gate is not None
 
     def admitted(held_rows: int) -> int:
         return held_rows // SLOW_ROWS + int(value(parse_samples(scrape_text(metrics_port(server))),
                                                    "tokensampler_queue_depth") or 0)
 
-    async def burst() -> tuple[list[Outcome], set[int]]:
+    async def burst() -> list[Outcome]:
         async with grpc.aio.insecure_channel(server.target, options=[("grpc.max_send_message_length", -1)]) as channel:
             stub = pb_grpc.SamplerStub(channel)
 
@@ -175,10 +176,11 @@ def burst_while_held(server: RunningServer, requests: list[pb.SampleRequest]) ->
                 held_rows = await asyncio.to_thread(server.gate.wait_held)
                 await wait_until_async(lambda: sum(c.done() for c in calls) + admitted(held_rows) == len(calls),
                                        "every call answered or admitted")
-                answered = {i for i, call in enumerate(calls) if call.done()}
+                answered = [call.done() for call in calls]
             finally:
                 server.gate.open()
-            return list(await asyncio.gather(*calls)), answered
+            outcomes = await asyncio.gather(*calls)
+            return [replace(outcome, while_held=held) for outcome, held in zip(outcomes, answered)]
 
     return asyncio.run(burst())
 
@@ -218,13 +220,13 @@ def test_overload_answers_resource_exhausted_fast_and_retries_get_through() -> N
     running = start_server("--device", "cpu", "--max-queue-rows", "8", gate=ServerGate())
     requests = slow_requests(16, seed=7)
     try:
-        outcomes, answered_while_held = burst_while_held(running, requests)
+        outcomes = burst_while_held(running, requests)
         refused = [o for o in outcomes if o.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
         assert {o.code for o in outcomes} <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
         assert refused, "the burst never filled the queue"
         # Each refused while the backend held the admitted calls: at once, not at its deadline (60 s), nor
         # once the backend was free.
-        assert answered_while_held == {i for i, o in enumerate(outcomes) if o.code == grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert all(o.while_held for o in refused)
         slowest_refusal = max(o.elapsed_s for o in refused)
         assert all(("x-retryable", "overload") in o.trailing_metadata for o in refused)
         served = [o.elapsed_s for o in outcomes if o.code == grpc.StatusCode.OK]
@@ -256,13 +258,12 @@ def test_calls_past_the_concurrency_limit_are_refused_at_once_and_retries_get_th
     running = start_server("--device", "cpu", "--max-concurrent-rpcs", "2", gate=ServerGate())
     requests = slow_requests(8, seed=8)
     try:
-        outcomes, answered_while_held = burst_while_held(running, requests)
+        outcomes = burst_while_held(running, requests)
         refused = [o for o in outcomes if o.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
         assert {o.code for o in outcomes} <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
         assert refused and sum(o.code == grpc.StatusCode.OK for o in outcomes) >= 2
-        assert all(o.details == CONCURRENCY_LIMIT_DETAILS for o in refused)
         # Each refused while the backend held the 2 admitted calls: at once, waiting for no slot to free.
-        assert answered_while_held == {i for i, o in enumerate(outcomes) if o.code == grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert all(o.details == CONCURRENCY_LIMIT_DETAILS and o.while_held for o in refused)
         assert_retries_get_every_request_through(running.target, requests)
     finally:
         running.stop()
