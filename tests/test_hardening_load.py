@@ -35,7 +35,8 @@ from .test_metrics import metrics_port, parse_samples, scrape_text, value
 
 CLIENTS, REQUESTS_PER_CLIENT = 16, 100
 LOAD_DEADLINE_S = 600.0
-"""For the whole load: 1600 requests took 29 s on 2 cores, so this bounds a hang, not the speed."""
+"""For the whole load: the 1600 requests took 29 s on 2 cores (43 s with two busy loops beside them), so
+this bounds a hang, not the speed."""
 VOCABS = (64, 256, 1000)
 MODES = ("greedy", "top_k", "top_p", "min_p", "gumbel", "processed")
 _REFERENCE = CpuBackend()
@@ -82,6 +83,7 @@ def load_server() -> Iterator[RunningServer]:
     running.stop()
 
 
+@pytest.mark.timeout(LOAD_DEADLINE_S + 300)  # the load, then the check of every row
 def test_many_clients_get_exactly_their_own_rows(load_server: RunningServer) -> None:
     """16 clients × 100 requests at once; every row checked. Prints the figures for the README."""
     results: list[tuple[pb.SampleRequest, SampleResult, float]] = []
