@@ -46,8 +46,8 @@ def start_server(*args: str, env: dict[str, str] | None = None, timeout: float =
                  gate: ServerGate | None = None) -> RunningServer:
     """Starts `tokensampler-server --port 0 ARGS` and waits for the line that names its port; with `gate`,
     the gated server of gated_server.py."""
-    server = gate.command() if gate is not None else [sys.executable, "-m", "tokensampler_server"]
-    command = [*server, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *args]
+    launcher = gate.command() if gate is not None else [sys.executable, "-m", "tokensampler_server"]
+    command = [*launcher, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *args]
     process = subprocess.Popen(
         command,
         stderr=subprocess.PIPE,

@@ -60,7 +60,8 @@ class ServerGate:
         """Lets the batch that wait_held saw go on."""
         assert self._held, "no held batch to release"
         self._held -= 1
-        os.write(self._control, b"x")
+        if self._control >= 0:  # else opened already
+            os.write(self._control, b"x")
 
     @contextmanager
     def holding(self, timeout: float = 60.0) -> Iterator[int]:
@@ -88,11 +89,12 @@ class ServerGate:
 def _serve(control_fd: int, status_fd: int, argv: list[str]) -> int:
     from tokensampler_server.backends.cpu import CpuBackend
     from tokensampler_server.cli import main
+    from tokensampler_server.sampling import SamplingBatch, SamplingResult
 
     sample = CpuBackend.sample
     gate_open = False
 
-    def gated_sample(self: CpuBackend, batch):  # type: ignore[no-untyped-def]
+    def gated_sample(self: CpuBackend, batch: SamplingBatch) -> SamplingResult:
         nonlocal gate_open
         if not gate_open and bool((batch.seed == GATE_SEED).any()):
             os.write(status_fd, f"{batch.num_rows}\n".encode())

@@ -217,7 +217,7 @@ def assert_retries_get_every_request_through(target: str, requests: list[pb.Samp
 
 def test_overload_answers_resource_exhausted_fast_and_retries_get_through() -> None:
     """A queue of 8 rows under 16 concurrent 4-row requests: the ones that do not fit are refused at
-    once (not at their 30 s deadline), marked retryable; the client's backoff then gets every one
+    once (not at their 60 s deadline), marked retryable; the client's backoff then gets every one
     through, each with its own tokens."""
     running = start_server("--device", "cpu", "--max-queue-rows", "8", gate=ServerGate())
     requests = slow_requests(16, seed=7)
