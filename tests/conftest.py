@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from .gated_server import ServerGate
+
 _SERVING = re.compile(r"tokensampler serving on .*:(\d+)$")
 
 
@@ -22,27 +24,40 @@ class RunningServer:
     process: subprocess.Popen
     port: int
     log: list[str] = field(default_factory=list)
+    gate: ServerGate | None = None
+    """Set for a server started with one (gated_server.py): its backend holds the batches seeded GATE_SEED."""
 
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.gate is not None:
+            self.gate.open()  # a held batch would hold the shutdown for its whole grace period
         if self.process.poll() is None:
             self.process.send_signal(sig)
-        return self.process.wait(timeout=timeout)
+        code = self.process.wait(timeout=timeout)
+        if self.gate is not None:
+            self.gate.close()
+        return code
 
 
-def start_server(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0) -> RunningServer:
-    """Starts `tokensampler-server --port 0 ARGS` and waits for the line that names its port."""
-    command = [sys.executable, "-m", "tokensampler_server", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *args]
+def start_server(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0,
+                 gate: ServerGate | None = None) -> RunningServer:
+    """Starts `tokensampler-server --port 0 ARGS` and waits for the line that names its port; with `gate`,
+    the gated server of gated_server.py."""
+    launcher = gate.command() if gate is not None else [sys.executable, "-m", "tokensampler_server"]
+    command = [*launcher, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *args]
     process = subprocess.Popen(
         command,
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
         env={**os.environ, **(env or {})},
+        pass_fds=gate.child_fds if gate is not None else (),
     )
+    if gate is not None:
+        gate.started()
     log: list[str] = []
     port: list[int] = []
     ready = threading.Event()
@@ -65,7 +80,7 @@ def start_server(*args: str, env: dict[str, str] | None = None, timeout: float =
     if not port:
         process.wait(timeout=10)
         raise RuntimeError(f"tokensampler-server exited with {process.returncode}:\n" + "\n".join(log))
-    return RunningServer(process=process, port=port[0], log=log)
+    return RunningServer(process=process, port=port[0], log=log, gate=gate)
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +93,7 @@ def server() -> Iterator[RunningServer]:
 
 @pytest.fixture(scope="module")
 def shm_server() -> Iterator[RunningServer]:
-    """A CPU server that takes shared-memory regions, one for each test module that asks."""
-    running = start_server("--device", "cpu", "--allow-shm")
+    """A gated CPU server that takes shared-memory regions, one for each test module that asks."""
+    running = start_server("--device", "cpu", "--allow-shm", gate=ServerGate())
     yield running
     running.stop()

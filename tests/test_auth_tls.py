@@ -237,9 +237,10 @@ def test_tls(tls_server: RunningServer, pki: Pki) -> None:
         assert client.sample(torch.randn(2, 8), seed=[1, 2]).tokens.shape == (2, 1)
     with SamplerClient(f"localhost:{tls_server.port}", timeout=30, tls_ca=pki.ca.read_bytes()) as by_name:
         assert by_name.health() == "SERVING"
-    with SamplerClient(tls_server.target, timeout=5, retries=0) as plaintext:
+    with SamplerClient(tls_server.target, timeout=30, retries=0) as plaintext:
         _unavailable(plaintext)  # plaintext to a TLS port
-    with SamplerClient(tls_server.target, timeout=5, retries=0, credentials=grpc.ssl_channel_credentials()) as untrusted:
+    with SamplerClient(tls_server.target, timeout=30, retries=0,
+                       credentials=grpc.ssl_channel_credentials()) as untrusted:
         _unavailable(untrusted)  # the system's roots do not know the test CA
 
 
@@ -247,9 +248,9 @@ def test_mutual_tls(mtls_server: RunningServer, pki: Pki) -> None:
     with SamplerClient(mtls_server.target, timeout=30, tls_ca=pki.ca, tls_cert=pki.client_cert,
                        tls_key=pki.client_key) as client:
         assert client.sample(torch.randn(2, 8), seed=[1, 2]).tokens.shape == (2, 1)
-    with SamplerClient(mtls_server.target, timeout=5, retries=0, tls_ca=pki.ca) as no_certificate:
+    with SamplerClient(mtls_server.target, timeout=30, retries=0, tls_ca=pki.ca) as no_certificate:
         _unavailable(no_certificate)
-    with SamplerClient(mtls_server.target, timeout=5, retries=0, tls_ca=pki.ca, tls_cert=pki.rogue_cert,
+    with SamplerClient(mtls_server.target, timeout=30, retries=0, tls_ca=pki.ca, tls_cert=pki.rogue_cert,
                        tls_key=pki.rogue_key) as rogue:
         _unavailable(rogue)  # a certificate that another CA signed
 

@@ -16,6 +16,7 @@ from tokensampler_server.errors import ServiceError
 from tokensampler_server.sampling import LogitProcessing, SamplingBatch, SamplingResult, TokenEntries
 
 from .batches import make_batch
+from .polling import wait_until_async
 
 VOCAB = 300
 
@@ -45,19 +46,26 @@ def random_batch(rng: random.Random) -> SamplingBatch:
     )
 
 
+GATE_TIMEOUT_S = 60.0
+"""How long a gated job waits for its test at most: a failed test does not leave it blocked for good."""
+
+
 class CountingBackend(Backend):
-    """The CPU backend, recording the rows of every call it gets."""
+    """The CPU backend, recording the rows of every call it gets; with `gate`, each call waits for it
+    (`entered` tells that a call has begun)."""
 
     def __init__(self, gate: threading.Event | None = None) -> None:
         self.calls: list[int] = []
         self._gate = gate
+        self.entered = threading.Event()
 
     def info(self) -> BackendInfo:
         return BackendInfo(name="cpu", device="cpu")
 
     def sample(self, batch: SamplingBatch) -> SamplingResult:
+        self.entered.set()
         if self._gate is not None:
-            self._gate.wait(10)
+            self._gate.wait(GATE_TIMEOUT_S)
         self.calls.append(batch.num_rows)
         return CpuBackend().sample(batch)
 
@@ -85,13 +93,14 @@ def test_concurrent_requests_are_merged_and_each_gets_its_own_rows() -> None:
 
 def test_full_queue_answers_resource_exhausted_at_once() -> None:
     gate = threading.Event()
+    backend = CountingBackend(gate)
 
     async def run() -> ServiceError:
-        batcher = DynamicBatcher(CountingBackend(gate), max_batch_rows=4, max_queue_rows=8)
+        batcher = DynamicBatcher(backend, max_batch_rows=4, max_queue_rows=8)
         busy = [asyncio.ensure_future(batcher.submit(make_batch(torch.zeros(4, 8))))]
-        await asyncio.sleep(0.05)  # that batch is in the backend, blocked on the gate
+        await wait_until_async(backend.entered.is_set, "the first batch in the backend, blocked on the gate")
         busy += [asyncio.ensure_future(batcher.submit(make_batch(torch.zeros(4, 8)))) for _ in range(2)]
-        await asyncio.sleep(0.01)  # 8 rows wait: the queue is full
+        await wait_until_async(lambda: batcher.queued_rows == 8, "8 rows waiting: the queue full")
         assert batcher.queued_rows == 8
         with pytest.raises(ServiceError) as raised:
             await batcher.submit(make_batch(torch.zeros(1, 8)))
@@ -111,9 +120,9 @@ def test_a_cancelled_caller_does_not_disturb_its_batch() -> None:
     async def run() -> list:
         batcher = DynamicBatcher(backend, max_batch_rows=64)
         first = asyncio.ensure_future(batcher.submit(make_batch(torch.zeros(1, 8))))
-        await asyncio.sleep(0.02)  # the backend is busy with `first`; the next three queue up
+        await wait_until_async(backend.entered.is_set, "the backend busy with `first`")  # the next three queue up
         waiting = [asyncio.ensure_future(batcher.submit(make_batch(torch.randn(2, 8), seed=s))) for s in range(3)]
-        await asyncio.sleep(0.02)
+        await wait_until_async(lambda: batcher.queued_requests == 3, "three requests queued")
         waiting[1].cancel()
         gate.set()
         done = await asyncio.gather(first, waiting[0], waiting[2])
@@ -127,13 +136,14 @@ def test_a_cancelled_caller_does_not_disturb_its_batch() -> None:
 
 def test_queued_bytes_are_bounded() -> None:
     gate = threading.Event()
+    backend = CountingBackend(gate)
 
     async def run() -> ServiceError:
-        batcher = DynamicBatcher(CountingBackend(gate), max_batch_rows=4, max_queue_bytes=4 * 1000 * 4)
+        batcher = DynamicBatcher(backend, max_batch_rows=4, max_queue_bytes=4 * 1000 * 4)
         busy = [asyncio.ensure_future(batcher.submit(make_batch(torch.zeros(4, 1000))))]
-        await asyncio.sleep(0.05)  # that batch is in the backend; the queue is empty again
+        await wait_until_async(backend.entered.is_set, "the first batch in the backend")  # the queue is empty again
         busy.append(asyncio.ensure_future(batcher.submit(make_batch(torch.zeros(4, 1000)))))  # 16000 bytes wait
-        await asyncio.sleep(0.01)
+        await wait_until_async(lambda: batcher.queued_rows == 4, "the second batch queued")
         with pytest.raises(ServiceError) as raised:
             await batcher.submit(make_batch(torch.zeros(1, 1000)))
         gate.set()
@@ -206,14 +216,14 @@ def test_small_batches_already_on_a_device_run_on_the_event_loop_and_host_ones_o
 
 def test_the_event_loop_waits_for_the_worker_to_be_idle() -> None:
     backend = ThreadRecordingBackend()
-    gate = threading.Event()
+    entered, gate = threading.Event(), threading.Event()
 
     async def run() -> None:
         batcher = DynamicBatcher(backend, max_batch_rows=64)
-        busy = asyncio.ensure_future(batcher.run_exclusive(lambda: gate.wait(10), rows=0, nbytes=0))
-        await asyncio.sleep(0.02)
-        queued = asyncio.ensure_future(batcher.submit(make_batch(torch.empty(1, 8, device="meta"))))
-        await asyncio.sleep(0.02)
+        busy = asyncio.ensure_future(batcher.run_exclusive(lambda: (entered.set(), gate.wait(GATE_TIMEOUT_S)), rows=0, nbytes=0))
+        await wait_until_async(entered.is_set, "the exclusive job on the worker")
+        # enqueue, not submit: a batch run on the loop would be answered before this returns
+        queued = batcher.enqueue(make_batch(torch.empty(1, 8, device="meta")))
         assert not queued.done()  # not run on the loop beside the exclusive job
         gate.set()
         await asyncio.gather(busy, queued)

@@ -20,6 +20,7 @@ from tokensampler_client.regions import RegionView
 from tokensampler_client.result import SampleResult
 
 from .conftest import RunningServer, start_server
+from .polling import wait_until, wait_until_async
 
 VOCAB = 256
 CALLS_PER_THREAD = 200
@@ -232,8 +233,7 @@ def test_calls_gather_while_every_slot_is_busy() -> None:
         first = pool.submit(batcher.sample, views[0], seed=1)
         assert started.wait(30)
         rest = [pool.submit(batcher.sample, view, seed=1) for view in views[1:]]
-        while len(batcher._pending) < 4:  # all four are waiting for the slot
-            threading.Event().wait(0.001)
+        wait_until(lambda: len(batcher._pending) == 4, "all four waiting for the slot")
         release.set()
         results = [first.result(30)] + [future.result(30) for future in rest]
     assert [r.logits_ref.shape[0] for r in fake.sent] == [2, 8]
@@ -258,10 +258,11 @@ def test_async_calls_gather_while_every_slot_is_busy() -> None:
         fake = HeldFirst(["regions"])
         async with AsyncBatchingClient(fake, max_rows=64, max_delay_us=0, max_in_flight=1) as batcher:
             first = asyncio.ensure_future(batcher.sample(views[0], seed=1))
-            while not fake.sent:
-                await asyncio.sleep(0.001)
+            await wait_until_async(lambda: fake.sent, "the first call in its slot")
             rest = [asyncio.ensure_future(batcher.sample(view, seed=1)) for view in views[1:]]
-            await asyncio.sleep(0.05)  # their flush timers fire while the only slot is busy
+            # Their flush timers fire while the only slot is busy: the calls wait, their timer spent.
+            await wait_until_async(lambda: len(batcher._pending) == 4 and batcher._flush_handle is None,
+                                   "all four waiting for the slot")
             release.set()
             results = await asyncio.gather(first, *rest)
         return results, fake.sent

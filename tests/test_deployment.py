@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -256,11 +257,11 @@ def test_round_robin_spreads_calls_over_replicas(live_server: RunningServer) -> 
         with SamplerClient(target, timeout=30, options=[("grpc.lb_policy_name", "round_robin")]) as client:
             # Until both replicas have served calls (pick_first would send them all to one); round_robin
             # alternates once both connections are up, so a few calls suffice.
-            for _ in range(100):
+            deadline = time.monotonic() + 60
+            served = [0.0, 0.0]
+            while min(served) < 2 and time.monotonic() < deadline:
                 client.sample(torch.zeros(1, 8))
                 served = [_sample_calls(replica) - calls for replica, calls in zip(replicas, before)]
-                if min(served) >= 2:
-                    break
         assert min(served) >= 2, served
     finally:
         other.stop()

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import os
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -18,6 +18,8 @@ from tokensampler_client import SamplerClient, TokenSamplerError
 from tokensampler_client._proto import sampler_pb2 as pb
 
 from .conftest import RunningServer, start_server
+from .gated_server import GATE_SEED, ServerGate
+from .polling import wait_until
 
 ALPHA = 1e-3
 
@@ -33,7 +35,8 @@ def weights_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def weights_server(weights_dir: Path):
-    running = start_server("--device", "cpu", "--weights-dir", str(weights_dir), "--uds", str(weights_dir / "ts.sock"))
+    running = start_server("--device", "cpu", "--weights-dir", str(weights_dir), "--uds", str(weights_dir / "ts.sock"),
+                           gate=ServerGate())
     yield running
     running.stop()
 
@@ -211,17 +214,23 @@ def test_weights_from_file_are_off_without_weights_dir(server: RunningServer) ->
     assert raised.value.code == grpc.StatusCode.FAILED_PRECONDITION
 
 
-def test_unregister_waits_for_requests_in_flight(client: SamplerClient) -> None:
-    client.register_weights("busy", torch.randn(151936, 16))
+def test_unregister_waits_for_requests_in_flight(weights_server: RunningServer, client: SamplerClient) -> None:
+    client.register_weights("busy", torch.randn(1000, 16))
     results: list[object] = []
     slow = threading.Thread(
-        target=lambda: results.append(client.sample_hidden(torch.randn(48, 16), "busy", top_p=0.9, seed=3))
+        target=lambda: results.append(client.sample_hidden(torch.randn(48, 16), "busy", top_p=0.9, seed=GATE_SEED))
     )
     slow.start()
-    while not client.list_weights()[0].in_flight and slow.is_alive():
-        time.sleep(0.002)  # until the request holds the weight
-    info = client.unregister_weights("busy")
+    assert weights_server.gate is not None
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with weights_server.gate.holding():  # the request is in the backend, using the weight
+            held = client.list_weights()[0].in_flight
+            unregistering = pool.submit(client.unregister_weights, "busy")
+            wait_until(lambda: client.list_weights() == [], "the weight gone for new requests")
+            assert not unregistering.done() and slow.is_alive()  # waiting for the request
+        info = unregistering.result(60)
     slow.join(60)
+    assert held, "the request was not seen holding the weight"
     assert info.in_flight == 0 and len(results) == 1 and results[0].valid.all()
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
-import time
 
 import grpc
 import pytest
@@ -19,6 +18,8 @@ from tokensampler_server.backends.cpu import CpuBackend
 
 from .batches import make_batch
 from .conftest import RunningServer, start_server
+from .gated_server import GATE_SEED, ServerGate
+from .polling import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -212,17 +213,20 @@ def test_oversized_message_is_refused_and_the_server_keeps_serving(small_server:
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_zero() -> None:
-    running = start_server("--device", "cpu", "--grace-period-s", "30")
+    gate = ServerGate()
+    running = start_server("--device", "cpu", "--grace-period-s", "30", gate=gate)
     results: list[object] = []
     with SamplerClient(running.target, timeout=60) as client:
         client.sample(torch.zeros(1, 8))  # warm up
-        # A request that takes a while on the CPU, in flight when SIGTERM arrives.
+        # A request held in the backend while SIGTERM arrives and the server starts to drain.
         slow = threading.Thread(
-            target=lambda: results.append(client.sample(torch.randn(64, 151936), top_p=0.9, seed=1))
+            target=lambda: results.append(client.sample(torch.randn(64, 1000), top_p=0.9, seed=GATE_SEED))
         )
         slow.start()
-        time.sleep(1.0)  # the request takes seconds on the CPU: it is in flight by now
-        running.process.send_signal(signal.SIGTERM)
+        with gate.holding() as rows:
+            running.process.send_signal(signal.SIGTERM)
+            wait_until(lambda: any("shutting down" in line for line in running.log), "the server saw SIGTERM")
+            assert rows == 64 and slow.is_alive() and not results  # in flight while the server drains
         slow.join(120)
         assert running.process.wait(timeout=60) == 0
     assert len(results) == 1 and results[0].tokens.shape == (64, 1), results

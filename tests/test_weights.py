@@ -16,6 +16,8 @@ from tokensampler_server.errors import InvalidArgument, ServiceError
 from tokensampler_server.weights import LogitsFinish, WeightRegistry, check_finish, load_safetensors, resolve_weights_path
 from tokensampler_server.weights_rpc import read_upload
 
+from .polling import wait_until_async
+
 
 def test_logits_apply_bias_scale_cap_and_drop_padding() -> None:
     gen = torch.Generator().manual_seed(0)
@@ -135,7 +137,7 @@ def test_unregister_waits_for_requests_in_flight() -> None:
         events: list[str] = []
         with registry.use("head"):
             task = asyncio.ensure_future(registry.unregister("head"))
-            await asyncio.sleep(0.05)
+            await wait_until_async(lambda: registry.list() == [], "the unregistering under way")
             assert not task.done()  # still in use
             with pytest.raises(ServiceError):  # but already gone for new requests
                 with registry.use("head"):

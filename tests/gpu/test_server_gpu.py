@@ -3,15 +3,22 @@ Sample and for the diffusion and top-k workloads)."""
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import grpc
 import pytest
 import torch
 from tokensampler_client import SamplerClient
+from tokensampler_client.regions import RegionView
+from tokensampler_client.result import SampleResult
 from tokensampler_server.backends.cpu import CpuBackend
 
 from ..batches import make_batch
 from ..conftest import RunningServer, start_server
+from ..polling import wait_until
+from ..test_metrics import metrics_port, parse_samples, scrape_text, value
 from ..test_workloads_hidden_e2e import check_diffusion_step, check_topk_probs, make_heads
+from .stream_gate import StreamGate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 
@@ -81,33 +88,54 @@ def test_cuda_ipc_region_in_and_out(client: SamplerClient) -> None:
         client.unregister_region(out_region)
 
 
-def test_a_producer_marks_its_region_ready_with_an_event_instead_of_synchronising(client: SamplerClient) -> None:
-    """The producer writes on a side stream behind a long GPU sleep, records the region's ready event and calls
-    at once, without synchronising: the native path (tokens only), the Python path (log-probs) and a stream
-    message each read what it wrote, not what the buffer held before."""
+def test_a_producer_marks_its_region_ready_with_an_event_instead_of_synchronising(cuda_server: RunningServer,
+                                                                                    client: SamplerClient) -> None:
+    """The producer queues its write on a side stream held shut (StreamGate), records the region's ready event
+    and calls at once, without synchronising; the write lands only once the server has the call. The native
+    path (tokens only), the Python path (log-probs) and a stream message are each answered only after the
+    write, and read what it wrote, not what the buffer held before."""
     rows = 4
     logits = torch.zeros(rows, V, device="cuda")
     region = client.register_cuda_region("evented", logits, ready_event=True)
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
+    port = metrics_port(cuda_server)
+
+    def calls_in_flight() -> float:
+        return value(parse_samples(scrape_text(port)), "tokensampler_in_flight_requests") or 0
+
+    def in_a_stream(view: RegionView) -> SampleResult:  # a stream of its own: its call starts in the server
+        with client.stream() as stream:
+            return stream.sample(view, temperature=0)
+
     calls = (
         lambda view: client.sample(view, temperature=0),
         lambda view: client.sample(view, temperature=0, return_logprobs=True),
-        lambda view: stream.sample(view, temperature=0),
+        in_a_stream,
     )
+    gates: list[StreamGate] = []
     try:
-        with client.stream() as stream:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
             for step, call in enumerate(calls):
                 targets = [1 + step * 7 + row * 1000 for row in range(rows)]  # a new argmax every step
                 flat = torch.tensor([row * V + t for row, t in enumerate(targets)], device="cuda")
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):  # nothing in here waits on the host
-                    torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time: the write lands after the call is sent
+                    gates.append(StreamGate(side))  # the write waits until the server has the call
                     logits.zero_()
                     logits.view(-1).index_fill_(0, flat, 5.0)
                     region.mark_ready(side)
-                assert call(region.view_of(logits)).tokens[:, 0].tolist() == targets, step
+                before = calls_in_flight()
+                answer = pool.submit(call, region.view_of(logits))
+                try:
+                    wait_until(lambda: calls_in_flight() > before or answer.done(), "the call in the server")
+                    assert not answer.done(), step  # answered before the write landed: the event was not waited for
+                finally:
+                    gates[-1].open()
+                assert answer.result(300).tokens[:, 0].tolist() == targets, step
     finally:
+        for gate in gates:
+            gate.open()
         side.synchronize()
         client.unregister_region(region)
 
