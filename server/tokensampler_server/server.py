@@ -79,6 +79,12 @@ async def serve(config: ServerConfig) -> None:
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
     backend = create_backend(config.device)
     info = backend.info()
+    tracer = None
+    if config.otlp_endpoint is not None:
+        from .tracing import otlp_tracer  # only here: a server without tracing loads no opentelemetry module
+
+        tracer = otlp_tracer(config.otlp_endpoint, info.name)
+        log.info("tracing: spans to %s", config.otlp_endpoint)
     log.info("backend %s on %s", info.name, info.device)
 
     if config.gpu_memory_fraction is not None and backend.device.type == "cuda":
@@ -98,7 +104,7 @@ async def serve(config: ServerConfig) -> None:
                              maximum_concurrent_rpcs=grpc_call_backstop(config))
     admission = Admission(config.max_concurrent_rpcs, config.max_health_watchers, config.max_calls_per_client,
                           tokens, metrics)
-    registration = CallGuard(metrics, admission).registration(server)
+    registration = CallGuard(metrics, admission, tracer).registration(server)
     batcher = DynamicBatcher(
         backend,
         max_batch_rows=config.limits.max_batch_rows,
@@ -166,6 +172,8 @@ async def serve(config: ServerConfig) -> None:
     await health_servicer.enter_graceful_shutdown()
     await server.stop(config.grace_period_s)
     await sampler.close()
+    if tracer is not None:
+        tracer.shutdown()  # exports the spans of the last calls
     if metrics_http is not None:  # last: Prometheus can scrape the drain
         metrics_http.shutdown()
         metrics_http.server_close()
