@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing: a span per call with its attributes, stages and the caller's span as parent; the client
+"""OpenTelemetry tracing: a span per call with its attributes, stage events and the caller's span as parent; the client
 sends the caller's span; a server without --otlp-endpoint loads no opentelemetry module."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _by_request_id(finished: tuple[ReadableSpan, ...]) -> dict[str, ReadableSpan
     return {span.attributes["tokensampler.request_id"]: span for span in finished if span.kind == SpanKind.SERVER}
 
 
-def test_a_span_per_call_with_attributes_stages_status_and_the_given_parent(spans) -> None:
+def test_a_span_per_call_with_attributes_stage_events_status_and_the_given_parent(spans) -> None:
     provider, exporter = spans
 
     async def calls(target: str) -> None:
@@ -101,11 +101,12 @@ def test_a_span_per_call_with_attributes_stages_status_and_the_given_parent(span
         "tokensampler.backend": "cpu", "tokensampler.request_path": "python",
     }
     assert ok.status.status_code == StatusCode.UNSET
-    stages = sorted((span for span in finished if span.parent is not None and span.parent.span_id == ok.context.span_id),
-                    key=lambda span: span.start_time)
-    assert [span.name for span in stages] == STAGES
-    assert all(ok.start_time <= span.start_time < span.end_time <= ok.end_time for span in stages)
-    assert all(span.context.trace_id == TRACE_ID for span in stages)
+    assert [event.name for event in ok.events] == STAGES
+    durations = [event.attributes["duration_ns"] for event in ok.events]
+    assert all(duration > 0 for duration in durations)
+    assert sum(durations) <= ok.end_time - ok.start_time
+    times = [event.timestamp for event in ok.events]  # back to back from the call's start
+    assert times == [ok.start_time + sum(durations[:i]) for i in range(len(STAGES))]
 
     invalid, bug, info = calls_by_id["invalid"], calls_by_id["bug"], calls_by_id["info"]
     assert invalid.parent is None  # a traceparent that does not parse starts a trace of its own
@@ -115,9 +116,10 @@ def test_a_span_per_call_with_attributes_stages_status_and_the_given_parent(span
     assert bug.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INTERNAL.value[0]
     assert bug.status.status_code == StatusCode.ERROR and bug.attributes["tokensampler.rows"] == 2
     assert info.name == "tokensampler.v1.Sampler/GetServerInfo" and "tokensampler.rows" not in info.attributes
-    # Stages only under the calls that sampled: the sampled one's four, the failed batch's deserialize.
-    children = [span for span in finished if span.kind != SpanKind.SERVER]
-    assert sorted(span.name for span in children) == sorted(STAGES + ["deserialize"])
+    # Stages only on the calls that sampled: the failed batch was decoded, never queued.
+    assert [event.name for event in bug.events] == ["deserialize"]
+    assert not invalid.events and not info.events
+    assert len(finished) == 4  # no span but the calls'
 
 
 def test_the_client_sends_the_active_span_as_traceparent(spans) -> None:
