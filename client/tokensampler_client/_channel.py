@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import sys
 import uuid
 from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
 from typing import Any, Union
 
@@ -41,11 +43,31 @@ def new_request_id() -> str:
 
 
 def call_metadata(request_id: str, auth_token: str | None = None) -> tuple[tuple[str, str], ...]:
-    """Metadata sent with every call: the request id, which the server logs and echoes back, and the
-    bearer token when the client has one (a server started with --auth-token-file requires it)."""
-    if auth_token is None:
-        return ((REQUEST_ID_METADATA_KEY, request_id),)
-    return ((REQUEST_ID_METADATA_KEY, request_id), (AUTHORIZATION_METADATA_KEY, f"Bearer {auth_token}"))
+    """Metadata sent with every call: the request id, which the server logs and echoes back, the bearer
+    token when the client has one (a server started with --auth-token-file requires it), and the caller's
+    OpenTelemetry span (trace_context)."""
+    metadata = ((REQUEST_ID_METADATA_KEY, request_id),)
+    if auth_token is not None:
+        metadata += ((AUTHORIZATION_METADATA_KEY, f"Bearer {auth_token}"),)
+    return metadata + trace_context()
+
+
+@cache
+def _w3c_propagator() -> Any:
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    return TraceContextTextMapPropagator()
+
+
+def trace_context() -> tuple[tuple[str, str], ...]:
+    """W3C `traceparent` (and `tracestate`) of the caller's active OpenTelemetry span, which makes the server's
+    span of the call its child; () without one. The client does not need opentelemetry: a process with an
+    active span has loaded opentelemetry.context, and one that has not pays a dictionary look-up."""
+    if "opentelemetry.context" not in sys.modules:
+        return ()
+    carrier: dict[str, str] = {}
+    _w3c_propagator().inject(carrier)
+    return tuple(carrier.items())
 
 
 def check_auth_token(token: str | None) -> str | None:

@@ -1,5 +1,5 @@
 """One place that knows how each call ended: it turns exceptions into gRPC statuses, counts the call
-in the metrics and logs it, all under the call's request id.
+in the metrics, logs it and, with tracing on, gives it a span (tracing.py), all under the call's request id.
 
 A ServiceError becomes its own status and message. Anything else is a bug: it becomes INTERNAL, and
 its traceback is logged under the request id; the server keeps serving. Every error message ends
@@ -28,6 +28,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -37,6 +38,9 @@ from .call_record import CallRecord, current_call
 from .errors import InvalidArgument, ServiceError, failure_status, unparsable
 from .metrics import ServerMetrics
 from .request_context import REQUEST_ID_METADATA_KEY, current_request_id, request_id_from_metadata
+
+if TYPE_CHECKING:  # tracing.py loads opentelemetry: only a server with tracing on imports it
+    from .tracing import CallTracer
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +111,11 @@ def _log_call(call: CallRecord, code: grpc.StatusCode, elapsed_ns: int, error: s
 class CallGuard:
     """Wraps each method's behaviour, and the parsing and serialisation of its messages, once per method."""
 
-    def __init__(self, metrics: ServerMetrics | None = None, admission: Admission | None = None) -> None:
+    def __init__(self, metrics: ServerMetrics | None = None, admission: Admission | None = None,
+                 tracer: CallTracer | None = None) -> None:
         self._metrics = metrics or ServerMetrics()
         self._admission = admission
+        self._tracer = tracer
 
     def registration(self, server: grpc.aio.Server) -> GuardedRegistration:
         """What services register on instead of `server`: every handler they add reaches it guarded."""
@@ -128,7 +134,8 @@ class CallGuard:
             wrap, behaviour = grpc.unary_unary_rpc_method_handler, handler.unary_unary
             deserializer = None  # the guard parses the request bytes itself, timed into the call's record
         return wrap(
-            self._guard(behaviour, method, handler.request_deserializer, handler.request_streaming, admit),
+            self._guard(behaviour, method, handler.request_deserializer, handler.request_streaming, admit,
+                        self._tracer if self._tracer is not None and self._tracer.traces(method) else None),
             request_deserializer=deserializer,
             response_serializer=self._timed_serialize(handler.response_serializer),
         )
@@ -202,7 +209,7 @@ class CallGuard:
         return serialize_timed
 
     def _guard(self, handler: Handler, method: str, deserialize: Deserializer | None, streaming: bool,
-               admit: Admit | None) -> Handler:
+               admit: Admit | None, tracer: CallTracer | None) -> Handler:
         async def guarded(request: object, context: grpc.aio.ServicerContext) -> object:
             call = CallRecord(method=method, request_id=request_id_from_metadata(context.invocation_metadata()))
             call.start()
@@ -232,6 +239,8 @@ class CallGuard:
             finally:
                 metrics.calls_in_flight -= 1
                 elapsed_ns = call.elapsed_ns()
+                if tracer is not None:  # before the metrics, which trade the call's batch for its row counts
+                    tracer.record(call, code, elapsed_ns, context.invocation_metadata())
                 metrics.observe_call_later(call, code, elapsed_ns)  # recorded at the next scrape
                 _log_call(call, code, elapsed_ns, error)
             await context.abort(code, f"{error} (request id {call.request_id})", _trailing(code, trailing))

@@ -169,6 +169,11 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         help="do not serve Prometheus metrics [TOKENSAMPLER_NO_METRICS]",
     )
     parser.add_argument(
+        "--otlp-endpoint", default=_env("OTLP_ENDPOINT", "") or None,
+        help="OpenTelemetry collector (OTLP over gRPC) that gets a span per call, e.g. http://collector:4317 "
+        "(https:// for TLS); needs the tracing extra; off when unset [TOKENSAMPLER_OTLP_ENDPOINT]",
+    )
+    parser.add_argument(
         "--log-level", default=_env("LOG_LEVEL", defaults.log_level), choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         type=str.upper, help="log verbosity; DEBUG adds one line per request [TOKENSAMPLER_LOG_LEVEL]",
     )
@@ -200,6 +205,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         parser.error("--tls-cert and --tls-key go together")
     if args.tls_client_ca is not None and args.tls_cert is None:
         parser.error("--tls-client-ca needs --tls-cert and --tls-key")
+    if args.otlp_endpoint is not None and not args.otlp_endpoint.startswith(("http://", "https://")):
+        parser.error("--otlp-endpoint must be an http:// or https:// URL, e.g. http://collector:4317")
     return ServerConfig(
         host=args.host,
         port=args.port,
@@ -236,6 +243,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
+        otlp_endpoint=args.otlp_endpoint,
     )
 
 

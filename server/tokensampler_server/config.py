@@ -93,6 +93,8 @@ class ServerConfig:
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
     """PEM CA bundle: when set, clients must present a certificate it signed (mutual TLS)."""
+    otlp_endpoint: str | None = None
+    """OTLP/gRPC collector URL (http:// plaintext, https:// TLS) that gets a span per call; None: no tracing."""
 
 
 # The CPU reference spends ~130 ns and ~30 bytes of working memory per logits element (top-k + top-p,

@@ -1,5 +1,8 @@
 """Prometheus metrics: what the server exports on --metrics-port, and how the layers record them.
 
+The same port answers the HTTP health probes of load balancers that do not speak gRPC: /healthz (live)
+and /readyz (ready: what gRPC health says of the Sampler). Every other path is 404.
+
 Each server owns a CollectorRegistry, so servers built in one process (tests) never share counts.
 The one exception is `record_fallback`: backends have no handle on a server, so the fallback
 counter is process-wide and every server's registry exports it.
@@ -13,14 +16,17 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
+import threading
 from collections import deque
-from collections.abc import Iterator
-from wsgiref.simple_server import WSGIServer
+from collections.abc import Callable, Iterable, Iterator
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
 import numpy as np
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -278,17 +284,64 @@ class ServerMetrics:
                 self.observe_call(*item)
 
 
-def start_metrics_http(metrics: ServerMetrics, host: str, port: int) -> WSGIServer | None:
-    """Serves /metrics on a daemon thread (port 0: the OS picks; the log names it).
+_TEXT = ("Content-Type", "text/plain; charset=utf-8")
+WsgiApp = Callable[[dict, Callable], Iterable[bytes]]
+
+
+def _always() -> bool:
+    return True
+
+
+def _http_app(registry: CollectorRegistry, ready: Callable[[], bool]) -> WsgiApp:
+    """The metrics port's WSGI app: /metrics, /healthz (200 while the process answers), /readyz (200 while
+    `ready()`, else 503), and 404 for every other path (prometheus_client alone answers every path with the
+    metrics, so a probe of any path would pass)."""
+    scrape = make_wsgi_app(registry)
+
+    def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
+            return scrape(environ, start_response)
+        if path == "/healthz":
+            status, body = "200 OK", b"ok\n"
+        elif path == "/readyz":
+            status, body = ("200 OK", b"ready\n") if ready() else ("503 Service Unavailable", b"not ready\n")
+        else:
+            status, body = "404 Not Found", b"not found: this port serves /metrics, /healthz and /readyz\n"
+        start_response(status, [_TEXT, ("Content-Length", str(len(body)))])
+        return [body]
+
+    return app
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a client that never finishes its request does not hold the process at exit
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        """No line per request: Prometheus and probes call every few seconds."""
+
+
+def start_metrics_http(metrics: ServerMetrics, host: str, port: int,
+                       ready: Callable[[], bool] = _always) -> WSGIServer | None:
+    """Serves /metrics, /healthz and /readyz (_http_app) on daemon threads (port 0: the OS picks; the log
+    names it). `ready` is called on the server's threads, once per /readyz request.
 
     A port that cannot be bound disables metrics with a warning instead of stopping the server:
     sampling matters more than its metrics, and Prometheus shows the target as down.
     """
     try:
-        httpd, _ = start_http_server(port, addr=host, registry=metrics.registry)
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+        server_class = type("MetricsServer", (_ThreadingServer,), {"address_family": family})  # IPv6 hosts too
+        httpd = make_server(address[0], port, _http_app(metrics.registry, ready), server_class,
+                            handler_class=_QuietHandler)
     except OSError as err:
         log.warning("metrics disabled: cannot listen on %s:%d (%s)", host, port, err)
         return None
+    threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True).start()
     bound = httpd.server_address[1]
-    log.info("metrics on http://%s:%d/metrics", host, bound, extra={"metrics_port": bound})
+    log.info("metrics on http://%s:%d/metrics, health on /healthz and /readyz", host, bound,
+             extra={"metrics_port": bound})
     return httpd

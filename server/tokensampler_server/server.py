@@ -1,7 +1,7 @@
 """Builds the grpc.aio server (sampler, health, reflection) and runs it until SIGTERM/SIGINT.
 
-Shutdown: health turns NOT_SERVING at once, new calls are refused, in-flight calls get the grace
-period to finish, then the process exits 0.
+Shutdown: health turns NOT_SERVING at once (gRPC, and /readyz on the metrics port), new calls are
+refused, in-flight calls get the grace period to finish, then the process exits 0.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 from dataclasses import replace
+from functools import partial
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -37,6 +38,12 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Sampler"].full_name
 
 def _memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def sampler_serving(health_servicer: health.aio.HealthServicer) -> bool:
+    """Whether gRPC health says SERVING for the Sampler: /readyz on the metrics port. Called on that port's
+    threads, where the servicer's Check (a coroutine of the event loop) cannot run: a read of its status dict."""
+    return health_servicer._server_status.get(SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -72,6 +79,12 @@ async def serve(config: ServerConfig) -> None:
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
     backend = create_backend(config.device)
     info = backend.info()
+    tracer = None
+    if config.otlp_endpoint is not None:
+        from .tracing import otlp_tracer  # only here: a server without tracing loads no opentelemetry module
+
+        tracer = otlp_tracer(config.otlp_endpoint, info.name)
+        log.info("tracing: spans to %s", config.otlp_endpoint)
     log.info("backend %s on %s", info.name, info.device)
 
     if config.gpu_memory_fraction is not None and backend.device.type == "cuda":
@@ -91,7 +104,7 @@ async def serve(config: ServerConfig) -> None:
                              maximum_concurrent_rpcs=grpc_call_backstop(config))
     admission = Admission(config.max_concurrent_rpcs, config.max_health_watchers, config.max_calls_per_client,
                           tokens, metrics)
-    registration = CallGuard(metrics, admission).registration(server)
+    registration = CallGuard(metrics, admission, tracer).registration(server)
     batcher = DynamicBatcher(
         backend,
         max_batch_rows=config.limits.max_batch_rows,
@@ -137,7 +150,8 @@ async def serve(config: ServerConfig) -> None:
         raise RuntimeError(f"could not listen on unix:{config.uds}")
     metrics_http = None
     if config.metrics_port is not None:  # before the serving line: whoever waits for it finds the metrics port too
-        metrics_http = start_metrics_http(metrics, config.host, config.metrics_port)
+        metrics_http = start_metrics_http(metrics, config.host, config.metrics_port,
+                                          ready=partial(sampler_serving, health_servicer))
     await server.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -158,6 +172,8 @@ async def serve(config: ServerConfig) -> None:
     await health_servicer.enter_graceful_shutdown()
     await server.stop(config.grace_period_s)
     await sampler.close()
+    if tracer is not None:
+        tracer.shutdown()  # exports the spans of the last calls
     if metrics_http is not None:  # last: Prometheus can scrape the drain
         metrics_http.shutdown()
         metrics_http.server_close()

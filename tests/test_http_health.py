@@ -1,0 +1,88 @@
+"""HTTP health on the metrics port: /healthz, /readyz mirroring gRPC health (503 from SIGTERM on), 404 elsewhere."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import urllib.error
+import urllib.request
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from tokensampler_server.metrics import ServerMetrics, start_metrics_http
+from tokensampler_server.server import SERVICE_NAME, sampler_serving
+
+from .conftest import start_server
+from .test_metrics import metrics_port
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    """(status, body) of GET `path` on the metrics port."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_each_path_answers_its_status_and_body() -> None:
+    ready = threading.Event()
+    httpd = start_metrics_http(ServerMetrics(), "127.0.0.1", 0, ready=ready.is_set)
+    assert httpd is not None
+    try:
+        port = httpd.server_address[1]
+        assert get(port, "/healthz") == (200, "ok\n")
+        assert get(port, "/readyz") == (503, "not ready\n")
+        ready.set()
+        assert get(port, "/readyz") == (200, "ready\n")
+        status, body = get(port, "/metrics")
+        assert status == 200 and "# TYPE tokensampler_in_flight_requests gauge" in body
+        for path in ("/", "/metrics/", "/metricsx", "/healthz/x", "/readyz/", "/favicon.ico", "/../metrics"):
+            status, body = get(port, path)
+            assert (status, body) == (404, "not found: this port serves /metrics, /healthz and /readyz\n"), path
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_readiness_is_what_grpc_health_says_of_the_sampler() -> None:
+    async def run() -> list[bool]:
+        servicer = health.aio.HealthServicer()
+        seen = [sampler_serving(servicer)]  # before the server sets it: the Sampler is unknown
+        await servicer.set("", SERVING)
+        seen.append(sampler_serving(servicer))  # the server as a whole is not the Sampler
+        await servicer.set(SERVICE_NAME, SERVING)
+        seen.append(sampler_serving(servicer))
+        await servicer.enter_graceful_shutdown()
+        seen.append(sampler_serving(servicer))
+        return seen
+
+    assert asyncio.run(run()) == [False, False, True, False]
+
+
+def test_readyz_turns_503_at_sigterm_while_a_call_holds_the_server() -> None:
+    """An open health Watch is a call in flight: the server stays up through its grace period until the
+    watch ends, so /readyz is read after the watch has seen NOT_SERVING and before the process exits."""
+    running = start_server("--device", "cpu", "--grace-period-s", "60")
+    try:
+        port = metrics_port(running)
+        assert get(port, "/readyz") == (200, "ready\n")
+        assert get(port, "/healthz") == (200, "ok\n")
+        with grpc.insecure_channel(running.target) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                                                                timeout=30)
+            assert next(watch).status == SERVING
+            running.process.send_signal(signal.SIGTERM)
+            assert next(watch).status == NOT_SERVING
+            assert running.process.poll() is None  # held by the watch, in its grace period
+            assert get(port, "/readyz") == (503, "not ready\n")
+            assert get(port, "/healthz") == (200, "ok\n")
+            assert get(port, "/metrics")[0] == 200  # Prometheus can scrape the drain
+            watch.cancel()
+        assert running.process.wait(timeout=60) == 0
+    finally:
+        running.stop()
