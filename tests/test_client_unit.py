@@ -324,7 +324,7 @@ def test_cli_sample_json(fake: tuple[FakeSampler, str], capsys: pytest.CaptureFi
     argv = ["--target", target, "sample", "--random-logits", "3x50", "--dtype", "float16", "--seed", "9", "--logprobs", "--json"]
     assert cli.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
-    assert len(out["tokens"]) == 3 and out["seeds"] == [9, 9, 9] and out["valid"] == [True] * 3
+    assert len(out["tokens"]) == 3 and out["seeds"] == ["9", "9", "9"] and out["valid"] == [True] * 3
     assert set(out["timings"]) == {"queue_ns", "compute_ns", "total_ns"} and len(out["logprobs"]) == 3
 
 

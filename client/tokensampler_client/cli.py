@@ -94,7 +94,10 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--logprobs", action="store_true", help="also return the log-prob of each sampled token")
     sample.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw", help="distribution of the log-probs (default: %(default)s)")
     sample.add_argument("--top-logprobs", type=_non_negative, default=0, metavar="N", help="also return the N best (id, log-prob) pairs per row")
-    sample.add_argument("--json", action="store_true", help="print the result as JSON")
+    sample.add_argument("--json", action="store_true",
+                        help="print the result as JSON; seeds are decimal strings, since JavaScript and jq read "
+                             "JSON numbers as doubles and round a uint64 seed above 2^53, which then no longer "
+                             "reproduces the sample")
     sample.set_defaults(run=_run_sample)
 
     info = commands.add_parser("info", help="print the server's version, backend, device, limits and features")
@@ -110,7 +113,7 @@ def _result_dict(result: SampleResult) -> dict[str, object]:
     out: dict[str, object] = {
         "request_id": result.request_id,
         "tokens": result.tokens.tolist(),
-        "seeds": result.seeds,
+        "seeds": [str(seed) for seed in result.seeds],  # uint64: JSON readers that parse doubles round past 2^53
         "valid": result.valid.tolist(),
         "nan_detected": result.nan_detected.tolist(),
         "timings": vars(result.timings),
