@@ -89,7 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--top-k", type=int, help="keep the k most likely tokens; 0 or -1 disables")
     sample.add_argument("--top-p", type=float, help="nucleus sampling, 0 < p <= 1; 1 disables")
     sample.add_argument("--min-p", type=float, help="keep tokens with probability >= m * max, 0 <= m < 1")
-    sample.add_argument("--seed", type=_seed, help="Philox seed shared by every row (default: drawn by the server per row)")
+    sample.add_argument("--seed", type=_seed,
+                        help="Philox seed of every row: the rows then draw the same noise, so their tokens are "
+                             "correlated (default: the server draws one seed per row)")
     sample.add_argument("--num-samples", type=_positive, help="samples per row (default 1)")
     sample.add_argument("--logprobs", action="store_true", help="also return the log-prob of each sampled token")
     sample.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw", help="distribution of the log-probs (default: %(default)s)")
