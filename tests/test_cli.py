@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from typing import Any
 
@@ -48,3 +49,20 @@ def test_json_help_says_seeds_are_strings(capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit):
         cli.main(["sample", "--help"])
     assert "seeds are decimal strings" in " ".join(capsys.readouterr().out.split())
+
+
+
+def _subcommands() -> tuple[dict[str, argparse.ArgumentParser], dict[str, str | None]]:
+    """Each subcommand's parser, and the help line the overview shows for it."""
+    (commands,) = [action for action in cli._parser()._actions if isinstance(action, argparse._SubParsersAction)]
+    return dict(commands.choices), {action.dest: action.help for action in commands._choices_actions}
+
+
+def test_every_subcommand_has_a_help_line_and_a_description(capsys: pytest.CaptureFixture[str]) -> None:
+    parsers, help_lines = _subcommands()
+    assert {"sample", "info", "health"} <= set(parsers) and set(help_lines) == set(parsers)
+    for name, parser in parsers.items():
+        assert help_lines[name] and parser.description, name
+        with pytest.raises(SystemExit):
+            cli.main([name, "--help"])
+        assert " ".join(parser.description.split()) in " ".join(capsys.readouterr().out.split()), name

@@ -102,11 +102,17 @@ def _parser() -> argparse.ArgumentParser:
                              "reproduces the sample")
     sample.set_defaults(run=_run_sample)
 
-    info = commands.add_parser("info", help="print the server's version, backend, device, limits and features")
+    info = commands.add_parser(
+        "info", help="print the server's version, backend, device, limits and features",
+        description="Print what GetServerInfo answers: the server's version, backend and device, its limits, the "
+                    "logits dtypes and features it serves, its compiled kernels.")
     info.add_argument("--json", action="store_true", help="print the ServerInfo as JSON")
     info.set_defaults(run=_run_info)
 
-    health = commands.add_parser("health", help="print the server's grpc.health.v1 status")
+    health = commands.add_parser(
+        "health", help="print the server's grpc.health.v1 status",
+        description="Print the server's grpc.health.v1 status (SERVING, NOT_SERVING, ...); the exit status is 0 "
+                    "only for SERVING.")
     health.set_defaults(run=_run_health)
     return parser
 
