@@ -125,7 +125,8 @@ class AsyncSamplerClient:
         timeout: float | None = None,
         request_id: str | None = None,
     ) -> SampleResult:
-        """Samples `num_samples` tokens per row of `logits`; arguments as SamplerClient.sample."""
+        """Samples `num_samples` tokens per row of `logits`; arguments as SamplerClient.sample (one `seed` value
+        is shared by every row, whose tokens are then correlated: pass B seeds, or None, for independent rows)."""
         request = serialize_sample_request(
             logits,
             temperature=temperature,

@@ -89,19 +89,30 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--top-k", type=int, help="keep the k most likely tokens; 0 or -1 disables")
     sample.add_argument("--top-p", type=float, help="nucleus sampling, 0 < p <= 1; 1 disables")
     sample.add_argument("--min-p", type=float, help="keep tokens with probability >= m * max, 0 <= m < 1")
-    sample.add_argument("--seed", type=_seed, help="Philox seed shared by every row (default: drawn by the server per row)")
+    sample.add_argument("--seed", type=_seed,
+                        help="Philox seed of every row: the rows then draw the same noise, so their tokens are "
+                             "correlated (default: the server draws one seed per row)")
     sample.add_argument("--num-samples", type=_positive, help="samples per row (default 1)")
     sample.add_argument("--logprobs", action="store_true", help="also return the log-prob of each sampled token")
     sample.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw", help="distribution of the log-probs (default: %(default)s)")
     sample.add_argument("--top-logprobs", type=_non_negative, default=0, metavar="N", help="also return the N best (id, log-prob) pairs per row")
-    sample.add_argument("--json", action="store_true", help="print the result as JSON")
+    sample.add_argument("--json", action="store_true",
+                        help="print the result as JSON; seeds are decimal strings, since JavaScript and jq read "
+                             "JSON numbers as doubles and round a uint64 seed above 2^53, which then no longer "
+                             "reproduces the sample")
     sample.set_defaults(run=_run_sample)
 
-    info = commands.add_parser("info", help="print the server's version, backend, device, limits and features")
+    info = commands.add_parser(
+        "info", help="print the server's version, backend, device, limits and features",
+        description="Print what GetServerInfo answers: the server's version, backend and device, its limits, the "
+                    "logits dtypes and features it serves, its compiled kernels.")
     info.add_argument("--json", action="store_true", help="print the ServerInfo as JSON")
     info.set_defaults(run=_run_info)
 
-    health = commands.add_parser("health", help="print the server's grpc.health.v1 status")
+    health = commands.add_parser(
+        "health", help="print the server's grpc.health.v1 status",
+        description="Print the server's grpc.health.v1 status (SERVING, NOT_SERVING, ...); the exit status is 0 "
+                    "only for SERVING.")
     health.set_defaults(run=_run_health)
     return parser
 
@@ -110,7 +121,7 @@ def _result_dict(result: SampleResult) -> dict[str, object]:
     out: dict[str, object] = {
         "request_id": result.request_id,
         "tokens": result.tokens.tolist(),
-        "seeds": result.seeds,
+        "seeds": [str(seed) for seed in result.seeds],  # uint64: JSON readers that parse doubles round past 2^53
         "valid": result.valid.tolist(),
         "nan_detected": result.nan_detected.tolist(),
         "timings": vars(result.timings),

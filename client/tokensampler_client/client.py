@@ -151,6 +151,9 @@ class SamplerClient:
             temperature, top_k, top_p, min_p, seed, position, iteration, repetition_penalty,
             presence_penalty, frequency_penalty: None (server default), a scalar shared by every
                 row, or B values, one per row. `seed` entries may be None (the server draws one).
+                One `seed` value is the seed of every row: the rows then draw the same noise, so identical
+                rows get identical tokens and the tokens of different rows are correlated. For independent
+                rows pass B seeds, or None.
             num_samples: samples per row (default 1).
             allowed_token_ids, banned_token_ids, output_token_ids, prompt_token_ids: one list of
                 token ids shared by every row, or B lists.

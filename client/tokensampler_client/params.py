@@ -4,6 +4,9 @@ Each scalar sampling parameter may be
   * None: 0 values are sent and every row gets the server's default;
   * a scalar (Python/numpy number, 0-d tensor or array): 1 value, shared by every row;
   * a 1-D sequence, numpy array or torch tensor of length B: one value per row.
+A scalar `seed` is the seed of every row, as v1 defines it (stored seeds keep reproducing): the rows then draw
+the same noise, so their tokens are correlated. For independent rows pass B seeds, or None (the server draws
+one per row).
 Token-list parameters take one list (shared by every row) or B lists (None entries are empty lists);
 `logit_bias` takes one dict {token_id: bias} or B dicts (or None entries).
 

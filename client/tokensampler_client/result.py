@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -26,8 +26,28 @@ def _flags(values: Sequence[bool]) -> torch.Tensor:
     return torch.frombuffer(bytearray(values), dtype=torch.bool) if len(values) else torch.zeros(0, dtype=torch.bool)
 
 
-@dataclass
-class SampleResult:
+def _summary(value: Any) -> str:
+    """A field as repr shows it: a tensor by dtype and shape (a [B, V]-sized print helps no one), a list by
+    its length."""
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    if isinstance(value, list):
+        return f"list[{len(value)}]"
+    return repr(value)
+
+
+class ReadableRepr:
+    """repr of a result dataclass (declared with repr=False): the public class's name and each field, tensors
+    by dtype and shape."""
+
+    def __repr__(self) -> str:
+        public = next(cls for cls in type(self).__mro__ if not cls.__name__.startswith("_"))
+        shown = ", ".join(f"{field.name}={_summary(getattr(self, field.name))}" for field in fields(self))
+        return f"{public.__name__}({shown})"
+
+
+@dataclass(repr=False)
+class SampleResult(ReadableRepr):
     """Sampled tokens of a [B, V] batch, with n = num_samples and N = top_logprobs.
 
     Attributes:

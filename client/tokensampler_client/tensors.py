@@ -57,6 +57,13 @@ def as_torch(array: Any) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
+def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The row-major little-endian bytes of a CPU tensor (bfloat16 included) as a flat uint8 tensor, sharing the
+    tensor's memory where it is contiguous. Flattened first: torch views a dtype as bytes only where the last
+    stride is 1, which a contiguous tensor need not have ([B, 1] ids from a transpose have stride (1, B))."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
 def encode_tensor(array: Any, out: pb.Tensor | None = None) -> pb.Tensor:
     """Encodes a tensor (any device) into a Tensor message, filling `out` when given."""
     tensor = as_torch(array)
@@ -67,8 +74,7 @@ def encode_tensor(array: Any, out: pb.Tensor | None = None) -> pb.Tensor:
     msg = out if out is not None else pb.Tensor()
     msg.dtype = TORCH_TO_DTYPE[tensor.dtype]
     msg.shape[:] = tensor.shape
-    # A uint8 view of the storage gives the raw little-endian bytes of every dtype, bfloat16 included.
-    msg.data = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    msg.data = raw_bytes(tensor).numpy().tobytes() if tensor.numel() else b""
     return msg
 
 

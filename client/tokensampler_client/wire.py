@@ -16,7 +16,7 @@ import torch
 from google.protobuf.message import Message
 
 from ._proto import sampler_pb2 as pb
-from .tensors import TORCH_TO_DTYPE
+from .tensors import TORCH_TO_DTYPE, raw_bytes
 
 SAMPLE_METHOD = "/tokensampler.v1.Sampler/Sample"
 SAMPLE_STREAM_METHOD = "/tokensampler.v1.Sampler/SampleStream"
@@ -57,7 +57,7 @@ def serialize_with_logits(request: pb.SampleRequest, rows: torch.Tensor) -> byte
     """`request` (no input set) serialized with logits = `rows`, a contiguous CPU tensor of at least one element:
     the bytes of the full message's SerializeToString, with the rows' memory copied once."""
     head = pb.Tensor(dtype=TORCH_TO_DTYPE[rows.dtype], shape=rows.shape).SerializeToString()
-    data = memoryview(rows.view(torch.uint8).numpy()).cast("B")  # raw little-endian bytes, bfloat16 included
+    data = memoryview(raw_bytes(rows).numpy()).cast("B")
     data_prefix = _length_prefix(_TENSOR_DATA_FIELD, data.nbytes)
     tensor_prefix = _length_prefix(_REQUEST_LOGITS_FIELD, len(head) + len(data_prefix) + data.nbytes)
     return b"".join((tensor_prefix, head, data_prefix, data, request.SerializeToString()))

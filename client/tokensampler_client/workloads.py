@@ -10,7 +10,7 @@ import torch
 
 from ._proto import sampler_pb2 as pb
 from .params import LOGITS_DTYPES, fill_sampling_params
-from .result import Timings
+from .result import ReadableRepr, Timings
 from .tensors import as_torch, decode_owned, decode_tensor, encode_tensor
 
 
@@ -45,8 +45,8 @@ def _timings(message: pb.Timings) -> Timings:
     return Timings(message.queue_ns, message.compute_ns, message.total_ns)
 
 
-@dataclass
-class DiffusionStepResult:
+@dataclass(repr=False)
+class DiffusionStepResult(ReadableRepr):
     """tokens int64 [B, L] (-1 where the position was not masked), confidences float32 [B, L],
     mask bool [B, L] after the step (True: still undecided), and the seed of each row."""
 
@@ -88,8 +88,8 @@ def build_diffusion_request(
     return request
 
 
-@dataclass
-class TopKProbsResult:
+@dataclass(repr=False)
+class TopKProbsResult(ReadableRepr):
     """probs float32 and ids int64, [B, S, k] (or [B, k]): probability descending, id ascending on ties."""
 
     probs: torch.Tensor
@@ -120,8 +120,8 @@ def build_topk_request(
     return request
 
 
-@dataclass
-class VerifyDraftResult:
+@dataclass(repr=False)
+class VerifyDraftResult(ReadableRepr):
     """accepted int64 [B] (0..n) and tokens int64 [B, n + 1]: the accepted draft tokens, then the
     correction or bonus token, then -1."""
 

@@ -331,6 +331,11 @@ class RegionRegistry:
             "region", max_items=max_regions, unregister_timeout_s=unregister_timeout_s)
         self._mirror = mirror
 
+    @property
+    def allowed_kinds(self) -> frozenset[str]:
+        """The kinds of region this server registers ("shm", "cuda_ipc")."""
+        return frozenset(kind for kind, allowed in self._allow.items() if allowed)
+
     def register(self, request: pb.RegisterRegionRequest) -> Region:
         kind = request.WhichOneof("source")
         if kind is None:

@@ -43,6 +43,16 @@ FEATURES = (
     "logit_bias", "token_masks", "num_samples", "dynamic_batching", "sample_stream", "regions", "diffusion_step",
     "topk_probs", "verify_draft", "diffusion_step_hidden", "topk_probs_hidden", "region_rows", "weights_from_region",
 )
+# Features that need a region, which a server registers only with --allow-shm or --allow-cuda-ipc.
+_REGION_FEATURES = frozenset({"regions", "region_rows", "weights_from_region"})
+
+
+def served_features(weights_dir: Path | None, region_kinds: frozenset[str]) -> list[str]:
+    """FEATURES less those this server's settings switch off: a client reads the list to choose a path."""
+    off = set() if region_kinds else set(_REGION_FEATURES)
+    if weights_dir is None:
+        off.add("weights_from_file")
+    return [feature for feature in FEATURES if feature not in off]
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -248,7 +258,7 @@ class SamplerService(pb_grpc.SamplerServicer):
                 max_batch_elements=self._limits.max_batch_elements,
             ),
             logits_dtypes=LOGITS_DTYPES,
-            features=FEATURES,
+            features=served_features(self._weights_dir, self._regions.allowed_kinds),
             kernels=info.kernels,
             api_version=API_VERSION,
             registered_weights=len(self._registry.list()),

@@ -326,8 +326,11 @@ def test_verify_residual_at_extreme_temperatures(kernels, scale):
 def test_verify_draft_equal_to_target_accepts_everything(kernels):
     v = _verification(16, 4, 2000, seed=6, temperature=[1.0])
     same = DraftVerification(**{**v.__dict__, "draft_probs": torch.softmax(v.target_logits[:, :4].float(), dim=-1)})
-    got = verify_draft_cuda(same, kernels)
-    _assert_verdicts_agree(got, verify_draft(same))
+    accepted, tokens = (t.cpu() for t in verify_draft_cuda(same, kernels))
+    # p = q: u·p(d) < q(d) for every u < 1, so each of the 4 draft tokens is accepted and emitted as drafted.
+    assert accepted.tolist() == [4] * 16
+    assert torch.equal(tokens[:, :4], same.draft_ids)
+    _assert_verdicts_agree((accepted, tokens), verify_draft(same))
 
 
 def test_dispatch_uses_the_kernels_on_a_cuda_backend(cuda_backend):
