@@ -15,10 +15,7 @@ from tokensampler_server.backends.cpu import CpuBackend
 
 from ..batches import make_batch
 from ..conftest import RunningServer, start_server
-from ..polling import wait_until
-from ..test_metrics import metrics_port, parse_samples, scrape_text, value
 from ..test_workloads_hidden_e2e import check_diffusion_step, check_topk_probs, make_heads
-from .stream_gate import StreamGate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 
@@ -88,21 +85,33 @@ def test_cuda_ipc_region_in_and_out(client: SamplerClient) -> None:
         client.unregister_region(out_region)
 
 
+WRITE_DELAY_CYCLES = 4_000_000_000
+"""GPU sleep ahead of the producer's write: about 2 s on an H200 (100M cycles measured ~50 ms)."""
+HOLD_S = 1.0
+"""How long the call must stay unanswered: well inside the delay, far beyond a server that does not wait."""
+
+
+def _done_within(answer: concurrent.futures.Future, seconds: float) -> bool:
+    try:
+        answer.result(timeout=seconds)
+    except concurrent.futures.TimeoutError:
+        return False
+    return True
+
+
 def test_a_producer_marks_its_region_ready_with_an_event_instead_of_synchronising(cuda_server: RunningServer,
                                                                                     client: SamplerClient) -> None:
-    """The producer queues its write on a side stream held shut (StreamGate), records the region's ready event
-    and calls at once, without synchronising; the write lands only once the server has the call. The native
-    path (tokens only), the Python path (log-probs) and a stream message are each answered only after the
-    write, and read what it wrote, not what the buffer held before."""
+    """The producer queues its write on a side stream behind a GPU sleep of about 2 s, records the region's ready
+    event and calls at once, without synchronising. No answer may come within HOLD_S (a server that did not wait
+    for the event answers from the zeroed buffer within milliseconds), and then the native path (tokens only),
+    the Python path (log-probs) and a stream message each read what was written. (A host function holding the
+    producer's stream shut instead of the sleep left the call unanswered after the gate opened, and the server's
+    wait, on its GPU stream, cannot be observed from here.)"""
     rows = 4
     logits = torch.zeros(rows, V, device="cuda")
     region = client.register_cuda_region("evented", logits, ready_event=True)
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
-    port = metrics_port(cuda_server)
-
-    def calls_in_flight() -> float:
-        return value(parse_samples(scrape_text(port)), "tokensampler_in_flight_requests") or 0
 
     def in_a_stream(view: RegionView) -> SampleResult:  # a stream of its own: its call starts in the server
         with client.stream() as stream:
@@ -113,7 +122,6 @@ def test_a_producer_marks_its_region_ready_with_an_event_instead_of_synchronisin
         lambda view: client.sample(view, temperature=0, return_logprobs=True),
         in_a_stream,
     )
-    gates: list[StreamGate] = []
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             for step, call in enumerate(calls):
@@ -121,21 +129,15 @@ def test_a_producer_marks_its_region_ready_with_an_event_instead_of_synchronisin
                 flat = torch.tensor([row * V + t for row, t in enumerate(targets)], device="cuda")
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):  # nothing in here waits on the host
-                    gates.append(StreamGate(side))  # the write waits until the server has the call
+                    torch.cuda._sleep(WRITE_DELAY_CYCLES)  # the write lands about 2 s after the call is sent
                     logits.zero_()
                     logits.view(-1).index_fill_(0, flat, 5.0)
                     region.mark_ready(side)
-                before = calls_in_flight()
                 answer = pool.submit(call, region.view_of(logits))
-                try:
-                    wait_until(lambda: calls_in_flight() > before or answer.done(), "the call in the server")
-                    assert not answer.done(), step  # answered before the write landed: the event was not waited for
-                finally:
-                    gates[-1].open()
+                # answered before the write could land: the event was not waited for
+                assert not _done_within(answer, HOLD_S), step
                 assert answer.result(300).tokens[:, 0].tolist() == targets, step
     finally:
-        for gate in gates:
-            gate.open()
         side.synchronize()
         client.unregister_region(region)
 
