@@ -141,7 +141,9 @@ class SamplerService(pb_grpc.SamplerServicer):
         arrived = time.perf_counter_ns()
         with Lease() as held:
             lm_head = self._hold_lm_head(request, held)
-            logits, step, seeds = validate_diffusion_request(request, self._limits, lm_head=lm_head)
+            # On a thread: its token lists expand over B·L positions (up to 2^25 entries, seconds of the event loop).
+            logits, step, seeds = await asyncio.to_thread(validate_diffusion_request, request, self._limits,
+                                                          lm_head=lm_head)
             started = time.perf_counter_ns()
             # Hidden states become logits on the worker, on the LM head's (the backend's) device; then the
             # CUDA kernels on a CUDA backend, the torch references otherwise (backends/cuda_workloads.py).
@@ -175,7 +177,8 @@ class SamplerService(pb_grpc.SamplerServicer):
 
     async def VerifyDraft(self, request: pb.VerifyDraftRequest, context: grpc.aio.ServicerContext) -> pb.VerifyDraftResponse:
         arrived = time.perf_counter_ns()
-        verification, seeds = validate_verify_request(request, self._limits)
+        # On a thread, as for diffusion steps: token lists over B·(n+1) positions, and draft logits to softmax.
+        verification, seeds = await asyncio.to_thread(validate_verify_request, request, self._limits)
         started = time.perf_counter_ns()
         accepted, tokens = await self._batcher.run_exclusive(
             lambda: run_verify_draft(verification, self._backend),
