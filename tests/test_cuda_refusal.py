@@ -7,15 +7,17 @@ CPU unnoticed); `--device auto` falls back to the CPU backend with a warning, an
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from tokensampler_client import SamplerClient
 
-from tokensampler_server.backends import create_backend
+from tokensampler_server.backends import create_backend, cuda_build
 from tokensampler_server.backends import cuda as cuda_backend
 from tokensampler_server.backends.cpu import CpuBackend
 from tokensampler_server.config import StartupError
@@ -92,3 +94,26 @@ def test_a_backend_that_fails_to_load_stops_device_cuda_and_auto_falls_back(
 def test_an_unknown_device_is_a_startup_error() -> None:
     with pytest.raises(StartupError, match="expected auto, cpu, cuda or cuda:N"):
         create_backend("tpu")
+
+
+def test_a_cuda_runtime_without_nvcc_is_no_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The CUDA runtime image: torch guesses CUDA_HOME=/usr/local/cuda, which holds libraries but no nvcc. A GPU
+    whose kernels were not prebuilt there gets the reason, not a compiler's failure."""
+    from torch.utils import cpp_extension
+
+    (tmp_path / "cuda" / "lib64").mkdir(parents=True)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(tmp_path / "cuda"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(cuda_build.CudaBackendUnavailable, match="no kernels prebuilt at .* for this GPU, and nvcc "
+                                                                "not found to build them"):
+        cuda_build._check_compiler(tmp_path / "kernels-0" / "tokensampler_cuda.so")
+
+
+def test_prebuild_refuses_a_capability_the_kernels_cannot_run_on(tmp_path: Path) -> None:
+    built = subprocess.run([sys.executable, "-m", "tokensampler_server.prebuild", "--capability", "8.0"],
+                           env={**os.environ, "TOKENSAMPLER_BUILD_DIR": str(tmp_path)},
+                           capture_output=True, text=True, timeout=120)
+    assert built.returncode == 1
+    assert "sm_80 has compute capability 8.0; the kernels need 9.0 or newer" in built.stderr
+    assert not list(tmp_path.iterdir())

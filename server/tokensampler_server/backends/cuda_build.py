@@ -101,7 +101,9 @@ def _check_compiler(library: Path) -> None:
         raise CudaBackendUnavailable(f"torch {torch.__version__} is built without CUDA")
     from torch.utils.cpp_extension import CUDA_HOME
 
-    if CUDA_HOME is None and shutil.which("nvcc") is None:
+    # CUDA_HOME alone is no compiler: torch guesses /usr/local/cuda, which a CUDA runtime image has without nvcc.
+    nvcc = shutil.which("nvcc") or (CUDA_HOME and shutil.which("nvcc", path=os.path.join(CUDA_HOME, "bin")))
+    if not nvcc:
         # The container image's case: its kernels were prebuilt for another GPU generation.
         raise CudaBackendUnavailable(
             f"no kernels prebuilt at {library} for this GPU, and nvcc not found to build them (set CUDA_HOME or "
