@@ -8,8 +8,8 @@ root). Offline but for Debian's archive and pip's configured package sources:
   context; the CPU torch wheel comes from pip's configured indexes and find-links (`pip config list`), or
   from TORCH_INDEX_URL, as in scripts/install.sh.
 The build runs `docker build` as the machine has it (Debian's docker.io: the classic builder, which also
-builds every stage the file names). About 6 minutes on 2 cores from nothing; 1 to 2 with the base and the
-build's layers cached.
+builds every stage the file names). Measured on 2 cores: 3.4 minutes with no image in the engine (debootstrap
+80 s, the wheels 25 s, the build), 1.8 with the base and the build's layers left by a run before.
 """
 
 from __future__ import annotations
