@@ -10,6 +10,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,15 +32,8 @@ DASHBOARD = DOCKER / "grafana" / "tokensampler.json"
 BIN = Path(sys.executable).parent  # where the venv's console scripts are
 
 
-class _ComposeLoader(yaml.SafeLoader):
-    """YAML with Compose's `!reset` tag (an override that removes an attribute)."""
-
-
-_ComposeLoader.add_constructor("!reset", lambda loader, node: None)
-
-
 def _load_yaml(path: Path) -> list:
-    return list(yaml.load_all(path.read_text(), Loader=_ComposeLoader))  # noqa: S506 (a SafeLoader subclass)
+    return list(yaml.safe_load_all(path.read_text()))
 
 
 def _dockerfile() -> list[tuple[str, str]]:
@@ -53,6 +47,20 @@ def _instruction(name: str) -> str:
     found = [arguments for instruction, arguments in _dockerfile() if instruction == name]
     assert len(found) == 1, f"expected one {name}, found {found}"
     return found[0]
+
+
+def _build_args() -> dict[str, str]:
+    """The Dockerfile's ARG defaults (an ARG without one maps to "")."""
+    args = [arguments.partition("=") for instruction, arguments in _dockerfile() if instruction == "ARG"]
+    return {name: default for name, _, default in args}
+
+
+def _image_env() -> dict[str, str]:
+    """The image's ENV (the last stage's, the image's own)."""
+    instructions = _dockerfile()
+    last_from = max(i for i, (instruction, _) in enumerate(instructions) if instruction == "FROM")
+    env = [arguments for instruction, arguments in instructions[last_from:] if instruction == "ENV"]
+    return dict(item.split("=", 1) for arguments in env for item in shlex.split(arguments))
 
 
 def _manifests() -> dict[tuple[str, str], dict]:
@@ -166,8 +174,26 @@ def test_compose_prometheus_and_grafana_agree() -> None:
             assert (DOCKER / volume.split(":")[0]).exists(), volume
     datasources = _load_yaml(DOCKER / "grafana/provisioning/datasources/prometheus.yml")[0]["datasources"]
     assert datasources[0]["url"] == "http://prometheus:9090" and "prometheus" in services
-    cpu = _load_yaml(DOCKER / "docker-compose.cpu.yml")[0]["services"]
-    assert cpu["tokensampler"]["build"]["args"]["VARIANT"] == "cpu" and cpu["tokensampler"]["deploy"] is None
+
+
+def test_compose_runs_the_cpu_image_and_the_gpu_file_adds_the_cuda_image() -> None:
+    """The base file runs anywhere; the GPU file only adds to it (an override that removes, `!reset`, exists
+    in Compose v2.24+ alone), with the Dockerfile's own CUDA bases."""
+    base = _load_yaml(DOCKER / "docker-compose.yml")[0]["services"]
+    gpu = _load_yaml(DOCKER / "docker-compose.gpu.yml")[0]["services"]
+    assert "!reset" not in (DOCKER / "docker-compose.gpu.yml").read_text()
+    assert base["tokensampler"]["build"]["args"]["VARIANT"] == "cpu" and "deploy" not in base["tokensampler"]
+    assert gpu["tokensampler"]["build"]["args"] == {
+        "VARIANT": "cuda", "BUILD_BASE": _build_args()["BUILD_BASE"], "RUN_BASE": _build_args()["RUN_BASE"],
+    }
+    assert gpu["tokensampler"]["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
+    for services in (base, gpu):  # the demo traffic runs the image the server's service builds
+        assert services["demo-load"]["image"] == services["tokensampler"]["image"]
+
+
+def test_compose_demo_load_does_not_inherit_the_servers_health_check() -> None:
+    demo = _load_yaml(DOCKER / "docker-compose.yml")[0]["services"]["demo-load"]
+    assert demo["healthcheck"] == {"disable": True}
 
 
 def test_kubernetes_manifests_agree() -> None:
@@ -178,6 +204,9 @@ def test_kubernetes_manifests_agree() -> None:
     ports = {port["name"]: port["containerPort"] for port in container["ports"]}
     env = {item["name"]: item["value"] for item in container["env"]}
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert env["TOKENSAMPLER_DEVICE"] == "cuda"  # never the CPU fallback of auto on a GPU node
+    # A service link for the Service `tokensampler` would be TOKENSAMPLER_PORT=tcp://IP:50051: the server's port.
+    assert pod["enableServiceLinks"] is False
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"]["port"] == ports["grpc"], probe
     assert container["readinessProbe"]["grpc"]["service"] == "tokensampler.v1.Sampler"
@@ -199,24 +228,146 @@ def test_kubernetes_manifests_agree() -> None:
                                                         if p.name != "kustomization.yaml")
 
 
+# --- Kubernetes: the API's schemas and the Pod Security "restricted" profile ---------------------
+
+# The oldest Kubernetes docs/deployment.md supports (native gRPC probes are GA from 1.27), and the newest
+# kubernetes-validate knows.
+_KUBERNETES_VERSIONS = ("1.27.0", None)
+
+
+def test_kubernetes_manifests_pass_the_api_schemas() -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the dev extra installs it")
+    versions = [version or kubernetes_validate.latest_version() for version in _KUBERNETES_VERSIONS]
+    checked = []
+    for path in sorted((DOCKER / "k8s").glob("*.yaml")):
+        for doc in _load_yaml(path):
+            if doc["apiVersion"] in ("apps/v1", "v1"):  # the others are custom resources: no schema to hold
+                for version in versions:  # strict: an unknown (say, misspelled) field is an error too
+                    kubernetes_validate.validate(doc, version, strict=True)
+                checked.append(doc["kind"])
+    assert sorted(checked) == ["Deployment", "Service", "Service"]
+    deployment = _manifests()["Deployment", "tokensampler"]
+    misspelled = json.loads(json.dumps(deployment))
+    misspelled["spec"]["template"]["spec"]["containers"][0]["securityContex"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(misspelled, versions[-1], strict=True)
+
+
+_RESTRICTED_VOLUME_TYPES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                            "projected", "secret"}
+
+
+def restricted_profile_violations(pod: dict) -> list[str]:
+    """What the Pod Security Standards' "restricted" profile (with "baseline") rejects in a pod spec; schema
+    validation checks none of it. https://kubernetes.io/docs/concepts/security/pod-security-standards/"""
+    found = [f"spec.{name}" for name in ("hostNetwork", "hostPID", "hostIPC") if pod.get(name)]
+    for volume in pod.get("volumes", []):
+        if not set(volume) - {"name"} <= _RESTRICTED_VOLUME_TYPES:
+            found.append(f"volume {volume['name']}: {sorted(set(volume) - {'name'})}")
+    pod_context = pod.get("securityContext", {})
+    containers = [c for kind in ("initContainers", "containers", "ephemeralContainers") for c in pod.get(kind, [])]
+    for container in containers:
+        name, context = container["name"], container.get("securityContext", {})
+        merged = {**pod_context, **context}
+        if context.get("privileged"):
+            found.append(f"{name}: privileged")
+        if context.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{name}: allowPrivilegeEscalation is not false")
+        if merged.get("runAsNonRoot") is not True:
+            found.append(f"{name}: runAsNonRoot is not true")
+        if merged.get("runAsUser") == 0:
+            found.append(f"{name}: runAsUser 0")
+        if merged.get("seccompProfile", {}).get("type") not in ("RuntimeDefault", "Localhost"):
+            found.append(f"{name}: seccompProfile is not RuntimeDefault or Localhost")
+        capabilities = context.get("capabilities", {})
+        if "ALL" not in capabilities.get("drop", []):
+            found.append(f"{name}: capabilities do not drop ALL")
+        if set(capabilities.get("add", [])) - {"NET_BIND_SERVICE"}:
+            found.append(f"{name}: capabilities add {capabilities['add']}")
+        if context.get("procMount", "Default") != "Default":
+            found.append(f"{name}: procMount")
+        if any(port.get("hostPort") for port in container.get("ports", [])):
+            found.append(f"{name}: hostPort")
+    return found
+
+
+def _pod() -> dict:
+    return _manifests()["Deployment", "tokensampler"]["spec"]["template"]["spec"]
+
+
+def test_restricted_profile_check_finds_what_it_must() -> None:
+    assert not restricted_profile_violations(_pod())
+    breaches = {
+        "hostNetwork": lambda pod, c: pod.update(hostNetwork=True),
+        "volume": lambda pod, c: pod["volumes"].append({"name": "host", "hostPath": {"path": "/"}}),
+        "allowPrivilegeEscalation": lambda pod, c: c["securityContext"].pop("allowPrivilegeEscalation"),
+        "runAsNonRoot": lambda pod, c: pod["securityContext"].pop("runAsNonRoot"),
+        "runAsUser 0": lambda pod, c: c["securityContext"].update(runAsUser=0),
+        "seccompProfile": lambda pod, c: pod["securityContext"].pop("seccompProfile"),
+        "drop ALL": lambda pod, c: c["securityContext"]["capabilities"].update(drop=["NET_RAW"]),
+        "capabilities add": lambda pod, c: c["securityContext"]["capabilities"].update(add=["SYS_ADMIN"]),
+        "privileged": lambda pod, c: c["securityContext"].update(privileged=True),
+        "hostPort": lambda pod, c: c["ports"][0].update(hostPort=50051),
+    }
+    for breach, apply in breaches.items():
+        pod = _pod()
+        apply(pod, pod["containers"][0])
+        assert restricted_profile_violations(pod), breach
+
+
+def test_kubernetes_pod_passes_the_restricted_profile_with_a_read_only_root() -> None:
+    pod = _pod()
+    assert restricted_profile_violations(pod) == []
+    container = pod["containers"][0]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["securityContext"]["runAsUser"] == int(_instruction("USER").split(":")[0])  # the image's user
+    assert pod["automountServiceAccountToken"] is False
+    # What the server writes, the port file (the image's health check reads it), lies on an emptyDir.
+    empty_dirs = {volume["name"] for volume in pod["volumes"] if "emptyDir" in volume}
+    writable = {mount["mountPath"] for mount in container["volumeMounts"] if mount["name"] in empty_dirs}
+    port_file = Path(_image_env()["TOKENSAMPLER_PORT_FILE"])
+    assert str(port_file.parent) in writable, writable
+
+
 # --- The image's command lines, outside a container ---------------------------------------------
 
-def test_entrypoint_and_healthcheck_run_outside_a_container() -> None:
+def test_entrypoint_and_healthcheck_run_outside_a_container(tmp_path: Path) -> None:
+    """The image's command lines, with --port given as a flag: the health check follows the port the server
+    bound, not the image's TOKENSAMPLER_PORT."""
     entrypoint = json.loads(_instruction("ENTRYPOINT"))
     assert entrypoint == ["tokensampler-server"]
-    # The image's settings, with what a shared test machine needs instead: free ports, loopback, the CPU.
-    env = {"TOKENSAMPLER_HOST": "127.0.0.1", "TOKENSAMPLER_PORT": "0", "TOKENSAMPLER_METRICS_PORT": "0",
-           "TOKENSAMPLER_DEVICE": "cpu", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    running = start_command([shutil.which(entrypoint[0], path=env["PATH"]), *entrypoint[1:]], env)
-    try:
-        healthcheck = json.loads(_instruction("HEALTHCHECK").split("CMD", 1)[1])
-        check_env = {**os.environ, **env, "TOKENSAMPLER_PORT": str(running.port)}
-        assert subprocess.run(healthcheck, env=check_env, timeout=60, capture_output=True).returncode == 0
-        assert running.stop(signal.SIGTERM) == 0
-        # Once the server is gone the health check fails, as Docker needs it to.
-        assert subprocess.run(healthcheck, env=check_env, timeout=60, capture_output=True).returncode != 0
-    finally:
-        running.stop(signal.SIGKILL)
+    image_env = _image_env()
+    assert image_env["TOKENSAMPLER_PORT_FILE"].startswith("/tmp/")
+    # The image's settings, with what a shared test machine needs instead: loopback, the CPU, a port file here.
+    port_file = tmp_path / "tokensampler.port"
+    env = {**image_env, "TOKENSAMPLER_HOST": "127.0.0.1", "TOKENSAMPLER_METRICS_PORT": "0",
+           "TOKENSAMPLER_DEVICE": "cpu", "TOKENSAMPLER_PORT_FILE": str(port_file),
+           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # held, never listening: the image's TOKENSAMPLER_PORT answers nothing
+        env["TOKENSAMPLER_PORT"] = str(closed.getsockname()[1])
+        running = start_command([shutil.which(entrypoint[0], path=env["PATH"]), *entrypoint[1:], "--port", "0"], env)
+        try:
+            assert port_file.read_text() == f"{running.port}\n"
+            healthcheck = json.loads(_instruction("HEALTHCHECK").split("CMD", 1)[1])
+            check_env = {**os.environ, **env}
+            checked = subprocess.run(healthcheck, env=check_env, timeout=60, capture_output=True, text=True)
+            assert checked.returncode == 0 and checked.stdout.strip() == "SERVING", checked.stdout + checked.stderr
+            assert running.stop(signal.SIGTERM) == 0
+            # Once the server is gone the health check fails, as Docker needs it to.
+            assert subprocess.run(healthcheck, env=check_env, timeout=60, capture_output=True).returncode != 0
+        finally:
+            running.stop(signal.SIGKILL)
+
+
+def test_an_unwritable_port_file_stops_the_server_before_it_serves(tmp_path: Path) -> None:
+    """Else the image's health check would probe a port no file names, and report a serving server unhealthy."""
+    command = [sys.executable, "-m", "tokensampler_server", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+               "--device", "cpu", "--port-file", str(tmp_path / "missing" / "tokensampler.port")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "tokensampler-server: error: --port-file: cannot write" in result.stderr
+    assert "serving on" not in result.stderr
 
 
 def test_dockerfile_passes_hadolint() -> None:
@@ -229,22 +380,37 @@ def test_dockerfile_passes_hadolint() -> None:
 
 def test_dockerignore_lets_in_what_the_image_needs() -> None:
     rules = (DOCKER.parent / ".dockerignore").read_text().split()
-    for needed in ("pyproject.toml", "README.md", "server/", "client/", "csrc/"):
+    for needed in ("pyproject.toml", "README.md", "server/", "client/", "csrc/", _build_args()["WHEELHOUSE"] + "/"):
         assert f"!{needed}" in rules, needed
     copies = [shlex.split(arguments) for instruction, arguments in _dockerfile() if instruction == "COPY"]
     assert ["csrc", "/opt/tokensampler/csrc"] in copies
+    assert ["${WHEELHOUSE}", "/wheelhouse"] in copies
+    # The default wheelhouse holds no wheel: a plain build takes its packages from the indexes.
+    assert not list((DOCKER.parent / _build_args()["WHEELHOUSE"]).glob("*.whl"))
 
 
 def test_image_runs_on_the_cuda_runtime_base_with_prebuilt_kernels() -> None:
     instructions = _dockerfile()
     stages = [arguments.split() for instruction, arguments in instructions if instruction == "FROM"]
-    named = {words[2]: words[0] for words in stages if len(words) == 3 and words[1].upper() == "AS"}
-    assert "-devel-" in named["build-base-cuda"] and "-runtime-" in named["run-base-cuda"]
-    assert stages[-1] == ["run-base-${VARIANT}"]  # the image is the last stage: the runtime base
+    assert stages == [["${BUILD_BASE}", "AS", "build"], ["${RUN_BASE}"]]  # the image is the last stage
+    args = _build_args()
+    assert args["BUILD_BASE"].startswith("nvidia/cuda:") and "-devel-" in args["BUILD_BASE"]
+    assert args["RUN_BASE"] == args["BUILD_BASE"].replace("-devel-", "-runtime-")
+    assert args["VARIANT"] == "cuda" and _image_env()["TOKENSAMPLER_DEVICE"] == "${VARIANT}"
     last_from = max(i for i, (instruction, _) in enumerate(instructions) if instruction == "FROM")
     final = [arguments for instruction, arguments in instructions[last_from:] if instruction == "COPY"]
     assert "--from=build /opt/tokensampler /opt/tokensampler" in final
     assert "--from=build /opt/venv /opt/venv" in final
+
+
+def test_dockerfile_builds_offline_with_either_builder() -> None:
+    """Debian's docker.io: BuildKit without fetching a frontend image, and the classic builder, which has no
+    RUN --mount and builds every stage of the file (so no stage may name a base that the build does not use)."""
+    text = (DOCKER / "Dockerfile").read_text()
+    assert not re.search(r"^#\s*syntax\s*=", text, re.MULTILINE | re.IGNORECASE)
+    assert not [arguments for instruction, arguments in _dockerfile() if instruction == "RUN" and "--mount" in arguments]
+    bases = [arguments.split()[0] for instruction, arguments in _dockerfile() if instruction == "FROM"]
+    assert all(re.fullmatch(r"\$\{\w+\}", base) for base in bases), bases
 
 
 def test_round_robin_spreads_calls_over_replicas(live_server: RunningServer) -> None:

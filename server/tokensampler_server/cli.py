@@ -32,6 +32,11 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         help="TCP port; 0 lets the OS choose (the log line 'tokensampler serving on' names it) [TOKENSAMPLER_PORT]",
     )
     parser.add_argument(
+        "--port-file", type=Path, default=_env("PORT_FILE", "") or None,
+        help="write the TCP port here once it is bound, for health checks that cannot see the flags "
+        "(the container image's) [TOKENSAMPLER_PORT_FILE]",
+    )
+    parser.add_argument(
         "--device", default=_env("DEVICE", defaults.device),
         help="auto (CUDA when a GPU is present, else CPU), cpu, cuda or cuda:N [TOKENSAMPLER_DEVICE]",
     )
@@ -210,6 +215,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     return ServerConfig(
         host=args.host,
         port=args.port,
+        port_file=args.port_file,
         device=args.device,
         limits=Limits(
             max_batch_rows=args.max_batch_rows,

@@ -32,6 +32,8 @@ class Limits:
 class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 50051
+    port_file: Path | None = None
+    """Where the server writes the port it listens on, once bound: for a health check that cannot see the flags."""
     device: str = "auto"
     """"auto", "cpu", "cuda" or "cuda:N"."""
     limits: Limits = field(default_factory=Limits)

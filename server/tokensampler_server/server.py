@@ -12,6 +12,7 @@ import os
 import signal
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,7 +23,7 @@ from .admission import Admission
 from .auth import AuthInterceptor, BearerTokens
 from .backends import create_backend
 from .batcher import DynamicBatcher
-from .config import ServerConfig, cpu_max_batch_elements
+from .config import ServerConfig, StartupError, cpu_max_batch_elements
 from .call_guard import CallGuard
 from .regions import RegionRegistry
 from .metrics import ServerMetrics, start_metrics_http
@@ -69,6 +70,16 @@ def grpc_call_backstop(config: ServerConfig) -> int | None:
     if not config.max_concurrent_rpcs or not config.max_health_watchers:
         return None
     return 2 * config.max_concurrent_rpcs + config.max_health_watchers
+
+
+def _write_port_file(path: Path, port: int) -> None:
+    """Replaces `path` whole with the port, so that a reader never sees half a file."""
+    partial = path.with_name(path.name + ".partial")
+    try:
+        partial.write_text(f"{port}\n")
+        partial.replace(path)
+    except OSError as err:
+        raise StartupError(f"--port-file: cannot write {path}: {err.strerror}") from err
 
 
 async def serve(config: ServerConfig) -> None:
@@ -145,6 +156,8 @@ async def serve(config: ServerConfig) -> None:
         port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not listen on {config.host}:{config.port}")
+    if config.port_file is not None:
+        _write_port_file(config.port_file, port)
     # The socket file's permissions guard it; bearer tokens still apply there.
     if config.uds is not None and server.add_insecure_port(f"unix:{config.uds}") == 0:
         raise RuntimeError(f"could not listen on unix:{config.uds}")

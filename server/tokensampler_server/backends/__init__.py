@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from ..config import StartupError
 from .base import Backend, BackendInfo
 
 __all__ = ["Backend", "BackendInfo", "create_backend"]
@@ -12,26 +13,41 @@ log = logging.getLogger(__name__)
 
 
 def _cuda_backend(device: str) -> Backend:
-    from .cuda import CudaBackend  # imported lazily: it builds the kernels on first use
+    """The CUDA backend on `device`; CudaBackendUnavailable, saying why, when it cannot run here."""
+    from .cuda_build import CudaBackendUnavailable, check_device
 
     index = int(device.partition(":")[2] or 0)
-    return CudaBackend(device_index=index)
+    check_device(index)  # first: a GPU the kernels cannot run on is named as such, before torch touches it
+    try:
+        from .cuda import CudaBackend  # imported lazily: it builds the kernels on first use
+
+        return CudaBackend(device_index=index)
+    except CudaBackendUnavailable:
+        raise
+    except Exception as err:  # a driver or torch error: the same verdict, with its cause named
+        raise CudaBackendUnavailable(f"{type(err).__name__}: {err}") from err
 
 
 def create_backend(device: str) -> Backend:
     """The backend for `--device`: auto, cpu, cuda or cuda:N.
 
-    auto picks CUDA when torch sees a GPU and the kernels build, and falls back to the CPU reference
-    otherwise, logging why; an explicit cuda device that cannot be used is an error.
+    auto picks CUDA when torch sees a GPU and the kernels load, and otherwise falls back to the CPU reference
+    with a warning. An explicit cuda device that cannot be used stops the server (StartupError): a pod that
+    asked for a GPU must not serve on the CPU unnoticed.
     """
     from .cpu import CpuBackend
+    from .cuda_build import CudaBackendUnavailable
 
     if device == "cpu":
         return CpuBackend()
     if device.startswith("cuda"):
-        return _cuda_backend(device)
+        try:
+            return _cuda_backend(device)
+        except CudaBackendUnavailable as err:
+            raise StartupError(f"--device {device}: the CUDA backend cannot run here: {err}; "
+                               "--device cpu serves on the CPU reference backend") from err
     if device != "auto":
-        raise ValueError(f"--device: got {device!r}, expected auto, cpu, cuda or cuda:N")
+        raise StartupError(f"--device: got {device!r}, expected auto, cpu, cuda or cuda:N")
     import torch
 
     if not torch.cuda.is_available():
@@ -39,6 +55,6 @@ def create_backend(device: str) -> Backend:
         return CpuBackend()
     try:
         return _cuda_backend("cuda")
-    except Exception as err:  # a failed build or driver problem must not stop the server
+    except CudaBackendUnavailable as err:
         log.warning("CUDA backend unavailable (%s): falling back to the CPU reference backend", err)
         return CpuBackend()

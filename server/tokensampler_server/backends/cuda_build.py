@@ -31,8 +31,32 @@ _lock = threading.Lock()
 _module: ModuleType | None = None
 
 
+# The kernels' TMA copies and mbarrier waits (fused_stream.cuh) are sm_90 instructions: ptxas rejects them for
+# older targets, so the one module holding every kernel cannot be built for an A100 (8.0) or an L4 (8.9).
+MIN_CAPABILITY = (9, 0)
+
+
 class CudaBackendUnavailable(RuntimeError):
-    """The CUDA kernels cannot be used here (no GPU, no nvcc, or the build failed); says why."""
+    """The CUDA kernels cannot be used here (no GPU, a GPU too old, no nvcc, or the build failed); says why."""
+
+
+def check_capability(capability: tuple[int, int], gpu: str) -> None:
+    """Raises CudaBackendUnavailable, naming `gpu`, when the kernels cannot run on GPUs of `capability`."""
+    if tuple(capability) < MIN_CAPABILITY:
+        need = ".".join(map(str, MIN_CAPABILITY))
+        raise CudaBackendUnavailable(
+            f"{gpu} has compute capability {capability[0]}.{capability[1]}; the kernels need {need} or newer "
+            "(Hopper: H100, H200, GH200; or later)"
+        )
+
+
+def check_device(device_index: int) -> None:
+    """Raises CudaBackendUnavailable unless torch sees GPU `device_index` and the kernels can run on it."""
+    if not torch.cuda.is_available():
+        raise CudaBackendUnavailable("torch sees no CUDA GPU")
+    if not 0 <= device_index < torch.cuda.device_count():
+        raise CudaBackendUnavailable(f"no CUDA device {device_index} ({torch.cuda.device_count()} visible)")
+    check_capability(torch.cuda.get_device_capability(device_index), torch.cuda.get_device_name(device_index))
 
 
 def csrc_dir() -> Path:
@@ -64,9 +88,7 @@ def _build_dir(flags: list[str], src: Path) -> Path:
     digest.update(" ".join(flags).encode())
     digest.update(torch.__version__.encode())
     root = os.environ.get("TOKENSAMPLER_BUILD_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokensampler")
-    path = Path(root) / f"kernels-{digest.hexdigest()[:16]}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return Path(root) / f"kernels-{digest.hexdigest()[:16]}"
 
 
 def _check_sources(src: Path) -> None:
@@ -74,13 +96,19 @@ def _check_sources(src: Path) -> None:
         raise CudaBackendUnavailable(f"kernel sources missing in {src}: bindings.cpp")
 
 
-def _check_compiler() -> None:
+def _check_compiler(library: Path) -> None:
     if torch.version.cuda is None:
         raise CudaBackendUnavailable(f"torch {torch.__version__} is built without CUDA")
     from torch.utils.cpp_extension import CUDA_HOME
 
-    if CUDA_HOME is None and shutil.which("nvcc") is None:
-        raise CudaBackendUnavailable("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    # CUDA_HOME alone is no compiler: torch guesses /usr/local/cuda, which a CUDA runtime image has without nvcc.
+    nvcc = shutil.which("nvcc") or (CUDA_HOME and shutil.which("nvcc", path=os.path.join(CUDA_HOME, "bin")))
+    if not nvcc:
+        # The container image's case: its kernels were prebuilt for another GPU generation.
+        raise CudaBackendUnavailable(
+            f"no kernels prebuilt at {library} for this GPU, and nvcc not found to build them (set CUDA_HOME or "
+            "put nvcc on PATH; in the container image, build it with this GPU's CUDA_CAPABILITY)"
+        )
 
 
 def _cuda_flags(capability: tuple[int, int]) -> list[str]:
@@ -91,6 +119,8 @@ def _compile(src: Path, build_dir: Path, cuda_flags: list[str]) -> ModuleType:
     from torch.utils.cpp_extension import load
 
     try:
+        # Only a build writes there: the prebuilt kernels of a read-only image are imported as they are.
+        build_dir.mkdir(parents=True, exist_ok=True)
         return load(
             name=_MODULE_NAME,
             sources=[str(src / name) for name in _files(src, _SOURCE_SUFFIXES)],
@@ -100,7 +130,7 @@ def _compile(src: Path, build_dir: Path, cuda_flags: list[str]) -> ModuleType:
             build_directory=str(build_dir),
             verbose=os.environ.get("TOKENSAMPLER_BUILD_VERBOSE") == "1",
         )
-    except Exception as err:  # compiler or linker failure: report it, the caller falls back
+    except Exception as err:  # compiler, linker or file system failure: report it, the caller falls back
         raise CudaBackendUnavailable(f"building the CUDA kernels failed: {err}") from err
 
 
@@ -117,13 +147,14 @@ def build_kernels(capability: tuple[int, int]) -> Path:
 
     Returns the built library; a library already there is kept.
     """
+    check_capability(capability, f"sm_{capability[0]}{capability[1]}")
     src = csrc_dir()
     _check_sources(src)
     cuda_flags = _cuda_flags(capability)
     build_dir = _build_dir(cuda_flags, src)
     library = build_dir / f"{_MODULE_NAME}.so"
     if not library.is_file():
-        _check_compiler()
+        _check_compiler(library)
         _compile(src, build_dir, cuda_flags)
     return library
 
@@ -134,8 +165,7 @@ def load_kernels(device_index: int = 0) -> ModuleType:
     with _lock:
         if _module is not None:
             return _module
-        if not torch.cuda.is_available():
-            raise CudaBackendUnavailable("torch sees no CUDA GPU")
+        check_device(device_index)
         src = csrc_dir()
         _check_sources(src)
         cuda_flags = _cuda_flags(torch.cuda.get_device_capability(device_index))
@@ -144,6 +174,6 @@ def load_kernels(device_index: int = 0) -> ModuleType:
         if library.is_file():
             _module = _import_built(library)
         else:
-            _check_compiler()
+            _check_compiler(library)
             _module = _compile(src, build_dir, cuda_flags)
         return _module
