@@ -58,10 +58,13 @@ def _out_of_memory_as_status(work: Callable[[], T]) -> T:
         ) from None
 
 
-def _host_bytes(batch: SamplingBatch) -> int:
-    """Bytes of the batch's input held in host memory (tensors in GPU regions belong to their producer)."""
-    tensor = batch.logits if batch.logits is not None else batch.hidden.states
+def host_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of a request's tensor held in host memory (tensors in GPU regions belong to their producer)."""
     return tensor.numel() * tensor.element_size() if tensor.device.type == "cpu" else 0
+
+
+def _host_bytes(batch: SamplingBatch) -> int:
+    return host_bytes(batch.logits if batch.logits is not None else batch.hidden.states)
 
 
 # Largest GPU-resident batch run on the event loop: B·V logits (64 rows of 262,144), a few hundred µs

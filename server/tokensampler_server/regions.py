@@ -214,9 +214,9 @@ class SharedSegment:
         return out
 
     def write(self, offset: int, data: torch.Tensor, what: str) -> None:
-        end = offset + data.numel()
-        if os.fstat(self._fd).st_size < end:  # a write past the end would grow the producer's segment
-            raise _shrunk(what, os.fstat(self._fd).st_size)
+        size = os.fstat(self._fd).st_size
+        if size < offset + data.numel():  # a write past the end would grow the producer's segment
+            raise _shrunk(what, size)
         view = memoryview(data.numpy())
         done = 0
         while done < len(view):

@@ -145,9 +145,9 @@ _StreamItem = tuple[CallRecord, bytes | pb.SampleRequest | None, asyncio.Future 
 longer needed), what _begin made of it, and its size in the stream's window."""
 
 
-def _stream_item(record: CallRecord, message: bytes | pb.SampleRequest,
-                 begun: asyncio.Future | _Started | Exception) -> _StreamItem:
-    return record, None if isinstance(begun, _Started) else message, begun, _message_bytes(message)
+def _stream_item(record: CallRecord, message: bytes | pb.SampleRequest, begun: asyncio.Future | _Started | Exception,
+                 nbytes: int) -> _StreamItem:
+    return record, None if isinstance(begun, _Started) else message, begun, nbytes
 
 
 def _drop(begun: asyncio.Future | _Started | Exception) -> None:
@@ -302,7 +302,8 @@ class SamplePath:
             index += 1
             begun = await self._begin(message, record)
             if not isinstance(begun, asyncio.Future):
-                async for answer in self._pipelined(messages, stream_id, index, _stream_item(record, message, begun)):
+                first = _stream_item(record, message, begun, _message_bytes(message))
+                async for answer in self._pipelined(messages, stream_id, index, first):
                     yield answer
                 return
             yield await self._answer(record, message, begun)
@@ -327,10 +328,11 @@ class SamplePath:
         async def read() -> None:
             number = index
             async for message in messages:
-                await window.admit(_message_bytes(message))
+                nbytes = _message_bytes(message)
+                await window.admit(nbytes)
                 record = self._stream_record(stream_id, number)
                 number += 1
-                answers.put_nowait(_stream_item(record, message, await self._begin(message, record)))
+                answers.put_nowait(_stream_item(record, message, await self._begin(message, record), nbytes))
 
         async def read_then_end() -> None:
             """Reads to the end of the stream, then marks the end (also after a request that did not parse)."""

@@ -21,7 +21,7 @@ from tokensampler_client.wire import serialized
 
 from . import __version__
 from .backends import Backend
-from .batcher import DynamicBatcher
+from .batcher import DynamicBatcher, host_bytes
 from .call_record import current_call
 from .config import Limits
 from .errors import InvalidArgument
@@ -53,11 +53,6 @@ def served_features(weights_dir: Path | None, region_kinds: frozenset[str]) -> l
     if weights_dir is None:
         off.add("weights_from_file")
     return [feature for feature in FEATURES if feature not in off]
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    """Host bytes of a request's tensor (tensors already on a GPU belong to their producer)."""
-    return tensor.numel() * tensor.element_size() if tensor.device.type == "cpu" else 0
 
 
 def _set_timings(timings: pb.Timings, arrived: int, started: int) -> None:
@@ -149,7 +144,7 @@ class SamplerService(pb_grpc.SamplerServicer):
             # CUDA kernels on a CUDA backend, the torch references otherwise (backends/cuda_workloads.py).
             tokens, confidences, mask = await self._batcher.run_exclusive(
                 lambda: run_diffusion_step(step(logits.compute()), self._backend),
-                rows=math.prod(logits.shape[:-1]), nbytes=_nbytes(logits.tensor), lease=held)
+                rows=math.prod(logits.shape[:-1]), nbytes=host_bytes(logits.tensor), lease=held)
         response = pb.DiffusionStepResponse(request_id=current_call.get().request_id)
         encode_tensor(tokens.to(torch.int32).cpu(), out=response.tokens)
         encode_tensor(confidences.cpu(), out=response.confidences)
@@ -167,7 +162,7 @@ class SamplerService(pb_grpc.SamplerServicer):
             # Hidden states become logits on the worker, as for diffusion steps; one row per position.
             probs, ids = await self._batcher.run_exclusive(
                 lambda: run_topk_probs(logits.compute().flatten(0, -2), temperature, k, self._backend),
-                rows=math.prod(logits.shape[:-1]), nbytes=_nbytes(logits.tensor), lease=held)
+                rows=math.prod(logits.shape[:-1]), nbytes=host_bytes(logits.tensor), lease=held)
         shape = [*logits.shape[:-1], k]
         response = pb.TopKProbsResponse(request_id=current_call.get().request_id)
         encode_tensor(probs.cpu().reshape(shape), out=response.probs)
@@ -183,7 +178,7 @@ class SamplerService(pb_grpc.SamplerServicer):
         accepted, tokens = await self._batcher.run_exclusive(
             lambda: run_verify_draft(verification, self._backend),
             rows=int(verification.target_logits.shape[0] * verification.target_logits.shape[1]),
-            nbytes=_nbytes(verification.target_logits) + _nbytes(verification.draft_probs))
+            nbytes=host_bytes(verification.target_logits) + host_bytes(verification.draft_probs))
         response = pb.VerifyDraftResponse(request_id=current_call.get().request_id)
         encode_tensor(accepted.to(torch.int32).cpu(), out=response.accepted)
         encode_tensor(tokens.to(torch.int32).cpu(), out=response.tokens)
