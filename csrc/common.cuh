@@ -22,6 +22,20 @@ __device__ __forceinline__ float half_bits_to_f32(uint32_t bits) {
   else return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
 }
 
+// The largest value of the input type T below x (x itself a finite T value): the next logit a row of T can hold.
+template <typename T>
+__device__ __forceinline__ float next_below(float x) {
+  if constexpr (std::is_same<T, float>::value) {
+    return nextafterf(x, -kInf);
+  } else {
+    uint32_t bits = std::is_same<T, __nv_bfloat16>::value ? __float_as_uint(x) >> 16
+                                                          : __half_as_ushort(__float2half_rn(x));
+    if ((bits & 0x7FFFu) == 0) bits = 0x8001u;  // +-0: the smallest negative value
+    else bits += (bits & 0x8000u) ? 1 : -1;     // away from zero when negative, towards it when positive
+    return half_bits_to_f32<T>(bits);
+  }
+}
+
 // Tokens 4g .. 4g+3 of a row as one 16- or 8-byte load: the row start is aligned to a group and the group
 // lies inside the row. `evict_first`: the load is marked evict-first in L1 and L2 (ld.global.cs), for rows
 // read once.

@@ -709,7 +709,11 @@ __global__ void __launch_bounds__(kThreads, LSE || kMinP ? 4 : 5)
 // lists by warps (warp_merge_list), takes the first k + 1, re-sorts them by z, applies min-p and
 // top-p and draws every sample by Gumbel-max.
 
-constexpr int kTopkCap = 2048;  // candidates one block collects; more flags the row (never seen)
+constexpr int kTopkCap = 2048;  // candidates one block of the workloads' top-k collects; more flags the row
+// Candidates one topk_kernel block collects; more flag the row for the exact filter. At K = 256 the threshold is the
+// least of the 256 thread maxima: on flat rows a few chunks in a hundred passed 2048 candidates, while 4096 (half the
+// chunk) needs a thread whose 32 logits all lie below the chunk's median. 4096 keys keep five blocks a SM (34 KB).
+constexpr int kChunkCandidates = 4096;
 
 __host__ __device__ inline int pow2_at_least(int n) {
   int p = 1;
@@ -721,7 +725,7 @@ __host__ __device__ inline int pow2_at_least(int n) {
 __host__ __device__ constexpr int merge_width(int K) { return K < 32 ? 32 : K; }
 
 __host__ __device__ inline size_t topk_smem_bytes(int bucket) {
-  const size_t block_stage = (kThreads + kTopkCap) * sizeof(uint64_t);
+  const size_t block_stage = (kThreads + kChunkCandidates) * sizeof(uint64_t);
   const size_t merge_stage = static_cast<size_t>(kThreads / 32 * merge_width(bucket) + 2 * bucket) * sizeof(uint64_t);
   return block_stage > merge_stage ? block_stage : merge_stage;
 }
@@ -862,11 +866,11 @@ __global__ void __launch_bounds__(kThreads, 5)
       const uint64_t key = rank_key(v[j][e], id);
       if (key >= th) {
         const int pos = atomicAdd(&num_cand, 1);
-        if (pos < kTopkCap) cand[pos] = key;
+        if (pos < kChunkCandidates) cand[pos] = key;
       }
     }
   __syncthreads();
-  const int n = min(num_cand, kTopkCap);
+  const int n = min(num_cand, kChunkCandidates);
   uint64_t* my_list = lists + (static_cast<int64_t>(w) * splits + split) * K;
   for (int i = threadIdx.x; i < n; i += kThreads) {
     const uint64_t key = cand[i];
@@ -877,7 +881,8 @@ __global__ void __launch_bounds__(kThreads, 5)
   for (int i = n + threadIdx.x; i < K; i += kThreads) my_list[i] = 0;
   const bool any_nan = __syncthreads_or(nan);
   if (threadIdx.x == 0)
-    block_flags[static_cast<int64_t>(w) * splits + split] = (any_nan ? 1u : 0u) | (num_cand > kTopkCap ? 4u : 0u);
+    block_flags[static_cast<int64_t>(w) * splits + split] =
+        (any_nan ? 1u : 0u) | (num_cand > kChunkCandidates ? 4u : 0u);
   if (!finish_and_elect_last(ws.counters + w, splits)) return;
 
   // ---- merge stage (last block of the row): warp v folds lists v, v + 8, ... into its slot of
@@ -891,8 +896,8 @@ __global__ void __launch_bounds__(kThreads, 5)
   constexpr int N = merge_width(K);
   uint64_t* tree = smem;             // [8][N]
   uint64_t* top = tree;              // the merged list, its first kk by x
-  uint64_t* zkey = tree + kThreads / 32 * N;  // [kk] rank keys of z, x order
-  uint64_t* zsorted = zkey + kk;              // [kk] by z
+  uint64_t* zkey = tree + kThreads / 32 * N;  // [K] rank keys of z, x order
+  uint64_t* zsorted = zkey + K;               // [K] by z
   const uint64_t* row_lists = lists + static_cast<int64_t>(w) * splits * K;
   auto list_entry = [=](int sl) {
     return [=](int j) { return j < K ? __ldcg(row_lists + static_cast<int64_t>(sl) * K + j) : uint64_t{0}; };
@@ -907,7 +912,7 @@ __global__ void __launch_bounds__(kThreads, 5)
   uint32_t row_flags = 0;  // every warp folds all blocks' flags
   for (int sl = lane; sl < splits; sl += 32) row_flags |= __ldcg(block_flags + static_cast<int64_t>(w) * splits + sl);
   row_flags = __reduce_or_sync(0xffffffffu, row_flags);
-  for (int i = threadIdx.x; i < kk; i += kThreads) zsorted[i] = 0;
+  for (int i = threadIdx.x; i < K; i += kThreads) zsorted[i] = 0;
   __syncthreads();
 
   const float row_max = key_value(top[0]);
@@ -921,42 +926,56 @@ __global__ void __launch_bounds__(kThreads, 5)
     }
     return;
   }
-  for (int i = threadIdx.x; i < kk; i += kThreads) {
+  // The entries ranked by z: z is monotone in x, so tokens past the k-th by x have z <= zk, its z; equal logits,
+  // or rounding of x - max or of the division, can make it equal (then ids order them, not x). Let j be the first
+  // entry past the k-th whose z is below zk (or that holds no token): every token of the row with z >= zk lies in
+  // [0, j), for those outside the list have x <= x(top[j]). Ranking [0, j) by z gives the first k exactly.
+  // When the list ends inside the tie (j = K), tokens outside it may tie too: those with a smaller x only if the next
+  // value below the last entry's x that the input type holds still reaches zk; those with the last entry's x follow
+  // it by id, so they displace none of the c = k - k0 tied entries the cut keeps (k0: the tie's first entry) when at
+  // least c of the tied entries have ids up to the last's. Otherwise the row takes the exact filter.
+  __shared__ int z_len;
+  __shared__ bool z_tie;
+  if (threadIdx.x == 0) {
+    const float zk = scaled(key_value(top[k - 1]), row_max, temperature);
+    int j = k;
+    if (zk > -kInf)
+      while (j < K && top[j] != 0 && scaled(key_value(top[j]), row_max, temperature) == zk) ++j;
+    bool tie = false;
+    if (j == K && vocab > K) {
+      const float x_last = key_value(top[K - 1]);
+      const uint32_t id_last = key_index(top[K - 1]);
+      tie = scaled(next_below<T>(x_last), row_max, temperature) == zk;
+      int k0 = k - 1;
+      while (k0 > 0 && scaled(key_value(top[k0 - 1]), row_max, temperature) == zk) --k0;
+      int up_to_last = 0;
+      for (int i = k0; i < K; ++i) up_to_last += key_index(top[i]) <= id_last;
+      tie |= up_to_last < k - k0;
+    }
+    z_tie = tie;
+    z_len = max(j, kk);
+  }
+  __syncthreads();
+  const int zn = z_len;
+  for (int i = threadIdx.x; i < zn; i += kThreads) {
     const uint64_t key = top[i];
     zkey[i] = key ? rank_key(scaled(key_value(key), row_max, temperature), key_index(key)) : 0;
   }
   __syncthreads();
-  // z is monotone in x, so the x order is the z order unless rounding made two z equal (then ids
-  // decide): rank by z only then.
+  // The x order is the z order unless rounding made two z equal (then ids decide): rank by z only then.
   bool out_of_order = false;
-  for (int i = threadIdx.x; i + 1 < kk; i += kThreads) out_of_order |= zkey[i] < zkey[i + 1];
+  for (int i = threadIdx.x; i + 1 < zn; i += kThreads) out_of_order |= zkey[i] < zkey[i + 1];
   const uint64_t* by_z = zkey;
   if (__syncthreads_or(out_of_order)) {
-    for (int i = threadIdx.x; i < kk; i += kThreads) {
+    for (int i = threadIdx.x; i < zn; i += kThreads) {
       const uint64_t key = zkey[i];
       if (key == 0) continue;
       int rank = 0;
-      for (int j = 0; j < kk; ++j) rank += zkey[j] > key;
+      for (int j = 0; j < zn; ++j) rank += zkey[j] > key;
       zsorted[rank] = key;
     }
     by_z = zsorted;
   }
-  __shared__ bool z_tie;
-  if (threadIdx.x == 0) {
-    // Tokens outside the first k by x have x <= x(top[k]) <= x(top[k-1]), hence z <= z(top[k]). If
-    // z(top[k]) < z(top[k-1]) none can tie with the k-th in z. When the two z are equal, an outside
-    // token with a smaller x but the same z could come first by id, unless the k-th and the
-    // (k+1)-th share x and no smaller x reaches that z: otherwise leave the row to the CPU.
-    bool tie = false;
-    if (vocab > k) {
-      const float xk = key_value(top[k - 1]), xn = key_value(top[k]);
-      const float zk = scaled(xk, row_max, temperature);
-      if (xk > -kInf && scaled(xn, row_max, temperature) == zk)
-        tie = xn < xk || scaled(nextafterf(xk, -kInf), row_max, temperature) == zk;
-    }
-    z_tie = tie;
-  }
-  __syncthreads();
 
   // min-p and top-p over the first k in z order (warp 0: 8 entries a lane, in order)
   __shared__ int kept;
@@ -1072,6 +1091,12 @@ constexpr int kQueuePerWarp = 32 * (kScreenBatch + 1);
 constexpr size_t kQueueBytes = kFilterThreads / 32 * kQueuePerWarp * sizeof(ScreenedGroup);
 constexpr size_t kFilterTailBytes = kQueueBytes > kResolveCap * sizeof(uint64_t) ? kQueueBytes : kResolveCap * sizeof(uint64_t);
 constexpr size_t kFilterSmemBytes = kBins * (sizeof(uint32_t) + 2 * sizeof(uint64_t)) + kFilterTailBytes;
+// A cut whose range holds more than kResolveCap tokens (a crowded bin: equal logits, or a far outlier that squeezes
+// the row into a few bins) is found in its bin by radix passes over the rank keys (a histogram of kBins sub-bins a
+// pass in the tail), then its last kCrowdedCap tokens are collected with their mass prefix (both in the tail).
+constexpr int kCrowdedCap = 2048;
+static_assert(kBins * (sizeof(uint32_t) + 2 * sizeof(uint64_t)) <= kFilterTailBytes, "sub-bins fit in the tail");
+static_assert(2 * kCrowdedCap * sizeof(uint64_t) <= kFilterTailBytes, "keys and their mass prefix fit in the tail");
 
 struct HistView {
   uint32_t* count;
@@ -1085,17 +1110,21 @@ struct HistView {
   }
 };
 
-// First bin whose inclusive prefix reaches `target` (a bin exists: target <= the total).
+// First bin whose inclusive prefix, plus `offset`, reaches `target` (a bin exists: target <= offset + the total;
+// the last bin otherwise).
 template <typename T>
-__device__ int first_bin_reaching(const T* cum, double target, int* result) {
+__device__ int first_bin_reaching(const T* cum, double target, int* result, uint64_t offset = 0) {
+  if (threadIdx.x == 0) *result = kBins - 1;
   __syncthreads();
   for (int b = threadIdx.x; b < kBins; b += kFilterThreads) {
-    const bool reach = static_cast<double>(cum[b]) >= target;
-    const bool before = b > 0 && static_cast<double>(cum[b - 1]) >= target;
+    const bool reach = static_cast<double>(offset + cum[b]) >= target;
+    const bool before = b > 0 && static_cast<double>(offset + cum[b - 1]) >= target;
     if (reach && !before) *result = b;
   }
   __syncthreads();
-  return *result;
+  const int found = *result;
+  __syncthreads();  // every thread has read it before a next call resets it
+  return found;
 }
 
 constexpr int kResolveBatch = 2;  // groups a thread loads at once when the cut range is collected (2, 4, 8 measured)
@@ -1125,6 +1154,183 @@ __device__ __forceinline__ LogitInterval logits_of_bins(int c_lo, int c_hi, floa
   const float slack = 0x1p-20f * (fabsf(row_max) + below);
   LogitInterval range{c_hi >= kBins - 1 ? -kInf : row_max - below - slack, c_lo <= 1 ? kInf : row_max - above + slack};
   return range.lo <= range.hi ? range : all;  // NaN or inf ends fail the test
+}
+
+// filter_kernel's bin of z: kBins uniform in z over [z_min, 0], counting down from z = 0 (bin_scale = kBins / -z_min;
+// 0: every token in bin 0).
+__device__ __forceinline__ int filter_bin(float z, float bin_scale) {
+  return bin_scale > 0.f ? static_cast<int>(fminf(-z * bin_scale, static_cast<float>(kBins - 1))) : 0;
+}
+// min-p keeps the token (and it is finite).
+__device__ __forceinline__ bool keeps_min_p(float x, float z, float m) {
+  return x > -kInf && (m <= 0.f || expf(z) >= m);
+}
+
+// The tokens min-p keeps whose bin lies in [c_lo, c_hi] and whose rank key in [key_lo, key_hi], found by the block
+// re-reading the row: fn(key, z, id) for each. One block reads the whole row here, so the loop is kept lean:
+// kResolveBatch loads in flight a thread, a group skipped by its largest and smallest logit, and the exact z only for
+// logits in the bins' interval (one load at a time and a division a token, it took ~50 us of a 600 KB row on an H200).
+template <typename T, typename Fn>
+__device__ __forceinline__ void for_each_in_bins(const T* row, int64_t vocab, bool aligned, float row_max,
+                                                 float temperature, float bin_scale, float m, int c_lo, int c_hi,
+                                                 uint64_t key_lo, uint64_t key_hi, Fn&& fn) {
+  const int64_t groups = (vocab + 3) / 4;
+  const LogitInterval range = logits_of_bins(c_lo, c_hi, row_max, temperature, bin_scale);
+  for (int64_t g0 = threadIdx.x; g0 < groups; g0 += kResolveBatch * kFilterThreads) {
+    float x[kResolveBatch][4];
+#pragma unroll
+    for (int u = 0; u < kResolveBatch; ++u)
+      if (g0 + u * kFilterThreads < groups) load_group(row, g0 + u * kFilterThreads, vocab, aligned, x[u]);
+#pragma unroll
+    for (int u = 0; u < kResolveBatch; ++u) {
+      const int64_t g = g0 + u * kFilterThreads;
+      if (g >= groups || !range.meets_group(x[u])) continue;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        sanitize(x[u][e]);
+        if (!range.holds(x[u][e])) continue;
+        const float z = scaled(x[u][e], row_max, temperature);
+        if (!keeps_min_p(x[u][e], z, m)) continue;
+        const int b = filter_bin(z, bin_scale);
+        if (b < c_lo || b > c_hi) continue;
+        const uint32_t id = static_cast<uint32_t>(4 * g + e);
+        const uint64_t key = rank_key(z, id);
+        if (key >= key_lo && key <= key_hi) fn(key, z, id);
+      }
+    }
+  }
+}
+
+// What the crowded-cut passes need of filter_kernel's row.
+template <typename T>
+struct FilterRow {
+  const T* row;
+  int64_t vocab;
+  bool aligned;
+  float row_max, temperature, bin_scale, z_min, min_p, floor_score;
+  NoiseStream noise;
+
+  template <typename Fn>
+  __device__ __forceinline__ void for_each_in_bins(int c_lo, int c_hi, uint64_t key_lo, uint64_t key_hi,
+                                                   Fn&& fn) const {
+    tokensampler::for_each_in_bins(row, vocab, aligned, row_max, temperature, bin_scale, min_p, c_lo, c_hi, key_lo,
+                                   key_hi, fn);
+  }
+};
+
+// A cut of the row: its last kept key, the count and mass from the row's top to it (inclusive), and the best
+// Gumbel key among the kept tokens considered.
+struct Cut {
+  uint64_t key, mass, win;
+  uint32_t count;
+};
+
+// The cut inside bin c of a crowded range (more than kResolveCap tokens): the first token, in key order from the
+// bin's top down to key_lo, at which count_above + the count (by_count) or mass_above + the mass reaches `target`.
+// Radix passes narrow the bin's keys by kBins sub-bins a pass (the span shrinks 2^11-fold: at most six) until at
+// most kCrowdedCap tokens remain, which are collected, sorted and walked. `win`: the bin's kept tokens only.
+// Not inlined: in filter_kernel its registers spilled into the main pass. tail: the shared memory after the bins.
+template <typename T>
+__device__ __noinline__ Cut cut_in_bin(const FilterRow<T>& fr, int c, uint64_t key_lo, uint32_t n,
+                                       uint32_t count_above, uint64_t mass_above, bool by_count, double target,
+                                       uint64_t* tail, uint64_t* scratch, int* result, int* num_cand) {
+  const LogitInterval range = logits_of_bins(c, c, fr.row_max, fr.temperature, fr.bin_scale);
+  const float z_lo = fmaxf(fr.z_min, scaled(range.lo, fr.row_max, fr.temperature));  // z is monotone in x
+  const float z_hi = fminf(0.f, scaled(range.hi, fr.row_max, fr.temperature));
+  key_lo = max(key_lo, static_cast<uint64_t>(order_key(z_lo)) << 32);
+  uint64_t key_hi = static_cast<uint64_t>(order_key(z_hi)) << 32 | 0xFFFFFFFFull;
+  uint32_t* sub_count = reinterpret_cast<uint32_t*>(tail);
+  uint64_t* sub_mass = tail + kBins / 2;
+  uint64_t* sub_win = sub_mass + kBins;
+  uint64_t win = 0;
+  while (n > kCrowdedCap) {
+    int shift = 0;
+    while (((key_hi - key_lo) >> shift) >= static_cast<uint64_t>(kBins)) ++shift;
+    __syncthreads();
+    for (int b = threadIdx.x; b < kBins; b += kFilterThreads) sub_count[b] = 0, sub_mass[b] = 0, sub_win[b] = 0;
+    __syncthreads();
+    fr.for_each_in_bins(c, c, key_lo, key_hi, [&](uint64_t key, float z, uint32_t id) {
+      const int sb = static_cast<int>((key_hi - key) >> shift);
+      atomicAdd(sub_count + sb, 1u);
+      atomicAdd(reinterpret_cast<unsigned long long*>(sub_mass + sb), static_cast<unsigned long long>(mass_fixed(z)));
+      const uint32_t word = fr.noise.word(id);
+      if (!(z + gumbel_upper_bound(word) < fr.floor_score))
+        atomicMax(reinterpret_cast<unsigned long long*>(sub_win + sb),
+                  static_cast<unsigned long long>(rank_key(__fadd_rn(z, gumbel_exact(word)), id)));
+    });
+    block_inclusive_scan<kFilterThreads>(sub_count, kBins, reinterpret_cast<uint32_t*>(scratch));
+    block_inclusive_scan<kFilterThreads>(sub_mass, kBins, scratch);
+    const int sb = by_count ? first_bin_reaching(sub_count, target, result, count_above)
+                            : first_bin_reaching(sub_mass, target, result, mass_above);
+    uint64_t w = 0;
+    for (int b = threadIdx.x; b < sb; b += kFilterThreads) w = max(w, sub_win[b]);
+    win = max(win, block_allreduce<kFilterThreads>(w, MaxOp{}, scratch));
+    const uint32_t count_before = sb ? sub_count[sb - 1] : 0;
+    const uint64_t mass_before = sb ? sub_mass[sb - 1] : 0;
+    count_above += count_before;
+    mass_above += mass_before;
+    n = sub_count[sb] - count_before;
+    const uint64_t top = key_hi - (static_cast<uint64_t>(sb) << shift), width = (uint64_t{1} << shift) - 1;
+    key_hi = top;
+    if (top - key_lo > width) key_lo = top - width;
+  }
+  uint64_t* keys = tail;                  // [kCrowdedCap]
+  uint64_t* prefix = tail + kCrowdedCap;  // [kCrowdedCap]
+  const unsigned int padded = next_pow2(n);
+  __syncthreads();
+  for (unsigned int i = threadIdx.x; i < padded; i += kFilterThreads) keys[i] = 0;
+  if (threadIdx.x == 0) *num_cand = 0;
+  __syncthreads();
+  fr.for_each_in_bins(c, c, key_lo, key_hi, [&](uint64_t key, float, uint32_t) {
+    const int pos = atomicAdd(num_cand, 1);
+    if (pos < kCrowdedCap) keys[pos] = key;
+  });
+  block_sort_desc<kFilterThreads>(keys, padded);
+  for (uint32_t i = threadIdx.x; i < n; i += kFilterThreads) prefix[i] = mass_fixed(key_value(keys[i]));
+  block_inclusive_scan<kFilterThreads>(prefix, static_cast<int>(n), scratch);
+  uint32_t j = n - 1;
+  if (by_count) {
+    j = static_cast<uint32_t>(target) - count_above - 1;
+  } else {
+    uint32_t first = UINT_MAX;
+    for (uint32_t i = threadIdx.x; i < n; i += kFilterThreads)
+      if (static_cast<double>(mass_above + prefix[i]) >= target) first = min(first, i);
+    first = block_allreduce<kFilterThreads>(first, MinOp{}, reinterpret_cast<uint32_t*>(scratch));
+    if (first != UINT_MAX) j = first;
+  }
+  uint64_t w = 0;
+  for (uint32_t i = threadIdx.x; i <= j; i += kFilterThreads)
+    w = max(w, gumbel_key(key_value(keys[i]), key_index(keys[i]), fr.noise));
+  win = max(win, block_allreduce<kFilterThreads>(w, MaxOp{}, scratch));
+  return Cut{keys[j], mass_above + prefix[j], win, count_above + j + 1};
+}
+
+// The kept set of a crowded cut range from the bins' prefix sums h (k: 0 without a k cut; p: 1 without a p cut):
+// the k cut in its bin, then the p cut in its own (the k cut's bin too, above the k cut). Returns the last cut, its
+// `win` the row's winner: the bins above the cut's bin are kept whole.
+template <typename T>
+__device__ __noinline__ Cut crowded_cuts(const FilterRow<T>& fr, const HistView& h, int k, float p, int c_k,
+                                         uint32_t total_count, uint64_t total_mass, uint64_t* tail,
+                                         uint64_t* scratch, int* result, int* num_cand) {
+  Cut last{0, total_mass, 0, total_count};
+  if (k > 0) {
+    const uint32_t before = c_k ? h.count[c_k - 1] : 0;
+    last = cut_in_bin(fr, c_k, 0, h.count[c_k] - before, before, c_k ? h.mass[c_k - 1] : 0, true,
+                      static_cast<double>(k), tail, scratch, result, num_cand);
+  }
+  int c_cut = c_k;
+  if (p < 1.f) {
+    const double target = static_cast<double>(p) * last.mass;
+    const bool in_k_bin = k > 0 && !(static_cast<double>(c_k ? h.mass[c_k - 1] : 0) >= target);
+    c_cut = in_k_bin ? c_k : first_bin_reaching(h.mass, target, result);
+    const uint32_t before = c_cut ? h.count[c_cut - 1] : 0;
+    last = cut_in_bin(fr, c_cut, in_k_bin ? last.key : 0, (in_k_bin ? last.count : h.count[c_cut]) - before, before,
+                      c_cut ? h.mass[c_cut - 1] : 0, false, target, tail, scratch, result, num_cand);
+  }
+  uint64_t win = last.win;
+  for (int b = threadIdx.x; b < c_cut; b += kFilterThreads) win = max(win, h.win[b]);
+  last.win = block_allreduce<kFilterThreads>(win, MaxOp{}, scratch);
+  return last;
 }
 
 template <typename T>
@@ -1164,14 +1370,13 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: FILTER
   HistView h{reinterpret_cast<uint32_t*>(smem), smem + kBins / 2, smem + kBins / 2 + kBins, nullptr};
   uint64_t* cand = h.win + kBins;  // [kResolveCap]
   __shared__ uint64_t scratch[kFilterThreads / 32];
+  __shared__ int cut, num_cand;
   if (use_bins)
     for (int b = threadIdx.x; b < kBins; b += kFilterThreads) h.count[b] = 0, h.mass[b] = 0, h.win[b] = 0;
   __syncthreads();
 
-  auto bin_of = [&](float z) -> int {
-    return bin_scale > 0.f ? static_cast<int>(fminf(-z * bin_scale, static_cast<float>(kBins - 1))) : 0;
-  };
-  auto passes_min_p = [&](float x, float z) { return x > -kInf && (m <= 0.f || expf(z) >= m); };
+  auto bin_of = [&](float z) { return filter_bin(z, bin_scale); };
+  auto passes_min_p = [&](float x, float z) { return keeps_min_p(x, z, m); };
   const float inv_t = 1.f / temperature;
   const float z_skip = m > 0.f ? logf(m) - 1e-4f : -kInf;
 
@@ -1314,7 +1519,6 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: FILTER
     // ---- cuts from the prefix sums
     block_inclusive_scan<kFilterThreads>(h.count, kBins, reinterpret_cast<uint32_t*>(scratch));
     block_inclusive_scan<kFilterThreads>(h.mass, kBins, scratch);
-    __shared__ int cut;
     const uint32_t total_count = h.count[kBins - 1];
     const uint64_t total_mass = h.mass[kBins - 1];
     const bool k_cut = k > 0 && static_cast<uint32_t>(k) < total_count;
@@ -1349,41 +1553,25 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: FILTER
       if (one_token) {
         token = key_index(max(best_above, cut_win));
       } else if (n > kResolveCap) {
-        flags |= 4u;
+        // ---- a crowded cut range: the k cut, then the p cut, each found in its own bin
+        const FilterRow<T> fr{row, vocab, aligned, row_max, temperature, bin_scale, z_min, m, floor_score, noise};
+        const Cut last = crowded_cuts(fr, h, k_cut ? k : 0, p_cut ? p : 1.f, c_k, total_count, total_mass, cand,
+                                      scratch, &cut, &num_cand);
+        token = key_index(last.win);
+        kept_mass = last.mass * kMassUnit;
+        kept_min = last.key;
       } else {
         // ---- re-read the row, collect the cut range, sort, walk the prefix exactly
-        __shared__ int num_cand;
         const unsigned int padded = next_pow2(n);
         __syncthreads();
         for (unsigned int i = threadIdx.x; i < padded; i += kFilterThreads) cand[i] = 0;
         if (threadIdx.x == 0) num_cand = 0;
         __syncthreads();
-        // One block reads the whole row here, so the loop is kept lean: kResolveBatch loads in flight a thread, a
-        // group skipped by its largest and smallest logit, and the exact z only for logits in the cut range's
-        // interval (one load at a time and a division a token, it took ~50 us of a 600 KB row on an H200).
-        const LogitInterval range = logits_of_bins(c_lo, c_hi, row_max, temperature, bin_scale);
-        for (int64_t g0 = threadIdx.x; g0 < groups; g0 += kResolveBatch * kFilterThreads) {
-          float x[kResolveBatch][4];
-#pragma unroll
-          for (int u = 0; u < kResolveBatch; ++u)
-            if (g0 + u * kFilterThreads < groups) load_group(row, g0 + u * kFilterThreads, vocab, aligned, x[u]);
-#pragma unroll
-          for (int u = 0; u < kResolveBatch; ++u) {
-            const int64_t g = g0 + u * kFilterThreads;
-            if (g >= groups || !range.meets_group(x[u])) continue;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              sanitize(x[u][e]);
-              if (!range.holds(x[u][e])) continue;
-              const float z = scaled(x[u][e], row_max, temperature);
-              if (!passes_min_p(x[u][e], z)) continue;
-              const int b = bin_of(z);
-              if (b < c_lo || b > c_hi) continue;
-              const int pos = atomicAdd(&num_cand, 1);
-              if (pos < kResolveCap) cand[pos] = rank_key(z, static_cast<uint32_t>(4 * g + e));
-            }
-          }
-        }
+        for_each_in_bins(row, vocab, aligned, row_max, temperature, bin_scale, m, c_lo, c_hi, 0, ~0ull,
+                         [&](uint64_t key, float, uint32_t) {
+          const int pos = atomicAdd(&num_cand, 1);
+          if (pos < kResolveCap) cand[pos] = key;
+        });
         block_sort_desc<kFilterThreads>(cand, padded);
         uint64_t* prefix = h.mass;  // the bins are no longer needed: reuse for the masses
         for (uint32_t i = threadIdx.x; i < n; i += kFilterThreads) prefix[i] = mass_fixed(key_value(cand[i]));
