@@ -8,10 +8,12 @@ Rows are routed by their parameters (known on the host, so routing costs no sync
                                    the frontier cannot settle
   min-p alone                   -> stats_kernel, then gumbel_kernel over the tokens min-p keeps (a mask
                                    from the row max)
-  k > 255, processed log-probs  -> stats_kernel then filter_kernel: exact binned cut
+  k > 255, processed log-probs  -> stats_kernel then filter_kernel: exact binned cut, any k, p and min-p
 Processing (masks, bias, penalties) runs first, in torch on the GPU (processing.apply_processing).
-Rows a kernel cannot settle exactly (flag 4, rare by construction) are re-sampled by the CPU
-reference after the one synchronisation that returns the results; `fallbacks()` counts both kinds.
+Rows a fast kernel cannot settle exactly (flag 4: z-order ties at the top-k cut, an overflowing candidate
+buffer; rare by construction) are sampled again through stats + filter, which settles every row, after
+the one synchronisation that returns the results: no request leaves the GPU (out of device memory is
+RESOURCE_EXHAUSTED). `fallbacks()` counts both kinds of re-evaluation.
 
 Host path of one call (docs/design/host-path.md): the rows are grouped on the host from the
 CPU parameter tensors (a batch whose rows all share one mode needs no row lists); the per-row
@@ -39,7 +41,7 @@ from .cuda_build import CudaBackendUnavailable
 from .cuda_kernels import FILTER_BLOCKS_TARGET, NUCLEUS_FILTER_BLOCKS_TARGET, Kernels, Outputs
 from .processing import apply_processing
 
-_FLAG_NAN, _FLAG_INVALID, _FLAG_CPU = 1, 2, 4
+_FLAG_NAN, _FLAG_INVALID, _FLAG_EXACT = 1, 2, 4  # 4: the row needs the exact filter
 
 __all__ = ["CudaBackend", "CudaBackendUnavailable"]
 
@@ -47,11 +49,12 @@ __all__ = ["CudaBackend", "CudaBackendUnavailable"]
 _MAX_MERGED_CANDIDATES = 16384  # the top-k merge sorts chunks x bucket keys in shared memory
 
 
-def _topk_buckets(top_k: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The smallest topk_kernel bucket holding k + 1 candidates per row; 0: none (k off, or too large)."""
+def _topk_buckets(top_k: torch.Tensor, vocab: int, use_buckets: bool = True) -> torch.Tensor:
+    """The smallest topk_kernel bucket holding k + 1 candidates per row; 0: none (k off, or too large, or
+    use_buckets False: every row through the exact filter)."""
     chunks = -(-vocab // 8192)
     buckets = torch.zeros(top_k.shape, dtype=torch.int64)
-    for bucket in (256, 128, 64, 32, 16):
+    for bucket in (256, 128, 64, 32, 16) if use_buckets else ():
         fits = (top_k > 0) & (top_k + 1 <= bucket) & (chunks * bucket <= _MAX_MERGED_CANDIDATES)
         buckets = torch.where(fits, bucket, buckets)
     return buckets
@@ -67,8 +70,9 @@ _PINNED_ALIGN = 16
 
 
 def _bucket_of(k: int, chunks: int) -> int:
-    """_topk_buckets for one row: the smallest bucket holding k + 1 candidates, 0 when none applies."""
-    if k > 0:
+    """_topk_buckets for one row: the smallest bucket holding k + 1 candidates, 0 when none applies (chunks 0:
+    no bucket)."""
+    if k > 0 and chunks:
         for bucket in _BUCKETS:
             if k + 1 <= bucket:
                 return bucket if chunks * bucket <= _MAX_MERGED_CANDIDATES else 0
@@ -122,13 +126,14 @@ def _group_of_mask(mask: torch.Tensor):
     return mask.nonzero().squeeze(1).to(torch.int32)
 
 
-def _plan_without_logprobs(batch: SamplingBatch, vocab: int) -> _Plan | None:
+def _plan_without_logprobs(batch: SamplingBatch, vocab: int, use_buckets: bool = True) -> _Plan | None:
     """Groups from Python lists of the parameters: one group when every row has the same mode, else a loop
-    over the rows up to _LOOP_ROWS rows; None above that (then _plan_with_torch)."""
+    over the rows up to _LOOP_ROWS rows; None above that (then _plan_with_torch). use_buckets False: filtered
+    rows take the exact filter whatever their k."""
     num_rows = batch.num_rows
     temps = batch.temperature.tolist()
     ks, ps, ms = batch.top_k.tolist(), batch.top_p.tolist(), batch.min_p.tolist()
-    chunks = -(-vocab // 8192)
+    chunks = -(-vocab // 8192) if use_buckets else 0
     n_greedy = temps.count(0.0)
     plan = _Plan()
     # min == max fails for NaN, which the loop then compares exactly as torch does.
@@ -179,7 +184,8 @@ def _plan_without_logprobs(batch: SamplingBatch, vocab: int) -> _Plan | None:
     return plan
 
 
-def _plan_with_torch(batch: SamplingBatch, vocab: int, processed: bool, masks: bool, raw_rows: bool) -> _Plan:
+def _plan_with_torch(batch: SamplingBatch, vocab: int, processed: bool, masks: bool, raw_rows: bool,
+                     use_buckets: bool = True) -> _Plan:
     """Groups from torch ops on the CPU tensors (the original routing, vectorised): log-probs calls, and
     mixed batches above _LOOP_ROWS rows. masks: also the row masks the log-prob combine needs; raw_rows:
     also the rows whose raw log-sum-exp needs its own pass."""
@@ -194,7 +200,7 @@ def _plan_with_torch(batch: SamplingBatch, vocab: int, processed: bool, masks: b
     plan.greedy = _group_of_mask(greedy)
     plan.unfiltered = _group_of_mask(unfiltered)
     if bool(through.any()):
-        buckets = _topk_buckets(batch.top_k, vocab)
+        buckets = _topk_buckets(batch.top_k, vocab, use_buckets)
         for bucket in _BUCKETS:
             group = _group_of_mask(through & (buckets == bucket))
             if group is not None:
@@ -325,9 +331,8 @@ class CudaBackend(Backend):
         with torch.cuda.device(self._device):
             self._kernels = Kernels(device_index)
         self._gpu_name = torch.cuda.get_device_name(device_index)
-        self._cpu_rows = 0
+        self._exact_rows = 0  # rows sampled again through stats + filter
         self._lock = threading.Lock()
-        self._cpu_backend: Backend | None = None
         self._init_buffers()
 
     def _init_buffers(self) -> None:
@@ -350,8 +355,8 @@ class CudaBackend(Backend):
         return self._kernels.fallback_count.data_ptr()
 
     def fallbacks(self) -> dict[str, int]:
-        """Exact re-evaluations inside kernels, and rows re-sampled by the CPU reference (synchronises)."""
-        return {"in_kernel": int(self._kernels.fallback_count.item()), "cpu_rows": self._cpu_rows}
+        """Exact re-evaluations inside kernels, and rows a fast kernel left to the exact filter (synchronises)."""
+        return {"in_kernel": int(self._kernels.fallback_count.item()), "exact_rows": self._exact_rows}
 
     def sample(self, batch: SamplingBatch) -> SamplingResult:
         if batch.hidden is not None:
@@ -360,16 +365,24 @@ class CudaBackend(Backend):
                 return self._sample_fused(batch)
             record_fallback(reason)
         batch = batch.with_logits()  # hidden states through their LM head (a no-op for logits)
+        result, flagged = self._locked_sample(batch, use_buckets=True)
+        if flagged is not None and flagged.numel():
+            # The exact filter settles every row: what it would leave undecided is a kernel bug.
+            record_fallback("cuda_rows_to_exact_filter")
+            self._exact_rows += int(flagged.numel())
+            again, undecided = self._locked_sample(select_rows(batch, flagged), use_buckets=False)
+            if undecided is not None and undecided.numel():
+                raise RuntimeError(f"the exact filter left {undecided.numel()} rows undecided")
+            result = _merge_rows(result, flagged, again)
+        return result
+
+    def _locked_sample(self, batch: SamplingBatch, use_buckets: bool) -> tuple[SamplingResult, torch.Tensor | None]:
         with self._lock, torch.cuda.device(self._device):
             try:
-                result, cpu_rows = self._sample_on_gpu(batch)
+                return self._sample_on_gpu(batch, use_buckets)
             except BaseException:
                 self._after_failure()
                 raise
-        if cpu_rows is not None and cpu_rows.numel():
-            record_fallback("cuda_rows_to_cpu_reference")
-            result = self._resample_on_cpu(batch, result, cpu_rows)
-        return result
 
     def _sample_fused(self, batch: SamplingBatch) -> SamplingResult:
         """Hidden states through the fused kernel; rows whose kept set it cannot decide, through logits."""
@@ -499,24 +512,24 @@ class CudaBackend(Backend):
             frontier = bounded and plan.exact_has_top_p and n >= FRONTIER_MIN_ROWS
             if not frontier:
                 k.launch_stats(data, b, v, dt, rows, n, params, 0, out.pre, 1, stream)
-            flags = needs_cpu = None
-            if num_samples > 1:  # each sample's launch rewrites the flags: keep every sample's CPU bit
+            flags = needs_exact = None
+            if num_samples > 1:  # each sample's launch rewrites the flags: keep every sample's exact-filter bit
                 flags = out.view("main_flags" if shared else "filt_flags")
-                needs_cpu = torch.zeros(b, dtype=torch.uint8, device=self._device)
+                needs_exact = torch.zeros(b, dtype=torch.uint8, device=self._device)
             for s in range(num_samples):
-                if min_p_alone:  # exact in the kernel: never flags a row for the CPU
+                if min_p_alone:  # exact in the kernel: never flags a row
                     k.launch_min_p(data, b, v, dt, rows, n, params, out.pre_stats[0], filt, num_samples, s, stream)
                 else:
                     if frontier:
                         k.launch_nucleus(data, b, v, dt, rows, n, params, out.pre, filt, num_samples, s, stream)
                     k.launch_filter(data, b, v, dt, rows, n, params, out.pre_stats, processed, filt, num_samples, s,
                                     stream, NUCLEUS_FILTER_BLOCKS_TARGET if frontier else FILTER_BLOCKS_TARGET)
-                if needs_cpu is not None:
-                    needs_cpu |= flags & _FLAG_CPU
-            if needs_cpu is not None:
-                flags |= needs_cpu
+                if needs_exact is not None:
+                    needs_exact |= flags & _FLAG_EXACT
+            if needs_exact is not None:
+                flags |= needs_exact
 
-    def _sample_on_gpu(self, batch: SamplingBatch) -> tuple[SamplingResult, torch.Tensor | None]:
+    def _sample_on_gpu(self, batch: SamplingBatch, use_buckets: bool) -> tuple[SamplingResult, torch.Tensor | None]:
         dev = self._device
         num_rows, vocab, num_samples = batch.num_rows, batch.vocab_size, batch.num_samples
         logits = batch.logits
@@ -532,10 +545,11 @@ class CudaBackend(Backend):
         if num_rows == 0:
             return self._empty_result(batch, vocab, wants_logprobs), None
         if wants_logprobs:
-            return self._sample_with_logprobs(batch, raw_x, x)
+            return self._sample_with_logprobs(batch, raw_x, x, use_buckets)
 
         stream = self._kernels.current_stream()
-        plan = _plan_without_logprobs(batch, vocab) or _plan_with_torch(batch, vocab, False, False, False)
+        plan = (_plan_without_logprobs(batch, vocab, use_buckets)
+                or _plan_with_torch(batch, vocab, False, False, False, use_buckets))
         stage = self._upload(batch, plan, stream)
         out = self._out(num_rows, num_samples)
         self._launch(x, plan, stage, out, num_samples, shared=True, lse_scale=0, processed=False, stream=stream)
@@ -550,8 +564,8 @@ class CudaBackend(Backend):
             return SamplingResult(tokens=tokens, valid=valid, nan_detected=nan), None
         valid = (flags & _FLAG_INVALID) == 0
         tokens.masked_fill_(~valid.unsqueeze(1), -1)
-        cpu_rows = ((flags & _FLAG_CPU) != 0).nonzero().squeeze(1) if top >= _FLAG_CPU else None
-        return SamplingResult(tokens=tokens, valid=valid, nan_detected=(flags & _FLAG_NAN) != 0), cpu_rows
+        flagged = ((flags & _FLAG_EXACT) != 0).nonzero().squeeze(1) if top >= _FLAG_EXACT else None
+        return SamplingResult(tokens=tokens, valid=valid, nan_detected=(flags & _FLAG_NAN) != 0), flagged
 
     @staticmethod
     def _empty_result(batch: SamplingBatch, vocab: int, wants_logprobs: bool) -> SamplingResult:
@@ -564,8 +578,8 @@ class CudaBackend(Backend):
             top_logprob_ids=torch.zeros((0, n), dtype=torch.int64) if batch.top_logprobs > 0 else None,
             top_logprobs=torch.zeros((0, n), dtype=torch.float32) if batch.top_logprobs > 0 else None)
 
-    def _sample_with_logprobs(self, batch: SamplingBatch, raw_x: torch.Tensor,
-                              x: torch.Tensor) -> tuple[SamplingResult, torch.Tensor]:
+    def _sample_with_logprobs(self, batch: SamplingBatch, raw_x: torch.Tensor, x: torch.Tensor,
+                              use_buckets: bool) -> tuple[SamplingResult, torch.Tensor]:
         """Log-probs calls: the same upload and launches, main and filter outputs kept apart, and the torch
         post-processing of the kept set and the tables."""
         dev, k = self._device, self._kernels
@@ -573,7 +587,7 @@ class CudaBackend(Backend):
         raw_mode = batch.logprobs_mode is LogprobsMode.RAW
         processed = not raw_mode
         stream = k.current_stream()
-        plan = _plan_with_torch(batch, vocab, processed, True, raw_mode)
+        plan = _plan_with_torch(batch, vocab, processed, True, raw_mode, use_buckets)
         stage = self._upload(batch, plan, stream)
         out = self._out(num_rows, num_samples)
         t_eff = stage.dev_t_eff()
@@ -595,7 +609,7 @@ class CudaBackend(Backend):
         use_filt, through_dev, need_dev = stage.dev_masks().unbind(0)
         tokens = torch.where(use_filt.unsqueeze(1), filt.tokens, main.tokens)
         flags = torch.where(use_filt, filt.flags, main.flags)
-        flags = flags | torch.where(through_dev, filt.flags & _FLAG_CPU, torch.zeros_like(flags))
+        flags = flags | torch.where(through_dev, filt.flags & _FLAG_EXACT, torch.zeros_like(flags))
         row_max = torch.where(use_filt, filt.row_max, main.row_max)
         valid = (flags & _FLAG_INVALID) == 0
 
@@ -642,16 +656,7 @@ class CudaBackend(Backend):
             logprobs=logprobs.cpu() if logprobs is not None else None,
             top_logprob_ids=top_ids.cpu() if top_ids is not None else None,
             top_logprobs=top_values.cpu() if top_values is not None else None)
-        return result, ((flags_cpu & _FLAG_CPU) != 0).nonzero().squeeze(1)
-
-    def _resample_on_cpu(self, batch: SamplingBatch, result: SamplingResult, rows: torch.Tensor) -> SamplingResult:
-        """Rows a kernel flagged (ties it cannot order, overflowing candidate buffers): the CPU reference."""
-        if self._cpu_backend is None:
-            from .cpu import CpuBackend
-
-            self._cpu_backend = CpuBackend()
-        self._cpu_rows += int(rows.numel())
-        return _merge_rows(result, rows, self._cpu_backend.sample(select_rows(batch, rows)))
+        return result, ((flags_cpu & _FLAG_EXACT) != 0).nonzero().squeeze(1)
 
 
 def _merge_rows(result: SamplingResult, rows: torch.Tensor, sub: SamplingResult) -> SamplingResult:
