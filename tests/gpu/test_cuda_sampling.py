@@ -145,4 +145,4 @@ def test_info_and_fallback_counters(cuda_backend):
     info = cuda_backend.info()
     assert info.name == "cuda" and info.device.startswith("cuda:0 (") and info.kernels
     counts = cuda_backend.fallbacks()
-    assert set(counts) == {"in_kernel", "cpu_rows"} and all(v >= 0 for v in counts.values())
+    assert set(counts) == {"in_kernel", "exact_rows"} and all(v >= 0 for v in counts.values())
