@@ -2,12 +2,19 @@
 
   python benchmarks/bench_kernels.py --peers PATH/peers.py [--out benchmarks/results] [--batches 1,8,32,64,128,256]
   python benchmarks/bench_kernels.py --no-peers          # tokensampler alone, from this repository only
+  python benchmarks/bench_kernels.py --set adversarial --no-peers   # the unusual-but-valid parameters
 
 For both generators (spiky, flat) and every B, times the tokensampler kernels in the six modes
 (greedy, gumbel, top_k_top_p, top_k, top_p, min_p; k, p, T, min_p as per-row tensors) next to the
 peers of the peers module (`--peers`, or $PEERS_PY) in the same process on the same logits: torch
 argmax, FlashInfer's samplers, the PyTorch-native vLLM path. Writes logits-<generator>-<gpu>-<date>.json (rows: workload, method,
 mode, B, median_us, roofline_us, of_roofline) and a PNG plot per file.
+
+`--set adversarial` times whole backend calls (CudaBackend.sample on logits already on the GPU: planning, the
+one upload, the launches, the one copy back) of the parameters an engine lets its users pick, beside the same
+call of top-k 50: k in {256, 1000, 4096, V/2}, k 1000 + top-p 0.9, k V/2 + top-p 0.5, a k per row uniform in
+[1, V] with top-p 0.9, and fp16 logits with top-k 50 + top-p 0.9. Writes adversarial-<gpu>-<date>.json with the
+ratio to top-k 50 at the same B and generator, and the rows a fast kernel left to the exact filter.
 """
 
 from __future__ import annotations
@@ -25,8 +32,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "server"))
 
-from tokensampler_server.backends.cuda import FRONTIER_MIN_ROWS  # noqa: E402
+from tokensampler_server.backends.cuda import FRONTIER_MIN_ROWS, CudaBackend  # noqa: E402
 from tokensampler_server.backends.cuda_kernels import Kernels, Outputs, RowParams  # noqa: E402
+from tokensampler_server.sampling import SamplingBatch  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from provenance import tree_commit  # noqa: E402
@@ -34,6 +42,18 @@ from provenance import tree_commit  # noqa: E402
 V = 151936
 TOP_K, TOP_P, MIN_P = 50, 0.9, 0.05
 MODES = ("greedy", "gumbel", "top_k_top_p", "top_k", "top_p", "min_p")
+# mode: (top_k, top_p, dtype); top_k "per_row": uniform in [1, V] per row.
+ADVERSARIAL = {
+    "top_k_50": (50, 1.0, torch.float32),
+    "top_k_256": (256, 1.0, torch.float32),
+    "top_k_1000": (1000, 1.0, torch.float32),
+    "top_k_4096": (4096, 1.0, torch.float32),
+    "top_k_75968": (V // 2, 1.0, torch.float32),
+    "top_k_1000_top_p_0.9": (1000, 0.9, torch.float32),
+    "top_k_75968_top_p_0.5": (V // 2, 0.5, torch.float32),
+    "per_row_k_top_p_0.9": ("per_row", 0.9, torch.float32),
+    "fp16_top_k_50_top_p_0.9": (50, 0.9, torch.float16),
+}
 
 
 def add_peers_arguments(ap: argparse.ArgumentParser) -> None:
@@ -165,14 +185,63 @@ def write_results(out_dir: Path, workload: str, meta: dict, rows: list[dict]) ->
     return path
 
 
+def adversarial_batch(mode: str, logits: torch.Tensor, gen: torch.Generator) -> SamplingBatch:
+    """The backend call of one adversarial mode over `logits` (per-row tensors, as a server batch carries)."""
+    top_k, top_p, dtype = ADVERSARIAL[mode]
+    b = logits.shape[0]
+    if top_k == "per_row":
+        k = torch.randint(1, V + 1, (b,), generator=gen, device="cuda").cpu().to(torch.int32)
+    else:
+        k = torch.full((b,), top_k, dtype=torch.int32)
+    return SamplingBatch(
+        logits=logits.to(dtype), temperature=torch.ones(b), top_k=k, top_p=torch.full((b,), top_p),
+        min_p=torch.zeros(b), seed=torch.arange(b, dtype=torch.int64) + 7, position=torch.zeros(b, dtype=torch.int64),
+        iteration=torch.zeros(b, dtype=torch.int64), num_samples=1)
+
+
+def run_adversarial(args, peers, batches: list[int]) -> None:
+    """--set adversarial: whole backend calls of each mode, and each one's ratio to top-k 50 (see the docstring)."""
+    backend = CudaBackend(torch.cuda.current_device())
+    meta = {**run_meta(peers), "V": V, "call": "CudaBackend.sample, logits on the GPU"}
+    read_bw = meta["read_bw_GBps"] * 1e9
+    print(json.dumps(meta), flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows: list[dict] = []
+    for gen_name, make in (("spiky", peers.spiky_logits), ("flat", peers.flat_logits)):
+        for b in batches:
+            logits = make(b, V, gen)
+            roof = b * V * 4 / read_bw * 1e6
+            base = None
+            for mode in ADVERSARIAL:
+                batch = adversarial_batch(mode, logits, gen)
+                before = backend.fallbacks()
+                backend.sample(batch)
+                after = backend.fallbacks()
+                us = peers.bench(lambda: backend.sample(batch))
+                base = base or us
+                row = {"workload": "adversarial", "generator": gen_name, "method": "tokensampler", "mode": mode, "B": b,
+                       "median_us": round(us, 2), "roofline_us": round(roof, 2), "of_roofline": round(roof / us, 3),
+                       "of_top_k_50": round(us / base, 2), "exact_rows": after["exact_rows"] - before["exact_rows"]}
+                rows.append(row)
+                print(f"adversarial {gen_name:5s} {mode:26s} B={b:4d} {us:9.2f} us"
+                      f"  x{row['of_top_k_50']:5.2f} of top-k 50  exact rows {row['exact_rows']}", flush=True)
+            del logits
+    write_results(Path(args.out), "adversarial", meta, rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--batches", default="1,8,32,64,128,256")
+    ap.add_argument("--set", choices=("protocol", "adversarial"), default="protocol",
+                    help="the protocol's modes (kernels alone), or the adversarial parameters (backend calls)")
     add_peers_arguments(ap)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     peers = load_peers(args.peers, args.no_peers)
+    if args.set == "adversarial":
+        run_adversarial(args, peers, batches)
+        return
     kernels = Kernels(torch.cuda.current_device())
     meta = {**run_meta(peers), "V": V, "top_k": TOP_K, "top_p": TOP_P, "min_p": MIN_P}
     read_bw = meta["read_bw_GBps"] * 1e9

@@ -21,6 +21,7 @@ def plot(path: Path) -> Path:
     roof: dict[int, float] = {}
     for row in data["rows"]:
         label = row["method"] + (f" {row['mode']}" if row.get("mode") else "")
+        label += f" ({row['generator']})" if row.get("generator") else ""
         series.setdefault(label, []).append((row["B"], row["median_us"]))
         roof[row["B"]] = row["roofline_us"]
     fig, ax = plt.subplots(figsize=(10, 6))
