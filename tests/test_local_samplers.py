@@ -324,3 +324,11 @@ def test_draft_positions_draw_the_coins_sample_draws_there() -> None:
         first = acts.index(True) if True in acts else n + 1
         assert int(accepted[seed]) == min(first, n)
         assert int(tokens[seed, min(first, n)]) == (1 if first <= n else 0)
+
+
+def test_what_the_sequence_samplers_read_is_bounded() -> None:
+    history = [1, 2] * 4096
+    with pytest.raises(InvalidArgument) as err:
+        _validated(torch.zeros(129, 4), output_token_ids=history, dry_multiplier=1.0)
+    assert err.value.field == "params.output_token_ids" and "1048576" in str(err.value)
+    assert _validated(torch.zeros(128, 4), output_token_ids=history, dry_multiplier=1.0).processing.dry is not None

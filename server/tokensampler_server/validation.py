@@ -21,7 +21,7 @@ from .errors import InvalidArgument
 from .packed import decode_floats, decode_varints, packed_runs
 from .repetition import Sequences
 from .sampling import HiddenInput, LogitProcessing, LogprobsMode, SamplingBatch, TokenEntries
-from .validation_samplers import (DecodedBreakers, check_breaker_ids, check_dry_windows, decode_breakers, sequence_rules,
+from .validation_samplers import (DecodedBreakers, check_breaker_ids, check_sequence_reads, decode_breakers, sequence_rules,
                                   stop_bans, truncation)
 from .weights import RegisteredWeight
 
@@ -161,7 +161,7 @@ def _decode_lists(params: pb.SamplingParams, num_rows: int, limits: Limits, posi
     rules = sequence_rules(params, num_rows, breakers)
     sequences = Sequences(*(None if lists[name] is None else lists[name].entries
                             for name in ("prompt_token_ids", "output_token_ids")), num_rows)
-    check_dry_windows(rules, sequences.lengths())
+    check_sequence_reads(rules, sequences.lengths())
     ngram_bans, dry, dry_values = rules.derive(sequences)
     return DecodedLists(num_rows, lists, bias_values, breakers, ngram_bans, dry, dry_values)
 

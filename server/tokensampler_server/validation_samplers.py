@@ -15,7 +15,8 @@ from tokensampler_client._proto import sampler_pb2 as pb
 
 from .columns import check, checked_column, column
 from .errors import InvalidArgument
-from .repetition import MAX_BREAKER_LENGTH, MAX_BREAKERS, MAX_DRY_WINDOW, MAX_NGRAM_SIZE, Breakers, SequenceRules
+from .repetition import (MAX_BREAKER_LENGTH, MAX_BREAKERS, MAX_DRY_WINDOW, MAX_NGRAM_SIZE, MAX_SEQUENCE_READS,
+                         Breakers, SequenceRules)
 from .sampling import TokenEntries, Truncation
 
 _BREAKERS = "params.dry_sequence_breakers"
@@ -84,14 +85,22 @@ def sequence_rules(params: pb.SamplingParams, num_rows: int, breakers: DecodedBr
     )
 
 
-def check_dry_windows(rules: SequenceRules, lengths: np.ndarray) -> None:
-    """Rejects a row whose DRY reads its whole sequence (-1) when that is longer than MAX_DRY_WINDOW."""
-    too_long = rules.dry_rows() & (rules.dry_last_n == -1) & (lengths > MAX_DRY_WINDOW)
+def check_sequence_reads(rules: SequenceRules, lengths: np.ndarray) -> None:
+    """Bounds what DRY and no-repeat-n-gram read: a DRY row reading its whole sequence (-1) reads at most
+    MAX_DRY_WINDOW tokens, and the rows together at most MAX_SEQUENCE_READS."""
+    dry = rules.dry_rows()
+    too_long = dry & (rules.dry_last_n == -1) & (lengths > MAX_DRY_WINDOW)
     if bool(too_long.any()):
         row = int(np.argmax(too_long))
         raise InvalidArgument("params.dry_penalty_last_n",
                               f"got -1 for row {row}, whose sequence has {int(lengths[row])} tokens; expected a window "
                               f"of at most {MAX_DRY_WINDOW} tokens (send a window, or fewer ids)")
+    windows = np.where(rules.dry_last_n > 0, np.minimum(rules.dry_last_n, lengths), lengths)
+    reads = int(windows[dry].sum()) + int(lengths[rules.ngram > 0].sum())
+    if reads > MAX_SEQUENCE_READS:
+        raise InvalidArgument("params.output_token_ids",
+                              f"DRY and no-repeat-n-gram would read {reads} tokens of the rows' sequences; expected at "
+                              f"most {MAX_SEQUENCE_READS} in one request (send shorter histories or windows)")
 
 
 def stop_bans(params: pb.SamplingParams, stop: TokenEntries | None, num_rows: int) -> TokenEntries | None:
