@@ -24,7 +24,7 @@ from ._proto import sampler_pb2 as pb
 from ._proto import sampler_pb2_grpc
 from ._retry import Backoff, CallPolicy
 from .errors import error_from_rpc
-from .params import Column, LogitBiasArg, TokenListsArg, build_sample_request, serialize_sample_request
+from .params import BreakersArg, Column, LogitBiasArg, TokenListsArg, build_sample_request, serialize_sample_request
 from .regions import CudaRegion, RegionView, SharedMemoryRegion
 from .result import SampleResult
 from .workloads import (
@@ -117,6 +117,19 @@ class AsyncSamplerClient:
         frequency_penalty: Column = None,
         output_token_ids: TokenListsArg = None,
         prompt_token_ids: TokenListsArg = None,
+        min_tokens: Column = None,
+        num_generated: Column = None,
+        stop_token_ids: TokenListsArg = None,
+        no_repeat_ngram_size: Column = None,
+        dry_multiplier: Column = None,
+        dry_base: Column = None,
+        dry_allowed_length: Column = None,
+        dry_penalty_last_n: Column = None,
+        dry_sequence_breakers: BreakersArg = None,
+        typical_p: Column = None,
+        top_n_sigma: Column = None,
+        xtc_threshold: Column = None,
+        xtc_probability: Column = None,
         return_logprobs: bool = False,
         logprobs_mode: str = "raw",
         top_logprobs: int = 0,
@@ -145,6 +158,19 @@ class AsyncSamplerClient:
             frequency_penalty=frequency_penalty,
             output_token_ids=output_token_ids,
             prompt_token_ids=prompt_token_ids,
+            min_tokens=min_tokens,
+            num_generated=num_generated,
+            stop_token_ids=stop_token_ids,
+            no_repeat_ngram_size=no_repeat_ngram_size,
+            dry_multiplier=dry_multiplier,
+            dry_base=dry_base,
+            dry_allowed_length=dry_allowed_length,
+            dry_penalty_last_n=dry_penalty_last_n,
+            dry_sequence_breakers=dry_sequence_breakers,
+            typical_p=typical_p,
+            top_n_sigma=top_n_sigma,
+            xtc_threshold=xtc_threshold,
+            xtc_probability=xtc_probability,
             return_logprobs=return_logprobs,
             logprobs_mode=logprobs_mode,
             top_logprobs=top_logprobs,

@@ -59,6 +59,38 @@ def _positive(text: str) -> int:
     return value
 
 
+def _ids(text: str) -> list[int]:
+    """Comma-separated token ids, e.g. 13,11,2."""
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids (e.g. 13,11,2), got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("expected at least one token id")
+    return ids
+
+
+def _add_local_samplers(sample: argparse.ArgumentParser) -> None:
+    """The local samplers' flags (docs/semantics.md, "Local samplers"); each row gets the same values."""
+    local = sample.add_argument_group("local samplers", "each off unless given (docs/semantics.md)")
+    local.add_argument("--sequence", type=_ids, metavar="IDS", help="the tokens generated so far, oldest first "
+                       "(output_token_ids: the penalties', DRY's and no-repeat-n-gram's history)")
+    local.add_argument("--min-tokens", type=_non_negative, help="ban --stop-ids until this many tokens are generated")
+    local.add_argument("--num-generated", type=_non_negative, help="tokens each row has generated so far (default 0)")
+    local.add_argument("--stop-ids", type=_ids, metavar="IDS", help="ids that end generation (EOS included)")
+    local.add_argument("--no-repeat-ngram-size", type=_non_negative, metavar="N", help="ban tokens that repeat an n-gram of --sequence")
+    local.add_argument("--dry-multiplier", type=float, help="DRY's multiplier (0 is off)")
+    local.add_argument("--dry-base", type=float, help="DRY's base, >= 1 (server default 1.75)")
+    local.add_argument("--dry-allowed-length", type=_positive, help="repeats DRY allows unpenalised (server default 2)")
+    local.add_argument("--dry-penalty-last-n", type=int, help="DRY's window of the last n tokens; -1 is all (the default)")
+    local.add_argument("--dry-breaker", type=_ids, action="append", metavar="IDS",
+                       help="a DRY sequence breaker as token ids; repeat the flag for more")
+    local.add_argument("--typical-p", type=float, help="locally typical sampling, 0 < p <= 1; 1 disables")
+    local.add_argument("--top-n-sigma", type=float, help="keep logits within n standard deviations of the max; <= 0 disables")
+    local.add_argument("--xtc-threshold", type=float, help="XTC's threshold, 0 < t <= 1 (server default 0.1)")
+    local.add_argument("--xtc-probability", type=float, help="XTC's probability, 0 <= q <= 1; 0 disables")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokensampler",
@@ -96,6 +128,7 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--logprobs", action="store_true", help="also return the log-prob of each sampled token")
     sample.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw", help="distribution of the log-probs (default: %(default)s)")
     sample.add_argument("--top-logprobs", type=_non_negative, default=0, metavar="N", help="also return the N best (id, log-prob) pairs per row")
+    _add_local_samplers(sample)
     sample.add_argument("--json", action="store_true",
                         help="print the result as JSON; seeds are decimal strings, since JavaScript and jq read "
                              "JSON numbers as doubles and round a uint64 seed above 2^53, which then no longer "
@@ -164,6 +197,20 @@ def _run_sample(client: SamplerClient, args: argparse.Namespace) -> int:
         return_logprobs=args.logprobs,
         logprobs_mode=args.logprobs_mode,
         top_logprobs=args.top_logprobs,
+        output_token_ids=args.sequence,
+        min_tokens=args.min_tokens,
+        num_generated=args.num_generated,
+        stop_token_ids=args.stop_ids,
+        no_repeat_ngram_size=args.no_repeat_ngram_size,
+        dry_multiplier=args.dry_multiplier,
+        dry_base=args.dry_base,
+        dry_allowed_length=args.dry_allowed_length,
+        dry_penalty_last_n=args.dry_penalty_last_n,
+        dry_sequence_breakers=args.dry_breaker,
+        typical_p=args.typical_p,
+        top_n_sigma=args.top_n_sigma,
+        xtc_threshold=args.xtc_threshold,
+        xtc_probability=args.xtc_probability,
     )
     if args.json:
         print(json.dumps(_result_dict(result)))

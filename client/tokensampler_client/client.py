@@ -24,7 +24,7 @@ from ._proto import sampler_pb2 as pb
 from ._proto import sampler_pb2_grpc
 from ._retry import Backoff, CallPolicy
 from .errors import error_from_rpc
-from .params import Column, LogitBiasArg, TokenListsArg, build_sample_request, serialize_sample_request
+from .params import BreakersArg, Column, LogitBiasArg, TokenListsArg, build_sample_request, serialize_sample_request
 from .regions import CudaRegion, RegionView, SharedMemoryRegion
 from .result import SampleResult
 from .workloads import (
@@ -134,6 +134,19 @@ class SamplerClient:
         frequency_penalty: Column = None,
         output_token_ids: TokenListsArg = None,
         prompt_token_ids: TokenListsArg = None,
+        min_tokens: Column = None,
+        num_generated: Column = None,
+        stop_token_ids: TokenListsArg = None,
+        no_repeat_ngram_size: Column = None,
+        dry_multiplier: Column = None,
+        dry_base: Column = None,
+        dry_allowed_length: Column = None,
+        dry_penalty_last_n: Column = None,
+        dry_sequence_breakers: BreakersArg = None,
+        typical_p: Column = None,
+        top_n_sigma: Column = None,
+        xtc_threshold: Column = None,
+        xtc_probability: Column = None,
         return_logprobs: bool = False,
         logprobs_mode: str = "raw",
         top_logprobs: int = 0,
@@ -158,6 +171,17 @@ class SamplerClient:
             allowed_token_ids, banned_token_ids, output_token_ids, prompt_token_ids: one list of
                 token ids shared by every row, or B lists.
             logit_bias: one {token_id: bias} dict shared by every row, or B dicts.
+            min_tokens, num_generated, stop_token_ids: while a row's num_generated < min_tokens, its
+                stop_token_ids (one list shared by every row, or B lists; EOS included) are banned.
+            no_repeat_ngram_size: bans tokens that would repeat an n-gram of the row's sequence (its
+                prompt_token_ids then output_token_ids, in order); 0 is off.
+            dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n: DRY, the sequence-repetition
+                penalty over the last n tokens of the sequence (-1: all); multiplier 0 is off.
+            dry_sequence_breakers: DRY's breakers as token-id sequences (each breaker string's tokenization):
+                one list of sequences shared by every row, or B lists.
+            typical_p, top_n_sigma: locally typical sampling (1 is off) and top-n-sigma (<= 0 is off).
+            xtc_threshold, xtc_probability: XTC, which removes all but the least likely of the tokens above
+                the threshold with the given probability (0 is off; its coin is reproducible from the seed).
             return_logprobs: also return the log-prob of each sampled token.
             logprobs_mode: "raw" (log_softmax of the input) or "processed" (after every step).
             top_logprobs: also return the N best (id, log-prob) pairs of each row.
@@ -186,6 +210,19 @@ class SamplerClient:
             frequency_penalty=frequency_penalty,
             output_token_ids=output_token_ids,
             prompt_token_ids=prompt_token_ids,
+            min_tokens=min_tokens,
+            num_generated=num_generated,
+            stop_token_ids=stop_token_ids,
+            no_repeat_ngram_size=no_repeat_ngram_size,
+            dry_multiplier=dry_multiplier,
+            dry_base=dry_base,
+            dry_allowed_length=dry_allowed_length,
+            dry_penalty_last_n=dry_penalty_last_n,
+            dry_sequence_breakers=dry_sequence_breakers,
+            typical_p=typical_p,
+            top_n_sigma=top_n_sigma,
+            xtc_threshold=xtc_threshold,
+            xtc_probability=xtc_probability,
             return_logprobs=return_logprobs,
             logprobs_mode=logprobs_mode,
             top_logprobs=top_logprobs,

@@ -28,8 +28,19 @@ COLUMN_DEFAULTS = {
     "repetition_penalty": 1.0,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
+    "min_tokens": 0,
+    "num_generated": 0,
+    "no_repeat_ngram_size": 0,
+    "dry_multiplier": 0.0,
+    "dry_base": 1.75,
+    "dry_allowed_length": 2,
+    "dry_penalty_last_n": -1,
+    "typical_p": 1.0,
+    "top_n_sigma": 0.0,
+    "xtc_threshold": 0.1,
+    "xtc_probability": 0.0,
 }
-TOKEN_LIST_FIELDS = ("allowed_token_ids", "banned_token_ids", "output_token_ids", "prompt_token_ids")
+TOKEN_LIST_FIELDS = ("allowed_token_ids", "banned_token_ids", "output_token_ids", "prompt_token_ids", "stop_token_ids")
 
 
 def _logits(request: pb.SampleRequest) -> pb.Tensor | pb.TensorRef:
@@ -85,6 +96,15 @@ def _expand_lists(lists: pb.TokenLists, rows: int, values: Sequence[float] = ())
     if len(lists.lengths) != rows:
         raise ValueError(f"{len(lists.lengths)} token lists for {rows} rows cannot be merged")
     return list(lists.lengths), list(lists.ids), list(values)
+
+
+def _expand_sequences(sequences: pb.TokenSequences, rows: int) -> tuple[list[int], list[int], list[int]]:
+    """Per-row (counts, lengths, ids) of TokenSequences with 0 or B counts."""
+    if len(sequences.counts) == 0:
+        return [len(sequences.lengths)] * rows, list(sequences.lengths) * rows, list(sequences.ids) * rows
+    if len(sequences.counts) != rows:
+        raise ValueError(f"{len(sequences.counts)} sequence counts for {rows} rows cannot be merged")
+    return list(sequences.counts), list(sequences.lengths), list(sequences.ids)
 
 
 def _row_starts(ref: pb.TensorRef) -> range:
@@ -155,4 +175,11 @@ def merge_requests(requests: Sequence[pb.SampleRequest], *, gather: bool = False
             params.logit_bias.tokens.lengths.extend(lengths)
             params.logit_bias.tokens.ids.extend(ids)
             params.logit_bias.values.extend(values)
+    if "dry_sequence_breakers" in present:
+        merged_breakers = params.dry_sequence_breakers
+        for r, count in zip(requests, row_counts):
+            counts, lengths, ids = _expand_sequences(r.params.dry_sequence_breakers, count)
+            merged_breakers.counts.extend(counts)
+            merged_breakers.lengths.extend(lengths)
+            merged_breakers.ids.extend(ids)
     return merged

@@ -8,7 +8,10 @@ A scalar `seed` is the seed of every row, as v1 defines it (stored seeds keep re
 the same noise, so their tokens are correlated. For independent rows pass B seeds, or None (the server draws
 one per row).
 Token-list parameters take one list (shared by every row) or B lists (None entries are empty lists);
-`logit_bias` takes one dict {token_id: bias} or B dicts (or None entries).
+`logit_bias` takes one dict {token_id: bias} or B dicts (or None entries); `dry_sequence_breakers` takes one
+list of token-id sequences (the tokenization of each breaker string) or B such lists (or None entries).
+The local samplers (min_tokens, no_repeat_ngram_size, dry_*, typical_p, top_n_sigma, xtc_*) are defined in
+docs/semantics.md ("Local samplers"); each is off at the server's default.
 
 Only shape/length/type mistakes are caught here (ValueError/TypeError naming the argument); value
 ranges are checked by the server, which is authoritative and answers INVALID_ARGUMENT.
@@ -33,6 +36,8 @@ Column = Union[float, int, Sequence[Any], np.ndarray, torch.Tensor, None]
 TokenIds = Union[Sequence[int], np.ndarray, torch.Tensor]
 TokenListsArg = Union[TokenIds, Sequence[Union[TokenIds, None]], None]
 LogitBiasArg = Union[Mapping[int, float], Sequence[Union[Mapping[int, float], None]], None]
+# DRY's sequence breakers: one list of token-id sequences shared by every row, or B lists (None: none).
+BreakersArg = Union[Sequence[TokenIds], Sequence[Union[Sequence[TokenIds], None]], None]
 
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOGPROBS_MODES = {"raw": pb.LOGPROBS_MODE_RAW, "processed": pb.LOGPROBS_MODE_PROCESSED}
@@ -164,6 +169,30 @@ def _set_logit_bias(out: pb.LogitBias, bias: LogitBiasArg, batch: int) -> None:
     out.tokens.lengths.extend([len(row) for row in rows])
 
 
+def _is_sequence(value: Any) -> bool:
+    return _is_array(value) or (isinstance(value, Sequence) and not isinstance(value, (str, bytes)))
+
+
+def _set_breakers(out: pb.TokenSequences, breakers: BreakersArg, batch: int) -> None:
+    """One list of breakers shared by every row (no counts), or B lists (counts = B entries)."""
+    name = "dry_sequence_breakers"
+    if not _is_sequence(breakers):
+        raise TypeError(f"{name}: expected a list of token-id sequences or B such lists, got {type(breakers).__name__}")
+    per_row = any(row is None or (_is_sequence(row) and len(row) and _is_sequence(row[0])) for row in breakers)
+    if per_row:
+        if len(breakers) != batch:
+            raise ValueError(f"{name}: expected one list of breakers or {batch} lists (one per row), got {len(breakers)}")
+        rows = [[] if row is None else row for row in breakers]
+        out.counts.extend([len(row) for row in rows])
+    else:
+        rows = [breakers]
+    for row in rows:
+        for sequence in row:
+            ids = _ids(name, sequence)
+            _extend(name, out.ids, ids)
+            out.lengths.append(len(ids))
+
+
 def carried_rows(logits: Any, name: str = "logits") -> torch.Tensor:
     """[B, N] (or [N], one row) float32/bfloat16/float16 rows as the contiguous CPU tensor a request carries.
 
@@ -217,6 +246,19 @@ def fill_sampling_params(
     frequency_penalty: Column = None,
     output_token_ids: TokenListsArg = None,
     prompt_token_ids: TokenListsArg = None,
+    min_tokens: Column = None,
+    num_generated: Column = None,
+    stop_token_ids: TokenListsArg = None,
+    no_repeat_ngram_size: Column = None,
+    dry_multiplier: Column = None,
+    dry_base: Column = None,
+    dry_allowed_length: Column = None,
+    dry_penalty_last_n: Column = None,
+    dry_sequence_breakers: BreakersArg = None,
+    typical_p: Column = None,
+    top_n_sigma: Column = None,
+    xtc_threshold: Column = None,
+    xtc_probability: Column = None,
 ) -> None:
     """Fills the columns of `params` for `batch` rows (see the module doc for what each accepts)."""
     for name, value in (
@@ -229,6 +271,17 @@ def fill_sampling_params(
         ("repetition_penalty", repetition_penalty),
         ("presence_penalty", presence_penalty),
         ("frequency_penalty", frequency_penalty),
+        ("min_tokens", min_tokens),
+        ("num_generated", num_generated),
+        ("no_repeat_ngram_size", no_repeat_ngram_size),
+        ("dry_multiplier", dry_multiplier),
+        ("dry_base", dry_base),
+        ("dry_allowed_length", dry_allowed_length),
+        ("dry_penalty_last_n", dry_penalty_last_n),
+        ("typical_p", typical_p),
+        ("top_n_sigma", top_n_sigma),
+        ("xtc_threshold", xtc_threshold),
+        ("xtc_probability", xtc_probability),
     ):
         if value is not None:  # 0, 1 or B values; a field is touched only when set (getattr builds it)
             _extend(name, getattr(params, name), _column(name, value, batch))
@@ -238,11 +291,14 @@ def fill_sampling_params(
         ("banned_token_ids", banned_token_ids),
         ("output_token_ids", output_token_ids),
         ("prompt_token_ids", prompt_token_ids),
+        ("stop_token_ids", stop_token_ids),
     ):
         if lists is not None:
             _set_token_lists(getattr(params, name), name, lists, batch)
     if logit_bias is not None:
         _set_logit_bias(params.logit_bias, logit_bias, batch)
+    if dry_sequence_breakers is not None:
+        _set_breakers(params.dry_sequence_breakers, dry_sequence_breakers, batch)
 
 
 def build_sample_request(
@@ -266,6 +322,19 @@ def build_sample_request(
     frequency_penalty: Column = None,
     output_token_ids: TokenListsArg = None,
     prompt_token_ids: TokenListsArg = None,
+    min_tokens: Column = None,
+    num_generated: Column = None,
+    stop_token_ids: TokenListsArg = None,
+    no_repeat_ngram_size: Column = None,
+    dry_multiplier: Column = None,
+    dry_base: Column = None,
+    dry_allowed_length: Column = None,
+    dry_penalty_last_n: Column = None,
+    dry_sequence_breakers: BreakersArg = None,
+    typical_p: Column = None,
+    top_n_sigma: Column = None,
+    xtc_threshold: Column = None,
+    xtc_probability: Column = None,
     return_logprobs: bool = False,
     logprobs_mode: str | int = "raw",
     top_logprobs: int = 0,
@@ -305,7 +374,11 @@ def build_sample_request(
         position=position, iteration=iteration, allowed_token_ids=allowed_token_ids,
         banned_token_ids=banned_token_ids, logit_bias=logit_bias, repetition_penalty=repetition_penalty,
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, output_token_ids=output_token_ids,
-        prompt_token_ids=prompt_token_ids,
+        prompt_token_ids=prompt_token_ids, min_tokens=min_tokens, num_generated=num_generated,
+        stop_token_ids=stop_token_ids, no_repeat_ngram_size=no_repeat_ngram_size, dry_multiplier=dry_multiplier,
+        dry_base=dry_base, dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n,
+        dry_sequence_breakers=dry_sequence_breakers, typical_p=typical_p, top_n_sigma=top_n_sigma,
+        xtc_threshold=xtc_threshold, xtc_probability=xtc_probability,
     )
     if num_samples is not None:
         _set_scalar(request, "num_samples", num_samples)

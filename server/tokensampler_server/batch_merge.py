@@ -12,10 +12,12 @@ from dataclasses import replace
 
 import torch
 
-from .sampling import HiddenInput, LogitProcessing, SamplingBatch, SamplingResult, TokenEntries
+from .sampling import HiddenInput, LogitProcessing, SamplingBatch, SamplingResult, TokenEntries, Truncation
 
 _PENALTY_DEFAULTS = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
-_ENTRY_FIELDS = ("allowed", "banned", "bias", "output_tokens", "prompt_tokens")
+_ENTRY_FIELDS = ("allowed", "banned", "bias", "output_tokens", "prompt_tokens", "dry")
+# Entry lists with a value per entry, and the field holding the values.
+_VALUED_ENTRIES = {"bias": "bias_values", "dry": "dry_values"}
 
 
 def merge_key(batch: SamplingBatch) -> Hashable:
@@ -41,8 +43,13 @@ def _merge_processing(batches: Sequence[SamplingBatch], offsets: list[int]) -> L
     if all(b.processing is None for b in batches):
         return None
     merged = {name: _merge_entries(batches, name, offsets) for name in _ENTRY_FIELDS}
-    bias_values = [b.processing.bias_values for b in batches if b.processing and b.processing.bias is not None]
-    merged["bias_values"] = torch.cat(bias_values) if bias_values else None
+    for entries, values in _VALUED_ENTRIES.items():
+        parts = [getattr(b.processing, values) for b in batches if b.processing and getattr(b.processing, entries) is not None]
+        merged[values] = torch.cat(parts) if parts else None
+    if any(b.processing is not None and b.processing.truncation is not None for b in batches):
+        merged["truncation"] = Truncation.concat([
+            b.processing.truncation if b.processing is not None and b.processing.truncation is not None
+            else Truncation.off(b.num_rows) for b in batches])
     for name, default in _PENALTY_DEFAULTS.items():
         columns = [getattr(b.processing, name) if b.processing else None for b in batches]
         if any(column is not None for column in columns):

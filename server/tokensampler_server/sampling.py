@@ -39,8 +39,54 @@ class TokenEntries:
 
 
 @dataclass(frozen=True)
+class Truncation:
+    """The local samplers of step 5 (docs/semantics.md L4-L6): one value per row, every tensor [B] on the CPU.
+
+    A row at the off values (top_n_sigma <= 0, typical_p 1, xtc_probability 0) is left as it is."""
+
+    top_n_sigma: torch.Tensor
+    """float32; <= 0 is off."""
+    typical_p: torch.Tensor
+    """float32 in (0, 1]; 1 is off."""
+    xtc_threshold: torch.Tensor
+    """float32 in (0, 1]."""
+    xtc_probability: torch.Tensor
+    """float32 in [0, 1]; 0 is off."""
+    seed: torch.Tensor
+    position: torch.Tensor
+    iteration: torch.Tensor
+    """int64 each: the Philox key and counter words of the row's XTC coin (those of its token's noise)."""
+
+    @staticmethod
+    def off(num_rows: int) -> Truncation:
+        """Rows that truncate nothing."""
+        zeros = torch.zeros(num_rows, dtype=torch.float32)
+        counter = torch.zeros(num_rows, dtype=torch.int64)
+        return Truncation(top_n_sigma=zeros, typical_p=torch.ones(num_rows, dtype=torch.float32),
+                          xtc_threshold=torch.full((num_rows,), 0.1, dtype=torch.float32), xtc_probability=zeros,
+                          seed=counter, position=counter, iteration=counter)
+
+    def rows(self, index: torch.Tensor) -> Truncation:
+        """The rows `index` (int64, CPU), in that order."""
+        return Truncation(**{name: getattr(self, name)[index] for name in _TRUNCATION_COLUMNS})
+
+    def at_positions(self, position: torch.Tensor) -> Truncation:
+        """The same rows drawing their coins at `position` (int64 [B])."""
+        return replace(self, position=position)
+
+    @staticmethod
+    def concat(parts: list[Truncation]) -> Truncation:
+        return Truncation(**{name: torch.cat([getattr(part, name) for part in parts]) for name in _TRUNCATION_COLUMNS})
+
+
+_TRUNCATION_COLUMNS = ("top_n_sigma", "typical_p", "xtc_threshold", "xtc_probability", "seed", "position", "iteration")
+
+
+@dataclass(frozen=True)
 class LogitProcessing:
-    """Steps 2 to 4 of the semantics: masks, logit bias and penalties. Fields left None do nothing."""
+    """Steps 2 to 5 of the semantics: masks, logit bias, penalties and the local samplers. Fields left None do
+    nothing. The bans of min_tokens and no-repeat-n-gram are entries of `banned`, and DRY's penalties entries of
+    `dry`: validation derives both from the row's sequence (repetition.py)."""
 
     allowed: TokenEntries | None = None
     """Rows that have entries keep only those tokens; other rows are unrestricted."""
@@ -56,6 +102,17 @@ class LogitProcessing:
     presence_penalty: torch.Tensor | None = None
     frequency_penalty: torch.Tensor | None = None
     """float32 [B] each, or None when no row uses it."""
+    dry: TokenEntries | None = None
+    dry_values: torch.Tensor | None = None
+    """float32 [len(dry)], the DRY penalty subtracted at each entry after the other penalties."""
+    truncation: Truncation | None = None
+
+    def at_positions(self, position: torch.Tensor) -> LogitProcessing:
+        """The same processing with the rows' XTC coins drawn at `position` (int64 [B]): for a row that samples
+        at another position than its request's (a draft position, a diffusion position)."""
+        if self.truncation is None:
+            return self
+        return replace(self, truncation=self.truncation.at_positions(position))
 
 
 @dataclass(frozen=True)
@@ -154,13 +211,16 @@ def select_rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
         mapping = torch.full((batch.num_rows,), -1, dtype=torch.int64)
         mapping[rows] = torch.arange(rows.numel())
         bias, keep = _select(processing.bias, mapping)
+        dry, dry_keep = _select(processing.dry, mapping)
         per_row = {name: getattr(processing, name)[rows] if getattr(processing, name) is not None else None
                    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")}
         processing = LogitProcessing(
             allowed=_select(processing.allowed, mapping)[0], banned=_select(processing.banned, mapping)[0],
             bias=bias, bias_values=processing.bias_values[keep] if keep is not None else None,
             output_tokens=_select(processing.output_tokens, mapping)[0],
-            prompt_tokens=_select(processing.prompt_tokens, mapping)[0], **per_row)
+            prompt_tokens=_select(processing.prompt_tokens, mapping)[0],
+            dry=dry, dry_values=processing.dry_values[dry_keep] if dry_keep is not None else None,
+            truncation=processing.truncation.rows(rows) if processing.truncation is not None else None, **per_row)
     return replace(
         batch, **selected_input, temperature=batch.temperature[rows], top_k=batch.top_k[rows],
         top_p=batch.top_p[rows], min_p=batch.min_p[rows], seed=batch.seed[rows], position=batch.position[rows],

@@ -15,10 +15,14 @@ import torch
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.tensors import TensorDecodeError, decode_tensor, dtype_name
 
+from .columns import check as _check, checked_column as _checked_column, column as _column
 from .config import Limits
 from .errors import InvalidArgument
 from .packed import decode_floats, decode_varints, packed_runs
+from .repetition import Sequences
 from .sampling import HiddenInput, LogitProcessing, LogprobsMode, SamplingBatch, TokenEntries
+from .validation_samplers import (DecodedBreakers, check_breaker_ids, check_sequence_reads, decode_breakers, sequence_rules,
+                                  stop_bans, truncation)
 from .weights import RegisteredWeight
 
 LOGITS_DTYPES = (pb.DTYPE_FLOAT32, pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT16)
@@ -29,43 +33,6 @@ SeedSource = Callable[[int], np.ndarray]
 def random_seeds(count: int) -> np.ndarray:
     """`count` fresh uint64 seeds from the OS's cryptographic generator."""
     return np.frombuffer(secrets.token_bytes(8 * count), dtype=np.uint64).copy()
-
-
-def _column(values: Sequence, field: str, num_rows: int, default: float | int, dtype: np.dtype) -> np.ndarray:
-    """Expands a 0/1/B-valued column to B values."""
-    count = len(values)
-    if count == 0:
-        return np.full(num_rows, default, dtype=dtype)
-    if count == 1:
-        return np.full(num_rows, values[0], dtype=dtype)
-    if count == num_rows:
-        return np.asarray(values, dtype=dtype)
-    raise InvalidArgument(field, f"got {count} values, expected 0, 1 or B={num_rows}")
-
-
-def _check(values: np.ndarray, ok: np.ndarray, field: str, expected: str) -> None:
-    """Rejects the first value where `ok` is false."""
-    if not bool(ok.all()):
-        raise InvalidArgument(field, f"got {values[int(np.argmin(ok))].item()}, expected {expected}")
-
-
-def _checked_column(
-    values: Sequence, field: str, num_rows: int, default: float | int, dtype: type[np.generic],
-    ok: Callable[[np.ndarray], np.ndarray], expected: str,
-) -> np.ndarray:
-    """_column, then _check of every value against `ok`. The common 0- and 1-valued columns are checked
-    as one scalar (numpy calls on arrays cost microseconds each, which add up on the hot path)."""
-    count = len(values)
-    if count == 0:
-        return np.full(num_rows, default, dtype=dtype)  # the defaults are valid
-    if count == 1:
-        value = dtype(values[0])  # the same conversion np.full does
-        if not ok(value):
-            raise InvalidArgument(field, f"got {value.item()}, expected {expected}")
-        return np.full(num_rows, value, dtype=dtype)
-    column = _column(values, field, num_rows, default, dtype)
-    _check(column, ok(column), field, expected)
-    return column
 
 
 class _EntryBudget:
@@ -150,7 +117,8 @@ def _checked_ids(decoded: _Decoded | None, field: str, vocab_size: int) -> Token
     return decoded.entries
 
 
-LIST_FIELDS = ("allowed_token_ids", "banned_token_ids", "logit_bias.tokens", "output_token_ids", "prompt_token_ids")
+LIST_FIELDS = ("allowed_token_ids", "banned_token_ids", "logit_bias.tokens", "output_token_ids", "prompt_token_ids",
+               "stop_token_ids")
 
 
 @dataclass(frozen=True)
@@ -162,6 +130,11 @@ class DecodedLists:
     lists: dict[str, _Decoded | None]
     """By LIST_FIELDS name."""
     bias_values: torch.Tensor | None
+    breakers: DecodedBreakers | None = None
+    ngram_bans: TokenEntries | None = None
+    dry: TokenEntries | None = None
+    dry_values: torch.Tensor | None = None
+    """What the rows' sequences ban and penalise (repetition.py), derived here since that is the heavy part."""
 
 
 def _decode_lists(params: pb.SamplingParams, num_rows: int, limits: Limits, positions: int = 1) -> DecodedLists:
@@ -184,7 +157,21 @@ def _decode_lists(params: pb.SamplingParams, num_rows: int, limits: Limits, posi
         if len(bias.tokens.lengths) == 1:
             values = np.tile(values, num_rows)
         bias_values = torch.from_numpy(values)
-    return DecodedLists(num_rows, lists, bias_values)
+    breakers = decode_breakers(params.dry_sequence_breakers, num_rows)
+    rules = sequence_rules(params, num_rows, breakers)
+    sequences = Sequences(*(None if lists[name] is None else lists[name].entries
+                            for name in ("prompt_token_ids", "output_token_ids")), num_rows)
+    check_sequence_reads(rules, sequences.lengths())
+    ngram_bans, dry, dry_values = rules.derive(sequences)
+    return DecodedLists(num_rows, lists, bias_values, breakers, ngram_bans, dry, dry_values)
+
+
+def _joined(*parts: TokenEntries | None) -> TokenEntries | None:
+    """The entries of every part, in order; None when there are none."""
+    present = [part for part in parts if part is not None]
+    if len(present) < 2:
+        return present[0] if present else None
+    return TokenEntries(rows=torch.cat([part.rows for part in present]), tokens=torch.cat([part.tokens for part in present]))
 
 
 def _penalty(values: Sequence[float], field: str, num_rows: int, default: float) -> torch.Tensor | None:
@@ -195,18 +182,26 @@ def _penalty(values: Sequence[float], field: str, num_rows: int, default: float)
     return torch.from_numpy(column)
 
 
-def _processing(params: pb.SamplingParams, num_rows: int, vocab_size: int, decoded: DecodedLists) -> LogitProcessing | None:
+def _processing(params: pb.SamplingParams, num_rows: int, vocab_size: int, decoded: DecodedLists,
+                counter: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> LogitProcessing | None:
+    """Steps 2-5 of every row; `counter` is the rows' (seed, position, iteration), for XTC's coin."""
     entries = {name: _checked_ids(decoded.lists[name], f"params.{name}", vocab_size) for name in LIST_FIELDS}
+    check_breaker_ids(decoded.breakers, vocab_size)
     repetition = _penalty(params.repetition_penalty, "params.repetition_penalty", num_rows, 1.0)
     if repetition is not None:
         _check(repetition.numpy(), repetition.numpy() > 0, "params.repetition_penalty", "r > 0")
     presence = _penalty(params.presence_penalty, "params.presence_penalty", num_rows, 0.0)
     frequency = _penalty(params.frequency_penalty, "params.frequency_penalty", num_rows, 0.0)
-    if all(value is None for value in entries.values()):
+    banned = _joined(entries["banned_token_ids"], stop_bans(params, entries["stop_token_ids"], num_rows),
+                     decoded.ngram_bans)
+    truncated = truncation(params, num_rows, *counter)
+    lists = (entries["allowed_token_ids"], banned, entries["logit_bias.tokens"], entries["output_token_ids"],
+             entries["prompt_token_ids"], decoded.dry, truncated)
+    if all(value is None for value in lists):
         return None  # penalties without a history change nothing
     return LogitProcessing(
         allowed=entries["allowed_token_ids"],
-        banned=entries["banned_token_ids"],
+        banned=banned,
         bias=entries["logit_bias.tokens"],
         bias_values=decoded.bias_values,
         output_tokens=entries["output_token_ids"],
@@ -214,6 +209,9 @@ def _processing(params: pb.SamplingParams, num_rows: int, vocab_size: int, decod
         repetition_penalty=repetition,
         presence_penalty=presence,
         frequency_penalty=frequency,
+        dry=decoded.dry,
+        dry_values=decoded.dry_values,
+        truncation=truncated,
     )
 
 
@@ -344,16 +342,17 @@ def validate_row_params(
     iteration = _column(params.iteration, "params.iteration", num_rows, 0, np.int64)
     if token_lists is None or token_lists.num_rows != num_rows:
         token_lists = _decode_lists(params, num_rows, limits, positions)
-    processing = _processing(params, num_rows, vocab_size, token_lists)
     seeds = _seeds(params, num_rows, seed_source)
+    counter = torch.from_numpy(seeds.view(np.int64)), torch.from_numpy(position), torch.from_numpy(iteration)
+    processing = _processing(params, num_rows, vocab_size, token_lists, counter)
     return RowParams(
         temperature=torch.from_numpy(temperature),
         top_k=torch.from_numpy(top_k),
         top_p=torch.from_numpy(top_p),
         min_p=torch.from_numpy(min_p),
-        seed=torch.from_numpy(seeds.view(np.int64)),
-        position=torch.from_numpy(position),
-        iteration=torch.from_numpy(iteration),
+        seed=counter[0],
+        position=counter[1],
+        iteration=counter[2],
         processing=processing,
         seeds=seeds,
     )
@@ -444,7 +443,7 @@ def heavy_token_lists(request: pb.SampleRequest) -> bool:
     rows = declared_rows(request)
     entries = 0
     for lists in (params.allowed_token_ids, params.banned_token_ids, params.logit_bias.tokens,
-                  params.output_token_ids, params.prompt_token_ids):
+                  params.output_token_ids, params.prompt_token_ids, params.stop_token_ids):
         entries += len(lists.ids) * (rows if len(lists.lengths) == 1 else 1)
     return entries > OFF_LOOP_ENTRIES
 

@@ -60,7 +60,7 @@ class LogitBias(_message.Message):
     def __init__(self, tokens: _Optional[_Union[TokenLists, _Mapping]] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "has_seed", "position", "iteration", "repetition_penalty", "presence_penalty", "frequency_penalty", "allowed_token_ids", "banned_token_ids", "logit_bias", "output_token_ids", "prompt_token_ids")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "has_seed", "position", "iteration", "repetition_penalty", "presence_penalty", "frequency_penalty", "allowed_token_ids", "banned_token_ids", "logit_bias", "output_token_ids", "prompt_token_ids", "min_tokens", "num_generated", "stop_token_ids", "no_repeat_ngram_size", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "typical_p", "top_n_sigma", "xtc_threshold", "xtc_probability")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,19 @@ class SamplingParams(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NO_REPEAT_NGRAM_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRY_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    DRY_BASE_FIELD_NUMBER: _ClassVar[int]
+    DRY_ALLOWED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DRY_PENALTY_LAST_N_FIELD_NUMBER: _ClassVar[int]
+    DRY_SEQUENCE_BREAKERS_FIELD_NUMBER: _ClassVar[int]
+    TYPICAL_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_N_SIGMA_FIELD_NUMBER: _ClassVar[int]
+    XTC_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    XTC_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
     temperature: _containers.RepeatedScalarFieldContainer[float]
     top_k: _containers.RepeatedScalarFieldContainer[int]
     top_p: _containers.RepeatedScalarFieldContainer[float]
@@ -93,7 +106,30 @@ class SamplingParams(_message.Message):
     logit_bias: LogitBias
     output_token_ids: TokenLists
     prompt_token_ids: TokenLists
-    def __init__(self, temperature: _Optional[_Iterable[float]] = ..., top_k: _Optional[_Iterable[int]] = ..., top_p: _Optional[_Iterable[float]] = ..., min_p: _Optional[_Iterable[float]] = ..., seed: _Optional[_Iterable[int]] = ..., has_seed: _Optional[_Iterable[bool]] = ..., position: _Optional[_Iterable[int]] = ..., iteration: _Optional[_Iterable[int]] = ..., repetition_penalty: _Optional[_Iterable[float]] = ..., presence_penalty: _Optional[_Iterable[float]] = ..., frequency_penalty: _Optional[_Iterable[float]] = ..., allowed_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., banned_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., logit_bias: _Optional[_Union[LogitBias, _Mapping]] = ..., output_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ...) -> None: ...
+    min_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_generated: _containers.RepeatedScalarFieldContainer[int]
+    stop_token_ids: TokenLists
+    no_repeat_ngram_size: _containers.RepeatedScalarFieldContainer[int]
+    dry_multiplier: _containers.RepeatedScalarFieldContainer[float]
+    dry_base: _containers.RepeatedScalarFieldContainer[float]
+    dry_allowed_length: _containers.RepeatedScalarFieldContainer[int]
+    dry_penalty_last_n: _containers.RepeatedScalarFieldContainer[int]
+    dry_sequence_breakers: TokenSequences
+    typical_p: _containers.RepeatedScalarFieldContainer[float]
+    top_n_sigma: _containers.RepeatedScalarFieldContainer[float]
+    xtc_threshold: _containers.RepeatedScalarFieldContainer[float]
+    xtc_probability: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, temperature: _Optional[_Iterable[float]] = ..., top_k: _Optional[_Iterable[int]] = ..., top_p: _Optional[_Iterable[float]] = ..., min_p: _Optional[_Iterable[float]] = ..., seed: _Optional[_Iterable[int]] = ..., has_seed: _Optional[_Iterable[bool]] = ..., position: _Optional[_Iterable[int]] = ..., iteration: _Optional[_Iterable[int]] = ..., repetition_penalty: _Optional[_Iterable[float]] = ..., presence_penalty: _Optional[_Iterable[float]] = ..., frequency_penalty: _Optional[_Iterable[float]] = ..., allowed_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., banned_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., logit_bias: _Optional[_Union[LogitBias, _Mapping]] = ..., output_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., min_tokens: _Optional[_Iterable[int]] = ..., num_generated: _Optional[_Iterable[int]] = ..., stop_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., no_repeat_ngram_size: _Optional[_Iterable[int]] = ..., dry_multiplier: _Optional[_Iterable[float]] = ..., dry_base: _Optional[_Iterable[float]] = ..., dry_allowed_length: _Optional[_Iterable[int]] = ..., dry_penalty_last_n: _Optional[_Iterable[int]] = ..., dry_sequence_breakers: _Optional[_Union[TokenSequences, _Mapping]] = ..., typical_p: _Optional[_Iterable[float]] = ..., top_n_sigma: _Optional[_Iterable[float]] = ..., xtc_threshold: _Optional[_Iterable[float]] = ..., xtc_probability: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class TokenSequences(_message.Message):
+    __slots__ = ("ids", "lengths", "counts")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HiddenStates(_message.Message):
     __slots__ = ("states", "weights", "states_ref")

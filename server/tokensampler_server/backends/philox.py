@@ -113,3 +113,21 @@ def gumbel_noise_at(
     # Word i mod 4 of block i div 4, as in random_words.
     stacked = torch.stack(torch.broadcast_tensors(*words), dim=-1)
     return gumbel_from_words(stacked.gather(-1, (tokens & 3).unsqueeze(-1)).squeeze(-1))
+
+
+def counter_uniforms(
+    seed: torch.Tensor, block: int, position: torch.Tensor, iteration: torch.Tensor, sample: int
+) -> torch.Tensor:
+    """u = ((word >> 8) + 0.5) * 2^-24 of word 0 of counter (block, position, iteration, sample), kept exact in
+    float64 (its 25 significant bits, where float32 would round the upper half and could give u = 1).
+
+    seed, position, iteration: int64, broadcastable; block and sample: constant counter words that no token's
+    noise uses (docs/semantics.md gives each stream's). Returns the broadcast shape of the inputs.
+    """
+    seed, position, iteration = torch.broadcast_tensors(seed, position, iteration)
+    word = philox4x32(
+        (torch.full_like(position, block & _MASK32), position & _MASK32, iteration & _MASK32,
+         torch.full_like(position, sample & _MASK32)),
+        seed_key(seed),
+    )[0]
+    return ((word >> 8).to(torch.float64) + 0.5) * 2.0**-24

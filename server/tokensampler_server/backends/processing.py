@@ -1,4 +1,5 @@
-"""Steps 2 to 5 of docs/semantics.md in torch: masks, logit bias, penalties, non-finite inputs.
+"""Steps 2 to 5 of docs/semantics.md in torch: masks, logit bias, penalties (DRY's included), non-finite
+inputs, and the local samplers of step 5 (truncation.py).
 
 Device-agnostic: the CPU reference runs it on the CPU and the CUDA backend on the GPU, so both apply
 exactly the same processing before they sample.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..sampling import LogitProcessing, TokenEntries
+from .truncation import apply_truncation
 
 
 def _index(entries: TokenEntries, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,11 +25,12 @@ def _token_counts(entries: TokenEntries, shape: torch.Size, device: torch.device
 
 
 def apply_processing(x: torch.Tensor, processing: LogitProcessing | None) -> torch.Tensor:
-    """Applies masks (step 2), logit bias (3) and penalties (4) to float32 logits x [B, V], in place."""
+    """Applies masks (step 2), logit bias (3), penalties (4) and the local samplers of step 5 to float32 logits
+    x [B, V]; in place where it can, so use the returned tensor."""
     if processing is None:
         return x
     device = x.device
-    # 2. Masks.
+    # 2. Masks (min_tokens' and no-repeat-n-gram's bans are entries of `banned`).
     if processing.allowed is not None and len(processing.allowed):
         rows, tokens = _index(processing.allowed, device)
         keep = torch.zeros_like(x, dtype=torch.bool)
@@ -41,7 +44,20 @@ def apply_processing(x: torch.Tensor, processing: LogitProcessing | None) -> tor
     if processing.bias is not None and len(processing.bias):
         values = processing.bias_values.to(device=device, dtype=torch.float32, non_blocking=True)
         x.index_put_(_index(processing.bias, device), values, accumulate=True)
-    # 4. Penalties on the row's history.
+    # 4. Penalties on the row's history, then DRY's.
+    x = _penalties(x, processing)
+    if processing.dry is not None and len(processing.dry):
+        values = processing.dry_values.to(device=device, dtype=torch.float32, non_blocking=True)
+        x.index_put_(_index(processing.dry, device), -values, accumulate=True)
+    # 5. The local samplers (the backend's sanitize_non_finite flags the non-finite entries they leave).
+    if processing.truncation is not None:
+        x = apply_truncation(x, processing.truncation)
+    return x
+
+
+def _penalties(x: torch.Tensor, processing: LogitProcessing) -> torch.Tensor:
+    """Repetition, presence and frequency penalties (step 4)."""
+    device = x.device
     has_output = processing.output_tokens is not None and len(processing.output_tokens) > 0
     has_prompt = processing.prompt_tokens is not None and len(processing.prompt_tokens) > 0
     if not (has_output or has_prompt):

@@ -80,14 +80,17 @@ def _expand_entries(
     return TokenEntries(rows=rows, tokens=entries.tokens[source]), source
 
 
-def _expand_processing(processing: LogitProcessing | None, request_rows: torch.Tensor, num_requests: int) -> LogitProcessing | None:
-    """`processing` of B requests turned into that of the sampled rows, whose request is `request_rows`
-    (int64 [M], CPU, non-decreasing since rows are in (b, l) order)."""
+def _expand_processing(
+    processing: LogitProcessing | None, request_rows: torch.Tensor, positions: torch.Tensor, num_requests: int
+) -> LogitProcessing | None:
+    """`processing` of B requests turned into that of the sampled rows, whose request is `request_rows` and
+    position `positions` (int64 [M] each, CPU; request_rows non-decreasing since rows are in (b, l) order)."""
     if processing is None:
         return None
     counts = torch.bincount(request_rows, minlength=num_requests)
     starts = torch.cumsum(counts, 0) - counts
     bias, bias_source = _expand_entries(processing.bias, counts, starts)
+    dry, dry_source = _expand_entries(processing.dry, counts, starts)
 
     def per_row(values: torch.Tensor | None) -> torch.Tensor | None:
         return None if values is None else values[request_rows]
@@ -102,6 +105,9 @@ def _expand_processing(processing: LogitProcessing | None, request_rows: torch.T
         repetition_penalty=per_row(processing.repetition_penalty),
         presence_penalty=per_row(processing.presence_penalty),
         frequency_penalty=per_row(processing.frequency_penalty),
+        dry=dry,
+        dry_values=None if dry_source is None else processing.dry_values[dry_source],
+        truncation=None if processing.truncation is None else processing.truncation.rows(request_rows).at_positions(positions),
     )
 
 
@@ -167,7 +173,7 @@ def diffusion_step(step: DiffusionStep, backend: Backend) -> tuple[torch.Tensor,
     if request_rows.numel():
         rows_d, positions_d = request_rows.to(device), positions.to(device)
         gathered = logits[rows_d, positions_d]  # [M, V]: reads only the masked positions
-        processing = _expand_processing(step.processing, request_rows, num_requests)
+        processing = _expand_processing(step.processing, request_rows, positions, num_requests)
         temperature = step.temperature[request_rows]
         batch = SamplingBatch(
             logits=gathered.to(backend.device),

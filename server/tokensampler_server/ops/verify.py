@@ -19,7 +19,7 @@ Choices the contract leaves open, made here:
   accepted 0 and tokens all -1. Other rows are unaffected.
 - Philox positions position + j wrap modulo 2^32 (the counter word is 32 bits).
 - `processing` applies to every position of a row alike: the history is the request's, not extended
-  by the draft tokens.
+  by the draft tokens; the XTC coin at position j is the one Sample draws at position + j.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backends.cpu import kept_token_mask
-from ..backends.philox import gumbel_noise, philox4x32, seed_key
+from ..backends.philox import counter_uniforms, gumbel_noise
 from ..backends.processing import apply_processing, sanitize_non_finite
 from ..sampling import LogitProcessing
 
@@ -74,13 +74,9 @@ def acceptance_uniforms(seed: torch.Tensor, position: torch.Tensor, iteration: t
 
     seed, position, iteration: int64, broadcastable. Counter (0xFFFFFFFF, position, iteration,
     0xFFFFFFFF) under the seed's key, word 0 -- a block index and a sample index that no token's noise
-    uses. u = ((word >> 8) + 0.5) * 2^-24 as for the noise, but kept exact: float64 holds its 25
-    significant bits, where float32 would round the upper half (and could give u = 1).
+    uses -- with u kept exact (philox.counter_uniforms).
     """
-    seed, position, iteration = torch.broadcast_tensors(seed, position, iteration)
-    marker = torch.full_like(position, _MASK32)
-    word = philox4x32((marker, position & _MASK32, iteration & _MASK32, marker), seed_key(seed))[0]
-    return ((word >> 8).to(torch.float64) + 0.5) * 2.0**-24
+    return counter_uniforms(seed, _MASK32, position, iteration, _MASK32)
 
 
 def _target_distributions(v: DraftVerification) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -91,10 +87,14 @@ def _target_distributions(v: DraftVerification) -> tuple[torch.Tensor, torch.Ten
     q = softmax(scores) float32 [B, n + 1, V] (0 in rows that are not valid); valid bool [B].
     """
     num_rows, num_positions, vocab_size = v.target_logits.shape
-    # 2-5 position by position: processing indexes rows of B, and each position gets its own copy.
+    # 2-5 position by position: processing indexes rows of B, and each position gets its own copy (with
+    # its own XTC coins, those Sample draws at position + j).
     x = torch.stack(
         [
-            apply_processing(v.target_logits[:, j].to(torch.float32, copy=True), v.processing)
+            apply_processing(
+                v.target_logits[:, j].to(torch.float32, copy=True),
+                None if v.processing is None else v.processing.at_positions(v.position + j),
+            )
             for j in range(num_positions)
         ],
         dim=1,
