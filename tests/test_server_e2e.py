@@ -45,6 +45,7 @@ def test_server_info(client: SamplerClient) -> None:
     assert info.api_version == "tokensampler.v1"
     assert set(info.logits_dtypes) == {pb.DTYPE_FLOAT32, pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT16}
     assert info.limits.max_batch_rows > 0 and "logprobs" in info.features
+    assert [route.rows for route in info.routes] == ["every row"] and "CPU" in info.routes[0].cost
 
 
 def test_reflection_lists_the_sampler(server: RunningServer) -> None:

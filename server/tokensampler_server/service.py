@@ -258,6 +258,7 @@ class SamplerService(pb_grpc.SamplerServicer):
             logits_dtypes=LOGITS_DTYPES,
             features=served_features(self._weights_dir, self._regions.allowed_kinds),
             kernels=info.kernels,
+            routes=[pb.Route(rows=r.rows, kernels=r.kernels, cost=r.cost) for r in info.routes],
             api_version=API_VERSION,
             registered_weights=len(self._registry.list()),
             registered_weights_bytes=self._registry.total_bytes,

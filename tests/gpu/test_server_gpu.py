@@ -41,6 +41,7 @@ def spiky(rows: int, vocab: int, seed: int) -> torch.Tensor:
 def test_server_reports_the_cuda_backend(client: SamplerClient) -> None:
     info = client.server_info()
     assert info.backend == "cuda" and info.device.startswith("cuda:0") and len(info.kernels) > 0
+    assert any("k > 255" in route.rows and "filter_kernel" in route.kernels for route in info.routes)
     assert info.device_memory_allocated_bytes > 0
 
 

@@ -268,7 +268,7 @@ class Limits(_message.Message):
     def __init__(self, max_batch_rows: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_num_samples: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_weight_bytes: _Optional[int] = ..., max_batch_elements: _Optional[int] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "backend", "device", "limits", "logits_dtypes", "features", "kernels", "api_version", "registered_weights", "registered_weights_bytes", "device_memory_allocated_bytes", "device_memory_reserved_bytes")
+    __slots__ = ("version", "backend", "device", "limits", "logits_dtypes", "features", "kernels", "api_version", "registered_weights", "registered_weights_bytes", "device_memory_allocated_bytes", "device_memory_reserved_bytes", "routes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +281,7 @@ class ServerInfo(_message.Message):
     REGISTERED_WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_FIELD_NUMBER: _ClassVar[int]
     version: str
     backend: str
     device: str
@@ -293,7 +294,18 @@ class ServerInfo(_message.Message):
     registered_weights_bytes: int
     device_memory_allocated_bytes: int
     device_memory_reserved_bytes: int
-    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., features: _Optional[_Iterable[str]] = ..., kernels: _Optional[_Iterable[str]] = ..., api_version: _Optional[str] = ..., registered_weights: _Optional[int] = ..., registered_weights_bytes: _Optional[int] = ..., device_memory_allocated_bytes: _Optional[int] = ..., device_memory_reserved_bytes: _Optional[int] = ...) -> None: ...
+    routes: _containers.RepeatedCompositeFieldContainer[Route]
+    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., features: _Optional[_Iterable[str]] = ..., kernels: _Optional[_Iterable[str]] = ..., api_version: _Optional[str] = ..., registered_weights: _Optional[int] = ..., registered_weights_bytes: _Optional[int] = ..., device_memory_allocated_bytes: _Optional[int] = ..., device_memory_reserved_bytes: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ...) -> None: ...
+
+class Route(_message.Message):
+    __slots__ = ("rows", "kernels", "cost")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    rows: str
+    kernels: _containers.RepeatedScalarFieldContainer[str]
+    cost: str
+    def __init__(self, rows: _Optional[str] = ..., kernels: _Optional[_Iterable[str]] = ..., cost: _Optional[str] = ...) -> None: ...
 
 class WeightOptions(_message.Message):
     __slots__ = ("bias", "vocab_size", "soft_cap", "logit_scale")

@@ -11,6 +11,18 @@ from ..sampling import SamplingBatch, SamplingResult
 
 
 @dataclass(frozen=True)
+class Route:
+    """How a backend samples one kind of row, for GetServerInfo (docs/design/kernel-routing.md)."""
+
+    rows: str
+    """The rows that take it."""
+    kernels: tuple[str, ...]
+    """The kernels it launches, in order (none on the CPU backend)."""
+    cost: str
+    """The passes over the logits and the measured time (docs/performance.md)."""
+
+
+@dataclass(frozen=True)
 class BackendInfo:
     """What GetServerInfo reports about a backend."""
 
@@ -20,6 +32,8 @@ class BackendInfo:
     """"cpu", or "cuda:N (GPU name)"."""
     kernels: list[str] = field(default_factory=list)
     """Compiled kernels in use, empty for the CPU backend."""
+    routes: list[Route] = field(default_factory=list)
+    """How each kind of row is sampled."""
 
 
 class Backend(abc.ABC):

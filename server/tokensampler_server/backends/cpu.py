@@ -20,7 +20,7 @@ import torch
 
 from ..request_context import raise_if_abandoned
 from ..sampling import LogprobsMode, SamplingBatch, SamplingResult, concat_results, select_rows
-from .base import Backend, BackendInfo
+from .base import Backend, BackendInfo, Route
 from .philox import gumbel_noise, gumbel_noise_at
 from .processing import apply_processing, sanitize_non_finite
 
@@ -145,7 +145,9 @@ class CpuBackend(Backend):
     """The reference implementation of docs/semantics.md on the CPU."""
 
     def info(self) -> BackendInfo:
-        return BackendInfo(name="cpu", device="cpu")
+        route = Route(rows="every row", kernels=(),
+                      cost="the torch reference on the CPU: ~0.5 s and ~120 MiB of working memory per 2^22 logits")
+        return BackendInfo(name="cpu", device="cpu", routes=[route])
 
     def sample(self, batch: SamplingBatch) -> SamplingResult:
         """Samples at most _CHUNK_ELEMENTS logits at a time (batch invariance makes the rows independent): the

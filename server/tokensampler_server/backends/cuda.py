@@ -36,7 +36,7 @@ import torch
 from ..metrics import record_fallback
 from ..sampling import LogprobsMode, SamplingBatch, SamplingResult, select_rows
 from . import cuda_fused
-from .base import Backend, BackendInfo
+from .base import Backend, BackendInfo, Route
 from .cuda_build import CudaBackendUnavailable
 from .cuda_kernels import FILTER_BLOCKS_TARGET, NUCLEUS_FILTER_BLOCKS_TARGET, Kernels, Outputs
 from .processing import apply_processing
@@ -44,6 +44,30 @@ from .processing import apply_processing
 _FLAG_NAN, _FLAG_INVALID, _FLAG_EXACT = 1, 2, 4  # 4: the row needs the exact filter
 
 __all__ = ["CudaBackend", "CudaBackendUnavailable"]
+
+# What GetServerInfo reports of the routes above; the figures are H200 measurements at V = 151936, B = 1-256
+# (docs/performance.md, benchmarks/results/).
+ROUTES = [
+    Route("greedy (T = 0)", ("stats_kernel",), "one read: 0.61-0.70x torch argmax (7-48 us)"),
+    Route("T > 0, no filter", ("gumbel_kernel",), "one read: 0.81-1.23x torch argmax (12-84 us)"),
+    Route("0 < k, k + 1 <= 256, with or without top-p / min-p", ("topk_kernel",),
+          "one read: 1.14-1.43x torch argmax (16-90 us)"),
+    Route("top-p without k (and min-p), 32 rows or more",
+          ("frontier_kernel", "nucleus_mass_kernel", "filter_kernel"), "two reads: 37-151 us at B = 32-256"),
+    Route("top-p without k (and min-p), fewer than 32 rows", ("stats_kernel", "filter_kernel"),
+          "two reads, and the cut bin re-read: 29-38 us at B = 1-8"),
+    Route("min-p alone", ("stats_kernel", "gumbel_kernel"), "two reads: 14-137 us"),
+    Route("k > 255 (any k up to V, per row), with or without top-p / min-p; processed log-probs",
+          ("stats_kernel", "filter_kernel"),
+          "two reads, and each row's cut bins re-read by one block (radix passes when a bin holds more than 4096 "
+          "tokens): 1.2-3.3x the top-k 50 call, 6.4x with a k per row at B = 256 (155-1672 us a call)"),
+    Route("rows a fast kernel cannot settle (z-ties past the top-k list, overflowing candidates)",
+          ("stats_kernel", "filter_kernel"), "the exact filter again after the call's synchronisation"),
+    Route("hidden states with a registered head, up to 128 rows (64 with filters)", ("fused_stream_kernel",),
+          "one read of W: 0.96-1.01x its HBM roofline up to B = 64"),
+    Route("hidden states with a registered head, more rows", ("cuBLAS", "then the route of the rows' parameters"),
+          "cuBLAS's matmul into fp32 logits, then the routes above: 1.24x cuBLAS alone at B = 256"),
+]
 
 
 _MAX_MERGED_CANDIDATES = 16384  # the top-k merge sorts chunks x bucket keys in shared memory
@@ -347,7 +371,7 @@ class CudaBackend(Backend):
 
     def info(self) -> BackendInfo:
         return BackendInfo(name="cuda", device=f"cuda:{self._device.index} ({self._gpu_name})",
-                           kernels=list(Kernels.kernel_names))
+                           kernels=list(Kernels.kernel_names), routes=ROUTES)
 
     @property
     def fallback_counter_address(self) -> int:
