@@ -1,0 +1,139 @@
+"""Sampling in the caller's process: the service's backends without a process boundary (docs/inprocess.md).
+
+One parameter model and one implementation: a call's keywords are those of `SamplerClient.sample`, filled into the
+contract's SamplingParams by the client's own code and checked by the service's own validation, and the batch goes
+to the same backend the server runs. So a call gives the tokens the service gives for the same request, and refuses
+what the service refuses, with the same field-named message (as ValueError).
+
+    sampler = LocalSampler("cuda")
+    out = sampler.sample(logits, temperature=0.8, top_k=50, top_p=0.9, seed=seeds, position=step)
+    out.tokens  # int64 [B, n] on the CPU
+
+    head = sampler.register_head(model.lm_head.weight)         # once
+    out = sampler.sample_hidden(hidden_states, head, top_k=50)  # W·h inside the fused kernel where it applies
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client.params import fill_sampling_params
+
+from .backends import create_backend
+from .backends.base import Backend
+from .config import Limits
+from .errors import InvalidArgument
+from .validation import validate_sample_request
+from .weights import RegisteredWeight, check_finish, check_weight_shape
+
+__all__ = ["LocalResult", "LocalSampler"]
+
+_MODES = {"raw": pb.LOGPROBS_MODE_RAW, "processed": pb.LOGPROBS_MODE_PROCESSED}
+
+
+@dataclass(frozen=True)
+class LocalResult:
+    """What one call sampled, with n = num_samples and N = top_logprobs (CPU tensors).
+
+    Attributes:
+        tokens: int64 [B, n]; -1 in rows that are not valid.
+        seeds: the Philox seed of each row (B Python ints, uint64): pass them back to reproduce the sample.
+        logprobs: float32 [B, n] (None unless return_logprobs).
+        top_logprob_ids: int64 [B, N], best first (None unless top_logprobs > 0).
+        top_logprobs: float32 [B, N], matching top_logprob_ids (None unless top_logprobs > 0).
+        valid: bool [B]; False where no finite logit remained after processing.
+        nan_detected: bool [B]; True where the row's logits held NaN or +inf.
+    """
+
+    tokens: torch.Tensor
+    seeds: list[int]
+    logprobs: torch.Tensor | None
+    top_logprob_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
+    valid: torch.Tensor
+    nan_detected: torch.Tensor
+
+
+class LocalSampler:
+    """The sampler of docs/semantics.md on a backend of this process: "cuda", "cuda:N", "cpu" or "auto".
+
+    Calls are serialised per sampler (the CUDA backend reuses its buffers from call to call); tensors may live on
+    the CPU or on the sampler's GPU. `limits` bounds a call as the server's flags bound a request (defaults: the
+    server's).
+    """
+
+    def __init__(self, device: str = "auto", limits: Limits | None = None) -> None:
+        self._backend: Backend = create_backend(device)
+        self._limits = limits or Limits()
+
+    @property
+    def device(self) -> torch.device:
+        """Where the sampler computes: the GPU, or the CPU for the reference backend."""
+        return self._backend.device
+
+    def sample(self, logits: torch.Tensor, *, num_samples: int = 1, return_logprobs: bool = False,
+               logprobs_mode: str = "raw", top_logprobs: int = 0, **params: Any) -> LocalResult:
+        """Samples logits [B, V] (float32, bfloat16 or float16).
+
+        Keywords: SamplerClient.sample's per-row parameters (temperature, top_k, top_p, min_p, seed, position,
+        iteration, the token lists, logit bias and penalties, the local samplers), each a scalar shared by every
+        row or one value per row; num_samples; return_logprobs, logprobs_mode ("raw" or "processed") and
+        top_logprobs. Raises ValueError naming the field of any invalid value.
+        """
+        request = self._request(logits, num_samples, return_logprobs, logprobs_mode, top_logprobs, params)
+        request.logits_ref.SetInParent()
+        return self._run(request, logits, None)
+
+    def register_head(self, weight: torch.Tensor, *, bias: torch.Tensor | None = None, logit_scale: float | None = None,
+                      soft_cap: float | None = None, vocab_size: int | None = None) -> RegisteredWeight:
+        """An LM head W [V, D] for sample_hidden, used in place when it already lies on the sampler's device:
+        x = cap·tanh(((W·h + bias)·scale)/cap), rows from vocab_size on never sampled (docs/semantics.md)."""
+        if weight.dim() != 2:
+            raise ValueError(f"weight: got {weight.dim()} dimensions, expected [V, D]")
+        try:
+            check_weight_shape(tuple(weight.shape), "weight")
+            finish = check_finish(weight.shape[0], bias, vocab_size, soft_cap, logit_scale, field_prefix="head")
+        except InvalidArgument as err:
+            raise ValueError(str(err)) from None
+        if finish.bias is not None:
+            finish = replace(finish, bias=finish.bias.to(self.device))
+        return RegisteredWeight(name="local", weight=weight.to(self.device), finish=finish, sha256="")
+
+    def sample_hidden(self, hidden: torch.Tensor, head: RegisteredWeight, *, num_samples: int = 1,
+                      return_logprobs: bool = False, logprobs_mode: str = "raw", top_logprobs: int = 0,
+                      **params: Any) -> LocalResult:
+        """Samples hidden states [B, D] through `head` (register_head): the logits are W·h as the service
+        computes them, inside the fused kernel where it applies. The keywords of sample()."""
+        request = self._request(hidden, num_samples, return_logprobs, logprobs_mode, top_logprobs, params)
+        request.hidden.states_ref.SetInParent()
+        return self._run(request, hidden, head)
+
+    # -----------------------------------------------------------------------------------------------
+    @staticmethod
+    def _request(x: torch.Tensor, num_samples: int, return_logprobs: bool, logprobs_mode: str, top_logprobs: int,
+                 params: dict[str, Any]) -> pb.SampleRequest:
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise ValueError("input: a [B, V] logits or [B, D] hidden-state tensor expected")
+        if logprobs_mode not in _MODES:
+            raise ValueError(f"logprobs_mode: got {logprobs_mode!r}, expected 'raw' or 'processed'")
+        request = pb.SampleRequest(num_samples=num_samples, return_logprobs=return_logprobs,
+                                   logprobs_mode=_MODES[logprobs_mode], top_logprobs=top_logprobs)
+        try:
+            fill_sampling_params(request.params, x.shape[0], **params)
+        except TypeError as err:  # an unknown keyword, or a value of the wrong type
+            raise ValueError(str(err)) from None
+        return request
+
+    def _run(self, request: pb.SampleRequest, x: torch.Tensor, head: RegisteredWeight | None) -> LocalResult:
+        try:
+            batch, seeds = validate_sample_request(request, self._limits, lm_head=head, referenced=x)
+        except InvalidArgument as err:
+            raise ValueError(str(err)) from None
+        result = self._backend.sample(batch)
+        return LocalResult(tokens=result.tokens, seeds=[int(s) for s in np.asarray(seeds, dtype=np.uint64)],
+                           logprobs=result.logprobs, top_logprob_ids=result.top_logprob_ids,
+                           top_logprobs=result.top_logprobs, valid=result.valid, nan_detected=result.nan_detected)

@@ -1,0 +1,86 @@
+"""The in-process API (tokensampler_server.inprocess): the service's tokens for the same request, the service's
+refusals as ValueError naming the field, hidden states through a head used in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokensampler_client import SamplerClient
+from tokensampler_server.inprocess import LocalSampler
+
+from .conftest import RunningServer
+
+ROWS, VOCAB, DIM = 6, 500, 32
+
+
+@pytest.fixture(scope="module")
+def sampler() -> LocalSampler:
+    return LocalSampler("cpu")
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer):
+    with SamplerClient(server.target) as c:
+        yield c
+
+
+def _logits(seed: int) -> torch.Tensor:
+    return torch.randn(ROWS, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 0.8, "top_k": 50, "top_p": 0.9},
+    {"temperature": [0.0, 0.5, 1.0, 1.5, 0.7, 2.0], "top_k": [0, 1, 7, 300, 499, 500], "min_p": 0.05},
+    {"top_p": 0.7, "banned_token_ids": [3, 4, 5], "logit_bias": {7: 2.0}, "repetition_penalty": 1.3,
+     "output_token_ids": [[1, 2, 2], [], [9], [10, 11], [], [0]], "num_samples": 3},
+    {"typical_p": 0.8, "top_n_sigma": 1.5, "return_logprobs": True, "logprobs_mode": "processed",
+     "top_logprobs": 4},
+])
+def test_the_service_s_tokens_for_the_same_request(sampler: LocalSampler, client: SamplerClient, params: dict) -> None:
+    logits = _logits(1)
+    seeds = list(range(100, 100 + ROWS))
+    local = sampler.sample(logits, seed=seeds, position=3, **params)
+    remote = client.sample(logits, seed=seeds, position=3, **params)
+    assert torch.equal(local.tokens, remote.tokens)
+    assert local.seeds == remote.seeds == seeds
+    assert torch.equal(local.valid, remote.valid) and torch.equal(local.nan_detected, remote.nan_detected)
+    for name in ("logprobs", "top_logprob_ids", "top_logprobs"):
+        mine, theirs = getattr(local, name), getattr(remote, name)
+        assert (mine is None) == (theirs is None)
+        if mine is not None:
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_seedless_call_reports_seeds_that_reproduce_it(sampler: LocalSampler) -> None:
+    logits = _logits(2)
+    first = sampler.sample(logits, temperature=1.0, num_samples=4)
+    again = sampler.sample(logits, temperature=1.0, num_samples=4, seed=first.seeds)
+    assert torch.equal(first.tokens, again.tokens)
+
+
+@pytest.mark.parametrize("params,field", [
+    ({"top_p": 1.5}, "params.top_p"),
+    ({"temperature": -1.0}, "params.temperature"),
+    ({"top_k": [1, 2]}, "top_k"),
+    ({"num_samples": 0}, "num_samples"),
+    ({"logprobs_mode": "softmax"}, "logprobs_mode"),
+    ({"top_q": 0.5}, "top_q"),
+])
+def test_refusals_name_the_field(sampler: LocalSampler, params: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        sampler.sample(_logits(3), **params)
+
+
+def test_hidden_states_through_a_registered_head(sampler: LocalSampler) -> None:
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(VOCAB + 12, DIM, generator=gen)  # 12 padding rows: never sampled
+    bias = torch.randn(VOCAB + 12, generator=gen)
+    hidden = torch.randn(ROWS, DIM, generator=gen)
+    head = sampler.register_head(weight, bias=bias, vocab_size=VOCAB, soft_cap=20.0)
+    assert head.weight.data_ptr() == weight.data_ptr(), "a head already on the device is used in place"
+    got = sampler.sample_hidden(hidden, head, top_k=40, seed=list(range(ROWS)), num_samples=2)
+    logits = 20.0 * torch.tanh((hidden @ weight[:VOCAB].T + bias[:VOCAB]) / 20.0)
+    want = sampler.sample(logits, top_k=40, seed=list(range(ROWS)), num_samples=2)
+    assert torch.equal(got.tokens, want.tokens)
+    with pytest.raises(ValueError, match="head.vocab_size"):
+        sampler.register_head(weight, vocab_size=VOCAB + 13)
