@@ -122,6 +122,32 @@ def test_a_span_per_call_with_attributes_stage_events_status_and_the_given_paren
     assert len(finished) == 4  # no span but the calls'
 
 
+def test_each_stream_message_gets_a_span_under_the_stream_s_caller(spans) -> None:
+    """A SampleStream message is a request of its own: a span each, with its request id, rows and stages, whose
+    parent is the span the stream's metadata names; a failed message's span carries its status."""
+    provider, exporter = spans
+
+    async def calls(target: str) -> None:
+        async with grpc.aio.insecure_channel(target) as channel:
+            stream = pb_grpc.SamplerStub(channel).SampleStream(
+                iter([_request(4), _request(101), _request(8)]),
+                metadata=(("x-request-id", "s"), ("traceparent", TRACEPARENT)))
+            answers = [answer async for answer in stream]
+            assert [answer.WhichOneof("result") for answer in answers] == ["response", "error", "response"]
+
+    asyncio.run(_serve(provider, calls))
+    by_id = _by_request_id(exporter.get_finished_spans())
+    assert sorted(by_id) == ["s.0", "s.1", "s.2"]
+    for request_id in ("s.0", "s.2"):
+        span = by_id[request_id]
+        assert span.name == "tokensampler.v1.Sampler/SampleStream" and span.attributes["tokensampler.rows"] == 2
+        assert (span.context.trace_id, span.parent.span_id) == (TRACE_ID, PARENT_ID)
+        assert [event.name for event in span.events] == STAGES
+    failed = by_id["s.1"]
+    assert failed.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INTERNAL.value[0]
+    assert failed.status.status_code == StatusCode.ERROR
+
+
 def test_the_client_sends_the_active_span_as_traceparent(spans) -> None:
     provider, _ = spans
     assert [key for key, _ in call_metadata("r")] == ["x-request-id"]  # no active span: nothing more

@@ -9,8 +9,8 @@ The guard wraps each method's handler once, as services register (`CallGuard.reg
 than as a grpc interceptor, whose chain grpc runs, and whose handler it would have us rebuild, for every
 call (docs/design/service-path.md). Calls with a single response (unary and
 client-streaming) are guarded whole. Calls with streamed responses (SampleStream, health Watch,
-reflection) count and log each message themselves; of those, only failures to parse a request and
-ServiceErrors are turned into statuses here.
+reflection) count, log and (through current_message_tracer) trace each message themselves; of those, only
+failures to parse a request and ServiceErrors are turned into statuses here.
 
 Request bytes that do not parse as the method's message answer INVALID_ARGUMENT (grpc alone would
 answer UNKNOWN and log a traceback per call). A RESOURCE_EXHAUSTED raised by the service (a full
@@ -34,7 +34,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from .admission import Admission
-from .call_record import CallRecord, current_call
+from .call_record import CallRecord, current_call, current_message_tracer
 from .errors import InvalidArgument, ServiceError, failure_status, unparsable
 from .metrics import ServerMetrics
 from .request_context import REQUEST_ID_METADATA_KEY, current_request_id, request_id_from_metadata
@@ -125,7 +125,8 @@ class CallGuard:
         """`handler` of `method` (the full name without the leading slash) with this guard around it."""
         admit = self._admit(method)
         if handler.response_streaming:
-            return self._wrap_streaming(handler, admit)
+            return self._wrap_streaming(handler, admit, self._tracer if self._tracer is not None
+                                        and self._tracer.traces(method) else None)
         if handler.request_streaming:
             wrap, behaviour = grpc.stream_unary_rpc_method_handler, handler.stream_unary
             # grpc parses each message as the behaviour reads it, inside the guarded call
@@ -148,8 +149,10 @@ class CallGuard:
         return None if pool is None else partial(self._admission.admit, pool)
 
     @staticmethod
-    def _wrap_streaming(handler: grpc.RpcMethodHandler, admit: Admit | None) -> grpc.RpcMethodHandler:
-        """A response-streaming handler whose unparsable requests and ServiceErrors become statuses."""
+    def _wrap_streaming(handler: grpc.RpcMethodHandler, admit: Admit | None,
+                        tracer: CallTracer | None) -> grpc.RpcMethodHandler:
+        """A response-streaming handler whose unparsable requests and ServiceErrors become statuses; with
+        `tracer`, its messages get spans through current_message_tracer."""
         streaming = handler.request_streaming
         if streaming:
             wrap, behaviour = grpc.stream_stream_rpc_method_handler, handler.stream_stream
@@ -163,6 +166,8 @@ class CallGuard:
 
         if inspect.isasyncgenfunction(behaviour):
             async def guarded(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
+                if tracer is not None:
+                    current_message_tracer.set(partial(tracer.record, metadata=context.invocation_metadata()))
                 try:
                     if admit is not None:
                         admit(context)

@@ -8,8 +8,11 @@ reports the call once, when its status is known.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
+
+import grpc
 
 from .sampling import SamplingBatch
 
@@ -53,3 +56,8 @@ class CallRecord:
 
 # Set by the call guard for every call it wraps, read by the servicer (and by the guard's serialiser).
 current_call: ContextVar[CallRecord] = ContextVar("current_call")
+
+MessageTracer = Callable[[CallRecord, grpc.StatusCode, int], None]
+# With tracing on, set by the call guard for a call with streamed responses: gives one of its messages, answered
+# with (code, elapsed ns), a span of its own under the stream's caller (each message is a request of its own).
+current_message_tracer: ContextVar[MessageTracer | None] = ContextVar("current_message_tracer", default=None)

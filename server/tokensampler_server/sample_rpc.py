@@ -26,7 +26,7 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.tensors import encode_tensor
 
 from .batcher import BatchTimes, DynamicBatcher
-from .call_record import CallRecord
+from .call_record import CallRecord, current_message_tracer
 from .config import Limits
 from .errors import InvalidArgument, failure_status, unparsable
 from .leases import Lease
@@ -359,10 +359,19 @@ class SamplePath:
                 if item is not None:
                     _drop(item[2])
 
-    def _answer_native(self, record: CallRecord, response: bytes) -> bytes:
-        """A natively answered stream message, reported like every call (at the next scrape)."""
+    def _report(self, record: CallRecord, code: grpc.StatusCode) -> None:
+        """A stream message, reported like a unary call: its span (with tracing on), then the metrics (at the next
+        scrape; they trade the message's batch for its row counts, which the span reads first)."""
+        elapsed_ns = record.elapsed_ns()
+        trace = current_message_tracer.get()
+        if trace is not None:
+            trace(record, code, elapsed_ns)
         if self._metrics is not None:
-            self._metrics.observe_call_later(record, grpc.StatusCode.OK, record.elapsed_ns())
+            self._metrics.observe_call_later(record, code, elapsed_ns)
+
+    def _answer_native(self, record: CallRecord, response: bytes) -> bytes:
+        """A natively answered stream message, reported like every call."""
+        self._report(record, grpc.StatusCode.OK)
         return response
 
     async def _answer(self, record: CallRecord, message: bytes | pb.SampleRequest,
@@ -388,7 +397,6 @@ class SamplePath:
         except Exception as err:
             code, error = failure_status(err, record.method, record.request_id)
         finally:
-            if self._metrics is not None:
-                self._metrics.observe_call_later(record, code, record.elapsed_ns())
+            self._report(record, code)
         text = f"{error} (request id {record.request_id})"
         return pb.SampleStreamResponse(error=pb.StreamError(code=code.value[0], message=text, request_id=record.request_id))

@@ -18,7 +18,10 @@ the call's record:
   record keeps how long each stage took, not when it began: the events' times are the stages laid back to
   back from the call's start.
 
-Health checks are not traced: load balancers probe every few seconds, and each probe would be a trace.
+A SampleStream message is a request of its own: sample_rpc.py hands each answered message to `record` (through
+call_record.current_message_tracer, which the guard sets for the stream with the stream's metadata), so every
+message gets its span under the stream's caller. Health checks are not traced: load balancers probe every few
+seconds, and each probe would be a trace.
 """
 
 from __future__ import annotations
