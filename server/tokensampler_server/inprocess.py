@@ -7,7 +7,7 @@ what the service refuses, with the same field-named message (as ValueError).
 
     sampler = LocalSampler("cuda")
     out = sampler.sample(logits, temperature=0.8, top_k=50, top_p=0.9, seed=seeds, position=step)
-    out.tokens  # int64 [B, n] on the CPU
+    out.tokens  # int64 [B, n] on the CPU: the client's SampleResult, as a remote call returns it
 
     head = sampler.register_head(model.lm_head.weight)         # once
     out = sampler.sample_hidden(hidden_states, head, top_k=50)  # W·h inside the fused kernel where it applies
@@ -15,13 +15,15 @@ what the service refuses, with the same field-named message (as ValueError).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.params import fill_sampling_params
+from tokensampler_client.result import SampleResult, Timings
 
 from .backends import create_backend
 from .backends.base import Backend
@@ -30,32 +32,9 @@ from .errors import InvalidArgument
 from .validation import validate_sample_request
 from .weights import RegisteredWeight, check_finish, check_weight_shape
 
-__all__ = ["LocalResult", "LocalSampler"]
+__all__ = ["LocalSampler"]
 
 _MODES = {"raw": pb.LOGPROBS_MODE_RAW, "processed": pb.LOGPROBS_MODE_PROCESSED}
-
-
-@dataclass(frozen=True)
-class LocalResult:
-    """What one call sampled, with n = num_samples and N = top_logprobs (CPU tensors).
-
-    Attributes:
-        tokens: int64 [B, n]; -1 in rows that are not valid.
-        seeds: the Philox seed of each row (B Python ints, uint64): pass them back to reproduce the sample.
-        logprobs: float32 [B, n] (None unless return_logprobs).
-        top_logprob_ids: int64 [B, N], best first (None unless top_logprobs > 0).
-        top_logprobs: float32 [B, N], matching top_logprob_ids (None unless top_logprobs > 0).
-        valid: bool [B]; False where no finite logit remained after processing.
-        nan_detected: bool [B]; True where the row's logits held NaN or +inf.
-    """
-
-    tokens: torch.Tensor
-    seeds: list[int]
-    logprobs: torch.Tensor | None
-    top_logprob_ids: torch.Tensor | None
-    top_logprobs: torch.Tensor | None
-    valid: torch.Tensor
-    nan_detected: torch.Tensor
 
 
 class LocalSampler:
@@ -76,7 +55,7 @@ class LocalSampler:
         return self._backend.device
 
     def sample(self, logits: torch.Tensor, *, num_samples: int = 1, return_logprobs: bool = False,
-               logprobs_mode: str = "raw", top_logprobs: int = 0, **params: Any) -> LocalResult:
+               logprobs_mode: str = "raw", top_logprobs: int = 0, **params: Any) -> SampleResult:
         """Samples logits [B, V] (float32, bfloat16 or float16).
 
         Keywords: SamplerClient.sample's per-row parameters (temperature, top_k, top_p, min_p, seed, position,
@@ -105,7 +84,7 @@ class LocalSampler:
 
     def sample_hidden(self, hidden: torch.Tensor, head: RegisteredWeight, *, num_samples: int = 1,
                       return_logprobs: bool = False, logprobs_mode: str = "raw", top_logprobs: int = 0,
-                      **params: Any) -> LocalResult:
+                      **params: Any) -> SampleResult:
         """Samples hidden states [B, D] through `head` (register_head): the logits are W·h as the service
         computes them, inside the fused kernel where it applies. The keywords of sample()."""
         request = self._request(hidden, num_samples, return_logprobs, logprobs_mode, top_logprobs, params)
@@ -128,12 +107,19 @@ class LocalSampler:
             raise ValueError(str(err)) from None
         return request
 
-    def _run(self, request: pb.SampleRequest, x: torch.Tensor, head: RegisteredWeight | None) -> LocalResult:
+    def _run(self, request: pb.SampleRequest, x: torch.Tensor, head: RegisteredWeight | None) -> SampleResult:
+        """The result a remote call returns (request_id empty, no queue): timings.compute_ns the backend's call,
+        total_ns with the validation."""
+        started = time.perf_counter_ns()
         try:
             batch, seeds = validate_sample_request(request, self._limits, lm_head=head, referenced=x)
         except InvalidArgument as err:
             raise ValueError(str(err)) from None
+        computing = time.perf_counter_ns()
         result = self._backend.sample(batch)
-        return LocalResult(tokens=result.tokens, seeds=[int(s) for s in np.asarray(seeds, dtype=np.uint64)],
-                           logprobs=result.logprobs, top_logprob_ids=result.top_logprob_ids,
-                           top_logprobs=result.top_logprobs, valid=result.valid, nan_detected=result.nan_detected)
+        finished = time.perf_counter_ns()
+        return SampleResult(tokens=result.tokens, seeds=[int(s) for s in np.asarray(seeds, dtype=np.uint64)],
+                            logprobs=result.logprobs, top_logprob_ids=result.top_logprob_ids,
+                            top_logprobs=result.top_logprobs, valid=result.valid, nan_detected=result.nan_detected,
+                            timings=Timings(queue_ns=0, compute_ns=finished - computing, total_ns=finished - started),
+                            request_id="")
