@@ -411,10 +411,15 @@ def test_chi_square_against_known_logits(vocab: int, num_rows: int, mode: str) -
         torch.full((n,), params["temperature"]), torch.full((n,), params.get("top_k", 0), dtype=torch.int32),
         torch.full((n,), params.get("top_p", 1.0)), torch.zeros(n), torch.arange(n, dtype=torch.int64) + 1,
         torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64))]
-    tokens = []
+    tokens, flags = [], []
     for call in range(calls):
         rows = slice(call * num_rows, (call + 1) * num_rows)
-        tokens.append(fused.fused_sample(head.weight, hidden, RowParams(*(c[rows] for c in columns)),
-                                         filtered=mode != "gumbel")[0])
+        drawn, _, flagged = fused.fused_sample(head.weight, hidden, RowParams(*(c[rows] for c in columns)),
+                                               filtered=mode != "gumbel")
+        tokens.append(drawn)
+        flags.append(flagged)
     tokens = torch.cat(tokens).cpu()
+    # First what the pooled chi-square cannot see: rows left to another path, and draws outside the kept set.
+    assert int(torch.cat(flags).count_nonzero()) == 0, "the kernel flagged rows"
+    assert int((probs[tokens.flatten()] == 0).sum()) == 0, "draws outside the kept set"
     assert _chi_square(tokens, probs) > ALPHA
