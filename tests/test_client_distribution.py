@@ -40,9 +40,19 @@ import importlib.util, json, sys
 import numpy as np
 import tokensampler_client
 from tokensampler_client import SamplerClient
+from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client.tensors import decode_tensor, encode_tensor
 
 assert importlib.util.find_spec("torch") is None, "torch is importable"
 target, logits = sys.argv[1], np.load(sys.argv[2])
+bfloat16 = pb.Tensor(dtype=pb.DTYPE_BFLOAT16, shape=[2], data=b"\\x80\\x3f\\x20\\xc0")  # 1.0, -2.5
+assert decode_tensor(bfloat16).tolist() == [1.0, -2.5]
+try:
+    encode_tensor(np.zeros(2))
+except TypeError as error:
+    assert "tokensampler-client[torch]" in str(error), error
+else:
+    raise AssertionError("float64 was encoded")
 out = {"version": tokensampler_client.__version__, "installed": "site-packages" in tokensampler_client.__file__}
 with SamplerClient(target, timeout=30) as client:
     result = client.sample(logits, top_k=50, seed=[1, 2, 3, 4], return_logprobs=True, top_logprobs=3)
@@ -72,9 +82,8 @@ def _requirements(dist: metadata.Distribution) -> list[str]:
             if "extra" not in requirement.partition(";")[2]]
 
 
-def _link_dependencies(wheel: Path, folder: Path) -> list[str]:
-    """Links into `folder` the top-level files of every installed distribution the wheel requires, recursively;
-    returns their names."""
+def _link_dependencies(wheel: Path, folder: Path) -> None:
+    """Links into `folder` the top-level files of every installed distribution the wheel requires, recursively."""
     with zipfile.ZipFile(wheel) as archive:
         name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
         pending = _requirements(metadata.PathDistribution(zipfile.Path(archive, name).parent))
@@ -90,7 +99,6 @@ def _link_dependencies(wheel: Path, folder: Path) -> list[str]:
             target = folder / top
             if not target.exists() and (base / top).exists():
                 target.symlink_to(base / top)
-    return done
 
 
 @pytest.fixture(scope="module")

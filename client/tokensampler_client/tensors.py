@@ -193,8 +193,6 @@ def decode_owned(msg: pb.Tensor, field: str, dtype: Any) -> Array:
     conversion where numpy knows both dtypes (not bfloat16), which costs a third of torch's frombuffer + to()."""
     wire, shape, data, count = _checked(msg, field)
     target = wire_dtype(dtype)
-    if target is None:
-        raise TypeError(f"dtype {dtype} cannot be decoded to")
     if torch is None:
         return _numpy_view(wire, data, shape).astype(DTYPE_TO_NUMPY[target])
     source_numpy, target_numpy = DTYPE_TO_NUMPY.get(wire), DTYPE_TO_NUMPY.get(target)
