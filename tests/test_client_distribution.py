@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -105,9 +106,11 @@ def _link_dependencies(wheel: Path, folder: Path) -> None:
 def slim_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The python of a fresh virtual environment holding the client wheel and its dependencies, without torch."""
     scratch = tmp_path_factory.mktemp("client-dist")
+    # Built from a copy: setuptools writes its build folders next to the sources.
+    shutil.copytree(CLIENT, scratch / "client", ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
-         "--wheel-dir", str(scratch / "wheels"), str(CLIENT)],
+         "--wheel-dir", str(scratch / "wheels"), str(scratch / "client")],
         capture_output=True, text=True, timeout=120,
     )
     if built.returncode != 0:
