@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs tokensampler and its test tools into ./.venv.
+# Installs tokensampler (the server and its client, tokensampler-client) and its test tools into ./.venv.
 #
 # torch comes first: the CPU build on machines without an NVIDIA GPU (so pip does not pull gigabytes
 # of CUDA packages), the default CUDA build otherwise. TORCH_SPEC overrides the choice, e.g.
@@ -38,5 +38,6 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     "${pip[@]}" "torch==2.13.0"
   fi
 fi
-"${pip[@]}" -e ".[dev]"
+# The server (the root) depends on tokensampler-client, which carries the contract: both from this checkout.
+"${pip[@]}" -e ./client -e ".[dev]"
 .venv/bin/python -c "import torch, tokensampler_server; print('tokensampler', tokensampler_server.__version__, 'torch', torch.__version__, 'cuda' if torch.cuda.is_available() else 'cpu')"

@@ -94,13 +94,15 @@ def _build_context(scratch: Path) -> Path:
 
 def _fill_wheelhouse(wheelhouse: Path, torch_version: str) -> None:
     """Every wheel the image installs, for the base's Python: CPU torch, tokensampler's dependencies and
-    setuptools (its build backend). pip resolves tokensampler's dependencies from pyproject.toml."""
+    setuptools (its build backend). pip resolves the dependencies from the two pyproject.toml files (the
+    server's, and the client's it depends on)."""
     machine = platform.machine()
     platforms = [f"manylinux_2_{minor}_{machine}" for minor in range(5, 37)]  # bookworm has glibc 2.36
     platforms += [f"manylinux2014_{machine}", f"manylinux2010_{machine}", f"manylinux1_{machine}"]
     command = [sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(wheelhouse),
                "--only-binary=:all:", "--python-version", BASE_PYTHON, "--implementation", "cp",
-               *(f"--platform={tag}" for tag in platforms), f"torch=={torch_version}+cpu", "setuptools", str(ROOT)]
+               *(f"--platform={tag}" for tag in platforms), f"torch=={torch_version}+cpu", "setuptools",
+               str(ROOT / "client"), str(ROOT)]
     if os.environ.get("TORCH_INDEX_URL"):
         command += ["--extra-index-url", os.environ["TORCH_INDEX_URL"]]
     downloaded = subprocess.run(command, capture_output=True, text=True, timeout=1200)

@@ -2,8 +2,8 @@
 
     from tokensampler_client import SamplerClient
     with SamplerClient("localhost:50051") as client:
-        result = client.sample(logits, temperature=0.8, top_k=50)   # logits: [B, V] tensor
-        result.tokens                                                # int64 [B, 1]
+        result = client.sample(logits, temperature=0.8, top_k=50)   # logits: [B, V] tensor or numpy array
+        result.tokens                                                # int64 [B, 1], a tensor with torch
 """
 
 from importlib import metadata as _metadata
@@ -16,7 +16,7 @@ from .errors import TokenSamplerError
 from .result import SampleResult, Timings
 
 try:
-    __version__ = _metadata.version("tokensampler")
+    __version__ = _metadata.version("tokensampler-client")
 except _metadata.PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0+unknown"
 

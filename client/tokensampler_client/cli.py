@@ -18,17 +18,17 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
 from google.protobuf import json_format
 
 from . import __version__
 from ._proto import sampler_pb2 as pb
+from ._torch import require_torch
 from .client import SamplerClient
 from .errors import TokenSamplerError
 from .result import SampleResult
 
 DEFAULT_TARGET = "localhost:50051"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -184,8 +184,9 @@ def _print_result(result: SampleResult) -> None:
 
 def _run_sample(client: SamplerClient, args: argparse.Namespace) -> int:
     rows, vocab = args.random_logits
+    torch = require_torch("tokensampler sample (its random logits)")
     generator = torch.Generator().manual_seed(args.logits_seed)
-    logits = torch.randn(rows, vocab, generator=generator).to(DTYPES[args.dtype])
+    logits = torch.randn(rows, vocab, generator=generator).to(getattr(torch, args.dtype))
     result = client.sample(
         logits,
         temperature=args.temperature,

@@ -15,7 +15,7 @@ import itertools
 from collections.abc import Hashable, Sequence
 
 from ._proto import sampler_pb2 as pb
-from .tensors import DTYPE_TO_TORCH
+from .tensors import ITEMSIZE
 
 # Per-row columns and the value a row gets when its request sent none (the server's defaults).
 COLUMN_DEFAULTS = {
@@ -56,7 +56,7 @@ def num_rows(request: pb.SampleRequest) -> int:
 def follows(first: pb.SampleRequest, second: pb.SampleRequest) -> bool:
     """Whether `second`'s logits begin where `first`'s end, in the same region."""
     a, b = first.logits_ref, second.logits_ref
-    row_bytes = DTYPE_TO_TORCH[a.dtype].itemsize * int(a.shape[1])
+    row_bytes = ITEMSIZE[a.dtype] * int(a.shape[1])
     return a.region == b.region and b.offset == a.offset + row_bytes * int(a.shape[0])
 
 
@@ -109,7 +109,7 @@ def _expand_sequences(sequences: pb.TokenSequences, rows: int) -> tuple[list[int
 
 def _row_starts(ref: pb.TensorRef) -> range:
     """Where each row of a [B, V] region reference starts, in bytes from the region's start."""
-    row_bytes = DTYPE_TO_TORCH[ref.dtype].itemsize * int(ref.shape[1])
+    row_bytes = ITEMSIZE[ref.dtype] * int(ref.shape[1])
     return range(ref.offset, ref.offset + row_bytes * int(ref.shape[0]), row_bytes)
 
 

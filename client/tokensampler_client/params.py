@@ -21,30 +21,33 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeGuard, Union
+from typing import TYPE_CHECKING, Any, TypeGuard, Union
 
 import numpy as np
-import torch
 
 from ._proto import sampler_pb2 as pb
+from ._torch import torch
 from .regions import RegionRows, RegionView
-from .tensors import as_torch, encode_tensor
+from .tensors import ARRAY_TYPES, Array, as_array, encode_tensor, host_contiguous, wire_dtype
 from .wire import serialize_with_logits
 
+if TYPE_CHECKING:
+    import torch as _torch_types
+
 # What a caller may pass for a per-row numeric parameter.
-Column = Union[float, int, Sequence[Any], np.ndarray, torch.Tensor, None]
-TokenIds = Union[Sequence[int], np.ndarray, torch.Tensor]
+Column = Union[float, int, Sequence[Any], np.ndarray, "_torch_types.Tensor", None]
+TokenIds = Union[Sequence[int], np.ndarray, "_torch_types.Tensor"]
 TokenListsArg = Union[TokenIds, Sequence[Union[TokenIds, None]], None]
 LogitBiasArg = Union[Mapping[int, float], Sequence[Union[Mapping[int, float], None]], None]
 # DRY's sequence breakers: one list of token-id sequences shared by every row, or B lists (None: none).
 BreakersArg = Union[Sequence[TokenIds], Sequence[Union[Sequence[TokenIds], None]], None]
 
-LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LOGITS_DTYPES = (pb.DTYPE_FLOAT32, pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT16)
 _LOGPROBS_MODES = {"raw": pb.LOGPROBS_MODE_RAW, "processed": pb.LOGPROBS_MODE_PROCESSED}
 
 
-def _is_array(value: Any) -> TypeGuard[torch.Tensor | np.ndarray]:
-    return isinstance(value, (torch.Tensor, np.ndarray))
+def _is_array(value: Any) -> TypeGuard[Array]:
+    return isinstance(value, ARRAY_TYPES)
 
 
 def _extend(name: str, field: Any, values: Any) -> None:
@@ -96,7 +99,7 @@ def _set_seed(params: pb.SamplingParams, seed: Column, batch: int) -> None:
     """`seed`: one shared seed, or B seeds where None entries ask the server to draw one."""
     if seed is None:
         return
-    if isinstance(seed, torch.Tensor) and seed.dtype == torch.int64:
+    if torch is not None and isinstance(seed, torch.Tensor) and seed.dtype == torch.int64:
         # torch has no general uint64: an int64 tensor holds the seeds' bits in two's complement.
         seed = seed.detach().cpu().numpy().view(np.uint64)
     values = _column("seed", seed, batch)
@@ -193,20 +196,20 @@ def _set_breakers(out: pb.TokenSequences, breakers: BreakersArg, batch: int) -> 
             out.lengths.append(len(ids))
 
 
-def carried_rows(logits: Any, name: str = "logits") -> torch.Tensor:
-    """[B, N] (or [N], one row) float32/bfloat16/float16 rows as the contiguous CPU tensor a request carries.
+def carried_rows(logits: Any, name: str = "logits") -> Array:
+    """[B, N] (or [N], one row) float32/bfloat16/float16 rows as the contiguous host array a request carries.
 
     Accepts a torch tensor on any device (copied to the CPU) or a numpy array (float32/float16;
     numpy has no bfloat16, use torch for it). `name` is the argument named in errors.
     """
-    tensor = as_torch(logits)
+    tensor = as_array(logits)
     if tensor.ndim == 1:
-        tensor = tensor.unsqueeze(0)
+        tensor = tensor[None]
     elif tensor.ndim != 2:
         raise ValueError(f"{name}: expected shape [B, N] or [N], got {list(tensor.shape)}")
-    if tensor.dtype not in LOGITS_DTYPES:
+    if wire_dtype(tensor.dtype) not in LOGITS_DTYPES:
         raise TypeError(f"{name}: dtype {tensor.dtype} cannot be sent; expected float32, bfloat16 or float16")
-    return tensor.detach().to("cpu").contiguous()
+    return host_contiguous(tensor)
 
 
 def encode_logits(logits: Any, out: pb.Tensor, name: str = "logits") -> int:
@@ -394,7 +397,7 @@ def serialize_sample_request(logits: Any = None, **params: Any) -> bytes:
     if logits is None or isinstance(logits, (RegionView, RegionRows)):
         return build_sample_request(logits, **params).SerializeToString()
     rows = carried_rows(logits)
-    if not rows.numel():
+    if 0 in rows.shape:
         return build_sample_request(rows, **params).SerializeToString()
     # The request is built on a [B, 0] view of the rows (no bytes), which sizes and checks every column;
     # the rows themselves go in as it is serialized.

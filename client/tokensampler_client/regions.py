@@ -20,6 +20,9 @@ The producer keeps the memory alive while it is registered and finishes writing 
 request that reads it: it synchronises its CUDA stream, or, for a region registered with a ready event,
 records the event on the stream that wrote it (`mark_ready`), which costs the producer no host wait.
 Close a region to unregister it.
+
+Without torch, shared-memory regions take numpy dtypes and give numpy arrays (`region.tensor(np.float32, ...)`);
+CUDA regions need torch.
 """
 
 from __future__ import annotations
@@ -30,11 +33,24 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import shared_memory
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
 from ._proto import sampler_pb2 as pb
-from .tensors import TORCH_TO_DTYPE
+from ._torch import require_torch, torch
+from .tensors import ITEMSIZE, Array, wire_dtype
+
+if TYPE_CHECKING:
+    import torch as _torch_types
+
+
+def _wire(dtype: Any) -> int:
+    """The DType of a region's torch or numpy dtype."""
+    wire = wire_dtype(dtype)
+    if wire is None:
+        raise TypeError(f"dtype {dtype} cannot be sent")
+    return wire
 
 
 @dataclass(frozen=True)
@@ -44,11 +60,11 @@ class RegionView:
 
     region: str
     offset: int
-    dtype: torch.dtype
+    dtype: Any  # a torch dtype, or a numpy dtype without torch
     shape: tuple[int, ...]
 
     def ref(self) -> pb.TensorRef:
-        return pb.TensorRef(region=self.region, offset=self.offset, dtype=TORCH_TO_DTYPE[self.dtype], shape=self.shape)
+        return pb.TensorRef(region=self.region, offset=self.offset, dtype=_wire(self.dtype), shape=self.shape)
 
 
 @dataclass(frozen=True)
@@ -57,7 +73,7 @@ class RegionRows:
     to sample() instead of logits. Servers that list the feature "region_rows" take it."""
 
     region: str
-    dtype: torch.dtype
+    dtype: Any  # a torch dtype, or a numpy dtype without torch
     row_size: int
     row_offsets: tuple[int, ...]
 
@@ -66,12 +82,12 @@ class RegionRows:
         return (len(self.row_offsets), self.row_size)
 
     def ref(self) -> pb.RowsRef:
-        return pb.RowsRef(region=self.region, dtype=TORCH_TO_DTYPE[self.dtype], row_size=self.row_size,
+        return pb.RowsRef(region=self.region, dtype=_wire(self.dtype), row_size=self.row_size,
                           row_offsets=self.row_offsets)
 
 
-def _rows(region: str, byte_size: int, dtype: torch.dtype, row_size: int, row_offsets: Sequence[int]) -> RegionRows:
-    itemsize = torch.empty((), dtype=dtype).element_size()
+def _rows(region: str, byte_size: int, dtype: Any, row_size: int, row_offsets: Sequence[int]) -> RegionRows:
+    itemsize = ITEMSIZE[_wire(dtype)]
     row_bytes = row_size * itemsize
     for i, start in enumerate(row_offsets):
         if start < 0 or start % itemsize or start + row_bytes > byte_size:
@@ -80,8 +96,8 @@ def _rows(region: str, byte_size: int, dtype: torch.dtype, row_size: int, row_of
     return RegionRows(region, dtype, row_size, tuple(int(start) for start in row_offsets))
 
 
-def _view(region: str, byte_size: int, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> RegionView:
-    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+def _view(region: str, byte_size: int, dtype: Any, shape: tuple[int, ...], offset: int) -> RegionView:
+    size = math.prod(shape) * ITEMSIZE[_wire(dtype)]
     if offset < 0 or offset + size > byte_size:
         raise ValueError(f"offset/shape: bytes [{offset}, {offset + size}) fall outside the region's {byte_size} bytes")
     return RegionView(region, offset, dtype, tuple(shape))
@@ -94,19 +110,20 @@ class SharedMemoryRegion:
         self.name = name
         self._segment = shared_memory.SharedMemory(name=f"tokensampler-{secrets.token_hex(8)}", create=True, size=byte_size)
         self.byte_size = byte_size
-        self.buffer = torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=byte_size)
+        self.buffer: Array = (np.frombuffer(self._segment.buf, dtype=np.uint8, count=byte_size) if torch is None
+                              else torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=byte_size))
         self.request = pb.RegisterRegionRequest(name=name, shm=pb.SharedMemorySource(key=self._segment.name, byte_size=byte_size))
 
-    def tensor(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
-        """A writable tensor over bytes [offset, offset + size) of the segment."""
+    def tensor(self, dtype: Any, shape: tuple[int, ...], offset: int = 0) -> Array:
+        """A writable array over bytes [offset, offset + size) of the segment."""
         view = _view(self.name, self.byte_size, dtype, shape, offset)
-        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        return self.buffer[view.offset : view.offset + size].view(dtype).view(shape)
+        size = math.prod(shape) * ITEMSIZE[_wire(dtype)]
+        return self.buffer[view.offset : view.offset + size].view(dtype).reshape(shape)
 
-    def view(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> RegionView:
+    def view(self, dtype: Any, shape: tuple[int, ...], offset: int = 0) -> RegionView:
         return _view(self.name, self.byte_size, dtype, shape, offset)
 
-    def rows(self, dtype: torch.dtype, row_size: int, row_offsets: Sequence[int]) -> RegionRows:
+    def rows(self, dtype: Any, row_size: int, row_offsets: Sequence[int]) -> RegionRows:
         """Rows of `row_size` elements starting at the given byte offsets of the segment."""
         return _rows(self.name, self.byte_size, dtype, row_size, row_offsets)
 
@@ -121,7 +138,8 @@ class CudaRegion:
     """The CUDA allocation under `tensor`, shared by IPC handle; holds the tensor alive. With `ready_event`, an
     interprocess CUDA event is shared too: `mark_ready()` after each write tells the server's GPU work to wait."""
 
-    def __init__(self, name: str, tensor: torch.Tensor, ready_event: bool = False) -> None:
+    def __init__(self, name: str, tensor: _torch_types.Tensor, ready_event: bool = False) -> None:
+        require_torch("CUDA IPC regions")
         if not tensor.is_cuda:
             raise ValueError(f"tensor: expected a CUDA tensor, got one on {tensor.device}")
         self.name = name
@@ -135,7 +153,7 @@ class CudaRegion:
         )
         uuid = str(torch.cuda.get_device_properties(device).uuid)
         self.byte_size = int(size_bytes)
-        self._ready_event: torch.cuda.Event | None = None
+        self._ready_event: _torch_types.cuda.Event | None = None
         ready_handle = b""
         if ready_event:
             self._ready_event = torch.cuda.Event(interprocess=True)  # interprocess events cannot time
@@ -151,27 +169,27 @@ class CudaRegion:
             ),
         )
 
-    def mark_ready(self, stream: torch.cuda.Stream | None = None) -> None:
+    def mark_ready(self, stream: _torch_types.cuda.Stream | None = None) -> None:
         """Records the ready event on `stream` (default: the tensor's current stream) once the writes a request
         will read are queued there: the server's work on the next request waits for them on the GPU."""
         if self._ready_event is None:
             raise RuntimeError(f"region {self.name!r} was registered without ready_event=True: synchronise instead")
         self._ready_event.record(stream if stream is not None else torch.cuda.current_stream(self._device))
 
-    def view(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> RegionView:
+    def view(self, dtype: Any, shape: tuple[int, ...], offset: int = 0) -> RegionView:
         return _view(self.name, self.byte_size, dtype, shape, offset)
 
-    def view_of(self, tensor: torch.Tensor) -> RegionView:
+    def view_of(self, tensor: _torch_types.Tensor) -> RegionView:
         """The view of a contiguous tensor that lives in this region's storage (e.g. a slice of it)."""
         if tensor.untyped_storage().data_ptr() != self._tensor.untyped_storage().data_ptr() or not tensor.is_contiguous():
             raise ValueError("tensor: expected a contiguous tensor in this region's storage")
         return self.view(tensor.dtype, tuple(tensor.shape), tensor.storage_offset() * tensor.element_size())
 
-    def rows(self, dtype: torch.dtype, row_size: int, row_offsets: Sequence[int]) -> RegionRows:
+    def rows(self, dtype: Any, row_size: int, row_offsets: Sequence[int]) -> RegionRows:
         """Rows of `row_size` elements starting at the given byte offsets of the shared storage."""
         return _rows(self.name, self.byte_size, dtype, row_size, row_offsets)
 
-    def rows_of(self, tensor: torch.Tensor, rows: Sequence[int]) -> RegionRows:
+    def rows_of(self, tensor: _torch_types.Tensor, rows: Sequence[int]) -> RegionRows:
         """Rows `rows` (in that order, repeats allowed) of a contiguous [N, V] tensor in this region's storage: an
         engine's last-token rows of a packed batch, say, sampled without a gather."""
         view = self.view_of(tensor)

@@ -6,10 +6,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-import torch
+import numpy as np
 
 from ._proto import sampler_pb2 as pb
-from .tensors import check_tensor, decode_owned
+from .tensors import ARRAY_TYPES, Array, bool_array, check_tensor, decode_owned
 
 
 @dataclass(frozen=True)
@@ -21,15 +21,10 @@ class Timings:
     total_ns: int
 
 
-def _flags(values: Sequence[bool]) -> torch.Tensor:
-    """A repeated bool field as a bool tensor the caller owns (one copy into a bytearray, no list)."""
-    return torch.frombuffer(bytearray(values), dtype=torch.bool) if len(values) else torch.zeros(0, dtype=torch.bool)
-
-
 def _summary(value: Any) -> str:
-    """A field as repr shows it: a tensor by dtype and shape (a [B, V]-sized print helps no one), a list by
+    """A field as repr shows it: an array by dtype and shape (a [B, V]-sized print helps no one), a list by
     its length."""
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, ARRAY_TYPES):
         return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
     if isinstance(value, list):
         return f"list[{len(value)}]"
@@ -37,7 +32,7 @@ def _summary(value: Any) -> str:
 
 
 class ReadableRepr:
-    """repr of a result dataclass (declared with repr=False): the public class's name and each field, tensors
+    """repr of a result dataclass (declared with repr=False): the public class's name and each field, arrays
     by dtype and shape."""
 
     def __repr__(self) -> str:
@@ -48,7 +43,8 @@ class ReadableRepr:
 
 @dataclass(repr=False)
 class SampleResult(ReadableRepr):
-    """Sampled tokens of a [B, V] batch, with n = num_samples and N = top_logprobs.
+    """Sampled tokens of a [B, V] batch, with n = num_samples and N = top_logprobs. Arrays are torch tensors where
+    torch is installed, else numpy arrays.
 
     Attributes:
         tokens: int64 [B, n]; -1 in rows that are not valid. None when they went to an output region.
@@ -63,13 +59,13 @@ class SampleResult(ReadableRepr):
         request_id: the request id the server logged the call under.
     """
 
-    tokens: torch.Tensor | None
+    tokens: Array | None
     seeds: list[int]
-    logprobs: torch.Tensor | None
-    top_logprob_ids: torch.Tensor | None
-    top_logprobs: torch.Tensor | None
-    valid: torch.Tensor
-    nan_detected: torch.Tensor
+    logprobs: Array | None
+    top_logprob_ids: Array | None
+    top_logprobs: Array | None
+    valid: Array
+    nan_detected: Array
     timings: Timings
     request_id: str
 
@@ -81,7 +77,7 @@ class SampleResult(ReadableRepr):
 
     def rows(self, start: int, stop: int) -> SampleResult:
         """The result of rows start..stop-1 alone (batch invariance makes it their own result)."""
-        def part(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        def part(tensor: Array | None) -> Array | None:
             return None if tensor is None else tensor[start:stop]
 
         return SampleResult(
@@ -97,20 +93,20 @@ class SampleResult(ReadableRepr):
         )
 
 
-def _tensor(field: str, dtype: torch.dtype) -> Callable[[pb.SampleResponse], torch.Tensor | None]:
-    def decode(response: pb.SampleResponse) -> torch.Tensor | None:
+def _tensor(field: str, dtype: type[np.generic]) -> Callable[[pb.SampleResponse], Array | None]:
+    def decode(response: pb.SampleResponse) -> Array | None:
         return decode_owned(getattr(response, field), field, dtype) if response.HasField(field) else None
 
     return decode
 
 
-_TENSOR_DTYPES = {"tokens": torch.int64, "logprobs": torch.float32, "top_logprob_ids": torch.int64,
-                  "top_logprobs": torch.float32}
+_TENSOR_DTYPES = {"tokens": np.int64, "logprobs": np.float32, "top_logprob_ids": np.int64,
+                  "top_logprobs": np.float32}
 _DECODERS: dict[str, Callable[[pb.SampleResponse], Any]] = {
     **{field: _tensor(field, dtype) for field, dtype in _TENSOR_DTYPES.items()},
     "seeds": lambda response: list(response.seeds),
-    "valid": lambda response: _flags(response.valid),
-    "nan_detected": lambda response: _flags(response.nan_detected),
+    "valid": lambda response: bool_array(response.valid),
+    "nan_detected": lambda response: bool_array(response.nan_detected),
     "timings": lambda response: Timings(response.timings.queue_ns, response.timings.compute_ns,
                                         response.timings.total_ns),
     "request_id": lambda response: response.request_id,

@@ -6,9 +6,11 @@ import hashlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+
 from ._proto import sampler_pb2 as pb
 from .regions import RegionView
-from .tensors import as_torch, encode_tensor
+from .tensors import as_array, cast, encode_tensor
 
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 
@@ -24,7 +26,7 @@ def weight_options(
     if vocab_size is not None:
         options.vocab_size = vocab_size
     if bias is not None:
-        encode_tensor(as_torch(bias).float(), out=options.bias)
+        encode_tensor(cast(as_array(bias), np.float32), out=options.bias)
     if soft_cap is not None:
         options.soft_cap = soft_cap
     if logit_scale is not None:
@@ -50,7 +52,7 @@ class WeightUpload:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         progress: Progress | None = None,
     ) -> None:
-        tensor = as_torch(weight)
+        tensor = as_array(weight)
         if tensor.ndim != 2:
             raise ValueError(f"weight: expected shape [V, D], got {list(tensor.shape)}")
         if chunk_bytes < 1:

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from google.protobuf.message import Message
 
 from ._proto import sampler_pb2 as pb
-from .tensors import TORCH_TO_DTYPE, raw_bytes
+from .tensors import Array, host_bytes, wire_dtype
 
 SAMPLE_METHOD = "/tokensampler.v1.Sampler/Sample"
 SAMPLE_STREAM_METHOD = "/tokensampler.v1.Sampler/SampleStream"
@@ -53,11 +52,11 @@ def _length_prefix(field_number: int, length: int) -> bytes:
     return _varint(field_number << 3 | _LENGTH_DELIMITED) + _varint(length)
 
 
-def serialize_with_logits(request: pb.SampleRequest, rows: torch.Tensor) -> bytes:
-    """`request` (no input set) serialized with logits = `rows`, a contiguous CPU tensor of at least one element:
+def serialize_with_logits(request: pb.SampleRequest, rows: Array) -> bytes:
+    """`request` (no input set) serialized with logits = `rows`, a contiguous host array of at least one element:
     the bytes of the full message's SerializeToString, with the rows' memory copied once."""
-    head = pb.Tensor(dtype=TORCH_TO_DTYPE[rows.dtype], shape=rows.shape).SerializeToString()
-    data = memoryview(raw_bytes(rows).numpy()).cast("B")
+    head = pb.Tensor(dtype=wire_dtype(rows.dtype), shape=rows.shape).SerializeToString()
+    data = memoryview(host_bytes(rows)).cast("B")
     data_prefix = _length_prefix(_TENSOR_DATA_FIELD, data.nbytes)
     tensor_prefix = _length_prefix(_REQUEST_LOGITS_FIELD, len(head) + len(data_prefix) + data.nbytes)
     return b"".join((tensor_prefix, head, data_prefix, data, request.SerializeToString()))

@@ -6,20 +6,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+import numpy as np
 
 from ._proto import sampler_pb2 as pb
 from .params import LOGITS_DTYPES, fill_sampling_params
 from .result import ReadableRepr, Timings
-from .tensors import as_torch, decode_owned, decode_tensor, encode_tensor
+from .tensors import Array, as_array, cast, decode_owned, decode_tensor, encode_tensor, wire_dtype
 
 
-def _float_tensor(name: str, value: Any, rank: int | tuple[int, ...], out: pb.Tensor) -> torch.Tensor:
-    tensor = as_torch(value)
+def _float_tensor(name: str, value: Any, rank: int | tuple[int, ...], out: pb.Tensor) -> Array:
+    tensor = as_array(value)
     ranks = (rank,) if isinstance(rank, int) else rank
     if tensor.ndim not in ranks:
         raise ValueError(f"{name}: expected {' or '.join(map(str, ranks))} dimensions, got shape {list(tensor.shape)}")
-    if tensor.dtype not in LOGITS_DTYPES:
+    if wire_dtype(tensor.dtype) not in LOGITS_DTYPES:
         raise TypeError(f"{name}: dtype {tensor.dtype} cannot be sent; expected float32, bfloat16 or float16")
     encode_tensor(tensor, out=out)
     return tensor
@@ -28,9 +28,9 @@ def _float_tensor(name: str, value: Any, rank: int | tuple[int, ...], out: pb.Te
 def _set_input(
     request: pb.DiffusionStepRequest | pb.TopKProbsRequest, logits: Any, hidden: Any, weights: str | None,
     rank: int | tuple[int, ...],
-) -> torch.Tensor:
+) -> Array:
     """Encodes the request's input, `logits` or `hidden` states through the registered LM head named
-    `weights` (exactly one of them), and returns it as a tensor."""
+    `weights` (exactly one of them), and returns it as an array."""
     if (logits is None) == (hidden is None):
         raise ValueError("logits, hidden: expected exactly one of them")
     if logits is not None:
@@ -50,9 +50,9 @@ class DiffusionStepResult(ReadableRepr):
     """tokens int64 [B, L] (-1 where the position was not masked), confidences float32 [B, L],
     mask bool [B, L] after the step (True: still undecided), and the seed of each row."""
 
-    tokens: torch.Tensor
-    confidences: torch.Tensor
-    mask: torch.Tensor
+    tokens: Array
+    confidences: Array
+    mask: Array
     seeds: list[int]
     timings: Timings
     request_id: str
@@ -60,8 +60,8 @@ class DiffusionStepResult(ReadableRepr):
     @classmethod
     def from_response(cls, response: pb.DiffusionStepResponse) -> DiffusionStepResult:
         return cls(
-            tokens=decode_owned(response.tokens, "tokens", torch.int64),
-            confidences=decode_owned(response.confidences, "confidences", torch.float32),
+            tokens=decode_owned(response.tokens, "tokens", np.int64),
+            confidences=decode_owned(response.confidences, "confidences", np.float32),
             mask=decode_tensor(response.mask, "mask") != 0,
             seeds=list(response.seeds),
             timings=_timings(response.timings),
@@ -78,12 +78,12 @@ def build_diffusion_request(
     or B values; params: the per-row sampling keywords of sample() (no position)."""
     request = pb.DiffusionStepRequest()
     tensor = _set_input(request, logits, hidden, weights, 3)
-    encode_tensor(as_torch(mask).to(torch.uint8), out=request.mask)
+    encode_tensor(cast(as_array(mask), np.uint8), out=request.mask)
     batch = tensor.shape[0]
     fill_sampling_params(request.params, batch, **params)
     for name, value in (("confidence_threshold", confidence_threshold), ("commit_count", commit_count)):
         if value is not None:
-            values = as_torch(value).reshape(-1).tolist() if not isinstance(value, (int, float)) else [value]
+            values = as_array(value).reshape(-1).tolist() if not isinstance(value, (int, float)) else [value]
             getattr(request, name).extend(values)
     return request
 
@@ -92,16 +92,16 @@ def build_diffusion_request(
 class TopKProbsResult(ReadableRepr):
     """probs float32 and ids int64, [B, S, k] (or [B, k]): probability descending, id ascending on ties."""
 
-    probs: torch.Tensor
-    ids: torch.Tensor
+    probs: Array
+    ids: Array
     timings: Timings
     request_id: str
 
     @classmethod
     def from_response(cls, response: pb.TopKProbsResponse) -> TopKProbsResult:
         return cls(
-            probs=decode_owned(response.probs, "probs", torch.float32),
-            ids=decode_owned(response.ids, "ids", torch.int64),
+            probs=decode_owned(response.probs, "probs", np.float32),
+            ids=decode_owned(response.ids, "ids", np.int64),
             timings=_timings(response.timings),
             request_id=response.request_id,
         )
@@ -115,7 +115,7 @@ def build_topk_request(
     request = pb.TopKProbsRequest(k=k)
     _set_input(request, logits, hidden, weights, (2, 3))
     if temperature is not None:
-        request.temperature.extend(as_torch(temperature).reshape(-1).tolist() if not isinstance(temperature, (int, float))
+        request.temperature.extend(as_array(temperature).reshape(-1).tolist() if not isinstance(temperature, (int, float))
                                    else [temperature])
     return request
 
@@ -125,8 +125,8 @@ class VerifyDraftResult(ReadableRepr):
     """accepted int64 [B] (0..n) and tokens int64 [B, n + 1]: the accepted draft tokens, then the
     correction or bonus token, then -1."""
 
-    accepted: torch.Tensor
-    tokens: torch.Tensor
+    accepted: Array
+    tokens: Array
     seeds: list[int]
     timings: Timings
     request_id: str
@@ -134,8 +134,8 @@ class VerifyDraftResult(ReadableRepr):
     @classmethod
     def from_response(cls, response: pb.VerifyDraftResponse) -> VerifyDraftResult:
         return cls(
-            accepted=decode_owned(response.accepted, "accepted", torch.int64),
-            tokens=decode_owned(response.tokens, "tokens", torch.int64),
+            accepted=decode_owned(response.accepted, "accepted", np.int64),
+            tokens=decode_owned(response.tokens, "tokens", np.int64),
             seeds=list(response.seeds),
             timings=_timings(response.timings),
             request_id=response.request_id,
@@ -150,10 +150,10 @@ def build_verify_request(
     if (draft_probs is None) == (draft_logits is None):
         raise ValueError("draft_probs, draft_logits: expected exactly one of them")
     request = pb.VerifyDraftRequest()
-    ids = as_torch(draft_ids)
+    ids = as_array(draft_ids)
     if ids.ndim != 2:
         raise ValueError(f"draft_ids: expected shape [B, n], got {list(ids.shape)}")
-    encode_tensor(ids.to(torch.int64), out=request.draft_ids)
+    encode_tensor(cast(ids, np.int64), out=request.draft_ids)
     _float_tensor("target_logits", target_logits, 3, request.target_logits)
     if draft_probs is not None:
         _float_tensor("draft_probs", draft_probs, 3, request.draft_probs)
