@@ -24,7 +24,7 @@ from ._proto import sampler_pb2 as pb
 from ._proto import sampler_pb2_grpc
 from ._retry import Backoff, CallPolicy
 from .errors import error_from_rpc
-from .params import BreakersArg, Column, LogitBiasArg, TokenListsArg, build_sample_request, serialize_sample_request
+from .params import BitmaskArg, BreakersArg, Column, LogitBiasArg, TokenListsArg, build_sample_request, serialize_sample_request
 from .regions import CudaRegion, RegionView, SharedMemoryRegion
 from .result import SampleResult
 from .workloads import (
@@ -130,6 +130,7 @@ class AsyncSamplerClient:
         top_n_sigma: Column = None,
         xtc_threshold: Column = None,
         xtc_probability: Column = None,
+        token_bitmask: BitmaskArg = None,
         return_logprobs: bool = False,
         logprobs_mode: str = "raw",
         top_logprobs: int = 0,
@@ -171,6 +172,7 @@ class AsyncSamplerClient:
             top_n_sigma=top_n_sigma,
             xtc_threshold=xtc_threshold,
             xtc_probability=xtc_probability,
+            token_bitmask=token_bitmask,
             return_logprobs=return_logprobs,
             logprobs_mode=logprobs_mode,
             top_logprobs=top_logprobs,

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from google.protobuf import json_format
 
@@ -128,6 +129,9 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--logprobs", action="store_true", help="also return the log-prob of each sampled token")
     sample.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw", help="distribution of the log-probs (default: %(default)s)")
     sample.add_argument("--top-logprobs", type=_non_negative, default=0, metavar="N", help="also return the N best (id, log-prob) pairs per row")
+    sample.add_argument("--token-bitmask", type=Path, metavar="NPY",
+                        help="structured output: a .npy file of int32 [B, ceil(V / 32)] packed allowed-token words "
+                             "(bit i %% 32 of word i // 32 allows token i)")
     _add_local_samplers(sample)
     sample.add_argument("--json", action="store_true",
                         help="print the result as JSON; seeds are decimal strings, since JavaScript and jq read "
@@ -211,6 +215,7 @@ def _run_sample(client: SamplerClient, args: argparse.Namespace) -> int:
         top_n_sigma=args.top_n_sigma,
         xtc_threshold=args.xtc_threshold,
         xtc_probability=args.xtc_probability,
+        token_bitmask=None if args.token_bitmask is None else np.load(args.token_bitmask, allow_pickle=False),
     )
     if args.json:
         print(json.dumps(_result_dict(result)))

@@ -24,7 +24,7 @@ from ._proto import sampler_pb2 as pb
 from ._proto import sampler_pb2_grpc
 from ._retry import Backoff, CallPolicy
 from .errors import error_from_rpc
-from .params import BreakersArg, Column, LogitBiasArg, TokenListsArg, build_sample_request, serialize_sample_request
+from .params import BitmaskArg, BreakersArg, Column, LogitBiasArg, TokenListsArg, build_sample_request, serialize_sample_request
 from .regions import CudaRegion, RegionView, SharedMemoryRegion
 from .result import SampleResult
 from .workloads import (
@@ -147,6 +147,7 @@ class SamplerClient:
         top_n_sigma: Column = None,
         xtc_threshold: Column = None,
         xtc_probability: Column = None,
+        token_bitmask: BitmaskArg = None,
         return_logprobs: bool = False,
         logprobs_mode: str = "raw",
         top_logprobs: int = 0,
@@ -182,6 +183,9 @@ class SamplerClient:
             typical_p, top_n_sigma: locally typical sampling (1 is off) and top-n-sigma (<= 0 is off).
             xtc_threshold, xtc_probability: XTC, which removes all but the least likely of the tokens above
                 the threshold with the given probability (0 is off; its coin is reproducible from the seed).
+            token_bitmask: structured output, a grammar engine's packed mask of allowed tokens (xgrammar's and
+                llguidance's): int32 [B, W], W >= ceil(V / 32), token i allowed when bit i % 32 of word i // 32
+                is set; a torch tensor or numpy array. A row of all ones is unrestricted.
             return_logprobs: also return the log-prob of each sampled token.
             logprobs_mode: "raw" (log_softmax of the input) or "processed" (after every step).
             top_logprobs: also return the N best (id, log-prob) pairs of each row.
@@ -223,6 +227,7 @@ class SamplerClient:
             top_n_sigma=top_n_sigma,
             xtc_threshold=xtc_threshold,
             xtc_probability=xtc_probability,
+            token_bitmask=token_bitmask,
             return_logprobs=return_logprobs,
             logprobs_mode=logprobs_mode,
             top_logprobs=top_logprobs,
