@@ -39,6 +39,13 @@ def _shape(text: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
+def _shape3(text: str) -> tuple[int, int, int]:
+    match = re.fullmatch(r"(\d+)[xX](\d+)[xX](\d+)", text)
+    if not match or 0 in (sizes := tuple(int(g) for g in match.groups())):
+        raise argparse.ArgumentTypeError(f"expected BxTxV with sizes >= 1, e.g. 2x16x32000, got {text!r}")
+    return sizes
+
+
 def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -139,6 +146,24 @@ def _parser() -> argparse.ArgumentParser:
                              "reproduces the sample")
     sample.set_defaults(run=_run_sample)
 
+    score = commands.add_parser(
+        "score", help="score random tokens under random logits",
+        description="Score random token ids under random logits (ScoreTokens) and print their log-probs.")
+    score.add_argument("--random-logits", type=_shape3, required=True, metavar="BxTxV",
+                       help="B rows of T positions of V standard-normal logits, e.g. 2x16x32000; the token ids are "
+                            "uniform in [0, V)")
+    score.add_argument("--logits-seed", type=int, default=0, help="seed of the random logits and ids (default: %(default)s)")
+    score.add_argument("--mode", choices=("raw", "processed"), default="raw",
+                       help="raw: log_softmax of the logits; processed: after temperature and filters (default: %(default)s)")
+    score.add_argument("--temperature", type=float, help="T >= 0 (processed; server default 1)")
+    score.add_argument("--top-k", type=int, help="top-k of the processed distribution; 0 or -1 disables")
+    score.add_argument("--top-p", type=float, help="top-p of the processed distribution, 0 < p <= 1")
+    score.add_argument("--min-p", type=float, help="min-p of the processed distribution, 0 <= m < 1")
+    score.add_argument("--top-logprobs", type=_non_negative, default=0, metavar="N", help="also return the N best log-probs per position")
+    score.add_argument("--entropy", action="store_true", help="also return the entropy of each position")
+    score.add_argument("--json", action="store_true", help="print the result as JSON")
+    score.set_defaults(run=_run_score)
+
     info = commands.add_parser(
         "info", help="print the server's version, backend, device, limits and features",
         description="Print what GetServerInfo answers: the server's version, backend and device, its limits, the "
@@ -221,6 +246,29 @@ def _run_sample(client: SamplerClient, args: argparse.Namespace) -> int:
         print(json.dumps(_result_dict(result)))
     else:
         _print_result(result)
+    return 0
+
+
+def _run_score(client: SamplerClient, args: argparse.Namespace) -> int:
+    rows, length, vocab = args.random_logits
+    generator = torch.Generator().manual_seed(args.logits_seed)
+    logits = torch.randn(rows, length, vocab, generator=generator)
+    token_ids = torch.randint(vocab, (rows, length), generator=generator)
+    result = client.score_tokens(logits, token_ids, mode=args.mode, temperature=args.temperature, top_k=args.top_k,
+                                 top_p=args.top_p, min_p=args.min_p, top_logprobs=args.top_logprobs,
+                                 return_entropy=args.entropy)
+    out: dict[str, object] = {"request_id": result.request_id, "token_ids": token_ids.tolist(),
+                              "logprobs": result.logprobs.tolist()}
+    if result.entropy is not None:
+        out["entropy"] = result.entropy.tolist()
+    if result.top_logprob_ids is not None and result.top_logprobs is not None:
+        out["top_logprob_ids"] = result.top_logprob_ids.tolist()
+        out["top_logprobs"] = result.top_logprobs.tolist()
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    for name, value in out.items():
+        print(f"{name}: {value}")
     return 0
 
 

@@ -29,9 +29,11 @@ from .regions import CudaRegion, RegionView, SharedMemoryRegion
 from .result import SampleResult
 from .workloads import (
     DiffusionStepResult,
+    ScoreTokensResult,
     TopKProbsResult,
     VerifyDraftResult,
     build_diffusion_request,
+    build_score_request,
     build_topk_request,
     build_verify_request,
 )
@@ -286,6 +288,25 @@ class SamplerClient:
         [B, S, D] or [B, D] (computed by the server, as for sample_hidden())."""
         request = build_topk_request(None, k, temperature, hidden=hidden, weights=weights)
         return TopKProbsResult.from_response(self._call(self._stub.TopKProbs, request, timeout, request_id))
+
+    def score_tokens(
+        self, logits: Any, token_ids: Any, *, timeout: float | None = None, request_id: str | None = None,
+        **params: Any,
+    ) -> ScoreTokensResult:
+        """The log-probs of token_ids [B, T] under logits [B, T, V] (docs/semantics.md, choice 18); keywords:
+        mode ("raw" or "processed"), temperature, top_k, top_p, min_p (per row, PROCESSED), top_logprobs,
+        return_entropy."""
+        request = build_score_request(logits, token_ids, **params)
+        return ScoreTokensResult.from_response(self._call(self._stub.ScoreTokens, request, timeout, request_id))
+
+    def score_tokens_hidden(
+        self, hidden: Any, weights: str, token_ids: Any, *, timeout: float | None = None,
+        request_id: str | None = None, **params: Any,
+    ) -> ScoreTokensResult:
+        """score_tokens() under the logits that the registered LM head `weights` makes of hidden states
+        [B, T, D]: the server walks the vocabulary in slices, never holding the [B·T, V] logits."""
+        request = build_score_request(None, token_ids, hidden=hidden, weights=weights, **params)
+        return ScoreTokensResult.from_response(self._call(self._stub.ScoreTokens, request, timeout, request_id))
 
     def verify_draft(
         self, draft_ids: Any, target_logits: Any, *, timeout: float | None = None, request_id: str | None = None,

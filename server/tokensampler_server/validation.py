@@ -9,6 +9,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -354,6 +355,31 @@ class RowParams:
     """The same seeds as uint64, for the response."""
 
 
+class FilterFields(Protocol):
+    """A message with the columns temperature, top_k, top_p and min_p (SamplingParams, ScoreTokensRequest)."""
+
+    temperature: Sequence[float]
+    top_k: Sequence[int]
+    top_p: Sequence[float]
+    min_p: Sequence[float]
+
+
+def filter_columns(params: FilterFields, num_rows: int, vocab_size: int,
+                   prefix: str = "params.") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(temperature, top_k, top_p, min_p), each [B] on the CPU, checked; `prefix` is the fields' path in the
+    request. top_k -1 and k >= V read as 0 (off)."""
+    temperature = _checked_column(params.temperature, f"{prefix}temperature", num_rows, 1.0, np.float32,
+                                  lambda t: np.isfinite(t) & (t >= 0), "T >= 0 and finite")
+    top_k = _checked_column(params.top_k, f"{prefix}top_k", num_rows, 0, np.int64, lambda k: k >= -1,
+                            "k >= -1 (0 or -1 disables)")
+    top_k = np.where((top_k < 0) | (top_k >= vocab_size), 0, top_k).astype(np.int32)
+    top_p = _checked_column(params.top_p, f"{prefix}top_p", num_rows, 1.0, np.float32, lambda p: (p > 0) & (p <= 1),
+                            "0 < p <= 1")
+    min_p = _checked_column(params.min_p, f"{prefix}min_p", num_rows, 0.0, np.float32, lambda m: (m >= 0) & (m < 1),
+                            "0 <= min_p < 1")
+    return tuple(torch.from_numpy(column) for column in (temperature, top_k, top_p, min_p))
+
+
 def validate_row_params(
     params: pb.SamplingParams, num_rows: int, vocab_size: int, limits: Limits, seed_source: SeedSource = random_seeds,
     positions: int = 1, token_lists: DecodedLists | None = None, takes_bitmask: bool = False,
@@ -363,15 +389,7 @@ def validate_row_params(
     `positions`: the copies of each token-list entry the workload makes (one per position it samples);
     `token_lists`: the lists already decoded off the event loop (decode_token_lists), used when decoded
     for num_rows rows; `takes_bitmask`: whether the workload takes token_bitmask (Sample), else it is refused."""
-    temperature = _checked_column(params.temperature, "params.temperature", num_rows, 1.0, np.float32,
-                                  lambda t: np.isfinite(t) & (t >= 0), "T >= 0 and finite")
-    top_k = _checked_column(params.top_k, "params.top_k", num_rows, 0, np.int64, lambda k: k >= -1,
-                            "k >= -1 (0 or -1 disables)")
-    top_k = np.where((top_k < 0) | (top_k >= vocab_size), 0, top_k).astype(np.int32)
-    top_p = _checked_column(params.top_p, "params.top_p", num_rows, 1.0, np.float32, lambda p: (p > 0) & (p <= 1),
-                            "0 < p <= 1")
-    min_p = _checked_column(params.min_p, "params.min_p", num_rows, 0.0, np.float32, lambda m: (m >= 0) & (m < 1),
-                            "0 <= min_p < 1")
+    temperature, top_k, top_p, min_p = filter_columns(params, num_rows, vocab_size)
     position = _column(params.position, "params.position", num_rows, 0, np.int64)
     iteration = _column(params.iteration, "params.iteration", num_rows, 0, np.int64)
     if token_lists is None or token_lists.num_rows != num_rows:
@@ -381,10 +399,10 @@ def validate_row_params(
     bitmask = _token_bitmask(params, num_rows, vocab_size, limits, takes_bitmask)
     processing = _processing(params, num_rows, vocab_size, token_lists, counter, bitmask)
     return RowParams(
-        temperature=torch.from_numpy(temperature),
-        top_k=torch.from_numpy(top_k),
-        top_p=torch.from_numpy(top_p),
-        min_p=torch.from_numpy(min_p),
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
         seed=counter[0],
         position=counter[1],
         iteration=counter[2],
