@@ -148,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
 
     score = commands.add_parser(
         "score", help="score random tokens under random logits",
-        description="Score random token ids under random logits (ScoreTokens) and print their log-probs.")
+        description="Score random token ids under random logits (ScoreTokens) and print what the server answers.")
     score.add_argument("--random-logits", type=_shape3, required=True, metavar="BxTxV",
                        help="B rows of T positions of V standard-normal logits, e.g. 2x16x32000; the token ids are "
                             "uniform in [0, V)")
