@@ -24,14 +24,16 @@ from ._proto import sampler_pb2 as pb
 from ._proto import sampler_pb2_grpc
 from ._retry import Backoff, CallPolicy
 from .errors import error_from_rpc
-from .params import BreakersArg, Column, LogitBiasArg, TokenListsArg, build_sample_request, serialize_sample_request
+from .params import BitmaskArg, BreakersArg, Column, LogitBiasArg, TokenListsArg, build_sample_request, serialize_sample_request
 from .regions import CudaRegion, RegionView, SharedMemoryRegion
 from .result import SampleResult
 from .workloads import (
     DiffusionStepResult,
+    ScoreTokensResult,
     TopKProbsResult,
     VerifyDraftResult,
     build_diffusion_request,
+    build_score_request,
     build_topk_request,
     build_verify_request,
 )
@@ -130,6 +132,7 @@ class AsyncSamplerClient:
         top_n_sigma: Column = None,
         xtc_threshold: Column = None,
         xtc_probability: Column = None,
+        token_bitmask: BitmaskArg = None,
         return_logprobs: bool = False,
         logprobs_mode: str = "raw",
         top_logprobs: int = 0,
@@ -171,6 +174,7 @@ class AsyncSamplerClient:
             top_n_sigma=top_n_sigma,
             xtc_threshold=xtc_threshold,
             xtc_probability=xtc_probability,
+            token_bitmask=token_bitmask,
             return_logprobs=return_logprobs,
             logprobs_mode=logprobs_mode,
             top_logprobs=top_logprobs,
@@ -229,6 +233,25 @@ class AsyncSamplerClient:
         [B, S, D] or [B, D] (computed by the server, as for sample_hidden())."""
         request = build_topk_request(None, k, temperature, hidden=hidden, weights=weights)
         return TopKProbsResult.from_response(await self._call(self._stub.TopKProbs, request, timeout, request_id))
+
+    async def score_tokens(
+        self, logits: Any, token_ids: Any, *, timeout: float | None = None, request_id: str | None = None,
+        **params: Any,
+    ) -> ScoreTokensResult:
+        """The log-probs of token_ids [B, T] under logits [B, T, V] (docs/semantics.md, choice 18); keywords:
+        mode ("raw" or "processed"), temperature, top_k, top_p, min_p (per row, PROCESSED), top_logprobs,
+        return_entropy."""
+        request = build_score_request(logits, token_ids, **params)
+        return ScoreTokensResult.from_response(await self._call(self._stub.ScoreTokens, request, timeout, request_id))
+
+    async def score_tokens_hidden(
+        self, hidden: Any, weights: str, token_ids: Any, *, timeout: float | None = None,
+        request_id: str | None = None, **params: Any,
+    ) -> ScoreTokensResult:
+        """score_tokens() under the logits that the registered LM head `weights` makes of hidden states
+        [B, T, D]: the server walks the vocabulary in slices, never holding the [B·T, V] logits."""
+        request = build_score_request(None, token_ids, hidden=hidden, weights=weights, **params)
+        return ScoreTokensResult.from_response(await self._call(self._stub.ScoreTokens, request, timeout, request_id))
 
     async def verify_draft(
         self, draft_ids: Any, target_logits: Any, *, timeout: float | None = None, request_id: str | None = None,

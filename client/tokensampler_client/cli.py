@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 from google.protobuf import json_format
 
 from . import __version__
@@ -36,6 +37,13 @@ def _shape(text: str) -> tuple[int, int]:
     if not match or int(match[1]) < 1 or int(match[2]) < 1:
         raise argparse.ArgumentTypeError(f"expected BxV with B, V >= 1 (e.g. 4x32000), got {text!r}")
     return int(match[1]), int(match[2])
+
+
+def _shape3(text: str) -> tuple[int, int, int]:
+    match = re.fullmatch(r"(\d+)[xX](\d+)[xX](\d+)", text)
+    if not match or 0 in (sizes := tuple(int(g) for g in match.groups())):
+        raise argparse.ArgumentTypeError(f"expected BxTxV with sizes >= 1, e.g. 2x16x32000, got {text!r}")
+    return sizes
 
 
 def _non_negative(text: str) -> int:
@@ -128,12 +136,33 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--logprobs", action="store_true", help="also return the log-prob of each sampled token")
     sample.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw", help="distribution of the log-probs (default: %(default)s)")
     sample.add_argument("--top-logprobs", type=_non_negative, default=0, metavar="N", help="also return the N best (id, log-prob) pairs per row")
+    sample.add_argument("--token-bitmask", type=Path, metavar="NPY",
+                        help="structured output: a .npy file of int32 [B, ceil(V / 32)] packed allowed-token words "
+                             "(bit i %% 32 of word i // 32 allows token i)")
     _add_local_samplers(sample)
     sample.add_argument("--json", action="store_true",
                         help="print the result as JSON; seeds are decimal strings, since JavaScript and jq read "
                              "JSON numbers as doubles and round a uint64 seed above 2^53, which then no longer "
                              "reproduces the sample")
     sample.set_defaults(run=_run_sample)
+
+    score = commands.add_parser(
+        "score", help="score random tokens under random logits",
+        description="Score random token ids under random logits (ScoreTokens) and print what the server answers.")
+    score.add_argument("--random-logits", type=_shape3, required=True, metavar="BxTxV",
+                       help="B rows of T positions of V standard-normal logits, e.g. 2x16x32000; the token ids are "
+                            "uniform in [0, V)")
+    score.add_argument("--logits-seed", type=int, default=0, help="seed of the random logits and ids (default: %(default)s)")
+    score.add_argument("--mode", choices=("raw", "processed"), default="raw",
+                       help="raw: log_softmax of the logits; processed: after temperature and filters (default: %(default)s)")
+    score.add_argument("--temperature", type=float, help="T >= 0 (processed; server default 1)")
+    score.add_argument("--top-k", type=int, help="top-k of the processed distribution; 0 or -1 disables")
+    score.add_argument("--top-p", type=float, help="top-p of the processed distribution, 0 < p <= 1")
+    score.add_argument("--min-p", type=float, help="min-p of the processed distribution, 0 <= m < 1")
+    score.add_argument("--top-logprobs", type=_non_negative, default=0, metavar="N", help="also return the N best log-probs per position")
+    score.add_argument("--entropy", action="store_true", help="also return the entropy of each position")
+    score.add_argument("--json", action="store_true", help="print the result as JSON")
+    score.set_defaults(run=_run_score)
 
     info = commands.add_parser(
         "info", help="print the server's version, backend, device, limits and features",
@@ -212,11 +241,36 @@ def _run_sample(client: SamplerClient, args: argparse.Namespace) -> int:
         top_n_sigma=args.top_n_sigma,
         xtc_threshold=args.xtc_threshold,
         xtc_probability=args.xtc_probability,
+        token_bitmask=None if args.token_bitmask is None else np.load(args.token_bitmask, allow_pickle=False),
     )
     if args.json:
         print(json.dumps(_result_dict(result)))
     else:
         _print_result(result)
+    return 0
+
+
+def _run_score(client: SamplerClient, args: argparse.Namespace) -> int:
+    torch = require_torch("tokensampler score (its random logits)")
+    rows, length, vocab = args.random_logits
+    generator = torch.Generator().manual_seed(args.logits_seed)
+    logits = torch.randn(rows, length, vocab, generator=generator)
+    token_ids = torch.randint(vocab, (rows, length), generator=generator)
+    result = client.score_tokens(logits, token_ids, mode=args.mode, temperature=args.temperature, top_k=args.top_k,
+                                 top_p=args.top_p, min_p=args.min_p, top_logprobs=args.top_logprobs,
+                                 return_entropy=args.entropy)
+    out: dict[str, object] = {"request_id": result.request_id, "token_ids": token_ids.tolist(),
+                              "logprobs": result.logprobs.tolist()}
+    if result.entropy is not None:
+        out["entropy"] = result.entropy.tolist()
+    if result.top_logprob_ids is not None and result.top_logprobs is not None:
+        out["top_logprob_ids"] = result.top_logprob_ids.tolist()
+        out["top_logprobs"] = result.top_logprobs.tolist()
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    for name, value in out.items():
+        print(f"{name}: {value}")
     return 0
 
 

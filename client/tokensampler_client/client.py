@@ -24,14 +24,16 @@ from ._proto import sampler_pb2 as pb
 from ._proto import sampler_pb2_grpc
 from ._retry import Backoff, CallPolicy
 from .errors import error_from_rpc
-from .params import BreakersArg, Column, LogitBiasArg, TokenListsArg, build_sample_request, serialize_sample_request
+from .params import BitmaskArg, BreakersArg, Column, LogitBiasArg, TokenListsArg, build_sample_request, serialize_sample_request
 from .regions import CudaRegion, RegionView, SharedMemoryRegion
 from .result import SampleResult
 from .workloads import (
     DiffusionStepResult,
+    ScoreTokensResult,
     TopKProbsResult,
     VerifyDraftResult,
     build_diffusion_request,
+    build_score_request,
     build_topk_request,
     build_verify_request,
 )
@@ -147,6 +149,7 @@ class SamplerClient:
         top_n_sigma: Column = None,
         xtc_threshold: Column = None,
         xtc_probability: Column = None,
+        token_bitmask: BitmaskArg = None,
         return_logprobs: bool = False,
         logprobs_mode: str = "raw",
         top_logprobs: int = 0,
@@ -182,6 +185,9 @@ class SamplerClient:
             typical_p, top_n_sigma: locally typical sampling (1 is off) and top-n-sigma (<= 0 is off).
             xtc_threshold, xtc_probability: XTC, which removes all but the least likely of the tokens above
                 the threshold with the given probability (0 is off; its coin is reproducible from the seed).
+            token_bitmask: structured output, a grammar engine's packed mask of allowed tokens (xgrammar's and
+                llguidance's): int32 [B, W], W >= ceil(V / 32), token i allowed when bit i % 32 of word i // 32
+                is set; a torch tensor or numpy array. A row of all ones is unrestricted.
             return_logprobs: also return the log-prob of each sampled token.
             logprobs_mode: "raw" (log_softmax of the input) or "processed" (after every step).
             top_logprobs: also return the N best (id, log-prob) pairs of each row.
@@ -223,6 +229,7 @@ class SamplerClient:
             top_n_sigma=top_n_sigma,
             xtc_threshold=xtc_threshold,
             xtc_probability=xtc_probability,
+            token_bitmask=token_bitmask,
             return_logprobs=return_logprobs,
             logprobs_mode=logprobs_mode,
             top_logprobs=top_logprobs,
@@ -281,6 +288,25 @@ class SamplerClient:
         [B, S, D] or [B, D] (computed by the server, as for sample_hidden())."""
         request = build_topk_request(None, k, temperature, hidden=hidden, weights=weights)
         return TopKProbsResult.from_response(self._call(self._stub.TopKProbs, request, timeout, request_id))
+
+    def score_tokens(
+        self, logits: Any, token_ids: Any, *, timeout: float | None = None, request_id: str | None = None,
+        **params: Any,
+    ) -> ScoreTokensResult:
+        """The log-probs of token_ids [B, T] under logits [B, T, V] (docs/semantics.md, choice 18); keywords:
+        mode ("raw" or "processed"), temperature, top_k, top_p, min_p (per row, PROCESSED), top_logprobs,
+        return_entropy."""
+        request = build_score_request(logits, token_ids, **params)
+        return ScoreTokensResult.from_response(self._call(self._stub.ScoreTokens, request, timeout, request_id))
+
+    def score_tokens_hidden(
+        self, hidden: Any, weights: str, token_ids: Any, *, timeout: float | None = None,
+        request_id: str | None = None, **params: Any,
+    ) -> ScoreTokensResult:
+        """score_tokens() under the logits that the registered LM head `weights` makes of hidden states
+        [B, T, D]: the server walks the vocabulary in slices, never holding the [B·T, V] logits."""
+        request = build_score_request(None, token_ids, hidden=hidden, weights=weights, **params)
+        return ScoreTokensResult.from_response(self._call(self._stub.ScoreTokens, request, timeout, request_id))
 
     def verify_draft(
         self, draft_ids: Any, target_logits: Any, *, timeout: float | None = None, request_id: str | None = None,

@@ -14,6 +14,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Hashable, Sequence
 
+import numpy as np
+
 from ._proto import sampler_pb2 as pb
 from .tensors import ITEMSIZE
 
@@ -107,6 +109,21 @@ def _expand_sequences(sequences: pb.TokenSequences, rows: int) -> tuple[list[int
     return list(sequences.counts), list(sequences.lengths), list(sequences.ids)
 
 
+def _bitmask_words(request: pb.SampleRequest, rows: int, words: int) -> bytes:
+    """The request's token_bitmask as `rows` rows of `words` int32 words: its first words (the later ones hold no
+    token's bit), or all ones (unrestricted) when it has none."""
+    if not request.params.HasField("token_bitmask"):
+        return b"\xff" * (4 * rows * words)
+    mask = request.params.token_bitmask
+    shape = list(mask.shape)
+    if mask.dtype != pb.DTYPE_INT32 or len(shape) != 2 or shape[0] != rows or shape[1] < words \
+            or len(mask.data) != 4 * rows * shape[1]:
+        raise ValueError("a token_bitmask that is not int32 [B, W >= ceil(V / 32)] cannot be merged")
+    if shape[1] == words:
+        return mask.data
+    return np.frombuffer(mask.data, dtype="<i4").reshape(rows, shape[1])[:, :words].tobytes()
+
+
 def _row_starts(ref: pb.TensorRef) -> range:
     """Where each row of a [B, V] region reference starts, in bytes from the region's start."""
     row_bytes = ITEMSIZE[ref.dtype] * int(ref.shape[1])
@@ -175,6 +192,11 @@ def merge_requests(requests: Sequence[pb.SampleRequest], *, gather: bool = False
             params.logit_bias.tokens.lengths.extend(lengths)
             params.logit_bias.tokens.ids.extend(ids)
             params.logit_bias.values.extend(values)
+    if "token_bitmask" in present:
+        words = -(-int(_logits(first).shape[1]) // 32)
+        merged_mask = params.token_bitmask
+        merged_mask.dtype, merged_mask.shape[:] = pb.DTYPE_INT32, [rows, words]
+        merged_mask.data = b"".join(_bitmask_words(r, count, words) for r, count in zip(requests, row_counts))
     if "dry_sequence_breakers" in present:
         merged_breakers = params.dry_sequence_breakers
         for r, count in zip(requests, row_counts):

@@ -10,6 +10,8 @@ one per row).
 Token-list parameters take one list (shared by every row) or B lists (None entries are empty lists);
 `logit_bias` takes one dict {token_id: bias} or B dicts (or None entries); `dry_sequence_breakers` takes one
 list of token-id sequences (the tokenization of each breaker string) or B such lists (or None entries).
+`token_bitmask` takes a grammar engine's packed mask of allowed tokens, int32 [B, W] (W >= ceil(V / 32)), a torch
+tensor or a numpy array (uint32 arrays are sent as their int32 bits); a row of all ones is unrestricted.
 The local samplers (min_tokens, no_repeat_ngram_size, dry_*, typical_p, top_n_sigma, xtc_*) are defined in
 docs/semantics.md ("Local samplers"); each is off at the server's default.
 
@@ -39,6 +41,8 @@ Column = Union[float, int, Sequence[Any], np.ndarray, "_torch_types.Tensor", Non
 TokenIds = Union[Sequence[int], np.ndarray, "_torch_types.Tensor"]
 TokenListsArg = Union[TokenIds, Sequence[Union[TokenIds, None]], None]
 LogitBiasArg = Union[Mapping[int, float], Sequence[Union[Mapping[int, float], None]], None]
+# A packed allowed-token bitmask [B, W] (docs/semantics.md, choice 17).
+BitmaskArg = Union[np.ndarray, "_torch_types.Tensor", None]
 # DRY's sequence breakers: one list of token-id sequences shared by every row, or B lists (None: none).
 BreakersArg = Union[Sequence[TokenIds], Sequence[Union[Sequence[TokenIds], None]], None]
 
@@ -196,6 +200,23 @@ def _set_breakers(out: pb.TokenSequences, breakers: BreakersArg, batch: int) -> 
             out.lengths.append(len(ids))
 
 
+def _set_bitmask(out: pb.Tensor, bitmask: Array, batch: int) -> None:
+    """int32 [B, W] (or [W] for one row) packed words, a torch tensor or a numpy array; uint32 words go as their
+    int32 bits."""
+    if isinstance(bitmask, np.ndarray) and bitmask.dtype == np.uint32:
+        bitmask = bitmask.view(np.int32)
+    if not _is_array(bitmask):
+        raise TypeError(f"token_bitmask: expected a torch tensor or numpy array, got {type(bitmask).__name__}")
+    words = as_array(bitmask)
+    if wire_dtype(words.dtype) != pb.DTYPE_INT32:
+        raise TypeError(f"token_bitmask: expected int32 words, got {words.dtype}")
+    if words.ndim == 1:
+        words = words[None]
+    if words.ndim != 2 or words.shape[0] != batch:
+        raise ValueError(f"token_bitmask: expected shape [{batch}, W] (one row of words per row), got {list(bitmask.shape)}")
+    encode_tensor(words, out)
+
+
 def carried_rows(logits: Any, name: str = "logits") -> Array:
     """[B, N] (or [N], one row) float32/bfloat16/float16 rows as the contiguous host array a request carries.
 
@@ -262,6 +283,7 @@ def fill_sampling_params(
     top_n_sigma: Column = None,
     xtc_threshold: Column = None,
     xtc_probability: Column = None,
+    token_bitmask: BitmaskArg = None,
 ) -> None:
     """Fills the columns of `params` for `batch` rows (see the module doc for what each accepts)."""
     for name, value in (
@@ -302,6 +324,8 @@ def fill_sampling_params(
         _set_logit_bias(params.logit_bias, logit_bias, batch)
     if dry_sequence_breakers is not None:
         _set_breakers(params.dry_sequence_breakers, dry_sequence_breakers, batch)
+    if token_bitmask is not None:
+        _set_bitmask(params.token_bitmask, token_bitmask, batch)
 
 
 def build_sample_request(
@@ -338,6 +362,7 @@ def build_sample_request(
     top_n_sigma: Column = None,
     xtc_threshold: Column = None,
     xtc_probability: Column = None,
+    token_bitmask: BitmaskArg = None,
     return_logprobs: bool = False,
     logprobs_mode: str | int = "raw",
     top_logprobs: int = 0,
@@ -381,7 +406,7 @@ def build_sample_request(
         stop_token_ids=stop_token_ids, no_repeat_ngram_size=no_repeat_ngram_size, dry_multiplier=dry_multiplier,
         dry_base=dry_base, dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n,
         dry_sequence_breakers=dry_sequence_breakers, typical_p=typical_p, top_n_sigma=top_n_sigma,
-        xtc_threshold=xtc_threshold, xtc_probability=xtc_probability,
+        xtc_threshold=xtc_threshold, xtc_probability=xtc_probability, token_bitmask=token_bitmask,
     )
     if num_samples is not None:
         _set_scalar(request, "num_samples", num_samples)

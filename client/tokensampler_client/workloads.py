@@ -1,5 +1,5 @@
-"""Requests and results of the workloads beyond Sample: diffusion steps, top-k probabilities and
-draft verification (docs/semantics.md, choices 14-16)."""
+"""Requests and results of the workloads beyond Sample: diffusion steps, top-k probabilities, draft
+verification and scoring (docs/semantics.md, choices 14-16 and 18)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ._proto import sampler_pb2 as pb
-from .params import LOGITS_DTYPES, fill_sampling_params
+from .params import LOGITS_DTYPES, Column, _column, _extend, _logprobs_mode, fill_sampling_params
 from .result import ReadableRepr, Timings
 from .tensors import Array, as_array, cast, decode_owned, decode_tensor, encode_tensor, wire_dtype
 
@@ -26,7 +26,7 @@ def _float_tensor(name: str, value: Any, rank: int | tuple[int, ...], out: pb.Te
 
 
 def _set_input(
-    request: pb.DiffusionStepRequest | pb.TopKProbsRequest, logits: Any, hidden: Any, weights: str | None,
+    request: pb.DiffusionStepRequest | pb.TopKProbsRequest | pb.ScoreTokensRequest, logits: Any, hidden: Any, weights: str | None,
     rank: int | tuple[int, ...],
 ) -> Array:
     """Encodes the request's input, `logits` or `hidden` states through the registered LM head named
@@ -160,4 +160,51 @@ def build_verify_request(
     else:
         _float_tensor("draft_logits", draft_logits, 3, request.draft_logits)
     fill_sampling_params(request.params, ids.shape[0], **params)
+    return request
+
+
+@dataclass(repr=False)
+class ScoreTokensResult(ReadableRepr):
+    """logprobs float32 [B, T]: each given token's log-prob (NaN where no logit was finite); when asked,
+    top_logprob_ids int64 / top_logprobs float32 [B, T, N] (best first) and entropy float32 [B, T] in nats."""
+
+    logprobs: Array
+    top_logprob_ids: Array | None
+    top_logprobs: Array | None
+    entropy: Array | None
+    timings: Timings
+    request_id: str
+
+    @classmethod
+    def from_response(cls, response: pb.ScoreTokensResponse) -> ScoreTokensResult:
+        def optional(name: str, dtype: Any) -> Array | None:
+            return decode_owned(getattr(response, name), name, dtype) if response.HasField(name) else None
+
+        return cls(
+            logprobs=decode_owned(response.logprobs, "logprobs", np.float32),
+            top_logprob_ids=optional("top_logprob_ids", np.int64),
+            top_logprobs=optional("top_logprobs", np.float32),
+            entropy=optional("entropy", np.float32),
+            timings=_timings(response.timings),
+            request_id=response.request_id,
+        )
+
+
+def build_score_request(
+    logits: Any, token_ids: Any, *, hidden: Any = None, weights: str | None = None, mode: str | int = "raw",
+    temperature: Column = None, top_k: Column = None, top_p: Column = None, min_p: Column = None,
+    top_logprobs: int = 0, return_entropy: bool = False,
+) -> pb.ScoreTokensRequest:
+    """logits [B, T, V], or (logits None) hidden states [B, T, D] through the registered LM head named `weights`;
+    token_ids [B, T]; mode "raw" or "processed"; temperature, top_k, top_p, min_p (PROCESSED): None, one value
+    or B values, as for sample()."""
+    request = pb.ScoreTokensRequest(mode=_logprobs_mode(mode), top_logprobs=top_logprobs, return_entropy=return_entropy)
+    rows = _set_input(request, logits, hidden, weights, 3).shape[0]
+    ids = as_array(token_ids)
+    if ids.ndim != 2:
+        raise ValueError(f"token_ids: expected shape [B, T], got {list(ids.shape)}")
+    encode_tensor(cast(ids, np.int64), out=request.token_ids)
+    for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
+        if value is not None:
+            _extend(name, getattr(request, name), _column(name, value, rows))
     return request

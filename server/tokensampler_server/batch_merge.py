@@ -50,6 +50,13 @@ def _merge_processing(batches: Sequence[SamplingBatch], offsets: list[int]) -> L
         merged["truncation"] = Truncation.concat([
             b.processing.truncation if b.processing is not None and b.processing.truncation is not None
             else Truncation.off(b.num_rows) for b in batches])
+    bitmasks = [b.processing.token_bitmask if b.processing is not None else None for b in batches]
+    present = [mask for mask in bitmasks if mask is not None]
+    if present:  # rows without one get all ones: unrestricted (choice 17)
+        words = present[0].shape[1]
+        merged["token_bitmask"] = torch.cat([
+            mask if mask is not None else torch.full((b.num_rows, words), -1, dtype=torch.int32)
+            for b, mask in zip(batches, bitmasks)])
     for name, default in _PENALTY_DEFAULTS.items():
         columns = [getattr(b.processing, name) if b.processing else None for b in batches]
         if any(column is not None for column in columns):

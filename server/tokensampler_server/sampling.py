@@ -106,6 +106,9 @@ class LogitProcessing:
     dry_values: torch.Tensor | None = None
     """float32 [len(dry)], the DRY penalty subtracted at each entry after the other penalties."""
     truncation: Truncation | None = None
+    token_bitmask: torch.Tensor | None = None
+    """int32 [B, ceil(V / 32)]: the packed allowed-token mask of structured output (docs/semantics.md, choice 17);
+    a row of all ones is unrestricted."""
 
     def at_positions(self, position: torch.Tensor) -> LogitProcessing:
         """The same processing with the rows' XTC coins drawn at `position` (int64 [B]): for a row that samples
@@ -220,7 +223,8 @@ def select_rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
             output_tokens=_select(processing.output_tokens, mapping)[0],
             prompt_tokens=_select(processing.prompt_tokens, mapping)[0],
             dry=dry, dry_values=processing.dry_values[dry_keep] if dry_keep is not None else None,
-            truncation=processing.truncation.rows(rows) if processing.truncation is not None else None, **per_row)
+            truncation=processing.truncation.rows(rows) if processing.truncation is not None else None,
+            token_bitmask=processing.token_bitmask[rows] if processing.token_bitmask is not None else None, **per_row)
     return replace(
         batch, **selected_input, temperature=batch.temperature[rows], top_k=batch.top_k[rows],
         top_p=batch.top_p[rows], min_p=batch.min_p[rows], seed=batch.seed[rows], position=batch.position[rows],

@@ -33,7 +33,8 @@ from .request_context import request_id_from_metadata
 from .native_path import NativeRequestPath
 from .sample_rpc import SamplePath
 from .validation import LOGITS_DTYPES
-from .validation_ops import validate_diffusion_request, validate_topk_request, validate_verify_request
+from .ops.score import score_tokens
+from .validation_ops import validate_diffusion_request, validate_score_request, validate_topk_request, validate_verify_request
 from .weights import WEIGHT_DTYPES, RegisteredWeight, WeightRegistry, load_safetensors, resolve_weights_path, sha256_hex
 from .weights_rpc import WIRE_DTYPES, finish_from_options, read_upload, weights_info
 
@@ -42,6 +43,7 @@ FEATURES = (
     "logits", "hidden_states", "weights_upload", "weights_from_file", "logprobs", "top_logprobs", "penalties",
     "logit_bias", "token_masks", "num_samples", "dynamic_batching", "sample_stream", "regions", "diffusion_step",
     "topk_probs", "verify_draft", "diffusion_step_hidden", "topk_probs_hidden", "region_rows", "weights_from_region",
+    "token_bitmask", "score_tokens",
 )
 # Features that need a region, which a server registers only with --allow-shm or --allow-cuda-ipc.
 _REGION_FEATURES = frozenset({"regions", "region_rows", "weights_from_region"})
@@ -122,7 +124,7 @@ class SamplerService(pb_grpc.SamplerServicer):
         async for answer in self._sample_path.stream(request_iterator, stream_id):
             yield answer
 
-    def _hold_lm_head(self, request: pb.DiffusionStepRequest | pb.TopKProbsRequest,
+    def _hold_lm_head(self, request: pb.DiffusionStepRequest | pb.TopKProbsRequest | pb.ScoreTokensRequest,
                       held: Lease) -> RegisteredWeight | None:
         """Holds the weight a hidden-state request names in `held` (NOT_FOUND if unknown), as Sample does;
         None for logits."""
@@ -167,6 +169,29 @@ class SamplerService(pb_grpc.SamplerServicer):
         response = pb.TopKProbsResponse(request_id=current_call.get().request_id)
         encode_tensor(probs.cpu().reshape(shape), out=response.probs)
         encode_tensor(ids.to(torch.int32).cpu().reshape(shape), out=response.ids)
+        _set_timings(response.timings, arrived, started)
+        return response
+
+    async def ScoreTokens(
+        self, request: pb.ScoreTokensRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ScoreTokensResponse:
+        arrived = time.perf_counter_ns()
+        with Lease() as held:
+            lm_head = self._hold_lm_head(request, held)
+            logits, source, scoring = validate_score_request(request, self._limits, lm_head=lm_head)
+            started = time.perf_counter_ns()
+            # On the worker and the backend's device; from hidden states a vocabulary slice at a time (ops/score.py).
+            scores = await self._batcher.run_exclusive(
+                lambda: score_tokens(source, scoring, self._backend.device),
+                rows=source.num_rows, nbytes=host_bytes(logits.tensor), lease=held)
+        shape = list(logits.shape[:-1])
+        response = pb.ScoreTokensResponse(request_id=current_call.get().request_id)
+        encode_tensor(scores.logprobs.cpu().reshape(shape), out=response.logprobs)
+        if scores.top_ids is not None:
+            encode_tensor(scores.top_ids.to(torch.int32).cpu().reshape([*shape, -1]), out=response.top_logprob_ids)
+            encode_tensor(scores.top_values.cpu().reshape([*shape, -1]), out=response.top_logprobs)
+        if scores.entropy is not None:
+            encode_tensor(scores.entropy.cpu().reshape(shape), out=response.entropy)
         _set_timings(response.timings, arrived, started)
         return response
 

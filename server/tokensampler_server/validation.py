@@ -9,6 +9,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -182,9 +183,42 @@ def _penalty(values: Sequence[float], field: str, num_rows: int, default: float)
     return torch.from_numpy(column)
 
 
+_BITMASK = "params.token_bitmask"
+
+
+def _token_bitmask(params: pb.SamplingParams, num_rows: int, vocab_size: int, limits: Limits,
+                   takes_bitmask: bool) -> torch.Tensor | None:
+    """int32 [B, ceil(V / 32)]: the request's packed allowed-token mask cut to the words that hold bits of
+    tokens < V (choice 17), or None without one."""
+    if not params.HasField("token_bitmask"):
+        return None
+    if not takes_bitmask:
+        raise InvalidArgument(_BITMASK, "not taken by this RPC (a grammar's mask is for one position); "
+                                        "expected it in Sample requests only")
+    message = params.token_bitmask
+    if message.dtype != pb.DTYPE_INT32:
+        raise InvalidArgument(f"{_BITMASK}.dtype", f"got {message.dtype}, expected int32")
+    words = -(-vocab_size // 32)
+    shape = list(message.shape)
+    if len(shape) != 2 or shape[0] != num_rows:
+        raise InvalidArgument(f"{_BITMASK}.shape", f"got {shape}, expected [B, W] = [{num_rows}, W] with "
+                                                   f"W >= ceil(V / 32) = {words}")
+    if shape[1] < words:
+        raise InvalidArgument(f"{_BITMASK}.shape", f"got {shape[1]} words per row, expected at least "
+                                                   f"ceil(V / 32) = {words} for V={vocab_size}")
+    _check_elements(_BITMASK, num_rows, shape[1], limits, "B·W")
+    try:
+        bitmask = decode_tensor(message, _BITMASK)
+    except TensorDecodeError as err:
+        raise InvalidArgument(err.field, str(err).removeprefix(f"{err.field}: ")) from None
+    return bitmask[:, :words].contiguous()  # later words hold no token's bit: equal widths merge
+
+
 def _processing(params: pb.SamplingParams, num_rows: int, vocab_size: int, decoded: DecodedLists,
-                counter: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> LogitProcessing | None:
-    """Steps 2-5 of every row; `counter` is the rows' (seed, position, iteration), for XTC's coin."""
+                counter: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                bitmask: torch.Tensor | None = None) -> LogitProcessing | None:
+    """Steps 2-5 of every row; `counter` is the rows' (seed, position, iteration), for XTC's coin; `bitmask` the
+    checked token_bitmask."""
     entries = {name: _checked_ids(decoded.lists[name], f"params.{name}", vocab_size) for name in LIST_FIELDS}
     check_breaker_ids(decoded.breakers, vocab_size)
     repetition = _penalty(params.repetition_penalty, "params.repetition_penalty", num_rows, 1.0)
@@ -196,7 +230,7 @@ def _processing(params: pb.SamplingParams, num_rows: int, vocab_size: int, decod
                      decoded.ngram_bans)
     truncated = truncation(params, num_rows, *counter)
     lists = (entries["allowed_token_ids"], banned, entries["logit_bias.tokens"], entries["output_token_ids"],
-             entries["prompt_token_ids"], decoded.dry, truncated)
+             entries["prompt_token_ids"], decoded.dry, truncated, bitmask)
     if all(value is None for value in lists):
         return None  # penalties without a history change nothing
     return LogitProcessing(
@@ -212,6 +246,7 @@ def _processing(params: pb.SamplingParams, num_rows: int, vocab_size: int, decod
         dry=decoded.dry,
         dry_values=decoded.dry_values,
         truncation=truncated,
+        token_bitmask=bitmask,
     )
 
 
@@ -320,36 +355,54 @@ class RowParams:
     """The same seeds as uint64, for the response."""
 
 
+class FilterFields(Protocol):
+    """A message with the columns temperature, top_k, top_p and min_p (SamplingParams, ScoreTokensRequest)."""
+
+    temperature: Sequence[float]
+    top_k: Sequence[int]
+    top_p: Sequence[float]
+    min_p: Sequence[float]
+
+
+def filter_columns(params: FilterFields, num_rows: int, vocab_size: int,
+                   prefix: str = "params.") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(temperature, top_k, top_p, min_p), each [B] on the CPU, checked; `prefix` is the fields' path in the
+    request. top_k -1 and k >= V read as 0 (off)."""
+    temperature = _checked_column(params.temperature, f"{prefix}temperature", num_rows, 1.0, np.float32,
+                                  lambda t: np.isfinite(t) & (t >= 0), "T >= 0 and finite")
+    top_k = _checked_column(params.top_k, f"{prefix}top_k", num_rows, 0, np.int64, lambda k: k >= -1,
+                            "k >= -1 (0 or -1 disables)")
+    top_k = np.where((top_k < 0) | (top_k >= vocab_size), 0, top_k).astype(np.int32)
+    top_p = _checked_column(params.top_p, f"{prefix}top_p", num_rows, 1.0, np.float32, lambda p: (p > 0) & (p <= 1),
+                            "0 < p <= 1")
+    min_p = _checked_column(params.min_p, f"{prefix}min_p", num_rows, 0.0, np.float32, lambda m: (m >= 0) & (m < 1),
+                            "0 <= min_p < 1")
+    return tuple(torch.from_numpy(column) for column in (temperature, top_k, top_p, min_p))
+
+
 def validate_row_params(
     params: pb.SamplingParams, num_rows: int, vocab_size: int, limits: Limits, seed_source: SeedSource = random_seeds,
-    positions: int = 1, token_lists: DecodedLists | None = None,
+    positions: int = 1, token_lists: DecodedLists | None = None, takes_bitmask: bool = False,
 ) -> RowParams:
     """Checks every column of `params` for B = num_rows rows over a vocabulary of vocab_size.
 
     `positions`: the copies of each token-list entry the workload makes (one per position it samples);
     `token_lists`: the lists already decoded off the event loop (decode_token_lists), used when decoded
-    for num_rows rows."""
-    temperature = _checked_column(params.temperature, "params.temperature", num_rows, 1.0, np.float32,
-                                  lambda t: np.isfinite(t) & (t >= 0), "T >= 0 and finite")
-    top_k = _checked_column(params.top_k, "params.top_k", num_rows, 0, np.int64, lambda k: k >= -1,
-                            "k >= -1 (0 or -1 disables)")
-    top_k = np.where((top_k < 0) | (top_k >= vocab_size), 0, top_k).astype(np.int32)
-    top_p = _checked_column(params.top_p, "params.top_p", num_rows, 1.0, np.float32, lambda p: (p > 0) & (p <= 1),
-                            "0 < p <= 1")
-    min_p = _checked_column(params.min_p, "params.min_p", num_rows, 0.0, np.float32, lambda m: (m >= 0) & (m < 1),
-                            "0 <= min_p < 1")
+    for num_rows rows; `takes_bitmask`: whether the workload takes token_bitmask (Sample), else it is refused."""
+    temperature, top_k, top_p, min_p = filter_columns(params, num_rows, vocab_size)
     position = _column(params.position, "params.position", num_rows, 0, np.int64)
     iteration = _column(params.iteration, "params.iteration", num_rows, 0, np.int64)
     if token_lists is None or token_lists.num_rows != num_rows:
         token_lists = _decode_lists(params, num_rows, limits, positions)
     seeds = _seeds(params, num_rows, seed_source)
     counter = torch.from_numpy(seeds.view(np.int64)), torch.from_numpy(position), torch.from_numpy(iteration)
-    processing = _processing(params, num_rows, vocab_size, token_lists, counter)
+    bitmask = _token_bitmask(params, num_rows, vocab_size, limits, takes_bitmask)
+    processing = _processing(params, num_rows, vocab_size, token_lists, counter, bitmask)
     return RowParams(
-        temperature=torch.from_numpy(temperature),
-        top_k=torch.from_numpy(top_k),
-        top_p=torch.from_numpy(top_p),
-        min_p=torch.from_numpy(min_p),
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
         seed=counter[0],
         position=counter[1],
         iteration=counter[2],
@@ -383,7 +436,8 @@ def validate_sample_request(
         # The server computes B·V logits from B·D hidden states: bound those too.
         _check_elements("hidden.states", num_rows, vocab_size, limits, f"B·V of weight {lm_head.name!r}")
 
-    rows = validate_row_params(request.params, num_rows, vocab_size, limits, seed_source, token_lists=token_lists)
+    rows = validate_row_params(request.params, num_rows, vocab_size, limits, seed_source, token_lists=token_lists,
+                               takes_bitmask=True)
 
     num_samples = request.num_samples if request.HasField("num_samples") else 1
     if not 1 <= num_samples <= limits.max_num_samples:

@@ -1,7 +1,7 @@
-"""Validation of the requests beyond Sample: diffusion steps, top-k probabilities, draft verification.
+"""Validation of the requests beyond Sample: diffusion steps, top-k probabilities, draft verification, scoring.
 
 Same rules as validation.py: every field is checked before any work, and a rejection names the field
-and what was expected. Diffusion steps and top-k probabilities take logits, or hidden states with a
+and what was expected. Diffusion steps, top-k probabilities and scoring take logits, or hidden states with a
 registered LM head whose logits the service computes on the backend's worker (WorkloadLogits).
 """
 
@@ -20,8 +20,10 @@ from tokensampler_client.tensors import TensorDecodeError, decode_tensor, dtype_
 from .config import Limits
 from .errors import InvalidArgument
 from .ops.diffusion import DiffusionStep
+from .ops.score import LogitSource, TokenScoring
 from .ops.verify import DraftVerification
-from .validation import LOGITS_DTYPES, SeedSource, _column, _check, check_lm_head, random_seeds, validate_row_params
+from .validation import (LOGITS_DTYPES, SeedSource, _column, _check, check_lm_head, filter_columns, random_seeds,
+                         validate_row_params)
 from .weights import RegisteredWeight
 
 MASK_DTYPES = (pb.DTYPE_UINT8, pb.DTYPE_INT32, pb.DTYPE_INT64)
@@ -73,7 +75,7 @@ class WorkloadLogits:
 
 
 def _workload_logits(
-    request: pb.DiffusionStepRequest | pb.TopKProbsRequest, rank: int | tuple[int, ...], limits: Limits,
+    request: pb.DiffusionStepRequest | pb.TopKProbsRequest | pb.ScoreTokensRequest, rank: int | tuple[int, ...], limits: Limits,
     lm_head: RegisteredWeight | None,
 ) -> WorkloadLogits:
     """The request's `logits`, or its `hidden` states through `lm_head` (the weight hidden.weights names),
@@ -172,3 +174,31 @@ def validate_verify_request(
         iteration=rows.iteration, processing=rows.processing,
     )
     return verification, rows.seeds
+
+
+def validate_score_request(
+    request: pb.ScoreTokensRequest, limits: Limits, lm_head: RegisteredWeight | None = None
+) -> tuple[WorkloadLogits, LogitSource, TokenScoring]:
+    """(the input [B, T, V or D], its N = B·T positions as a LogitSource, what to score at each); `lm_head` as for
+    validate_diffusion_request. The logits of hidden states are never computed whole (ops/score.py)."""
+    logits = _workload_logits(request, 3, limits, lm_head)
+    num_rows, length, vocab = logits.shape
+    ids = _tensor(request.token_ids, "token_ids", ID_DTYPES, 2).to(torch.int64)
+    if tuple(ids.shape) != (num_rows, length):
+        raise InvalidArgument("token_ids.shape", f"got {list(ids.shape)}, expected [B, T] = {[num_rows, length]}")
+    flat = ids.reshape(-1).numpy()
+    _check(flat, (flat >= 0) & (flat < vocab), "token_ids", f"token ids in [0, V={vocab})")
+    if request.mode not in (pb.LOGPROBS_MODE_UNSPECIFIED, pb.LOGPROBS_MODE_RAW, pb.LOGPROBS_MODE_PROCESSED):
+        raise InvalidArgument("mode", f"got {request.mode}, expected RAW or PROCESSED")
+    most = min(vocab, limits.max_top_logprobs)
+    if request.top_logprobs > most:
+        raise InvalidArgument("top_logprobs", f"got {request.top_logprobs}, expected at most min(V, "
+                                              f"{limits.max_top_logprobs}) = {most}")
+    columns = filter_columns(request, num_rows, vocab, prefix="")
+    temperature, top_k, top_p, min_p = (column.repeat_interleave(length) for column in columns)
+    tensor = logits.tensor.reshape(num_rows * length, -1)
+    source = LogitSource(logits=tensor) if logits.lm_head is None else LogitSource(hidden=tensor, lm_head=logits.lm_head)
+    scoring = TokenScoring(token_ids=ids.reshape(-1), temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                           processed=request.mode == pb.LOGPROBS_MODE_PROCESSED, top_logprobs=request.top_logprobs,
+                           entropy=request.return_entropy)
+    return logits, source, scoring

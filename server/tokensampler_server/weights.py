@@ -83,21 +83,38 @@ class RegisteredWeight:
         so that a bf16 head is never copied whole to fp32.
         """
         vocab = self.finish.vocab_size
+        if self._exact_in_half(hidden):
+            return self._finished(self._half_product(hidden, 0, vocab), 0, vocab)
+        h = hidden.to(self.weight.device, torch.float32)
+        x = torch.empty(h.shape[0], vocab, dtype=torch.float32, device=h.device)
+        for start in range(0, vocab, _ROWS_PER_SLICE):
+            raise_if_abandoned()  # minutes of CPU work at the largest sizes: stop once nobody waits
+            stop = min(start + _ROWS_PER_SLICE, vocab)
+            torch.mm(h, self.weight[start:stop].to(torch.float32).T, out=x[:, start:stop])
+        return self._finished(x, 0, vocab)
+
+    def logit_slice(self, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """float32 logits [B, stop - start] of the tokens start..stop-1 (stop <= vocab_size): the columns that
+        logits() computes there, without the others (scoring walks the vocabulary a slice at a time)."""
+        if self._exact_in_half(hidden):
+            return self._finished(self._half_product(hidden, start, stop), start, stop)
+        h = hidden.to(self.weight.device, torch.float32)
+        return self._finished(torch.mm(h, self.weight[start:stop].to(torch.float32).T), start, stop)
+
+    def _exact_in_half(self, hidden: torch.Tensor) -> bool:
+        # Products of two 16-bit floats are exact in fp32: tensor cores with fp32 accumulation and
+        # output compute the same W·h as the fp32 form, at cuBLAS speed.
         weight = self.weight
-        if weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and hidden.dtype == weight.dtype:
-            # Products of two 16-bit floats are exact in fp32: tensor cores with fp32 accumulation and
-            # output compute the same W·h as the fp32 form below, at cuBLAS speed.
-            x = torch.mm(hidden.to(weight.device), weight[:vocab].T, out_dtype=torch.float32)
-        else:
-            h = hidden.to(weight.device, torch.float32)
-            x = torch.empty(h.shape[0], vocab, dtype=torch.float32, device=h.device)
-            for start in range(0, vocab, _ROWS_PER_SLICE):
-                raise_if_abandoned()  # minutes of CPU work at the largest sizes: stop once nobody waits
-                stop = min(start + _ROWS_PER_SLICE, vocab)
-                torch.mm(h, weight[start:stop].to(torch.float32).T, out=x[:, start:stop])
+        return weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and hidden.dtype == weight.dtype
+
+    def _half_product(self, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        return torch.mm(hidden.to(self.weight.device), self.weight[start:stop].T, out_dtype=torch.float32)
+
+    def _finished(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Bias, scale and soft cap applied to the logits x of tokens start..stop-1 (in place where it can)."""
         finish = self.finish
         if finish.bias is not None:
-            x += finish.bias[:vocab].to(x.device)
+            x += finish.bias[start:stop].to(x.device)
         if finish.logit_scale != 1.0:
             x *= finish.logit_scale
         if finish.soft_cap is not None:

@@ -60,7 +60,7 @@ class LogitBias(_message.Message):
     def __init__(self, tokens: _Optional[_Union[TokenLists, _Mapping]] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "has_seed", "position", "iteration", "repetition_penalty", "presence_penalty", "frequency_penalty", "allowed_token_ids", "banned_token_ids", "logit_bias", "output_token_ids", "prompt_token_ids", "min_tokens", "num_generated", "stop_token_ids", "no_repeat_ngram_size", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "typical_p", "top_n_sigma", "xtc_threshold", "xtc_probability")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "has_seed", "position", "iteration", "repetition_penalty", "presence_penalty", "frequency_penalty", "allowed_token_ids", "banned_token_ids", "logit_bias", "output_token_ids", "prompt_token_ids", "min_tokens", "num_generated", "stop_token_ids", "no_repeat_ngram_size", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "typical_p", "top_n_sigma", "xtc_threshold", "xtc_probability", "token_bitmask")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class SamplingParams(_message.Message):
     TOP_N_SIGMA_FIELD_NUMBER: _ClassVar[int]
     XTC_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     XTC_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BITMASK_FIELD_NUMBER: _ClassVar[int]
     temperature: _containers.RepeatedScalarFieldContainer[float]
     top_k: _containers.RepeatedScalarFieldContainer[int]
     top_p: _containers.RepeatedScalarFieldContainer[float]
@@ -119,7 +120,8 @@ class SamplingParams(_message.Message):
     top_n_sigma: _containers.RepeatedScalarFieldContainer[float]
     xtc_threshold: _containers.RepeatedScalarFieldContainer[float]
     xtc_probability: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, temperature: _Optional[_Iterable[float]] = ..., top_k: _Optional[_Iterable[int]] = ..., top_p: _Optional[_Iterable[float]] = ..., min_p: _Optional[_Iterable[float]] = ..., seed: _Optional[_Iterable[int]] = ..., has_seed: _Optional[_Iterable[bool]] = ..., position: _Optional[_Iterable[int]] = ..., iteration: _Optional[_Iterable[int]] = ..., repetition_penalty: _Optional[_Iterable[float]] = ..., presence_penalty: _Optional[_Iterable[float]] = ..., frequency_penalty: _Optional[_Iterable[float]] = ..., allowed_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., banned_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., logit_bias: _Optional[_Union[LogitBias, _Mapping]] = ..., output_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., min_tokens: _Optional[_Iterable[int]] = ..., num_generated: _Optional[_Iterable[int]] = ..., stop_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., no_repeat_ngram_size: _Optional[_Iterable[int]] = ..., dry_multiplier: _Optional[_Iterable[float]] = ..., dry_base: _Optional[_Iterable[float]] = ..., dry_allowed_length: _Optional[_Iterable[int]] = ..., dry_penalty_last_n: _Optional[_Iterable[int]] = ..., dry_sequence_breakers: _Optional[_Union[TokenSequences, _Mapping]] = ..., typical_p: _Optional[_Iterable[float]] = ..., top_n_sigma: _Optional[_Iterable[float]] = ..., xtc_threshold: _Optional[_Iterable[float]] = ..., xtc_probability: _Optional[_Iterable[float]] = ...) -> None: ...
+    token_bitmask: Tensor
+    def __init__(self, temperature: _Optional[_Iterable[float]] = ..., top_k: _Optional[_Iterable[int]] = ..., top_p: _Optional[_Iterable[float]] = ..., min_p: _Optional[_Iterable[float]] = ..., seed: _Optional[_Iterable[int]] = ..., has_seed: _Optional[_Iterable[bool]] = ..., position: _Optional[_Iterable[int]] = ..., iteration: _Optional[_Iterable[int]] = ..., repetition_penalty: _Optional[_Iterable[float]] = ..., presence_penalty: _Optional[_Iterable[float]] = ..., frequency_penalty: _Optional[_Iterable[float]] = ..., allowed_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., banned_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., logit_bias: _Optional[_Union[LogitBias, _Mapping]] = ..., output_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., min_tokens: _Optional[_Iterable[int]] = ..., num_generated: _Optional[_Iterable[int]] = ..., stop_token_ids: _Optional[_Union[TokenLists, _Mapping]] = ..., no_repeat_ngram_size: _Optional[_Iterable[int]] = ..., dry_multiplier: _Optional[_Iterable[float]] = ..., dry_base: _Optional[_Iterable[float]] = ..., dry_allowed_length: _Optional[_Iterable[int]] = ..., dry_penalty_last_n: _Optional[_Iterable[int]] = ..., dry_sequence_breakers: _Optional[_Union[TokenSequences, _Mapping]] = ..., typical_p: _Optional[_Iterable[float]] = ..., top_n_sigma: _Optional[_Iterable[float]] = ..., xtc_threshold: _Optional[_Iterable[float]] = ..., xtc_probability: _Optional[_Iterable[float]] = ..., token_bitmask: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class TokenSequences(_message.Message):
     __slots__ = ("ids", "lengths", "counts")
@@ -562,3 +564,43 @@ class VerifyDraftResponse(_message.Message):
     timings: Timings
     request_id: str
     def __init__(self, accepted: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., seeds: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class ScoreTokensRequest(_message.Message):
+    __slots__ = ("logits", "hidden", "token_ids", "mode", "temperature", "top_k", "top_p", "min_p", "top_logprobs", "return_entropy")
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    logits: Tensor
+    hidden: HiddenStates
+    token_ids: Tensor
+    mode: LogprobsMode
+    temperature: _containers.RepeatedScalarFieldContainer[float]
+    top_k: _containers.RepeatedScalarFieldContainer[int]
+    top_p: _containers.RepeatedScalarFieldContainer[float]
+    min_p: _containers.RepeatedScalarFieldContainer[float]
+    top_logprobs: int
+    return_entropy: bool
+    def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ..., hidden: _Optional[_Union[HiddenStates, _Mapping]] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., mode: _Optional[_Union[LogprobsMode, str]] = ..., temperature: _Optional[_Iterable[float]] = ..., top_k: _Optional[_Iterable[int]] = ..., top_p: _Optional[_Iterable[float]] = ..., min_p: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[int] = ..., return_entropy: bool = ...) -> None: ...
+
+class ScoreTokensResponse(_message.Message):
+    __slots__ = ("logprobs", "top_logprob_ids", "top_logprobs", "entropy", "timings", "request_id")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROB_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    logprobs: Tensor
+    top_logprob_ids: Tensor
+    top_logprobs: Tensor
+    entropy: Tensor
+    timings: Timings
+    request_id: str
+    def __init__(self, logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprob_ids: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., entropy: _Optional[_Union[Tensor, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...

@@ -105,6 +105,11 @@ class SamplerStub(object):
                 request_serializer=tokensampler_dot_v1_dot_sampler__pb2.RegisterWeightsFromRegionRequest.SerializeToString,
                 response_deserializer=tokensampler_dot_v1_dot_sampler__pb2.WeightsInfo.FromString,
                 _registered_method=True)
+        self.ScoreTokens = channel.unary_unary(
+                '/tokensampler.v1.Sampler/ScoreTokens',
+                request_serializer=tokensampler_dot_v1_dot_sampler__pb2.ScoreTokensRequest.SerializeToString,
+                response_deserializer=tokensampler_dot_v1_dot_sampler__pb2.ScoreTokensResponse.FromString,
+                _registered_method=True)
 
 
 class SamplerServicer(object):
@@ -218,6 +223,14 @@ class SamplerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScoreTokens(self, request, context):
+        """The log-probs of given tokens under logits [B, T, V] (or hidden states [B, T, D] through a registered LM
+        head): raw, or under the distribution Sample draws from (docs/semantics.md, "Scoring given tokens").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SamplerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -290,6 +303,11 @@ def add_SamplerServicer_to_server(servicer, server):
                     servicer.RegisterWeightsFromRegion,
                     request_deserializer=tokensampler_dot_v1_dot_sampler__pb2.RegisterWeightsFromRegionRequest.FromString,
                     response_serializer=tokensampler_dot_v1_dot_sampler__pb2.WeightsInfo.SerializeToString,
+            ),
+            'ScoreTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScoreTokens,
+                    request_deserializer=tokensampler_dot_v1_dot_sampler__pb2.ScoreTokensRequest.FromString,
+                    response_serializer=tokensampler_dot_v1_dot_sampler__pb2.ScoreTokensResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -671,6 +689,33 @@ class Sampler(object):
             '/tokensampler.v1.Sampler/RegisterWeightsFromRegion',
             tokensampler_dot_v1_dot_sampler__pb2.RegisterWeightsFromRegionRequest.SerializeToString,
             tokensampler_dot_v1_dot_sampler__pb2.WeightsInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScoreTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokensampler.v1.Sampler/ScoreTokens',
+            tokensampler_dot_v1_dot_sampler__pb2.ScoreTokensRequest.SerializeToString,
+            tokensampler_dot_v1_dot_sampler__pb2.ScoreTokensResponse.FromString,
             options,
             channel_credentials,
             insecure,

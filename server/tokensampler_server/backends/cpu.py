@@ -30,7 +30,7 @@ _SPARSE_NOISE_MAX_KEPT = 4096
 
 
 def kept_token_mask(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Steps 8 and 9: the kept set K of each row as a bool mask [B, V].
+    """Steps 8 and 9: the kept set K of each row as a bool mask [B, V], on z's device.
 
     z: float32 [B, V] with max 0 in every row (-inf for masked tokens); top_k int (0 = off),
     top_p float (1 = off), min_p float (0 = off), each [B]. Rows with top-k sort only the tokens that
@@ -60,10 +60,10 @@ def top_k_candidates(z: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor
     candidate = z >= kth
     count = candidate.sum(dim=1)
     row, ids = candidate.nonzero(as_tuple=True)  # row-major: ids ascend within a row
-    slot = torch.arange(row.numel()) - (torch.cumsum(count, 0) - count)[row]
+    slot = torch.arange(row.numel(), device=z.device) - (torch.cumsum(count, 0) - count)[row]
     width = int(count.max())
-    cand_z = torch.full((num_rows, width), _NEG_INF, dtype=z.dtype)
-    cand_ids = torch.full((num_rows, width), vocab_size, dtype=torch.int64)
+    cand_z = torch.full((num_rows, width), _NEG_INF, dtype=z.dtype, device=z.device)
+    cand_ids = torch.full((num_rows, width), vocab_size, dtype=torch.int64, device=z.device)
     cand_z[row, slot] = z[row, ids]
     cand_ids[row, slot] = ids
     z_sorted, perm = torch.sort(cand_z, dim=1, descending=True, stable=True)  # stable: ids stay ascending on ties
@@ -85,7 +85,7 @@ def _kept_prefix(
     # max z is 0, so the min-p condition q_i >= m * max q reads exp(z_i) >= m.
     above_min_p = (torch.exp(z_sorted) >= min_p.unsqueeze(1)) & finite
     limit = torch.minimum(limit, above_min_p.sum(dim=1))
-    rank = torch.arange(width).unsqueeze(0)
+    rank = torch.arange(width, device=z_sorted.device).unsqueeze(0)
     in_prefix = rank < limit.unsqueeze(1)
     # top-p over the prefix, renormalised by the prefix's own mass: the running sum over the sorted
     # prefix, divided by its last value (one sequential sum, whatever the row's padding).
@@ -98,7 +98,7 @@ def _kept_prefix(
     use_top_p = top_p < 1.0
     kept_count = torch.where(use_top_p, torch.minimum(first_reached, limit), limit)
     kept_sorted = rank < kept_count.unsqueeze(1)
-    kept = torch.zeros((num_rows, vocab_size + 1), dtype=torch.bool)  # column V takes the padding
+    kept = torch.zeros((num_rows, vocab_size + 1), dtype=torch.bool, device=z_sorted.device)  # column V: the padding
     return kept.scatter_(1, order, kept_sorted)[:, :vocab_size]
 
 

@@ -31,6 +31,9 @@ def apply_processing(x: torch.Tensor, processing: LogitProcessing | None) -> tor
         return x
     device = x.device
     # 2. Masks (min_tokens' and no-repeat-n-gram's bans are entries of `banned`).
+    if processing.token_bitmask is not None:
+        words = processing.token_bitmask.to(device, non_blocking=True)
+        x.masked_fill_(~unpack_bitmask(words, x.shape[1]), float("-inf"))
     if processing.allowed is not None and len(processing.allowed):
         rows, tokens = _index(processing.allowed, device)
         keep = torch.zeros_like(x, dtype=torch.bool)
@@ -53,6 +56,15 @@ def apply_processing(x: torch.Tensor, processing: LogitProcessing | None) -> tor
     if processing.truncation is not None:
         x = apply_truncation(x, processing.truncation)
     return x
+
+
+def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [B, vocab_size]: token i is set when bit i % 32 of word i // 32 of its row is (choice 17), unpacked
+    on the words' device with shifts, no loop over tokens. words: int32 [B, W], W >= ceil(vocab_size / 32)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    # An arithmetic shift copies the sign bit into the high bits; `& 1` keeps bit `shift` alone.
+    bits = (words.unsqueeze(2) >> shifts).bitwise_and_(1)
+    return bits.view(words.shape[0], -1)[:, :vocab_size].bool()
 
 
 def _penalties(x: torch.Tensor, processing: LogitProcessing) -> torch.Tensor:
