@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -24,7 +24,7 @@ from ._proto import sampler_pb2 as pb
 from ._proto import sampler_pb2_grpc
 from ._retry import Backoff, CallPolicy
 from .errors import error_from_rpc
-from .params import BitmaskArg, BreakersArg, Column, LogitBiasArg, TokenListsArg, build_sample_request, serialize_sample_request
+from .params import SampleOptions, build_sample_request, serialize_sample_request
 from .regions import CudaRegion, RegionView, SharedMemoryRegion
 from .result import SampleResult
 from .workloads import (
@@ -40,6 +40,9 @@ from .workloads import (
 from .stream import AsyncSampleStream
 from .weights import DEFAULT_CHUNK_BYTES, Progress, WeightUpload, region_weights_request, weight_options
 from .wire import sample_methods
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 Response = TypeVar("Response")
 
@@ -100,87 +103,12 @@ class AsyncSamplerClient:
             await asyncio.sleep(delay)
 
     async def sample(
-        self,
-        logits: Any,
-        *,
-        temperature: Column = None,
-        top_k: Column = None,
-        top_p: Column = None,
-        min_p: Column = None,
-        seed: Column = None,
-        position: Column = None,
-        iteration: Column = None,
-        num_samples: int | None = None,
-        allowed_token_ids: TokenListsArg = None,
-        banned_token_ids: TokenListsArg = None,
-        logit_bias: LogitBiasArg = None,
-        repetition_penalty: Column = None,
-        presence_penalty: Column = None,
-        frequency_penalty: Column = None,
-        output_token_ids: TokenListsArg = None,
-        prompt_token_ids: TokenListsArg = None,
-        min_tokens: Column = None,
-        num_generated: Column = None,
-        stop_token_ids: TokenListsArg = None,
-        no_repeat_ngram_size: Column = None,
-        dry_multiplier: Column = None,
-        dry_base: Column = None,
-        dry_allowed_length: Column = None,
-        dry_penalty_last_n: Column = None,
-        dry_sequence_breakers: BreakersArg = None,
-        typical_p: Column = None,
-        top_n_sigma: Column = None,
-        xtc_threshold: Column = None,
-        xtc_probability: Column = None,
-        token_bitmask: BitmaskArg = None,
-        return_logprobs: bool = False,
-        logprobs_mode: str = "raw",
-        top_logprobs: int = 0,
-        output_tokens: RegionView | None = None,
-        output_logprobs: RegionView | None = None,
-        timeout: float | None = None,
-        request_id: str | None = None,
+        self, logits: Any, *, timeout: float | None = None, request_id: str | None = None,
+        **options: Unpack[SampleOptions],
     ) -> SampleResult:
         """Samples `num_samples` tokens per row of `logits`; arguments as SamplerClient.sample (one `seed` value
         is shared by every row, whose tokens are then correlated: pass B seeds, or None, for independent rows)."""
-        request = serialize_sample_request(
-            logits,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            seed=seed,
-            position=position,
-            iteration=iteration,
-            num_samples=num_samples,
-            allowed_token_ids=allowed_token_ids,
-            banned_token_ids=banned_token_ids,
-            logit_bias=logit_bias,
-            repetition_penalty=repetition_penalty,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            output_token_ids=output_token_ids,
-            prompt_token_ids=prompt_token_ids,
-            min_tokens=min_tokens,
-            num_generated=num_generated,
-            stop_token_ids=stop_token_ids,
-            no_repeat_ngram_size=no_repeat_ngram_size,
-            dry_multiplier=dry_multiplier,
-            dry_base=dry_base,
-            dry_allowed_length=dry_allowed_length,
-            dry_penalty_last_n=dry_penalty_last_n,
-            dry_sequence_breakers=dry_sequence_breakers,
-            typical_p=typical_p,
-            top_n_sigma=top_n_sigma,
-            xtc_threshold=xtc_threshold,
-            xtc_probability=xtc_probability,
-            token_bitmask=token_bitmask,
-            return_logprobs=return_logprobs,
-            logprobs_mode=logprobs_mode,
-            top_logprobs=top_logprobs,
-            output_tokens=output_tokens,
-            output_logprobs=output_logprobs,
-        )
+        request = serialize_sample_request(logits, **options)
         return await self.sample_request(request, timeout=timeout, request_id=request_id)
 
     async def sample_request(

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeGuard, Union
+from typing import TYPE_CHECKING, Any, TypedDict, TypeGuard, Union
 
 import numpy as np
 
@@ -35,6 +35,7 @@ from .wire import serialize_with_logits
 
 if TYPE_CHECKING:
     import torch as _torch_types
+    from typing_extensions import Unpack
 
 # What a caller may pass for a per-row numeric parameter.
 Column = Union[float, int, Sequence[Any], np.ndarray, "_torch_types.Tensor", None]
@@ -45,6 +46,73 @@ LogitBiasArg = Union[Mapping[int, float], Sequence[Union[Mapping[int, float], No
 BitmaskArg = Union[np.ndarray, "_torch_types.Tensor", None]
 # DRY's sequence breakers: one list of token-id sequences shared by every row, or B lists (None: none).
 BreakersArg = Union[Sequence[TokenIds], Sequence[Union[Sequence[TokenIds], None]], None]
+
+
+
+class SamplingOptions(TypedDict, total=False):
+    """The per-row sampling parameters of a request, the one list every call that samples takes (see the module doc
+    for what each accepts; docs/semantics.md for what each does). None, or left out: the default."""
+
+    temperature: Column
+    top_k: Column
+    top_p: Column
+    min_p: Column
+    seed: Column
+    position: Column
+    iteration: Column
+    allowed_token_ids: TokenListsArg
+    banned_token_ids: TokenListsArg
+    logit_bias: LogitBiasArg
+    repetition_penalty: Column
+    presence_penalty: Column
+    frequency_penalty: Column
+    output_token_ids: TokenListsArg
+    prompt_token_ids: TokenListsArg
+    min_tokens: Column
+    num_generated: Column
+    stop_token_ids: TokenListsArg
+    no_repeat_ngram_size: Column
+    dry_multiplier: Column
+    dry_base: Column
+    dry_allowed_length: Column
+    dry_penalty_last_n: Column
+    dry_sequence_breakers: BreakersArg
+    typical_p: Column
+    top_n_sigma: Column
+    xtc_threshold: Column
+    xtc_probability: Column
+    token_bitmask: BitmaskArg
+
+
+class SampleOptions(SamplingOptions, total=False):
+    """SamplingOptions, and what a Sample request adds: samples per row, log-probs, output regions."""
+
+    num_samples: int | None
+    return_logprobs: bool
+    logprobs_mode: str | int
+    top_logprobs: int
+    output_tokens: RegionView | None
+    output_logprobs: RegionView | None
+
+
+# SamplingOptions by how they are filled in: numeric columns, token lists, then the rest one by one.
+_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "position", "iteration", "repetition_penalty",
+            "presence_penalty", "frequency_penalty", "min_tokens", "num_generated", "no_repeat_ngram_size",
+            "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "typical_p", "top_n_sigma",
+            "xtc_threshold", "xtc_probability")
+_TOKEN_LISTS = ("allowed_token_ids", "banned_token_ids", "output_token_ids", "prompt_token_ids", "stop_token_ids")
+
+
+_SAMPLING_KEYWORDS = frozenset(SamplingOptions.__annotations__)
+_SAMPLE_KEYWORDS = frozenset(SampleOptions.__annotations__) | _SAMPLING_KEYWORDS
+
+
+def _check_keywords(options: Mapping[str, Any], known: frozenset[str]) -> None:
+    """TypeError naming any keyword that is not a known option, as a misspelled keyword argument would."""
+    unknown = options.keys() - known
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+
 
 LOGITS_DTYPES = (pb.DTYPE_FLOAT32, pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT16)
 _LOGPROBS_MODES = {"raw": pb.LOGPROBS_MODE_RAW, "processed": pb.LOGPROBS_MODE_PROCESSED}
@@ -251,124 +319,28 @@ def _logprobs_mode(mode: str | int) -> int:
     return int(mode)
 
 
-def fill_sampling_params(
-    params: pb.SamplingParams,
-    batch: int,
-    *,
-    temperature: Column = None,
-    top_k: Column = None,
-    top_p: Column = None,
-    min_p: Column = None,
-    seed: Column = None,
-    position: Column = None,
-    iteration: Column = None,
-    allowed_token_ids: TokenListsArg = None,
-    banned_token_ids: TokenListsArg = None,
-    logit_bias: LogitBiasArg = None,
-    repetition_penalty: Column = None,
-    presence_penalty: Column = None,
-    frequency_penalty: Column = None,
-    output_token_ids: TokenListsArg = None,
-    prompt_token_ids: TokenListsArg = None,
-    min_tokens: Column = None,
-    num_generated: Column = None,
-    stop_token_ids: TokenListsArg = None,
-    no_repeat_ngram_size: Column = None,
-    dry_multiplier: Column = None,
-    dry_base: Column = None,
-    dry_allowed_length: Column = None,
-    dry_penalty_last_n: Column = None,
-    dry_sequence_breakers: BreakersArg = None,
-    typical_p: Column = None,
-    top_n_sigma: Column = None,
-    xtc_threshold: Column = None,
-    xtc_probability: Column = None,
-    token_bitmask: BitmaskArg = None,
-) -> None:
+def fill_sampling_params(params: pb.SamplingParams, batch: int, **options: Unpack[SamplingOptions]) -> None:
     """Fills the columns of `params` for `batch` rows (see the module doc for what each accepts)."""
-    for name, value in (
-        ("temperature", temperature),
-        ("top_k", top_k),
-        ("top_p", top_p),
-        ("min_p", min_p),
-        ("position", position),
-        ("iteration", iteration),
-        ("repetition_penalty", repetition_penalty),
-        ("presence_penalty", presence_penalty),
-        ("frequency_penalty", frequency_penalty),
-        ("min_tokens", min_tokens),
-        ("num_generated", num_generated),
-        ("no_repeat_ngram_size", no_repeat_ngram_size),
-        ("dry_multiplier", dry_multiplier),
-        ("dry_base", dry_base),
-        ("dry_allowed_length", dry_allowed_length),
-        ("dry_penalty_last_n", dry_penalty_last_n),
-        ("typical_p", typical_p),
-        ("top_n_sigma", top_n_sigma),
-        ("xtc_threshold", xtc_threshold),
-        ("xtc_probability", xtc_probability),
-    ):
+    _check_keywords(options, _SAMPLING_KEYWORDS)
+    for name in _COLUMNS:
+        value = options.get(name)
         if value is not None:  # 0, 1 or B values; a field is touched only when set (getattr builds it)
             _extend(name, getattr(params, name), _column(name, value, batch))
-    _set_seed(params, seed, batch)
-    for name, lists in (
-        ("allowed_token_ids", allowed_token_ids),
-        ("banned_token_ids", banned_token_ids),
-        ("output_token_ids", output_token_ids),
-        ("prompt_token_ids", prompt_token_ids),
-        ("stop_token_ids", stop_token_ids),
-    ):
+    _set_seed(params, options.get("seed"), batch)
+    for name in _TOKEN_LISTS:
+        lists = options.get(name)
         if lists is not None:
             _set_token_lists(getattr(params, name), name, lists, batch)
-    if logit_bias is not None:
-        _set_logit_bias(params.logit_bias, logit_bias, batch)
-    if dry_sequence_breakers is not None:
-        _set_breakers(params.dry_sequence_breakers, dry_sequence_breakers, batch)
-    if token_bitmask is not None:
-        _set_bitmask(params.token_bitmask, token_bitmask, batch)
+    if (bias := options.get("logit_bias")) is not None:
+        _set_logit_bias(params.logit_bias, bias, batch)
+    if (breakers := options.get("dry_sequence_breakers")) is not None:
+        _set_breakers(params.dry_sequence_breakers, breakers, batch)
+    if (bitmask := options.get("token_bitmask")) is not None:
+        _set_bitmask(params.token_bitmask, bitmask, batch)
 
 
-def build_sample_request(
-    logits: Any = None,
-    *,
-    hidden: Any = None,
-    weights: str | None = None,
-    temperature: Column = None,
-    top_k: Column = None,
-    top_p: Column = None,
-    min_p: Column = None,
-    seed: Column = None,
-    position: Column = None,
-    iteration: Column = None,
-    num_samples: int | None = None,
-    allowed_token_ids: TokenListsArg = None,
-    banned_token_ids: TokenListsArg = None,
-    logit_bias: LogitBiasArg = None,
-    repetition_penalty: Column = None,
-    presence_penalty: Column = None,
-    frequency_penalty: Column = None,
-    output_token_ids: TokenListsArg = None,
-    prompt_token_ids: TokenListsArg = None,
-    min_tokens: Column = None,
-    num_generated: Column = None,
-    stop_token_ids: TokenListsArg = None,
-    no_repeat_ngram_size: Column = None,
-    dry_multiplier: Column = None,
-    dry_base: Column = None,
-    dry_allowed_length: Column = None,
-    dry_penalty_last_n: Column = None,
-    dry_sequence_breakers: BreakersArg = None,
-    typical_p: Column = None,
-    top_n_sigma: Column = None,
-    xtc_threshold: Column = None,
-    xtc_probability: Column = None,
-    token_bitmask: BitmaskArg = None,
-    return_logprobs: bool = False,
-    logprobs_mode: str | int = "raw",
-    top_logprobs: int = 0,
-    output_tokens: RegionView | None = None,
-    output_logprobs: RegionView | None = None,
-) -> pb.SampleRequest:
+def build_sample_request(logits: Any = None, *, hidden: Any = None, weights: str | None = None,
+                         **options: Unpack[SampleOptions]) -> pb.SampleRequest:
     """A SampleRequest for `logits` ([B, V] or [V]), or for `hidden` states ([B, D] or [D]) through the
     registered LM head named `weights`, with the given parameters (see module doc). Either input may
     be a RegionView (zero copy), logits also RegionRows (rows anywhere in a region); output_tokens /
@@ -393,30 +365,22 @@ def build_sample_request(
         batch = len(logits.row_offsets)
     else:
         batch = encode_logits(logits, request.logits)
-    if output_tokens is not None:
+    _check_keywords(options, _SAMPLE_KEYWORDS)
+    sampling = {name: value for name, value in options.items() if name in _SAMPLING_KEYWORDS}
+    if (output_tokens := options.get("output_tokens")) is not None:
         request.output.tokens.CopyFrom(output_tokens.ref())
-    if output_logprobs is not None:
+    if (output_logprobs := options.get("output_logprobs")) is not None:
         request.output.logprobs.CopyFrom(output_logprobs.ref())
-    fill_sampling_params(
-        request.params, batch, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-        position=position, iteration=iteration, allowed_token_ids=allowed_token_ids,
-        banned_token_ids=banned_token_ids, logit_bias=logit_bias, repetition_penalty=repetition_penalty,
-        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, output_token_ids=output_token_ids,
-        prompt_token_ids=prompt_token_ids, min_tokens=min_tokens, num_generated=num_generated,
-        stop_token_ids=stop_token_ids, no_repeat_ngram_size=no_repeat_ngram_size, dry_multiplier=dry_multiplier,
-        dry_base=dry_base, dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n,
-        dry_sequence_breakers=dry_sequence_breakers, typical_p=typical_p, top_n_sigma=top_n_sigma,
-        xtc_threshold=xtc_threshold, xtc_probability=xtc_probability, token_bitmask=token_bitmask,
-    )
-    if num_samples is not None:
+    fill_sampling_params(request.params, batch, **sampling)
+    if (num_samples := options.get("num_samples")) is not None:
         _set_scalar(request, "num_samples", num_samples)
-    _set_scalar(request, "return_logprobs", return_logprobs)
-    _set_scalar(request, "top_logprobs", top_logprobs)
-    request.logprobs_mode = _logprobs_mode(logprobs_mode)
+    _set_scalar(request, "return_logprobs", options.get("return_logprobs", False))
+    _set_scalar(request, "top_logprobs", options.get("top_logprobs", 0))
+    request.logprobs_mode = _logprobs_mode(options.get("logprobs_mode", "raw"))
     return request
 
 
-def serialize_sample_request(logits: Any = None, **params: Any) -> bytes:
+def serialize_sample_request(logits: Any = None, **params: Unpack[SampleOptions]) -> bytes:
     """build_sample_request(logits, **params).SerializeToString(), the same bytes, with logits carried in the
     request copied once rather than three times (wire.py)."""
     if logits is None or isinstance(logits, (RegionView, RegionRows)):
