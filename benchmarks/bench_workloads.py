@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "server"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import add_peers_arguments, import_flashinfer, load_peers, run_meta, write_results  # noqa: E402
-from tokensampler_server.backends.cuda_workloads import WorkloadKernels  # noqa: E402
+from tokensampler_server.ops.cuda import WorkloadKernels  # noqa: E402
 from tokensampler_server.ops.diffusion import DiffusionStep  # noqa: E402
 from tokensampler_server.ops.verify import DraftVerification  # noqa: E402
 

@@ -24,7 +24,8 @@ from tokensampler_server.cli import parse_args
 from tokensampler_server.config import Limits
 from tokensampler_server.errors import InvalidArgument
 from tokensampler_server.call_guard import CallGuard
-from tokensampler_server.metrics import ServerMetrics, record_fallback, start_metrics_http
+from tokensampler_server.fallbacks import record_fallback
+from tokensampler_server.metrics import ServerMetrics, start_metrics_http
 from tokensampler_server.sampling import SamplingBatch, SamplingResult
 from tokensampler_server.service import SamplerService
 

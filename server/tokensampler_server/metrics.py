@@ -4,8 +4,8 @@ The same port answers the HTTP health probes of load balancers that do not speak
 and /readyz (ready: what gRPC health says of the Sampler). Every other path is 404.
 
 Each server owns a CollectorRegistry, so servers built in one process (tests) never share counts.
-The one exception is `record_fallback`: backends have no handle on a server, so the fallback
-counter is process-wide and every server's registry exports it.
+The one exception is the fallback counter (fallbacks.py): backends have no handle on a server, so it is
+process-wide and every server's registry exports it.
 
 Names follow Prometheus conventions: the `tokensampler_` prefix, base units (seconds, bytes),
 `_total` on counters, and labels with a small fixed set of values. README.md, section "Metrics",
@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 from . import __version__
 from .backends.base import BackendInfo
 from .call_record import CallRecord
+from .fallbacks import FALLBACKS
 from .sampling import SamplingBatch
 
 log = logging.getLogger(__name__)
@@ -52,22 +53,6 @@ _GREEDY, _GUMBEL, _TOP_K, _TOP_P, _MIN_P = (ROW_MODES.index(m) for m in ("greedy
 _LOOP_ROWS = 16
 _MAX_LATER = 4096  # calls observe_call_later keeps at most; past that, each new call records _FLUSH_CHUNK of them
 _FLUSH_CHUNK = 8
-
-_FALLBACKS = Counter(
-    "tokensampler_fallbacks_total",
-    "Work the CUDA backend handed to a slower path, by reason.",
-    ["reason"],
-    registry=None,
-)
-
-
-def record_fallback(reason: str) -> None:
-    """Counts one fallback of the CUDA backend to a slower path (e.g. the CPU reference).
-
-    Call it once per batch that falls back. `reason` is a label value: a short fixed name such as
-    "unsupported_dtype", never text that varies per request (that would explode the series count).
-    """
-    _FALLBACKS.labels(reason).inc()
 
 
 def count_row_modes(batch: SamplingBatch) -> np.ndarray:
@@ -216,7 +201,7 @@ class ServerMetrics:
             registry=registry,
         )
         self._children: dict[tuple[str, grpc.StatusCode], tuple[Counter, Histogram]] = {}
-        registry.register(_FALLBACKS)
+        registry.register(FALLBACKS)
         registry.register(ProcessCollector(registry=None))
         device_index = _cuda_device_index(backend) if backend is not None else None
         registry.register(_GpuMemory(device_index))

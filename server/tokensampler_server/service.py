@@ -27,7 +27,7 @@ from .config import Limits
 from .errors import InvalidArgument
 from .leases import Lease
 from .metrics import ServerMetrics
-from .backends.cuda_workloads import run_diffusion_step, run_topk_probs, run_verify_draft
+from .ops.cuda import run_diffusion_step, run_topk_probs, run_verify_draft
 from .regions import RegionRegistry, region_info
 from .request_context import request_id_from_metadata
 from .native_path import NativeRequestPath
@@ -143,7 +143,7 @@ class SamplerService(pb_grpc.SamplerServicer):
                                                           lm_head=lm_head)
             started = time.perf_counter_ns()
             # Hidden states become logits on the worker, on the LM head's (the backend's) device; then the
-            # CUDA kernels on a CUDA backend, the torch references otherwise (backends/cuda_workloads.py).
+            # CUDA kernels on a CUDA backend, the torch references otherwise (ops/cuda.py).
             tokens, confidences, mask = await self._batcher.run_exclusive(
                 lambda: run_diffusion_step(step(logits.compute()), self._backend),
                 rows=math.prod(logits.shape[:-1]), nbytes=host_bytes(logits.tensor), lease=held)

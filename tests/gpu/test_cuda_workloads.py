@@ -1,4 +1,4 @@
-"""The workload kernels (backends/cuda_workloads.py) against the torch references of ops/.
+"""The workload kernels (ops/cuda.py) against the torch references of ops/.
 
 Top-k probabilities: ids identical, probabilities to 1e-5 relative (the reference on the same GPU).
 Diffusion steps and draft verification: tokens identical to the CPU reference for >= 99.9% of the
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokensampler_server.backends.cuda_workloads import (
+from tokensampler_server.ops.cuda import (
     WorkloadKernels,
     diffusion_step_cuda,
     run_diffusion_step,
@@ -234,7 +234,7 @@ def test_diffusion_steps_of_changing_shapes_share_the_mailbox(cuda_backend, monk
     of other shapes (rows and chunks land on other words), the two-launch commit (above 1024 positions)
     and the mailbox zeroed between steps must each give what a fresh mailbox gives; the epoch advances
     once a step, in either commit path."""
-    import tokensampler_server.backends.cuda_workloads as cuda_workloads
+    import tokensampler_server.ops.cuda as cuda_workloads
 
     monkeypatch.setattr(cuda_workloads, "_MAILBOX_STEPS_BEFORE_ZEROING", 4)
     shared = WorkloadKernels(0)

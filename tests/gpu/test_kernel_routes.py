@@ -97,7 +97,7 @@ def test_fused_lm_head(cuda_backend, mode: str) -> None:
 
 
 def test_topk_probs_kernel(cuda_backend) -> None:
-    from tokensampler_server.backends.cuda_workloads import run_topk_probs
+    from tokensampler_server.ops.cuda import run_topk_probs
 
     x = logits("spiky", ROWS, VOCAB, seed=9)
     temperature = torch.full((ROWS,), 0.8)
@@ -108,14 +108,14 @@ def test_topk_probs_kernel(cuda_backend) -> None:
 
 
 def test_diffusion_step_kernel(cuda_backend, cpu_backend) -> None:
-    from tokensampler_server.backends.cuda_workloads import run_diffusion_step
+    from tokensampler_server.ops.cuda import run_diffusion_step
 
     step = _step(3, 8, 1000, seed=10, temperature=[1.0, 0.0, 0.7])
     _assert_step_agrees(run_diffusion_step(step, cuda_backend), diffusion_step(step, cpu_backend), step.mask)
 
 
 def test_verify_draft_kernel(cuda_backend) -> None:
-    from tokensampler_server.backends.cuda_workloads import run_verify_draft
+    from tokensampler_server.ops.cuda import run_verify_draft
 
     v = _verification(4, 3, 1000, seed=11, temperature=[1.0, 0.7, 0.0, 1.2])
     _assert_verdicts_agree(run_verify_draft(v, cuda_backend), verify_draft(v))

@@ -33,7 +33,7 @@ import threading
 
 import torch
 
-from ..metrics import record_fallback
+from ..fallbacks import record_fallback
 from ..sampling import LogprobsMode, SamplingBatch, SamplingResult, select_rows
 from . import cuda_fused
 from .base import Backend, BackendInfo, Route

@@ -1,1 +1,2 @@
-"""Sampling workloads beyond next-token sampling, in torch: the reference every kernel is held to."""
+"""Sampling workloads beyond next-token sampling: the torch references every kernel is held to, and their CUDA
+implementations with the dispatch the service calls (cuda.py)."""

@@ -1,6 +1,6 @@
 """The workloads beyond Sample on the GPU (csrc/workloads.h), and the dispatch the service calls.
 
-Same signatures and answers as the torch references in ops/ (docs/semantics.md, choices 14-16):
+Same signatures and answers as the torch references beside it (docs/semantics.md, choices 14-16):
 
 - `diffusion_step_cuda`: one read of every masked position (max, argmax, sum of exponentials and the
   Gumbel-max sample in one pass), and the confidences and the commit rule of every request, run by the
@@ -24,12 +24,12 @@ import threading
 
 import torch
 
-from ..ops.diffusion import DiffusionStep, diffusion_step
-from ..ops.topk_probs import topk_probs
-from ..ops.verify import DraftVerification, verify_draft
-from .base import Backend
-from .cuda_build import load_kernels
-from .cuda_kernels import stream_address
+from ..backends.base import Backend
+from ..backends.cuda_build import load_kernels
+from ..backends.cuda_kernels import stream_address
+from .diffusion import DiffusionStep, diffusion_step
+from .topk_probs import topk_probs
+from .verify import DraftVerification, verify_draft
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _FLAG_RECOMPUTE = 4
