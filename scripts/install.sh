@@ -38,6 +38,14 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     "${pip[@]}" "torch==2.13.0"
   fi
 fi
-# The server (the root) depends on tokensampler-client, which carries the contract: both from this checkout.
+# The server (the root) depends on tokensampler-client, which carries the contract: both from this checkout. A .venv
+# made when one distribution held both loses the `tokensampler` command when pip replaces it: remove it first (-I:
+# the installed metadata, not a build folder of the checkout).
+if .venv/bin/python -I - <<'PY' 2>/dev/null; then
+import importlib.metadata as metadata, sys
+sys.exit(0 if "tokensampler" in {e.name for e in metadata.distribution("tokensampler").entry_points} else 1)
+PY
+  .venv/bin/python -m pip uninstall --disable-pip-version-check -y tokensampler
+fi
 "${pip[@]}" -e ./client -e ".[dev]"
 .venv/bin/python -c "import torch, tokensampler_server; print('tokensampler', tokensampler_server.__version__, 'torch', torch.__version__, 'cuda' if torch.cuda.is_available() else 'cpu')"
