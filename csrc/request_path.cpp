@@ -30,7 +30,7 @@ constexpr int32_t kBuckets[] = {16, 32, 64, 128, 256};
 constexpr int kNumBuckets = 5;
 constexpr int64_t kFrontierMinRows = 32;
 constexpr int64_t kFilterBlocksTarget = 264;
-constexpr uint8_t kFlagNan = 1, kFlagInvalid = 2, kFlagCpu = 4;
+constexpr uint8_t kFlagNan = 1, kFlagInvalid = 2, kFlagExact = 4;
 
 enum Mode { kGreedy, kGumbel, kTopK, kTopP, kMinP };  // metrics.ROW_MODES
 
@@ -461,8 +461,8 @@ std::vector<AnsweredRequest> RequestPath::sample(const std::vector<std::shared_p
     if (!a.answered) continue;
     const PreparedRequest& p = *batch[i];
     const size_t n = static_cast<size_t>(p.num_rows);
-    // a row for the CPU reference: the Python path has the request
-    a.answered = std::none_of(flags + row, flags + row + n, [](uint8_t f) { return (f & kFlagCpu) != 0; });
+    // a row for the exact filter: the Python path has the request (backends/cuda.py samples it again)
+    a.answered = std::none_of(flags + row, flags + row + n, [](uint8_t f) { return (f & kFlagExact) != 0; });
     if (a.answered) {
       a.response = encode(p, tokens + row, flags + row, launched, computed);
       a.decode_ns = p.prepared_ns - p.started_ns;
