@@ -160,6 +160,8 @@ def _decode_lists(params: pb.SamplingParams, num_rows: int, limits: Limits, posi
         bias_values = torch.from_numpy(values)
     breakers = decode_breakers(params.dry_sequence_breakers, num_rows)
     rules = sequence_rules(params, num_rows, breakers)
+    if rules is None:
+        return DecodedLists(num_rows, lists, bias_values, breakers)
     sequences = Sequences(*(None if lists[name] is None else lists[name].entries
                             for name in ("prompt_token_ids", "output_token_ids")), num_rows)
     check_sequence_reads(rules, sequences.lengths())

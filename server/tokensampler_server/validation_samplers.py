@@ -67,8 +67,12 @@ def check_breaker_ids(breakers: DecodedBreakers | None, vocab_size: int) -> None
         check(ids, (ids >= 0) & (ids < vocab_size), f"{_BREAKERS}.ids", f"token ids in [0, V={vocab_size})")
 
 
-def sequence_rules(params: pb.SamplingParams, num_rows: int, breakers: DecodedBreakers | None) -> SequenceRules:
-    """The checked settings of no-repeat-n-gram and DRY."""
+def sequence_rules(params: pb.SamplingParams, num_rows: int,
+                   breakers: DecodedBreakers | None) -> SequenceRules | None:
+    """The checked settings of no-repeat-n-gram and DRY; None when the request sets none of them (both off)."""
+    if breakers is None and not (params.no_repeat_ngram_size or params.dry_multiplier or params.dry_base
+                                 or params.dry_allowed_length or params.dry_penalty_last_n):
+        return None
     return SequenceRules(
         ngram=checked_column(params.no_repeat_ngram_size, "params.no_repeat_ngram_size", num_rows, 0, np.int64,
                              lambda n: n <= MAX_NGRAM_SIZE, f"0 <= n <= {MAX_NGRAM_SIZE} (0 is off)"),
@@ -118,6 +122,8 @@ def stop_bans(params: pb.SamplingParams, stop: TokenEntries | None, num_rows: in
 def truncation(params: pb.SamplingParams, num_rows: int, seed: torch.Tensor, position: torch.Tensor,
                iteration: torch.Tensor) -> Truncation | None:
     """L4-L6 of every row, or None when every row is at the off values."""
+    if not (params.top_n_sigma or params.typical_p or params.xtc_threshold or params.xtc_probability):
+        return None  # the common request: nothing to check or expand
     n = checked_column(params.top_n_sigma, "params.top_n_sigma", num_rows, 0.0, np.float32, np.isfinite,
                        "a finite n (n <= 0 is off)")
     p = checked_column(params.typical_p, "params.typical_p", num_rows, 1.0, np.float32, lambda v: (v > 0) & (v <= 1),
