@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from generators import spiky_logits  # noqa: E402
 from tokensampler_server.backends.cuda import CudaBackend  # noqa: E402
 from tokensampler_server.backends.cuda_kernels import Outputs, RowParams  # noqa: E402
-from tokensampler_server.sampling import LogitProcessing, LogprobsMode, SamplingBatch, TokenEntries  # noqa: E402
+from tokensampler_server.model.sampling import LogitProcessing, LogprobsMode, SamplingBatch, TokenEntries  # noqa: E402
 
 V = 151936
 MODES = {

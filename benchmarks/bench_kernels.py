@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "server"))
 
 from tokensampler_server.backends.cuda import FRONTIER_MIN_ROWS, CudaBackend  # noqa: E402
 from tokensampler_server.backends.cuda_kernels import Kernels, Outputs, RowParams  # noqa: E402
-from tokensampler_server.sampling import SamplingBatch  # noqa: E402
+from tokensampler_server.model.sampling import SamplingBatch  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from provenance import tree_commit  # noqa: E402

@@ -51,8 +51,8 @@ from tokensampler_client import BatchingClient, SamplerClient  # noqa: E402
 from tokensampler_client.params import build_sample_request  # noqa: E402
 from tokensampler_client.regions import CudaRegion, RegionView, SharedMemoryRegion  # noqa: E402
 from tokensampler_server.backends import create_backend  # noqa: E402
-from tokensampler_server.config import Limits  # noqa: E402
-from tokensampler_server.validation import validate_sample_request  # noqa: E402
+from tokensampler_server.core.config import Limits  # noqa: E402
+from tokensampler_server.validation.sample import validate_sample_request  # noqa: E402
 
 V = 151936
 LATENCY_BATCHES = (1, 8, 64)

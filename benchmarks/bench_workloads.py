@@ -27,9 +27,9 @@ sys.path.insert(0, str(ROOT / "server"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import add_peers_arguments, import_flashinfer, load_peers, run_meta, write_results  # noqa: E402
-from tokensampler_server.ops.cuda import WorkloadKernels  # noqa: E402
-from tokensampler_server.ops.diffusion import DiffusionStep  # noqa: E402
-from tokensampler_server.ops.verify import DraftVerification  # noqa: E402
+from tokensampler_server.workloads.cuda import WorkloadKernels  # noqa: E402
+from tokensampler_server.workloads.diffusion import DiffusionStep  # noqa: E402
+from tokensampler_server.workloads.verify import DraftVerification  # noqa: E402
 
 V = 151936
 WORKLOADS = ("diffusion", "topk_probs", "verify")

@@ -24,8 +24,8 @@ def serve_with_instant_backend(server_args: list[str]) -> int:
     """Runs the server with CpuBackend.sample replaced by an answer of zeros (tokens 0, every row valid)."""
     import torch
     from tokensampler_server.backends import cpu
-    from tokensampler_server.cli import main
-    from tokensampler_server.sampling import SamplingResult
+    from tokensampler_server.app.cli import main
+    from tokensampler_server.model.sampling import SamplingResult
 
     def instant(self, batch):
         rows = batch.num_rows

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from tokensampler_server.sampling import LogitProcessing, LogprobsMode, SamplingBatch
+from tokensampler_server.model.sampling import LogitProcessing, LogprobsMode, SamplingBatch
 
 Column = float | int | Sequence[float] | Sequence[int] | torch.Tensor
 

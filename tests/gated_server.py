@@ -88,8 +88,8 @@ class ServerGate:
 
 def _serve(control_fd: int, status_fd: int, argv: list[str]) -> int:
     from tokensampler_server.backends.cpu import CpuBackend
-    from tokensampler_server.cli import main
-    from tokensampler_server.sampling import SamplingBatch, SamplingResult
+    from tokensampler_server.app.cli import main
+    from tokensampler_server.model.sampling import SamplingBatch, SamplingResult
 
     sample = CpuBackend.sample
     gate_open = False

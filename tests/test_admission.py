@@ -24,7 +24,7 @@ from tokensampler_client import AsyncSamplerClient, TokenSamplerError
 from tokensampler_client._channel import call_metadata
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.params import build_sample_request
-from tokensampler_server.cli import parse_args
+from tokensampler_server.app.cli import parse_args
 
 from .conftest import RunningServer, start_server
 from .test_metrics import metrics_port, parse_samples, scrape_text, value

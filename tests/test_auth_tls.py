@@ -26,8 +26,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tokensampler_client import AsyncSamplerClient, SamplerClient, TokenSamplerError
 from tokensampler_client._channel import call_metadata, channel_target
-from tokensampler_server.auth import BearerTokens, TokenFileError
-from tokensampler_server.cli import parse_args
+from tokensampler_server.rpc.auth import BearerTokens, TokenFileError
+from tokensampler_server.app.cli import parse_args
 
 from .conftest import RunningServer, start_server
 from .test_metrics import metrics_port, parse_samples, scrape_text, value

@@ -11,9 +11,9 @@ import pytest
 import torch
 from tokensampler_server.backends.base import Backend, BackendInfo
 from tokensampler_server.backends.cpu import CpuBackend
-from tokensampler_server.batcher import DynamicBatcher
-from tokensampler_server.errors import ServiceError
-from tokensampler_server.sampling import LogitProcessing, SamplingBatch, SamplingResult, TokenEntries
+from tokensampler_server.batching.batcher import DynamicBatcher
+from tokensampler_server.core.errors import ServiceError
+from tokensampler_server.model.sampling import LogitProcessing, SamplingBatch, SamplingResult, TokenEntries
 
 from .batches import make_batch
 from .polling import wait_until_async

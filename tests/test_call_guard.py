@@ -11,10 +11,10 @@ from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 from tokensampler_client.tensors import encode_tensor
 from tokensampler_server.backends.base import Backend, BackendInfo
 from tokensampler_server.backends.cpu import CpuBackend
-from tokensampler_server.config import Limits
-from tokensampler_server.call_guard import CallGuard
-from tokensampler_server.sampling import SamplingBatch, SamplingResult
-from tokensampler_server.service import SamplerService
+from tokensampler_server.core.config import Limits
+from tokensampler_server.rpc.call_guard import CallGuard
+from tokensampler_server.model.sampling import SamplingBatch, SamplingResult
+from tokensampler_server.rpc.service import SamplerService
 
 
 class FailsOnWideRows(Backend):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from scipy import stats
 from tokensampler_server.backends.cpu import CpuBackend
-from tokensampler_server.sampling import LogitProcessing, LogprobsMode, SamplingBatch, TokenEntries
+from tokensampler_server.model.sampling import LogitProcessing, LogprobsMode, SamplingBatch, TokenEntries
 
 from .batches import make_batch, select_rows
 

@@ -20,7 +20,7 @@ from tokensampler_client import SamplerClient
 from tokensampler_server.backends import create_backend, cuda_build
 from tokensampler_server.backends import cuda as cuda_backend
 from tokensampler_server.backends.cpu import CpuBackend
-from tokensampler_server.config import StartupError
+from tokensampler_server.core.config import StartupError
 
 from .test_logging import start_command
 
@@ -32,7 +32,7 @@ torch.cuda.is_available = lambda: True
 torch.cuda.device_count = lambda: 1
 torch.cuda.get_device_capability = lambda device=None: (major, minor)
 torch.cuda.get_device_name = lambda device=None: name
-from tokensampler_server.cli import main
+from tokensampler_server.app.cli import main
 sys.exit(main(sys.argv[4:]))
 """
 _SERVER_ARGS = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
@@ -111,7 +111,7 @@ def test_a_cuda_runtime_without_nvcc_is_no_compiler(monkeypatch: pytest.MonkeyPa
 
 
 def test_prebuild_refuses_a_capability_the_kernels_cannot_run_on(tmp_path: Path) -> None:
-    built = subprocess.run([sys.executable, "-m", "tokensampler_server.prebuild", "--capability", "8.0"],
+    built = subprocess.run([sys.executable, "-m", "tokensampler_server.app.prebuild", "--capability", "8.0"],
                            env={**os.environ, "TOKENSAMPLER_BUILD_DIR": str(tmp_path)},
                            capture_output=True, text=True, timeout=120)
     assert built.returncode == 1

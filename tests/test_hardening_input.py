@@ -26,11 +26,11 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 from tokensampler_client.params import build_sample_request
 from tokensampler_client.tensors import encode_tensor
-from tokensampler_server.cli import parse_args
-from tokensampler_server.config import Limits, cpu_max_batch_elements
-from tokensampler_server.errors import InvalidArgument
-from tokensampler_server.validation import validate_sample_request
-from tokensampler_server.weights import LogitsFinish, RegisteredWeight
+from tokensampler_server.app.cli import parse_args
+from tokensampler_server.core.config import Limits, cpu_max_batch_elements
+from tokensampler_server.core.errors import InvalidArgument
+from tokensampler_server.validation.sample import validate_sample_request
+from tokensampler_server.resources.weights import LogitsFinish, RegisteredWeight
 
 from .conftest import RunningServer, start_server
 

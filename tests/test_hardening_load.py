@@ -25,8 +25,8 @@ from tokensampler_client._retry import CONCURRENCY_LIMIT_DETAILS, RetryState
 from tokensampler_client.params import build_sample_request
 from tokensampler_client.result import SampleResult
 from tokensampler_server.backends.cpu import CpuBackend
-from tokensampler_server.config import Limits
-from tokensampler_server.validation import validate_sample_request
+from tokensampler_server.core.config import Limits
+from tokensampler_server.validation.sample import validate_sample_request
 
 from .conftest import RunningServer, start_server
 from .gated_server import GATE_SEED, ServerGate

@@ -18,10 +18,10 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 from tokensampler_client.params import build_sample_request
 from tokensampler_client.tensors import TensorDecodeError, decode_tensor
-from tokensampler_server.config import Limits
-from tokensampler_server.errors import InvalidArgument, ServiceError
-from tokensampler_server.validation import validate_sample_request
-from tokensampler_server.weights import load_safetensors
+from tokensampler_server.core.config import Limits
+from tokensampler_server.core.errors import InvalidArgument, ServiceError
+from tokensampler_server.validation.sample import validate_sample_request
+from tokensampler_server.resources.weights import load_safetensors
 
 from .conftest import RunningServer, start_server
 
@@ -105,7 +105,7 @@ def test_the_entry_limit_counts_every_list_of_a_request_and_each_diffusion_posit
     assert raised.value.field == "params.prompt_token_ids.lengths"
     assert "84 token entries after 100 in the lists before it, expected at most 100" in raised.value.message
 
-    from tokensampler_server.validation_ops import validate_diffusion_request
+    from tokensampler_server.validation.workloads import validate_diffusion_request
     step = pb.DiffusionStepRequest(logits=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 30, 4], data=bytes(480)),
                                    mask=pb.Tensor(dtype=pb.DTYPE_UINT8, shape=[1, 30], data=bytes(30)))
     step.params.banned_token_ids.ids.extend([1, 2, 3, 0])
@@ -144,7 +144,7 @@ def test_long_histories_are_decoded_exactly_in_little_memory() -> None:
 
 
 def test_heavy_lists_can_be_decoded_off_the_event_loop_and_give_the_same_batch() -> None:
-    from tokensampler_server.validation import decode_token_lists, heavy_token_lists
+    from tokensampler_server.validation.sample import decode_token_lists, heavy_token_lists
 
     request, _ = _history_request(4, 2**17, 50000)
     request.params.banned_token_ids.ids.extend([5, 7])

@@ -10,8 +10,8 @@ import urllib.request
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from tokensampler_server.metrics import ServerMetrics, start_metrics_http
-from tokensampler_server.server import SERVICE_NAME, sampler_serving
+from tokensampler_server.rpc.metrics import ServerMetrics, start_metrics_http
+from tokensampler_server.app.server import SERVICE_NAME, sampler_serving
 
 from .conftest import start_server
 from .test_metrics import metrics_port

@@ -18,15 +18,15 @@ from tokensampler_client.params import build_sample_request
 from tokensampler_client.regions import RegionView
 from tokensampler_server.backends import cpu
 from tokensampler_server.backends.cpu import CpuBackend
-from tokensampler_server.batcher import DynamicBatcher
-from tokensampler_server.call_record import CallRecord
-from tokensampler_server.config import Limits
-from tokensampler_server.errors import ServiceError
-from tokensampler_server.regions import RegionRegistry
-from tokensampler_server.request_context import current_abandoned
-from tokensampler_server.sample_rpc import SamplePath
-from tokensampler_server.sampling import SamplingBatch
-from tokensampler_server.weights import LogitsFinish, WeightRegistry
+from tokensampler_server.batching.batcher import DynamicBatcher
+from tokensampler_server.rpc.call_record import CallRecord
+from tokensampler_server.core.config import Limits
+from tokensampler_server.core.errors import ServiceError
+from tokensampler_server.resources.regions import RegionRegistry
+from tokensampler_server.core.request_context import current_abandoned
+from tokensampler_server.rpc.sample_rpc import SamplePath
+from tokensampler_server.model.sampling import SamplingBatch
+from tokensampler_server.resources.weights import LogitsFinish, WeightRegistry
 
 VOCAB = 64
 WAIT_S = 30.0

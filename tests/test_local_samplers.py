@@ -17,14 +17,14 @@ from scipy.stats import chisquare
 from tokensampler_client.params import build_sample_request
 from tokensampler_client.workloads import build_diffusion_request, build_verify_request
 from tokensampler_server.backends.cpu import CpuBackend
-from tokensampler_server.batch_merge import merge_batches, split_result
-from tokensampler_server.config import Limits
-from tokensampler_server.errors import InvalidArgument
-from tokensampler_server.ops.diffusion import diffusion_step
-from tokensampler_server.ops.verify import verify_draft
-from tokensampler_server.sampling import select_rows
-from tokensampler_server.validation import validate_sample_request
-from tokensampler_server.validation_ops import validate_diffusion_request, validate_verify_request
+from tokensampler_server.batching.batch_merge import merge_batches, split_result
+from tokensampler_server.core.config import Limits
+from tokensampler_server.core.errors import InvalidArgument
+from tokensampler_server.workloads.diffusion import diffusion_step
+from tokensampler_server.workloads.verify import verify_draft
+from tokensampler_server.model.sampling import select_rows
+from tokensampler_server.validation.sample import validate_sample_request
+from tokensampler_server.validation.workloads import validate_diffusion_request, validate_verify_request
 
 from . import local_reference as ref
 

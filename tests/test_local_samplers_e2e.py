@@ -9,8 +9,8 @@ from tokensampler_client import SamplerClient, TokenSamplerError
 from tokensampler_client.merge import merge_key, merge_requests
 from tokensampler_client.params import build_sample_request
 from tokensampler_server.backends.cpu import CpuBackend
-from tokensampler_server.config import Limits
-from tokensampler_server.validation import validate_sample_request
+from tokensampler_server.core.config import Limits
+from tokensampler_server.validation.sample import validate_sample_request
 
 from .conftest import RunningServer
 

@@ -18,8 +18,8 @@ from tokensampler_client import SamplerClient, TokenSamplerError
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 from tokensampler_client.tensors import encode_tensor
-from tokensampler_server.logs import JsonFormatter, RequestIdFilter
-from tokensampler_server.request_context import current_request_id
+from tokensampler_server.core.logs import JsonFormatter, RequestIdFilter
+from tokensampler_server.core.request_context import current_request_id
 
 from .conftest import RunningServer, start_server
 
@@ -96,7 +96,7 @@ def test_json_lines_carry_the_request_line_fields(json_server: RunningServer) ->
     assert "json-bad" in raised.value.details  # the server's message names the request id
 
     ok = _entry(json_server, "json-ok")
-    assert ok["level"] == "DEBUG" and ok["logger"] == "tokensampler_server.call_guard"
+    assert ok["level"] == "DEBUG" and ok["logger"] == "tokensampler_server.rpc.call_guard"
     assert ok["method"] == "tokensampler.v1.Sampler/Sample" and ok["code"] == "OK" and ok["rows"] == 3
     assert ok["duration_ms"] > 0 and "error" not in ok
     bad = _entry(json_server, "json-bad")
@@ -122,7 +122,7 @@ def test_text_format_has_one_debug_line_per_request() -> None:
         with SamplerClient(running.target, timeout=30) as client:
             client.sample(torch.randn(2, 10), request_id="text-ok")
         line = wait_for_line(running, lambda text: "text-ok" in text)
-        assert "DEBUG tokensampler_server.call_guard: tokensampler.v1.Sampler/Sample text-ok OK rows=2" in line
+        assert "DEBUG tokensampler_server.rpc.call_guard: tokensampler.v1.Sampler/Sample text-ok OK rows=2" in line
         assert sum("text-ok" in text for text in running.log) == 1
     finally:
         running.stop()

@@ -20,14 +20,14 @@ from tokensampler_client.tensors import encode_tensor
 from tokensampler_server import __version__
 from tokensampler_server.backends.base import Backend, BackendInfo
 from tokensampler_server.backends.cpu import CpuBackend
-from tokensampler_server.cli import parse_args
-from tokensampler_server.config import Limits
-from tokensampler_server.errors import InvalidArgument
-from tokensampler_server.call_guard import CallGuard
-from tokensampler_server.fallbacks import record_fallback
-from tokensampler_server.metrics import ServerMetrics, start_metrics_http
-from tokensampler_server.sampling import SamplingBatch, SamplingResult
-from tokensampler_server.service import SamplerService
+from tokensampler_server.app.cli import parse_args
+from tokensampler_server.core.config import Limits
+from tokensampler_server.core.errors import InvalidArgument
+from tokensampler_server.rpc.call_guard import CallGuard
+from tokensampler_server.core.fallbacks import record_fallback
+from tokensampler_server.rpc.metrics import ServerMetrics, start_metrics_http
+from tokensampler_server.model.sampling import SamplingBatch, SamplingResult
+from tokensampler_server.rpc.service import SamplerService
 
 from .conftest import RunningServer, start_server
 
@@ -285,8 +285,8 @@ def test_client_streaming_calls_are_guarded_and_counted() -> None:
 def test_calls_observed_later_are_recorded_before_a_scrape_reads_them() -> None:
     """The native path's stream messages are recorded at the next scrape, rows by mode included; without
     scrapes the backlog stays bounded."""
-    from tokensampler_server.call_record import CallRecord
-    from tokensampler_server.metrics import _MAX_LATER
+    from tokensampler_server.rpc.call_record import CallRecord
+    from tokensampler_server.rpc.metrics import _MAX_LATER
 
     metrics = ServerMetrics()
     method = "tokensampler.v1.Sampler/SampleStream"

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 import torch
-from tokensampler_server.config import Limits
-from tokensampler_server.errors import ServiceError
-from tokensampler_server.native_path import NativeAnswer, NativeRequestPath
+from tokensampler_server.core.config import Limits
+from tokensampler_server.core.errors import ServiceError
+from tokensampler_server.rpc.native_path import NativeAnswer, NativeRequestPath
 
 
 @dataclass

@@ -15,8 +15,8 @@ import pytest
 import torch
 from tokensampler_server.backends.base import Backend, BackendInfo
 from tokensampler_server.backends.cpu import CpuBackend
-from tokensampler_server.ops.diffusion import DiffusionStep, diffusion_step
-from tokensampler_server.sampling import LogitProcessing, SamplingBatch, SamplingResult, TokenEntries
+from tokensampler_server.workloads.diffusion import DiffusionStep, diffusion_step
+from tokensampler_server.model.sampling import LogitProcessing, SamplingBatch, SamplingResult, TokenEntries
 
 from .batches import Column, make_batch, per_row
 from .test_cpu_semantics import LOGITS, assert_fits, exact_distribution

@@ -12,12 +12,12 @@ from tokensampler_client import SamplerClient, TokenSamplerError, cli
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.workloads import build_score_request
 from tokensampler_server.backends.cpu import kept_token_mask
-from tokensampler_server.config import Limits
-from tokensampler_server.errors import InvalidArgument
-from tokensampler_server.ops import score as score_module
-from tokensampler_server.ops.score import LogitSource, TokenScoring, score_tokens
-from tokensampler_server.validation_ops import validate_score_request
-from tokensampler_server.weights import LogitsFinish, RegisteredWeight
+from tokensampler_server.core.config import Limits
+from tokensampler_server.core.errors import InvalidArgument
+from tokensampler_server.workloads import score as score_module
+from tokensampler_server.workloads.score import LogitSource, TokenScoring, score_tokens
+from tokensampler_server.validation.workloads import validate_score_request
+from tokensampler_server.resources.weights import LogitsFinish, RegisteredWeight
 
 from .conftest import RunningServer
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokensampler_server.ops.topk_probs import topk_probs
+from tokensampler_server.workloads.topk_probs import topk_probs
 
 NAN, INF = float("nan"), float("inf")
 

@@ -15,8 +15,8 @@ import torch
 from scipy import stats
 from tokensampler_server.backends.cpu import CpuBackend
 from tokensampler_server.backends.philox import philox4x32
-from tokensampler_server.ops.verify import DraftVerification, acceptance_uniforms, verify_draft
-from tokensampler_server.sampling import LogitProcessing, TokenEntries
+from tokensampler_server.workloads.verify import DraftVerification, acceptance_uniforms, verify_draft
+from tokensampler_server.model.sampling import LogitProcessing, TokenEntries
 
 from .batches import make_batch
 from .test_cpu_semantics import ALPHA, assert_fits, exact_distribution

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_server.backends.cpu import CpuBackend
-from tokensampler_server.config import Limits
-from tokensampler_server.regions import RegionRegistry
-from tokensampler_server.service import FEATURES, SamplerService
+from tokensampler_server.core.config import Limits
+from tokensampler_server.resources.regions import RegionRegistry
+from tokensampler_server.rpc.service import FEATURES, SamplerService
 
 SWITCHABLE = {"regions", "region_rows", "weights_from_region", "weights_from_file"}
 

@@ -12,8 +12,8 @@ import tokensampler_client.params
 from tokensampler_client import AsyncSamplerClient, SamplerClient, cli
 from tokensampler_client.params import build_sample_request
 from tokensampler_server.backends.cpu import CpuBackend
-from tokensampler_server.config import Limits
-from tokensampler_server.validation import validate_sample_request
+from tokensampler_server.core.config import Limits
+from tokensampler_server.validation.sample import validate_sample_request
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS, VOCAB = 16, 1000

@@ -9,12 +9,12 @@ import tracemalloc
 import torch
 from tokensampler_client.params import build_sample_request
 from tokensampler_server.backends.cpu import CpuBackend
-from tokensampler_server.batcher import DynamicBatcher
-from tokensampler_server.config import Limits
-from tokensampler_server.regions import RegionRegistry
-from tokensampler_server.sample_rpc import SamplePath
-from tokensampler_server.stream_flow import STREAM_BYTES_IN_FLIGHT
-from tokensampler_server.weights import WeightRegistry
+from tokensampler_server.batching.batcher import DynamicBatcher
+from tokensampler_server.core.config import Limits
+from tokensampler_server.resources.regions import RegionRegistry
+from tokensampler_server.rpc.sample_rpc import SamplePath
+from tokensampler_server.rpc.stream_flow import STREAM_BYTES_IN_FLIGHT
+from tokensampler_server.resources.weights import WeightRegistry
 
 MESSAGE_ROWS, VOCAB = 1, 1 << 18  # 1 MiB of fp32 logits a message
 

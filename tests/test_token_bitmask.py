@@ -15,12 +15,12 @@ from tokensampler_client.params import build_sample_request
 from tokensampler_client.tensors import encode_tensor
 from tokensampler_server.backends.cpu import CpuBackend
 from tokensampler_server.backends.processing import unpack_bitmask
-from tokensampler_server.batch_merge import merge_batches, split_result
-from tokensampler_server.config import Limits
-from tokensampler_server.errors import InvalidArgument
-from tokensampler_server.sampling import LogitProcessing, select_rows
-from tokensampler_server.validation import validate_sample_request
-from tokensampler_server.validation_ops import validate_diffusion_request
+from tokensampler_server.batching.batch_merge import merge_batches, split_result
+from tokensampler_server.core.config import Limits
+from tokensampler_server.core.errors import InvalidArgument
+from tokensampler_server.model.sampling import LogitProcessing, select_rows
+from tokensampler_server.validation.sample import validate_sample_request
+from tokensampler_server.validation.workloads import validate_diffusion_request
 
 from .batches import make_batch
 from .test_cpu_semantics import DRAWS, LOGITS, assert_fits, exact_distribution

@@ -26,11 +26,11 @@ from tokensampler_client._channel import call_metadata  # noqa: E402
 from tokensampler_client._proto import sampler_pb2 as pb  # noqa: E402
 from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc  # noqa: E402
 from tokensampler_client.params import build_sample_request  # noqa: E402
-from tokensampler_server.call_guard import CallGuard  # noqa: E402
-from tokensampler_server.cli import parse_args  # noqa: E402
-from tokensampler_server.config import Limits  # noqa: E402
-from tokensampler_server.service import SamplerService  # noqa: E402
-from tokensampler_server.tracing import CallTracer  # noqa: E402
+from tokensampler_server.rpc.call_guard import CallGuard  # noqa: E402
+from tokensampler_server.app.cli import parse_args  # noqa: E402
+from tokensampler_server.core.config import Limits  # noqa: E402
+from tokensampler_server.rpc.service import SamplerService  # noqa: E402
+from tokensampler_server.rpc.tracing import CallTracer  # noqa: E402
 
 from .conftest import start_server  # noqa: E402
 from .test_call_guard import FailsOnWideRows, _request  # noqa: E402
@@ -190,9 +190,9 @@ from tokensampler_client import AsyncSamplerClient
 from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 from tokensampler_server import server as _  # all that serve() imports
 from tokensampler_server.backends.cpu import CpuBackend
-from tokensampler_server.call_guard import CallGuard
-from tokensampler_server.config import Limits
-from tokensampler_server.service import SamplerService
+from tokensampler_server.rpc.call_guard import CallGuard
+from tokensampler_server.core.config import Limits
+from tokensampler_server.rpc.service import SamplerService
 
 async def run():
     server = grpc.aio.server()
@@ -220,7 +220,7 @@ def test_without_tracing_neither_server_nor_client_loads_opentelemetry() -> None
 
 def test_a_missing_opentelemetry_stops_the_server_with_what_to_install() -> None:
     script = ("import sys; sys.modules['opentelemetry'] = None  # as if not installed\n"
-              "from tokensampler_server.cli import main\n"
+              "from tokensampler_server.app.cli import main\n"
               "sys.exit(main(['--device', 'cpu', '--host', '127.0.0.1', '--port', '0', '--no-metrics',"
               " '--otlp-endpoint', 'http://127.0.0.1:4317']))")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from tokensampler_client._proto import sampler_pb2 as pb
-from tokensampler_server.errors import InvalidArgument, ServiceError
-from tokensampler_server.weights import LogitsFinish, WeightRegistry, check_finish, load_safetensors, resolve_weights_path
-from tokensampler_server.weights_rpc import read_upload
+from tokensampler_server.core.errors import InvalidArgument, ServiceError
+from tokensampler_server.resources.weights import LogitsFinish, WeightRegistry, check_finish, load_safetensors, resolve_weights_path
+from tokensampler_server.rpc.weights_rpc import read_upload
 
 from .polling import wait_until_async
 

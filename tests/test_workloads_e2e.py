@@ -7,8 +7,8 @@ import pytest
 import torch
 from tokensampler_client import SamplerClient, TokenSamplerError
 from tokensampler_server.backends.cpu import CpuBackend
-from tokensampler_server.ops.diffusion import DiffusionStep, diffusion_step
-from tokensampler_server.ops.verify import DraftVerification, verify_draft
+from tokensampler_server.workloads.diffusion import DiffusionStep, diffusion_step
+from tokensampler_server.workloads.verify import DraftVerification, verify_draft
 
 from .conftest import RunningServer
 

@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from tokensampler_server.app.cli import main
 
 sys.exit(main())

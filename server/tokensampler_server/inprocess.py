@@ -25,12 +25,12 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.params import fill_sampling_params
 from tokensampler_client.result import SampleResult, Timings
 
-from .backends import create_backend
-from .backends.base import Backend
-from .config import Limits
-from .errors import InvalidArgument
-from .validation import validate_sample_request
-from .weights import RegisteredWeight, check_finish, check_weight_shape
+from tokensampler_server.backends import create_backend
+from tokensampler_server.backends.base import Backend
+from tokensampler_server.core.config import Limits
+from tokensampler_server.core.errors import InvalidArgument
+from tokensampler_server.validation.sample import validate_sample_request
+from tokensampler_server.resources.weights import RegisteredWeight, check_finish, check_weight_shape
 
 __all__ = ["LocalSampler"]
 

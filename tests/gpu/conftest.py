@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokensampler_server.sampling import LogprobsMode, SamplingBatch
+from tokensampler_server.model.sampling import LogprobsMode, SamplingBatch
 
 MODES: dict[str, dict[str, float | int]] = {
     "greedy": {"temperature": 0.0},

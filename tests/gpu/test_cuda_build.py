@@ -17,7 +17,7 @@ def test_prebuild_without_a_gpu_then_load_without_nvcc(tmp_path: Path) -> None:
     capability = ".".join(map(str, torch.cuda.get_device_capability(0)))
     env = {**os.environ, "TOKENSAMPLER_BUILD_DIR": str(tmp_path)}
     built = subprocess.run(
-        [sys.executable, "-m", "tokensampler_server.prebuild", "--capability", capability],
+        [sys.executable, "-m", "tokensampler_server.app.prebuild", "--capability", capability],
         env={**env, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True, timeout=600,
     )
     assert built.returncode == 0, built.stdout + built.stderr
@@ -28,7 +28,7 @@ def test_prebuild_without_a_gpu_then_load_without_nvcc(tmp_path: Path) -> None:
     script = (
         "import torch\n"
         "from tokensampler_server.backends.cuda import CudaBackend\n"
-        "from tokensampler_server.sampling import SamplingBatch\n"
+        "from tokensampler_server.model.sampling import SamplingBatch\n"
         "b = CudaBackend(0)\n"
         "x = torch.randn(4, 1000)\n"
         "f = lambda v, d: torch.full((4,), v, dtype=d)\n"

@@ -14,8 +14,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 from tokensampler_server.backends.cpu import CpuBackend, kept_token_mask
-from tokensampler_server.sampling import HiddenInput
-from tokensampler_server.weights import LogitsFinish, RegisteredWeight
+from tokensampler_server.model.sampling import HiddenInput
+from tokensampler_server.resources.weights import LogitsFinish, RegisteredWeight
 
 from ..batches import make_batch as make_batch_of_columns
 from .conftest import make_batch

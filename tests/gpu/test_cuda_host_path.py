@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tokensampler_server.backends.cuda import select_rows
-from tokensampler_server.sampling import LogprobsMode, SamplingBatch
+from tokensampler_server.model.sampling import LogprobsMode, SamplingBatch
 
 from .conftest import MODES, logits, make_batch
 

@@ -8,7 +8,7 @@ import torch
 
 from tokensampler_server.backends.cpu import kept_token_mask
 from tokensampler_server.backends.cuda import select_rows
-from tokensampler_server.sampling import LogitProcessing, LogprobsMode, TokenEntries
+from tokensampler_server.model.sampling import LogitProcessing, LogprobsMode, TokenEntries
 
 from .conftest import MODES, logits, make_batch
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokensampler_server.ops.cuda import (
+from tokensampler_server.workloads.cuda import (
     WorkloadKernels,
     diffusion_step_cuda,
     run_diffusion_step,
@@ -18,9 +18,9 @@ from tokensampler_server.ops.cuda import (
     topk_probs_cuda,
     verify_draft_cuda,
 )
-from tokensampler_server.ops.diffusion import DiffusionStep, diffusion_step
-from tokensampler_server.ops.topk_probs import topk_probs
-from tokensampler_server.ops.verify import DraftVerification, verify_draft
+from tokensampler_server.workloads.diffusion import DiffusionStep, diffusion_step
+from tokensampler_server.workloads.topk_probs import topk_probs
+from tokensampler_server.workloads.verify import DraftVerification, verify_draft
 
 from .conftest import exact_gumbel_argmax, logits
 
@@ -234,7 +234,7 @@ def test_diffusion_steps_of_changing_shapes_share_the_mailbox(cuda_backend, monk
     of other shapes (rows and chunks land on other words), the two-launch commit (above 1024 positions)
     and the mailbox zeroed between steps must each give what a fresh mailbox gives; the epoch advances
     once a step, in either commit path."""
-    import tokensampler_server.ops.cuda as cuda_workloads
+    import tokensampler_server.workloads.cuda as cuda_workloads
 
     monkeypatch.setattr(cuda_workloads, "_MAILBOX_STEPS_BEFORE_ZEROING", 4)
     shared = WorkloadKernels(0)

@@ -17,8 +17,8 @@ from scipy.stats import chisquare
 from tokensampler_client import SamplerClient
 from tokensampler_server.backends.cpu import CpuBackend, kept_token_mask
 from tokensampler_server.backends.philox import gumbel_noise
-from tokensampler_server.sampling import HiddenInput, SamplingBatch
-from tokensampler_server.weights import LogitsFinish, RegisteredWeight
+from tokensampler_server.model.sampling import HiddenInput, SamplingBatch
+from tokensampler_server.resources.weights import LogitsFinish, RegisteredWeight
 
 from ..batches import make_batch
 from ..conftest import RunningServer, start_server

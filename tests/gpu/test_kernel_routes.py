@@ -16,13 +16,13 @@ import torch
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.params import build_sample_request
 from tokensampler_server.backends.cpu import CpuBackend
-from tokensampler_server.config import Limits
-from tokensampler_server.ops.diffusion import diffusion_step
-from tokensampler_server.ops.topk_probs import topk_probs
-from tokensampler_server.ops.verify import verify_draft
-from tokensampler_server.sampling import HiddenInput, LogprobsMode
-from tokensampler_server.validation import validate_sample_request
-from tokensampler_server.weights import LogitsFinish, RegisteredWeight
+from tokensampler_server.core.config import Limits
+from tokensampler_server.workloads.diffusion import diffusion_step
+from tokensampler_server.workloads.topk_probs import topk_probs
+from tokensampler_server.workloads.verify import verify_draft
+from tokensampler_server.model.sampling import HiddenInput, LogprobsMode
+from tokensampler_server.validation.sample import validate_sample_request
+from tokensampler_server.resources.weights import LogitsFinish, RegisteredWeight
 
 from .conftest import MODES, logits, make_batch
 from .test_cuda_workloads import _assert_step_agrees, _assert_verdicts_agree, _step, _verification
@@ -97,7 +97,7 @@ def test_fused_lm_head(cuda_backend, mode: str) -> None:
 
 
 def test_topk_probs_kernel(cuda_backend) -> None:
-    from tokensampler_server.ops.cuda import run_topk_probs
+    from tokensampler_server.workloads.cuda import run_topk_probs
 
     x = logits("spiky", ROWS, VOCAB, seed=9)
     temperature = torch.full((ROWS,), 0.8)
@@ -108,21 +108,21 @@ def test_topk_probs_kernel(cuda_backend) -> None:
 
 
 def test_diffusion_step_kernel(cuda_backend, cpu_backend) -> None:
-    from tokensampler_server.ops.cuda import run_diffusion_step
+    from tokensampler_server.workloads.cuda import run_diffusion_step
 
     step = _step(3, 8, 1000, seed=10, temperature=[1.0, 0.0, 0.7])
     _assert_step_agrees(run_diffusion_step(step, cuda_backend), diffusion_step(step, cpu_backend), step.mask)
 
 
 def test_verify_draft_kernel(cuda_backend) -> None:
-    from tokensampler_server.ops.cuda import run_verify_draft
+    from tokensampler_server.workloads.cuda import run_verify_draft
 
     v = _verification(4, 3, 1000, seed=11, temperature=[1.0, 0.7, 0.0, 1.2])
     _assert_verdicts_agree(run_verify_draft(v, cuda_backend), verify_draft(v))
 
 
 def test_native_request_path(cuda_backend) -> None:
-    from tokensampler_server.native_path import NativeRequestPath
+    from tokensampler_server.rpc.native_path import NativeRequestPath
 
     path = NativeRequestPath.for_backend(cuda_backend, Limits())
     x = logits("spiky", ROWS, VOCAB, seed=12)

@@ -13,8 +13,8 @@ import pytest
 import torch
 from tokensampler_client.params import build_sample_request
 from tokensampler_server.backends.processing import apply_processing
-from tokensampler_server.config import Limits
-from tokensampler_server.validation import validate_sample_request
+from tokensampler_server.core.config import Limits
+from tokensampler_server.validation.sample import validate_sample_request
 
 from .conftest import logits
 

@@ -23,11 +23,11 @@ import torch
 from tokensampler_client import SamplerClient
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.tensors import encode_tensor
-from tokensampler_server.config import Limits
-from tokensampler_server.regions import Region
-from tokensampler_server.errors import ServiceError
-from tokensampler_server.sample_rpc import referenced_input
-from tokensampler_server.validation import validate_sample_request
+from tokensampler_server.core.config import Limits
+from tokensampler_server.resources.regions import Region
+from tokensampler_server.core.errors import ServiceError
+from tokensampler_server.rpc.sample_rpc import referenced_input
+from tokensampler_server.validation.sample import validate_sample_request
 
 from ..conftest import RunningServer, start_server
 from .conftest import degenerate_rows, logits
@@ -47,7 +47,7 @@ def region_buffer() -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def native(cuda_backend, region_buffer: torch.Tensor):
-    from tokensampler_server.native_path import NativeRequestPath
+    from tokensampler_server.rpc.native_path import NativeRequestPath
 
     path = NativeRequestPath.for_backend(cuda_backend, LIMITS)
     path.region_added(Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None))
@@ -328,7 +328,7 @@ def test_everything_else_is_declined(native, region_buffer) -> None:
 
 
 def test_removed_region_and_dead_producer_are_declined(cuda_backend, region_buffer) -> None:
-    from tokensampler_server.native_path import NativeRequestPath
+    from tokensampler_server.rpc.native_path import NativeRequestPath
 
     path = NativeRequestPath.for_backend(cuda_backend, LIMITS)
     raw = pb.SampleRequest(logits_ref=put(region_buffer, logits("flat", 2, 100, seed=6).cuda())).SerializeToString()
@@ -356,7 +356,7 @@ def test_queued_requests_are_sampled_as_one_batch_each_answered_as_alone(cuda_ba
     """Seven seeded requests queued together (a queue delay): one batch per vocabulary and dtype, contiguous,
     gathered and carried rows of mixed modes merged. Every answer equals the same request's answer alone, to the
     bit (batch invariance)."""
-    from tokensampler_server.native_path import NativeRequestPath
+    from tokensampler_server.rpc.native_path import NativeRequestPath
 
     queued = NativeRequestPath.for_backend(cuda_backend, LIMITS, max_queue_delay_us=20_000)
     queued.region_added(Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None))
@@ -396,7 +396,7 @@ def test_queued_requests_are_sampled_as_one_batch_each_answered_as_alone(cuda_ba
 def test_a_waiting_request_whose_region_goes_is_declined(cuda_backend, region_buffer) -> None:
     """A queued request whose region is unregistered before it is sampled is declined (the Python path answers it
     NOT_FOUND), and the path goes on serving."""
-    from tokensampler_server.native_path import NativeRequestPath
+    from tokensampler_server.rpc.native_path import NativeRequestPath
 
     path = NativeRequestPath.for_backend(cuda_backend, LIMITS, max_queue_delay_us=20_000)
     path.region_added(Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None))
@@ -418,7 +418,7 @@ def test_the_queue_is_bounded_and_a_delay_gathers_requests(cuda_backend, region_
     """Past max_queue_rows queued rows a request gets RESOURCE_EXHAUSTED at once; with max_queue_delay_us a
     lone request waits that long for others, which join its batch."""
     import grpc
-    from tokensampler_server.native_path import NativeRequestPath
+    from tokensampler_server.rpc.native_path import NativeRequestPath
 
     raw = pb.SampleRequest(logits_ref=put(region_buffer, logits("spiky", 6, 1000, seed=36).cuda()),
                            params=pb.SamplingParams(seed=list(range(6)))).SerializeToString()

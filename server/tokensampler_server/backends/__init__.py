@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from ..config import StartupError
-from .base import Backend, BackendInfo
+from tokensampler_server.core.config import StartupError
+from tokensampler_server.backends.base import Backend, BackendInfo
 
 __all__ = ["Backend", "BackendInfo", "create_backend"]
 
@@ -14,12 +14,12 @@ log = logging.getLogger(__name__)
 
 def _cuda_backend(device: str) -> Backend:
     """The CUDA backend on `device`; CudaBackendUnavailable, saying why, when it cannot run here."""
-    from .cuda_build import CudaBackendUnavailable, check_device
+    from tokensampler_server.backends.cuda_build import CudaBackendUnavailable, check_device
 
     index = int(device.partition(":")[2] or 0)
     check_device(index)  # first: a GPU the kernels cannot run on is named as such, before torch touches it
     try:
-        from .cuda import CudaBackend  # imported lazily: it builds the kernels on first use
+        from tokensampler_server.backends.cuda import CudaBackend  # imported lazily: it builds the kernels on first use
 
         return CudaBackend(device_index=index)
     except CudaBackendUnavailable:
@@ -35,8 +35,8 @@ def create_backend(device: str) -> Backend:
     with a warning. An explicit cuda device that cannot be used stops the server (StartupError): a pod that
     asked for a GPU must not serve on the CPU unnoticed.
     """
-    from .cpu import CpuBackend
-    from .cuda_build import CudaBackendUnavailable
+    from tokensampler_server.backends.cpu import CpuBackend
+    from tokensampler_server.backends.cuda_build import CudaBackendUnavailable
 
     if device == "cpu":
         return CpuBackend()

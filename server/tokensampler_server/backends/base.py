@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..sampling import SamplingBatch, SamplingResult
+from tokensampler_server.model.sampling import SamplingBatch, SamplingResult
 
 
 @dataclass(frozen=True)

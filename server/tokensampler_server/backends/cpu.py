@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from ..request_context import raise_if_abandoned
-from ..sampling import LogprobsMode, SamplingBatch, SamplingResult, concat_results, select_rows
-from .base import Backend, BackendInfo, Route
-from .philox import gumbel_noise, gumbel_noise_at
-from .processing import apply_processing, sanitize_non_finite
+from tokensampler_server.core.request_context import raise_if_abandoned
+from tokensampler_server.model.sampling import LogprobsMode, SamplingBatch, SamplingResult, concat_results, select_rows
+from tokensampler_server.backends.base import Backend, BackendInfo, Route
+from tokensampler_server.backends.philox import gumbel_noise, gumbel_noise_at
+from tokensampler_server.backends.processing import apply_processing, sanitize_non_finite
 
 _NEG_INF = float("-inf")
 # Rows whose kept sets are all at most this wide draw noise at the kept ids only.

@@ -33,13 +33,13 @@ import threading
 
 import torch
 
-from ..fallbacks import record_fallback
-from ..sampling import LogprobsMode, SamplingBatch, SamplingResult, select_rows
-from . import cuda_fused
-from .base import Backend, BackendInfo, Route
-from .cuda_build import CudaBackendUnavailable
-from .cuda_kernels import FILTER_BLOCKS_TARGET, NUCLEUS_FILTER_BLOCKS_TARGET, Kernels, Outputs
-from .processing import apply_processing
+from tokensampler_server.core.fallbacks import record_fallback
+from tokensampler_server.model.sampling import LogprobsMode, SamplingBatch, SamplingResult, select_rows
+from tokensampler_server.backends import cuda_fused
+from tokensampler_server.backends.base import Backend, BackendInfo, Route
+from tokensampler_server.backends.cuda_build import CudaBackendUnavailable
+from tokensampler_server.backends.cuda_kernels import FILTER_BLOCKS_TARGET, NUCLEUS_FILTER_BLOCKS_TARGET, Kernels, Outputs
+from tokensampler_server.backends.processing import apply_processing
 
 _FLAG_NAN, _FLAG_INVALID, _FLAG_EXACT = 1, 2, 4  # 4: the row needs the exact filter
 

@@ -14,9 +14,9 @@ from functools import lru_cache
 
 import torch
 
-from ..sampling import LogprobsMode, SamplingBatch, SamplingResult
-from .cuda_build import load_kernels
-from .cuda_kernels import RowParams, stream_address
+from tokensampler_server.model.sampling import LogprobsMode, SamplingBatch, SamplingResult
+from tokensampler_server.backends.cuda_build import load_kernels
+from tokensampler_server.backends.cuda_kernels import RowParams, stream_address
 
 MAX_TOP_K = 63
 """The largest top-k the fused kernel takes: k + 1 <= its 64 candidates per row (the cut is then inside)."""

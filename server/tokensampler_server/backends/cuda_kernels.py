@@ -14,7 +14,7 @@ from functools import cached_property
 
 import torch
 
-from .cuda_build import load_kernels
+from tokensampler_server.backends.cuda_build import load_kernels
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import LogitProcessing, TokenEntries
-from .truncation import apply_truncation
+from tokensampler_server.model.sampling import LogitProcessing, TokenEntries
+from tokensampler_server.backends.truncation import apply_truncation
 
 
 def _index(entries: TokenEntries, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import Truncation
-from .philox import counter_uniforms
+from tokensampler_server.model.sampling import Truncation
+from tokensampler_server.backends.philox import counter_uniforms
 
 _NEG_INF = float("-inf")
 # XTC's coin: counter (0xFFFFFFFE, position, iteration, 0xFFFFFFFF), word 0 (docs/semantics.md L6).

@@ -1,0 +1,193 @@
+"""Builds the grpc.aio server (sampler, health, reflection) and runs it until SIGTERM/SIGINT.
+
+Shutdown: health turns NOT_SERVING at once (gRPC, and /readyz on the metrics port), new calls are
+refused, in-flight calls get the grace period to finish, then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+from tokensampler_client._proto import sampler_pb2 as pb
+
+from tokensampler_server.rpc.admission import Admission
+from tokensampler_server.rpc.auth import AuthInterceptor, BearerTokens
+from tokensampler_server.backends import create_backend
+from tokensampler_server.batching.batcher import DynamicBatcher
+from tokensampler_server.core.config import ServerConfig, StartupError, cpu_max_batch_elements
+from tokensampler_server.rpc.call_guard import CallGuard
+from tokensampler_server.resources.regions import RegionRegistry
+from tokensampler_server.rpc.metrics import ServerMetrics, start_metrics_http
+from tokensampler_server.rpc.native_path import create_native_path
+from tokensampler_server.rpc.service import SamplerService, add_sampler_to_server
+from tokensampler_server.app.tls import server_credentials
+from tokensampler_server.resources.weights import WeightRegistry
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Sampler"].full_name
+
+
+def _memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def sampler_serving(health_servicer: health.aio.HealthServicer) -> bool:
+    """Whether gRPC health says SERVING for the Sampler: /readyz on the metrics port. Called on that port's
+    threads, where the servicer's Check (a coroutine of the event loop) cannot run: a read of its status dict."""
+    return health_servicer._server_status.get(SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
+
+
+def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
+    options = [
+        ("grpc.max_receive_message_length", config.limits.max_message_bytes),
+        ("grpc.max_send_message_length", config.limits.max_message_bytes),
+    ]
+    if config.max_connection_age_s > 0:
+        # Clients that balance over DNS results re-resolve when a connection closes: closing each one
+        # after a while lets them find replicas that started since. Calls in flight get the grace period.
+        options += [
+            ("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),
+            ("grpc.max_connection_age_grace_ms", int(config.grace_period_s * 1000)),
+        ]
+    return options
+
+
+def grpc_call_backstop(config: ServerConfig) -> int | None:
+    """grpc's own cap on calls (None: none), a backstop far above admission's caps (admission.py), which count
+    only the calls they admit, from their handler's start. grpc counts every call from its arrival: also health
+    checks, calls being refused (for their token or at a cap) and unary calls whose request is still arriving.
+    Those get as much room again as the service's calls: only a flood of them reaches it."""
+    if not config.max_concurrent_rpcs or not config.max_health_watchers:
+        return None
+    return 2 * config.max_concurrent_rpcs + config.max_health_watchers
+
+
+def _write_port_file(path: Path, port: int) -> None:
+    """Replaces `path` whole with the port, so that a reader never sees half a file."""
+    partial = path.with_name(path.name + ".partial")
+    try:
+        partial.write_text(f"{port}\n")
+        partial.replace(path)
+    except OSError as err:
+        raise StartupError(f"--port-file: cannot write {path}: {err.strerror}") from err
+
+
+async def serve(config: ServerConfig) -> None:
+    # Access settings first: a bad token or certificate file stops the server before any work.
+    tokens = None if config.auth_token_file is None else BearerTokens.from_file(config.auth_token_file)
+    credentials = None
+    if config.tls_cert is not None and config.tls_key is not None:
+        credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+    backend = create_backend(config.device)
+    info = backend.info()
+    tracer = None
+    if config.otlp_endpoint is not None:
+        from tokensampler_server.rpc.tracing import otlp_tracer  # only here: a server without tracing loads no opentelemetry module
+
+        tracer = otlp_tracer(config.otlp_endpoint, info.name)
+        log.info("tracing: spans to %s", config.otlp_endpoint)
+    log.info("backend %s on %s", info.name, info.device)
+
+    if config.gpu_memory_fraction is not None and backend.device.type == "cuda":
+        import torch
+
+        torch.cuda.set_per_process_memory_fraction(config.gpu_memory_fraction, backend.device)
+    if not config.max_elements_given and backend.device.type == "cpu":
+        limits = replace(config.limits, max_batch_elements=cpu_max_batch_elements(_memory_bytes()))
+        config = replace(config, limits=limits)
+        log.info("CPU backend: at most %d elements in a request or batch (--max-batch-elements)",
+                 limits.max_batch_elements)
+    metrics = ServerMetrics(info)
+    # The only interceptor: a refused call reaches nothing else. Every handler is guarded as it registers, and
+    # the guard admits each call (admission.py): after authentication, so outsiders take no slot of the service.
+    interceptors = [AuthInterceptor(tokens, metrics)] if tokens is not None else None
+    server = grpc.aio.server(interceptors=interceptors, options=grpc_options(config),
+                             maximum_concurrent_rpcs=grpc_call_backstop(config))
+    admission = Admission(config.max_concurrent_rpcs, config.max_health_watchers, config.max_calls_per_client,
+                          tokens, metrics)
+    registration = CallGuard(metrics, admission, tracer).registration(server)
+    batcher = DynamicBatcher(
+        backend,
+        max_batch_rows=config.limits.max_batch_rows,
+        max_batch_elements=config.limits.max_batch_elements,
+        max_queue_delay_us=config.max_queue_delay_us,
+        max_queue_rows=config.max_queue_rows,
+        max_queue_bytes=config.max_queue_bytes,
+        observe_batch_rows=metrics.batch_rows.observe,
+    )
+    native = create_native_path(backend, config.limits, config.native_request_path,
+                                max_queue_delay_us=config.max_queue_delay_us, max_queue_rows=config.max_queue_rows,
+                                observe_batch_rows=metrics.batch_rows.observe)
+    regions = RegionRegistry(allow_shm=config.allow_shm, allow_cuda_ipc=config.allow_cuda_ipc, mirror=native,
+                             max_regions=config.max_regions, unregister_timeout_s=config.unregister_timeout_s)
+    weights = WeightRegistry(backend.device, max_weights=config.max_weights,
+                             unregister_timeout_s=config.unregister_timeout_s)
+    sampler = SamplerService(
+        backend, config.limits, batcher=batcher, registry=weights, weights_dir=config.weights_dir, regions=regions,
+        metrics=metrics, native=native,
+    )
+    metrics.queue_depth.set_function(lambda: sampler.queue_depth)
+    metrics.registered_weights.set_function(lambda: len(sampler.registry.list()))
+    metrics.registered_weights_bytes.set_function(lambda: sampler.registry.total_bytes)
+    metrics.registered_regions.set_function(lambda: len(regions.list()))
+    metrics.registered_regions_bytes.set_function(lambda: regions.total_bytes)
+    add_sampler_to_server(sampler, registration)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, registration)
+    if config.reflection:
+        # reflection.enable_server_reflection, with the asyncio servicer named (it picks by the server's type)
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)),
+            registration)
+    address = f"{config.host}:{config.port}"
+    if credentials is not None:
+        port = server.add_secure_port(address, credentials)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"could not listen on {config.host}:{config.port}")
+    if config.port_file is not None:
+        _write_port_file(config.port_file, port)
+    # The socket file's permissions guard it; bearer tokens still apply there.
+    if config.uds is not None and server.add_insecure_port(f"unix:{config.uds}") == 0:
+        raise RuntimeError(f"could not listen on unix:{config.uds}")
+    metrics_http = None
+    if config.metrics_port is not None:  # before the serving line: whoever waits for it finds the metrics port too
+        metrics_http = start_metrics_http(metrics, config.host, config.metrics_port,
+                                          ready=partial(sampler_serving, health_servicer))
+    await server.start()
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    # Tests and scripts wait for this line to learn the port (with --port 0 the OS picks it).
+    log.info("access: %s, %s", "bearer tokens required" if tokens is not None else "open to every caller",
+             "plaintext" if credentials is None else "TLS" + (" with client certificates" if config.tls_client_ca else ""))
+    log.info("tokensampler serving on %s:%d", config.host, port, extra={"host": config.host, "port": port})
+    if config.uds is not None:
+        log.info("also serving on unix:%s", config.uds)
+
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stopping.set)
+    await stopping.wait()
+
+    log.info("shutting down: NOT_SERVING, %.1f s grace for in-flight requests", config.grace_period_s)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(config.grace_period_s)
+    await sampler.close()
+    if tracer is not None:
+        tracer.shutdown()  # exports the spans of the last calls
+    if metrics_http is not None:  # last: Prometheus can scrape the drain
+        metrics_http.shutdown()
+        metrics_http.server_close()
+    log.info("stopped")

@@ -1,0 +1,387 @@
+"""Server-side dynamic batching: concurrent requests coalesced into one backend call.
+
+Requests wait in a bounded queue. The backend runs one merged batch at a time on its worker thread;
+while it runs, new requests gather, so batches grow with load by themselves. A batch closes at
+`max_batch_rows` rows, or `max_queue_delay_us` after its first request arrived (0: no waiting beyond
+the backend being busy), and within max_batch_elements. A full queue answers RESOURCE_EXHAUSTED at once.
+A caller that goes away (cancelled, deadline passed) leaves its rows behind; the other requests of its batch
+are unaffected, and work whose every caller has gone is dropped before it starts.
+
+Each queued request holds a share of its lease (leases.py): the regions and weights it reads stay registered
+and mapped until the backend is done with it, however early its call ends. The other workloads
+(`run_exclusive`) count against the same bounds, hold their leases the same way, and are dropped the same way.
+
+Per-call cost matters as much as merging (docs/design/service-path.md): with no queue delay, an idle
+backend gets a request's batch at once from `enqueue` (no runner task to wake), and the worker thread
+hands each result straight back to the event loop with one call_soon_threadsafe. A small batch whose
+input already lies on the GPU (a CUDA region) runs on the event loop itself when the worker is idle:
+its kernels and one synchronisation take less time than the two thread handoffs would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import queue
+import threading
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TypeVar
+
+import grpc
+import torch
+
+from tokensampler_server.backends import Backend
+from tokensampler_server.batching.batch_merge import merge_batches, merge_key, split_result
+from tokensampler_server.core.errors import ServiceError, queue_full
+from tokensampler_server.resources.leases import Lease
+from tokensampler_server.core.request_context import current_abandoned
+from tokensampler_server.model.sampling import SamplingBatch, SamplingResult
+
+
+T = TypeVar("T")
+Done = Callable[[object, BaseException | None], None]
+"""Called on the event loop with (outcome, None) or (None, error) when a worker job ends."""
+
+
+def _out_of_memory_as_status(work: Callable[[], T]) -> T:
+    """Runs `work`; running out of memory becomes RESOURCE_EXHAUSTED after the cache is given back."""
+    try:
+        return work()
+    except (torch.cuda.OutOfMemoryError, MemoryError):
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # give back what the failed work had taken
+        raise ServiceError(
+            "out of memory: retry later or with fewer rows", grpc.StatusCode.RESOURCE_EXHAUSTED
+        ) from None
+
+
+def host_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of a request's tensor held in host memory (tensors in GPU regions belong to their producer)."""
+    return tensor.numel() * tensor.element_size() if tensor.device.type == "cpu" else 0
+
+
+def _host_bytes(batch: SamplingBatch) -> int:
+    return host_bytes(batch.logits if batch.logits is not None else batch.hidden.states)
+
+
+# Largest GPU-resident batch run on the event loop: B·V logits (64 rows of 262,144), a few hundred µs
+# of kernels at most; larger ones, and those with top log-probs (a full sort), go to the worker.
+_INLINE_MAX_ELEMENTS = 1 << 24
+
+
+def _runs_inline(batch: SamplingBatch) -> bool:
+    tensor = batch.logits if batch.logits is not None else batch.hidden.states
+    return (tensor.device.type != "cpu" and batch.top_logprobs == 0
+            and batch.num_rows * batch.vocab_size <= _INLINE_MAX_ELEMENTS)
+
+
+def settle(future: asyncio.Future, outcome: object, error: BaseException | None) -> None:
+    """Hands a caller its outcome or error, unless it went away (native_path.py shares it)."""
+    if future.done():  # the caller went away
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(outcome)
+
+
+def _watched(abandoned: Callable[[], bool], work: Callable[..., T], *args: object) -> T:
+    """Runs `work(*args)` unless `abandoned()` (every caller gone), telling the work's long loops how to ask
+    the same (request_context.raise_if_abandoned)."""
+    if abandoned():
+        raise ServiceError("cancelled: the caller went away before its work started", grpc.StatusCode.CANCELLED)
+    # Reset after the work: the context outlives the job, and `abandoned` reaches the batch (its LM head
+    # included), whose memory an unregister must free at once.
+    token = current_abandoned.set(abandoned)
+    try:
+        return work(*args)
+    finally:
+        current_abandoned.reset(token)
+
+
+def _finished_on(device: torch.device, work: Callable[[], T]) -> T:
+    """`work()`, returned only once the device's stream has finished it: until then its inputs are still read."""
+    outcome = work()
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return outcome
+
+
+class _Worker:
+    """The backend's one thread: runs jobs in order, and reports each on its event loop.
+
+    Cheaper than run_in_executor (no concurrent Future to wrap, one loop turn less per job).
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, loop: asyncio.AbstractEventLoop, context: contextvars.Context, work: Callable[[], object],
+               done: Done) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="tokensampler-backend", daemon=True)
+            self._thread.start()
+        self._jobs.put((loop, context, work, done))
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            loop, context, work, done = job
+            try:
+                outcome, error = context.run(work), None
+            except BaseException as err:  # every job's caller hears how it ended
+                outcome, error = None, err
+            try:
+                loop.call_soon_threadsafe(done, outcome, error)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
+            # The finished job's batch (and so its LM head) must not wait here for the next job to come.
+            del job, context, work, done, outcome, error
+
+    def shutdown(self) -> None:
+        """Waits for the jobs already submitted, then stops the thread."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+
+
+@dataclass(frozen=True)
+class BatchTimes:
+    """Nanoseconds a request spent queued and in its backend call, and the rows of that call."""
+
+    queue_ns: int
+    compute_ns: int
+    batch_rows: int
+
+
+@dataclass
+class _Pending:
+    batch: SamplingBatch
+    future: asyncio.Future
+    enqueued_ns: int = field(default_factory=time.perf_counter_ns)
+    context: contextvars.Context = field(default_factory=contextvars.copy_context)
+    """The caller's context (request id): the backend logs a batch under its first request's."""
+    lease: Lease | None = None
+    """The batcher's share of what the request holds, released once the backend is done with it."""
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
+
+class DynamicBatcher:
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        max_batch_rows: int,
+        max_batch_elements: int | None = None,
+        max_queue_delay_us: int = 0,
+        max_queue_rows: int | None = None,
+        max_queue_bytes: int = 2 << 30,
+        observe_batch_rows: Callable[[int], None] | None = None,
+    ) -> None:
+        self._backend = backend
+        self._max_batch_rows = max_batch_rows
+        self._max_batch_elements = max_batch_elements
+        self._delay_s = max_queue_delay_us / 1e6
+        self._max_queue_rows = max_queue_rows if max_queue_rows is not None else 8 * max_batch_rows
+        self._max_queue_bytes = max_queue_bytes
+        self._queue: list[_Pending] = []
+        self._queued_rows = 0
+        self._queued_bytes = 0
+        self._running = False
+        """A merged batch is on the worker; the next one starts when it is back."""
+        self._exclusive = 0
+        """run_exclusive jobs on the worker: no batch runs on the event loop meanwhile."""
+        self._exclusive_rows = 0
+        self._exclusive_bytes = 0
+        """Rows and host bytes of the run_exclusive jobs not yet finished, within the queue's bounds."""
+        self._wakeup: asyncio.Event | None = None
+        self._runner: asyncio.Task | None = None
+        """Waits out max_queue_delay_us before each batch (only when that delay is set)."""
+        self._observe_batch_rows = observe_batch_rows
+        self._worker = _Worker()
+
+    @property
+    def max_queue_bytes(self) -> int:
+        return self._max_queue_bytes
+
+    @property
+    def queued_rows(self) -> int:
+        return self._queued_rows
+
+    @property
+    def queued_requests(self) -> int:
+        """Requests waiting for the backend whose callers still want the answer."""
+        return sum(not pending.future.done() for pending in self._queue)
+
+    def _check_room(self, rows: int, nbytes: int) -> None:
+        """RESOURCE_EXHAUSTED when `rows` and `nbytes` more would not fit the queue's bounds."""
+        waiting_rows = self._queued_rows + self._exclusive_rows
+        if waiting_rows + rows > self._max_queue_rows:
+            raise queue_full(waiting_rows, self._max_queue_rows, "rows")
+        waiting_bytes = self._queued_bytes + self._exclusive_bytes
+        if waiting_bytes + nbytes > self._max_queue_bytes:
+            raise queue_full(waiting_bytes, self._max_queue_bytes, "bytes")
+
+    def enqueue(self, batch: SamplingBatch, lease: Lease | None = None) -> asyncio.Future:
+        """Queues `batch` to be sampled, possibly together with other requests; the future gets
+        (its own rows, BatchTimes). Raises RESOURCE_EXHAUSTED at once when the queue is full. A share of
+        `lease` is held until the backend is done with the batch."""
+        nbytes = _host_bytes(batch)
+        self._check_room(batch.num_rows, nbytes)
+        loop = asyncio.get_running_loop()
+        pending = _Pending(batch, loop.create_future(), lease=None if lease is None else lease.share())
+        self._queue.append(pending)
+        self._queued_rows += batch.num_rows
+        self._queued_bytes += nbytes
+        if self._delay_s:
+            self._wake_runner()
+        else:  # an idle backend starts on this request now
+            self._launch(loop)
+        return pending.future
+
+    async def submit(self, batch: SamplingBatch) -> tuple[SamplingResult, BatchTimes]:
+        """Samples `batch`, possibly together with other requests; returns its own rows."""
+        return await self.enqueue(batch)
+
+    def _take(self) -> list[_Pending]:
+        """Removes the next group from the queue: the oldest request and the later ones it can merge
+        with, up to max_batch_rows rows. Requests whose callers are gone are dropped on the way."""
+        group: list[_Pending] = []
+        kept: list[_Pending] = []
+        key: Hashable = None
+        rows = most_rows = 0
+        for pending in self._queue:
+            if pending.future.done():
+                self._queued_rows -= pending.batch.num_rows
+                self._queued_bytes -= _host_bytes(pending.batch)
+                pending.release()
+            elif not group:
+                group, key, rows = [pending], merge_key(pending.batch), pending.batch.num_rows
+                most_rows = self._max_batch_rows
+                if self._max_batch_elements is not None:  # one request alone is within it (validation)
+                    most_rows = min(most_rows, max(rows, self._max_batch_elements // pending.batch.vocab_size))
+            elif merge_key(pending.batch) == key and rows + pending.batch.num_rows <= most_rows:
+                group.append(pending)
+                rows += pending.batch.num_rows
+            else:
+                kept.append(pending)
+        self._queue = kept
+        self._queued_rows -= rows
+        self._queued_bytes -= sum(_host_bytes(p.batch) for p in group)
+        return group
+
+    def _wake_runner(self) -> None:
+        if self._runner is None:
+            self._wakeup = asyncio.Event()
+            self._runner = asyncio.ensure_future(self._run())
+        self._wakeup.set()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            if self._running:  # _finished wakes this again
+                continue
+            if self._queued_rows < self._max_batch_rows:
+                await asyncio.sleep(self._delay_s)
+            self._launch(loop)
+
+    def _launch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Runs the next group, if any request still waits and no batch is running."""
+        if self._running:
+            return
+        group = self._take()
+        if not group:
+            return
+        started = time.perf_counter_ns()
+        try:
+            merged = merge_batches([p.batch for p in group])
+        except Exception as err:  # each caller gets the failure; the call guard classifies it
+            self._finished(loop, group, started, 0, None, err)
+            return
+        done = partial(self._finished, loop, group, started, merged.num_rows)
+        if not self._exclusive and _runs_inline(merged):
+            try:
+                outcome, error = group[0].context.run(self._sample, merged), None
+            except Exception as err:  # handed to the callers, as from the worker
+                outcome, error = None, err
+            done(outcome, error)
+            return
+        self._running = True
+        def abandoned() -> bool:
+            return all(p.future.done() for p in group)
+
+        self._worker.submit(loop, group[0].context, partial(_watched, abandoned, self._sample, merged), done)
+
+    def _finished(self, loop: asyncio.AbstractEventLoop, group: list[_Pending], started: int, rows: int,
+                  result: SamplingResult | None, error: BaseException | None) -> None:
+        """On the event loop: hands every caller its rows (or the error), then starts the next batch."""
+        self._running = False
+        finished = time.perf_counter_ns()
+        if error is not None:
+            for pending in group:
+                settle(pending.future, None, error)
+        else:
+            if self._observe_batch_rows is not None:
+                self._observe_batch_rows(rows)
+            parts = split_result(result, [p.batch.num_rows for p in group]) if len(group) > 1 else [result]
+            for pending, part in zip(group, parts):
+                settle(pending.future, (part, BatchTimes(started - pending.enqueued_ns, finished - started, rows)), None)
+        for pending in group:  # the backend is done with their memory
+            pending.release()
+        if self._queue:
+            if self._delay_s:
+                self._wake_runner()
+            else:  # on the next turn: requests that arrived meanwhile can join the group
+                loop.call_soon(self._launch, loop)
+
+    async def run_exclusive(self, work: Callable[[], T], *, rows: int, nbytes: int, lease: Lease | None = None) -> T:
+        """Runs `work` on the backend's worker thread, between sampling batches; its `rows` and host `nbytes`
+        count against the queue's bounds (RESOURCE_EXHAUSTED at once past them) until it ends. Work whose caller
+        has gone is dropped before it starts; a share of `lease` is held until the work, GPU stream included, is
+        done. Out-of-memory errors answer RESOURCE_EXHAUSTED, as for batches."""
+        self._check_room(rows, nbytes)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        share = None if lease is None else lease.share()
+
+        def done(outcome: object, error: BaseException | None) -> None:
+            self._exclusive -= 1
+            self._exclusive_rows -= rows
+            self._exclusive_bytes -= nbytes
+            if share is not None:
+                share.release()
+            settle(future, outcome, error)
+
+        self._exclusive += 1
+        self._exclusive_rows += rows
+        self._exclusive_bytes += nbytes
+        device = self._backend.device
+        job = partial(_watched, future.done, _out_of_memory_as_status, partial(_finished_on, device, work))
+        self._worker.submit(loop, contextvars.copy_context(), job, done)
+        return await future
+
+    def _sample(self, batch: SamplingBatch) -> SamplingResult:
+        return _out_of_memory_as_status(lambda: self._backend.sample(batch.with_logits()))
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, running, or on the worker."""
+        return not (self._queue or self._running or self._exclusive)
+
+    async def close(self) -> None:
+        """Stops taking batches once the queue is empty and the last batch is back."""
+        while not self.idle:
+            await asyncio.sleep(0.001)
+        if self._runner is not None:
+            self._runner.cancel()
+        self._worker.shutdown()

@@ -1,0 +1,243 @@
+"""The validated form of a sampling request, as every backend receives it, and what it returns.
+
+`validation.py` turns a `SampleRequest` into a `SamplingBatch`; a backend turns a `SamplingBatch` into
+a `SamplingResult`. Both are plain torch tensors so that the CPU reference and the CUDA kernels read
+the same thing. docs/semantics.md defines what a backend computes from them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from tokensampler_server.resources.weights import RegisteredWeight
+
+
+class LogprobsMode(enum.Enum):
+    """Which distribution reported log-probs are taken under (docs/semantics.md, steps 1 and 11)."""
+
+    RAW = "raw"
+    PROCESSED = "processed"
+
+
+@dataclass(frozen=True)
+class TokenEntries:
+    """Per-row token lists in coordinate form: entry j is token `tokens[j]` of row `rows[j]`.
+
+    Both are int64 [n] on the CPU. Duplicates are kept (a history counts each occurrence).
+    """
+
+    rows: torch.Tensor
+    tokens: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.rows.numel())
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """The local samplers of step 5 (docs/semantics.md L4-L6): one value per row, every tensor [B] on the CPU.
+
+    A row at the off values (top_n_sigma <= 0, typical_p 1, xtc_probability 0) is left as it is."""
+
+    top_n_sigma: torch.Tensor
+    """float32; <= 0 is off."""
+    typical_p: torch.Tensor
+    """float32 in (0, 1]; 1 is off."""
+    xtc_threshold: torch.Tensor
+    """float32 in (0, 1]."""
+    xtc_probability: torch.Tensor
+    """float32 in [0, 1]; 0 is off."""
+    seed: torch.Tensor
+    position: torch.Tensor
+    iteration: torch.Tensor
+    """int64 each: the Philox key and counter words of the row's XTC coin (those of its token's noise)."""
+
+    @staticmethod
+    def off(num_rows: int) -> Truncation:
+        """Rows that truncate nothing."""
+        zeros = torch.zeros(num_rows, dtype=torch.float32)
+        counter = torch.zeros(num_rows, dtype=torch.int64)
+        return Truncation(top_n_sigma=zeros, typical_p=torch.ones(num_rows, dtype=torch.float32),
+                          xtc_threshold=torch.full((num_rows,), 0.1, dtype=torch.float32), xtc_probability=zeros,
+                          seed=counter, position=counter, iteration=counter)
+
+    def rows(self, index: torch.Tensor) -> Truncation:
+        """The rows `index` (int64, CPU), in that order."""
+        return Truncation(**{name: getattr(self, name)[index] for name in _TRUNCATION_COLUMNS})
+
+    def at_positions(self, position: torch.Tensor) -> Truncation:
+        """The same rows drawing their coins at `position` (int64 [B])."""
+        return replace(self, position=position)
+
+    @staticmethod
+    def concat(parts: list[Truncation]) -> Truncation:
+        return Truncation(**{name: torch.cat([getattr(part, name) for part in parts]) for name in _TRUNCATION_COLUMNS})
+
+
+_TRUNCATION_COLUMNS = ("top_n_sigma", "typical_p", "xtc_threshold", "xtc_probability", "seed", "position", "iteration")
+
+
+@dataclass(frozen=True)
+class LogitProcessing:
+    """Steps 2 to 5 of the semantics: masks, logit bias, penalties and the local samplers. Fields left None do
+    nothing. The bans of min_tokens and no-repeat-n-gram are entries of `banned`, and DRY's penalties entries of
+    `dry`: validation derives both from the row's sequence (repetition.py)."""
+
+    allowed: TokenEntries | None = None
+    """Rows that have entries keep only those tokens; other rows are unrestricted."""
+    banned: TokenEntries | None = None
+    bias: TokenEntries | None = None
+    bias_values: torch.Tensor | None = None
+    """float32 [len(bias)], the value added at each bias entry."""
+    output_tokens: TokenEntries | None = None
+    """Generated tokens with multiplicity: repetition, presence and frequency penalties."""
+    prompt_tokens: TokenEntries | None = None
+    """Prompt tokens: the repetition penalty only."""
+    repetition_penalty: torch.Tensor | None = None
+    presence_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    """float32 [B] each, or None when no row uses it."""
+    dry: TokenEntries | None = None
+    dry_values: torch.Tensor | None = None
+    """float32 [len(dry)], the DRY penalty subtracted at each entry after the other penalties."""
+    truncation: Truncation | None = None
+    token_bitmask: torch.Tensor | None = None
+    """int32 [B, ceil(V / 32)]: the packed allowed-token mask of structured output (docs/semantics.md, choice 17);
+    a row of all ones is unrestricted."""
+
+    def at_positions(self, position: torch.Tensor) -> LogitProcessing:
+        """The same processing with the rows' XTC coins drawn at `position` (int64 [B]): for a row that samples
+        at another position than its request's (a draft position, a diffusion position)."""
+        if self.truncation is None:
+            return self
+        return replace(self, truncation=self.truncation.at_positions(position))
+
+
+@dataclass(frozen=True)
+class HiddenInput:
+    """Hidden states [B, D] (float32/bfloat16/float16, CPU) and the registered LM head they go through."""
+
+    states: torch.Tensor
+    lm_head: RegisteredWeight
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """B rows to sample, every parameter already validated and expanded to one value per row.
+
+    All per-row tensors are [B] on the CPU. The input is either `logits` [B, V] (float32/bfloat16/
+    float16; on the CPU, or on the backend's GPU when it came from a CUDA IPC region) or `hidden`;
+    `with_logits()` turns the second into the first.
+    """
+
+    logits: torch.Tensor | None
+    temperature: torch.Tensor
+    """float32; 0 means greedy."""
+    top_k: torch.Tensor
+    """int32; 0 means off (the validator maps -1 and k >= V to 0)."""
+    top_p: torch.Tensor
+    """float32 in (0, 1]; 1 means off."""
+    min_p: torch.Tensor
+    """float32 in [0, 1); 0 means off."""
+    seed: torch.Tensor
+    """int64 holding the uint64 seed's bits (two's complement)."""
+    position: torch.Tensor
+    """int64 holding a uint32."""
+    iteration: torch.Tensor
+    """int64 holding a uint32."""
+    num_samples: int = 1
+    processing: LogitProcessing | None = None
+    return_logprobs: bool = False
+    logprobs_mode: LogprobsMode = LogprobsMode.RAW
+    top_logprobs: int = 0
+    hidden: HiddenInput | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.temperature.shape[0])
+
+    @property
+    def vocab_size(self) -> int:
+        if self.logits is not None:
+            return int(self.logits.shape[1])
+        return self.hidden.lm_head.finish.vocab_size
+
+    def with_logits(self) -> SamplingBatch:
+        """The same batch with hidden states turned into float32 logits on the LM head's device."""
+        if self.hidden is None:
+            return self
+        return replace(self, logits=self.hidden.lm_head.logits(self.hidden.states), hidden=None)
+
+
+@dataclass(frozen=True)
+class SamplingResult:
+    """What a backend returns, on the CPU."""
+
+    tokens: torch.Tensor | None
+    """int64 [B, num_samples]; -1 in rows that are not valid. (None only after the service wrote them
+    into an output region.)"""
+    valid: torch.Tensor
+    """bool [B]: false where no finite logit remained after processing."""
+    nan_detected: torch.Tensor
+    """bool [B]: the row held NaN or +inf logits (treated as -inf)."""
+    logprobs: torch.Tensor | None = None
+    """float32 [B, num_samples] when asked; NaN in rows that are not valid."""
+    top_logprob_ids: torch.Tensor | None = None
+    """int64 [B, N] when top_logprobs = N > 0."""
+    top_logprobs: torch.Tensor | None = None
+    """float32 [B, N] when top_logprobs = N > 0."""
+
+
+def _select(entries: TokenEntries | None, mapping: torch.Tensor) -> tuple[TokenEntries | None, torch.Tensor | None]:
+    if entries is None:
+        return None, None
+    new_rows = mapping[entries.rows]
+    keep = new_rows >= 0
+    return TokenEntries(new_rows[keep], entries.tokens[keep]), keep
+
+
+def select_rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
+    """The sub-batch of `rows` (int64, CPU) of a logits or hidden-state batch, processing entries remapped
+    to the new row numbers."""
+    if batch.logits is not None:
+        selected_input = {"logits": batch.logits[rows.to(batch.logits.device)].cpu()}
+    else:
+        states = batch.hidden.states
+        selected_input = {"hidden": HiddenInput(states[rows.to(states.device)], batch.hidden.lm_head)}
+    processing = batch.processing
+    if processing is not None:
+        mapping = torch.full((batch.num_rows,), -1, dtype=torch.int64)
+        mapping[rows] = torch.arange(rows.numel())
+        bias, keep = _select(processing.bias, mapping)
+        dry, dry_keep = _select(processing.dry, mapping)
+        per_row = {name: getattr(processing, name)[rows] if getattr(processing, name) is not None else None
+                   for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")}
+        processing = LogitProcessing(
+            allowed=_select(processing.allowed, mapping)[0], banned=_select(processing.banned, mapping)[0],
+            bias=bias, bias_values=processing.bias_values[keep] if keep is not None else None,
+            output_tokens=_select(processing.output_tokens, mapping)[0],
+            prompt_tokens=_select(processing.prompt_tokens, mapping)[0],
+            dry=dry, dry_values=processing.dry_values[dry_keep] if dry_keep is not None else None,
+            truncation=processing.truncation.rows(rows) if processing.truncation is not None else None,
+            token_bitmask=processing.token_bitmask[rows] if processing.token_bitmask is not None else None, **per_row)
+    return replace(
+        batch, **selected_input, temperature=batch.temperature[rows], top_k=batch.top_k[rows],
+        top_p=batch.top_p[rows], min_p=batch.min_p[rows], seed=batch.seed[rows], position=batch.position[rows],
+        iteration=batch.iteration[rows], processing=processing)
+
+
+def concat_results(parts: list[SamplingResult]) -> SamplingResult:
+    """One result whose rows are the rows of `parts`, in order (the inverse of batch_merge.split_result)."""
+
+    def cat(name: str) -> torch.Tensor | None:
+        tensors = [getattr(part, name) for part in parts]
+        return None if tensors[0] is None else torch.cat(tensors)
+
+    return SamplingResult(tokens=cat("tokens"), valid=cat("valid"), nan_detected=cat("nan_detected"),
+                          logprobs=cat("logprobs"), top_logprob_ids=cat("top_logprob_ids"),
+                          top_logprobs=cat("top_logprobs"))

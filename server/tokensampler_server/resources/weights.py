@@ -1,0 +1,285 @@
+"""The LM-head weight registry: weights registered once, used by hidden-state requests by name.
+
+A weight is usable only once it is complete and verified (uploads are assembled aside and checked
+against their SHA-256 first). Requests hold a reference while they use a weight; unregistering waits
+until none does, then frees it. A weight registered from a region is a view of the producer's memory:
+the region stays registered while the weight does, and a request fails cleanly once its producer exited.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import grpc
+import torch
+
+from tokensampler_server.core.errors import InvalidArgument, ServiceError
+from tokensampler_server.resources.refcounted import RefCountedRegistry
+from tokensampler_server.resources.regions import Region
+from tokensampler_server.core.request_context import raise_if_abandoned
+
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# WeightsInfo carries V and D as uint32.
+MAX_WEIGHT_SIZE = 2**32 - 1
+# Rows of W upcast to fp32 at once when computing logits (32 MiB of fp32 at D = 4096).
+_ROWS_PER_SLICE = 2048
+DEFAULT_MAX_WEIGHTS = 64
+
+
+@dataclass(frozen=True)
+class LogitsFinish:
+    """x = cap * tanh(((W h + bias) * scale) / cap), rows past vocab_size dropped."""
+
+    vocab_size: int
+    bias: torch.Tensor | None = None
+    """float32 [padded V]."""
+    soft_cap: float | None = None
+    logit_scale: float = 1.0
+
+
+@dataclass(eq=False)
+class RegisteredWeight:
+    """A registered LM head. Compared by identity: a name can come back as another weight."""
+
+    name: str
+    weight: torch.Tensor
+    """[padded V, D] on the backend's device."""
+    finish: LogitsFinish
+    sha256: str
+    """Empty for a weight in a region, whose bytes are the producer's."""
+    region: Region | None = None
+    """The region W lies in (RegisterWeightsFromRegion), else None."""
+
+    @property
+    def in_place(self) -> bool:
+        """W is the region's memory itself (not a copy on another device): the server holds no bytes of it."""
+        region = self.region
+        return (region is not None and region.buffer is not None
+                and self.weight.untyped_storage().data_ptr() == region.buffer.untyped_storage().data_ptr())
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return int(self.weight.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.weight.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [B, vocab_size] of hidden states [B, D] (any float dtype), on W's device.
+
+        W·h with fp32 operands and accumulation (the semantics), W upcast one slice of rows at a time
+        so that a bf16 head is never copied whole to fp32.
+        """
+        vocab = self.finish.vocab_size
+        if self._exact_in_half(hidden):
+            return self._finished(self._half_product(hidden, 0, vocab), 0, vocab)
+        h = hidden.to(self.weight.device, torch.float32)
+        x = torch.empty(h.shape[0], vocab, dtype=torch.float32, device=h.device)
+        for start in range(0, vocab, _ROWS_PER_SLICE):
+            raise_if_abandoned()  # minutes of CPU work at the largest sizes: stop once nobody waits
+            stop = min(start + _ROWS_PER_SLICE, vocab)
+            torch.mm(h, self.weight[start:stop].to(torch.float32).T, out=x[:, start:stop])
+        return self._finished(x, 0, vocab)
+
+    def logit_slice(self, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """float32 logits [B, stop - start] of the tokens start..stop-1 (stop <= vocab_size): the columns that
+        logits() computes there, without the others (scoring walks the vocabulary a slice at a time)."""
+        if self._exact_in_half(hidden):
+            return self._finished(self._half_product(hidden, start, stop), start, stop)
+        h = hidden.to(self.weight.device, torch.float32)
+        return self._finished(torch.mm(h, self.weight[start:stop].to(torch.float32).T), start, stop)
+
+    def _exact_in_half(self, hidden: torch.Tensor) -> bool:
+        # Products of two 16-bit floats are exact in fp32: tensor cores with fp32 accumulation and
+        # output compute the same W·h as the fp32 form, at cuBLAS speed.
+        weight = self.weight
+        return weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and hidden.dtype == weight.dtype
+
+    def _half_product(self, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        return torch.mm(hidden.to(self.weight.device), self.weight[start:stop].T, out_dtype=torch.float32)
+
+    def _finished(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Bias, scale and soft cap applied to the logits x of tokens start..stop-1 (in place where it can)."""
+        finish = self.finish
+        if finish.bias is not None:
+            x += finish.bias[start:stop].to(x.device)
+        if finish.logit_scale != 1.0:
+            x *= finish.logit_scale
+        if finish.soft_cap is not None:
+            x = finish.soft_cap * torch.tanh(x / finish.soft_cap)
+        return x
+
+
+def check_weight_shape(shape: tuple[int, ...], field: str) -> None:
+    """INVALID_ARGUMENT naming `field` unless both sizes of a [V, D] weight are in [1, MAX_WEIGHT_SIZE]
+    (an empty head would register, then fail every request through it)."""
+    for name, size in zip("VD", shape):
+        if not 1 <= size <= MAX_WEIGHT_SIZE:
+            raise InvalidArgument(field, f"got {list(shape)}: {name} = {size}, expected 1 <= V, D <= {MAX_WEIGHT_SIZE}")
+
+
+def sha256_hex(tensor: torch.Tensor) -> str:
+    """SHA-256 of a CPU tensor's row-major bytes."""
+    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def check_finish(
+    padded_vocab_size: int,
+    bias: torch.Tensor | None,
+    vocab_size: int | None,
+    soft_cap: float | None,
+    logit_scale: float | None,
+    field_prefix: str = "options",
+) -> LogitsFinish:
+    """Validates the options of a weight [padded_vocab_size, D]."""
+    if bias is not None and tuple(bias.shape) != (padded_vocab_size,):
+        raise InvalidArgument(f"{field_prefix}.bias.shape", f"got {list(bias.shape)}, expected [{padded_vocab_size}]")
+    if bias is not None and not bool(torch.isfinite(bias.float()).all()):
+        raise InvalidArgument(f"{field_prefix}.bias.data", "got non-finite values, expected finite numbers")
+    if vocab_size is not None and not 1 <= vocab_size <= padded_vocab_size:
+        raise InvalidArgument(f"{field_prefix}.vocab_size", f"got {vocab_size}, expected 1 <= V <= {padded_vocab_size}")
+    if soft_cap is not None and not (math.isfinite(soft_cap) and soft_cap > 0):
+        raise InvalidArgument(f"{field_prefix}.soft_cap", f"got {soft_cap}, expected a finite cap > 0")
+    if logit_scale is not None and not math.isfinite(logit_scale):
+        raise InvalidArgument(f"{field_prefix}.logit_scale", f"got {logit_scale}, expected a finite number")
+    return LogitsFinish(
+        vocab_size=vocab_size if vocab_size is not None else padded_vocab_size,
+        bias=None if bias is None else bias.to(torch.float32),
+        soft_cap=soft_cap,
+        logit_scale=1.0 if logit_scale is None else logit_scale,
+    )
+
+
+def _file_error(err: OSError, relative: str) -> ServiceError:
+    """The status of a file-system error on the weight file `relative` (what the server may say of it)."""
+    if err.errno == errno.ENAMETOOLONG:
+        return InvalidArgument("path", f"got a path of {len(relative)} characters that the file system finds too long, "
+                                       "expected shorter names")
+    if err.errno in (errno.EACCES, errno.EPERM):
+        return ServiceError(f"path: the server may not read {relative!r}", grpc.StatusCode.PERMISSION_DENIED)
+    if err.errno in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENODEV):
+        return ServiceError(f"path: {relative!r} is not a file inside --weights-dir", grpc.StatusCode.NOT_FOUND)
+    return ServiceError(f"path: the server could not read {relative!r}: {os.strerror(err.errno or 0)}",
+                        grpc.StatusCode.FAILED_PRECONDITION)
+
+
+def resolve_weights_path(weights_dir: Path | None, relative: str) -> Path:
+    """The file `relative` inside weights_dir; PERMISSION_DENIED outside it, for links and for "..".
+
+    FAILED_PRECONDITION when the server has no --weights-dir.
+    """
+    if weights_dir is None:
+        raise ServiceError("path: loading weights from server files is off (start the server with --weights-dir)",
+                           grpc.StatusCode.FAILED_PRECONDITION)
+    if "\0" in relative:
+        raise InvalidArgument("path", f"got {relative!r}, expected a path without NUL characters")
+    parts = Path(relative).parts
+    if not relative or Path(relative).is_absolute() or ".." in parts:
+        raise ServiceError(f"path: got {relative!r}, expected a relative path inside --weights-dir without '..'",
+                           grpc.StatusCode.PERMISSION_DENIED)
+    try:
+        root = weights_dir.resolve()
+        candidate = root
+        for part in parts:
+            candidate = candidate / part
+            if candidate.is_symlink():
+                raise ServiceError(f"path: {relative!r} goes through a symbolic link, which is refused",
+                                   grpc.StatusCode.PERMISSION_DENIED)
+        if not candidate.is_file():
+            raise ServiceError(f"path: {relative!r} is not a file inside --weights-dir", grpc.StatusCode.NOT_FOUND)
+        if root not in candidate.resolve().parents:
+            raise ServiceError(f"path: {relative!r} is outside --weights-dir", grpc.StatusCode.PERMISSION_DENIED)
+    except OSError as err:  # a name too long, a directory the server may not list, ...
+        raise _file_error(err, relative) from None
+    return candidate
+
+
+def load_safetensors(path: Path, tensor: str) -> torch.Tensor:
+    """One tensor of a safetensors file (the format holds no code: safe to read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(os.fspath(path), framework="pt") as handle:
+            if tensor not in handle.keys():
+                raise ServiceError(f"tensor: {tensor!r} is not in {path.name} (it has {sorted(handle.keys())[:8]})",
+                                   grpc.StatusCode.NOT_FOUND)
+            return handle.get_tensor(tensor)
+    except ServiceError:
+        raise
+    except MemoryError:
+        raise ServiceError(f"tensor: the server has no memory for {tensor!r} of {path.name}",
+                           grpc.StatusCode.RESOURCE_EXHAUSTED) from None
+    except OSError as err:  # gone, or no longer readable, since it was resolved
+        if err.errno is not None:
+            raise _file_error(err, path.name) from None
+        raise InvalidArgument("path", f"could not read {path.name} as safetensors: {err}") from None
+    except Exception as err:  # a corrupt or foreign file
+        raise InvalidArgument("path", f"could not read {path.name} as safetensors: {err}") from None
+
+
+class WeightRegistry:
+    """Registered LM heads by name, on one device (see refcounted.py for the reference counting)."""
+
+    def __init__(self, device: torch.device, *, max_weights: int = DEFAULT_MAX_WEIGHTS,
+                 unregister_timeout_s: float = 60.0) -> None:
+        self._device = device
+        self._weights: RefCountedRegistry[RegisteredWeight] = RefCountedRegistry(
+            "weight", max_items=max_weights, unregister_timeout_s=unregister_timeout_s)
+
+    def register(
+        self, name: str, weight: torch.Tensor, finish: LogitsFinish, sha256: str, region: Region | None = None
+    ) -> RegisteredWeight:
+        """Makes a complete, verified weight usable under `name` (ALREADY_EXISTS if taken). A weight that
+        lies in `region` on this registry's device is used in place, not copied."""
+        if weight.dtype not in WEIGHT_DTYPES or weight.dim() != 2:
+            raise InvalidArgument("weight", f"got {weight.dtype} {list(weight.shape)}, expected a [V, D] float tensor")
+        check_weight_shape(tuple(weight.shape), "weight.shape")
+        placed = weight.to(self._device).contiguous()
+        bias = None if finish.bias is None else finish.bias.to(self._device)
+        entry = RegisteredWeight(name=name, weight=placed, finish=replace(finish, bias=bias), sha256=sha256, region=region)
+        self._weights.add(name, entry)
+        if region is not None:
+            region.weights.add(entry)
+        return entry
+
+    def list(self) -> list[RegisteredWeight]:
+        return self._weights.items()
+
+    def in_flight(self, entry: RegisteredWeight) -> int:
+        return self._weights.in_flight(entry)
+
+    @property
+    def total_bytes(self) -> int:
+        """The bytes of the weights the server holds (weights used in place count among their regions' bytes)."""
+        return sum(entry.nbytes for entry in self.list() if not entry.in_place)
+
+    @contextmanager
+    def use(self, name: str, field: str = "hidden.weights") -> Iterator[RegisteredWeight]:
+        """Holds weight `name` for the duration of a request (NOT_FOUND naming `field` if unknown;
+        FAILED_PRECONDITION if it lies in a region whose producer has exited)."""
+        with self._weights.use(name, field) as entry:
+            if entry.region is not None:
+                entry.region.check_producer(field)
+            yield entry
+
+    async def unregister(self, name: str) -> RegisteredWeight:
+        """Removes `name` at once for new requests, waits for the ones using it, then frees it (and lets its
+        region go): atomic, and bounded by the registry's timeout (refcounted.py)."""
+        return await self._weights.remove(name, finalize=_leave_region)
+
+
+def _leave_region(entry: RegisteredWeight) -> None:
+    if entry.region is not None:
+        entry.region.weights.discard(entry)

@@ -1,0 +1,287 @@
+"""One place that knows how each call ended: it turns exceptions into gRPC statuses, counts the call
+in the metrics, logs it and, with tracing on, gives it a span (tracing.py), all under the call's request id.
+
+A ServiceError becomes its own status and message. Anything else is a bug: it becomes INTERNAL, and
+its traceback is logged under the request id; the server keeps serving. Every error message ends
+with the request id. Each call gets one DEBUG line: method, request id, status, rows, duration.
+
+The guard wraps each method's handler once, as services register (`CallGuard.registration`), rather
+than as a grpc interceptor, whose chain grpc runs, and whose handler it would have us rebuild, for every
+call (docs/design/service-path.md). Calls with a single response (unary and
+client-streaming) are guarded whole. Calls with streamed responses (SampleStream, health Watch,
+reflection) count, log and (through current_message_tracer) trace each message themselves; of those, only
+failures to parse a request and ServiceErrors are turned into statuses here.
+
+Request bytes that do not parse as the method's message answer INVALID_ARGUMENT (grpc alone would
+answer UNKNOWN and log a traceback per call). A RESOURCE_EXHAUSTED raised by the service (a full
+queue, a cap of admission.py, which the guard applies before the behaviour runs) carries the trailing
+metadata `x-retryable: overload`, which tells a client that retrying later can succeed: grpc's own
+RESOURCE_EXHAUSTED for a message over the size limit lacks it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from tokensampler_server.rpc.admission import Admission
+from tokensampler_server.rpc.call_record import CallRecord, current_call, current_message_tracer
+from tokensampler_server.core.errors import InvalidArgument, ServiceError, failure_status, unparsable
+from tokensampler_server.rpc.metrics import ServerMetrics
+from tokensampler_server.core.request_context import REQUEST_ID_METADATA_KEY, current_request_id, request_id_from_metadata
+
+if TYPE_CHECKING:  # tracing.py loads opentelemetry: only a server with tracing on imports it
+    from tokensampler_server.rpc.tracing import CallTracer
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[object, grpc.aio.ServicerContext], Awaitable[object]]
+"""A unary or client-streaming behaviour: (request or request iterator, context) -> response."""
+Deserializer = Callable[[bytes], object]
+Serializer = Callable[[object], bytes]
+
+RETRYABLE_METADATA_KEY = "x-retryable"
+Admit = Callable[[grpc.aio.ServicerContext], None]
+"""Takes the call's admission slots, or raises RESOURCE_EXHAUSTED."""
+
+
+@dataclass(frozen=True)
+class _Unparsable:
+    """Stands for a request message whose bytes did not parse; the call's guard raises `error`."""
+
+    error: InvalidArgument
+
+
+def _parse(deserialize: Deserializer | None, raw: bytes) -> object:
+    if deserialize is None:
+        return raw
+    try:
+        return deserialize(raw)
+    except DecodeError as err:
+        # Raising here would escape every guard (grpc parses before the behaviour runs).
+        return _Unparsable(unparsable(raw, err))
+
+
+def _checked(request: object, streaming: bool) -> object:
+    """The request (or the iterator of requests) the behaviour gets; unparsable bytes raise their error."""
+    if streaming:
+        return _checked_stream(request)
+    if isinstance(request, _Unparsable):
+        raise request.error
+    return request
+
+
+async def _checked_stream(requests: AsyncIterator[object]) -> AsyncIterator[object]:
+    async for request in requests:
+        if isinstance(request, _Unparsable):
+            raise request.error
+        yield request
+
+
+def _trailing(code: grpc.StatusCode, trailing: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[str, str], ...]:
+    """`trailing`, marked retryable for an overload."""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return trailing + ((RETRYABLE_METADATA_KEY, "overload"),)
+    return trailing
+
+
+def _log_call(call: CallRecord, code: grpc.StatusCode, elapsed_ns: int, error: str) -> None:
+    if not log.isEnabledFor(logging.DEBUG):  # the common case: skip building the fields on the hot path
+        return
+    rows = call.num_rows
+    fields = {"method": call.method, "request_id": call.request_id, "code": code.name, "rows": rows,
+              "duration_ms": elapsed_ns / 1e6}
+    if error:
+        fields["error"] = error
+    log.debug(
+        "%s %s %s rows=%s %.3f ms%s", call.method, call.request_id, code.name, rows, elapsed_ns / 1e6,
+        f": {error}" if error else "", extra=fields,
+    )
+
+
+class CallGuard:
+    """Wraps each method's behaviour, and the parsing and serialisation of its messages, once per method."""
+
+    def __init__(self, metrics: ServerMetrics | None = None, admission: Admission | None = None,
+                 tracer: CallTracer | None = None) -> None:
+        self._metrics = metrics or ServerMetrics()
+        self._admission = admission
+        self._tracer = tracer
+
+    def registration(self, server: grpc.aio.Server) -> GuardedRegistration:
+        """What services register on instead of `server`: every handler they add reaches it guarded."""
+        return GuardedRegistration(server, self)
+
+    def guard(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        """`handler` of `method` (the full name without the leading slash) with this guard around it."""
+        admit = self._admit(method)
+        if handler.response_streaming:
+            return self._wrap_streaming(handler, admit, self._tracer if self._tracer is not None
+                                        and self._tracer.traces(method) else None)
+        if handler.request_streaming:
+            wrap, behaviour = grpc.stream_unary_rpc_method_handler, handler.stream_unary
+            # grpc parses each message as the behaviour reads it, inside the guarded call
+            deserializer = self._timed_stream_parse(handler.request_deserializer)
+        else:
+            wrap, behaviour = grpc.unary_unary_rpc_method_handler, handler.unary_unary
+            deserializer = None  # the guard parses the request bytes itself, timed into the call's record
+        return wrap(
+            self._guard(behaviour, method, handler.request_deserializer, handler.request_streaming, admit,
+                        self._tracer if self._tracer is not None and self._tracer.traces(method) else None),
+            request_deserializer=deserializer,
+            response_serializer=self._timed_serialize(handler.response_serializer),
+        )
+
+    def _admit(self, method: str) -> Admit | None:
+        """What takes a call's admission slots for `method`; None when nothing is counted."""
+        if self._admission is None:
+            return None
+        pool = self._admission.pool_of(method)
+        return None if pool is None else partial(self._admission.admit, pool)
+
+    @staticmethod
+    def _wrap_streaming(handler: grpc.RpcMethodHandler, admit: Admit | None,
+                        tracer: CallTracer | None) -> grpc.RpcMethodHandler:
+        """A response-streaming handler whose unparsable requests and ServiceErrors become statuses; with
+        `tracer`, its messages get spans through current_message_tracer."""
+        streaming = handler.request_streaming
+        if streaming:
+            wrap, behaviour = grpc.stream_stream_rpc_method_handler, handler.stream_stream
+        else:
+            wrap, behaviour = grpc.unary_stream_rpc_method_handler, handler.unary_stream
+
+        async def abort(context: grpc.aio.ServicerContext, err: ServiceError) -> None:
+            request_id = request_id_from_metadata(context.invocation_metadata())
+            log.debug("stream %s failed: %s", request_id, err.message)
+            await context.abort(err.code, f"{err.message} (request id {request_id})", _trailing(err.code))
+
+        if inspect.isasyncgenfunction(behaviour):
+            async def guarded(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
+                if tracer is not None:
+                    current_message_tracer.set(partial(tracer.record, metadata=context.invocation_metadata()))
+                try:
+                    if admit is not None:
+                        admit(context)
+                    async for response in behaviour(_checked(request, streaming), context):
+                        yield response
+                except ServiceError as err:
+                    await abort(context, err)
+        else:  # a coroutine that writes its responses with context.write (health Watch)
+            async def guarded(request: object, context: grpc.aio.ServicerContext) -> object:
+                try:
+                    if admit is not None:
+                        admit(context)
+                    return await behaviour(_checked(request, streaming), context)
+                except ServiceError as err:
+                    await abort(context, err)
+
+        return wrap(
+            guarded,
+            request_deserializer=lambda raw: _parse(handler.request_deserializer, raw),
+            response_serializer=handler.response_serializer,
+        )
+
+    @staticmethod
+    def _timed_stream_parse(deserialize: Deserializer | None) -> Deserializer:
+        def parse(raw: bytes) -> object:
+            started = time.perf_counter_ns()
+            message = _parse(deserialize, raw)
+            call = current_call.get(None)
+            if call is not None:
+                call.parse_ns += time.perf_counter_ns() - started
+            return message
+
+        return parse
+
+    def _timed_serialize(self, serialize: Serializer | None) -> Serializer:
+        def serialize_timed(message: object) -> bytes:
+            started = time.perf_counter_ns()
+            raw = serialize(message) if serialize is not None else message
+            call = current_call.get(None)  # the guarded behaviour's record: grpc serialises in the call's task
+            if call is not None:
+                self._metrics.observe_serialized_later(call, time.perf_counter_ns() - started)
+            return raw
+
+        return serialize_timed
+
+    def _guard(self, handler: Handler, method: str, deserialize: Deserializer | None, streaming: bool,
+               admit: Admit | None, tracer: CallTracer | None) -> Handler:
+        async def guarded(request: object, context: grpc.aio.ServicerContext) -> object:
+            call = CallRecord(method=method, request_id=request_id_from_metadata(context.invocation_metadata()))
+            call.start()
+            current_request_id.set(call.request_id)
+            current_call.set(call)
+            trailing = ((REQUEST_ID_METADATA_KEY, call.request_id),)
+            context.set_trailing_metadata(trailing)
+            code, error = grpc.StatusCode.OK, ""
+            metrics = self._metrics
+            metrics.calls_in_flight += 1  # every guarded call runs on the server's event loop: no lock needed
+            try:
+                if admit is not None:
+                    admit(context)
+                if not streaming:
+                    parse_started = time.perf_counter_ns()
+                    request = _parse(deserialize, request)
+                    call.parse_ns = time.perf_counter_ns() - parse_started
+                return await handler(_checked(request, streaming), context)
+            except grpc.aio.AbortError:  # the handler set its own status
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                raise
+            except asyncio.CancelledError:  # the client cancelled, or its deadline passed
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as err:
+                code, error = failure_status(err, call.method, call.request_id)
+            finally:
+                metrics.calls_in_flight -= 1
+                elapsed_ns = call.elapsed_ns()
+                if tracer is not None:  # before the metrics, which trade the call's batch for its row counts
+                    tracer.record(call, code, elapsed_ns, context.invocation_metadata())
+                metrics.observe_call_later(call, code, elapsed_ns)  # recorded at the next scrape
+                _log_call(call, code, elapsed_ns, error)
+            await context.abort(code, f"{error} (request id {call.request_id})", _trailing(code, trailing))
+
+        return guarded
+
+
+class _GuardedGenericHandler(grpc.GenericRpcHandler):
+    """A generic handler whose method handlers come guarded, each wrapped once, when first asked for."""
+
+    def __init__(self, inner: grpc.GenericRpcHandler, guard: CallGuard) -> None:
+        self._inner = inner
+        self._guard = guard
+        self._guarded: dict[str, grpc.RpcMethodHandler] = {}
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        guarded = self._guarded.get(details.method)
+        if guarded is None:
+            handler = self._inner.service(details)
+            if handler is None:
+                return None
+            guarded = self._guarded[details.method] = self._guard.guard(handler, details.method.lstrip("/"))
+        return guarded
+
+
+class GuardedRegistration:
+    """Stands for the grpc.aio.Server while services register (generated add_*_to_server, health,
+    reflection): the handlers they add reach the server guarded."""
+
+    def __init__(self, server: grpc.aio.Server, guard: CallGuard) -> None:
+        self._server = server
+        self._guard = guard
+
+    def add_generic_rpc_handlers(self, generic_handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self._server.add_generic_rpc_handlers(tuple(_GuardedGenericHandler(h, self._guard) for h in generic_handlers))
+
+    def add_registered_method_handlers(self, service_name: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self._server.add_registered_method_handlers(
+            service_name, {name: self._guard.guard(h, f"{service_name}/{name}") for name, h in handlers.items()})

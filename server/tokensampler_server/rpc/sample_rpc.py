@@ -1,0 +1,402 @@
+"""The Sample and SampleStream paths of the servicer: hold the weights and regions a request names,
+validate it, queue it on the batcher, encode the answer.
+
+Both methods take the request's bytes: on the CUDA backend the native path (native_path.py) takes the plain
+requests (logits in a region or carried) from them, in C++, and its future gets response bytes; everything else
+(and whatever it declines after all) is parsed here and takes the Python path. There a request is handled in two
+halves: `start` runs synchronously up to the batcher's future, `finish` builds the response from the result. A
+stream answers natively answered messages in one loop; from its first message on the Python path, a reader
+starts each message as it arrives (so the batcher can merge them) without a task per message, and the stream
+answers in order by awaiting the futures one after the other: the fewest event-loop turns per message
+(docs/design/service-path.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+import grpc
+import numpy as np
+import torch
+from google.protobuf.message import DecodeError
+from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client.tensors import encode_tensor
+
+from tokensampler_server.batching.batcher import BatchTimes, DynamicBatcher
+from tokensampler_server.rpc.call_record import CallRecord, current_message_tracer
+from tokensampler_server.core.config import Limits
+from tokensampler_server.core.errors import InvalidArgument, failure_status, unparsable
+from tokensampler_server.resources.leases import Lease
+from tokensampler_server.rpc.metrics import ServerMetrics
+from tokensampler_server.rpc.native_path import NativeRequestPath
+from tokensampler_server.resources.regions import OutputTarget, Region, RegionRegistry
+from tokensampler_server.core.request_context import current_request_id
+from tokensampler_server.model.sampling import SamplingResult
+from tokensampler_server.rpc.stream_flow import StreamBudget
+from tokensampler_server.validation.sample import (
+    LOGITS_DTYPES,
+    DecodedLists,
+    check_rows_shape,
+    decode_token_lists,
+    heavy_token_lists,
+    validate_sample_request,
+)
+from tokensampler_server.resources.weights import WeightRegistry
+
+STREAM_METHOD = "tokensampler.v1.Sampler/SampleStream"
+def _message_bytes(message: bytes | pb.SampleRequest) -> int:
+    return len(message) if isinstance(message, bytes) else message.ByteSize()
+
+
+def as_request(message: bytes | pb.SampleRequest) -> pb.SampleRequest:
+    """The request a Sample / SampleStream message holds (its bytes, or an already parsed message)."""
+    if not isinstance(message, bytes):
+        return message
+    try:
+        return pb.SampleRequest.FromString(message)
+    except DecodeError as err:
+        raise unparsable(message, err) from None
+
+
+def _input_ref(request: pb.SampleRequest) -> tuple[pb.TensorRef | pb.RowsRef | None, str]:
+    """The region reference holding the request's input tensor, if any, and its field name."""
+    kind = request.WhichOneof("input")
+    if kind in ("logits_ref", "logits_rows"):
+        return getattr(request, kind), kind
+    if kind == "hidden" and request.hidden.HasField("states_ref"):
+        return request.hidden.states_ref, "hidden.states_ref"
+    return None, ""
+
+
+def referenced_input(region: Region, ref: pb.TensorRef | pb.RowsRef, field: str, limits: Limits) -> torch.Tensor:
+    """The input tensor a region reference (`field`, from _input_ref) names in `region`: logits_rows' rows are
+    bounded by the limits before they are copied together."""
+    if field == "logits_rows":
+        check_rows_shape(ref, limits)
+        return region.rows(ref, field, LOGITS_DTYPES)
+    return region.tensor(ref, field, LOGITS_DTYPES)
+
+
+def _output_refs(request: pb.SampleRequest) -> list[tuple[str, pb.TensorRef]]:
+    if not request.HasField("output"):
+        return []
+    return [(name, getattr(request.output, name)) for name in ("tokens", "logprobs") if request.output.HasField(name)]
+
+
+def _output_target(
+    region: Region, ref: pb.TensorRef, name: str, shape: tuple[int, int], return_logprobs: bool
+) -> OutputTarget:
+    """Where output `name` ("tokens": int32, "logprobs": float32) of shape [B, num_samples] goes."""
+    field = f"output.{name}"
+    if name == "logprobs" and not return_logprobs:
+        raise InvalidArgument(field, "set without return_logprobs; expected return_logprobs = true")
+    target = region.target(ref, field, (pb.DTYPE_INT32,) if name == "tokens" else (pb.DTYPE_FLOAT32,))
+    if tuple(target.shape) != shape:
+        raise InvalidArgument(f"{field}.shape", f"got {list(target.shape)}, expected [B, num_samples] = {list(shape)}")
+    return target
+
+
+def _encode_host(tensor: torch.Tensor, dtype: int, out: pb.Tensor) -> None:
+    """tensors.encode_tensor for a CPU tensor already of the wire dtype: fewer torch calls on the hot path."""
+    out.dtype = dtype
+    out.shape[:] = tensor.shape
+    out.data = tensor.contiguous().numpy().tobytes()
+
+
+def encode_result(result: SamplingResult, seeds: np.ndarray) -> pb.SampleResponse:
+    """Builds the response message of one sampled batch; tokens or log-probs set to None stay out."""
+    response = pb.SampleResponse()
+    if result.tokens is not None:
+        _encode_host(result.tokens.to(torch.int32), pb.DTYPE_INT32, response.tokens)
+    response.seeds.extend(seeds.tolist())
+    response.valid.extend(result.valid.tolist())
+    response.nan_detected.extend(result.nan_detected.tolist())
+    if result.logprobs is not None:
+        encode_tensor(result.logprobs, out=response.logprobs)
+    if result.top_logprob_ids is not None:
+        encode_tensor(result.top_logprob_ids.to(torch.int32), out=response.top_logprob_ids)
+        encode_tensor(result.top_logprobs, out=response.top_logprobs)
+    return response
+
+
+@dataclass
+class _Started:
+    """A validated request queued on the batcher; `held` is the call's share of what it holds (the batcher's
+    share keeps the weights and regions until the backend is done with them)."""
+
+    call: CallRecord
+    held: Lease
+    future: asyncio.Future
+    seeds: np.ndarray
+    targets: dict[str, OutputTarget]
+    arrived: int
+
+    def drop(self) -> None:
+        """The answer is no longer wanted: let the batcher skip it and release what it holds."""
+        self.future.cancel()
+        self.held.release()
+
+
+_StreamItem = tuple[CallRecord, bytes | pb.SampleRequest | None, asyncio.Future | _Started | Exception, int]
+"""A stream message: its record, the message (None once it has started on the Python path: its bytes are no
+longer needed), what _begin made of it, and its size in the stream's window."""
+
+
+def _stream_item(record: CallRecord, message: bytes | pb.SampleRequest, begun: asyncio.Future | _Started | Exception,
+                 nbytes: int) -> _StreamItem:
+    return record, None if isinstance(begun, _Started) else message, begun, nbytes
+
+
+def _drop(begun: asyncio.Future | _Started | Exception) -> None:
+    """A begun stream message whose answer is no longer wanted."""
+    if isinstance(begun, _Started):
+        begun.drop()
+    elif isinstance(begun, asyncio.Future):
+        begun.cancel()
+
+
+class SamplePath:
+    """Sample and SampleStream over one batcher, weight registry and region registry."""
+
+    def __init__(self, limits: Limits, batcher: DynamicBatcher, registry: WeightRegistry, regions: RegionRegistry,
+                 metrics: ServerMetrics | None, native: NativeRequestPath | None = None) -> None:
+        self._limits = limits
+        self._batcher = batcher
+        self._registry = registry
+        self._regions = regions
+        self._metrics = metrics
+        self._native = native
+        # streams' unanswered messages together: as much as the queue may hold
+        self._stream_budget = StreamBudget(batcher.max_queue_bytes)
+
+    def _submit_natively(self, message: bytes | pb.SampleRequest, call: CallRecord,
+                         stream_message: bool) -> asyncio.Future | None:
+        """`message` queued on the native path (the future of its answer), or None when the path declines it."""
+        if self._native is None or not isinstance(message, bytes):
+            return None
+        return self._native.submit(message, call.request_id, stream_message)
+
+    @staticmethod
+    async def _native_response(pending: asyncio.Future, call: CallRecord) -> bytes | None:
+        """The response bytes of a request submitted natively (its stages recorded in `call`), or None when
+        the native path declined it after all."""
+        answer = await pending
+        if answer is None:
+            return None
+        call.row_modes = answer.rows_by_mode
+        call.decode_ns, call.queue_ns = answer.decode_ns, answer.queue_ns
+        call.compute_ns, call.encode_ns = answer.compute_ns, answer.encode_ns
+        return answer.response
+
+    @staticmethod
+    def _parsed(message: bytes | pb.SampleRequest, call: CallRecord) -> pb.SampleRequest:
+        """as_request, timed into the call's parse time (the deserialize metric)."""
+        started = time.perf_counter_ns()
+        request = as_request(message)
+        call.parse_ns += time.perf_counter_ns() - started
+        return request
+
+    async def _begin(self, message: bytes | pb.SampleRequest,
+                     call: CallRecord) -> asyncio.Future | _Started | Exception:
+        """A stream message submitted natively (its future), started on the Python path, or its error."""
+        try:
+            pending = self._submit_natively(message, call, stream_message=True)
+        except Exception as err:  # noqa: BLE001 - answered as this message's error
+            return err
+        return pending if pending is not None else await self._begin_python(message, call)
+
+    async def _begin_python(self, message: bytes | pb.SampleRequest, call: CallRecord) -> _Started | Exception:
+        """A stream message started on the Python path, or its error. Bytes that do not parse raise: they end
+        the stream."""
+        request = self._parsed(message, call)
+        try:
+            return self.start(request, call, await self._token_lists(request))
+        except Exception as err:  # noqa: BLE001
+            return err
+
+    async def _token_lists(self, request: pb.SampleRequest) -> DecodedLists | None:
+        """The request's token lists decoded on a thread when they are long (millions of ids take seconds, which
+        would stall every other call on the event loop); None when validation may decode them itself."""
+        if not heavy_token_lists(request):
+            return None
+        return await asyncio.to_thread(decode_token_lists, request, self._limits)
+
+    def start(self, request: pb.SampleRequest, call: CallRecord, token_lists: DecodedLists | None = None) -> _Started:
+        """Holds what the request names, validates it and queues it (errors raise here). `token_lists`: the
+        request's lists already decoded (_token_lists)."""
+        held = Lease()
+        try:
+            lm_head = None
+            if request.WhichOneof("input") == "hidden":
+                lm_head = held.enter(self._registry.use(request.hidden.weights))
+            referenced = None
+            ref, field = _input_ref(request)
+            if ref is not None:
+                region = held.enter(self._regions.use(ref.region, f"{field}.region"))
+                referenced = referenced_input(region, ref, field, self._limits)
+            outputs = [
+                (name, held.enter(self._regions.use(out.region, f"output.{name}.region")), out)
+                for name, out in _output_refs(request)
+            ]
+            arrived = time.perf_counter_ns()
+            batch, seeds = validate_sample_request(request, self._limits, lm_head=lm_head, referenced=referenced,
+                                                   token_lists=token_lists)
+            targets = {
+                name: _output_target(region, out, name, (batch.num_rows, batch.num_samples), request.return_logprobs)
+                for name, region, out in outputs
+            }
+            submitted = time.perf_counter_ns()
+            call.batch, call.decode_ns = batch, submitted - arrived
+            future = self._batcher.enqueue(batch, held)
+        except BaseException:
+            held.release()
+            raise
+        return _Started(call, held, future, seeds, targets, arrived)
+
+    @staticmethod
+    def finish(started: _Started, result: SamplingResult, times: BatchTimes) -> pb.SampleResponse:
+        """The response of a sampled request: outputs written to their regions, the rest encoded."""
+        finished = time.perf_counter_ns()
+        call, targets = started.call, started.targets
+        call.queue_ns, call.compute_ns = times.queue_ns, times.compute_ns
+        if "tokens" in targets:
+            targets["tokens"].write(result.tokens)
+            result = replace(result, tokens=None)
+        if "logprobs" in targets:
+            targets["logprobs"].write(result.logprobs)
+            result = replace(result, logprobs=None)
+        response = encode_result(result, started.seeds)
+        response.request_id = call.request_id
+        timings = response.timings
+        timings.queue_ns = times.queue_ns
+        timings.compute_ns = times.compute_ns
+        encoded = time.perf_counter_ns()
+        call.encode_ns = encoded - finished
+        timings.total_ns = encoded - started.arrived
+        return response
+
+    async def unary(self, message: bytes | pb.SampleRequest, call: CallRecord) -> bytes | pb.SampleResponse:
+        pending = self._submit_natively(message, call, stream_message=False)
+        if pending is not None and (response := await self._native_response(pending, call)) is not None:
+            return response
+        request = self._parsed(message, call)
+        started = self.start(request, call, await self._token_lists(request))
+        with started.held:
+            result, times = await started.future
+            return self.finish(started, result, times)
+
+    async def stream(
+        self, requests: AsyncIterator[bytes | pb.SampleRequest], stream_id: str
+    ) -> AsyncIterator[bytes | pb.SampleStreamResponse]:
+        """Answers each message in order; a failed message gets an error message of its own and the stream
+        goes on. While the native path answers every message, one loop reads and answers them (no task, no
+        queue: 25-70 µs a message less on an H200 host, docs/design/service-path.md); from the first message it
+        does not answer, the rest of the stream is pipelined (`_pipelined`)."""
+        messages = aiter(requests)
+        index = 0
+        async for message in messages:
+            record = self._stream_record(stream_id, index)
+            index += 1
+            begun = await self._begin(message, record)
+            if not isinstance(begun, asyncio.Future):
+                first = _stream_item(record, message, begun, _message_bytes(message))
+                async for answer in self._pipelined(messages, stream_id, index, first):
+                    yield answer
+                return
+            yield await self._answer(record, message, begun)
+
+    @staticmethod
+    def _stream_record(stream_id: str, index: int) -> CallRecord:
+        record = CallRecord(method=STREAM_METHOD, request_id=f"{stream_id}.{index}")
+        record.start()
+        current_request_id.set(record.request_id)  # the batcher runs the backend in this context
+        return record
+
+    async def _pipelined(
+        self, messages: AsyncIterator[bytes | pb.SampleRequest], stream_id: str, index: int, first: _StreamItem,
+    ) -> AsyncIterator[bytes | pb.SampleStreamResponse]:
+        """Starts each message as it arrives (so the batchers can merge them) and answers them in order,
+        beginning with `first`, the message of number index - 1."""
+        answers: asyncio.Queue[_StreamItem | None] = asyncio.Queue()
+        window = self._stream_budget.window()
+        await window.admit(first[3])
+        answers.put_nowait(first)
+
+        async def read() -> None:
+            number = index
+            async for message in messages:
+                nbytes = _message_bytes(message)
+                await window.admit(nbytes)
+                record = self._stream_record(stream_id, number)
+                number += 1
+                answers.put_nowait(_stream_item(record, message, await self._begin(message, record), nbytes))
+
+        async def read_then_end() -> None:
+            """Reads to the end of the stream, then marks the end (also after a request that did not parse)."""
+            try:
+                await read()
+            except asyncio.CancelledError:  # the answers' side is gone: nobody to tell
+                raise
+            except BaseException:
+                await answers.put(None)
+                raise
+            await answers.put(None)
+
+        reader = asyncio.ensure_future(read_then_end())
+        try:
+            while (item := await answers.get()) is not None:
+                yield await self._answer(*item[:3])
+                window.answered(item[3])
+            await reader  # a request that did not parse ends the stream with its status
+        finally:
+            reader.cancel()
+            window.close()
+            while not answers.empty():
+                item = answers.get_nowait()
+                if item is not None:
+                    _drop(item[2])
+
+    def _report(self, record: CallRecord, code: grpc.StatusCode) -> None:
+        """A stream message, reported like a unary call: its span (with tracing on), then the metrics (at the next
+        scrape; they trade the message's batch for its row counts, which the span reads first)."""
+        elapsed_ns = record.elapsed_ns()
+        trace = current_message_tracer.get()
+        if trace is not None:
+            trace(record, code, elapsed_ns)
+        if self._metrics is not None:
+            self._metrics.observe_call_later(record, code, elapsed_ns)
+
+    def _answer_native(self, record: CallRecord, response: bytes) -> bytes:
+        """A natively answered stream message, reported like every call."""
+        self._report(record, grpc.StatusCode.OK)
+        return response
+
+    async def _answer(self, record: CallRecord, message: bytes | pb.SampleRequest,
+                      started: asyncio.Future | _Started | Exception) -> bytes | pb.SampleStreamResponse:
+        """One stream message's answer, reported like a unary call."""
+        current_request_id.set(record.request_id)
+        code, error = grpc.StatusCode.OK, ""
+        if isinstance(started, asyncio.Future):
+            try:
+                response = await self._native_response(started, record)
+            except Exception as err:  # noqa: BLE001 - answered below as this message's error
+                started = err
+            else:
+                if response is not None:
+                    return self._answer_native(record, response)
+                started = await self._begin_python(message, record)
+        try:
+            if isinstance(started, Exception):
+                raise started
+            with started.held:
+                result, times = await started.future
+                return pb.SampleStreamResponse(response=self.finish(started, result, times))
+        except Exception as err:
+            code, error = failure_status(err, record.method, record.request_id)
+        finally:
+            self._report(record, code)
+        text = f"{error} (request id {record.request_id})"
+        return pb.SampleStreamResponse(error=pb.StreamError(code=code.value[0], message=text, request_id=record.request_id))

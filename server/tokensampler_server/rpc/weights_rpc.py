@@ -1,0 +1,98 @@
+"""The weight RPCs' messages: uploads assembled and verified, options checked, WeightsInfo built."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import torch
+from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client.tensors import DTYPE_TO_TORCH, TORCH_TO_DTYPE, TensorDecodeError, decode_tensor
+
+from tokensampler_server.core.errors import InvalidArgument
+from tokensampler_server.resources.weights import LogitsFinish, RegisteredWeight, check_finish, check_weight_shape
+
+WIRE_DTYPES = (pb.DTYPE_FLOAT32, pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT16)
+
+
+@dataclass(frozen=True)
+class VerifiedUpload:
+    name: str
+    weight: torch.Tensor
+    finish: LogitsFinish
+    sha256: str
+
+
+def finish_from_options(options: pb.WeightOptions, padded_vocab_size: int) -> LogitsFinish:
+    bias = None
+    if options.HasField("bias"):
+        try:
+            bias = decode_tensor(options.bias, "options.bias")
+        except TensorDecodeError as err:
+            raise InvalidArgument(err.field, str(err).removeprefix(f"{err.field}: ")) from None
+    return check_finish(
+        padded_vocab_size,
+        bias,
+        options.vocab_size if options.HasField("vocab_size") else None,
+        options.soft_cap if options.HasField("soft_cap") else None,
+        options.logit_scale if options.HasField("logit_scale") else None,
+    )
+
+
+def weights_info(entry: RegisteredWeight, in_flight: int = 0) -> pb.WeightsInfo:
+    return pb.WeightsInfo(
+        name=entry.name,
+        vocab_size=entry.finish.vocab_size,
+        padded_vocab_size=entry.padded_vocab_size,
+        hidden_size=entry.hidden_size,
+        dtype=TORCH_TO_DTYPE[entry.weight.dtype],
+        bytes=entry.nbytes,
+        sha256=entry.sha256,
+        in_flight=in_flight,
+        region=entry.region.name if entry.region is not None else "",
+    )
+
+
+async def read_upload(chunks: AsyncIterator[pb.RegisterWeightsChunk], max_bytes: int) -> VerifiedUpload:
+    """Assembles a chunked upload aside; returns it only when complete and its SHA-256 matches."""
+    header: pb.RegisterWeightsChunk | None = None
+    buffer = bytearray()
+    expected_bytes = 0
+    digest = hashlib.sha256()
+    sha256 = ""
+    async for chunk in chunks:
+        if header is None:
+            header = chunk
+            if header.dtype not in WIRE_DTYPES:
+                raise InvalidArgument("dtype", f"got {header.dtype}, expected float32, bfloat16 or float16")
+            if len(header.shape) != 2 or min(header.shape) < 1:
+                raise InvalidArgument("shape", f"got {list(header.shape)}, expected [V, D] with V, D >= 1")
+            check_weight_shape(tuple(header.shape), "shape")
+            itemsize = torch.empty((), dtype=DTYPE_TO_TORCH[header.dtype]).element_size()
+            expected_bytes = math.prod(header.shape) * itemsize
+            if expected_bytes > max_bytes:
+                raise InvalidArgument("shape", f"{list(header.shape)} needs {expected_bytes} bytes, expected at most {max_bytes}")
+        elif chunk.name or len(chunk.shape) or chunk.dtype:
+            raise InvalidArgument("name", "header fields sent again after the first message; expected data only")
+        if len(buffer) + len(chunk.data) > expected_bytes:
+            raise InvalidArgument("data", f"got more than the {expected_bytes} bytes that shape {list(header.shape)} holds")
+        buffer += chunk.data
+        digest.update(chunk.data)
+        sha256 = chunk.sha256 or sha256
+    if header is None:
+        raise InvalidArgument("name", "the upload had no messages; expected a header with name, dtype and shape")
+    if len(buffer) != expected_bytes:
+        raise InvalidArgument("data", f"got {len(buffer)} bytes, expected {expected_bytes} for shape {list(header.shape)}")
+    if not sha256:
+        raise InvalidArgument("sha256", "missing; expected the hex SHA-256 of the weight's bytes")
+    if digest.hexdigest() != sha256.lower():
+        raise InvalidArgument("sha256", f"got {sha256}, but the bytes received hash to {digest.hexdigest()}")
+    weight = torch.frombuffer(buffer, dtype=DTYPE_TO_TORCH[header.dtype]).view(*header.shape)
+    return VerifiedUpload(
+        name=header.name,
+        weight=weight,
+        finish=finish_from_options(header.options, int(header.shape[0])),
+        sha256=digest.hexdigest(),
+    )

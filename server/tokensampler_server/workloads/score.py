@@ -1,0 +1,181 @@
+"""Scoring given tokens (docs/semantics.md, "Scoring given tokens" and choice 18) in torch.
+
+Device-agnostic: it runs where the logits, or the LM head, are. Positions whose distribution needs no sort (RAW,
+and PROCESSED without top-k, top-p or min-p) walk the vocabulary a slice at a time with a running max, sum of
+exponentials and entropy sum (the online softmax of Milakov and Gimelshein, 2018), picking the target's logit
+and the N best as their slice passes: from hidden states no [N, V] logits exist, and the extra memory is
+O(N·(top_n + slice)). Positions with a filter need the sorted row for their kept set (backends/cpu.py's
+kept_token_mask, as Sample): they are scored a group of whole rows at a time, at most _SLICE_ELEMENTS logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokensampler_server.backends.cpu import kept_token_mask, top_n
+from tokensampler_server.resources.weights import RegisteredWeight
+
+# Logits computed at once (a vocabulary slice of every row, or whole rows of filtered positions): 16 MiB of fp32.
+_SLICE_ELEMENTS = 1 << 22
+_NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class LogitSource:
+    """The logits [N, V] of the positions: `logits` as given, or W·h of `hidden` [N, D] through `lm_head`."""
+
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    lm_head: RegisteredWeight | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return int((self.logits if self.logits is not None else self.hidden).shape[0])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.logits.shape[1]) if self.logits is not None else self.lm_head.finish.vocab_size
+
+    def block(self, rows: torch.Tensor, start: int, stop: int, device: torch.device) -> torch.Tensor:
+        """float32 logits [len(rows), stop - start] of tokens start..stop-1, NaN and +inf read as -inf (choice 1)."""
+        if self.logits is not None:
+            x = self.logits[rows.to(self.logits.device), start:stop].to(device, torch.float32)
+        else:
+            x = self.lm_head.logit_slice(self.hidden[rows.to(self.hidden.device)], start, stop).to(device)
+        return x.masked_fill_(torch.isnan(x) | torch.isposinf(x), _NEG_INF)
+
+
+@dataclass(frozen=True)
+class TokenScoring:
+    """What to score at N positions: every tensor [N] on the CPU."""
+
+    token_ids: torch.Tensor
+    """int64, in [0, V)."""
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    """float32 / int32 / float32 / float32 with SamplingParams' meanings (read in PROCESSED mode only)."""
+    processed: bool
+    top_logprobs: int = 0
+    entropy: bool = False
+
+
+@dataclass(frozen=True)
+class Scores:
+    """float32 logprobs [N]; top_ids int64 / top_values float32 [N, top_logprobs] when asked; entropy [N] when asked."""
+
+    logprobs: torch.Tensor
+    top_ids: torch.Tensor | None
+    top_values: torch.Tensor | None
+    entropy: torch.Tensor | None
+
+
+def score_tokens(source: LogitSource, scoring: TokenScoring, device: torch.device) -> Scores:
+    """The scores of every position, on `device`."""
+    num_rows, n = source.num_rows, scoring.top_logprobs
+    logprobs = torch.full((num_rows,), float("nan"), device=device)
+    top_ids = torch.full((num_rows, n), -1, dtype=torch.int64, device=device) if n else None
+    top_values = torch.full((num_rows, n), float("nan"), device=device) if n else None
+    entropy = torch.full((num_rows,), float("nan"), device=device) if scoring.entropy else None
+    out = Scores(logprobs, top_ids, top_values, entropy)
+    filtered = torch.zeros(num_rows, dtype=torch.bool)
+    if scoring.processed:
+        filtered = (scoring.top_k > 0) | (scoring.top_p < 1) | (scoring.min_p > 0)
+    streamed = (~filtered).nonzero().squeeze(1)
+    if streamed.numel():
+        _streamed(source, scoring, streamed, device, out)
+    kept_rows = filtered.nonzero().squeeze(1)
+    group = max(1, _SLICE_ELEMENTS // source.vocab_size)
+    for begin in range(0, kept_rows.numel(), group):
+        _filtered(source, scoring, kept_rows[begin:begin + group], device, out)
+    return out
+
+
+def _temperature(scoring: TokenScoring, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[R, 1]: the rows' T in PROCESSED mode (T = 1 for greedy rows, choice 6), 1 in RAW mode."""
+    if not scoring.processed:
+        return torch.ones((rows.numel(), 1), device=device)
+    t = scoring.temperature[rows]
+    return torch.where(t == 0, torch.ones_like(t), t).to(device).unsqueeze(1)
+
+
+def _streamed(source: LogitSource, scoring: TokenScoring, rows: torch.Tensor, device: torch.device,
+              out: Scores) -> None:
+    """Rows whose distribution is softmax(x / T) over the whole vocabulary, a vocabulary slice at a time."""
+    num_rows, vocab = rows.numel(), source.vocab_size
+    width = max(1, min(vocab, _SLICE_ELEMENTS // num_rows))
+    t = _temperature(scoring, rows, device)
+    targets = scoring.token_ids[rows].to(device)
+    running_max = torch.full((num_rows,), _NEG_INF, device=device)
+    sum_exp = torch.zeros(num_rows, device=device)
+    sum_terms = torch.zeros(num_rows, device=device)  # Σ e^(z - max)·(z - max): the entropy's numerator
+    target_z = torch.full((num_rows,), _NEG_INF, device=device)
+    best_z = best_ids = None
+    for start in range(0, vocab, width):
+        stop = min(start + width, vocab)
+        z = source.block(rows, start, stop, device).div_(t)
+        new_max = torch.maximum(running_max, z.amax(dim=1))
+        shift = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))  # no -inf - -inf
+        centred = z - shift.unsqueeze(1)
+        e = centred.exp()
+        terms = torch.where(e > 0, e * centred, torch.zeros_like(e)).sum(dim=1)
+        # Rescale what the earlier slices summed to the new max: e^(z - m') = e^(z - m)·e^(m - m').
+        scale = torch.exp(running_max - shift)
+        moved = torch.where(sum_exp > 0, sum_terms + sum_exp * (running_max - shift), torch.zeros_like(sum_exp))
+        sum_terms = scale * moved + terms
+        sum_exp = scale * sum_exp + e.sum(dim=1)
+        running_max = new_max
+        inside = (targets >= start) & (targets < stop)
+        picked = z.gather(1, (targets - start).clamp(0, stop - start - 1).unsqueeze(1)).squeeze(1)
+        target_z = torch.where(inside, picked, target_z)
+        if scoring.top_logprobs:
+            best_z, best_ids = _merge_best(best_z, best_ids, z, start, scoring.top_logprobs)
+    valid = torch.isfinite(running_max)
+    log_z = running_max + sum_exp.log()
+    index = rows.to(device)
+    out.logprobs[index] = torch.where(valid, target_z - log_z, out.logprobs[index])
+    if out.entropy is not None:
+        out.entropy[index] = torch.where(valid, sum_exp.log() - sum_terms / sum_exp, out.entropy[index])
+    if scoring.top_logprobs:
+        _write_top(out, index, valid, best_ids, best_z - log_z.unsqueeze(1))
+
+
+def _merge_best(best_z: torch.Tensor | None, best_ids: torch.Tensor | None, z: torch.Tensor, start: int,
+                n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n best (z desc, id asc) of the best so far and a slice of ids start.. (all higher than theirs): a
+    stable sort keeps the earlier, lower ids first among ties."""
+    ids = torch.arange(start, start + z.shape[1], device=z.device).expand_as(z)
+    if best_z is not None:
+        z, ids = torch.cat([best_z, z], dim=1), torch.cat([best_ids, ids], dim=1)
+    z, order = torch.sort(z, dim=1, descending=True, stable=True)
+    return z[:, :n], ids.gather(1, order[:, :n])
+
+
+def _write_top(out: Scores, index: torch.Tensor, valid: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> None:
+    out.top_ids[index] = torch.where(valid.unsqueeze(1), ids, out.top_ids[index])
+    out.top_values[index] = torch.where(valid.unsqueeze(1), values, out.top_values[index])
+
+
+def _filtered(source: LogitSource, scoring: TokenScoring, rows: torch.Tensor, device: torch.device,
+              out: Scores) -> None:
+    """PROCESSED rows with top-k, top-p or min-p: whole rows, the kept set as Sample's (steps 8-9)."""
+    x = source.block(rows, 0, source.vocab_size, device)
+    valid = torch.isfinite(x).any(dim=1)
+    x_max = torch.where(valid, x.amax(dim=1), torch.zeros(rows.numel(), device=device))
+    z = (x - x_max.unsqueeze(1)) / _temperature(scoring, rows, device)
+    kept = kept_token_mask(z, *(column[rows].to(device) for column in (scoring.top_k, scoring.top_p, scoring.min_p)))
+    z_kept = torch.where(kept, z, torch.full_like(z, _NEG_INF))
+    table = z_kept - torch.logsumexp(z_kept, dim=1, keepdim=True)
+    index = rows.to(device)
+    picked = table.gather(1, scoring.token_ids[rows].to(device).unsqueeze(1)).squeeze(1)
+    out.logprobs[index] = torch.where(valid, picked, out.logprobs[index])
+    if out.entropy is not None:
+        p = table.exp()
+        h = -torch.where(p > 0, p * table, torch.zeros_like(p)).sum(dim=1)
+        out.entropy[index] = torch.where(valid, h, out.entropy[index])
+    if scoring.top_logprobs:
+        ids, values = top_n(table, scoring.top_logprobs)
+        _write_top(out, index, valid, ids, values)
