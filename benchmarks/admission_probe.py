@@ -63,6 +63,15 @@ async def first_message(call: grpc.aio.Call) -> None:
     await asyncio.wait_for(call.read(), 60)
 
 
+async def info_code(info: grpc.aio.UnaryUnaryMultiCallable, caller: str) -> grpc.StatusCode:
+    """The status of one GetServerInfo call with `caller`'s bearer token."""
+    try:
+        await info(pb.GetServerInfoRequest(), metadata=call_metadata("p", caller), timeout=30)
+    except grpc.aio.AioRpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
 async def probe(target: str, pid: int, tokens: list[str], args: argparse.Namespace) -> None:
     async with grpc.aio.insecure_channel(target) as channel:
         info = channel.unary_unary(INFO, request_serializer=pb.GetServerInfoRequest.SerializeToString,
@@ -72,12 +81,6 @@ async def probe(target: str, pid: int, tokens: list[str], args: argparse.Namespa
         stream = channel.stream_stream(STREAM, request_serializer=pb.SampleRequest.SerializeToString,
                                        response_deserializer=pb.SampleStreamResponse.FromString)
 
-        async def info_code(token: str) -> grpc.StatusCode:
-            try:
-                await info(pb.GetServerInfoRequest(), metadata=call_metadata("p", token), timeout=30)
-            except grpc.aio.AioRpcError as err:
-                return err.code()
-            return grpc.StatusCode.OK
 
         before = rss_kib(pid)
         watches = [watch(health_pb2.HealthCheckRequest(service=""), timeout=600) for _ in range(args.watchers)]
@@ -95,7 +98,7 @@ async def probe(target: str, pid: int, tokens: list[str], args: argparse.Namespa
               f"({(after_watches - before) / args.watchers:.1f} KiB each); {args.streams} SampleStreams held: "
               f"+{after_streams - after_watches} KiB ({(after_streams - after_watches) / args.streams:.1f} KiB each)")
 
-        p50, p99 = await call_times(lambda: info_code(tokens[-1]), args.refusals)
+        p50, p99 = await call_times(lambda: info_code(info, tokens[-1]), args.refusals)
         print(f"{args.refusals} refusals past --max-concurrent-rpcs (unary): p50 {p50:.2f} ms, p99 {p99:.2f} ms")
         p50, p99 = await call_times(
             lambda: status_of(watch(health_pb2.HealthCheckRequest(service=""), timeout=30)), args.refusals)
@@ -115,16 +118,10 @@ async def probe_per_client(target: str, token: str, other: str, args: argparse.N
         await held.write(pb.SampleRequest())
         await first_message(held)
 
-        async def info_code(caller: str) -> grpc.StatusCode:
-            try:
-                await info(pb.GetServerInfoRequest(), metadata=call_metadata("p", caller), timeout=30)
-            except grpc.aio.AioRpcError as err:
-                return err.code()
-            return grpc.StatusCode.OK
 
-        p50, p99 = await call_times(lambda: info_code(token), args.refusals)
+        p50, p99 = await call_times(lambda: info_code(info, token), args.refusals)
         print(f"{args.refusals} refusals past --max-calls-per-client (unary): p50 {p50:.2f} ms, p99 {p99:.2f} ms")
-        p50, p99 = await call_times(lambda: info_code(other), args.refusals, grpc.StatusCode.OK)
+        p50, p99 = await call_times(lambda: info_code(info, other), args.refusals, grpc.StatusCode.OK)
         print(f"{args.refusals} admitted calls of another client, for scale: p50 {p50:.2f} ms, p99 {p99:.2f} ms")
         held.cancel()
 

@@ -24,11 +24,10 @@ import argparse
 import datetime
 import importlib.util
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +35,7 @@ sys.path.insert(0, str(ROOT / "server"))
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from generators import spiky_logits  # noqa: E402
+from wall import wall_us  # noqa: E402
 from tokensampler_server.backends.cuda import CudaBackend  # noqa: E402
 from tokensampler_server.backends.cuda_kernels import Outputs, RowParams  # noqa: E402
 from tokensampler_server.model.sampling import LogitProcessing, LogprobsMode, SamplingBatch, TokenEntries  # noqa: E402
@@ -83,15 +83,8 @@ def load_baseline(path: str):
 
 def wall(call, iters: int, warmup: int = 20) -> tuple[float, float, float]:
     """(p50, p99, mean) of call() in microseconds."""
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(iters):
-        started = time.perf_counter_ns()
-        call()
-        times.append((time.perf_counter_ns() - started) / 1e3)
-    times.sort()
-    return times[len(times) // 2], times[min(len(times) - 1, int(len(times) * 0.99))], statistics.fmean(times)
+    times = wall_us(call, iters, warmup)
+    return float(np.percentile(times, 50)), float(np.percentile(times, 99)), float(times.mean())
 
 
 def kernel_time(backend: CudaBackend, x: torch.Tensor, mode: str, reps: int = 50) -> float:

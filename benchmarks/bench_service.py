@@ -46,6 +46,7 @@ for package in ("server", "client"):
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from generators import spiky_logits  # noqa: E402
 from provenance import tree_commit  # noqa: E402
+from wall import wall_us  # noqa: E402
 import grpc  # noqa: E402
 from tokensampler_client import BatchingClient, SamplerClient  # noqa: E402
 from tokensampler_client.params import build_sample_request  # noqa: E402
@@ -75,13 +76,7 @@ def start(command: list[str], ready: re.Pattern) -> tuple[subprocess.Popen, int]
 
 def latency(call: Callable[[], object], iters: int, warmup: int = 5) -> tuple[float, float]:
     """(p50, p99) wall time of call() in microseconds."""
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(iters):
-        started = time.perf_counter_ns()
-        call()
-        times.append((time.perf_counter_ns() - started) / 1e3)
+    times = wall_us(call, iters, warmup)
     return float(np.percentile(times, 50)), float(np.percentile(times, 99))
 
 

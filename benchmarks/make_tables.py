@@ -32,18 +32,18 @@ def _fmt(value: float | None) -> str:
     return "—" if value is None else (f"{value:.1f}" if value < 1000 else f"{value:.0f}")
 
 
+def _head(title: str, batches: list[int]) -> list[str]:
+    """A table's title and header, one column per batch size."""
+    return [title, "", "| method | " + " | ".join(f"B={b}" for b in batches) + " |", "| --- |" + " --- |" * len(batches)]
+
+
 def kernel_table(path: Path) -> str:
     data = json.loads(path.read_text())
     rows = data["rows"]
     batches = sorted({r["B"] for r in rows})
     meta = data["meta"]
-    lines = [
-        f"**{rows[0]['workload']}**, fp32 logits [B, {meta.get('V')}], {meta['gpu']}, {meta['date']} "
-        f"(`{path.relative_to(ROOT)}`); median µs, L2 flushed",
-        "",
-        "| method | " + " | ".join(f"B={b}" for b in batches) + " |",
-        "| --- |" + " --- |" * len(batches),
-    ]
+    lines = _head(f"**{rows[0]['workload']}**, fp32 logits [B, {meta.get('V')}], {meta['gpu']}, {meta['date']} "
+                  f"(`{path.relative_to(ROOT)}`); median µs, L2 flushed", batches)
 
     def line(label: str, select) -> None:
         values = {r["B"]: r["median_us"] for r in rows if select(r)}
@@ -65,13 +65,8 @@ def workload_table(path: Path) -> str:
     rows, meta = data["rows"], data["meta"]
     batches = sorted({r["B"] for r in rows})
     shape = ", ".join(f"{key} = {meta[key]}" for key in ("V", "D", "n", "k") if key in meta)
-    lines = [
-        f"**{rows[0]['workload']}** ({shape}), {meta['gpu']}, {meta['date']} (`{path.relative_to(ROOT)}`); "
-        "median µs, L2 flushed",
-        "",
-        "| method | " + " | ".join(f"B={b}" for b in batches) + " |",
-        "| --- |" + " --- |" * len(batches),
-    ]
+    lines = _head(f"**{rows[0]['workload']}** ({shape}), {meta['gpu']}, {meta['date']} (`{path.relative_to(ROOT)}`); "
+                  "median µs, L2 flushed", batches)
     for label in dict.fromkeys(r["method"] + (f" {r['mode']}" if r.get("mode") else "") for r in rows):
         values = {r["B"]: r["median_us"] for r in rows
                   if r["method"] + (f" {r['mode']}" if r.get("mode") else "") == label}
@@ -87,13 +82,8 @@ def service_table(path: Path) -> str:
     latency = [r for r in data["rows"] if "p50_us" in r]
     batches = sorted({r["B"] for r in latency if r["B"]})
     methods = list(dict.fromkeys(r["method"] for r in latency))
-    lines = [
-        f"**service**, {meta['gpu']}, {meta['date']}, grpcio {meta['grpc']} (`{path.relative_to(ROOT)}`); "
-        "p50 / p99 µs per call",
-        "",
-        "| method | " + " | ".join(f"B={b}" for b in batches) + " |",
-        "| --- |" + " --- |" * len(batches),
-    ]
+    lines = _head(f"**service**, {meta['gpu']}, {meta['date']}, grpcio {meta['grpc']} (`{path.relative_to(ROOT)}`); "
+                  "p50 / p99 µs per call", batches)
     for method in methods:
         cells = []
         for b in batches:

@@ -6,7 +6,9 @@ import argparse
 import asyncio
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tokensampler_server.core.config import Limits, ServerConfig, StartupError
 from tokensampler_server.core.logs import LOG_FORMATS, configure_logging
@@ -14,8 +16,27 @@ from tokensampler_server.core.logs import LOG_FORMATS, configure_logging
 _MIB = 1024 * 1024
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(f"TOKENSAMPLER_{name}", default)
+class _Flags:
+    """Adds flags whose default a TOKENSAMPLER_* variable may set; each flag's help names its variable. A variable
+    is read as the flag's value would be (argparse parses a string default with the flag's type), so a bad one gets
+    the flag's own error."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+    @staticmethod
+    def variable(flag: str) -> str:
+        return "TOKENSAMPLER_" + flag.removeprefix("--").replace("-", "_").upper()
+
+    def value(self, flag: str, kind: Callable[[str], Any], default: Any, help: str, **more: Any) -> None:
+        variable = self.variable(flag)
+        self.parser.add_argument(flag, type=kind, default=os.environ.get(variable) or default,
+                                 help=f"{help} [{variable}]", **more)
+
+    def switch(self, flag: str, help: str) -> None:
+        variable = self.variable(flag)
+        self.parser.add_argument(flag, action="store_true", default=os.environ.get(variable, "") not in ("", "0"),
+                                 help=f"{help} [{variable}]")
 
 
 def parse_args(argv: list[str] | None = None) -> ServerConfig:
@@ -26,166 +47,74 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         epilog="Every flag can also be set by the environment variable shown in its help; the flag wins.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--host", default=_env("HOST", defaults.host), help="address to listen on [TOKENSAMPLER_HOST]")
-    parser.add_argument(
-        "--port", type=int, default=int(_env("PORT", str(defaults.port))),
-        help="TCP port; 0 lets the OS choose (the log line 'tokensampler serving on' names it) [TOKENSAMPLER_PORT]",
-    )
-    parser.add_argument(
-        "--port-file", type=Path, default=_env("PORT_FILE", "") or None,
-        help="write the TCP port here once it is bound, for health checks that cannot see the flags "
-        "(the container image's) [TOKENSAMPLER_PORT_FILE]",
-    )
-    parser.add_argument(
-        "--device", default=_env("DEVICE", defaults.device),
-        help="auto (CUDA when a GPU is present, else CPU), cpu, cuda or cuda:N [TOKENSAMPLER_DEVICE]",
-    )
-    parser.add_argument(
-        "--max-message-mb", type=int, default=int(_env("MAX_MESSAGE_MB", str(defaults.limits.max_message_bytes // _MIB))),
-        help="largest request or response message, in MiB [TOKENSAMPLER_MAX_MESSAGE_MB]",
-    )
-    parser.add_argument(
-        "--max-batch-rows", type=int, default=int(_env("MAX_BATCH_ROWS", str(defaults.limits.max_batch_rows))),
-        help="most rows in one request [TOKENSAMPLER_MAX_BATCH_ROWS]",
-    )
-    parser.add_argument(
-        "--max-batch-elements", type=int,
-        default=int(_env("MAX_BATCH_ELEMENTS", "0")) or None,
-        help=f"most logits elements (B·V, also for hidden states through a head) in one request and one merged batch; "
-        f"default {defaults.limits.max_batch_elements} on the CUDA backend, on the CPU backend at most 2^26 and "
-        "1/64 of the memory in bytes [TOKENSAMPLER_MAX_BATCH_ELEMENTS]",
-    )
-    parser.add_argument(
-        "--max-regions", type=int, default=int(_env("MAX_REGIONS", str(defaults.max_regions))),
-        help="regions registered at once; past it RegisterRegion gets RESOURCE_EXHAUSTED [TOKENSAMPLER_MAX_REGIONS]",
-    )
-    parser.add_argument(
-        "--max-weights", type=int, default=int(_env("MAX_WEIGHTS", str(defaults.max_weights))),
-        help="weights registered at once; past it registering gets RESOURCE_EXHAUSTED [TOKENSAMPLER_MAX_WEIGHTS]",
-    )
-    parser.add_argument(
-        "--unregister-timeout-s", type=float,
-        default=float(_env("UNREGISTER_TIMEOUT_S", str(defaults.unregister_timeout_s))),
-        help="how long an unregister waits for the requests using the weight or region; then it stays registered "
-        "and the call gets FAILED_PRECONDITION [TOKENSAMPLER_UNREGISTER_TIMEOUT_S]",
-    )
-    parser.add_argument(
-        "--max-queue-delay-us", type=int, default=int(_env("MAX_QUEUE_DELAY_US", str(defaults.max_queue_delay_us))),
-        help="how long a request may wait for others to share a backend call while the backend is idle; "
-        "requests arriving while it is busy are merged anyway; the native path's requests are merged only "
-        "with a delay [TOKENSAMPLER_MAX_QUEUE_DELAY_US]",
-    )
-    parser.add_argument(
-        "--max-queue-rows", type=int, default=int(_env("MAX_QUEUE_ROWS", str(defaults.max_queue_rows))),
-        help="rows waiting for the backend beyond which requests get RESOURCE_EXHAUSTED [TOKENSAMPLER_MAX_QUEUE_ROWS]",
-    )
-    parser.add_argument(
-        "--max-queue-mb", type=int, default=int(_env("MAX_QUEUE_MB", str(defaults.max_queue_bytes // _MIB))),
-        help="MiB of request tensors waiting for the backend beyond which requests get RESOURCE_EXHAUSTED "
-        "[TOKENSAMPLER_MAX_QUEUE_MB]",
-    )
-    parser.add_argument(
-        "--max-concurrent-rpcs", type=int,
-        default=int(_env("MAX_CONCURRENT_RPCS", str(defaults.max_concurrent_rpcs))),
-        help="calls of the Sampler and reflection held at once (a stream counts as one until it ends), counted "
-        "after authentication; past it new calls get RESOURCE_EXHAUSTED, which the client retries; 0: no limit "
-        "[TOKENSAMPLER_MAX_CONCURRENT_RPCS]",
-    )
-    parser.add_argument(
-        "--max-health-watchers", type=int,
-        default=int(_env("MAX_HEALTH_WATCHERS", str(defaults.max_health_watchers))),
-        help="health Watch streams held at once, in a pool of their own (health is open to every caller); "
-        "health Check is not counted; 0: no limit [TOKENSAMPLER_MAX_HEALTH_WATCHERS]",
-    )
-    parser.add_argument(
-        "--max-calls-per-client", type=int,
-        default=int(_env("MAX_CALLS_PER_CLIENT", str(defaults.max_calls_per_client))),
-        help="calls one client holds at once; a client is its bearer token, else its connection; 0: no limit "
-        "[TOKENSAMPLER_MAX_CALLS_PER_CLIENT]",
-    )
-    parser.add_argument(
-        "--gpu-memory-fraction", type=float, default=float(_env("GPU_MEMORY_FRACTION", "0")) or None,
-        help="cap on the share of the GPU's memory the server's allocator may take, 0 < f <= 1; a batch "
-        "that needs more gets RESOURCE_EXHAUSTED [TOKENSAMPLER_GPU_MEMORY_FRACTION]",
-    )
-    parser.add_argument(
-        "--uds", default=_env("UDS", "") or None,
-        help="also listen on this Unix domain socket path (clients use unix://PATH) [TOKENSAMPLER_UDS]",
-    )
-    parser.add_argument(
-        "--allow-shm", action="store_true", default=_env("ALLOW_SHM", "") not in ("", "0"),
-        help="accept POSIX shared-memory regions from colocated clients [TOKENSAMPLER_ALLOW_SHM]",
-    )
-    parser.add_argument(
-        "--allow-cuda-ipc", action="store_true", default=_env("ALLOW_CUDA_IPC", "") not in ("", "0"),
-        help="accept CUDA IPC regions (GPU buffers of colocated processes) [TOKENSAMPLER_ALLOW_CUDA_IPC]",
-    )
-    parser.add_argument(
-        "--no-native-path", action="store_true", default=_env("NO_NATIVE_PATH", "") not in ("", "0"),
-        help="answer every request on the Python path, also the plain ones (logits in a CUDA region or carried, "
-        "tokens alone) the CUDA backend otherwise answers in C++ [TOKENSAMPLER_NO_NATIVE_PATH]",
-    )
-    parser.add_argument(
-        "--weights-dir", type=Path, default=_env("WEIGHTS_DIR", "") or None,
-        help="folder whose safetensors files RegisterWeightsFromFile may read; off when unset [TOKENSAMPLER_WEIGHTS_DIR]",
-    )
-    parser.add_argument(
-        "--max-weight-mb", type=int, default=int(_env("MAX_WEIGHT_MB", str(defaults.limits.max_weight_bytes // _MIB))),
-        help="largest LM-head weight one registration may hold, in MiB [TOKENSAMPLER_MAX_WEIGHT_MB]",
-    )
-    parser.add_argument(
-        "--auth-token-file", type=Path, default=_env("AUTH_TOKEN_FILE", "") or None,
-        help="accept only calls with metadata 'authorization: Bearer TOKEN', TOKEN one of this file's lines; "
-        "health checks stay open [TOKENSAMPLER_AUTH_TOKEN_FILE]",
-    )
-    parser.add_argument(
-        "--tls-cert", type=Path, default=_env("TLS_CERT", "") or None,
-        help="PEM certificate chain: serve TLS on the TCP port (needs --tls-key) [TOKENSAMPLER_TLS_CERT]",
-    )
-    parser.add_argument(
-        "--tls-key", type=Path, default=_env("TLS_KEY", "") or None,
-        help="PEM private key of --tls-cert [TOKENSAMPLER_TLS_KEY]",
-    )
-    parser.add_argument(
-        "--tls-client-ca", type=Path, default=_env("TLS_CLIENT_CA", "") or None,
-        help="PEM CA bundle: require client certificates it signed (mutual TLS) [TOKENSAMPLER_TLS_CLIENT_CA]",
-    )
-    parser.add_argument(
-        "--grace-period-s", type=float, default=float(_env("GRACE_PERIOD_S", str(defaults.grace_period_s))),
-        help="seconds in-flight requests may run on after SIGTERM/SIGINT [TOKENSAMPLER_GRACE_PERIOD_S]",
-    )
-    parser.add_argument(
-        "--no-reflection", action="store_true", default=_env("NO_REFLECTION", "") not in ("", "0"),
-        help="do not serve gRPC server reflection [TOKENSAMPLER_NO_REFLECTION]",
-    )
-    parser.add_argument(
-        "--max-connection-age-s", type=float,
-        default=float(_env("MAX_CONNECTION_AGE_S", str(defaults.max_connection_age_s))),
-        help="close each client connection after this many seconds, 0 never: clients balancing over DNS "
-        "(round_robin) then reconnect and find new replicas [TOKENSAMPLER_MAX_CONNECTION_AGE_S]",
-    )
-    parser.add_argument(
-        "--metrics-port", type=int, default=int(_env("METRICS_PORT", str(defaults.metrics_port))),
-        help="port of the Prometheus endpoint http://HOST:PORT/metrics; 0 lets the OS choose "
-        "(the log line 'metrics on' names it) [TOKENSAMPLER_METRICS_PORT]",
-    )
-    parser.add_argument(
-        "--no-metrics", action="store_true", default=_env("NO_METRICS", "") not in ("", "0"),
-        help="do not serve Prometheus metrics [TOKENSAMPLER_NO_METRICS]",
-    )
-    parser.add_argument(
-        "--otlp-endpoint", default=_env("OTLP_ENDPOINT", "") or None,
-        help="OpenTelemetry collector (OTLP over gRPC) that gets a span per call, e.g. http://collector:4317 "
-        "(https:// for TLS); needs the tracing extra; off when unset [TOKENSAMPLER_OTLP_ENDPOINT]",
-    )
-    parser.add_argument(
-        "--log-level", default=_env("LOG_LEVEL", defaults.log_level), choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        type=str.upper, help="log verbosity; DEBUG adds one line per request [TOKENSAMPLER_LOG_LEVEL]",
-    )
-    parser.add_argument(
-        "--log-format", default=_env("LOG_FORMAT", defaults.log_format), choices=LOG_FORMATS, type=str.lower,
-        help="text, or json for one JSON object per line [TOKENSAMPLER_LOG_FORMAT]",
-    )
+    flags = _Flags(parser)
+    flags.value("--host", str, defaults.host, "address to listen on")
+    flags.value("--port", int, defaults.port,
+                "TCP port; 0 lets the OS choose (the log line 'tokensampler serving on' names it)")
+    flags.value("--port-file", Path, None, "write the TCP port here once it is bound, for health checks that cannot "
+                "see the flags (the container image's)")
+    flags.value("--device", str, defaults.device, "auto (CUDA when a GPU is present, else CPU), cpu, cuda or cuda:N")
+    flags.value("--max-message-mb", int, defaults.limits.max_message_bytes // _MIB,
+                "largest request or response message, in MiB")
+    flags.value("--max-batch-rows", int, defaults.limits.max_batch_rows, "most rows in one request")
+    flags.value("--max-batch-elements", int, None,
+                "most logits elements (B·V, also for hidden states through a head) in one request and one merged "
+                f"batch; default {defaults.limits.max_batch_elements} on the CUDA backend, on the CPU backend at most "
+                "2^26 and 1/64 of the memory in bytes")
+    flags.value("--max-regions", int, defaults.max_regions,
+                "regions registered at once; past it RegisterRegion gets RESOURCE_EXHAUSTED")
+    flags.value("--max-weights", int, defaults.max_weights,
+                "weights registered at once; past it registering gets RESOURCE_EXHAUSTED")
+    flags.value("--unregister-timeout-s", float, defaults.unregister_timeout_s,
+                "how long an unregister waits for the requests using the weight or region; then it stays registered "
+                "and the call gets FAILED_PRECONDITION")
+    flags.value("--max-queue-delay-us", int, defaults.max_queue_delay_us,
+                "how long a request may wait for others to share a backend call while the backend is idle; requests "
+                "arriving while it is busy are merged anyway; the native path's requests are merged only with a delay")
+    flags.value("--max-queue-rows", int, defaults.max_queue_rows,
+                "rows waiting for the backend beyond which requests get RESOURCE_EXHAUSTED")
+    flags.value("--max-queue-mb", int, defaults.max_queue_bytes // _MIB,
+                "MiB of request tensors waiting for the backend beyond which requests get RESOURCE_EXHAUSTED")
+    flags.value("--max-concurrent-rpcs", int, defaults.max_concurrent_rpcs,
+                "calls of the Sampler and reflection held at once (a stream counts as one until it ends), counted "
+                "after authentication; past it new calls get RESOURCE_EXHAUSTED, which the client retries; 0: no limit")
+    flags.value("--max-health-watchers", int, defaults.max_health_watchers,
+                "health Watch streams held at once, in a pool of their own (health is open to every caller); health "
+                "Check is not counted; 0: no limit")
+    flags.value("--max-calls-per-client", int, defaults.max_calls_per_client,
+                "calls one client holds at once; a client is its bearer token, else its connection; 0: no limit")
+    flags.value("--gpu-memory-fraction", float, None,
+                "cap on the share of the GPU's memory the server's allocator may take, 0 < f <= 1; a batch that needs "
+                "more gets RESOURCE_EXHAUSTED")
+    flags.value("--uds", str, None, "also listen on this Unix domain socket path (clients use unix://PATH)")
+    flags.switch("--allow-shm", "accept POSIX shared-memory regions from colocated clients")
+    flags.switch("--allow-cuda-ipc", "accept CUDA IPC regions (GPU buffers of colocated processes)")
+    flags.switch("--no-native-path", "answer every request on the Python path, also the plain ones (logits in a CUDA "
+                 "region or carried, tokens alone) the CUDA backend otherwise answers in C++")
+    flags.value("--weights-dir", Path, None, "folder whose safetensors files RegisterWeightsFromFile may read; off when "
+                "unset")
+    flags.value("--max-weight-mb", int, defaults.limits.max_weight_bytes // _MIB,
+                "largest LM-head weight one registration may hold, in MiB")
+    flags.value("--auth-token-file", Path, None, "accept only calls with metadata 'authorization: Bearer TOKEN', TOKEN "
+                "one of this file's lines; health checks stay open")
+    flags.value("--tls-cert", Path, None, "PEM certificate chain: serve TLS on the TCP port (needs --tls-key)")
+    flags.value("--tls-key", Path, None, "PEM private key of --tls-cert")
+    flags.value("--tls-client-ca", Path, None, "PEM CA bundle: require client certificates it signed (mutual TLS)")
+    flags.value("--grace-period-s", float, defaults.grace_period_s,
+                "seconds in-flight requests may run on after SIGTERM/SIGINT")
+    flags.switch("--no-reflection", "do not serve gRPC server reflection")
+    flags.value("--max-connection-age-s", float, defaults.max_connection_age_s,
+                "close each client connection after this many seconds, 0 never: clients balancing over DNS "
+                "(round_robin) then reconnect and find new replicas")
+    flags.value("--metrics-port", int, defaults.metrics_port, "port of the Prometheus endpoint "
+                "http://HOST:PORT/metrics; 0 lets the OS choose (the log line 'metrics on' names it)")
+    flags.switch("--no-metrics", "do not serve Prometheus metrics")
+    flags.value("--otlp-endpoint", str, None, "OpenTelemetry collector (OTLP over gRPC) that gets a span per call, "
+                "e.g. http://collector:4317 (https:// for TLS); needs the tracing extra; off when unset")
+    flags.value("--log-level", str.upper, defaults.log_level, "log verbosity; DEBUG adds one line per request",
+                choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    flags.value("--log-format", str.lower, defaults.log_format, "text, or json for one JSON object per line",
+                choices=LOG_FORMATS)
     args = parser.parse_args(argv)
     for name in ("max_message_mb", "max_batch_rows", "max_queue_rows", "max_queue_mb", "max_weight_mb", "max_regions",
                  "max_weights"):

@@ -126,16 +126,15 @@ class HiddenInput:
     lm_head: RegisteredWeight
 
 
-@dataclass(frozen=True)
-class SamplingBatch:
-    """B rows to sample, every parameter already validated and expanded to one value per row.
+ROW_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "position", "iteration")
+"""The per-row parameters of docs/semantics.md that every workload which samples reads."""
 
-    All per-row tensors are [B] on the CPU. The input is either `logits` [B, V] (float32/bfloat16/
-    float16; on the CPU, or on the backend's GPU when it came from a CUDA IPC region) or `hidden`;
-    `with_logits()` turns the second into the first.
-    """
 
-    logits: torch.Tensor | None
+@dataclass(frozen=True, kw_only=True)
+class RowSampling:
+    """The per-row parameters, validated and expanded to one value per row: [B] tensors on the CPU. The one
+    definition that a sampled batch, a validated request's rows and a draft verification compose."""
+
     temperature: torch.Tensor
     """float32; 0 means greedy."""
     top_k: torch.Tensor
@@ -150,8 +149,24 @@ class SamplingBatch:
     """int64 holding a uint32."""
     iteration: torch.Tensor
     """int64 holding a uint32."""
-    num_samples: int = 1
     processing: LogitProcessing | None = None
+    """Steps 2-5; its TokenEntries rows and per-row tensors index the B rows."""
+
+    def row_sampling(self, index: torch.Tensor | slice = slice(None)) -> dict[str, torch.Tensor]:
+        """The per-row parameters (not processing) of the rows `index`, as keywords for another RowSampling."""
+        return {name: getattr(self, name)[index] for name in ROW_FIELDS}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingBatch(RowSampling):
+    """B rows to sample, every parameter already validated and expanded to one value per row.
+
+    The input is either `logits` [B, V] (float32/bfloat16/float16; on the CPU, or on the backend's GPU when it
+    came from a CUDA IPC region) or `hidden`; `with_logits()` turns the second into the first.
+    """
+
+    logits: torch.Tensor | None
+    num_samples: int = 1
     return_logprobs: bool = False
     logprobs_mode: LogprobsMode = LogprobsMode.RAW
     top_logprobs: int = 0
@@ -225,10 +240,7 @@ def select_rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
             dry=dry, dry_values=processing.dry_values[dry_keep] if dry_keep is not None else None,
             truncation=processing.truncation.rows(rows) if processing.truncation is not None else None,
             token_bitmask=processing.token_bitmask[rows] if processing.token_bitmask is not None else None, **per_row)
-    return replace(
-        batch, **selected_input, temperature=batch.temperature[rows], top_k=batch.top_k[rows],
-        top_p=batch.top_p[rows], min_p=batch.min_p[rows], seed=batch.seed[rows], position=batch.position[rows],
-        iteration=batch.iteration[rows], processing=processing)
+    return replace(batch, **selected_input, **batch.row_sampling(rows), processing=processing)
 
 
 def concat_results(parts: list[SamplingResult]) -> SamplingResult:

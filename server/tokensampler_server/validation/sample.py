@@ -21,7 +21,8 @@ from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument
 from tokensampler_server.validation.packed import decode_floats, decode_varints, packed_runs
 from tokensampler_server.model.repetition import Sequences
-from tokensampler_server.model.sampling import HiddenInput, LogitProcessing, LogprobsMode, SamplingBatch, TokenEntries
+from tokensampler_server.model.sampling import (HiddenInput, LogitProcessing, LogprobsMode, RowSampling, SamplingBatch,
+                                                TokenEntries)
 from tokensampler_server.validation.samplers import (DecodedBreakers, check_breaker_ids, check_sequence_reads, decode_breakers, sequence_rules,
                                   stop_bans, truncation)
 from tokensampler_server.resources.weights import RegisteredWeight
@@ -341,18 +342,10 @@ def _input(request: pb.SampleRequest, referenced: torch.Tensor | None, limits: L
     raise InvalidArgument("input", "not set; expected logits, logits_ref, logits_rows or hidden")
 
 
-@dataclass(frozen=True)
-class RowParams:
+@dataclass(frozen=True, kw_only=True)
+class RowParams(RowSampling):
     """The per-row parameters of SamplingParams, checked and expanded to B values (torch, CPU)."""
 
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    min_p: torch.Tensor
-    seed: torch.Tensor
-    position: torch.Tensor
-    iteration: torch.Tensor
-    processing: LogitProcessing | None
     seeds: np.ndarray
     """The same seeds as uint64, for the response."""
 
@@ -459,15 +452,9 @@ def validate_sample_request(
     batch = SamplingBatch(
         logits=logits,
         hidden=hidden,
-        temperature=rows.temperature,
-        top_k=rows.top_k,
-        top_p=rows.top_p,
-        min_p=rows.min_p,
-        seed=rows.seed,
-        position=rows.position,
-        iteration=rows.iteration,
-        num_samples=num_samples,
+        **rows.row_sampling(),
         processing=rows.processing,
+        num_samples=num_samples,
         return_logprobs=request.return_logprobs,
         logprobs_mode=mode,
         top_logprobs=request.top_logprobs,

@@ -169,9 +169,8 @@ def validate_verify_request(
             raise InvalidArgument("draft_probs", "got a position whose probabilities sum to 0, expected a distribution")
     rows = validate_row_params(request.params, num_rows, vocab, limits, seed_source)
     verification = DraftVerification(
-        draft_ids=draft_ids, draft_probs=probs.nan_to_num(0.0), target_logits=target, temperature=rows.temperature,
-        top_k=rows.top_k, top_p=rows.top_p, min_p=rows.min_p, seed=rows.seed, position=rows.position,
-        iteration=rows.iteration, processing=rows.processing,
+        draft_ids=draft_ids, draft_probs=probs.nan_to_num(0.0), target_logits=target, **rows.row_sampling(),
+        processing=rows.processing,
     )
     return verification, rows.seeds
 

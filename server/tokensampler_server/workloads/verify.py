@@ -31,17 +31,18 @@ import torch
 from tokensampler_server.backends.cpu import kept_token_mask
 from tokensampler_server.backends.philox import counter_uniforms, gumbel_noise
 from tokensampler_server.backends.processing import apply_processing, sanitize_non_finite
-from tokensampler_server.model.sampling import LogitProcessing
+from tokensampler_server.model.sampling import RowSampling
 
 _MASK32 = 0xFFFFFFFF
 _NEG_INF = float("-inf")
 
 
-@dataclass(frozen=True)
-class DraftVerification:
+@dataclass(frozen=True, kw_only=True)
+class DraftVerification(RowSampling):
     """One batch of B rows to verify, n >= 1 draft tokens each, every tensor on the CPU.
 
-    Parameters are validated and expanded to one value per row, as in `SamplingBatch`.
+    The per-row parameters are the target's, as in `SamplingBatch`; `position` is the Philox position of draft
+    token 0, and `processing` (steps 2-4) applies to the target logits at every position.
     """
 
     draft_ids: torch.Tensor
@@ -51,22 +52,6 @@ class DraftVerification:
     draft logits into probabilities with softmax.)"""
     target_logits: torch.Tensor
     """[B, n + 1, V] float32/bfloat16/float16; arithmetic in float32."""
-    temperature: torch.Tensor
-    """float32 [B]; 0 means greedy."""
-    top_k: torch.Tensor
-    """int32 [B]; 0 means off."""
-    top_p: torch.Tensor
-    """float32 [B] in (0, 1]; 1 means off."""
-    min_p: torch.Tensor
-    """float32 [B] in [0, 1); 0 means off."""
-    seed: torch.Tensor
-    """int64 [B] holding the uint64 seed's bits."""
-    position: torch.Tensor
-    """int64 [B] holding a uint32: the Philox position of draft token 0."""
-    iteration: torch.Tensor
-    """int64 [B] holding a uint32."""
-    processing: LogitProcessing | None = None
-    """Steps 2-4 for the target logits; its TokenEntries rows index B and apply at every position."""
 
 
 def acceptance_uniforms(seed: torch.Tensor, position: torch.Tensor, iteration: torch.Tensor) -> torch.Tensor:
