@@ -54,7 +54,7 @@ float float_of(uint32_t bits) {
   return value;
 }
 
-// validation.py's random_seeds: the OS's cryptographic generator.
+// validation/sample.py's random_seeds: the OS's cryptographic generator.
 void random_words(uint64_t* out, size_t count) {
   auto* bytes = reinterpret_cast<char*>(out);
   size_t left = 8 * count;
@@ -77,7 +77,7 @@ int bucket_index(int32_t k, int64_t chunks) {
   return -1;
 }
 
-// A 0-, 1- or B-valued column of SamplingParams (validation.py _column).
+// A 0-, 1- or B-valued column of SamplingParams (validation/sample.py _column).
 template <typename T>
 struct Column {
   const std::vector<T>& values;
@@ -316,7 +316,7 @@ std::shared_ptr<PreparedRequest> RequestPath::prepare(std::string_view request, 
 }
 
 bool RequestPath::validate(const Parsed& q, const RegionMapping* region, PreparedRequest& p) const {
-  // ---- validation.py: the input's shape and its bytes (tensors.py _checked), or the region reference
+  // ---- validation/sample.py: the input's shape and its bytes (tensors.py _checked), or the region reference
   // (regions.py Region.tensor, Region.rows)
   const bool gathered = q.gathered;
   if (gathered ? q.row_size > static_cast<uint64_t>(INT64_MAX) : q.shape.size() != 2) return false;
@@ -346,11 +346,11 @@ bool RequestPath::validate(const Parsed& q, const RegionMapping* region, Prepare
       return false;
   }
 
-  // ---- validation.py validate_sample_request's scalars: one sample, tokens only
+  // ---- validation/sample.py validate_sample_request's scalars: one sample, tokens only
   if (q.has_num_samples && q.num_samples != 1) return false;
   if (q.return_logprobs || q.top_logprobs || q.logprobs_mode > kMaxLogprobsMode) return false;
 
-  // ---- validation.py validate_row_params: every column 0-, 1- or B-valued, every value in range
+  // ---- validation/sample.py validate_row_params: every column 0-, 1- or B-valued, every value in range
   const Column<uint32_t> temperature{q.temperature}, top_p{q.top_p}, min_p{q.min_p};
   const Column<uint64_t> top_k{q.top_k}, seed{q.seed}, position{q.position}, iteration{q.iteration};
   for (bool sized : {temperature.sized(num_rows), top_p.sized(num_rows), min_p.sized(num_rows), top_k.sized(num_rows),
@@ -383,7 +383,7 @@ bool RequestPath::validate(const Parsed& q, const RegionMapping* region, Prepare
     p.row_offsets = q.row_offsets;
   }
 
-  // ---- validation.py _seeds and the per-row columns (backends/cuda.py _Stage)
+  // ---- validation/sample.py _seeds and the per-row columns (backends/cuda.py _Stage)
   const size_t b = static_cast<size_t>(num_rows);
   p.seeds.resize(b);
   if (seed.given()) {

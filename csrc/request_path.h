@@ -4,7 +4,7 @@
 // between the request's bytes and the response's. The server's Python path (sample_rpc.py) answers every
 // other request and every error: prepare() declines (returns null) whatever it does not take, before anything
 // a client could see has happened, and the Python path then takes the request as if this one did not exist.
-// The rules it applies are validation.py's and backends/cuda.py's, mirrored: tests/gpu/test_request_path.py
+// The rules it applies are validation/sample.py's and backends/cuda.py's, mirrored: tests/gpu/test_request_path.py
 // holds the two paths to the same answers. Why it exists, and what it measured: docs/design/service-path.md.
 //
 // A request is prepared (parsed and validated) as it arrives; prepared requests of one vocabulary and dtype are

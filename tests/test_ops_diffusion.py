@@ -1,4 +1,4 @@
-"""Diffusion-LM steps (ops/diffusion.py) against docs/semantics.md, choice 14, on the CPU reference.
+"""Diffusion-LM steps (workloads/diffusion.py) against docs/semantics.md, choice 14, on the CPU reference.
 
 Tokens are checked two ways: by chi-square against the exact distribution over many seeds (significance
 ALPHA, fixed seeds, so deterministic), and for equality with CpuBackend.sample of the same row with

@@ -1,4 +1,4 @@
-"""ops/score.py (docs/semantics.md, choice 18) against direct computations, validation, and the server."""
+"""workloads/score.py (docs/semantics.md, choice 18) against direct computations, validation, and the server."""
 
 from __future__ import annotations
 

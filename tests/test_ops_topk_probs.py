@@ -1,4 +1,4 @@
-"""Top-k probabilities (ops/topk_probs.py) against docs/semantics.md, choice 15.
+"""Top-k probabilities (workloads/topk_probs.py) against docs/semantics.md, choice 15.
 
 The reference is torch.softmax in float64, rounded to float32 (the contract's probabilities are fp32,
 and so are their ties), then a stable descending sort (ties to the lower id), with NaN and +inf read as

@@ -1,4 +1,4 @@
-"""Speculative-decoding verification (ops/verify.py) against docs/semantics.md, choice 16.
+"""Speculative-decoding verification (workloads/verify.py) against docs/semantics.md, choice 16.
 
 Distribution tests are chi-square goodness-of-fit tests over many seeded rows (significance 0.001,
 as in test_cpu_semantics.py); expectations are computed independently in float64 numpy. Draft tokens

@@ -89,7 +89,7 @@ def check_diffusion_step(client: SamplerClient, head: Head, device: str = "cpu")
         assert torch.equal(from_hidden.tokens, from_logits.tokens), params
         if device == "cpu":
             assert torch.equal(from_hidden.confidences, from_logits.confidences), params
-        else:  # filtered steps take confidences on the logits' device (ops/diffusion.py): the GPU for
+        else:  # filtered steps take confidences on the logits' device (workloads/diffusion.py): the GPU for
             # hidden states, the CPU for logits from the wire; fp32 softmax rounds apart by ~1 ulp
             torch.testing.assert_close(from_hidden.confidences, from_logits.confidences, rtol=1e-5, atol=1e-9)
         assert torch.equal(from_hidden.mask, from_logits.mask), params

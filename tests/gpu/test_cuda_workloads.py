@@ -1,4 +1,4 @@
-"""The workload kernels (ops/cuda.py) against the torch references of ops/.
+"""The workload kernels (workloads/cuda.py) against the torch references of workloads/.
 
 Top-k probabilities: ids identical, probabilities to 1e-5 relative (the reference on the same GPU).
 Diffusion steps and draft verification: tokens identical to the CPU reference for >= 99.9% of the

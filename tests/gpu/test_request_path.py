@@ -1,7 +1,7 @@
 """The native request path (csrc/request_path.cpp, native_path.py) against the Python path.
 
 In process, no RPC: a CUDA tensor of this process stands for a registered CUDA region. Every request the
-native path answers must get the response the Python path gives it (validation.py + the CUDA backend):
+native path answers must get the response the Python path gives it (validation/sample.py + the CUDA backend):
 the same tokens, flags and seeds, to the bit, since both launch the same kernels on the same rows. Every
 request it must leave to the Python path (other inputs, log-probs, processing, output regions, errors)
 must be declined. Requests queued together are sampled as one batch, each answered as alone. Then the server
@@ -64,7 +64,7 @@ def put(region_buffer: torch.Tensor, x: torch.Tensor, offset: int = 0) -> pb.Ten
 
 def python_answer(cuda_backend, request: pb.SampleRequest, region_buffer: torch.Tensor) -> pb.SampleResponse:
     """What the Python path answers (sample_rpc.py's steps): the region reference resolved by regions.py (or
-    the carried logits decoded), validation.py's batch, the CUDA backend. Its errors raise (ServiceError)."""
+    the carried logits decoded), validation/sample.py's batch, the CUDA backend. Its errors raise (ServiceError)."""
     kind = request.WhichOneof("input")
     referenced = None
     if kind != "logits":

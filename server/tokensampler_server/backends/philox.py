@@ -58,7 +58,7 @@ def random_words(
     seed, position, iteration: int64 [B].
     """
     num_blocks = (vocab_size + 3) // 4
-    block = torch.arange(num_blocks, dtype=torch.int64).unsqueeze(0)
+    block = torch.arange(num_blocks, dtype=torch.int64, device=seed.device).unsqueeze(0)
     k0, k1 = seed_key(seed.unsqueeze(1))
     words = philox4x32(
         (

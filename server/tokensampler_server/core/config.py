@@ -12,7 +12,7 @@ class StartupError(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-request limits, enforced by validation.py and reported by GetServerInfo."""
+    """Per-request limits, enforced by validation/sample.py and reported by GetServerInfo."""
 
     max_batch_rows: int = 4096
     max_batch_elements: int = 4096 * 262144

@@ -1,6 +1,6 @@
 """The validated form of a sampling request, as every backend receives it, and what it returns.
 
-`validation.py` turns a `SampleRequest` into a `SamplingBatch`; a backend turns a `SamplingBatch` into
+`validation/sample.py` turns a `SampleRequest` into a `SamplingBatch`; a backend turns a `SamplingBatch` into
 a `SamplingResult`. Both are plain torch tensors so that the CPU reference and the CUDA kernels read
 the same thing. docs/semantics.md defines what a backend computes from them.
 """

@@ -1,7 +1,7 @@
 """The Sampler gRPC servicer: decode and validate, run the backend off the event loop, encode.
 
-Every RPC of the contract is one method here; validation lives in validation.py / validation_ops.py,
-sampling in the batcher and the backends, the torch references of the other workloads in ops/.
+Every RPC of the contract is one method here; validation lives in validation/sample.py / validation/workloads.py,
+sampling in the batcher and the backends, the torch references of the other workloads in workloads/.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class SamplerService(pb_grpc.SamplerServicer):
                                                           lm_head=lm_head)
             started = time.perf_counter_ns()
             # Hidden states become logits on the worker, on the LM head's (the backend's) device; then the
-            # CUDA kernels on a CUDA backend, the torch references otherwise (ops/cuda.py).
+            # CUDA kernels on a CUDA backend, the torch references otherwise (workloads/cuda.py).
             tokens, confidences, mask = await self._batcher.run_exclusive(
                 lambda: run_diffusion_step(step(logits.compute()), self._backend),
                 rows=math.prod(logits.shape[:-1]), nbytes=host_bytes(logits.tensor), lease=held)
@@ -180,7 +180,7 @@ class SamplerService(pb_grpc.SamplerServicer):
             lm_head = self._hold_lm_head(request, held)
             logits, source, scoring = validate_score_request(request, self._limits, lm_head=lm_head)
             started = time.perf_counter_ns()
-            # On the worker and the backend's device; from hidden states a vocabulary slice at a time (ops/score.py).
+            # On the worker and the backend's device; from hidden states a vocabulary slice at a time (workloads/score.py).
             scores = await self._batcher.run_exclusive(
                 lambda: score_tokens(source, scoring, self._backend.device),
                 rows=source.num_rows, nbytes=host_bytes(logits.tensor), lease=held)

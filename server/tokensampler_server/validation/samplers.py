@@ -1,7 +1,7 @@
 """Validation of the local samplers' fields (docs/semantics.md, "Local samplers"): min_tokens, no-repeat-n-gram,
 DRY, top-n-sigma, typical-p and XTC.
 
-Same rules as validation.py: every value is checked before any work, a rejection names the field and what was
+Same rules as validation/sample.py: every value is checked before any work, a rejection names the field and what was
 expected, and every size a client chooses is bounded (repetition.py's MAX_* constants).
 """
 

@@ -1,6 +1,6 @@
 """Validation of the requests beyond Sample: diffusion steps, top-k probabilities, draft verification, scoring.
 
-Same rules as validation.py: every field is checked before any work, and a rejection names the field
+Same rules as validation/sample.py: every field is checked before any work, and a rejection names the field
 and what was expected. Diffusion steps, top-k probabilities and scoring take logits, or hidden states with a
 registered LM head whose logits the service computes on the backend's worker (WorkloadLogits).
 """
@@ -179,7 +179,7 @@ def validate_score_request(
     request: pb.ScoreTokensRequest, limits: Limits, lm_head: RegisteredWeight | None = None
 ) -> tuple[WorkloadLogits, LogitSource, TokenScoring]:
     """(the input [B, T, V or D], its N = B·T positions as a LogitSource, what to score at each); `lm_head` as for
-    validate_diffusion_request. The logits of hidden states are never computed whole (ops/score.py)."""
+    validate_diffusion_request. The logits of hidden states are never computed whole (workloads/score.py)."""
     logits = _workload_logits(request, 3, limits, lm_head)
     num_rows, length, vocab = logits.shape
     ids = _tensor(request.token_ids, "token_ids", ID_DTYPES, 2).to(torch.int64)

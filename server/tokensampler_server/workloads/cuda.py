@@ -13,7 +13,7 @@ Same signatures and answers as the torch references beside it (docs/semantics.md
   recomputed by the reference after the one synchronisation that returns the results.
 - `verify_draft_cuda`: one read of the target and draft rows (sums, argmax, the bonus sample), then the
   accepted prefix and the correction drawn from the residual at the rejected position. For targets
-  without filters or processing; others go through the CPU reference.
+  without filters or processing; others go through the torch reference on the GPU.
 
 Every launch goes on the current torch stream of the kernels' device, without synchronising.
 """
@@ -21,6 +21,8 @@ Every launch goes on the current torch stream of the kernels' device, without sy
 from __future__ import annotations
 
 import threading
+
+from dataclasses import replace
 
 import torch
 
@@ -189,7 +191,7 @@ def _unfiltered(top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, v
 
 # -- the GPU implementations, with the references' signatures -----------------------------------------
 def diffusion_step_cuda(step: DiffusionStep, kernels: WorkloadKernels, backend: Backend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ops.diffusion.diffusion_step on the GPU; results on the GPU."""
+    """workloads.diffusion.diffusion_step on the GPU; results on the GPU."""
     vocab = step.logits.shape[2]
     if step.processing is None and _unfiltered(step.top_k, step.top_p, step.min_p, vocab):
         return kernels.diffusion(step)
@@ -197,7 +199,7 @@ def diffusion_step_cuda(step: DiffusionStep, kernels: WorkloadKernels, backend: 
 
 
 def topk_probs_cuda(logits: torch.Tensor, temperature: torch.Tensor, k: int, kernels: WorkloadKernels) -> tuple[torch.Tensor, torch.Tensor]:
-    """ops.topk_probs.topk_probs on the GPU; results on the GPU. Synchronises once (the flags)."""
+    """workloads.topk_probs.topk_probs on the GPU; results on the GPU. Synchronises once (the flags)."""
     if kernels.module.topk_probs_bucket(k) == 0:
         return topk_probs(kernels._logits(logits), kernels._on_device(temperature, torch.float32), k)
     probs, ids, flags = kernels.topk_probs(logits, temperature, k)
@@ -209,12 +211,12 @@ def topk_probs_cuda(logits: torch.Tensor, temperature: torch.Tensor, k: int, ker
 
 
 def verify_draft_cuda(v: DraftVerification, kernels: WorkloadKernels) -> tuple[torch.Tensor, torch.Tensor]:
-    """ops.verify.verify_draft on the GPU where the target has no filters or processing (results on the
-    GPU), else the CPU reference (results on the CPU)."""
+    """workloads.verify.verify_draft on the GPU, results on the GPU: the kernels where the target has no filters
+    or processing, else the torch reference run on the GPU (no row leaves it)."""
     vocab = v.target_logits.shape[2]
     if v.processing is None and _unfiltered(v.top_k, v.top_p, v.min_p, vocab):
         return kernels.verify(v)
-    return verify_draft(v)
+    return verify_draft(replace(v, target_logits=kernels._logits(v.target_logits)))
 
 
 # -- the service's dispatch: the kernels when the backend is CUDA, the references otherwise -----------

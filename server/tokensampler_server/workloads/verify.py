@@ -72,6 +72,7 @@ def _target_distributions(v: DraftVerification) -> tuple[torch.Tensor, torch.Ten
     q = softmax(scores) float32 [B, n + 1, V] (0 in rows that are not valid); valid bool [B].
     """
     num_rows, num_positions, vocab_size = v.target_logits.shape
+    device = v.target_logits.device
     # 2-5 position by position: processing indexes rows of B, and each position gets its own copy (with
     # its own XTC coins, those Sample draws at position + j).
     x = torch.stack(
@@ -90,7 +91,7 @@ def _target_distributions(v: DraftVerification) -> tuple[torch.Tensor, torch.Ten
     x_max = torch.where(finite.unsqueeze(1), x_max, torch.zeros_like(x_max))
 
     def per_position(column: torch.Tensor) -> torch.Tensor:
-        return column.repeat_interleave(num_positions)
+        return column.to(device).repeat_interleave(num_positions)
 
     # 6-7. z = (x - max x) / T, as CpuBackend.sample; greedy rows divide by 1 and use the argmax instead.
     greedy = per_position(v.temperature == 0)
@@ -122,26 +123,30 @@ def verify_draft(v: DraftVerification) -> tuple[torch.Tensor, torch.Tensor]:
     Returns (accepted, tokens): accepted int64 [B] in 0..n, the number of draft tokens accepted;
     tokens int64 [B, n + 1], the accepted draft tokens, then the correction (after a rejection) or the
     bonus token (all accepted), then -1. Rows that are not valid: accepted 0, tokens all -1.
+    Computed, and returned, on the target logits' device (the per-row columns may stay on the CPU).
     """
     num_rows, num_drafts = v.draft_ids.shape
     vocab_size = v.target_logits.shape[2]
+    device = v.target_logits.device
     scores, q, valid = _target_distributions(v)
-    p = v.draft_probs.to(torch.float32)
+    p = v.draft_probs.to(device=device, dtype=torch.float32)
     p = p / p.sum(dim=2, keepdim=True)
+    draft_ids = v.draft_ids.to(device)
+    seed, position, iteration = (column.to(device) for column in (v.seed, v.position, v.iteration))
 
     # Acceptance of every draft token at once; only the prefix up to the first rejection counts.
-    draft = v.draft_ids.unsqueeze(2)
+    draft = draft_ids.unsqueeze(2)
     q_draft = q[:, :num_drafts].gather(2, draft).squeeze(2).to(torch.float64)
     p_draft = p.gather(2, draft).squeeze(2).to(torch.float64)
-    offsets = torch.arange(num_drafts, dtype=torch.int64)
-    u = acceptance_uniforms(v.seed.unsqueeze(1), v.position.unsqueeze(1) + offsets, v.iteration.unsqueeze(1))
+    offsets = torch.arange(num_drafts, dtype=torch.int64, device=device)
+    u = acceptance_uniforms(seed.unsqueeze(1), position.unsqueeze(1) + offsets, iteration.unsqueeze(1))
     accept = u * p_draft < q_draft
     accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
     accepted = torch.where(valid, accepted, torch.zeros_like(accepted))
 
     # Each row draws one more token, at position `accepted`: from the residual after a rejection, from
     # q_n (exactly as Sample) after none. One noise draw per row, at that position.
-    rows = torch.arange(num_rows)
+    rows = torch.arange(num_rows, device=device)
     rejected = accepted < num_drafts
     at = accepted.clamp(max=num_drafts - 1)
     q_at = q[rows, at]
@@ -149,11 +154,11 @@ def verify_draft(v: DraftVerification) -> tuple[torch.Tensor, torch.Tensor]:
     # A residual rounded to all zero means q <= p everywhere, i.e. q == p up to rounding: draw from q.
     residual_scores = torch.where((residual > 0).any(dim=1, keepdim=True), residual.log(), q_at.log())
     final_scores = torch.where(rejected.unsqueeze(1), residual_scores, scores[:, num_drafts])
-    noise = gumbel_noise(v.seed, v.position + accepted, v.iteration, 0, vocab_size)
+    noise = gumbel_noise(seed, position + accepted, iteration, 0, vocab_size)
     final = (final_scores + noise).argmax(dim=1)
 
-    tokens = torch.full((num_rows, num_drafts + 1), -1, dtype=torch.int64)
-    tokens[:, :num_drafts] = torch.where(offsets < accepted.unsqueeze(1), v.draft_ids, tokens[:, :num_drafts])
+    tokens = torch.full((num_rows, num_drafts + 1), -1, dtype=torch.int64, device=device)
+    tokens[:, :num_drafts] = torch.where(offsets < accepted.unsqueeze(1), draft_ids, tokens[:, :num_drafts])
     tokens[rows, accepted] = final
     tokens[~valid] = -1
     return accepted, tokens
