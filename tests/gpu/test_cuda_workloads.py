@@ -34,6 +34,25 @@ def kernels() -> WorkloadKernels:
     return WorkloadKernels(0)
 
 
+@pytest.fixture
+def recomputed(monkeypatch) -> list[int]:
+    """The rows each call of the kernels' torch reference recomputed (a spy on workloads.cuda's references), so
+    that a kernel which flags its rows cannot turn "kernel vs reference" into "reference vs reference"."""
+    import tokensampler_server.workloads.cuda as cuda_workloads
+
+    rows: list[int] = []
+    for name in ("topk_probs", "verify_draft"):
+        reference = getattr(cuda_workloads, name)
+
+        def spy(*args, _reference=reference, **kwargs):
+            first = args[0]
+            rows.append(int(first.draft_ids.shape[0] if isinstance(first, DraftVerification) else first.shape[0]))
+            return _reference(*args, **kwargs)
+
+        monkeypatch.setattr(cuda_workloads, name, spy)
+    return rows
+
+
 def _per_row(values: list[float], rows: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor([values[i % len(values)] for i in range(rows)], dtype=dtype)
 
@@ -42,20 +61,22 @@ def _per_row(values: list[float], rows: int, dtype: torch.dtype) -> torch.Tensor
 @pytest.mark.parametrize("generator", ["spiky", "flat"])
 @pytest.mark.parametrize("k", [1, 20, 50, 255])
 @pytest.mark.parametrize("vocab", [1000, V_QWEN])
-def test_topk_probs_matches_the_reference(kernels, generator, k, vocab):
+def test_topk_probs_matches_the_reference(kernels, generator, k, vocab, recomputed):
     x = logits(generator, 24, vocab, seed=k + vocab).cuda()
     t = _per_row([1.0, 0.7, 1.6, 0.05], 24, torch.float32).cuda()
     probs, ids = topk_probs_cuda(x, t, k, kernels)
+    assert recomputed == [], "fp32 rows without ties were handed to the reference"
     ref_probs, ref_ids = topk_probs(x, t, k)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(probs, ref_probs, rtol=1e-5, atol=1e-9)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_topk_probs_half_precision(kernels, dtype):
+def test_topk_probs_half_precision(kernels, dtype, recomputed):
     x = logits("spiky", 8, 32000, seed=3, dtype=dtype).cuda()
     t = torch.full((8,), 0.8).cuda()
     probs, ids = topk_probs_cuda(x, t, 40, kernels)
+    assert sum(recomputed) <= 4, f"{sum(recomputed)} of 8 rows recomputed by the reference"
     ref_probs, ref_ids = topk_probs(x, t, 40)
     assert torch.equal(ids, ref_ids)  # bf16 ties are frequent: the flagged rows are recomputed
     torch.testing.assert_close(probs, ref_probs, rtol=1e-5, atol=1e-9)
@@ -296,10 +317,12 @@ def _assert_verdicts_agree(got, ref) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [1000, 32000])
-def test_verify_matches_the_reference(kernels, dtype, vocab):
+def test_verify_matches_the_reference(kernels, dtype, vocab, recomputed):
     v = _verification(96, 4, vocab, seed=vocab % 101, temperature=[1.0, 0.7, 0.0, 1.2], dtype=dtype)
+    got = verify_draft_cuda(v, kernels)
+    assert recomputed == [], "unfiltered targets went to the reference"
     ref = verify_draft(v)
-    _assert_verdicts_agree(verify_draft_cuda(v, kernels), ref)
+    _assert_verdicts_agree(got, ref)
     accepted = ref[0]
     assert 0 < accepted.float().mean().item() < 4, "the case should mix acceptances and rejections"
 
@@ -331,6 +354,26 @@ def test_verify_draft_equal_to_target_accepts_everything(kernels):
     assert accepted.tolist() == [4] * 16
     assert torch.equal(tokens[:, :4], same.draft_ids)
     _assert_verdicts_agree((accepted, tokens), verify_draft(same))
+
+
+@pytest.mark.parametrize("filters", [{"top_k": 5}, {"top_p": 0.8}, {"min_p": 0.02}])
+def test_verify_filtered_target_stays_on_the_gpu(kernels, filters, monkeypatch):
+    """A filtered target goes through the torch reference on the GPU (no row to the CPU) and agrees with the CPU's."""
+    import tokensampler_server.workloads.cuda as cuda_workloads
+
+    v = _verification(64, 3, 32000, seed=8, temperature=[1.0, 0.6, 0.0])
+    v = DraftVerification(**{**v.__dict__, **{name: torch.full((64,), value, dtype=getattr(v, name).dtype)
+                                               for name, value in filters.items()}})
+    devices = []
+
+    def spy(verification):
+        devices.append(verification.target_logits.device.type)
+        return verify_draft(verification)
+
+    monkeypatch.setattr(cuda_workloads, "verify_draft", spy)
+    got = verify_draft_cuda(v, kernels)
+    assert devices == ["cuda"] and got[0].is_cuda
+    _assert_verdicts_agree(got, verify_draft(v))
 
 
 def test_dispatch_uses_the_kernels_on_a_cuda_backend(cuda_backend):
