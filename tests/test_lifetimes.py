@@ -24,7 +24,7 @@ from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import ServiceError
 from tokensampler_server.resources.regions import RegionRegistry
 from tokensampler_server.core.request_context import current_abandoned
-from tokensampler_server.rpc.sample_rpc import SamplePath
+from tokensampler_server.rpc.sample_rpc import SampleRpc
 from tokensampler_server.model.sampling import SamplingBatch
 from tokensampler_server.resources.weights import LogitsFinish, WeightRegistry
 
@@ -76,7 +76,7 @@ def test_a_region_stays_registered_until_the_work_of_a_cancelled_call_is_done() 
 
     async def run() -> None:
         batcher = DynamicBatcher(backend, max_batch_rows=64)
-        path = SamplePath(Limits(), batcher, WeightRegistry(torch.device("cpu")), regions, None)
+        path = SampleRpc(Limits(), batcher, WeightRegistry(torch.device("cpu")), regions, None)
         with _segment(2 * VOCAB * 4) as segment:
             region = _register_shm(regions, "logits", segment)
             release = region.release

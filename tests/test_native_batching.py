@@ -1,6 +1,6 @@
 """The native path's batching (native_path.py) over a stand-in for the C++ RequestPath: which requests go out
 together, in what order, and what each caller gets back. The C++ side, and the answers themselves, are held to
-the Python path on the GPU (tests/gpu/test_request_path.py)."""
+the Python path on the GPU (tests/gpu/test_native_path.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import ServiceError
-from tokensampler_server.rpc.native_path import NativeAnswer, NativeRequestPath
+from tokensampler_server.rpc.native_path import NativeAnswer, NativePath
 
 
 @dataclass
@@ -49,12 +49,12 @@ class StandInPath:
 LIMITS = Limits(max_batch_rows=8, max_batch_elements=8 * 100)
 
 
-def native_path(stand_in: StandInPath, observed: list[int] | None = None, **batching) -> NativeRequestPath:
-    return NativeRequestPath(stand_in, torch.device("cpu"), LIMITS,
+def native_path(stand_in: StandInPath, observed: list[int] | None = None, **batching) -> NativePath:
+    return NativePath(stand_in, torch.device("cpu"), LIMITS,
                              observe_batch_rows=observed.append if observed is not None else None, **batching)
 
 
-def submit_all(path: NativeRequestPath, requests: dict[str, bytes]) -> dict[str, object]:
+def submit_all(path: NativePath, requests: dict[str, bytes]) -> dict[str, object]:
     """Submits every request in one loop turn; each caller's answer, or the error it got."""
 
     async def run() -> dict[str, object]:
@@ -98,7 +98,7 @@ def test_queued_requests_go_out_together_by_vocabulary_within_the_row_limit() ->
 
 def test_a_batch_holds_no_more_elements_than_one_request_may() -> None:
     stand_in = StandInPath()
-    path = NativeRequestPath(stand_in, torch.device("cpu"), Limits(max_batch_rows=64, max_batch_elements=1000),
+    path = NativePath(stand_in, torch.device("cpu"), Limits(max_batch_rows=64, max_batch_elements=1000),
                              max_queue_delay_us=DELAY_US)
     submit_all(path, {"a": b"1,250", "b": b"2,250", "c": b"2,250", "d": b"1,250"})
     assert stand_in.batches == [["a", "b", "d"], ["c"]]  # 4 rows of 250 elements at most

@@ -12,7 +12,7 @@ from tokensampler_server.backends.cpu import CpuBackend
 from tokensampler_server.batching.batcher import DynamicBatcher
 from tokensampler_server.core.config import Limits
 from tokensampler_server.resources.regions import RegionRegistry
-from tokensampler_server.rpc.sample_rpc import SamplePath
+from tokensampler_server.rpc.sample_rpc import SampleRpc
 from tokensampler_server.rpc.stream_flow import STREAM_BYTES_IN_FLIGHT
 from tokensampler_server.resources.weights import WeightRegistry
 
@@ -32,7 +32,7 @@ def test_a_stream_is_not_read_past_its_bytes_in_flight() -> None:
 
     async def run() -> None:
         batcher = DynamicBatcher(CpuBackend(), max_batch_rows=64)
-        path = SamplePath(Limits(), batcher, WeightRegistry(torch.device("cpu")), RegionRegistry(), None)
+        path = SampleRpc(Limits(), batcher, WeightRegistry(torch.device("cpu")), RegionRegistry(), None)
         tracemalloc.start()
         answers = path.stream(requests(), "s")
         await answers.__anext__()  # the first answer; the client reads no more

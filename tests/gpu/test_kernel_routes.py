@@ -122,9 +122,9 @@ def test_verify_draft_kernel(cuda_backend) -> None:
 
 
 def test_native_request_path(cuda_backend) -> None:
-    from tokensampler_server.rpc.native_path import NativeRequestPath
+    from tokensampler_server.rpc.native_path import NativePath
 
-    path = NativeRequestPath.for_backend(cuda_backend, Limits())
+    path = NativePath.for_backend(cuda_backend, Limits())
     x = logits("spiky", ROWS, VOCAB, seed=12)
     request = build_sample_request(logits=x, top_k=50, top_p=0.9, seed=list(range(ROWS)))
     answer = asyncio.run(path.sample(request.SerializeToString(), "rid", False))

@@ -85,7 +85,7 @@ class ServerConfig:
     """Accept POSIX shared-memory regions from colocated clients."""
     allow_cuda_ipc: bool = False
     """Accept CUDA IPC regions (GPU buffers of colocated processes)."""
-    native_request_path: bool = True
+    native_path: bool = True
     """On the CUDA backend, answer plain Sample requests (logits in a CUDA region or carried, tokens alone)
     in C++ (native_path.py)."""
     auth_token_file: Path | None = None

@@ -58,7 +58,7 @@ class _Waiting:
     arrived_ns: int
 
 
-class NativeRequestPath:
+class NativePath:
     """The C++ path of one CUDA backend, with the CUDA regions it may read and its queue of requests."""
 
     def __init__(self, path: Any, device: torch.device, limits: Limits, *, max_queue_delay_us: int = 0,
@@ -75,7 +75,7 @@ class NativeRequestPath:
         self._timer: asyncio.TimerHandle | None = None
 
     @classmethod
-    def for_backend(cls, backend: Backend, limits: Limits, **batching: Any) -> NativeRequestPath:
+    def for_backend(cls, backend: Backend, limits: Limits, **batching: Any) -> NativePath:
         """The path of a CUDA backend's GPU; `batching`: __init__'s keyword arguments."""
         from tokensampler_server.backends.cuda_build import load_kernels
 
@@ -184,13 +184,13 @@ class NativeRequestPath:
 
 def create_native_path(backend: Backend, limits: Limits, enabled: bool, *, max_queue_delay_us: int = 0,
                        max_queue_rows: int | None = None,
-                       observe_batch_rows: Callable[[int], None] | None = None) -> NativeRequestPath | None:
+                       observe_batch_rows: Callable[[int], None] | None = None) -> NativePath | None:
     """The native path of a CUDA backend; None on the CPU backend, when turned off, or when it fails to start
     (logged: the Python path serves everything then)."""
     if not enabled or backend.info().name != "cuda":
         return None
     try:
-        path = NativeRequestPath.for_backend(backend, limits, max_queue_delay_us=max_queue_delay_us,
+        path = NativePath.for_backend(backend, limits, max_queue_delay_us=max_queue_delay_us,
                                              max_queue_rows=max_queue_rows, observe_batch_rows=observe_batch_rows)
     except Exception as err:  # noqa: BLE001 - the Python path still serves every request
         log.warning("native request path unavailable (%s): every request takes the Python path", err)

@@ -31,7 +31,7 @@ from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument, failure_status, unparsable
 from tokensampler_server.resources.leases import Lease
 from tokensampler_server.rpc.metrics import ServerMetrics
-from tokensampler_server.rpc.native_path import NativeRequestPath
+from tokensampler_server.rpc.native_path import NativePath
 from tokensampler_server.resources.regions import OutputTarget, Region, RegionRegistry
 from tokensampler_server.core.request_context import current_request_id
 from tokensampler_server.model.sampling import SamplingResult
@@ -158,11 +158,11 @@ def _drop(begun: asyncio.Future | _Started | Exception) -> None:
         begun.cancel()
 
 
-class SamplePath:
+class SampleRpc:
     """Sample and SampleStream over one batcher, weight registry and region registry."""
 
     def __init__(self, limits: Limits, batcher: DynamicBatcher, registry: WeightRegistry, regions: RegionRegistry,
-                 metrics: ServerMetrics | None, native: NativeRequestPath | None = None) -> None:
+                 metrics: ServerMetrics | None, native: NativePath | None = None) -> None:
         self._limits = limits
         self._batcher = batcher
         self._registry = registry

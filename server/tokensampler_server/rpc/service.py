@@ -30,8 +30,8 @@ from tokensampler_server.rpc.metrics import ServerMetrics
 from tokensampler_server.workloads.cuda import run_diffusion_step, run_topk_probs, run_verify_draft
 from tokensampler_server.resources.regions import RegionRegistry, region_info
 from tokensampler_server.core.request_context import request_id_from_metadata
-from tokensampler_server.rpc.native_path import NativeRequestPath
-from tokensampler_server.rpc.sample_rpc import SamplePath
+from tokensampler_server.rpc.native_path import NativePath
+from tokensampler_server.rpc.sample_rpc import SampleRpc
 from tokensampler_server.validation.sample import LOGITS_DTYPES
 from tokensampler_server.workloads.score import score_tokens
 from tokensampler_server.validation.workloads import validate_diffusion_request, validate_score_request, validate_topk_request, validate_verify_request
@@ -81,7 +81,7 @@ class SamplerService(pb_grpc.SamplerServicer):
         weights_dir: Path | None = None,
         regions: RegionRegistry | None = None,
         metrics: ServerMetrics | None = None,
-        native: NativeRequestPath | None = None,
+        native: NativePath | None = None,
     ) -> None:
         self._backend = backend
         self._limits = limits
@@ -92,7 +92,7 @@ class SamplerService(pb_grpc.SamplerServicer):
         self._regions = regions or RegionRegistry()
         self._metrics = metrics
         self._native = native
-        self._sample_path = SamplePath(limits, self._batcher, self._registry, self._regions, metrics, native)
+        self._sample_path = SampleRpc(limits, self._batcher, self._registry, self._regions, metrics, native)
 
     @property
     def queue_depth(self) -> int:

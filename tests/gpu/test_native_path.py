@@ -47,9 +47,9 @@ def region_buffer() -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def native(cuda_backend, region_buffer: torch.Tensor):
-    from tokensampler_server.rpc.native_path import NativeRequestPath
+    from tokensampler_server.rpc.native_path import NativePath
 
-    path = NativeRequestPath.for_backend(cuda_backend, LIMITS)
+    path = NativePath.for_backend(cuda_backend, LIMITS)
     path.region_added(Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None))
     return path
 
@@ -328,9 +328,9 @@ def test_everything_else_is_declined(native, region_buffer) -> None:
 
 
 def test_removed_region_and_dead_producer_are_declined(cuda_backend, region_buffer) -> None:
-    from tokensampler_server.rpc.native_path import NativeRequestPath
+    from tokensampler_server.rpc.native_path import NativePath
 
-    path = NativeRequestPath.for_backend(cuda_backend, LIMITS)
+    path = NativePath.for_backend(cuda_backend, LIMITS)
     raw = pb.SampleRequest(logits_ref=put(region_buffer, logits("flat", 2, 100, seed=6).cuda())).SerializeToString()
     exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     path.region_added(Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None,
@@ -356,9 +356,9 @@ def test_queued_requests_are_sampled_as_one_batch_each_answered_as_alone(cuda_ba
     """Seven seeded requests queued together (a queue delay): one batch per vocabulary and dtype, contiguous,
     gathered and carried rows of mixed modes merged. Every answer equals the same request's answer alone, to the
     bit (batch invariance)."""
-    from tokensampler_server.rpc.native_path import NativeRequestPath
+    from tokensampler_server.rpc.native_path import NativePath
 
-    queued = NativeRequestPath.for_backend(cuda_backend, LIMITS, max_queue_delay_us=20_000)
+    queued = NativePath.for_backend(cuda_backend, LIMITS, max_queue_delay_us=20_000)
     queued.region_added(Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None))
     x1, x2 = logits("spiky", 6, 1000, seed=30).cuda(), logits("flat", 5, 1000, seed=31).cuda()
     x3 = logits("spiky", 4, 1000, seed=32)
@@ -396,9 +396,9 @@ def test_queued_requests_are_sampled_as_one_batch_each_answered_as_alone(cuda_ba
 def test_a_waiting_request_whose_region_goes_is_declined(cuda_backend, region_buffer) -> None:
     """A queued request whose region is unregistered before it is sampled is declined (the Python path answers it
     NOT_FOUND), and the path goes on serving."""
-    from tokensampler_server.rpc.native_path import NativeRequestPath
+    from tokensampler_server.rpc.native_path import NativePath
 
-    path = NativeRequestPath.for_backend(cuda_backend, LIMITS, max_queue_delay_us=20_000)
+    path = NativePath.for_backend(cuda_backend, LIMITS, max_queue_delay_us=20_000)
     path.region_added(Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None))
     raw = pb.SampleRequest(logits_ref=put(region_buffer, logits("spiky", 3, 1000, seed=35).cuda()),
                            params=pb.SamplingParams(temperature=[0.0])).SerializeToString()
@@ -418,12 +418,12 @@ def test_the_queue_is_bounded_and_a_delay_gathers_requests(cuda_backend, region_
     """Past max_queue_rows queued rows a request gets RESOURCE_EXHAUSTED at once; with max_queue_delay_us a
     lone request waits that long for others, which join its batch."""
     import grpc
-    from tokensampler_server.rpc.native_path import NativeRequestPath
+    from tokensampler_server.rpc.native_path import NativePath
 
     raw = pb.SampleRequest(logits_ref=put(region_buffer, logits("spiky", 6, 1000, seed=36).cuda()),
                            params=pb.SamplingParams(seed=list(range(6)))).SerializeToString()
-    bounded = NativeRequestPath.for_backend(cuda_backend, LIMITS, max_queue_rows=10, max_queue_delay_us=20_000)
-    delayed = NativeRequestPath.for_backend(cuda_backend, LIMITS, max_queue_delay_us=50_000)
+    bounded = NativePath.for_backend(cuda_backend, LIMITS, max_queue_rows=10, max_queue_delay_us=20_000)
+    delayed = NativePath.for_backend(cuda_backend, LIMITS, max_queue_delay_us=50_000)
     for path in (bounded, delayed):
         path.region_added(Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None))
 
