@@ -3,7 +3,7 @@ every input dtype, vocabularies from 111 to 262144, logits and hidden states.
 
 The factors are covered pairwise (every pair of values of any two factors meets in some case), not as the full
 product, so that the sweep fits the GPU suite's time. Each case agrees with the CPU reference token for token,
-except where the reference itself sits on a rounding edge (`explained`), and none of it leaves the GPU.
+except where the reference itself sits on a rounding edge (agreement.py), and none of it leaves the GPU.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import torch
 from scipy.stats import chisquare
 from tokensampler_client import SamplerClient
 from tokensampler_server.backends.cpu import CpuBackend, kept_token_mask
-from tokensampler_server.backends.philox import gumbel_noise
 from tokensampler_server.model.sampling import HiddenInput, SamplingBatch
 from tokensampler_server.resources.weights import LogitsFinish, RegisteredWeight
 
 from ..batches import make_batch
 from ..conftest import RunningServer, start_server
 from ..test_metrics import metrics_port, parse_samples, scrape_text
+from .agreement import assert_tokens_agree
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 
@@ -89,31 +89,6 @@ def _case_batch(case: dict, seed: int) -> tuple[SamplingBatch, torch.Tensor]:
     return make_batch(x.cuda(), **params), x.float()
 
 
-def explained(x: torch.Tensor, batch: SamplingBatch, row: int, sample: int, got: int, want: int,
-              rounding: float = 1e-5) -> bool:
-    """Whether the GPU's token `got` differs from the reference's `want` only by rounding (relative `rounding`:
-    fp32 for logits, the accumulation order of W·h for hidden states): both kept and scored within rounding of
-    each other, or `got` the first token past the reference's kept set where the top-p cut's cumulative mass is
-    within rounding of p."""
-    temperature = float(batch.temperature[row])
-    z = (x[row] - x[row].max()) / temperature
-    kept = kept_token_mask(z.unsqueeze(0), batch.top_k[row:row + 1], batch.top_p[row:row + 1],
-                           batch.min_p[row:row + 1])[0]
-    g = gumbel_noise(batch.seed[row:row + 1], batch.position[row:row + 1], batch.iteration[row:row + 1], sample,
-                     x.shape[1])[0]
-    score = z + g
-    if kept[got]:
-        return abs(float(score[got] - score[want])) <= rounding * (1 + abs(float(score[want])))
-    order = torch.sort(z, descending=True, stable=True).indices
-    position = int((order == got).nonzero())
-    if position != int(kept.sum()):  # only the token right past the cut can be a rounding edge
-        return False
-    k = int(batch.top_k[row]) or x.shape[1]
-    probs = torch.exp(z[order[:k]].double())
-    mass_before = float(probs[:position].sum() / probs.sum())
-    return abs(mass_before - float(batch.top_p[row])) <= rounding
-
-
 @pytest.mark.parametrize("case", CASES, ids=[
     f"V{c['vocab']}-k{c['k']}-p{c['p']}-m{c['min_p']}-{str(c['dtype'])[6:]}-{c['input']}" for c in CASES])
 def test_pairwise_case_agrees_with_the_reference_on_the_gpu(cuda_backend, case: dict) -> None:
@@ -122,10 +97,7 @@ def test_pairwise_case_agrees_with_the_reference_on_the_gpu(cuda_backend, case: 
     reference_batch = dataclasses.replace(batch, logits=x, hidden=None)
     want = CpuBackend().sample(reference_batch)
     assert torch.equal(got.valid, want.valid)
-    rounding = 1e-3 if case["input"] == "hidden" else 1e-5
-    for row, sample in (got.tokens != want.tokens).nonzero().tolist():
-        g, w = int(got.tokens[row, sample]), int(want.tokens[row, sample])
-        assert explained(x, reference_batch, row, sample, g, w, rounding), f"row {row} sample {sample}: {g}, not {w}"
+    assert_tokens_agree(x, reference_batch, got, want, rounding=1e-3 if case["input"] == "hidden" else 1e-5)
 
 
 @pytest.mark.parametrize("fill", ["equal", "outlier"])
@@ -144,8 +116,7 @@ def test_crowded_bins_are_cut_on_the_gpu(cuda_backend, fill: str, params: dict) 
     batch = make_batch(x.cuda(), temperature=1.0, seed=[1, 2, 3, 4], num_samples=3, **params)
     got = cuda_backend.sample(batch)
     want = CpuBackend().sample(dataclasses.replace(batch, logits=x))
-    for row, sample in (got.tokens != want.tokens).nonzero().tolist():
-        assert explained(x, batch, row, sample, int(got.tokens[row, sample]), int(want.tokens[row, sample]))
+    assert_tokens_agree(x, batch, got, want)
 
 
 @pytest.mark.parametrize("params", [{"top_k": 300}, {"top_k": 700, "top_p": 0.6}, {"top_k": 400, "min_p": 0.2}])
@@ -181,8 +152,7 @@ def test_ties_at_the_top_k_cut_stay_on_the_gpu(cuda_backend) -> None:
     assert cuda_backend.fallbacks()["exact_rows"] == before["exact_rows"] + 16, "the rows did not take the exact filter"
     reference = dataclasses.replace(batch, logits=x)
     want = CpuBackend().sample(reference)
-    for row, sample in (got.tokens != want.tokens).nonzero().tolist():
-        assert explained(x, reference, row, sample, int(got.tokens[row, sample]), int(want.tokens[row, sample]))
+    assert_tokens_agree(x, reference, got, want)
 
 
 @pytest.fixture(scope="module")
