@@ -12,11 +12,9 @@ import torch
 from tokensampler_server.workloads.cuda import (
     WorkloadKernels,
     diffusion_step_cuda,
-    run_diffusion_step,
-    run_topk_probs,
-    run_verify_draft,
     topk_probs_cuda,
     verify_draft_cuda,
+    workloads_of,
 )
 from tokensampler_server.workloads.diffusion import DiffusionStep, diffusion_step
 from tokensampler_server.workloads.topk_probs import topk_probs
@@ -284,7 +282,7 @@ def test_diffusion_positions_without_a_finite_logit(kernels, cuda_backend, cpu_b
 
 def test_diffusion_with_filters_samples_on_the_backend(kernels, cuda_backend, cpu_backend):
     step = _step(3, 24, 4000, seed=8, temperature=[1.0], top_k=20)
-    got = run_diffusion_step(step, cuda_backend)
+    got = workloads_of(cuda_backend).diffusion_step(step)
     _assert_step_agrees(got, diffusion_step(step, cpu_backend), step.mask)
 
 
@@ -378,12 +376,12 @@ def test_verify_filtered_target_stays_on_the_gpu(kernels, filters, monkeypatch):
 
 def test_dispatch_uses_the_kernels_on_a_cuda_backend(cuda_backend):
     v = _verification(8, 2, 3000, seed=2, temperature=[1.0, 0.0])
-    _assert_verdicts_agree(run_verify_draft(v, cuda_backend), verify_draft(v))
+    _assert_verdicts_agree(workloads_of(cuda_backend).verify_draft(v), verify_draft(v))
     filtered = DraftVerification(**{**v.__dict__, "top_k": torch.full((8,), 5, dtype=torch.int32)})
-    _assert_verdicts_agree(run_verify_draft(filtered, cuda_backend), verify_draft(filtered))
+    _assert_verdicts_agree(workloads_of(cuda_backend).verify_draft(filtered), verify_draft(filtered))
     x = logits("spiky", 6, 3000, seed=1)
     t = torch.ones(6)
-    probs, ids = run_topk_probs(x, t, 7, cuda_backend)
+    probs, ids = workloads_of(cuda_backend).topk_probs(x, t, 7)
     ref_probs, ref_ids = topk_probs(x, t, 7)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(probs, ref_probs, rtol=1e-5, atol=1e-9)

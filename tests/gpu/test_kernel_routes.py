@@ -97,28 +97,28 @@ def test_fused_lm_head(cuda_backend, mode: str) -> None:
 
 
 def test_topk_probs_kernel(cuda_backend) -> None:
-    from tokensampler_server.workloads.cuda import run_topk_probs
+    from tokensampler_server.workloads.cuda import workloads_of
 
     x = logits("spiky", ROWS, VOCAB, seed=9)
     temperature = torch.full((ROWS,), 0.8)
-    probs, ids = run_topk_probs(x, temperature, 20, cuda_backend)
+    probs, ids = workloads_of(cuda_backend).topk_probs(x, temperature, 20)
     ref_probs, ref_ids = topk_probs(x, temperature, 20)
     assert torch.equal(ids.cpu(), ref_ids)
     torch.testing.assert_close(probs.cpu(), ref_probs, rtol=1e-5, atol=1e-7)
 
 
 def test_diffusion_step_kernel(cuda_backend, cpu_backend) -> None:
-    from tokensampler_server.workloads.cuda import run_diffusion_step
+    from tokensampler_server.workloads.cuda import workloads_of
 
     step = _step(3, 8, 1000, seed=10, temperature=[1.0, 0.0, 0.7])
-    _assert_step_agrees(run_diffusion_step(step, cuda_backend), diffusion_step(step, cpu_backend), step.mask)
+    _assert_step_agrees(workloads_of(cuda_backend).diffusion_step(step), diffusion_step(step, cpu_backend), step.mask)
 
 
 def test_verify_draft_kernel(cuda_backend) -> None:
-    from tokensampler_server.workloads.cuda import run_verify_draft
+    from tokensampler_server.workloads.cuda import workloads_of
 
     v = _verification(4, 3, 1000, seed=11, temperature=[1.0, 0.7, 0.0, 1.2])
-    _assert_verdicts_agree(run_verify_draft(v, cuda_backend), verify_draft(v))
+    _assert_verdicts_agree(workloads_of(cuda_backend).verify_draft(v), verify_draft(v))
 
 
 def test_native_request_path(cuda_backend) -> None:

@@ -27,7 +27,7 @@ from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument
 from tokensampler_server.resources.leases import Lease
 from tokensampler_server.rpc.metrics import ServerMetrics
-from tokensampler_server.workloads.cuda import run_diffusion_step, run_topk_probs, run_verify_draft
+from tokensampler_server.workloads.cuda import workloads_of
 from tokensampler_server.resources.regions import RegionRegistry, region_info
 from tokensampler_server.core.request_context import request_id_from_metadata
 from tokensampler_server.rpc.native_path import NativePath
@@ -84,6 +84,7 @@ class SamplerService(pb_grpc.SamplerServicer):
         native: NativePath | None = None,
     ) -> None:
         self._backend = backend
+        self._workloads = workloads_of(backend)
         self._limits = limits
         self._batcher = batcher or DynamicBatcher(backend, max_batch_rows=limits.max_batch_rows,
                                                   max_batch_elements=limits.max_batch_elements)
@@ -145,7 +146,7 @@ class SamplerService(pb_grpc.SamplerServicer):
             # Hidden states become logits on the worker, on the LM head's (the backend's) device; then the
             # CUDA kernels on a CUDA backend, the torch references otherwise (workloads/cuda.py).
             tokens, confidences, mask = await self._batcher.run_exclusive(
-                lambda: run_diffusion_step(step(logits.compute()), self._backend),
+                lambda: self._workloads.diffusion_step(step(logits.compute())),
                 rows=math.prod(logits.shape[:-1]), nbytes=host_bytes(logits.tensor), lease=held)
         response = pb.DiffusionStepResponse(request_id=current_call.get().request_id)
         encode_tensor(tokens.to(torch.int32).cpu(), out=response.tokens)
@@ -163,7 +164,7 @@ class SamplerService(pb_grpc.SamplerServicer):
             started = time.perf_counter_ns()
             # Hidden states become logits on the worker, as for diffusion steps; one row per position.
             probs, ids = await self._batcher.run_exclusive(
-                lambda: run_topk_probs(logits.compute().flatten(0, -2), temperature, k, self._backend),
+                lambda: self._workloads.topk_probs(logits.compute().flatten(0, -2), temperature, k),
                 rows=math.prod(logits.shape[:-1]), nbytes=host_bytes(logits.tensor), lease=held)
         shape = [*logits.shape[:-1], k]
         response = pb.TopKProbsResponse(request_id=current_call.get().request_id)
@@ -201,7 +202,7 @@ class SamplerService(pb_grpc.SamplerServicer):
         verification, seeds = await asyncio.to_thread(validate_verify_request, request, self._limits)
         started = time.perf_counter_ns()
         accepted, tokens = await self._batcher.run_exclusive(
-            lambda: run_verify_draft(verification, self._backend),
+            lambda: self._workloads.verify_draft(verification),
             rows=int(verification.target_logits.shape[0] * verification.target_logits.shape[1]),
             nbytes=host_bytes(verification.target_logits) + host_bytes(verification.draft_probs))
         response = pb.VerifyDraftResponse(request_id=current_call.get().request_id)

@@ -21,7 +21,6 @@ Every launch goes on the current torch stream of the kernels' device, without sy
 from __future__ import annotations
 
 import threading
-
 from dataclasses import replace
 
 import torch
@@ -219,41 +218,44 @@ def verify_draft_cuda(v: DraftVerification, kernels: WorkloadKernels) -> tuple[t
     return verify_draft(replace(v, target_logits=kernels._logits(v.target_logits)))
 
 
-# -- the service's dispatch: the kernels when the backend is CUDA, the references otherwise -----------
-_kernels: dict[int, WorkloadKernels] = {}
-_kernels_lock = threading.Lock()
+# -- the workloads of one backend, which the service builds once and calls ---------------------------
+class Workloads:
+    """The torch references, sampling through the backend where a workload samples (diffusion steps); results on
+    the CPU. The workloads of a backend without kernels for them."""
 
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
 
-def kernels_for(backend: Backend) -> WorkloadKernels | None:
-    """The workload kernels of a CUDA backend's device; None for other backends."""
-    if backend.info().name != "cuda":
-        return None
-    index = backend.device.index or 0
-    with _kernels_lock:
-        if index not in _kernels:
-            _kernels[index] = WorkloadKernels(index)
-        return _kernels[index]
+    def diffusion_step(self, step: DiffusionStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return diffusion_step(step, self.backend)
 
-
-def run_diffusion_step(step: DiffusionStep, backend: Backend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    kernels = kernels_for(backend)
-    if kernels is None:
-        return diffusion_step(step, backend)
-    with kernels.lock, torch.cuda.device(kernels.device):
-        return tuple(t.cpu() for t in diffusion_step_cuda(step, kernels, backend))
-
-
-def run_topk_probs(logits: torch.Tensor, temperature: torch.Tensor, k: int, backend: Backend) -> tuple[torch.Tensor, torch.Tensor]:
-    kernels = kernels_for(backend)
-    if kernels is None:
+    def topk_probs(self, logits: torch.Tensor, temperature: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return topk_probs(logits, temperature, k)
-    with kernels.lock, torch.cuda.device(kernels.device):
-        return tuple(t.cpu() for t in topk_probs_cuda(logits, temperature, k, kernels))
 
-
-def run_verify_draft(v: DraftVerification, backend: Backend) -> tuple[torch.Tensor, torch.Tensor]:
-    kernels = kernels_for(backend)
-    if kernels is None:
+    def verify_draft(self, v: DraftVerification) -> tuple[torch.Tensor, torch.Tensor]:
         return verify_draft(v)
-    with kernels.lock, torch.cuda.device(kernels.device):
-        return tuple(t.cpu() for t in verify_draft_cuda(v, kernels))
+
+
+class CudaWorkloads(Workloads):
+    """The kernels of the backend's GPU, one call at a time (they share one workspace); results on the CPU."""
+
+    def __init__(self, backend: Backend) -> None:
+        super().__init__(backend)
+        self.kernels = WorkloadKernels(backend.device.index or 0)
+
+    def diffusion_step(self, step: DiffusionStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        with self.kernels.lock, torch.cuda.device(self.kernels.device):
+            return tuple(t.cpu() for t in diffusion_step_cuda(step, self.kernels, self.backend))
+
+    def topk_probs(self, logits: torch.Tensor, temperature: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        with self.kernels.lock, torch.cuda.device(self.kernels.device):
+            return tuple(t.cpu() for t in topk_probs_cuda(logits, temperature, k, self.kernels))
+
+    def verify_draft(self, v: DraftVerification) -> tuple[torch.Tensor, torch.Tensor]:
+        with self.kernels.lock, torch.cuda.device(self.kernels.device):
+            return tuple(t.cpu() for t in verify_draft_cuda(v, self.kernels))
+
+
+def workloads_of(backend: Backend) -> Workloads:
+    """The workloads of `backend`: its GPU's kernels when it samples on one, else the references."""
+    return CudaWorkloads(backend) if backend.device.type == "cuda" else Workloads(backend)
