@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import inspect
+import itertools
 import os
 import re
 import sys
@@ -78,7 +79,7 @@ METHODS = ("torch", "flashinfer", "tokensampler_inprocess_logits", "tokensampler
            "tokensampler_remote_logits", "tokensampler_remote_hidden")
 REMOTE_OF_INPROCESS = {"tokensampler_remote_logits": "tokensampler_inprocess_logits",
                        "tokensampler_remote_hidden": "tokensampler_inprocess_hidden"}
-HEAD = "e2e-lm-head"
+_REGION_NUMBERS = itertools.count()
 
 
 def llama_config(layers: int, shapes: dict[str, int]) -> LlamaConfig:
@@ -201,7 +202,10 @@ class Decoder:
             self.prefill(prompt)
             self.input_ids.copy_(prompt[:, -1:])
             for _ in range(2):
-                self.step(True) if replay else self._step(True)
+                if replay:
+                    self.step(True)
+                else:
+                    self._step(True)
             outputs.append(self.logits.clone())
         error = float((outputs[1] - outputs[0]).norm() / outputs[0].norm())
         if not error < 0.05:
@@ -341,12 +345,15 @@ class RemoteSampling(Sampling):
         self._client = client
         self._seeds = seeds
         self._head_region: CudaRegion | SharedMemoryRegion | None = None
-        self._buffer = SharedBuffer(client, f"e2e-{kind}", decoder.hidden if kind == "hidden" else decoder.logits)
+        # Names never used before: what a method that failed half set up left registered blocks no later one.
+        suffix = f"{kind}-{next(_REGION_NUMBERS)}"
+        self._head = f"e2e-lm-head-{suffix}"
+        self._buffer = SharedBuffer(client, f"e2e-{suffix}", decoder.hidden if kind == "hidden" else decoder.logits)
         self._inputs: dict[str, Any] = {"logits": self._buffer.view}
         if kind == "hidden":
-            self._head_region, head = share_tensor(client, HEAD, decoder.model.lm_head.weight)
-            client.register_weights_from_region(HEAD, head)
-            self._inputs = {"hidden": self._buffer.view, "weights": HEAD}
+            self._head_region, head = share_tensor(client, self._head, decoder.model.lm_head.weight)
+            client.register_weights_from_region(self._head, head)
+            self._inputs = {"hidden": self._buffer.view, "weights": self._head}
         self._stream = client.stream()
         forms = {"stream": self._stream.sample, "unary": client.sample_request}
         if form == "auto":
@@ -368,7 +375,7 @@ class RemoteSampling(Sampling):
     def close(self) -> None:
         self._stream.close()
         if self._head_region is not None:
-            self._client.unregister_weights(HEAD)
+            self._client.unregister_weights(self._head)
             self._client.unregister_region(self._head_region)
         self._buffer.close()
 
@@ -522,6 +529,21 @@ class Case:
     tokens: dict[str, torch.Tensor]
     """Each method's tokens of its first counted run, [B, steps]."""
     step0: dict[str, float]
+    skipped: dict[str, str]
+    """The methods that could not be set up, and why."""
+
+
+def make_sampling(name: str, decoder: Decoder, seeds: list[int], seed: int, *, sampler: LocalSampler | None,
+                  client: SamplerClient | None, flashinfer: ModuleType | None, remote_form: str,
+                  probe_iters: int) -> Sampling:
+    if name == "torch":
+        return TorchSampling(decoder, seed)
+    if name == "flashinfer":
+        return FlashInferSampling(flashinfer, decoder, seed, probe_iters)
+    kind = name.rsplit("_", 1)[1]
+    if name.startswith("tokensampler_inprocess_"):
+        return InProcessSampling(sampler, decoder, kind, seeds)
+    return RemoteSampling(client, decoder, kind, seeds, remote_form, probe_iters)
 
 
 @torch.no_grad()
@@ -530,7 +552,7 @@ def run_case(model: LlamaForCausalLM, batch: int, prompt_len: int, steps: int, r
              remote_form: str = "auto", seed: int = 0, probe_iters: int = 30) -> Case:
     """Every method's decode loop at one B on one prompt, each run `repeats` times after a warm-up run, the methods'
     runs interleaved. The tokensampler methods need `sampler` (in process) or `client` (remote), flashinfer the
-    module flashinfer.sampling."""
+    module flashinfer.sampling. A method that cannot be set up is left out (Case.skipped says why); the others run."""
     device = model.device
     decoder = Decoder(model, batch, prompt_len + steps)
     prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len),
@@ -540,16 +562,15 @@ def run_case(model: LlamaForCausalLM, batch: int, prompt_len: int, steps: int, r
     decoder.prefill(prompt)  # the buffers the probes of the forms sample
     seeds = [seed * batch + row for row in range(batch)]
     samplers: dict[str, Sampling] = {}
+    skipped: dict[str, str] = {}
     try:
         for name in methods:
-            if name == "torch":
-                samplers[name] = TorchSampling(decoder, seed)
-            elif name == "flashinfer":
-                samplers[name] = FlashInferSampling(flashinfer, decoder, seed, probe_iters)
-            elif name.startswith("tokensampler_inprocess_"):
-                samplers[name] = InProcessSampling(sampler, decoder, name.rsplit("_", 1)[1], seeds)
-            else:
-                samplers[name] = RemoteSampling(client, decoder, name.rsplit("_", 1)[1], seeds, remote_form, probe_iters)
+            try:
+                samplers[name] = make_sampling(name, decoder, seeds, seed, sampler=sampler, client=client,
+                                               flashinfer=flashinfer, remote_form=remote_form, probe_iters=probe_iters)
+            except Exception as err:  # noqa: BLE001 - recorded in the results, the other methods run
+                skipped[name] = f"{type(err).__name__}: {err}"[:300]
+                print(f"e2e B={batch} {name} skipped: {skipped[name]}", flush=True)
         step0 = step0_distribution(decoder.logits)
         clock = StepClock(steps, device)
         runs: dict[str, list[Run]] = {name: [] for name in samplers}
@@ -568,7 +589,7 @@ def run_case(model: LlamaForCausalLM, batch: int, prompt_len: int, steps: int, r
     for row in rows.values():
         print(f"e2e {layers:3d} layers B={batch:3d} {row['method']:30s} {row['tokens_per_s']:10.1f} tokens/s  "
               f"step p50 {row['step_p50_us']:9.1f} us  p99 {row['step_p99_us']:9.1f} us", flush=True)
-    return Case(rows=list(rows.values()), tokens=tokens, step0=step0)
+    return Case(rows=list(rows.values()), tokens=tokens, step0=step0, skipped=skipped)
 
 
 def import_flashinfer(meta: dict[str, Any], device: torch.device) -> ModuleType | None:
@@ -623,6 +644,7 @@ def describe(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
                            "remote_form, remote_form_probe_p50_us)"},
         "overhead": "remote_overhead_us: the remote row's step p50 minus the in-process row's of the same input kind",
         "step0_distribution": {},
+        "skipped": {},
     }
 
 
@@ -684,6 +706,8 @@ def main(argv: Sequence[str] | None = None) -> Path:
                                     seed=args.seed, probe_iters=args.probe_iters)
                     rows += case.rows
                     meta["step0_distribution"][f"{layers} layers, B={batch}"] = case.step0
+                    if case.skipped:
+                        meta["skipped"][f"{layers} layers, B={batch}"] = case.skipped
                 del model
                 if device.type == "cuda":
                     torch.cuda.empty_cache()

@@ -62,7 +62,7 @@ def test_one_kind_s_tokens_are_the_same_in_process_and_remote(model, shm_server:
                                   probe_iters=2)
         assert client.list_regions() == [] and client.list_weights() == []  # every method cleaned up
     tokens, rows = case.tokens, {row["method"]: row for row in case.rows}
-    assert set(rows) == set(ON_CPU)
+    assert set(rows) == set(ON_CPU), case.skipped
     for kind in ("logits", "hidden"):
         remote = f"tokensampler_remote_{kind}"
         assert torch.equal(tokens[remote], tokens[f"tokensampler_inprocess_{kind}"]), kind
@@ -95,3 +95,9 @@ def test_the_script_starts_its_server_and_writes_its_result_file(tmp_path: Path)
         assert {"tokens_per_s", "step_p50_us", "step_p99_us"} <= set(row)
     assert rows["tokensampler_remote_logits"]["tokens_identical_to_inprocess"]
     assert rows["tokensampler_remote_hidden"]["tokens_identical_to_inprocess"]
+
+
+def test_a_method_that_cannot_be_set_up_is_left_out_with_its_reason(model) -> None:
+    case = bench_e2e.run_case(model, 2, 4, 2, 1, ["torch", "flashinfer"])  # flashinfer without its module
+    assert [row["method"] for row in case.rows] == ["torch"]
+    assert list(case.skipped) == ["flashinfer"] and "AttributeError" in case.skipped["flashinfer"]
