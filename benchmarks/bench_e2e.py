@@ -1,12 +1,12 @@
 """E2E workload: what an engine sees, a transformers decode loop that samples every step (docs/performance.md).
 
   python benchmarks/bench_e2e.py [--layers 32,4] [--batch-sizes 1,8,64] [--steps 128] [--prompt 128] [--repeats 5]
-                                 [--methods torch,flashinfer,...] [--remote-form auto] [--out benchmarks/results] [--small]
+                                 [--methods torch,flashinfer,...] [--remote-form auto] [--out benchmarks/results]
+                                 [--small]
 
 A `LlamaForCausalLM` built from a config with random bf16 weights made on the device (Llama-3-8B shapes: hidden
 4096, intermediate 14336, 32 heads, 8 KV heads, vocab 128256; all 32 layers, and 4), a static KV cache, and one
-decode step captured as a CUDA graph (eager where capture fails; the rows say which). Without a GPU it runs the
-same loop on the CPU (float32, eager, shared-memory regions): a check, with --small, not a measurement. After a prompt of --prompt
+decode step captured as a CUDA graph (eager where capture fails; the rows say which). After a prompt of --prompt
 tokens, each of --steps steps samples one token a row (T 0.8, top-k 50, top-p 0.9, a seed a row) from the step's
 output, feeds it back and runs the next forward; every step's tokens reach the host, as an engine's stop checks
 read them (from the GPU: a non-blocking copy to pinned memory and an event, read one step later). Methods, on the
@@ -20,6 +20,9 @@ same model, GPU and prompt, in one run:
 Rows: tokens/s and step p50/p99 per method, B and depth (medians of --repeats runs, with their range), the
 remote overhead per step, whether the tokens of one input kind are the same in process and remote, and how often
 the tokens of the two kinds agree. Writes e2e-<gpu>-<date>.json and a PNG of the step p50.
+
+Without a GPU the same loop runs on the CPU (float32, eager steps, shared-memory regions, no FlashInfer): a check,
+with --small, not a measurement.
 """
 
 from __future__ import annotations
@@ -263,7 +266,8 @@ class FlashInferSampling(Sampling):
         self._generator = torch.Generator(decoder.logits.device)
         function = sampling.top_k_top_p_sampling_from_logits
         takes_generator = "generator" in inspect.signature(function).parameters
-        self._reseed: Callable[[int], object] = self._generator.manual_seed if takes_generator else torch.cuda.manual_seed
+        self._reseed: Callable[[int], object] = (self._generator.manual_seed if takes_generator
+                                                 else torch.cuda.manual_seed)
         options = {"generator": self._generator} if takes_generator else {}
         forms = {order: partial(function, top_k=PARAMS["top_k"], top_p=PARAMS["top_p"], filter_apply_order=order,
                                 **options) for order in ("top_k_first", "joint")}
@@ -548,8 +552,9 @@ def make_sampling(name: str, decoder: Decoder, seeds: list[int], seed: int, *, s
 
 @torch.no_grad()
 def run_case(model: LlamaForCausalLM, batch: int, prompt_len: int, steps: int, repeats: int, methods: Sequence[str], *,
-             sampler: LocalSampler | None = None, client: SamplerClient | None = None, flashinfer: ModuleType | None = None,
-             remote_form: str = "auto", seed: int = 0, probe_iters: int = 30) -> Case:
+             sampler: LocalSampler | None = None, client: SamplerClient | None = None,
+             flashinfer: ModuleType | None = None, remote_form: str = "auto", seed: int = 0,
+             probe_iters: int = 30) -> Case:
     """Every method's decode loop at one B on one prompt, each run `repeats` times after a warm-up run, the methods'
     runs interleaved. The tokensampler methods need `sampler` (in process) or `client` (remote), flashinfer the
     module flashinfer.sampling. A method that cannot be set up is left out (Case.skipped says why); the others run."""
@@ -607,14 +612,16 @@ def import_flashinfer(meta: dict[str, Any], device: torch.device) -> ModuleType 
     return flashinfer.sampling
 
 
-def describe(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, shapes: dict[str, int]) -> dict[str, Any]:
+def describe(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+             shapes: dict[str, int]) -> dict[str, Any]:
     """The run's meta: provenance, model, parameters, and how each thing was done and timed."""
     return {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu{os.cpu_count()}",
         "device": device.type, "torch": torch.__version__, "transformers": transformers.__version__,
         "grpc": grpc.__version__, "commit": tree_commit(), "date": datetime.date.today().isoformat(),
         "cpus": os.cpu_count(), "V": shapes["vocab_size"],
-        "model": {"class": "LlamaForCausalLM", **shapes, "layers": args.layers, "dtype": str(dtype).removeprefix("torch."),
+        "model": {"class": "LlamaForCausalLM", **shapes, "layers": args.layers,
+                  "dtype": str(dtype).removeprefix("torch."),
                   "attention": "sdpa", "weights": f"random, made on the device: N(0, {WEIGHT_STD}^2), norms 1, "
                   f"lm_head N(0, ({LOGIT_STD}/sqrt(hidden_size))^2): the final norm's unit-RMS output gives "
                   f"logits of std ~{LOGIT_STD} (step0_distribution: what the filters keep)"},
