@@ -170,8 +170,8 @@ def import_flashinfer(peers, meta: dict):
     return fi
 
 
-def write_results(out_dir: Path, workload: str, meta: dict, rows: list[dict]) -> Path:
-    """<out_dir>/<workload>-<gpu>-<date>.json, and its PNG plot where matplotlib is installed."""
+def write_results(out_dir: Path, workload: str, meta: dict, rows: list[dict], plot_value: str = "median_us") -> Path:
+    """<out_dir>/<workload>-<gpu>-<date>.json, and its PNG plot of `plot_value` where matplotlib is installed."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{workload}-{gpu_slug(meta['gpu'])}-{meta['date']}.json"
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
@@ -179,7 +179,7 @@ def write_results(out_dir: Path, workload: str, meta: dict, rows: list[dict]) ->
     try:
         from plot_results import plot  # noqa: PLC0415 - optional: needs matplotlib
 
-        plot(path)
+        plot(path, plot_value)
     except ImportError as err:
         print(f"no plot: {err}", flush=True)
     return path

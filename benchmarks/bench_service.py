@@ -63,9 +63,10 @@ PARAMS = dict(top_k=50, top_p=0.9)
 
 
 
-def start(command: list[str], ready: re.Pattern) -> tuple[subprocess.Popen, int]:
-    """Starts a server subprocess and waits for the log line that names its port."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def start(command: list[str], ready: re.Pattern, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
+    """Starts a server subprocess (in `env`, default this process's) and waits for the log line that names its
+    port."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     for line in process.stdout:
         match = ready.search(line)
         if match:

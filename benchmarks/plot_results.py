@@ -1,6 +1,7 @@
-"""Plots a results file of bench_kernels.py: time against B, one line per method (and mode), log scale.
+"""Plots a results file: a time against B, one line per method (and mode, generator, depth), log scale.
 
   python benchmarks/plot_results.py benchmarks/results/logits-spiky-h100-2026-11-21.json
+  python benchmarks/plot_results.py --value step_p50_us benchmarks/results/e2e-h200-2026-12-01.json
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import sys
 from pathlib import Path
 
 
-def plot(path: Path) -> Path:
+def plot(path: Path, value: str = "median_us") -> Path:
+    """The PNG beside `path` of each row's `value`; the HBM roofline where the rows carry one."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -22,19 +24,22 @@ def plot(path: Path) -> Path:
     for row in data["rows"]:
         label = row["method"] + (f" {row['mode']}" if row.get("mode") else "")
         label += f" ({row['generator']})" if row.get("generator") else ""
-        series.setdefault(label, []).append((row["B"], row["median_us"]))
-        roof[row["B"]] = row["roofline_us"]
+        label += f", {row['layers']} layers" if row.get("layers") else ""
+        series.setdefault(label, []).append((row["B"], row[value]))
+        if "roofline_us" in row:
+            roof[row["B"]] = row["roofline_us"]
     fig, ax = plt.subplots(figsize=(10, 6))
     for label, points in sorted(series.items()):
         points.sort()
         style = "-o" if label.startswith("tokensampler") else "--x"
         ax.plot([b for b, _ in points], [t for _, t in points], style, label=label, linewidth=1.2, markersize=4)
-    bs = sorted(roof)
-    ax.plot(bs, [roof[b] for b in bs], "k:", label="HBM roofline (read once)")
+    if roof:
+        bs = sorted(roof)
+        ax.plot(bs, [roof[b] for b in bs], "k:", label="HBM roofline (read once)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("B (rows), V = %d" % data["meta"].get("V", 0))
-    ax.set_ylabel("median time (us)")
+    ax.set_ylabel("median time (us)" if value == "median_us" else value)
     ax.set_title(f"{data['rows'][0]['workload']} on {data['meta']['gpu']} ({data['meta']['date']})")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
@@ -46,5 +51,9 @@ def plot(path: Path) -> Path:
 
 
 if __name__ == "__main__":
-    for arg in sys.argv[1:]:
-        print(plot(Path(arg)))
+    args = sys.argv[1:]
+    column = "median_us"
+    if args[:1] == ["--value"]:
+        column, args = args[1], args[2:]
+    for arg in args:
+        print(plot(Path(arg), column))
