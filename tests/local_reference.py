@@ -1,7 +1,7 @@
 """The local samplers of docs/semantics.md written again, plainly, in numpy and Python: the tests' oracle.
 
 Nothing here calls the code under test. Loops follow the contract's words (and llama.cpp's), not the
-vectorised forms of tokensampler_server.model.repetition and backends/truncation.py.
+vectorised forms of tokensampler_server.backends (sequence_samplers.py, truncation.py).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from scipy.stats import chisquare
 from tokensampler_client.params import build_sample_request
 from tokensampler_client.workloads import build_diffusion_request, build_verify_request
 from tokensampler_server.backends.cpu import CpuBackend
+from tokensampler_server.backends.processing import apply_processing
 from tokensampler_server.batching.batch_merge import merge_batches, split_result
 from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument
@@ -163,6 +164,13 @@ def test_min_tokens_never_emits_a_stop_id_early() -> None:
     assert all(t != 2 for t in tokens[:5]) and tokens[5:] == [2, 2, 2]
 
 
+def _processed_zeros(rows: int, vocab: int, **params: Any) -> torch.Tensor:
+    """Zero logits after the processing of a request with `params`: -inf at the bans, minus the penalties."""
+    x = torch.zeros(rows, vocab)
+    processing = _validated(x, **params).processing
+    return x if processing is None else apply_processing(x, processing)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_derived_bans_and_penalties_match_the_reference(seed: int) -> None:
     """no-repeat-n-gram's bans and DRY's penalties of random sequences, windows and multi-token breakers."""
@@ -174,19 +182,12 @@ def test_derived_bans_and_penalties_match_the_reference(seed: int) -> None:
     last_n = rng.choice([-1, 5, 20, 200], size=rows).tolist()
     allowed = rng.integers(1, 4, size=rows).tolist()
     ngram = rng.integers(0, 4, size=rows).tolist()
-    batch = _validated(torch.zeros(rows, vocab), output_token_ids=sequences, dry_multiplier=0.8, dry_base=1.75,
-                       dry_allowed_length=allowed, dry_penalty_last_n=last_n, dry_sequence_breakers=breakers,
-                       no_repeat_ngram_size=ngram)
-    processing = batch.processing
-    bans: dict[int, set[int]] = {row: set() for row in range(rows)}
-    if processing.banned is not None:
-        for row, token in zip(processing.banned.rows.tolist(), processing.banned.tokens.tolist()):
-            bans[row].add(token)
-    penalties: dict[int, dict[int, float]] = {row: {} for row in range(rows)}
-    if processing.dry is not None:
-        for row, token, value in zip(processing.dry.rows.tolist(), processing.dry.tokens.tolist(),
-                                     processing.dry_values.tolist()):
-            penalties[row][token] = value
+    banned = _processed_zeros(rows, vocab, output_token_ids=sequences, no_repeat_ngram_size=ngram) == -np.inf
+    penalised = -_processed_zeros(rows, vocab, output_token_ids=sequences, dry_multiplier=0.8, dry_base=1.75,
+                                  dry_allowed_length=allowed, dry_penalty_last_n=last_n, dry_sequence_breakers=breakers)
+    bans = {row: set(banned[row].nonzero().flatten().tolist()) for row in range(rows)}
+    penalties = {row: {token: float(penalised[row, token]) for token in penalised[row].nonzero().flatten().tolist()}
+                 for row in range(rows)}
     for row in range(rows):
         assert bans[row] == (ref.ngram_bans(sequences[row], ngram[row]) if ngram[row] else set()), row
         expected = ref.dry_penalties(sequences[row], 0.8, 1.75, allowed[row], last_n[row], breakers[row])
@@ -195,11 +196,11 @@ def test_derived_bans_and_penalties_match_the_reference(seed: int) -> None:
 
 def test_long_repeats_count_fifty_tokens() -> None:
     sequence = [1, 2] * 60  # the repeat "... 1 2" is as long as the sequence allows
-    batch = _validated(torch.zeros(1, 4), output_token_ids=sequence, dry_multiplier=1.0, dry_base=1.1,
-                       dry_allowed_length=2)
-    assert batch.processing.dry.tokens.tolist() == [1]
+    penalised = -_processed_zeros(1, 4, output_token_ids=sequence, dry_multiplier=1.0, dry_base=1.1,
+                                  dry_allowed_length=2)[0]
+    assert penalised.nonzero().flatten().tolist() == [1]
     # The base travels as float32: 1.1 is 1.10000002384...
-    assert batch.processing.dry_values.tolist() == [float(np.float32(np.float64(np.float32(1.1)) ** 48))]
+    assert float(penalised[1]) == float(np.float32(np.float64(np.float32(1.1)) ** 48))
 
 
 @pytest.mark.parametrize("position, iteration", [(0, 0), (17, 0), (3, 9)])
@@ -331,4 +332,4 @@ def test_what_the_sequence_samplers_read_is_bounded() -> None:
     with pytest.raises(InvalidArgument) as err:
         _validated(torch.zeros(129, 4), output_token_ids=history, dry_multiplier=1.0)
     assert err.value.field == "params.output_token_ids" and "1048576" in str(err.value)
-    assert _validated(torch.zeros(128, 4), output_token_ids=history, dry_multiplier=1.0).processing.dry is not None
+    assert _validated(torch.zeros(128, 4), output_token_ids=history, dry_multiplier=1.0).processing.sequence_samplers is not None

@@ -1,5 +1,5 @@
-"""Steps 2 to 5 of docs/semantics.md in torch: masks, logit bias, penalties (DRY's included), non-finite
-inputs, and the local samplers of step 5 (truncation.py).
+"""Steps 2 to 5 of docs/semantics.md in torch: masks (no-repeat-n-gram's included), logit bias, penalties (DRY's
+included), non-finite inputs, and the local samplers of step 5 (truncation.py).
 
 Device-agnostic: the CPU reference runs it on the CPU and the CUDA backend on the GPU, so both apply
 exactly the same processing before they sample.
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from tokensampler_server.model.sampling import LogitProcessing, TokenEntries
+from tokensampler_server.backends.sequence_samplers import apply_bans, apply_penalties, derive
 from tokensampler_server.backends.truncation import apply_truncation
 
 
@@ -30,7 +31,7 @@ def apply_processing(x: torch.Tensor, processing: LogitProcessing | None) -> tor
     if processing is None:
         return x
     device = x.device
-    # 2. Masks (min_tokens' and no-repeat-n-gram's bans are entries of `banned`).
+    # 2. Masks (min_tokens' bans are entries of `banned`; no-repeat-n-gram's come from the rows' sequences).
     if processing.token_bitmask is not None:
         words = processing.token_bitmask.to(device, non_blocking=True)
         x.masked_fill_(~unpack_bitmask(words, x.shape[1]), float("-inf"))
@@ -43,15 +44,19 @@ def apply_processing(x: torch.Tensor, processing: LogitProcessing | None) -> tor
         x.masked_fill_(restricted.unsqueeze(1) & ~keep, float("-inf"))
     if processing.banned is not None and len(processing.banned):
         x.index_put_(_index(processing.banned, device), torch.tensor(float("-inf"), device=device))
+    sequences = None
+    if processing.sequence_samplers is not None:
+        sequences = derive(processing.sequence_samplers, x.shape[1], device)
+        if sequences.banned is not None:
+            x = apply_bans(x, sequences)
     # 3. Logit bias; duplicate entries add up.
     if processing.bias is not None and len(processing.bias):
         values = processing.bias_values.to(device=device, dtype=torch.float32, non_blocking=True)
         x.index_put_(_index(processing.bias, device), values, accumulate=True)
     # 4. Penalties on the row's history, then DRY's.
     x = _penalties(x, processing)
-    if processing.dry is not None and len(processing.dry):
-        values = processing.dry_values.to(device=device, dtype=torch.float32, non_blocking=True)
-        x.index_put_(_index(processing.dry, device), -values, accumulate=True)
+    if sequences is not None and sequences.penalty is not None:
+        x = apply_penalties(x, sequences)
     # 5. The local samplers (the backend's sanitize_non_finite flags the non-finite entries they leave).
     if processing.truncation is not None:
         x = apply_truncation(x, processing.truncation)

@@ -12,12 +12,11 @@ from dataclasses import replace
 
 import torch
 
+from tokensampler_server.model.repetition import SequenceSamplers
 from tokensampler_server.model.sampling import HiddenInput, LogitProcessing, SamplingBatch, SamplingResult, TokenEntries, Truncation
 
 _PENALTY_DEFAULTS = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
-_ENTRY_FIELDS = ("allowed", "banned", "bias", "output_tokens", "prompt_tokens", "dry")
-# Entry lists with a value per entry, and the field holding the values.
-_VALUED_ENTRIES = {"bias": "bias_values", "dry": "dry_values"}
+_ENTRY_FIELDS = ("allowed", "banned", "bias", "output_tokens", "prompt_tokens")
 
 
 def merge_key(batch: SamplingBatch) -> Hashable:
@@ -43,9 +42,10 @@ def _merge_processing(batches: Sequence[SamplingBatch], offsets: list[int]) -> L
     if all(b.processing is None for b in batches):
         return None
     merged = {name: _merge_entries(batches, name, offsets) for name in _ENTRY_FIELDS}
-    for entries, values in _VALUED_ENTRIES.items():
-        parts = [getattr(b.processing, values) for b in batches if b.processing and getattr(b.processing, entries) is not None]
-        merged[values] = torch.cat(parts) if parts else None
+    parts = [b.processing.bias_values for b in batches if b.processing and b.processing.bias is not None]
+    merged["bias_values"] = torch.cat(parts) if parts else None
+    merged["sequence_samplers"] = SequenceSamplers.concat(
+        [(b.processing.sequence_samplers if b.processing else None, b.num_rows) for b in batches])
     if any(b.processing is not None and b.processing.truncation is not None for b in batches):
         merged["truncation"] = Truncation.concat([
             b.processing.truncation if b.processing is not None and b.processing.truncation is not None

@@ -1,31 +1,173 @@
-"""What a row's token sequence bans and penalises (docs/semantics.md L1-L3): min_tokens' stop ids,
-no-repeat-n-gram's bans and DRY's penalties, derived on the host when a request is validated.
+"""What a row's token sequence bans and penalises (docs/semantics.md L2-L3): no-repeat-n-gram's bans and DRY's
+penalties, in the form validation lays out and every backend derives on its own device.
 
-They depend on the token ids alone, never on the logits, so they become entries of LogitProcessing (`banned`;
-`dry` with its values) that every backend applies on its own device in step 2 or 4: the CPU reference and the
-CUDA backend apply the very same numbers. The sequence of a row is its prompt ids, then its output ids.
+They depend on the token ids alone, never on the logits. Validation lays each row's sequence (its prompt ids, then
+its output ids) out in tiles with the row's settings (SequenceSamplers), host work proportional to the request's
+ids; the backend compares every tile position with the end of its sequence on the logits' device, and applies the
+bans in step 2 and the penalties in step 4 (backends/sequence_samplers.py): the CPU reference and the CUDA backend
+run the same code.
+
+A tile holds `width` consecutive positions of one sequence, latest first, followed by the HALO tokens before them:
+position i of a tile is at sequence index q = top - i, and its tokens from i on read s[q], s[q-1], ... A position's
+repeat is the length of the longest common suffix of s[..q-1] and the whole sequence (at most DRY_MAX_REPEAT): the
+number of leading equal columns when tokens[i+1 : i+1+HALO] is compared with the tile's `suffix`, the sequence's
+last DRY_MAX_REPEAT tokens, latest first, then a sentinel no token equals. no-repeat-n-gram bans s[q] when that
+repeat reaches n - 1 (the n-gram ending at q repeats the sequence's last n - 1 tokens); DRY penalises s[q] by its
+row's table at the repeat, bounded by the window and by the breakers' restart (L3).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from tokensampler_server.model.sampling import TokenEntries
+if TYPE_CHECKING:
+    from tokensampler_server.model.sampling import TokenEntries
 
 MAX_NGRAM_SIZE = 32
 MAX_BREAKERS = 32
 MAX_BREAKER_LENGTH = 16
 MAX_DRY_WINDOW = 8192
 MAX_SEQUENCE_READS = 1 << 20
-"""Sequence tokens DRY (its windows) and no-repeat-n-gram (whole sequences) read in one request, all rows
-together: up to 50 comparisons each, about 0.4 ms per thousand on one core at worst (a periodic sequence)."""
+"""Sequence tokens DRY (its windows) and no-repeat-n-gram (whole sequences) read in one request, all rows together:
+what validation lays out in tiles, and what a backend uploads (4 bytes a token, and the tiles' settings) and
+compares HALO times on every call."""
 DRY_MAX_REPEAT = 50
 """Repeats count at most this many tokens (text-generation-webui's cap; docs/semantics.md L3)."""
-# Pads breakers in comparisons: no int32 token id equals it.
+
+HALO = DRY_MAX_REPEAT + 1
+"""Tokens a tile holds past its last position, and entries of a suffix and of a penalty table."""
+PAD_TOKEN = -1
+"""Tile tokens outside the row's span: equal to no token, and to no suffix entry."""
+PAD_SUFFIX = -2
+"""Suffix entries before the sequence's start, and the sentinel that ends every comparison."""
+PAD_BREAKER = -3
+"""Padding of a tile's single-token breakers."""
+NGRAM_OFF = HALO
+"""A tile's NEED when no-repeat-n-gram is off: more than any repeat."""
+_TILE_WIDTHS = tuple(64 << k for k in range(6))  # 64 .. 2048 positions
+# Pads breakers and tails in the restart search: no int32 token id equals it.
 _NO_TOKEN = -(1 << 40)
+_TAIL = DRY_MAX_REPEAT + MAX_BREAKER_LENGTH
+
+
+@dataclass(frozen=True)
+class TileLayout:
+    """The int32 columns of a tile: its settings, its single-token breakers, then its tokens."""
+
+    width: int
+    """Positions per tile."""
+    singles: int
+    """Single-token breakers per tile."""
+
+    ROW = 0
+    """The row the tile serves (when SequenceSamplers.instances is None)."""
+    NEED = 1
+    """no-repeat-n-gram: position i is banned when its repeat is at least NEED (n - 1; NGRAM_OFF: off)."""
+    DRY_TOP = 2
+    """DRY: top - W (W the window's first index), so that position i ends DRY_TOP - i window tokens; the repeat
+    of a position counts at most those (none when DRY is off)."""
+    CAP = 3
+    """DRY: min(the restart limit, DRY_MAX_REPEAT), the most a repeat counts (0 when DRY is off)."""
+    SUFFIX = 4
+    """HALO columns: the sequence's last DRY_MAX_REPEAT tokens, latest first, then PAD_SUFFIX."""
+    TABLE = SUFFIX + HALO
+    """HALO columns: DRY's penalty at each repeat length, float32 bits (0 below dry_allowed_length)."""
+    SINGLES = TABLE + HALO
+    """`singles` columns: the row's one-token breakers (DRY never penalises them), padded with PAD_BREAKER."""
+
+    @property
+    def tokens(self) -> int:
+        """First column of the width + HALO tokens."""
+        return self.SINGLES + self.singles
+
+    @property
+    def columns(self) -> int:
+        return self.tokens + self.width + HALO
+
+
+@dataclass(frozen=True)
+class SequenceSamplers:
+    """no-repeat-n-gram and DRY of the rows that use them: their sequences in tiles, with their settings."""
+
+    tiles: torch.Tensor
+    """int32 [U, layout.columns], on the CPU."""
+    layout: TileLayout
+    instances: torch.Tensor | None
+    """int32 [P, 2] (row, tile), rows ascending: the tiles each row reads, when tiles serve several rows (a
+    diffusion step's positions). None: tile u serves row tiles[u, ROW] alone."""
+    bans: bool
+    """Some tile bans (no-repeat-n-gram)."""
+    penalties: bool
+    """Some tile penalises (DRY)."""
+
+    def _pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, tile) of every instance, int64, rows ascending."""
+        if self.instances is None:
+            return self.tiles[:, TileLayout.ROW].long(), torch.arange(self.tiles.shape[0])
+        return self.instances[:, 0].long(), self.instances[:, 1].long()
+
+    def rows(self, index: torch.Tensor) -> SequenceSamplers | None:
+        """The rows `index` (int64, CPU: the row each new row is), in that order; None when none reads a tile."""
+        row, tile = self._pairs()
+        size = max(int(row.max()) + 1 if row.numel() else 0, int(index.max()) + 1 if index.numel() else 0)
+        counts = torch.bincount(row, minlength=size)
+        starts = torch.cumsum(counts, 0) - counts
+        taken = counts[index]
+        total = int(taken.sum())
+        if total == 0:
+            return None
+        new_row = torch.repeat_interleave(torch.arange(index.numel()), taken)
+        first = torch.cumsum(taken, 0) - taken
+        source = torch.repeat_interleave(starts[index] - first, taken) + torch.arange(total)
+        new_tile = tile[source]
+        if int(torch.bincount(new_tile).max()) == 1:  # every tile serves one row: it keeps the row itself
+            tiles = self.tiles[new_tile]
+            tiles[:, TileLayout.ROW] = new_row.to(torch.int32)
+            return replace(self, tiles=tiles, instances=None)
+        return replace(self, instances=torch.stack([new_row, new_tile], dim=1).to(torch.int32))
+
+    @staticmethod
+    def concat(parts: list[tuple[SequenceSamplers | None, int]]) -> SequenceSamplers | None:
+        """The rows of every part, in order: (samplers of the part or None, the part's number of rows)."""
+        present = []
+        offset = 0
+        for samplers, num_rows in parts:
+            if samplers is not None:
+                present.append((samplers, offset))
+            offset += num_rows
+        if not present:
+            return None
+        layout = TileLayout(max(s.layout.width for s, _ in present), max(s.layout.singles for s, _ in present))
+        tiles = torch.cat([_relaid(s.tiles, s.layout, layout) for s, _ in present])
+        bans = any(s.bans for s, _ in present)
+        penalties = any(s.penalties for s, _ in present)
+        if all(s.instances is None for s, _ in present):
+            tiles[:, TileLayout.ROW] += torch.cat([torch.full((s.tiles.shape[0],), row_offset, dtype=torch.int32)
+                                                   for s, row_offset in present])
+            return SequenceSamplers(tiles, layout, None, bans, penalties)
+        pairs = []
+        tile_offset = 0
+        for samplers, row_offset in present:
+            row, tile = samplers._pairs()
+            pairs.append(torch.stack([row + row_offset, tile + tile_offset], dim=1))
+            tile_offset += samplers.tiles.shape[0]
+        return SequenceSamplers(tiles, layout, torch.cat(pairs).to(torch.int32), bans, penalties)
+
+
+def _relaid(tiles: torch.Tensor, old: TileLayout, new: TileLayout) -> torch.Tensor:
+    """`tiles` in the wider layout `new`: more single breakers (PAD_BREAKER) and more positions (PAD_TOKEN)."""
+    if old == new:
+        return tiles
+    out = torch.full((tiles.shape[0], new.columns), PAD_TOKEN, dtype=torch.int32)
+    out[:, :old.SINGLES] = tiles[:, :old.SINGLES]
+    out[:, new.SINGLES:new.tokens] = PAD_BREAKER
+    out[:, new.SINGLES:new.SINGLES + old.singles] = tiles[:, old.SINGLES:old.tokens]
+    out[:, new.tokens:new.tokens + old.width + HALO] = tiles[:, old.tokens:]
+    return out
 
 
 @dataclass(frozen=True)
@@ -45,12 +187,27 @@ class Sequences:
         """int64 [B]: each row's sequence length."""
         return sum(np.diff(self._bounds(entries)) for entries in (self.prompt, self.output))
 
-    def rows(self) -> list[np.ndarray]:
-        """Each row's sequence, int64."""
-        parts = [(entries.tokens.numpy(), self._bounds(entries)) for entries in (self.prompt, self.output)
-                 if entries is not None]
-        return [np.concatenate([tokens[bounds[row]:bounds[row + 1]] for tokens, bounds in parts] or [np.zeros(0, np.int64)])
-                for row in range(self.num_rows)]
+    def flat(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The sequences of `rows` (bool [B]) end to end, and where each row's begins: (tokens int64, starts [B])."""
+        parts = [(entries.tokens.numpy(), np.diff(self._bounds(entries)))
+                 for entries in (self.prompt, self.output) if entries is not None]
+        lengths = np.where(rows, sum(counts for _, counts in parts), 0)
+        starts = np.cumsum(lengths) - lengths
+        every = bool(rows.all())
+        if len(parts) == 1 and every:  # one list for every row: the sequences as they came
+            return parts[0][0], starts
+        tokens = np.empty(int(lengths.sum()), dtype=np.int64)
+        placed = np.zeros(self.num_rows, dtype=np.int64)  # each row's tokens of the lists before
+        for values, counts in parts:
+            # Entry j of a row whose list begins at entry `first` goes to start + placed + j - first.
+            destination = np.repeat(starts + placed - (np.cumsum(counts) - counts), counts) + np.arange(len(values))
+            if every:
+                tokens[destination] = values
+            else:
+                keep = np.repeat(rows, counts)
+                tokens[destination[keep]] = values[keep]
+            placed += counts
+        return tokens, starts
 
 
 @dataclass(frozen=True)
@@ -73,83 +230,56 @@ class Breakers:
         padded[np.repeat(np.arange(len(lengths)), lengths), column] = ids
         return Breakers(padded, lengths.astype(np.int64), first, count)
 
-    def of_row(self, row: int) -> tuple[np.ndarray, np.ndarray]:
-        rows = slice(self.first[row], self.first[row] + self.count[row])
-        return self.padded[rows], self.lengths[rows]
+    def pairs(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(row, breaker) of every breaker of `rows` (int64 row ids), rows in the given order."""
+        count = self.count[rows]
+        row = np.repeat(rows, count)
+        within = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+        return row, self.first[row] + within
 
 
-def ngram_bans(sequence: np.ndarray, n: int) -> np.ndarray:
-    """L2: the tokens that would complete an n-gram of `sequence` (n >= 1), unique and sorted."""
-    size = len(sequence)
-    if size < n:
-        return np.zeros(0, dtype=np.int64)
-    prefix = sequence[size - n + 1:]
-    starts = np.arange(size - n + 1)
-    for offset in range(n - 1):  # the candidates shrink at each token of the prefix
-        starts = starts[sequence[starts + offset] == prefix[offset]]
-    return np.unique(sequence[starts + n - 1])
+def _restart_caps(tokens: np.ndarray, ends: np.ndarray, windows: np.ndarray, breakers: Breakers | None,
+                  rows: np.ndarray) -> np.ndarray:
+    """L3.1 for `rows` (int64 row ids), counted up to DRY_MAX_REPEAT: min(the window tokens after the latest-starting
+    breaker occurrence in the window, DRY_MAX_REPEAT); `ends` [B] and `windows` [B] where each row's window ends in
+    `tokens` and its length.
+
+    Only starts from DRY_MAX_REPEAT + MAX_BREAKER_LENGTH tokens before the end can leave fewer than DRY_MAX_REPEAT
+    tokens after them, so the search reads that tail alone: at most its 66 starts of each breaker, first tokens
+    first, every row at once."""
+    limit = windows[rows].copy()
+    if breakers is None or not len(rows):
+        return np.minimum(limit, DRY_MAX_REPEAT)
+    offsets = np.arange(_TAIL + MAX_BREAKER_LENGTH) - _TAIL  # the tail, then MAX_BREAKER_LENGTH past the end
+    at = ends[rows, None] + offsets
+    inside = (offsets < 0) & (offsets >= -windows[rows, None])
+    tails = np.where(inside, tokens[np.where(inside, at, 0)], _NO_TOKEN)  # [R, 82]
+    local = np.arange(len(rows))
+    row, breaker = breakers.pairs(rows)
+    which = np.repeat(local, breakers.count[rows])  # the place in `rows` of each pair
+    candidate = tails[which, :_TAIL] == breakers.padded[breaker, :1]  # [Q, 66]: first tokens
+    pair, start = np.nonzero(candidate)
+    spans = tails[which[pair, None], start[:, None] + np.arange(MAX_BREAKER_LENGTH)]
+    lengths = breakers.lengths[breaker[pair]]
+    used = np.arange(MAX_BREAKER_LENGTH) < lengths[:, None]
+    complete = ((spans == breakers.padded[breaker[pair]]) | ~used).all(axis=1)
+    # The latest start, then the longest breaker there: the largest start * 32 + length of each row.
+    key = np.full(len(rows), -1, dtype=np.int64)
+    np.maximum.at(key, which[pair[complete]], start[complete] * 32 + lengths[complete])
+    found = key >= 0
+    limit[found] = _TAIL - (key[found] // 32 + key[found] % 32)
+    return np.minimum(limit, DRY_MAX_REPEAT)
 
 
-def _restart_limit(window: np.ndarray, breakers: np.ndarray, lengths: np.ndarray) -> int:
-    """L3.1, counted up to DRY_MAX_REPEAT: the tokens after the latest-starting breaker occurrence in the window.
-
-    Only starts from DRY_MAX_REPEAT + MAX_BREAKER_LENGTH tokens before the end can leave fewer than
-    DRY_MAX_REPEAT tokens after them, so the scan reads that tail alone."""
-    size = len(window)
-    if not len(lengths):
-        return min(size, DRY_MAX_REPEAT)
-    tail_start = max(0, size - DRY_MAX_REPEAT - MAX_BREAKER_LENGTH)
-    tail = np.concatenate([window[tail_start:], np.full(MAX_BREAKER_LENGTH, _NO_TOKEN, dtype=np.int64)])
-    spans = np.lib.stride_tricks.sliding_window_view(tail, MAX_BREAKER_LENGTH)[: size - tail_start]  # [P, 16]
-    used = np.arange(MAX_BREAKER_LENGTH) < lengths[:, None]  # [K, 16]
-    matches = ((spans[None] == breakers[:, None]) | ~used[:, None]).all(axis=2)  # [K, P]; padding never matches
-    breaker, start = np.nonzero(matches)
-    if not len(start):
-        return min(size, DRY_MAX_REPEAT)
-    latest = start.max()
-    end = tail_start + latest + lengths[breaker[start == latest]].max()
-    return min(size - end, DRY_MAX_REPEAT)
-
-
-def dry_penalties(sequence: np.ndarray, multiplier: float, base: float, allowed: int, last_n: int,
-                  breakers: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """L3: (tokens int64, penalties float32) of one row with DRY on (multiplier > 0, last_n != 0)."""
-    none = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
-    window = sequence[-last_n:] if last_n > 0 else sequence
-    last = len(window) - 1
-    limit = _restart_limit(window, breakers, lengths) if last > 0 else 0
-    if limit < allowed:
-        return none
-    # repeat[j]: the common suffix of window[..j] and window[..last], up to `limit`; candidates drop out as
-    # their match ends.
-    repeat = np.zeros(last, dtype=np.int64)
-    alive = np.arange(last)
-    for offset in range(limit):
-        alive = alive[alive >= offset]
-        alive = alive[window[alive - offset] == window[last - offset]]
-        if not len(alive):
-            break
-        repeat[alive] = offset + 1
-    ends = np.nonzero(repeat >= allowed)[0]
-    if not len(ends):
-        return none
-    tokens, inverse = np.unique(window[ends + 1], return_inverse=True)
-    longest = np.zeros(len(tokens), dtype=np.int64)
-    np.maximum.at(longest, inverse, repeat[ends])
-    single = breakers[lengths == 1, 0]
-    penalised = ~np.isin(tokens, single)
-    tokens, longest = tokens[penalised], longest[penalised]
+def _penalty_tables(multiplier: np.ndarray, base: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """float32 [R, HALO]: fp32(multiplier · base^(L - allowed)) at each repeat length L >= allowed (float64, rounded
+    once; past float32's range +inf), 0 below."""
+    length = np.arange(HALO)
+    exponent = length - allowed[:, None]
     with np.errstate(over="ignore"):
-        values = (np.float64(multiplier) * np.float64(base) ** (longest - allowed).astype(np.float64)).astype(np.float32)
-    return tokens, values
-
-
-def _entries(rows: list[int], tokens: list[np.ndarray]) -> TokenEntries | None:
-    if not rows:
-        return None
-    counts = [len(t) for t in tokens]
-    return TokenEntries(rows=torch.from_numpy(np.repeat(np.asarray(rows, dtype=np.int64), counts)),
-                        tokens=torch.from_numpy(np.concatenate(tokens).astype(np.int64)))
+        values = (multiplier.astype(np.float64)[:, None]
+                  * base.astype(np.float64)[:, None] ** np.maximum(exponent, 0).astype(np.float64)).astype(np.float32)
+    return np.where(exponent >= 0, values, np.float32(0))
 
 
 @dataclass(frozen=True)
@@ -166,26 +296,77 @@ class SequenceRules:
     def dry_rows(self) -> np.ndarray:
         return (self.dry_multiplier > 0) & (self.dry_last_n != 0)
 
-    def derive(self, sequences: Sequences) -> tuple[TokenEntries | None, TokenEntries | None, torch.Tensor | None]:
-        """(no-repeat-n-gram's bans, DRY's entries, DRY's penalties float32) of every row."""
-        ngram_rows, dry_rows = np.nonzero(self.ngram > 0)[0], np.nonzero(self.dry_rows())[0]
-        if not len(ngram_rows) and not len(dry_rows):
-            return None, None, None
-        rows = sequences.rows()
-        bans = _entries(list(ngram_rows), [ngram_bans(rows[r], int(self.ngram[r])) for r in ngram_rows])
-        dry_rows_out, dry_tokens, dry_values = [], [], []
-        empty = np.zeros((0, MAX_BREAKER_LENGTH), dtype=np.int64), np.zeros(0, dtype=np.int64)
-        for r in dry_rows:
-            breakers, lengths = self.breakers.of_row(r) if self.breakers is not None else empty
-            tokens, values = dry_penalties(rows[r], float(self.dry_multiplier[r]), float(self.dry_base[r]),
-                                           int(self.dry_allowed[r]), int(self.dry_last_n[r]), breakers, lengths)
-            dry_rows_out.append(int(r))
-            dry_tokens.append(tokens)
-            dry_values.append(values)
-        dry = _entries(dry_rows_out, dry_tokens)
-        values = torch.from_numpy(np.concatenate(dry_values)) if dry_values else None
-        if dry is not None and not len(dry):
-            dry, values = None, None
-        if bans is not None and not len(bans):
-            bans = None
-        return bans, dry, values
+    def samplers(self, sequences: Sequences) -> SequenceSamplers | None:
+        """Every row's sequence in tiles with its settings; None when no row can ban or penalise."""
+        lengths = sequences.lengths()
+        windows = np.where(self.dry_last_n > 0, np.minimum(self.dry_last_n, lengths), lengths)
+        dry = self.dry_rows() & (windows >= 2)
+        windows = np.where(dry, windows, 0)
+        ngram = (self.ngram > 0) & (lengths >= self.ngram)
+        tokens, starts = sequences.flat(dry | ngram)
+        ends = starts + lengths
+        caps = np.zeros(sequences.num_rows, dtype=np.int64)
+        dry_ids = np.nonzero(dry)[0]
+        caps[dry_ids] = _restart_caps(tokens, ends, windows, self.breakers, dry_ids)
+        dry &= caps >= self.dry_allowed  # a repeat never reaches the allowed length: nothing to penalise
+        used = np.nonzero(dry | ngram)[0]
+        if not len(used):
+            return None
+        # A row's span: its whole sequence for no-repeat-n-gram, its window for DRY alone.
+        span_start = np.where(ngram, 0, lengths - windows)[used]
+        spans = lengths[used] - span_start
+        width = min(_TILE_WIDTHS, key=lambda w: int((-(-spans // w)).sum()) * (w + 3 * HALO))
+        counts = -(-spans // width)
+        singles = self._singles(used)
+        layout = TileLayout(width, singles.shape[1])
+        tiles = np.empty((int(counts.sum()), layout.columns), dtype=np.int32)
+        row_of_tile = np.repeat(np.arange(len(used)), counts)
+        k = np.arange(len(row_of_tile)) - np.repeat(np.cumsum(counts) - counts, counts)
+        top = lengths[used][row_of_tile] - 1 - k * width
+        tiles[:, TileLayout.ROW] = used[row_of_tile]
+        tiles[:, TileLayout.NEED] = np.where(ngram, self.ngram - 1, NGRAM_OFF)[used][row_of_tile]
+        tiles[:, TileLayout.DRY_TOP] = top - (lengths - windows)[used][row_of_tile]
+        tiles[:, TileLayout.CAP] = np.where(dry, caps, 0)[used][row_of_tile]
+        # The last DRY_MAX_REPEAT tokens, latest first (PAD_SUFFIX before the start), and the sentinel.
+        back = np.arange(HALO)
+        suffix_at = ends[used, None] - 1 - back
+        suffix_ok = (back < DRY_MAX_REPEAT) & (suffix_at >= starts[used, None])
+        suffix = np.where(suffix_ok, tokens[np.where(suffix_ok, suffix_at, 0)], PAD_SUFFIX)
+        tiles[:, TileLayout.SUFFIX:TileLayout.TABLE] = suffix[row_of_tile]
+        tables = _penalty_tables(self.dry_multiplier[used], self.dry_base[used], self.dry_allowed[used])
+        tiles[:, TileLayout.TABLE:TileLayout.SINGLES] = np.where(dry[used, None], tables, np.float32(0)).view(np.int32)[row_of_tile]
+        tiles[:, TileLayout.SINGLES:layout.tokens] = singles[row_of_tile]
+        tiles[:, layout.tokens:] = _tile_tokens(tokens, starts[used] + span_start, spans, width)
+        return SequenceSamplers(torch.from_numpy(tiles), layout, None, bans=bool(ngram.any()),
+                                penalties=bool(dry.any()))
+
+    def _singles(self, rows: np.ndarray) -> np.ndarray:
+        """int32 [R, S]: the one-token breakers of `rows`, padded with PAD_BREAKER."""
+        if self.breakers is None:
+            return np.zeros((len(rows), 0), dtype=np.int32)
+        row, breaker = self.breakers.pairs(rows)
+        which = np.repeat(np.arange(len(rows)), self.breakers.count[rows])
+        single = self.breakers.lengths[breaker] == 1
+        which, token = which[single], self.breakers.padded[breaker[single], 0]
+        count = np.bincount(which, minlength=len(rows))
+        out = np.full((len(rows), int(count.max()) if len(rows) else 0), PAD_BREAKER, dtype=np.int32)
+        out[which, np.arange(len(which)) - (np.cumsum(count) - count)[which]] = token
+        return out
+
+
+def _tile_tokens(tokens: np.ndarray, span_starts: np.ndarray, spans: np.ndarray, width: int) -> np.ndarray:
+    """int32 [U, width + HALO]: each span's tiles, latest position first, each followed by the HALO tokens before
+    its last position (PAD_TOKEN before the span's start).
+
+    The spans are written reversed into one buffer, a block of `width` per tile and one block of padding per span;
+    tile k of a span is then the window of width + HALO tokens at its k-th block."""
+    counts = -(-spans // width)
+    blocks = counts + 1
+    block_start = np.cumsum(blocks) - blocks
+    buffer = np.full(int(blocks.sum()) * width, PAD_TOKEN, dtype=np.int32)
+    step = np.arange(int(spans.sum()))
+    span_first = np.cumsum(spans) - spans  # each span's first step: its last token
+    buffer[np.repeat(block_start * width - span_first, spans) + step] = \
+        tokens[np.repeat(span_starts + spans - 1 + span_first, spans) - step]
+    windows = np.lib.stride_tricks.sliding_window_view(buffer, width + HALO)[::width]
+    return windows[np.repeat(block_start - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))]

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tokensampler_server.model.repetition import SequenceSamplers
+
 if TYPE_CHECKING:
     from tokensampler_server.resources.weights import RegisteredWeight
 
@@ -85,8 +87,8 @@ _TRUNCATION_COLUMNS = ("top_n_sigma", "typical_p", "xtc_threshold", "xtc_probabi
 @dataclass(frozen=True)
 class LogitProcessing:
     """Steps 2 to 5 of the semantics: masks, logit bias, penalties and the local samplers. Fields left None do
-    nothing. The bans of min_tokens and no-repeat-n-gram are entries of `banned`, and DRY's penalties entries of
-    `dry`: validation derives both from the row's sequence (repetition.py)."""
+    nothing. The bans of min_tokens are entries of `banned`; no-repeat-n-gram's bans and DRY's penalties are
+    derived from the rows' sequences on the logits' device (`sequence_samplers`)."""
 
     allowed: TokenEntries | None = None
     """Rows that have entries keep only those tokens; other rows are unrestricted."""
@@ -102,9 +104,8 @@ class LogitProcessing:
     presence_penalty: torch.Tensor | None = None
     frequency_penalty: torch.Tensor | None = None
     """float32 [B] each, or None when no row uses it."""
-    dry: TokenEntries | None = None
-    dry_values: torch.Tensor | None = None
-    """float32 [len(dry)], the DRY penalty subtracted at each entry after the other penalties."""
+    sequence_samplers: SequenceSamplers | None = None
+    """no-repeat-n-gram (banning in step 2) and DRY (penalising after the other penalties, step 4)."""
     truncation: Truncation | None = None
     token_bitmask: torch.Tensor | None = None
     """int32 [B, ceil(V / 32)]: the packed allowed-token mask of structured output (docs/semantics.md, choice 17);
@@ -229,7 +230,7 @@ def select_rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
         mapping = torch.full((batch.num_rows,), -1, dtype=torch.int64)
         mapping[rows] = torch.arange(rows.numel())
         bias, keep = _select(processing.bias, mapping)
-        dry, dry_keep = _select(processing.dry, mapping)
+        sequences = processing.sequence_samplers
         per_row = {name: getattr(processing, name)[rows] if getattr(processing, name) is not None else None
                    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")}
         processing = LogitProcessing(
@@ -237,7 +238,7 @@ def select_rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
             bias=bias, bias_values=processing.bias_values[keep] if keep is not None else None,
             output_tokens=_select(processing.output_tokens, mapping)[0],
             prompt_tokens=_select(processing.prompt_tokens, mapping)[0],
-            dry=dry, dry_values=processing.dry_values[dry_keep] if dry_keep is not None else None,
+            sequence_samplers=sequences.rows(rows) if sequences is not None else None,
             truncation=processing.truncation.rows(rows) if processing.truncation is not None else None,
             token_bitmask=processing.token_bitmask[rows] if processing.token_bitmask is not None else None, **per_row)
     return replace(batch, **selected_input, **batch.row_sampling(rows), processing=processing)

@@ -20,7 +20,7 @@ from tokensampler_server.validation.columns import check as _check, checked_colu
 from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument
 from tokensampler_server.validation.packed import decode_floats, decode_varints, packed_runs
-from tokensampler_server.model.repetition import Sequences
+from tokensampler_server.model.repetition import Sequences, SequenceSamplers
 from tokensampler_server.model.sampling import (HiddenInput, LogitProcessing, LogprobsMode, RowSampling, SamplingBatch,
                                                 TokenEntries)
 from tokensampler_server.validation.samplers import (DecodedBreakers, check_breaker_ids, check_sequence_reads, decode_breakers, sequence_rules,
@@ -133,10 +133,8 @@ class DecodedLists:
     """By LIST_FIELDS name."""
     bias_values: torch.Tensor | None
     breakers: DecodedBreakers | None = None
-    ngram_bans: TokenEntries | None = None
-    dry: TokenEntries | None = None
-    dry_values: torch.Tensor | None = None
-    """What the rows' sequences ban and penalise (repetition.py), derived here since that is the heavy part."""
+    sequence_samplers: SequenceSamplers | None = None
+    """The rows' sequences laid out for no-repeat-n-gram and DRY (repetition.py), once per request."""
 
 
 def _decode_lists(params: pb.SamplingParams, num_rows: int, limits: Limits, positions: int = 1) -> DecodedLists:
@@ -166,8 +164,7 @@ def _decode_lists(params: pb.SamplingParams, num_rows: int, limits: Limits, posi
     sequences = Sequences(*(None if lists[name] is None else lists[name].entries
                             for name in ("prompt_token_ids", "output_token_ids")), num_rows)
     check_sequence_reads(rules, sequences.lengths())
-    ngram_bans, dry, dry_values = rules.derive(sequences)
-    return DecodedLists(num_rows, lists, bias_values, breakers, ngram_bans, dry, dry_values)
+    return DecodedLists(num_rows, lists, bias_values, breakers, rules.samplers(sequences))
 
 
 def _joined(*parts: TokenEntries | None) -> TokenEntries | None:
@@ -229,11 +226,10 @@ def _processing(params: pb.SamplingParams, num_rows: int, vocab_size: int, decod
         _check(repetition.numpy(), repetition.numpy() > 0, "params.repetition_penalty", "r > 0")
     presence = _penalty(params.presence_penalty, "params.presence_penalty", num_rows, 0.0)
     frequency = _penalty(params.frequency_penalty, "params.frequency_penalty", num_rows, 0.0)
-    banned = _joined(entries["banned_token_ids"], stop_bans(params, entries["stop_token_ids"], num_rows),
-                     decoded.ngram_bans)
+    banned = _joined(entries["banned_token_ids"], stop_bans(params, entries["stop_token_ids"], num_rows))
     truncated = truncation(params, num_rows, *counter)
     lists = (entries["allowed_token_ids"], banned, entries["logit_bias.tokens"], entries["output_token_ids"],
-             entries["prompt_token_ids"], decoded.dry, truncated, bitmask)
+             entries["prompt_token_ids"], decoded.sequence_samplers, truncated, bitmask)
     if all(value is None for value in lists):
         return None  # penalties without a history change nothing
     return LogitProcessing(
@@ -246,8 +242,7 @@ def _processing(params: pb.SamplingParams, num_rows: int, vocab_size: int, decod
         repetition_penalty=repetition,
         presence_penalty=presence,
         frequency_penalty=frequency,
-        dry=decoded.dry,
-        dry_values=decoded.dry_values,
+        sequence_samplers=decoded.sequence_samplers,
         truncation=truncated,
         token_bitmask=bitmask,
     )

@@ -90,7 +90,7 @@ def _expand_processing(
     counts = torch.bincount(request_rows, minlength=num_requests)
     starts = torch.cumsum(counts, 0) - counts
     bias, bias_source = _expand_entries(processing.bias, counts, starts)
-    dry, dry_source = _expand_entries(processing.dry, counts, starts)
+    sequences = processing.sequence_samplers
 
     def per_row(values: torch.Tensor | None) -> torch.Tensor | None:
         return None if values is None else values[request_rows]
@@ -105,8 +105,7 @@ def _expand_processing(
         repetition_penalty=per_row(processing.repetition_penalty),
         presence_penalty=per_row(processing.presence_penalty),
         frequency_penalty=per_row(processing.frequency_penalty),
-        dry=dry,
-        dry_values=None if dry_source is None else processing.dry_values[dry_source],
+        sequence_samplers=None if sequences is None else sequences.rows(request_rows),
         truncation=None if processing.truncation is None else processing.truncation.rows(request_rows).at_positions(positions),
     )
 
