@@ -1,8 +1,17 @@
 """The local samplers of step 5 (docs/semantics.md L4-L6): top-n-sigma, typical-p and XTC, in torch.
 
 Device-agnostic, like the rest of processing: the CPU reference runs it on the CPU and the CUDA backend on the
-GPU. The statistics are float64, so that a cut does not hinge on the order of a float32 sum. Non-finite
-entries read as -inf and are left as they are (step 5 flags NaN and +inf); a removed token becomes -inf.
+GPU. The statistics are float64, so that a cut does not hinge on the order of a float32 sum; they are accumulated
+from the float32 logits, and the only float64 rows materialised are the ones a statistic needs elementwise.
+Non-finite entries read as -inf and are left as they are (step 5 flags NaN and +inf); a removed token becomes -inf.
+
+Typical-p keeps one stable float64 sort of its score |log q + H|, the only exact order found for it:
+- a float32 key of the score merges scores that differ in float64 (logits closer than the score's float32 spacing,
+  common among 151936 logits), whose order then falls to the id;
+- the logits are exact float32 keys, and on either side of the centre (log-sum-exp - H) the score's order is theirs,
+  but the two sides interleave by float64 score: putting them back in one order is a second sort-like pass;
+- a bisection on the score with exact masses reads the whole row at every step, up to 64 steps for a float64
+  threshold.
 """
 
 from __future__ import annotations
@@ -17,46 +26,48 @@ _NEG_INF = float("-inf")
 _XTC_BLOCK = 0xFFFFFFFE
 _XTC_SAMPLE = 0xFFFFFFFF
 
+Argument = float | torch.Tensor
+"""A sampler's value for its rows: one number for all of them, or float64 [R, 1] on the logits' device."""
 
-def _top_n_sigma(work: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """L4: the finite tokens below max - n·σ, bool [R, V]; work float64 [R, V] (-inf where not finite)."""
+
+def _top_n_sigma(work: torch.Tensor, n: Argument) -> torch.Tensor:
+    """L4: bool [R, V], true at the tokens below max - n·σ (and perhaps at -inf ones); work float32 [R, V], -inf
+    where not finite."""
     finite = torch.isfinite(work)
-    count = finite.sum(dim=1, keepdim=True).clamp(min=1)
-    zeroed = torch.where(finite, work, torch.zeros((), dtype=work.dtype, device=work.device))
-    mean = zeroed.sum(dim=1, keepdim=True) / count
-    deviation = torch.where(finite, work - mean, torch.zeros((), dtype=work.dtype, device=work.device))
-    sigma = (deviation.square().sum(dim=1, keepdim=True) / count).sqrt()
-    top = work.amax(dim=1, keepdim=True)
-    return finite & (work < top - n.unsqueeze(1) * sigma)
+    count = finite.sum(dim=1, keepdim=True).clamp_(min=1)
+    mean = torch.nan_to_num(work, neginf=0.0).sum(dim=1, keepdim=True, dtype=torch.float64) / count
+    # x - mean at the finite tokens, exactly 0 elsewhere.
+    deviation = torch.where(finite, work, mean).sub_(mean)
+    sigma = deviation.square_().sum(dim=1, keepdim=True).div_(count).sqrt_()
+    return work < work.amax(dim=1, keepdim=True) - n * sigma
 
 
-def _typical(work: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """L5: the finite tokens outside the typical set, bool [R, V]."""
-    finite = torch.isfinite(work)
-    log_q = torch.log_softmax(work, dim=1)
+def _typical(work: torch.Tensor, p: Argument) -> torch.Tensor:
+    """L5: bool [R, V], true at the tokens outside the typical set (and perhaps at -inf ones)."""
+    log_q = torch.log_softmax(work, dim=1, dtype=torch.float64)
     q = log_q.exp()
-    entropy = -torch.where(finite, q * log_q, torch.zeros((), dtype=work.dtype, device=work.device)).sum(dim=1, keepdim=True)
-    score = torch.where(finite, (-log_q - entropy).abs(), torch.full_like(work, float("inf")))
+    # -H: the -inf tokens' 0 · -inf is NaN, and counts 0.
+    negative_entropy = (q * log_q).nan_to_num_(nan=0.0).sum(dim=1, keepdim=True)
+    score = log_q.sub_(negative_entropy).abs_()  # |-log q - H|; +inf at the -inf tokens
     order = torch.sort(score, dim=1, stable=True).indices  # ties to the lower id
-    cumulative = q.gather(1, order).cumsum(dim=1)
-    exceeds = cumulative > p.unsqueeze(1)
+    cumulative = q.gather(1, order).cumsum_(dim=1)
+    # The cumulative mass only grows, so the tokens up to the first that exceeds p are those at or below p, and it.
     width = work.shape[1]
-    kept_count = torch.where(exceeds.any(dim=1), exceeds.to(torch.int8).argmax(dim=1) + 1, width)
-    kept_sorted = torch.arange(width, device=work.device).unsqueeze(0) < kept_count.unsqueeze(1)
-    kept = torch.zeros_like(finite).scatter_(1, order, kept_sorted)
-    return finite & ~kept
+    kept_count = (cumulative <= p).sum(dim=1, keepdim=True).add_(1).clamp_(max=width)
+    kept_sorted = torch.arange(width, device=work.device) < kept_count
+    return ~torch.zeros_like(kept_sorted).scatter_(1, order, kept_sorted)
 
 
-def _xtc(work: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    """L6 for rows whose coin came up: the top choices removed, bool [R, V]."""
-    q = torch.softmax(work, dim=1)
-    above = torch.isfinite(work) & (q >= threshold.unsqueeze(1))
-    # The one kept: the last of the top choices in (q descending, id ascending), the least likely one.
-    least = torch.where(above, q, torch.full_like(q, float("inf"))).amin(dim=1, keepdim=True)
-    ids = torch.arange(work.shape[1], device=work.device).expand_as(work)
-    kept_id = torch.where(above & (q == least), ids, torch.full_like(ids, -1)).amax(dim=1, keepdim=True)
-    several = (above.sum(dim=1) >= 2).unsqueeze(1)
-    return several & above & (ids != kept_id)
+def _xtc(work: torch.Tensor, threshold: Argument) -> torch.Tensor:
+    """L6 for rows whose coin came up: bool [R, V], true at the top choices removed."""
+    q = torch.softmax(work, dim=1, dtype=torch.float64)
+    above = q >= threshold  # a -inf token's q is 0, below any threshold
+    # The one kept: the last of the top choices in (q descending, id ascending), the least likely one; a row with
+    # one top choice keeps it, a row with none removes nothing.
+    least = torch.where(above, q, float("inf")).amin(dim=1, keepdim=True)
+    ids = torch.arange(work.shape[1], device=work.device)
+    kept_id = torch.where(q == least, ids, -1).amax(dim=1, keepdim=True)
+    return above & (ids != kept_id)
 
 
 def xtc_coins(truncation: Truncation) -> torch.Tensor:
@@ -66,28 +77,40 @@ def xtc_coins(truncation: Truncation) -> torch.Tensor:
     return (probability > 0) & (u < probability)
 
 
+def _argument(values: torch.Tensor, device: torch.device) -> Argument:
+    """One number when every row has the same value (nothing to upload), else float64 [R, 1] on `device`."""
+    first = values[0]
+    if bool((values == first).all()):
+        return float(first)
+    return values.to(device=device, dtype=torch.float64).unsqueeze(1)
+
+
 def apply_truncation(x: torch.Tensor, truncation: Truncation) -> torch.Tensor:
-    """Applies L4-L6, in this order, to float32 logits x [B, V] in place; rows at the off values are not read."""
+    """Applies L4-L6, in this order, to float32 logits x [B, V]; rows at the off values are not read. In place where
+    it can, so use the returned tensor."""
     device = x.device
     n, p = truncation.top_n_sigma, truncation.typical_p
     xtc = xtc_coins(truncation)
-    active = (n > 0) | (p < 1) | xtc
-    if not bool(active.any()):
+    samplers = [(sampler, on, argument) for sampler, on, argument in (
+        (_top_n_sigma, n > 0, n), (_typical, p < 1, p), (_xtc, xtc, truncation.xtc_threshold)) if bool(on.any())]
+    if not samplers:
         return x
-    rows = active.nonzero().squeeze(1)
-    rows_d = rows.to(device)
-    work = x[rows_d].to(torch.float64)
-    work = torch.where(torch.isfinite(work), work, torch.full_like(work, _NEG_INF))
-    removed = torch.zeros_like(work, dtype=torch.bool)
-    for sampler, on, argument in (
-        (_top_n_sigma, n[rows] > 0, n[rows]),
-        (_typical, p[rows] < 1, p[rows]),
-        (_xtc, xtc[rows], truncation.xtc_threshold[rows]),
-    ):
-        if bool(on.any()):
+    active = (n > 0) | (p < 1) | xtc
+    every = bool(active.all())
+    rows = None if every else active.nonzero().squeeze(1).to(device)
+    source = x if every else x[rows]
+    finite = torch.isfinite(source)
+    work = torch.where(finite, source, _NEG_INF)
+    for sampler, on, argument in samplers:
+        on, argument = on[active], argument[active]
+        if bool(on.all()):
+            work.masked_fill_(sampler(work, _argument(argument, device)), _NEG_INF)
+        else:
             local = on.nonzero().squeeze(1).to(device)
-            cut = sampler(work[local], argument[on].to(device=device, dtype=torch.float64))
-            removed[local] |= cut
-            work[local] = work[local].masked_fill(cut, _NEG_INF)
-    x[rows_d] = x[rows_d].masked_fill(removed, _NEG_INF)
+            part = work[local]
+            work[local] = part.masked_fill_(sampler(part, _argument(argument[on], device)), _NEG_INF)
+    truncated = torch.where(finite, work, source)  # NaN and +inf stay, for step 5 to flag
+    if every:
+        return truncated
+    x[rows] = truncated
     return x
