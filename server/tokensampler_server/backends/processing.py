@@ -27,9 +27,11 @@ def _token_counts(entries: TokenEntries, shape: torch.Size, device: torch.device
 
 def apply_processing(x: torch.Tensor, processing: LogitProcessing | None) -> torch.Tensor:
     """Applies masks (step 2), logit bias (3), penalties (4) and the local samplers of step 5 to float32 logits
-    x [B, V]; in place where it can, so use the returned tensor."""
+    x [B, V]; in place where it can, so use the returned tensor (contiguous: bans and DRY write through its flat
+    view)."""
     if processing is None:
         return x
+    x = x.contiguous()
     device = x.device
     # 2. Masks (min_tokens' bans are entries of `banned`; no-repeat-n-gram's come from the rows' sequences).
     if processing.token_bitmask is not None:
@@ -43,7 +45,9 @@ def apply_processing(x: torch.Tensor, processing: LogitProcessing | None) -> tor
         restricted[rows] = True
         x.masked_fill_(restricted.unsqueeze(1) & ~keep, float("-inf"))
     if processing.banned is not None and len(processing.banned):
-        x.index_put_(_index(processing.banned, device), torch.tensor(float("-inf"), device=device))
+        banned = processing.banned  # one upload of flat indices, and -inf as a scalar (no upload)
+        x.view(-1).scatter_(0, (banned.rows * x.shape[1] + banned.tokens).to(device, non_blocking=True),
+                              float("-inf"))
     sequences = None
     if processing.sequence_samplers is not None:
         sequences = derive(processing.sequence_samplers, x.shape[1], device)
@@ -74,6 +78,9 @@ def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def _penalties(x: torch.Tensor, processing: LogitProcessing) -> torch.Tensor:
     """Repetition, presence and frequency penalties (step 4)."""
+    if processing.repetition_penalty is None and processing.presence_penalty is None \
+            and processing.frequency_penalty is None:
+        return x  # a history sent for DRY or no-repeat-n-gram alone is not counted
     device = x.device
     has_output = processing.output_tokens is not None and len(processing.output_tokens) > 0
     has_prompt = processing.prompt_tokens is not None and len(processing.prompt_tokens) > 0

@@ -16,6 +16,7 @@ Typical-p keeps one stable float64 sort of its score |log q + H|, the only exact
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tokensampler_server.model.sampling import Truncation
@@ -71,42 +72,48 @@ def _xtc(work: torch.Tensor, threshold: Argument) -> torch.Tensor:
 
 
 def xtc_coins(truncation: Truncation) -> torch.Tensor:
-    """bool [B]: the rows whose XTC acts (u < xtc_probability, u from the coin's own Philox counter)."""
+    """bool [B]: the rows whose XTC acts (u < xtc_probability, u from the coin's own Philox counter); drawn only when
+    some row's probability is above 0."""
+    if truncation.xtc_acts is not None:
+        return truncation.xtc_acts
     probability = truncation.xtc_probability.to(torch.float64)
+    if not bool((probability > 0).any()):
+        return torch.zeros(probability.shape, dtype=torch.bool)
     u = counter_uniforms(truncation.seed, _XTC_BLOCK, truncation.position, truncation.iteration, _XTC_SAMPLE)
     return (probability > 0) & (u < probability)
 
 
-def _argument(values: torch.Tensor, device: torch.device) -> Argument:
+def _argument(values: np.ndarray, device: torch.device) -> Argument:
     """One number when every row has the same value (nothing to upload), else float64 [R, 1] on `device`."""
     first = values[0]
-    if bool((values == first).all()):
+    if (values == first).all():
         return float(first)
-    return values.to(device=device, dtype=torch.float64).unsqueeze(1)
+    return torch.from_numpy(values.astype(np.float64)).to(device, non_blocking=True).unsqueeze(1)
 
 
 def apply_truncation(x: torch.Tensor, truncation: Truncation) -> torch.Tensor:
     """Applies L4-L6, in this order, to float32 logits x [B, V]; rows at the off values are not read. In place where
-    it can, so use the returned tensor."""
+    it can, so use the returned tensor. Which rows each sampler reads is decided on the host, in numpy (the columns
+    are small, and a torch operation costs more to dispatch than numpy's does to run)."""
     device = x.device
-    n, p = truncation.top_n_sigma, truncation.typical_p
-    xtc = xtc_coins(truncation)
+    n, p, threshold = truncation.top_n_sigma.numpy(), truncation.typical_p.numpy(), truncation.xtc_threshold.numpy()
+    xtc = xtc_coins(truncation).numpy()
     samplers = [(sampler, on, argument) for sampler, on, argument in (
-        (_top_n_sigma, n > 0, n), (_typical, p < 1, p), (_xtc, xtc, truncation.xtc_threshold)) if bool(on.any())]
+        (_top_n_sigma, n > 0, n), (_typical, p < 1, p), (_xtc, xtc, threshold)) if on.any()]
     if not samplers:
         return x
     active = (n > 0) | (p < 1) | xtc
     every = bool(active.all())
-    rows = None if every else active.nonzero().squeeze(1).to(device)
+    rows = None if every else torch.from_numpy(np.nonzero(active)[0]).to(device, non_blocking=True)
     source = x if every else x[rows]
     finite = torch.isfinite(source)
     work = torch.where(finite, source, _NEG_INF)
     for sampler, on, argument in samplers:
         on, argument = on[active], argument[active]
-        if bool(on.all()):
+        if on.all():
             work.masked_fill_(sampler(work, _argument(argument, device)), _NEG_INF)
         else:
-            local = on.nonzero().squeeze(1).to(device)
+            local = torch.from_numpy(np.nonzero(on)[0]).to(device, non_blocking=True)
             part = work[local]
             work[local] = part.masked_fill_(sampler(part, _argument(argument[on], device)), _NEG_INF)
     truncated = torch.where(finite, work, source)  # NaN and +inf stay, for step 5 to flag

@@ -58,6 +58,9 @@ class Truncation:
     position: torch.Tensor
     iteration: torch.Tensor
     """int64 each: the Philox key and counter words of the row's XTC coin (those of its token's noise)."""
+    xtc_acts: torch.Tensor | None = None
+    """bool: the rows whose XTC acts, drawn with the request's checks (a row's coin is host work, some 300 small
+    operations whatever B); None: drawn from the columns above when the samplers apply."""
 
     @staticmethod
     def off(num_rows: int) -> Truncation:
@@ -66,19 +69,23 @@ class Truncation:
         counter = torch.zeros(num_rows, dtype=torch.int64)
         return Truncation(top_n_sigma=zeros, typical_p=torch.ones(num_rows, dtype=torch.float32),
                           xtc_threshold=torch.full((num_rows,), 0.1, dtype=torch.float32), xtc_probability=zeros,
-                          seed=counter, position=counter, iteration=counter)
+                          seed=counter, position=counter, iteration=counter,
+                          xtc_acts=torch.zeros(num_rows, dtype=torch.bool))
 
     def rows(self, index: torch.Tensor) -> Truncation:
         """The rows `index` (int64, CPU), in that order."""
-        return Truncation(**{name: getattr(self, name)[index] for name in _TRUNCATION_COLUMNS})
+        return Truncation(**{name: getattr(self, name)[index] for name in _TRUNCATION_COLUMNS},
+                          xtc_acts=None if self.xtc_acts is None else self.xtc_acts[index])
 
     def at_positions(self, position: torch.Tensor) -> Truncation:
         """The same rows drawing their coins at `position` (int64 [B])."""
-        return replace(self, position=position)
+        return replace(self, position=position, xtc_acts=None)
 
     @staticmethod
     def concat(parts: list[Truncation]) -> Truncation:
-        return Truncation(**{name: torch.cat([getattr(part, name) for part in parts]) for name in _TRUNCATION_COLUMNS})
+        drawn = all(part.xtc_acts is not None for part in parts)
+        return Truncation(**{name: torch.cat([getattr(part, name) for part in parts]) for name in _TRUNCATION_COLUMNS},
+                          xtc_acts=torch.cat([part.xtc_acts for part in parts]) if drawn else None)
 
 
 _TRUNCATION_COLUMNS = ("top_n_sigma", "typical_p", "xtc_threshold", "xtc_probability", "seed", "position", "iteration")

@@ -7,12 +7,13 @@ expected, and every size a client chooses is bounded (repetition.py's MAX_* cons
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from tokensampler_client._proto import sampler_pb2 as pb
 
+from tokensampler_server.backends.truncation import xtc_coins
 from tokensampler_server.validation.columns import check, checked_column, column
 from tokensampler_server.core.errors import InvalidArgument
 from tokensampler_server.model.repetition import (MAX_BREAKER_LENGTH, MAX_BREAKERS, MAX_DRY_WINDOW, MAX_NGRAM_SIZE, MAX_SEQUENCE_READS,
@@ -134,6 +135,7 @@ def truncation(params: pb.SamplingParams, num_rows: int, seed: torch.Tensor, pos
                                  lambda q: (q >= 0) & (q <= 1), "0 <= q <= 1 (0 is off)")
     if not ((n > 0).any() or (p < 1).any() or (probability > 0).any()):
         return None
-    return Truncation(top_n_sigma=torch.from_numpy(n), typical_p=torch.from_numpy(p),
-                      xtc_threshold=torch.from_numpy(threshold), xtc_probability=torch.from_numpy(probability),
-                      seed=seed, position=position, iteration=iteration)
+    columns = Truncation(top_n_sigma=torch.from_numpy(n), typical_p=torch.from_numpy(p),
+                         xtc_threshold=torch.from_numpy(threshold), xtc_probability=torch.from_numpy(probability),
+                         seed=seed, position=position, iteration=iteration)
+    return replace(columns, xtc_acts=xtc_coins(columns))
