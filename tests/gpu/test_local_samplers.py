@@ -2,7 +2,8 @@
 
 Both run the same torch processing (backends/processing.py), the CUDA backend on the GPU: the tokens each
 sampler removes must be the same set on both devices, and the tokens drawn must agree (greedy rows exactly,
-sampled rows at the usual rate of at least 99.9%).
+sampled rows at the usual rate of at least 99.9%). no-repeat-n-gram's bans and DRY's penalties are integer
+comparisons, table look-ups and one float32 subtraction each: the same bits on both devices, alone or in any batch.
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ from typing import Any
 import pytest
 import torch
 from tokensampler_client.params import build_sample_request
+from tokensampler_server.backends import sequence_samplers
 from tokensampler_server.backends.processing import apply_processing
+from tokensampler_server.batching.batch_merge import merge_batches
 from tokensampler_server.core.config import Limits
+from tokensampler_server.model.sampling import LogitProcessing
 from tokensampler_server.validation.sample import validate_sample_request
 
 from .conftest import logits
@@ -78,3 +82,60 @@ def test_cuda_agrees_with_the_cpu_reference(cuda_backend, cpu_backend, name: str
         assert mismatches == 0
     else:
         assert mismatches <= max(1, got.tokens.numel() // 1000), f"{mismatches} of {got.tokens.numel()} tokens differ"
+
+
+def _long_histories(rows: int, length: int, seed: int) -> list[list[int]]:
+    """Random, periodic and constant histories, each ending in a repeat of its own."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for row in range(rows):
+        kind = row % 3
+        if kind == 0:
+            history = torch.randint(0, 50, (length,), generator=g)
+        elif kind == 1:
+            history = torch.randint(0, 50, (1 + row % 7,), generator=g).repeat(length)[:length]
+        else:
+            history = torch.full((length,), row % 50)
+        out.append(history.tolist())
+    return out
+
+
+SEQUENCE_SAMPLERS = {"no_repeat_ngram_size": [1, 2, 3, 5, 32] * 13, "dry_multiplier": 0.8, "dry_base": 1.75,
+                     "dry_allowed_length": [1, 2, 3, 50] * 16, "dry_penalty_last_n": [-1, 4096, 300, 7] * 16,
+                     "dry_sequence_breakers": [[7], [8, 9], [11], list(range(20, 36))]}
+
+
+def _sequence_batch(rows: int, length: int, seed: int):
+    request = build_sample_request(logits("spiky", rows, VOCAB, seed=seed), seed=list(range(rows)),
+                                   output_token_ids=_long_histories(rows, length, seed),
+                                   **{key: value[:rows] if isinstance(value, list) and key != "dry_sequence_breakers"
+                                      else value for key, value in SEQUENCE_SAMPLERS.items()})
+    return validate_sample_request(request, Limits())[0]
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), \
+        f"{int((got.view(torch.int32) != want.view(torch.int32)).sum())} logits differ"
+
+
+@pytest.mark.parametrize("chunk", [sequence_samplers._CHUNK_POSITIONS, 5000])
+def test_sequence_samplers_give_the_same_bits_on_both_devices(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """4096-id histories, every n, windows, breakers; the comparisons in one piece or a few tiles at a time."""
+    monkeypatch.setattr(sequence_samplers, "_CHUNK_POSITIONS", chunk)
+    batch = _sequence_batch(64, 4096, seed=5)
+    x = batch.logits.to(torch.float32)
+    _same_bits(apply_processing(x.cuda(), batch.processing).cpu(), apply_processing(x.clone(), batch.processing))
+
+
+def test_sequence_samplers_on_the_gpu_alone_merged_and_repeated() -> None:
+    """A row's processed logits on the GPU are the same bits alone, in a merged batch, and repeated (a diffusion
+    step's positions read their request's tiles)."""
+    parts = [_sequence_batch(rows, length, seed) for rows, length, seed in ((3, 4096, 1), (5, 100, 2), (2, 1500, 3))]
+    alone = torch.cat([apply_processing(b.logits.to(torch.float32).cuda(), b.processing).cpu() for b in parts])
+    merged = merge_batches(parts)
+    x = merged.logits.to(torch.float32)
+    _same_bits(apply_processing(x.cuda(), merged.processing).cpu(), alone)
+    repeated = torch.tensor([0, 0, 4, 4, 4, 9, 2])
+    processing = LogitProcessing(sequence_samplers=merged.processing.sequence_samplers.rows(repeated))
+    on_gpu = apply_processing(x[repeated].cuda(), processing).cpu()
+    _same_bits(on_gpu, apply_processing(x[repeated].clone(), processing))
