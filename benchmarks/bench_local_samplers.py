@@ -80,8 +80,8 @@ def cpu_meta() -> dict:
     """run_meta's record for a CPU run: the read bandwidth of a float32 sum over 256 MiB."""
     x = torch.ones(1 << 26)
     read_bw = x.numel() * 4 / (cpu_bench(x.sum, 3) * 1e-6)
-    return {"gpu": "cpu", "torch": torch.__version__, "commit": tree_commit(), "date": datetime.date.today().isoformat(),
-            "read_bw_GBps": round(read_bw / 1e9, 1), "timing": "perf_counter median of 7 calls after one"}
+    return {"gpu": "cpu", "torch": torch.__version__, "commit": tree_commit(),
+            "date": datetime.date.today().isoformat(), "read_bw_GBps": round(read_bw / 1e9, 1), "timing": "perf_counter median of 7 calls after one"}
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> Path:
         backend, bench, meta = CudaBackend(torch.cuda.current_device()), timing.bench, run_meta(timing)
     else:
         backend, bench, meta = CpuBackend(), cpu_bench, cpu_meta()
-    meta = {**meta, "V": args.vocab, "history": args.history, "call": f"{type(backend).__name__}.sample, logits on the device"}
+    meta = {**meta, "V": args.vocab, "history": args.history,
+            "call": f"{type(backend).__name__}.sample, logits on the device"}
     print(json.dumps(meta), flush=True)
     read_bw = meta["read_bw_GBps"] * 1e9
     gen = torch.Generator(device=args.device).manual_seed(0)
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> Path:
                   f"  validated in {validate_us / 1e3:8.2f} ms", flush=True)
         del logits
     for mode in dict.fromkeys(row["mode"] for row in rows if row["mode"] != REFERENCE):
-        cells = [f"{r['of_reference']:5.2f}{'' if r['of_reference'] <= TARGET else '*'}" for r in rows if r["mode"] == mode]
+        ratios = [row["of_reference"] for row in rows if row["mode"] == mode]
+        cells = [f"{ratio:5.2f}{'' if ratio <= TARGET else '*'}" for ratio in ratios]
         print(f"TARGET local_samplers {mode:36s} <= {TARGET} x {REFERENCE}: " + " ".join(cells), flush=True)
     return write_results(Path(args.out), "local_samplers", meta, rows)
 

@@ -332,4 +332,5 @@ def test_what_the_sequence_samplers_read_is_bounded() -> None:
     with pytest.raises(InvalidArgument) as err:
         _validated(torch.zeros(129, 4), output_token_ids=history, dry_multiplier=1.0)
     assert err.value.field == "params.output_token_ids" and "1048576" in str(err.value)
-    assert _validated(torch.zeros(128, 4), output_token_ids=history, dry_multiplier=1.0).processing.sequence_samplers is not None
+    batch = _validated(torch.zeros(128, 4), output_token_ids=history, dry_multiplier=1.0)
+    assert batch.processing.sequence_samplers is not None

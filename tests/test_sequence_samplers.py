@@ -1,7 +1,7 @@
-"""no-repeat-n-gram's bans and DRY's penalties derived from the rows' tiles (repetition.py, backends/sequence_samplers.py)
-against tests/local_reference.py, bit for bit, on the CPU: random, periodic and constant sequences, prompts and
-outputs, windows, breakers that occur in the tail, every n, and the rows taken apart, merged and repeated as
-batching and diffusion steps do."""
+"""no-repeat-n-gram's bans and DRY's penalties derived from the rows' tiles (repetition.py,
+backends/sequence_samplers.py) against tests/local_reference.py, bit for bit, on the CPU: random, periodic and
+constant sequences, prompts and outputs, windows, breakers that occur in the tail, every n, and the rows taken
+apart, merged and repeated as batching and diffusion steps do."""
 
 from __future__ import annotations
 
@@ -187,6 +187,7 @@ def test_diffusion_positions_get_their_request_rows_bans_and_penalties() -> None
         if params["dry_sequence_breakers"][row]:
             alone["dry_sequence_breakers"] = params["dry_sequence_breakers"][row]
         for position in range(5):
-            batch = validate_sample_request(build_sample_request(logits[row, position].unsqueeze(0), seed=row + 1,
-                                                                 position=position, temperature=0.0, **alone), Limits())[0]
+            request = build_sample_request(logits[row, position].unsqueeze(0), seed=row + 1, position=position,
+                                           temperature=0.0, **alone)
+            batch = validate_sample_request(request, Limits())[0]
             assert int(tokens[row, position]) == int(CpuBackend().sample(batch).tokens[0, 0]), (row, position)

@@ -58,7 +58,8 @@ def derive(samplers: SequenceSamplers, vocab_size: int, device: torch.device) ->
         banned = (repeat >= tiles[:, TileLayout.NEED:TileLayout.NEED + 1]) & (current >= 0)
     if samplers.penalties:
         # The repeat ending before position i counts window tokens only (DRY_TOP - i of them), and at most CAP.
-        window = tiles[:, TileLayout.DRY_TOP:TileLayout.DRY_TOP + 1] - torch.arange(width, device=device, dtype=torch.int32)
+        positions = torch.arange(width, device=device, dtype=torch.int32)
+        window = tiles[:, TileLayout.DRY_TOP:TileLayout.DRY_TOP + 1] - positions
         bound = window.clamp_(max=tiles[:, TileLayout.CAP:TileLayout.CAP + 1])
         length = torch.minimum(repeat, bound).clamp_(min=0)
         if layout.singles:

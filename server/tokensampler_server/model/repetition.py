@@ -321,8 +321,8 @@ class SequenceRules:
         layout = TileLayout(width, singles.shape[1])
         tiles = np.empty((int(counts.sum()), layout.columns), dtype=np.int32)
         row_of_tile = np.repeat(np.arange(len(used)), counts)
-        k = np.arange(len(row_of_tile)) - np.repeat(np.cumsum(counts) - counts, counts)
-        top = lengths[used][row_of_tile] - 1 - k * width
+        nth = np.arange(len(row_of_tile)) - np.repeat(np.cumsum(counts) - counts, counts)  # of its row's tiles
+        top = lengths[used][row_of_tile] - 1 - nth * width
         tiles[:, TileLayout.ROW] = used[row_of_tile]
         tiles[:, TileLayout.NEED] = np.where(ngram, self.ngram - 1, NGRAM_OFF)[used][row_of_tile]
         tiles[:, TileLayout.DRY_TOP] = top - (lengths - windows)[used][row_of_tile]
@@ -334,7 +334,8 @@ class SequenceRules:
         suffix = np.where(suffix_ok, tokens[np.where(suffix_ok, suffix_at, 0)], PAD_SUFFIX)
         tiles[:, TileLayout.SUFFIX:TileLayout.TABLE] = suffix[row_of_tile]
         tables = _penalty_tables(self.dry_multiplier[used], self.dry_base[used], self.dry_allowed[used])
-        tiles[:, TileLayout.TABLE:TileLayout.SINGLES] = np.where(dry[used, None], tables, np.float32(0)).view(np.int32)[row_of_tile]
+        tables = np.where(dry[used, None], tables, np.float32(0))
+        tiles[:, TileLayout.TABLE:TileLayout.SINGLES] = tables.view(np.int32)[row_of_tile]
         tiles[:, TileLayout.SINGLES:layout.tokens] = singles[row_of_tile]
         tiles[:, layout.tokens:] = _tile_tokens(tokens, starts[used] + span_start, spans, width)
         return SequenceSamplers(torch.from_numpy(tiles), layout, None, bans=bool(ngram.any()),
