@@ -125,7 +125,7 @@ class SequenceSamplers:
         source = torch.repeat_interleave(starts[index] - first, taken) + torch.arange(total)
         new_tile = tile[source]
         if int(torch.bincount(new_tile).max()) == 1:  # every tile serves one row: it keeps the row itself
-            tiles = self.tiles[new_tile]
+            tiles = torch.index_select(self.tiles, 0, new_tile, out=_host_tiles(new_tile.numel(), self.layout))
             tiles[:, TileLayout.ROW] = new_row.to(torch.int32)
             return replace(self, tiles=tiles, instances=None)
         return replace(self, instances=torch.stack([new_row, new_tile], dim=1).to(torch.int32))
@@ -142,7 +142,8 @@ class SequenceSamplers:
         if not present:
             return None
         layout = TileLayout(max(s.layout.width for s, _ in present), max(s.layout.singles for s, _ in present))
-        tiles = torch.cat([_relaid(s.tiles, s.layout, layout) for s, _ in present])
+        tiles = torch.cat([_relaid(s.tiles, s.layout, layout) for s, _ in present],
+                          out=_host_tiles(sum(s.tiles.shape[0] for s, _ in present), layout))
         bans = any(s.bans for s, _ in present)
         penalties = any(s.penalties for s, _ in present)
         if all(s.instances is None for s, _ in present):
@@ -156,6 +157,13 @@ class SequenceSamplers:
             pairs.append(torch.stack([row + row_offset, tile + tile_offset], dim=1))
             tile_offset += samplers.tiles.shape[0]
         return SequenceSamplers(tiles, layout, torch.cat(pairs).to(torch.int32), bans, penalties)
+
+
+def _host_tiles(count: int, layout: TileLayout) -> torch.Tensor:
+    """An int32 [count, layout.columns] tensor for tiles, in page-locked memory when this process uses CUDA: the
+    backend uploads the tiles on every call, and from page-locked memory that is one copy at the bus's full speed
+    that the host does not wait for (from pageable memory the driver stages it, and the host waits)."""
+    return torch.empty((count, layout.columns), dtype=torch.int32, pin_memory=torch.cuda.is_initialized())
 
 
 def _relaid(tiles: torch.Tensor, old: TileLayout, new: TileLayout) -> torch.Tensor:
@@ -319,7 +327,8 @@ class SequenceRules:
         counts = -(-spans // width)
         singles = self._singles(used)
         layout = TileLayout(width, singles.shape[1])
-        tiles = np.empty((int(counts.sum()), layout.columns), dtype=np.int32)
+        held = _host_tiles(int(counts.sum()), layout)
+        tiles = held.numpy()
         row_of_tile = np.repeat(np.arange(len(used)), counts)
         nth = np.arange(len(row_of_tile)) - np.repeat(np.cumsum(counts) - counts, counts)  # of its row's tiles
         top = lengths[used][row_of_tile] - 1 - nth * width
@@ -338,8 +347,7 @@ class SequenceRules:
         tiles[:, TileLayout.TABLE:TileLayout.SINGLES] = tables.view(np.int32)[row_of_tile]
         tiles[:, TileLayout.SINGLES:layout.tokens] = singles[row_of_tile]
         tiles[:, layout.tokens:] = _tile_tokens(tokens, starts[used] + span_start, spans, width)
-        return SequenceSamplers(torch.from_numpy(tiles), layout, None, bans=bool(ngram.any()),
-                                penalties=bool(dry.any()))
+        return SequenceSamplers(held, layout, None, bans=bool(ngram.any()), penalties=bool(dry.any()))
 
     def _singles(self, rows: np.ndarray) -> np.ndarray:
         """int32 [R, S]: the one-token breakers of `rows`, padded with PAD_BREAKER."""
