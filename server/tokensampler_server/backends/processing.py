@@ -78,8 +78,8 @@ def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def _penalties(x: torch.Tensor, processing: LogitProcessing) -> torch.Tensor:
     """Repetition, presence and frequency penalties (step 4)."""
-    if processing.repetition_penalty is None and processing.presence_penalty is None \
-            and processing.frequency_penalty is None:
+    if all(value is None for value in (processing.repetition_penalty, processing.presence_penalty,
+                                       processing.frequency_penalty)):
         return x  # a history sent for DRY or no-repeat-n-gram alone is not counted
     device = x.device
     has_output = processing.output_tokens is not None and len(processing.output_tokens) > 0
