@@ -23,7 +23,7 @@ PARAMS = (  # one of each sampling mode, and a combination
     {"min_p": 0.05},
     {"temperature": 0.8, "top_k": 40, "top_p": 0.95},
 )
-INVALID_SHARE = 0.02  # requests sent with top_p = 0, which the server answers INVALID_ARGUMENT
+INVALID_EVERY = 50  # every 50th request is sent with top_p = 0, which the server answers INVALID_ARGUMENT
 
 
 def main() -> int:
@@ -37,7 +37,8 @@ def main() -> int:
         sent = 0
         while args.requests == 0 or sent < args.requests:
             logits = torch.randn(rng.choice(BATCH_ROWS), VOCAB_SIZE)
-            params = {"top_p": 0.0} if rng.random() < INVALID_SHARE else rng.choice(PARAMS)
+            # The modes in turn, so that any run of len(PARAMS) requests reaches every one of them.
+            params = {"top_p": 0.0} if sent % INVALID_EVERY == INVALID_EVERY - 1 else PARAMS[sent % len(PARAMS)]
             try:
                 client.sample(logits, **params)
             except TokenSamplerError as err:
