@@ -34,10 +34,11 @@ _F64 = torch.float64
 _PAD_KEY = torch.iinfo(torch.int64).max
 # Candidates per shard and row: a kept prefix of at most this many tokens is found from the merged candidates.
 CANDIDATES = 64
-# Split points of a search round over all shards (each shard sends its share, at least 4).
-_PIVOTS = 32
-# A search range holding at most this many tokens over all shards is gathered and finished in two exchanges.
-_FINISH = 64
+# Split points each shard sends in a search round: its quantiles of the keys left in the range.
+_QUANTILES = 32
+# A range holding at most this many tokens over all shards is gathered and finished in one exchange. With
+# _QUANTILES, two rounds reach it from about 165,000 tokens.
+_FINISH = 160
 
 
 class ShardExchangeError(RuntimeError):
@@ -247,41 +248,49 @@ def _quantiles(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, count: in
 def threshold_search(exchange: Exchange, stage: str, keys: torch.Tensor, weights: torch.Tensor,
                      target: torch.Tensor | None = None, fraction: torch.Tensor | None = None) -> torch.Tensor:
     """Per row, the smallest key tau of any shard with G(tau) >= target, where G(tau) is the weight of every
-    shard's keys <= tau (all-reduced): with unit weights the target-th token of the order, with weights exp(z)
-    the token where the running mass reaches the target. target is given, or is `fraction` of the weight of
-    every counted key (the others are _PAD_KEY).
+    shard's keys <= tau: with unit weights the target-th token of the order, with weights exp(z) the token where
+    the running mass reaches the target. target is given, or is `fraction` of the weight of every counted key
+    (the others are _PAD_KEY).
 
-    Exact: the answer stays in [lo, hi], with G(lo - 1) < target <= G(hi). A round gathers each shard's own
-    quantiles of its keys in [lo, hi] and all-reduces G at all of them; the piece where G first reaches the
-    target holds at most 1/(q + 1) of each shard's keys there (q quantiles a shard), whatever the data and its
-    ties, and usually 1/(N q) of them. When every row's piece holds few keys, they are gathered and G is
-    evaluated at each: 2 exchanges a round and 2 to finish."""
-    rows, world = keys.shape[0], exchange.world
-    per_shard = max(4, _PIVOTS // world)
-    finish = max(_FINISH, 2 * world)  # a round leaves at most inside / (q + 1) + N keys: progress needs N < finish
+    Exact: the answer stays in [lo, hi], with G(lo - 1) < target <= G(hi). A round gathers each shard's
+    _QUANTILES quantiles of its keys in [lo, hi] and all-reduces G at all of them; the piece where G first
+    reaches the target holds at most 1/(_QUANTILES + 1) of each shard's keys there plus one, whatever the data and
+    its ties. Once every row's piece holds at most _FINISH keys, one gather of them with their weights gives G at
+    each, from G(lo - 1) on. Two rounds (5 exchanges) up to about 160,000 tokens."""
+    rows = keys.shape[0]
     keys, order = keys.sort(dim=1)
-    cumulative = torch.cat([torch.zeros((rows, 1), dtype=_F64), weights.to(_F64).gather(1, order).cumsum(1)], dim=1)
+    weights = weights.to(_F64).gather(1, order)
+    cumulative = torch.cat([torch.zeros((rows, 1), dtype=_F64), weights.cumsum(1)], dim=1)
     lo = torch.zeros(rows, dtype=torch.int64)
     hi = torch.full((rows,), _PAD_KEY - 1)
     while True:
-        split = exchange.gather(stage, (rows, per_shard), torch.int64, lambda: _quantiles(keys, lo, hi, per_shard))
+        split = exchange.gather(stage, (rows, _QUANTILES), torch.int64, lambda: _quantiles(keys, lo, hi, _QUANTILES))
         pivots = split.permute(1, 0, 2).flatten(1).sort(dim=1).values
         points = torch.cat([(lo - 1).unsqueeze(1), pivots, hi.unsqueeze(1)], dim=1)
         count, mass = exchange.reduce(stage, (2, *points.shape), lambda: search_counts(keys, cumulative, points))
         if target is None:
             target = fraction.to(_F64) * mass[:, -1]
-        first = (mass[:, 1:] >= target.unsqueeze(1)).to(torch.int8).argmax(dim=1, keepdim=True)
-        lo = points.gather(1, first).squeeze(1) + 1
-        hi = points.gather(1, first + 1).squeeze(1)
-        if bool((count.gather(1, first + 1) - count.gather(1, first) <= finish).all()):
+        piece = (mass[:, 1:] >= target.unsqueeze(1)).to(torch.int8).argmax(dim=1, keepdim=True)
+        below = mass.gather(1, piece).squeeze(1)  # G(lo - 1) of the new piece
+        lo, hi = points.gather(1, piece).squeeze(1) + 1, points.gather(1, piece + 1).squeeze(1)
+        if bool((count.gather(1, piece + 1) - count.gather(1, piece) <= _FINISH).all()):
             break
     width = keys.shape[1]
-    take = torch.searchsorted(keys, lo.unsqueeze(1)) + torch.arange(finish)
-    found = keys.gather(1, take.clamp(max=width - 1))
-    local = torch.where((take < width) & (found <= hi.unsqueeze(1)), found, _PAD_KEY)
-    union = exchange.gather(stage, (rows, finish), torch.int64, lambda: local).permute(1, 0, 2).flatten(1)
-    reached = exchange.reduce(stage, (2, *union.shape), lambda: search_counts(keys, cumulative, union))[1]
-    return torch.where((reached >= target.unsqueeze(1)) & (union != _PAD_KEY), union, _PAD_KEY).amin(dim=1)
+    take = torch.searchsorted(keys, lo.unsqueeze(1)) + torch.arange(_FINISH)
+    at = take.clamp(max=width - 1)
+    inside = (take < width) & (keys.gather(1, at) <= hi.unsqueeze(1))
+    # Keys and the bits of their float64 weights in one int64 block.
+    local = torch.stack([torch.where(inside, keys.gather(1, at), _PAD_KEY),
+                         torch.where(inside, weights.gather(1, at), 0.0).view(torch.int64)])
+    found = exchange.gather(stage, (2, rows, _FINISH), torch.int64, lambda: local)
+    union, union_weights = (found[:, part].permute(1, 0, 2).flatten(1) for part in (0, 1))
+    union, order = union.sort(dim=1)
+    running = below.unsqueeze(1) + union_weights.contiguous().view(_F64).gather(1, order).cumsum(1)
+    real = union != _PAD_KEY
+    hit = (running >= target.unsqueeze(1)) & real
+    # Where rounding leaves the running weight short of the target, the last key: G(hi) reaches it.
+    pick = torch.where(hit.any(dim=1), hit.to(torch.int8).argmax(dim=1), real.sum(dim=1) - 1)
+    return union.gather(1, pick.unsqueeze(1)).squeeze(1)
 
 
 # ---- the driver -----------------------------------------------------------------------------------------------
@@ -292,7 +301,8 @@ def _shard_logits(batch: SamplingBatch, shard: Shard) -> tuple[torch.Tensor, tor
         raise ValueError("vocabulary-parallel sampling takes requests without processing (masks, bias, penalties, "
                          "local samplers); apply them to the logits first")
     x = batch.with_logits().logits.to("cpu", torch.float32, copy=True)
-    if x.dim() != 2 or x.shape[0] != batch.num_rows or not 0 <= shard.start <= shard.start + x.shape[1] <= shard.vocab_size:
+    fits = 0 <= shard.start and shard.start + x.shape[-1] <= shard.vocab_size
+    if x.dim() != 2 or x.shape[0] != batch.num_rows or not fits:
         raise ValueError(f"logits of shape {list(x.shape)} at token {shard.start} do not fit {batch.num_rows} rows "
                          f"of a vocabulary of {shard.vocab_size}")
     return sanitize_non_finite(x)
@@ -301,7 +311,8 @@ def _shard_logits(batch: SamplingBatch, shard: Shard) -> tuple[torch.Tensor, tor
 def _check_tiling(headers: torch.Tensor) -> None:
     """Every rank sent the same request and the shards tile [0, V) in some order, or every rank raises."""
     if not bool((headers[:, 2:] == headers[0, 2:]).all()):
-        raise ShardExchangeError(f"the ranks sampled different requests: (V, B, n, top, raw) = {headers[:, 2:].tolist()}")
+        raise ShardExchangeError("the ranks sampled different requests: (V, B, samples, top log-probs, raw, "
+                                 f"candidates) = {headers[:, 2:].tolist()}")
     starts, widths = headers[:, 0], headers[:, 1]
     order = starts.argsort()
     ends = (starts + widths)[order]
@@ -317,14 +328,14 @@ def sample_sharded(batch: SamplingBatch, shard: Shard, group: dist.ProcessGroup 
     returns for the whole vocabulary. Every rank passes the same request parameters and its own shard.
 
     A failure anywhere raises ShardExchangeError on every rank: at once when a rank's own step raised, after the
-    group's timeout when a rank stalled, when its connections close when it died. Requests with processing
-    (steps 2-5 before the local samplers' statistics) are refused."""
+    group's timeout when a rank stalled, when its connections close when it died. Requests with processing (masks,
+    bias, penalties, local samplers: steps 2-5) are refused."""
     exchange = Exchange(group)
     rows, num_samples, vocab = batch.num_rows, batch.num_samples, shard.vocab_size
     raw = batch.logprobs_mode is LogprobsMode.RAW
     top_width = min(batch.top_logprobs, vocab)
     processed = (batch.return_logprobs or top_width > 0) and not raw
-    header = torch.tensor([shard.start, 0, vocab, rows, num_samples, top_width, raw], dtype=_F64)
+    header = torch.tensor([shard.start, 0, vocab, rows, num_samples, top_width, raw, candidates], dtype=_F64)
     x = nan_local = torch.empty(0)
 
     def stats() -> torch.Tensor:
@@ -345,11 +356,14 @@ def sample_sharded(batch: SamplingBatch, shard: Shard, group: dist.ProcessGroup 
     row_max = torch.where(valid, row_max, 0.0).to(torch.float32).unsqueeze(1)
 
     greedy = batch.temperature == 0
+    sampled = ~greedy & valid
+    if not bool(sampled.any()) and not (batch.return_logprobs or top_width > 0):
+        tokens = torch.where(valid, greedy_token, -1).unsqueeze(1).repeat(1, num_samples)
+        return SamplingResult(tokens=tokens, valid=valid, nan_detected=nan_detected)  # greedy: one exchange
     temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)  # choice 6
     xm = x - row_max
     z = xm / temperature.unsqueeze(1)
     filtered = (batch.top_k > 0) | (batch.top_p < 1) | (batch.min_p > 0)
-    sampled = ~greedy & valid
     needs_kept = valid & filtered & (sampled | processed)
     direct = valid & ~filtered & (sampled | processed)  # kept set: every finite token, known to each shard
     width = candidates if bool(needs_kept.any()) else 0
