@@ -1,10 +1,10 @@
 """Vocabulary-parallel sampling (backends/vocab_parallel.py) over gloo on the CPU, against the single-device reference.
 
-Each world of ranks is spawned once (torch.multiprocessing, loopback, one torch thread a rank) and runs every case;
-the tests compare what its ranks returned with CpuBackend on the whole vocabulary: the same tokens, valid and NaN
-flags and top log-prob ids, log-probs to fp32 rounding (RTOL, ATOL). The chi-square test draws DRAWS seeded rows
-and fails when p < ALPHA (significance 0.001) or when a token outside the distribution's support is drawn. The
-failure tests bound how long a rank waits when another raises, stalls or dies.
+RANKS processes are spawned once (torch.multiprocessing, loopback, one torch thread a rank); each layout of shards
+runs every case on a group of them, and the tests compare what every rank returned with CpuBackend on the whole
+vocabulary: the same tokens, valid and NaN flags and top log-prob ids, log-probs to fp32 rounding (RTOL, ATOL). The
+chi-square test draws DRAWS seeded rows and fails when p < ALPHA (significance 0.001) or when a token outside the
+distribution's support is drawn. The failure tests bound how long a rank waits when another raises, stalls or dies.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import datetime
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -46,12 +47,12 @@ DRAWS = 20_000
 STALL_TIMEOUT_S = 2.0
 # A rank told of a peer's failure answers in well under a second; one left waiting gives up after the timeout.
 FLAGGED_WITHIN_S = 1.0
-WORLD_DEADLINE_S = 240.0
+DEADLINE_S = 240.0
 PROCESSED = LogprobsMode.PROCESSED
 
 
 @dataclass(frozen=True)
-class World:
+class Layout:
     vocab_size: int
     bounds: tuple[int, ...]
     """Rank r holds tokens [bounds[r], bounds[r + 1])."""
@@ -59,18 +60,21 @@ class World:
     seeds: int
     """Each base row is sampled under this many seeds."""
     hidden_size: int = 0
-    """Above 0: the world also samples hidden states through a head of this width."""
+    """Above 0: the layout also samples hidden states through a head of this width."""
 
     @property
     def ranks(self) -> int:
         return len(self.bounds) - 1
 
 
-WORLDS = {
-    "2 ranks, 333 + 667 of 1000": World(1000, (0, 333, 1000), CANDIDATES, seeds=100, hidden_size=48),
+PAIR_LAYOUT, TRIO_LAYOUT = "2 ranks, 333 + 667 of 1000", "3 ranks, 20 + 50 + 41 of 111, 8 candidates"
+LAYOUTS = {
+    PAIR_LAYOUT: Layout(1000, (0, 333, 1000), CANDIDATES, seeds=100, hidden_size=48),
     # Few candidates, so that most filtered rows take the threshold search even at this size.
-    "3 ranks, 20 + 50 + 41 of 111, 8 candidates": World(111, (0, 20, 70, 111), 8, seeds=200),
+    TRIO_LAYOUT: Layout(111, (0, 20, 70, 111), 8, seeds=200),
 }
+# The processes: the 2-rank layout runs on a group of the first two.
+RANKS = 3
 
 
 def _large_k(vocab_size: int) -> int:
@@ -120,35 +124,35 @@ def _base_rows(vocab_size: int, bounds: tuple[int, ...]) -> torch.Tensor:
     return torch.stack([flat, spiky, tied, masked, one_shard, invalid])
 
 
-def case_batch(name: str, world: World) -> SamplingBatch:
-    """The batch of a case: every base row under the world's seeds."""
-    base = _base_rows(world.vocab_size, world.bounds)
-    logits = base.repeat_interleave(world.seeds, dim=0)
+def case_batch(name: str, layout: Layout) -> SamplingBatch:
+    """The batch of a case: every base row under the layout's seeds."""
+    base = _base_rows(layout.vocab_size, layout.bounds)
+    logits = base.repeat_interleave(layout.seeds, dim=0)
     rows = logits.shape[0]
     params = dict(CASES[name])
     if params.get("top_k") == "large":
-        params["top_k"] = _large_k(world.vocab_size)
+        params["top_k"] = _large_k(layout.vocab_size)
     if name == "per-row parameters":
         gen = torch.Generator().manual_seed(7)
 
         def pick(options: list[float]) -> torch.Tensor:
             return torch.tensor(options)[torch.randint(len(options), (rows,), generator=gen)]
 
-        params.update(temperature=pick([0.0, 0.5, 1.0, 1.5]), top_k=pick([0, 3, 40, _large_k(world.vocab_size)]),
+        params.update(temperature=pick([0.0, 0.5, 1.0, 1.5]), top_k=pick([0, 3, 40, _large_k(layout.vocab_size)]),
                       top_p=pick([1.0, 0.3, 0.9, 0.99]), min_p=pick([0.0, 0.01, 0.2]))
     seeds = torch.arange(rows)
     return make_batch(logits, seed=seeds, position=seeds % 7, iteration=3, **params)
 
 
-def hidden_batch(world: World) -> tuple[SamplingBatch, RegisteredWeight]:
+def hidden_batch(layout: Layout) -> tuple[SamplingBatch, RegisteredWeight]:
     """Hidden states through a head with a bias and a soft cap, top-k + top-p with log-probs."""
     gen = torch.Generator().manual_seed(11)
-    weight = torch.randn(world.vocab_size, world.hidden_size, generator=gen) * 0.3
-    finish = LogitsFinish(vocab_size=world.vocab_size, bias=torch.randn(world.vocab_size, generator=gen) * 0.1,
+    weight = torch.randn(layout.vocab_size, layout.hidden_size, generator=gen) * 0.3
+    finish = LogitsFinish(vocab_size=layout.vocab_size, bias=torch.randn(layout.vocab_size, generator=gen) * 0.1,
                           soft_cap=20.0)
     head = RegisteredWeight(name="head", weight=weight, finish=finish, sha256="")
-    rows = 4 * world.seeds
-    states = torch.randn(rows, world.hidden_size, generator=gen)
+    rows = 4 * layout.seeds
+    states = torch.randn(rows, layout.hidden_size, generator=gen)
     batch = make_batch(torch.empty(rows, 0), seed=torch.arange(rows), temperature=0.9, top_k=50, top_p=0.9,
                        return_logprobs=True)
     return replace(batch, logits=None, hidden=HiddenInput(states, head)), head
@@ -196,7 +200,7 @@ def _shard_of(batch: SamplingBatch, start: int, stop: int) -> SamplingBatch:
     return replace(batch, logits=batch.logits[:, start:stop].contiguous())
 
 
-def _timed_failure(call) -> dict[str, object]:
+def _timed_failure(call: Callable[[], object]) -> dict[str, object]:
     started = time.monotonic()
     try:
         call()
@@ -205,53 +209,71 @@ def _timed_failure(call) -> dict[str, object]:
     return {"error": None, "seconds": time.monotonic() - started}
 
 
-def _worker(rank: int, world_name: str, port: int, out: str) -> None:
-    """One rank of a world: every case on its shard, then the failures (the stall last: it spends the group)."""
-    torch.set_num_threads(1)
-    world = WORLDS[world_name]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world.ranks,
-                            timeout=datetime.timedelta(seconds=120))
-    start, stop = world.bounds[rank], world.bounds[rank + 1]
-    shard = Shard(start, world.vocab_size)
+def _run_layout(rank: int, layout: Layout, group: dist.ProcessGroup | None) -> dict[str, object]:
+    """Every case of a layout on this rank's shard; with a head width, hidden states and the chi-square draws."""
+    start, stop = layout.bounds[rank], layout.bounds[rank + 1]
+    shard = Shard(start, layout.vocab_size)
     record: dict[str, object] = {}
     for name in CASES:
-        batch = case_batch(name, world)
-        record[name] = _result_dict(sample_sharded(_shard_of(batch, start, stop), shard, candidates=world.candidates))
-    if world.hidden_size:
-        batch, head = hidden_batch(world)
+        batch = _shard_of(case_batch(name, layout), start, stop)
+        record[name] = _result_dict(sample_sharded(batch, shard, group, candidates=layout.candidates))
+    if layout.hidden_size:
+        batch, head = hidden_batch(layout)
         sharded = replace(batch, hidden=HiddenInput(batch.hidden.states, shard_head(head, start, stop)))
-        record["hidden"] = _result_dict(sample_sharded(sharded, shard, candidates=world.candidates))
+        record["hidden"] = _result_dict(sample_sharded(sharded, shard, group, candidates=layout.candidates))
         chi_bounds = (0, CHI_SPLIT, CHI_LOGITS.numel())
         for variant, candidates in CHI_CANDIDATES.items():
             batch = _shard_of(chi_batch(), chi_bounds[rank], chi_bounds[rank + 1])
-            tokens = sample_sharded(batch, Shard(chi_bounds[rank], CHI_LOGITS.numel()), candidates=candidates).tokens
-            record[f"chi {variant}"] = tokens
-        # A rank whose own step raises (a shard that does not fit the vocabulary) is named at once to the others,
+            chi_shard = Shard(chi_bounds[rank], CHI_LOGITS.numel())
+            record[f"chi {variant}"] = sample_sharded(batch, chi_shard, group, candidates=candidates).tokens
+    return record
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    """One of RANKS processes: the cases of every layout it holds a shard of, the search alone, then the failures
+    (a stall spends its group, a death every group: they come last)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=RANKS,
+                            timeout=datetime.timedelta(seconds=120))
+    pair = dist.new_group([0, 1])  # every rank makes every group, in the same order
+    short = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=STALL_TIMEOUT_S))
+    record: dict[str, object] = {}
+    for name, layout in LAYOUTS.items():
+        if rank < layout.ranks:
+            record[name] = _run_layout(rank, layout, None if layout.ranks == RANKS else pair)
+
+    z = search_rows(RANKS)[:, rank * SEARCH_WIDTH:(rank + 1) * SEARCH_WIDTH]
+    keys = order_keys(z, rank * SEARCH_WIDTH)
+    exchange = CountingExchange(None)
+    record["search k"] = threshold_search(exchange, "k", keys, torch.ones(keys.shape, dtype=torch.float64),
+                                          target=torch.full((4,), float(SEARCH_K), dtype=torch.float64))
+    record["search k reductions"] = exchange.reductions
+    record["search p"] = threshold_search(exchange, "p", keys, torch.exp(z).to(torch.float64),
+                                          fraction=torch.full((4,), SEARCH_P))
+
+    if rank < 2:
+        # A rank whose own step raises (a shard that does not fit the vocabulary) is named at once to the other,
         # and the group still serves the next call.
-        small = case_batch("top-k 5", world)
-        wrong = Shard(world.vocab_size - 1 if rank == 1 else start, world.vocab_size)
-        record["raises"] = _timed_failure(lambda: sample_sharded(_shard_of(small, start, stop), wrong))
-        record["after raise"] = sample_sharded(_shard_of(small, start, stop), shard).tokens
-        # A rank that stalls past the timeout.
-        group = dist.new_group(list(range(world.ranks)), timeout=datetime.timedelta(seconds=STALL_TIMEOUT_S))
+        layout = LAYOUTS[PAIR_LAYOUT]
+        start, stop = layout.bounds[rank], layout.bounds[rank + 1]
+        small = _shard_of(case_batch("top-k 5", layout), start, stop)
+        wrong = Shard(layout.vocab_size - 1 if rank == 1 else start, layout.vocab_size)
+        record["raises"] = _timed_failure(lambda: sample_sharded(small, wrong, pair))
+        record["after raise"] = sample_sharded(small, Shard(start, layout.vocab_size), pair).tokens
+        # Rank 1 stalls past the short group's timeout.
         if rank == 1:
             time.sleep(STALL_TIMEOUT_S + 1)
-        record["stalls"] = _timed_failure(lambda: sample_sharded(_shard_of(small, start, stop), shard, group))
-    else:
-        z = search_rows(world.ranks)[:, rank * SEARCH_WIDTH:(rank + 1) * SEARCH_WIDTH]
-        keys = order_keys(z, rank * SEARCH_WIDTH)
-        exchange = CountingExchange(None)
-        record["search k"] = threshold_search(exchange, "k", keys, torch.ones(keys.shape, dtype=torch.float64),
-                                              target=torch.full((4,), float(SEARCH_K), dtype=torch.float64))
-        record["search k reductions"] = exchange.reductions
-        record["search p"] = threshold_search(exchange, "p", keys, torch.exp(z).to(torch.float64),
-                                              fraction=torch.full((4,), SEARCH_P))
-        # A rank that dies.
-        small = case_batch("top-k 5", world)
-        dist.barrier()
-        if rank == world.ranks - 1:
-            os._exit(0)
-        record["dies"] = _timed_failure(lambda: sample_sharded(_shard_of(small, start, stop), shard))
+        else:
+            record["stalls"] = _timed_failure(lambda: sample_sharded(small, Shard(start, layout.vocab_size), short))
+    # The last rank dies.
+    layout = LAYOUTS[TRIO_LAYOUT]
+    start, stop = layout.bounds[rank], layout.bounds[rank + 1]
+    small = _shard_of(case_batch("top-k 5", layout), start, stop)
+    dist.barrier()
+    if rank == RANKS - 1:
+        torch.save(record, Path(out) / f"rank{rank}.pt")
+        os._exit(0)
+    record["dies"] = _timed_failure(lambda: sample_sharded(small, Shard(start, layout.vocab_size)))
     torch.save(record, Path(out) / f"rank{rank}.pt")
 
 
@@ -262,23 +284,18 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict]]:
-    """{world: {rank: what the rank recorded}}, each world run once in processes of its own."""
-    folders = {name: tmp_path_factory.mktemp(f"world{index}") for index, name in enumerate(WORLDS)}
-    # The worlds run side by side: their waits (process start, the stall, the timeout) overlap.
-    contexts = {name: mp.start_processes(_worker, args=(name, _free_port(), str(folders[name])),
-                                         nprocs=world.ranks, join=False, start_method="spawn")
-                for name, world in WORLDS.items()}
-    deadline = time.monotonic() + WORLD_DEADLINE_S
-    for name, context in contexts.items():
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for process in (process for context in contexts.values() for process in context.processes):
-                    process.kill()
-                pytest.fail(f"{name}: the ranks did not finish within {WORLD_DEADLINE_S} s")
-    return {name: {rank: torch.load(path, weights_only=False) for rank in range(world.ranks)
-                   if (path := folders[name] / f"rank{rank}.pt").exists()}
-            for name, world in WORLDS.items()}
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    """{rank: what the rank recorded}, from one run of RANKS processes."""
+    folder = tmp_path_factory.mktemp("ranks")
+    context = mp.start_processes(_worker, args=(_free_port(), str(folder)), nprocs=RANKS, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + DEADLINE_S
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the ranks did not finish within {DEADLINE_S} s")
+    return {rank: torch.load(folder / f"rank{rank}.pt", weights_only=False) for rank in range(RANKS)}
 
 
 def assert_same(got: dict[str, torch.Tensor | None], want: SamplingResult) -> None:
@@ -294,26 +311,22 @@ def assert_same(got: dict[str, torch.Tensor | None], want: SamplingResult) -> No
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("world_name", WORLDS)
-def test_same_as_one_device(runs: dict, world_name: str, case: str) -> None:
-    world = WORLDS[world_name]
-    want = CpuBackend().sample(case_batch(case, world))
-    for rank in range(world.ranks):
-        if case in runs[world_name].get(rank, {}):
-            assert_same(runs[world_name][rank][case], want)
-    assert case in runs[world_name][0]
+@pytest.mark.parametrize("layout_name", LAYOUTS)
+def test_same_as_one_device(runs: dict, layout_name: str, case: str) -> None:
+    layout = LAYOUTS[layout_name]
+    want = CpuBackend().sample(case_batch(case, layout))
+    for rank in range(layout.ranks):
+        assert_same(runs[rank][layout_name][case], want)
 
 
 def test_hidden_states_same_as_one_device(runs: dict) -> None:
-    name, world = next((name, world) for name, world in WORLDS.items() if world.hidden_size)
-    batch, _ = hidden_batch(world)
-    assert_same(runs[name][0]["hidden"], CpuBackend().sample(batch))
+    batch, _ = hidden_batch(LAYOUTS[PAIR_LAYOUT])
+    assert_same(runs[0][PAIR_LAYOUT]["hidden"], CpuBackend().sample(batch))
 
 
 @pytest.mark.parametrize("variant", CHI_CANDIDATES)
 def test_chi_square_top_k_top_p(runs: dict, variant: str) -> None:
-    name = next(name for name, world in WORLDS.items() if world.hidden_size)
-    tokens = runs[name][0][f"chi {variant}"][:, 0]
+    tokens = runs[0][PAIR_LAYOUT][f"chi {variant}"][:, 0]
     counts = np.bincount(tokens.numpy(), minlength=CHI_LOGITS.numel())
     expected = filtered_distribution(CHI_LOGITS.numpy().astype(np.float64), **CHI_PARAMS)
     support = expected > 0
@@ -322,41 +335,39 @@ def test_chi_square_top_k_top_p(runs: dict, variant: str) -> None:
     assert p_value >= ALPHA, f"chi-square p = {p_value:.2e} < {ALPHA}"
 
 
+def test_threshold_search_over_several_rounds(runs: dict) -> None:
+    """The k-th token of the order and the token where the running mass reaches p, over 3 shards of 20,000 tokens
+    with and without ties, against a sort of the whole row."""
+    z = search_rows(RANKS)
+    keys, order = order_keys(z, 0).sort(dim=1)
+    assert runs[0]["search k reductions"] >= 2  # two rounds or more before the finish
+    mass = torch.exp(z).to(torch.float64).gather(1, order).cumsum(dim=1)
+    reached = (mass >= SEARCH_P * mass[:, -1:]).to(torch.int8).argmax(dim=1, keepdim=True)
+    for rank in range(RANKS):
+        assert torch.equal(runs[rank]["search k"], keys[:, SEARCH_K - 1])
+        assert torch.equal(runs[rank]["search p"], keys.gather(1, reached).squeeze(1))
+
+
 def test_a_rank_that_raises_is_named_at_once(runs: dict) -> None:
-    name = next(name for name, world in WORLDS.items() if world.hidden_size)
-    peer, failing = runs[name][0]["raises"], runs[name][1]["raises"]
+    peer, failing = runs[0]["raises"], runs[1]["raises"]
     assert "failed on rank(s) [1] of 2" in peer["error"] and "group is still usable" in peer["error"]
     assert peer["seconds"] < FLAGGED_WITHIN_S
     assert "failed on this shard (rank 1)" in failing["error"] and "do not fit" in failing["error"]
-    assert torch.equal(runs[name][0]["after raise"], runs[name][1]["after raise"])
+    for rank in (0, 1):
+        assert torch.equal(runs[rank]["after raise"], runs[rank][PAIR_LAYOUT]["top-k 5"]["tokens"])
 
 
 def test_a_rank_that_stalls_times_out_the_others(runs: dict) -> None:
-    name = next(name for name, world in WORLDS.items() if world.hidden_size)
-    peer = runs[name][0]["stalls"]
+    peer = runs[0]["stalls"]
     assert peer["error"] is not None and "stalled past the group's timeout or died" in peer["error"]
     assert STALL_TIMEOUT_S * 0.9 <= peer["seconds"] < STALL_TIMEOUT_S + 5
 
 
 def test_a_rank_that_dies_fails_the_others(runs: dict) -> None:
-    name, world = next((name, world) for name, world in WORLDS.items() if not world.hidden_size)
-    for rank in range(world.ranks - 1):
-        record = runs[name][rank]["dies"]
+    for rank in range(RANKS - 1):
+        record = runs[rank]["dies"]
         assert record["error"] is not None and "stalled past the group's timeout or died" in record["error"]
         assert record["seconds"] < FLAGGED_WITHIN_S
-
-
-def test_threshold_search_over_several_rounds(runs: dict) -> None:
-    """The k-th token of the order and the token where the running mass reaches p, over 3 shards of 20,000 tokens
-    with and without ties, against a sort of the whole row."""
-    name, world = next((name, world) for name, world in WORLDS.items() if not world.hidden_size)
-    z = search_rows(world.ranks)
-    keys, order = order_keys(z, 0).sort(dim=1)
-    assert runs[name][0]["search k reductions"] >= 2  # two rounds or more before the finish
-    assert torch.equal(runs[name][0]["search k"], keys[:, SEARCH_K - 1])
-    mass = torch.exp(z).to(torch.float64).gather(1, order).cumsum(dim=1)
-    reached = (mass >= SEARCH_P * mass[:, -1:]).to(torch.int8).argmax(dim=1, keepdim=True)
-    assert torch.equal(runs[name][0]["search p"], keys.gather(1, reached).squeeze(1))
 
 
 def test_noise_of_a_slice_is_the_noise_of_its_global_ids() -> None:
