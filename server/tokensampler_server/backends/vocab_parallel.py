@@ -256,7 +256,7 @@ def threshold_search(exchange: Exchange, stage: str, keys: torch.Tensor, weights
     _QUANTILES quantiles of its keys in [lo, hi] and all-reduces G at all of them; the piece where G first
     reaches the target holds at most 1/(_QUANTILES + 1) of each shard's keys there plus one, whatever the data and
     its ties. Once every row's piece holds at most _FINISH keys, one gather of them with their weights gives G at
-    each, from G(lo - 1) on. Two rounds (5 exchanges) up to about 160,000 tokens."""
+    each, from G(lo - 1) on. Two rounds (5 exchanges) up to about 165,000 tokens."""
     rows = keys.shape[0]
     keys, order = keys.sort(dim=1)
     weights = weights.to(_F64).gather(1, order)
@@ -301,7 +301,7 @@ def _shard_logits(batch: SamplingBatch, shard: Shard) -> tuple[torch.Tensor, tor
         raise ValueError("vocabulary-parallel sampling takes requests without processing (masks, bias, penalties, "
                          "local samplers); apply them to the logits first")
     x = batch.with_logits().logits.to("cpu", torch.float32, copy=True)
-    fits = 0 <= shard.start and shard.start + x.shape[-1] <= shard.vocab_size
+    fits = 0 <= shard.start and 1 <= x.shape[-1] and shard.start + x.shape[-1] <= shard.vocab_size
     if x.dim() != 2 or x.shape[0] != batch.num_rows or not fits:
         raise ValueError(f"logits of shape {list(x.shape)} at token {shard.start} do not fit {batch.num_rows} rows "
                          f"of a vocabulary of {shard.vocab_size}")
