@@ -77,6 +77,19 @@ def _kept_prefix(
     """The kept set from tokens sorted by (z desc, id asc): z_sorted and their ids `order`, [R, W]
     (W <= V; ids equal to V are padding). Returns the bool mask [R, V]."""
     num_rows, width = z_sorted.shape
+    rank = torch.arange(width, device=z_sorted.device).unsqueeze(0)
+    kept_sorted = rank < kept_prefix_count(z_sorted, top_k, top_p, min_p).unsqueeze(1)
+    kept = torch.zeros((num_rows, vocab_size + 1), dtype=torch.bool, device=z_sorted.device)  # column V: the padding
+    return kept.scatter_(1, order, kept_sorted)[:, :vocab_size]
+
+
+def kept_prefix_count(
+    z_sorted: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+) -> torch.Tensor:
+    """Steps 8 and 9 on tokens sorted by (z desc, id asc), z_sorted [R, W] (-inf padding): L2, how many of the
+    leading tokens are kept, int64 [R]. The sort may hold only the candidates of the prefix (top_k_candidates,
+    or a vocabulary shard's merged candidates) as long as the whole prefix of L1 tokens is among them."""
+    width = z_sorted.shape[1]
     finite = torch.isfinite(z_sorted)
     # top-k and min-p both keep a prefix of the sorted order; -inf tokens are never kept.
     limit = finite.sum(dim=1)
@@ -96,14 +109,14 @@ def _kept_prefix(
     # L2 = first rank whose cumulative mass reaches p, plus one; L1 when rounding never reaches it.
     first_reached = torch.where(reached.any(dim=1), reached.to(torch.int8).argmax(dim=1) + 1, limit)
     use_top_p = top_p < 1.0
-    kept_count = torch.where(use_top_p, torch.minimum(first_reached, limit), limit)
-    kept_sorted = rank < kept_count.unsqueeze(1)
-    kept = torch.zeros((num_rows, vocab_size + 1), dtype=torch.bool, device=z_sorted.device)  # column V: the padding
-    return kept.scatter_(1, order, kept_sorted)[:, :vocab_size]
+    return torch.where(use_top_p, torch.minimum(first_reached, limit), limit)
 
 
-def gumbel_argmax(z_kept: torch.Tensor, kept: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
-    """Step 10 for `rows` of the batch: argmax over the kept set of z + g, for every sample; int64 [R, n].
+def gumbel_argmax(
+    z_kept: torch.Tensor, kept: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor, vocab_offset: int = 0,
+) -> torch.Tensor:
+    """Step 10 for `rows` of the batch: argmax over the kept set of z + g, for every sample; int64 [R, n], the
+    columns of z_kept. Column j is token vocab_offset + j, whose noise it gets (a vocabulary shard's columns).
 
     When every kept set is small (top-k, spiky top-p), the noise is drawn at the kept ids only: the
     same numbers as the full draw (noise is a pure function of the token id), at a fraction of the cost.
@@ -114,7 +127,7 @@ def gumbel_argmax(z_kept: torch.Tensor, kept: torch.Tensor, batch: SamplingBatch
     out = torch.empty((rows.numel(), batch.num_samples), dtype=torch.int64)
     if widest > _SPARSE_NOISE_MAX_KEPT:
         for sample in range(batch.num_samples):
-            noise = gumbel_noise(seed, position, iteration, sample, z_kept.shape[1])
+            noise = gumbel_noise(seed, position, iteration, sample, z_kept.shape[1], vocab_offset)
             out[:, sample] = (z_kept + noise).argmax(dim=1)
         return out
     # The kept ids of each row in ascending order (nonzero is row-major), padded to the widest row:
@@ -126,7 +139,7 @@ def gumbel_argmax(z_kept: torch.Tensor, kept: torch.Tensor, batch: SamplingBatch
     scores = torch.full(kept_ids.shape, _NEG_INF)
     scores[row, slot] = z_kept[row, ids]
     for sample in range(batch.num_samples):
-        noise = gumbel_noise_at(seed, position, iteration, sample, kept_ids)
+        noise = gumbel_noise_at(seed, position, iteration, sample, kept_ids + vocab_offset)
         out[:, sample] = kept_ids.gather(1, (scores + noise).argmax(dim=1, keepdim=True)).squeeze(1)
     return out
 

@@ -51,14 +51,17 @@ def seed_key(seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def random_words(
-    seed: torch.Tensor, position: torch.Tensor, iteration: torch.Tensor, sample: int, vocab_size: int
+    seed: torch.Tensor, position: torch.Tensor, iteration: torch.Tensor, sample: int, vocab_size: int,
+    vocab_offset: int = 0,
 ) -> torch.Tensor:
-    """The Philox word of every token: int64 [B, vocab_size] with values in [0, 2^32).
+    """The Philox word of tokens vocab_offset .. vocab_offset + vocab_size - 1: int64 [B, vocab_size] with values
+    in [0, 2^32). A vocabulary shard passes its first token's global id, so that it draws the words of its tokens.
 
     seed, position, iteration: int64 [B].
     """
-    num_blocks = (vocab_size + 3) // 4
-    block = torch.arange(num_blocks, dtype=torch.int64, device=seed.device).unsqueeze(0)
+    first_block = vocab_offset // 4
+    num_blocks = (vocab_offset + vocab_size + 3) // 4 - first_block
+    block = torch.arange(first_block, first_block + num_blocks, dtype=torch.int64, device=seed.device).unsqueeze(0)
     k0, k1 = seed_key(seed.unsqueeze(1))
     words = philox4x32(
         (
@@ -70,7 +73,8 @@ def random_words(
         (k0, k1),
     )
     # Word i mod 4 of block i div 4: interleave the four outputs along the vocabulary.
-    return torch.stack(torch.broadcast_tensors(*words), dim=-1).flatten(1)[:, :vocab_size]
+    skip = vocab_offset - 4 * first_block
+    return torch.stack(torch.broadcast_tensors(*words), dim=-1).flatten(1)[:, skip:skip + vocab_size]
 
 
 def gumbel_from_words(words: torch.Tensor) -> torch.Tensor:
@@ -89,10 +93,12 @@ def gumbel_from_words(words: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_noise(
-    seed: torch.Tensor, position: torch.Tensor, iteration: torch.Tensor, sample: int, vocab_size: int
+    seed: torch.Tensor, position: torch.Tensor, iteration: torch.Tensor, sample: int, vocab_size: int,
+    vocab_offset: int = 0,
 ) -> torch.Tensor:
-    """Gumbel(0, 1) noise of every token of every row: float32 [B, vocab_size]."""
-    return gumbel_from_words(random_words(seed, position, iteration, sample, vocab_size))
+    """Gumbel(0, 1) noise of tokens vocab_offset .. vocab_offset + vocab_size - 1 of every row: float32
+    [B, vocab_size]."""
+    return gumbel_from_words(random_words(seed, position, iteration, sample, vocab_size, vocab_offset))
 
 
 def gumbel_noise_at(
