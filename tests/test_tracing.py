@@ -188,7 +188,7 @@ import asyncio, sys
 import grpc, torch
 from tokensampler_client import AsyncSamplerClient
 from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
-from tokensampler_server import server as _  # all that serve() imports
+from tokensampler_server.app import server as _  # all that serve() imports
 from tokensampler_server.backends.cpu import CpuBackend
 from tokensampler_server.rpc.call_guard import CallGuard
 from tokensampler_server.core.config import Limits
