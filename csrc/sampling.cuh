@@ -6,6 +6,7 @@
 // chunks' partial results in chunk order. Token order everywhere is (value desc, id asc), encoded
 // as one 64-bit rank key (common.cuh). Semantics: docs/semantics.md.
 #pragma once
+#include <cfloat>
 #include <climits>
 #include <cstdint>
 
@@ -855,7 +856,10 @@ __global__ void __launch_bounds__(kThreads, 5)
   }
   __syncthreads();
   const uint64_t th = threshold;
-  const float th_x = th == 1 ? -kInf : key_value(th);  // a float test first, the full key on a pass
+  // A float test first, the full key on a pass. No -inf token is a candidate: -inf is never kept, and where the
+  // threshold is 1 or a -inf token's key (a chunk of few finite tokens, as masks leave), the -inf tokens would
+  // pass it by id and overflow the candidates.
+  const float th_x = fmaxf(th == 1 ? -kInf : key_value(th), -FLT_MAX);
 #pragma unroll
   for (int j = 0; j < kGroupsPerThread; ++j)
 #pragma unroll
