@@ -33,12 +33,19 @@ TsLogits logits_of(int64_t data, int64_t num_rows, int64_t vocab, int64_t dtype)
   return TsLogits{ptr<const void>(data), num_rows, vocab, static_cast<int32_t>(dtype), nullptr};
 }
 
-// params: temperature, top_k, top_p, min_p, seed, position, iteration (device addresses).
+// The token bitmask of TsRows from (words, row, row_words): device addresses (0: NULL) and a count.
+TsBitmask bitmask_of(int64_t words, int64_t row, int64_t row_words) {
+  return TsBitmask{ptr<const int32_t>(words), ptr<const int32_t>(row), row_words};
+}
+
+// params: temperature, top_k, top_p, min_p, seed, position, iteration (device addresses), then the token bitmask:
+// its words (0: no row has one), its row map (0: row r's mask is row r) and the words a mask row.
 TsRows rows_of(int64_t rows, int64_t num_work_rows, const std::vector<int64_t>& params) {
-  if (params.size() != 7) throw std::invalid_argument("tokensampler: 7 parameter arrays expected");
+  if (params.size() != 10) throw std::invalid_argument("tokensampler: 7 parameter arrays and a bitmask expected");
   return TsRows{ptr<const int32_t>(rows), static_cast<int32_t>(num_work_rows), ptr<const float>(params[0]),
                 ptr<const int32_t>(params[1]), ptr<const float>(params[2]), ptr<const float>(params[3]),
-                ptr<const int64_t>(params[4]), ptr<const int64_t>(params[5]), ptr<const int64_t>(params[6])};
+                ptr<const int64_t>(params[4]), ptr<const int64_t>(params[5]), ptr<const int64_t>(params[6]),
+                bitmask_of(params[7], params[8], params[9])};
 }
 
 // outputs: tokens, flags, row_max, row_min, row_logz, kept_mass, kept_min_key (0 = not written).
@@ -145,6 +152,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused(m);
   register_workloads(m);
   register_request_path(m);
+  // The bitmask (words, row, row_words as in params) written into fp32 logits [num_rows, vocab] in place.
+  m.def("apply_bitmask", [](int64_t logits, int64_t num_rows, int64_t vocab, int64_t words, int64_t row,
+                            int64_t row_words, int64_t stream) {
+    const TsBitmask bitmask = bitmask_of(words, row, row_words);
+    check(ts_apply_bitmask(ptr<float>(logits), num_rows, vocab, &bitmask, ptr<void>(stream)), "apply_bitmask");
+  });
   m.def("noise", [](int64_t seed, int64_t position, int64_t iteration, int64_t sample, int64_t vocab,
                     bool split_products, int64_t words, int64_t noise, int64_t stream) {
     check(ts_noise(seed, position, iteration, static_cast<uint32_t>(sample), vocab, split_products ? 1 : 0,

@@ -39,18 +39,20 @@ void register_fused(pybind11::module_& m) {
                                     filtered ? 1 : 0));
   });
   // head: weight, vocab, dim, dtype, bias (0: none); params: temperature, top_k, top_p, min_p, seed,
-  // position, iteration (device addresses); logprobs 0: not computed.
+  // position, iteration (device addresses), then the token bitmask's words (0: none), row map (0: row r's mask is
+  // row r) and words a mask row, as bindings.cpp takes them; logprobs 0: not computed.
   m.def("fused_sample", [](int64_t weight, int64_t vocab, int64_t dim, int64_t dtype, int64_t bias, double logit_scale,
                            double soft_cap, int64_t states, int64_t num_rows, std::vector<int64_t> params,
                            PlanTuple plan, int64_t tokens, int64_t num_samples, int64_t logprobs, int64_t flags,
                            int64_t scratch, int64_t stream) {
-    if (params.size() != 7) throw std::invalid_argument("tokensampler: 7 parameter arrays expected");
+    if (params.size() != 10) throw std::invalid_argument("tokensampler: 7 parameter arrays and a bitmask expected");
     const TsLmHead head{address<const void>(weight), vocab, dim, static_cast<int32_t>(dtype), address<const float>(bias),
                         static_cast<float>(logit_scale), static_cast<float>(soft_cap)};
     const TsRows rows{nullptr, static_cast<int32_t>(num_rows), address<const float>(params[0]),
                       address<const int32_t>(params[1]), address<const float>(params[2]), address<const float>(params[3]),
                       address<const int64_t>(params[4]), address<const int64_t>(params[5]),
-                      address<const int64_t>(params[6])};
+                      address<const int64_t>(params[6]),
+                      TsBitmask{address<const int32_t>(params[7]), address<const int32_t>(params[8]), params[9]}};
     const TsFusedOutputs out{address<int64_t>(tokens), static_cast<int32_t>(num_samples), address<float>(logprobs),
                              address<uint8_t>(flags)};
     const TsFusedPlan p = plan_of(plan);

@@ -54,11 +54,34 @@ __device__ __forceinline__ void load_whole_group(const T* __restrict__ row, int6
   }
 }
 
+// Row r's packed allowed-token words (a TsBitmask: docs/semantics.md, choice 17), or null when the row has no
+// mask.
+template <typename Bitmask>
+__device__ __forceinline__ const uint32_t* row_bitmask(const Bitmask& bitmask, int64_t r) {
+  if (bitmask.words == nullptr) return nullptr;
+  const int64_t m = bitmask.row != nullptr ? bitmask.row[r] : r;
+  return m < 0 ? nullptr : reinterpret_cast<const uint32_t*>(bitmask.words) + m * bitmask.row_words;
+}
+
+// The allowed bits of tokens 4g .. 4g+3 (bit e: token 4g + e; group g inside the vocabulary). One read-only
+// 4-byte load, which the 7 other groups of its word share through L1: a mask adds 1/32 of an fp32 row's bytes.
+__device__ __forceinline__ uint32_t group_mask_bits(const uint32_t* mask, int64_t g) {
+  return __ldg(mask + (g >> 3)) >> (4 * static_cast<uint32_t>(g & 7));
+}
+
+// The tokens of a group whose bit is clear read as -inf.
+__device__ __forceinline__ void mask_group(uint32_t bits, float (&v)[4]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) v[e] = (bits >> e) & 1u ? v[e] : -kInf;
+}
+
 // Tokens 4g .. 4g+3 of a row (one Philox call covers exactly these). Tokens past the vocabulary read
 // as -inf. `aligned`: the row start is aligned to one group, so a group is one 16- or 8-byte load.
+// `mask` (row_bitmask; null: none): the tokens it disallows read as -inf too.
 template <typename T>
 __device__ __forceinline__ void load_group(const T* __restrict__ row, int64_t g, int64_t vocab,
-                                           bool aligned, float (&v)[4], bool evict_first = false) {
+                                           bool aligned, float (&v)[4], bool evict_first = false,
+                                           const uint32_t* mask = nullptr) {
   const int64_t i0 = g * 4;
   if (aligned && i0 + 4 <= vocab) {
     load_whole_group(row, g, v, evict_first);
@@ -66,6 +89,7 @@ __device__ __forceinline__ void load_group(const T* __restrict__ row, int64_t g,
 #pragma unroll
     for (int j = 0; j < 4; ++j) v[j] = i0 + j < vocab ? to_f32(row[i0 + j]) : -kInf;
   }
+  if (mask != nullptr && i0 < vocab) mask_group(group_mask_bits(mask, g), v);  // past it: no word to read
 }
 
 // NaN and +inf read as -inf (docs/semantics.md, choice 1); returns whether x was one of them.

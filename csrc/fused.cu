@@ -26,9 +26,9 @@ int ring_depth(int64_t dim) {
   return chunks % 4 == 0 ? 4 : chunks % 2 == 0 ? 2 : 1;
 }
 
-template <bool BF16, int NT, int PF>
+template <bool BF16, bool kMask, int NT, int PF>
 cudaError_t launch_partials(const PartialsArgs& args, const TsFusedPlan& plan, cudaStream_t stream) {
-  auto kernel = fused_partials_kernel<BF16, NT, PF>;
+  auto kernel = fused_partials_kernel<BF16, NT, PF, kMask>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(plan.smem_bytes));
   if (err != cudaSuccess) return err;
@@ -36,12 +36,12 @@ cudaError_t launch_partials(const PartialsArgs& args, const TsFusedPlan& plan, c
   return cudaGetLastError();
 }
 
-template <bool BF16, int NT>
+template <bool BF16, bool kMask, int NT>
 cudaError_t launch_partials_ring(const PartialsArgs& args, const TsFusedPlan& plan, cudaStream_t stream) {
   switch (ring_depth(args.head.dim)) {
-    case 4: return launch_partials<BF16, NT, 4>(args, plan, stream);
-    case 2: return launch_partials<BF16, NT, 2>(args, plan, stream);
-    default: return launch_partials<BF16, NT, 1>(args, plan, stream);
+    case 4: return launch_partials<BF16, kMask, NT, 4>(args, plan, stream);
+    case 2: return launch_partials<BF16, kMask, NT, 2>(args, plan, stream);
+    default: return launch_partials<BF16, kMask, NT, 1>(args, plan, stream);
   }
 }
 
@@ -80,13 +80,13 @@ cudaError_t encode_rows(CUtensorMap* map, const void* base, int32_t dtype, int64
   return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-template <bool BF16, int N>
+template <bool BF16, bool kMask, int N>
 cudaError_t launch_stream(const PartialsArgs& args, const TsFusedPlan& plan, cudaStream_t stream) {
   CUtensorMap w_map, h_map;
   cudaError_t err = encode_rows(&w_map, args.head.weight, args.head.dtype, args.head.vocab, args.head.dim, kTileRows);
   if (err == cudaSuccess) err = encode_rows(&h_map, args.states, args.head.dtype, args.num_rows, args.head.dim, N);
   if (err != cudaSuccess) return err;
-  auto kernel = fused_stream_kernel<BF16, N>;
+  auto kernel = fused_stream_kernel<BF16, N, kMask>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem_bytes));
   if (err != cudaSuccess) return err;
   const int grid = plan.vocab_ctas * plan.batch_tiles;
@@ -94,22 +94,31 @@ cudaError_t launch_stream(const PartialsArgs& args, const TsFusedPlan& plan, cud
   return cudaGetLastError();
 }
 
-template <bool BF16>
+template <bool BF16, bool kMask>
 cudaError_t launch_stream_typed(const PartialsArgs& args, const TsFusedPlan& plan, cudaStream_t stream) {
   switch (plan.rows_per_tile) {
-    case 8: return launch_stream<BF16, 8>(args, plan, stream);
-    case 16: return launch_stream<BF16, 16>(args, plan, stream);
-    case 32: return launch_stream<BF16, 32>(args, plan, stream);
-    case 64: return launch_stream<BF16, 64>(args, plan, stream);
-    default: return launch_stream<BF16, 128>(args, plan, stream);
+    case 8: return launch_stream<BF16, kMask, 8>(args, plan, stream);
+    case 16: return launch_stream<BF16, kMask, 16>(args, plan, stream);
+    case 32: return launch_stream<BF16, kMask, 32>(args, plan, stream);
+    case 64: return launch_stream<BF16, kMask, 64>(args, plan, stream);
+    default: return launch_stream<BF16, kMask, 128>(args, plan, stream);
   }
 }
 
-template <bool BF16>
+// kMask: the instances that read the rows' token bitmasks (args.rows.bitmask), for launches where a row has one;
+// the others hold no register for a mask (the streaming kernel's epilogue went from 56 to 64 registers with a
+// run-time test).
+template <bool BF16, bool kMask>
 cudaError_t launch_partials_typed(const PartialsArgs& args, const TsFusedPlan& plan, cudaStream_t stream) {
-  if (plan.kernel != TS_FUSED_RING) return launch_stream_typed<BF16>(args, plan, stream);
-  return plan.rows_per_tile == 16 ? launch_partials_ring<BF16, 2>(args, plan, stream)
-                                  : launch_partials_ring<BF16, 1>(args, plan, stream);
+  if (plan.kernel != TS_FUSED_RING) return launch_stream_typed<BF16, kMask>(args, plan, stream);
+  return plan.rows_per_tile == 16 ? launch_partials_ring<BF16, kMask, 2>(args, plan, stream)
+                                  : launch_partials_ring<BF16, kMask, 1>(args, plan, stream);
+}
+
+template <bool BF16>
+cudaError_t launch_partials_masked(const PartialsArgs& args, const TsFusedPlan& plan, cudaStream_t stream) {
+  return args.rows.bitmask.words ? launch_partials_typed<BF16, true>(args, plan, stream)
+                                 : launch_partials_typed<BF16, false>(args, plan, stream);
 }
 
 // Below this many CTAs along the vocabulary (V < 8192 on 132 SMs) a row's best 64 tokens crowd into a few
@@ -162,7 +171,8 @@ extern "C" TsFusedPlan ts_fused_plan(int64_t num_rows, int64_t dim, int64_t voca
 
 extern "C" int ts_fused_sample(const TsLmHead* head, const void* states, int64_t num_rows, const TsRows* rows,
                                const TsFusedPlan* plan, const TsFusedOutputs* out, void* scratch, void* stream) {
-  if (plan->rows_per_tile == 0 || rows->rows != nullptr || (head->dtype != 1 && head->dtype != 2))
+  if (plan->rows_per_tile == 0 || rows->rows != nullptr || (head->dtype != 1 && head->dtype != 2) ||
+      (rows->bitmask.words && rows->bitmask.row_words < (head->vocab + 31) / 32))
     return cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const size_t parts = static_cast<size_t>(num_rows) * plan->vocab_ctas;
@@ -181,8 +191,8 @@ extern "C" int ts_fused_sample(const TsLmHead* head, const void* states, int64_t
   args.batch_tiles = plan->batch_tiles;
   args.partials = partials;
   args.cands = cands;
-  cudaError_t err = head->dtype == 2 ? launch_partials_typed<true>(args, *plan, s)
-                                     : launch_partials_typed<false>(args, *plan, s);
+  cudaError_t err = head->dtype == 2 ? launch_partials_masked<true>(args, *plan, s)
+                                     : launch_partials_masked<false>(args, *plan, s);
   if (err != cudaSuccess) return err;
 
   FinishArgs finish;

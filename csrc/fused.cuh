@@ -162,16 +162,23 @@ __device__ __forceinline__ float finish_logit(float x, int64_t v, const TsLmHead
   return x;
 }
 
-// Finishes tokens v0 .. v0+3 of this lane in place; returns whether one was NaN or +inf (now -inf).
-__device__ __forceinline__ bool finish_group(float (&x)[4], int64_t v0, const TsLmHead& head) {
+// The allowed bits of tokens v0 .. v0+3 of a row (bit j: token v0 + j; v0 a multiple of 4) under its token
+// bitmask, 0xF without one.
+__device__ __forceinline__ uint32_t allowed_bits(const uint32_t* mask, int64_t v0, const TsLmHead& head) {
+  return mask != nullptr && v0 < head.vocab ? group_mask_bits(mask, v0 >> 2) & 0xFu : 0xFu;
+}
+
+// Finishes tokens v0 .. v0+3 of this lane in place; returns whether one was NaN or +inf (now -inf). Tokens whose
+// bit of `allowed` is clear become -inf first (step 2 masks them), so that a NaN among them is no NaN of the row.
+__device__ __forceinline__ bool finish_group(float (&x)[4], int64_t v0, const TsLmHead& head, uint32_t allowed) {
   bool bad = false;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    if (v0 + j < head.vocab) {
+    if (v0 + j < head.vocab && ((allowed >> j) & 1u)) {
       x[j] = finish_logit(x[j], v0 + j, head);
       bad |= sanitize(x[j]);
     } else {
-      x[j] = -kInf;  // padded rows and the tail of the last tile are never sampled
+      x[j] = -kInf;  // padded rows, the tail of the last tile and masked tokens are never sampled
     }
   }
   return bad;
@@ -186,10 +193,12 @@ __device__ __forceinline__ bool screened_score(float xt, uint32_t word, float bo
   return true;
 }
 
-// Consumes tokens v0 .. v0+3 (one Philox group) of this lane: x already read from the tile.
-__device__ __forceinline__ void consume(RowState& s, CandidateBuffer& cand, float (&x)[4], int64_t v0,
-                                        const TsLmHead& head, bool want_sum1, int lane) {
-  s.nan |= finish_group(x, v0, head);
+// Consumes tokens v0 .. v0+3 (one Philox group) of this lane: x already read from the tile. kMask: some row of the
+// launch has a token bitmask (the kernels' masked instances; without, no register holds a mask), `mask` this row's.
+template <bool kMask>
+__device__ __forceinline__ void consume(RowState& s, const uint32_t* mask, CandidateBuffer& cand, float (&x)[4],
+                                        int64_t v0, const TsLmHead& head, bool want_sum1, int lane) {
+  s.nan |= finish_group(x, v0, head, kMask ? allowed_bits(mask, v0, head) : 0xFu);
   const float tile_max = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
   if (tile_max > s.max) {
     if (s.max > -kInf) {
@@ -277,7 +286,7 @@ __device__ __forceinline__ void write_partial(const RowState& state, CandidateBu
   }
 }
 
-template <bool BF16, int NT, int PF>
+template <bool BF16, int NT, int PF, bool kMask>
 __global__ void __launch_bounds__(kThreads, 1) fused_partials_kernel(const PartialsArgs a) {
   constexpr int kBatchTile = 8 * NT;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -309,6 +318,10 @@ __global__ void __launch_bounds__(kThreads, 1) fused_partials_kernel(const Parti
   RowState state;
   CandidateBuffer cand{cand_keys + (warp % kBatchTile) * kCandBuf, 0, 0ull};
   if (has_row) state = make_row_state(a.rows, my_row);
+  // The rows' token bitmasks (kMask), read by their warps from shared memory at each tile: held in registers
+  // through the main loop, they spilled 8 more bytes.
+  __shared__ const uint32_t* masks[kBatchTile];
+  if (kMask && has_row && lane == 0) masks[warp] = row_bitmask(a.rows.bitmask, my_row);
   __syncthreads();
 
   // Main-loop role: rows 16 * group .. + 15 of each tile, half `half` of D.
@@ -384,7 +397,8 @@ __global__ void __launch_bounds__(kThreads, 1) fused_partials_kernel(const Parti
     if (has_row) {
       const float4 q = *reinterpret_cast<const float4*>(tile_x + warp * kTileRows + 4 * lane);
       float x[4] = {q.x, q.y, q.z, q.w};
-      consume(state, cand, x, static_cast<int64_t>(tile) * kTileRows + 4 * lane, a.head, a.want_sum1 != 0, lane);
+      consume<kMask>(state, kMask ? masks[warp] : nullptr, cand, x, static_cast<int64_t>(tile) * kTileRows + 4 * lane,
+                     a.head, a.want_sum1 != 0, lane);
     }
   }
 

@@ -7,8 +7,9 @@
  * global memory.
  *
  * Scope (the host checks it; anything else takes the logits path): W and h both bf16 or both fp16,
- * D a multiple of 64, no masks/bias/penalties, raw log-probs only, top_k < kCand, one sample per
- * row for rows without filters. Rows whose kept set cannot be decided from the candidates (top-p or
+ * D a multiple of 64, no processing but a token bitmask (TsRows.bitmask, applied to each logit as it is
+ * made), raw log-probs only and not with a bitmask, top_k < kCand, one sample per row for rows without
+ * filters. Rows whose kept set cannot be decided from the candidates (top-p or
  * min-p without k, kept mass beyond the candidates, a kept set reaching below the keys a CTA's full
  * list may have cut off) come back flagged for the exact logits path.
  * Every array is device memory; every launcher returns a cudaError_t as int (0 = success).

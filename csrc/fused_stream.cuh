@@ -80,7 +80,7 @@ struct StreamLayout {
   static constexpr int kThreads = 32 * (kStreamMmaWarps + kEpilogueWarps + 1);  // + the producer warp
   static constexpr int kBytes = 1024 + kStages * kStageBytes + kTileBuffers * kTileBytes + 8 * kBarriers +
                                 N * static_cast<int>(sizeof(RowConstants)) +
-                                N * kStreamCand * 8;  // 1024: alignment; the rows' best keys
+                                N * kStreamCand * 8 + N * 8;  // 1024: alignment; the rows' best keys and masks
 };
 
 __device__ __forceinline__ uint32_t shared_address(const void* p) {
@@ -246,12 +246,16 @@ __device__ __forceinline__ void keep_best_keys(uint64_t* best, uint64_t (&key)[4
 // finish_group for a head without bias and soft cap (`plain_head`): the same values, with no branch a token.
 // `in_vocab`: how many of the four tokens lie inside the vocabulary (any int; 4 or more: all), so that the
 // bound costs one 32-bit compare a token. A full group takes one test for the four: a NaN or +inf makes their sum
-// NaN or +inf (so may a finite sum past the float range, and the tokens' own tests then change nothing).
-__device__ __forceinline__ bool finish_group_plain(float (&x)[4], int in_vocab, float logit_scale) {
+// NaN or +inf (so may a finite sum past the float range, and the tokens' own tests then change nothing). A group
+// with a masked token (`allowed` not 0xF) sets it to -inf before the test, as finish_group does.
+__device__ __forceinline__ bool finish_group_plain(float (&x)[4], int in_vocab, float logit_scale, uint32_t allowed) {
   bool bad = false;
   if (in_vocab >= 4) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) x[j] *= logit_scale;
+    if (allowed != 0xFu)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) x[j] = (allowed >> j) & 1u ? x[j] : -kInf;
     if (!(x[0] + x[1] + x[2] + x[3] < kInf))
 #pragma unroll
       for (int j = 0; j < 4; ++j) bad |= sanitize(x[j]);
@@ -260,8 +264,9 @@ __device__ __forceinline__ bool finish_group_plain(float (&x)[4], int in_vocab, 
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const float scaled = x[j] * logit_scale;
-    bad |= j < in_vocab && !(scaled < kInf);
-    x[j] = j < in_vocab && scaled < kInf ? scaled : -kInf;  // padded rows, the last tile's tail, NaN, +inf
+    const bool kept = j < in_vocab && ((allowed >> j) & 1u);
+    bad |= kept && !(scaled < kInf);
+    x[j] = kept && scaled < kInf ? scaled : -kInf;  // padded rows, the last tile's tail, masked tokens, NaN, +inf
   }
   return bad;
 }
@@ -313,12 +318,13 @@ __device__ __forceinline__ bool plain_head(const TsLmHead& head) {
 // nothing more and took 70-78 registers, and then stage 2 ended 0.4-3.3 us later: past 64, by our reading, not
 // all eight of its waiting warps fit beside this kernel's (then 21; a scheduler holding six of them at 72
 // registers has 16K - 6 x 2304 left, room for one of stage 2's 56-register warps, not two).
-template <bool PLAIN>
-__device__ __forceinline__ bool consume_row_tile(const RowConstants& c, RowTotals& totals, uint64_t* best_keys,
-                                                 int owner, float (&x)[4], int64_t v0, const TsLmHead& head,
-                                                 bool want_sum1, int lane) {
-  const bool bad = PLAIN ? finish_group_plain(x, tokens_in_vocab(v0, 4, head), head.logit_scale)
-                         : finish_group(x, v0, head);
+template <bool PLAIN, bool kMask>
+__device__ __forceinline__ bool consume_row_tile(const RowConstants& c, const uint32_t* mask, RowTotals& totals,
+                                                 uint64_t* best_keys, int owner, float (&x)[4], int64_t v0,
+                                                 const TsLmHead& head, bool want_sum1, int lane) {
+  const uint32_t allowed = kMask ? allowed_bits(mask, v0, head) : 0xFu;
+  const bool bad = PLAIN ? finish_group_plain(x, tokens_in_vocab(v0, 4, head), head.logit_scale, allowed)
+                         : finish_group(x, v0, head, allowed);
   const float lane_max = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
   const float old_max = __shfl_sync(0xffffffffu, totals.max, owner);
   const float new_max = fmaxf(old_max, key_to_float(__reduce_max_sync(0xffffffffu, order_key(lane_max))));
@@ -369,10 +375,12 @@ __device__ __forceinline__ bool consume_row_tile(const RowConstants& c, RowTotal
 // argument, so when the group's largest x / T plus the bound of its largest word stays below the best score so
 // far, no token of the group can reach it (`screened_score`'s test, for all four at once). Returns whether a logit
 // was NaN or +inf.
-template <bool PLAIN>
-__device__ __forceinline__ bool consume_lane_group(const RowConstants& c, RowTotals& t, float (&x)[4], int64_t v,
-                                                   int in_vocab, const TsLmHead& head) {
-  const bool bad = PLAIN ? finish_group_plain(x, in_vocab, head.logit_scale) : finish_group(x, v, head);
+template <bool PLAIN, bool kMask>
+__device__ __forceinline__ bool consume_lane_group(const RowConstants& c, const uint32_t* mask, RowTotals& t,
+                                                   float (&x)[4], int64_t v, int in_vocab, const TsLmHead& head) {
+  const uint32_t allowed = kMask ? allowed_bits(mask, v, head) : 0xFu;
+  const bool bad =
+      PLAIN ? finish_group_plain(x, in_vocab, head.logit_scale, allowed) : finish_group(x, v, head, allowed);
   const float group_max = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
   t.max = fmaxf(t.max, group_max);
   if (!(group_max > -kInf)) return bad;
@@ -420,10 +428,11 @@ __device__ __forceinline__ void write_stream_partial(const RowTotals& t, bool na
 // Tokens and flags are the same as the warp-per-row form's (the best key decomposes over any split of the
 // vocabulary); split in halves, a row's sums would be added in another order than the warp's, and log-probs would
 // then depend on the batch, so rows that want them keep the warp form.
-template <int N>
+template <int N, bool kMask>
 __device__ __forceinline__ void lane_row_epilogue(const PartialsArgs& a, const float* tiles, uint32_t tile_full,
                                                   uint32_t tile_empty, const RowConstants* constants,
-                                                  LaneHalf* halves, int cta, int b0, int tile_rows, int t) {
+                                                  const uint32_t* const* masks, LaneHalf* halves, int cta, int b0,
+                                                  int tile_rows, int t) {
   using L = StreamLayout<N>;
   constexpr int kEpilogueThreads = 32 * L::kEpilogueWarps;
   constexpr int kHalf = kTileRows / 2;
@@ -432,6 +441,7 @@ __device__ __forceinline__ void lane_row_epilogue(const PartialsArgs& a, const f
   const int n = t % N, half = t / N;
   const bool active = half < 2 && n < tile_rows && constants[n].mode != kCandidates;
   const RowConstants c = constants[n];
+  const uint32_t* mask = kMask && active ? masks[n] : nullptr;
   const bool plain = plain_head(a.head);
   RowTotals totals;
   bool nan = false;
@@ -448,8 +458,8 @@ __device__ __forceinline__ void lane_row_epilogue(const PartialsArgs& a, const f
       for (int g = 0; g < kHalf / 4; ++g) {
         const float4 q = *reinterpret_cast<const float4*>(xs + 4 * g);
         float x[4] = {q.x, q.y, q.z, q.w};
-        nan |= plain ? consume_lane_group<true>(c, totals, x, v0 + 4 * g, in_vocab - 4 * g, a.head)
-                     : consume_lane_group<false>(c, totals, x, v0 + 4 * g, in_vocab - 4 * g, a.head);
+        nan |= plain ? consume_lane_group<true, kMask>(c, mask, totals, x, v0 + 4 * g, in_vocab - 4 * g, a.head)
+                     : consume_lane_group<false, kMask>(c, mask, totals, x, v0 + 4 * g, in_vocab - 4 * g, a.head);
       }
     }
     mbarrier_arrive(tile_empty + 8 * buf);
@@ -467,7 +477,7 @@ __device__ __forceinline__ void lane_row_epilogue(const PartialsArgs& a, const f
   write_stream_partial(totals, nan, !active, a, (b0 + n) * a.vocab_ctas + cta);
 }
 
-template <bool BF16, int N>
+template <bool BF16, int N, bool kMask>
 __global__ void __launch_bounds__(StreamLayout<N>::kThreads, 1)
     fused_stream_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap h_map,
                         const PartialsArgs a) {
@@ -482,6 +492,9 @@ __global__ void __launch_bounds__(StreamLayout<N>::kThreads, 1)
   const uint32_t tile_empty = tile_full + 16;
   RowConstants* constants = reinterpret_cast<RowConstants*>(smem_raw + (tile_empty + 16 - raw));  // [N]
   uint64_t* best_keys = reinterpret_cast<uint64_t*>(constants + N);                              // [N][kStreamCand]
+  // [N]: the rows' token bitmasks (kMask), apart from the constants: a pointer in RowConstants took the unmasked
+  // instances from 56 to 62-64 registers.
+  const uint32_t** masks = reinterpret_cast<const uint32_t**>(best_keys + N * kStreamCand);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int cta = blockIdx.x / a.batch_tiles;
@@ -558,14 +571,18 @@ __global__ void __launch_bounds__(StreamLayout<N>::kThreads, 1)
   // Epilogue warp e: batch rows e + kEpilogueWarps r of each tile, row by row; lane r keeps row r's totals.
   const int e = warp - kStreamMmaWarps;
   for (int n = threadIdx.x - kMmaThreads; n < N; n += kEpilogueThreads)
-    if (b0 + n < a.num_rows) constants[n] = row_constants(a.rows, b0 + n);
+    if (b0 + n < a.num_rows) {
+      constants[n] = row_constants(a.rows, b0 + n);
+      if (kMask) masks[n] = row_bitmask(a.rows.bitmask, b0 + n);
+    }
   for (int i = threadIdx.x - kMmaThreads; i < N * kStreamCand; i += kEpilogueThreads) best_keys[i] = 0;
   asm volatile("bar.sync 1, %0;\n" ::"n"(kEpilogueThreads) : "memory");
   const int tile_rows = static_cast<int>(min(static_cast<int64_t>(N), a.num_rows - b0));  // this batch tile's
   if constexpr (N == 128) {
     if (a.cands == nullptr && a.want_sum1 == 0) {
-      lane_row_epilogue<N>(a, tiles, tile_full, tile_empty, constants, reinterpret_cast<LaneHalf*>(best_keys), cta, b0,
-                           tile_rows, threadIdx.x - kMmaThreads);
+      lane_row_epilogue<N, kMask>(a, tiles, tile_full, tile_empty, constants, masks,
+                                  reinterpret_cast<LaneHalf*>(best_keys), cta, b0, tile_rows,
+                                  threadIdx.x - kMmaThreads);
       return;
     }
   }
@@ -583,11 +600,14 @@ __global__ void __launch_bounds__(StreamLayout<N>::kThreads, 1)
       const int n = e + L::kEpilogueWarps * r;
       const RowConstants c = constants[n];
       if (c.mode == kCandidates && a.cands == nullptr) continue;  // no candidates collected: flagged below
+      const uint32_t* mask = kMask ? masks[n] : nullptr;
       const float4 q = *reinterpret_cast<const float4*>(tile_x + n * kTileStride + 4 * lane);
       float x[4] = {q.x, q.y, q.z, q.w};
       const int64_t v0 = static_cast<int64_t>(tile) * kTileRows + 4 * lane;
-      if (plain ? consume_row_tile<true>(c, totals, best_keys + n * kStreamCand, r, x, v0, a.head, want_sum1, lane)
-                : consume_row_tile<false>(c, totals, best_keys + n * kStreamCand, r, x, v0, a.head, want_sum1, lane))
+      if (plain ? consume_row_tile<true, kMask>(c, mask, totals, best_keys + n * kStreamCand, r, x, v0, a.head,
+                                                want_sum1, lane)
+                : consume_row_tile<false, kMask>(c, mask, totals, best_keys + n * kStreamCand, r, x, v0, a.head,
+                                                 want_sum1, lane))
         nan_rows |= 1u << r;
     }
     mbarrier_arrive(tile_empty + 8 * buf);

@@ -455,12 +455,12 @@ __device__ __forceinline__ void wait_until_row_merged(const unsigned int* counte
 
 // Five blocks a SM at 48 registers, with Philox's split products (philox.cuh, PhiloxProducts): with the wide form
 // the kernel needs 64 registers (four blocks), or spills at 48.
-template <typename T>
+template <typename T, bool kMask>
 __global__ void __launch_bounds__(kThreads, 5)
     frontier_kernel(TsLogits logits, TsRows rows, TsOutputs pre, TsOutputs out, TsWorkspace ws) {
   const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
   let_next_grid_launch();  // the mass pass waits for each row's merge (wait_until_row_merged), not the grid
-  const RowView<T> rv = row_view<T>(logits, rows, w);
+  const RowView<T> rv = row_view<T, kMask>(logits, rows, w);
   const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
   const float temperature = rows.temperature[rv.r];
   const float inv_t = 1.f / temperature;
@@ -603,7 +603,7 @@ __device__ __forceinline__ void approximate_sums(const float (&v)[kGroupsPerThre
     static_assert((kThreads & (kThreads - 1)) == 0, "held % kThreads as a mask");
     if (id % 4 != 0 && held >= 0 && (held & (kThreads - 1)) == 0 && held < kThreads * kGroupsPerThread) {
       float y[4];
-      load_group(rv.row, id / 4, vocab, rv.aligned, y);
+      load_row_group(rv, id / 4, vocab, y);
       for (uint32_t e = 0; e < id % 4; ++e)
         if (y[e] >= m.x_lo[f] && y[e] < m.x_above[f]) ahead[f] += token_mass<false, kMinP>(y[e], m);
     }
@@ -759,7 +759,7 @@ __host__ __device__ inline int mass_blocks_per_row(int32_t num_work_rows, int sp
 // The approximate mass pass over the rows frontier_kernel left with kRowNeedsMass: one read summing the mass
 // min-p keeps and the mass ahead of each of the last kMassFrontier frontier tokens, one or two chunks a block
 // (mass_blocks_per_row). A block's sums are fp32 over at most 64 tokens a thread (kMassTolerance's bound).
-template <typename T>
+template <typename T, bool kMask>
 __global__ void __launch_bounds__(kThreads, 5)
     nucleus_mass_kernel(TsLogits logits, TsRows rows, TsOutputs pre, TsOutputs out, TsWorkspace ws) {
   // Rows in order: the first rows' merges are long done when the grid starts, while the frontier kernel's last
@@ -771,7 +771,7 @@ __global__ void __launch_bounds__(kThreads, 5)
   unsigned int* counter = ws.counters + w;
   const unsigned int merged = splits + 1;
   wait_until_row_merged(counter, merged);
-  const RowView<T> rv = row_view<T>(logits, rows, w);
+  const RowView<T> rv = row_view<T, kMask>(logits, rows, w);
   const uint8_t sflags = pre.flags[rv.r];
   if (!(sflags & kRowNeedsMass)) {
     finish_by_thread0_and_elect_last(counter, blocks, merged);  // the count still returns to 0
@@ -800,7 +800,7 @@ __global__ void __launch_bounds__(kThreads, 5)
 constexpr int kExactParts = kGroupsPerThread;
 constexpr int kExactRowsAtOnce = 2;  // marked rows whose blocks the grid holds at once
 
-template <typename T>
+template <typename T, bool kMask>
 __global__ void __launch_bounds__(kThreads)
     nucleus_exact_mass_kernel(TsLogits logits, TsRows rows, TsOutputs pre, TsOutputs out, TsWorkspace ws) {
   wait_for_previous_grid();
@@ -812,7 +812,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int w0 = 0; w0 < num_work; w0 += kThreads) {
     // The marked rows of work rows w0 .., in row order, so that every block lists them alike.
     const int mine = w0 + static_cast<int>(threadIdx.x);
-    const bool marked = mine < num_work && (pre.flags[row_view<T>(logits, rows, mine).r] & kRowNeedsExact);
+    const bool marked = mine < num_work && (pre.flags[row_view<T, false>(logits, rows, mine).r] & kRowNeedsExact);
     const unsigned int ballot = __ballot_sync(0xffffffffu, marked);
     if (lane == 0) warp_marked[warp] = __popc(ballot);
     __syncthreads();
@@ -826,12 +826,12 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     for (unsigned int item = blockIdx.x; item < num_marked * parts; item += gridDim.x) {
       const int w = marked_rows[item / parts];
-      const RowView<T> rv = row_view<T>(logits, rows, w);
+      const RowView<T> rv = row_view<T, kMask>(logits, rows, w);
       const MassRow m = mass_row(row_frontier(ws, w, splits, num_work), pre.row_max[rv.r], rows.temperature[rv.r],
                                  rows.min_p[rv.r]);
       const int64_t g = (item % parts) * static_cast<int64_t>(kThreads) + threadIdx.x;  // chunk-major, as the chunks
       float x[4];
-      load_group(rv.row, g, logits.vocab, rv.aligned, x);
+      load_row_group(rv, g, logits.vocab, x);
 #pragma unroll
       for (int e = 0; e < 4; ++e) sanitize(x[e]);
       unsigned long long total = 0, ahead[kMassFrontier] = {0, 0, 0, 0};

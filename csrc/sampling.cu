@@ -2,6 +2,8 @@
 // compiles on its own with nvcc, and any host code can call it through sampling.h.
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "launch.h"
 #include "nucleus.cuh"
 #include "sampling.cuh"
@@ -14,16 +16,21 @@ constexpr int kMaxGridY = 65535;
 
 bool bad_args(const TsLogits* logits, const TsRows* rows) {
   return logits->vocab < 1 || logits->vocab > (int64_t{1} << 31) - 1 || rows->num_work_rows < 0 ||
-         rows->num_work_rows > kMaxGridY || logits->dtype < kF32 || logits->dtype > kBF16;
+         rows->num_work_rows > kMaxGridY || logits->dtype < kF32 || logits->dtype > kBF16 ||
+         (rows->bitmask.words && rows->bitmask.row_words < (logits->vocab + 31) / 32);
 }
 
-// Calls f with a value of the logits' element type.
+// Calls f with a value of the logits' element type and std::true_type when some row has a token bitmask (the
+// kernels' masked instances), std::false_type otherwise.
 template <typename F>
-cudaError_t dispatch_dtype(int32_t dtype, F&& f) {
+cudaError_t dispatch(int32_t dtype, const TsRows* rows, F&& f) {
+  auto typed = [&](auto t) {
+    return rows->bitmask.words ? f(t, std::true_type{}) : f(t, std::false_type{});
+  };
   switch (dtype) {
-    case kF32: return f(float{});
-    case kF16: return f(__half{});
-    case kBF16: return f(__nv_bfloat16{});
+    case kF32: return typed(float{});
+    case kF16: return typed(__half{});
+    case kBF16: return typed(__nv_bfloat16{});
     default: return cudaErrorInvalidValue;
   }
 }
@@ -33,15 +40,30 @@ cudaError_t set_smem(const void* kernel, size_t bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
 }
 
-template <typename T, int K>
+template <typename T, bool kMask, int K>
 cudaError_t launch_topk(const TsLogits* logits, const TsRows* rows, const TsOutputs* out,
                         const TsWorkspace* ws, cudaStream_t stream) {
   const int splits = num_splits(logits->vocab);
   const size_t smem = topk_smem_bytes(K);
-  const void* kernel = reinterpret_cast<const void*>(&topk_kernel<T, K>);
+  const void* kernel = reinterpret_cast<const void*>(&topk_kernel<T, kMask, K>);
   if (cudaError_t e = set_smem(kernel, smem)) return e;
-  topk_kernel<T, K><<<dim3(splits, rows->num_work_rows), kThreads, smem, stream>>>(*logits, *rows, *out, *ws);
+  topk_kernel<T, kMask, K><<<dim3(splits, rows->num_work_rows), kThreads, smem, stream>>>(*logits, *rows, *out, *ws);
   return cudaGetLastError();
+}
+
+// The bitmask written into fp32 logits in place (ts_apply_bitmask), for rows whose other processing runs on a
+// copy after it: a thread a token, which reads its word (one load a warp) and writes -inf where the bit is clear.
+// No logit is read, only disallowed tokens are written.
+constexpr int kBitmaskThreads = 256;
+
+__global__ void __launch_bounds__(kBitmaskThreads)
+    apply_bitmask_kernel(float* logits, int64_t num_rows, int64_t vocab, TsBitmask bitmask) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kBitmaskThreads + threadIdx.x;
+  if (i >= vocab) return;
+  for (int64_t r = blockIdx.y; r < num_rows; r += gridDim.y) {
+    const uint32_t* mask = row_bitmask(bitmask, r);
+    if (mask != nullptr && !((__ldg(mask + (i >> 5)) >> (i & 31)) & 1u)) logits[r * vocab + i] = -kInf;
+  }
 }
 
 // The test hook's kernel (ts_noise), for either Philox product form.
@@ -86,9 +108,10 @@ int ts_stats(const TsLogits* logits, const TsRows* rows, const float* lse_scale,
   if (bad_args(logits, rows)) return cudaErrorInvalidValue;
   if (rows->num_work_rows == 0) return cudaSuccess;
   const dim3 grid(num_splits(logits->vocab), rows->num_work_rows);
-  return dispatch_dtype(logits->dtype, [&](auto t) {
+  return dispatch(logits->dtype, rows, [&](auto t, auto mask) {
     using T = decltype(t);
-    stats_kernel<T><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(*logits, *rows, lse_scale, *out, *ws);
+    stats_kernel<T, decltype(mask)::value>
+        <<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(*logits, *rows, lse_scale, *out, *ws);
     return cudaGetLastError();
   });
 }
@@ -99,12 +122,13 @@ int ts_gumbel(const TsLogits* logits, const TsRows* rows, const float* lse_scale
   if (rows->num_work_rows == 0) return cudaSuccess;
   const dim3 grid(num_splits(logits->vocab), rows->num_work_rows);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return dispatch_dtype(logits->dtype, [&](auto t) {
+  return dispatch(logits->dtype, rows, [&](auto t, auto mask) {
     using T = decltype(t);
+    constexpr bool M = decltype(mask)::value;
     if (lse_scale)
-      gumbel_kernel<T, true, false><<<grid, kThreads, 0, s>>>(*logits, *rows, lse_scale, nullptr, *out, *ws);
+      gumbel_kernel<T, M, true, false><<<grid, kThreads, 0, s>>>(*logits, *rows, lse_scale, nullptr, *out, *ws);
     else
-      gumbel_kernel<T, false, false><<<grid, kThreads, 0, s>>>(*logits, *rows, lse_scale, nullptr, *out, *ws);
+      gumbel_kernel<T, M, false, false><<<grid, kThreads, 0, s>>>(*logits, *rows, lse_scale, nullptr, *out, *ws);
     return cudaGetLastError();
   });
 }
@@ -114,9 +138,9 @@ int ts_min_p(const TsLogits* logits, const TsRows* rows, const float* row_max, c
   if (bad_args(logits, rows) || !out->tokens || !row_max) return cudaErrorInvalidValue;
   if (rows->num_work_rows == 0) return cudaSuccess;
   const dim3 grid(num_splits(logits->vocab), rows->num_work_rows);
-  return dispatch_dtype(logits->dtype, [&](auto t) {
+  return dispatch(logits->dtype, rows, [&](auto t, auto mask) {
     using T = decltype(t);
-    return launch_after_previous(&gumbel_kernel<T, false, true>, grid, dim3(kThreads), 0,
+    return launch_after_previous(&gumbel_kernel<T, decltype(mask)::value, false, true>, grid, dim3(kThreads), 0,
                                  static_cast<cudaStream_t>(stream), *logits, *rows, static_cast<const float*>(nullptr),
                                  row_max, *out, *ws);
   });
@@ -127,14 +151,15 @@ int ts_topk(const TsLogits* logits, const TsRows* rows, int32_t bucket, const Ts
   if (bad_args(logits, rows) || !out->tokens || !out->flags) return cudaErrorInvalidValue;
   if (rows->num_work_rows == 0) return cudaSuccess;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return dispatch_dtype(logits->dtype, [&](auto t) {
+  return dispatch(logits->dtype, rows, [&](auto t, auto mask) {
     using T = decltype(t);
+    constexpr bool M = decltype(mask)::value;
     switch (bucket) {
-      case 16: return launch_topk<T, 16>(logits, rows, out, ws, s);
-      case 32: return launch_topk<T, 32>(logits, rows, out, ws, s);
-      case 64: return launch_topk<T, 64>(logits, rows, out, ws, s);
-      case 128: return launch_topk<T, 128>(logits, rows, out, ws, s);
-      case 256: return launch_topk<T, 256>(logits, rows, out, ws, s);
+      case 16: return launch_topk<T, M, 16>(logits, rows, out, ws, s);
+      case 32: return launch_topk<T, M, 32>(logits, rows, out, ws, s);
+      case 64: return launch_topk<T, M, 64>(logits, rows, out, ws, s);
+      case 128: return launch_topk<T, M, 128>(logits, rows, out, ws, s);
+      case 256: return launch_topk<T, M, 256>(logits, rows, out, ws, s);
       default: return cudaErrorInvalidValue;
     }
   });
@@ -149,11 +174,12 @@ int ts_filter(const TsLogits* logits, const TsRows* rows, const float* row_max, 
   const int blocks = static_cast<int>(splits < groups ? splits : groups);
   const dim3 grid(blocks, rows->num_work_rows);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return dispatch_dtype(logits->dtype, [&](auto t) {
+  return dispatch(logits->dtype, rows, [&](auto t, auto mask) {
     using T = decltype(t);
-    const void* kernel = reinterpret_cast<const void*>(&filter_kernel<T>);
+    constexpr bool M = decltype(mask)::value;
+    const void* kernel = reinterpret_cast<const void*>(&filter_kernel<T, M>);
     if (cudaError_t e = set_smem(kernel, kFilterSmemBytes)) return e;
-    return launch_after_previous(&filter_kernel<T>, grid, dim3(kFilterThreads), kFilterSmemBytes, s, *logits, *rows,
+    return launch_after_previous(&filter_kernel<T, M>, grid, dim3(kFilterThreads), kFilterSmemBytes, s, *logits, *rows,
                                  row_max, row_min, row_argmax, stats_flags, need_exact_mass, *out, *ws);
   });
 }
@@ -170,19 +196,31 @@ int ts_nucleus(const TsLogits* logits, const TsRows* rows, const TsOutputs* pre,
   if (rows->num_work_rows == 0) return cudaSuccess;
   const dim3 grid(num_splits(logits->vocab), rows->num_work_rows);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return dispatch_dtype(logits->dtype, [&](auto t) {
+  return dispatch(logits->dtype, rows, [&](auto t, auto mask) {
     using T = decltype(t);
-    frontier_kernel<T><<<grid, kThreads, 0, s>>>(*logits, *rows, *pre, *out, *ws);
+    constexpr bool M = decltype(mask)::value;
+    frontier_kernel<T, M><<<grid, kThreads, 0, s>>>(*logits, *rows, *pre, *out, *ws);
     if (cudaError_t e = cudaGetLastError()) return e;
     const dim3 mass_grid(mass_blocks_per_row(rows->num_work_rows, static_cast<int>(grid.x)), grid.y);
-    if (cudaError_t e = launch_after_previous(&nucleus_mass_kernel<T>, mass_grid, dim3(kThreads), 0, s, *logits, *rows,
-                                              *pre, *out, *ws))
+    if (cudaError_t e = launch_after_previous(&nucleus_mass_kernel<T, M>, mass_grid, dim3(kThreads), 0, s, *logits,
+                                              *rows, *pre, *out, *ws))
       return e;
     const int at_once = rows->num_work_rows < kExactRowsAtOnce ? rows->num_work_rows : kExactRowsAtOnce;
     const dim3 exact_grid(grid.x * kExactParts * at_once);
-    return launch_after_previous(&nucleus_exact_mass_kernel<T>, exact_grid, dim3(kThreads), 0, s, *logits, *rows,
+    return launch_after_previous(&nucleus_exact_mass_kernel<T, M>, exact_grid, dim3(kThreads), 0, s, *logits, *rows,
                                  *pre, *out, *ws);
   });
+}
+
+int ts_apply_bitmask(float* logits, int64_t num_rows, int64_t vocab, const TsBitmask* bitmask, void* stream) {
+  if (vocab < 1 || num_rows < 0 || !bitmask->words || bitmask->row_words < (vocab + 31) / 32)
+    return cudaErrorInvalidValue;
+  if (num_rows == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned int>((vocab + kBitmaskThreads - 1) / kBitmaskThreads),
+                  static_cast<unsigned int>(num_rows < kMaxGridY ? num_rows : kMaxGridY));
+  apply_bitmask_kernel<<<grid, kBitmaskThreads, 0, static_cast<cudaStream_t>(stream)>>>(logits, num_rows, vocab,
+                                                                                        *bitmask);
+  return cudaGetLastError();
 }
 
 int ts_noise(int64_t seed, int64_t position, int64_t iteration, uint32_t sample, int64_t vocab, int split_products,

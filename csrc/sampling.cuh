@@ -6,6 +6,7 @@
 // chunks' partial results in chunk order. Token order everywhere is (value desc, id asc), encoded
 // as one 64-bit rank key (common.cuh). Semantics: docs/semantics.md.
 #pragma once
+#include <cfloat>
 #include <climits>
 #include <cstdint>
 
@@ -29,24 +30,37 @@ struct RowView {
   const T* row;
   int64_t r;
   bool aligned;
+  const uint32_t* mask;  // the row's allowed-token words (row_bitmask), null: none
 };
 
 // Row r starting at `row`, and whether its groups of four can be loaded 16 bytes at a time.
 template <typename T>
-__device__ __forceinline__ RowView<T> view_of_row(const T* row, int64_t r) {
-  return {row, r, reinterpret_cast<uintptr_t>(row) % (4 * sizeof(T)) == 0};
+__device__ __forceinline__ RowView<T> view_of_row(const T* row, int64_t r, const uint32_t* mask = nullptr) {
+  return {row, r, reinterpret_cast<uintptr_t>(row) % (4 * sizeof(T)) == 0, mask};
 }
 
 // Logits row r: contiguous rows, or rows gathered by TsLogits.row_start.
 template <typename T>
-__device__ __forceinline__ RowView<T> logits_row(const TsLogits& logits, int64_t r) {
-  return view_of_row(static_cast<const T*>(logits.data) + (logits.row_start ? logits.row_start[r] : r * logits.vocab), r);
+__device__ __forceinline__ RowView<T> logits_row(const TsLogits& logits, int64_t r, const uint32_t* mask = nullptr) {
+  const int64_t start = logits.row_start ? logits.row_start[r] : r * logits.vocab;
+  return view_of_row(static_cast<const T*>(logits.data) + start, r, mask);
 }
 
-// The row work row w samples (TsRows.rows, or row w itself).
-template <typename T>
+// The row work row w samples (TsRows.rows, or row w itself). kMask: with its token bitmask, so that every load
+// through the view reads the tokens the mask disallows as -inf and the kernel samples the masked row. Each kernel
+// has an instance with and one without (the launcher picks by TsRows.bitmask.words): a batch without masks runs
+// the kernels as they were, with no register for a mask (the 48-register kernels spilled 4-20 bytes with a
+// run-time test).
+template <typename T, bool kMask>
 __device__ __forceinline__ RowView<T> row_view(const TsLogits& logits, const TsRows& rows, int w) {
-  return logits_row<T>(logits, rows.rows ? rows.rows[w] : w);
+  const int64_t r = rows.rows ? rows.rows[w] : w;
+  return logits_row<T>(logits, r, kMask ? row_bitmask(rows.bitmask, r) : nullptr);
+}
+
+// Group g of the row, as load_group reads it, with the row's mask.
+template <typename T>
+__device__ __forceinline__ void load_row_group(const RowView<T>& rv, int64_t g, int64_t vocab, float (&v)[4]) {
+  load_group(rv.row, g, vocab, rv.aligned, v, false, rv.mask);
 }
 
 // A launch whose rows hold more bytes than this cannot keep them in L2 (50 MB on H100 / H200) until a later
@@ -60,6 +74,29 @@ constexpr int64_t kEvictFirstBytes = int64_t{64} << 20;
 template <typename T>
 __device__ __forceinline__ bool rows_exceed_l2(int64_t rows, int64_t vocab) {
   return rows * vocab * static_cast<int64_t>(sizeof(T)) > kEvictFirstBytes;
+}
+
+// The allowed bits of this lane's groups g_first + lane + j kStride, j < kGroups (bit 4j + e: token
+// 4 (g_first + lane + j kStride) + e), g_first warp-uniform. The warp's 32 groups of one j lie in 4 consecutive
+// words when g_first is a multiple of 8 (kWordAligned), in 5 otherwise: each lane loads one of the 32 / kGroups
+// words read for its j = lane / (32 / kGroups), and the lanes exchange them. One load and one register a thread,
+// where a word a group kept in flight beside the logits spilled (topk_kernel: 4-20 bytes; filter_kernel's screen:
+// 88). The whole warp calls it.
+template <int kGroups, int kStride, bool kWordAligned>
+__device__ __forceinline__ uint32_t warp_groups_mask_bits(const uint32_t* mask, int64_t vocab, int64_t g_first) {
+  constexpr int kLanesPerJ = 32 / kGroups;
+  static_assert(kGroups * 4 <= 32 && kLanesPerJ >= (kWordAligned ? 4 : 5) && kStride % 8 == 0,
+                "a j's words within its lanes, a lane's bits in one word");
+  const int lane = threadIdx.x & 31;
+  const int offset = kWordAligned ? 0 : static_cast<int>(g_first & 7);
+  const int64_t word = ((g_first + static_cast<int64_t>(lane / kLanesPerJ) * kStride) >> 3) + lane % kLanesPerJ;
+  const uint32_t mine = 32 * word < vocab ? __ldg(mask + word) : 0u;  // past the vocabulary: no word to read
+  const int from = (offset + lane) >> 3, shift = 4 * ((offset + lane) & 7);
+  uint32_t bits = 0;
+#pragma unroll
+  for (int j = 0; j < kGroups; ++j)
+    bits |= ((__shfl_sync(0xffffffffu, mine, j * kLanesPerJ + from) >> shift) & 0xFu) << (4 * j);
+  return bits;
 }
 
 // This block's chunk as stored (NaN and +inf not yet sanitized): v[j][e] is token
@@ -77,6 +114,12 @@ __device__ __forceinline__ void load_chunk_raw(const RowView<T>& rv, int64_t voc
 #pragma unroll
     for (int j = 0; j < kGroupsPerThread; ++j)
       load_group(rv.row, g0 + threadIdx.x + j * kThreads, vocab, rv.aligned, v[j], evict_first);
+  }
+  if (rv.mask != nullptr) {
+    const uint32_t bits =
+        warp_groups_mask_bits<kGroupsPerThread, kThreads, true>(rv.mask, vocab, g0 + (threadIdx.x & ~31u));
+#pragma unroll
+    for (int j = 0; j < kGroupsPerThread; ++j) mask_group(bits >> (4 * j), v[j]);
   }
 }
 
@@ -181,12 +224,12 @@ __device__ __forceinline__ Stats block_stats(Stats s, float c, bool lse) {
   return s;
 }
 
-template <typename T>
+template <typename T, bool kMask>
 __global__ void __launch_bounds__(kThreads)
     stats_kernel(TsLogits logits, TsRows rows, const float* lse_scale, TsOutputs out, TsWorkspace ws) {
   const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
   let_next_grid_launch();  // the exact filter after it may take the SMs this grid's last wave leaves idle
-  const RowView<T> rv = row_view<T>(logits, rows, w);
+  const RowView<T> rv = row_view<T, kMask>(logits, rows, w);
   const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
   const bool lse = lse_scale != nullptr;
   const float c = lse ? lse_scale[rv.r] : 0.f;
@@ -447,7 +490,7 @@ __device__ __forceinline__ void redo_groups(uint32_t gmask, uint32_t gbase, cons
     gmask &= gmask - 1;
     const uint32_t g = gbase + j * kThreads;
     float x[4];
-    load_group(rv.row, g, vocab, rv.aligned, x);
+    load_row_group(rv, g, vocab, x);
 #pragma unroll
     for (int e = 0; e < 4; ++e) sanitize(x[e]);
     redo(x, noise.group(g), g);
@@ -585,14 +628,14 @@ __device__ __forceinline__ void gumbel_screened_by_bound(const float (&v)[kGroup
 
 // kMinP: min-p alone, after stats_kernel on the same rows (stats_row_max: its row max), launched to
 // overlap its tail: the chunk is read first, then the row max gives the mask (MinPMask).
-template <typename T, bool LSE, bool kMinP>
+template <typename T, bool kMask, bool LSE, bool kMinP>
 __global__ void __launch_bounds__(kThreads, LSE || kMinP ? 4 : 5)
     gumbel_kernel(TsLogits logits, TsRows rows, const float* lse_scale, const float* stats_row_max, TsOutputs out,
                   TsWorkspace ws) {
   static_assert(!(LSE && kMinP), "the min-p instance has no log-sum-exp");
   // min-p takes the rows in reverse order: its first blocks read the rows stats_kernel read last, from L2.
   const int w = kMinP ? gridDim.y - 1 - blockIdx.y : blockIdx.y, split = blockIdx.x, splits = gridDim.x;
-  const RowView<T> rv = row_view<T>(logits, rows, w);
+  const RowView<T> rv = row_view<T, kMask>(logits, rows, w);
   const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
   const float temperature = rows.temperature[rv.r];
   const float inv_t = 1.f / temperature;
@@ -679,7 +722,7 @@ __global__ void __launch_bounds__(kThreads, LSE || kMinP ? 4 : 5)
     const int64_t groups = (logits.vocab + 3) / 4;
     for (int64_t g = threadIdx.x; g < groups; g += kThreads) {
       float x[4];
-      load_group(rv.row, g, logits.vocab, rv.aligned, x);
+      load_row_group(rv, g, logits.vocab, x);
       const uint4 words = noise.group(static_cast<uint32_t>(g));
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -794,12 +837,12 @@ __device__ __forceinline__ uint64_t warp_sort_desc(uint64_t v) {
   return v;
 }
 
-template <typename T, int K>
+template <typename T, bool kMask, int K>
 __global__ void __launch_bounds__(kThreads, 5)
     topk_kernel(TsLogits logits, TsRows rows, TsOutputs out, TsWorkspace ws) {
   extern __shared__ uint64_t smem[];
   const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
-  const RowView<T> rv = row_view<T>(logits, rows, w);
+  const RowView<T> rv = row_view<T, kMask>(logits, rows, w);
   const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
   const int64_t vocab = logits.vocab;
   uint64_t* lists = static_cast<uint64_t*>(ws.scratch);
@@ -855,7 +898,10 @@ __global__ void __launch_bounds__(kThreads, 5)
   }
   __syncthreads();
   const uint64_t th = threshold;
-  const float th_x = th == 1 ? -kInf : key_value(th);  // a float test first, the full key on a pass
+  // A float test first, the full key on a pass. No -inf token is a candidate: -inf is never kept, and where the
+  // threshold is 1 or a -inf token's key (a chunk of few finite tokens, as masks leave), the -inf tokens would
+  // pass it by id and overflow the candidates.
+  const float th_x = fmaxf(th == 1 ? -kInf : key_value(th), -FLT_MAX);
 #pragma unroll
   for (int j = 0; j < kGroupsPerThread; ++j)
 #pragma unroll
@@ -1171,16 +1217,16 @@ __device__ __forceinline__ bool keeps_min_p(float x, float z, float m) {
 // kResolveBatch loads in flight a thread, a group skipped by its largest and smallest logit, and the exact z only for
 // logits in the bins' interval (one load at a time and a division a token, it took ~50 us of a 600 KB row on an H200).
 template <typename T, typename Fn>
-__device__ __forceinline__ void for_each_in_bins(const T* row, int64_t vocab, bool aligned, float row_max,
-                                                 float temperature, float bin_scale, float m, int c_lo, int c_hi,
-                                                 uint64_t key_lo, uint64_t key_hi, Fn&& fn) {
+__device__ __forceinline__ void for_each_in_bins(const T* row, int64_t vocab, bool aligned, const uint32_t* mask,
+                                                 float row_max, float temperature, float bin_scale, float m, int c_lo,
+                                                 int c_hi, uint64_t key_lo, uint64_t key_hi, Fn&& fn) {
   const int64_t groups = (vocab + 3) / 4;
   const LogitInterval range = logits_of_bins(c_lo, c_hi, row_max, temperature, bin_scale);
   for (int64_t g0 = threadIdx.x; g0 < groups; g0 += kResolveBatch * kFilterThreads) {
     float x[kResolveBatch][4];
 #pragma unroll
     for (int u = 0; u < kResolveBatch; ++u)
-      if (g0 + u * kFilterThreads < groups) load_group(row, g0 + u * kFilterThreads, vocab, aligned, x[u]);
+      if (g0 + u * kFilterThreads < groups) load_group(row, g0 + u * kFilterThreads, vocab, aligned, x[u], false, mask);
 #pragma unroll
     for (int u = 0; u < kResolveBatch; ++u) {
       const int64_t g = g0 + u * kFilterThreads;
@@ -1201,20 +1247,22 @@ __device__ __forceinline__ void for_each_in_bins(const T* row, int64_t vocab, bo
   }
 }
 
-// What the crowded-cut passes need of filter_kernel's row.
-template <typename T>
+// What the crowded-cut passes need of filter_kernel's row (kMask: filter_kernel's; the passes then read the row
+// through its mask).
+template <typename T, bool kMask>
 struct FilterRow {
   const T* row;
   int64_t vocab;
   bool aligned;
+  const uint32_t* mask;
   float row_max, temperature, bin_scale, z_min, min_p, floor_score;
   NoiseStream noise;
 
   template <typename Fn>
   __device__ __forceinline__ void for_each_in_bins(int c_lo, int c_hi, uint64_t key_lo, uint64_t key_hi,
                                                    Fn&& fn) const {
-    tokensampler::for_each_in_bins(row, vocab, aligned, row_max, temperature, bin_scale, min_p, c_lo, c_hi, key_lo,
-                                   key_hi, fn);
+    tokensampler::for_each_in_bins(row, vocab, aligned, kMask ? mask : nullptr, row_max, temperature, bin_scale, min_p,
+                                   c_lo, c_hi, key_lo, key_hi, fn);
   }
 };
 
@@ -1230,8 +1278,8 @@ struct Cut {
 // Radix passes narrow the bin's keys by kBins sub-bins a pass (the span shrinks 2^11-fold: at most six) until at
 // most kCrowdedCap tokens remain, which are collected, sorted and walked. `win`: the bin's kept tokens only.
 // Not inlined: in filter_kernel its registers spilled into the main pass. tail: the shared memory after the bins.
-template <typename T>
-__device__ __noinline__ Cut cut_in_bin(const FilterRow<T>& fr, int c, uint64_t key_lo, uint32_t n,
+template <typename T, bool kMask>
+__device__ __noinline__ Cut cut_in_bin(const FilterRow<T, kMask>& fr, int c, uint64_t key_lo, uint32_t n,
                                        uint32_t count_above, uint64_t mass_above, bool by_count, double target,
                                        uint64_t* tail, uint64_t* scratch, int* result, int* num_cand) {
   const LogitInterval range = logits_of_bins(c, c, fr.row_max, fr.temperature, fr.bin_scale);
@@ -1308,8 +1356,8 @@ __device__ __noinline__ Cut cut_in_bin(const FilterRow<T>& fr, int c, uint64_t k
 // The kept set of a crowded cut range from the bins' prefix sums h (k: 0 without a k cut; p: 1 without a p cut):
 // the k cut in its bin, then the p cut in its own (the k cut's bin too, above the k cut). Returns the last cut, its
 // `win` the row's winner: the bins above the cut's bin are kept whole.
-template <typename T>
-__device__ __noinline__ Cut crowded_cuts(const FilterRow<T>& fr, const HistView& h, int k, float p, int c_k,
+template <typename T, bool kMask>
+__device__ __noinline__ Cut crowded_cuts(const FilterRow<T, kMask>& fr, const HistView& h, int k, float p, int c_k,
                                          uint32_t total_count, uint64_t total_mass, uint64_t* tail,
                                          uint64_t* scratch, int* result, int* num_cand) {
   Cut last{0, total_mass, 0, total_count};
@@ -1333,17 +1381,15 @@ __device__ __noinline__ Cut crowded_cuts(const FilterRow<T>& fr, const HistView&
   return last;
 }
 
-template <typename T>
+template <typename T, bool kMask>
 __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: FILTER_BLOCKS_TARGET
     filter_kernel(TsLogits logits, TsRows rows, const float* row_max_in, const float* row_min_in,
                   const int64_t* row_argmax, const uint8_t* stats_flags, int need_exact_mass, TsOutputs out,
                   TsWorkspace ws) {
   extern __shared__ uint64_t smem[];
   const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
-  const RowView<T> rv = row_view<T>(logits, rows, w);
+  const RowView<T> rv = row_view<T, kMask>(logits, rows, w);
   const int64_t r = rv.r;
-  const T* row = rv.row;
-  const bool aligned = rv.aligned;
   const int64_t vocab = logits.vocab, groups = (vocab + 3) / 4;
   const int ns = out.num_samples;
   wait_for_previous_grid();  // launched to overlap stats_kernel's tail: its results are complete from here
@@ -1413,7 +1459,7 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: FILTER
   if (!(m > 0.f)) {
     for (int64_t g = g_begin + threadIdx.x; g < g_end; g += kFilterThreads) {
       float x[4];
-      load_group(row, g, vocab, aligned, x);
+      load_row_group(rv, g, vocab, x);
 #pragma unroll
       for (int e = 0; e < 4; ++e) sanitize(x[e]);
       score_group(static_cast<uint32_t>(g), x);
@@ -1433,7 +1479,13 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: FILTER
 #pragma unroll
       for (int u = 0; u < kScreenBatch; ++u) {
         const int64_t g = gw + u * kFilterThreads + lane;
-        if (g < g_end) load_group(row, g, vocab, aligned, x[u]);
+        if (g < g_end) load_group(rv.row, g, vocab, rv.aligned, x[u]);
+      }
+      if (rv.mask != nullptr) {
+        const uint32_t bits = warp_groups_mask_bits<kScreenBatch, kFilterThreads, false>(rv.mask, vocab, gw);
+#pragma unroll
+        for (int u = 0; u < kScreenBatch; ++u)
+          if (gw + u * kFilterThreads + lane < g_end) mask_group(bits >> (4 * u), x[u]);
       }
 #pragma unroll
       for (int u = 0; u < kScreenBatch; ++u) {
@@ -1509,6 +1561,9 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: FILTER
 
   int64_t token = -1;
   uint32_t flags = sflags & 1u;
+  // The row's mask for the re-reads below, read again from the rows' parameters rather than kept in registers
+  // through the bins (the masked instance spilled 4 more bytes).
+  const uint32_t* row_mask = kMask ? row_bitmask(rows.bitmask, r) : nullptr;
   double kept_mass = __builtin_nan("");
   uint64_t kept_min = 0;
   if (!use_bins) {
@@ -1554,7 +1609,8 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: FILTER
         token = key_index(max(best_above, cut_win));
       } else if (n > kResolveCap) {
         // ---- a crowded cut range: the k cut, then the p cut, each found in its own bin
-        const FilterRow<T> fr{row, vocab, aligned, row_max, temperature, bin_scale, z_min, m, floor_score, noise};
+        const FilterRow<T, kMask> fr{rv.row, vocab, rv.aligned, row_mask, row_max, temperature, bin_scale, z_min, m,
+                                     floor_score, noise};
         const Cut last = crowded_cuts(fr, h, k_cut ? k : 0, p_cut ? p : 1.f, c_k, total_count, total_mass, cand,
                                       scratch, &cut, &num_cand);
         token = key_index(last.win);
@@ -1567,7 +1623,7 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: FILTER
         for (unsigned int i = threadIdx.x; i < padded; i += kFilterThreads) cand[i] = 0;
         if (threadIdx.x == 0) num_cand = 0;
         __syncthreads();
-        for_each_in_bins(row, vocab, aligned, row_max, temperature, bin_scale, m, c_lo, c_hi, 0, ~0ull,
+        for_each_in_bins(rv.row, vocab, rv.aligned, row_mask, row_max, temperature, bin_scale, m, c_lo, c_hi, 0, ~0ull,
                          [&](uint64_t key, float, uint32_t) {
           const int pos = atomicAdd(&num_cand, 1);
           if (pos < kResolveCap) cand[pos] = key;

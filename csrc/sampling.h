@@ -21,6 +21,17 @@ typedef struct {
                                gathered from a region, no copy); NULL: r * vocab */
 } TsLogits;
 
+/* Structured output (docs/semantics.md, step 2 and choice 17): packed allowed-token words, token i of a row
+ * allowed when bit i % 32 of its word i / 32 is set. The kernels read a disallowed token as -inf, so all they
+ * write (row statistics and log-sum-exp included) is of the masked row. Row r's words
+ * begin at words + m * row_words, m = row[r] (-1: row r has no mask), or m = r when row is NULL. Bits of tokens
+ * >= vocab are ignored. */
+typedef struct {
+  const int32_t* words;  /* NULL: no row has a mask */
+  const int32_t* row;
+  int64_t row_words;     /* >= ceil(vocab / 32) */
+} TsBitmask;
+
 typedef struct {
   const int32_t* rows;
   int32_t num_work_rows;
@@ -31,6 +42,7 @@ typedef struct {
   const int64_t* seed;
   const int64_t* position;
   const int64_t* iteration;
+  TsBitmask bitmask;
 } TsRows;
 
 /* Outputs; a NULL pointer is not written. tokens is [num_rows, num_samples]. */
@@ -99,6 +111,11 @@ int ts_filter(const TsLogits* logits, const TsRows* rows, const float* row_max,
 size_t ts_nucleus_scratch_bytes(int32_t num_work_rows, int64_t vocab);
 int ts_nucleus(const TsLogits* logits, const TsRows* rows, const TsOutputs* pre, const TsOutputs* out,
                const TsWorkspace* ws, void* stream);
+
+/* The bitmask written into fp32 logits [num_rows, vocab] (contiguous) in place: every token it disallows
+ * becomes -inf, the others are left as they are (rows without a mask too). For logits that other processing
+ * changes afterwards; the sampling kernels apply TsRows.bitmask themselves. */
+int ts_apply_bitmask(float* logits, int64_t num_rows, int64_t vocab, const TsBitmask* bitmask, void* stream);
 
 /* Test hook: the Philox words and exact Gumbel noise of tokens [0, vocab) of one stream, each Philox product
  * formed as one 64-bit product (split_products = 0) or by __umulhi and a 32-bit product (1). */

@@ -191,11 +191,14 @@ def test_server_batching_gives_every_request_its_tokens() -> None:
     alone = [BACKEND.sample(batch).tokens for batch in batches]
     merged = merge_batches(batches)
     assert merged.processing.token_bitmask.shape == (6, 3)
+    assert merged.processing.token_bitmask_rows.tolist() == [0, 1, 3, 4, 5]  # row 2's request had no mask
     parts = split_result(BACKEND.sample(merged), [b.num_rows for b in batches])
     assert all(torch.equal(part.tokens, tokens) for part, tokens in zip(parts, alone))
     picked = torch.tensor([4, 0, 2])
     expected = torch.cat([alone[2][1], alone[0][0], alone[1][0]]).unsqueeze(1)
-    assert torch.equal(BACKEND.sample(select_rows(merged, picked)).tokens, expected)
+    selected = select_rows(merged, picked)
+    assert selected.processing.token_bitmask_rows.tolist() == [1, 0]
+    assert torch.equal(BACKEND.sample(selected).tokens, expected)
 
 
 def test_client_merging_gives_every_request_its_tokens() -> None:

@@ -9,7 +9,10 @@ Rows are routed by their parameters (known on the host, so routing costs no sync
   min-p alone                   -> stats_kernel, then gumbel_kernel over the tokens min-p keeps (a mask
                                    from the row max)
   k > 255, processed log-probs  -> stats_kernel then filter_kernel: exact binned cut, any k, p and min-p
-Processing (masks, bias, penalties) runs first, in torch on the GPU (processing.apply_processing).
+A token bitmask (structured output) is read by every kernel above as it loads the logits, a disallowed token
+read as -inf: a batch whose only processing is a bitmask reads its logits once, as without one. Other processing
+(masks, bias, penalties, the local samplers) runs first, in torch on the GPU (processing.apply_processing), on a
+float32 copy into which the bitmask is written first by a small in-place kernel.
 Rows a fast kernel cannot settle exactly (flag 4: z-order ties at the top-k cut, an overflowing candidate
 buffer; rare by construction) are sampled again through stats + filter, which settles every row, after
 the one synchronisation that returns the results: no request leaves the GPU (out of device memory is
@@ -17,8 +20,8 @@ RESOURCE_EXHAUSTED). `fallbacks()` counts both kinds of re-evaluation.
 
 Host path of one call (docs/design/host-path.md): the rows are grouped on the host from the
 CPU parameter tensors (a batch whose rows all share one mode needs no row lists); the per-row
-parameters, the row lists and (with log-probs) the row masks are packed into one reused pinned buffer
-and go up in ONE copy; the kernels are launched on device addresses laid out once per (B, samples) in
+parameters, the row lists, (with log-probs) the row masks and a token bitmask are packed into one reused pinned
+buffer and go up in ONE copy; the kernels are launched on device addresses laid out once per (B, samples) in
 one reused device buffer; without log-probs every kernel writes its rows' tokens and flags into the same
 two arrays, which come back in ONE copy that is also the call's one synchronisation. Reusing the pinned
 buffers across calls is safe because every call ends with that synchronisation and calls hold a lock.
@@ -30,15 +33,17 @@ from __future__ import annotations
 import array
 import ctypes
 import threading
+from dataclasses import replace
 
 import torch
 
 from tokensampler_server.core.fallbacks import record_fallback
-from tokensampler_server.model.sampling import LogprobsMode, SamplingBatch, SamplingResult, select_rows
+from tokensampler_server.model.sampling import LogitProcessing, LogprobsMode, SamplingBatch, SamplingResult, select_rows
 from tokensampler_server.backends import cuda_fused
 from tokensampler_server.backends.base import Backend, BackendInfo, Route
 from tokensampler_server.backends.cuda_build import CudaBackendUnavailable
-from tokensampler_server.backends.cuda_kernels import FILTER_BLOCKS_TARGET, NUCLEUS_FILTER_BLOCKS_TARGET, Kernels, Outputs
+from tokensampler_server.backends.cuda_kernels import (FILTER_BLOCKS_TARGET, NO_BITMASK, NUCLEUS_FILTER_BLOCKS_TARGET, Kernels,
+                                                       Outputs)
 from tokensampler_server.backends.processing import apply_processing
 
 _FLAG_NAN, _FLAG_INVALID, _FLAG_EXACT = 1, 2, 4  # 4: the row needs the exact filter
@@ -61,6 +66,10 @@ ROUTES = [
           ("stats_kernel", "filter_kernel"),
           "two reads, and each row's cut bins re-read by one block (radix passes when a bin holds more than 4096 "
           "tokens): 1.2-3.3x the top-k 50 call, 6.4x with a k per row at B = 256 (155-1672 us a call)"),
+    Route("rows with a token bitmask (structured output)",
+          ("the route of the rows' parameters", "apply_bitmask_kernel beside other processing"),
+          "without other processing, the same kernels, each reading the mask with the logits (1/32 more bytes at "
+          "fp32): benchmarks/bench_structured.py"),
     Route("rows a fast kernel cannot settle (z-ties past the top-k list, overflowing candidates)",
           ("stats_kernel", "filter_kernel"), "the exact filter again after the call's synchronisation"),
     Route("hidden states with a registered head, up to 128 rows (64 with filters)", ("fused_stream_kernel",),
@@ -241,15 +250,21 @@ def _plan_with_torch(batch: SamplingBatch, vocab: int, processed: bool, masks: b
     return plan
 
 
-def _stage_bytes(num_rows: int) -> int:
+def _stage_bytes(num_rows: int, bitmask_bytes: int = 0) -> int:
     """The upload of B rows: seed, position, iteration (int64), T_eff, top_p, min_p (float32), top_k
     (int32), three bool row masks, then at most 3B int32 row ids (greedy + unfiltered <= B, filtered <= B,
-    raw log-sum-exp rows <= B)."""
-    return _align(43 * num_rows) + 12 * num_rows
+    raw log-sum-exp rows <= B), the rows' token-bitmask rows (int32 [B]) and `bitmask_bytes` of bitmask words."""
+    return _Stage.offsets(num_rows)[1] + bitmask_bytes
 
 
 class _Stage:
     """Typed views of the upload buffers (pinned host, device) for B rows; see _stage_bytes."""
+
+    @staticmethod
+    def offsets(num_rows: int) -> tuple[int, int]:
+        """Where the bitmask rows and the bitmask words begin."""
+        bitmask_row = _align(_align(43 * num_rows) + 12 * num_rows)
+        return bitmask_row, _align(bitmask_row + 4 * num_rows)
 
     def __init__(self, host: torch.Tensor, dev: torch.Tensor, num_rows: int) -> None:
         b = num_rows
@@ -259,6 +274,8 @@ class _Stage:
         self.h_topk = host[36 * b: 40 * b].view(torch.int32)
         self.h_masks = host[40 * b: 43 * b].view(torch.bool).view(3, b)
         self.lists = _align(43 * b)
+        self.bitmask_row, self.bitmask_words = _Stage.offsets(b)
+        self.h_bitmask_row = host[self.bitmask_row: self.bitmask_row + 4 * b].view(torch.int32)
         self.host, self.dev = host, dev
         self.host_base, self.dev_base = host.data_ptr(), dev.data_ptr()
         d = self.dev_base
@@ -431,14 +448,14 @@ class CudaBackend(Backend):
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._device.type == "cuda")
         return torch.empty(nbytes, dtype=torch.uint8, device=self._device)
 
-    def _stage(self, num_rows: int) -> _Stage:
+    def _stage(self, num_rows: int, bitmask_bytes: int) -> _Stage:
+        need = _stage_bytes(num_rows, bitmask_bytes)
+        if self._host_stage is None or self._host_stage.numel() < need:
+            size = max(need, 2 * (0 if self._host_stage is None else self._host_stage.numel()), 4096)
+            self._host_stage, self._dev_stage = self._alloc(size, True), self._alloc(size, False)
+            self._stages.clear()
         stage = self._stages.get(num_rows)
         if stage is None:
-            need = _stage_bytes(num_rows)
-            if self._host_stage is None or self._host_stage.numel() < need:
-                size = max(need, 2 * (0 if self._host_stage is None else self._host_stage.numel()), 4096)
-                self._host_stage, self._dev_stage = self._alloc(size, True), self._alloc(size, False)
-                self._stages.clear()
             if len(self._stages) >= 64:
                 self._stages.clear()
             stage = self._stages[num_rows] = _Stage(self._host_stage, self._dev_stage, num_rows)
@@ -466,11 +483,17 @@ class CudaBackend(Backend):
             self._ones = torch.ones(max(num_rows, 2 * self._ones.numel()), dtype=torch.float32, device=self._device)
         return self._ones[:num_rows]
 
-    def _upload(self, batch: SamplingBatch, plan: _Plan, stream: int) -> _Stage:
-        """Packs the per-row parameters, the row lists and the masks into the pinned buffer, copies them to
-        the device in one copy, and replaces each group of `plan` by (row-list address or 0, rows)."""
+    def _upload(self, batch: SamplingBatch, plan: _Plan, stream: int) -> tuple[_Stage, list[int]]:
+        """Packs the per-row parameters, the row lists, the masks and the token bitmask into the pinned buffer,
+        copies them to the device in one copy, and replaces each group of `plan` by (row-list address or 0, rows).
+        Returns the stage and the bitmask's entries of the launches' params (NO_BITMASK without one)."""
         num_rows = batch.num_rows
-        stage = self._stage(num_rows)
+        processing = batch.processing
+        bitmask = processing.token_bitmask if processing is not None else None
+        masked = processing.token_bitmask_rows if bitmask is not None else None
+        # Only the rows whose mask came with their request go up (filled rows of all ones would cost a read).
+        words_up = 0 if bitmask is None or bitmask.is_cuda else (num_rows if masked is None else masked.numel())
+        stage = self._stage(num_rows, 4 * words_up * (bitmask.shape[1] if bitmask is not None else 0))
         i64, f32 = torch.int64, torch.float32
         torch.cat([_as(batch.seed, i64), _as(batch.position, i64), _as(batch.iteration, i64)], out=stage.h_i64)
         torch.cat([_as(plan.t_eff, f32), _as(batch.top_p, f32), _as(batch.min_p, f32)], out=stage.h_f32)
@@ -505,16 +528,43 @@ class CudaBackend(Backend):
             else:
                 parts = [c if isinstance(c, torch.Tensor) else torch.tensor(c, dtype=torch.int32) for c in chunks]
                 torch.cat(parts, out=stage.host[stage.lists: stage.lists + 4 * used].view(torch.int32))
-        self._kernels.copy_to_device(stage.dev_base, stage.host_base, stage.lists + 4 * used, stream)
-        return stage
+        end, entries = stage.lists + 4 * used, NO_BITMASK
+        if bitmask is not None:
+            end, entries = self._place_bitmask(stage, bitmask, masked, words_up)
+        self._kernels.copy_to_device(stage.dev_base, stage.host_base, end, stream)
+        return stage, entries
+
+    def _place_bitmask(self, stage: _Stage, bitmask: torch.Tensor, masked: torch.Tensor | None,
+                       words_up: int) -> tuple[int, list[int]]:
+        """Lays a token bitmask out in the stage: its words (a CPU mask's rows `masked`, or all; a mask on the
+        device, contiguous, stays there) and, with `masked`, each row's mask row (-1: none). Returns where the upload
+        ends and the launches' bitmask entries."""
+        width = bitmask.shape[1]
+        row_map = 0
+        end = stage.bitmask_row
+        if masked is not None:
+            stage.h_bitmask_row.fill_(-1)
+            stage.h_bitmask_row[masked] = (torch.arange(masked.numel(), dtype=torch.int32) if words_up
+                                           else masked.to(torch.int32))
+            row_map, end = stage.dev_base + stage.bitmask_row, stage.bitmask_row + 4 * stage.num_rows
+        if not words_up:
+            return end, [bitmask.data_ptr(), row_map, width]
+        host_words = stage.host[stage.bitmask_words: stage.bitmask_words + 4 * words_up * width]
+        host_words = host_words.view(torch.int32).view(words_up, width)
+        if masked is None:
+            host_words.copy_(bitmask)
+        else:
+            torch.index_select(bitmask, 0, masked, out=host_words)
+        return stage.bitmask_words + 4 * words_up * width, [stage.dev_base + stage.bitmask_words, row_map, width]
 
     # ---------------------------------------------------------------------------------------------
-    def _launch(self, x: torch.Tensor, plan: _Plan, stage: _Stage, out: _Out, num_samples: int, *, shared: bool,
+    def _launch(self, x: torch.Tensor, plan: _Plan, params: list[int], out: _Out, num_samples: int, *, shared: bool,
                 lse_scale: int, processed: bool, stream: int) -> None:
-        """Every kernel of the call, in the original order: greedy, unfiltered, top-k buckets, exact filter."""
+        """Every kernel of the call, in the original order: greedy, unfiltered, top-k buckets, exact filter.
+        params: the stage's and the token bitmask's entries."""
         k = self._kernels
         data, b, v, dt = k._logits(x)
-        params, main = stage.params, out.main
+        main = out.main
         filt = out.filt_shared if shared else out.filt
         if plan.greedy is not None:
             rows, n = plan.greedy
@@ -553,6 +603,22 @@ class CudaBackend(Backend):
             if needs_exact is not None:
                 flags |= needs_exact
 
+    def _processed(self, raw_x: torch.Tensor, processing: LogitProcessing | None, bitmask: list[int],
+                   stream: int) -> tuple[torch.Tensor, list[int]]:
+        """The logits the kernels read and the token-bitmask entries they take. A bitmask that is the only processing
+        stays with the kernels, which read the raw logits once; other processing runs in torch on a float32 copy,
+        with the bitmask written into the copy first (step 2 precedes bias, penalties and the local samplers) by
+        the in-place kernel, which reads 1/32 of the logits' bytes and allocates nothing."""
+        if processing is None:
+            return raw_x, NO_BITMASK
+        rest = processing.without_bitmask() if processing.token_bitmask is not None else processing
+        if rest is None:
+            return raw_x, bitmask
+        x = raw_x.to(torch.float32, copy=True)
+        if processing.token_bitmask is not None:
+            self._kernels.launch_apply_bitmask(x.data_ptr(), x.shape[0], x.shape[1], bitmask, stream)
+        return apply_processing(x, rest).contiguous(), NO_BITMASK
+
     def _sample_on_gpu(self, batch: SamplingBatch, use_buckets: bool) -> tuple[SamplingResult, torch.Tensor | None]:
         dev = self._device
         num_rows, vocab, num_samples = batch.num_rows, batch.vocab_size, batch.num_samples
@@ -564,19 +630,29 @@ class CudaBackend(Backend):
                 raw_x = logits.to(dev).contiguous()
         else:
             raw_x = logits.contiguous().pin_memory().to(dev, non_blocking=True)
-        x = raw_x if batch.processing is None else apply_processing(raw_x.to(torch.float32, copy=True), batch.processing).contiguous()
+        processing = batch.processing
+        if processing is not None and processing.token_bitmask is not None and processing.token_bitmask.is_cuda:
+            # A mask already on a GPU (an in-process caller's) is read where it is, from this device.
+            batch = replace(batch, processing=replace(
+                processing, token_bitmask=processing.token_bitmask.to(dev).contiguous()))
         wants_logprobs = batch.return_logprobs or batch.top_logprobs > 0
         if num_rows == 0:
             return self._empty_result(batch, vocab, wants_logprobs), None
-        if wants_logprobs:
-            return self._sample_with_logprobs(batch, raw_x, x, use_buckets)
-
         stream = self._kernels.current_stream()
-        plan = (_plan_without_logprobs(batch, vocab, use_buckets)
-                or _plan_with_torch(batch, vocab, False, False, False, use_buckets))
-        stage = self._upload(batch, plan, stream)
+        if wants_logprobs:
+            raw_mode = batch.logprobs_mode is LogprobsMode.RAW
+            plan = _plan_with_torch(batch, vocab, not raw_mode, True, raw_mode, use_buckets)
+        else:
+            plan = (_plan_without_logprobs(batch, vocab, use_buckets)
+                    or _plan_with_torch(batch, vocab, False, False, False, use_buckets))
+        stage, bitmask = self._upload(batch, plan, stream)
+        x, bitmask = self._processed(raw_x, batch.processing, bitmask, stream)
+        if wants_logprobs:
+            return self._sample_with_logprobs(batch, plan, stage, raw_x, x, bitmask, stream)
+
         out = self._out(num_rows, num_samples)
-        self._launch(x, plan, stage, out, num_samples, shared=True, lse_scale=0, processed=False, stream=stream)
+        self._launch(x, plan, stage.params + bitmask, out, num_samples, shared=True, lse_scale=0, processed=False,
+                     stream=stream)
         # The one synchronisation: tokens and flags back to the host in one copy.
         self._kernels.copy_to_host_and_wait(out.host_base, out.dev_base, out.d2h_bytes, stream)
         flags = out.h_flags
@@ -602,17 +678,14 @@ class CudaBackend(Backend):
             top_logprob_ids=torch.zeros((0, n), dtype=torch.int64) if batch.top_logprobs > 0 else None,
             top_logprobs=torch.zeros((0, n), dtype=torch.float32) if batch.top_logprobs > 0 else None)
 
-    def _sample_with_logprobs(self, batch: SamplingBatch, raw_x: torch.Tensor, x: torch.Tensor,
-                              use_buckets: bool) -> tuple[SamplingResult, torch.Tensor]:
-        """Log-probs calls: the same upload and launches, main and filter outputs kept apart, and the torch
-        post-processing of the kept set and the tables."""
+    def _sample_with_logprobs(self, batch: SamplingBatch, plan: _Plan, stage: _Stage, raw_x: torch.Tensor,
+                              x: torch.Tensor, bitmask: list[int], stream: int) -> tuple[SamplingResult, torch.Tensor]:
+        """Log-probs calls: the same upload and launches (x and bitmask: what the kernels read, _processed), main
+        and filter outputs kept apart, and the torch post-processing of the kept set and the tables."""
         dev, k = self._device, self._kernels
         num_rows, vocab, num_samples = batch.num_rows, batch.vocab_size, batch.num_samples
         raw_mode = batch.logprobs_mode is LogprobsMode.RAW
         processed = not raw_mode
-        stream = k.current_stream()
-        plan = _plan_with_torch(batch, vocab, processed, True, raw_mode, use_buckets)
-        stage = self._upload(batch, plan, stream)
         out = self._out(num_rows, num_samples)
         t_eff = stage.dev_t_eff()
         ones = self._ones_on_device(num_rows)
@@ -621,7 +694,7 @@ class CudaBackend(Backend):
             lse_unfiltered = 1.0 / t_eff  # greedy rows have T_eff = 1
         elif batch.processing is None:
             lse_unfiltered = ones  # raw log-sum-exp for free in the same pass
-        self._launch(x, plan, stage, out, num_samples, shared=False,
+        self._launch(x, plan, stage.params + bitmask, out, num_samples, shared=False,
                      lse_scale=lse_unfiltered.data_ptr() if lse_unfiltered is not None else 0, processed=processed,
                      stream=stream)
         main = Outputs(tokens=out.view("main_tokens"), flags=out.view("main_flags"), row_max=out.view("main_row_max"),
@@ -642,8 +715,9 @@ class CudaBackend(Backend):
             raw_max, raw_logz = main.row_max, main.row_logz
             if plan.need_raw is not None:
                 rows, n = plan.need_raw
-                data, b, v, dt = k._logits(raw_x)
-                k.launch_stats(data, b, v, dt, rows, n, stage.params, ones.data_ptr(), out.raw, 1, stream)
+                data, b, v, dt = k._logits(raw_x)  # the input's log-sum-exp: no mask (step 1 precedes step 2)
+                k.launch_stats(data, b, v, dt, rows, n, stage.params + NO_BITMASK, ones.data_ptr(), out.raw, 1,
+                               stream)
                 raw_max = torch.where(need_dev, out.view("raw_row_max"), raw_max)
                 raw_logz = torch.where(need_dev, out.view("raw_row_logz"), raw_logz)
             raw_f = raw_x.to(torch.float32)
@@ -651,7 +725,10 @@ class CudaBackend(Backend):
             table_norm = (raw_max + raw_logz).unsqueeze(1)
             source = raw_f
         else:
-            xs = x.to(torch.float32)
+            in_kernels = bitmask[0] != 0  # the kernels masked x as they read it: so does the table
+            xs = x.to(torch.float32, copy=in_kernels)
+            if in_kernels:
+                k.launch_apply_bitmask(xs.data_ptr(), num_rows, vocab, bitmask, stream)
             xs = torch.where(torch.isnan(xs) | torch.isposinf(xs), float("-inf"), xs)
             z = (xs - row_max.unsqueeze(1)) / t_eff.unsqueeze(1)
             kept_z, kept_id = _decode_key(filt.kept_min_key)

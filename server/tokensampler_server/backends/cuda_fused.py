@@ -71,7 +71,8 @@ def fused_sample(weight: torch.Tensor, states: torch.Tensor, params: RowParams, 
 
     weight and states: same dtype (bf16 or fp16), contiguous, on one GPU. `filtered=False` says that no
     row has top-k/top-p/min-p, so no candidates are collected (rows with filters would come back flagged
-    for the logits path); the default collects them.
+    for the logits path); the default collects them. params.token_bitmask (when set) masks each logit as it is made;
+    the raw log-probs are then of the masked logits, which is why the backend sends no such batch with log-probs.
     Returns tokens int64 [B, num_samples], raw log-probs float32 [B, num_samples] (or None) and flags
     uint8 [B] (1 nan_detected, 2 not valid, 4 take the logits path).
     """
@@ -112,9 +113,12 @@ def unsupported_reason(batch: SamplingBatch) -> str | None:
     filtered = _has_filters(batch)
     if not fused_is_faster(batch.num_rows, filtered):
         return "fused_slower"
-    if batch.processing is not None:
-        return "fused_processing"
-    if batch.top_logprobs > 0 or (batch.return_logprobs and batch.logprobs_mode is not LogprobsMode.RAW):
+    processing = batch.processing
+    if processing is not None and processing.without_bitmask() is not None:
+        return "fused_processing"  # the kernel applies a token bitmask, no other processing
+    masked = processing is not None and processing.token_bitmask is not None
+    # Raw log-probs are of the input (step 1), which the kernel, masking each logit as it makes it, never sees whole.
+    if batch.top_logprobs > 0 or (batch.return_logprobs and (batch.logprobs_mode is not LogprobsMode.RAW or masked)):
         return "fused_logprobs"
     sampled = batch.temperature > 0
     if bool((sampled & (batch.top_k > MAX_TOP_K)).any()):
@@ -135,8 +139,19 @@ def _has_filters(batch: SamplingBatch) -> bool:
 
 
 def _row_params(batch: SamplingBatch, device: torch.device) -> RowParams:
+    """The batch's columns and token bitmask (the rows without one, from token_bitmask_rows, read none) on device."""
     columns = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seed, batch.position, batch.iteration)
-    return RowParams(*(column.to(device) for column in columns))
+    processing = batch.processing
+    bitmask = processing.token_bitmask if processing is not None else None
+    if bitmask is None:
+        return RowParams(*(column.to(device) for column in columns))
+    bitmask_row = None
+    if processing.token_bitmask_rows is not None:
+        bitmask_row = torch.full((batch.num_rows,), -1, dtype=torch.int32)
+        bitmask_row[processing.token_bitmask_rows] = processing.token_bitmask_rows.to(torch.int32)
+        bitmask_row = bitmask_row.to(device)
+    return RowParams(*(column.to(device) for column in columns), token_bitmask=bitmask.to(device).contiguous(),
+                     bitmask_row=bitmask_row)
 
 
 def sample_hidden(batch: SamplingBatch) -> tuple[SamplingResult, torch.Tensor]:

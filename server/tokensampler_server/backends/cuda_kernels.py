@@ -26,6 +26,24 @@ FILTER_BLOCKS_TARGET = 264  # filter-kernel blocks to aim for: two per multiproc
 NUCLEUS_FILTER_BLOCKS_TARGET = FILTER_BLOCKS_TARGET // 2
 
 
+NO_BITMASK = [0, 0, 0]
+"""The token-bitmask entries of a launch's params when no row has a mask."""
+
+
+def bitmask_entries(token_bitmask: torch.Tensor | None, bitmask_row: torch.Tensor | None = None) -> list[int]:
+    """The last three entries of a launch's params (csrc/sampling.h, TsBitmask): the words of int32 [M, W] masks on
+    the device (docs/semantics.md, choice 17), the address of int32 [B] mask rows (row r's mask is row
+    bitmask_row[r], -1: none; None: row r) and W."""
+    if token_bitmask is None:
+        return NO_BITMASK
+    if token_bitmask.dtype != torch.int32 or token_bitmask.dim() != 2 or not token_bitmask.is_contiguous():
+        raise ValueError("token_bitmask: a contiguous int32 [M, W] tensor expected")
+    if bitmask_row is not None and (bitmask_row.dtype != torch.int32 or not bitmask_row.is_contiguous()):
+        raise ValueError("bitmask_row: contiguous int32 expected")
+    return [token_bitmask.data_ptr(), bitmask_row.data_ptr() if bitmask_row is not None else 0,
+            token_bitmask.shape[1]]
+
+
 def stream_address(device: torch.device) -> int:
     """The current torch stream of `device` (a tensor's device: indexed) as a cudaStream_t address. torch's raw
     getter takes 0.15-0.2 µs a call where torch.cuda.current_stream() takes 4-7 (H200 hosts)."""
@@ -36,7 +54,7 @@ def stream_address(device: torch.device) -> int:
 
 @dataclass(frozen=True)
 class RowParams:
-    """Per-row sampling parameters on the device, each [B] (docs/semantics.md)."""
+    """Per-row sampling parameters on the device, each [B] (docs/semantics.md), and the rows' token bitmasks."""
 
     temperature: torch.Tensor  # float32
     top_k: torch.Tensor  # int32, 0 = off
@@ -45,6 +63,8 @@ class RowParams:
     seed: torch.Tensor  # int64 (uint64 bits)
     position: torch.Tensor  # int64
     iteration: torch.Tensor  # int64
+    token_bitmask: torch.Tensor | None = None  # int32 [M, W]: the kernels read disallowed tokens as -inf
+    bitmask_row: torch.Tensor | None = None  # int32 [B]: row r's mask row, -1 = none; None: row r
 
     @staticmethod
     def make(num_rows: int, device: torch.device, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -60,10 +80,12 @@ class RowParams:
     @cached_property
     def _addresses(self) -> list[int]:
         return [t.data_ptr() for t in (self.temperature, self.top_k, self.top_p, self.min_p, self.seed,
-                                       self.position, self.iteration)]
+                                       self.position, self.iteration)] + bitmask_entries(self.token_bitmask,
+                                                                                         self.bitmask_row)
 
     def pointers(self) -> list[int]:
-        """The 7 device addresses, in the launchers' order (the fields never change: computed once)."""
+        """The 7 device addresses and the 3 bitmask entries (bitmask_entries), in the launchers' order (the fields
+        never change: computed once)."""
         return self._addresses
 
 
@@ -113,7 +135,8 @@ class Kernels:
         self._scratch_need: dict[tuple[str, int, int, int], int] = {}
 
     kernel_names = ("stats_kernel", "gumbel_kernel", "gumbel_kernel<min-p>", "topk_kernel<16..256>",
-                    "frontier_kernel", "nucleus_mass_kernel", "nucleus_exact_mass_kernel", "filter_kernel")
+                    "frontier_kernel", "nucleus_mass_kernel", "nucleus_exact_mass_kernel", "filter_kernel",
+                    "apply_bitmask_kernel")
 
     # -- workspace ---------------------------------------------------------------------------------
     def _workspace(self, num_work: int, scratch_bytes: int, hist: bool = False) -> list[int]:
@@ -173,7 +196,7 @@ class Kernels:
         return stream_address(self.device)
 
     # -- launches on device addresses (the backend's path: no tensor checks) --------------------------
-    # params: the 7 addresses of RowParams.pointers(); out: the 7 of Outputs.pointers(); rows: the
+    # params: the 10 entries of RowParams.pointers(); out: the 7 of Outputs.pointers(); rows: the
     # address of int32 row ids (0: rows 0 .. num_work - 1). Logits: (address, rows, vocab, dtype code).
     def launch_stats(self, data: int, b: int, v: int, dt: int, rows: int, num_work: int, params: list[int],
                      lse_scale: int, out: list[int], num_samples: int, stream: int) -> None:
@@ -215,6 +238,11 @@ class Kernels:
         self.module.filter(data, b, v, dt, rows, num_work, params, stats, int(need_exact_mass), splits, out,
                            num_samples, sample, ws, stream)
 
+    def launch_apply_bitmask(self, data: int, b: int, v: int, bitmask: list[int], stream: int) -> None:
+        """Writes -inf into fp32 logits (address, rows, vocab) wherever bitmask (bitmask_entries) disallows a token:
+        for logits that other processing changes afterwards."""
+        self.module.apply_bitmask(data, b, v, *bitmask, stream)
+
     def copy_to_device(self, device_address: int, host_address: int, nbytes: int, stream: int) -> None:
         """Asynchronous copy from pinned host memory, ordered on `stream`."""
         self.module.copy_h2d(device_address, host_address, nbytes, stream)
@@ -225,6 +253,14 @@ class Kernels:
         self.module.copy_d2h_sync(host_address, device_address, nbytes, stream)
 
     # -- launches on tensors -------------------------------------------------------------------------
+    def apply_bitmask(self, logits: torch.Tensor, token_bitmask: torch.Tensor,
+                      bitmask_row: torch.Tensor | None = None) -> None:
+        """Disallowed tokens of float32 logits [B, V] become -inf, in place (bitmask_entries' arguments)."""
+        if logits.dtype != torch.float32:
+            raise ValueError(f"logits: float32 expected, got {logits.dtype}")
+        data, b, v, _ = self._logits(logits)
+        self.launch_apply_bitmask(data, b, v, bitmask_entries(token_bitmask, bitmask_row), self.current_stream())
+
     def stats(self, logits: torch.Tensor, params: RowParams, out: Outputs, *, rows: torch.Tensor | None = None,
               lse_scale: torch.Tensor | None = None) -> None:
         """Row max/min/argmax/nan (+ log-sum-exp with lse_scale); out.tokens gets the argmax: greedy."""

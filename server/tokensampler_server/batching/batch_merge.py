@@ -57,6 +57,11 @@ def _merge_processing(batches: Sequence[SamplingBatch], offsets: list[int]) -> L
         merged["token_bitmask"] = torch.cat([
             mask if mask is not None else torch.full((b.num_rows, words), -1, dtype=torch.int32)
             for b, mask in zip(batches, bitmasks)])
+        masked = [_bitmask_rows(b) + offset for b, offset in zip(batches, offsets) if b.processing is not None
+                  and b.processing.token_bitmask is not None]
+        rows = torch.cat(masked)
+        if rows.numel() < merged["token_bitmask"].shape[0]:  # which rows the filled ones are
+            merged["token_bitmask_rows"] = rows
     for name, default in _PENALTY_DEFAULTS.items():
         columns = [getattr(b.processing, name) if b.processing else None for b in batches]
         if any(column is not None for column in columns):
@@ -65,6 +70,12 @@ def _merge_processing(batches: Sequence[SamplingBatch], offsets: list[int]) -> L
                 for b, column in zip(batches, columns)
             ])
     return LogitProcessing(**merged)
+
+
+def _bitmask_rows(batch: SamplingBatch) -> torch.Tensor:
+    """The rows of a batch with a token bitmask whose mask came with their request."""
+    rows = batch.processing.token_bitmask_rows
+    return rows if rows is not None else torch.arange(batch.num_rows)
 
 
 def merge_batches(batches: Sequence[SamplingBatch]) -> SamplingBatch:

@@ -117,6 +117,19 @@ class LogitProcessing:
     token_bitmask: torch.Tensor | None = None
     """int32 [B, ceil(V / 32)]: the packed allowed-token mask of structured output (docs/semantics.md, choice 17);
     a row of all ones is unrestricted."""
+    token_bitmask_rows: torch.Tensor | None = None
+    """int64 [M]: the rows whose token_bitmask row came with their request; the others are all ones, filled in
+    for requests without a mask merged beside ones with. None: every row's came with it. Says which rows a backend
+    need not mask at all; the masks are the same either way."""
+
+    def without_bitmask(self) -> LogitProcessing | None:
+        """This processing less its token bitmask; None when nothing else is left that changes a logit (no entry
+        of the masks, bias or penalties, no local sampler)."""
+        rest = replace(self, token_bitmask=None, token_bitmask_rows=None)
+        entries = (rest.allowed, rest.banned, rest.bias, rest.output_tokens, rest.prompt_tokens, rest.dry)
+        if rest.truncation is None and all(e is None or not len(e) for e in entries):
+            return None
+        return rest
 
     def at_positions(self, position: torch.Tensor) -> LogitProcessing:
         """The same processing with the rows' XTC coins drawn at `position` (int64 [B]): for a row that samples
@@ -224,6 +237,14 @@ def _select(entries: TokenEntries | None, mapping: torch.Tensor) -> tuple[TokenE
     return TokenEntries(new_rows[keep], entries.tokens[keep]), keep
 
 
+def _select_row_ids(row_ids: torch.Tensor | None, mapping: torch.Tensor) -> torch.Tensor | None:
+    """The new numbers of those of `row_ids` that `mapping` keeps (None stays None: every row)."""
+    if row_ids is None:
+        return None
+    new_rows = mapping[row_ids]
+    return new_rows[new_rows >= 0]
+
+
 def select_rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
     """The sub-batch of `rows` (int64, CPU) of a logits or hidden-state batch, processing entries remapped
     to the new row numbers."""
@@ -247,7 +268,8 @@ def select_rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
             prompt_tokens=_select(processing.prompt_tokens, mapping)[0],
             sequence_samplers=sequences.rows(rows) if sequences is not None else None,
             truncation=processing.truncation.rows(rows) if processing.truncation is not None else None,
-            token_bitmask=processing.token_bitmask[rows] if processing.token_bitmask is not None else None, **per_row)
+            token_bitmask=processing.token_bitmask[rows] if processing.token_bitmask is not None else None,
+            token_bitmask_rows=_select_row_ids(processing.token_bitmask_rows, mapping), **per_row)
     return replace(batch, **selected_input, **batch.row_sampling(rows), processing=processing)
 
 
