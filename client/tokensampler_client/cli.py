@@ -15,7 +15,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -46,24 +46,27 @@ def _shape3(text: str) -> tuple[int, int, int]:
     return sizes
 
 
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
-    return value
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= minimum."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its message for text that is no integer
+    return parse
+
+
+_non_negative = _int_at_least(0)
+_positive = _int_at_least(1)
 
 
 def _seed(text: str) -> int:
     value = int(text, 0)
     if not 0 <= value < 2**64:
         raise argparse.ArgumentTypeError(f"expected a uint64 seed, 0 <= seed < 2**64, got {text}")
-    return value
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
     return value
 
 
