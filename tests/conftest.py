@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -42,12 +43,19 @@ class RunningServer:
         return code
 
 
-def start_server(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0,
-                 gate: ServerGate | None = None) -> RunningServer:
-    """Starts `tokensampler-server --port 0 ARGS` and waits for the line that names its port; with `gate`,
-    the gated server of gated_server.py."""
-    launcher = gate.command() if gate is not None else [sys.executable, "-m", "tokensampler_server"]
-    command = [*launcher, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *args]
+def _serving_port(line: str) -> int | None:
+    """The gRPC port named by the startup line, in the text or the JSON log format; None for other lines."""
+    if line.startswith("{"):
+        entry = json.loads(line)
+        return entry["port"] if _SERVING.match(entry["message"]) else None
+    match = _SERVING.search(line)
+    return int(match.group(1)) if match else None
+
+
+def start_command(command: list[str], env: dict[str, str] | None = None, timeout: float = 60.0,
+                  gate: ServerGate | None = None) -> RunningServer:
+    """Starts a server by any command line (`gate`: one that gate.command() starts) and waits for its startup line,
+    text or JSON."""
     process = subprocess.Popen(
         command,
         stderr=subprocess.PIPE,
@@ -65,9 +73,8 @@ def start_server(*args: str, env: dict[str, str] | None = None, timeout: float =
     def pump() -> None:  # keeps the pipe drained for the server's whole life
         for line in process.stderr:
             log.append(line.rstrip())
-            match = _SERVING.search(line.rstrip())
-            if match and not port:
-                port.append(int(match.group(1)))
+            if not port and (found := _serving_port(line.rstrip())) is not None:
+                port.append(found)
                 ready.set()
         ready.set()
 
@@ -76,11 +83,20 @@ def start_server(*args: str, env: dict[str, str] | None = None, timeout: float =
     while not ready.wait(0.1):
         if time.monotonic() > deadline:
             process.kill()
-            raise TimeoutError("tokensampler-server did not start:\n" + "\n".join(log))
+            raise TimeoutError(f"{command} did not start:\n" + "\n".join(log))
     if not port:
         process.wait(timeout=10)
-        raise RuntimeError(f"tokensampler-server exited with {process.returncode}:\n" + "\n".join(log))
+        raise RuntimeError(f"{command} exited with {process.returncode}:\n" + "\n".join(log))
     return RunningServer(process=process, port=port[0], log=log, gate=gate)
+
+
+def start_server(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0,
+                 gate: ServerGate | None = None) -> RunningServer:
+    """Starts `tokensampler-server --port 0 ARGS` and waits for the line that names its port; with `gate`,
+    the gated server of gated_server.py."""
+    launcher = gate.command() if gate is not None else [sys.executable, "-m", "tokensampler_server"]
+    return start_command([*launcher, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *args], env, timeout,
+                         gate)
 
 
 @pytest.fixture(scope="session")

@@ -23,8 +23,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from tokensampler_client import SamplerClient
 
-from .conftest import RunningServer, start_server
-from .test_logging import start_command
+from .conftest import RunningServer, start_command, start_server
 from .test_metrics import metrics_port, parse_samples, scrape_text, value
 
 DOCKER = Path(__file__).resolve().parents[1] / "docker"
