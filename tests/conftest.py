@@ -12,8 +12,10 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
+from tokensampler_client import SamplerClient
 
 from .gated_server import ServerGate
 
@@ -99,17 +101,33 @@ def start_server(*args: str, env: dict[str, str] | None = None, timeout: float =
                          gate)
 
 
+def serving(*args: str, **kwargs: Any) -> Iterator[RunningServer]:
+    """A server fixture's body: the server start_server(*args, **kwargs) starts, stopped after the fixture's tests."""
+    running = start_server(*args, **kwargs)
+    yield running
+    running.stop()
+
+
+def connected(server: RunningServer, timeout: float | None = 60.0) -> Iterator[SamplerClient]:
+    """A client fixture's body: a SamplerClient of `server`, closed after the fixture's tests."""
+    with SamplerClient(server.target, timeout=timeout) as client:
+        yield client
+
+
 @pytest.fixture(scope="session")
 def server() -> Iterator[RunningServer]:
     """One CPU server for the whole session (the tests that stop a server start their own)."""
-    running = start_server("--device", "cpu")
-    yield running
-    running.stop()
+    yield from serving("--device", "cpu")
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> Iterator[SamplerClient]:
+    """A client of `server` (the one every module shares, or a module's own) for a module's tests."""
+    yield from connected(server)
 
 
 @pytest.fixture(scope="module")
 def shm_server() -> Iterator[RunningServer]:
     """A gated CPU server that takes shared-memory regions, one for each test module that asks."""
-    running = start_server("--device", "cpu", "--allow-shm", gate=ServerGate())
-    yield running
-    running.stop()
+    yield from serving("--device", "cpu", "--allow-shm", gate=ServerGate())
+

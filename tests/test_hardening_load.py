@@ -28,7 +28,7 @@ from tokensampler_server.backends.cpu import CpuBackend
 from tokensampler_server.core.config import Limits
 from tokensampler_server.validation.sample import validate_sample_request
 
-from .conftest import RunningServer, start_server
+from .conftest import RunningServer, serving, start_server
 from .gated_server import GATE_SEED, ServerGate
 from .polling import wait_until_async
 from .test_metrics import metrics_port, parse_samples, scrape_text, value
@@ -78,9 +78,7 @@ def check(request: pb.SampleRequest, result: SampleResult) -> None:
 
 @pytest.fixture(scope="module")
 def load_server() -> Iterator[RunningServer]:
-    running = start_server("--device", "cpu")
-    yield running
-    running.stop()
+    yield from serving("--device", "cpu")
 
 
 @pytest.mark.timeout(LOAD_DEADLINE_S + 300)  # the load, then the check of every row

@@ -17,7 +17,7 @@ from scipy import stats
 from tokensampler_client import SamplerClient, TokenSamplerError
 from tokensampler_client._proto import sampler_pb2 as pb
 
-from .conftest import RunningServer, start_server
+from .conftest import RunningServer, connected, serving
 from .gated_server import GATE_SEED, ServerGate
 from .polling import wait_until
 
@@ -35,16 +35,13 @@ def weights_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def weights_server(weights_dir: Path):
-    running = start_server("--device", "cpu", "--weights-dir", str(weights_dir), "--uds", str(weights_dir / "ts.sock"),
-                           gate=ServerGate())
-    yield running
-    running.stop()
+    yield from serving("--device", "cpu", "--weights-dir", str(weights_dir), "--uds", str(weights_dir / "ts.sock"),
+                       gate=ServerGate())
 
 
 @pytest.fixture(scope="module")
 def client(weights_server: RunningServer):
-    with SamplerClient(weights_server.target, timeout=60) as c:
-        yield c
+    yield from connected(weights_server)
 
 
 def test_upload_register_sample_and_unregister(client: SamplerClient) -> None:

@@ -14,7 +14,7 @@ from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 from tokensampler_client.params import build_sample_request
 from tokensampler_client.regions import RegionView
 
-from .conftest import RunningServer
+from .conftest import RunningServer, connected
 from .gated_server import GATE_SEED
 from .polling import wait_until
 
@@ -23,8 +23,7 @@ ROWS, VOCAB = 16, 4096
 
 @pytest.fixture(scope="module")
 def client(shm_server: RunningServer):
-    with SamplerClient(shm_server.target, timeout=60) as c:
-        yield c
+    yield from connected(shm_server)
 
 
 def test_logits_in_a_region_sample_like_logits_on_the_wire(client: SamplerClient) -> None:
