@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -10,14 +11,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from tokensampler_client import SamplerClient
+from tokensampler_client import SampleResult, SamplerClient
 
 from .gated_server import ServerGate
+from .polling import wait_until
 
 _SERVING = re.compile(r"tokensampler serving on .*:(\d+)$")
 
@@ -131,3 +133,22 @@ def shm_server() -> Iterator[RunningServer]:
     """A gated CPU server that takes shared-memory regions, one for each test module that asks."""
     yield from serving("--device", "cpu", "--allow-shm", gate=ServerGate())
 
+
+def assert_unregister_waits(gate: ServerGate, request: Callable[[], SampleResult], listed: Callable[[], list[Any]],
+                            unregister: Callable[[], Any], what: str) -> None:
+    """Unregisters a weight or region (`what`) while `gate` holds a request that uses it in the backend: the
+    resource leaves `listed` at once, for new requests, and `unregister` returns once the request is done, which
+    succeeds."""
+    results: list[SampleResult] = []
+    slow = threading.Thread(target=lambda: results.append(request()))
+    slow.start()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with gate.holding():  # the request is in the backend, using the resource
+            held = listed()[0].in_flight
+            unregistering = pool.submit(unregister)
+            wait_until(lambda: listed() == [], f"the {what} gone for new requests")
+            assert not unregistering.done() and slow.is_alive()  # waiting for the request
+        info = unregistering.result(60)
+    slow.join(60)
+    assert held, f"the request was not seen holding the {what}"
+    assert info.in_flight == 0 and len(results) == 1 and results[0].valid.all()
