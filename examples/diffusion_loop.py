@@ -11,25 +11,15 @@ prints, per step, how many positions remain. Without --target it starts a server
 from __future__ import annotations
 
 import argparse
-import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from local_server import server_target  # beside this file
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def start_server() -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "tokensampler_server", "--host", "127.0.0.1", "--port", "0", "--no-metrics"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    for line in process.stderr:
-        match = re.search(r"tokensampler serving on .*:(\d+)", line)
-        if match:
-            return process, f"127.0.0.1:{match.group(1)}"
-    raise RuntimeError(f"tokensampler-server exited with {process.wait()}")
 
 
 def main() -> int:
@@ -43,11 +33,7 @@ def main() -> int:
     sys.path[:0] = [str(ROOT / "client"), str(ROOT / "server")]
     from tokensampler_client import SamplerClient
 
-    server = None
-    target = args.target
-    if target is None:
-        server, target = start_server()
-    try:
+    with server_target(args.target) as target:
         gen = torch.Generator().manual_seed(0)
         tokens = torch.full((args.rows, args.length), -1, dtype=torch.int64)
         mask = torch.ones(args.rows, args.length, dtype=torch.bool)
@@ -72,10 +58,6 @@ def main() -> int:
         elapsed = time.perf_counter() - started
         print(f"all {args.rows * args.length} positions committed in {step + 1} steps, {elapsed:.2f} s")
         assert (tokens >= 0).all()
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait(30)
     return 0
 
 

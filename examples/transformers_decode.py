@@ -14,14 +14,14 @@ Prints tokens/s of each loop. Without --target it starts a tokensampler server o
 from __future__ import annotations
 
 import argparse
-import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from local_server import server_target  # beside this file
 
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHTS = "example-lm-head"
@@ -34,17 +34,6 @@ def small_model(device: str) -> LlamaForCausalLM:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
     )
     return LlamaForCausalLM(config).to(device).eval()
-
-
-def start_server(device: str) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "tokensampler_server", "--host", "127.0.0.1", "--port", "0",
-               "--no-metrics", "--device", device, *(["--allow-cuda-ipc"] if device.startswith("cuda") else [])]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    for line in process.stderr:
-        match = re.search(r"tokensampler serving on .*:(\d+)", line)
-        if match:
-            return process, f"127.0.0.1:{match.group(1)}"
-    raise RuntimeError(f"tokensampler-server exited with {process.wait()}")
 
 
 @torch.no_grad()
@@ -75,11 +64,8 @@ def main() -> int:
     sys.path[:0] = [str(ROOT / "client"), str(ROOT / "server")]
     from tokensampler_client import SamplerClient
 
-    server = None
-    target = args.target
-    if target is None:
-        server, target = start_server(args.device)
-    try:
+    ipc = ["--allow-cuda-ipc"] if args.device.startswith("cuda") else []  # the LM head is shared in place on a GPU
+    with server_target(args.target, "--device", args.device, *ipc) as target:
         model = small_model(args.device)
         prompt = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1)).to(args.device)
         with SamplerClient(target, timeout=120) as client:
@@ -112,10 +98,6 @@ def main() -> int:
                 client.unregister_weights(WEIGHTS)
                 if region is not None:
                     client.unregister_region(region)
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait(30)
     return 0
 
 

@@ -16,33 +16,45 @@ def per_row(value: Column, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
     return tensor.expand(num_rows).clone() if tensor.dim() == 0 else tensor.clone()
 
 
+# Each per-row column of a request: its dtype and the value a row gets when the column is not given.
+COLUMNS: dict[str, tuple[torch.dtype, float | int]] = {
+    "temperature": (torch.float32, 1.0),
+    "top_k": (torch.int32, 0),
+    "top_p": (torch.float32, 1.0),
+    "min_p": (torch.float32, 0.0),
+    "seed": (torch.int64, 0),
+    "position": (torch.int64, 0),
+    "iteration": (torch.int64, 0),
+}
+
+
+def row_columns(
+    num_rows: int, values: dict[str, Column], names: Sequence[str] = tuple(COLUMNS)
+) -> dict[str, torch.Tensor]:
+    """The columns `names` as [num_rows] tensors: each the one in `values` (a scalar shared by every row, or one
+    value per row) or its default. A name in `values` that is not in `names` is a TypeError, as a misspelled
+    keyword argument would be."""
+    unknown = values.keys() - set(names)
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+    return {name: per_row(values.get(name, COLUMNS[name][1]), num_rows, COLUMNS[name][0]) for name in names}
+
+
 def make_batch(
     logits: torch.Tensor,
     *,
-    temperature: Column = 1.0,
-    top_k: Column = 0,
-    top_p: Column = 1.0,
-    min_p: Column = 0.0,
-    seed: Column = 0,
-    position: Column = 0,
-    iteration: Column = 0,
     num_samples: int = 1,
     processing: LogitProcessing | None = None,
     return_logprobs: bool = False,
     logprobs_mode: LogprobsMode = LogprobsMode.RAW,
     top_logprobs: int = 0,
+    **columns: Column,
 ) -> SamplingBatch:
-    """A batch over `logits` [B, V]; scalars are shared by every row, sequences give one value per row."""
-    num_rows = logits.shape[0]
+    """A batch over `logits` [B, V] with the given COLUMNS; scalars are shared by every row, sequences give one
+    value per row."""
     return SamplingBatch(
         logits=logits,
-        temperature=per_row(temperature, num_rows, torch.float32),
-        top_k=per_row(top_k, num_rows, torch.int32),
-        top_p=per_row(top_p, num_rows, torch.float32),
-        min_p=per_row(min_p, num_rows, torch.float32),
-        seed=per_row(seed, num_rows, torch.int64),
-        position=per_row(position, num_rows, torch.int64),
-        iteration=per_row(iteration, num_rows, torch.int64),
+        **row_columns(logits.shape[0], columns),
         num_samples=num_samples,
         processing=processing,
         return_logprobs=return_logprobs,
@@ -56,13 +68,7 @@ def select_rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
     assert batch.processing is None
     return SamplingBatch(
         logits=batch.logits[rows],
-        temperature=batch.temperature[rows],
-        top_k=batch.top_k[rows],
-        top_p=batch.top_p[rows],
-        min_p=batch.min_p[rows],
-        seed=batch.seed[rows],
-        position=batch.position[rows],
-        iteration=batch.iteration[rows],
+        **{name: getattr(batch, name)[rows] for name in COLUMNS},
         num_samples=batch.num_samples,
         return_logprobs=batch.return_logprobs,
         logprobs_mode=batch.logprobs_mode,

@@ -13,8 +13,9 @@ import secrets
 import signal
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -44,6 +45,15 @@ def start_capped(tmp_path: Path, *, calls: int, watchers: int = 64, per_client: 
         flags += ["--auth-token-file", str(path)]
     return start_server(*flags, env={"TOKENSAMPLER_MAX_HEALTH_WATCHERS": str(watchers),
                                      "TOKENSAMPLER_MAX_CALLS_PER_CLIENT": str(per_client)})
+
+
+def run_then_stop(running: RunningServer, scenario: Callable[[], Coroutine[Any, Any, None]],
+                  sig: int = signal.SIGTERM) -> None:
+    """Runs the async `scenario` against `running`, then stops the server with `sig` whatever the scenario did."""
+    try:
+        asyncio.run(scenario())
+    finally:
+        running.stop(sig)
 
 
 def metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -144,10 +154,7 @@ def test_unauthenticated_watchers_cannot_take_the_slots_of_the_service(tmp_path:
                 call.cancel()
         assert refusals(running, "health_watchers") == 8
 
-    try:
-        asyncio.run(run())
-    finally:
-        running.stop()
+    run_then_stop(running, run)
 
 
 def test_one_client_at_its_cap_leaves_the_others_their_slots(tmp_path: Path) -> None:
@@ -174,10 +181,7 @@ def test_one_client_at_its_cap_leaves_the_others_their_slots(tmp_path: Path) -> 
             await wait_held(running, calls=0)
         assert refusals(running, "calls_per_client") == 2
 
-    try:
-        asyncio.run(run())
-    finally:
-        running.stop()
+    run_then_stop(running, run)
 
 
 def test_without_tokens_a_client_is_its_connection(tmp_path: Path) -> None:
@@ -199,10 +203,7 @@ def test_without_tokens_a_client_is_its_connection(tmp_path: Path) -> None:
             for channel in channels:
                 await channel.close()
 
-    try:
-        asyncio.run(run())
-    finally:
-        running.stop()
+    run_then_stop(running, run)
 
 
 async def open_every_kind(channel: grpc.aio.Channel, timeout: float | None) -> list[grpc.aio.Call]:
@@ -244,10 +245,8 @@ def test_slots_come_back_after_cancel_and_deadline(tmp_path: Path) -> None:
                 call.cancel()
             await wait_held(running, calls=0, watchers=0)
 
-    try:
-        asyncio.run(run())
-    finally:
-        running.stop(signal.SIGKILL)  # a graceful stop would wait out the queue delay of the cancelled Samples
+    # A graceful stop would wait out the queue delay of the cancelled Samples.
+    run_then_stop(running, run, signal.SIGKILL)
 
 
 def test_the_global_cap_refuses_at_once_and_spares_health(tmp_path: Path) -> None:
@@ -283,7 +282,4 @@ def test_the_global_cap_refuses_at_once_and_spares_health(tmp_path: Path) -> Non
             await wait_held(running, calls=0)
         assert refusals(running, "calls") == 201
 
-    try:
-        asyncio.run(run())
-    finally:
-        running.stop()
+    run_then_stop(running, run)

@@ -29,7 +29,7 @@ from tokensampler_client._channel import call_metadata, channel_target
 from tokensampler_server.rpc.auth import BearerTokens, TokenFileError
 from tokensampler_server.app.cli import parse_args
 
-from .conftest import RunningServer, start_server
+from .conftest import RunningServer, serving
 from .test_metrics import metrics_port, parse_samples, scrape_text, value
 
 TOKENS = [secrets.token_urlsafe(32), secrets.token_urlsafe(32)]
@@ -86,9 +86,7 @@ def test_client_metadata_carries_the_token() -> None:
 def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     path = tmp_path_factory.mktemp("auth") / "tokens"
     path.write_text("\n".join(TOKENS) + "\n")
-    running = start_server("--device", "cpu", "--auth-token-file", str(path))
-    yield running
-    running.stop()
+    yield from serving("--device", "cpu", "--auth-token-file", str(path))
 
 
 def _refused(call) -> TokenSamplerError:
@@ -213,17 +211,13 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 @pytest.fixture(scope="module")
 def tls_server(pki: Pki) -> Iterator[RunningServer]:
-    running = start_server("--device", "cpu", "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key))
-    yield running
-    running.stop()
+    yield from serving("--device", "cpu", "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key))
 
 
 @pytest.fixture(scope="module")
 def mtls_server(pki: Pki) -> Iterator[RunningServer]:
-    running = start_server("--device", "cpu", "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
-                           "--tls-client-ca", str(pki.ca))
-    yield running
-    running.stop()
+    yield from serving("--device", "cpu", "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
+                       "--tls-client-ca", str(pki.ca))
 
 
 def _unavailable(client: SamplerClient) -> None:

@@ -91,25 +91,33 @@ def test_concurrent_requests_are_merged_and_each_gets_its_own_rows() -> None:
         assert torch.equal(result.top_logprob_ids, alone.top_logprob_ids)
 
 
-def test_full_queue_answers_resource_exhausted_at_once() -> None:
+def _refusal_behind_a_busy_backend(queued_batches: int, vocab: int, **limits: int) -> ServiceError:
+    """The error a 1-row request gets from a batcher of 4-row batches with `limits` while its backend is busy with
+    a first 4-row batch and `queued_batches` more wait."""
     gate = threading.Event()
     backend = CountingBackend(gate)
+    queued_rows = 4 * queued_batches
 
     async def run() -> ServiceError:
-        batcher = DynamicBatcher(backend, max_batch_rows=4, max_queue_rows=8)
-        busy = [asyncio.ensure_future(batcher.submit(make_batch(torch.zeros(4, 8))))]
+        batcher = DynamicBatcher(backend, max_batch_rows=4, **limits)
+        busy = [asyncio.ensure_future(batcher.submit(make_batch(torch.zeros(4, vocab))))]
         await wait_until_async(backend.entered.is_set, "the first batch in the backend, blocked on the gate")
-        busy += [asyncio.ensure_future(batcher.submit(make_batch(torch.zeros(4, 8)))) for _ in range(2)]
-        await wait_until_async(lambda: batcher.queued_rows == 8, "8 rows waiting: the queue full")
-        assert batcher.queued_rows == 8
+        busy += [asyncio.ensure_future(batcher.submit(make_batch(torch.zeros(4, vocab))))
+                 for _ in range(queued_batches)]
+        await wait_until_async(lambda: batcher.queued_rows == queued_rows, f"{queued_rows} rows waiting")
+        assert batcher.queued_rows == queued_rows
         with pytest.raises(ServiceError) as raised:
-            await batcher.submit(make_batch(torch.zeros(1, 8)))
+            await batcher.submit(make_batch(torch.zeros(1, vocab)))
         gate.set()
         await asyncio.gather(*busy)
         await batcher.close()
         return raised.value
 
-    error = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_full_queue_answers_resource_exhausted_at_once() -> None:
+    error = _refusal_behind_a_busy_backend(2, vocab=8, max_queue_rows=8)  # 8 rows waiting: the queue full
     assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in error.message
 
 
@@ -135,23 +143,8 @@ def test_a_cancelled_caller_does_not_disturb_its_batch() -> None:
 
 
 def test_queued_bytes_are_bounded() -> None:
-    gate = threading.Event()
-    backend = CountingBackend(gate)
-
-    async def run() -> ServiceError:
-        batcher = DynamicBatcher(backend, max_batch_rows=4, max_queue_bytes=4 * 1000 * 4)
-        busy = [asyncio.ensure_future(batcher.submit(make_batch(torch.zeros(4, 1000))))]
-        await wait_until_async(backend.entered.is_set, "the first batch in the backend")  # the queue is empty again
-        busy.append(asyncio.ensure_future(batcher.submit(make_batch(torch.zeros(4, 1000)))))  # 16000 bytes wait
-        await wait_until_async(lambda: batcher.queued_rows == 4, "the second batch queued")
-        with pytest.raises(ServiceError) as raised:
-            await batcher.submit(make_batch(torch.zeros(1, 1000)))
-        gate.set()
-        await asyncio.gather(*busy)
-        await batcher.close()
-        return raised.value
-
-    error = asyncio.run(run())
+    # 4 x 1000 float32 logits wait, 16000 bytes: all the queue takes
+    error = _refusal_behind_a_busy_backend(1, vocab=1000, max_queue_bytes=4 * 1000 * 4)
     assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "bytes waiting" in error.message
 
 

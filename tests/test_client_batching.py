@@ -19,7 +19,7 @@ from tokensampler_client.params import build_sample_request
 from tokensampler_client.regions import RegionView
 from tokensampler_client.result import SampleResult
 
-from .conftest import RunningServer, start_server
+from .conftest import RunningServer, serving
 from .polling import wait_until, wait_until_async
 
 VOCAB = 256
@@ -69,9 +69,7 @@ def test_merged_request_carries_every_row(server: RunningServer) -> None:
 @pytest.fixture(scope="module")
 def merging_server() -> Iterator[RunningServer]:
     """A CPU server whose dynamic batcher waits for more requests, so that both batchers merge calls."""
-    running = start_server("--device", "cpu", "--max-queue-delay-us", "300")
-    yield running
-    running.stop()
+    yield from serving("--device", "cpu", "--max-queue-delay-us", "300")
 
 
 def test_sixteen_threads_of_two_hundred_calls_each_get_their_own_rows(merging_server: RunningServer) -> None:

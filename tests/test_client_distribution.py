@@ -27,7 +27,7 @@ import pytest
 
 from tokensampler_client import SamplerClient
 
-from .conftest import RunningServer, start_server
+from .conftest import RunningServer, serving
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT = ROOT / "client"
@@ -138,9 +138,7 @@ def slim_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
-    running = start_server("--device", "cpu", "--allow-shm")
-    yield running
-    running.stop()
+    yield from serving("--device", "cpu", "--allow-shm")
 
 
 def test_the_server_requires_the_client_of_its_release() -> None:

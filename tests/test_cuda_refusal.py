@@ -22,7 +22,7 @@ from tokensampler_server.backends import cuda as cuda_backend
 from tokensampler_server.backends.cpu import CpuBackend
 from tokensampler_server.core.config import StartupError
 
-from .test_logging import start_command
+from .conftest import start_command
 
 # Runs the server's CLI in a process whose torch reports one GPU of the given capability and name.
 _FAKE_GPU = """

@@ -23,8 +23,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from tokensampler_client import SamplerClient
 
-from .conftest import RunningServer, start_server
-from .test_logging import start_command
+from .conftest import RunningServer, serving, start_command, start_server
 from .test_metrics import metrics_port, parse_samples, scrape_text, value
 
 DOCKER = Path(__file__).resolve().parents[1] / "docker"
@@ -120,9 +119,7 @@ def exported_names(text: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def live_server() -> Iterator[RunningServer]:
-    running = start_server("--device", "cpu", "--metrics-port", "0")
-    yield running
-    running.stop()
+    yield from serving("--device", "cpu", "--metrics-port", "0")
 
 
 def test_dashboard_queries_only_exported_metrics(live_server: RunningServer) -> None:

@@ -28,7 +28,7 @@ from tokensampler_server.backends.cpu import CpuBackend
 from tokensampler_server.core.config import Limits
 from tokensampler_server.validation.sample import validate_sample_request
 
-from .conftest import RunningServer, start_server
+from .conftest import RunningServer, serving, start_server
 from .gated_server import GATE_SEED, ServerGate
 from .polling import wait_until_async
 from .test_metrics import metrics_port, parse_samples, scrape_text, value
@@ -78,9 +78,7 @@ def check(request: pb.SampleRequest, result: SampleResult) -> None:
 
 @pytest.fixture(scope="module")
 def load_server() -> Iterator[RunningServer]:
-    running = start_server("--device", "cpu")
-    yield running
-    running.stop()
+    yield from serving("--device", "cpu")
 
 
 @pytest.mark.timeout(LOAD_DEADLINE_S + 300)  # the load, then the check of every row
@@ -215,28 +213,35 @@ def assert_retries_get_every_request_through(target: str, requests: list[pb.Samp
         check(request, result)
 
 
-def test_overload_answers_resource_exhausted_fast_and_retries_get_through() -> None:
-    """A queue of 8 rows under 16 concurrent 4-row requests: the ones that do not fit are refused at
-    once (not at their 60 s deadline), marked retryable; the client's backoff then gets every one
-    through, each with its own tokens."""
-    running = start_server("--device", "cpu", "--max-queue-rows", "8", gate=ServerGate())
-    requests = slow_requests(16, seed=7)
+def overload_refusals(*flags: str, count: int, seed: int) -> tuple[list[Outcome], list[Outcome]]:
+    """The outcomes of a burst of `count` slow requests to a gated server started with `flags`, and the refused
+    among them, once the burst has shown what every refusal of overload is: OK or RESOURCE_EXHAUSTED only, some
+    refused, each while the backend held the admitted calls (at once, not at its deadline, nor once the backend
+    was free) and marked retryable; and the client's retries have then got every request through, each with its
+    own tokens."""
+    running = start_server("--device", "cpu", *flags, gate=ServerGate())
+    requests = slow_requests(count, seed=seed)
     try:
         outcomes = burst_while_held(running, requests)
         refused = [o for o in outcomes if o.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
         assert {o.code for o in outcomes} <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
-        assert refused, "the burst never filled the queue"
-        # Each refused while the backend held the admitted calls: at once, not at its deadline (60 s), nor
-        # once the backend was free.
-        assert all(o.while_held for o in refused)
-        slowest_refusal = max(o.elapsed_s for o in refused)
-        assert all(("x-retryable", "overload") in o.trailing_metadata for o in refused)
-        served = [o.elapsed_s for o in outcomes if o.code == grpc.StatusCode.OK]
-        print(f"\noverload: {len(refused)}/{len(outcomes)} refused, slowest refusal {slowest_refusal * 1e3:.0f} ms, "
-              f"slowest served {max(served) * 1e3:.0f} ms")
+        assert refused, "the burst never filled the server"
+        assert all(o.while_held and ("x-retryable", "overload") in o.trailing_metadata for o in refused)
         assert_retries_get_every_request_through(running.target, requests)
     finally:
         running.stop()
+    return outcomes, refused
+
+
+def test_overload_answers_resource_exhausted_fast_and_retries_get_through() -> None:
+    """A queue of 8 rows under 16 concurrent 4-row requests: the ones that do not fit are refused at
+    once (not at their 60 s deadline), marked retryable; the client's backoff then gets every one
+    through, each with its own tokens."""
+    outcomes, refused = overload_refusals("--max-queue-rows", "8", count=16, seed=7)
+    slowest_refusal = max(o.elapsed_s for o in refused)
+    served = [o.elapsed_s for o in outcomes if o.code == grpc.StatusCode.OK]
+    print(f"\noverload: {len(refused)}/{len(outcomes)} refused, slowest refusal {slowest_refusal * 1e3:.0f} ms, "
+          f"slowest served {max(served) * 1e3:.0f} ms")
 
 
 def test_only_resource_exhausted_marked_as_overload_is_retried() -> None:
@@ -258,16 +263,7 @@ def test_calls_past_the_concurrency_limit_are_refused_at_once_and_retries_get_th
     """--max-concurrent-rpcs 2 under 8 concurrent slow requests: the ones past the limit are refused at once,
     marked retryable, the server keeps serving, and the client's retries get every request through with its
     own tokens."""
-    running = start_server("--device", "cpu", "--max-concurrent-rpcs", "2", gate=ServerGate())
-    requests = slow_requests(8, seed=8)
-    try:
-        outcomes = burst_while_held(running, requests)
-        refused = [o for o in outcomes if o.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
-        assert {o.code for o in outcomes} <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
-        assert refused and sum(o.code == grpc.StatusCode.OK for o in outcomes) >= 2
-        # Each refused while the backend held the 2 admitted calls: at once, waiting for no slot to free.
-        assert all("at most 2 (--max-concurrent-rpcs)" in o.details and ("x-retryable", "overload") in o.trailing_metadata
-                   and o.while_held for o in refused)
-        assert_retries_get_every_request_through(running.target, requests)
-    finally:
-        running.stop()
+    outcomes, refused = overload_refusals("--max-concurrent-rpcs", "2", count=8, seed=8)
+    assert sum(o.code == grpc.StatusCode.OK for o in outcomes) >= 2
+    # Each refused while the backend held the 2 admitted calls: at once, waiting for no slot to free.
+    assert all("at most 2 (--max-concurrent-rpcs)" in o.details for o in refused)

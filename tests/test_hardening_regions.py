@@ -21,7 +21,7 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 from tokensampler_client.tensors import encode_tensor
 
-from .conftest import RunningServer, start_server
+from .conftest import RunningServer, serving
 
 VOCAB = 32
 DIM = 8
@@ -29,10 +29,8 @@ DIM = 8
 
 @pytest.fixture(scope="module")
 def capped_server() -> Iterator[RunningServer]:
-    running = start_server("--device", "cpu", "--allow-shm", "--max-regions", "4", "--max-weights", "3",
-                           "--max-queue-mb", "1")
-    yield running
-    running.stop()
+    yield from serving("--device", "cpu", "--allow-shm", "--max-regions", "4", "--max-weights", "3",
+                       "--max-queue-mb", "1")
 
 
 @pytest.fixture()

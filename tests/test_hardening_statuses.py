@@ -23,7 +23,7 @@ from tokensampler_server.core.errors import InvalidArgument, ServiceError
 from tokensampler_server.validation.sample import validate_sample_request
 from tokensampler_server.resources.weights import load_safetensors
 
-from .conftest import RunningServer, start_server
+from .conftest import RunningServer, serving
 
 HUGE_EMPTY = [2**40, 2**40, 0]  # no element, but sizes whose product overflows int64
 UINT32_MAX = 2**32 - 1
@@ -36,9 +36,7 @@ def weights_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def running(weights_dir: Path) -> Iterator[RunningServer]:
-    server = start_server("--device", "cpu", "--allow-shm", "--weights-dir", str(weights_dir))
-    yield server
-    server.stop()
+    yield from serving("--device", "cpu", "--allow-shm", "--weights-dir", str(weights_dir))
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import os
-import threading
 from pathlib import Path
 
 import grpc
@@ -17,9 +15,8 @@ from scipy import stats
 from tokensampler_client import SamplerClient, TokenSamplerError
 from tokensampler_client._proto import sampler_pb2 as pb
 
-from .conftest import RunningServer, start_server
+from .conftest import RunningServer, assert_unregister_waits, connected, serving
 from .gated_server import GATE_SEED, ServerGate
-from .polling import wait_until
 
 ALPHA = 1e-3
 
@@ -35,16 +32,13 @@ def weights_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def weights_server(weights_dir: Path):
-    running = start_server("--device", "cpu", "--weights-dir", str(weights_dir), "--uds", str(weights_dir / "ts.sock"),
-                           gate=ServerGate())
-    yield running
-    running.stop()
+    yield from serving("--device", "cpu", "--weights-dir", str(weights_dir), "--uds", str(weights_dir / "ts.sock"),
+                       gate=ServerGate())
 
 
 @pytest.fixture(scope="module")
 def client(weights_server: RunningServer):
-    with SamplerClient(weights_server.target, timeout=60) as c:
-        yield c
+    yield from connected(weights_server)
 
 
 def test_upload_register_sample_and_unregister(client: SamplerClient) -> None:
@@ -216,22 +210,11 @@ def test_weights_from_file_are_off_without_weights_dir(server: RunningServer) ->
 
 def test_unregister_waits_for_requests_in_flight(weights_server: RunningServer, client: SamplerClient) -> None:
     client.register_weights("busy", torch.randn(1000, 16))
-    results: list[object] = []
-    slow = threading.Thread(
-        target=lambda: results.append(client.sample_hidden(torch.randn(48, 16), "busy", top_p=0.9, seed=GATE_SEED))
-    )
-    slow.start()
     assert weights_server.gate is not None
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        with weights_server.gate.holding():  # the request is in the backend, using the weight
-            held = client.list_weights()[0].in_flight
-            unregistering = pool.submit(client.unregister_weights, "busy")
-            wait_until(lambda: client.list_weights() == [], "the weight gone for new requests")
-            assert not unregistering.done() and slow.is_alive()  # waiting for the request
-        info = unregistering.result(60)
-    slow.join(60)
-    assert held, "the request was not seen holding the weight"
-    assert info.in_flight == 0 and len(results) == 1 and results[0].valid.all()
+    assert_unregister_waits(
+        weights_server.gate, lambda: client.sample_hidden(torch.randn(48, 16), "busy", top_p=0.9, seed=GATE_SEED),
+        client.list_weights, lambda: client.unregister_weights("busy"), "weight",
+    )
 
 
 def test_unix_domain_socket(weights_dir: Path, weights_server: RunningServer) -> None:

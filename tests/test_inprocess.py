@@ -8,7 +8,7 @@ import torch
 from tokensampler_client import SamplerClient
 from tokensampler_server.inprocess import LocalSampler
 
-from .conftest import RunningServer
+from .conftest import RunningServer, connected
 
 ROWS, VOCAB, DIM = 6, 500, 32
 
@@ -20,8 +20,7 @@ def sampler() -> LocalSampler:
 
 @pytest.fixture(scope="module")
 def client(server: RunningServer):
-    with SamplerClient(server.target) as c:
-        yield c
+    yield from connected(server, timeout=None)
 
 
 def _logits(seed: int) -> torch.Tensor:

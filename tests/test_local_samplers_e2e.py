@@ -12,7 +12,6 @@ from tokensampler_server.backends.cpu import CpuBackend
 from tokensampler_server.core.config import Limits
 from tokensampler_server.validation.sample import validate_sample_request
 
-from .conftest import RunningServer
 
 LOCAL = {"output_token_ids": [[1, 2, 3, 1, 2], [4, 4, 4, 4, 4]], "prompt_token_ids": [5, 1],
          "dry_multiplier": 0.8, "dry_allowed_length": 1, "dry_sequence_breakers": [[3]],
@@ -23,12 +22,6 @@ LOCAL = {"output_token_ids": [[1, 2, 3, 1, 2], [4, 4, 4, 4, 4]], "prompt_token_i
 def _reference(logits: torch.Tensor, **params) -> torch.Tensor:
     batch, _ = validate_sample_request(build_sample_request(logits, **params), Limits())
     return CpuBackend().sample(batch).tokens
-
-
-@pytest.fixture(scope="module")
-def client(server: RunningServer):
-    with SamplerClient(server.target, timeout=60) as c:
-        yield c
 
 
 def test_the_server_samples_as_the_reference(client: SamplerClient) -> None:

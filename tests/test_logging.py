@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -21,42 +18,7 @@ from tokensampler_client.tensors import encode_tensor
 from tokensampler_server.core.logs import JsonFormatter, RequestIdFilter
 from tokensampler_server.core.request_context import current_request_id
 
-from .conftest import RunningServer, start_server
-
-_SERVING = "tokensampler serving on "
-
-
-def _serving_port(line: str) -> int | None:
-    """The gRPC port named by the startup line, in the text or the JSON format; None for other lines."""
-    if line.startswith("{"):
-        entry = json.loads(line)
-        return entry["port"] if entry["message"].startswith(_SERVING) else None
-    _, found, address = line.partition(_SERVING)
-    return int(address.rpartition(":")[2]) if found else None
-
-
-def start_command(command: list[str], env: dict[str, str], timeout: float = 60.0) -> RunningServer:
-    """Starts a server by any command line and waits for its startup line, text or JSON."""
-    process = subprocess.Popen(
-        command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env={**os.environ, **env}
-    )
-    log: list[str] = []
-    port: list[int] = []
-    ready = threading.Event()
-
-    def pump() -> None:  # keeps the pipe drained for the server's whole life
-        for line in process.stderr:
-            log.append(line.rstrip())
-            if not port and (found := _serving_port(line.rstrip())) is not None:
-                port.append(found)
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(timeout) or not port:
-        process.kill()
-        raise RuntimeError(f"{command} did not start:\n" + "\n".join(log))
-    return RunningServer(process=process, port=port[0], log=log)
+from .conftest import RunningServer, start_command, start_server
 
 
 def wait_for_line(server: RunningServer, match: Callable[[str], bool], timeout: float = 30.0) -> str:

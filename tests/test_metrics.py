@@ -29,7 +29,7 @@ from tokensampler_server.rpc.metrics import ServerMetrics, start_metrics_http
 from tokensampler_server.model.sampling import SamplingBatch, SamplingResult
 from tokensampler_server.rpc.service import SamplerService
 
-from .conftest import RunningServer, start_server
+from .conftest import RunningServer, serving
 
 SAMPLE = "tokensampler.v1.Sampler/Sample"
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -64,9 +64,7 @@ def value(samples: Samples, name: str, **labels: str) -> float | None:
 @pytest.fixture(scope="module")
 def metered_server() -> Iterator[RunningServer]:
     """A server of its own, so that its counts are exactly this module's traffic."""
-    running = start_server("--device", "cpu", "--metrics-port", "0")
-    yield running
-    running.stop()
+    yield from serving("--device", "cpu", "--metrics-port", "0")
 
 
 V = 64

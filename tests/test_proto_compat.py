@@ -27,8 +27,32 @@ def test_live_descriptor_keeps_every_released_field_value_and_rpc() -> None:
     assert breaking_changes(released, describe(sampler_pb2.DESCRIPTOR)) == []
 
 
-def _remove_field(s: Snapshot) -> None:
-    del s["messages"][f"{PKG}.SampleRequest"]["top_logprobs"]
+Edit = Callable[[Snapshot], None]
+# Paths of the snapshot's entries that the edits change: a section, then a name.
+MESSAGE = ("messages", f"{PKG}.SampleRequest")
+TENSOR = ("messages", f"{PKG}.Tensor")
+SAMPLER = ("services", f"{PKG}.Sampler")
+
+
+def _parent(s: Snapshot, path: tuple[str, ...]) -> dict:
+    """The entry of the snapshot that holds the last key of `path` (section, name, then keys)."""
+    for key in path[:-1]:
+        s = s[key]
+    return s
+
+
+def _set(*path: str, to: object) -> Edit:
+    def edit(s: Snapshot) -> None:
+        _parent(s, path)[path[-1]] = to
+
+    return edit
+
+
+def _delete(*path: str) -> Edit:
+    def edit(s: Snapshot) -> None:
+        del _parent(s, path)[path[-1]]
+
+    return edit
 
 
 def _reuse_number(s: Snapshot) -> None:  # a field removed and its number given to a new one
@@ -36,59 +60,25 @@ def _reuse_number(s: Snapshot) -> None:  # a field removed and its number given 
     fields["top_logprobs_v2"] = fields.pop("top_logprobs")
 
 
-def _renumber(s: Snapshot) -> None:
-    s["messages"][f"{PKG}.Tensor"]["data"]["number"] = 4
-
-
-def _retype(s: Snapshot) -> None:
-    s["messages"][f"{PKG}.Tensor"]["shape"]["type"] = "TYPE_INT32"
-
-
-def _make_singular(s: Snapshot) -> None:
-    s["messages"][f"{PKG}.Tensor"]["shape"]["label"] = "LABEL_OPTIONAL"
-
-
-def _change_message_type(s: Snapshot) -> None:
-    s["messages"][f"{PKG}.SampleRequest"]["logits"]["type_name"] = f"{PKG}.TensorRef"
-
-
-def _leave_oneof(s: Snapshot) -> None:
-    s["messages"][f"{PKG}.SampleRequest"]["hidden"]["oneof"] = None
-
-
-def _remove_message(s: Snapshot) -> None:
-    del s["messages"][f"{PKG}.Timings"]
-
-
-def _renumber_enum_value(s: Snapshot) -> None:
-    s["enums"][f"{PKG}.DType"]["DTYPE_BFLOAT16"] = 7
-
-
-def _remove_rpc(s: Snapshot) -> None:
-    del s["services"][f"{PKG}.Sampler"]["VerifyDraft"]
-
-
-def _change_rpc_request(s: Snapshot) -> None:
-    s["services"][f"{PKG}.Sampler"]["TopKProbs"]["input"] = f"{PKG}.SampleRequest"
-
-
-def _stream_rpc(s: Snapshot) -> None:
-    s["services"][f"{PKG}.Sampler"]["Sample"]["server_streaming"] = True
-
-
-BREAKING: dict[str, tuple[Callable[[Snapshot], None], str]] = {
-    "field removed": (_remove_field, "field tokensampler.v1.SampleRequest.top_logprobs removed"),
+BREAKING: dict[str, tuple[Edit, str]] = {
+    "field removed": (_delete(*MESSAGE, "top_logprobs"), "field tokensampler.v1.SampleRequest.top_logprobs removed"),
     "number reused": (_reuse_number, "field tokensampler.v1.SampleRequest.top_logprobs removed"),
-    "field renumbered": (_renumber, "field tokensampler.v1.Tensor.data changed"),
-    "field retyped": (_retype, "field tokensampler.v1.Tensor.shape changed"),
-    "repeated made singular": (_make_singular, "field tokensampler.v1.Tensor.shape changed"),
-    "message type changed": (_change_message_type, "field tokensampler.v1.SampleRequest.logits changed"),
-    "field out of its oneof": (_leave_oneof, "field tokensampler.v1.SampleRequest.hidden changed"),
-    "message removed": (_remove_message, "message tokensampler.v1.Timings removed"),
-    "enum value renumbered": (_renumber_enum_value, "value tokensampler.v1.DType.DTYPE_BFLOAT16 changed"),
-    "rpc removed": (_remove_rpc, "rpc tokensampler.v1.Sampler.VerifyDraft removed"),
-    "rpc request type changed": (_change_rpc_request, "rpc tokensampler.v1.Sampler.TopKProbs changed"),
-    "rpc made streaming": (_stream_rpc, "rpc tokensampler.v1.Sampler.Sample changed"),
+    "field renumbered": (_set(*TENSOR, "data", "number", to=4), "field tokensampler.v1.Tensor.data changed"),
+    "field retyped": (_set(*TENSOR, "shape", "type", to="TYPE_INT32"), "field tokensampler.v1.Tensor.shape changed"),
+    "repeated made singular": (_set(*TENSOR, "shape", "label", to="LABEL_OPTIONAL"),
+                               "field tokensampler.v1.Tensor.shape changed"),
+    "message type changed": (_set(*MESSAGE, "logits", "type_name", to=f"{PKG}.TensorRef"),
+                             "field tokensampler.v1.SampleRequest.logits changed"),
+    "field out of its oneof": (_set(*MESSAGE, "hidden", "oneof", to=None),
+                               "field tokensampler.v1.SampleRequest.hidden changed"),
+    "message removed": (_delete("messages", f"{PKG}.Timings"), "message tokensampler.v1.Timings removed"),
+    "enum value renumbered": (_set("enums", f"{PKG}.DType", "DTYPE_BFLOAT16", to=7),
+                              "value tokensampler.v1.DType.DTYPE_BFLOAT16 changed"),
+    "rpc removed": (_delete(*SAMPLER, "VerifyDraft"), "rpc tokensampler.v1.Sampler.VerifyDraft removed"),
+    "rpc request type changed": (_set(*SAMPLER, "TopKProbs", "input", to=f"{PKG}.SampleRequest"),
+                                 "rpc tokensampler.v1.Sampler.TopKProbs changed"),
+    "rpc made streaming": (_set(*SAMPLER, "Sample", "server_streaming", to=True),
+                           "rpc tokensampler.v1.Sampler.Sample changed"),
 }
 
 

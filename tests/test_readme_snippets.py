@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import RunningServer, start_server
+from .conftest import RunningServer, serving
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 DEFAULT_TARGET = "localhost:50051"
@@ -45,9 +45,7 @@ def _cli_lines() -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def readme_server() -> Iterator[RunningServer]:
-    running = start_server("--device", "cpu")
-    yield running
-    running.stop()
+    yield from serving("--device", "cpu")
 
 
 def _run(args: list[str], target: str) -> subprocess.CompletedProcess[str]:

@@ -14,17 +14,15 @@ from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 from tokensampler_client.params import build_sample_request
 from tokensampler_client.regions import RegionView
 
-from .conftest import RunningServer
+from .conftest import RunningServer, assert_unregister_waits, connected
 from .gated_server import GATE_SEED
-from .polling import wait_until
 
 ROWS, VOCAB = 16, 4096
 
 
 @pytest.fixture(scope="module")
 def client(shm_server: RunningServer):
-    with SamplerClient(shm_server.target, timeout=60) as c:
-        yield c
+    yield from connected(shm_server)
 
 
 def test_logits_in_a_region_sample_like_logits_on_the_wire(client: SamplerClient) -> None:
@@ -151,21 +149,11 @@ def test_unregister_waits_for_the_request_reading_the_region(shm_server: Running
     rows, vocab = 48, 1000
     region = client.register_shm_region("busy-region", rows * vocab * 4)
     region.tensor(torch.float32, (rows, vocab)).copy_(torch.randn(rows, vocab, generator=torch.Generator().manual_seed(5)))
-    results: list[object] = []
-    slow = threading.Thread(target=lambda: results.append(
-        client.sample(region.view(torch.float32, (rows, vocab)), top_p=0.9, seed=GATE_SEED)))
-    slow.start()
     assert shm_server.gate is not None
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        with shm_server.gate.holding():  # the request is in the backend, reading the region
-            held = client.list_regions()[0].in_flight
-            unregistering = pool.submit(client.unregister_region, region)
-            wait_until(lambda: client.list_regions() == [], "the region gone for new requests")
-            assert not unregistering.done() and slow.is_alive()  # waiting for the request
-        info = unregistering.result(60)
-    slow.join(60)
-    assert held, "the request was not seen holding the region"
-    assert info.in_flight == 0 and len(results) == 1 and results[0].valid.all()
+    assert_unregister_waits(
+        shm_server.gate, lambda: client.sample(region.view(torch.float32, (rows, vocab)), top_p=0.9, seed=GATE_SEED),
+        client.list_regions, lambda: client.unregister_region(region), "region",
+    )
     assert client.list_regions() == []
 
 

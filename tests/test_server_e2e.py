@@ -17,15 +17,9 @@ from tokensampler_client.tensors import encode_tensor
 from tokensampler_server.backends.cpu import CpuBackend
 
 from .batches import make_batch
-from .conftest import RunningServer, start_server
+from .conftest import RunningServer, serving, start_server
 from .gated_server import GATE_SEED, ServerGate
 from .polling import wait_until
-
-
-@pytest.fixture(scope="module")
-def client(server: RunningServer):
-    with SamplerClient(server.target, timeout=60) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
@@ -180,9 +174,7 @@ INVALID_REQUESTS = {
 @pytest.fixture(scope="module")
 def small_server():
     """A server with a row limit of 64, to test the limit without a huge message."""
-    running = start_server("--device", "cpu", "--max-batch-rows", "64")
-    yield running
-    running.stop()
+    yield from serving("--device", "cpu", "--max-batch-rows", "64")
 
 
 @pytest.mark.parametrize("make, field", INVALID_REQUESTS.values(), ids=INVALID_REQUESTS.keys())

@@ -16,12 +16,6 @@ from .conftest import RunningServer
 from .test_token_bitmask import _sample, pack
 
 
-@pytest.fixture(scope="module")
-def client(server: RunningServer):
-    with SamplerClient(server.target, timeout=60) as c:
-        yield c
-
-
 def test_the_server_samples_as_the_reference(client: SamplerClient, server: RunningServer) -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 90, generator=gen)

@@ -13,15 +13,14 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 from tokensampler_client.regions import RegionView
 
-from .conftest import RunningServer
+from .conftest import RunningServer, connected
 
 VOCAB, PADDED, DIM = 1000, 1024, 64
 
 
 @pytest.fixture(scope="module")
 def client(shm_server: RunningServer):
-    with SamplerClient(shm_server.target, timeout=60) as c:
-        yield c
+    yield from connected(shm_server)
 
 
 def _head(dtype: torch.dtype, seed: int = 0) -> torch.Tensor:

@@ -18,7 +18,7 @@ from tokensampler_server.backends.cpu import CpuBackend
 from tokensampler_server.workloads.diffusion import DiffusionStep, diffusion_step
 from tokensampler_server.model.sampling import LogitProcessing, SamplingBatch, SamplingResult, TokenEntries
 
-from .batches import Column, make_batch, per_row
+from .batches import Column, make_batch, per_row, row_columns
 from .test_cpu_semantics import LOGITS, assert_fits, exact_distribution
 
 BACKEND = CpuBackend()
@@ -40,31 +40,26 @@ class RecordingBackend(Backend):
         return result
 
 
+# A step's rows take every column but position: each token's position is its index.
+STEP_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "seed", "iteration")
+
+
 def make_step(
     logits: torch.Tensor,
     mask: torch.Tensor | None = None,
     *,
-    temperature: Column = 1.0,
-    top_k: Column = 0,
-    top_p: Column = 1.0,
-    min_p: Column = 0.0,
-    seed: Column = 0,
-    iteration: Column = 0,
     threshold: Column = NAN,
     count: Column = 0,
     processing: LogitProcessing | None = None,
+    **columns: Column,
 ) -> DiffusionStep:
-    """A step over `logits` [B, L, V] (every position masked by default); scalars are shared by all rows."""
+    """A step over `logits` [B, L, V] (every position masked by default) with the given STEP_COLUMNS; scalars
+    are shared by all rows."""
     num_rows, length, _ = logits.shape
     return DiffusionStep(
         logits=logits,
         mask=torch.ones(num_rows, length, dtype=torch.bool) if mask is None else mask,
-        temperature=per_row(temperature, num_rows, torch.float32),
-        top_k=per_row(top_k, num_rows, torch.int32),
-        top_p=per_row(top_p, num_rows, torch.float32),
-        min_p=per_row(min_p, num_rows, torch.float32),
-        seed=per_row(seed, num_rows, torch.int64),
-        iteration=per_row(iteration, num_rows, torch.int64),
+        **row_columns(num_rows, columns, STEP_COLUMNS),
         threshold=per_row(threshold, num_rows, torch.float32),
         count=per_row(count, num_rows, torch.int64),
         processing=processing,
@@ -112,7 +107,7 @@ def _mixed_step(num_rows: int = 5, length: int = 7, vocab_size: int = 501, dtype
 
 
 def _params(step: DiffusionStep) -> dict:
-    names = ("temperature", "top_k", "top_p", "min_p", "seed", "iteration", "threshold", "count", "processing")
+    names = (*STEP_COLUMNS, "threshold", "count", "processing")
     return {name: getattr(step, name) for name in names}
 
 

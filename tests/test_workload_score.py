@@ -177,12 +177,6 @@ def test_positions_are_bounded_by_the_row_limit() -> None:
     assert err.value.field == "logits.shape" and "at most 8" in err.value.message
 
 
-@pytest.fixture(scope="module")
-def client(server: RunningServer):
-    with SamplerClient(server.target, timeout=60) as c:
-        yield c
-
-
 def test_end_to_end_raw_processed_and_hidden(client: SamplerClient) -> None:
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(2, 5, 64, generator=gen) * 2

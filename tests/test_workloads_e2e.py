@@ -10,14 +10,6 @@ from tokensampler_server.backends.cpu import CpuBackend
 from tokensampler_server.workloads.diffusion import DiffusionStep, diffusion_step
 from tokensampler_server.workloads.verify import DraftVerification, verify_draft
 
-from .conftest import RunningServer
-
-
-@pytest.fixture(scope="module")
-def client(server: RunningServer):
-    with SamplerClient(server.target, timeout=60) as c:
-        yield c
-
 
 def _rows(batch: int, **columns) -> dict:
     defaults = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, iteration=0)

@@ -109,12 +109,6 @@ def check_topk_probs(client: SamplerClient, head: Head, device: str = "cpu") -> 
 
 
 @pytest.fixture(scope="module")
-def client(server: RunningServer) -> Iterator[SamplerClient]:
-    with SamplerClient(server.target, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def heads(client: SamplerClient) -> Iterator[dict[str, Head]]:
     registered = make_heads("workload-head")
     for head in registered:

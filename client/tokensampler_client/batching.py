@@ -21,7 +21,7 @@ import time
 from collections import defaultdict
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import grpc
 
@@ -113,6 +113,11 @@ def _merged_or_alone(batch: list[_Call], gather: bool) -> tuple[pb.SampleRequest
         return None, batch
 
 
+def _resent_alone(batch: list[_Call], err: Exception) -> bool:
+    """Whether the calls of a failed merged request go again one by one, so that a bad request fails alone."""
+    return isinstance(err, TokenSamplerError) and err.code in _RESEND_ALONE and len(batch) > 1
+
+
 def _deliver(batch: list[_Call], result: SampleResult, set_result) -> None:
     start = 0
     for call in batch:
@@ -120,7 +125,25 @@ def _deliver(batch: list[_Call], result: SampleResult, set_result) -> None:
         start += call.rows
 
 
-class BatchingClient:
+Client = TypeVar("Client", SamplerClient, AsyncSamplerClient)
+
+
+class _Batcher(Generic[Client]):
+    """What both batching clients keep: the wrapped client, the limits, the calls waiting to go out, and whether
+    the server gathers region rows."""
+
+    def __init__(self, client: Client, max_rows: int, max_delay_us: int, max_in_flight: int) -> None:
+        if max_rows < 1 or max_delay_us < 0 or max_in_flight < 1:
+            raise ValueError("max_rows and max_in_flight must be >= 1 and max_delay_us >= 0")
+        self._client = client
+        self._max_rows = max_rows
+        self._max_delay_s = max_delay_us / 1e6
+        self._pending: list[_Call] = []
+        self._pending_rows = 0
+        self._gather: bool | None = None  # whether the server takes logits_rows: asked when first needed
+
+
+class BatchingClient(_Batcher[SamplerClient]):
     """Thread-safe wrapper of SamplerClient whose sample() calls from many threads share RPCs.
 
     `BatchingClient(SamplerClient(target), max_rows=256, max_delay_us=500)`; sample() takes the
@@ -133,16 +156,9 @@ class BatchingClient:
     def __init__(
         self, client: SamplerClient, *, max_rows: int = 256, max_delay_us: int = 500, max_in_flight: int = 2
     ) -> None:
-        if max_rows < 1 or max_delay_us < 0 or max_in_flight < 1:
-            raise ValueError("max_rows and max_in_flight must be >= 1 and max_delay_us >= 0")
-        self._client = client
-        self._max_rows = max_rows
-        self._max_delay_s = max_delay_us / 1e6
-        self._pending: list[_Call] = []
-        self._pending_rows = 0
+        super().__init__(client, max_rows, max_delay_us, max_in_flight)
         self._lock = threading.Condition()
         self._closed = False
-        self._gather: bool | None = None  # whether the server takes logits_rows: asked when first needed
         self._slots = threading.Semaphore(max_in_flight)
         self._senders = concurrent.futures.ThreadPoolExecutor(max_in_flight, thread_name_prefix="tokensampler-batch")
         self._collector = threading.Thread(target=self._collect, name="tokensampler-batcher", daemon=True)
@@ -204,17 +220,13 @@ class BatchingClient:
             return
         try:
             result = self._client.sample_request(request)
-        except TokenSamplerError as err:
-            if err.code in _RESEND_ALONE and len(batch) > 1:
+        except Exception as err:  # delivered to the callers, who re-raise it
+            if _resent_alone(batch, err):
                 for call in batch:
                     self._send([call], gather)
             else:
                 for call in batch:
                     call.future.set_exception(err)
-            return
-        except Exception as err:  # delivered to the callers, who re-raise it
-            for call in batch:
-                call.future.set_exception(err)
             return
         _deliver(batch, result, lambda future, value: future.set_result(value))
 
@@ -233,24 +245,17 @@ class BatchingClient:
         self.close()
 
 
-class AsyncBatchingClient:
+class AsyncBatchingClient(_Batcher[AsyncSamplerClient]):
     """asyncio twin of BatchingClient around an AsyncSamplerClient; create it inside its event loop."""
 
     def __init__(
         self, client: AsyncSamplerClient, *, max_rows: int = 256, max_delay_us: int = 500, max_in_flight: int = 2
     ) -> None:
-        if max_rows < 1 or max_delay_us < 0 or max_in_flight < 1:
-            raise ValueError("max_rows and max_in_flight must be >= 1 and max_delay_us >= 0")
-        self._client = client
-        self._max_rows = max_rows
-        self._max_delay_s = max_delay_us / 1e6
+        super().__init__(client, max_rows, max_delay_us, max_in_flight)
         self._max_in_flight = max_in_flight
-        self._pending: list[_Call] = []
-        self._pending_rows = 0
         self._flush_handle: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task] = set()
         """Flushes in flight: each sends the batches of the calls it took."""
-        self._gather: bool | None = None  # whether the server takes logits_rows: asked when first needed
 
     async def sample(self, logits: Any, **params: Any) -> SampleResult:
         """Samples like AsyncSamplerClient.sample; returns when this call's rows are back."""
@@ -299,18 +304,13 @@ class AsyncBatchingClient:
             return
         try:
             result = await self._client.sample_request(request)
-        except TokenSamplerError as err:
-            if err.code in _RESEND_ALONE and len(batch) > 1:
+        except Exception as err:  # delivered to the callers, who re-raise it
+            if _resent_alone(batch, err):
                 await asyncio.gather(*(self._send([call], gather) for call in batch))
             else:
                 for call in batch:
                     if not call.future.done():
                         call.future.set_exception(err)
-            return
-        except Exception as err:  # delivered to the callers, who re-raise it
-            for call in batch:
-                if not call.future.done():
-                    call.future.set_exception(err)
             return
 
         def set_result(future: asyncio.Future, value: SampleResult) -> None:

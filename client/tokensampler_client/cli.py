@@ -15,7 +15,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -46,24 +46,27 @@ def _shape3(text: str) -> tuple[int, int, int]:
     return sizes
 
 
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
-    return value
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= minimum."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its message for text that is no integer
+    return parse
+
+
+_non_negative = _int_at_least(0)
+_positive = _int_at_least(1)
 
 
 def _seed(text: str) -> int:
     value = int(text, 0)
     if not 0 <= value < 2**64:
         raise argparse.ArgumentTypeError(f"expected a uint64 seed, 0 <= seed < 2**64, got {text}")
-    return value
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
     return value
 
 
@@ -99,6 +102,18 @@ def _add_local_samplers(sample: argparse.ArgumentParser) -> None:
     local.add_argument("--xtc-probability", type=float, help="XTC's probability, 0 <= q <= 1; 0 disables")
 
 
+Run = Callable[[SamplerClient, argparse.Namespace], int]
+
+
+def _command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], run: Run, name: str, help: str, description: str
+) -> argparse.ArgumentParser:
+    """The parser of subcommand `name`, which `run` carries out."""
+    command = commands.add_parser(name, help=help, description=description)
+    command.set_defaults(run=run)
+    return command
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokensampler",
@@ -121,7 +136,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    sample = commands.add_parser("sample", help="sample tokens from random logits", description="Sample tokens from random logits and print them.")
+    sample = _command(commands, _run_sample, "sample", "sample tokens from random logits",
+                      "Sample tokens from random logits and print them.")
     sample.add_argument("--random-logits", type=_shape, required=True, metavar="BxV", help="batch of B rows of V standard-normal logits, e.g. 4x32000")
     sample.add_argument("--dtype", choices=DTYPES, default="float32", help="logits dtype on the wire (default: %(default)s)")
     sample.add_argument("--logits-seed", type=int, default=0, help="seed of the random logits, so that runs are repeatable (default: %(default)s)")
@@ -144,11 +160,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="print the result as JSON; seeds are decimal strings, since JavaScript and jq read "
                              "JSON numbers as doubles and round a uint64 seed above 2^53, which then no longer "
                              "reproduces the sample")
-    sample.set_defaults(run=_run_sample)
 
-    score = commands.add_parser(
-        "score", help="score random tokens under random logits",
-        description="Score random token ids under random logits (ScoreTokens) and print what the server answers.")
+    score = _command(commands, _run_score, "score", "score random tokens under random logits",
+                     "Score random token ids under random logits (ScoreTokens) and print what the server answers.")
     score.add_argument("--random-logits", type=_shape3, required=True, metavar="BxTxV",
                        help="B rows of T positions of V standard-normal logits, e.g. 2x16x32000; the token ids are "
                             "uniform in [0, V)")
@@ -162,20 +176,15 @@ def _parser() -> argparse.ArgumentParser:
     score.add_argument("--top-logprobs", type=_non_negative, default=0, metavar="N", help="also return the N best log-probs per position")
     score.add_argument("--entropy", action="store_true", help="also return the entropy of each position")
     score.add_argument("--json", action="store_true", help="print the result as JSON")
-    score.set_defaults(run=_run_score)
 
-    info = commands.add_parser(
-        "info", help="print the server's version, backend, device, limits and features",
-        description="Print what GetServerInfo answers: the server's version, backend and device, its limits, the "
+    info = _command(commands, _run_info, "info", "print the server's version, backend, device, limits and features",
+                    "Print what GetServerInfo answers: the server's version, backend and device, its limits, the "
                     "logits dtypes and features it serves, its compiled kernels.")
     info.add_argument("--json", action="store_true", help="print the ServerInfo as JSON")
-    info.set_defaults(run=_run_info)
 
-    health = commands.add_parser(
-        "health", help="print the server's grpc.health.v1 status",
-        description="Print the server's grpc.health.v1 status (SERVING, NOT_SERVING, ...); the exit status is 0 "
-                    "only for SERVING.")
-    health.set_defaults(run=_run_health)
+    _command(commands, _run_health, "health", "print the server's grpc.health.v1 status",
+             "Print the server's grpc.health.v1 status (SERVING, NOT_SERVING, ...); the exit status is 0 only for "
+             "SERVING.")
     return parser
 
 

@@ -3,51 +3,27 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import grpc
-from grpc_health.v1 import health_pb2_grpc
 
-from ._channel import (
-    PemSource,
-    call_metadata,
-    channel_credentials,
-    channel_options,
-    channel_target,
-    check_auth_token,
-    health_request,
-    health_status_name,
-    new_request_id,
-)
+from . import _core
+from ._core import Call, ClientCore
 from ._proto import sampler_pb2 as pb
-from ._proto import sampler_pb2_grpc
-from ._retry import Backoff, CallPolicy
-from .errors import error_from_rpc
-from .params import SampleOptions, build_sample_request, serialize_sample_request
+from .params import SampleOptions
 from .regions import CudaRegion, RegionView, SharedMemoryRegion
 from .result import SampleResult
-from .workloads import (
-    DiffusionStepResult,
-    ScoreTokensResult,
-    TopKProbsResult,
-    VerifyDraftResult,
-    build_diffusion_request,
-    build_score_request,
-    build_topk_request,
-    build_verify_request,
-)
 from .stream import SampleStream
-from .weights import DEFAULT_CHUNK_BYTES, Progress, WeightUpload, region_weights_request, weight_options
-from .wire import sample_methods
+from .weights import DEFAULT_CHUNK_BYTES, HeadOptions, Progress
+from .workloads import DiffusionStepResult, ScoreTokensResult, TopKProbsResult, VerifyDraftResult
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-Response = TypeVar("Response")
+T = TypeVar("T")
 
 
-class SamplerClient:
+class SamplerClient(ClientCore):
     """Blocking client: `SamplerClient("localhost:50051").sample(logits, top_k=50)`.
 
     Args:
@@ -70,54 +46,17 @@ class SamplerClient:
     Every failed call raises TokenSamplerError carrying the gRPC status code.
     """
 
-    def __init__(
-        self,
-        target: str | Sequence[str],
-        *,
-        timeout: float | None = None,
-        retries: int = 3,
-        backoff: Backoff | None = None,
-        max_message_mb: int = 256,
-        options: Sequence[tuple[str, Any]] | None = None,
-        credentials: grpc.ChannelCredentials | None = None,
-        tls_ca: PemSource | None = None,
-        tls_cert: PemSource | None = None,
-        tls_key: PemSource | None = None,
-        auth_token: str | None = None,
-    ) -> None:
-        self._policy = CallPolicy(timeout, retries, backoff or Backoff())
-        self._auth_token = check_auth_token(auth_token)
-        channel_args = channel_options(max_message_mb, options)
-        credentials = channel_credentials(credentials, tls_ca, tls_cert, tls_key)
-        target = channel_target(target)
-        if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=channel_args)
-        else:
-            self._channel = grpc.secure_channel(target, credentials, options=channel_args)
-        self._stub = sampler_pb2_grpc.SamplerStub(self._channel)
-        self._sample, self._sample_stream = sample_methods(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+    _grpc: ClassVar[Any] = grpc
 
-    def _call(
-        self,
-        method: Callable[..., Response],
-        request: Any,
-        timeout: float | None,
-        request_id: str | None,
-        idempotent: bool = False,
-    ) -> Response:
-        """Calls `method`, retrying UNAVAILABLE and overload with backoff within the deadline (see _retry.py)."""
-        request_id = request_id or new_request_id()
-        metadata = call_metadata(request_id, self._auth_token)
-        state = self._policy.start(timeout)
-        while True:
-            try:
-                return method(request, timeout=state.remaining(), metadata=metadata)
-            except grpc.RpcError as err:
-                delay = state.next_delay(err.code(), err.trailing_metadata(), idempotent, err.details())  # type: ignore[attr-defined]
-                if delay is None:
-                    raise error_from_rpc(err, request_id) from err
-            time.sleep(delay)
+    def _run(self, call: Call[T]) -> T:
+        """Sends `call` and decodes its answer, retrying UNAVAILABLE and overload with backoff within the deadline."""
+        with self._attempts(call) as attempt:
+            while True:
+                try:
+                    return call.decode(attempt.send(self._stub))
+                except grpc.RpcError as err:
+                    delay = attempt.retry_delay(err)
+                time.sleep(delay)
 
     def sample(
         self, logits: Any, *, timeout: float | None = None, request_id: str | None = None,
@@ -163,16 +102,14 @@ class SamplerClient:
         wrong length or type, TokenSamplerError when the call fails (INVALID_ARGUMENT for values
         out of range).
         """
-        request = serialize_sample_request(logits, **options)
-        return self.sample_request(request, timeout=timeout, request_id=request_id)
+        return self._run(_core.sample(logits, timeout=timeout, request_id=request_id, **options))
 
     def sample_request(
         self, request: pb.SampleRequest | bytes, *, timeout: float | None = None, request_id: str | None = None
     ) -> SampleResult:
         """Sends a SampleRequest built ahead of time (params.build_sample_request, or its bytes from
         params.serialize_sample_request) and decodes the answer."""
-        response = self._call(self._sample, request, timeout, request_id, idempotent=True)
-        return SampleResult.from_response(response)
+        return self._run(_core.sample_request(request, timeout=timeout, request_id=request_id))
 
     def sample_hidden(self, hidden: Any, weights: str, **params: Any) -> SampleResult:
         """Samples from hidden states [B, D] (or [D]) through the registered LM head `weights`.
@@ -180,17 +117,14 @@ class SamplerClient:
         Takes every keyword of sample(), timeout and request_id included; the server computes the
         logits (docs/semantics.md: x = W·h, then the weight's bias, scale and soft cap).
         """
-        timeout, request_id = params.pop("timeout", None), params.pop("request_id", None)
-        request = build_sample_request(hidden=hidden, weights=weights, **params)
-        return self.sample_request(request, timeout=timeout, request_id=request_id)
+        return self._run(_core.sample_hidden(hidden, weights, **params))
 
     def sample_diffusion_step(
         self, logits: Any, mask: Any, *, timeout: float | None = None, request_id: str | None = None, **params: Any
     ) -> DiffusionStepResult:
         """One denoising step of a diffusion LM: logits [B, L, V], mask [B, L] of undecided positions;
         keywords: confidence_threshold, commit_count and sample()'s per-row sampling parameters."""
-        request = build_diffusion_request(logits, mask, **params)
-        return DiffusionStepResult.from_response(self._call(self._stub.SampleDiffusionStep, request, timeout, request_id))
+        return self._run(_core.sample_diffusion_step(logits, mask, timeout=timeout, request_id=request_id, **params))
 
     def sample_diffusion_step_hidden(
         self, hidden: Any, weights: str, mask: Any, *, timeout: float | None = None, request_id: str | None = None,
@@ -198,15 +132,14 @@ class SamplerClient:
     ) -> DiffusionStepResult:
         """sample_diffusion_step() of the logits that the registered LM head `weights` makes of hidden
         states [B, L, D] (computed by the server, as for sample_hidden()); the same keywords."""
-        request = build_diffusion_request(None, mask, hidden=hidden, weights=weights, **params)
-        return DiffusionStepResult.from_response(self._call(self._stub.SampleDiffusionStep, request, timeout, request_id))
+        return self._run(_core.sample_diffusion_step(
+            None, mask, hidden=hidden, weights=weights, timeout=timeout, request_id=request_id, **params))
 
     def topk_probs(
         self, logits: Any, k: int, *, temperature: Any = None, timeout: float | None = None, request_id: str | None = None
     ) -> TopKProbsResult:
         """The k most probable ids of softmax(logits / T) for logits [B, S, V] or [B, V], sorted."""
-        request = build_topk_request(logits, k, temperature)
-        return TopKProbsResult.from_response(self._call(self._stub.TopKProbs, request, timeout, request_id))
+        return self._run(_core.topk_probs(logits, k, temperature, timeout=timeout, request_id=request_id))
 
     def topk_probs_hidden(
         self, hidden: Any, weights: str, k: int, *, temperature: Any = None, timeout: float | None = None,
@@ -214,8 +147,8 @@ class SamplerClient:
     ) -> TopKProbsResult:
         """topk_probs() of the logits that the registered LM head `weights` makes of hidden states
         [B, S, D] or [B, D] (computed by the server, as for sample_hidden())."""
-        request = build_topk_request(None, k, temperature, hidden=hidden, weights=weights)
-        return TopKProbsResult.from_response(self._call(self._stub.TopKProbs, request, timeout, request_id))
+        return self._run(_core.topk_probs(
+            None, k, temperature, hidden=hidden, weights=weights, timeout=timeout, request_id=request_id))
 
     def score_tokens(
         self, logits: Any, token_ids: Any, *, timeout: float | None = None, request_id: str | None = None,
@@ -224,8 +157,7 @@ class SamplerClient:
         """The log-probs of token_ids [B, T] under logits [B, T, V] (docs/semantics.md, choice 18); keywords:
         mode ("raw" or "processed"), temperature, top_k, top_p, min_p (per row, PROCESSED), top_logprobs,
         return_entropy."""
-        request = build_score_request(logits, token_ids, **params)
-        return ScoreTokensResult.from_response(self._call(self._stub.ScoreTokens, request, timeout, request_id))
+        return self._run(_core.score_tokens(logits, token_ids, timeout=timeout, request_id=request_id, **params))
 
     def score_tokens_hidden(
         self, hidden: Any, weights: str, token_ids: Any, *, timeout: float | None = None,
@@ -233,8 +165,8 @@ class SamplerClient:
     ) -> ScoreTokensResult:
         """score_tokens() under the logits that the registered LM head `weights` makes of hidden states
         [B, T, D]: the server walks the vocabulary in slices, never holding the [B·T, V] logits."""
-        request = build_score_request(None, token_ids, hidden=hidden, weights=weights, **params)
-        return ScoreTokensResult.from_response(self._call(self._stub.ScoreTokens, request, timeout, request_id))
+        return self._run(_core.score_tokens(
+            None, token_ids, hidden=hidden, weights=weights, timeout=timeout, request_id=request_id, **params))
 
     def verify_draft(
         self, draft_ids: Any, target_logits: Any, *, timeout: float | None = None, request_id: str | None = None,
@@ -243,97 +175,56 @@ class SamplerClient:
         """Speculative decoding: accepts a prefix of draft_ids [B, n] against target_logits [B, n + 1, V]
         by exact rejection sampling; keywords: draft_probs or draft_logits [B, n, V], and the target's
         per-row sampling parameters (position = the position of draft token 0)."""
-        request = build_verify_request(draft_ids, target_logits, **params)
-        return VerifyDraftResult.from_response(self._call(self._stub.VerifyDraft, request, timeout, request_id))
+        return self._run(_core.verify_draft(draft_ids, target_logits, timeout=timeout, request_id=request_id, **params))
 
     def register_weights(
-        self,
-        name: str,
-        weight: Any,
-        *,
-        vocab_size: int | None = None,
-        bias: Any = None,
-        soft_cap: float | None = None,
-        logit_scale: float | None = None,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        progress: Progress | None = None,
-        timeout: float | None = None,
+        self, name: str, weight: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Progress | None = None,
+        timeout: float | None = None, **options: Unpack[HeadOptions],
     ) -> pb.WeightsInfo:
         """Uploads an LM head W [V, D] (float32/bfloat16/float16) in chunks and registers it as `name`.
 
         progress(bytes_sent, total) is called after each chunk. The server uses the weight only once
-        every byte arrived and the SHA-256 matches. Options: see weights.weight_options.
+        every byte arrived and the SHA-256 matches. Options (vocab_size, bias, soft_cap, logit_scale): see
+        weights.weight_options.
         """
-        options = weight_options(vocab_size=vocab_size, bias=bias, soft_cap=soft_cap, logit_scale=logit_scale)
-        upload = WeightUpload(name, weight, options, chunk_bytes, progress)
-        # A fresh iterator of the chunks for every attempt: a retry re-sends the whole upload.
-        def send(chunks: WeightUpload, **kwargs: Any) -> Any:
-            return self._stub.RegisterWeights(iter(chunks), **kwargs)
-
-        return self._call(send, upload, timeout, None)
+        return self._run(_core.register_weights(name, weight, chunk_bytes, progress, timeout, options))
 
     def register_weights_from_file(
-        self,
-        name: str,
-        path: str,
-        tensor: str = "lm_head.weight",
-        *,
-        vocab_size: int | None = None,
-        bias: Any = None,
-        soft_cap: float | None = None,
-        logit_scale: float | None = None,
-        timeout: float | None = None,
+        self, name: str, path: str, tensor: str = "lm_head.weight", *, timeout: float | None = None,
+        **options: Unpack[HeadOptions],
     ) -> pb.WeightsInfo:
-        """Registers `tensor` of the safetensors file `path` (relative to the server's --weights-dir)."""
-        options = weight_options(vocab_size=vocab_size, bias=bias, soft_cap=soft_cap, logit_scale=logit_scale)
-        request = pb.RegisterWeightsFromFileRequest(name=name, path=path, tensor=tensor, options=options)
-        return self._call(self._stub.RegisterWeightsFromFile, request, timeout, None)
+        """Registers `tensor` of the safetensors file `path` (relative to the server's --weights-dir); options as
+        for register_weights."""
+        return self._run(_core.register_weights_from_file(name, path, tensor, timeout, options))
 
     def register_weights_from_region(
-        self,
-        name: str,
-        weight: RegionView,
-        *,
-        vocab_size: int | None = None,
-        bias: Any = None,
-        soft_cap: float | None = None,
-        logit_scale: float | None = None,
-        timeout: float | None = None,
+        self, name: str, weight: RegionView, *, timeout: float | None = None, **options: Unpack[HeadOptions]
     ) -> pb.WeightsInfo:
         """Registers the LM head W [V, D] that lies in a registered region, in place: the engine's own weight,
         `client.register_cuda_region("lm_head", w)` then `register_weights_from_region("lm_head", region.view_of(w))`.
-        Keep W alive and unchanged until the weight is unregistered; the region cannot be unregistered before."""
-        options = weight_options(vocab_size=vocab_size, bias=bias, soft_cap=soft_cap, logit_scale=logit_scale)
-        request = region_weights_request(name, weight, options)
-        return self._call(self._stub.RegisterWeightsFromRegion, request, timeout, None)
+        Keep W alive and unchanged until the weight is unregistered; the region cannot be unregistered before.
+        Options as for register_weights."""
+        return self._run(_core.register_weights_from_region(name, weight, timeout, options))
 
     def list_weights(self, *, timeout: float | None = None) -> list[pb.WeightsInfo]:
         """The registered weights."""
-        return list((self._call(self._stub.ListWeights, pb.ListWeightsRequest(), timeout, None)).weights)
+        return self._run(_core.list_weights(timeout))
 
     def unregister_weights(self, name: str, *, timeout: float | None = None) -> pb.WeightsInfo:
         """Unregisters `name` once the requests using it have finished."""
-        request = pb.UnregisterWeightsRequest(name=name)
-        return (self._call(self._stub.UnregisterWeights, request, timeout, None)).weights
+        return self._run(_core.unregister_weights(name, timeout))
 
     def stream(self, *, timeout: float | None = None, request_id: str | None = None) -> SampleStream:
         """Opens a SampleStream for a decode loop (see stream.py): `with client.stream() as s: s.sample(logits)`.
 
         `timeout` bounds the whole stream (default: none); UNAVAILABLE is not retried inside it.
         """
-        metadata = call_metadata(request_id or new_request_id(), self._auth_token)
-        return SampleStream(self._sample_stream, metadata, timeout)
+        return SampleStream(self._stub.SampleStream, self._stream_metadata(request_id), timeout)
 
     def register_shm_region(self, name: str, byte_size: int, *, timeout: float | None = None) -> SharedMemoryRegion:
         """Creates a POSIX shared-memory segment of byte_size bytes and registers it as `name`
         (the server needs --allow-shm and the same machine). Write tensors into region.tensor(...)."""
-        region = SharedMemoryRegion(name, byte_size)
-        try:
-            self._call(self._stub.RegisterRegion, region.request, timeout, None)
-        except BaseException:
-            region.release()
-            raise
-        return region
+        return self._run(_core.register_shm_region(name, byte_size, timeout))
 
     def register_cuda_region(
         self, name: str, tensor: Any, *, ready_event: bool = False, timeout: float | None = None
@@ -342,24 +233,18 @@ class SamplerClient:
         needs --allow-cuda-ipc and the same machine). Keep the tensor alive while it is registered and
         synchronise its stream before each request that reads it, or, with ready_event=True, call
         region.mark_ready() after writing: the server's GPU work then waits for the writes, the host does not."""
-        region = CudaRegion(name, tensor, ready_event)
-        self._call(self._stub.RegisterRegion, region.request, timeout, None)
-        return region
+        return self._run(_core.register_cuda_region(name, tensor, ready_event, timeout))
 
     def list_regions(self, *, timeout: float | None = None) -> list[pb.RegionInfo]:
-        return list((self._call(self._stub.ListRegions, pb.ListRegionsRequest(), timeout, None)).regions)
+        return self._run(_core.list_regions(timeout))
 
     def unregister_region(self, region: str | SharedMemoryRegion | CudaRegion, *, timeout: float | None = None) -> pb.RegionInfo:
         """Unregisters a region once no request uses it; a region object is then released too."""
-        name = region if isinstance(region, str) else region.name
-        info = (self._call(self._stub.UnregisterRegion, pb.UnregisterRegionRequest(name=name), timeout, None)).region
-        if not isinstance(region, str):
-            region.release()
-        return info
+        return self._run(_core.unregister_region(region, timeout))
 
     def server_info(self, *, timeout: float | None = None) -> pb.ServerInfo:
         """The server's version, backend, device, limits, logits dtypes and features."""
-        return self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), timeout, None)
+        return self._run(_core.server_info(timeout))
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """The grpc.health.v1 status of `service` ("" = the whole server): "SERVING" or "NOT_SERVING".
@@ -367,7 +252,7 @@ class SamplerClient:
         "NOT_SERVING" is reported while the server drains on shutdown; an unknown service raises
         TokenSamplerError with code NOT_FOUND.
         """
-        return health_status_name(self._call(self._health.Check, health_request(service), timeout, None))
+        return self._run(_core.health(service, timeout))
 
     def close(self) -> None:
         """Closes the channel; calls in flight are cancelled."""

@@ -20,6 +20,10 @@ class Timings:
     compute_ns: int
     total_ns: int
 
+    @classmethod
+    def from_message(cls, message: pb.Timings) -> Timings:
+        return cls(message.queue_ns, message.compute_ns, message.total_ns)
+
 
 def _summary(value: Any) -> str:
     """A field as repr shows it: an array by dtype and shape (a [B, V]-sized print helps no one), a list by
@@ -107,8 +111,7 @@ _DECODERS: dict[str, Callable[[pb.SampleResponse], Any]] = {
     "seeds": lambda response: list(response.seeds),
     "valid": lambda response: bool_array(response.valid),
     "nan_detected": lambda response: bool_array(response.nan_detected),
-    "timings": lambda response: Timings(response.timings.queue_ns, response.timings.compute_ns,
-                                        response.timings.total_ns),
+    "timings": lambda response: Timings.from_message(response.timings),
     "request_id": lambda response: response.request_id,
 }
 

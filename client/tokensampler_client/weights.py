@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -16,6 +16,15 @@ DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 
 Progress = Callable[[int, int], None]
 """Called as progress(bytes_sent, total_bytes) after each chunk."""
+
+
+class HeadOptions(TypedDict, total=False):
+    """The keywords of weight_options, which every call that registers an LM head takes."""
+
+    vocab_size: int | None
+    bias: Any
+    soft_cap: float | None
+    logit_scale: float | None
 
 
 def weight_options(

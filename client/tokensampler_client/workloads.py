@@ -41,8 +41,13 @@ def _set_input(
     return _float_tensor("hidden", hidden, rank, request.hidden.states)
 
 
-def _timings(message: pb.Timings) -> Timings:
-    return Timings(message.queue_ns, message.compute_ns, message.total_ns)
+def _decoded(response: Any, tensors: dict[str, Any], optional: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The fields every workload result shares, decoded from its response: the tensors named in `tensors`, each as
+    its dtype, those in `optional` as well where the response holds them (else None), the timings and request id."""
+    fields = {name: decode_owned(getattr(response, name), name, dtype) for name, dtype in tensors.items()}
+    for name, dtype in (optional or {}).items():
+        fields[name] = decode_owned(getattr(response, name), name, dtype) if response.HasField(name) else None
+    return {**fields, "timings": Timings.from_message(response.timings), "request_id": response.request_id}
 
 
 @dataclass(repr=False)
@@ -59,14 +64,8 @@ class DiffusionStepResult(ReadableRepr):
 
     @classmethod
     def from_response(cls, response: pb.DiffusionStepResponse) -> DiffusionStepResult:
-        return cls(
-            tokens=decode_owned(response.tokens, "tokens", np.int64),
-            confidences=decode_owned(response.confidences, "confidences", np.float32),
-            mask=decode_tensor(response.mask, "mask") != 0,
-            seeds=list(response.seeds),
-            timings=_timings(response.timings),
-            request_id=response.request_id,
-        )
+        fields = _decoded(response, {"tokens": np.int64, "confidences": np.float32})
+        return cls(**fields, mask=decode_tensor(response.mask, "mask") != 0, seeds=list(response.seeds))
 
 
 def build_diffusion_request(
@@ -99,12 +98,7 @@ class TopKProbsResult(ReadableRepr):
 
     @classmethod
     def from_response(cls, response: pb.TopKProbsResponse) -> TopKProbsResult:
-        return cls(
-            probs=decode_owned(response.probs, "probs", np.float32),
-            ids=decode_owned(response.ids, "ids", np.int64),
-            timings=_timings(response.timings),
-            request_id=response.request_id,
-        )
+        return cls(**_decoded(response, {"probs": np.float32, "ids": np.int64}))
 
 
 def build_topk_request(
@@ -133,13 +127,7 @@ class VerifyDraftResult(ReadableRepr):
 
     @classmethod
     def from_response(cls, response: pb.VerifyDraftResponse) -> VerifyDraftResult:
-        return cls(
-            accepted=decode_owned(response.accepted, "accepted", np.int64),
-            tokens=decode_owned(response.tokens, "tokens", np.int64),
-            seeds=list(response.seeds),
-            timings=_timings(response.timings),
-            request_id=response.request_id,
-        )
+        return cls(**_decoded(response, {"accepted": np.int64, "tokens": np.int64}), seeds=list(response.seeds))
 
 
 def build_verify_request(
@@ -177,17 +165,8 @@ class ScoreTokensResult(ReadableRepr):
 
     @classmethod
     def from_response(cls, response: pb.ScoreTokensResponse) -> ScoreTokensResult:
-        def optional(name: str, dtype: Any) -> Array | None:
-            return decode_owned(getattr(response, name), name, dtype) if response.HasField(name) else None
-
-        return cls(
-            logprobs=decode_owned(response.logprobs, "logprobs", np.float32),
-            top_logprob_ids=optional("top_logprob_ids", np.int64),
-            top_logprobs=optional("top_logprobs", np.float32),
-            entropy=optional("entropy", np.float32),
-            timings=_timings(response.timings),
-            request_id=response.request_id,
-        )
+        optional = {"top_logprob_ids": np.int64, "top_logprobs": np.float32, "entropy": np.float32}
+        return cls(**_decoded(response, {"logprobs": np.float32}, optional))
 
 
 def build_score_request(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokensampler_server.model.sampling import LogprobsMode, SamplingBatch
+from tokensampler_server.model.sampling import LogprobsMode, SamplingBatch, SamplingResult
 
 MODES: dict[str, dict[str, float | int]] = {
     "greedy": {"temperature": 0.0},
@@ -46,6 +46,16 @@ def make_batch(x: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0, top
         return_logprobs=return_logprobs, logprobs_mode=logprobs_mode, top_logprobs=top_logprobs)
 
 
+def assert_logprobs_match(got: SamplingResult, want: SamplingResult) -> None:
+    """The log-probs of a CUDA result against the CPU reference's: the same tokens in more than 90 % of the rows,
+    and in those the same log-probs; the same top log-prob ids and log-probs in every row (1e-4)."""
+    same = (got.tokens == want.tokens).all(dim=1)
+    assert same.float().mean() > 0.9
+    torch.testing.assert_close(got.logprobs[same], want.logprobs[same], rtol=1e-4, atol=1e-4, equal_nan=True)
+    assert torch.equal(got.top_logprob_ids, want.top_logprob_ids)
+    torch.testing.assert_close(got.top_logprobs, want.top_logprobs, rtol=1e-4, atol=1e-4, equal_nan=True)
+
+
 def rows_of_kind(kind: str, b: int, vocab: int, gen: torch.Generator, dev: torch.device) -> torch.Tensor:
     """Rows that test the exact routes: spiky (randn + 50 spikes), flat (randn), tight (up to 3000 tokens
     within 1e-3 of each other at the top), plateau (every third logit 4.0), near_equal (5 + 1e-6 randn)."""
@@ -63,8 +73,16 @@ def rows_of_kind(kind: str, b: int, vocab: int, gen: torch.Generator, dev: torch
     return x
 
 
-def rows_of_every_kind(b: int, vocab: int, gen: torch.Generator, dev: torch.device):
-    """(kind, dtype, rows) for every kind of rows_of_kind, each in fp32 and in bf16 (contiguous)."""
+def case_generator(dev: torch.device, vocab: int, temperature: float, scale: int = 10) -> torch.Generator:
+    """A generator on `dev` seeded by a case's vocabulary size and temperature (vocab + int(scale * T)): each case
+    draws rows of its own."""
+    return torch.Generator(device=dev).manual_seed(vocab + int(scale * temperature))
+
+
+def rows_of_every_kind(b: int, vocab: int, temperature: float, dev: torch.device):
+    """(kind, dtype, rows) for every kind of rows_of_kind, each in fp32 and in bf16 (contiguous), drawn from the
+    case_generator of (vocab, temperature)."""
+    gen = case_generator(dev, vocab, temperature)
     for kind in ("spiky", "flat", "tight", "plateau", "near_equal"):
         x = rows_of_kind(kind, b, vocab, gen, dev)
         for dtype in (torch.float32, torch.bfloat16):
@@ -124,6 +142,12 @@ def cuda_backend():
     from tokensampler_server.backends.cuda import CudaBackend
 
     return CudaBackend(0)
+
+
+@pytest.fixture(scope="session")
+def sampling_kernels(cuda_backend):
+    """The CUDA backend's sampling kernels, called directly."""
+    return cuda_backend._kernels
 
 
 @pytest.fixture(scope="session")

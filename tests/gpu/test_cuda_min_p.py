@@ -60,23 +60,20 @@ def _exact_min_p_sample(kernels, x: torch.Tensor, params: RowParams, sample: int
 
 @pytest.mark.parametrize("vocab", [151936, 32003, 262144, 1000, 3])
 @pytest.mark.parametrize("temperature", [1.0, 0.4, 2.5])
-def test_min_p_route_matches_filter(cuda_backend, vocab, temperature):
-    kernels = cuda_backend._kernels
-    dev = kernels.device
-    gen = torch.Generator(device=dev).manual_seed(vocab + int(10 * temperature))
+def test_min_p_route_matches_filter(sampling_kernels, vocab, temperature):
+    dev = sampling_kernels.device
     b = 24
     params = _params(b, dev, temperature, [MIN_PS[i % len(MIN_PS)] for i in range(b)])
-    for kind, dtype, x in rows_of_every_kind(b, vocab, gen, dev):
-        got, want = _both_routes(kernels, x, params)
+    for kind, dtype, x in rows_of_every_kind(b, vocab, temperature, dev):
+        got, want = _both_routes(sampling_kernels, x, params)
         assert torch.equal(got, want), f"{kind} {dtype}: rows {(got != want).any(1).nonzero().flatten().tolist()}"
 
 
-def test_tokens_at_the_floor(cuda_backend):
+def test_tokens_at_the_floor(sampling_kernels):
     """Tokens a few ulps either side of x = M + T log m (and of the floors the mask derives from it, a
     delta away in z), at several temperatures and magnitudes of M: the exact test decides them, and the
     token drawn is the exact Gumbel-max over the kept set."""
-    kernels = cuda_backend._kernels
-    dev = kernels.device
+    dev = sampling_kernels.device
     gen = torch.Generator(device=dev).manual_seed(5)
     b, vocab, m = 16, 40000, 0.05
     for temperature, scale in ((1.0, 1.0), (0.05, 1.0), (3.0, 100.0), (1.0, 1000.0)):
@@ -92,31 +89,30 @@ def test_tokens_at_the_floor(cuda_backend):
         offsets = torch.linspace(-2, 2, 200, device=dev)
         x[:, idx[:200]] = floor.unsqueeze(1) + (temperature * delta).unsqueeze(1) * offsets
         params = _params(b, dev, temperature, [m] * b)
-        got, want = _both_routes(kernels, x, params, samples=2)
+        got, want = _both_routes(sampling_kernels, x, params, samples=2)
         assert torch.equal(got, want), f"T={temperature}: rows {(got != want).any(1).nonzero().flatten().tolist()}"
         for sample in range(2):
-            exact = _exact_min_p_sample(kernels, x, params, sample)
+            exact = _exact_min_p_sample(sampling_kernels, x, params, sample)
             assert torch.equal(got[:, sample], exact), f"T={temperature} sample {sample}"
 
 
-def test_extreme_rows(cuda_backend):
+def test_extreme_rows(sampling_kernels):
     """No finite logit, NaN and +inf (treated as -inf), one finite logit, |M| huge, T tiny and huge."""
-    kernels = cuda_backend._kernels
-    dev = kernels.device
+    dev = sampling_kernels.device
     b, vocab = 8, 20000
     x = degenerate_rows(b, vocab, dev)
     x[3, ::5] = float("inf")
     x[4] *= 3e4
     x[5] = x[5] * 1e-30
     params = _params(b, dev, 1.0, [0.1] * b)
-    got, want = _both_routes(kernels, x, params)
+    got, want = _both_routes(sampling_kernels, x, params)
     assert torch.equal(got, want)
     assert got[0].tolist() == [-1, -1] and got[2].tolist() == [12345, 12345]
     for temperature in (1e-6, 1e-4, 1e4, 1e20):
         params = _params(b, dev, temperature, [0.1, 0.5, 1e-20, 0.99, 0.05, 0.2, 1.0, 1e-3])
-        got, want = _both_routes(kernels, x, params)
+        got, want = _both_routes(sampling_kernels, x, params)
         assert torch.equal(got, want), f"T={temperature}: rows {(got != want).any(1).nonzero().flatten().tolist()}"
-        assert torch.equal(got[:, 1], _exact_min_p_sample(kernels, x, params, 1)), f"T={temperature}"
+        assert torch.equal(got[:, 1], _exact_min_p_sample(sampling_kernels, x, params, 1)), f"T={temperature}"
 
 
 def test_backend_routes_min_p_alone_through_the_mask(cuda_backend, cpu_backend, monkeypatch):

@@ -56,86 +56,80 @@ def _both_routes(kernels, x: torch.Tensor, params: RowParams, samples: int = 2):
 
 @pytest.mark.parametrize("vocab", [151936, 32003, 262144, 1000])
 @pytest.mark.parametrize("temperature", [1.0, 0.4, 2.5])
-def test_frontier_matches_filter(cuda_backend, vocab, temperature):
-    kernels = cuda_backend._kernels
-    dev = kernels.device
-    gen = torch.Generator(device=dev).manual_seed(vocab + int(10 * temperature))
+def test_frontier_matches_filter(sampling_kernels, vocab, temperature):
+    dev = sampling_kernels.device
     b = 24
     top_p = [(0.9, 0.5, 0.99, 1.0)[i % 4] for i in range(b)]
     min_p = [(0.0, 0.0, 0.02, 0.05, 0.3, 0.0)[i % 6] for i in range(b)]
     top_p = [p if (p < 1 or m > 0) else 0.7 for p, m in zip(top_p, min_p)]
     params = _params(b, dev, temperature, top_p, min_p)
-    for kind, dtype, x in rows_of_every_kind(b, vocab, gen, dev):
-        got, want, settled = _both_routes(kernels, x, params)
+    for kind, dtype, x in rows_of_every_kind(b, vocab, temperature, dev):
+        got, want, settled = _both_routes(sampling_kernels, x, params)
         assert torch.equal(got, want), f"{kind} {dtype}: rows {(got != want).any(1).nonzero().flatten().tolist()}"
         if kind in ("spiky", "flat") and dtype == torch.float32:
             share = settled.float().mean().item()
             assert share >= 0.95, f"{kind}: the frontier settled only {share:.0%} of the rows"
 
 
-def test_rows_beyond_the_bounds_go_to_the_filter(cuda_backend):
-    kernels = cuda_backend._kernels
-    dev = kernels.device
+def test_rows_beyond_the_bounds_go_to_the_filter(sampling_kernels):
+    dev = sampling_kernels.device
     gen = torch.Generator(device=dev).manual_seed(3)
     b, vocab = 8, 50000
     x = torch.randn(b, vocab, device=dev, generator=gen)
     x[:4] *= 3000.0  # |max| above kFrontierBound
     params = _params(b, dev, 1.0, [0.9] * b, [0.0] * 4 + [0.05] * 4)
-    got, want, settled = _both_routes(kernels, x, params)
+    got, want, settled = _both_routes(sampling_kernels, x, params)
     assert torch.equal(got, want)
     assert settled.tolist() == [False] * 4 + [True] * 4
     tiny_t = _params(b, dev, 1e-4, [0.9] * b, [0.0] * b)  # below the temperatures the proxies cover
-    got, want, settled = _both_routes(kernels, x[4:].repeat(2, 1).contiguous(), tiny_t)
+    got, want, settled = _both_routes(sampling_kernels, x[4:].repeat(2, 1).contiguous(), tiny_t)
     assert torch.equal(got, want) and not settled.any()
 
 
-def test_invalid_and_nan_rows(cuda_backend):
+def test_invalid_and_nan_rows(sampling_kernels):
     """Rows with NaN or +inf (read as -inf) that need the mass pass go to the filter: the mass pass reads
     logits unsanitized. Rows 4 and 5 are such rows, with +inf and with NaN, with and without min-p. A row whose
     frontier is the argmax alone needs no mass pass and is settled whatever its NaNs (8 of 300 random draws of
     these rows, each time with the filter's tokens), so the rows are drawn from a fixed seed where none is."""
-    kernels = cuda_backend._kernels
-    dev = kernels.device
+    dev = sampling_kernels.device
     b, vocab = 6, 20000
     x = degenerate_rows(b, vocab, dev, torch.Generator(device=dev).manual_seed(0))
     x[4, 5::11] = float("inf")
     x[5, 3::5] = float("nan")
     params = _params(b, dev, 1.0, [0.9, 0.9, 0.5, 1.0, 0.9, 0.5], [0.0, 0.1, 0.0, 0.1, 0.05, 0.0])
-    got, want, settled = _both_routes(kernels, x, params)
+    got, want, settled = _both_routes(sampling_kernels, x, params)
     assert torch.equal(got, want)
     assert got[0].tolist() == [-1, -1] and got[2].tolist() == [12345, 12345]
     assert not settled[[1, 4, 5]].any()
 
 
-def test_frontier_matches_filter_on_the_agreement_matrix_case(cuda_backend):
+def test_frontier_matches_filter_on_the_agreement_matrix_case(sampling_kernels):
     """The case of test_cuda_agreement.py that found a race in the block's best pilot (threads outside
     warp 0 left warp 0 out of it): V = 1000, B = 1000 flat rows, T = 0.7, four samples; a few tokens
     of 4000 differed from the filter."""
-    kernels = cuda_backend._kernels
-    dev = kernels.device
+    dev = sampling_kernels.device
     gen = torch.Generator(device=dev).manual_seed(31)
     b = 1000
     x = torch.randn(b, 1000, device=dev, generator=gen)
     for top_p, min_p in ((0.8, 0.02), (1.0, 0.05), (0.9, 0.0)):
         params = _params(b, dev, 0.7, [top_p] * b, [min_p] * b)
-        got, want, _ = _both_routes(kernels, x, params, samples=4)
+        got, want, _ = _both_routes(sampling_kernels, x, params, samples=4)
         assert torch.equal(got, want), f"p={top_p} m={min_p}: {(got != want).nonzero().tolist()[:8]}"
 
 
 @pytest.mark.parametrize("kind", ["flat", "spiky"])
-def test_frontier_matches_filter_on_a_large_batch(cuda_backend, kind):
+def test_frontier_matches_filter_on_a_large_batch(sampling_kernels, kind):
     """B = 512 rows of V = 151936: the frontier grid runs in several waves while the mass pass's blocks wait on
     each row's merge, so rows merge and are summed in every order; p from 0.02 to 0.995 (cuts before, among and
     after the summed frontier tokens) and three temperatures, against the filter's tokens."""
-    kernels = cuda_backend._kernels
-    dev = kernels.device
+    dev = sampling_kernels.device
     gen = torch.Generator(device=dev).manual_seed(29 if kind == "flat" else 37)
     b, vocab = 512, 151936
     x = rows_of_kind(kind, b, vocab, gen, dev)
     top_p = (0.02, 0.3, 0.6, 0.8, 0.9, 0.95, 0.99, 0.995)
     for temperature in (1.0, 0.5, 3.0):
         params = _params(b, dev, temperature, [top_p[i % len(top_p)] for i in range(b)], [0.0] * b)
-        got, want, _ = _both_routes(kernels, x, params, samples=1)
+        got, want, _ = _both_routes(sampling_kernels, x, params, samples=1)
         assert torch.equal(got, want), f"T={temperature}: rows {(got != want).any(1).nonzero().flatten().tolist()}"
 
 
@@ -160,7 +154,7 @@ def _frontier_masses(kernels, x: torch.Tensor, params: RowParams, row: int) -> l
 
 
 @pytest.mark.parametrize("b,vocab", [(16, 20000), (128, 151936)])
-def test_cuts_the_approximate_mass_pass_cannot_place(cuda_backend, b, vocab):
+def test_cuts_the_approximate_mass_pass_cannot_place(sampling_kernels, b, vocab):
     """Two kinds of rows the approximate mass pass must not decide. p x total within a part in 10^7 of
     the mass ahead of one of the last two frontier tokens, closer than its sums can tell
     (kMassTolerance): the exact mass pass decides them (a wrong approximate decision would show as a
@@ -168,8 +162,7 @@ def test_cuts_the_approximate_mass_pass_cannot_place(cuda_backend, b, vocab):
     fifth last frontier tokens, before the last four whose masses the passes sum (kMassFrontier): the
     filter's exact fixed point samples them. In the first 16 rows; at B = 128, V = 151936 the mass pass
     takes two chunks a block (mass_blocks_per_row) and the other rows keep p = 0.9."""
-    kernels = cuda_backend._kernels
-    dev = kernels.device
+    dev = sampling_kernels.device
     gen = torch.Generator(device=dev).manual_seed(11)
     x = torch.randn(b, vocab, device=dev, generator=gen)
     base = _params(b, dev, 2.0, [0.9] * b, [0.0] * b)
@@ -178,7 +171,7 @@ def test_cuts_the_approximate_mass_pass_cannot_place(cuda_backend, b, vocab):
         if row >= 16:
             top_p.append(0.9)
             continue
-        frontier = _frontier_masses(kernels, x, base, row)
+        frontier = _frontier_masses(sampling_kernels, x, base, row)
         total = frontier[0][1]
         if row % 2 == 0 and len(frontier) >= 3:
             ahead = frontier[-1 - row % 4 // 2][0]
@@ -190,6 +183,6 @@ def test_cuts_the_approximate_mass_pass_cannot_place(cuda_backend, b, vocab):
         else:
             top_p.append(0.9)
     assert len(near_cut) >= 6 and len(early_cut) >= 3, f"frontiers too short: {near_cut}, {early_cut}"
-    got, want, settled = _both_routes(kernels, x, _params(b, dev, 2.0, top_p, [0.0] * b), samples=1)
+    got, want, settled = _both_routes(sampling_kernels, x, _params(b, dev, 2.0, top_p, [0.0] * b), samples=1)
     assert torch.equal(got, want), f"rows {(got != want).any(1).nonzero().flatten().tolist()}"
     assert settled[near_cut].all() and not settled[early_cut].any(), f"settled {settled.tolist()}"

@@ -20,7 +20,7 @@ import torch
 
 from tokensampler_server.backends.cuda_kernels import Outputs, RowParams
 
-from .conftest import exact_gumbel_argmax, make_batch
+from .conftest import case_generator, exact_gumbel_argmax, make_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 
@@ -30,6 +30,28 @@ def _params(b: int, dev: torch.device, temperature: float, seeds: list[int], pos
     return RowParams(full(temperature, torch.float32), full(0, torch.int32), full(1.0, torch.float32),
                      full(0.0, torch.float32), torch.tensor(seeds, dtype=torch.int64, device=dev),
                      torch.tensor(positions, dtype=torch.int64, device=dev), full(3, torch.int64))
+
+
+def _gumbel_tokens(kernels, x: torch.Tensor, temperature: float, seeds: list[int], positions: list[int],
+                   sample: int) -> torch.Tensor:
+    """gumbel_kernel's tokens of sample `sample` (0 or 1) of rows x, on the CPU."""
+    b, dev = x.shape[0], kernels.device
+    out = Outputs(tokens=torch.full((b, 2), -7, dtype=torch.int64, device=dev),
+                  flags=torch.empty(b, dtype=torch.uint8, device=dev))
+    kernels.gumbel(x, _params(b, dev, temperature, seeds, positions), out, sample)
+    return out.tokens[:, sample].cpu()
+
+
+def _assert_gumbel_exact(kernels, x: torch.Tensor, temperature: float, seeds: list[int], positions: list[int],
+                         name: str = "rows") -> list[torch.Tensor]:
+    """Asserts that gumbel_kernel's tokens of samples 0 and 1 equal the exact argmax; returns them."""
+    tokens = []
+    for sample in (0, 1):
+        got = _gumbel_tokens(kernels, x, temperature, seeds, positions, sample)
+        want = exact_gumbel_argmax(kernels, x.float(), temperature, seeds, positions, sample)
+        assert torch.equal(got, want), f"{name}: rows {(got != want).nonzero().flatten().tolist()} differ"
+        tokens.append(got)
+    return tokens
 
 
 def _tight_rows(kernels, vocab: int, seeds, positions, gen: torch.Generator) -> torch.Tensor:
@@ -53,10 +75,9 @@ def _tight_rows(kernels, vocab: int, seeds, positions, gen: torch.Generator) -> 
 
 @pytest.mark.parametrize("vocab", [151936, 32003])
 @pytest.mark.parametrize("temperature", [1.0, 0.05, 20.0])
-def test_gumbel_screening_is_exact(cuda_backend, vocab, temperature):
-    kernels = cuda_backend._kernels
-    dev = kernels.device
-    gen = torch.Generator(device=dev).manual_seed(vocab + int(temperature * 100))
+def test_gumbel_screening_is_exact(sampling_kernels, vocab, temperature):
+    dev = sampling_kernels.device
+    gen = case_generator(dev, vocab, temperature, scale=100)
     b = 12
     seeds = [1000 + 17 * i for i in range(b)]
     positions = [i % 5 for i in range(b)]
@@ -65,19 +86,11 @@ def test_gumbel_screening_is_exact(cuda_backend, vocab, temperature):
                    torch.rand(b, 50, device=dev, generator=gen) * 20 + 10)
     flat = torch.randn(b, vocab, device=dev, generator=gen)
     near_equal = 5.0 + 1e-6 * torch.randn(b, vocab, device=dev, generator=gen)
-    tight = _tight_rows(kernels, vocab, seeds, positions, gen)
+    tight = _tight_rows(sampling_kernels, vocab, seeds, positions, gen)
     for name, x in (("spiky", spiky), ("flat", flat), ("near_equal", near_equal), ("tight", tight)):
         if name == "tight" and temperature != 1.0:
             x = x * temperature  # keep x / T on the constructed level
-        x = x.contiguous()
-        params = _params(b, dev, temperature, seeds, positions)
-        for sample in (0, 1):
-            out = Outputs(tokens=torch.full((b, 2), -7, dtype=torch.int64, device=dev),
-                          flags=torch.empty(b, dtype=torch.uint8, device=dev))
-            kernels.gumbel(x, params, out, sample)
-            got = out.tokens[:, sample].cpu()
-            want = exact_gumbel_argmax(kernels, x, temperature, seeds, positions, sample)
-            assert torch.equal(got, want), f"{name}: rows {(got != want).nonzero().flatten().tolist()} differ"
+        _assert_gumbel_exact(sampling_kernels, x.contiguous(), temperature, seeds, positions, name)
 
 
 def test_min_p_boundary_matches_reference(cuda_backend, cpu_backend):
@@ -151,29 +164,19 @@ def _pilot_stress_rows(vocab: int, b: int, gen: torch.Generator, dev: torch.devi
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.3, 4.0])
 @pytest.mark.parametrize("vocab", [151936, 20001])
-def test_gumbel_block_screen_is_exact(cuda_backend, vocab, temperature, dtype):
-    kernels = cuda_backend._kernels
-    dev = kernels.device
-    gen = torch.Generator(device=dev).manual_seed(vocab + int(temperature * 10))
+def test_gumbel_block_screen_is_exact(sampling_kernels, vocab, temperature, dtype):
+    dev = sampling_kernels.device
+    gen = case_generator(dev, vocab, temperature)
     b = 12
     seeds = [77 + 31 * i for i in range(b)]
     positions = [i % 7 for i in range(b)]
     x = _pilot_stress_rows(vocab, b, gen, dev).to(dtype).contiguous()
-    params = _params(b, dev, temperature, seeds, positions)
-    for sample in (0, 1):
-        out = Outputs(tokens=torch.full((b, 2), -7, dtype=torch.int64, device=dev),
-                      flags=torch.empty(b, dtype=torch.uint8, device=dev))
-        kernels.gumbel(x, params, out, sample)
-        got = out.tokens[:, sample].cpu()
-        want = exact_gumbel_argmax(kernels, x.float(), temperature, seeds, positions, sample)
-        assert torch.equal(got, want), f"rows {(got != want).nonzero().flatten().tolist()} differ"
+    for sample, got in enumerate(_assert_gumbel_exact(sampling_kernels, x, temperature, seeds, positions)):
         # each row alone gives the same token (batch invariance through the screen)
         for r in (0, 4, 5):
-            one = Outputs(tokens=torch.full((1, 2), -7, dtype=torch.int64, device=dev),
-                          flags=torch.empty(1, dtype=torch.uint8, device=dev))
-            kernels.gumbel(x[r:r + 1].contiguous(), _params(1, dev, temperature, seeds[r:r + 1], positions[r:r + 1]),
-                           one, sample)
-            assert int(one.tokens[0, sample]) == int(got[r])
+            one = _gumbel_tokens(sampling_kernels, x[r:r + 1].contiguous(), temperature, seeds[r:r + 1],
+                                 positions[r:r + 1], sample)
+            assert int(one[0]) == int(got[r])
 
 
 @pytest.mark.parametrize("vocab", [8192 + 4 * (224 + 8) - 1, 8192 + 4 * (224 + 8) + 3, 2 * 8192 + 37, 1500])

@@ -20,7 +20,7 @@ from tokensampler_server.workloads.diffusion import DiffusionStep, diffusion_ste
 from tokensampler_server.workloads.topk_probs import topk_probs
 from tokensampler_server.workloads.verify import DraftVerification, verify_draft
 
-from .conftest import exact_gumbel_argmax, logits
+from .conftest import case_generator, exact_gumbel_argmax, logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 
@@ -220,7 +220,7 @@ def test_diffusion_draw_is_exact_when_blocks_screen_by_the_posted_bound(kernels,
 def _assert_diffusion_draw_is_exact(kernels, cuda_backend, vocab: int, temperature: float, b: int, length: int):
     sampling_kernels = cuda_backend._kernels
     dev = sampling_kernels.device
-    gen = torch.Generator(device=dev).manual_seed(vocab + int(temperature * 100))
+    gen = case_generator(dev, vocab, temperature, scale=100)
     x = _draw_stress_rows(b * length, vocab, gen, dev)
     seeds = [4242 + 55 * i for i in range(b)]
     step = DiffusionStep(

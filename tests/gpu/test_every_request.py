@@ -20,7 +20,7 @@ from tokensampler_server.model.sampling import HiddenInput, SamplingBatch
 from tokensampler_server.resources.weights import LogitsFinish, RegisteredWeight
 
 from ..batches import make_batch
-from ..conftest import RunningServer, start_server
+from ..conftest import RunningServer, serving
 from ..test_metrics import metrics_port, parse_samples, scrape_text
 from .agreement import assert_tokens_agree
 
@@ -157,9 +157,7 @@ def test_ties_at_the_top_k_cut_stay_on_the_gpu(cuda_backend) -> None:
 
 @pytest.fixture(scope="module")
 def cuda_server():
-    running = start_server("--device", "cuda", timeout=300)
-    yield running
-    running.stop()
+    yield from serving("--device", "cuda", timeout=300)
 
 
 def _fallbacks(server: RunningServer) -> float:

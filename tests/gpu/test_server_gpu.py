@@ -10,7 +10,7 @@ from tokensampler_client import SamplerClient
 from tokensampler_server.backends.cpu import CpuBackend
 
 from ..batches import make_batch
-from ..conftest import RunningServer, start_server
+from ..conftest import RunningServer, connected, serving
 from ..test_workloads_hidden_e2e import check_diffusion_step, check_topk_probs, make_heads
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
@@ -20,15 +20,12 @@ V = 151936
 
 @pytest.fixture(scope="module")
 def cuda_server():
-    running = start_server("--device", "cuda", "--allow-cuda-ipc", timeout=300)
-    yield running
-    running.stop()
+    yield from serving("--device", "cuda", "--allow-cuda-ipc", timeout=300)
 
 
 @pytest.fixture(scope="module")
 def client(cuda_server: RunningServer):
-    with SamplerClient(cuda_server.target, timeout=300) as c:
-        yield c
+    yield from connected(cuda_server, timeout=300)
 
 
 def spiky(rows: int, vocab: int, seed: int) -> torch.Tensor:
