@@ -126,8 +126,8 @@ class LogitProcessing:
         """This processing less its token bitmask; None when nothing else is left that changes a logit (no entry
         of the masks, bias or penalties, no local sampler)."""
         rest = replace(self, token_bitmask=None, token_bitmask_rows=None)
-        entries = (rest.allowed, rest.banned, rest.bias, rest.output_tokens, rest.prompt_tokens, rest.dry)
-        if rest.truncation is None and all(e is None or not len(e) for e in entries):
+        entries = (rest.allowed, rest.banned, rest.bias, rest.output_tokens, rest.prompt_tokens)
+        if rest.truncation is None and rest.sequence_samplers is None and all(e is None or not len(e) for e in entries):
             return None
         return rest
 
