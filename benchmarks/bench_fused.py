@@ -13,7 +13,6 @@ Writes fused-<gpu>-<date>.json and a PNG.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import sys
@@ -25,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "server"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_kernels import add_peers_arguments, import_flashinfer, load_peers, run_meta, tokensampler_fn, write_results  # noqa: E402
+from bench_kernels import import_flashinfer, kernel_bench_arguments, run_meta, tokensampler_fn, write_results  # noqa: E402
 from tokensampler_server.backends import cuda_fused  # noqa: E402
 from tokensampler_server.backends.cuda_kernels import Kernels, RowParams  # noqa: E402
 
@@ -73,13 +72,7 @@ def print_targets(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    ap.add_argument("--batches", default="1,8,32,64,128,256")
-    add_peers_arguments(ap)
-    args = ap.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
-    peers = load_peers(args.peers, args.no_peers)
+    args, batches, peers = kernel_bench_arguments("1,8,32,64,128,256")
     kernels = Kernels(torch.cuda.current_device())
     meta = {**run_meta(peers), "V": V, "D": D, "dtype": "bfloat16", "top_k": TOP_K, "top_p": TOP_P,
             "fused_max_rows": cuda_fused.MAX_ROWS,

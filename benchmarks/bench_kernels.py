@@ -63,6 +63,17 @@ def add_peers_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-peers", action="store_true", help="time the tokensampler kernels only")
 
 
+def kernel_bench_arguments(default_batches: str, ap: argparse.ArgumentParser | None = None):
+    """(args, batch sizes, peers module) of a kernel benchmark: --out, --batches and the peers' flags, beside the
+    flags already on `ap`."""
+    ap = ap or argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--batches", default=default_batches)
+    add_peers_arguments(ap)
+    args = ap.parse_args()
+    return args, [int(b) for b in args.batches.split(",")], load_peers(args.peers, args.no_peers)
+
+
 def load_peers(path: str | None, no_peers: bool):
     """The module the benchmark times with: the peers module at `path`, or with --no-peers and no path this
     repository's own timing.py (same helper names, no peers)."""
@@ -231,14 +242,9 @@ def run_adversarial(args, peers, batches: list[int]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    ap.add_argument("--batches", default="1,8,32,64,128,256")
     ap.add_argument("--set", choices=("protocol", "adversarial"), default="protocol",
                     help="the protocol's modes (kernels alone), or the adversarial parameters (backend calls)")
-    add_peers_arguments(ap)
-    args = ap.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
-    peers = load_peers(args.peers, args.no_peers)
+    args, batches, peers = kernel_bench_arguments("1,8,32,64,128,256", ap)
     if args.set == "adversarial":
         run_adversarial(args, peers, batches)
         return

@@ -16,7 +16,6 @@ workload, method, mode, mask, B, median_us, roofline_us, of_roofline, of_unmaske
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import sys
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "server"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_kernels import add_peers_arguments, import_flashinfer, load_peers, run_meta, write_results  # noqa: E402
+from bench_kernels import import_flashinfer, kernel_bench_arguments, run_meta, write_results  # noqa: E402
 from tokensampler_server.backends.cuda import CudaBackend  # noqa: E402
 from tokensampler_server.model.sampling import LogitProcessing, SamplingBatch  # noqa: E402
 
@@ -77,13 +76,7 @@ def allowed_tokens_drawn(tokens: torch.Tensor, mask: torch.Tensor) -> bool:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    ap.add_argument("--batches", default="1,8,64,256")
-    add_peers_arguments(ap)
-    args = ap.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
-    peers = load_peers(args.peers, args.no_peers)
+    args, batches, peers = kernel_bench_arguments("1,8,64,256")
     backend = CudaBackend(torch.cuda.current_device())
     meta = {**run_meta(peers), "V": V, "top_k": TOP_K, "top_p": TOP_P,
             "call": "CudaBackend.sample, logits on the GPU; mask on the GPU or the CPU"}
