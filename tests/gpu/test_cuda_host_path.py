@@ -56,7 +56,7 @@ def test_mixed_batch_logprobs_match_reference(cuda_backend, cpu_backend, logprob
     batch = mixed_batch(x, num_samples=2, return_logprobs=True, top_logprobs=4, logprobs_mode=logprobs_mode)
     batch = replace(batch, top_k=torch.where(batch.temperature == 0, 20, batch.top_k).to(torch.int32))
     got, want = cuda_backend.sample(batch), cpu_backend.sample(batch)
-    assert_logprobs_match(got, want)
+    assert_logprobs_match(batch, got, want)
 
 
 def test_buffers_reused_across_shapes(cuda_backend):

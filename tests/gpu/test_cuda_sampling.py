@@ -110,7 +110,7 @@ def test_logprobs_match_reference(cuda_backend, cpu_backend, mode, logprobs_mode
     batch = make_batch(x, num_samples=2, return_logprobs=True, logprobs_mode=logprobs_mode, top_logprobs=5,
                        **MODES[mode])
     got, want = cuda_backend.sample(batch), cpu_backend.sample(batch)
-    assert_logprobs_match(got, want)
+    assert_logprobs_match(batch, got, want)
 
 
 @pytest.mark.parametrize("mode", ["greedy", "gumbel", "top_k_top_p", "top_p", "min_p"])
