@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ sys.path[:0] = [str(ROOT / "server"), str(ROOT / "client"), str(ROOT / "benchmar
 from bench_kernels import run_meta, write_results  # noqa: E402
 from generators import spiky  # noqa: E402
 from provenance import tree_commit  # noqa: E402
+from wall import wall_us  # noqa: E402
 from tokensampler_client.params import build_sample_request  # noqa: E402
 from tokensampler_server.backends.cpu import CpuBackend  # noqa: E402
 from tokensampler_server.core.config import Limits  # noqa: E402
@@ -67,13 +67,7 @@ def cases(num_rows: int, vocab: int, history: int) -> dict[str, dict[str, Any]]:
 
 def cpu_bench(fn: Callable[[], object], repeats: int = 7) -> float:
     """Median µs of `fn` on the host clock, after one call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e6 * statistics.median(times)
+    return float(np.median(wall_us(fn, repeats, warmup=1)))
 
 
 def cpu_meta() -> dict:
