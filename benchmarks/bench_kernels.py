@@ -32,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "server"))
 
-from tokensampler_server.backends.cuda import FRONTIER_MIN_ROWS, CudaBackend  # noqa: E402
+from tokensampler_server.backends.cuda import CudaBackend  # noqa: E402
 from tokensampler_server.backends.cuda_kernels import Kernels, Outputs, RowParams  # noqa: E402
 from tokensampler_server.model.sampling import SamplingBatch  # noqa: E402
 
@@ -118,7 +118,7 @@ def tokensampler_fn(kernels: Kernels, mode: str, logits: torch.Tensor):
             kernels.gumbel(logits, params, out, 0)
         elif mode in ("top_k_top_p", "top_k"):
             kernels.topk(logits, params, out, bucket)
-        elif mode == "top_p" and b >= FRONTIER_MIN_ROWS:  # the backend's routes (cuda.py)
+        elif mode == "top_p" and b >= kernels.module.FRONTIER_MIN_ROWS:  # the route planner's choice (csrc/routes.cu)
             kernels.nucleus(logits, params, pre, out, 0)
         elif mode == "min_p":
             kernels.stats(logits, params, pre)

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "routes.h"
 #include "sampling.h"
 
 // Defined in bindings_fused.cpp (hidden states x LM head), bindings_workloads.cpp (diffusion, top-k
@@ -76,6 +77,70 @@ void def_sampler_with_row_floats(pybind11::module_& m, const char* name, Sampler
     const TsOutputs o = outputs_of(outs, num_samples, sample);
     const TsWorkspace w = workspace_of(ws);
     check(launch(&l, &r, ptr<const float>(row_floats), &o, &w, ptr<void>(stream)), name);
+  });
+}
+
+// The routes of a call (routes.h): its plan as a Python object, and the launches of a plan.
+void register_routes(pybind11::module_& m) {
+  namespace py = pybind11;
+  auto group = [](const TsGroup& g) { return py::make_tuple(g.first, g.n); };
+  py::class_<TsPlan>(m, "Plan", "The rows' groups of one call (routes.h TsPlan); a group is (first, n), first -1: every row.")
+      .def_property_readonly("greedy", [group](const TsPlan& p) { return group(p.greedy); })
+      .def_property_readonly("unfiltered", [group](const TsPlan& p) { return group(p.unfiltered); })
+      .def_property_readonly("buckets", [group](const TsPlan& p) {
+        py::list out;
+        for (const TsGroup& g : p.buckets) out.append(group(g));
+        return out;
+      })
+      .def_property_readonly("exact", [group](const TsPlan& p) { return group(p.exact); })
+      .def_property_readonly("need_raw", [group](const TsPlan& p) { return group(p.need_raw); })
+      .def_readonly("exact_route", &TsPlan::exact_route)
+      .def_readonly("filter_splits", &TsPlan::filter_splits)
+      .def_readonly("lists_used", &TsPlan::lists_used)
+      .def("workspace", [](const TsPlan& p) {
+        const TsWorkspaceBytes w = ts_plan_workspace(&p);
+        return py::make_tuple(w.counters, w.hist, w.scratch);
+      });
+  m.attr("TOKENS") = static_cast<int>(TS_TOKENS);
+  m.attr("LOGPROBS_RAW") = static_cast<int>(TS_LOGPROBS_RAW);
+  m.attr("LOGPROBS_PROCESSED") = static_cast<int>(TS_LOGPROBS_PROCESSED);
+  m.attr("EXACT_FILTER") = static_cast<int>(TS_EXACT_FILTER);
+  m.attr("EXACT_MIN_P") = static_cast<int>(TS_EXACT_MIN_P);
+  m.attr("EXACT_FRONTIER") = static_cast<int>(TS_EXACT_FRONTIER);
+  m.attr("FRONTIER_MIN_ROWS") = TS_FRONTIER_MIN_ROWS;
+  m.def("filter_splits", &ts_filter_splits);
+  m.def("stage_layout", [](int64_t num_rows) {
+    const TsStageLayout s = ts_stage_layout(num_rows);
+    py::dict d;
+    d["seed"] = s.seed, d["position"] = s.position, d["iteration"] = s.iteration, d["temperature"] = s.temperature;
+    d["top_p"] = s.top_p, d["min_p"] = s.min_p, d["top_k"] = s.top_k, d["masks"] = s.masks, d["lists"] = s.lists;
+    d["row_start"] = s.row_start, d["bitmask_row"] = s.bitmask_row, d["bitmask_words"] = s.bitmask_words;
+    return d;
+  });
+  m.def("plan", [](int64_t host_stage, int64_t num_rows, int64_t vocab, int64_t kind, bool processing,
+                   bool use_buckets) {
+    TsPlan plan;
+    if (ts_plan(ptr<void>(host_stage), num_rows, vocab, static_cast<int32_t>(kind), processing, use_buckets, &plan))
+      throw std::invalid_argument("tokensampler: a call the routes cannot plan");
+    return plan;
+  });
+  // logits and raw: (address, dtype code) of [num_rows, vocab] (raw address 0: no need_raw pass); bitmask: the 3
+  // entries of launch params; main, filt, pre, raw_out: 7 output addresses each (outputs_of).
+  m.def("launch_plan", [](const TsPlan& plan, int64_t data, int64_t dtype, std::vector<int64_t> bitmask,
+                          int64_t lse_scale, int64_t raw_data, int64_t raw_dtype, int64_t raw_lse_scale,
+                          int64_t dev_stage, int64_t num_samples, std::vector<int64_t> main, std::vector<int64_t> filt,
+                          std::vector<int64_t> pre, std::vector<int64_t> raw_out, int64_t exact_bits,
+                          std::vector<int64_t> ws, int64_t stream) {
+    if (bitmask.size() != 3) throw std::invalid_argument("tokensampler: 3 bitmask entries expected");
+    const TsCallInputs in{logits_of(data, plan.num_rows, plan.vocab, dtype), bitmask_of(bitmask[0], bitmask[1], bitmask[2]),
+                          ptr<const float>(lse_scale), logits_of(raw_data, plan.num_rows, plan.vocab, raw_dtype),
+                          ptr<const float>(raw_lse_scale)};
+    const TsCallOutputs out{outputs_of(main, 1, 0), outputs_of(filt, 1, 0), outputs_of(pre, 1, 0),
+                            outputs_of(raw_out, 1, 0), ptr<uint8_t>(exact_bits)};
+    const TsWorkspace w = workspace_of(ws);
+    check(ts_launch_plan(&plan, &in, ptr<const void>(dev_stage), static_cast<int32_t>(num_samples), &out, &w,
+                         ptr<void>(stream)),
+          "launch_plan");
   });
 }
 
@@ -152,6 +217,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused(m);
   register_workloads(m);
   register_request_path(m);
+  register_routes(m);
   // The bitmask (words, row, row_words as in params) written into fp32 logits [num_rows, vocab] in place.
   m.def("apply_bitmask", [](int64_t logits, int64_t num_rows, int64_t vocab, int64_t words, int64_t row,
                             int64_t row_words, int64_t stream) {

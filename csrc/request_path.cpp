@@ -1,6 +1,7 @@
-// The native request path (request_path.h): parse -> validate -> plan -> one upload -> launches -> one
-// copy back and synchronisation -> encode. Each step mirrors a piece of the Python path, named where
-// it is; any request or value outside what is mirrored here is declined, never approximated.
+// The native request path (request_path.h): parse -> validate -> stage -> the routes' plan, one upload and
+// launches (routes.h, shared with the Python path) -> one copy back and synchronisation -> encode. Parsing,
+// validation and encoding follow the Python path's rules, named where they are; any request or value outside
+// them is declined, never approximated.
 #include "request_path.h"
 
 #include <signal.h>
@@ -13,7 +14,7 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "sampling.h"
+#include "routes.h"
 #include "wire.h"
 
 namespace tokensampler {
@@ -23,13 +24,6 @@ namespace {
 constexpr uint64_t kFloat32 = 1, kBfloat16 = 2, kFloat16 = 3, kInt32 = 4;
 constexpr uint64_t kMaxLogprobsMode = 2;  // LOGPROBS_MODE_PROCESSED
 
-// backends/cuda.py and cuda_kernels.py: the routing constants.
-constexpr int64_t kChunkTokens = 8192;
-constexpr int64_t kMaxMergedCandidates = 16384;
-constexpr int32_t kBuckets[] = {16, 32, 64, 128, 256};
-constexpr int kNumBuckets = 5;
-constexpr int64_t kFrontierMinRows = 32;
-constexpr int64_t kFilterBlocksTarget = 264;
 constexpr uint8_t kFlagNan = 1, kFlagInvalid = 2, kFlagExact = 4;
 
 enum Mode { kGreedy, kGumbel, kTopK, kTopP, kMinP };  // metrics.ROW_MODES
@@ -68,15 +62,6 @@ void random_words(uint64_t* out, size_t count) {
   }
 }
 
-// backends/cuda.py _bucket_of: the index in kBuckets of the smallest top-k bucket holding k + 1 candidates,
-// -1 when none applies.
-int bucket_index(int32_t k, int64_t chunks) {
-  if (k <= 0) return -1;
-  for (int i = 0; i < kNumBuckets; ++i)
-    if (k + 1 <= kBuckets[i]) return chunks * kBuckets[i] <= kMaxMergedCandidates ? i : -1;
-  return -1;
-}
-
 // A 0-, 1- or B-valued column of SamplingParams (validation/sample.py _column).
 template <typename T>
 struct Column {
@@ -84,12 +69,6 @@ struct Column {
   bool sized(int64_t rows) const { return values.size() <= 1 || static_cast<int64_t>(values.size()) == rows; }
   bool given() const { return !values.empty(); }
   T at(int64_t row, T fallback) const { return values.empty() ? fallback : values[values.size() == 1 ? 0 : row]; }
-};
-
-// Work rows of one kernel launch: none (n = 0), every row (rows = nullptr), or a device row list.
-struct Group {
-  const int32_t* rows = nullptr;
-  int32_t n = 0;
 };
 
 bool in_uint32(uint64_t v) { return v <= 0xFFFFFFFFull; }
@@ -491,30 +470,23 @@ void RequestPath::launch_rows(const std::vector<const PreparedRequest*>& request
     if (event) check(cudaStreamWaitEvent(stream_, reinterpret_cast<cudaEvent_t>(event), 0), "cudaStreamWaitEvent");
   }
 
-  // ---- backends/cuda.py _Stage: the per-row parameters (and the rows' starts) and row lists, packed for one
-  // upload; carried logits one after the other in dev_logits_
+  // ---- the rows' parameters (and starts) in the stage (routes.h ts_stage_layout); carried logits one after the
+  // other in dev_logits_
   size_t carried_bytes = 0;
   for (const PreparedRequest* p : requests) carried_bytes += align16(p->carried.size());
   if (carried_bytes) grow_device(dev_logits_, carried_bytes, false);
-  const size_t lists_offset = align16((per_row_start ? 48 : 40) * b);
-  grow_host(host_stage_, lists_offset + 4 * b);
-  grow_device(dev_stage_, lists_offset + 4 * b, false);
+  const TsStageLayout layout = ts_stage_layout(num_rows);
+  grow_host(host_stage_, layout.bitmask_row);
+  grow_device(dev_stage_, layout.bitmask_row, false);
   char* host = static_cast<char*>(host_stage_.ptr);
-  auto* seeds = reinterpret_cast<uint64_t*>(host);  // int64 seed, position, iteration
-  auto* positions = reinterpret_cast<int64_t*>(host + 8 * b);
-  auto* iterations = reinterpret_cast<int64_t*>(host + 16 * b);
-  auto* t_eff = reinterpret_cast<float*>(host + 24 * b);  // T, with 1 in greedy rows
-  auto* top_p_col = reinterpret_cast<float*>(host + 28 * b);
-  auto* min_p_col = reinterpret_cast<float*>(host + 32 * b);
-  auto* top_k_col = reinterpret_cast<int32_t*>(host + 36 * b);
-  auto* row_start = per_row_start ? reinterpret_cast<int64_t*>(host + 40 * b) : nullptr;
-  auto* lists = reinterpret_cast<int32_t*>(host + lists_offset);
-
-  // ---- backends/cuda.py _plan_without_logprobs: every row to one group by its mode
-  const int64_t chunks = (vocab + kChunkTokens - 1) / kChunkTokens;
-  bool exact_has_k = false, exact_has_top_p = false;
-  greedy_.clear(), unfiltered_.clear(), exact_.clear();
-  for (auto& v : by_bucket_) v.clear();
+  auto* seeds = reinterpret_cast<uint64_t*>(host + layout.seed);
+  auto* positions = reinterpret_cast<int64_t*>(host + layout.position);
+  auto* iterations = reinterpret_cast<int64_t*>(host + layout.iteration);
+  auto* temperature = reinterpret_cast<float*>(host + layout.temperature);
+  auto* top_p = reinterpret_cast<float*>(host + layout.top_p);
+  auto* min_p = reinterpret_cast<float*>(host + layout.min_p);
+  auto* top_k = reinterpret_cast<int32_t*>(host + layout.top_k);
+  auto* row_start = per_row_start ? reinterpret_cast<int64_t*>(host + layout.row_start) : nullptr;
   uintptr_t first_row = 0;  // the address TsLogits.data holds; rows start past it (or before it) by row_start
   size_t row = 0, carried_at = 0;
   for (const PreparedRequest* p : requests) {
@@ -533,127 +505,54 @@ void RequestPath::launch_rows(const std::vector<const PreparedRequest*>& request
       if (row == 0) first_row = at;
       // every address is a multiple of the item size (validate(), align16), so the difference divides
       if (row_start) row_start[row] = static_cast<int64_t>(at - first_row) / static_cast<int64_t>(itemsize);
-      const float t = p->temperature[r], top = p->top_p[r], floor = p->min_p[r];
-      const int32_t k = p->top_k[r];
       seeds[row] = p->seeds[r], positions[row] = p->positions[r], iterations[row] = p->iterations[r];
-      t_eff[row] = t == 0.f ? 1.f : t;
-      top_p_col[row] = top, min_p_col[row] = floor, top_k_col[row] = k;
-      const int32_t id = static_cast<int32_t>(row);
-      if (t == 0.f) {
-        greedy_.push_back(id);
-      } else if (k > 0 || top < 1.f || floor > 0.f) {
-        const int bucket = bucket_index(k, chunks);
-        if (bucket >= 0) {
-          by_bucket_[bucket].push_back(id);
-        } else {
-          exact_.push_back(id);
-          exact_has_k |= k > 0;
-          exact_has_top_p |= top < 1.f;
-        }
-      } else {
-        unfiltered_.push_back(id);
-      }
+      temperature[row] = p->temperature[r], top_p[row] = p->top_p[r], min_p[row] = p->min_p[r];
+      top_k[row] = p->top_k[r];
     }
   }
-  char* dev = static_cast<char*>(dev_stage_.ptr);
-  size_t used = 0;
-  auto place = [&](const std::vector<int32_t>& rows) {
-    if (rows.empty()) return Group{};
-    if (rows.size() == b) return Group{nullptr, static_cast<int32_t>(b)};
-    std::memcpy(lists + used, rows.data(), 4 * rows.size());
-    const Group group{reinterpret_cast<const int32_t*>(dev + lists_offset) + used, static_cast<int32_t>(rows.size())};
-    used += rows.size();
-    return group;
-  };
-  const Group greedy = place(greedy_), unfiltered = place(unfiltered_);
-  Group buckets[kNumBuckets];
-  for (int i = 0; i < kNumBuckets; ++i) buckets[i] = place(by_bucket_[i]);
-  const Group exact = place(exact_);
-  const bool bounded = !exact_has_k, min_p_alone = bounded && !exact_has_top_p;
-  const bool frontier = bounded && exact_has_top_p && exact.n >= kFrontierMinRows;
-  const int32_t filter_splits =
-      exact.n ? static_cast<int32_t>(std::max<int64_t>(
-                    1, std::min<int64_t>(64, (kFilterBlocksTarget + exact.n - 1) / exact.n)))
-              : 1;
 
-  // ---- backends/cuda.py _Out: tokens and flags first (what comes back), then the filter's inputs
+  // ---- the routes (routes.h): the rows grouped, the stage up in one copy
+  TsPlan plan;
+  check_launch(ts_plan(host, num_rows, vocab, TS_TOKENS, 0, 1, &plan), "plan");
+  const size_t upload = per_row_start ? layout.bitmask_row : layout.lists + 4 * static_cast<size_t>(plan.lists_used);
+  char* dev = static_cast<char*>(dev_stage_.ptr);
+  check(cudaMemcpyAsync(dev, host, upload, cudaMemcpyHostToDevice, stream_), "upload");
+
+  // ---- the outputs: tokens and flags first (what comes back), then the exact group's inputs and scratch
   size_t end = 9 * b;
   auto field = [&](size_t bytes_per_row) {
     const size_t at = align16(end);
     end = at + bytes_per_row * b;
     return at;
   };
-  const size_t main_row_max = field(4), main_row_min = field(4), main_row_logz = field(4), pre_tokens = field(8),
-               kept_min_key = field(8), filt_row_max = field(4), pre_row_min = field(4), kept_mass = field(4),
-               pre_flags = field(1);
+  const size_t main_row_max = field(4), main_row_min = field(4), main_row_logz = field(4), row_max = field(4),
+               row_min = field(4), pre_tokens = field(8), kept_min_key = field(8), kept_mass = field(4),
+               pre_flags = field(1), exact_bits = field(1);
   grow_device(dev_out_, end, false);
   grow_host(host_out_, 9 * b);
+  const TsWorkspaceBytes need = ts_plan_workspace(&plan);
+  grow_device(counters_, std::max(need.counters, size_t{4}), true);
+  if (need.hist) grow_device(hist_, need.hist, true);
+  grow_device(scratch_, std::max(need.scratch, size_t{1}), false);
 
-  // ---- cuda_kernels.py Kernels._workspace: counters and histograms zeroed, scratch for the largest launch
-  size_t scratch = 0;
-  int32_t most_rows = 0;
-  auto need = [&](const Group& g, size_t bytes) {
-    if (!g.n) return;
-    scratch = std::max(scratch, bytes);
-    most_rows = std::max(most_rows, g.n);
-  };
-  need(greedy, ts_stats_scratch_bytes(greedy.n, vocab));
-  need(unfiltered, ts_gumbel_scratch_bytes(unfiltered.n, vocab));
-  for (int i = 0; i < kNumBuckets; ++i) need(buckets[i], ts_topk_scratch_bytes(buckets[i].n, vocab, kBuckets[i]));
-  if (exact.n) {
-    need(exact, frontier ? ts_nucleus_scratch_bytes(exact.n, vocab) : ts_stats_scratch_bytes(exact.n, vocab));
-    if (min_p_alone) need(exact, ts_gumbel_scratch_bytes(exact.n, vocab));
-    if (!min_p_alone && filter_splits > 1) grow_device(hist_, ts_hist_bytes(exact.n), true);
-  }
-  grow_device(counters_, 4 * static_cast<size_t>(most_rows), true);
-  grow_device(scratch_, std::max(scratch, size_t{1}), false);
-
-  // ---- backends/cuda.py _launch, without log-probs (every group writes the same tokens and flags)
-  check(cudaMemcpyAsync(dev, host, lists_offset + 4 * used, cudaMemcpyHostToDevice, stream_), "upload");
+  // ---- every launch of the plan, each group writing the same tokens and flags
   char* out = static_cast<char*>(dev_out_.ptr);
-  auto* main_tokens = reinterpret_cast<int64_t*>(out);
-  auto* main_flags = reinterpret_cast<uint8_t*>(out + 8 * b);
+  auto* tokens = reinterpret_cast<int64_t*>(out);
+  auto* flags = reinterpret_cast<uint8_t*>(out + 8 * b);
   auto f32 = [&](size_t at) { return reinterpret_cast<float*>(out + at); };
-  const TsLogits logits{reinterpret_cast<const void*>(first_row), num_rows, vocab, first.dtype_code,
-                        row_start ? reinterpret_cast<const int64_t*>(dev + 40 * b) : nullptr};
-  auto rows_of = [&](const Group& g) {
-    return TsRows{g.rows, g.n, reinterpret_cast<const float*>(dev + 24 * b), reinterpret_cast<const int32_t*>(dev + 36 * b),
-                  reinterpret_cast<const float*>(dev + 28 * b), reinterpret_cast<const float*>(dev + 32 * b),
-                  reinterpret_cast<const int64_t*>(dev), reinterpret_cast<const int64_t*>(dev + 8 * b),
-                  reinterpret_cast<const int64_t*>(dev + 16 * b)};
-  };
-  const TsOutputs main{main_tokens, 1, 0, main_flags, f32(main_row_max), f32(main_row_min), f32(main_row_logz),
-                       nullptr, nullptr};
-  const TsOutputs filt{main_tokens, 1, 0, main_flags, f32(filt_row_max), nullptr, nullptr, f32(kept_mass),
-                       reinterpret_cast<int64_t*>(out + kept_min_key)};
-  const TsOutputs pre{reinterpret_cast<int64_t*>(out + pre_tokens), 1, 0, reinterpret_cast<uint8_t*>(out + pre_flags),
-                      f32(filt_row_max), f32(pre_row_min), nullptr, nullptr, nullptr};
+  const TsCallInputs in{
+      TsLogits{reinterpret_cast<const void*>(first_row), num_rows, vocab, first.dtype_code,
+               row_start ? reinterpret_cast<const int64_t*>(dev + layout.row_start) : nullptr},
+      TsBitmask{nullptr, nullptr, 0}, nullptr, TsLogits{}, nullptr};
+  const TsCallOutputs outputs{
+      TsOutputs{tokens, 1, 0, flags, f32(main_row_max), f32(main_row_min), f32(main_row_logz), nullptr, nullptr},
+      TsOutputs{tokens, 1, 0, flags, f32(row_max), nullptr, nullptr, f32(kept_mass),
+                reinterpret_cast<int64_t*>(out + kept_min_key)},
+      TsOutputs{reinterpret_cast<int64_t*>(out + pre_tokens), 1, 0, reinterpret_cast<uint8_t*>(out + pre_flags),
+                f32(row_max), f32(row_min), nullptr, nullptr, nullptr},
+      TsOutputs{}, reinterpret_cast<uint8_t*>(out + exact_bits)};
   const TsWorkspace ws{static_cast<unsigned int*>(counters_.ptr), hist_.ptr, scratch_.ptr, fallback_count_};
-  if (greedy.n) {
-    const TsRows r = rows_of(greedy);
-    check_launch(ts_stats(&logits, &r, nullptr, &main, &ws, stream_), "stats");
-  }
-  if (unfiltered.n) {
-    const TsRows r = rows_of(unfiltered);
-    check_launch(ts_gumbel(&logits, &r, nullptr, &main, &ws, stream_), "gumbel");
-  }
-  for (int i = 0; i < kNumBuckets; ++i) {
-    if (!buckets[i].n) continue;
-    const TsRows r = rows_of(buckets[i]);
-    check_launch(ts_topk(&logits, &r, kBuckets[i], &filt, &ws, stream_), "topk");
-  }
-  if (exact.n) {  // min-p alone: a mask on Gumbel-max; top-p: the frontier from 32 rows, then the filter
-    const TsRows r = rows_of(exact);
-    if (!frontier) check_launch(ts_stats(&logits, &r, nullptr, &pre, &ws, stream_), "stats");
-    if (min_p_alone) {
-      check_launch(ts_min_p(&logits, &r, f32(filt_row_max), &filt, &ws, stream_), "min_p");
-    } else {
-      if (frontier) check_launch(ts_nucleus(&logits, &r, &pre, &filt, &ws, stream_), "nucleus");
-      check_launch(ts_filter(&logits, &r, f32(filt_row_max), f32(pre_row_min), pre.tokens, pre.flags, 0, filter_splits,
-                             &filt, &ws, stream_),
-                   "filter");
-    }
-  }
+  check_launch(ts_launch_plan(&plan, &in, dev, 1, &outputs, &ws, stream_), "launch");
   // Tokens and flags back in one copy.
   check(cudaMemcpyAsync(host_out_.ptr, out, 9 * b, cudaMemcpyDeviceToHost, stream_), "download");
 }

@@ -4,8 +4,9 @@
 // between the request's bytes and the response's. The server's Python path (sample_rpc.py) answers every
 // other request and every error: prepare() declines (returns null) whatever it does not take, before anything
 // a client could see has happened, and the Python path then takes the request as if this one did not exist.
-// The rules it applies are validation/sample.py's and backends/cuda.py's, mirrored: tests/gpu/test_request_path.py
-// holds the two paths to the same answers. Why it exists, and what it measured: docs/design/service-path.md.
+// It decodes and validates by validation/sample.py's rules (tests/gpu/test_request_path.py holds the two paths to
+// the same answers) and samples through the routes of routes.h, the planner and launcher the CUDA backend uses.
+// Why it exists, and what it measured: docs/design/service-path.md.
 //
 // A request is prepared (parsed and validated) as it arrives; prepared requests of one vocabulary and dtype are
 // sampled together as one batch (their rows merged, each row's logits found through a per-row start), and
@@ -113,8 +114,6 @@ class RequestPath {
   std::mutex mutex_;  // one request or batch at a time; regions change between them only
   std::unordered_map<std::string, RegionMapping> regions_;
   std::unique_ptr<Parsed> parsed_;
-  // the plan's row lists, reused: greedy, unfiltered, the buckets, exact
-  std::vector<int32_t> greedy_, unfiltered_, exact_, by_bucket_[5];
   Buffer dev_logits_;  // carried logits, uploaded (as large as the largest such batch so far)
   Buffer host_stage_, dev_stage_, host_out_, dev_out_, counters_, hist_, scratch_;
 };

@@ -116,16 +116,15 @@ def test_extreme_rows(sampling_kernels):
 
 
 def test_backend_routes_min_p_alone_through_the_mask(cuda_backend, cpu_backend, monkeypatch):
-    """A batch of min-p rows without k or top-p takes the mask route (filter_kernel is never launched) and
-    agrees with the CPU reference on nearly every token."""
+    """A batch of min-p rows without k or top-p takes the mask route (the route planner sends its rows to min_p, not
+    to filter_kernel) and agrees with the CPU reference on nearly every token."""
     kernels = cuda_backend._kernels
-    calls: list[str] = []
-    for name in ("launch_min_p", "launch_filter"):
-        original = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _f=original, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
+    plans: list = []
+    original = kernels.plan
+    monkeypatch.setattr(kernels, "plan", lambda *a, **k: plans.append(original(*a, **k)) or plans[-1])
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(64, 32000, generator=gen)
     batch = make_batch(x, min_p=0.05, num_samples=2)
     got, want = cuda_backend.sample(batch), cpu_backend.sample(batch)
-    assert set(calls) == {"launch_min_p"}
+    assert [(p.exact, p.exact_route) for p in plans] == [((-1, 64), kernels.module.EXACT_MIN_P)]
     assert float((got.tokens == want.tokens).float().mean()) >= 0.999

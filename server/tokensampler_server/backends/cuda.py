@@ -1,11 +1,12 @@
 """The `cuda` backend: docs/semantics.md on the GPU with the compiled kernels of csrc/.
 
-Rows are routed by their parameters (known on the host, so routing costs no synchronisation):
+Rows are routed by their parameters (known on the host, so routing costs no synchronisation) in one place,
+csrc/routes.cu, which the native request path (csrc/request_path.cpp) calls too:
   greedy (T == 0)               -> stats_kernel: argmax, with the raw log-sum-exp in the same pass
   T > 0, no filter              -> gumbel_kernel: one read, exact up to an in-kernel re-score
   0 < k, k + 1 <= 256           -> topk_kernel<bucket>: one read, min-p and top-p on the candidates
   top-p without k (+ min-p)     -> frontier_kernel + nucleus_mass_kernel, then filter_kernel for the rows
-                                   the frontier cannot settle
+                                   the frontier cannot settle (32 rows or more; below, stats + filter)
   min-p alone                   -> stats_kernel, then gumbel_kernel over the tokens min-p keeps (a mask
                                    from the row max)
   k > 255, processed log-probs  -> stats_kernel then filter_kernel: exact binned cut, any k, p and min-p
@@ -18,9 +19,9 @@ buffer; rare by construction) are sampled again through stats + filter, which se
 the one synchronisation that returns the results: no request leaves the GPU (out of device memory is
 RESOURCE_EXHAUSTED). `fallbacks()` counts both kinds of re-evaluation.
 
-Host path of one call (docs/design/host-path.md): the rows are grouped on the host from the
-CPU parameter tensors (a batch whose rows all share one mode needs no row lists); the per-row
-parameters, the row lists, (with log-probs) the row masks and a token bitmask are packed into one reused pinned
+Host path of one call (docs/design/host-path.md): the per-row parameters are packed into one reused pinned
+buffer, where the route planner groups the rows (a group of every row needs no row list); the parameters, the
+row lists, (with log-probs) the row masks and a token bitmask are packed into one reused pinned
 buffer and go up in ONE copy; the kernels are launched on device addresses laid out once per (B, samples) in
 one reused device buffer; without log-probs every kernel writes its rows' tokens and flags into the same
 two arrays, which come back in ONE copy that is also the call's one synchronisation. Reusing the pinned
@@ -30,8 +31,6 @@ With log-probs the torch post-processing below runs on views of the same buffers
 
 from __future__ import annotations
 
-import array
-import ctypes
 import threading
 from dataclasses import replace
 
@@ -42,8 +41,7 @@ from tokensampler_server.model.sampling import LogitProcessing, LogprobsMode, Sa
 from tokensampler_server.backends import cuda_fused
 from tokensampler_server.backends.base import Backend, BackendInfo, Route
 from tokensampler_server.backends.cuda_build import CudaBackendUnavailable
-from tokensampler_server.backends.cuda_kernels import (FILTER_BLOCKS_TARGET, NO_BITMASK, NUCLEUS_FILTER_BLOCKS_TARGET, Kernels,
-                                                       Outputs)
+from tokensampler_server.backends.cuda_kernels import NO_BITMASK, Kernels, Outputs, Plan
 from tokensampler_server.backends.processing import apply_processing
 
 _FLAG_NAN, _FLAG_INVALID, _FLAG_EXACT = 1, 2, 4  # 4: the row needs the exact filter
@@ -79,37 +77,7 @@ ROUTES = [
 ]
 
 
-_MAX_MERGED_CANDIDATES = 16384  # the top-k merge sorts chunks x bucket keys in shared memory
-
-
-def _topk_buckets(top_k: torch.Tensor, vocab: int, use_buckets: bool = True) -> torch.Tensor:
-    """The smallest topk_kernel bucket holding k + 1 candidates per row; 0: none (k off, or too large, or
-    use_buckets False: every row through the exact filter)."""
-    chunks = -(-vocab // 8192)
-    buckets = torch.zeros(top_k.shape, dtype=torch.int64)
-    for bucket in (256, 128, 64, 32, 16) if use_buckets else ():
-        fits = (top_k > 0) & (top_k + 1 <= bucket) & (chunks * bucket <= _MAX_MERGED_CANDIDATES)
-        buckets = torch.where(fits, bucket, buckets)
-    return buckets
-
-
-_BUCKETS = (16, 32, 64, 128, 256)
-# Top-p rows from this many up take the frontier route (measured on an H200: slower than the filter at
-# B = 1 and 8, 2x faster on spiky rows from B = 32; docs/design/kernel-routing.md).
-FRONTIER_MIN_ROWS = 32
-_LOOP_ROWS = 128  # mixed batches of up to this many rows are grouped in a Python loop, larger ones in torch
-_ALL = "all"  # a row group holding every row: the kernels get no row list
-_PINNED_ALIGN = 16
-
-
-def _bucket_of(k: int, chunks: int) -> int:
-    """_topk_buckets for one row: the smallest bucket holding k + 1 candidates, 0 when none applies (chunks 0:
-    no bucket)."""
-    if k > 0 and chunks:
-        for bucket in _BUCKETS:
-            if k + 1 <= bucket:
-                return bucket if chunks * bucket <= _MAX_MERGED_CANDIDATES else 0
-    return 0
+_ALIGN = 16  # device-buffer offsets
 
 
 def _decode_key(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +88,7 @@ def _decode_key(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return z, 0xFFFFFFFF - (key & 0xFFFFFFFF)
 
 
-def _align(offset: int, alignment: int = _PINNED_ALIGN) -> int:
+def _align(offset: int, alignment: int = _ALIGN) -> int:
     return (offset + alignment - 1) // alignment * alignment
 
 
@@ -128,172 +96,38 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-class _Plan:
-    """The row groups of one call. A group is None (no row), _ALL, or its row ids (a list of ints or an int32
-    CPU tensor) until _upload places them; then (device address of the row list or 0, number of rows)."""
-
-    __slots__ = ("t_eff", "greedy", "unfiltered", "buckets", "exact", "exact_has_k", "exact_has_top_p", "need_raw",
-                 "masks")
-
-    def __init__(self) -> None:
-        self.t_eff: torch.Tensor | None = None  # float32 [B]: T, with 1 in greedy rows
-        self.greedy = self.unfiltered = self.exact = self.need_raw = None
-        self.exact_has_k = False  # some exact row has k > 255: the frontier cannot settle it
-        self.exact_has_top_p = True  # False: min-p alone in every exact row (the min-p mask route)
-        self.buckets: list = []  # (bucket, group), buckets ascending
-        self.masks: tuple[torch.Tensor, ...] | None = None  # use_filt, through, need_raw: bool [B] (log-probs only)
-
-
-def _group_of_list(rows: list[int], num_rows: int):
-    if not rows:
-        return None
-    return _ALL if len(rows) == num_rows else rows
-
-
-def _group_of_mask(mask: torch.Tensor):
-    n = int(mask.sum())
-    if n == 0:
-        return None
-    if n == mask.numel():
-        return _ALL
-    return mask.nonzero().squeeze(1).to(torch.int32)
-
-
-def _plan_without_logprobs(batch: SamplingBatch, vocab: int, use_buckets: bool = True) -> _Plan | None:
-    """Groups from Python lists of the parameters: one group when every row has the same mode, else a loop
-    over the rows up to _LOOP_ROWS rows; None above that (then _plan_with_torch). use_buckets False: filtered
-    rows take the exact filter whatever their k."""
-    num_rows = batch.num_rows
-    temps = batch.temperature.tolist()
-    ks, ps, ms = batch.top_k.tolist(), batch.top_p.tolist(), batch.min_p.tolist()
-    chunks = -(-vocab // 8192) if use_buckets else 0
-    n_greedy = temps.count(0.0)
-    plan = _Plan()
-    # min == max fails for NaN, which the loop then compares exactly as torch does.
-    if (n_greedy in (0, num_rows) and min(ks) == max(ks) and min(ps) == max(ps) and min(ms) == max(ms)):
-        if n_greedy:  # without processed log-probs greedy rows never go through the filters
-            plan.greedy = _ALL
-            plan.t_eff = torch.ones(num_rows, dtype=torch.float32)
-            return plan
-        plan.t_eff = batch.temperature
-        if ks[0] > 0 or ps[0] < 1 or ms[0] > 0:
-            bucket = _bucket_of(ks[0], chunks)
-            if bucket:
-                plan.buckets.append((bucket, _ALL))
-            else:
-                plan.exact = _ALL
-                plan.exact_has_k = ks[0] > 0
-                plan.exact_has_top_p = ps[0] < 1
-        else:
-            plan.unfiltered = _ALL
-        return plan
-    if num_rows > _LOOP_ROWS:
-        return None
-    greedy: list[int] = []
-    unfiltered: list[int] = []
-    exact: list[int] = []
-    by_bucket: dict[int, list[int]] = {}
-    has_top_p = False
-    for row, (t, k, p, m) in enumerate(zip(temps, ks, ps, ms)):
-        if t == 0:
-            greedy.append(row)
-        elif k > 0 or p < 1 or m > 0:
-            bucket = _bucket_of(k, chunks)
-            if bucket:
-                by_bucket.setdefault(bucket, []).append(row)
-            else:
-                exact.append(row)
-                plan.exact_has_k |= k > 0
-                has_top_p |= p < 1
-        else:
-            unfiltered.append(row)
-    plan.greedy = _group_of_list(greedy, num_rows)
-    plan.unfiltered = _group_of_list(unfiltered, num_rows)
-    plan.buckets = [(b, _group_of_list(by_bucket[b], num_rows)) for b in _BUCKETS if b in by_bucket]
-    plan.exact = _group_of_list(exact, num_rows)
-    plan.exact_has_top_p = has_top_p
-    temperature = batch.temperature
-    plan.t_eff = torch.where(temperature == 0, torch.ones_like(temperature), temperature) if greedy else temperature
-    return plan
-
-
-def _plan_with_torch(batch: SamplingBatch, vocab: int, processed: bool, masks: bool, raw_rows: bool,
-                     use_buckets: bool = True) -> _Plan:
-    """Groups from torch ops on the CPU tensors (the original routing, vectorised): log-probs calls, and
-    mixed batches above _LOOP_ROWS rows. masks: also the row masks the log-prob combine needs; raw_rows:
-    also the rows whose raw log-sum-exp needs its own pass."""
-    temperature = batch.temperature
-    greedy = temperature == 0
-    filtered = (batch.top_k > 0) | (batch.top_p < 1) | (batch.min_p > 0)
-    # Greedy rows with filters still need the kept set for processed log-probs (T = 1, choice 6).
-    through = filtered & (~greedy | processed)
-    unfiltered = ~greedy & ~filtered
-    plan = _Plan()
-    plan.t_eff = torch.where(greedy, torch.ones_like(temperature), temperature)
-    plan.greedy = _group_of_mask(greedy)
-    plan.unfiltered = _group_of_mask(unfiltered)
-    if bool(through.any()):
-        buckets = _topk_buckets(batch.top_k, vocab, use_buckets)
-        for bucket in _BUCKETS:
-            group = _group_of_mask(through & (buckets == bucket))
-            if group is not None:
-                plan.buckets.append((bucket, group))
-        exact = through & (buckets == 0)
-        plan.exact = _group_of_mask(exact)
-        plan.exact_has_k = bool((exact & (batch.top_k > 0)).any())
-        plan.exact_has_top_p = bool((exact & (batch.top_p < 1)).any())
-    if masks:
-        need_raw = torch.ones(batch.num_rows, dtype=torch.bool) if batch.processing is not None else ~(greedy | unfiltered)
-        if raw_rows:
-            plan.need_raw = _group_of_mask(need_raw)
-        plan.masks = (through & ~greedy, through, need_raw)
-    return plan
-
-
-def _stage_bytes(num_rows: int, bitmask_bytes: int = 0) -> int:
-    """The upload of B rows: seed, position, iteration (int64), T_eff, top_p, min_p (float32), top_k
-    (int32), three bool row masks, then at most 3B int32 row ids (greedy + unfiltered <= B, filtered <= B,
-    raw log-sum-exp rows <= B), the rows' token-bitmask rows (int32 [B]) and `bitmask_bytes` of bitmask words."""
-    return _Stage.offsets(num_rows)[1] + bitmask_bytes
-
-
 class _Stage:
-    """Typed views of the upload buffers (pinned host, device) for B rows; see _stage_bytes."""
+    """Typed views of the upload buffers (pinned host, device) of B rows, laid out as csrc/routes.h's
+    ts_stage_layout says: the parameters (int64 seed, position, iteration; float32 temperature, top_p, min_p;
+    int32 top_k), three bool row masks, the row lists of the plan, the rows' token-bitmask rows and the bitmask
+    words."""
 
-    @staticmethod
-    def offsets(num_rows: int) -> tuple[int, int]:
-        """Where the bitmask rows and the bitmask words begin."""
-        bitmask_row = _align(_align(43 * num_rows) + 12 * num_rows)
-        return bitmask_row, _align(bitmask_row + 4 * num_rows)
-
-    def __init__(self, host: torch.Tensor, dev: torch.Tensor, num_rows: int) -> None:
+    def __init__(self, host: torch.Tensor, dev: torch.Tensor, num_rows: int, layout: dict[str, int]) -> None:
         b = num_rows
         self.num_rows = b
-        self.h_i64 = host[: 24 * b].view(torch.int64)
-        self.h_f32 = host[24 * b: 36 * b].view(torch.float32)
+        self.layout = layout
+        self.h_i64 = host[: 24 * b].view(torch.int64)  # seed, position, iteration: back to back
+        self.h_f32 = host[24 * b: 36 * b].view(torch.float32)  # temperature (T_eff once planned), top_p, min_p
         self.h_topk = host[36 * b: 40 * b].view(torch.int32)
-        self.h_masks = host[40 * b: 43 * b].view(torch.bool).view(3, b)
-        self.lists = _align(43 * b)
-        self.bitmask_row, self.bitmask_words = _Stage.offsets(b)
+        self.lists = layout["lists"]
+        self.bitmask_row, self.bitmask_words = layout["bitmask_row"], layout["bitmask_words"]
         self.h_bitmask_row = host[self.bitmask_row: self.bitmask_row + 4 * b].view(torch.int32)
         self.host, self.dev = host, dev
         self.host_base, self.dev_base = host.data_ptr(), dev.data_ptr()
-        d = self.dev_base
-        # RowParams.pointers() order: temperature, top_k, top_p, min_p, seed, position, iteration.
-        self.params = [d + 24 * b, d + 36 * b, d + 28 * b, d + 32 * b, d, d + 8 * b, d + 16 * b]
         self._t_eff: torch.Tensor | None = None
         self._masks: torch.Tensor | None = None
 
     def dev_t_eff(self) -> torch.Tensor:
         if self._t_eff is None:
-            self._t_eff = self.dev[24 * self.num_rows: 28 * self.num_rows].view(torch.float32)
+            at = self.layout["temperature"]
+            self._t_eff = self.dev[at: at + 4 * self.num_rows].view(torch.float32)
         return self._t_eff
 
     def dev_masks(self) -> torch.Tensor:
-        """use_filt, through, need_raw: bool [3, B] on the device."""
+        """use_filt, through, need_raw: bool [3, B] on the device (written by the plan of a log-prob call)."""
         if self._masks is None:
-            b = self.num_rows
-            self._masks = self.dev[40 * b: 43 * b].view(torch.bool).view(3, b)
+            at = self.layout["masks"]
+            self._masks = self.dev[at: at + 3 * self.num_rows].view(torch.bool).view(3, self.num_rows)
         return self._masks
 
 
@@ -308,7 +142,7 @@ class _Out:
         ("kept_mass", 4, torch.float32, 1), ("pre_row_min", 4, torch.float32, 1),
         ("raw_row_max", 4, torch.float32, 1), ("raw_row_min", 4, torch.float32, 1),
         ("raw_row_logz", 4, torch.float32, 1), ("filt_flags", 1, torch.uint8, 1), ("pre_flags", 1, torch.uint8, 1),
-        ("raw_flags", 1, torch.uint8, 1),
+        ("raw_flags", 1, torch.uint8, 1), ("exact_bits", 1, torch.uint8, 1),
     )
 
     @staticmethod
@@ -337,8 +171,8 @@ class _Out:
         # Without log-probs every row is written by exactly one group: filtered rows share the main arrays.
         self.filt_shared = [a["main_tokens"], a["main_flags"], a["filt_row_max"], 0, 0, a["kept_mass"], a["kept_min_key"]]
         self.pre = [a["pre_tokens"], a["pre_flags"], a["filt_row_max"], a["pre_row_min"], 0, 0, 0]
-        self.pre_stats = [a["filt_row_max"], a["pre_row_min"], a["pre_tokens"], a["pre_flags"]]  # filter's input
         self.raw = [0, a["raw_flags"], a["raw_row_max"], a["raw_row_min"], a["raw_row_logz"], 0, 0]
+        self.exact_bits = a["exact_bits"]
         self._views: dict[str, torch.Tensor] = {}
 
     def view(self, name: str) -> torch.Tensor:
@@ -384,6 +218,7 @@ class CudaBackend(Backend):
         self._dev_out: torch.Tensor | None = None
         self._ones = torch.ones(0, dtype=torch.float32, device=self._device)
         self._stages: dict[int, _Stage] = {}
+        self._layouts: dict[int, dict[str, int]] = {}
         self._outs: dict[tuple[int, int], _Out] = {}
 
     def info(self) -> BackendInfo:
@@ -449,7 +284,12 @@ class CudaBackend(Backend):
         return torch.empty(nbytes, dtype=torch.uint8, device=self._device)
 
     def _stage(self, num_rows: int, bitmask_bytes: int) -> _Stage:
-        need = _stage_bytes(num_rows, bitmask_bytes)
+        layout = self._layouts.get(num_rows)
+        if layout is None:
+            if len(self._layouts) >= 64:
+                self._layouts.clear()
+            layout = self._layouts[num_rows] = self._kernels.stage_layout(num_rows)
+        need = layout["bitmask_words"] + bitmask_bytes
         if self._host_stage is None or self._host_stage.numel() < need:
             size = max(need, 2 * (0 if self._host_stage is None else self._host_stage.numel()), 4096)
             self._host_stage, self._dev_stage = self._alloc(size, True), self._alloc(size, False)
@@ -458,7 +298,7 @@ class CudaBackend(Backend):
         if stage is None:
             if len(self._stages) >= 64:
                 self._stages.clear()
-            stage = self._stages[num_rows] = _Stage(self._host_stage, self._dev_stage, num_rows)
+            stage = self._stages[num_rows] = _Stage(self._host_stage, self._dev_stage, num_rows, layout)
         return stage
 
     def _out(self, num_rows: int, num_samples: int) -> _Out:
@@ -483,10 +323,11 @@ class CudaBackend(Backend):
             self._ones = torch.ones(max(num_rows, 2 * self._ones.numel()), dtype=torch.float32, device=self._device)
         return self._ones[:num_rows]
 
-    def _upload(self, batch: SamplingBatch, plan: _Plan, stream: int) -> tuple[_Stage, list[int]]:
-        """Packs the per-row parameters, the row lists, the masks and the token bitmask into the pinned buffer,
-        copies them to the device in one copy, and replaces each group of `plan` by (row-list address or 0, rows).
-        Returns the stage and the bitmask's entries of the launches' params (NO_BITMASK without one)."""
+    def _upload(self, batch: SamplingBatch, kind: int, use_buckets: bool, stream: int) -> tuple[_Stage, Plan, list[int]]:
+        """Packs the per-row parameters into the pinned buffer, plans the call there (csrc/routes.h: the row lists,
+        T_eff and, for log-prob calls, the row masks), adds the token bitmask, and copies it all to the device in one
+        copy. Returns the stage, the plan and the bitmask's entries of the launches' params (NO_BITMASK without
+        one)."""
         num_rows = batch.num_rows
         processing = batch.processing
         bitmask = processing.token_bitmask if processing is not None else None
@@ -496,43 +337,15 @@ class CudaBackend(Backend):
         stage = self._stage(num_rows, 4 * words_up * (bitmask.shape[1] if bitmask is not None else 0))
         i64, f32 = torch.int64, torch.float32
         torch.cat([_as(batch.seed, i64), _as(batch.position, i64), _as(batch.iteration, i64)], out=stage.h_i64)
-        torch.cat([_as(plan.t_eff, f32), _as(batch.top_p, f32), _as(batch.min_p, f32)], out=stage.h_f32)
+        torch.cat([_as(batch.temperature, f32), _as(batch.top_p, f32), _as(batch.min_p, f32)], out=stage.h_f32)
         stage.h_topk.copy_(batch.top_k)
-        if plan.masks is not None:
-            torch.stack(plan.masks, out=stage.h_masks)
-        used = 0
-        chunks: list = []
-        list_base = stage.dev_base + stage.lists
-
-        def place(group):
-            nonlocal used
-            if group is None:
-                return None
-            if group is _ALL:
-                return 0, num_rows
-            n = len(group) if isinstance(group, list) else int(group.numel())
-            placed = (list_base + 4 * used, n)
-            used += n
-            chunks.append(group)
-            return placed
-
-        plan.greedy = place(plan.greedy)
-        plan.unfiltered = place(plan.unfiltered)
-        plan.buckets = [(bucket, place(group)) for bucket, group in plan.buckets]
-        plan.exact = place(plan.exact)
-        plan.need_raw = place(plan.need_raw)
-        if chunks:
-            if all(isinstance(c, list) for c in chunks):
-                ids = array.array("i", chunks[0] if len(chunks) == 1 else [r for c in chunks for r in c])
-                ctypes.memmove(stage.host_base + stage.lists, ids.buffer_info()[0], 4 * used)
-            else:
-                parts = [c if isinstance(c, torch.Tensor) else torch.tensor(c, dtype=torch.int32) for c in chunks]
-                torch.cat(parts, out=stage.host[stage.lists: stage.lists + 4 * used].view(torch.int32))
-        end, entries = stage.lists + 4 * used, NO_BITMASK
+        plan = self._kernels.plan(stage.host_base, num_rows, batch.vocab_size, kind, processing is not None,
+                                  use_buckets)
+        end, entries = stage.lists + 4 * plan.lists_used, NO_BITMASK
         if bitmask is not None:
             end, entries = self._place_bitmask(stage, bitmask, masked, words_up)
         self._kernels.copy_to_device(stage.dev_base, stage.host_base, end, stream)
-        return stage, entries
+        return stage, plan, entries
 
     def _place_bitmask(self, stage: _Stage, bitmask: torch.Tensor, masked: torch.Tensor | None,
                        words_up: int) -> tuple[int, list[int]]:
@@ -558,50 +371,15 @@ class CudaBackend(Backend):
         return stage.bitmask_words + 4 * words_up * width, [stage.dev_base + stage.bitmask_words, row_map, width]
 
     # ---------------------------------------------------------------------------------------------
-    def _launch(self, x: torch.Tensor, plan: _Plan, params: list[int], out: _Out, num_samples: int, *, shared: bool,
-                lse_scale: int, processed: bool, stream: int) -> None:
-        """Every kernel of the call, in the original order: greedy, unfiltered, top-k buckets, exact filter.
-        params: the stage's and the token bitmask's entries."""
-        k = self._kernels
-        data, b, v, dt = k._logits(x)
-        main = out.main
+    def _launch(self, plan: Plan, stage: _Stage, x: torch.Tensor, bitmask: list[int], out: _Out, num_samples: int, *,
+                shared: bool, lse_scale: int = 0, raw_x: torch.Tensor | None = None, raw_lse_scale: int = 0,
+                stream: int) -> None:
+        """Every kernel of the plan (csrc/routes.h ts_launch_plan) on x (with `bitmask`, the entries _processed
+        gives). shared: filtered rows write the main tokens and flags (tokens alone); lse_scale: the greedy and
+        unfiltered launches' log-sum-exp scale (address, 0: none); raw_x: the input logits of the need_raw pass."""
         filt = out.filt_shared if shared else out.filt
-        if plan.greedy is not None:
-            rows, n = plan.greedy
-            k.launch_stats(data, b, v, dt, rows, n, params, lse_scale, main, num_samples, stream)
-        if plan.unfiltered is not None:
-            rows, n = plan.unfiltered
-            for s in range(num_samples):
-                k.launch_gumbel(data, b, v, dt, rows, n, params, lse_scale, main, num_samples, s, stream)
-        for bucket, (rows, n) in plan.buckets:
-            k.launch_topk(data, b, v, dt, rows, n, params, bucket, filt, num_samples, stream)
-        if plan.exact is not None:
-            rows, n = plan.exact
-            # Without k and without the kept mass itself (processed log-probs), min-p alone is a mask on
-            # Gumbel-max once stats_kernel has the row max; top-p goes to the frontier, which writes the
-            # stats the filter needs for the rows it leaves. Below FRONTIER_MIN_ROWS rows the filter is
-            # faster for top-p (docs/design/kernel-routing.md).
-            bounded = not processed and not plan.exact_has_k
-            min_p_alone = bounded and not plan.exact_has_top_p
-            frontier = bounded and plan.exact_has_top_p and n >= FRONTIER_MIN_ROWS
-            if not frontier:
-                k.launch_stats(data, b, v, dt, rows, n, params, 0, out.pre, 1, stream)
-            flags = needs_exact = None
-            if num_samples > 1:  # each sample's launch rewrites the flags: keep every sample's exact-filter bit
-                flags = out.view("main_flags" if shared else "filt_flags")
-                needs_exact = torch.zeros(b, dtype=torch.uint8, device=self._device)
-            for s in range(num_samples):
-                if min_p_alone:  # exact in the kernel: never flags a row
-                    k.launch_min_p(data, b, v, dt, rows, n, params, out.pre_stats[0], filt, num_samples, s, stream)
-                else:
-                    if frontier:
-                        k.launch_nucleus(data, b, v, dt, rows, n, params, out.pre, filt, num_samples, s, stream)
-                    k.launch_filter(data, b, v, dt, rows, n, params, out.pre_stats, processed, filt, num_samples, s,
-                                    stream, NUCLEUS_FILTER_BLOCKS_TARGET if frontier else FILTER_BLOCKS_TARGET)
-                if needs_exact is not None:
-                    needs_exact |= flags & _FLAG_EXACT
-            if needs_exact is not None:
-                flags |= needs_exact
+        self._kernels.launch_plan(plan, x, bitmask, lse_scale, raw_x, raw_lse_scale, stage.dev_base, num_samples,
+                                  out.main, filt, out.pre, out.raw, out.exact_bits, stream)
 
     def _processed(self, raw_x: torch.Tensor, processing: LogitProcessing | None, bitmask: list[int],
                    stream: int) -> tuple[torch.Tensor, list[int]]:
@@ -639,20 +417,17 @@ class CudaBackend(Backend):
         if num_rows == 0:
             return self._empty_result(batch, vocab, wants_logprobs), None
         stream = self._kernels.current_stream()
+        routes = self._kernels.module  # what a call wants beside tokens: csrc/routes.h TsCallKind
+        kind = routes.TOKENS
         if wants_logprobs:
-            raw_mode = batch.logprobs_mode is LogprobsMode.RAW
-            plan = _plan_with_torch(batch, vocab, not raw_mode, True, raw_mode, use_buckets)
-        else:
-            plan = (_plan_without_logprobs(batch, vocab, use_buckets)
-                    or _plan_with_torch(batch, vocab, False, False, False, use_buckets))
-        stage, bitmask = self._upload(batch, plan, stream)
+            kind = routes.LOGPROBS_RAW if batch.logprobs_mode is LogprobsMode.RAW else routes.LOGPROBS_PROCESSED
+        stage, plan, bitmask = self._upload(batch, kind, use_buckets, stream)
         x, bitmask = self._processed(raw_x, batch.processing, bitmask, stream)
         if wants_logprobs:
             return self._sample_with_logprobs(batch, plan, stage, raw_x, x, bitmask, stream)
 
         out = self._out(num_rows, num_samples)
-        self._launch(x, plan, stage.params + bitmask, out, num_samples, shared=True, lse_scale=0, processed=False,
-                     stream=stream)
+        self._launch(plan, stage, x, bitmask, out, num_samples, shared=True, stream=stream)
         # The one synchronisation: tokens and flags back to the host in one copy.
         self._kernels.copy_to_host_and_wait(out.host_base, out.dev_base, out.d2h_bytes, stream)
         flags = out.h_flags
@@ -678,7 +453,7 @@ class CudaBackend(Backend):
             top_logprob_ids=torch.zeros((0, n), dtype=torch.int64) if batch.top_logprobs > 0 else None,
             top_logprobs=torch.zeros((0, n), dtype=torch.float32) if batch.top_logprobs > 0 else None)
 
-    def _sample_with_logprobs(self, batch: SamplingBatch, plan: _Plan, stage: _Stage, raw_x: torch.Tensor,
+    def _sample_with_logprobs(self, batch: SamplingBatch, plan: Plan, stage: _Stage, raw_x: torch.Tensor,
                               x: torch.Tensor, bitmask: list[int], stream: int) -> tuple[SamplingResult, torch.Tensor]:
         """Log-probs calls: the same upload and launches (x and bitmask: what the kernels read, _processed), main
         and filter outputs kept apart, and the torch post-processing of the kept set and the tables."""
@@ -694,9 +469,9 @@ class CudaBackend(Backend):
             lse_unfiltered = 1.0 / t_eff  # greedy rows have T_eff = 1
         elif batch.processing is None:
             lse_unfiltered = ones  # raw log-sum-exp for free in the same pass
-        self._launch(x, plan, stage.params + bitmask, out, num_samples, shared=False,
-                     lse_scale=lse_unfiltered.data_ptr() if lse_unfiltered is not None else 0, processed=processed,
-                     stream=stream)
+        self._launch(plan, stage, x, bitmask, out, num_samples, shared=False,
+                     lse_scale=lse_unfiltered.data_ptr() if lse_unfiltered is not None else 0,
+                     raw_x=raw_x, raw_lse_scale=ones.data_ptr(), stream=stream)
         main = Outputs(tokens=out.view("main_tokens"), flags=out.view("main_flags"), row_max=out.view("main_row_max"),
                        row_min=out.view("main_row_min"), row_logz=out.view("main_row_logz"))
         filt = Outputs(tokens=out.view("filt_tokens"), flags=out.view("filt_flags"), row_max=out.view("filt_row_max"),
@@ -713,11 +488,7 @@ class CudaBackend(Backend):
         logprobs = top_ids = top_values = None
         if raw_mode:
             raw_max, raw_logz = main.row_max, main.row_logz
-            if plan.need_raw is not None:
-                rows, n = plan.need_raw
-                data, b, v, dt = k._logits(raw_x)  # the input's log-sum-exp: no mask (step 1 precedes step 2)
-                k.launch_stats(data, b, v, dt, rows, n, stage.params + NO_BITMASK, ones.data_ptr(), out.raw, 1,
-                               stream)
+            if plan.need_raw[1]:  # the input's own pass wrote its log-sum-exp (no mask: step 1 precedes step 2)
                 raw_max = torch.where(need_dev, out.view("raw_row_max"), raw_max)
                 raw_logz = torch.where(need_dev, out.view("raw_row_logz"), raw_logz)
             raw_f = raw_x.to(torch.float32)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -19,11 +20,9 @@ from tokensampler_server.backends.cuda_build import load_kernels
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-FILTER_BLOCKS_TARGET = 264  # filter-kernel blocks to aim for: two per multiprocessor on an H100/H200
-# After the frontier route the filter gets only the rows the frontier left (rare), and its grid is mostly blocks that
-# find their row decided: one block a multiprocessor (one a row from 132 rows) took 0.5 us off flat top-p at B = 256
-# against two (docs/design/top-p-frontier.md).
-NUCLEUS_FILTER_BLOCKS_TARGET = FILTER_BLOCKS_TARGET // 2
+# The route planner's plan of one call (csrc/routes.h TsPlan, bound as the module's Plan): its groups of rows,
+# (first, n) each, the exact group's route, the filter's blocks a row and the row ids it wrote.
+Plan = Any
 
 
 NO_BITMASK = [0, 0, 0]
@@ -131,7 +130,6 @@ class Kernels:
         self.fallback_count = torch.zeros(1, dtype=torch.int64, device=self.device)
         """Exact re-evaluations made inside the kernels (close calls, cut-bin resolutions)."""
         self._ws: list[int] | None = None  # the workspace addresses, rebuilt when a buffer grows
-        self._hist_need: dict[int, int] = {}
         self._scratch_need: dict[tuple[str, int, int, int], int] = {}
 
     kernel_names = ("stats_kernel", "gumbel_kernel", "gumbel_kernel<min-p>", "topk_kernel<16..256>",
@@ -139,20 +137,17 @@ class Kernels:
                     "apply_bitmask_kernel")
 
     # -- workspace ---------------------------------------------------------------------------------
-    def _workspace(self, num_work: int, scratch_bytes: int, hist: bool = False) -> list[int]:
+    def _workspace(self, num_work: int, scratch_bytes: int, hist_bytes: int = 0) -> list[int]:
+        """Counters for num_work rows, scratch and zeroed histograms of at least these sizes (grown, never shrunk)."""
         if self._counters.numel() < num_work:
             self._counters = torch.zeros(max(num_work, 2 * self._counters.numel()), dtype=torch.int32, device=self.device)
             self._ws = None
         if self._scratch.numel() < scratch_bytes:
             self._scratch = torch.empty(max(scratch_bytes, 2 * self._scratch.numel()), dtype=torch.uint8, device=self.device)
             self._ws = None
-        if hist:
-            need = self._hist_need.get(num_work)
-            if need is None:
-                need = self._hist_need[num_work] = self.module.hist_bytes(num_work)
-            if self._hist.numel() < need:
-                self._hist = torch.zeros(need, dtype=torch.uint8, device=self.device)
-                self._ws = None
+        if self._hist.numel() < hist_bytes:
+            self._hist = torch.zeros(hist_bytes, dtype=torch.uint8, device=self.device)
+            self._ws = None
         if self._ws is None:
             self._ws = [self._counters.data_ptr(), self._hist.data_ptr(), self._scratch.data_ptr(),
                         self.fallback_count.data_ptr()]
@@ -230,11 +225,11 @@ class Kernels:
 
     def launch_filter(self, data: int, b: int, v: int, dt: int, rows: int, num_work: int, params: list[int],
                       stats: list[int], need_exact_mass: bool, out: list[int], num_samples: int, sample: int,
-                      stream: int, blocks_target: int = FILTER_BLOCKS_TARGET) -> None:
-        """stats: row_max, row_min, argmax ([B, 1] int64) and flags of stats() on the same rows. blocks_target: the
-        blocks the grid aims at (ceil(target / rows) a row, 1 to 64)."""
-        splits = max(1, min(64, -(-blocks_target // max(num_work, 1))))
-        ws = self._workspace(num_work, 0, hist=splits > 1)
+                      stream: int, after_frontier: bool = False) -> None:
+        """stats: row_max, row_min, argmax ([B, 1] int64) and flags of stats() on the same rows, or of the frontier
+        (after_frontier: the grid the route planner gives that route)."""
+        splits = self.module.filter_splits(num_work, after_frontier)
+        ws = self._workspace(num_work, 0, self.module.hist_bytes(num_work) if splits > 1 else 0)
         self.module.filter(data, b, v, dt, rows, num_work, params, stats, int(need_exact_mass), splits, out,
                            num_samples, sample, ws, stream)
 
@@ -242,6 +237,31 @@ class Kernels:
         """Writes -inf into fp32 logits (address, rows, vocab) wherever bitmask (bitmask_entries) disallows a token:
         for logits that other processing changes afterwards."""
         self.module.apply_bitmask(data, b, v, *bitmask, stream)
+
+    # -- the routes of a call (csrc/routes.h): the backend's path ------------------------------------
+    def stage_layout(self, num_rows: int) -> dict[str, int]:
+        """Byte offsets of the per-row arrays in the upload of num_rows rows (TsStageLayout)."""
+        return self.module.stage_layout(num_rows)
+
+    def plan(self, host_stage: int, num_rows: int, vocab: int, kind: int, processing: bool,
+             use_buckets: bool = True) -> Plan:
+        """Groups the rows whose parameters lie in the pinned stage at `host_stage` (ts_plan): kind is the module's
+        TOKENS, LOGPROBS_RAW or LOGPROBS_PROCESSED; use_buckets False sends every filtered row to the exact
+        filter."""
+        return self.module.plan(host_stage, num_rows, vocab, kind, processing, use_buckets)
+
+    def launch_plan(self, plan: Plan, x: torch.Tensor, bitmask: list[int], lse_scale: int, raw_x: torch.Tensor | None,
+                    raw_lse_scale: int, dev_stage: int, num_samples: int, main: list[int], filt: list[int],
+                    pre: list[int], raw: list[int], exact_bits: int, stream: int) -> None:
+        """Every launch of `plan` (ts_launch_plan) on x, whose rows the device copy of the stage at dev_stage
+        describes. main, filt, pre, raw: the 7 output addresses of each (Outputs.pointers() order); raw_x: the input
+        logits of the need_raw pass; exact_bits: uint8 [B] scratch."""
+        counters, hist, scratch = plan.workspace()
+        ws = self._workspace(counters // 4, scratch, hist)
+        data, _, _, dt = self._logits(x)
+        raw_data, raw_dt = (raw_x.data_ptr(), _DTYPES[raw_x.dtype]) if raw_x is not None and plan.need_raw[1] else (0, 0)
+        self.module.launch_plan(plan, data, dt, bitmask, lse_scale, raw_data, raw_dt, raw_lse_scale, dev_stage,
+                                num_samples, main, filt, pre, raw, exact_bits, ws, stream)
 
     def copy_to_device(self, device_address: int, host_address: int, nbytes: int, stream: int) -> None:
         """Asynchronous copy from pinned host memory, ordered on `stream`."""
@@ -296,8 +316,7 @@ class Kernels:
                          self.current_stream())
 
     def filter(self, logits: torch.Tensor, params: RowParams, stats: Outputs, out: Outputs, sample: int, *,
-               rows: torch.Tensor | None = None, need_exact_mass: bool = False,
-               blocks_target: int = FILTER_BLOCKS_TARGET) -> None:
+               rows: torch.Tensor | None = None, need_exact_mass: bool = False, after_frontier: bool = False) -> None:
         """Exact top-p/min-p/large-k sampling of column `sample`, after stats() on the same rows.
 
         `stats` is what stats() wrote: row_max, row_min, flags, and tokens [B, 1] (the argmax).
@@ -310,7 +329,7 @@ class Kernels:
                            [stats.row_max.data_ptr(), stats.row_min.data_ptr(), stats.tokens.data_ptr(),
                             stats.flags.data_ptr()],
                            need_exact_mass, out.pointers(), out.tokens.shape[1], sample, self.current_stream(),
-                           blocks_target)
+                           after_frontier)
 
     def nucleus(self, logits: torch.Tensor, params: RowParams, pre: Outputs, out: Outputs, sample: int, *,
                 rows: torch.Tensor | None = None) -> None:
@@ -320,7 +339,7 @@ class Kernels:
         rptr, n = self._rows(rows, b)
         self.launch_nucleus(data, b, v, dt, rptr, n, params.pointers(), pre.pointers(), out.pointers(),
                             out.tokens.shape[1], sample, self.current_stream())
-        self.filter(logits, params, pre, out, sample, rows=rows, blocks_target=NUCLEUS_FILTER_BLOCKS_TARGET)
+        self.filter(logits, params, pre, out, sample, rows=rows, after_frontier=True)
 
     def noise(
         self, seed: int, position: int, iteration: int, sample: int, vocab: int, split_products: bool = False

@@ -1,0 +1,258 @@
+// The routes of a sampling call (routes.h): the plan on the host, the launches on the caller's stream.
+#include "routes.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int32_t kBuckets[TS_NUM_BUCKETS] = {16, 32, 64, 128, 256};
+// The top-k kernel merges chunks x bucket candidate keys of a row in shared memory.
+constexpr int64_t kMaxMergedCandidates = 16384;
+// TS_FRONTIER_MIN_ROWS: the frontier route is slower than the filter at B = 1 and 8, 2x faster on spiky rows from
+// B = 32 (docs/design/kernel-routing.md).
+// Filter blocks to aim for: two per multiprocessor of an H100/H200. After the frontier the filter gets only the rows
+// the frontier left (rare) and most of its blocks find their row decided: one block a multiprocessor took 0.5 us off
+// flat top-p at B = 256 (docs/design/top-p-frontier.md).
+constexpr int32_t kFilterBlocksTarget = 264;
+constexpr int32_t kFrontierFilterBlocksTarget = kFilterBlocksTarget / 2;
+constexpr uint8_t kFlagExact = 4;
+
+size_t align16(size_t n) { return (n + 15) / 16 * 16; }
+
+// The index in kBuckets of the smallest bucket holding k + 1 candidates, -1 when none applies.
+int bucket_index(int32_t k, int64_t vocab) {
+  if (k <= 0) return -1;
+  const int64_t chunks = ts_num_splits(vocab);
+  for (int i = 0; i < TS_NUM_BUCKETS; ++i)
+    if (k + 1 <= kBuckets[i]) return chunks * kBuckets[i] <= kMaxMergedCandidates ? i : -1;
+  return -1;
+}
+
+// Row ids gathered for one group while planning; placed into the stage's lists when the plan is complete.
+struct Collector {
+  int32_t* lists;
+  int32_t used = 0;
+  TsGroup place(const int32_t* ids, int32_t n, int64_t num_rows) {
+    if (n == 0) return TsGroup{0, 0};
+    if (n == num_rows) return TsGroup{-1, n};
+    std::memcpy(lists + used, ids, sizeof(int32_t) * static_cast<size_t>(n));
+    const TsGroup group{used, n};
+    used += n;
+    return group;
+  }
+};
+
+// exact_bits[r] |= flags[r] & bits, for every row: one thread a row.
+__global__ void or_flags_kernel(uint8_t* dst, const uint8_t* src, int64_t n, uint8_t bits) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) dst[i] |= src[i] & bits;
+}
+
+cudaError_t or_flags(uint8_t* dst, const uint8_t* src, int64_t n, uint8_t bits, cudaStream_t stream) {
+  or_flags_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(dst, src, n, bits);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" {
+
+TsStageLayout ts_stage_layout(int64_t num_rows) {
+  // The parameters back to back (each array stays aligned to its element: int64 first), so that a caller fills the
+  // int64 and the float32 ones with one copy each; the rest 16-byte aligned.
+  const size_t b = static_cast<size_t>(num_rows);
+  TsStageLayout s{};
+  s.seed = 0, s.position = 8 * b, s.iteration = 16 * b;
+  s.temperature = 24 * b, s.top_p = 28 * b, s.min_p = 32 * b, s.top_k = 36 * b, s.masks = 40 * b;
+  s.lists = align16(43 * b);
+  s.row_start = align16(s.lists + 12 * b);
+  s.bitmask_row = align16(s.row_start + 8 * b);
+  s.bitmask_words = align16(s.bitmask_row + 4 * b);
+  return s;
+}
+
+int ts_plan(void* host_stage, int64_t num_rows, int64_t vocab, int32_t kind, int32_t processing, int32_t use_buckets,
+            TsPlan* plan) {
+  if (num_rows < 0 || vocab < 1 || kind < TS_TOKENS || kind > TS_LOGPROBS_PROCESSED) return cudaErrorInvalidValue;
+  const TsStageLayout layout = ts_stage_layout(num_rows);
+  char* stage = static_cast<char*>(host_stage);
+  auto* t_eff = reinterpret_cast<float*>(stage + layout.temperature);
+  const auto* top_p = reinterpret_cast<const float*>(stage + layout.top_p);
+  const auto* min_p = reinterpret_cast<const float*>(stage + layout.min_p);
+  const auto* top_k = reinterpret_cast<const int32_t*>(stage + layout.top_k);
+  const bool log_probs = kind != TS_TOKENS, processed = kind == TS_LOGPROBS_PROCESSED;
+  bool* use_filt = log_probs ? reinterpret_cast<bool*>(stage + layout.masks) : nullptr;
+  bool* through_mask = use_filt ? use_filt + num_rows : nullptr;
+  bool* need_raw_mask = use_filt ? use_filt + 2 * num_rows : nullptr;
+
+  // Each group's ids in its own scratch list (three lists of B, then the buckets' and need_raw's), placed at the end
+  // in the plan's launch order so that a group of every row needs no list at all.
+  std::vector<int32_t> ids(static_cast<size_t>(5 + TS_NUM_BUCKETS) * static_cast<size_t>(num_rows));
+  int32_t* greedy = ids.data();
+  int32_t* unfiltered = greedy + num_rows;
+  int32_t* exact = unfiltered + num_rows;
+  int32_t* need_raw = exact + num_rows;
+  int32_t* bucket_ids[TS_NUM_BUCKETS];
+  for (int i = 0; i < TS_NUM_BUCKETS; ++i) bucket_ids[i] = need_raw + (i + 1) * num_rows;
+  int32_t n_greedy = 0, n_unfiltered = 0, n_exact = 0, n_raw = 0, n_bucket[TS_NUM_BUCKETS] = {};
+  bool exact_has_k = false, exact_has_top_p = false;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const float t = t_eff[r], p = top_p[r], m = min_p[r];
+    const int32_t k = top_k[r];
+    const int32_t id = static_cast<int32_t>(r);
+    const bool is_greedy = t == 0.f, filtered = k > 0 || p < 1.f || m > 0.f;
+    // Greedy rows never go through the filters, except for the kept set of processed log-probs (at T = 1).
+    const bool through = filtered && (!is_greedy || processed);
+    if (is_greedy) {
+      greedy[n_greedy++] = id;
+      t_eff[r] = 1.f;
+    } else if (!filtered) {
+      unfiltered[n_unfiltered++] = id;
+    }
+    if (through) {
+      const int bucket = use_buckets ? bucket_index(k, vocab) : -1;
+      if (bucket >= 0) {
+        bucket_ids[bucket][n_bucket[bucket]++] = id;
+      } else {
+        exact[n_exact++] = id;
+        exact_has_k |= k > 0;
+        exact_has_top_p |= p < 1.f;
+      }
+    }
+    const bool raw_pass = processing || !(is_greedy || !filtered);
+    if (kind == TS_LOGPROBS_RAW && raw_pass) need_raw[n_raw++] = id;
+    if (use_filt) {
+      use_filt[r] = through && !is_greedy;
+      through_mask[r] = through;
+      need_raw_mask[r] = raw_pass;
+    }
+  }
+  Collector lists{reinterpret_cast<int32_t*>(stage + layout.lists)};
+  TsPlan p{};
+  p.num_rows = num_rows, p.vocab = vocab, p.kind = kind, p.processing = processing;
+  p.greedy = lists.place(greedy, n_greedy, num_rows);
+  p.unfiltered = lists.place(unfiltered, n_unfiltered, num_rows);
+  for (int i = 0; i < TS_NUM_BUCKETS; ++i) p.buckets[i] = lists.place(bucket_ids[i], n_bucket[i], num_rows);
+  p.exact = lists.place(exact, n_exact, num_rows);
+  p.need_raw = lists.place(need_raw, n_raw, num_rows);
+  p.lists_used = lists.used;
+  // Without k and without the kept mass itself (processed log-probs), min-p alone is a mask on Gumbel-max once the
+  // row max is known, and top-p goes to the frontier from kFrontierMinRows rows.
+  const bool bounded = !processed && !exact_has_k;
+  p.exact_route = !bounded           ? TS_EXACT_FILTER
+                  : !exact_has_top_p ? TS_EXACT_MIN_P
+                  : n_exact >= TS_FRONTIER_MIN_ROWS ? TS_EXACT_FRONTIER
+                                                : TS_EXACT_FILTER;
+  p.filter_splits = ts_filter_splits(n_exact, p.exact_route == TS_EXACT_FRONTIER);
+  *plan = p;
+  return cudaSuccess;
+}
+
+int32_t ts_filter_splits(int32_t num_work_rows, int32_t after_frontier) {
+  const int32_t target = after_frontier ? kFrontierFilterBlocksTarget : kFilterBlocksTarget;
+  const int32_t rows = std::max(num_work_rows, 1);
+  return std::max(1, std::min(64, (target + rows - 1) / rows));
+}
+
+TsWorkspaceBytes ts_plan_workspace(const TsPlan* plan) {
+  TsWorkspaceBytes w{0, 0, 0};
+  const int64_t vocab = plan->vocab;
+  auto need = [&](const TsGroup& g, size_t scratch) {
+    if (!g.n) return;
+    w.counters = std::max(w.counters, sizeof(uint32_t) * static_cast<size_t>(g.n));
+    w.scratch = std::max(w.scratch, scratch);
+  };
+  need(plan->greedy, ts_stats_scratch_bytes(plan->greedy.n, vocab));
+  need(plan->unfiltered, ts_gumbel_scratch_bytes(plan->unfiltered.n, vocab));
+  for (int i = 0; i < TS_NUM_BUCKETS; ++i)
+    need(plan->buckets[i], ts_topk_scratch_bytes(plan->buckets[i].n, vocab, kBuckets[i]));
+  const TsGroup& exact = plan->exact;
+  if (exact.n) {
+    switch (plan->exact_route) {
+      case TS_EXACT_FRONTIER: need(exact, ts_nucleus_scratch_bytes(exact.n, vocab)); break;
+      case TS_EXACT_MIN_P: need(exact, std::max(ts_stats_scratch_bytes(exact.n, vocab),
+                                                ts_gumbel_scratch_bytes(exact.n, vocab))); break;
+      default: need(exact, ts_stats_scratch_bytes(exact.n, vocab));
+    }
+    if (plan->exact_route != TS_EXACT_MIN_P && plan->filter_splits > 1) w.hist = ts_hist_bytes(exact.n);
+  }
+  need(plan->need_raw, ts_stats_scratch_bytes(plan->need_raw.n, vocab));
+  return w;
+}
+
+int ts_launch_plan(const TsPlan* plan, const TsCallInputs* in, const void* dev_stage, int32_t num_samples,
+                   const TsCallOutputs* out, const TsWorkspace* ws, void* stream) {
+  if (num_samples < 1 || (num_samples > 1 && plan->exact.n && !out->exact_bits)) return cudaErrorInvalidValue;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const TsStageLayout layout = ts_stage_layout(plan->num_rows);
+  const char* stage = static_cast<const char*>(dev_stage);
+  const auto* lists = reinterpret_cast<const int32_t*>(stage + layout.lists);
+  auto rows_of = [&](const TsGroup& g, const TsBitmask& bitmask) {
+    return TsRows{g.first < 0 ? nullptr : lists + g.first, g.n,
+                  reinterpret_cast<const float*>(stage + layout.temperature),
+                  reinterpret_cast<const int32_t*>(stage + layout.top_k),
+                  reinterpret_cast<const float*>(stage + layout.top_p),
+                  reinterpret_cast<const float*>(stage + layout.min_p),
+                  reinterpret_cast<const int64_t*>(stage + layout.seed),
+                  reinterpret_cast<const int64_t*>(stage + layout.position),
+                  reinterpret_cast<const int64_t*>(stage + layout.iteration), bitmask};
+  };
+  const TsLogits* x = &in->logits;
+  auto with_sample = [](TsOutputs o, int32_t ns, int32_t sample) {
+    o.num_samples = ns, o.sample = sample;
+    return o;
+  };
+  int err = 0;
+  if (plan->greedy.n) {
+    const TsRows r = rows_of(plan->greedy, in->bitmask);
+    const TsOutputs o = with_sample(out->main, num_samples, 0);
+    if ((err = ts_stats(x, &r, in->lse_scale, &o, ws, s))) return err;
+  }
+  if (plan->unfiltered.n) {
+    const TsRows r = rows_of(plan->unfiltered, in->bitmask);
+    for (int32_t sample = 0; sample < num_samples; ++sample) {
+      const TsOutputs o = with_sample(out->main, num_samples, sample);
+      if ((err = ts_gumbel(x, &r, in->lse_scale, &o, ws, s))) return err;
+    }
+  }
+  for (int i = 0; i < TS_NUM_BUCKETS; ++i) {
+    if (!plan->buckets[i].n) continue;
+    const TsRows r = rows_of(plan->buckets[i], in->bitmask);
+    const TsOutputs o = with_sample(out->filt, num_samples, 0);
+    if ((err = ts_topk(x, &r, kBuckets[i], &o, ws, s))) return err;
+  }
+  if (plan->exact.n) {
+    const TsRows r = rows_of(plan->exact, in->bitmask);
+    const TsOutputs pre = with_sample(out->pre, 1, 0);
+    const int32_t route = plan->exact_route;
+    if (route != TS_EXACT_FRONTIER && (err = ts_stats(x, &r, nullptr, &pre, ws, s))) return err;
+    // Each sample's launch rewrites the flags: keep every sample's exact-filter bit.
+    const bool keep_bits = num_samples > 1;
+    if (keep_bits && (err = cudaMemsetAsync(out->exact_bits, 0, static_cast<size_t>(plan->num_rows), s))) return err;
+    for (int32_t sample = 0; sample < num_samples; ++sample) {
+      const TsOutputs o = with_sample(out->filt, num_samples, sample);
+      if (route == TS_EXACT_MIN_P) {  // exact in the kernel: never flags a row
+        if ((err = ts_min_p(x, &r, pre.row_max, &o, ws, s))) return err;
+      } else {
+        if (route == TS_EXACT_FRONTIER && (err = ts_nucleus(x, &r, &pre, &o, ws, s))) return err;
+        if ((err = ts_filter(x, &r, pre.row_max, pre.row_min, pre.tokens, pre.flags,
+                             plan->kind == TS_LOGPROBS_PROCESSED, plan->filter_splits, &o, ws, s)))
+          return err;
+      }
+      if (keep_bits && (err = or_flags(out->exact_bits, o.flags, plan->num_rows, kFlagExact, s))) return err;
+    }
+    if (keep_bits && (err = or_flags(out->filt.flags, out->exact_bits, plan->num_rows, 0xFF, s))) return err;
+  }
+  if (plan->need_raw.n) {  // the input's log-sum-exp: no bitmask (step 1 precedes step 2)
+    const TsRows r = rows_of(plan->need_raw, TsBitmask{nullptr, nullptr, 0});
+    const TsOutputs o = with_sample(out->raw, 1, 0);
+    if ((err = ts_stats(&in->raw_logits, &r, in->raw_lse_scale, &o, ws, s))) return err;
+  }
+  return cudaSuccess;
+}
+
+}  // extern "C"
