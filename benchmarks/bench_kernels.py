@@ -118,7 +118,7 @@ def tokensampler_fn(kernels: Kernels, mode: str, logits: torch.Tensor):
             kernels.gumbel(logits, params, out, 0)
         elif mode in ("top_k_top_p", "top_k"):
             kernels.topk(logits, params, out, bucket)
-        elif mode == "top_p" and b >= kernels.module.FRONTIER_MIN_ROWS:  # the route planner's choice (csrc/routes.cu)
+        elif mode == "top_p" and b >= kernels.module.FRONTIER_MIN_ROWS:  # the route planner's choice (csrc/routes.cpp)
             kernels.nucleus(logits, params, pre, out, 0)
         elif mode == "min_p":
             kernels.stats(logits, params, pre)

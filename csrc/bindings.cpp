@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "binding_args.h"
 #include "routes.h"
 #include "sampling.h"
 
@@ -22,13 +23,9 @@ void register_request_path(pybind11::module_& m);
 
 namespace {
 
-template <typename T>
-T* ptr(int64_t address) { return reinterpret_cast<T*>(static_cast<uintptr_t>(address)); }
-
-void check(int err, const char* what) {
-  if (err != 0)
-    throw std::runtime_error(std::string("tokensampler ") + what + ": " + cudaGetErrorString(static_cast<cudaError_t>(err)));
-}
+using tokensampler::binding::check;
+using tokensampler::binding::ptr;
+using tokensampler::binding::workspace_of;
 
 TsLogits logits_of(int64_t data, int64_t num_rows, int64_t vocab, int64_t dtype) {
   return TsLogits{ptr<const void>(data), num_rows, vocab, static_cast<int32_t>(dtype), nullptr};
@@ -55,12 +52,6 @@ TsOutputs outputs_of(const std::vector<int64_t>& o, int64_t num_samples, int64_t
   return TsOutputs{ptr<int64_t>(o[0]), static_cast<int32_t>(num_samples), static_cast<int32_t>(sample),
                    ptr<uint8_t>(o[1]), ptr<float>(o[2]), ptr<float>(o[3]), ptr<float>(o[4]), ptr<float>(o[5]),
                    ptr<int64_t>(o[6])};
-}
-
-// workspace: counters, hist, scratch, fallback_count.
-TsWorkspace workspace_of(const std::vector<int64_t>& w) {
-  if (w.size() != 4) throw std::invalid_argument("tokensampler: 4 workspace arrays expected");
-  return TsWorkspace{ptr<unsigned int>(w[0]), ptr<void>(w[1]), ptr<void>(w[2]), ptr<unsigned long long>(w[3])};
 }
 
 using SamplerWithRowFloats = int (*)(const TsLogits*, const TsRows*, const float*, const TsOutputs*,

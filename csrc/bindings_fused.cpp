@@ -9,12 +9,12 @@
 #include <tuple>
 #include <vector>
 
+#include "binding_args.h"
 #include "fused.h"
 
 namespace {
 
-template <typename T>
-T* address(int64_t a) { return reinterpret_cast<T*>(static_cast<uintptr_t>(a)); }
+using tokensampler::binding::ptr;
 
 using PlanTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
 
@@ -46,19 +46,18 @@ void register_fused(pybind11::module_& m) {
                            PlanTuple plan, int64_t tokens, int64_t num_samples, int64_t logprobs, int64_t flags,
                            int64_t scratch, int64_t stream) {
     if (params.size() != 10) throw std::invalid_argument("tokensampler: 7 parameter arrays and a bitmask expected");
-    const TsLmHead head{address<const void>(weight), vocab, dim, static_cast<int32_t>(dtype), address<const float>(bias),
+    const TsLmHead head{ptr<const void>(weight), vocab, dim, static_cast<int32_t>(dtype), ptr<const float>(bias),
                         static_cast<float>(logit_scale), static_cast<float>(soft_cap)};
-    const TsRows rows{nullptr, static_cast<int32_t>(num_rows), address<const float>(params[0]),
-                      address<const int32_t>(params[1]), address<const float>(params[2]), address<const float>(params[3]),
-                      address<const int64_t>(params[4]), address<const int64_t>(params[5]),
-                      address<const int64_t>(params[6]),
-                      TsBitmask{address<const int32_t>(params[7]), address<const int32_t>(params[8]), params[9]}};
-    const TsFusedOutputs out{address<int64_t>(tokens), static_cast<int32_t>(num_samples), address<float>(logprobs),
-                             address<uint8_t>(flags)};
+    const TsRows rows{nullptr, static_cast<int32_t>(num_rows), ptr<const float>(params[0]),
+                      ptr<const int32_t>(params[1]), ptr<const float>(params[2]), ptr<const float>(params[3]),
+                      ptr<const int64_t>(params[4]), ptr<const int64_t>(params[5]),
+                      ptr<const int64_t>(params[6]),
+                      TsBitmask{ptr<const int32_t>(params[7]), ptr<const int32_t>(params[8]), params[9]}};
+    const TsFusedOutputs out{ptr<int64_t>(tokens), static_cast<int32_t>(num_samples), ptr<float>(logprobs),
+                             ptr<uint8_t>(flags)};
     const TsFusedPlan p = plan_of(plan);
-    const int err = ts_fused_sample(&head, address<const void>(states), num_rows, &rows, &p, &out,
-                                    address<void>(scratch), address<void>(stream));
-    if (err != 0)
-      throw std::runtime_error(std::string("tokensampler fused_sample: ") + cudaGetErrorString(static_cast<cudaError_t>(err)));
+    tokensampler::binding::check(
+        ts_fused_sample(&head, ptr<const void>(states), num_rows, &rows, &p, &out, ptr<void>(scratch), ptr<void>(stream)),
+        "fused_sample");
   });
 }

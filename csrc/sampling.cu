@@ -66,6 +66,11 @@ __global__ void __launch_bounds__(kBitmaskThreads)
   }
 }
 
+__global__ void or_flags_kernel(uint8_t* dst, const uint8_t* src, int64_t n, uint8_t bits) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) dst[i] |= src[i] & bits;
+}
+
 // The test hook's kernel (ts_noise), for either Philox product form.
 template <typename Noise>
 __global__ void noise_kernel(Noise noise, int64_t vocab, uint32_t* words, float* out) {
@@ -101,6 +106,12 @@ int ts_topk_bucket(int32_t k) {
   for (int bucket : {16, 32, 64, 128, 256})
     if (k + 1 <= bucket) return bucket;
   return 0;
+}
+
+int ts_or_flags(uint8_t* dst, const uint8_t* src, int64_t n, uint8_t bits, void* stream) {
+  if (n <= 0) return cudaSuccess;
+  or_flags_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(dst, src, n, bits);
+  return cudaGetLastError();
 }
 
 int ts_stats(const TsLogits* logits, const TsRows* rows, const float* lse_scale, const TsOutputs* out,

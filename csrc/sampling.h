@@ -117,6 +117,9 @@ int ts_nucleus(const TsLogits* logits, const TsRows* rows, const TsOutputs* pre,
  * changes afterwards; the sampling kernels apply TsRows.bitmask themselves. */
 int ts_apply_bitmask(float* logits, int64_t num_rows, int64_t vocab, const TsBitmask* bitmask, void* stream);
 
+/* dst[r] |= src[r] & bits for r in [0, n): a sample's exact-filter flags kept across the samples of a call. */
+int ts_or_flags(uint8_t* dst, const uint8_t* src, int64_t n, uint8_t bits, void* stream);
+
 /* Test hook: the Philox words and exact Gumbel noise of tokens [0, vocab) of one stream, each Philox product
  * formed as one 64-bit product (split_products = 0) or by __umulhi and a 32-bit product (1). */
 int ts_noise(int64_t seed, int64_t position, int64_t iteration, uint32_t sample, int64_t vocab, int split_products,

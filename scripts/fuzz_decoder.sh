@@ -38,7 +38,8 @@ rm -f "$work"/artifacts/*
 # UB aborts (no recovery), and std::vector's operator[] is bounds-checked (_GLIBCXX_ASSERTIONS)
 sanitize=(-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer)
 flags=(-std=c++17 -g -O1 -D_GLIBCXX_ASSERTIONS -Ifuzz/decoder -Icsrc)  # fuzz/decoder first: its cuda_runtime.h
-sources=(fuzz/decoder/harness.cpp fuzz/decoder/host_device.cpp fuzz/decoder/mutator.cpp csrc/request_path.cpp)
+sources=(fuzz/decoder/harness.cpp fuzz/decoder/host_device.cpp fuzz/decoder/mutator.cpp csrc/request_path.cpp
+         csrc/routes.cpp)
 
 compiles() {  # compiles <libfuzzer 0|1> <compiler> <flags...>: links a trivial fuzz target with these flags
   local libfuzzer=$1 cxx=$2; shift 2

@@ -1,5 +1,5 @@
-"""The native path's batching (native_path.py) over a stand-in for the C++ RequestPath: which requests go out
-together, in what order, and what each caller gets back. The C++ side, and the answers themselves, are held to
+"""The native path's batching (native_path.py, queued on the batcher's one queue) over a stand-in for the C++
+RequestPath: which requests go out together, in what order, and what each caller gets back. The C++ side, and the answers themselves, are held to
 the Python path on the GPU (tests/gpu/test_native_path.py)."""
 
 from __future__ import annotations
@@ -10,9 +10,12 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 import torch
+from tokensampler_server.batching.batcher import DynamicBatcher
 from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import ServiceError
 from tokensampler_server.rpc.native_path import NativeAnswer, NativePath
+
+from .batches import make_batch
 
 
 @dataclass
@@ -49,9 +52,18 @@ class StandInPath:
 LIMITS = Limits(max_batch_rows=8, max_batch_elements=8 * 100)
 
 
-def native_path(stand_in: StandInPath, observed: list[int] | None = None, **batching) -> NativePath:
-    return NativePath(stand_in, torch.device("cpu"), LIMITS,
+class NoBackend:
+    """The batcher's backend: never called, since every request here is the native path's."""
+
+    device = torch.device("cpu")
+
+
+def native_path(stand_in: StandInPath, observed: list[int] | None = None, limits: Limits = LIMITS,
+                **batching) -> NativePath:
+    batcher = DynamicBatcher(NoBackend(), max_batch_rows=limits.max_batch_rows,
+                             max_batch_elements=limits.max_batch_elements,
                              observe_batch_rows=observed.append if observed is not None else None, **batching)
+    return NativePath(stand_in, torch.device("cpu"), batcher)
 
 
 def submit_all(path: NativePath, requests: dict[str, bytes]) -> dict[str, object]:
@@ -93,13 +105,12 @@ def test_queued_requests_go_out_together_by_vocabulary_within_the_row_limit() ->
     for rid, answer in answers.items():
         assert isinstance(answer, NativeAnswer) and answer.response == rid.encode()
     assert answers["e"].batch_rows == 6 and answers["e"].rows_by_mode == (0, 1, 0, 0, 0)
-    assert path.queued_requests == 0
+    assert path._batcher.queued_requests == 0
 
 
 def test_a_batch_holds_no_more_elements_than_one_request_may() -> None:
     stand_in = StandInPath()
-    path = NativePath(stand_in, torch.device("cpu"), Limits(max_batch_rows=64, max_batch_elements=1000),
-                             max_queue_delay_us=DELAY_US)
+    path = native_path(stand_in, limits=Limits(max_batch_rows=64, max_batch_elements=1000), max_queue_delay_us=DELAY_US)
     submit_all(path, {"a": b"1,250", "b": b"2,250", "c": b"2,250", "d": b"1,250"})
     assert stand_in.batches == [["a", "b", "d"], ["c"]]  # 4 rows of 250 elements at most
 
@@ -147,7 +158,7 @@ def test_the_queue_is_bounded_in_rows() -> None:
         first = path.submit(b"4,100", "a", False)
         with pytest.raises(ServiceError) as raised:
             path.submit(b"3,100", "b", False)
-        assert path.queued_requests == 1
+        assert path._batcher.queued_requests == 1
         return raised.value, await first
 
     refused, answered = asyncio.run(run())
@@ -177,3 +188,21 @@ def test_a_queue_delay_gathers_requests_until_it_passes_or_the_rows_fill_a_batch
     answers, waited = asyncio.run(run())
     assert stand_in.batches[0] == ["a", "b"] and answers[0].batch_rows == 3
     assert 0.025 <= waited < 1.0
+
+
+def test_native_and_python_requests_wait_in_one_bounded_queue() -> None:
+    """The native path's requests and the Python path's batches count against the same queue bound."""
+    path = native_path(StandInPath(), max_queue_delay_us=DELAY_US, max_queue_rows=6)
+    batcher = path._batcher
+
+    async def run():
+        first = path.submit(b"4,100", "a", False)
+        with pytest.raises(ServiceError) as raised:
+            batcher.enqueue(make_batch(torch.zeros(3, 100)))
+        assert batcher.queued_requests == 1
+        return raised.value, await first
+
+    refused, answered = asyncio.run(run())
+    assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert refused.message == "queue full: 4 rows waiting, at most 6; retry with backoff"
+    assert answered.response == b"a"

@@ -1,4 +1,4 @@
-"""The route planner (csrc/routes.cu): every row to the route docs/design/kernel-routing.md gives it, the row lists,
+"""The route planner (csrc/routes.cpp): every row to the route docs/design/kernel-routing.md gives it, the row lists,
 T_eff and the log-prob masks written into the stage, and the filter's grid."""
 
 from __future__ import annotations

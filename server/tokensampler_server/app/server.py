@@ -125,9 +125,7 @@ async def serve(config: ServerConfig) -> None:
         max_queue_bytes=config.max_queue_bytes,
         observe_batch_rows=metrics.batch_rows.observe,
     )
-    native = create_native_path(backend, config.limits, config.native_path,
-                                max_queue_delay_us=config.max_queue_delay_us, max_queue_rows=config.max_queue_rows,
-                                observe_batch_rows=metrics.batch_rows.observe)
+    native = create_native_path(backend, config.limits, config.native_path, batcher)
     regions = RegionRegistry(allow_shm=config.allow_shm, allow_cuda_ipc=config.allow_cuda_ipc, mirror=native,
                              max_regions=config.max_regions, unregister_timeout_s=config.unregister_timeout_s)
     weights = WeightRegistry(backend.device, max_weights=config.max_weights,

@@ -2,10 +2,14 @@
 
 Requests wait in a bounded queue. The backend runs one merged batch at a time on its worker thread;
 while it runs, new requests gather, so batches grow with load by themselves. A batch closes at
-`max_batch_rows` rows, or `max_queue_delay_us` after its first request arrived (0: no waiting beyond
-the backend being busy), and within max_batch_elements. A full queue answers RESOURCE_EXHAUSTED at once.
+`max_batch_rows` rows (sampled at once when the queue holds that many), or `max_queue_delay_us` after its first
+request arrived (0: no waiting beyond the backend being busy), and within max_batch_elements. A full queue answers RESOURCE_EXHAUSTED at once.
 A caller that goes away (cancelled, deadline passed) leaves its rows behind; the other requests of its batch
 are unaffected, and work whose every caller has gone is dropped before it starts.
+
+The queue also holds direct work: requests a sampler of their own answers on the event loop, in groups of one
+merge key (the native request path's prepared requests, rpc/native_path.py). They count against the same bounds,
+wait out the same delay, and, being GPU work on their own stream, may run while a batch is on the worker.
 
 Each queued request holds a share of its lease (leases.py): the regions and weights it reads stay registered
 and mapped until the backend is done with it, however early its call ends. The other workloads
@@ -28,7 +32,7 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import grpc
 import torch
@@ -158,15 +162,41 @@ class BatchTimes:
     batch_rows: int
 
 
+class DirectWork(Protocol):
+    """A request that a DirectSampler answers (the native path's PreparedRequest)."""
+
+    @property
+    def num_rows(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def merge_key(self) -> Hashable:
+        """Requests of one key may be sampled together."""
+
+
+DirectSampler = Callable[[list], list]
+"""Samples a group of DirectWork of one merge key on the event loop: one outcome per request, or raises."""
+
+
 @dataclass
 class _Pending:
-    batch: SamplingBatch
+    work: SamplingBatch | DirectWork
     future: asyncio.Future
+    nbytes: int
+    """Host bytes it holds (queue bounds)."""
+    sampler: DirectSampler | None = None
+    """None: a SamplingBatch for the backend; else the sampler of this direct work."""
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
     context: contextvars.Context = field(default_factory=contextvars.copy_context)
     """The caller's context (request id): the backend logs a batch under its first request's."""
     lease: Lease | None = None
     """The batcher's share of what the request holds, released once the backend is done with it."""
+
+    @property
+    def key(self) -> Hashable:
+        return merge_key(self.work) if self.sampler is None else (self.sampler, self.work.merge_key)
 
     def release(self) -> None:
         if self.lease is not None:
@@ -234,52 +264,66 @@ class DynamicBatcher:
         """Queues `batch` to be sampled, possibly together with other requests; the future gets
         (its own rows, BatchTimes). Raises RESOURCE_EXHAUSTED at once when the queue is full. A share of
         `lease` is held until the backend is done with the batch."""
-        nbytes = _host_bytes(batch)
-        self._check_room(batch.num_rows, nbytes)
         loop = asyncio.get_running_loop()
-        pending = _Pending(batch, loop.create_future(), lease=None if lease is None else lease.share())
+        return self._queue_up(_Pending(batch, loop.create_future(), _host_bytes(batch),
+                                       lease=None if lease is None else lease.share()), loop)
+
+    def enqueue_direct(self, work: DirectWork, sampler: DirectSampler, nbytes: int) -> asyncio.Future:
+        """Queues direct work that `sampler` answers (with other work of its key); the future gets its outcome.
+        nbytes: the host memory it holds. RESOURCE_EXHAUSTED at once when the queue is full."""
+        loop = asyncio.get_running_loop()
+        return self._queue_up(_Pending(work, loop.create_future(), nbytes, sampler), loop)
+
+    def _queue_up(self, pending: _Pending, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        try:
+            self._check_room(pending.work.num_rows, pending.nbytes)
+        except ServiceError:
+            pending.release()
+            raise
         self._queue.append(pending)
-        self._queued_rows += batch.num_rows
-        self._queued_bytes += nbytes
-        if self._delay_s:
+        self._queued_rows += pending.work.num_rows
+        self._queued_bytes += pending.nbytes
+        if not self._delay_s or self._queued_rows >= self._max_batch_rows:
+            self._launch(loop)  # an idle backend starts on this request now, as on a full batch
+        else:
             self._wake_runner()
-        else:  # an idle backend starts on this request now
-            self._launch(loop)
         return pending.future
 
     async def submit(self, batch: SamplingBatch) -> tuple[SamplingResult, BatchTimes]:
         """Samples `batch`, possibly together with other requests; returns its own rows."""
         return await self.enqueue(batch)
 
-    def _take(self) -> list[_Pending]:
-        """Removes the next group from the queue: the oldest request and the later ones it can merge
-        with, up to max_batch_rows rows. Requests whose callers are gone are dropped on the way."""
+    def _take(self, direct_only: bool = False) -> list[_Pending]:
+        """Removes the next group from the queue: the oldest request (of direct work, with direct_only) and the
+        later ones it can merge with, up to max_batch_rows rows. Requests whose callers are gone are dropped on the
+        way."""
         group: list[_Pending] = []
         kept: list[_Pending] = []
         key: Hashable = None
         rows = most_rows = 0
         for pending in self._queue:
+            work = pending.work
             if pending.future.done():
-                self._queued_rows -= pending.batch.num_rows
-                self._queued_bytes -= _host_bytes(pending.batch)
+                self._queued_rows -= work.num_rows
+                self._queued_bytes -= pending.nbytes
                 pending.release()
-            elif not group:
-                group, key, rows = [pending], merge_key(pending.batch), pending.batch.num_rows
+            elif not group and (pending.sampler is not None or not direct_only):
+                group, key, rows = [pending], pending.key, work.num_rows
                 most_rows = self._max_batch_rows
                 if self._max_batch_elements is not None:  # one request alone is within it (validation)
-                    most_rows = min(most_rows, max(rows, self._max_batch_elements // pending.batch.vocab_size))
-            elif merge_key(pending.batch) == key and rows + pending.batch.num_rows <= most_rows:
+                    most_rows = min(most_rows, max(rows, self._max_batch_elements // work.vocab_size))
+            elif group and pending.key == key and rows + work.num_rows <= most_rows:
                 group.append(pending)
-                rows += pending.batch.num_rows
+                rows += work.num_rows
             else:
                 kept.append(pending)
         self._queue = kept
         self._queued_rows -= rows
-        self._queued_bytes -= sum(_host_bytes(p.batch) for p in group)
+        self._queued_bytes -= sum(p.nbytes for p in group)
         return group
 
     def _wake_runner(self) -> None:
-        if self._runner is None:
+        if self._runner is None or self._runner.done():  # (done: its event loop has ended)
             self._wakeup = asyncio.Event()
             self._runner = asyncio.ensure_future(self._run())
         self._wakeup.set()
@@ -289,22 +333,23 @@ class DynamicBatcher:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            if self._running:  # _finished wakes this again
-                continue
             if self._queued_rows < self._max_batch_rows:
                 await asyncio.sleep(self._delay_s)
-            self._launch(loop)
+            self._launch(loop)  # with a batch on the worker, direct work only; _finished wakes this again
 
     def _launch(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Runs the next group, if any request still waits and no batch is running."""
-        if self._running:
-            return
-        group = self._take()
+        """Runs the next group, if any request still waits: direct work at once, on the event loop (also beside a
+        batch on the worker: its own stream), a batch when no other batch is running."""
+        group = self._take(direct_only=self._running)
         if not group:
+            return
+        if group[0].sampler is not None:
+            self._sample_direct(group)
+            self._next(loop)
             return
         started = time.perf_counter_ns()
         try:
-            merged = merge_batches([p.batch for p in group])
+            merged = merge_batches([p.work for p in group])
         except Exception as err:  # each caller gets the failure; the call guard classifies it
             self._finished(loop, group, started, 0, None, err)
             return
@@ -322,6 +367,27 @@ class DynamicBatcher:
 
         self._worker.submit(loop, group[0].context, partial(_watched, abandoned, self._sample, merged), done)
 
+    def _sample_direct(self, group: list[_Pending]) -> None:
+        """Direct work of one key, answered by its sampler."""
+        try:
+            outcomes = group[0].sampler([p.work for p in group])
+        except Exception as err:  # noqa: BLE001 - each caller gets the failure; the call guard classifies it
+            for pending in group:
+                settle(pending.future, None, err)
+            return
+        for pending, outcome in zip(group, outcomes):
+            settle(pending.future, outcome, None)
+        if self._observe_batch_rows is not None:
+            self._observe_batch_rows(sum(p.work.num_rows for p in group))
+
+    def _next(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Schedules the next group of what still waits."""
+        if self._queue:
+            if self._delay_s:
+                self._wake_runner()
+            else:  # on the next turn: requests that arrived meanwhile can join the group
+                loop.call_soon(self._launch, loop)
+
     def _finished(self, loop: asyncio.AbstractEventLoop, group: list[_Pending], started: int, rows: int,
                   result: SamplingResult | None, error: BaseException | None) -> None:
         """On the event loop: hands every caller its rows (or the error), then starts the next batch."""
@@ -333,16 +399,12 @@ class DynamicBatcher:
         else:
             if self._observe_batch_rows is not None:
                 self._observe_batch_rows(rows)
-            parts = split_result(result, [p.batch.num_rows for p in group]) if len(group) > 1 else [result]
+            parts = split_result(result, [p.work.num_rows for p in group]) if len(group) > 1 else [result]
             for pending, part in zip(group, parts):
                 settle(pending.future, (part, BatchTimes(started - pending.enqueued_ns, finished - started, rows)), None)
         for pending in group:  # the backend is done with their memory
             pending.release()
-        if self._queue:
-            if self._delay_s:
-                self._wake_runner()
-            else:  # on the next turn: requests that arrived meanwhile can join the group
-                loop.call_soon(self._launch, loop)
+        self._next(loop)
 
     async def run_exclusive(self, work: Callable[[], T], *, rows: int, nbytes: int, lease: Lease | None = None) -> T:
         """Runs `work` on the backend's worker thread, between sampling batches; its `rows` and host `nbytes`

@@ -97,9 +97,8 @@ class SamplerService(pb_grpc.SamplerServicer):
 
     @property
     def queue_depth(self) -> int:
-        """Validated requests waiting for the backend (the batcher's and the native path's)."""
-        native = self._native.queued_requests if self._native is not None else 0
-        return self._batcher.queued_requests + native
+        """Validated requests waiting for the backend (the batcher's queue holds the native path's too)."""
+        return self._batcher.queued_requests
 
     @property
     def registry(self) -> WeightRegistry:

@@ -1,4 +1,5 @@
-// The routes of a sampling call (routes.h): the plan on the host, the launches on the caller's stream.
+// The routes of a sampling call (routes.h): the plan on the host, the launches on the caller's stream. Host code
+// only: the launchers are sampling.h's.
 #include "routes.h"
 
 #include <cuda_runtime.h>
@@ -45,17 +46,6 @@ struct Collector {
     return group;
   }
 };
-
-// exact_bits[r] |= flags[r] & bits, for every row: one thread a row.
-__global__ void or_flags_kernel(uint8_t* dst, const uint8_t* src, int64_t n, uint8_t bits) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i < n) dst[i] |= src[i] & bits;
-}
-
-cudaError_t or_flags(uint8_t* dst, const uint8_t* src, int64_t n, uint8_t bits, cudaStream_t stream) {
-  or_flags_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(dst, src, n, bits);
-  return cudaGetLastError();
-}
 
 }  // namespace
 
@@ -187,7 +177,7 @@ TsWorkspaceBytes ts_plan_workspace(const TsPlan* plan) {
 int ts_launch_plan(const TsPlan* plan, const TsCallInputs* in, const void* dev_stage, int32_t num_samples,
                    const TsCallOutputs* out, const TsWorkspace* ws, void* stream) {
   if (num_samples < 1 || (num_samples > 1 && plan->exact.n && !out->exact_bits)) return cudaErrorInvalidValue;
-  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  void* s = stream;
   const TsStageLayout layout = ts_stage_layout(plan->num_rows);
   const char* stage = static_cast<const char*>(dev_stage);
   const auto* lists = reinterpret_cast<const int32_t*>(stage + layout.lists);
@@ -232,7 +222,9 @@ int ts_launch_plan(const TsPlan* plan, const TsCallInputs* in, const void* dev_s
     if (route != TS_EXACT_FRONTIER && (err = ts_stats(x, &r, nullptr, &pre, ws, s))) return err;
     // Each sample's launch rewrites the flags: keep every sample's exact-filter bit.
     const bool keep_bits = num_samples > 1;
-    if (keep_bits && (err = cudaMemsetAsync(out->exact_bits, 0, static_cast<size_t>(plan->num_rows), s))) return err;
+    if (keep_bits && (err = cudaMemsetAsync(out->exact_bits, 0, static_cast<size_t>(plan->num_rows),
+                                             static_cast<cudaStream_t>(s))))
+      return err;
     for (int32_t sample = 0; sample < num_samples; ++sample) {
       const TsOutputs o = with_sample(out->filt, num_samples, sample);
       if (route == TS_EXACT_MIN_P) {  // exact in the kernel: never flags a row
@@ -243,9 +235,9 @@ int ts_launch_plan(const TsPlan* plan, const TsCallInputs* in, const void* dev_s
                              plan->kind == TS_LOGPROBS_PROCESSED, plan->filter_splits, &o, ws, s)))
           return err;
       }
-      if (keep_bits && (err = or_flags(out->exact_bits, o.flags, plan->num_rows, kFlagExact, s))) return err;
+      if (keep_bits && (err = ts_or_flags(out->exact_bits, o.flags, plan->num_rows, kFlagExact, s))) return err;
     }
-    if (keep_bits && (err = or_flags(out->filt.flags, out->exact_bits, plan->num_rows, 0xFF, s))) return err;
+    if (keep_bits && (err = ts_or_flags(out->filt.flags, out->exact_bits, plan->num_rows, 0xFF, s))) return err;
   }
   if (plan->need_raw.n) {  // the input's log-sum-exp: no bitmask (step 1 precedes step 2)
     const TsRows r = rows_of(plan->need_raw, TsBitmask{nullptr, nullptr, 0});
