@@ -19,6 +19,7 @@ T* addr(int64_t address) { return reinterpret_cast<T*>(static_cast<uintptr_t>(ad
 
 void register_score(pybind11::module_& m) {
   m.attr("score_max_top") = TS_SCORE_MAX_TOP;
+  m.def("score_block_tokens", &ts_score_block_tokens);
   m.def("score_scratch_bytes", &ts_score_scratch_bytes);
   m.def("score_state_bytes", &ts_score_state_bytes);
   // logits: data, num_rows, width, dtype, row_start (0: contiguous rows); rows: token, temperature (0: none),

@@ -39,6 +39,8 @@ bool bad_call(const TsLogits* logits, int64_t offset, const TsScoreRows* rows, c
 
 extern "C" {
 
+int32_t ts_score_block_tokens(void) { return static_cast<int32_t>(kChunk); }
+
 size_t ts_score_scratch_bytes(int32_t num_rows, int64_t slice_width, int32_t top_n) {
   const size_t blocks = static_cast<size_t>(num_rows) * num_splits(slice_width);
   return blocks * (sizeof(RowState) + static_cast<size_t>(top_n) * sizeof(uint64_t));

@@ -30,6 +30,9 @@ typedef struct {
   float* top_values;        /* [num_rows, top_n] */
 } TsScoreRows;
 
+/* Tokens of a row one block reads (the sampling kernels' chunk): a slice of this width is one block a row. */
+int32_t ts_score_block_tokens(void);
+
 /* The per-block partials of one call over num_rows rows of a slice_width-token slice (TsWorkspace.scratch). */
 size_t ts_score_scratch_bytes(int32_t num_rows, int64_t slice_width, int32_t top_n);
 
