@@ -185,6 +185,9 @@ __global__ void __launch_bounds__(kThreads, 4)
 
   const RowView<T> rv = logits_row<T>(logits, w);
   const float t = rows.temperature != nullptr ? rows.temperature[w] : 1.f;
+  // The slices before this one, loaded by every thread (one broadcast) while the chunk loads.
+  Moments before{-kInf, 0.f, 0.f};
+  if (!first) before = Moments{__ldcg(&row_state[w].max), __ldcg(&row_state[w].sum), __ldcg(&row_state[w].terms)};
   float v[kGroupsPerThread][4];
   load_chunk(rv, width, g0, v, rows_exceed_l2<T>(logits.num_rows, width));
   // z = x / T, correctly rounded as the reference divides (T = 1 leaves x as it is)
@@ -222,24 +225,21 @@ __global__ void __launch_bounds__(kThreads, 4)
   m = block_moments(m);
   const int64_t block = static_cast<int64_t>(w) * splits + split;
   if constexpr (kTop) block_top(v, g0, width, offset, n, lists + block * n, sh);
-  if (threadIdx.x == 0) partials[block] = RowState{m.max, m.sum, m.terms, 0.f};
+  Moments row = m;  // a block that reads the whole slice is its row's last, without a partial
   if (splits > 1) {
+    if (threadIdx.x == 0) partials[block] = RowState{m.max, m.sum, m.terms, 0.f};
     if (!finish_and_elect_last(ws.counters + w, splits)) return;
-  } else {
-    __syncthreads();  // the block's own partial, read back below
+    // ---- the row's last block: the partials in chunk order
+    row = Moments{-kInf, 0.f, 0.f};
+    for (int i = threadIdx.x; i < splits; i += kThreads) {
+      const RowState* p = partials + static_cast<int64_t>(w) * splits + i;
+      row = merge_moments(row, Moments{__ldcg(&p->max), __ldcg(&p->sum), __ldcg(&p->terms)});
+    }
+    row = block_moments(row);
+  } else if (kTop) {
+    __syncthreads();  // the block's own list, read back below
   }
-
-  // ---- the row's last block: the partials in chunk order, then the state of the slices before
-  Moments row{-kInf, 0.f, 0.f};
-  for (int i = threadIdx.x; i < splits; i += kThreads) {
-    const RowState* p = partials + static_cast<int64_t>(w) * splits + i;
-    row = merge_moments(row, Moments{__ldcg(&p->max), __ldcg(&p->sum), __ldcg(&p->terms)});
-  }
-  if (!first && threadIdx.x == 0) {
-    const RowState* s = row_state + w;
-    row = merge_moments(row, Moments{__ldcg(&s->max), __ldcg(&s->sum), __ldcg(&s->terms)});
-  }
-  row = block_moments(row);
+  row = merge_moments(row, before);  // the same in every thread
   if constexpr (kTop)
     merge_top(lists + static_cast<int64_t>(w) * splits * n, splits, first ? nullptr : state_lists + w * n, n, sh);
   if (!last) {

@@ -63,6 +63,8 @@ class ScoreKernels:
         self._buffers = [torch.empty(0, dtype=torch.float32, device=device) for _ in range(2)]
         self._buffer_read = [torch.cuda.Event() for _ in range(2)]
         """Recorded on the second stream once the kernel has read the buffer."""
+        self._written = torch.cuda.Event()
+        """Recorded on the caller's stream once a buffer holds its logits (a wait takes the latest record)."""
 
     def takes(self, scoring: TokenScoring) -> bool:
         """Whether the kernel lists this many top log-probs (else the reference scores the rows)."""
@@ -77,7 +79,7 @@ class ScoreKernels:
         t = row_temperature(scoring, rows)
         temperature = None if t is None else self._on_device(t, torch.float32)
         target = out if whole else _empty_scores(rows.numel(), scoring, self.device)
-        rows_of = lambda r0, r1: _row_pointers(tokens, temperature, scoring.top_logprobs, target, r0, r1)  # noqa: E731
+        rows_of = lambda r0: _row_pointers(tokens, temperature, scoring.top_logprobs, target, r0)  # noqa: E731
         if source.logits is not None:
             self._from_logits(source.logits, index, scoring.top_logprobs, rows_of)
         else:
@@ -97,9 +99,10 @@ class ScoreKernels:
         stream = stream_address(self.device)
         for r0 in range(0, num_rows, _MAX_ROWS):
             r1 = min(num_rows, r0 + _MAX_ROWS)
-            data, starts = (x[r0:r1].data_ptr(), 0) if row_start is None else (x.data_ptr(), row_start[r0:r1].data_ptr())
+            data, starts = ((x.data_ptr() + r0 * vocab * x.element_size(), 0) if row_start is None
+                            else (x.data_ptr(), row_start.data_ptr() + r0 * row_start.element_size()))
             ws, state = self._workspace(r1 - r0, vocab, top_n)
-            self.module.score_slice([data, r1 - r0, vocab, _DTYPES[x.dtype], starts], 0, rows_of(r0, r1), True, True,
+            self.module.score_slice([data, r1 - r0, vocab, _DTYPES[x.dtype], starts], 0, rows_of(r0), True, True,
                                     state, ws, stream)
 
     def _from_hidden(self, hidden: torch.Tensor, head: RegisteredWeight, top_n: int, rows_of) -> None:
@@ -109,20 +112,24 @@ class ScoreKernels:
         buffers = self._buffers_of(rows * width)
         ws, state = self._workspace(rows, width, top_n)
         main, side = torch.cuda.current_stream(self.device), self._side
+        views: dict[tuple[int, int, int], torch.Tensor] = {}  # (slot, rows, width): at most 8, made once a call
         chunk = 0
         for r0 in range(0, num_rows, rows):
             r1 = min(num_rows, r0 + rows)
-            row_pointers = rows_of(r0, r1)
+            block_rows, row_pointers = hidden[r0:r1], rows_of(r0)
             for start in range(0, vocab, width):
                 stop = min(vocab, start + width)
-                slot = chunk % 2
+                slot, shape = chunk % 2, (r1 - r0, stop - start)
                 chunk += 1
+                out = views.get((slot, *shape))
+                if out is None:
+                    out = views[(slot, *shape)] = buffers[slot][:shape[0] * shape[1]].view(shape)
                 main.wait_event(self._buffer_read[slot])  # the kernel two chunks back has read this buffer
-                x = head.logit_slice(hidden[r0:r1], start, stop, out=buffers[slot][:(r1 - r0) * (stop - start)].view(
-                    r1 - r0, stop - start))
-                side.wait_stream(main)
-                self.module.score_slice([x.data_ptr(), r1 - r0, stop - start, 0, 0], start, row_pointers, start == 0,
-                                        stop == vocab, state, ws, side.cuda_stream)
+                head.logit_slice(block_rows, start, stop, out=out)
+                self._written.record(main)
+                side.wait_event(self._written)
+                self.module.score_slice([out.data_ptr(), *shape, 0, 0], start, row_pointers, start == 0, stop == vocab,
+                                        state, ws, side.cuda_stream)
                 self._buffer_read[slot].record(side)
         main.wait_stream(side)
 
@@ -157,10 +164,11 @@ def _empty_scores(num_rows: int, scoring: TokenScoring, device: torch.device) ->
                   entropy=torch.empty(num_rows, device=device) if scoring.entropy else None)
 
 
-def _row_pointers(tokens: torch.Tensor, temperature: torch.Tensor | None, top_n: int, out: Scores, r0: int,
-                  r1: int) -> list[int]:
-    """TsScoreRows of rows r0..r1-1 as the binding takes it (0: NULL)."""
+def _row_pointers(tokens: torch.Tensor, temperature: torch.Tensor | None, top_n: int, out: Scores,
+                  r0: int) -> list[int]:
+    """TsScoreRows of the rows from r0 on as the binding takes it (0: NULL). Addresses by arithmetic, not slices:
+    a few µs of host time a launch, which small launches feel."""
     def at(t: torch.Tensor | None) -> int:
-        return 0 if t is None else t[r0:r1].data_ptr()
+        return 0 if t is None else t.data_ptr() + r0 * t.stride(0) * t.element_size()
 
     return [at(tokens), at(temperature), top_n, at(out.logprobs), at(out.entropy), at(out.top_ids), at(out.top_values)]
