@@ -99,13 +99,18 @@ def test_top_logprobs_up_to_the_limit(scorer, top_n):
     assert torch.equal(got.top_ids, want.top_ids)
 
 
-def test_flat_rows_with_many_candidates(scorer):
-    """Rows whose chunks hold many tokens near the top (a narrow spread): the blocks' candidate lists and the merge
-    batches at their largest."""
-    x = 5.0 + 1e-3 * torch.randn(300, 32000, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9))
-    x[:, ::7] = 5.0  # exact ties across every chunk
+@pytest.mark.parametrize("mode", ["raw", "temperature"])
+def test_rows_of_many_candidates(scorer, mode):
+    """Even rows: half their logits exactly 5.0, the rest just below (the top 64 are ties, listed by id). Odd rows: the
+    largest logits, 10 + (id mod 1024) / 1000, in the first 256 tokens of every 1024, which 64 threads of each block
+    hold: ~2000 candidates reach a block's threshold and ~1000 the merge's, ranked by sorting."""
+    g = torch.Generator(device="cuda").manual_seed(9)
+    x = torch.randn(300, V_QWEN, device="cuda", generator=g)
+    x[0::2] = torch.clamp(5.0 + 1e-3 * x[0::2], max=5.0)
+    within = torch.arange(V_QWEN, device="cuda") % 1024
+    x[1::2] = torch.where(within < 256, 10.0 + within * 1e-3, x[1::2])
     source = LogitSource(logits=x)
-    scoring = _scoring(300, 32000, "raw", 64, seed=9)
+    scoring = _scoring(300, V_QWEN, mode, 64, seed=9)
     got = score_tokens_cuda(source, scoring, scorer)
     want = score_tokens(source, scoring, torch.device("cuda"))
     _assert_scores_close(got, want)
