@@ -43,11 +43,11 @@ int32_t ts_score_block_tokens(void) { return static_cast<int32_t>(kChunk); }
 
 size_t ts_score_scratch_bytes(int32_t num_rows, int64_t slice_width, int32_t top_n) {
   const size_t blocks = static_cast<size_t>(num_rows) * num_splits(slice_width);
-  return blocks * (sizeof(RowState) + static_cast<size_t>(top_n) * sizeof(uint64_t));
+  return blocks * (sizeof(ScoreState) + static_cast<size_t>(top_n) * sizeof(uint64_t));
 }
 
 size_t ts_score_state_bytes(int32_t num_rows, int32_t top_n) {
-  return static_cast<size_t>(num_rows) * (sizeof(RowState) + static_cast<size_t>(top_n) * sizeof(uint64_t));
+  return static_cast<size_t>(num_rows) * (sizeof(ScoreState) + static_cast<size_t>(top_n) * sizeof(uint64_t));
 }
 
 int ts_score_slice(const TsLogits* logits, int64_t offset, const TsScoreRows* rows, int32_t first, int32_t last,

@@ -22,7 +22,7 @@ static_assert((kScoreCandidates & (kScoreCandidates - 1)) == 0, "the candidates 
 
 // A row's (or a partial's) running state: sum = Σ e^(z - max), terms = Σ e^(z - max)·(z - max), the numerator
 // of the entropy; target = the scored token's z (the state's only; written by the block that holds the token).
-struct RowState {
+struct ScoreState {
   float max, sum, terms, target;
 };
 
@@ -178,9 +178,9 @@ __global__ void __launch_bounds__(kThreads, 4)
   const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
   const int64_t width = logits.vocab, g0 = static_cast<int64_t>(split) * kChunkGroups;
   const int n = kTop ? rows.top_n : 0;
-  RowState* row_state = static_cast<RowState*>(state);
+  ScoreState* row_state = static_cast<ScoreState*>(state);
   uint64_t* state_lists = reinterpret_cast<uint64_t*>(row_state + logits.num_rows);
-  RowState* partials = static_cast<RowState*>(ws.scratch);
+  ScoreState* partials = static_cast<ScoreState*>(ws.scratch);
   uint64_t* lists = reinterpret_cast<uint64_t*>(partials + logits.num_rows * splits);
 
   const RowView<T> rv = logits_row<T>(logits, w);
@@ -227,12 +227,12 @@ __global__ void __launch_bounds__(kThreads, 4)
   if constexpr (kTop) block_top(v, g0, width, offset, n, lists + block * n, sh);
   Moments row = m;  // a block that reads the whole slice is its row's last, without a partial
   if (splits > 1) {
-    if (threadIdx.x == 0) partials[block] = RowState{m.max, m.sum, m.terms, 0.f};
+    if (threadIdx.x == 0) partials[block] = ScoreState{m.max, m.sum, m.terms, 0.f};
     if (!finish_and_elect_last(ws.counters + w, splits)) return;
     // ---- the row's last block: the partials in chunk order
     row = Moments{-kInf, 0.f, 0.f};
     for (int i = threadIdx.x; i < splits; i += kThreads) {
-      const RowState* p = partials + static_cast<int64_t>(w) * splits + i;
+      const ScoreState* p = partials + static_cast<int64_t>(w) * splits + i;
       row = merge_moments(row, Moments{__ldcg(&p->max), __ldcg(&p->sum), __ldcg(&p->terms)});
     }
     row = block_moments(row);
