@@ -4,9 +4,12 @@
 
 Times, in one process on the same inputs (V = 151936, bf16 hidden states and head, D = 4096):
 - from hidden states, N = B·T positions (RAW log-probs of the given tokens, and with the entropy): tokensampler's
-  scoring a vocabulary slice at a time (workloads/score.py) against cuBLAS's matmul alone of the same shapes and
-  torch's matmul + log_softmax + gather, with the peak extra memory of each (bytes allocated beyond the inputs);
-- from fp32 logits [N, V]: tokensampler's scoring against torch argmax over the same logits (one read).
+  scoring on the CUDA backend (workloads/score_cuda.py: matmul blocks of CHUNK_BYTES read by the scoring kernel;
+  at the largest N also with other block sizes, methods tokensampler_chunk_<MiB>) and the torch reference that
+  walks the vocabulary a slice at a time (workloads/score.py, tokensampler_torch_slices), against cuBLAS's matmul
+  alone of the same shapes and torch's matmul + log_softmax + gather, with the peak extra memory of each (bytes
+  allocated beyond the inputs);
+- from fp32 logits [N, V]: the same two paths against torch argmax over the same logits (one read).
 Writes score-<gpu>-<date>.json (rows: workload, method, mode, N, median_us, peak_extra_bytes) and its PNG.
 """
 
@@ -25,12 +28,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import timing  # noqa: E402
 from bench_kernels import run_meta, write_results  # noqa: E402
+from tokensampler_server.backends.cuda_build import load_kernels  # noqa: E402
 from tokensampler_server.resources.weights import LogitsFinish, RegisteredWeight  # noqa: E402
 from tokensampler_server.workloads.score import LogitSource, TokenScoring, score_tokens  # noqa: E402
+from tokensampler_server.workloads.score_cuda import CHUNK_BYTES, ScoreKernels, score_tokens_cuda  # noqa: E402
 
 V, D = 151936, 4096
 HIDDEN_POSITIONS = [512, 4096]
 LOGITS_POSITIONS = [64, 1024]
+CHUNK_SWEEP_MIB = [8, 32, 64]
+"""Other matmul block sizes timed at the largest N, beside CHUNK_BYTES."""
 
 
 def _raw_scoring(tokens: torch.Tensor, entropy: bool) -> TokenScoring:
@@ -49,14 +56,20 @@ def _peak_extra(fn: Callable[[], object]) -> int:
     return torch.cuda.max_memory_allocated() - before
 
 
-def _row(method: str, mode: str, n: int, fn: Callable[[], object], roofline_us: float | None = None) -> dict:
+def _row(method: str, mode: str, n: int, fn: Callable[[], object], roofline_us: float | None = None,
+         first_call: Callable[[], object] | None = None) -> dict:
+    """`first_call`: fn as it runs the first time, for its peak memory (a scorer allocating its buffers)."""
     row = {"workload": "score", "method": method, "mode": mode, "B": n, "median_us": round(timing.bench(fn), 2),
-           "peak_extra_bytes": _peak_extra(fn)}
+           "peak_extra_bytes": _peak_extra(first_call or fn)}
     if roofline_us is not None:
         row["roofline_us"] = round(roofline_us, 2)
     print(f"score {mode:7s} N={n:5d} {method:38s} {row['median_us']:10.1f} us  extra {row['peak_extra_bytes'] / 2**20:9.1f} MiB",
           flush=True)
     return row
+
+
+def _scorer(chunk_bytes: int = CHUNK_BYTES) -> ScoreKernels:
+    return ScoreKernels(torch.device("cuda", 0), load_kernels(0), chunk_bytes)
 
 
 def hidden_rows(n: int, gen: torch.Generator) -> list[dict]:
@@ -75,10 +88,17 @@ def hidden_rows(n: int, gen: torch.Generator) -> list[dict]:
         _row("cublas_matmul", "hidden", n, lambda: hidden @ weight.T),
         _row("torch_matmul_log_softmax_gather", "hidden", n, torch_logprobs),
     ]
-    for entropy in (False, True):
-        scoring = _raw_scoring(tokens, entropy)
-        rows.append(_row("tokensampler" + ("_entropy" if entropy else ""), "hidden", n,
-                         lambda s=scoring: score_tokens(source, s, device)))
+
+    def kernel_row(method: str, scoring: TokenScoring, chunk_bytes: int = CHUNK_BYTES) -> dict:
+        scorer = _scorer(chunk_bytes)
+        return _row(method, "hidden", n, lambda: score_tokens_cuda(source, scoring, scorer),
+                    first_call=lambda: score_tokens_cuda(source, scoring, _scorer(chunk_bytes)))
+
+    raw = _raw_scoring(tokens, entropy=False)
+    rows += [kernel_row("tokensampler", raw), kernel_row("tokensampler_entropy", _raw_scoring(tokens, entropy=True))]
+    if n == max(HIDDEN_POSITIONS):
+        rows += [kernel_row(f"tokensampler_chunk_{mib}MiB", raw, mib << 20) for mib in CHUNK_SWEEP_MIB]
+    rows.append(_row("tokensampler_torch_slices", "hidden", n, lambda: score_tokens(source, raw, device)))
     return rows
 
 
@@ -89,9 +109,12 @@ def logits_rows(n: int, gen: torch.Generator, read_bw: float) -> list[dict]:
     source = LogitSource(logits=logits)
     scoring = _raw_scoring(tokens, entropy=False)
     roofline = logits.numel() * logits.element_size() / read_bw * 1e6
+    scorer = _scorer()
     return [
         _row("torch_argmax", "logits", n, lambda: logits.argmax(dim=1), roofline),
-        _row("tokensampler", "logits", n, lambda: score_tokens(source, scoring, device), roofline),
+        _row("tokensampler", "logits", n, lambda: score_tokens_cuda(source, scoring, scorer), roofline,
+             first_call=lambda: score_tokens_cuda(source, scoring, _scorer())),
+        _row("tokensampler_torch_slices", "logits", n, lambda: score_tokens(source, scoring, device), roofline),
     ]
 
 

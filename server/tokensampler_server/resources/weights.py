@@ -93,13 +93,14 @@ class RegisteredWeight:
             torch.mm(h, self.weight[start:stop].to(torch.float32).T, out=x[:, start:stop])
         return self._finished(x, 0, vocab)
 
-    def logit_slice(self, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    def logit_slice(self, hidden: torch.Tensor, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [B, stop - start] of the tokens start..stop-1 (stop <= vocab_size): the columns that
-        logits() computes there, without the others (scoring walks the vocabulary a slice at a time)."""
+        logits() computes there, without the others (scoring walks the vocabulary a slice at a time). Written into
+        `out` (contiguous, on W's device) when given, which is returned: the GPU scorer reuses its buffers."""
         if self._exact_in_half(hidden):
-            return self._finished(self._half_product(hidden, start, stop), start, stop)
+            return self._finished(self._half_product(hidden, start, stop, out), start, stop)
         h = hidden.to(self.weight.device, torch.float32)
-        return self._finished(torch.mm(h, self.weight[start:stop].to(torch.float32).T), start, stop)
+        return self._finished(torch.mm(h, self.weight[start:stop].to(torch.float32).T, out=out), start, stop)
 
     def _exact_in_half(self, hidden: torch.Tensor) -> bool:
         # Products of two 16-bit floats are exact in fp32: tensor cores with fp32 accumulation and
@@ -107,18 +108,19 @@ class RegisteredWeight:
         weight = self.weight
         return weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and hidden.dtype == weight.dtype
 
-    def _half_product(self, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        return torch.mm(hidden.to(self.weight.device), self.weight[start:stop].T, out_dtype=torch.float32)
+    def _half_product(self, hidden: torch.Tensor, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.mm(hidden.to(self.weight.device), self.weight[start:stop].T, out_dtype=torch.float32, out=out)
 
     def _finished(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """Bias, scale and soft cap applied to the logits x of tokens start..stop-1 (in place where it can)."""
+        """Bias, scale and soft cap applied in place to the logits x of tokens start..stop-1 (the same operations as
+        cap * tanh(x / cap), so the same values)."""
         finish = self.finish
         if finish.bias is not None:
             x += finish.bias[start:stop].to(x.device)
         if finish.logit_scale != 1.0:
             x *= finish.logit_scale
         if finish.soft_cap is not None:
-            x = finish.soft_cap * torch.tanh(x / finish.soft_cap)
+            x.div_(finish.soft_cap).tanh_().mul_(finish.soft_cap)
         return x
 
 

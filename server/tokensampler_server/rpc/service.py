@@ -33,7 +33,6 @@ from tokensampler_server.core.request_context import request_id_from_metadata
 from tokensampler_server.rpc.native_path import NativePath
 from tokensampler_server.rpc.sample_rpc import SampleRpc
 from tokensampler_server.validation.sample import LOGITS_DTYPES
-from tokensampler_server.workloads.score import score_tokens
 from tokensampler_server.validation.workloads import validate_diffusion_request, validate_score_request, validate_topk_request, validate_verify_request
 from tokensampler_server.resources.weights import WEIGHT_DTYPES, RegisteredWeight, WeightRegistry, load_safetensors, resolve_weights_path, sha256_hex
 from tokensampler_server.rpc.weights_rpc import WIRE_DTYPES, finish_from_options, read_upload, weights_info
@@ -180,9 +179,10 @@ class SamplerService(pb_grpc.SamplerServicer):
             lm_head = self._hold_lm_head(request, held)
             logits, source, scoring = validate_score_request(request, self._limits, lm_head=lm_head)
             started = time.perf_counter_ns()
-            # On the worker and the backend's device; from hidden states a vocabulary slice at a time (workloads/score.py).
+            # On the worker and the backend's device; from hidden states a vocabulary slice at a time (workloads/score.py,
+            # workloads/score_cuda.py).
             scores = await self._batcher.run_exclusive(
-                lambda: score_tokens(source, scoring, self._backend.device),
+                lambda: self._workloads.score_tokens(source, scoring),
                 rows=source.num_rows, nbytes=host_bytes(logits.tensor), lease=held)
         shape = list(logits.shape[:-1])
         response = pb.ScoreTokensResponse(request_id=current_call.get().request_id)

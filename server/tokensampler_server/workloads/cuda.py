@@ -14,8 +14,11 @@ Same signatures and answers as the torch references beside it (docs/semantics.md
 - `verify_draft_cuda`: one read of the target and draft rows (sums, argmax, the bonus sample), then the
   accepted prefix and the correction drawn from the residual at the rejected position. For targets
   without filters or processing; others go through the torch reference on the GPU.
+- `score_tokens_cuda` (score_cuda.py): one read of each row's logits, or of each block of logits a matmul of
+  hidden states writes, for rows without top-k, top-p or min-p; others through the torch reference on the GPU.
 
-Every launch goes on the current torch stream of the kernels' device, without synchronising.
+Every launch goes on the current torch stream of the kernels' device, without synchronising (scoring from hidden
+states also on a stream of its own, which that stream waits for).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from tokensampler_server.backends.base import Backend
 from tokensampler_server.backends.cuda_build import load_kernels
 from tokensampler_server.backends.cuda_kernels import stream_address
 from tokensampler_server.workloads.diffusion import DiffusionStep, diffusion_step
+from tokensampler_server.workloads.score import LogitSource, Scores, TokenScoring, score_tokens
+from tokensampler_server.workloads.score_cuda import ScoreKernels, score_tokens_cuda
 from tokensampler_server.workloads.topk_probs import topk_probs
 from tokensampler_server.workloads.verify import DraftVerification, verify_draft
 
@@ -235,6 +240,9 @@ class Workloads:
     def verify_draft(self, v: DraftVerification) -> tuple[torch.Tensor, torch.Tensor]:
         return verify_draft(v)
 
+    def score_tokens(self, source: LogitSource, scoring: TokenScoring) -> Scores:
+        return score_tokens(source, scoring, self.backend.device)
+
 
 class CudaWorkloads(Workloads):
     """The kernels of the backend's GPU, one call at a time (they share one workspace); results on the CPU."""
@@ -242,6 +250,7 @@ class CudaWorkloads(Workloads):
     def __init__(self, backend: Backend) -> None:
         super().__init__(backend)
         self.kernels = WorkloadKernels(backend.device.index or 0)
+        self.scorer = ScoreKernels(self.kernels.device, self.kernels.module)
 
     def diffusion_step(self, step: DiffusionStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         with self.kernels.lock, torch.cuda.device(self.kernels.device):
@@ -254,6 +263,10 @@ class CudaWorkloads(Workloads):
     def verify_draft(self, v: DraftVerification) -> tuple[torch.Tensor, torch.Tensor]:
         with self.kernels.lock, torch.cuda.device(self.kernels.device):
             return tuple(t.cpu() for t in verify_draft_cuda(v, self.kernels))
+
+    def score_tokens(self, source: LogitSource, scoring: TokenScoring) -> Scores:
+        with self.kernels.lock, torch.cuda.device(self.kernels.device):
+            return score_tokens_cuda(source, scoring, self.scorer).cpu()
 
 
 def workloads_of(backend: Backend) -> Workloads:

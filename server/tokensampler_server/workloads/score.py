@@ -10,6 +10,7 @@ kept_token_mask, as Sample): they are scored a group of whole rows at a time, at
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -72,9 +73,20 @@ class Scores:
     top_values: torch.Tensor | None
     entropy: torch.Tensor | None
 
+    def cpu(self) -> Scores:
+        """The same scores on the CPU."""
+        return Scores(*(None if t is None else t.cpu() for t in (self.logprobs, self.top_ids, self.top_values,
+                                                                   self.entropy)))
 
-def score_tokens(source: LogitSource, scoring: TokenScoring, device: torch.device) -> Scores:
-    """The scores of every position, on `device`."""
+
+StreamedScorer = Callable[[LogitSource, TokenScoring, torch.Tensor, torch.device, Scores], None]
+"""Scores the unfiltered rows given (int64 indices on the CPU) into the outputs: score_streamed, or the CUDA
+backend's kernel (workloads/score_cuda.py)."""
+
+
+def score_tokens(source: LogitSource, scoring: TokenScoring, device: torch.device,
+                 streamed: StreamedScorer | None = None) -> Scores:
+    """The scores of every position, on `device`; the unfiltered rows by `streamed` (score_streamed if None)."""
     num_rows, n = source.num_rows, scoring.top_logprobs
     logprobs = torch.full((num_rows,), float("nan"), device=device)
     top_ids = torch.full((num_rows, n), -1, dtype=torch.int64, device=device) if n else None
@@ -84,9 +96,9 @@ def score_tokens(source: LogitSource, scoring: TokenScoring, device: torch.devic
     filtered = torch.zeros(num_rows, dtype=torch.bool)
     if scoring.processed:
         filtered = (scoring.top_k > 0) | (scoring.top_p < 1) | (scoring.min_p > 0)
-    streamed = (~filtered).nonzero().squeeze(1)
-    if streamed.numel():
-        _streamed(source, scoring, streamed, device, out)
+    unfiltered = (~filtered).nonzero().squeeze(1)
+    if unfiltered.numel():
+        (streamed or score_streamed)(source, scoring, unfiltered, device, out)
     kept_rows = filtered.nonzero().squeeze(1)
     group = max(1, _SLICE_ELEMENTS // source.vocab_size)
     for begin in range(0, kept_rows.numel(), group):
@@ -94,16 +106,22 @@ def score_tokens(source: LogitSource, scoring: TokenScoring, device: torch.devic
     return out
 
 
-def _temperature(scoring: TokenScoring, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """[R, 1]: the rows' T in PROCESSED mode (T = 1 for greedy rows, choice 6), 1 in RAW mode."""
+def row_temperature(scoring: TokenScoring, rows: torch.Tensor) -> torch.Tensor | None:
+    """float32 [R] on the CPU: the rows' T in PROCESSED mode (T = 1 for greedy rows, choice 6); None in RAW mode."""
     if not scoring.processed:
-        return torch.ones((rows.numel(), 1), device=device)
+        return None
     t = scoring.temperature[rows]
-    return torch.where(t == 0, torch.ones_like(t), t).to(device).unsqueeze(1)
+    return torch.where(t == 0, torch.ones_like(t), t)
 
 
-def _streamed(source: LogitSource, scoring: TokenScoring, rows: torch.Tensor, device: torch.device,
-              out: Scores) -> None:
+def _temperature(scoring: TokenScoring, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[R, 1]: the rows' T in PROCESSED mode, 1 in RAW mode."""
+    t = row_temperature(scoring, rows)
+    return torch.ones((rows.numel(), 1), device=device) if t is None else t.to(device).unsqueeze(1)
+
+
+def score_streamed(source: LogitSource, scoring: TokenScoring, rows: torch.Tensor, device: torch.device,
+                   out: Scores) -> None:
     """Rows whose distribution is softmax(x / T) over the whole vocabulary, a vocabulary slice at a time."""
     num_rows, vocab = rows.numel(), source.vocab_size
     width = max(1, min(vocab, _SLICE_ELEMENTS // num_rows))
