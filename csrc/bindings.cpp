@@ -19,6 +19,7 @@
 void register_fused(pybind11::module_& m);
 void register_workloads(pybind11::module_& m);
 void register_request_path(pybind11::module_& m);
+void register_local_samplers(pybind11::module_& m);
 
 namespace {
 
@@ -217,6 +218,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused(m);
   register_workloads(m);
   register_request_path(m);
+  register_local_samplers(m);
   register_routes(m);
   // The bitmask (words, row, row_words as in params) written into fp32 logits [num_rows, vocab] in place.
   m.def("apply_bitmask", [](int64_t logits, int64_t num_rows, int64_t vocab, int64_t words, int64_t row,
