@@ -313,14 +313,16 @@ __device__ TypicalPart typical_part(const float (&v)[kGroups][4], Scratch& s) {
 // What typical-p's passes compute a token from, the same in every block: log q = (x - M) - L and the score
 // |log q - (-H)| in the reference's float64 operations, and the bin of the score. The bins are uniform in the score
 // over [0, hi], the last one open-ended, hi the smaller of the row's spread and a Chebyshev bound on the cut's score:
-// the mass at score >= k is at most Var / k^2, so past k = 1.01 sqrt(Var / (1 - p)) less than 1 - p lies, and the
-// cut comes before it (the bound only makes the bins fine where the cut lies: a cut in the last bin is still exact).
+// the mass at score >= k is at most Var / k^2, so from k = 1.01 sqrt(Var / (1 - p)) (2047/2048 of it: the last bin)
+// on lies less than 0.99 (1 - p), and the cut comes before. With the bound (`bounded`), the last bin's tokens need
+// no mass (no exp: on spiky rows, nearly all of them); should rounding leave the cut unfound before it, the last
+// bin is the cut bin, cut exactly like any other.
 struct TypicalRow {
   double max, logsum, neg_entropy, scale;
   uint64_t target;  // p in mass units: the cut is the first token whose cumulative mass exceeds it
   uint64_t before;  // the mass of the bins before the cut bin
   int32_t cut;      // the cut bin; -1: none (every token kept)
-  uint32_t unused;
+  uint32_t bounded;  // hi is the Chebyshev bound: the last bin's mass is not summed
 
   __device__ double log_q(float x) const { return (static_cast<double>(x) - max) - logsum; }
   __device__ double score(double lq) const { return fabs(lq - neg_entropy); }
@@ -334,7 +336,8 @@ struct TypicalRow {
   __device__ static TypicalRow load(const TypicalRow* p) {
     return TypicalRow{__ldcg(&p->max), __ldcg(&p->logsum), __ldcg(&p->neg_entropy), __ldcg(&p->scale),
                       __ldcg(reinterpret_cast<const unsigned long long*>(&p->target)),
-                      __ldcg(reinterpret_cast<const unsigned long long*>(&p->before)), __ldcg(&p->cut), 0u};
+                      __ldcg(reinterpret_cast<const unsigned long long*>(&p->before)), __ldcg(&p->cut),
+                      __ldcg(&p->bounded)};
   }
 };
 
@@ -347,8 +350,10 @@ __device__ TypicalRow typical_row(const TypicalPart& row, float p) {
   c.neg_entropy = mean - c.logsum;
   // The variance, with room for the cancellation of its two terms.
   const double variance = fmax(second - mean * mean, 0.0) + 0x1p-40 * second;
-  const double hi = fmin(static_cast<double>(row.max) - static_cast<double>(row.min),
-                         1.01 * sqrt(variance / (1.0 - static_cast<double>(p))));
+  const double span = static_cast<double>(row.max) - static_cast<double>(row.min);
+  const double bound = 1.01 * sqrt(variance / (1.0 - static_cast<double>(p)));
+  const double hi = fmin(span, bound);
+  c.bounded = bound < span;
   const double scale = kBins / hi;
   c.scale = hi > 0.0 && isfinite(scale) ? scale : 0.0;
   c.target = static_cast<uint64_t>(static_cast<double>(p) * kMassScale);
@@ -645,9 +650,11 @@ __global__ void __launch_bounds__(kThreads) typical_hist_kernel(float* logits, i
       if (v[j][e] > -kInf) {
         const double lq = c.log_q(v[j][e]);
         const int b = c.bin(c.score(lq));
-        const unsigned long long m = TypicalRow::mass(lq);
-        if (b == kBins - 1) last += m;
-        else if (m) atomicAdd(hist + b, m);
+        if (b == kBins - 1) {
+          if (!c.bounded) last += TypicalRow::mass(lq);
+        } else if (const unsigned long long m = TypicalRow::mass(lq)) {
+          atomicAdd(hist + b, m);
+        }
       }
   last = block_allreduce<kThreads>(static_cast<uint64_t>(last), SumOp{}, s.u64);
   if (threadIdx.x == 0) hist[kBins - 1] += last;
@@ -666,8 +673,8 @@ __global__ void __launch_bounds__(kThreads) typical_hist_kernel(float* logits, i
     if (hist[b] > c.target && (b == 0 || hist[b - 1] <= c.target)) cut = b;
   __syncthreads();
   if (threadIdx.x == 0) {
-    c.cut = cut;
-    c.before = cut > 0 ? hist[cut - 1] : 0;
+    c.cut = cut < 0 && c.bounded ? kBins - 1 : cut;
+    c.before = c.cut > 0 ? hist[c.cut - 1] : 0;
     ws.rows[r] = c;
   }
 }
@@ -708,7 +715,8 @@ __device__ void cut_listed(const Row& row, const TypicalRow& c, const uint32_t* 
     }
   }
   sort_pairs(keys, ids, padded);
-  for (int i = threadIdx.x; i < static_cast<int>(n); i += kThreads) keys[i] = TypicalRow::mass(c.log_q(__ldcg(row.x + ids[i])));
+  for (int i = threadIdx.x; i < static_cast<int>(n); i += kThreads)
+    keys[i] = TypicalRow::mass(c.log_q(__ldcg(row.x + ids[i])));
   block_inclusive_scan<kThreads>(keys, static_cast<int>(n), s.u64);
   uint32_t first = n - 1;  // the bins' sums say one exists; kept whole otherwise
   for (int i = threadIdx.x; i < static_cast<int>(n); i += kThreads)
