@@ -43,6 +43,8 @@ constexpr uint32_t kXtcBlock = 0xFFFFFFFEu;
 constexpr uint32_t kXtcSample = 0xFFFFFFFFu;
 
 __host__ __device__ inline int num_chunks(int64_t vocab) { return static_cast<int>((vocab + kChunk - 1) / kChunk); }
+// The cut-bin ids a row lists (a bin holds at most the vocabulary).
+__host__ __device__ inline int64_t cut_capacity(int64_t vocab) { return vocab < kCutCap ? vocab : kCutCap; }
 
 // ---------------------------------------------------------------------------------------------
 // Rows and their parameters.
@@ -496,7 +498,7 @@ struct Workspace {
   XtcPart* xtc;            // [B, C]
   XtcCandidate* listed;    // [B, C, kXtcCap]
   TypicalRow* rows;        // [B]
-  uint32_t* cut_ids;       // [B, kCutCap]
+  uint32_t* cut_ids;       // [B, cut_capacity(V)]
   // zeroed
   unsigned int* counters;  // [B]: the last block of a row
   uint32_t* cut_count;     // [B]: tokens of the cut bin
@@ -533,7 +535,8 @@ __host__ __device__ inline TsLocalWorkspaceBytes workspace_bytes(int64_t rows, i
   const size_t parts = static_cast<size_t>(rows) * num_chunks(vocab);
   const size_t scratch = align_up(parts * sizeof(SigmaPart)) + align_up(parts * sizeof(TypicalPart)) +
                          align_up(parts * sizeof(XtcPart)) + align_up(parts * kXtcCap * sizeof(XtcCandidate)) +
-                         align_up(rows * sizeof(TypicalRow)) + static_cast<size_t>(rows) * kCutCap * sizeof(uint32_t);
+                         align_up(rows * sizeof(TypicalRow)) +
+                         static_cast<size_t>(rows * cut_capacity(vocab)) * sizeof(uint32_t);
   const size_t zeroed = 2 * align_up(rows * sizeof(uint32_t)) + static_cast<size_t>(rows) * kBins * sizeof(uint64_t);
   return TsLocalWorkspaceBytes{scratch, zeroed};
 }
@@ -875,10 +878,11 @@ __global__ void __launch_bounds__(kThreads) typical_cut_kernel(float* logits, in
   if (threadIdx.x == 0 && total) s.word = atomicAdd(ws.cut_count + r, static_cast<uint32_t>(total));
   __syncthreads();
   const uint32_t block_base = s.word;
-  uint32_t* cut_ids = ws.cut_ids + r * kCutCap;
+  const int64_t capacity = cut_capacity(vocab);
+  uint32_t* cut_ids = ws.cut_ids + r * capacity;
   for (uint32_t bits = in_cut, k = at; bits; bits &= bits - 1, ++k) {
     const int i = __ffs(bits) - 1;
-    if (block_base + k < kCutCap) cut_ids[block_base + k] = static_cast<uint32_t>(token_of(chunk, i >> 2, i & 3));
+    if (block_base + k < capacity) cut_ids[block_base + k] = static_cast<uint32_t>(token_of(chunk, i >> 2, i & 3));
   }
   if (!finish_and_elect_last(ws.counters + r, chunks)) return;
   const uint32_t n = __ldcg(ws.cut_count + r);
@@ -886,7 +890,7 @@ __global__ void __launch_bounds__(kThreads) typical_cut_kernel(float* logits, in
   if (threadIdx.x == 0) ws.cut_count[r] = 0;
   uint64_t* keys = cut_smem;
   uint32_t* ids = reinterpret_cast<uint32_t*>(cut_smem + kCutCap);
-  if (n <= kCutCap) cut_listed(row, c, cut_ids, n, keys, ids, s);
+  if (n <= capacity) cut_listed(row, c, cut_ids, n, keys, ids, s);
   else cut_crowded(row, c, keys, ids, s);
 }
 
