@@ -15,12 +15,14 @@
 #include "sampling.h"
 
 // Defined in bindings_fused.cpp (hidden states x LM head), bindings_workloads.cpp (diffusion, top-k
-// probabilities, draft verification), bindings_request_path.cpp (the native request path) and
-// bindings_score.cpp (scoring given tokens): one extension module, one binding file per family.
+// probabilities, draft verification), bindings_request_path.cpp (the native request path),
+// bindings_score.cpp (scoring given tokens) and bindings_local_samplers.cpp (typical-p, top-n-σ, XTC): one extension
+// module, one binding file per family.
 void register_fused(pybind11::module_& m);
 void register_workloads(pybind11::module_& m);
 void register_request_path(pybind11::module_& m);
 void register_score(pybind11::module_& m);
+void register_local_samplers(pybind11::module_& m);
 
 namespace {
 
@@ -209,6 +211,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused(m);
   register_workloads(m);
   register_request_path(m);
+  register_local_samplers(m);
   register_routes(m);
   register_score(m);
   // The bitmask (words, row, row_words as in params) written into fp32 logits [num_rows, vocab] in place.

@@ -8,14 +8,11 @@
 #include <string>
 #include <vector>
 
+#include "binding_args.h"
 #include "score.h"
 
-namespace {
-
-template <typename T>
-T* addr(int64_t address) { return reinterpret_cast<T*>(static_cast<uintptr_t>(address)); }
-
-}  // namespace
+using tokensampler::binding::check;
+using tokensampler::binding::ptr;
 
 void register_score(pybind11::module_& m) {
   m.attr("score_max_top") = TS_SCORE_MAX_TOP;
@@ -28,15 +25,12 @@ void register_score(pybind11::module_& m) {
                           bool last, int64_t state, std::vector<int64_t> ws, int64_t stream) {
     if (logits.size() != 5 || rows.size() != 7 || ws.size() != 2)
       throw std::invalid_argument("tokensampler score_slice: 5 logits, 7 rows and 2 workspace fields expected");
-    const TsLogits l{addr<const void>(logits[0]), logits[1], logits[2], static_cast<int32_t>(logits[3]),
-                     addr<const int64_t>(logits[4])};
-    const TsScoreRows r{addr<const int64_t>(rows[0]), addr<const float>(rows[1]), static_cast<int32_t>(rows[2]),
-                        addr<float>(rows[3]), addr<float>(rows[4]), addr<int64_t>(rows[5]), addr<float>(rows[6])};
-    const TsWorkspace w{addr<unsigned int>(ws[0]), nullptr, addr<void>(ws[1]), nullptr};
-    const int err = ts_score_slice(&l, offset, &r, first ? 1 : 0, last ? 1 : 0, addr<void>(state), &w,
-                                   addr<void>(stream));
-    if (err != 0)
-      throw std::runtime_error(std::string("tokensampler score_slice: ") +
-                               cudaGetErrorString(static_cast<cudaError_t>(err)));
+    const TsLogits l{ptr<const void>(logits[0]), logits[1], logits[2], static_cast<int32_t>(logits[3]),
+                     ptr<const int64_t>(logits[4])};
+    const TsScoreRows r{ptr<const int64_t>(rows[0]), ptr<const float>(rows[1]), static_cast<int32_t>(rows[2]),
+                        ptr<float>(rows[3]), ptr<float>(rows[4]), ptr<int64_t>(rows[5]), ptr<float>(rows[6])};
+    const TsWorkspace w{ptr<unsigned int>(ws[0]), nullptr, ptr<void>(ws[1]), nullptr};
+    check(ts_score_slice(&l, offset, &r, first ? 1 : 0, last ? 1 : 0, ptr<void>(state), &w, ptr<void>(stream)),
+          "score_slice");
   });
 }

@@ -12,8 +12,9 @@ csrc/routes.cpp, which the native request path (csrc/request_path.cpp) calls too
   k > 255, processed log-probs  -> stats_kernel then filter_kernel: exact binned cut, any k, p and min-p
 A token bitmask (structured output) is read by every kernel above as it loads the logits, a disallowed token
 read as -inf: a batch whose only processing is a bitmask reads its logits once, as without one. Other processing
-(masks, bias, penalties, the local samplers) runs first, in torch on the GPU (processing.apply_processing), on a
-float32 copy into which the bitmask is written first by a small in-place kernel.
+(masks, bias, penalties) runs first, in torch on the GPU (processing.apply_processing), on a float32 copy into
+which the bitmask is written first by a small in-place kernel; then the local samplers (top-n-sigma, typical-p,
+XTC) by their own kernels on the same copy (cuda_local_samplers.py, csrc/local_samplers.cuh).
 Rows a fast kernel cannot settle exactly (flag 4: z-order ties at the top-k cut, an overflowing candidate
 buffer; rare by construction) are sampled again through stats + filter, which settles every row, after
 the one synchronisation that returns the results: no request leaves the GPU (out of device memory is
@@ -42,6 +43,7 @@ from tokensampler_server.backends import cuda_fused
 from tokensampler_server.backends.base import Backend, BackendInfo, Route
 from tokensampler_server.backends.cuda_build import CudaBackendUnavailable
 from tokensampler_server.backends.cuda_kernels import NO_BITMASK, Kernels, Outputs, Plan
+from tokensampler_server.backends.cuda_local_samplers import LocalSamplerKernels
 from tokensampler_server.backends.processing import apply_processing
 
 _FLAG_NAN, _FLAG_INVALID, _FLAG_EXACT = 1, 2, 4  # 4: the row needs the exact filter
@@ -68,6 +70,10 @@ ROUTES = [
           ("the route of the rows' parameters", "apply_bitmask_kernel beside other processing"),
           "without other processing, the same kernels, each reading the mask with the logits (1/32 more bytes at "
           "fp32): benchmarks/bench_structured.py"),
+    Route("rows with top-n-sigma, typical-p or XTC (the local samplers), before the route of their parameters",
+          LocalSamplerKernels.kernel_names,
+          "in place on the processing copy, from per-row float64 statistics: top-n-sigma two reads, XTC one, "
+          "typical-p three (no sort of the row)"),
     Route("rows a fast kernel cannot settle (z-ties past the top-k list, overflowing candidates)",
           ("stats_kernel", "filter_kernel"), "the exact filter again after the call's synchronisation"),
     Route("hidden states with a registered head, up to 128 rows (64 with filters)", ("fused_stream_kernel",),
@@ -205,6 +211,7 @@ class CudaBackend(Backend):
         self._device = torch.device("cuda", device_index)
         with torch.cuda.device(self._device):
             self._kernels = Kernels(device_index)
+            self._local_samplers = LocalSamplerKernels(self._kernels.module, self._device)
         self._gpu_name = torch.cuda.get_device_name(device_index)
         self._exact_rows = 0  # rows sampled again through stats + filter
         self._lock = threading.Lock()
@@ -223,7 +230,7 @@ class CudaBackend(Backend):
 
     def info(self) -> BackendInfo:
         return BackendInfo(name="cuda", device=f"cuda:{self._device.index} ({self._gpu_name})",
-                           kernels=list(Kernels.kernel_names), routes=ROUTES)
+                           kernels=[*Kernels.kernel_names, *LocalSamplerKernels.kernel_names], routes=ROUTES)
 
     @property
     def fallback_counter_address(self) -> int:
@@ -395,7 +402,7 @@ class CudaBackend(Backend):
         x = raw_x.to(torch.float32, copy=True)
         if processing.token_bitmask is not None:
             self._kernels.launch_apply_bitmask(x.data_ptr(), x.shape[0], x.shape[1], bitmask, stream)
-        return apply_processing(x, rest).contiguous(), NO_BITMASK
+        return apply_processing(x, rest, truncate=self._local_samplers.apply).contiguous(), NO_BITMASK
 
     def _sample_on_gpu(self, batch: SamplingBatch, use_buckets: bool) -> tuple[SamplingResult, torch.Tensor | None]:
         dev = self._device

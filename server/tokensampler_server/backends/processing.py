@@ -2,14 +2,17 @@
 included), non-finite inputs, and the local samplers of step 5 (truncation.py).
 
 Device-agnostic: the CPU reference runs it on the CPU and the CUDA backend on the GPU, so both apply
-exactly the same processing before they sample.
+exactly the same processing before they sample; the CUDA backend passes its own kernels for the local samplers
+(cuda_local_samplers.py), which keep the same tokens as truncation.py.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from tokensampler_server.model.sampling import LogitProcessing, TokenEntries
+from tokensampler_server.model.sampling import LogitProcessing, TokenEntries, Truncation
 from tokensampler_server.backends.sequence_samplers import apply_bans, apply_penalties, derive
 from tokensampler_server.backends.truncation import apply_truncation
 
@@ -25,10 +28,12 @@ def _token_counts(entries: TokenEntries, shape: torch.Size, device: torch.device
     return counts.index_put_(_index(entries, device), ones, accumulate=True)
 
 
-def apply_processing(x: torch.Tensor, processing: LogitProcessing | None) -> torch.Tensor:
+def apply_processing(x: torch.Tensor, processing: LogitProcessing | None,
+                     truncate: Callable[[torch.Tensor, Truncation], torch.Tensor] = apply_truncation) -> torch.Tensor:
     """Applies masks (step 2), logit bias (3), penalties (4) and the local samplers of step 5 to float32 logits
     x [B, V]; in place where it can, so use the returned tensor (contiguous: bans and DRY write through its flat
-    view)."""
+    view). truncate: the local samplers' implementation (the CUDA backend passes its kernels'; the torch one is the
+    reference)."""
     if processing is None:
         return x
     x = x.contiguous()
@@ -63,7 +68,7 @@ def apply_processing(x: torch.Tensor, processing: LogitProcessing | None) -> tor
         x = apply_penalties(x, sequences)
     # 5. The local samplers (the backend's sanitize_non_finite flags the non-finite entries they leave).
     if processing.truncation is not None:
-        x = apply_truncation(x, processing.truncation)
+        x = truncate(x, processing.truncation)
     return x
 
 

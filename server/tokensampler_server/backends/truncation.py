@@ -1,11 +1,13 @@
 """The local samplers of step 5 (docs/semantics.md L4-L6): top-n-sigma, typical-p and XTC, in torch.
 
-Device-agnostic, like the rest of processing: the CPU reference runs it on the CPU and the CUDA backend on the
-GPU. The statistics are float64, so that a cut does not hinge on the order of a float32 sum; they are accumulated
-from the float32 logits, and the only float64 rows materialised are the ones a statistic needs elementwise.
+Device-agnostic, like the rest of processing: the CPU reference runs it, and the tests hold the CUDA backend's own
+kernels (cuda_local_samplers.py) to it on the GPU. The statistics are float64, so that a cut does not hinge on the
+order of a float32 sum; they are accumulated from the float32 logits, and the only float64 rows materialised are the
+ones a statistic needs elementwise.
 Non-finite entries read as -inf and are left as they are (step 5 flags NaN and +inf); a removed token becomes -inf.
 
-Typical-p keeps one stable float64 sort of its score |log q + H|, the only exact order found for it:
+Typical-p keeps one stable float64 sort of its score |log q + H|, the simplest exact order (the kernels cut it by
+bins of the score and sort only the cut bin, csrc/local_samplers.cuh):
 - a float32 key of the score merges scores that differ in float64 (logits closer than the score's float32 spacing,
   common among 151936 logits), whose order then falls to the id;
 - the logits are exact float32 keys, and on either side of the centre (log-sum-exp - H) the score's order is theirs,

@@ -1,0 +1,70 @@
+"""The local samplers of step 5 (docs/semantics.md L4-L6) on the GPU: csrc/local_samplers.h's kernels.
+
+The CUDA backend's implementation of truncation.apply_truncation, which stays the CPU reference and the oracle of
+the tests: the same kept sets, written as -inf into the float32 logits in place, from per-row statistics instead of
+torch operations over [B, V] (typical-p's cut without a sort of the row). Rows at the off values are left as they
+are; XTC's coin is drawn in the kernels from the row's seed, position and iteration, as xtc_coins draws it.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from tokensampler_server.model.sampling import Truncation
+from tokensampler_server.backends.cuda_kernels import stream_address
+
+
+class LocalSamplerKernels:
+    """Launches the local samplers' kernels on the current torch stream of one device, with their reused workspace
+    (grown on demand, never shrunk). Not for concurrent use from several threads or streams."""
+
+    kernel_names = ("local::stats_kernel", "local::sigma_kernel", "local::typical_hist_kernel",
+                    "local::typical_cut_kernel")
+
+    def __init__(self, module: ModuleType, device: torch.device) -> None:
+        self._module = module
+        self._device = device
+        self._scratch = torch.empty(0, dtype=torch.uint8, device=device)
+        self._zeroed = torch.zeros(0, dtype=torch.uint8, device=device)
+
+    def _workspace(self, num_rows: int, vocab: int) -> tuple[int, int]:
+        scratch, zeroed = self._module.local_samplers_workspace(num_rows, vocab)
+        if self._scratch.numel() < scratch:
+            self._scratch = torch.empty(max(scratch, 2 * self._scratch.numel()), dtype=torch.uint8,
+                                        device=self._device)
+        if self._zeroed.numel() < zeroed:  # the kernels leave it zeroed: a new one is zeroed once
+            self._zeroed = torch.zeros(max(zeroed, 2 * self._zeroed.numel()), dtype=torch.uint8, device=self._device)
+        return self._scratch.data_ptr(), self._zeroed.data_ptr()
+
+    def apply(self, x: torch.Tensor, truncation: Truncation) -> torch.Tensor:
+        """L4-L6 on float32 logits x [B, V] on the device, in place (contiguous x; otherwise a contiguous copy):
+        use the returned tensor."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.device != self._device:
+            raise ValueError("x: float32 [B, V] logits on the kernels' device expected")
+        n, p = truncation.top_n_sigma.numpy(), truncation.typical_p.numpy()
+        q = truncation.xtc_probability.numpy()
+        m = self._module
+        samplers = ((m.LOCAL_TOP_N_SIGMA if (n > 0).any() else 0) | (m.LOCAL_TYPICAL if (p < 1).any() else 0)
+                    | (m.LOCAL_XTC if (q > 0).any() else 0))
+        num_rows, vocab = x.shape
+        if not samplers or num_rows == 0:
+            return x
+        x = x.contiguous()
+        # csrc/local_samplers.h, ts_local_rows_packed: four float32 columns, then three int64 ones. A pinned buffer
+        # from torch's caching allocator, which reuses it only once the copy out of it has run.
+        host = torch.empty(m.local_rows_bytes(num_rows), dtype=torch.uint8, pin_memory=True)
+        packed = host.numpy()
+        floats = packed[:16 * num_rows].view(np.float32).reshape(4, num_rows)
+        for i, column in enumerate((n, p, truncation.xtc_threshold.numpy(), q)):
+            floats[i] = column
+        ints = packed[16 * num_rows:].view(np.int64).reshape(3, num_rows)
+        for i, column in enumerate((truncation.seed, truncation.position, truncation.iteration)):
+            ints[i] = column.numpy()
+        rows = host.to(self._device, non_blocking=True)
+        scratch, zeroed = self._workspace(num_rows, vocab)
+        m.local_samplers(x.data_ptr(), num_rows, vocab, rows.data_ptr(), samplers, scratch, zeroed,
+                         stream_address(self._device))
+        return x
