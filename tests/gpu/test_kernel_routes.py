@@ -122,9 +122,13 @@ def test_verify_draft_kernel(cuda_backend) -> None:
 
 
 def test_native_request_path(cuda_backend) -> None:
+    from tokensampler_server.batching.batcher import DynamicBatcher
     from tokensampler_server.rpc.native_path import NativePath
 
-    path = NativePath.for_backend(cuda_backend, Limits())
+    limits = Limits()
+    batcher = DynamicBatcher(cuda_backend, max_batch_rows=limits.max_batch_rows,
+                             max_batch_elements=limits.max_batch_elements)
+    path = NativePath.for_backend(cuda_backend, limits, batcher)
     x = logits("spiky", ROWS, VOCAB, seed=12)
     request = build_sample_request(logits=x, top_k=50, top_p=0.9, seed=list(range(ROWS)))
     answer = asyncio.run(path.sample(request.SerializeToString(), "rid", False))

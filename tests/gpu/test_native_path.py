@@ -45,11 +45,20 @@ def region_buffer() -> torch.Tensor:
     return torch.zeros(REGION_BYTES, dtype=torch.uint8, device="cuda")
 
 
-@pytest.fixture(scope="module")
-def native(cuda_backend, region_buffer: torch.Tensor):
+def make_path(cuda_backend, **batching):
+    """The native path of the CUDA backend, queueing on a batcher of its own (`batching`: the batcher's queue
+    options)."""
+    from tokensampler_server.batching.batcher import DynamicBatcher
     from tokensampler_server.rpc.native_path import NativePath
 
-    path = NativePath.for_backend(cuda_backend, LIMITS)
+    batcher = DynamicBatcher(cuda_backend, max_batch_rows=LIMITS.max_batch_rows,
+                             max_batch_elements=LIMITS.max_batch_elements, **batching)
+    return NativePath.for_backend(cuda_backend, LIMITS, batcher)
+
+
+@pytest.fixture(scope="module")
+def native(cuda_backend, region_buffer: torch.Tensor):
+    path = make_path(cuda_backend)
     path.region_added(Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None))
     return path
 
@@ -328,9 +337,8 @@ def test_everything_else_is_declined(native, region_buffer) -> None:
 
 
 def test_removed_region_and_dead_producer_are_declined(cuda_backend, region_buffer) -> None:
-    from tokensampler_server.rpc.native_path import NativePath
 
-    path = NativePath.for_backend(cuda_backend, LIMITS)
+    path = make_path(cuda_backend)
     raw = pb.SampleRequest(logits_ref=put(region_buffer, logits("flat", 2, 100, seed=6).cuda())).SerializeToString()
     exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     path.region_added(Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None,
@@ -356,9 +364,8 @@ def test_queued_requests_are_sampled_as_one_batch_each_answered_as_alone(cuda_ba
     """Seven seeded requests queued together (a queue delay): one batch per vocabulary and dtype, contiguous,
     gathered and carried rows of mixed modes merged. Every answer equals the same request's answer alone, to the
     bit (batch invariance)."""
-    from tokensampler_server.rpc.native_path import NativePath
 
-    queued = NativePath.for_backend(cuda_backend, LIMITS, max_queue_delay_us=20_000)
+    queued = make_path(cuda_backend, max_queue_delay_us=20_000)
     queued.region_added(Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None))
     x1, x2 = logits("spiky", 6, 1000, seed=30).cuda(), logits("flat", 5, 1000, seed=31).cuda()
     x3 = logits("spiky", 4, 1000, seed=32)
@@ -396,9 +403,8 @@ def test_queued_requests_are_sampled_as_one_batch_each_answered_as_alone(cuda_ba
 def test_a_waiting_request_whose_region_goes_is_declined(cuda_backend, region_buffer) -> None:
     """A queued request whose region is unregistered before it is sampled is declined (the Python path answers it
     NOT_FOUND), and the path goes on serving."""
-    from tokensampler_server.rpc.native_path import NativePath
 
-    path = NativePath.for_backend(cuda_backend, LIMITS, max_queue_delay_us=20_000)
+    path = make_path(cuda_backend, max_queue_delay_us=20_000)
     path.region_added(Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None))
     raw = pb.SampleRequest(logits_ref=put(region_buffer, logits("spiky", 3, 1000, seed=35).cuda()),
                            params=pb.SamplingParams(temperature=[0.0])).SerializeToString()
@@ -418,12 +424,11 @@ def test_the_queue_is_bounded_and_a_delay_gathers_requests(cuda_backend, region_
     """Past max_queue_rows queued rows a request gets RESOURCE_EXHAUSTED at once; with max_queue_delay_us a
     lone request waits that long for others, which join its batch."""
     import grpc
-    from tokensampler_server.rpc.native_path import NativePath
 
     raw = pb.SampleRequest(logits_ref=put(region_buffer, logits("spiky", 6, 1000, seed=36).cuda()),
                            params=pb.SamplingParams(seed=list(range(6)))).SerializeToString()
-    bounded = NativePath.for_backend(cuda_backend, LIMITS, max_queue_rows=10, max_queue_delay_us=20_000)
-    delayed = NativePath.for_backend(cuda_backend, LIMITS, max_queue_delay_us=50_000)
+    bounded = make_path(cuda_backend, max_queue_rows=10, max_queue_delay_us=20_000)
+    delayed = make_path(cuda_backend, max_queue_delay_us=50_000)
     for path in (bounded, delayed):
         path.region_added(Region(name=REGION, kind="cuda_ipc", buffer=region_buffer, release=lambda: None))
 
