@@ -4,13 +4,17 @@
 The kernels sum the reference's float64 statistics in another order (and typical-p's masses in fixed point), so a
 kept set may differ only where the reference itself sits on a rounding edge: a logit within ~1e-15 of top-n-sigma's
 cut, two typical-p scores or a cumulative mass and p within ~1e-13 of each other, an XTC probability within ~1e-15
-of the threshold (docs/design/kernel-routing.md, "Local samplers"). None of the rows here come near one, so the
-comparisons are exact. The backend's tokens are compared with the CPU backend's, and a chi-square test (significance
+of the threshold (docs/design/kernel-routing.md, "Local samplers"). Rows of equal logits (near_equal and tight rows
+in bf16) put typical-p's cumulative mass on p itself (16000 of 32000 equal tokens at p = 0.5), where the two sums
+round either way: there, and only there, a kept set may differ, by the one token at the cut (`_typical_edge`);
+every other comparison is exact. The backend's tokens are compared with the CPU backend's, and a chi-square test (significance
 ALPHA, fixed seeds) holds the draws to the distribution the reference leaves.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import fields, replace
 from itertools import cycle, islice
 
 import numpy as np
@@ -60,18 +64,51 @@ def kernels(cuda_backend):
     return cuda_backend._local_samplers
 
 
-def _assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """The same bits everywhere: removed tokens -inf in both, kept ones untouched, NaN and +inf left as they were."""
+MASS_EDGE = 1e-12  # a cumulative mass this close to p is decided by the rounding of its sum
+
+
+def _assert_same(got: torch.Tensor, want: torch.Tensor, what: str,
+                 edge: Callable[[int, list[int]], bool] | None = None) -> None:
+    """The same bits everywhere: removed tokens -inf in both, kept ones untouched, NaN and +inf left as they were;
+    with `edge`, a row may differ where edge(row, its differing tokens) finds the reference on a rounding edge."""
     differ = got.view(torch.int32) != want.view(torch.int32)
     rows = differ.any(dim=1).nonzero().flatten().tolist()
-    assert not rows, f"{what}: {int(differ.sum())} logits differ, rows {rows[:8]}"
+    rows = [r for r in rows if edge is None or not edge(r, differ[r].nonzero().flatten().tolist())]
+    assert not rows, f"{what}: {int(differ[rows].sum())} logits differ, rows {rows[:8]}"
+
+
+def _row(truncation: Truncation, row: int, **columns: torch.Tensor) -> Truncation:
+    """Row `row` of `truncation` alone, with `columns` replaced."""
+    one = {f.name: getattr(truncation, f.name)[row: row + 1] for f in fields(truncation)
+           if getattr(truncation, f.name) is not None}
+    return replace(truncation, **{**one, **columns})
+
+
+def _typical_edge(x: torch.Tensor, truncation: Truncation, row: int, tokens: list[int]) -> bool:
+    """Whether a row differs by one token that is typical-p's first token past the cut, whose place is decided by a
+    cumulative mass within MASS_EDGE of p: the reference's mass before it or through it."""
+    p = float(truncation.typical_p[row])
+    if p >= 1 or len(tokens) != 1:
+        return False
+    # typical-p reads what top-n-sigma left (L4 before L5); XTC (L6) comes after it
+    before = apply_truncation(x[row: row + 1].clone(), _row(truncation, row, typical_p=torch.ones(1),
+                                                             xtc_probability=torch.zeros(1)))
+    log_q = torch.log_softmax(torch.where(torch.isfinite(before), before, float("-inf")), dim=1, dtype=torch.float64)
+    q = log_q.exp()
+    score = (log_q - (q * log_q).nan_to_num(nan=0.0).sum(dim=1, keepdim=True)).abs()
+    order = torch.sort(score, dim=1, stable=True).indices[0]
+    cumulative = q[0, order].cumsum(dim=0)
+    place = int((order == tokens[0]).nonzero())
+    masses = cumulative[max(place - 1, 0): place + 1]
+    first_past = int((cumulative <= p).sum())  # the reference's place of the first token past the cut
+    return abs(place - first_past) <= 1 and bool(((masses - p).abs() <= MASS_EDGE).any())
 
 
 def _check(kernels, x: torch.Tensor, truncation: Truncation, what: str) -> torch.Tensor:
     """Kernels and reference on copies of x; returns the reference's result."""
     want = apply_truncation(x.clone(), truncation)
     got = kernels.apply(x.clone(), truncation)
-    _assert_same(got, want, what)
+    _assert_same(got, want, what, lambda row, tokens: _typical_edge(x, truncation, row, tokens))
     return want
 
 
