@@ -32,7 +32,8 @@ class InvalidArgument(ServiceError):
 
 
 def queue_full(waiting: int, limit: int, unit: str) -> ServiceError:
-    """RESOURCE_EXHAUSTED of a request that does not fit a bounded queue (the batcher's, the native path's)."""
+    """RESOURCE_EXHAUSTED of a request that does not fit a bounded queue (the batcher's, which the native path's
+    requests share)."""
     return ServiceError(f"queue full: {waiting} {unit} waiting, at most {limit}; retry with backoff",
                         grpc.StatusCode.RESOURCE_EXHAUSTED)
 
