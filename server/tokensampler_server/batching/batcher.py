@@ -3,7 +3,8 @@
 Requests wait in a bounded queue. The backend runs one merged batch at a time on its worker thread;
 while it runs, new requests gather, so batches grow with load by themselves. A batch closes at
 `max_batch_rows` rows (sampled at once when the queue holds that many), or `max_queue_delay_us` after its first
-request arrived (0: no waiting beyond the backend being busy), and within max_batch_elements. A full queue answers RESOURCE_EXHAUSTED at once.
+request arrived (0: no waiting beyond the backend being busy), and within max_batch_elements. A full queue answers
+RESOURCE_EXHAUSTED at once.
 A caller that goes away (cancelled, deadline passed) leaves its rows behind; the other requests of its batch
 are unaffected, and work whose every caller has gone is dropped before it starts.
 
