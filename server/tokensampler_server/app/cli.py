@@ -72,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                 "how long a request may wait for others to share a backend call while the backend is idle; requests "
                 "arriving while it is busy are merged anyway; the native path's requests are merged only with a delay")
     flags.value("--max-queue-rows", int, defaults.max_queue_rows,
-                "rows waiting for the backend beyond which requests get RESOURCE_EXHAUSTED")
+                "rows waiting for the backend (the Python and the native path share one queue) beyond which requests get "
+                "RESOURCE_EXHAUSTED")
     flags.value("--max-queue-mb", int, defaults.max_queue_bytes // _MIB,
                 "MiB of request tensors waiting for the backend beyond which requests get RESOURCE_EXHAUSTED")
     flags.value("--max-concurrent-rpcs", int, defaults.max_concurrent_rpcs,
