@@ -83,3 +83,48 @@ def test_hidden_states_through_a_registered_head(sampler: LocalSampler) -> None:
     assert torch.equal(got.tokens, want.tokens)
     with pytest.raises(ValueError, match="head.vocab_size"):
         sampler.register_head(weight, vocab_size=VOCAB + 13)
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"mode": "processed", "temperature": [0.5, 1.0, 1.5, 0.8, 2.0, 1.0], "top_logprobs": 5, "return_entropy": True},
+    {"mode": "processed", "top_k": 20, "top_p": 0.9, "min_p": 0.01, "top_logprobs": 3},
+])
+def test_scores_are_the_service_s(sampler: LocalSampler, client: SamplerClient, options: dict) -> None:
+    """score(): ScoreTokens in process, the service's log-probs, top log-probs and entropy for the same request."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(ROWS, 4, VOCAB, generator=g) * 3
+    token_ids = torch.randint(0, VOCAB, (ROWS, 4), generator=g)
+    local = sampler.score(logits, token_ids, **options)
+    remote = client.score_tokens(logits, token_ids, **options)
+    for name in ("logprobs", "top_logprob_ids", "top_logprobs", "entropy"):
+        mine, theirs = getattr(local, name), getattr(remote, name)
+        assert (mine is None) == (theirs is None), name
+        if mine is not None:
+            assert list(mine.shape) == list(theirs.shape), name
+            assert torch.equal(torch.as_tensor(mine), torch.as_tensor(theirs)), name
+
+
+def test_scores_from_hidden_states_are_those_of_their_logits(sampler: LocalSampler) -> None:
+    """score_hidden() through a head gives score()'s results on the head's own logits."""
+    g = torch.Generator().manual_seed(6)
+    weight = torch.randn(VOCAB, DIM, generator=g)
+    hidden = torch.randn(ROWS, 3, DIM, generator=g)
+    token_ids = torch.randint(0, VOCAB, (ROWS, 3), generator=g)
+    head = sampler.register_head(weight)
+    got = sampler.score_hidden(hidden, head, token_ids, top_logprobs=4, return_entropy=True)
+    want = sampler.score(hidden @ weight.T, token_ids, top_logprobs=4, return_entropy=True)
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.entropy, want.entropy, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.top_logprob_ids, want.top_logprob_ids)
+
+
+@pytest.mark.parametrize("call,field", [
+    (lambda s: s.score(torch.randn(2, 3, 10), torch.full((2, 3), 10)), "token_ids"),
+    (lambda s: s.score(torch.randn(2, 3, 10), torch.zeros(2, 4, dtype=torch.int64)), "token_ids.shape"),
+    (lambda s: s.score(torch.randn(2, 3, 10).double(), torch.zeros(2, 3, dtype=torch.int64)), "logits.dtype"),
+    (lambda s: s.score(torch.randn(2, 3, 10), torch.zeros(2, 3, dtype=torch.int64), top_logprobs=11), "top_logprobs"),
+])
+def test_score_refusals_name_the_field(sampler: LocalSampler, call, field: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
+        call(sampler)

@@ -177,8 +177,20 @@ def build_score_request(
     """logits [B, T, V], or (logits None) hidden states [B, T, D] through the registered LM head named `weights`;
     token_ids [B, T]; mode "raw" or "processed"; temperature, top_k, top_p, min_p (PROCESSED): None, one value
     or B values, as for sample()."""
-    request = pb.ScoreTokensRequest(mode=_logprobs_mode(mode), top_logprobs=top_logprobs, return_entropy=return_entropy)
+    request = pb.ScoreTokensRequest()
     rows = _set_input(request, logits, hidden, weights, 3).shape[0]
+    fill_score_options(request, rows, token_ids, mode=mode, temperature=temperature, top_k=top_k, top_p=top_p,
+                       min_p=min_p, top_logprobs=top_logprobs, return_entropy=return_entropy)
+    return request
+
+
+def fill_score_options(
+    request: pb.ScoreTokensRequest, rows: int, token_ids: Any, *, mode: str | int = "raw", temperature: Column = None,
+    top_k: Column = None, top_p: Column = None, min_p: Column = None, top_logprobs: int = 0,
+    return_entropy: bool = False,
+) -> None:
+    """Everything of a ScoreTokensRequest but its input, for B = `rows`: build_score_request's keywords."""
+    request.mode, request.top_logprobs, request.return_entropy = _logprobs_mode(mode), top_logprobs, return_entropy
     ids = as_array(token_ids)
     if ids.ndim != 2:
         raise ValueError(f"token_ids: expected shape [B, T], got {list(ids.shape)}")
@@ -186,4 +198,3 @@ def build_score_request(
     for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
         if value is not None:
             _extend(name, getattr(request, name), _column(name, value, rows))
-    return request

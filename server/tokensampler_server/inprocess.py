@@ -11,6 +11,8 @@ what the service refuses, with the same field-named message (as ValueError).
 
     head = sampler.register_head(model.lm_head.weight)         # once
     out = sampler.sample_hidden(hidden_states, head, top_k=50)  # W·h inside the fused kernel where it applies
+
+    scores = sampler.score(logits, token_ids, mode="processed", temperature=0.8)  # ScoreTokens in process
 """
 
 from __future__ import annotations
@@ -24,12 +26,15 @@ import torch
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.params import fill_sampling_params
 from tokensampler_client.result import SampleResult, Timings
+from tokensampler_client.workloads import ScoreTokensResult, fill_score_options
 
 from tokensampler_server.backends import create_backend
 from tokensampler_server.backends.base import Backend
 from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument
 from tokensampler_server.validation.sample import validate_sample_request
+from tokensampler_server.validation.workloads import validate_score_request
+from tokensampler_server.workloads.cuda import workloads_of
 from tokensampler_server.resources.weights import RegisteredWeight, check_finish, check_weight_shape
 
 __all__ = ["LocalSampler"]
@@ -47,6 +52,7 @@ class LocalSampler:
 
     def __init__(self, device: str = "auto", limits: Limits | None = None) -> None:
         self._backend: Backend = create_backend(device)
+        self._workloads = workloads_of(self._backend)
         self._limits = limits or Limits()
 
     @property
@@ -91,7 +97,57 @@ class LocalSampler:
         request.hidden.states_ref.SetInParent()
         return self._run(request, hidden, head)
 
+    def score(self, logits: torch.Tensor, token_ids: Any, **options: Any) -> ScoreTokensResult:
+        """ScoreTokens in process (docs/semantics.md, choice 18): the log-probs of token_ids [B, T] under logits
+        [B, T, V]. Keywords: mode ("raw" or "processed"), temperature, top_k, top_p, min_p (per row, PROCESSED),
+        top_logprobs, return_entropy. Returns the client's ScoreTokensResult (CPU tensors)."""
+        request = self._score_request(logits, token_ids, options)
+        request.logits.SetInParent()
+        return self._score(request, logits, None)
+
+    def score_hidden(self, hidden: torch.Tensor, head: RegisteredWeight, token_ids: Any,
+                     **options: Any) -> ScoreTokensResult:
+        """score() under the logits `head` (register_head) makes of hidden states [B, T, D], which are never
+        computed whole: the keywords of score()."""
+        request = self._score_request(hidden, token_ids, options)
+        request.hidden.weights = head.name
+        return self._score(request, hidden, head)
+
     # -----------------------------------------------------------------------------------------------
+    @staticmethod
+    def _score_request(x: torch.Tensor, token_ids: Any, options: dict[str, Any]) -> pb.ScoreTokensRequest:
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise ValueError("input: a [B, T, V] logits or [B, T, D] hidden-state tensor expected")
+        request = pb.ScoreTokensRequest()
+        try:
+            fill_score_options(request, x.shape[0], token_ids, **options)
+        except TypeError as err:  # an unknown keyword, or a value of the wrong type
+            raise ValueError(str(err)) from None
+        return request
+
+    def _score(self, request: pb.ScoreTokensRequest, x: torch.Tensor,
+               head: RegisteredWeight | None) -> ScoreTokensResult:
+        """ScoreTokens' result (request_id empty): timings.compute_ns the workload's call, total_ns with the
+        validation."""
+        started = time.perf_counter_ns()
+        try:
+            _, source, scoring = validate_score_request(request, self._limits, lm_head=head, in_place=x)
+        except InvalidArgument as err:
+            raise ValueError(str(err)) from None
+        computing = time.perf_counter_ns()
+        scores = self._workloads.score_tokens(source, scoring)
+        shape = list(x.shape[:2])
+
+        def host(t: torch.Tensor | None, *trailing: int) -> torch.Tensor | None:
+            return None if t is None else t.cpu().reshape([*shape, *trailing])
+
+        logprobs, top_ids = host(scores.logprobs), host(scores.top_ids, -1)
+        top_values, entropy = host(scores.top_values, -1), host(scores.entropy)
+        finished = time.perf_counter_ns()
+        return ScoreTokensResult(
+            logprobs=logprobs, top_logprob_ids=top_ids, top_logprobs=top_values, entropy=entropy,
+            timings=Timings(queue_ns=0, compute_ns=finished - computing, total_ns=finished - started), request_id="")
+
     @staticmethod
     def _request(x: torch.Tensor, num_samples: int, return_logprobs: bool, logprobs_mode: str, top_logprobs: int,
                  params: dict[str, Any]) -> pb.SampleRequest:

@@ -31,6 +31,9 @@ ID_DTYPES = (pb.DTYPE_INT32, pb.DTYPE_INT64)
 MAX_TOPK = 1024
 
 
+_IN_PLACE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _tensor(message: pb.Tensor, field: str, dtypes: tuple[int, ...], rank: int | tuple[int, ...]) -> torch.Tensor:
     """Decodes a tensor of one of `dtypes` and rank(s) `rank`, with every size >= 1."""
     if message.dtype not in dtypes:
@@ -74,22 +77,37 @@ class WorkloadLogits:
         return self.lm_head.logits(self.tensor.reshape(-1, self.tensor.shape[-1])).reshape(self.shape)
 
 
+def _in_place(tensor: torch.Tensor, field: str, rank: int | tuple[int, ...]) -> torch.Tensor:
+    """An in-process caller's tensor standing for the request's carried one (inprocess.py): the checks a decoded
+    tensor gets."""
+    if tensor.dtype not in _IN_PLACE_DTYPES:
+        raise InvalidArgument(f"{field}.dtype", f"got {tensor.dtype}, expected float32, bfloat16 or float16")
+    ranks = (rank,) if isinstance(rank, int) else rank
+    if tensor.dim() not in ranks or min(tensor.shape, default=0) < 1:
+        raise InvalidArgument(f"{field}.shape", f"got {list(tensor.shape)}, expected {' or '.join(map(str, ranks))} "
+                                                "sizes >= 1")
+    return tensor
+
+
 def _workload_logits(
     request: pb.DiffusionStepRequest | pb.TopKProbsRequest | pb.ScoreTokensRequest, rank: int | tuple[int, ...], limits: Limits,
-    lm_head: RegisteredWeight | None,
+    lm_head: RegisteredWeight | None, in_place: torch.Tensor | None = None,
 ) -> WorkloadLogits:
     """The request's `logits`, or its `hidden` states through `lm_head` (the weight hidden.weights names),
-    of rank(s) `rank`, within the row and element limits."""
+    of rank(s) `rank`, within the row and element limits. `in_place`: the input itself, from a caller in this
+    process (the request then carries none)."""
     kind = request.WhichOneof("input")
     if kind is None:
         raise InvalidArgument("input", "not set; expected logits, or hidden (hidden states and a registered weight)")
     if kind == "logits":
-        logits = _tensor(request.logits, "logits", LOGITS_DTYPES, rank)
+        logits = (_tensor(request.logits, "logits", LOGITS_DTYPES, rank) if in_place is None
+                  else _in_place(in_place, "logits", rank))
         _check_size("logits", math.prod(logits.shape[:-1]), logits.shape[-1], limits)
         return WorkloadLogits(logits)
     if request.hidden.HasField("states_ref"):
         raise InvalidArgument("hidden.states_ref", "regions are not taken by this RPC; expected hidden.states")
-    states = _tensor(request.hidden.states, "hidden.states", LOGITS_DTYPES, rank)
+    states = (_tensor(request.hidden.states, "hidden.states", LOGITS_DTYPES, rank) if in_place is None
+              else _in_place(in_place, "hidden.states", rank))
     lm_head = check_lm_head(lm_head, states.shape[-1])
     # The server computes the logits: bound them as if they had been sent.
     vocab = lm_head.finish.vocab_size
@@ -176,11 +194,13 @@ def validate_verify_request(
 
 
 def validate_score_request(
-    request: pb.ScoreTokensRequest, limits: Limits, lm_head: RegisteredWeight | None = None
+    request: pb.ScoreTokensRequest, limits: Limits, lm_head: RegisteredWeight | None = None,
+    in_place: torch.Tensor | None = None,
 ) -> tuple[WorkloadLogits, LogitSource, TokenScoring]:
     """(the input [B, T, V or D], its N = B·T positions as a LogitSource, what to score at each); `lm_head` as for
-    validate_diffusion_request. The logits of hidden states are never computed whole (workloads/score.py)."""
-    logits = _workload_logits(request, 3, limits, lm_head)
+    validate_diffusion_request, `in_place` as for _workload_logits. The logits of hidden states are never computed
+    whole (workloads/score.py)."""
+    logits = _workload_logits(request, 3, limits, lm_head, in_place)
     num_rows, length, vocab = logits.shape
     ids = _tensor(request.token_ids, "token_ids", ID_DTYPES, 2).to(torch.int64)
     if tuple(ids.shape) != (num_rows, length):
