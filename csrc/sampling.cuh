@@ -1382,7 +1382,7 @@ __device__ __noinline__ Cut crowded_cuts(const FilterRow<T, kMask>& fr, const Hi
 }
 
 template <typename T, bool kMask>
-__global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: FILTER_BLOCKS_TARGET
+__global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilterBlocksTarget (routes.cpp)
     filter_kernel(TsLogits logits, TsRows rows, const float* row_max_in, const float* row_min_in,
                   const int64_t* row_argmax, const uint8_t* stats_flags, int need_exact_mass, TsOutputs out,
                   TsWorkspace ws) {
