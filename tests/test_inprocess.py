@@ -128,3 +128,31 @@ def test_scores_from_hidden_states_are_those_of_their_logits(sampler: LocalSampl
 def test_score_refusals_name_the_field(sampler: LocalSampler, call, field: str) -> None:
     with pytest.raises(ValueError, match=rf"^{field}\b"):
         call(sampler)
+
+
+@pytest.mark.parametrize("shape,temperature", [((ROWS, VOCAB), None), ((ROWS, 3, VOCAB), [0.5, 1.0, 2.0, 0.7, 1.3, 0.9])])
+def test_top_k_probabilities_are_the_service_s(sampler: LocalSampler, client: SamplerClient, shape: tuple,
+                                               temperature) -> None:
+    """topk_probs(): TopKProbs in process, the service's ids and probabilities for the same request."""
+    logits = torch.randn(*shape, generator=torch.Generator().manual_seed(7)) * 3
+    local = sampler.topk_probs(logits, 20, temperature=temperature)
+    remote = client.topk_probs(logits, 20, temperature=temperature)
+    assert list(local.ids.shape) == [*shape[:-1], 20]
+    assert torch.equal(local.ids, torch.as_tensor(remote.ids))
+    assert torch.equal(local.probs, torch.as_tensor(remote.probs))
+
+
+def test_top_k_probabilities_from_hidden_states_are_those_of_their_logits(sampler: LocalSampler) -> None:
+    g = torch.Generator().manual_seed(8)
+    weight, hidden = torch.randn(VOCAB, DIM, generator=g), torch.randn(ROWS, DIM, generator=g)
+    got = sampler.topk_probs_hidden(hidden, sampler.register_head(weight), 10)
+    want = sampler.topk_probs(hidden @ weight.T, 10)
+    assert torch.equal(got.ids, want.ids)
+    torch.testing.assert_close(got.probs, want.probs, rtol=1e-5, atol=1e-6)
+
+
+def test_top_k_probabilities_refusals_name_the_field(sampler: LocalSampler) -> None:
+    with pytest.raises(ValueError, match=r"^k\b"):
+        sampler.topk_probs(torch.randn(2, 10), 11)
+    with pytest.raises(ValueError, match=r"^temperature\b"):
+        sampler.topk_probs(torch.randn(2, 10), 3, temperature=0.0)

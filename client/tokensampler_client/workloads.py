@@ -106,12 +106,18 @@ def build_topk_request(
 ) -> pb.TopKProbsRequest:
     """logits [B, S, V] or [B, V], or (logits None) hidden states [B, S, D] or [B, D] through the
     registered LM head named `weights`; temperature: None (1), one value or B values (> 0)."""
-    request = pb.TopKProbsRequest(k=k)
+    request = pb.TopKProbsRequest()
     _set_input(request, logits, hidden, weights, (2, 3))
+    fill_topk_options(request, k, temperature)
+    return request
+
+
+def fill_topk_options(request: pb.TopKProbsRequest, k: int, temperature: Any = None) -> None:
+    """Everything of a TopKProbsRequest but its input: build_topk_request's k and temperature."""
+    request.k = k
     if temperature is not None:
         request.temperature.extend(as_array(temperature).reshape(-1).tolist() if not isinstance(temperature, (int, float))
                                    else [temperature])
-    return request
 
 
 @dataclass(repr=False)

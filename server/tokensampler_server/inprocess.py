@@ -13,6 +13,7 @@ what the service refuses, with the same field-named message (as ValueError).
     out = sampler.sample_hidden(hidden_states, head, top_k=50)  # W·h inside the fused kernel where it applies
 
     scores = sampler.score(logits, token_ids, mode="processed", temperature=0.8)  # ScoreTokens in process
+    best = sampler.topk_probs(logits, 20)                                         # TopKProbs in process
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ import torch
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.params import fill_sampling_params
 from tokensampler_client.result import SampleResult, Timings
-from tokensampler_client.workloads import ScoreTokensResult, fill_score_options
+from tokensampler_client.workloads import ScoreTokensResult, TopKProbsResult, fill_score_options, fill_topk_options
 
 from tokensampler_server.backends import create_backend
 from tokensampler_server.backends.base import Backend
 from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument
 from tokensampler_server.validation.sample import validate_sample_request
-from tokensampler_server.validation.workloads import validate_score_request
+from tokensampler_server.validation.workloads import validate_score_request, validate_topk_request
 from tokensampler_server.workloads.cuda import workloads_of
 from tokensampler_server.resources.weights import RegisteredWeight, check_finish, check_weight_shape
 
@@ -113,7 +114,48 @@ class LocalSampler:
         request.hidden.weights = head.name
         return self._score(request, hidden, head)
 
+    def topk_probs(self, logits: torch.Tensor, k: int, *, temperature: Any = None) -> TopKProbsResult:
+        """TopKProbs in process (docs/semantics.md, choice 15): the k most probable ids of softmax(logits / T) and
+        their probabilities for logits [B, V] or [B, S, V]; temperature None (1), one value or one a row. Returns the
+        client's TopKProbsResult (CPU tensors, [B, k] or [B, S, k])."""
+        request = self._topk_request(logits, k, temperature)
+        request.logits.SetInParent()
+        return self._topk(request, logits, None)
+
+    def topk_probs_hidden(self, hidden: torch.Tensor, head: RegisteredWeight, k: int, *,
+                          temperature: Any = None) -> TopKProbsResult:
+        """topk_probs() of the logits `head` (register_head) makes of hidden states [B, D] or [B, S, D]."""
+        request = self._topk_request(hidden, k, temperature)
+        request.hidden.weights = head.name
+        return self._topk(request, hidden, head)
+
     # -----------------------------------------------------------------------------------------------
+    @staticmethod
+    def _topk_request(x: torch.Tensor, k: int, temperature: Any) -> pb.TopKProbsRequest:
+        if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3):
+            raise ValueError("input: a [B, V] or [B, S, V] logits, or [B, D] or [B, S, D] hidden-state tensor expected")
+        request = pb.TopKProbsRequest()
+        try:
+            fill_topk_options(request, k, temperature)
+        except TypeError as err:  # a value of the wrong type
+            raise ValueError(str(err)) from None
+        return request
+
+    def _topk(self, request: pb.TopKProbsRequest, x: torch.Tensor, head: RegisteredWeight | None) -> TopKProbsResult:
+        """TopKProbs' result (request_id empty), timed as _score's."""
+        started = time.perf_counter_ns()
+        try:
+            logits, temperature, k = validate_topk_request(request, self._limits, lm_head=head, in_place=x)
+        except InvalidArgument as err:
+            raise ValueError(str(err)) from None
+        computing = time.perf_counter_ns()
+        probs, ids = self._workloads.topk_probs(logits.compute().flatten(0, -2), temperature, k)
+        shape = [*logits.shape[:-1], k]
+        probs, ids = probs.cpu().reshape(shape), ids.to(torch.int64).cpu().reshape(shape)
+        finished = time.perf_counter_ns()
+        return TopKProbsResult(probs=probs, ids=ids, request_id="",
+                               timings=Timings(queue_ns=0, compute_ns=finished - computing, total_ns=finished - started))
+
     @staticmethod
     def _score_request(x: torch.Tensor, token_ids: Any, options: dict[str, Any]) -> pb.ScoreTokensRequest:
         if not isinstance(x, torch.Tensor) or x.dim() != 3:

@@ -144,11 +144,12 @@ def validate_diffusion_request(
 
 
 def validate_topk_request(
-    request: pb.TopKProbsRequest, limits: Limits, lm_head: RegisteredWeight | None = None
+    request: pb.TopKProbsRequest, limits: Limits, lm_head: RegisteredWeight | None = None,
+    in_place: torch.Tensor | None = None,
 ) -> tuple[WorkloadLogits, torch.Tensor, int]:
     """(logits [B, S, V] or [B, V], temperature [N] of the N = B·S rows, k); `lm_head` as for
-    validate_diffusion_request."""
-    logits = _workload_logits(request, (2, 3), limits, lm_head)
+    validate_diffusion_request, `in_place` as for _workload_logits."""
+    logits = _workload_logits(request, (2, 3), limits, lm_head, in_place)
     num_rows, vocab = logits.shape[0], logits.shape[-1]
     if not 1 <= request.k <= min(vocab, MAX_TOPK):
         raise InvalidArgument("k", f"got {request.k}, expected 1 <= k <= min(V, {MAX_TOPK}) = {min(vocab, MAX_TOPK)}")
