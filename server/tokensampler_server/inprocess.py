@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -41,6 +42,35 @@ from tokensampler_server.resources.weights import RegisteredWeight, check_finish
 __all__ = ["LocalSampler"]
 
 _MODES = {"raw": pb.LOGPROBS_MODE_RAW, "processed": pb.LOGPROBS_MODE_PROCESSED}
+T = TypeVar("T")
+
+
+def _input(x: Any, dims: tuple[int, ...], expected: str) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() not in dims:
+        raise ValueError(f"input: {expected} expected")
+
+
+def _filled(fill: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+    """A client builder's fill of a request: an unknown keyword or a value of the wrong type as ValueError."""
+    try:
+        fill(*args, **kwargs)
+    except TypeError as err:
+        raise ValueError(str(err)) from None
+
+
+def _validated(validate: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """The service's validation of a request: its field-named refusal as ValueError."""
+    try:
+        return validate(*args, **kwargs)
+    except InvalidArgument as err:
+        raise ValueError(str(err)) from None
+
+
+def _timings(started: int, computing: int) -> Timings:
+    """A call's timings as a remote result reports them: compute_ns the backend's part, total_ns with the
+    validation (no queue)."""
+    finished = time.perf_counter_ns()
+    return Timings(queue_ns=0, compute_ns=finished - computing, total_ns=finished - started)
 
 
 class LocalSampler:
@@ -132,50 +162,33 @@ class LocalSampler:
     # -----------------------------------------------------------------------------------------------
     @staticmethod
     def _topk_request(x: torch.Tensor, k: int, temperature: Any) -> pb.TopKProbsRequest:
-        if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3):
-            raise ValueError("input: a [B, V] or [B, S, V] logits, or [B, D] or [B, S, D] hidden-state tensor expected")
+        _input(x, (2, 3), "a [B, V] or [B, S, V] logits, or [B, D] or [B, S, D] hidden-state tensor")
         request = pb.TopKProbsRequest()
-        try:
-            fill_topk_options(request, k, temperature)
-        except TypeError as err:  # a value of the wrong type
-            raise ValueError(str(err)) from None
+        _filled(fill_topk_options, request, k, temperature)
         return request
 
     def _topk(self, request: pb.TopKProbsRequest, x: torch.Tensor, head: RegisteredWeight | None) -> TopKProbsResult:
-        """TopKProbs' result (request_id empty), timed as _score's."""
+        """TopKProbs' result (request_id empty)."""
         started = time.perf_counter_ns()
-        try:
-            logits, temperature, k = validate_topk_request(request, self._limits, lm_head=head, in_place=x)
-        except InvalidArgument as err:
-            raise ValueError(str(err)) from None
+        logits, temperature, k = _validated(validate_topk_request, request, self._limits, lm_head=head, in_place=x)
         computing = time.perf_counter_ns()
         probs, ids = self._workloads.topk_probs(logits.compute().flatten(0, -2), temperature, k)
         shape = [*logits.shape[:-1], k]
         probs, ids = probs.cpu().reshape(shape), ids.to(torch.int64).cpu().reshape(shape)
-        finished = time.perf_counter_ns()
-        return TopKProbsResult(probs=probs, ids=ids, request_id="",
-                               timings=Timings(queue_ns=0, compute_ns=finished - computing, total_ns=finished - started))
+        return TopKProbsResult(probs=probs, ids=ids, timings=_timings(started, computing), request_id="")
 
     @staticmethod
     def _score_request(x: torch.Tensor, token_ids: Any, options: dict[str, Any]) -> pb.ScoreTokensRequest:
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
-            raise ValueError("input: a [B, T, V] logits or [B, T, D] hidden-state tensor expected")
+        _input(x, (3,), "a [B, T, V] logits or [B, T, D] hidden-state tensor")
         request = pb.ScoreTokensRequest()
-        try:
-            fill_score_options(request, x.shape[0], token_ids, **options)
-        except TypeError as err:  # an unknown keyword, or a value of the wrong type
-            raise ValueError(str(err)) from None
+        _filled(fill_score_options, request, x.shape[0], token_ids, **options)
         return request
 
     def _score(self, request: pb.ScoreTokensRequest, x: torch.Tensor,
                head: RegisteredWeight | None) -> ScoreTokensResult:
-        """ScoreTokens' result (request_id empty): timings.compute_ns the workload's call, total_ns with the
-        validation."""
+        """ScoreTokens' result (request_id empty)."""
         started = time.perf_counter_ns()
-        try:
-            _, source, scoring = validate_score_request(request, self._limits, lm_head=head, in_place=x)
-        except InvalidArgument as err:
-            raise ValueError(str(err)) from None
+        _, source, scoring = _validated(validate_score_request, request, self._limits, lm_head=head, in_place=x)
         computing = time.perf_counter_ns()
         scores = self._workloads.score_tokens(source, scoring)
         shape = list(x.shape[:2])
@@ -185,39 +198,27 @@ class LocalSampler:
 
         logprobs, top_ids = host(scores.logprobs), host(scores.top_ids, -1)
         top_values, entropy = host(scores.top_values, -1), host(scores.entropy)
-        finished = time.perf_counter_ns()
-        return ScoreTokensResult(
-            logprobs=logprobs, top_logprob_ids=top_ids, top_logprobs=top_values, entropy=entropy,
-            timings=Timings(queue_ns=0, compute_ns=finished - computing, total_ns=finished - started), request_id="")
+        return ScoreTokensResult(logprobs=logprobs, top_logprob_ids=top_ids, top_logprobs=top_values, entropy=entropy,
+                                 timings=_timings(started, computing), request_id="")
 
     @staticmethod
     def _request(x: torch.Tensor, num_samples: int, return_logprobs: bool, logprobs_mode: str, top_logprobs: int,
                  params: dict[str, Any]) -> pb.SampleRequest:
-        if not isinstance(x, torch.Tensor) or x.dim() != 2:
-            raise ValueError("input: a [B, V] logits or [B, D] hidden-state tensor expected")
+        _input(x, (2,), "a [B, V] logits or [B, D] hidden-state tensor")
         if logprobs_mode not in _MODES:
             raise ValueError(f"logprobs_mode: got {logprobs_mode!r}, expected 'raw' or 'processed'")
         request = pb.SampleRequest(num_samples=num_samples, return_logprobs=return_logprobs,
                                    logprobs_mode=_MODES[logprobs_mode], top_logprobs=top_logprobs)
-        try:
-            fill_sampling_params(request.params, x.shape[0], **params)
-        except TypeError as err:  # an unknown keyword, or a value of the wrong type
-            raise ValueError(str(err)) from None
+        _filled(fill_sampling_params, request.params, x.shape[0], **params)
         return request
 
     def _run(self, request: pb.SampleRequest, x: torch.Tensor, head: RegisteredWeight | None) -> SampleResult:
-        """The result a remote call returns (request_id empty, no queue): timings.compute_ns the backend's call,
-        total_ns with the validation."""
+        """The result a remote call returns (request_id empty)."""
         started = time.perf_counter_ns()
-        try:
-            batch, seeds = validate_sample_request(request, self._limits, lm_head=head, referenced=x)
-        except InvalidArgument as err:
-            raise ValueError(str(err)) from None
+        batch, seeds = _validated(validate_sample_request, request, self._limits, lm_head=head, referenced=x)
         computing = time.perf_counter_ns()
         result = self._backend.sample(batch)
-        finished = time.perf_counter_ns()
         return SampleResult(tokens=result.tokens, seeds=[int(s) for s in np.asarray(seeds, dtype=np.uint64)],
                             logprobs=result.logprobs, top_logprob_ids=result.top_logprob_ids,
                             top_logprobs=result.top_logprobs, valid=result.valid, nan_detected=result.nan_detected,
-                            timings=Timings(queue_ns=0, compute_ns=finished - computing, total_ns=finished - started),
-                            request_id="")
+                            timings=_timings(started, computing), request_id="")
