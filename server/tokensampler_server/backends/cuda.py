@@ -21,9 +21,8 @@ the one synchronisation that returns the results: no request leaves the GPU (out
 RESOURCE_EXHAUSTED). `fallbacks()` counts both kinds of re-evaluation.
 
 Host path of one call (docs/design/host-path.md): the per-row parameters are packed into one reused pinned
-buffer, where the route planner groups the rows (a group of every row needs no row list); the parameters, the
-row lists, (with log-probs) the row masks and a token bitmask are packed into one reused pinned
-buffer and go up in ONE copy; the kernels are launched on device addresses laid out once per (B, samples) in
+buffer, where the route planner writes the row lists of its groups (a group of every row needs no list) and, with
+log-probs, the row masks; with a token bitmask beside them, the buffer goes up in ONE copy; the kernels are launched on device addresses laid out once per (B, samples) in
 one reused device buffer; without log-probs every kernel writes its rows' tokens and flags into the same
 two arrays, which come back in ONE copy that is also the call's one synchronisation. Reusing the pinned
 buffers across calls is safe because every call ends with that synchronisation and calls hold a lock.
@@ -112,9 +111,11 @@ class _Stage:
         b = num_rows
         self.num_rows = b
         self.layout = layout
-        self.h_i64 = host[: 24 * b].view(torch.int64)  # seed, position, iteration: back to back
-        self.h_f32 = host[24 * b: 36 * b].view(torch.float32)  # temperature (T_eff once planned), top_p, min_p
-        self.h_topk = host[36 * b: 40 * b].view(torch.int32)
+        # The layout puts seed, position, iteration back to back, then temperature (T_eff once planned), top_p, min_p:
+        # each group fills with one copy.
+        self.h_i64 = host[layout["seed"]: layout["temperature"]].view(torch.int64)
+        self.h_f32 = host[layout["temperature"]: layout["top_k"]].view(torch.float32)
+        self.h_topk = host[layout["top_k"]: layout["top_k"] + 4 * b].view(torch.int32)
         self.lists = layout["lists"]
         self.bitmask_row, self.bitmask_words = layout["bitmask_row"], layout["bitmask_words"]
         self.h_bitmask_row = host[self.bitmask_row: self.bitmask_row + 4 * b].view(torch.int32)
@@ -225,7 +226,6 @@ class CudaBackend(Backend):
         self._dev_out: torch.Tensor | None = None
         self._ones = torch.ones(0, dtype=torch.float32, device=self._device)
         self._stages: dict[int, _Stage] = {}
-        self._layouts: dict[int, dict[str, int]] = {}
         self._outs: dict[tuple[int, int], _Out] = {}
 
     def info(self) -> BackendInfo:
@@ -291,17 +291,14 @@ class CudaBackend(Backend):
         return torch.empty(nbytes, dtype=torch.uint8, device=self._device)
 
     def _stage(self, num_rows: int, bitmask_bytes: int) -> _Stage:
-        layout = self._layouts.get(num_rows)
-        if layout is None:
-            if len(self._layouts) >= 64:
-                self._layouts.clear()
-            layout = self._layouts[num_rows] = self._kernels.stage_layout(num_rows)
+        stage = self._stages.get(num_rows)
+        layout = stage.layout if stage is not None else self._kernels.stage_layout(num_rows)
         need = layout["bitmask_words"] + bitmask_bytes
         if self._host_stage is None or self._host_stage.numel() < need:
             size = max(need, 2 * (0 if self._host_stage is None else self._host_stage.numel()), 4096)
             self._host_stage, self._dev_stage = self._alloc(size, True), self._alloc(size, False)
             self._stages.clear()
-        stage = self._stages.get(num_rows)
+            stage = None
         if stage is None:
             if len(self._stages) >= 64:
                 self._stages.clear()
