@@ -13,8 +13,6 @@ namespace {
 constexpr int32_t kBuckets[TS_NUM_BUCKETS] = {16, 32, 64, 128, 256};
 // The top-k kernel merges chunks x bucket candidate keys of a row in shared memory.
 constexpr int64_t kMaxMergedCandidates = 16384;
-// TS_FRONTIER_MIN_ROWS: the frontier route is slower than the filter at B = 1 and 8, 2x faster on spiky rows from
-// B = 32 (docs/design/kernel-routing.md).
 // Filter blocks to aim for: two per multiprocessor of an H100/H200. After the frontier the filter gets only the rows
 // the frontier left (rare) and most of its blocks find their row decided: one block a multiprocessor took 0.5 us off
 // flat top-p at B = 256 (docs/design/top-p-frontier.md).
@@ -131,7 +129,7 @@ int ts_plan(void* host_stage, int64_t num_rows, int64_t vocab, int32_t kind, int
   p.need_raw = lists.place(need_raw, n_raw, num_rows);
   p.lists_used = lists.used;
   // Without k and without the kept mass itself (processed log-probs), min-p alone is a mask on Gumbel-max once the
-  // row max is known, and top-p goes to the frontier from kFrontierMinRows rows.
+  // row max is known, and top-p goes to the frontier from TS_FRONTIER_MIN_ROWS rows.
   const bool bounded = !processed && !exact_has_k;
   p.exact_route = !bounded           ? TS_EXACT_FILTER
                   : !exact_has_top_p ? TS_EXACT_MIN_P

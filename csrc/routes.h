@@ -20,7 +20,9 @@ extern "C" {
 #endif
 
 #define TS_NUM_BUCKETS 5 /* the top-k kernel's candidate buckets: 16, 32, 64, 128, 256 */
-#define TS_FRONTIER_MIN_ROWS 32 /* top-p rows from this many up take the frontier route (TS_EXACT_FRONTIER) */
+/* Top-p rows from this many up take the frontier route (TS_EXACT_FRONTIER): slower than the filter at B = 1 and 8,
+ * 2x faster on spiky rows from B = 32 (docs/design/kernel-routing.md). */
+#define TS_FRONTIER_MIN_ROWS 32
 
 /* Byte offsets, in the stage of num_rows rows, of each per-row array. */
 typedef struct {
