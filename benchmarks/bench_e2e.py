@@ -14,6 +14,8 @@ same model, GPU and prompt, in one run:
   torch                          transformers' temperature, top-k and top-p warpers, softmax, multinomial
   flashinfer                     FlashInfer's top_k_top_p_sampling_from_logits (the faster filter order at each B)
   tokensampler_inprocess_logits  LocalSampler.sample of the model's logits
+  tokensampler_graph_logits      LocalSampler.prepare's call on the logits, captured in a CUDA graph (the position
+                                 read from the decoder's device tensor inside it): no host work, no synchronisation
   tokensampler_inprocess_hidden  LocalSampler.sample_hidden of the final hidden states, lm_head.weight in place
   tokensampler_remote_logits     a server (a subprocess on a Unix socket) sampling the logits in a region
   tokensampler_remote_hidden     the same from the hidden states in a region, lm_head.weight registered in place
@@ -78,8 +80,8 @@ WEIGHT_STD = 0.02
 LOGIT_STD = 2.0
 """The LM head is N(0, (LOGIT_STD / sqrt(D))^2): the final norm's output has unit RMS, so the logits have a std of
 about LOGIT_STD, which leaves tens of tokens after top-k and top-p (meta's step0_distribution measures it)."""
-METHODS = ("torch", "flashinfer", "tokensampler_inprocess_logits", "tokensampler_inprocess_hidden",
-           "tokensampler_remote_logits", "tokensampler_remote_hidden")
+METHODS = ("torch", "flashinfer", "tokensampler_inprocess_logits", "tokensampler_graph_logits",
+           "tokensampler_inprocess_hidden", "tokensampler_remote_logits", "tokensampler_remote_hidden")
 REMOTE_OF_INPROCESS = {"tokensampler_remote_logits": "tokensampler_inprocess_logits",
                        "tokensampler_remote_hidden": "tokensampler_inprocess_hidden"}
 _REGION_NUMBERS = itertools.count()
@@ -306,6 +308,42 @@ class InProcessSampling(Sampling):
         return self._call(seed=self._seeds, position=position, **PARAMS).tokens
 
 
+class GraphSampling(Sampling):
+    """tokensampler in process as a prepared call (LocalSampler.prepare) captured in a CUDA graph of its own: the
+    step's position copied into the call's counters from the decoder's device tensor inside the graph, so a step's
+    sampling is one replay, with no host work around the kernels and no synchronisation (eager on the CPU)."""
+
+    def __init__(self, sampler: LocalSampler, decoder: Decoder, seeds: list[int]) -> None:
+        super().__init__()
+        rows, vocab = decoder.logits.shape
+        self._decoder = decoder
+        self._prepared = sampler.prepare(rows, vocab, seed=seeds, **PARAMS)
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._tokens = torch.empty(0)
+        if decoder.logits.is_cuda:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # the warm-up torch.cuda.graph asks for
+                self._replayed()
+            torch.cuda.current_stream().wait_stream(side)
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                self._tokens = self._replayed()
+        self.extra = {"sampling": "cuda_graph" if self._graph is not None else "eager"}
+
+    def _replayed(self) -> torch.Tensor:
+        """What the graph holds: the position from the device, then the prepared call."""
+        self._prepared.position.copy_(self._decoder.position.expand_as(self._prepared.position))
+        return self._prepared(self._decoder.logits).tokens
+
+    def sample(self, position: int) -> torch.Tensor:
+        if self._graph is None:
+            self._prepared.position.fill_(position)
+            return self._prepared(self._decoder.logits).tokens
+        self._graph.replay()
+        return self._tokens
+
+
 class SharedBuffer:
     """A decoder buffer that a server reads where it lies. On a GPU a CUDA IPC region with a ready event: `publish`
     records the event after the step's writes, and the server's work waits for it on the GPU, the host does not. On
@@ -518,6 +556,10 @@ def compare(rows: dict[str, dict[str, Any]], tokens: dict[str, torch.Tensor]) ->
         if remote in rows and local in rows:
             rows[remote]["remote_overhead_us"] = round(rows[remote]["step_p50_us"] - rows[local]["step_p50_us"], 1)
             rows[remote]["tokens_identical_to_inprocess"] = torch.equal(tokens[remote], tokens[local])
+    graph, local = "tokensampler_graph_logits", "tokensampler_inprocess_logits"
+    if graph in rows and local in rows:
+        rows[graph]["saving_over_inprocess_us"] = round(rows[local]["step_p50_us"] - rows[graph]["step_p50_us"], 1)
+        rows[graph]["tokens_identical_to_inprocess"] = torch.equal(tokens[graph], tokens[local])
     kinds = {kind: next((name for name in (f"tokensampler_inprocess_{kind}", f"tokensampler_remote_{kind}")
                          if name in tokens), None) for kind in ("logits", "hidden")}
     if kinds["logits"] and kinds["hidden"]:
@@ -545,6 +587,8 @@ def make_sampling(name: str, decoder: Decoder, seeds: list[int], seed: int, *, s
     if name == "flashinfer":
         return FlashInferSampling(flashinfer, decoder, seed, probe_iters)
     kind = name.rsplit("_", 1)[1]
+    if name == "tokensampler_graph_logits":
+        return GraphSampling(sampler, decoder, seeds)
     if name.startswith("tokensampler_inprocess_"):
         return InProcessSampling(sampler, decoder, kind, seeds)
     return RemoteSampling(client, decoder, kind, seeds, remote_form, probe_iters)
@@ -691,7 +735,8 @@ def main(argv: Sequence[str] | None = None) -> Path:
     flashinfer = import_flashinfer(meta, device) if "flashinfer" in methods else None
     if flashinfer is None and "flashinfer" in methods:
         methods.remove("flashinfer")
-    sampler = LocalSampler(device.type) if any(m.startswith("tokensampler_inprocess_") for m in methods) else None
+    in_process = ("tokensampler_inprocess_", "tokensampler_graph_")
+    sampler = LocalSampler(device.type) if any(m.startswith(in_process) for m in methods) else None
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="tokensampler-e2e-") as tmp:
         server = client = None

@@ -88,8 +88,10 @@ void register_routes(pybind11::module_& m) {
       })
       .def_property_readonly("exact", [group](const TsPlan& p) { return group(p.exact); })
       .def_property_readonly("need_raw", [group](const TsPlan& p) { return group(p.need_raw); })
+      .def_property_readonly("settle", [group](const TsPlan& p) { return group(p.settle); })
       .def_readonly("exact_route", &TsPlan::exact_route)
       .def_readonly("filter_splits", &TsPlan::filter_splits)
+      .def_readonly("settle_splits", &TsPlan::settle_splits)
       .def_readonly("lists_used", &TsPlan::lists_used)
       .def("workspace", [](const TsPlan& p) {
         const TsWorkspaceBytes w = ts_plan_workspace(&p);
@@ -101,6 +103,9 @@ void register_routes(pybind11::module_& m) {
   m.attr("EXACT_FILTER") = static_cast<int>(TS_EXACT_FILTER);
   m.attr("EXACT_MIN_P") = static_cast<int>(TS_EXACT_MIN_P);
   m.attr("EXACT_FRONTIER") = static_cast<int>(TS_EXACT_FRONTIER);
+  m.attr("ROUTES_EXACT") = static_cast<int>(TS_ROUTES_EXACT);
+  m.attr("ROUTES_FAST") = static_cast<int>(TS_ROUTES_FAST);
+  m.attr("ROUTES_SETTLED") = static_cast<int>(TS_ROUTES_SETTLED);
   m.attr("FRONTIER_MIN_ROWS") = TS_FRONTIER_MIN_ROWS;
   m.def("filter_splits", &ts_filter_splits);
   m.def("stage_layout", [](int64_t num_rows) {
@@ -112,9 +117,10 @@ void register_routes(pybind11::module_& m) {
     return d;
   });
   m.def("plan", [](int64_t host_stage, int64_t num_rows, int64_t vocab, int64_t kind, bool processing,
-                   bool use_buckets) {
+                   int64_t routing) {
     TsPlan plan;
-    if (ts_plan(ptr<void>(host_stage), num_rows, vocab, static_cast<int32_t>(kind), processing, use_buckets, &plan))
+    if (ts_plan(ptr<void>(host_stage), num_rows, vocab, static_cast<int32_t>(kind), processing,
+                static_cast<int32_t>(routing), &plan))
       throw std::invalid_argument("tokensampler: a call the routes cannot plan");
     return plan;
   });

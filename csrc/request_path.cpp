@@ -513,7 +513,7 @@ void RequestPath::launch_rows(const std::vector<const PreparedRequest*>& request
 
   // ---- the routes (routes.h): the rows grouped, the stage up in one copy
   TsPlan plan;
-  check_launch(ts_plan(host, num_rows, vocab, TS_TOKENS, 0, 1, &plan), "plan");
+  check_launch(ts_plan(host, num_rows, vocab, TS_TOKENS, 0, TS_ROUTES_FAST, &plan), "plan");
   const size_t upload = per_row_start ? layout.bitmask_row : layout.lists + 4 * static_cast<size_t>(plan.lists_used);
   char* dev = static_cast<char*>(dev_stage_.ptr);
   check(cudaMemcpyAsync(dev, host, upload, cudaMemcpyHostToDevice, stream_), "upload");

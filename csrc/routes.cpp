@@ -63,9 +63,12 @@ TsStageLayout ts_stage_layout(int64_t num_rows) {
   return s;
 }
 
-int ts_plan(void* host_stage, int64_t num_rows, int64_t vocab, int32_t kind, int32_t processing, int32_t use_buckets,
+int ts_plan(void* host_stage, int64_t num_rows, int64_t vocab, int32_t kind, int32_t processing, int32_t routing,
             TsPlan* plan) {
   if (num_rows < 0 || vocab < 1 || kind < TS_TOKENS || kind > TS_LOGPROBS_PROCESSED) return cudaErrorInvalidValue;
+  if (routing < TS_ROUTES_EXACT || routing > TS_ROUTES_SETTLED || (routing == TS_ROUTES_SETTLED && kind != TS_TOKENS))
+    return cudaErrorInvalidValue;
+  const bool use_buckets = routing != TS_ROUTES_EXACT;
   const TsStageLayout layout = ts_stage_layout(num_rows);
   char* stage = static_cast<char*>(host_stage);
   auto* t_eff = reinterpret_cast<float*>(stage + layout.temperature);
@@ -77,15 +80,16 @@ int ts_plan(void* host_stage, int64_t num_rows, int64_t vocab, int32_t kind, int
   bool* through_mask = use_filt ? use_filt + num_rows : nullptr;
   bool* need_raw_mask = use_filt ? use_filt + 2 * num_rows : nullptr;
 
-  // Each group's ids in its own scratch list (three lists of B, then the buckets' and need_raw's), placed at the end
-  // in the plan's launch order so that a group of every row needs no list at all.
-  std::vector<int32_t> ids(static_cast<size_t>(5 + TS_NUM_BUCKETS) * static_cast<size_t>(num_rows));
+  // Each group's ids in its own scratch list (four lists of B, then the buckets'), placed at the end in the plan's
+  // launch order so that a group of every row needs no list at all.
+  std::vector<int32_t> ids(static_cast<size_t>(4 + TS_NUM_BUCKETS) * static_cast<size_t>(num_rows));
   int32_t* greedy = ids.data();
   int32_t* unfiltered = greedy + num_rows;
   int32_t* exact = unfiltered + num_rows;
   int32_t* need_raw = exact + num_rows;
   int32_t* bucket_ids[TS_NUM_BUCKETS];
   for (int i = 0; i < TS_NUM_BUCKETS; ++i) bucket_ids[i] = need_raw + (i + 1) * num_rows;
+  std::vector<int32_t> settle;  // the bucket rows, in row order (TS_ROUTES_SETTLED)
   int32_t n_greedy = 0, n_unfiltered = 0, n_exact = 0, n_raw = 0, n_bucket[TS_NUM_BUCKETS] = {};
   bool exact_has_k = false, exact_has_top_p = false;
   for (int64_t r = 0; r < num_rows; ++r) {
@@ -105,6 +109,7 @@ int ts_plan(void* host_stage, int64_t num_rows, int64_t vocab, int32_t kind, int
       const int bucket = use_buckets ? bucket_index(k, vocab) : -1;
       if (bucket >= 0) {
         bucket_ids[bucket][n_bucket[bucket]++] = id;
+        if (routing == TS_ROUTES_SETTLED) settle.push_back(id);
       } else {
         exact[n_exact++] = id;
         exact_has_k |= k > 0;
@@ -125,9 +130,12 @@ int ts_plan(void* host_stage, int64_t num_rows, int64_t vocab, int32_t kind, int
   p.greedy = lists.place(greedy, n_greedy, num_rows);
   p.unfiltered = lists.place(unfiltered, n_unfiltered, num_rows);
   for (int i = 0; i < TS_NUM_BUCKETS; ++i) p.buckets[i] = lists.place(bucket_ids[i], n_bucket[i], num_rows);
+  p.settle = lists.place(settle.data(), static_cast<int32_t>(settle.size()), num_rows);
   p.exact = lists.place(exact, n_exact, num_rows);
   p.need_raw = lists.place(need_raw, n_raw, num_rows);
   p.lists_used = lists.used;
+  // Most settle rows are decided (flags are rare): their filter blocks leave at once, as after the frontier.
+  p.settle_splits = ts_filter_splits(p.settle.n, 1);
   // Without k and without the kept mass itself (processed log-probs), min-p alone is a mask on Gumbel-max once the
   // row max is known, and top-p goes to the frontier from TS_FRONTIER_MIN_ROWS rows.
   const bool bounded = !processed && !exact_has_k;
@@ -169,6 +177,8 @@ TsWorkspaceBytes ts_plan_workspace(const TsPlan* plan) {
     if (plan->exact_route != TS_EXACT_MIN_P && plan->filter_splits > 1) w.hist = ts_hist_bytes(exact.n);
   }
   need(plan->need_raw, ts_stats_scratch_bytes(plan->need_raw.n, vocab));
+  need(plan->settle, ts_stats_scratch_bytes(plan->settle.n, vocab));
+  if (plan->settle.n && plan->settle_splits > 1) w.hist = std::max(w.hist, ts_hist_bytes(plan->settle.n));
   return w;
 }
 
@@ -212,6 +222,16 @@ int ts_launch_plan(const TsPlan* plan, const TsCallInputs* in, const void* dev_s
     const TsRows r = rows_of(plan->buckets[i], in->bitmask);
     const TsOutputs o = with_sample(out->filt, num_samples, 0);
     if ((err = ts_topk(x, &r, kBuckets[i], &o, ws, s))) return err;
+  }
+  if (plan->settle.n) {  // the rows the buckets flagged, sampled again exact; the others leave both kernels at once
+    const TsRows r = rows_of(plan->settle, in->bitmask);
+    const TsOutputs pre = with_sample(out->pre, 1, 0);
+    if ((err = ts_stats_flagged(x, &r, out->filt.flags, &pre, ws, s))) return err;
+    for (int32_t sample = 0; sample < num_samples; ++sample) {
+      const TsOutputs o = with_sample(out->filt, num_samples, sample);
+      if ((err = ts_filter(x, &r, pre.row_max, pre.row_min, pre.tokens, pre.flags, 0, plan->settle_splits, &o, ws, s)))
+        return err;
+    }
   }
   if (plan->exact.n) {
     const TsRows r = rows_of(plan->exact, in->bitmask);

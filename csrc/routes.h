@@ -46,6 +46,14 @@ typedef enum {
   TS_LOGPROBS_PROCESSED = 2 /* log-probs of the processed distribution: exact kept mass, greedy rows filtered too */
 } TsCallKind;
 
+/* How ts_plan routes the filtered rows. */
+typedef enum {
+  TS_ROUTES_EXACT = 0,   /* every filtered row to the exact group: the second pass over rows a fast kernel flagged */
+  TS_ROUTES_FAST = 1,    /* the top-k buckets where they apply; the rows they flag (flag 4) go back to the caller */
+  TS_ROUTES_SETTLED = 2  /* the top-k buckets, then stats + filter on the device for just the rows they flagged:
+                            nothing is left for the host to decide (TS_TOKENS calls only) */
+} TsRouting;
+
 /* Rows ids lists[first .. first + n) of the stage; first -1: every row (no list); n 0: no row. */
 typedef struct {
   int32_t first;
@@ -68,15 +76,17 @@ typedef struct {
   TsGroup buckets[TS_NUM_BUCKETS]; /* 0 < k, k + 1 <= bucket: ts_topk, with top-p / min-p on its candidates */
   TsGroup exact;       /* every other filtered row: TsExactRoute */
   TsGroup need_raw;    /* RAW log-prob rows whose input log-sum-exp needs its own ts_stats pass */
+  TsGroup settle;      /* TS_ROUTES_SETTLED: every bucket row; ts_stats_flagged and ts_filter redo the flagged ones */
   int32_t exact_route; /* TsExactRoute */
   int32_t filter_splits; /* ts_filter's blocks a row */
+  int32_t settle_splits; /* the same for the settle group */
   int32_t lists_used;  /* row ids written at the stage's lists */
 } TsPlan;
 
-/* Groups the rows of the host stage (its parameter arrays filled) for a call of `kind`; use_buckets 0 sends every
- * filtered row to the exact filter (the re-evaluation of rows a fast kernel flagged). Writes the row lists, T_eff and,
- * for log-prob calls, the masks into the stage. Returns 0, or cudaErrorInvalidValue for a call it cannot plan. */
-int ts_plan(void* host_stage, int64_t num_rows, int64_t vocab, int32_t kind, int32_t processing, int32_t use_buckets,
+/* Groups the rows of the host stage (its parameter arrays filled) for a call of `kind`, the filtered rows as
+ * `routing` (TsRouting) says. Writes the row lists, T_eff and, for log-prob calls, the masks into the stage. Returns
+ * 0, or cudaErrorInvalidValue for a call it cannot plan. */
+int ts_plan(void* host_stage, int64_t num_rows, int64_t vocab, int32_t kind, int32_t processing, int32_t routing,
             TsPlan* plan);
 
 /* ts_filter's blocks a row for a launch over num_work_rows rows, after the frontier (1) or after ts_stats (0). */
@@ -108,7 +118,8 @@ typedef struct {
   const float* raw_lse_scale;
 } TsCallInputs;
 
-/* Every launch of the plan, in order: greedy, unfiltered, the top-k buckets, the exact group, the need_raw pass.
+/* Every launch of the plan, in order: greedy, unfiltered, the top-k buckets, the settle group, the exact group, the
+ * need_raw pass.
  * dev_stage: the device copy of the planned stage. */
 int ts_launch_plan(const TsPlan* plan, const TsCallInputs* in, const void* dev_stage, int32_t num_samples,
                    const TsCallOutputs* out, const TsWorkspace* ws, void* stream);

@@ -81,6 +81,19 @@ __global__ void noise_kernel(Noise noise, int64_t vocab, uint32_t* words, float*
   if (out) out[i] = gumbel_exact(word);
 }
 
+cudaError_t launch_stats(const TsLogits* logits, const TsRows* rows, const float* lse_scale, const uint8_t* only_flagged,
+                         const TsOutputs* out, const TsWorkspace* ws, void* stream) {
+  if (bad_args(logits, rows)) return cudaErrorInvalidValue;
+  if (rows->num_work_rows == 0) return cudaSuccess;
+  const dim3 grid(num_splits(logits->vocab), rows->num_work_rows);
+  return dispatch(logits->dtype, rows, [&](auto t, auto mask) {
+    using T = decltype(t);
+    stats_kernel<T, decltype(mask)::value><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        *logits, *rows, lse_scale, only_flagged, *out, *ws);
+    return cudaGetLastError();
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -116,15 +129,13 @@ int ts_or_flags(uint8_t* dst, const uint8_t* src, int64_t n, uint8_t bits, void*
 
 int ts_stats(const TsLogits* logits, const TsRows* rows, const float* lse_scale, const TsOutputs* out,
              const TsWorkspace* ws, void* stream) {
-  if (bad_args(logits, rows)) return cudaErrorInvalidValue;
-  if (rows->num_work_rows == 0) return cudaSuccess;
-  const dim3 grid(num_splits(logits->vocab), rows->num_work_rows);
-  return dispatch(logits->dtype, rows, [&](auto t, auto mask) {
-    using T = decltype(t);
-    stats_kernel<T, decltype(mask)::value>
-        <<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(*logits, *rows, lse_scale, *out, *ws);
-    return cudaGetLastError();
-  });
+  return launch_stats(logits, rows, lse_scale, nullptr, out, ws, stream);
+}
+
+int ts_stats_flagged(const TsLogits* logits, const TsRows* rows, const uint8_t* flagged, const TsOutputs* out,
+                     const TsWorkspace* ws, void* stream) {
+  if (!flagged || !out->flags) return cudaErrorInvalidValue;
+  return launch_stats(logits, rows, nullptr, flagged, out, ws, stream);
 }
 
 int ts_gumbel(const TsLogits* logits, const TsRows* rows, const float* lse_scale, const TsOutputs* out,

@@ -224,12 +224,27 @@ __device__ __forceinline__ Stats block_stats(Stats s, float c, bool lse) {
   return s;
 }
 
+// Bits of the stats flags beyond stats_kernel's 1 (nan) and 2 (not valid), set by the kernels that run before the
+// filter on its rows: stats_kernel for rows no fast kernel flagged (ts_stats_flagged), the frontier kernels
+// (nucleus.cuh).
+constexpr uint8_t kRowDecided = 8;     // the token is written: filter_kernel skips the row
+constexpr uint8_t kRowNeedsMass = 16;  // top-p: nucleus_mass_kernel decides the row
+constexpr uint8_t kRowNeedsExact = 32;  // top-p: nucleus_exact_mass_kernel decides the row
+constexpr uint8_t kRowFlaggedExact = 4;  // a fast kernel's flag: the row needs the exact filter
+
+// only_flagged (NULL: every row): the rows whose flag there lacks kRowFlaggedExact are decided already; all of a
+// row's blocks leave at once (its counter untouched) and the first marks it kRowDecided for the filter after.
 template <typename T, bool kMask>
 __global__ void __launch_bounds__(kThreads)
-    stats_kernel(TsLogits logits, TsRows rows, const float* lse_scale, TsOutputs out, TsWorkspace ws) {
+    stats_kernel(TsLogits logits, TsRows rows, const float* lse_scale, const uint8_t* only_flagged, TsOutputs out,
+                 TsWorkspace ws) {
   const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
   let_next_grid_launch();  // the exact filter after it may take the SMs this grid's last wave leaves idle
   const RowView<T> rv = row_view<T, kMask>(logits, rows, w);
+  if (only_flagged && !(only_flagged[rv.r] & kRowFlaggedExact)) {
+    if (split == 0 && threadIdx.x == 0) out.flags[rv.r] = kRowDecided;
+    return;
+  }
   const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
   const bool lse = lse_scale != nullptr;
   const float c = lse ? lse_scale[rv.r] : 0.f;
@@ -1112,12 +1127,6 @@ __global__ void __launch_bounds__(kThreads, 5)
 // cut bin matters only if its winner beats theirs or the exact kept mass is needed; then, unless the
 // bin holds one token (kept by top-p), that block re-reads the row, collects the cut range's tokens,
 // sorts them and resolves the cut exactly.
-
-// Bits of the stats flags beyond stats_kernel's 1 (nan) and 2 (not valid), set by the frontier
-// kernels (nucleus.cuh) that run before the filter on its rows.
-constexpr uint8_t kRowDecided = 8;     // the token is written: filter_kernel skips the row
-constexpr uint8_t kRowNeedsMass = 16;  // top-p: nucleus_mass_kernel decides the row
-constexpr uint8_t kRowNeedsExact = 32;  // top-p: nucleus_exact_mass_kernel decides the row
 
 constexpr int kFilterThreads = 512;
 constexpr int kBins = 2048;

@@ -78,6 +78,12 @@ int ts_topk_bucket(int32_t k); /* smallest bucket holding k + 1 candidates, 0 if
 int ts_stats(const TsLogits* logits, const TsRows* rows, const float* lse_scale,
              const TsOutputs* out, const TsWorkspace* ws, void* stream);
 
+/* ts_stats of the rows whose flag in `flagged` (a fast kernel's flags) has bit 2 set; every other row of the launch
+ * gets flag 8 in out->flags, which ts_filter on the same rows afterwards skips: the exact filter for just the rows
+ * the top-k kernel left, decided on the device. */
+int ts_stats_flagged(const TsLogits* logits, const TsRows* rows, const uint8_t* flagged, const TsOutputs* out,
+                     const TsWorkspace* ws, void* stream);
+
 /* Gumbel-max over the whole vocabulary (no filter), sample out->sample; optional lse as ts_stats. */
 int ts_gumbel(const TsLogits* logits, const TsRows* rows, const float* lse_scale,
               const TsOutputs* out, const TsWorkspace* ws, void* stream);

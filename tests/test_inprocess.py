@@ -156,3 +156,47 @@ def test_top_k_probabilities_refusals_name_the_field(sampler: LocalSampler) -> N
         sampler.topk_probs(torch.randn(2, 10), 11)
     with pytest.raises(ValueError, match=r"^temperature\b"):
         sampler.topk_probs(torch.randn(2, 10), 3, temperature=0.0)
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "num_samples": 2},
+    {"temperature": [0.0, 0.5, 1.0, 1.5, 0.7, 2.0], "top_k": [0, 1, 7, 300, 499, 500], "min_p": 0.05},
+])
+def test_a_prepared_call_gives_sample_s_tokens_at_the_counters_written_in_place(sampler: LocalSampler,
+                                                                                  params: dict) -> None:
+    logits = _logits(5)
+    seeds = list(range(300, 300 + ROWS))
+    prepared = sampler.prepare(ROWS, VOCAB, seed=seeds, position=0, **params)
+    assert prepared.seeds == seeds
+    for step in range(3):
+        prepared.position.fill_(step)
+        prepared.iteration.fill_(step % 2)
+        want = sampler.sample(logits, seed=seeds, position=step, iteration=step % 2, **params)
+        got = prepared(logits)
+        assert torch.equal(got.tokens, want.tokens), step
+        assert torch.equal(got.valid, want.valid) and torch.equal(got.nan_detected, want.nan_detected)
+    prepared.seed.copy_(torch.tensor(seeds[::-1], dtype=torch.int64))
+    assert torch.equal(prepared(logits).tokens, sampler.sample(logits, seed=seeds[::-1], position=2, iteration=0,
+                                                               **params).tokens)
+
+
+def test_a_prepared_call_from_hidden_states_is_that_of_their_logits(sampler: LocalSampler) -> None:
+    g = torch.Generator().manual_seed(6)
+    weight, hidden = torch.randn(VOCAB, DIM, generator=g), torch.randn(ROWS, DIM, generator=g)
+    head = sampler.register_head(weight)
+    prepared = sampler.prepare(ROWS, head=head, top_k=20, seed=7, position=4)
+    assert torch.equal(prepared(hidden).tokens, sampler.sample_hidden(hidden, head, top_k=20, seed=7,
+                                                                      position=4).tokens)
+
+
+@pytest.mark.parametrize("call,field", [
+    (lambda s: s.prepare(ROWS, VOCAB, logit_bias={1: 2.0}), "logit_bias"),
+    (lambda s: s.prepare(ROWS, VOCAB, typical_p=0.5), "typical_p"),
+    (lambda s: s.prepare(ROWS, VOCAB, top_p=1.5), "top_p"),
+    (lambda s: s.prepare(ROWS, VOCAB, num_samples=0), "num_samples"),
+    (lambda s: s.prepare(ROWS), "vocab_size"),
+    (lambda s: s.prepare(ROWS, VOCAB)(torch.zeros(ROWS + 1, VOCAB)), "input"),
+])
+def test_prepared_call_refusals_name_the_field(sampler: LocalSampler, call, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        call(sampler)

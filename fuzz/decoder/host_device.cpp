@@ -181,6 +181,13 @@ int ts_stats(const TsLogits* l, const TsRows* r, const float*, const TsOutputs* 
   fuzz::run(l, r, out, ws, ts_stats_scratch_bytes(r->num_work_rows, l->vocab));
   return 0;
 }
+int ts_stats_flagged(const TsLogits* l, const TsRows* r, const uint8_t* flagged, const TsOutputs* out,
+                     const TsWorkspace* ws, void*) {
+  fuzz::need(flagged, static_cast<uint64_t>(l->num_rows), 1, "ts_stats_flagged flagged");
+  fuzz::run(l, r, out, ws, ts_stats_scratch_bytes(r->num_work_rows, l->vocab));
+  return 0;
+}
+
 int ts_gumbel(const TsLogits* l, const TsRows* r, const float*, const TsOutputs* out, const TsWorkspace* ws, void*) {
   fuzz::run(l, r, out, ws, ts_gumbel_scratch_bytes(r->num_work_rows, l->vocab));
   return 0;

@@ -14,6 +14,10 @@ what the service refuses, with the same field-named message (as ValueError).
 
     scores = sampler.score(logits, token_ids, mode="processed", temperature=0.8)  # ScoreTokens in process
     best = sampler.topk_probs(logits, 20)                                         # TopKProbs in process
+
+    step = sampler.prepare(batch_size, vocab_size, top_k=50, top_p=0.9, seed=seeds)  # planned once
+    step.position.fill_(n)          # the counters are device tensors, written in place (or inside a graph)
+    tokens = step(logits).tokens    # on the caller's stream, no synchronisation: capturable in a CUDA graph
 """
 
 from __future__ import annotations
@@ -31,17 +35,20 @@ from tokensampler_client.result import SampleResult, Timings
 from tokensampler_client.workloads import ScoreTokensResult, TopKProbsResult, fill_score_options, fill_topk_options
 
 from tokensampler_server.backends import create_backend
-from tokensampler_server.backends.base import Backend
+from tokensampler_server.backends.base import Backend, PreparedSampling
 from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument
+from tokensampler_server.model.sampling import SamplingResult
 from tokensampler_server.validation.sample import validate_sample_request
 from tokensampler_server.validation.workloads import validate_score_request, validate_topk_request
 from tokensampler_server.workloads.cuda import workloads_of
 from tokensampler_server.resources.weights import RegisteredWeight, check_finish, check_weight_shape
 
-__all__ = ["LocalSampler"]
+__all__ = ["LocalSampler", "PreparedSampler"]
 
 _MODES = {"raw": pb.LOGPROBS_MODE_RAW, "processed": pb.LOGPROBS_MODE_PROCESSED}
+# What a prepared call takes: the parameters the kernels read per row (docs/inprocess.md, "Prepared calls").
+_PREPARED_KEYWORDS = ("temperature", "top_k", "top_p", "min_p", "seed", "position", "iteration")
 T = TypeVar("T")
 
 
@@ -159,6 +166,34 @@ class LocalSampler:
         request.hidden.weights = head.name
         return self._topk(request, hidden, head)
 
+    def prepare(self, batch_size: int, vocab_size: int | None = None, *, head: RegisteredWeight | None = None,
+                num_samples: int = 1, **params: Any) -> PreparedSampler:
+        """A call planned once for batch_size rows of vocab_size logits (or of hidden states through `head`) and
+        run many times: the rows' temperature, top_k, top_p and min_p are fixed here, their seed, position and
+        iteration are device tensors of the result, written in place between calls. Raises ValueError naming the
+        field of an invalid value, or a keyword a prepared call does not take."""
+        for name in params:
+            if name not in _PREPARED_KEYWORDS:
+                raise ValueError(f"{name}: not taken by a prepared call; expected only {', '.join(_PREPARED_KEYWORDS)}"
+                                 " (sample() takes every parameter)")
+        if head is not None:
+            vocab_size = head.finish.vocab_size
+        if vocab_size is None:
+            raise ValueError("vocab_size: expected the logits' V (or a head)")
+        shape = (batch_size, head.weight.shape[1] if head is not None else vocab_size)
+        placeholder = torch.empty(shape, device="meta")  # the input's shape, no memory
+        request = self._request(placeholder, num_samples, False, "raw", 0, params)
+        if head is not None:
+            request.hidden.states_ref.SetInParent()
+        else:
+            request.logits_ref.SetInParent()
+        template, seeds = _validated(validate_sample_request, request, self._limits, lm_head=head,
+                                     referenced=placeholder)
+        if template.hidden is not None:
+            template = replace(template, hidden=None, logits=torch.empty((batch_size, vocab_size), device="meta"))
+        return PreparedSampler(self._backend.prepare(template), head, shape,
+                               [int(s) for s in np.asarray(seeds, dtype=np.uint64)])
+
     # -----------------------------------------------------------------------------------------------
     @staticmethod
     def _topk_request(x: torch.Tensor, k: int, temperature: Any) -> pb.TopKProbsRequest:
@@ -222,3 +257,38 @@ class LocalSampler:
                             logprobs=result.logprobs, top_logprob_ids=result.top_logprob_ids,
                             top_logprobs=result.top_logprobs, valid=result.valid, nan_detected=result.nan_detected,
                             timings=_timings(started, computing), request_id="")
+
+
+class PreparedSampler:
+    """A call of LocalSampler.prepare: `sampler(x)` samples logits [B, V] (or hidden states [B, D] through the
+    head) on the sampler's device and returns the backend's SamplingResult there: tokens int64 [B, num_samples]
+    (-1 in rows that are not valid), valid and nan_detected bool [B]. On the CUDA backend the call launches on the
+    current stream and never synchronises, so it can be captured in a CUDA graph; its result tensors are new each
+    call (inside a graph: the graph's own). `seed`, `position` and `iteration` are the rows' int64 [B] Philox
+    counters on the device, read at each call: write them in place (copy_, fill_, add_), never rebind them."""
+
+    def __init__(self, prepared: PreparedSampling, head: RegisteredWeight | None, shape: tuple[int, int],
+                 seeds: list[int]) -> None:
+        self._prepared = prepared
+        self._head = head
+        self._shape = shape
+        self.seeds = seeds
+        """The uint64 seed of each row as prepared (drawn where none was given)."""
+
+    @property
+    def seed(self) -> torch.Tensor:
+        return self._prepared.seed
+
+    @property
+    def position(self) -> torch.Tensor:
+        return self._prepared.position
+
+    @property
+    def iteration(self) -> torch.Tensor:
+        return self._prepared.iteration
+
+    def __call__(self, x: torch.Tensor) -> SamplingResult:
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != self._shape:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"input: got {got}, expected a tensor of shape {list(self._shape)} as prepared")
+        return self._prepared.sample(self._head.logits(x) if self._head is not None else x)

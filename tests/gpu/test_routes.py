@@ -12,11 +12,13 @@ BUCKETS = (16, 32, 64, 128, 256)
 
 
 def expected_routes(t: list[float], k: list[int], p: list[float], m: list[float], vocab: int, kind: int,
-                    processing: bool, use_buckets: bool, module) -> dict:
+                    processing: bool, routing: int, module) -> dict:
     """The routing table of docs/design/kernel-routing.md, stated row by row."""
     chunks = -(-vocab // 8192)
     processed = kind == module.LOGPROBS_PROCESSED
-    groups: dict = {"greedy": [], "unfiltered": [], "exact": [], "need_raw": [], **{b: [] for b in BUCKETS}}
+    use_buckets = routing != module.ROUTES_EXACT
+    groups: dict = {"greedy": [], "unfiltered": [], "exact": [], "need_raw": [], "settle": [],
+                    **{b: [] for b in BUCKETS}}
     masks = []
     exact_k = exact_p = False
     for r, (tr, kr, pr, mr) in enumerate(zip(t, k, p, m)):
@@ -30,6 +32,8 @@ def expected_routes(t: list[float], k: list[int], p: list[float], m: list[float]
             bucket = next((b for b in BUCKETS if kr + 1 <= b), 0) if kr > 0 and use_buckets else 0
             if bucket and chunks * bucket <= 16384:
                 groups[bucket].append(r)
+                if routing == module.ROUTES_SETTLED:
+                    groups["settle"].append(r)
             else:
                 groups["exact"].append(r)
                 exact_k |= kr > 0
@@ -48,7 +52,7 @@ def expected_routes(t: list[float], k: list[int], p: list[float], m: list[float]
     return {"groups": groups, "masks": masks, "route": route}
 
 
-def plan_rows(kernels, t, k, p, m, vocab, kind, processing=False, use_buckets=True):
+def plan_rows(kernels, t, k, p, m, vocab, kind, processing=False, routing=None):
     """Plans the rows in a stage of their own; returns the plan, the row ids of each group and the stage's T_eff and
     masks."""
     b = len(t)
@@ -58,7 +62,8 @@ def plan_rows(kernels, t, k, p, m, vocab, kind, processing=False, use_buckets=Tr
     stage[layout["top_p"]: layout["top_p"] + 4 * b].view(torch.float32).copy_(torch.tensor(p))
     stage[layout["min_p"]: layout["min_p"] + 4 * b].view(torch.float32).copy_(torch.tensor(m))
     stage[layout["top_k"]: layout["top_k"] + 4 * b].view(torch.int32).copy_(torch.tensor(k, dtype=torch.int32))
-    plan = kernels.plan(stage.data_ptr(), b, vocab, kind, processing, use_buckets)
+    routing = kernels.module.ROUTES_FAST if routing is None else routing
+    plan = kernels.plan(stage.data_ptr(), b, vocab, kind, processing, routing)
     lists = stage[layout["lists"]: layout["lists"] + 12 * b].view(torch.int32).tolist()
 
     def rows(group):
@@ -66,7 +71,7 @@ def plan_rows(kernels, t, k, p, m, vocab, kind, processing=False, use_buckets=Tr
         return list(range(b)) if first == -1 else lists[first: first + n]
 
     got = {"greedy": rows(plan.greedy), "unfiltered": rows(plan.unfiltered), "exact": rows(plan.exact),
-           "need_raw": rows(plan.need_raw), **{bucket: rows(g) for bucket, g in zip(BUCKETS, plan.buckets)}}
+           "need_raw": rows(plan.need_raw), "settle": rows(plan.settle), **{bucket: rows(g) for bucket, g in zip(BUCKETS, plan.buckets)}}
     t_eff = stage[layout["temperature"]: layout["temperature"] + 4 * b].view(torch.float32).tolist()
     masks = stage[layout["masks"]: layout["masks"] + 3 * b].view(torch.bool).view(3, b).t().tolist()
     return plan, got, t_eff, [tuple(row) for row in masks]
@@ -88,12 +93,14 @@ def test_plan_follows_the_routing_table(sampling_kernels, vocab, kind_name, proc
     kind = getattr(module, kind_name)
     rng = random.Random(vocab * 7 + kind)
     for b in (1, 2, 7, 31, 32, 33, 100, 300):
-        for use_buckets in (True, False):
+        routings = [module.ROUTES_FAST, module.ROUTES_EXACT] + [module.ROUTES_SETTLED] * (kind == module.TOKENS)
+        for routing in routings:
             t, k, p, m = random_rows(rng, b, vocab)
-            plan, got, t_eff, masks = plan_rows(sampling_kernels, t, k, p, m, vocab, kind, processing, use_buckets)
-            want = expected_routes(t, k, p, m, vocab, kind, processing, use_buckets, module)
-            assert got == want["groups"], (b, use_buckets)
-            assert plan.exact_route == want["route"] or not got["exact"], (b, use_buckets)
+            plan, got, t_eff, masks = plan_rows(sampling_kernels, t, k, p, m, vocab, kind, processing, routing)
+            want = expected_routes(t, k, p, m, vocab, kind, processing, routing, module)
+            assert got == want["groups"], (b, routing)
+            assert plan.exact_route == want["route"] or not got["exact"], (b, routing)
+            assert plan.settle_splits == module.filter_splits(len(got["settle"]), True)
             assert t_eff == [1.0 if x == 0 else x for x in torch.tensor(t).tolist()]  # float32 values
             if kind != module.TOKENS:
                 assert masks == want["masks"]
@@ -133,3 +140,23 @@ def test_workspace_covers_every_launch(sampling_kernels):
     assert scratch >= module.stats_scratch_bytes(b, vocab)
     plan, *_ = plan_rows(sampling_kernels, [1.0] * b, [50] * b, [1.0] * b, [0.0] * b, vocab, module.TOKENS)
     assert plan.workspace()[2] >= module.topk_scratch_bytes(b, vocab, 64)
+
+
+def test_settled_routes_are_for_token_calls(sampling_kernels):
+    """The settle group writes tokens and flags alone: a log-prob call cannot be planned with it."""
+    module = sampling_kernels.module
+    for kind in (module.LOGPROBS_RAW, module.LOGPROBS_PROCESSED):
+        with pytest.raises(ValueError):
+            plan_rows(sampling_kernels, [1.0] * 4, [50] * 4, [1.0] * 4, [0.0] * 4, 32000, kind,
+                      routing=module.ROUTES_SETTLED)
+
+
+def test_workspace_covers_the_settle_group(sampling_kernels):
+    """The settle group's stats and filter fit the plan's workspace (its histograms too when it splits rows)."""
+    module = sampling_kernels.module
+    b, vocab = 8, 151936
+    plan, got, *_ = plan_rows(sampling_kernels, [1.0] * b, [50] * b, [0.9] * b, [0.0] * b, vocab, module.TOKENS,
+                              routing=module.ROUTES_SETTLED)
+    assert got["settle"] == list(range(b)) and plan.settle_splits > 1
+    counters, hist, scratch = plan.workspace()
+    assert counters >= 4 * b and hist >= module.hist_bytes(b) and scratch >= module.stats_scratch_bytes(b, vocab)

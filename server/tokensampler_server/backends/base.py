@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -55,3 +55,39 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def sample(self, batch: SamplingBatch) -> SamplingResult:
         """Samples every row of `batch`; rows are independent of each other (batch invariance)."""
+
+    def prepare(self, template: SamplingBatch) -> PreparedSampling:
+        """A call whose rows' parameters are those of `template` (its logits unused), made once and then run on new
+        logits many times (docs/inprocess.md). This one samples through `sample`; a GPU backend runs it on the
+        caller's stream without a synchronisation."""
+        return EagerPreparedSampling(self, template)
+
+
+class PreparedSampling(abc.ABC):
+    """One call's rows made once: their temperature, filters and sample count fixed, their seed, position and
+    iteration kept in [B] int64 tensors on the backend's device that the caller writes in place between calls
+    (the Philox counters of docs/semantics.md, read at each call)."""
+
+    seed: torch.Tensor
+    position: torch.Tensor
+    iteration: torch.Tensor
+
+    @abc.abstractmethod
+    def sample(self, logits: torch.Tensor) -> SamplingResult:
+        """Samples logits [B, V] on the backend's device: tokens, valid and nan_detected, where the logits lie."""
+
+
+class EagerPreparedSampling(PreparedSampling):
+    """A prepared call that runs the backend's `sample` on the template with the counters as they are."""
+
+    def __init__(self, backend: Backend, template: SamplingBatch) -> None:
+        self._backend = backend
+        self._template = template
+        device = backend.device
+        self.seed, self.position, self.iteration = (t.to(device, copy=True) for t in (
+            template.seed, template.position, template.iteration))
+
+    def sample(self, logits: torch.Tensor) -> SamplingResult:
+        batch = replace(self._template, logits=logits, seed=self.seed.cpu(), position=self.position.cpu(),
+                        iteration=self.iteration.cpu())
+        return self._backend.sample(batch)

@@ -39,13 +39,13 @@ import torch
 from tokensampler_server.core.fallbacks import record_fallback
 from tokensampler_server.model.sampling import LogitProcessing, LogprobsMode, SamplingBatch, SamplingResult, select_rows
 from tokensampler_server.backends import cuda_fused
-from tokensampler_server.backends.base import Backend, BackendInfo, Route
+from tokensampler_server.backends.base import Backend, BackendInfo, PreparedSampling, Route
+from tokensampler_server.backends.cuda_buffers import FLAG_EXACT, FLAG_INVALID, FLAG_NAN, CallOutputs, Stage
 from tokensampler_server.backends.cuda_build import CudaBackendUnavailable
 from tokensampler_server.backends.cuda_kernels import NO_BITMASK, Kernels, Outputs, Plan
 from tokensampler_server.backends.cuda_local_samplers import LocalSamplerKernels
+from tokensampler_server.backends.cuda_prepared import CudaPreparedSampling
 from tokensampler_server.backends.processing import apply_processing
-
-_FLAG_NAN, _FLAG_INVALID, _FLAG_EXACT = 1, 2, 4  # 4: the row needs the exact filter
 
 __all__ = ["CudaBackend", "CudaBackendUnavailable"]
 
@@ -82,123 +82,12 @@ ROUTES = [
 ]
 
 
-_ALIGN = 16  # device-buffer offsets
-
-
 def _decode_key(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A rank key (int64 bits of (order_key(z) << 32) | ~id) back to (z, id)."""
     high = (key >> 32) & 0xFFFFFFFF
     bits = torch.where(high >= 0x80000000, high & 0x7FFFFFFF, (~high) & 0xFFFFFFFF)
     z = bits.to(torch.int32).view(torch.float32)
     return z, 0xFFFFFFFF - (key & 0xFFFFFFFF)
-
-
-def _align(offset: int, alignment: int = _ALIGN) -> int:
-    return (offset + alignment - 1) // alignment * alignment
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
-
-
-class _Stage:
-    """Typed views of the upload buffers (pinned host, device) of B rows, laid out as csrc/routes.h's
-    ts_stage_layout says: the parameters (int64 seed, position, iteration; float32 temperature, top_p, min_p;
-    int32 top_k), three bool row masks, the row lists of the plan, the rows' token-bitmask rows and the bitmask
-    words."""
-
-    def __init__(self, host: torch.Tensor, dev: torch.Tensor, num_rows: int, layout: dict[str, int]) -> None:
-        b = num_rows
-        self.num_rows = b
-        self.layout = layout
-        # The layout puts seed, position, iteration back to back, then temperature (T_eff once planned), top_p, min_p:
-        # each group fills with one copy.
-        self.h_i64 = host[layout["seed"]: layout["temperature"]].view(torch.int64)
-        self.h_f32 = host[layout["temperature"]: layout["top_k"]].view(torch.float32)
-        self.h_topk = host[layout["top_k"]: layout["top_k"] + 4 * b].view(torch.int32)
-        self.lists = layout["lists"]
-        self.bitmask_row, self.bitmask_words = layout["bitmask_row"], layout["bitmask_words"]
-        self.h_bitmask_row = host[self.bitmask_row: self.bitmask_row + 4 * b].view(torch.int32)
-        self.host, self.dev = host, dev
-        self.host_base, self.dev_base = host.data_ptr(), dev.data_ptr()
-        self._t_eff: torch.Tensor | None = None
-        self._masks: torch.Tensor | None = None
-
-    def dev_t_eff(self) -> torch.Tensor:
-        if self._t_eff is None:
-            at = self.layout["temperature"]
-            self._t_eff = self.dev[at: at + 4 * self.num_rows].view(torch.float32)
-        return self._t_eff
-
-    def dev_masks(self) -> torch.Tensor:
-        """use_filt, through, need_raw: bool [3, B] on the device (written by the plan of a log-prob call)."""
-        if self._masks is None:
-            at = self.layout["masks"]
-            self._masks = self.dev[at: at + 3 * self.num_rows].view(torch.bool).view(3, self.num_rows)
-        return self._masks
-
-
-class _Out:
-    """Kernel outputs of B rows and S samples in one device buffer. The main tokens [B, S] (int64) and
-    flags [B] come first and back-to-back: they are what returns to the host, in one copy."""
-
-    _FIELDS = (  # name, element size, dtype, per-row elements (0: S)
-        ("filt_tokens", 8, torch.int64, 0), ("pre_tokens", 8, torch.int64, 1), ("kept_min_key", 8, torch.int64, 1),
-        ("main_row_max", 4, torch.float32, 1), ("main_row_min", 4, torch.float32, 1),
-        ("main_row_logz", 4, torch.float32, 1), ("filt_row_max", 4, torch.float32, 1),
-        ("kept_mass", 4, torch.float32, 1), ("pre_row_min", 4, torch.float32, 1),
-        ("raw_row_max", 4, torch.float32, 1), ("raw_row_min", 4, torch.float32, 1),
-        ("raw_row_logz", 4, torch.float32, 1), ("filt_flags", 1, torch.uint8, 1), ("pre_flags", 1, torch.uint8, 1),
-        ("raw_flags", 1, torch.uint8, 1), ("exact_bits", 1, torch.uint8, 1),
-    )
-
-    @staticmethod
-    def offsets(num_rows: int, num_samples: int) -> tuple[dict[str, int], int]:
-        b, s = num_rows, num_samples
-        offsets = {"main_tokens": 0, "main_flags": 8 * b * s}
-        end = 8 * b * s + b
-        for name, size, _, per_row in _Out._FIELDS:
-            offsets[name] = _align(end)
-            end = offsets[name] + size * b * (per_row or s)
-        return offsets, end
-
-    def __init__(self, host: torch.Tensor, dev: torch.Tensor, num_rows: int, num_samples: int) -> None:
-        b, s = num_rows, num_samples
-        self.num_rows, self.num_samples, self.dev = b, s, dev
-        self.off, _ = _Out.offsets(b, s)
-        self.d2h_bytes = 8 * b * s + b
-        self.h_tokens = host[: 8 * b * s].view(torch.int64).view(b, s)
-        self.h_flags = host[8 * b * s: 8 * b * s + b]
-        self.host_base = host.data_ptr()
-        self.dev_base = d = dev.data_ptr()
-        a = {name: d + off for name, off in self.off.items()}
-        # Outputs.pointers() order: tokens, flags, row_max, row_min, row_logz, kept_mass, kept_min_key.
-        self.main = [a["main_tokens"], a["main_flags"], a["main_row_max"], a["main_row_min"], a["main_row_logz"], 0, 0]
-        self.filt = [a["filt_tokens"], a["filt_flags"], a["filt_row_max"], 0, 0, a["kept_mass"], a["kept_min_key"]]
-        # Without log-probs every row is written by exactly one group: filtered rows share the main arrays.
-        self.filt_shared = [a["main_tokens"], a["main_flags"], a["filt_row_max"], 0, 0, a["kept_mass"], a["kept_min_key"]]
-        self.pre = [a["pre_tokens"], a["pre_flags"], a["filt_row_max"], a["pre_row_min"], 0, 0, 0]
-        self.raw = [0, a["raw_flags"], a["raw_row_max"], a["raw_row_min"], a["raw_row_logz"], 0, 0]
-        self.exact_bits = a["exact_bits"]
-        self._views: dict[str, torch.Tensor] = {}
-
-    def view(self, name: str) -> torch.Tensor:
-        """A field as a device tensor: main/filt tokens [B, S], pre_tokens [B, 1], the others [B]."""
-        t = self._views.get(name)
-        if t is None:
-            b, s = self.num_rows, self.num_samples
-            if name in ("main_tokens", "filt_tokens"):
-                size, dtype, shape = 8, torch.int64, (b, s)
-            elif name == "main_flags":
-                size, dtype, shape = 1, torch.uint8, (b,)
-            else:
-                size, dtype = next((f[1], f[2]) for f in _Out._FIELDS if f[0] == name)
-                shape = (b, 1) if name == "pre_tokens" else (b,)
-            count = shape[0] * (shape[1] if len(shape) == 2 else 1)
-            off = self.off[name]
-            t = self.dev[off: off + size * count].view(dtype).view(shape)
-            self._views[name] = t
-        return t
 
 
 class CudaBackend(Backend):
@@ -225,8 +114,8 @@ class CudaBackend(Backend):
         self._host_out: torch.Tensor | None = None
         self._dev_out: torch.Tensor | None = None
         self._ones = torch.ones(0, dtype=torch.float32, device=self._device)
-        self._stages: dict[int, _Stage] = {}
-        self._outs: dict[tuple[int, int], _Out] = {}
+        self._stages: dict[int, Stage] = {}
+        self._outs: dict[tuple[int, int], CallOutputs] = {}
 
     def info(self) -> BackendInfo:
         return BackendInfo(name="cuda", device=f"cuda:{self._device.index} ({self._gpu_name})",
@@ -259,6 +148,11 @@ class CudaBackend(Backend):
             result = _merge_rows(result, flagged, again)
         return result
 
+    def prepare(self, template: SamplingBatch) -> PreparedSampling:
+        """A call on the caller's stream with no synchronisation, capturable in a CUDA graph (cuda_prepared.py)."""
+        with torch.cuda.device(self._device):
+            return CudaPreparedSampling(self._kernels, template)
+
     def _locked_sample(self, batch: SamplingBatch, use_buckets: bool) -> tuple[SamplingResult, torch.Tensor | None]:
         with self._lock, torch.cuda.device(self._device):
             try:
@@ -290,7 +184,7 @@ class CudaBackend(Backend):
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._device.type == "cuda")
         return torch.empty(nbytes, dtype=torch.uint8, device=self._device)
 
-    def _stage(self, num_rows: int, bitmask_bytes: int) -> _Stage:
+    def _stage(self, num_rows: int, bitmask_bytes: int) -> Stage:
         stage = self._stages.get(num_rows)
         layout = stage.layout if stage is not None else self._kernels.stage_layout(num_rows)
         need = layout["bitmask_words"] + bitmask_bytes
@@ -302,14 +196,14 @@ class CudaBackend(Backend):
         if stage is None:
             if len(self._stages) >= 64:
                 self._stages.clear()
-            stage = self._stages[num_rows] = _Stage(self._host_stage, self._dev_stage, num_rows, layout)
+            stage = self._stages[num_rows] = Stage(self._host_stage, self._dev_stage, num_rows, layout)
         return stage
 
-    def _out(self, num_rows: int, num_samples: int) -> _Out:
+    def _out(self, num_rows: int, num_samples: int) -> CallOutputs:
         key = (num_rows, num_samples)
         out = self._outs.get(key)
         if out is None:
-            _, need = _Out.offsets(num_rows, num_samples)
+            _, need = CallOutputs.offsets(num_rows, num_samples)
             host_need = 8 * num_rows * num_samples + num_rows
             if self._dev_out is None or self._dev_out.numel() < need or self._host_out.numel() < host_need:
                 old = 0 if self._dev_out is None else self._dev_out.numel()
@@ -319,7 +213,7 @@ class CudaBackend(Backend):
                 self._outs.clear()
             if len(self._outs) >= 64:
                 self._outs.clear()
-            out = self._outs[key] = _Out(self._host_out, self._dev_out, num_rows, num_samples)
+            out = self._outs[key] = CallOutputs(self._host_out, self._dev_out, num_rows, num_samples)
         return out
 
     def _ones_on_device(self, num_rows: int) -> torch.Tensor:
@@ -327,7 +221,7 @@ class CudaBackend(Backend):
             self._ones = torch.ones(max(num_rows, 2 * self._ones.numel()), dtype=torch.float32, device=self._device)
         return self._ones[:num_rows]
 
-    def _upload(self, batch: SamplingBatch, kind: int, use_buckets: bool, stream: int) -> tuple[_Stage, Plan, list[int]]:
+    def _upload(self, batch: SamplingBatch, kind: int, use_buckets: bool, stream: int) -> tuple[Stage, Plan, list[int]]:
         """Packs the per-row parameters into the pinned buffer, plans the call there (csrc/routes.h: the row lists,
         T_eff and, for log-prob calls, the row masks), adds the token bitmask, and copies it all to the device in one
         copy. Returns the stage, the plan and the bitmask's entries of the launches' params (NO_BITMASK without
@@ -339,19 +233,17 @@ class CudaBackend(Backend):
         # Only the rows whose mask came with their request go up (filled rows of all ones would cost a read).
         words_up = 0 if bitmask is None or bitmask.is_cuda else (num_rows if masked is None else masked.numel())
         stage = self._stage(num_rows, 4 * words_up * (bitmask.shape[1] if bitmask is not None else 0))
-        i64, f32 = torch.int64, torch.float32
-        torch.cat([_as(batch.seed, i64), _as(batch.position, i64), _as(batch.iteration, i64)], out=stage.h_i64)
-        torch.cat([_as(batch.temperature, f32), _as(batch.top_p, f32), _as(batch.min_p, f32)], out=stage.h_f32)
-        stage.h_topk.copy_(batch.top_k)
+        stage.fill(batch)
+        routes = self._kernels.module
         plan = self._kernels.plan(stage.host_base, num_rows, batch.vocab_size, kind, processing is not None,
-                                  use_buckets)
+                                  routes.ROUTES_FAST if use_buckets else routes.ROUTES_EXACT)
         end, entries = stage.lists + 4 * plan.lists_used, NO_BITMASK
         if bitmask is not None:
             end, entries = self._place_bitmask(stage, bitmask, masked, words_up)
         self._kernels.copy_to_device(stage.dev_base, stage.host_base, end, stream)
         return stage, plan, entries
 
-    def _place_bitmask(self, stage: _Stage, bitmask: torch.Tensor, masked: torch.Tensor | None,
+    def _place_bitmask(self, stage: Stage, bitmask: torch.Tensor, masked: torch.Tensor | None,
                        words_up: int) -> tuple[int, list[int]]:
         """Lays a token bitmask out in the stage: its words (a CPU mask's rows `masked`, or all; a mask on the
         device, contiguous, stays there) and, with `masked`, each row's mask row (-1: none). Returns where the upload
@@ -375,7 +267,7 @@ class CudaBackend(Backend):
         return stage.bitmask_words + 4 * words_up * width, [stage.dev_base + stage.bitmask_words, row_map, width]
 
     # ---------------------------------------------------------------------------------------------
-    def _launch(self, plan: Plan, stage: _Stage, x: torch.Tensor, bitmask: list[int], out: _Out, num_samples: int, *,
+    def _launch(self, plan: Plan, stage: Stage, x: torch.Tensor, bitmask: list[int], out: CallOutputs, num_samples: int, *,
                 shared: bool, lse_scale: int = 0, raw_x: torch.Tensor | None = None, raw_lse_scale: int = 0,
                 stream: int) -> None:
         """Every kernel of the plan (csrc/routes.h ts_launch_plan) on x (with `bitmask`, the entries _processed
@@ -437,14 +329,14 @@ class CudaBackend(Backend):
         flags = out.h_flags
         top = max(flags.tolist()) if num_rows <= 256 else int(flags.max())
         tokens = out.h_tokens.clone()
-        if top <= _FLAG_NAN:
+        if top <= FLAG_NAN:
             valid = torch.ones(num_rows, dtype=torch.bool)
             nan = flags != 0 if top else torch.zeros(num_rows, dtype=torch.bool)
             return SamplingResult(tokens=tokens, valid=valid, nan_detected=nan), None
-        valid = (flags & _FLAG_INVALID) == 0
+        valid = (flags & FLAG_INVALID) == 0
         tokens.masked_fill_(~valid.unsqueeze(1), -1)
-        flagged = ((flags & _FLAG_EXACT) != 0).nonzero().squeeze(1) if top >= _FLAG_EXACT else None
-        return SamplingResult(tokens=tokens, valid=valid, nan_detected=(flags & _FLAG_NAN) != 0), flagged
+        flagged = ((flags & FLAG_EXACT) != 0).nonzero().squeeze(1) if top >= FLAG_EXACT else None
+        return SamplingResult(tokens=tokens, valid=valid, nan_detected=(flags & FLAG_NAN) != 0), flagged
 
     @staticmethod
     def _empty_result(batch: SamplingBatch, vocab: int, wants_logprobs: bool) -> SamplingResult:
@@ -457,7 +349,7 @@ class CudaBackend(Backend):
             top_logprob_ids=torch.zeros((0, n), dtype=torch.int64) if batch.top_logprobs > 0 else None,
             top_logprobs=torch.zeros((0, n), dtype=torch.float32) if batch.top_logprobs > 0 else None)
 
-    def _sample_with_logprobs(self, batch: SamplingBatch, plan: Plan, stage: _Stage, raw_x: torch.Tensor,
+    def _sample_with_logprobs(self, batch: SamplingBatch, plan: Plan, stage: Stage, raw_x: torch.Tensor,
                               x: torch.Tensor, bitmask: list[int], stream: int) -> tuple[SamplingResult, torch.Tensor]:
         """Log-probs calls: the same upload and launches (x and bitmask: what the kernels read, _processed), main
         and filter outputs kept apart, and the torch post-processing of the kept set and the tables."""
@@ -485,9 +377,9 @@ class CudaBackend(Backend):
         use_filt, through_dev, need_dev = stage.dev_masks().unbind(0)
         tokens = torch.where(use_filt.unsqueeze(1), filt.tokens, main.tokens)
         flags = torch.where(use_filt, filt.flags, main.flags)
-        flags = flags | torch.where(through_dev, filt.flags & _FLAG_EXACT, torch.zeros_like(flags))
+        flags = flags | torch.where(through_dev, filt.flags & FLAG_EXACT, torch.zeros_like(flags))
         row_max = torch.where(use_filt, filt.row_max, main.row_max)
-        valid = (flags & _FLAG_INVALID) == 0
+        valid = (flags & FLAG_INVALID) == 0
 
         logprobs = top_ids = top_values = None
         if raw_mode:
@@ -528,11 +420,11 @@ class CudaBackend(Backend):
         # The one synchronisation: everything back to the host.
         flags_cpu = flags.cpu()
         result = SamplingResult(
-            tokens=tokens.cpu(), valid=(flags_cpu & _FLAG_INVALID) == 0, nan_detected=(flags_cpu & _FLAG_NAN) != 0,
+            tokens=tokens.cpu(), valid=(flags_cpu & FLAG_INVALID) == 0, nan_detected=(flags_cpu & FLAG_NAN) != 0,
             logprobs=logprobs.cpu() if logprobs is not None else None,
             top_logprob_ids=top_ids.cpu() if top_ids is not None else None,
             top_logprobs=top_values.cpu() if top_values is not None else None)
-        return result, ((flags_cpu & _FLAG_EXACT) != 0).nonzero().squeeze(1)
+        return result, ((flags_cpu & FLAG_EXACT) != 0).nonzero().squeeze(1)
 
 
 def _merge_rows(result: SamplingResult, rows: torch.Tensor, sub: SamplingResult) -> SamplingResult:
