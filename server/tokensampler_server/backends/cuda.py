@@ -74,7 +74,9 @@ ROUTES = [
           "in place on the processing copy, from per-row float64 statistics: top-n-sigma two reads, XTC one, "
           "typical-p three (no sort of the row); a whole call 2.8-5.8x the top-k 50 + top-p 0.9 call"),
     Route("rows a fast kernel cannot settle (z-ties past the top-k list, overflowing candidates)",
-          ("stats_kernel", "filter_kernel"), "the exact filter again after the call's synchronisation"),
+          ("stats_kernel", "filter_kernel"),
+          "the exact filter again after the call's synchronisation (a prepared call: on the device, right after "
+          "the top-k kernel)"),
     Route("hidden states with a registered head, up to 128 rows (64 with filters)", ("fused_stream_kernel",),
           "one read of W: 0.96-1.01x its HBM roofline up to B = 64"),
     Route("hidden states with a registered head, more rows", ("cuBLAS", "then the route of the rows' parameters"),
