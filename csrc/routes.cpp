@@ -22,13 +22,11 @@ constexpr uint8_t kFlagExact = 4;
 
 size_t align16(size_t n) { return (n + 15) / 16 * 16; }
 
-// The index in kBuckets of the smallest bucket holding k + 1 candidates, -1 when none applies.
+// The index in kBuckets of the top-k kernel's bucket for k (ts_topk_bucket), -1 when none applies.
 int bucket_index(int32_t k, int64_t vocab) {
-  if (k <= 0) return -1;
-  const int64_t chunks = ts_num_splits(vocab);
-  for (int i = 0; i < TS_NUM_BUCKETS; ++i)
-    if (k + 1 <= kBuckets[i]) return chunks * kBuckets[i] <= kMaxMergedCandidates ? i : -1;
-  return -1;
+  const int32_t bucket = k > 0 ? ts_topk_bucket(k) : 0;
+  if (!bucket || ts_num_splits(vocab) * bucket > kMaxMergedCandidates) return -1;
+  return static_cast<int>(std::find(kBuckets, kBuckets + TS_NUM_BUCKETS, bucket) - kBuckets);
 }
 
 // Row ids gathered for one group while planning; placed into the stage's lists when the plan is complete.
@@ -116,7 +114,7 @@ int ts_plan(void* host_stage, int64_t num_rows, int64_t vocab, int32_t kind, int
         exact_has_top_p |= p < 1.f;
       }
     }
-    const bool raw_pass = processing || !(is_greedy || !filtered);
+    const bool raw_pass = processing || (!is_greedy && filtered);
     if (kind == TS_LOGPROBS_RAW && raw_pass) need_raw[n_raw++] = id;
     if (use_filt) {
       use_filt[r] = through && !is_greedy;

@@ -169,6 +169,11 @@ size_t ts_topk_scratch_bytes(int32_t n, int64_t, int32_t bucket) {
 size_t ts_nucleus_scratch_bytes(int32_t n, int64_t) { return 32 * static_cast<size_t>(n); }
 size_t ts_hist_bytes(int32_t n) { return 256 * static_cast<size_t>(n); }
 int ts_num_splits(int64_t vocab) { return static_cast<int>((vocab + 8191) / 8192); }
+int ts_topk_bucket(int32_t k) {
+  for (int bucket : {16, 32, 64, 128, 256})
+    if (k + 1 <= bucket) return bucket;
+  return 0;
+}
 
 int ts_or_flags(uint8_t* dst, const uint8_t* src, int64_t n, uint8_t bits, void*) {
   fuzz::need(dst, static_cast<uint64_t>(n), 1, "ts_or_flags dst");

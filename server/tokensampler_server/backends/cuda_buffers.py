@@ -7,12 +7,22 @@ import torch
 
 from tokensampler_server.model.sampling import RowSampling
 
-__all__ = ["FLAG_EXACT", "FLAG_INVALID", "FLAG_NAN", "CallOutputs", "Stage"]
+__all__ = ["FLAG_EXACT", "FLAG_INVALID", "FLAG_NAN", "CallOutputs", "Stage", "grown"]
 
 # The kernels' per-row flags (csrc/sampling.h TsOutputs.flags); FLAG_EXACT: the row needs the exact filter.
 FLAG_NAN, FLAG_INVALID, FLAG_EXACT = 1, 2, 4
 
 _ALIGN = 16  # device-buffer offsets
+
+
+def grown(t: torch.Tensor, numel: int, *, zeroed: bool = False, double: bool = True) -> torch.Tensor:
+    """`t` while it holds `numel` elements, else a new buffer of its dtype and device, zeroed when asked (for the
+    kernels' counters and histograms, which they leave zeroed): grown on demand, never shrunk, and to twice the
+    old size where `double`, so that a need that creeps up reallocates rarely."""
+    if t.numel() >= numel:
+        return t
+    size = max(numel, 2 * t.numel()) if double else numel
+    return (torch.zeros if zeroed else torch.empty)(size, dtype=t.dtype, device=t.device)
 
 
 def _align(offset: int, alignment: int = _ALIGN) -> int:

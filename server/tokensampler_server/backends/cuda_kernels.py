@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tokensampler_server.backends.cuda_buffers import grown
 from tokensampler_server.backends.cuda_build import load_kernels
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -139,16 +140,11 @@ class Kernels:
     # -- workspace ---------------------------------------------------------------------------------
     def _workspace(self, num_work: int, scratch_bytes: int, hist_bytes: int = 0) -> list[int]:
         """Counters for num_work rows, scratch and zeroed histograms of at least these sizes (grown, never shrunk)."""
-        if self._counters.numel() < num_work:
-            self._counters = torch.zeros(max(num_work, 2 * self._counters.numel()), dtype=torch.int32, device=self.device)
-            self._ws = None
-        if self._scratch.numel() < scratch_bytes:
-            self._scratch = torch.empty(max(scratch_bytes, 2 * self._scratch.numel()), dtype=torch.uint8, device=self.device)
-            self._ws = None
-        if self._hist.numel() < hist_bytes:
-            self._hist = torch.zeros(hist_bytes, dtype=torch.uint8, device=self.device)
-            self._ws = None
-        if self._ws is None:
+        counters, scratch, hist = self._counters, self._scratch, self._hist
+        self._counters = grown(counters, num_work, zeroed=True)
+        self._scratch = grown(scratch, scratch_bytes)
+        self._hist = grown(hist, hist_bytes, zeroed=True, double=False)
+        if self._ws is None or self._counters is not counters or self._scratch is not scratch or self._hist is not hist:
             self._ws = [self._counters.data_ptr(), self._hist.data_ptr(), self._scratch.data_ptr(),
                         self.fallback_count.data_ptr()]
         return self._ws

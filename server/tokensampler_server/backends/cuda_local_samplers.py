@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from tokensampler_server.model.sampling import Truncation
+from tokensampler_server.backends.cuda_buffers import grown
 from tokensampler_server.backends.cuda_kernels import stream_address
 
 
@@ -32,11 +33,8 @@ class LocalSamplerKernels:
 
     def _workspace(self, num_rows: int, vocab: int) -> tuple[int, int]:
         scratch, zeroed = self._module.local_samplers_workspace(num_rows, vocab)
-        if self._scratch.numel() < scratch:
-            self._scratch = torch.empty(max(scratch, 2 * self._scratch.numel()), dtype=torch.uint8,
-                                        device=self._device)
-        if self._zeroed.numel() < zeroed:  # the kernels leave it zeroed: a new one is zeroed once
-            self._zeroed = torch.zeros(max(zeroed, 2 * self._zeroed.numel()), dtype=torch.uint8, device=self._device)
+        self._scratch = grown(self._scratch, scratch)
+        self._zeroed = grown(self._zeroed, zeroed, zeroed=True)  # the kernels leave it zeroed
         return self._scratch.data_ptr(), self._zeroed.data_ptr()
 
     def apply(self, x: torch.Tensor, truncation: Truncation) -> torch.Tensor:

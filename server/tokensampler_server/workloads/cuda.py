@@ -30,6 +30,7 @@ import torch
 
 from tokensampler_server.backends.base import Backend
 from tokensampler_server.backends.cuda_build import load_kernels
+from tokensampler_server.backends.cuda_buffers import grown
 from tokensampler_server.backends.cuda_kernels import stream_address
 from tokensampler_server.workloads.diffusion import DiffusionStep, diffusion_step
 from tokensampler_server.workloads.score import LogitSource, Scores, TokenScoring, score_tokens
@@ -63,10 +64,8 @@ class WorkloadKernels:
         self._mailbox_steps = 0
 
     def _workspace(self, rows: int, scratch_bytes: int) -> list[int]:
-        if self._counters.numel() < rows:  # zeroed once; the kernels leave them zeroed
-            self._counters = torch.zeros(max(rows, 2 * self._counters.numel()), dtype=torch.int32, device=self.device)
-        if self._scratch.numel() < scratch_bytes:
-            self._scratch = torch.empty(max(scratch_bytes, 2 * self._scratch.numel()), dtype=torch.uint8, device=self.device)
+        self._counters = grown(self._counters, rows, zeroed=True)  # the kernels leave them zeroed
+        self._scratch = grown(self._scratch, scratch_bytes)
         return [self._counters.data_ptr(), self._unused_hist.data_ptr(), self._scratch.data_ptr(),
                 self.fallback_count.data_ptr()]
 
@@ -75,7 +74,7 @@ class WorkloadKernels:
         32-bit step tags could wrap."""
         words = -(-self.module.diffusion_mailbox_bytes(rows, vocab) // 8)
         if self._mailbox.numel() < words:
-            self._mailbox = torch.zeros(max(words, 2 * self._mailbox.numel()), dtype=torch.int64, device=self.device)
+            self._mailbox = grown(self._mailbox, words, zeroed=True)
             self._mailbox_steps = 0
         elif self._mailbox_steps >= _MAILBOX_STEPS_BEFORE_ZEROING:
             self._mailbox.zero_()

@@ -18,6 +18,7 @@ from types import ModuleType
 
 import torch
 
+from tokensampler_server.backends.cuda_buffers import grown
 from tokensampler_server.backends.cuda_kernels import stream_address
 from tokensampler_server.resources.weights import RegisteredWeight
 from tokensampler_server.workloads.score import LogitSource, Scores, TokenScoring, row_temperature, score_tokens
@@ -140,19 +141,14 @@ class ScoreKernels:
     def _workspace(self, num_rows: int, width: int, top_n: int) -> tuple[list[int], int]:
         """([counters, scratch], state) addresses for launches over num_rows rows of width-token slices; the counters
         zeroed once (the kernel leaves them zeroed)."""
-        if self._counters.numel() < num_rows:
-            self._counters = torch.zeros(num_rows, dtype=torch.int32, device=self.device)
-        self._scratch = _at_least(self._scratch, self.module.score_scratch_bytes(num_rows, width, top_n))
-        self._state = _at_least(self._state, self.module.score_state_bytes(num_rows, top_n))
+        self._counters = grown(self._counters, num_rows, zeroed=True, double=False)
+        self._scratch = grown(self._scratch, self.module.score_scratch_bytes(num_rows, width, top_n), double=False)
+        self._state = grown(self._state, self.module.score_state_bytes(num_rows, top_n), double=False)
         return [self._counters.data_ptr(), self._scratch.data_ptr()], self._state.data_ptr()
 
     def _buffers_of(self, elements: int) -> list[torch.Tensor]:
-        self._buffers = [_at_least(buffer, elements) for buffer in self._buffers]
+        self._buffers = [grown(buffer, elements, double=False) for buffer in self._buffers]
         return self._buffers
-
-
-def _at_least(t: torch.Tensor, numel: int) -> torch.Tensor:
-    return t if t.numel() >= numel else torch.empty(numel, dtype=t.dtype, device=t.device)
 
 
 def _empty_scores(num_rows: int, scoring: TokenScoring, device: torch.device) -> Scores:
