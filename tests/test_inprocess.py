@@ -194,9 +194,22 @@ def test_a_prepared_call_from_hidden_states_is_that_of_their_logits(sampler: Loc
     (lambda s: s.prepare(ROWS, VOCAB, typical_p=0.5), "typical_p"),
     (lambda s: s.prepare(ROWS, VOCAB, top_p=1.5), "top_p"),
     (lambda s: s.prepare(ROWS, VOCAB, num_samples=0), "num_samples"),
+    (lambda s: s.prepare(ROWS, VOCAB, logprobs_mode="exact"), "logprobs_mode"),
     (lambda s: s.prepare(ROWS), "vocab_size"),
     (lambda s: s.prepare(ROWS, VOCAB)(torch.zeros(ROWS + 1, VOCAB)), "input"),
 ])
 def test_prepared_call_refusals_name_the_field(sampler: LocalSampler, call, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         call(sampler)
+
+
+def test_a_prepared_call_with_log_probs_gives_sample_s(sampler: LocalSampler) -> None:
+    logits = _logits(7)
+    params = {"temperature": 0.9, "top_k": 40, "top_p": 0.8, "seed": 5, "position": 2}
+    options = {"return_logprobs": True, "logprobs_mode": "processed", "top_logprobs": 3, "num_samples": 2}
+    got = sampler.prepare(ROWS, VOCAB, **options, **params)(logits)
+    want = sampler.sample(logits, **options, **params)
+    assert torch.equal(got.tokens, want.tokens)
+    for mine, theirs in ((got.logprobs, want.logprobs), (got.top_logprob_ids, want.top_logprob_ids),
+                         (got.top_logprobs, want.top_logprobs)):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0, equal_nan=True)

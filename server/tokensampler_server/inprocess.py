@@ -167,11 +167,12 @@ class LocalSampler:
         return self._topk(request, hidden, head)
 
     def prepare(self, batch_size: int, vocab_size: int | None = None, *, head: RegisteredWeight | None = None,
-                num_samples: int = 1, **params: Any) -> PreparedSampler:
+                num_samples: int = 1, return_logprobs: bool = False, logprobs_mode: str = "raw",
+                top_logprobs: int = 0, **params: Any) -> PreparedSampler:
         """A call planned once for batch_size rows of vocab_size logits (or of hidden states through `head`) and
-        run many times: the rows' temperature, top_k, top_p and min_p are fixed here, their seed, position and
-        iteration are device tensors of the result, written in place between calls. Raises ValueError naming the
-        field of an invalid value, or a keyword a prepared call does not take."""
+        run many times: the rows' temperature, top_k, top_p and min_p and the log-prob options are fixed here, their
+        seed, position and iteration are device tensors of the result, written in place between calls. Raises
+        ValueError naming the field of an invalid value, or a keyword a prepared call does not take."""
         for name in params:
             if name not in _PREPARED_KEYWORDS:
                 raise ValueError(f"{name}: not taken by a prepared call; expected only {', '.join(_PREPARED_KEYWORDS)}"
@@ -182,7 +183,7 @@ class LocalSampler:
             raise ValueError("vocab_size: expected the logits' V (or a head)")
         shape = (batch_size, head.weight.shape[1] if head is not None else vocab_size)
         placeholder = torch.empty(shape, device="meta")  # the input's shape, no memory
-        request = self._request(placeholder, num_samples, False, "raw", 0, params)
+        request = self._request(placeholder, num_samples, return_logprobs, logprobs_mode, top_logprobs, params)
         if head is not None:
             request.hidden.states_ref.SetInParent()
         else:
@@ -262,7 +263,8 @@ class LocalSampler:
 class PreparedSampler:
     """A call of LocalSampler.prepare: `sampler(x)` samples logits [B, V] (or hidden states [B, D] through the
     head) on the sampler's device and returns the backend's SamplingResult there: tokens int64 [B, num_samples]
-    (-1 in rows that are not valid), valid and nan_detected bool [B]. On the CUDA backend the call launches on the
+    (-1 in rows that are not valid), valid and nan_detected bool [B], and the log-probs and top log-probs when
+    prepared with them. On the CUDA backend the call launches on the
     current stream and never synchronises, so it can be captured in a CUDA graph; its result tensors are new each
     call (inside a graph: the graph's own). `seed`, `position` and `iteration` are the rows' int64 [B] Philox
     counters on the device, read at each call: write them in place (copy_, fill_, add_), never rebind them."""

@@ -127,3 +127,27 @@ def test_rows_the_top_k_kernel_flags_are_settled_on_the_device(sampler: LocalSam
     got = prepared(x)
     assert torch.equal(got.tokens.cpu(), want.tokens)
     assert bool(got.valid.all())
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+@pytest.mark.parametrize("params", [MODES["top_k_top_p"], MODES["top_p"], MODES["greedy"], MIXED])
+def test_prepared_log_probs_are_sample_s(sampler: LocalSampler, mode: str, params: dict) -> None:
+    rows = len(MIXED["temperature"])
+    x = logits("spiky", rows, VOCAB, seed=31).cuda()
+    options = {"return_logprobs": True, "logprobs_mode": mode, "top_logprobs": 5, "num_samples": 2,
+               "seed": _seeds(rows), "position": 6, **params}
+    prepared = sampler.prepare(rows, VOCAB, **options)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        prepared(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = prepared(x)
+    graph.replay()
+    want = sampler.sample(x, **options)
+    assert torch.equal(got.tokens.cpu(), want.tokens)
+    assert torch.equal(got.top_logprob_ids.cpu(), want.top_logprob_ids)
+    torch.testing.assert_close(got.logprobs.cpu(), want.logprobs, rtol=1e-4, atol=1e-4, equal_nan=True)
+    torch.testing.assert_close(got.top_logprobs.cpu(), want.top_logprobs, rtol=1e-4, atol=1e-4, equal_nan=True)

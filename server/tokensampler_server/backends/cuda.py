@@ -42,8 +42,9 @@ from tokensampler_server.backends import cuda_fused
 from tokensampler_server.backends.base import Backend, BackendInfo, PreparedSampling, Route
 from tokensampler_server.backends.cuda_buffers import FLAG_EXACT, FLAG_INVALID, FLAG_NAN, CallOutputs, Stage
 from tokensampler_server.backends.cuda_build import CudaBackendUnavailable
-from tokensampler_server.backends.cuda_kernels import NO_BITMASK, Kernels, Outputs, Plan
+from tokensampler_server.backends.cuda_kernels import NO_BITMASK, Kernels, Plan
 from tokensampler_server.backends.cuda_local_samplers import LocalSamplerKernels
+from tokensampler_server.backends.cuda_logprobs import LogprobCall, sample_with_logprobs
 from tokensampler_server.backends.cuda_prepared import CudaPreparedSampling
 from tokensampler_server.backends.processing import apply_processing
 
@@ -82,14 +83,6 @@ ROUTES = [
     Route("hidden states with a registered head, more rows", ("cuBLAS", "then the route of the rows' parameters"),
           "cuBLAS's matmul into fp32 logits, then the routes above: 1.24x cuBLAS alone at B = 256"),
 ]
-
-
-def _decode_key(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A rank key (int64 bits of (order_key(z) << 32) | ~id) back to (z, id)."""
-    high = (key >> 32) & 0xFFFFFFFF
-    bits = torch.where(high >= 0x80000000, high & 0x7FFFFFFF, (~high) & 0xFFFFFFFF)
-    z = bits.to(torch.int32).view(torch.float32)
-    return z, 0xFFFFFFFF - (key & 0xFFFFFFFF)
 
 
 class CudaBackend(Backend):
@@ -268,17 +261,6 @@ class CudaBackend(Backend):
             torch.index_select(bitmask, 0, masked, out=host_words)
         return stage.bitmask_words + 4 * words_up * width, [stage.dev_base + stage.bitmask_words, row_map, width]
 
-    # ---------------------------------------------------------------------------------------------
-    def _launch(self, plan: Plan, stage: Stage, x: torch.Tensor, bitmask: list[int], out: CallOutputs, num_samples: int, *,
-                shared: bool, lse_scale: int = 0, raw_x: torch.Tensor | None = None, raw_lse_scale: int = 0,
-                stream: int) -> None:
-        """Every kernel of the plan (csrc/routes.h ts_launch_plan) on x (with `bitmask`, the entries _processed
-        gives). shared: filtered rows write the main tokens and flags (tokens alone); lse_scale: the greedy and
-        unfiltered launches' log-sum-exp scale (address, 0: none); raw_x: the input logits of the need_raw pass."""
-        filt = out.filt_shared if shared else out.filt
-        self._kernels.launch_plan(plan, x, bitmask, lse_scale, raw_x, raw_lse_scale, stage.dev_base, num_samples,
-                                  out.main, filt, out.pre, out.raw, out.exact_bits, stream)
-
     def _processed(self, raw_x: torch.Tensor, processing: LogitProcessing | None, bitmask: list[int],
                    stream: int) -> tuple[torch.Tensor, list[int]]:
         """The logits the kernels read and the token-bitmask entries they take. A bitmask that is the only processing
@@ -325,7 +307,9 @@ class CudaBackend(Backend):
             return self._sample_with_logprobs(batch, plan, stage, raw_x, x, bitmask, stream)
 
         out = self._out(num_rows, num_samples)
-        self._launch(plan, stage, x, bitmask, out, num_samples, shared=True, stream=stream)
+        # Without log-probs every row is written by one group: the filtered rows write the main tokens and flags too.
+        self._kernels.launch_plan(plan, x, bitmask, 0, None, 0, stage.dev_base, num_samples, out.main,
+                                  out.filt_shared, out.pre, out.raw, out.exact_bits, stream)
         # The one synchronisation: tokens and flags back to the host in one copy.
         self._kernels.copy_to_host_and_wait(out.host_base, out.dev_base, out.d2h_bytes, stream)
         flags = out.h_flags
@@ -353,80 +337,19 @@ class CudaBackend(Backend):
 
     def _sample_with_logprobs(self, batch: SamplingBatch, plan: Plan, stage: Stage, raw_x: torch.Tensor,
                               x: torch.Tensor, bitmask: list[int], stream: int) -> tuple[SamplingResult, torch.Tensor]:
-        """Log-probs calls: the same upload and launches (x and bitmask: what the kernels read, _processed), main
-        and filter outputs kept apart, and the torch post-processing of the kept set and the tables."""
-        dev, k = self._device, self._kernels
-        num_rows, vocab, num_samples = batch.num_rows, batch.vocab_size, batch.num_samples
-        raw_mode = batch.logprobs_mode is LogprobsMode.RAW
-        processed = not raw_mode
-        out = self._out(num_rows, num_samples)
-        t_eff = stage.dev_t_eff()
-        ones = self._ones_on_device(num_rows)
-        lse_unfiltered = None
-        if processed:
-            lse_unfiltered = 1.0 / t_eff  # greedy rows have T_eff = 1
-        elif batch.processing is None:
-            lse_unfiltered = ones  # raw log-sum-exp for free in the same pass
-        self._launch(plan, stage, x, bitmask, out, num_samples, shared=False,
-                     lse_scale=lse_unfiltered.data_ptr() if lse_unfiltered is not None else 0,
-                     raw_x=raw_x, raw_lse_scale=ones.data_ptr(), stream=stream)
-        main = Outputs(tokens=out.view("main_tokens"), flags=out.view("main_flags"), row_max=out.view("main_row_max"),
-                       row_min=out.view("main_row_min"), row_logz=out.view("main_row_logz"))
-        filt = Outputs(tokens=out.view("filt_tokens"), flags=out.view("filt_flags"), row_max=out.view("filt_row_max"),
-                       kept_mass=out.view("kept_mass"), kept_min_key=out.view("kept_min_key"))
-
-        # Combine: sampled filtered rows take the filter outputs; greedy rows keep the argmax.
-        use_filt, through_dev, need_dev = stage.dev_masks().unbind(0)
-        tokens = torch.where(use_filt.unsqueeze(1), filt.tokens, main.tokens)
-        flags = torch.where(use_filt, filt.flags, main.flags)
-        flags = flags | torch.where(through_dev, filt.flags & FLAG_EXACT, torch.zeros_like(flags))
-        row_max = torch.where(use_filt, filt.row_max, main.row_max)
-        valid = (flags & FLAG_INVALID) == 0
-
-        logprobs = top_ids = top_values = None
-        if raw_mode:
-            raw_max, raw_logz = main.row_max, main.row_logz
-            if plan.need_raw[1]:  # the input's own pass wrote its log-sum-exp (no mask: step 1 precedes step 2)
-                raw_max = torch.where(need_dev, out.view("raw_row_max"), raw_max)
-                raw_logz = torch.where(need_dev, out.view("raw_row_logz"), raw_logz)
-            raw_f = raw_x.to(torch.float32)
-            raw_f = torch.where(torch.isnan(raw_f) | torch.isposinf(raw_f), float("-inf"), raw_f)
-            table_norm = (raw_max + raw_logz).unsqueeze(1)
-            source = raw_f
-        else:
-            in_kernels = bitmask[0] != 0  # the kernels masked x as they read it: so does the table
-            xs = x.to(torch.float32, copy=in_kernels)
-            if in_kernels:
-                k.launch_apply_bitmask(xs.data_ptr(), num_rows, vocab, bitmask, stream)
-            xs = torch.where(torch.isnan(xs) | torch.isposinf(xs), float("-inf"), xs)
-            z = (xs - row_max.unsqueeze(1)) / t_eff.unsqueeze(1)
-            kept_z, kept_id = _decode_key(filt.kept_min_key)
-            ids = torch.arange(vocab, device=dev).unsqueeze(0)
-            in_kept = (z > kept_z.unsqueeze(1)) | ((z == kept_z.unsqueeze(1)) & (ids <= kept_id.unsqueeze(1)))
-            kept = torch.where(through_dev.unsqueeze(1), in_kept, torch.isfinite(z)) & torch.isfinite(z)
-            log_norm = torch.where(through_dev, torch.log(filt.kept_mass), main.row_logz)
-            table_norm = log_norm.unsqueeze(1)
-            source = torch.where(kept, z, float("-inf"))
-        if batch.return_logprobs:
-            picked = source.gather(1, tokens.clamp(min=0))
-            logprobs = torch.where(valid.unsqueeze(1), picked - table_norm, float("nan"))
-        if batch.top_logprobs > 0:
-            n = min(batch.top_logprobs, vocab)
-            table = source - table_norm
-            top_values, top_ids = torch.sort(table, dim=1, descending=True, stable=True)
-            top_values, top_ids = top_values[:, :n], top_ids[:, :n]
-            top_ids = torch.where(valid.unsqueeze(1), top_ids, -1)
-            top_values = torch.where(valid.unsqueeze(1), top_values, float("nan"))
-
-        tokens = torch.where(valid.unsqueeze(1), tokens, -1)
+        """Log-probs calls: the same upload, the launches and tables of cuda_logprobs.py (x and bitmask: what the
+        kernels read, _processed), and the call's one synchronisation."""
+        num_rows = batch.num_rows
+        got = sample_with_logprobs(self._kernels, plan, stage, self._out(num_rows, batch.num_samples),
+                                   self._ones_on_device(num_rows), raw_x, x, bitmask, LogprobCall.of(batch), stream)
         # The one synchronisation: everything back to the host.
-        flags_cpu = flags.cpu()
+        flags = got.flags.cpu()
         result = SamplingResult(
-            tokens=tokens.cpu(), valid=(flags_cpu & FLAG_INVALID) == 0, nan_detected=(flags_cpu & FLAG_NAN) != 0,
-            logprobs=logprobs.cpu() if logprobs is not None else None,
-            top_logprob_ids=top_ids.cpu() if top_ids is not None else None,
-            top_logprobs=top_values.cpu() if top_values is not None else None)
-        return result, ((flags_cpu & FLAG_EXACT) != 0).nonzero().squeeze(1)
+            tokens=got.tokens.cpu(), valid=(flags & FLAG_INVALID) == 0, nan_detected=(flags & FLAG_NAN) != 0,
+            logprobs=got.logprobs.cpu() if got.logprobs is not None else None,
+            top_logprob_ids=got.top_ids.cpu() if got.top_ids is not None else None,
+            top_logprobs=got.top_values.cpu() if got.top_values is not None else None)
+        return result, ((flags & FLAG_EXACT) != 0).nonzero().squeeze(1)
 
 
 def _merge_rows(result: SamplingResult, rows: torch.Tensor, sub: SamplingResult) -> SamplingResult:

@@ -9,7 +9,9 @@ What makes it run without a synchronisation, and so inside a captured CUDA graph
   those rows back to the host instead. So nothing has to come back to the host to decide anything.
 - The call owns its stage, outputs and workspace, so their addresses never change (the backend's shared buffers
   grow and move) and a call may overlap the backend's other calls on another stream.
-Each call's tokens, validity and NaN flags are new tensors computed on the device from the kernels' outputs.
+- A call with log-probs plans its filtered rows onto the exact routes (ts_plan's TS_ROUTES_EXACT): the tables need
+  the filter's outputs of each of them, which the top-k kernel does not write, and nothing is left to re-sample.
+Each call's tokens, flags and log-probs are new tensors computed on the device from the kernels' outputs.
 """
 
 from __future__ import annotations
@@ -19,42 +21,54 @@ import torch
 from tokensampler_server.backends.base import PreparedSampling
 from tokensampler_server.backends.cuda_buffers import FLAG_INVALID, FLAG_NAN, CallOutputs, Stage
 from tokensampler_server.backends.cuda_kernels import NO_BITMASK, Kernels
-from tokensampler_server.model.sampling import SamplingBatch, SamplingResult
+from tokensampler_server.backends.cuda_logprobs import LogprobCall, sample_with_logprobs
+from tokensampler_server.model.sampling import LogprobsMode, SamplingBatch, SamplingResult
 
 __all__ = ["CudaPreparedSampling"]
 
 
 class CudaPreparedSampling(PreparedSampling):
-    """The rows of `template` (per-row parameters, no processing, tokens only) planned on `kernels`' device."""
+    """The rows of `template` (per-row parameters and log-prob options, no processing) planned on `kernels`'
+    device."""
 
     def __init__(self, kernels: Kernels, template: SamplingBatch) -> None:
-        if template.processing is not None or template.return_logprobs or template.top_logprobs:
-            raise ValueError("a prepared call takes per-row temperature, filters and counters only: no processing, "
-                             "no log-probs")
+        if template.processing is not None:
+            raise ValueError("a prepared call takes per-row temperature, filters and counters only: no processing")
         device = kernels.device
         num_rows, num_samples = template.num_rows, template.num_samples
         self._kernels = kernels
         self._shape = (num_rows, template.vocab_size)
+        self._logprobs = LogprobCall.of(template) if template.return_logprobs or template.top_logprobs else None
         layout = kernels.stage_layout(num_rows)
         host = torch.empty(layout["bitmask_words"], dtype=torch.uint8, pin_memory=True)
         self._stage = Stage(host, torch.empty_like(host, device=device), num_rows, layout)
         self._stage.fill(template)
         routes = kernels.module
-        self._plan = kernels.plan(self._stage.host_base, num_rows, template.vocab_size, routes.TOKENS, False,
-                                  routes.ROUTES_SETTLED)
+        if self._logprobs is None:
+            kind, routing = routes.TOKENS, routes.ROUTES_SETTLED
+        else:  # the log-prob tables read the filter's outputs of every filtered row: each takes the exact route
+            raw = self._logprobs.mode is LogprobsMode.RAW
+            kind, routing = (routes.LOGPROBS_RAW if raw else routes.LOGPROBS_PROCESSED), routes.ROUTES_EXACT
+        self._plan = kernels.plan(self._stage.host_base, num_rows, template.vocab_size, kind, False, routing)
         self._stage.dev.copy_(host)
         _, out_bytes = CallOutputs.offsets(num_rows, num_samples)
         self._out = CallOutputs(None, torch.empty(out_bytes, dtype=torch.uint8, device=device), num_rows, num_samples)
+        self._ones = torch.ones(num_rows, dtype=torch.float32, device=device)
         self._ws, self._ws_buffers = kernels.plan_workspace(self._plan)
         self.seed, self.position, self.iteration = self._stage.dev_counters()
 
     def sample(self, logits: torch.Tensor) -> SamplingResult:
         if tuple(logits.shape) != self._shape:
             raise ValueError(f"logits: got shape {tuple(logits.shape)}, expected {list(self._shape)} as prepared")
-        out, kernels = self._out, self._kernels
+        out, kernels, stream = self._out, self._kernels, self._kernels.current_stream()
+        if self._logprobs is not None:
+            got = sample_with_logprobs(kernels, self._plan, self._stage, out, self._ones, logits, logits, NO_BITMASK,
+                                       self._logprobs, stream, ws=self._ws)
+            return SamplingResult(tokens=got.tokens, valid=(got.flags & FLAG_INVALID) == 0,
+                                  nan_detected=(got.flags & FLAG_NAN) != 0, logprobs=got.logprobs,
+                                  top_logprob_ids=got.top_ids, top_logprobs=got.top_values)
         kernels.launch_plan(self._plan, logits, NO_BITMASK, 0, None, 0, self._stage.dev_base, out.num_samples,
-                            out.main, out.filt_shared, out.pre, out.raw, out.exact_bits, kernels.current_stream(),
-                            ws=self._ws)
+                            out.main, out.filt_shared, out.pre, out.raw, out.exact_bits, stream, ws=self._ws)
         flags = out.view("main_flags")
         valid = (flags & FLAG_INVALID) == 0
         tokens = torch.where(valid.unsqueeze(1), out.view("main_tokens"), -1)
