@@ -19,13 +19,11 @@ row's table at the repeat, bounded by the window and by the breakers' restart (L
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from tokensampler_server.model.sampling import TokenEntries
+from tokensampler_server.model.entries import TokenEntries
 
 MAX_NGRAM_SIZE = 32
 MAX_BREAKERS = 32

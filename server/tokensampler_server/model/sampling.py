@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tokensampler_server.model.entries import TokenEntries
 from tokensampler_server.model.repetition import SequenceSamplers
 
 if TYPE_CHECKING:
@@ -24,20 +25,6 @@ class LogprobsMode(enum.Enum):
 
     RAW = "raw"
     PROCESSED = "processed"
-
-
-@dataclass(frozen=True)
-class TokenEntries:
-    """Per-row token lists in coordinate form: entry j is token `tokens[j]` of row `rows[j]`.
-
-    Both are int64 [n] on the CPU. Duplicates are kept (a history counts each occurrence).
-    """
-
-    rows: torch.Tensor
-    tokens: torch.Tensor
-
-    def __len__(self) -> int:
-        return int(self.rows.numel())
 
 
 @dataclass(frozen=True)
