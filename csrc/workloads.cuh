@@ -694,14 +694,7 @@ __global__ void __launch_bounds__(kThreads, 5)
   float v[kGroupsPerThread][4];
   load_chunk(rv, vocab, g0, v);
   const uint32_t base = 4 * (static_cast<uint32_t>(g0) + threadIdx.x);
-  float best_x = v[0][0];
-  uint32_t best_id = base;
-#pragma unroll
-  for (int j = 0; j < kGroupsPerThread; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      if (v[j][e] > best_x) best_x = v[j][e], best_id = base + 4 * kThreads * j + e;
-  const uint64_t sorted = warp_sort_desc(base < vocab ? rank_key(best_x, best_id) : 0);
+  const uint64_t sorted = warp_sort_desc(thread_best_key(v, base, vocab));
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (lane == 0) warp_top[warp] = sorted;
   if (threadIdx.x == 0) num_cand = 0;
@@ -741,29 +734,12 @@ __global__ void __launch_bounds__(kThreads, 5)
   sum = warp_allreduce(sum, SumOp{});
   if (lane == 0) warp_sum[warp] = sum;
   const float th_x = th == 1 ? -kInf : key_value(th);  // a float test first, the full key on a pass
-#pragma unroll
-  for (int j = 0; j < kGroupsPerThread; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (!(v[j][e] >= th_x)) continue;
-      const uint32_t id = base + 4 * kThreads * j + e;
-      if (id >= vocab) continue;
-      const uint64_t key = rank_key(v[j][e], id);
-      if (key >= th) {
-        const int pos = atomicAdd(&num_cand, 1);
-        if (pos < kTopkCap) cand[pos] = key;
-      }
-    }
+  collect_candidates<kTopkCap>(v, base, vocab, th, th_x, cand, num_cand);
   __syncthreads();
   const int n = min(num_cand, kTopkCap);
   uint64_t* my_list = lists + (static_cast<int64_t>(w) * splits + split) * K;
-  if (n <= 4 * K) {  // rank by counting
-    for (int i = threadIdx.x; i < n; i += kThreads) {
-      const uint64_t key = cand[i];
-      int rank = 0;
-      for (int j = 0; j < n; ++j) rank += cand[j] > key;
-      if (rank < K) my_list[rank] = key;
-    }
+  if (n <= 4 * K) {
+    rank_by_counting(cand, n, K, my_list);
   } else {
     const int padded = pow2_at_least(n);
     for (int i = n + threadIdx.x; i < padded; i += kThreads) cand[i] = 0;
