@@ -57,6 +57,21 @@ TsOutputs outputs_of(const std::vector<int64_t>& o, int64_t num_samples, int64_t
                    ptr<int64_t>(o[6])};
 }
 
+// The logits, rows, outputs and workspace of a sampler's call, converted (and their sizes checked) in that order.
+struct SamplerCall {
+  TsLogits logits;
+  TsRows rows;
+  TsOutputs out;
+  TsWorkspace ws;
+};
+
+SamplerCall sampler_call(int64_t data, int64_t num_rows, int64_t vocab, int64_t dtype, int64_t rows, int64_t num_work,
+                         const std::vector<int64_t>& params, const std::vector<int64_t>& outs, int64_t num_samples,
+                         int64_t sample, const std::vector<int64_t>& ws) {
+  return SamplerCall{logits_of(data, num_rows, vocab, dtype), rows_of(rows, num_work, params),
+                     outputs_of(outs, num_samples, sample), workspace_of(ws)};
+}
+
 using SamplerWithRowFloats = int (*)(const TsLogits*, const TsRows*, const float*, const TsOutputs*,
                                      const TsWorkspace*, void*);
 
@@ -66,11 +81,9 @@ void def_sampler_with_row_floats(pybind11::module_& m, const char* name, Sampler
                              int64_t num_work, std::vector<int64_t> params, int64_t row_floats,
                              std::vector<int64_t> outs, int64_t num_samples, int64_t sample, std::vector<int64_t> ws,
                              int64_t stream) {
-    const TsLogits l = logits_of(data, num_rows, vocab, dtype);
-    const TsRows r = rows_of(rows, num_work, params);
-    const TsOutputs o = outputs_of(outs, num_samples, sample);
-    const TsWorkspace w = workspace_of(ws);
-    check(launch(&l, &r, ptr<const float>(row_floats), &o, &w, ptr<void>(stream)), name);
+    const SamplerCall c =
+        sampler_call(data, num_rows, vocab, dtype, rows, num_work, params, outs, num_samples, sample, ws);
+    check(launch(&c.logits, &c.rows, ptr<const float>(row_floats), &c.out, &c.ws, ptr<void>(stream)), name);
   });
 }
 
@@ -157,47 +170,37 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stats", [](int64_t data, int64_t num_rows, int64_t vocab, int64_t dtype, int64_t rows, int64_t num_work,
                     std::vector<int64_t> params, int64_t lse_scale, std::vector<int64_t> outs, int64_t num_samples,
                     std::vector<int64_t> ws, int64_t stream) {
-    const TsLogits l = logits_of(data, num_rows, vocab, dtype);
-    const TsRows r = rows_of(rows, num_work, params);
-    const TsOutputs o = outputs_of(outs, num_samples, 0);
-    const TsWorkspace w = workspace_of(ws);
-    check(ts_stats(&l, &r, ptr<const float>(lse_scale), &o, &w, ptr<void>(stream)), "stats");
+    const SamplerCall c = sampler_call(data, num_rows, vocab, dtype, rows, num_work, params, outs, num_samples, 0, ws);
+    check(ts_stats(&c.logits, &c.rows, ptr<const float>(lse_scale), &c.out, &c.ws, ptr<void>(stream)), "stats");
   });
   def_sampler_with_row_floats(m, "gumbel", &ts_gumbel);  // the floats: lse_scale (0: none)
   def_sampler_with_row_floats(m, "min_p", &ts_min_p);    // the floats: stats' row_max
   m.def("topk", [](int64_t data, int64_t num_rows, int64_t vocab, int64_t dtype, int64_t rows, int64_t num_work,
                    std::vector<int64_t> params, int64_t bucket, std::vector<int64_t> outs, int64_t num_samples,
                    std::vector<int64_t> ws, int64_t stream) {
-    const TsLogits l = logits_of(data, num_rows, vocab, dtype);
-    const TsRows r = rows_of(rows, num_work, params);
-    const TsOutputs o = outputs_of(outs, num_samples, 0);
-    const TsWorkspace w = workspace_of(ws);
-    check(ts_topk(&l, &r, static_cast<int32_t>(bucket), &o, &w, ptr<void>(stream)), "topk");
+    const SamplerCall c = sampler_call(data, num_rows, vocab, dtype, rows, num_work, params, outs, num_samples, 0, ws);
+    check(ts_topk(&c.logits, &c.rows, static_cast<int32_t>(bucket), &c.out, &c.ws, ptr<void>(stream)), "topk");
   });
   m.def("filter", [](int64_t data, int64_t num_rows, int64_t vocab, int64_t dtype, int64_t rows, int64_t num_work,
                      std::vector<int64_t> params, std::vector<int64_t> stats, int64_t need_exact_mass, int64_t splits,
                      std::vector<int64_t> outs, int64_t num_samples, int64_t sample, std::vector<int64_t> ws,
                      int64_t stream) {
     if (stats.size() != 4) throw std::invalid_argument("tokensampler: row_max, row_min, argmax, flags expected");
-    const TsLogits l = logits_of(data, num_rows, vocab, dtype);
-    const TsRows r = rows_of(rows, num_work, params);
-    const TsOutputs o = outputs_of(outs, num_samples, sample);
-    const TsWorkspace w = workspace_of(ws);
-    check(ts_filter(&l, &r, ptr<const float>(stats[0]), ptr<const float>(stats[1]), ptr<const int64_t>(stats[2]),
-                    ptr<const uint8_t>(stats[3]),
-                    static_cast<int32_t>(need_exact_mass), static_cast<int32_t>(splits), &o, &w, ptr<void>(stream)),
+    const SamplerCall c =
+        sampler_call(data, num_rows, vocab, dtype, rows, num_work, params, outs, num_samples, sample, ws);
+    check(ts_filter(&c.logits, &c.rows, ptr<const float>(stats[0]), ptr<const float>(stats[1]),
+                    ptr<const int64_t>(stats[2]), ptr<const uint8_t>(stats[3]), static_cast<int32_t>(need_exact_mass),
+                    static_cast<int32_t>(splits), &c.out, &c.ws, ptr<void>(stream)),
           "filter");
   });
   m.def("nucleus_scratch_bytes", &ts_nucleus_scratch_bytes);
   m.def("nucleus", [](int64_t data, int64_t num_rows, int64_t vocab, int64_t dtype, int64_t rows, int64_t num_work,
                       std::vector<int64_t> params, std::vector<int64_t> pre, std::vector<int64_t> outs,
                       int64_t num_samples, int64_t sample, std::vector<int64_t> ws, int64_t stream) {
-    const TsLogits l = logits_of(data, num_rows, vocab, dtype);
-    const TsRows r = rows_of(rows, num_work, params);
     const TsOutputs p = outputs_of(pre, 1, 0);
-    const TsOutputs o = outputs_of(outs, num_samples, sample);
-    const TsWorkspace w = workspace_of(ws);
-    check(ts_nucleus(&l, &r, &p, &o, &w, ptr<void>(stream)), "nucleus");
+    const SamplerCall c =
+        sampler_call(data, num_rows, vocab, dtype, rows, num_work, params, outs, num_samples, sample, ws);
+    check(ts_nucleus(&c.logits, &c.rows, &p, &c.out, &c.ws, ptr<void>(stream)), "nucleus");
   });
   m.def("copy_h2d", [](int64_t dst, int64_t src, int64_t nbytes, int64_t stream) {
     check(cudaMemcpyAsync(ptr<void>(dst), ptr<const void>(src), static_cast<size_t>(nbytes), cudaMemcpyHostToDevice,

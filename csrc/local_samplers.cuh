@@ -561,14 +561,23 @@ __device__ void stage_stats(Stage stage, const float (&v)[kGroups][4], const Row
 // ---------------------------------------------------------------------------------------------
 // The kernels (grid: chunks x rows, kThreads threads).
 
+// A block's place in that grid: row r, and its chunk among the row's chunks.
+struct ChunkPlace {
+  int64_t r;
+  int chunk, chunks;
+};
+
+__device__ __forceinline__ ChunkPlace chunk_place() {
+  return ChunkPlace{blockIdx.y, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)};
+}
+
 // kAfterTypical false: the statistics of the row's first sampler (top-n-sigma's, typical-p's or XTC's, then XTC
 // decided). true: XTC's after typical-p.
 template <bool kAfterTypical>
 __global__ void __launch_bounds__(kThreads) stats_kernel(float* logits, int64_t vocab, TsLocalRows rows,
                                                          Workspace ws) {
   __shared__ Scratch s;
-  const int64_t r = blockIdx.y;
-  const int chunk = blockIdx.x, chunks = gridDim.x;
+  const auto [r, chunk, chunks] = chunk_place();
   const Samplers smp = row_samplers(rows, r);
   const Row row = Row::of(logits, r, vocab);
   float v[kGroups][4];
@@ -594,8 +603,7 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(float* logits, int64_t 
 __global__ void __launch_bounds__(kThreads) sigma_kernel(float* logits, int64_t vocab, TsLocalRows rows,
                                                          Workspace ws) {
   __shared__ Scratch s;
-  const int64_t r = blockIdx.y;
-  const int chunk = blockIdx.x, chunks = gridDim.x;
+  const auto [r, chunk, chunks] = chunk_place();
   const Samplers smp = row_samplers(rows, r);
   if (!smp.sigma) return;
   const Row row = Row::of(logits, r, vocab);
@@ -625,8 +633,7 @@ __global__ void __launch_bounds__(kThreads) typical_hist_kernel(float* logits, i
   __shared__ Scratch s;
   __shared__ unsigned long long hist[kBins];
   __shared__ int cut;
-  const int64_t r = blockIdx.y;
-  const int chunk = blockIdx.x, chunks = gridDim.x;
+  const auto [r, chunk, chunks] = chunk_place();
   const Samplers smp = row_samplers(rows, r);
   if (!smp.typical) return;
   const TypicalPart all = merge_row(ws.typical + r * chunks, chunks, MergeTypical{});
@@ -850,8 +857,7 @@ __global__ void __launch_bounds__(kThreads) typical_cut_kernel(float* logits, in
                                                                Workspace ws) {
   extern __shared__ uint64_t cut_smem[];
   __shared__ Scratch s;
-  const int64_t r = blockIdx.y;
-  const int chunk = blockIdx.x, chunks = gridDim.x;
+  const auto [r, chunk, chunks] = chunk_place();
   const Samplers smp = row_samplers(rows, r);
   if (!smp.typical) return;
   const TypicalRow c = TypicalRow::load(ws.rows + r);

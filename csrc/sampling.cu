@@ -35,6 +35,16 @@ cudaError_t dispatch(int32_t dtype, const TsRows* rows, F&& f) {
   }
 }
 
+// dispatch for the kernels that run a block per chunk of each work row: f(t, mask, grid, stream) gets that grid.
+// No rows, no launch.
+template <typename F>
+cudaError_t dispatch_chunks(const TsLogits* logits, const TsRows* rows, void* stream, F&& f) {
+  if (rows->num_work_rows == 0) return cudaSuccess;
+  const dim3 grid(num_splits(logits->vocab), rows->num_work_rows);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return dispatch(logits->dtype, rows, [&](auto t, auto mask) { return f(t, mask, grid, s); });
+}
+
 cudaError_t set_smem(const void* kernel, size_t bytes) {
   if (bytes <= 48 * 1024) return cudaSuccess;
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
@@ -81,15 +91,13 @@ __global__ void noise_kernel(Noise noise, int64_t vocab, uint32_t* words, float*
   if (out) out[i] = gumbel_exact(word);
 }
 
+// ts_stats and ts_stats_flagged (only_flagged NULL: every row).
 cudaError_t launch_stats(const TsLogits* logits, const TsRows* rows, const float* lse_scale, const uint8_t* only_flagged,
                          const TsOutputs* out, const TsWorkspace* ws, void* stream) {
   if (bad_args(logits, rows)) return cudaErrorInvalidValue;
-  if (rows->num_work_rows == 0) return cudaSuccess;
-  const dim3 grid(num_splits(logits->vocab), rows->num_work_rows);
-  return dispatch(logits->dtype, rows, [&](auto t, auto mask) {
-    using T = decltype(t);
-    stats_kernel<T, decltype(mask)::value><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        *logits, *rows, lse_scale, only_flagged, *out, *ws);
+  return dispatch_chunks(logits, rows, stream, [&](auto t, auto mask, dim3 grid, cudaStream_t s) {
+    stats_kernel<decltype(t), decltype(mask)::value><<<grid, kThreads, 0, s>>>(*logits, *rows, lse_scale,
+                                                                                only_flagged, *out, *ws);
     return cudaGetLastError();
   });
 }
@@ -141,10 +149,7 @@ int ts_stats_flagged(const TsLogits* logits, const TsRows* rows, const uint8_t* 
 int ts_gumbel(const TsLogits* logits, const TsRows* rows, const float* lse_scale, const TsOutputs* out,
               const TsWorkspace* ws, void* stream) {
   if (bad_args(logits, rows) || !out->tokens) return cudaErrorInvalidValue;
-  if (rows->num_work_rows == 0) return cudaSuccess;
-  const dim3 grid(num_splits(logits->vocab), rows->num_work_rows);
-  const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return dispatch(logits->dtype, rows, [&](auto t, auto mask) {
+  return dispatch_chunks(logits, rows, stream, [&](auto t, auto mask, dim3 grid, cudaStream_t s) {
     using T = decltype(t);
     constexpr bool M = decltype(mask)::value;
     if (lse_scale)
@@ -158,13 +163,9 @@ int ts_gumbel(const TsLogits* logits, const TsRows* rows, const float* lse_scale
 int ts_min_p(const TsLogits* logits, const TsRows* rows, const float* row_max, const TsOutputs* out,
              const TsWorkspace* ws, void* stream) {
   if (bad_args(logits, rows) || !out->tokens || !row_max) return cudaErrorInvalidValue;
-  if (rows->num_work_rows == 0) return cudaSuccess;
-  const dim3 grid(num_splits(logits->vocab), rows->num_work_rows);
-  return dispatch(logits->dtype, rows, [&](auto t, auto mask) {
-    using T = decltype(t);
-    return launch_after_previous(&gumbel_kernel<T, decltype(mask)::value, false, true>, grid, dim3(kThreads), 0,
-                                 static_cast<cudaStream_t>(stream), *logits, *rows, static_cast<const float*>(nullptr),
-                                 row_max, *out, *ws);
+  return dispatch_chunks(logits, rows, stream, [&](auto t, auto mask, dim3 grid, cudaStream_t s) {
+    return launch_after_previous(&gumbel_kernel<decltype(t), decltype(mask)::value, false, true>, grid, dim3(kThreads),
+                                 0, s, *logits, *rows, static_cast<const float*>(nullptr), row_max, *out, *ws);
   });
 }
 
@@ -215,10 +216,7 @@ int ts_nucleus(const TsLogits* logits, const TsRows* rows, const TsOutputs* pre,
   if (bad_args(logits, rows) || !out->tokens || !out->flags || !pre->tokens || !pre->flags || !pre->row_max ||
       !pre->row_min)
     return cudaErrorInvalidValue;
-  if (rows->num_work_rows == 0) return cudaSuccess;
-  const dim3 grid(num_splits(logits->vocab), rows->num_work_rows);
-  const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return dispatch(logits->dtype, rows, [&](auto t, auto mask) {
+  return dispatch_chunks(logits, rows, stream, [&](auto t, auto mask, dim3 grid, cudaStream_t s) {
     using T = decltype(t);
     constexpr bool M = decltype(mask)::value;
     frontier_kernel<T, M><<<grid, kThreads, 0, s>>>(*logits, *rows, *pre, *out, *ws);

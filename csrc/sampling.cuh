@@ -838,6 +838,54 @@ __device__ __forceinline__ void rank_thread_maxima(const uint64_t* thread_max, u
   if (above == K - 1) threshold = sorted;
 }
 
+// Appends to cand[0, Cap) the keys of the chunk's tokens (v, ids base + 4 kThreads j + e) that reach th, counting
+// them in num_cand (past Cap: counted, not stored). th_x, a float no candidate lies below, spares most tokens the key.
+template <int Cap>
+__device__ __forceinline__ void collect_candidates(const float (&v)[kGroupsPerThread][4], uint32_t base, int64_t vocab,
+                                                   uint64_t th, float th_x, uint64_t* cand, int& num_cand) {
+#pragma unroll
+  for (int j = 0; j < kGroupsPerThread; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (!(v[j][e] >= th_x)) continue;
+      const uint32_t id = base + 4 * kThreads * j + e;
+      if (id >= vocab) continue;
+      const uint64_t key = rank_key(v[j][e], id);
+      if (key >= th) {
+        const int pos = atomicAdd(&num_cand, 1);
+        if (pos < Cap) cand[pos] = key;
+      }
+    }
+}
+
+// The first k of the n distinct keys cand[0, n) in descending order into out: a key's rank is the count of larger
+// ones. Entries of out past n are not written.
+__device__ __forceinline__ void rank_by_counting(const uint64_t* cand, int n, int k, uint64_t* out) {
+  for (int i = threadIdx.x; i < n; i += kThreads) {
+    const uint64_t key = cand[i];
+    int rank = 0;
+    for (int j = 0; j < n; ++j) rank += cand[j] > key;
+    if (rank < k) out[rank] = key;
+  }
+}
+
+// The rank key of the thread's best token (v, ids base + 4 kThreads j + e): ids rise along the loop, so the first
+// maximum has the lowest id. Tokens past the vocabulary read as -inf and never replace the first (real) token; a
+// thread whose first token is past the vocabulary holds none (0).
+__device__ __forceinline__ uint64_t thread_best_key(const float (&v)[kGroupsPerThread][4], uint32_t base,
+                                                    int64_t vocab) {
+  float best_x = v[0][0];
+  uint32_t best_id = base;
+#pragma unroll
+  for (int j = 0; j < kGroupsPerThread; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (j == 0 && e == 0) continue;
+      if (v[j][e] > best_x) best_x = v[j][e], best_id = base + 4 * kThreads * j + e;
+    }
+  return base < vocab ? rank_key(best_x, best_id) : 0;
+}
+
 // Lane i gets the i-th largest of the warp's 32 values (bitonic network on shuffles).
 __device__ __forceinline__ uint64_t warp_sort_desc(uint64_t v) {
   const int lane = threadIdx.x & 31;
@@ -870,21 +918,8 @@ __global__ void __launch_bounds__(kThreads, 5)
   __shared__ int num_cand;
   float v[kGroupsPerThread][4];
   const bool nan = load_chunk(rv, vocab, g0, v);
-  // The thread's best token: ids rise along the loop, so the first maximum has the lowest id. Tokens
-  // past the vocabulary read as -inf and never replace the first (real) token; a thread whose first
-  // token is past the vocabulary holds none.
   const uint32_t base = 4 * (static_cast<uint32_t>(g0) + threadIdx.x);
-  float best_x = v[0][0];
-  uint32_t best_id = base;
-#pragma unroll
-  for (int j = 0; j < kGroupsPerThread; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (j == 0 && e == 0) continue;
-      if (v[j][e] > best_x) best_x = v[j][e], best_id = base + 4 * kThreads * j + e;
-    }
-  const uint64_t best = base < vocab ? rank_key(best_x, best_id) : 0;
-  const uint64_t sorted = warp_sort_desc(best);
+  const uint64_t sorted = warp_sort_desc(thread_best_key(v, base, vocab));
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if constexpr (K <= 128) {
     // Per-warp threshold: the (K/8)-th largest thread maximum of each warp, then the minimum over the
@@ -917,28 +952,11 @@ __global__ void __launch_bounds__(kThreads, 5)
   // threshold is 1 or a -inf token's key (a chunk of few finite tokens, as masks leave), the -inf tokens would
   // pass it by id and overflow the candidates.
   const float th_x = fmaxf(th == 1 ? -kInf : key_value(th), -FLT_MAX);
-#pragma unroll
-  for (int j = 0; j < kGroupsPerThread; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (!(v[j][e] >= th_x)) continue;
-      const uint32_t id = base + 4 * kThreads * j + e;
-      if (id >= vocab) continue;
-      const uint64_t key = rank_key(v[j][e], id);
-      if (key >= th) {
-        const int pos = atomicAdd(&num_cand, 1);
-        if (pos < kChunkCandidates) cand[pos] = key;
-      }
-    }
+  collect_candidates<kChunkCandidates>(v, base, vocab, th, th_x, cand, num_cand);
   __syncthreads();
   const int n = min(num_cand, kChunkCandidates);
   uint64_t* my_list = lists + (static_cast<int64_t>(w) * splits + split) * K;
-  for (int i = threadIdx.x; i < n; i += kThreads) {
-    const uint64_t key = cand[i];
-    int rank = 0;
-    for (int j = 0; j < n; ++j) rank += cand[j] > key;
-    if (rank < K) my_list[rank] = key;
-  }
+  rank_by_counting(cand, n, K, my_list);
   for (int i = n + threadIdx.x; i < K; i += kThreads) my_list[i] = 0;
   const bool any_nan = __syncthreads_or(nan);
   if (threadIdx.x == 0)

@@ -108,6 +108,23 @@ __device__ __forceinline__ RowView<T> job_view(const TsRowJob& job, int w) {
   return view_of_row(static_cast<const T*>(job.logits) + static_cast<int64_t>(w) * job.vocab, w);
 }
 
+// visit(x, word, id) for every token of the row, by the whole block: x sanitized, word the token's noise word. The
+// exact passes over a row, where a screened pass could not decide it.
+template <typename T, typename Visit>
+__device__ __forceinline__ void for_each_row_token(const RowView<T>& rv, int64_t vocab, const NoiseStream& noise,
+                                                   Visit visit) {
+  for (int64_t g = threadIdx.x; g < (vocab + 3) / 4; g += kThreads) {
+    float x[4];
+    load_group(rv.row, g, vocab, rv.aligned, x);
+    const uint4 words = noise.group(static_cast<uint32_t>(g));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      sanitize(x[e]);
+      visit(x[e], word_of(words, e), static_cast<uint32_t>(4 * g + e));
+    }
+  }
+}
+
 // Aux rows of a job (0 without aux): grid rows num_rows .. num_rows + aux_rows - 1.
 __host__ __device__ inline int aux_rows(const TsRowJob& job) {
   return job.aux ? job.num_rows / job.per_request * job.aux_per_request : 0;
@@ -436,17 +453,9 @@ __global__ void __launch_bounds__(kThreads, 5)
   if (rescore) {  // the exact scores z + g of the whole row, as Sample's reference computes them
     const NoiseStream noise = job_noise(job, jr);
     uint64_t best = 0;
-    for (int64_t g = threadIdx.x; g < (vocab + 3) / 4; g += kThreads) {
-      float x[4];
-      load_group(rv.row, g, vocab, rv.aligned, x);
-      const uint4 words = noise.group(static_cast<uint32_t>(g));
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        sanitize(x[e]);
-        if (x[e] > -kInf)
-          best = max(best, gumbel_key(scaled(x[e], row.max, jr.temperature), static_cast<uint32_t>(4 * g + e), noise));
-      }
-    }
+    for_each_row_token(rv, vocab, noise, [&](float x, uint32_t, uint32_t id) {
+      if (x > -kInf) best = max(best, gumbel_key(scaled(x, row.max, jr.temperature), id, noise));
+    });
     __shared__ uint64_t scratch[kThreads / 32];
     token = key_index(block_allreduce<kThreads>(best, MaxOp{}, scratch));
   }
@@ -638,18 +647,10 @@ __global__ void __launch_bounds__(kThreads, 5)
   for (int i = threadIdx.x; i < splits; i += kThreads) best = max(best, __ldcg(partial + i));
   best = block_allreduce<kThreads>(best, MaxOp{}, scratch);
   if (best == 0) {  // the residual rounded to zero everywhere (q == p up to rounding): draw from q
-    for (int64_t g = threadIdx.x; g < (vocab + 3) / 4; g += kThreads) {
-      float x[4];
-      load_group(rv.row, g, vocab, rv.aligned, x);
-      const uint4 words = noise.group(static_cast<uint32_t>(g));
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        sanitize(x[e]);
-        const float q = target_prob(x[e], rr.row_max, jr.temperature, rr.row_sum);
-        if (q > 0.f)
-          best = max(best, rank_key(__fadd_rn(logf(q), gumbel_exact(word_of(words, e))), static_cast<uint32_t>(4 * g + e)));
-      }
-    }
+    for_each_row_token(rv, vocab, noise, [&](float x, uint32_t word, uint32_t id) {
+      const float q = target_prob(x, rr.row_max, jr.temperature, rr.row_sum);
+      if (q > 0.f) best = max(best, rank_key(__fadd_rn(logf(q), gumbel_exact(word)), id));
+    });
     best = block_allreduce<kThreads>(best, MaxOp{}, scratch);
   }
   if (threadIdx.x == 0) write_row(key_index(best));
@@ -694,14 +695,7 @@ __global__ void __launch_bounds__(kThreads, 5)
   float v[kGroupsPerThread][4];
   load_chunk(rv, vocab, g0, v);
   const uint32_t base = 4 * (static_cast<uint32_t>(g0) + threadIdx.x);
-  float best_x = v[0][0];
-  uint32_t best_id = base;
-#pragma unroll
-  for (int j = 0; j < kGroupsPerThread; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      if (v[j][e] > best_x) best_x = v[j][e], best_id = base + 4 * kThreads * j + e;
-  const uint64_t sorted = warp_sort_desc(base < vocab ? rank_key(best_x, best_id) : 0);
+  const uint64_t sorted = warp_sort_desc(thread_best_key(v, base, vocab));
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (lane == 0) warp_top[warp] = sorted;
   if (threadIdx.x == 0) num_cand = 0;
@@ -741,29 +735,12 @@ __global__ void __launch_bounds__(kThreads, 5)
   sum = warp_allreduce(sum, SumOp{});
   if (lane == 0) warp_sum[warp] = sum;
   const float th_x = th == 1 ? -kInf : key_value(th);  // a float test first, the full key on a pass
-#pragma unroll
-  for (int j = 0; j < kGroupsPerThread; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (!(v[j][e] >= th_x)) continue;
-      const uint32_t id = base + 4 * kThreads * j + e;
-      if (id >= vocab) continue;
-      const uint64_t key = rank_key(v[j][e], id);
-      if (key >= th) {
-        const int pos = atomicAdd(&num_cand, 1);
-        if (pos < kTopkCap) cand[pos] = key;
-      }
-    }
+  collect_candidates<kTopkCap>(v, base, vocab, th, th_x, cand, num_cand);
   __syncthreads();
   const int n = min(num_cand, kTopkCap);
   uint64_t* my_list = lists + (static_cast<int64_t>(w) * splits + split) * K;
-  if (n <= 4 * K) {  // rank by counting
-    for (int i = threadIdx.x; i < n; i += kThreads) {
-      const uint64_t key = cand[i];
-      int rank = 0;
-      for (int j = 0; j < n; ++j) rank += cand[j] > key;
-      if (rank < K) my_list[rank] = key;
-    }
+  if (n <= 4 * K) {
+    rank_by_counting(cand, n, K, my_list);
   } else {
     const int padded = pow2_at_least(n);
     for (int i = n + threadIdx.x; i < padded; i += kThreads) cand[i] = 0;
