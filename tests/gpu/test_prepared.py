@@ -27,6 +27,19 @@ def _seeds(rows: int) -> list[int]:
     return [7919 * r + 11 for r in range(rows)]
 
 
+def _captured(call):
+    """call() run once on a side stream (the warm-up torch.cuda.graph asks for), then captured: (graph, its output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out
+
+
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("rows", [8, 40])  # 40: top-p rows take the frontier route
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -73,16 +86,13 @@ def test_a_captured_call_replays_sample_s_tokens(sampler: LocalSampler, params: 
     rows = 40
     x = logits("spiky", rows, VOCAB, seed=8).cuda()
     prepared = sampler.prepare(rows, VOCAB, seed=_seeds(rows), position=0, **params)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        prepared(x)  # warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    prepared.position.fill_(0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def step():
         prepared.position.add_(1)
-        out = prepared(x)
+        return prepared(x)
+
+    graph, out = _captured(step)
+    prepared.position.fill_(0)
     for step in range(1, 4):
         graph.replay()
         want = sampler.sample(x, seed=_seeds(rows), position=step, **params)
@@ -98,14 +108,7 @@ def test_a_captured_call_from_hidden_states(sampler: LocalSampler) -> None:
     hidden = torch.randn(8, 256, generator=g).to(torch.bfloat16).cuda()
     head = sampler.register_head(weight)
     prepared = sampler.prepare(8, head=head, top_k=50, top_p=0.9, seed=_seeds(8), position=0)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        prepared(hidden)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = prepared(hidden)
+    graph, out = _captured(lambda: prepared(hidden))
     graph.replay()
     want = sampler.sample_hidden(hidden, head, top_k=50, top_p=0.9, seed=_seeds(8), position=0)
     assert torch.equal(out.tokens.cpu(), want.tokens)
@@ -137,14 +140,7 @@ def test_prepared_log_probs_are_sample_s(sampler: LocalSampler, mode: str, param
     options = {"return_logprobs": True, "logprobs_mode": mode, "top_logprobs": 5, "num_samples": 2,
                "seed": _seeds(rows), "position": 6, **params}
     prepared = sampler.prepare(rows, VOCAB, **options)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        prepared(x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = prepared(x)
+    graph, got = _captured(lambda: prepared(x))
     graph.replay()
     want = sampler.sample(x, **options)
     assert torch.equal(got.tokens.cpu(), want.tokens)
