@@ -21,9 +21,12 @@ BEGIN, END = "<!-- performance-tables: begin -->", "<!-- performance-tables: end
 PEERS = {
     "torch_argmax": "torch argmax",
     "flashinfer_topk_topp": "FlashInfer top_k_top_p_sampling_from_logits",
+    "flashinfer_topk_topp_scalar_k": "FlashInfer top_k_top_p_sampling_from_logits, one int k and p",
     "flashinfer_gumbel": "FlashInfer sampling_from_logits",
-    "flashinfer_softmax+top_p": "FlashInfer softmax + top_p_sampling_from_probs",
-    "flashinfer_softmax+min_p": "FlashInfer softmax + min_p_sampling_from_probs",
+    "flashinfer_softmax+top_p": "torch softmax + FlashInfer top_p_sampling_from_probs",
+    "flashinfer_softmax+min_p": "torch softmax + FlashInfer min_p_sampling_from_probs",
+    "flashinfer_fused_softmax+top_p": "FlashInfer's softmax + top_p_sampling_from_probs",
+    "flashinfer_fused_softmax+min_p": "FlashInfer's softmax + min_p_sampling_from_probs",
     "vllm_native_topk_topp": "vLLM PyTorch-native top-k/top-p",
 }
 
