@@ -60,7 +60,7 @@ from provenance import tree_commit  # noqa: E402
 from tokensampler_client import SamplerClient  # noqa: E402
 from tokensampler_client.params import serialize_sample_request  # noqa: E402
 from tokensampler_client.regions import CudaRegion, RegionView, SharedMemoryRegion  # noqa: E402
-from tokensampler_server.inprocess import LocalSampler  # noqa: E402
+from tokensampler_server.inprocess import LocalSampler, capture  # noqa: E402
 from transformers import (  # noqa: E402
     LlamaConfig,
     LlamaForCausalLM,
@@ -321,14 +321,7 @@ class GraphSampling(Sampling):
         self._graph: torch.cuda.CUDAGraph | None = None
         self._tokens = torch.empty(0)
         if decoder.logits.is_cuda:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # the warm-up torch.cuda.graph asks for
-                self._replayed()
-            torch.cuda.current_stream().wait_stream(side)
-            self._graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self._graph):
-                self._tokens = self._replayed()
+            self._graph, self._tokens = capture(self._replayed)
         self.extra = {"sampling": "cuda_graph" if self._graph is not None else "eager"}
 
     def _replayed(self) -> torch.Tensor:

@@ -28,7 +28,7 @@ sys.path[:0] = [str(ROOT / "server"), str(ROOT / "client"), str(ROOT / "benchmar
 
 from bench_kernels import import_flashinfer, kernel_bench_arguments, run_meta, write_results  # noqa: E402
 from wall import wall_us  # noqa: E402
-from tokensampler_server.inprocess import LocalSampler  # noqa: E402
+from tokensampler_server.inprocess import LocalSampler, capture  # noqa: E402
 
 V = 151936
 T = 0.8
@@ -43,19 +43,6 @@ def waited(call: Callable[[], Any]) -> Callable[[], None]:
     return run
 
 
-def captured(call: Callable[[], Any]) -> Callable[[], None]:
-    """call() captured in a CUDA graph (warmed up on a side stream first): the graph's replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return graph.replay
-
-
 def methods(sampler: LocalSampler, fi: Any, logits: torch.Tensor, mode: str) -> dict[str, Callable[[], Any]]:
     rows = logits.shape[0]
     params = {"temperature": T, "seed": list(range(rows)), **MODES[mode]}
@@ -63,7 +50,7 @@ def methods(sampler: LocalSampler, fi: Any, logits: torch.Tensor, mode: str) -> 
     calls: dict[str, Callable[[], Any]] = {
         "sample": lambda: sampler.sample(logits, position=1, **params),
         "prepared": lambda: prepared(logits),
-        "prepared_graph": captured(lambda: prepared(logits)),
+        "prepared_graph": capture(lambda: prepared(logits))[0].replay,
     }
     if fi is not None:
         if mode == "top_k_top_p":

@@ -44,7 +44,7 @@ from tokensampler_server.validation.workloads import validate_score_request, val
 from tokensampler_server.workloads.cuda import workloads_of
 from tokensampler_server.resources.weights import RegisteredWeight, check_finish, check_weight_shape
 
-__all__ = ["LocalSampler", "PreparedSampler"]
+__all__ = ["LocalSampler", "PreparedSampler", "capture"]
 
 _MODES = {"raw": pb.LOGPROBS_MODE_RAW, "processed": pb.LOGPROBS_MODE_PROCESSED}
 # What a prepared call takes: the parameters the kernels read per row (docs/inprocess.md, "Prepared calls").
@@ -294,3 +294,19 @@ class PreparedSampler:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"input: got {got}, expected a tensor of shape {list(self._shape)} as prepared")
         return self._prepared.sample(self._head.logits(x) if self._head is not None else x)
+
+
+def capture(call: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """call() run once on a side stream (the warm-up that torch.cuda.graph asks for: its first call builds what it
+    needs), then captured in a CUDA graph on the current device: (the graph, what the captured call returned, whose
+    tensors each replay rewrites). For a prepared call with whatever the caller adds around it, e.g. its counters'
+    update."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out

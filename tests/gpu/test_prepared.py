@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokensampler_server.inprocess import LocalSampler
+from tokensampler_server.inprocess import LocalSampler, capture
 
 from .conftest import MODES, logits
 
@@ -25,19 +25,6 @@ def sampler() -> LocalSampler:
 
 def _seeds(rows: int) -> list[int]:
     return [7919 * r + 11 for r in range(rows)]
-
-
-def _captured(call):
-    """call() run once on a side stream (the warm-up torch.cuda.graph asks for), then captured: (graph, its output)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
-    return graph, out
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -91,7 +78,7 @@ def test_a_captured_call_replays_sample_s_tokens(sampler: LocalSampler, params: 
         prepared.position.add_(1)
         return prepared(x)
 
-    graph, out = _captured(step)
+    graph, out = capture(step)
     prepared.position.fill_(0)
     for step in range(1, 4):
         graph.replay()
@@ -108,7 +95,7 @@ def test_a_captured_call_from_hidden_states(sampler: LocalSampler) -> None:
     hidden = torch.randn(8, 256, generator=g).to(torch.bfloat16).cuda()
     head = sampler.register_head(weight)
     prepared = sampler.prepare(8, head=head, top_k=50, top_p=0.9, seed=_seeds(8), position=0)
-    graph, out = _captured(lambda: prepared(hidden))
+    graph, out = capture(lambda: prepared(hidden))
     graph.replay()
     want = sampler.sample_hidden(hidden, head, top_k=50, top_p=0.9, seed=_seeds(8), position=0)
     assert torch.equal(out.tokens.cpu(), want.tokens)
@@ -140,7 +127,7 @@ def test_prepared_log_probs_are_sample_s(sampler: LocalSampler, mode: str, param
     options = {"return_logprobs": True, "logprobs_mode": mode, "top_logprobs": 5, "num_samples": 2,
                "seed": _seeds(rows), "position": 6, **params}
     prepared = sampler.prepare(rows, VOCAB, **options)
-    graph, got = _captured(lambda: prepared(x))
+    graph, got = capture(lambda: prepared(x))
     graph.replay()
     want = sampler.sample(x, **options)
     assert torch.equal(got.tokens.cpu(), want.tokens)
