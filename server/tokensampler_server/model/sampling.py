@@ -199,7 +199,7 @@ class SamplingBatch(RowSampling):
 
 @dataclass(frozen=True)
 class SamplingResult:
-    """What a backend returns, on the CPU."""
+    """What a backend returns: on the CPU from `sample`, on the device from a prepared call (backends/base.py)."""
 
     tokens: torch.Tensor | None
     """int64 [B, num_samples]; -1 in rows that are not valid. (None only after the service wrote them
