@@ -5,7 +5,8 @@ row.
   python benchmarks/bench_prepared.py [--batches 1,8,64,256] [--peers PATH | --no-peers] [--out benchmarks/results]
 
 Methods, each a call and then a wait for its tokens (the host clock: latency as a decode loop that reads them sees
-it), and each call's GPU time alone (CUDA events, L2 flushed: peers.bench):
+it), and the call's time on the GPU's clock (CUDA events around back-to-back calls, L2 flushed: peers.bench; for a
+call bound by its host work, that includes the GPU's idle gaps):
   sample           LocalSampler.sample: the request's validation, the plan, the fast routes, one synchronisation
   prepared         LocalSampler.prepare's call: the exact routes, no validation, planning or synchronisation inside
   prepared_graph   the same call captured in a CUDA graph, replayed
@@ -37,6 +38,8 @@ ITERS, WARMUP = 300, 30
 
 
 def waited(call: Callable[[], Any]) -> Callable[[], None]:
+    """call() and a wait for the GPU: what a caller that reads the tokens sees."""
+
     def run() -> None:
         call()
         torch.cuda.synchronize()
