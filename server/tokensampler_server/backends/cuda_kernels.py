@@ -20,7 +20,8 @@ from tokensampler_server.backends.cuda_build import load_kernels
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
-_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+"""The kernels' dtype codes of logits (csrc/sampling.h TsLogits.dtype)."""
 # The route planner's plan of one call (csrc/routes.h TsPlan, bound as the module's Plan): its groups of rows,
 # (first, n) each, the exact group's route, the filter's blocks a row and the row ids it wrote.
 Plan = Any
@@ -170,9 +171,9 @@ class Kernels:
     def _logits(self, logits: torch.Tensor) -> tuple[int, int, int, int]:
         if logits.device != self.device or logits.dim() != 2 or not logits.is_contiguous():
             raise ValueError("logits: a contiguous [B, V] tensor on the kernels' device expected")
-        if logits.dtype not in _DTYPES:
+        if logits.dtype not in DTYPE_CODES:
             raise ValueError(f"logits: float32, float16 or bfloat16 expected, got {logits.dtype}")
-        return logits.data_ptr(), logits.shape[0], logits.shape[1], _DTYPES[logits.dtype]
+        return logits.data_ptr(), logits.shape[0], logits.shape[1], DTYPE_CODES[logits.dtype]
 
     @staticmethod
     def _rows(rows: torch.Tensor | None, num_rows: int) -> tuple[int, int]:
@@ -256,7 +257,7 @@ class Kernels:
             counters, hist, scratch = plan.workspace()
             ws = self._workspace(counters // 4, scratch, hist)
         data, _, _, dt = self._logits(x)
-        raw_data, raw_dt = (raw_x.data_ptr(), _DTYPES[raw_x.dtype]) if raw_x is not None and plan.need_raw[1] else (0, 0)
+        raw_data, raw_dt = (raw_x.data_ptr(), DTYPE_CODES[raw_x.dtype]) if raw_x is not None and plan.need_raw[1] else (0, 0)
         self.module.launch_plan(plan, data, dt, bitmask, lse_scale, raw_data, raw_dt, raw_lse_scale, dev_stage,
                                 num_samples, main, filt, pre, raw, exact_bits, ws, stream)
 

@@ -31,14 +31,13 @@ import torch
 from tokensampler_server.backends.base import Backend
 from tokensampler_server.backends.cuda_build import load_kernels
 from tokensampler_server.backends.cuda_buffers import grown
-from tokensampler_server.backends.cuda_kernels import stream_address
+from tokensampler_server.backends.cuda_kernels import DTYPE_CODES, stream_address
 from tokensampler_server.workloads.diffusion import DiffusionStep, diffusion_step
 from tokensampler_server.workloads.score import LogitSource, Scores, TokenScoring, score_tokens
 from tokensampler_server.workloads.score_cuda import ScoreKernels, score_tokens_cuda
 from tokensampler_server.workloads.topk_probs import topk_probs
 from tokensampler_server.workloads.verify import DraftVerification, verify_draft
 
-_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _FLAG_RECOMPUTE = 4
 
 
@@ -89,7 +88,7 @@ class WorkloadKernels:
         return t.to(device=self.device, dtype=dtype or t.dtype, non_blocking=True).contiguous()
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype not in _DTYPES:
+        if x.dtype not in DTYPE_CODES:
             raise ValueError(f"logits: float32, float16 or bfloat16 expected, got {x.dtype}")
         return self._on_device(x)
 
@@ -110,7 +109,7 @@ class WorkloadKernels:
         ids = torch.empty(num_rows, k, dtype=torch.int64, device=self.device)
         flags = torch.empty(num_rows, dtype=torch.uint8, device=self.device)
         ws = self._workspace(num_rows, self.module.topk_probs_scratch_bytes(num_rows, vocab, bucket))
-        self.module.topk_probs(x.data_ptr(), num_rows, vocab, _DTYPES[x.dtype], t.data_ptr(), k, bucket,
+        self.module.topk_probs(x.data_ptr(), num_rows, vocab, DTYPE_CODES[x.dtype], t.data_ptr(), k, bucket,
                                probs.data_ptr(), ids.data_ptr(), flags.data_ptr(), ws, self._stream())
         return probs, ids, flags
 
@@ -135,7 +134,7 @@ class WorkloadKernels:
         count = self._on_device(step.count, torch.int64)
         rows = num_requests * length
         # position NULL: the noise position of slot l is l; draw_slot -1: every masked position samples
-        job = [x.data_ptr(), vocab, _DTYPES[x.dtype], rows, length, mask.data_ptr(), temperature.data_ptr(),
+        job = [x.data_ptr(), vocab, DTYPE_CODES[x.dtype], rows, length, mask.data_ptr(), temperature.data_ptr(),
                seed.data_ptr(), 0, iteration.data_ptr(), -1, 0, 0]
         tokens = torch.empty(num_requests, length, dtype=torch.int64, device=self.device)
         confidences = torch.empty(num_requests, length, dtype=torch.float32, device=self.device)
@@ -162,7 +161,7 @@ class WorkloadKernels:
         iteration = self._on_device(v.iteration, torch.int64)
         n = positions - 1
         rows = num_requests * positions
-        job = [target.data_ptr(), vocab, _DTYPES[target.dtype], rows, positions, 0, temperature.data_ptr(),
+        job = [target.data_ptr(), vocab, DTYPE_CODES[target.dtype], rows, positions, 0, temperature.data_ptr(),
                seed.data_ptr(), position.data_ptr(), iteration.data_ptr(), n, draft.data_ptr(), n]
         stats = {name: torch.empty(rows, dtype=dtype, device=self.device) for name, dtype in _VERIFY_STATS.items()}
         self.row_stats(job, rows, vocab, stats)

@@ -19,11 +19,10 @@ from types import ModuleType
 import torch
 
 from tokensampler_server.backends.cuda_buffers import grown
-from tokensampler_server.backends.cuda_kernels import stream_address
+from tokensampler_server.backends.cuda_kernels import DTYPE_CODES, stream_address
 from tokensampler_server.resources.weights import RegisteredWeight
 from tokensampler_server.workloads.score import LogitSource, Scores, TokenScoring, row_temperature, score_tokens
 
-_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _MAX_ROWS = 65535
 """Rows of one launch (the grid's rows)."""
 
@@ -92,7 +91,7 @@ class ScoreKernels:
                     getattr(out, name)[index] = getattr(target, name)
 
     def _from_logits(self, logits: torch.Tensor, index: torch.Tensor | None, top_n: int, rows_of) -> None:
-        x = logits if logits.dtype in _DTYPES else logits.float()
+        x = logits if logits.dtype in DTYPE_CODES else logits.float()
         x = self._on_device(x, x.dtype)
         vocab = x.shape[1]
         num_rows = x.shape[0] if index is None else index.numel()
@@ -103,7 +102,7 @@ class ScoreKernels:
             data, starts = ((x.data_ptr() + r0 * vocab * x.element_size(), 0) if row_start is None
                             else (x.data_ptr(), row_start.data_ptr() + r0 * row_start.element_size()))
             ws, state = self._workspace(r1 - r0, vocab, top_n)
-            self.module.score_slice([data, r1 - r0, vocab, _DTYPES[x.dtype], starts], 0, rows_of(r0), True, True,
+            self.module.score_slice([data, r1 - r0, vocab, DTYPE_CODES[x.dtype], starts], 0, rows_of(r0), True, True,
                                     state, ws, stream)
 
     def _from_hidden(self, hidden: torch.Tensor, head: RegisteredWeight, top_n: int, rows_of) -> None:
