@@ -19,6 +19,9 @@ same model, GPU and prompt, in one run:
   tokensampler_inprocess_hidden  LocalSampler.sample_hidden of the final hidden states, lm_head.weight in place
   tokensampler_remote_logits     a server (a subprocess on a Unix socket) sampling the logits in a region
   tokensampler_remote_hidden     the same from the hidden states in a region, lm_head.weight registered in place
+  tokensampler_colocated_logits  the same server, colocated (SamplerClient.colocate): each step handed off on the GPU,
+                                 no host round trip on the step's way (docs/colocated.md; needs a GPU)
+  tokensampler_colocated_hidden  the same from the hidden states, lm_head.weight registered in place
 Rows: tokens/s and step p50/p99 per method, B and depth (medians of --repeats runs, with their range), the
 remote overhead per step, whether the tokens of one input kind are the same in process and remote, and how often
 the tokens of the two kinds agree. Writes e2e-<gpu>-<date>.json and a PNG of the step p50.
@@ -81,9 +84,13 @@ LOGIT_STD = 2.0
 """The LM head is N(0, (LOGIT_STD / sqrt(D))^2): the final norm's output has unit RMS, so the logits have a std of
 about LOGIT_STD, which leaves tens of tokens after top-k and top-p (meta's step0_distribution measures it)."""
 METHODS = ("torch", "flashinfer", "tokensampler_inprocess_logits", "tokensampler_graph_logits",
-           "tokensampler_inprocess_hidden", "tokensampler_remote_logits", "tokensampler_remote_hidden")
+           "tokensampler_inprocess_hidden", "tokensampler_remote_logits", "tokensampler_remote_hidden",
+           "tokensampler_colocated_logits", "tokensampler_colocated_hidden")
 REMOTE_OF_INPROCESS = {"tokensampler_remote_logits": "tokensampler_inprocess_logits",
-                       "tokensampler_remote_hidden": "tokensampler_inprocess_hidden"}
+                       "tokensampler_remote_hidden": "tokensampler_inprocess_hidden",
+                       "tokensampler_colocated_logits": "tokensampler_inprocess_logits",
+                       "tokensampler_colocated_hidden": "tokensampler_inprocess_hidden"}
+REMOTE_PREFIXES = ("tokensampler_remote_", "tokensampler_colocated_")
 _REGION_NUMBERS = itertools.count()
 
 
@@ -415,6 +422,40 @@ class RemoteSampling(Sampling):
         self._buffer.close()
 
 
+class ColocatedSampling(Sampling):
+    """tokensampler colocated on the GPU (SamplerClient.colocate): the server's stream waits for the step's buffer on
+    the GPU and the decode loop's stream for the tokens, the step's announcement travelling on a gRPC thread meanwhile.
+    One loop a run (its steps count from 1), opened before the run's clock starts."""
+
+    def __init__(self, client: SamplerClient, decoder: Decoder, kind: str, seeds: list[int], prompt_len: int) -> None:
+        super().__init__()
+        self.kind = kind
+        self._client = client
+        self._seeds = seeds
+        self._prompt_len = prompt_len
+        self._source = decoder.hidden if kind == "hidden" else decoder.logits
+        self._head = decoder.model.lm_head.weight if kind == "hidden" else None
+        self._loop: Any = None
+        self.begin()  # fails here, not in a run, when the server cannot open one
+        self.extra = {"mps": client.server_info().mps}
+
+    def begin(self) -> None:
+        if self._loop is not None:
+            self.extra["fallbacks"] = self.extra.get("fallbacks", 0) + self._loop.fallbacks
+            self._loop.close()
+        self._loop = self._client.colocate(self._source, head=self._head, seed=self._seeds,
+                                           position=self._prompt_len, **PARAMS)
+
+    def sample(self, position: int) -> torch.Tensor:
+        return self._loop.step()
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self.extra["fallbacks"] = self.extra.get("fallbacks", 0) + self._loop.fallbacks
+            self._loop.close()
+            self._loop = None
+
+
 class HostTokens:
     """Every step's tokens on the host, as an engine reads them for its stop checks: tokens still on the GPU are
     copied to pinned memory without blocking and read one step later, after their event; tokens a sampler already
@@ -549,6 +590,10 @@ def compare(rows: dict[str, dict[str, Any]], tokens: dict[str, torch.Tensor]) ->
         if remote in rows and local in rows:
             rows[remote]["remote_overhead_us"] = round(rows[remote]["step_p50_us"] - rows[local]["step_p50_us"], 1)
             rows[remote]["tokens_identical_to_inprocess"] = torch.equal(tokens[remote], tokens[local])
+    graph = "tokensampler_graph_logits"
+    if "tokensampler_colocated_logits" in rows and graph in rows:  # against the fastest sampling in process
+        rows["tokensampler_colocated_logits"]["overhead_over_graph_us"] = round(
+            rows["tokensampler_colocated_logits"]["step_p50_us"] - rows[graph]["step_p50_us"], 1)
     graph, local = "tokensampler_graph_logits", "tokensampler_inprocess_logits"
     if graph in rows and local in rows:
         rows[graph]["saving_over_inprocess_us"] = round(rows[local]["step_p50_us"] - rows[graph]["step_p50_us"], 1)
@@ -574,7 +619,7 @@ class Case:
 
 def make_sampling(name: str, decoder: Decoder, seeds: list[int], seed: int, *, sampler: LocalSampler | None,
                   client: SamplerClient | None, flashinfer: ModuleType | None, remote_form: str,
-                  probe_iters: int) -> Sampling:
+                  probe_iters: int, prompt_len: int) -> Sampling:
     if name == "torch":
         return TorchSampling(decoder, seed)
     if name == "flashinfer":
@@ -584,6 +629,8 @@ def make_sampling(name: str, decoder: Decoder, seeds: list[int], seed: int, *, s
         return GraphSampling(sampler, decoder, seeds)
     if name.startswith("tokensampler_inprocess_"):
         return InProcessSampling(sampler, decoder, kind, seeds)
+    if name.startswith("tokensampler_colocated_"):
+        return ColocatedSampling(client, decoder, kind, seeds, prompt_len)
     return RemoteSampling(client, decoder, kind, seeds, remote_form, probe_iters)
 
 
@@ -609,7 +656,8 @@ def run_case(model: LlamaForCausalLM, batch: int, prompt_len: int, steps: int, r
         for name in methods:
             try:
                 samplers[name] = make_sampling(name, decoder, seeds, seed, sampler=sampler, client=client,
-                                               flashinfer=flashinfer, remote_form=remote_form, probe_iters=probe_iters)
+                                               flashinfer=flashinfer, remote_form=remote_form, probe_iters=probe_iters,
+                                               prompt_len=prompt_len)
             except Exception as err:  # noqa: BLE001 - recorded in the results, the other methods run
                 skipped[name] = f"{type(err).__name__}: {err}"[:300]
                 print(f"e2e B={batch} {name} skipped: {skipped[name]}", flush=True)
@@ -733,7 +781,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="tokensampler-e2e-") as tmp:
         server = client = None
-        if any(m.startswith("tokensampler_remote_") for m in methods):
+        if any(m.startswith(REMOTE_PREFIXES) for m in methods):
             # The server imports this tree's packages, as this process does.
             path = os.pathsep.join([str(ROOT / "server"), str(ROOT / "client"), os.environ.get("PYTHONPATH", "")])
             socket = Path(tmp) / "ts.sock"

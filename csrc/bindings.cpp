@@ -16,13 +16,14 @@
 
 // Defined in bindings_fused.cpp (hidden states x LM head), bindings_workloads.cpp (diffusion, top-k
 // probabilities, draft verification), bindings_request_path.cpp (the native request path),
-// bindings_score.cpp (scoring given tokens) and bindings_local_samplers.cpp (typical-p, top-n-σ, XTC): one extension
-// module, one binding file per family.
+// bindings_score.cpp (scoring given tokens), bindings_local_samplers.cpp (typical-p, top-n-σ, XTC) and
+// bindings_handoff.cpp (the colocated hand-off): one extension module, one binding file per family.
 void register_fused(pybind11::module_& m);
 void register_workloads(pybind11::module_& m);
 void register_request_path(pybind11::module_& m);
 void register_score(pybind11::module_& m);
 void register_local_samplers(pybind11::module_& m);
+void register_handoff(pybind11::module_& m);
 
 namespace {
 
@@ -223,6 +224,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_local_samplers(m);
   register_routes(m);
   register_score(m);
+  register_handoff(m);
   // The bitmask (words, row, row_words as in params) written into fp32 logits [num_rows, vocab] in place.
   m.def("apply_bitmask", [](int64_t logits, int64_t num_rows, int64_t vocab, int64_t words, int64_t row,
                             int64_t row_words, int64_t stream) {

@@ -24,7 +24,8 @@ import bench_e2e  # noqa: E402
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
         "vocab_size": 1000}
-ON_CPU = [m for m in bench_e2e.METHODS if m != "flashinfer"]
+# FlashInfer and the colocated hand-off need a GPU (tests/gpu/test_colocated.py checks the latter's tokens).
+ON_CPU = [m for m in bench_e2e.METHODS if m != "flashinfer" and not m.startswith("tokensampler_colocated_")]
 BATCH, PROMPT, STEPS = 3, 6, 5
 
 

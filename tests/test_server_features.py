@@ -10,9 +10,9 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_server.backends.cpu import CpuBackend
 from tokensampler_server.core.config import Limits
 from tokensampler_server.resources.regions import RegionRegistry
-from tokensampler_server.rpc.service import FEATURES, SamplerService
+from tokensampler_server.rpc.service import FEATURES, SamplerService, served_features
 
-SWITCHABLE = {"regions", "region_rows", "weights_from_region", "weights_from_file"}
+SWITCHABLE = {"regions", "region_rows", "weights_from_region", "weights_from_file", "colocated"}
 
 
 def _features(weights_dir: Path | None, regions: RegionRegistry) -> list[str]:
@@ -31,7 +31,7 @@ def _features(weights_dir: Path | None, regions: RegionRegistry) -> list[str]:
     (True, False, False, {"weights_from_file"}),
     (False, True, False, {"regions", "region_rows", "weights_from_region"}),
     (False, False, True, {"regions", "region_rows", "weights_from_region"}),
-    (True, True, True, SWITCHABLE),
+    (True, True, True, SWITCHABLE - {"colocated"}),  # a CPU backend: no colocated loops
 ])
 def test_features_follow_the_settings(tmp_path: Path, with_dir: bool, allow_shm: bool, allow_cuda_ipc: bool,
                                       expected_on: set[str]) -> None:
@@ -40,3 +40,24 @@ def test_features_follow_the_settings(tmp_path: Path, with_dir: bool, allow_shm:
     assert set(features) & SWITCHABLE == expected_on
     # Everything else is always served, listed in the order of FEATURES.
     assert features == [feature for feature in FEATURES if feature not in SWITCHABLE - expected_on]
+
+
+@pytest.mark.parametrize(("on_gpu", "kinds", "listed"), [
+    (True, {"shm", "cuda_ipc"}, True),
+    (True, {"cuda_ipc"}, False),  # the flags page is a shared-memory region
+    (True, {"shm"}, False),
+    (False, {"shm", "cuda_ipc"}, False),  # the hand-off runs on the GPU
+])
+def test_colocated_is_listed_only_where_a_loop_can_open(on_gpu: bool, kinds: set[str], listed: bool) -> None:
+    assert ("colocated" in served_features(None, frozenset(kinds), on_gpu)) == listed
+
+
+def test_a_cpu_server_reports_no_mps_state() -> None:
+    async def ask() -> pb.ServerInfo:
+        service = SamplerService(CpuBackend(), Limits())
+        try:
+            return await service.GetServerInfo(pb.GetServerInfoRequest(), None)
+        finally:
+            await service.close()
+
+    assert asyncio.run(ask()).mps == ""

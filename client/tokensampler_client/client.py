@@ -9,6 +9,8 @@ import grpc
 
 from . import _core
 from ._core import Call, ClientCore
+from ._torch import require_torch
+from .colocated import ColocatedLoop
 from ._proto import sampler_pb2 as pb
 from .params import SampleOptions
 from .regions import CudaRegion, RegionView, SharedMemoryRegion
@@ -220,6 +222,22 @@ class SamplerClient(ClientCore):
         `timeout` bounds the whole stream (default: none); UNAVAILABLE is not retried inside it.
         """
         return SampleStream(self._stub.SampleStream, self._stream_metadata(request_id), timeout)
+
+    def colocate(self, source: Any, *, head: Any = None, num_samples: int = 1, tokens_dtype: Any = None,
+                 logprobs: bool = False, logprobs_mode: str = "raw", wait_timeout_s: float = 10.0,
+                 watchdog_s: float = 1.0, **params: Any) -> ColocatedLoop:
+        """Opens a decode loop colocated on the server's GPU (docs/colocated.md; the server needs its CUDA backend,
+        --allow-shm and --allow-cuda-ipc, and this machine): `loop.step()` each step, then `loop.close()`.
+
+        source: the CUDA tensor the engine writes each step's input into, logits [B, V], or hidden states [B, D]
+        with `head`, the engine's LM-head weight [V, D], used in place. Keywords: per-row temperature, top_k, top_p,
+        min_p, seed, position (step n samples at position + n - 1) and iteration. `tokens_dtype`: int64 (default)
+        or int32. The server ends the loop when a step's input is not ready within `wait_timeout_s` of its
+        announcement; this process samples a step itself when the server has not delivered it within `watchdog_s`
+        of its input being ready."""
+        torch = require_torch("colocated sampling")
+        return ColocatedLoop(self, source, head, num_samples, tokens_dtype or torch.int64, logprobs, logprobs_mode,
+                             wait_timeout_s, watchdog_s, params)
 
     def register_shm_region(self, name: str, byte_size: int, *, timeout: float | None = None) -> SharedMemoryRegion:
         """Creates a POSIX shared-memory segment of byte_size bytes and registers it as `name`

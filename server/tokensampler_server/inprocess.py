@@ -39,6 +39,7 @@ from tokensampler_server.backends.base import Backend, PreparedSampling
 from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument
 from tokensampler_server.model.sampling import SamplingResult
+from tokensampler_server.validation.prepared import validate_prepared_request
 from tokensampler_server.validation.sample import validate_sample_request
 from tokensampler_server.validation.workloads import validate_score_request, validate_topk_request
 from tokensampler_server.workloads.cuda import workloads_of
@@ -182,18 +183,14 @@ class LocalSampler:
         if vocab_size is None:
             raise ValueError("vocab_size: expected the logits' V (or a head)")
         shape = (batch_size, head.weight.shape[1] if head is not None else vocab_size)
-        placeholder = torch.empty(shape, device="meta")  # the input's shape, no memory
-        request = self._request(placeholder, num_samples, return_logprobs, logprobs_mode, top_logprobs, params)
+        request = self._request(torch.empty(shape, device="meta"), num_samples, return_logprobs, logprobs_mode,
+                                top_logprobs, params)
         if head is not None:
             request.hidden.states_ref.SetInParent()
         else:
             request.logits_ref.SetInParent()
-        template, seeds = _validated(validate_sample_request, request, self._limits, lm_head=head,
-                                     referenced=placeholder)
-        if template.hidden is not None:
-            template = replace(template, hidden=None, logits=torch.empty((batch_size, vocab_size), device="meta"))
-        return PreparedSampler(self._backend.prepare(template), head, shape,
-                               [int(s) for s in np.asarray(seeds, dtype=np.uint64)])
+        template, seeds = _validated(validate_prepared_request, request, self._limits, batch_size, vocab_size, head)
+        return PreparedSampler(self._backend.prepare(template), head, shape, [int(s) for s in seeds])
 
     # -----------------------------------------------------------------------------------------------
     @staticmethod

@@ -270,7 +270,7 @@ class Limits(_message.Message):
     def __init__(self, max_batch_rows: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_num_samples: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_weight_bytes: _Optional[int] = ..., max_batch_elements: _Optional[int] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "backend", "device", "limits", "logits_dtypes", "features", "kernels", "api_version", "registered_weights", "registered_weights_bytes", "device_memory_allocated_bytes", "device_memory_reserved_bytes", "routes")
+    __slots__ = ("version", "backend", "device", "limits", "logits_dtypes", "features", "kernels", "api_version", "registered_weights", "registered_weights_bytes", "device_memory_allocated_bytes", "device_memory_reserved_bytes", "routes", "mps")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +284,7 @@ class ServerInfo(_message.Message):
     DEVICE_MEMORY_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROUTES_FIELD_NUMBER: _ClassVar[int]
+    MPS_FIELD_NUMBER: _ClassVar[int]
     version: str
     backend: str
     device: str
@@ -297,7 +298,8 @@ class ServerInfo(_message.Message):
     device_memory_allocated_bytes: int
     device_memory_reserved_bytes: int
     routes: _containers.RepeatedCompositeFieldContainer[Route]
-    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., features: _Optional[_Iterable[str]] = ..., kernels: _Optional[_Iterable[str]] = ..., api_version: _Optional[str] = ..., registered_weights: _Optional[int] = ..., registered_weights_bytes: _Optional[int] = ..., device_memory_allocated_bytes: _Optional[int] = ..., device_memory_reserved_bytes: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ...) -> None: ...
+    mps: str
+    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., features: _Optional[_Iterable[str]] = ..., kernels: _Optional[_Iterable[str]] = ..., api_version: _Optional[str] = ..., registered_weights: _Optional[int] = ..., registered_weights_bytes: _Optional[int] = ..., device_memory_allocated_bytes: _Optional[int] = ..., device_memory_reserved_bytes: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., mps: _Optional[str] = ...) -> None: ...
 
 class Route(_message.Message):
     __slots__ = ("rows", "kernels", "cost")
@@ -604,3 +606,51 @@ class ScoreTokensResponse(_message.Message):
     timings: Timings
     request_id: str
     def __init__(self, logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprob_ids: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., entropy: _Optional[_Union[Tensor, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class ColocateOpen(_message.Message):
+    __slots__ = ("logits", "hidden", "tokens", "logprobs", "logprobs_mode", "flags", "params", "num_samples", "wait_timeout_ms")
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    logits: TensorRef
+    hidden: HiddenStates
+    tokens: TensorRef
+    logprobs: TensorRef
+    logprobs_mode: LogprobsMode
+    flags: str
+    params: SamplingParams
+    num_samples: int
+    wait_timeout_ms: int
+    def __init__(self, logits: _Optional[_Union[TensorRef, _Mapping]] = ..., hidden: _Optional[_Union[HiddenStates, _Mapping]] = ..., tokens: _Optional[_Union[TensorRef, _Mapping]] = ..., logprobs: _Optional[_Union[TensorRef, _Mapping]] = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ..., flags: _Optional[str] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class ColocateStep(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
+
+class ColocateRequest(_message.Message):
+    __slots__ = ("open", "step")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    open: ColocateOpen
+    step: ColocateStep
+    def __init__(self, open: _Optional[_Union[ColocateOpen, _Mapping]] = ..., step: _Optional[_Union[ColocateStep, _Mapping]] = ...) -> None: ...
+
+class ColocateResponse(_message.Message):
+    __slots__ = ("step", "seeds", "timings", "request_id")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SEEDS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    seeds: _containers.RepeatedScalarFieldContainer[int]
+    timings: Timings
+    request_id: str
+    def __init__(self, step: _Optional[int] = ..., seeds: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...

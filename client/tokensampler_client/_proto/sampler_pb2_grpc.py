@@ -110,6 +110,11 @@ class SamplerStub(object):
                 request_serializer=tokensampler_dot_v1_dot_sampler__pb2.ScoreTokensRequest.SerializeToString,
                 response_deserializer=tokensampler_dot_v1_dot_sampler__pb2.ScoreTokensResponse.FromString,
                 _registered_method=True)
+        self.Colocate = channel.stream_stream(
+                '/tokensampler.v1.Sampler/Colocate',
+                request_serializer=tokensampler_dot_v1_dot_sampler__pb2.ColocateRequest.SerializeToString,
+                response_deserializer=tokensampler_dot_v1_dot_sampler__pb2.ColocateResponse.FromString,
+                _registered_method=True)
 
 
 class SamplerServicer(object):
@@ -231,6 +236,19 @@ class SamplerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Colocate(self, request_iterator, context):
+        """A decode loop colocated on the server's GPU (docs/colocated.md): the first message opens the loop over
+        registered regions (the engine's input, its token output and a shared-memory page of flags), each later
+        message announces one step. The hand-off of every step happens on the GPU: the server's stream waits for the
+        engine's "input n ready" flag, samples, writes the tokens and "tokens n done", which the engine's stream waits
+        for. One response per step, once its tokens are written; the call ends with an error status when the
+        loop ends abnormally (the engine's flag never set within the wait timeout, a region gone). Needs the CUDA
+        backend and a server run with --allow-shm and --allow-cuda-ipc.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SamplerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -308,6 +326,11 @@ def add_SamplerServicer_to_server(servicer, server):
                     servicer.ScoreTokens,
                     request_deserializer=tokensampler_dot_v1_dot_sampler__pb2.ScoreTokensRequest.FromString,
                     response_serializer=tokensampler_dot_v1_dot_sampler__pb2.ScoreTokensResponse.SerializeToString,
+            ),
+            'Colocate': grpc.stream_stream_rpc_method_handler(
+                    servicer.Colocate,
+                    request_deserializer=tokensampler_dot_v1_dot_sampler__pb2.ColocateRequest.FromString,
+                    response_serializer=tokensampler_dot_v1_dot_sampler__pb2.ColocateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -716,6 +739,33 @@ class Sampler(object):
             '/tokensampler.v1.Sampler/ScoreTokens',
             tokensampler_dot_v1_dot_sampler__pb2.ScoreTokensRequest.SerializeToString,
             tokensampler_dot_v1_dot_sampler__pb2.ScoreTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Colocate(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tokensampler.v1.Sampler/Colocate',
+            tokensampler_dot_v1_dot_sampler__pb2.ColocateRequest.SerializeToString,
+            tokensampler_dot_v1_dot_sampler__pb2.ColocateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -34,6 +34,9 @@ class BackendInfo:
     """Compiled kernels in use, empty for the CPU backend."""
     routes: list[Route] = field(default_factory=list)
     """How each kind of row is sampled."""
+    mps: str = ""
+    """"active" when the GPU is shared through an MPS daemon, "inactive" when not, "" on the CPU
+    (docs/colocated.md)."""
 
 
 class Backend(abc.ABC):

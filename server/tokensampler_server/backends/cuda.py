@@ -43,6 +43,7 @@ from tokensampler_server.backends.base import Backend, BackendInfo, PreparedSamp
 from tokensampler_server.backends.cuda_buffers import FLAG_EXACT, FLAG_INVALID, FLAG_NAN, CallOutputs, Stage
 from tokensampler_server.backends.cuda_build import CudaBackendUnavailable
 from tokensampler_server.backends.cuda_kernels import NO_BITMASK, Kernels, Plan
+from tokensampler_server.backends.mps import mps_state
 from tokensampler_server.backends.cuda_local_samplers import LocalSamplerKernels
 from tokensampler_server.backends.cuda_logprobs import LogprobCall, sample_with_logprobs
 from tokensampler_server.backends.cuda_prepared import CudaPreparedSampling
@@ -98,6 +99,7 @@ class CudaBackend(Backend):
             self._kernels = Kernels(device_index)
             self._local_samplers = LocalSamplerKernels(self._kernels.module, self._device)
         self._gpu_name = torch.cuda.get_device_name(device_index)
+        self._mps = mps_state()  # the context is made: whether it connected to a daemon is settled
         self._exact_rows = 0  # rows sampled again through stats + filter
         self._lock = threading.Lock()
         self._init_buffers()
@@ -114,7 +116,8 @@ class CudaBackend(Backend):
 
     def info(self) -> BackendInfo:
         return BackendInfo(name="cuda", device=f"cuda:{self._device.index} ({self._gpu_name})",
-                           kernels=[*Kernels.kernel_names, *LocalSamplerKernels.kernel_names], routes=ROUTES)
+                           kernels=[*Kernels.kernel_names, *LocalSamplerKernels.kernel_names], routes=ROUTES,
+                           mps=self._mps)
 
     @property
     def fallback_counter_address(self) -> int:

@@ -57,6 +57,9 @@ class Region:
     weights: set = field(default_factory=set)
     """The registered weights (RegisteredWeight objects) that lie in this region."""
     views: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = field(default_factory=dict, repr=False)
+    on_unregister: set[Callable[[], None]] = field(default_factory=set, repr=False)
+    """Called as the region is unregistered, before the wait for its users: what holds it for long (a colocated
+    loop) lets it go."""
     """Tensors of the references already resolved in a GPU region: a decode loop names the same few every step,
     and slicing a view anew costs more than the rest of the lookup."""
 
@@ -221,6 +224,9 @@ class SharedSegment:
         done = 0
         while done < len(view):
             done += os.pwritev(self._fd, [view[done:]], offset + done)
+
+    def fileno(self) -> int:
+        return self._fd
 
     def close(self) -> None:
         os.close(self._fd)
@@ -389,9 +395,16 @@ class RegionRegistry:
         return await self._regions.remove(
             name, check=_holds_no_weights,
             # first: from here on the mirror (the native path) serves only requests that see NOT_FOUND
-            hidden=None if mirror is None else lambda region: mirror.region_removed(region.name),
+            hidden=lambda region: _hidden(region, mirror),
             restored=None if mirror is None else mirror.region_added,
             finalize=_release)
+
+
+def _hidden(region: Region, mirror: RegionMirror | None) -> None:
+    for let_go in list(region.on_unregister):
+        let_go()
+    if mirror is not None:
+        mirror.region_removed(region.name)
 
 
 def _holds_no_weights(region: Region) -> None:

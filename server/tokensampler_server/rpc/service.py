@@ -23,6 +23,7 @@ from tokensampler_server import __version__
 from tokensampler_server.backends import Backend
 from tokensampler_server.batching.batcher import DynamicBatcher, host_bytes
 from tokensampler_server.rpc.call_record import current_call
+from tokensampler_server.rpc.colocated import ColocatedLoops
 from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument
 from tokensampler_server.resources.leases import Lease
@@ -42,17 +43,19 @@ FEATURES = (
     "logits", "hidden_states", "weights_upload", "weights_from_file", "logprobs", "top_logprobs", "penalties",
     "logit_bias", "token_masks", "num_samples", "dynamic_batching", "sample_stream", "regions", "diffusion_step",
     "topk_probs", "verify_draft", "diffusion_step_hidden", "topk_probs_hidden", "region_rows", "weights_from_region",
-    "token_bitmask", "score_tokens",
+    "token_bitmask", "score_tokens", "colocated",
 )
 # Features that need a region, which a server registers only with --allow-shm or --allow-cuda-ipc.
 _REGION_FEATURES = frozenset({"regions", "region_rows", "weights_from_region"})
 
 
-def served_features(weights_dir: Path | None, region_kinds: frozenset[str]) -> list[str]:
+def served_features(weights_dir: Path | None, region_kinds: frozenset[str], on_gpu: bool) -> list[str]:
     """FEATURES less those this server's settings switch off: a client reads the list to choose a path."""
     off = set() if region_kinds else set(_REGION_FEATURES)
     if weights_dir is None:
         off.add("weights_from_file")
+    if not on_gpu or region_kinds != {"shm", "cuda_ipc"}:  # a loop's flags and its tensors
+        off.add("colocated")
     return [feature for feature in FEATURES if feature not in off]
 
 
@@ -93,6 +96,7 @@ class SamplerService(pb_grpc.SamplerServicer):
         self._metrics = metrics
         self._native = native
         self._sample_path = SampleRpc(limits, self._batcher, self._registry, self._regions, metrics, native)
+        self._colocated = ColocatedLoops(backend, limits, self._registry, self._regions)
 
     @property
     def queue_depth(self) -> int:
@@ -121,6 +125,14 @@ class SamplerService(pb_grpc.SamplerServicer):
         """Samples each message as it arrives (so the batcher can merge them) and answers in order."""
         stream_id = request_id_from_metadata(context.invocation_metadata())
         async for answer in self._sample_path.stream(request_iterator, stream_id):
+            yield answer
+
+    async def Colocate(
+        self, request_iterator: AsyncIterator[pb.ColocateRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ColocateResponse]:
+        """A decode loop's loop, its steps handed off on the GPU (colocated.py)."""
+        async for answer in self._colocated.serve(request_iterator,
+                                                  request_id_from_metadata(context.invocation_metadata())):
             yield answer
 
     def _hold_lm_head(self, request: pb.DiffusionStepRequest | pb.TopKProbsRequest | pb.ScoreTokensRequest,
@@ -281,9 +293,10 @@ class SamplerService(pb_grpc.SamplerServicer):
                 max_batch_elements=self._limits.max_batch_elements,
             ),
             logits_dtypes=LOGITS_DTYPES,
-            features=served_features(self._weights_dir, self._regions.allowed_kinds),
+            features=served_features(self._weights_dir, self._regions.allowed_kinds, on_gpu),
             kernels=info.kernels,
             routes=[pb.Route(rows=r.rows, kernels=r.kernels, cost=r.cost) for r in info.routes],
+            mps=info.mps,
             api_version=API_VERSION,
             registered_weights=len(self._registry.list()),
             registered_weights_bytes=self._registry.total_bytes,

@@ -1,0 +1,77 @@
+"""The server's side of a colocated loop on the GPU (docs/colocated.md): each announced step queued on the
+loop's own stream, with no host work between the engine's "input ready" and its "tokens done".
+
+Step n, in stream order:
+1. the rows' positions set to the loop's base + n - 1 (before the wait: off the critical path);
+2. wait until READY >= n (cuStreamWaitValue32 on the flags' mapped page);
+3. the engine's input copied into the loop's own buffer if READY still holds n (csrc/handoff.h);
+4. the prepared call (backends/cuda_prepared.py) on that buffer, through the head for hidden states;
+5. the tokens and log-probs written into the engine's output, then RELEASE = n, if READY still holds n.
+The engine's memory is read and written only under READY == n, so a loop ended by the server (ABORT written
+into READY by a stream of its own, which ends the wait of step 2) never touches it again: an engine that has
+exited leaves memory whose access would fault the server's GPU context.
+"""
+
+from __future__ import annotations
+
+import torch
+from tokensampler_client.handoff import ABORT, READY_OFFSET, RELEASE_OFFSET, StreamMemOps
+
+from tokensampler_server.backends.base import PreparedSampling
+from tokensampler_server.backends.cuda_build import load_kernels
+from tokensampler_server.resources.weights import RegisteredWeight
+
+__all__ = ["Handoff"]
+
+
+class Handoff:
+    """Queues the steps of one loop on `device`: the engine's `source` ([B, V] logits, or [B, D] hidden states
+    through `head`) sampled by `prepared` into the engine's `tokens` (int32 or int64 [B, S]) and `logprobs`
+    (float32 [B, S] or None), with the flags at device address `flags`."""
+
+    def __init__(self, device: torch.device, prepared: PreparedSampling, head: RegisteredWeight | None,
+                 source: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor | None, flags: int) -> None:
+        self._device = device
+        self._module = load_kernels(device.index or 0)
+        self._ops = StreamMemOps.get()
+        self._prepared = prepared
+        self._head = head
+        self._source = source
+        self._tokens = tokens
+        self._logprobs = logprobs
+        self._ready, self._release = flags + READY_OFFSET, flags + RELEASE_OFFSET
+        self.stream = torch.cuda.Stream(device)
+        self._abort_stream = torch.cuda.Stream(device)  # never blocked: what ends a wait of `stream`
+        with torch.cuda.stream(self.stream):
+            self._input = torch.empty_like(source)
+            self._base_position = prepared.position.clone()
+
+    def enqueue(self, step: int) -> torch.cuda.Event:
+        """Queues step `step` (1 <= step < ABORT); the event is recorded once its tokens are delivered (or skipped,
+        after an abort)."""
+        stream = self.stream
+        raw = stream.cuda_stream
+        with torch.cuda.stream(stream):
+            torch.add(self._base_position, step - 1, out=self._prepared.position)
+            self._ops.wait_at_least(raw, self._ready, step)
+            self._module.gated_copy(self._source.data_ptr(), self._input.data_ptr(),
+                                    self._input.numel() * self._input.element_size(), self._ready, step, raw)
+            x = self._input if self._head is None else self._head.logits(self._input)
+            result = self._prepared.sample(x)
+            logprobs = result.logprobs if self._logprobs is not None else None
+            self._module.deliver(result.tokens.data_ptr(), result.tokens.numel(), self._tokens.data_ptr(),
+                                 self._tokens.dtype == torch.int64, 0 if logprobs is None else logprobs.data_ptr(),
+                                 0 if logprobs is None else self._logprobs.data_ptr(), self._ready, step,
+                                 self._release, raw)
+            done = torch.cuda.Event(blocking=True)  # its waiter sleeps instead of spinning a core
+            done.record(stream)
+        return done
+
+    def abort(self) -> None:
+        """Ends the wait of every queued step: from here on no queued kernel reads or writes the engine's memory."""
+        self._ops.write(self._abort_stream.cuda_stream, self._ready, ABORT)
+
+    def drain(self) -> None:
+        """Returns once every queued step is done (after an abort: at once, up to the kernels in flight)."""
+        self.stream.synchronize()
+        self._abort_stream.synchronize()

@@ -1,0 +1,247 @@
+"""The Colocate RPC: decode loops colocated on the server's GPU, their steps handed off on the GPU
+(docs/colocated.md; the GPU side is backends/cuda_handoff.py).
+
+A loop is one call. Its first message opens it over the engine's registered regions, which it holds until it
+ends; each later message announces a step, queued on the loop's stream at once (the host never waits for the
+GPU on a step's way). A thread of the loop's waits for each step's event in turn and the call answers it. The
+loop ends, its waits ended by an abort, when the engine closes the call (after its steps are answered), when
+the call breaks (the engine gone: at once), when a step's input is not ready within the wait timeout
+(DEADLINE_EXCEEDED), or when one of its regions is unregistered (FAILED_PRECONDITION).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+
+import grpc
+import numpy as np
+import torch
+from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client.handoff import MAX_STEP
+
+from tokensampler_server.backends.base import Backend
+from tokensampler_server.backends.cuda_handoff import Handoff
+from tokensampler_server.core.config import Limits
+from tokensampler_server.core.errors import InvalidArgument, ServiceError
+from tokensampler_server.resources.flags import MappedFlags
+from tokensampler_server.resources.regions import Region, RegionRegistry
+from tokensampler_server.resources.weights import RegisteredWeight, WeightRegistry
+from tokensampler_server.validation.prepared import validate_prepared_request
+from tokensampler_server.validation.sample import LOGITS_DTYPES
+
+DEFAULT_WAIT_TIMEOUT_MS = 10_000
+MAX_WAIT_TIMEOUT_MS = 600_000
+DEFAULT_MAX_LOOPS = 8
+_TOKEN_DTYPES = (pb.DTYPE_INT32, pb.DTYPE_INT64)
+_POSITION_LIMIT = 2**32  # positions are uint32 (SamplingParams.position)
+
+
+class ColocatedLoops:
+    """The live loops of one server, at most `max_loops` at once (each holds a stream and a thread)."""
+
+    def __init__(self, backend: Backend, limits: Limits, weights: WeightRegistry, regions: RegionRegistry,
+                 max_loops: int = DEFAULT_MAX_LOOPS) -> None:
+        self._backend = backend
+        self._limits = limits
+        self._weights = weights
+        self._regions = regions
+        self._max_loops = max_loops
+        self._flags_in_use: set[str] = set()
+        self._waiters = ThreadPoolExecutor(max_loops, thread_name_prefix="colocated")
+
+    async def serve(self, requests: AsyncIterator[pb.ColocateRequest],
+                    request_id: str) -> AsyncIterator[pb.ColocateResponse]:
+        device = self._backend.device
+        if device.type != "cuda":
+            raise ServiceError("Colocate: this server samples on the CPU; a colocated loop needs its CUDA backend",
+                               grpc.StatusCode.FAILED_PRECONDITION)
+        first = await anext(aiter(requests), None)
+        if first is None or first.WhichOneof("kind") != "open":
+            raise InvalidArgument("open", "expected the call's first message to open the loop")
+        opened = first.open
+        if len(self._flags_in_use) >= self._max_loops:
+            raise ServiceError(f"Colocate: {self._max_loops} loops are open, the most this server holds; close "
+                               "one first", grpc.StatusCode.RESOURCE_EXHAUSTED)
+        if opened.flags in self._flags_in_use:
+            raise ServiceError(f"open.flags: region {opened.flags!r} holds the flags of an open loop",
+                               grpc.StatusCode.FAILED_PRECONDITION)
+        self._flags_in_use.add(opened.flags)
+        try:
+            with ExitStack() as held:
+                regions: list[Region] = []
+                handoff, flags, seeds = self._open(opened, held, regions)
+                held.callback(flags.close)  # last: after the loop's stream has drained
+                decode = _Loop(handoff, opened, self._waiters)
+                for region in regions:
+                    region.on_unregister.add(decode.let_go)
+                    held.callback(region.on_unregister.discard, decode.let_go)
+                yield pb.ColocateResponse(step=0, seeds=[int(s) for s in seeds], request_id=request_id)
+                async for answer in decode.run(requests):
+                    answer.request_id = request_id
+                    yield answer
+        finally:
+            self._flags_in_use.discard(opened.flags)
+
+    def _open(self, opened: pb.ColocateOpen, held: ExitStack,
+              regions: list[Region]) -> tuple[Handoff, MappedFlags, np.ndarray]:
+        """Checks the opening message, holds its regions (listed in `regions`) and weight in `held`, plans the
+        call: (its hand-off, the flags, the rows' seeds)."""
+        device = self._backend.device
+        kind = opened.WhichOneof("input")
+        if kind is None:
+            raise InvalidArgument("open.input", "not set; expected logits or hidden")
+        head: RegisteredWeight | None = None
+        if kind == "logits":
+            source = self._cuda_tensor(held, regions, opened.logits, "open.logits", LOGITS_DTYPES, 2)
+            vocab_size = source.shape[1]
+        else:
+            if not opened.hidden.HasField("states_ref"):
+                raise InvalidArgument("open.hidden.states_ref", "not set; expected the hidden states' region")
+            head = held.enter_context(self._weights.use(opened.hidden.weights, "open.hidden.weights"))
+            if head.weight.device != device:
+                raise ServiceError(f"open.hidden.weights: {opened.hidden.weights!r} is on {head.weight.device}, "
+                                   f"expected the server's GPU ({device})", grpc.StatusCode.FAILED_PRECONDITION)
+            source = self._cuda_tensor(held, regions, opened.hidden.states_ref, "open.hidden.states_ref", LOGITS_DTYPES, 2)
+            if source.shape[1] != head.weight.shape[1]:
+                raise InvalidArgument("open.hidden.states_ref.shape", f"got {list(source.shape)}, expected [B, "
+                                      f"{head.weight.shape[1]}] (the weight's hidden size)")
+            vocab_size = head.finish.vocab_size
+        batch_size = source.shape[0]
+        num_samples = opened.num_samples or 1
+        tokens = self._cuda_tensor(held, regions, opened.tokens, "open.tokens", _TOKEN_DTYPES, 2)
+        if tuple(tokens.shape) != (batch_size, num_samples):
+            raise InvalidArgument("open.tokens.shape", f"got {list(tokens.shape)}, expected [{batch_size}, "
+                                  f"{num_samples}] (B, num_samples)")
+        logprobs = None
+        if opened.HasField("logprobs"):
+            logprobs = self._cuda_tensor(held, regions, opened.logprobs, "open.logprobs", (pb.DTYPE_FLOAT32,), 2)
+            if tuple(logprobs.shape) != (batch_size, num_samples):
+                raise InvalidArgument("open.logprobs.shape", f"got {list(logprobs.shape)}, expected [{batch_size}, "
+                                      f"{num_samples}]")
+        if opened.wait_timeout_ms > MAX_WAIT_TIMEOUT_MS:
+            raise InvalidArgument("open.wait_timeout_ms", f"got {opened.wait_timeout_ms}, expected at most "
+                                  f"{MAX_WAIT_TIMEOUT_MS} (0: {DEFAULT_WAIT_TIMEOUT_MS})")
+        request = pb.SampleRequest(num_samples=num_samples, return_logprobs=logprobs is not None,
+                                   logprobs_mode=opened.logprobs_mode, params=opened.params)
+        if head is None:
+            request.logits_ref.SetInParent()
+        else:
+            request.hidden.states_ref.SetInParent()
+        template, seeds = validate_prepared_request(request, self._limits, batch_size, vocab_size, head, "open.params")
+        flags_region = held.enter_context(self._regions.use(opened.flags, "open.flags"))
+        regions.append(flags_region)
+        flags = MappedFlags(flags_region, "open.flags")
+        try:
+            with torch.cuda.device(device):
+                handoff = Handoff(device, self._backend.prepare(template), head, source, tokens, logprobs,
+                                  flags.device_address)
+        except BaseException:
+            flags.close()
+            raise
+        return handoff, flags, seeds
+
+    def _cuda_tensor(self, held: ExitStack, regions: list[Region], ref: pb.TensorRef, field: str,
+                     dtypes: tuple[int, ...], dims: int) -> torch.Tensor:
+        """The tensor `ref` names in a CUDA region on the server's GPU, the region held in `held`."""
+        region: Region = held.enter_context(self._regions.use(ref.region, f"{field}.region"))
+        regions.append(region)
+        device = self._backend.device
+        if region.buffer is None or region.device != device:
+            raise ServiceError(f"{field}.region: region {ref.region!r} is on {region.device}; expected a CUDA region "
+                               f"on the server's GPU ({device})", grpc.StatusCode.FAILED_PRECONDITION)
+        if len(ref.shape) != dims or any(dim < 1 for dim in ref.shape):
+            raise InvalidArgument(f"{field}.shape", f"got {list(ref.shape)}, expected {dims} sizes of at least 1")
+        if ref.shape[0] > self._limits.max_batch_rows:
+            raise InvalidArgument(f"{field}.shape", f"got {ref.shape[0]} rows, expected at most "
+                                  f"{self._limits.max_batch_rows}")
+        return region.tensor(ref, field, dtypes)
+
+
+class _Loop:
+    """One open loop: its steps queued as they are announced, answered as the GPU finishes them."""
+
+    def __init__(self, handoff: Handoff, opened: pb.ColocateOpen, waiters: ThreadPoolExecutor) -> None:
+        self._handoff = handoff
+        self._waiters = waiters
+        self._timeout_s = (opened.wait_timeout_ms or DEFAULT_WAIT_TIMEOUT_MS) / 1000
+        self._last_step = min(MAX_STEP, _POSITION_LIMIT - max(opened.params.position, default=0))
+        self._queue: asyncio.Queue[tuple[int, torch.cuda.Event, int] | BaseException | None] = asyncio.Queue()
+        self._ended: ServiceError | None = None
+        self._done = 0
+        self._timers: dict[int, asyncio.TimerHandle] = {}  # by step; all cancelled at the end, as an abort after it
+        # would write to unpinned flags
+
+    def let_go(self) -> None:
+        """A region of the loop's is being unregistered: the loop ends."""
+        self._end(ServiceError("Colocate: a region of the loop was unregistered; the loop ended",
+                               grpc.StatusCode.FAILED_PRECONDITION))
+
+    def _end(self, reason: ServiceError) -> None:
+        if self._ended is None:
+            self._ended = reason
+            self._handoff.abort()
+            self._queue.put_nowait(reason)
+
+    def _expire(self, step: int) -> None:
+        if self._done < step:
+            self._end(ServiceError(f"step {step}: the engine did not mark its input ready within "
+                                   f"{self._timeout_s:g} s (open.wait_timeout_ms); the loop ended",
+                                   grpc.StatusCode.DEADLINE_EXCEEDED))
+
+    async def run(self, requests: AsyncIterator[pb.ColocateRequest]) -> AsyncIterator[pb.ColocateResponse]:
+        events = asyncio.get_running_loop()
+        reader = asyncio.ensure_future(self._read(requests, events))
+        clean = False
+        try:
+            while True:
+                item = await self._queue.get()
+                if item is None:
+                    clean = True
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                step, done, announced = item
+                await events.run_in_executor(self._waiters, done.synchronize)
+                if self._ended is not None:
+                    raise self._ended
+                self._done = step
+                self._timers.pop(step).cancel()
+                elapsed = time.perf_counter_ns() - announced
+                yield pb.ColocateResponse(step=step, timings=pb.Timings(compute_ns=elapsed, total_ns=elapsed))
+        finally:
+            reader.cancel()
+            if not clean:
+                self._end(ServiceError("Colocate: the call ended", grpc.StatusCode.CANCELLED))
+            # Every wait ended (all answered, or the abort): the stream drains in a moment.
+            await asyncio.shield(events.run_in_executor(self._waiters, self._handoff.drain))
+            for timer in self._timers.values():
+                timer.cancel()
+
+    async def _read(self, requests: AsyncIterator[pb.ColocateRequest], events: asyncio.AbstractEventLoop) -> None:
+        expected = 1
+        try:
+            async for message in requests:
+                if message.WhichOneof("kind") != "step":
+                    raise InvalidArgument("step", "expected a step announcement after the opening message")
+                step = message.step.step
+                if step != expected:
+                    raise InvalidArgument("step.step", f"got {step}, expected {expected} (one more than the last)")
+                if step > self._last_step:
+                    raise ServiceError(f"step.step: step {step} would sample past position 2^32 - 1 or the last "
+                                       f"step {MAX_STEP}; open a new loop", grpc.StatusCode.OUT_OF_RANGE)
+                if self._ended is not None:
+                    return
+                announced = time.perf_counter_ns()
+                done = self._handoff.enqueue(step)
+                self._timers[step] = events.call_later(self._timeout_s, self._expire, step)
+                self._queue.put_nowait((step, done, announced))
+                expected += 1
+            self._queue.put_nowait(None)
+        except ServiceError as err:
+            self._end(err)
+        except Exception as err:  # the call broke under the reader (the engine gone)
+            self._end(ServiceError(f"Colocate: the call broke ({err})", grpc.StatusCode.CANCELLED))
