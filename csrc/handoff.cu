@@ -9,15 +9,16 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kMaxBlocks = 1024;
 
-__device__ __forceinline__ bool open_gate(const uint32_t* gate, uint32_t step) {
-  return *reinterpret_cast<const volatile uint32_t*>(gate) == step;
+__device__ __forceinline__ bool open_gate(const uint32_t* gate, const uint32_t* stop, uint32_t step) {
+  return *reinterpret_cast<const volatile uint32_t*>(stop) == 0 &&
+         *reinterpret_cast<const volatile uint32_t*>(gate) == step;
 }
 
 template <typename T>
 __global__ void gated_copy_kernel(const T* __restrict__ src, T* __restrict__ dst, int64_t count,
-                                  const uint32_t* gate, uint32_t step) {
+                                  const uint32_t* gate, const uint32_t* stop, uint32_t step) {
   __shared__ bool open;
-  if (threadIdx.x == 0) open = open_gate(gate, step);
+  if (threadIdx.x == 0) open = open_gate(gate, stop, step);
   __syncthreads();
   if (!open) return;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
@@ -27,9 +28,9 @@ __global__ void gated_copy_kernel(const T* __restrict__ src, T* __restrict__ dst
 
 __global__ void deliver_kernel(const int64_t* __restrict__ tokens, int64_t count, void* out_tokens, int32_t out_int64,
                                const float* __restrict__ logprobs, float* __restrict__ out_logprobs,
-                               const uint32_t* gate, uint32_t step, uint32_t* release) {
+                               const uint32_t* gate, const uint32_t* stop, uint32_t step, uint32_t* release) {
   __shared__ bool open;
-  if (threadIdx.x == 0) open = open_gate(gate, step);
+  if (threadIdx.x == 0) open = open_gate(gate, stop, step);
   __syncthreads();
   if (!open) return;
   for (int64_t i = threadIdx.x; i < count; i += blockDim.x) {
@@ -53,25 +54,25 @@ int blocks_for(int64_t count) {
 
 }  // namespace
 
-extern "C" int ts_gated_copy(const void* src, void* dst, int64_t nbytes, const uint32_t* gate, uint32_t step,
-                             void* stream) {
+extern "C" int ts_gated_copy(const void* src, void* dst, int64_t nbytes, const uint32_t* gate, const uint32_t* stop,
+                             uint32_t step, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
   const bool wide = (reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) | nbytes) % 16 == 0;
   if (wide) {
     const int64_t count = nbytes / 16;
     gated_copy_kernel<uint4><<<blocks_for(count), kThreads, 0, s>>>(static_cast<const uint4*>(src),
-                                                                   static_cast<uint4*>(dst), count, gate, step);
+                                                                   static_cast<uint4*>(dst), count, gate, stop, step);
   } else {
     gated_copy_kernel<uint8_t><<<blocks_for(nbytes), kThreads, 0, s>>>(static_cast<const uint8_t*>(src),
-                                                                      static_cast<uint8_t*>(dst), nbytes, gate, step);
+                                                                      static_cast<uint8_t*>(dst), nbytes, gate, stop, step);
   }
   return static_cast<int>(cudaGetLastError());
 }
 
 extern "C" int ts_deliver(const int64_t* tokens, int64_t count, void* out_tokens, int32_t out_int64,
-                          const float* logprobs, float* out_logprobs, const uint32_t* gate, uint32_t step,
-                          uint32_t* release, void* stream) {
+                          const float* logprobs, float* out_logprobs, const uint32_t* gate, const uint32_t* stop,
+                          uint32_t step, uint32_t* release, void* stream) {
   deliver_kernel<<<1, 1024, 0, static_cast<cudaStream_t>(stream)>>>(tokens, count, out_tokens, out_int64, logprobs,
-                                                                    out_logprobs, gate, step, release);
+                                                                    out_logprobs, gate, stop, step, release);
   return static_cast<int>(cudaGetLastError());
 }

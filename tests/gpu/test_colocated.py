@@ -120,7 +120,7 @@ def test_a_late_input_ends_the_loop_on_the_server_and_the_watchdog_delivers(serv
         got = run_loop(loop, buffer, inputs[:1])
         torch.cuda._sleep(2_000_000_000)  # about a second of the engine's GPU before step 2's input is ready
         got += run_loop(loop, buffer, inputs[1:])
-        assert loop.fallbacks == 2  # step 2 after the server's DEADLINE_EXCEEDED, step 3 in process after it
+        assert loop.fallbacks == 2, loop._broken  # step 2 after the server's DEADLINE_EXCEEDED, step 3 in process after it
         loop.close()
         assert client.health() == "SERVING"
     for n, ((tokens, _), (want_tokens, _)) in enumerate(zip(got, want), start=1):

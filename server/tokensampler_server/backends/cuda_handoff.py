@@ -7,9 +7,10 @@ Step n, in stream order:
 3. the engine's input copied into the loop's own buffer if READY still holds n (csrc/handoff.h);
 4. the prepared call (backends/cuda_prepared.py) on that buffer, through the head for hidden states;
 5. the tokens and log-probs written into the engine's output, then RELEASE = n, if READY still holds n.
-The engine's memory is read and written only under READY == n, so a loop ended by the server (ABORT written
-into READY by a stream of its own, which ends the wait of step 2) never touches it again: an engine that has
-exited leaves memory whose access would fault the server's GPU context.
+The engine's memory is read and written only while READY holds n and the loop's stop word (pinned host memory of
+the server's) is 0. To end a loop the server's CPU sets the stop word, then writes ABORT into READY by a stream of
+its own, which ends the wait of step 2: no kernel of the loop touches the engine's memory after that, however late
+the GPU runs it. An engine that has exited leaves memory whose access would fault the server's GPU context.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class Handoff:
         self._ready, self._release = flags + READY_OFFSET, flags + RELEASE_OFFSET
         self.stream = torch.cuda.Stream(device)
         self._abort_stream = torch.cuda.Stream(device)  # never blocked: what ends a wait of `stream`
+        # Pinned, so mapped for the GPU (unified addressing): the CPU's store is what every later gate reads.
+        self._stop = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         with torch.cuda.stream(self.stream):
             self._input = torch.empty_like(source)
             self._base_position = prepared.position.clone()
@@ -54,14 +57,15 @@ class Handoff:
         with torch.cuda.stream(stream):
             torch.add(self._base_position, step - 1, out=self._prepared.position)
             self._ops.wait_at_least(raw, self._ready, step)
+            stop = self._stop.data_ptr()
             self._module.gated_copy(self._source.data_ptr(), self._input.data_ptr(),
-                                    self._input.numel() * self._input.element_size(), self._ready, step, raw)
+                                    self._input.numel() * self._input.element_size(), self._ready, stop, step, raw)
             x = self._input if self._head is None else self._head.logits(self._input)
             result = self._prepared.sample(x)
             logprobs = result.logprobs if self._logprobs is not None else None
             self._module.deliver(result.tokens.data_ptr(), result.tokens.numel(), self._tokens.data_ptr(),
                                  self._tokens.dtype == torch.int64, 0 if logprobs is None else logprobs.data_ptr(),
-                                 0 if logprobs is None else self._logprobs.data_ptr(), self._ready, step,
+                                 0 if logprobs is None else self._logprobs.data_ptr(), self._ready, stop, step,
                                  self._release, raw)
             done = torch.cuda.Event(blocking=True)  # its waiter sleeps instead of spinning a core
             done.record(stream)
@@ -69,6 +73,7 @@ class Handoff:
 
     def abort(self) -> None:
         """Ends the wait of every queued step: from here on no queued kernel reads or writes the engine's memory."""
+        self._stop[0] = 1
         self._ops.write(self._abort_stream.cuda_stream, self._ready, ABORT)
 
     def drain(self) -> None:
