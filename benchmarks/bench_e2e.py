@@ -24,7 +24,8 @@ same model, GPU and prompt, in one run:
   tokensampler_colocated_hidden  the same from the hidden states, lm_head.weight registered in place
 Rows: tokens/s and step p50/p99 per method, B and depth (medians of --repeats runs, with their range), the
 remote overhead per step, whether the tokens of one input kind are the same in process and remote, and how often
-the tokens of the two kinds agree. Writes e2e-<gpu>-<date>.json and a PNG of the step p50.
+the tokens of the two kinds agree. Writes e2e-<gpu>-<date>.json (e2e-mps-... when an MPS daemon serves the GPU)
+and a PNG of the step p50.
 
 Without a GPU the same loop runs on the CPU (float32, eager steps, shared-memory regions, no FlashInfer): a check,
 with --small, not a measurement.
@@ -64,6 +65,7 @@ from tokensampler_client import SamplerClient  # noqa: E402
 from tokensampler_client.params import serialize_sample_request  # noqa: E402
 from tokensampler_client.regions import CudaRegion, RegionView, SharedMemoryRegion  # noqa: E402
 from tokensampler_server.inprocess import LocalSampler, capture  # noqa: E402
+from tokensampler_server.backends.mps import mps_state  # noqa: E402
 from transformers import (  # noqa: E402
     LlamaConfig,
     LlamaForCausalLM,
@@ -772,6 +774,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     shapes = SMALL if args.small else LLAMA3_8B
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # a CPU's bf16 matmuls are a check's bottleneck
     meta = describe(args, device, dtype, shapes)
+    meta["mps"] = mps_state() if device.type == "cuda" else "no GPU"
     methods = list(args.methods)
     flashinfer = import_flashinfer(meta, device) if "flashinfer" in methods else None
     if flashinfer is None and "flashinfer" in methods:
@@ -810,7 +813,9 @@ def main(argv: Sequence[str] | None = None) -> Path:
             if server is not None:
                 server.terminate()
                 server.wait(30)
-    return write_results(args.out, "e2e", meta, rows, plot_value="step_p50_us")
+    # A run under MPS (every process a client of one daemon: what a colocated loop is deployed with) is its own file.
+    workload = "e2e-mps" if meta["mps"] == "active" else "e2e"
+    return write_results(args.out, workload, meta, rows, plot_value="step_p50_us")
 
 
 if __name__ == "__main__":
