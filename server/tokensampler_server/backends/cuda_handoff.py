@@ -8,18 +8,21 @@ Step n, in stream order:
 4. the prepared call (backends/cuda_prepared.py) on that buffer, through the head for hidden states;
 5. the tokens and log-probs written into the engine's output, then RELEASE = n, if READY still holds n.
 The engine's memory is read and written only while READY holds n and the loop's stop word (pinned host memory of
-the server's) is 0. To end a loop the server's CPU sets the stop word, then writes ABORT into READY by a stream of
-its own, which ends the wait of step 2: no kernel of the loop touches the engine's memory after that, however late
-the GPU runs it. An engine that has exited leaves memory whose access would fault the server's GPU context.
+the server's) is 0. To end a loop the server's CPU sets the stop word, then writes ABORT into READY (through the
+flags' file, and by a stream of its own), which ends the wait of step 2: no kernel of the loop touches the
+engine's memory after that, however late the GPU runs it. An engine that has exited leaves memory whose access would fault the server's GPU context.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from tokensampler_client.handoff import ABORT, READY_OFFSET, RELEASE_OFFSET, StreamMemOps
 
 from tokensampler_server.backends.base import PreparedSampling
 from tokensampler_server.backends.cuda_build import load_kernels
+from tokensampler_server.resources.flags import MappedFlags
 from tokensampler_server.resources.weights import RegisteredWeight
 
 __all__ = ["Handoff"]
@@ -28,10 +31,11 @@ __all__ = ["Handoff"]
 class Handoff:
     """Queues the steps of one loop on `device`: the engine's `source` ([B, V] logits, or [B, D] hidden states
     through `head`) sampled by `prepared` into the engine's `tokens` (int32 or int64 [B, S]) and `logprobs`
-    (float32 [B, S] or None), with the flags at device address `flags`."""
+    (float32 [B, S] or None), with `flags`."""
 
     def __init__(self, device: torch.device, prepared: PreparedSampling, head: RegisteredWeight | None,
-                 source: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor | None, flags: int) -> None:
+                 source: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor | None,
+                 flags: MappedFlags) -> None:
         self._device = device
         self._module = load_kernels(device.index or 0)
         self._ops = StreamMemOps.get()
@@ -40,7 +44,8 @@ class Handoff:
         self._source = source
         self._tokens = tokens
         self._logprobs = logprobs
-        self._ready, self._release = flags + READY_OFFSET, flags + RELEASE_OFFSET
+        self._flags = flags
+        self._ready, self._release = flags.device_address + READY_OFFSET, flags.device_address + RELEASE_OFFSET
         self.stream = torch.cuda.Stream(device)
         self._abort_stream = torch.cuda.Stream(device)  # never blocked: what ends a wait of `stream`
         # Pinned, so mapped for the GPU (unified addressing): the CPU's store is what every later gate reads.
@@ -74,9 +79,15 @@ class Handoff:
     def abort(self) -> None:
         """Ends the wait of every queued step: from here on no queued kernel reads or writes the engine's memory."""
         self._stop[0] = 1
-        self._ops.write(self._abort_stream.cuda_stream, self._ready, ABORT)
+        self._flags.abort()
+        self._ops.write(self._abort_stream.cuda_stream, self._ready, ABORT)  # where the file no longer reaches
 
-    def drain(self) -> None:
-        """Returns once every queued step is done (after an abort: at once, up to the kernels in flight)."""
-        self.stream.synchronize()
-        self._abort_stream.synchronize()
+    def drain(self, timeout_s: float) -> bool:
+        """Whether every queued step is done within `timeout_s` (after an abort: at once, up to the kernels in
+        flight); polled, so a wait that never ends leaves this thread free."""
+        deadline = time.monotonic() + timeout_s
+        while not (self.stream.query() and self._abort_stream.query()):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True

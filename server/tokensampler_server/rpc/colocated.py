@@ -12,6 +12,7 @@ the call breaks (the engine gone: at once), when a step's input is not ready wit
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +39,19 @@ MAX_WAIT_TIMEOUT_MS = 600_000
 DEFAULT_MAX_LOOPS = 8
 _TOKEN_DTYPES = (pb.DTYPE_INT32, pb.DTYPE_INT64)
 _POSITION_LIMIT = 2**32  # positions are uint32 (SamplingParams.position)
+_DRAIN_TIMEOUT_S = 10.0
+log = logging.getLogger(__name__)
+# Flags of loops whose stream did not drain: the GPU may still poll them, so they stay pinned for good.
+_STILL_POLLED: list[MappedFlags] = []
+
+
+def _close_flags(flags: MappedFlags, decode: _Loop) -> None:
+    if decode.drained:
+        flags.close()
+    else:
+        log.error("a colocated loop's stream did not drain within %g s after its end; its flags stay pinned",
+                  _DRAIN_TIMEOUT_S)
+        _STILL_POLLED.append(flags)
 
 
 class ColocatedLoops:
@@ -74,8 +88,8 @@ class ColocatedLoops:
             with ExitStack() as held:
                 regions: list[Region] = []
                 handoff, flags, seeds = self._open(opened, held, regions)
-                held.callback(flags.close)  # last: after the loop's stream has drained
                 decode = _Loop(handoff, opened, self._waiters)
+                held.callback(_close_flags, flags, decode)  # last: after the loop's stream has drained
                 for region in regions:
                     region.on_unregister.add(decode.let_go)
                     held.callback(region.on_unregister.discard, decode.let_go)
@@ -137,8 +151,7 @@ class ColocatedLoops:
         flags = MappedFlags(flags_region, "open.flags")
         try:
             with torch.cuda.device(device):
-                handoff = Handoff(device, self._backend.prepare(template), head, source, tokens, logprobs,
-                                  flags.device_address)
+                handoff = Handoff(device, self._backend.prepare(template), head, source, tokens, logprobs, flags)
         except BaseException:
             flags.close()
             raise
@@ -171,7 +184,10 @@ class _Loop:
         self._last_step = min(MAX_STEP, _POSITION_LIMIT - max(opened.params.position, default=0))
         self._queue: asyncio.Queue[tuple[int, torch.cuda.Event, int] | BaseException | None] = asyncio.Queue()
         self._ended: ServiceError | None = None
+        self._ended_event = asyncio.Event()
         self._done = 0
+        self.drained = False
+        """Whether the loop's stream had drained when it ended (else its flags must stay pinned)."""
         self._timers: dict[int, asyncio.TimerHandle] = {}  # by step; all cancelled at the end, as an abort after it
         # would write to unpinned flags
 
@@ -183,6 +199,7 @@ class _Loop:
     def _end(self, reason: ServiceError) -> None:
         if self._ended is None:
             self._ended = reason
+            self._ended_event.set()
             self._handoff.abort()
             self._queue.put_nowait(reason)
 
@@ -205,8 +222,11 @@ class _Loop:
                 if isinstance(item, BaseException):
                     raise item
                 step, done, announced = item
-                await events.run_in_executor(self._waiters, done.synchronize)
-                if self._ended is not None:
+                synchronized = events.run_in_executor(self._waiters, done.synchronize)
+                ended = asyncio.ensure_future(self._ended_event.wait())
+                await asyncio.wait({synchronized, ended}, return_when=asyncio.FIRST_COMPLETED)
+                ended.cancel()
+                if self._ended is not None:  # at once: the GPU's wait may end later, or (stuck) never
                     raise self._ended
                 self._done = step
                 self._timers.pop(step).cancel()
@@ -217,7 +237,8 @@ class _Loop:
             if not clean:
                 self._end(ServiceError("Colocate: the call ended", grpc.StatusCode.CANCELLED))
             # Every wait ended (all answered, or the abort): the stream drains in a moment.
-            await asyncio.shield(events.run_in_executor(self._waiters, self._handoff.drain))
+            self.drained = await asyncio.shield(
+                events.run_in_executor(self._waiters, self._handoff.drain, _DRAIN_TIMEOUT_S))
             for timer in self._timers.values():
                 timer.cancel()
 
