@@ -186,8 +186,9 @@ class _Loop:
         self._ended: ServiceError | None = None
         self._ended_event = asyncio.Event()
         self._done = 0
-        self.drained = False
-        """Whether the loop's stream had drained when it ended (else its flags must stay pinned)."""
+        self.drained = True
+        """Whether the loop's stream had drained when it ended (else its flags must stay pinned); true while no
+        step was queued."""
         self._timers: dict[int, asyncio.TimerHandle] = {}  # by step; all cancelled at the end, as an abort after it
         # would write to unpinned flags
 
