@@ -442,9 +442,7 @@ class ColocatedSampling(Sampling):
         self.extra = {"mps": client.server_info().mps}
 
     def begin(self) -> None:
-        if self._loop is not None:
-            self.extra["fallbacks"] = self.extra.get("fallbacks", 0) + self._loop.fallbacks
-            self._loop.close()
+        self.close()
         self._loop = self._client.colocate(self._source, head=self._head, seed=self._seeds,
                                            position=self._prompt_len, **PARAMS)
 

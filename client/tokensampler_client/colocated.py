@@ -36,13 +36,11 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._torch import require_torch
 from tokensampler_client.errors import error_from_rpc
 from tokensampler_client.handoff import FLAGS_BYTES, MAX_STEP, READY_OFFSET, RELEASE_OFFSET, StreamMemOps
-from tokensampler_client.params import fill_sampling_params
+from tokensampler_client.params import LOGPROBS_MODES, PREPARED_KEYWORDS, fill_sampling_params
 from tokensampler_client.regions import CudaRegion, SharedMemoryRegion
 
 log = logging.getLogger("tokensampler.colocated")
 
-_MODES = {"raw": pb.LOGPROBS_MODE_RAW, "processed": pb.LOGPROBS_MODE_PROCESSED}
-_KEYWORDS = ("temperature", "top_k", "top_p", "min_p", "seed", "position", "iteration")
 _DONE = object()
 
 
@@ -53,9 +51,9 @@ class ColocatedLoop:
                  logprobs_mode: str, wait_timeout_s: float, watchdog_s: float, params: dict[str, Any]) -> None:
         torch = require_torch("colocated sampling")
         for name in params:
-            if name not in _KEYWORDS:
-                raise ValueError(f"{name}: not taken by a colocated loop; expected only {', '.join(_KEYWORDS)}")
-        if logprobs_mode not in _MODES:
+            if name not in PREPARED_KEYWORDS:
+                raise ValueError(f"{name}: not taken by a colocated loop; expected only {', '.join(PREPARED_KEYWORDS)}")
+        if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode: got {logprobs_mode!r}, expected 'raw' or 'processed'")
         if not (isinstance(source, torch.Tensor) and source.is_cuda and source.dim() == 2 and source.is_contiguous()):
             raise ValueError("source: expected a contiguous [B, V] logits (or [B, D] hidden-state) CUDA tensor")
@@ -100,7 +98,7 @@ class ColocatedLoop:
               params: dict[str, Any]) -> None:
         client, tag = self._client, f"colocated-{secrets.token_hex(6)}"
         source = self._register(client.register_cuda_region(f"{tag}-input", self._source))
-        opened = pb.ColocateOpen(num_samples=num_samples, logprobs_mode=_MODES[logprobs_mode],
+        opened = pb.ColocateOpen(num_samples=num_samples, logprobs_mode=LOGPROBS_MODES[logprobs_mode],
                                  wait_timeout_ms=int(wait_timeout_s * 1000))
         if head is None:
             opened.logits.CopyFrom(source.view_of(self._source).ref())
@@ -298,6 +296,7 @@ class _Fallback:
         vocab = None if self._head is not None else self._source.shape[1]
         self._call = self._sampler.prepare(self._source.shape[0], vocab, head=self._head, **self._options, **params)
         self._base_position = self._call.position.clone()
+        # The call's stage went up on this stream; its fallback steps run on `stream`, which does not wait for it.
         torch.cuda.current_stream(self._source.device).synchronize()
 
     def sample(self, n: int, stream: Any, tokens: Any, logprobs: Any) -> None:

@@ -115,7 +115,10 @@ def _check_keywords(options: Mapping[str, Any], known: frozenset[str]) -> None:
 
 
 LOGITS_DTYPES = (pb.DTYPE_FLOAT32, pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT16)
-_LOGPROBS_MODES = {"raw": pb.LOGPROBS_MODE_RAW, "processed": pb.LOGPROBS_MODE_PROCESSED}
+LOGPROBS_MODES = {"raw": pb.LOGPROBS_MODE_RAW, "processed": pb.LOGPROBS_MODE_PROCESSED}
+# What a call planned once takes per row (LocalSampler.prepare, a colocated loop): the kernels' parameters and
+# Philox counters; the processing of steps 2-5 needs the host between calls.
+PREPARED_KEYWORDS = ("temperature", "top_k", "top_p", "min_p", "seed", "position", "iteration")
 
 
 def _is_array(value: Any) -> TypeGuard[Array]:
@@ -311,7 +314,7 @@ def encode_logits(logits: Any, out: pb.Tensor, name: str = "logits") -> int:
 def _logprobs_mode(mode: str | int) -> int:
     if isinstance(mode, str):
         try:
-            return _LOGPROBS_MODES[mode.lower()]
+            return LOGPROBS_MODES[mode.lower()]
         except KeyError:
             raise ValueError(f"logprobs_mode: expected 'raw' or 'processed', got {mode!r}") from None
     if mode not in pb.LogprobsMode.values():

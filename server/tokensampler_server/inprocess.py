@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 from tokensampler_client._proto import sampler_pb2 as pb
-from tokensampler_client.params import fill_sampling_params
+from tokensampler_client.params import LOGPROBS_MODES, PREPARED_KEYWORDS, fill_sampling_params
 from tokensampler_client.result import SampleResult, Timings
 from tokensampler_client.workloads import ScoreTokensResult, TopKProbsResult, fill_score_options, fill_topk_options
 
@@ -47,9 +47,6 @@ from tokensampler_server.resources.weights import RegisteredWeight, check_finish
 
 __all__ = ["LocalSampler", "PreparedSampler", "capture"]
 
-_MODES = {"raw": pb.LOGPROBS_MODE_RAW, "processed": pb.LOGPROBS_MODE_PROCESSED}
-# What a prepared call takes: the parameters the kernels read per row (docs/inprocess.md, "Prepared calls").
-_PREPARED_KEYWORDS = ("temperature", "top_k", "top_p", "min_p", "seed", "position", "iteration")
 T = TypeVar("T")
 
 
@@ -175,8 +172,8 @@ class LocalSampler:
         seed, position and iteration are device tensors of the result, written in place between calls. Raises
         ValueError naming the field of an invalid value, or a keyword a prepared call does not take."""
         for name in params:
-            if name not in _PREPARED_KEYWORDS:
-                raise ValueError(f"{name}: not taken by a prepared call; expected only {', '.join(_PREPARED_KEYWORDS)}"
+            if name not in PREPARED_KEYWORDS:
+                raise ValueError(f"{name}: not taken by a prepared call; expected only {', '.join(PREPARED_KEYWORDS)}"
                                  " (sample() takes every parameter)")
         if head is not None:
             vocab_size = head.finish.vocab_size
@@ -238,10 +235,10 @@ class LocalSampler:
     def _request(x: torch.Tensor, num_samples: int, return_logprobs: bool, logprobs_mode: str, top_logprobs: int,
                  params: dict[str, Any]) -> pb.SampleRequest:
         _input(x, (2,), "a [B, V] logits or [B, D] hidden-state tensor")
-        if logprobs_mode not in _MODES:
+        if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode: got {logprobs_mode!r}, expected 'raw' or 'processed'")
         request = pb.SampleRequest(num_samples=num_samples, return_logprobs=return_logprobs,
-                                   logprobs_mode=_MODES[logprobs_mode], top_logprobs=top_logprobs)
+                                   logprobs_mode=LOGPROBS_MODES[logprobs_mode], top_logprobs=top_logprobs)
         _filled(fill_sampling_params, request.params, x.shape[0], **params)
         return request
 

@@ -36,7 +36,6 @@ class Handoff:
     def __init__(self, device: torch.device, prepared: PreparedSampling, head: RegisteredWeight | None,
                  source: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor | None,
                  flags: MappedFlags) -> None:
-        self._device = device
         self._module = load_kernels(device.index or 0)
         self._ops = StreamMemOps.get()
         self._prepared = prepared
