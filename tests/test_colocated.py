@@ -20,7 +20,18 @@ from tokensampler_server.validation.prepared import validate_prepared_request
 def test_each_flag_has_its_own_cache_line_inside_the_page() -> None:
     assert READY_OFFSET % 64 == 0 and RELEASE_OFFSET % 64 == 0 and abs(RELEASE_OFFSET - READY_OFFSET) >= 64
     assert max(READY_OFFSET, RELEASE_OFFSET) + 4 <= FLAGS_BYTES
-    assert MAX_STEP < ABORT  # no step number reads as the server's abort
+
+
+def _reaches(word: int, n: int) -> bool:
+    """CU_STREAM_WAIT_VALUE_GEQ as the driver documents it: (int32_t)(*addr - value) >= 0, a cyclic comparison."""
+    return ((word - n) & 0xFFFFFFFF) < 0x80000000
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 1000, MAX_STEP // 2, MAX_STEP - 1, MAX_STEP])
+def test_the_abort_ends_a_wait_for_any_step_and_no_step_reads_as_the_abort(step: int) -> None:
+    assert _reaches(ABORT, step)  # the server's wait for step n ends on the abort
+    assert _reaches(step, step) and not _reaches(step - 1, step)  # and otherwise only once the engine wrote n
+    assert not _reaches(step, ABORT)
 
 
 def test_a_cpu_server_refuses_a_loop_naming_the_backend(client: SamplerClient) -> None:

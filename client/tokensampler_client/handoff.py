@@ -7,7 +7,9 @@ two 32-bit words in a page of shared, pinned host memory that the GPU reads and 
 - RELEASE holds n once the tokens of step n are in the engine's output (the engine's stream waits for it).
 
 Each word has its own 64-byte line, so neither side's write shares a cache line with the other's. A step number
-only grows; ABORT in READY is the server's own way to end its wait when it ends a loop.
+only grows; ABORT in READY is the server's own way to end its wait when it ends a loop. The driver's "greater or
+equal" is cyclic, (int32)(word - n) >= 0, so ABORT is the largest positive int32 and steps stay below it: ABORT
+reaches every step, and no step reaches ABORT.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import threading
 READY_OFFSET = 0
 RELEASE_OFFSET = 64
 FLAGS_BYTES = 128
-ABORT = 0xFFFFFFFF
+ABORT = 0x7FFFFFFF
 MAX_STEP = ABORT - 1
 
 _CU_STREAM_WAIT_VALUE_GEQ = 0x0

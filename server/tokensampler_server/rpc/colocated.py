@@ -126,16 +126,12 @@ class ColocatedLoops:
             vocab_size = head.finish.vocab_size
         batch_size = source.shape[0]
         num_samples = opened.num_samples or 1
-        tokens = self._cuda_tensor(held, regions, opened.tokens, "open.tokens", _TOKEN_DTYPES, 2)
-        if tuple(tokens.shape) != (batch_size, num_samples):
-            raise InvalidArgument("open.tokens.shape", f"got {list(tokens.shape)}, expected [{batch_size}, "
-                                  f"{num_samples}] (B, num_samples)")
+        outputs = (batch_size, num_samples)  # (B, num_samples), checked before the regions' bounds
+        tokens = self._cuda_tensor(held, regions, opened.tokens, "open.tokens", _TOKEN_DTYPES, 2, outputs)
         logprobs = None
         if opened.HasField("logprobs"):
-            logprobs = self._cuda_tensor(held, regions, opened.logprobs, "open.logprobs", (pb.DTYPE_FLOAT32,), 2)
-            if tuple(logprobs.shape) != (batch_size, num_samples):
-                raise InvalidArgument("open.logprobs.shape", f"got {list(logprobs.shape)}, expected [{batch_size}, "
-                                      f"{num_samples}]")
+            logprobs = self._cuda_tensor(held, regions, opened.logprobs, "open.logprobs", (pb.DTYPE_FLOAT32,), 2,
+                                         outputs)
         if opened.wait_timeout_ms > MAX_WAIT_TIMEOUT_MS:
             raise InvalidArgument("open.wait_timeout_ms", f"got {opened.wait_timeout_ms}, expected at most "
                                   f"{MAX_WAIT_TIMEOUT_MS} (0: {DEFAULT_WAIT_TIMEOUT_MS})")
@@ -158,8 +154,9 @@ class ColocatedLoops:
         return handoff, flags, seeds
 
     def _cuda_tensor(self, held: ExitStack, regions: list[Region], ref: pb.TensorRef, field: str,
-                     dtypes: tuple[int, ...], dims: int) -> torch.Tensor:
-        """The tensor `ref` names in a CUDA region on the server's GPU, the region held in `held`."""
+                     dtypes: tuple[int, ...], dims: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The tensor `ref` names in a CUDA region on the server's GPU, the region held in `held`; `shape`: the one
+        it must have."""
         region: Region = held.enter_context(self._regions.use(ref.region, f"{field}.region"))
         regions.append(region)
         device = self._backend.device
@@ -171,6 +168,8 @@ class ColocatedLoops:
         if ref.shape[0] > self._limits.max_batch_rows:
             raise InvalidArgument(f"{field}.shape", f"got {ref.shape[0]} rows, expected at most "
                                   f"{self._limits.max_batch_rows}")
+        if shape is not None and tuple(ref.shape) != shape:
+            raise InvalidArgument(f"{field}.shape", f"got {list(ref.shape)}, expected {list(shape)}")
         return region.tensor(ref, field, dtypes)
 
 
