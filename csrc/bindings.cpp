@@ -117,6 +117,7 @@ void register_routes(pybind11::module_& m) {
   m.attr("EXACT_FILTER") = static_cast<int>(TS_EXACT_FILTER);
   m.attr("EXACT_MIN_P") = static_cast<int>(TS_EXACT_MIN_P);
   m.attr("EXACT_FRONTIER") = static_cast<int>(TS_EXACT_FRONTIER);
+  m.attr("EXACT_CUT") = static_cast<int>(TS_EXACT_CUT);
   m.attr("ROUTES_EXACT") = static_cast<int>(TS_ROUTES_EXACT);
   m.attr("ROUTES_FAST") = static_cast<int>(TS_ROUTES_FAST);
   m.attr("ROUTES_SETTLED") = static_cast<int>(TS_ROUTES_SETTLED);

@@ -29,6 +29,12 @@ int bucket_index(int32_t k, int64_t vocab) {
   return static_cast<int>(std::find(kBuckets, kBuckets + TS_NUM_BUCKETS, bucket) - kBuckets);
 }
 
+// The cut route's kept keys (int64 [num_rows]) lie in the scratch, after what its stats and sampling kernels use.
+size_t cut_keys_offset(const TsPlan* plan) {
+  return align16(std::max(ts_stats_scratch_bytes(plan->exact.n, plan->vocab),
+                          ts_gumbel_scratch_bytes(plan->exact.n, plan->vocab)));
+}
+
 // Row ids gathered for one group while planning; placed into the stage's lists when the plan is complete.
 struct Collector {
   int32_t* lists;
@@ -134,13 +140,15 @@ int ts_plan(void* host_stage, int64_t num_rows, int64_t vocab, int32_t kind, int
   p.lists_used = lists.used;
   // Most settle rows are decided (flags are rare): their filter blocks leave at once, as after the frontier.
   p.settle_splits = ts_filter_splits(p.settle.n, 1);
-  // Without k and without the kept mass itself (processed log-probs), min-p alone is a mask on Gumbel-max once the
-  // row max is known, and top-p goes to the frontier from TS_FRONTIER_MIN_ROWS rows.
-  const bool bounded = !processed && !exact_has_k;
-  p.exact_route = !bounded           ? TS_EXACT_FILTER
+  // Unless the kept mass itself is wanted (processed log-probs, the filter's), the kept set is a mask on Gumbel-max:
+  // a k without top-p is found once for every sample by a pass of counts alone (no mass, no Philox); min-p alone
+  // needs only the row max; top-p without k goes to the frontier from TS_FRONTIER_MIN_ROWS rows. A k with top-p
+  // stays on the filter, whose one pass beat the cut's pass plus a Gumbel-max (docs/design/kernel-routing.md).
+  p.exact_route = processed ? TS_EXACT_FILTER
+                  : exact_has_k ? (exact_has_top_p ? TS_EXACT_FILTER : TS_EXACT_CUT)
                   : !exact_has_top_p ? TS_EXACT_MIN_P
                   : n_exact >= TS_FRONTIER_MIN_ROWS ? TS_EXACT_FRONTIER
-                                                : TS_EXACT_FILTER;
+                                                    : TS_EXACT_FILTER;
   p.filter_splits = ts_filter_splits(n_exact, p.exact_route == TS_EXACT_FRONTIER);
   *plan = p;
   return cudaSuccess;
@@ -170,6 +178,7 @@ TsWorkspaceBytes ts_plan_workspace(const TsPlan* plan) {
       case TS_EXACT_FRONTIER: need(exact, ts_nucleus_scratch_bytes(exact.n, vocab)); break;
       case TS_EXACT_MIN_P: need(exact, std::max(ts_stats_scratch_bytes(exact.n, vocab),
                                                 ts_gumbel_scratch_bytes(exact.n, vocab))); break;
+      case TS_EXACT_CUT: need(exact, cut_keys_offset(plan) + sizeof(int64_t) * static_cast<size_t>(plan->num_rows)); break;
       default: need(exact, ts_stats_scratch_bytes(exact.n, vocab));
     }
     if (plan->exact_route != TS_EXACT_MIN_P && plan->filter_splits > 1) w.hist = ts_hist_bytes(exact.n);
@@ -221,21 +230,26 @@ int ts_launch_plan(const TsPlan* plan, const TsCallInputs* in, const void* dev_s
     const TsOutputs o = with_sample(out->filt, num_samples, 0);
     if ((err = ts_topk(x, &r, kBuckets[i], &o, ws, s))) return err;
   }
+  const TsOutputs pre = with_sample(out->pre, 1, 0);
+  auto filter = [&](const TsRows& r, int32_t need_exact_mass, int32_t splits, const TsOutputs& o) {
+    return ts_filter(x, &r, pre.row_max, pre.row_min, pre.tokens, pre.flags, need_exact_mass, splits, &o, ws, s);
+  };
   if (plan->settle.n) {  // the rows the buckets flagged, sampled again exact; the others leave both kernels at once
     const TsRows r = rows_of(plan->settle, in->bitmask);
-    const TsOutputs pre = with_sample(out->pre, 1, 0);
     if ((err = ts_stats_flagged(x, &r, out->filt.flags, &pre, ws, s))) return err;
-    for (int32_t sample = 0; sample < num_samples; ++sample) {
-      const TsOutputs o = with_sample(out->filt, num_samples, sample);
-      if ((err = ts_filter(x, &r, pre.row_max, pre.row_min, pre.tokens, pre.flags, 0, plan->settle_splits, &o, ws, s)))
-        return err;
-    }
+    for (int32_t sample = 0; sample < num_samples; ++sample)
+      if ((err = filter(r, 0, plan->settle_splits, with_sample(out->filt, num_samples, sample)))) return err;
   }
   if (plan->exact.n) {
     const TsRows r = rows_of(plan->exact, in->bitmask);
-    const TsOutputs pre = with_sample(out->pre, 1, 0);
     const int32_t route = plan->exact_route;
     if (route != TS_EXACT_FRONTIER && (err = ts_stats(x, &r, nullptr, &pre, ws, s))) return err;
+    int64_t* kept_keys = route == TS_EXACT_CUT
+                             ? reinterpret_cast<int64_t*>(static_cast<char*>(ws->scratch) + cut_keys_offset(plan))
+                             : nullptr;
+    if (route == TS_EXACT_CUT && (err = ts_cut(x, &r, pre.row_max, pre.row_min, pre.tokens, pre.flags,
+                                               plan->filter_splits, kept_keys, ws, s)))
+      return err;
     // Each sample's launch rewrites the flags: keep every sample's exact-filter bit.
     const bool keep_bits = num_samples > 1;
     if (keep_bits && (err = cudaMemsetAsync(out->exact_bits, 0, static_cast<size_t>(plan->num_rows),
@@ -243,14 +257,16 @@ int ts_launch_plan(const TsPlan* plan, const TsCallInputs* in, const void* dev_s
       return err;
     for (int32_t sample = 0; sample < num_samples; ++sample) {
       const TsOutputs o = with_sample(out->filt, num_samples, sample);
-      if (route == TS_EXACT_MIN_P) {  // exact in the kernel: never flags a row
-        if ((err = ts_min_p(x, &r, pre.row_max, &o, ws, s))) return err;
-      } else {
-        if (route == TS_EXACT_FRONTIER && (err = ts_nucleus(x, &r, &pre, &o, ws, s))) return err;
-        if ((err = ts_filter(x, &r, pre.row_max, pre.row_min, pre.tokens, pre.flags,
-                             plan->kind == TS_LOGPROBS_PROCESSED, plan->filter_splits, &o, ws, s)))
-          return err;
+      switch (route) {
+        case TS_EXACT_MIN_P: err = ts_min_p(x, &r, pre.row_max, &o, ws, s); break;  // exact in the kernel
+        case TS_EXACT_CUT: err = ts_sample_kept(x, &r, pre.row_max, kept_keys, &o, ws, s); break;
+        case TS_EXACT_FRONTIER:
+          if ((err = ts_nucleus(x, &r, &pre, &o, ws, s))) break;
+          err = filter(r, 0, plan->filter_splits, o);
+          break;
+        default: err = filter(r, plan->kind == TS_LOGPROBS_PROCESSED, plan->filter_splits, o);
       }
+      if (err) return err;
       if (keep_bits && (err = ts_or_flags(out->exact_bits, o.flags, plan->num_rows, kFlagExact, s))) return err;
     }
     if (keep_bits && (err = ts_or_flags(out->filt.flags, out->exact_bits, plan->num_rows, 0xFF, s))) return err;

@@ -102,6 +102,27 @@ cudaError_t launch_stats(const TsLogits* logits, const TsRows* rows, const float
   });
 }
 
+// ts_filter (kCut false) and ts_cut (true): filter_kernel, `splits` blocks a row.
+template <bool kCut>
+cudaError_t launch_filter(const TsLogits* logits, const TsRows* rows, const float* row_max, const float* row_min,
+                          const int64_t* row_argmax, const uint8_t* stats_flags, int32_t need_exact_mass,
+                          int32_t splits, const TsOutputs* out, const TsWorkspace* ws, void* stream) {
+  if (bad_args(logits, rows) || !row_argmax || splits < 1) return cudaErrorInvalidValue;
+  if (rows->num_work_rows == 0) return cudaSuccess;
+  const int64_t groups = (logits->vocab + 3) / 4;
+  const int blocks = static_cast<int>(splits < groups ? splits : groups);
+  const dim3 grid(blocks, rows->num_work_rows);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return dispatch(logits->dtype, rows, [&](auto t, auto mask) {
+    using T = decltype(t);
+    constexpr bool M = decltype(mask)::value;
+    const void* kernel = reinterpret_cast<const void*>(&filter_kernel<T, M, kCut>);
+    if (cudaError_t e = set_smem(kernel, kFilterSmemBytes)) return e;
+    return launch_after_previous(&filter_kernel<T, M, kCut>, grid, dim3(kFilterThreads), kFilterSmemBytes, s, *logits,
+                                 *rows, row_max, row_min, row_argmax, stats_flags, need_exact_mass, *out, *ws);
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -153,9 +174,11 @@ int ts_gumbel(const TsLogits* logits, const TsRows* rows, const float* lse_scale
     using T = decltype(t);
     constexpr bool M = decltype(mask)::value;
     if (lse_scale)
-      gumbel_kernel<T, M, true, false><<<grid, kThreads, 0, s>>>(*logits, *rows, lse_scale, nullptr, *out, *ws);
+      gumbel_kernel<T, M, true, kNoRowMask><<<grid, kThreads, 0, s>>>(*logits, *rows, lse_scale, nullptr, nullptr,
+                                                                      *out, *ws);
     else
-      gumbel_kernel<T, M, false, false><<<grid, kThreads, 0, s>>>(*logits, *rows, lse_scale, nullptr, *out, *ws);
+      gumbel_kernel<T, M, false, kNoRowMask><<<grid, kThreads, 0, s>>>(*logits, *rows, lse_scale, nullptr, nullptr,
+                                                                       *out, *ws);
     return cudaGetLastError();
   });
 }
@@ -164,8 +187,19 @@ int ts_min_p(const TsLogits* logits, const TsRows* rows, const float* row_max, c
              const TsWorkspace* ws, void* stream) {
   if (bad_args(logits, rows) || !out->tokens || !row_max) return cudaErrorInvalidValue;
   return dispatch_chunks(logits, rows, stream, [&](auto t, auto mask, dim3 grid, cudaStream_t s) {
-    return launch_after_previous(&gumbel_kernel<decltype(t), decltype(mask)::value, false, true>, grid, dim3(kThreads),
-                                 0, s, *logits, *rows, static_cast<const float*>(nullptr), row_max, *out, *ws);
+    return launch_after_previous(&gumbel_kernel<decltype(t), decltype(mask)::value, false, kMinPRowMask>, grid,
+                                 dim3(kThreads), 0, s, *logits, *rows, static_cast<const float*>(nullptr), row_max,
+                                 static_cast<const int64_t*>(nullptr), *out, *ws);
+  });
+}
+
+int ts_sample_kept(const TsLogits* logits, const TsRows* rows, const float* row_max, const int64_t* kept_keys,
+                   const TsOutputs* out, const TsWorkspace* ws, void* stream) {
+  if (bad_args(logits, rows) || !out->tokens || !row_max || !kept_keys) return cudaErrorInvalidValue;
+  return dispatch_chunks(logits, rows, stream, [&](auto t, auto mask, dim3 grid, cudaStream_t s) {
+    return launch_after_previous(&gumbel_kernel<decltype(t), decltype(mask)::value, false, kCutRowMask>, grid,
+                                 dim3(kThreads), 0, s, *logits, *rows, static_cast<const float*>(nullptr), row_max,
+                                 kept_keys, *out, *ws);
   });
 }
 
@@ -191,20 +225,18 @@ int ts_topk(const TsLogits* logits, const TsRows* rows, int32_t bucket, const Ts
 int ts_filter(const TsLogits* logits, const TsRows* rows, const float* row_max, const float* row_min,
               const int64_t* row_argmax, const uint8_t* stats_flags, int32_t need_exact_mass, int32_t splits,
               const TsOutputs* out, const TsWorkspace* ws, void* stream) {
-  if (bad_args(logits, rows) || !out->tokens || !out->flags || !row_argmax || splits < 1) return cudaErrorInvalidValue;
-  if (rows->num_work_rows == 0) return cudaSuccess;
-  const int64_t groups = (logits->vocab + 3) / 4;
-  const int blocks = static_cast<int>(splits < groups ? splits : groups);
-  const dim3 grid(blocks, rows->num_work_rows);
-  const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return dispatch(logits->dtype, rows, [&](auto t, auto mask) {
-    using T = decltype(t);
-    constexpr bool M = decltype(mask)::value;
-    const void* kernel = reinterpret_cast<const void*>(&filter_kernel<T, M>);
-    if (cudaError_t e = set_smem(kernel, kFilterSmemBytes)) return e;
-    return launch_after_previous(&filter_kernel<T, M>, grid, dim3(kFilterThreads), kFilterSmemBytes, s, *logits, *rows,
-                                 row_max, row_min, row_argmax, stats_flags, need_exact_mass, *out, *ws);
-  });
+  if (!out->tokens || !out->flags) return cudaErrorInvalidValue;
+  return launch_filter<false>(logits, rows, row_max, row_min, row_argmax, stats_flags, need_exact_mass, splits, out, ws,
+                              stream);
+}
+
+int ts_cut(const TsLogits* logits, const TsRows* rows, const float* row_max, const float* row_min,
+           const int64_t* row_argmax, const uint8_t* stats_flags, int32_t splits, int64_t* kept_keys,
+           const TsWorkspace* ws, void* stream) {
+  if (!kept_keys) return cudaErrorInvalidValue;
+  TsOutputs out{};
+  out.kept_min_key = kept_keys;
+  return launch_filter<true>(logits, rows, row_max, row_min, row_argmax, stats_flags, 0, splits, &out, ws, stream);
 }
 
 size_t ts_nucleus_scratch_bytes(int32_t num_work_rows, int64_t vocab) {

@@ -9,6 +9,7 @@
 #include <cfloat>
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "common.cuh"
 #include "philox.cuh"
@@ -386,7 +387,7 @@ struct MinPMask {
   __device__ __noinline__ bool exact_keeps(float x) const {
     return passes_min_p(scaled(x, row_max, temperature), m);
   }
-  __device__ __forceinline__ void apply(float& x) const {
+  __device__ __forceinline__ void apply(float& x, uint32_t) const {
     if (x < keep && (x < drop || !exact_keeps(x))) x = -kInf;
   }
   // A bound on the kept logits of a group whose largest logit is gx (-inf: the group keeps none).
@@ -395,9 +396,40 @@ struct MinPMask {
 
 // No filter: gumbel_kernel's plain instance.
 struct NoMask {
-  __device__ __forceinline__ void apply(float&) const {}
+  __device__ __forceinline__ void apply(float&, uint32_t) const {}
   __device__ __forceinline__ float group_bound(float gx) const { return gx; }
 };
+
+// A kept set given by its last token's rank key (filter_kernel<T, kMask, true>: any k, top-p and min-p): token id
+// is kept when rank_key(z, id) >= key. As MinPMask, two floors around M + T z_key decide every token whose z is
+// clear of z_key by delta (the same bound: the roundings of the floor, of x - M and of the division move z by less
+// than 2^-21 (|M| / T + |z_key| + delta)); the tokens between them get the exact test, which breaks ties by id.
+// kNothingKept: the row has no finite logit, or its cut found no token (flag 4).
+constexpr uint64_t kNothingKept = ~0ull;
+struct CutMask {
+  float keep, drop;
+  float row_max, temperature;
+  uint64_t key;
+
+  __device__ __noinline__ bool exact_keeps(float x, uint32_t id) const {
+    return rank_key(scaled(x, row_max, temperature), id) >= key;
+  }
+  __device__ __forceinline__ void apply(float& x, uint32_t id) const {
+    if (x < keep && (x < drop || !exact_keeps(x, id))) x = -kInf;
+  }
+  __device__ __forceinline__ float group_bound(float gx) const { return gx >= drop ? gx : -kInf; }
+};
+
+__device__ __forceinline__ CutMask cut_mask(float row_max, float temperature, uint64_t key) {
+  CutMask c{kInf, kInf, row_max, temperature, key};  // nothing to keep
+  if (!(row_max > -kInf) || key == kNothingKept) return c;
+  const float z = key_value(key);
+  const float delta = 0x1p-18f * (1.f + fabsf(row_max) / temperature + fabsf(z));
+  c.keep = fmaf(temperature, z + delta, row_max);
+  c.drop = fmaf(temperature, z - delta, row_max);
+  if (!(fabsf(c.keep) < kInf && fabsf(c.drop) < kInf)) c.keep = kInf, c.drop = -kInf;
+  return c;
+}
 
 __device__ __forceinline__ MinPMask min_p_mask(float row_max, float temperature, float m) {
   MinPMask k{kInf, kInf, row_max, temperature, m};  // no finite logit: nothing to keep
@@ -570,7 +602,7 @@ __device__ __forceinline__ void gumbel_screened(const float (&v)[kGroupsPerThrea
   const int pilot = pick_pilot(v, gx, x, pilot_max);
   mx = fmaxf(mx, pilot_max);
 #pragma unroll
-  for (int e = 0; e < 4; ++e) mask.apply(x[e]);
+  for (int e = 0; e < 4; ++e) mask.apply(x[e], 4 * (gbase + pilot * kThreads) + e);
   // g < 25 ln 2 < 18: a warp whose largest logit cannot reach the posted L needs no pilot.
   if (!(rb.posted > -kInf) ||
       warp_allreduce(pilot_max, MaxOp{}) * inv_t + 18.f >= rb.posted - 0x1p-16f * fabsf(rb.posted)) {
@@ -606,7 +638,7 @@ __device__ __forceinline__ void gumbel_screened(const float (&v)[kGroupsPerThrea
       },
       [&](float (&x)[4], const uint4& words, uint32_t g) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) mask.apply(x[e]);
+        for (int e = 0; e < 4; ++e) mask.apply(x[e], 4 * g + e);
         score_passing_words(px, x, words, g, inv_t, screen ? screen_word(max_of_group(x), inv_t, cut.a) : 0u);
       });
   if (screen) px.p2 = fmaxf(px.p2, cut.thr);  // tokens the screen skipped have proxies below thr
@@ -641,15 +673,23 @@ __device__ __forceinline__ void gumbel_screened_by_bound(const float (&v)[kGroup
   px.p2 = fmaxf(px.p2, cut.thr);
 }
 
-// kMinP: min-p alone, after stats_kernel on the same rows (stats_row_max: its row max), launched to
-// overlap its tail: the chunk is read first, then the row max gives the mask (MinPMask).
-template <typename T, bool kMask, bool LSE, bool kMinP>
-__global__ void __launch_bounds__(kThreads, LSE || kMinP ? 4 : 5)
-    gumbel_kernel(TsLogits logits, TsRows rows, const float* lse_scale, const float* stats_row_max, TsOutputs out,
-                  TsWorkspace ws) {
-  static_assert(!(LSE && kMinP), "the min-p instance has no log-sum-exp");
-  // min-p takes the rows in reverse order: its first blocks read the rows stats_kernel read last, from L2.
-  const int w = kMinP ? gridDim.y - 1 - blockIdx.y : blockIdx.y, split = blockIdx.x, splits = gridDim.x;
+// Which mask gumbel_kernel puts on its rows. Either mask comes after another kernel on the same rows (launched to
+// overlap its tail: the chunk is read first, then the mask is made from that kernel's results).
+enum RowMaskKind : int {
+  kNoRowMask = 0,
+  kMinPRowMask = 1,  // min-p alone, after stats_kernel (stats_row_max: its row max): MinPMask
+  kCutRowMask = 2    // the kept set of filter_kernel<T, kMask, true> (cut_keys), after it or a sample before: CutMask
+};
+
+template <typename T, bool kMask, bool LSE, int kRowMask>
+__global__ void __launch_bounds__(kThreads, LSE || kRowMask != kNoRowMask ? 4 : 5)
+    gumbel_kernel(TsLogits logits, TsRows rows, const float* lse_scale, const float* stats_row_max,
+                  const int64_t* cut_keys, TsOutputs out, TsWorkspace ws) {
+  static_assert(!(LSE && kRowMask != kNoRowMask), "the masked instances have no log-sum-exp");
+  using RowMask = std::conditional_t<kRowMask == kCutRowMask, CutMask, MinPMask>;
+  // A masked row takes the rows in reverse order: its first blocks read the rows the kernel before read last, from L2.
+  const int w = kRowMask != kNoRowMask ? gridDim.y - 1 - blockIdx.y : blockIdx.y, split = blockIdx.x,
+            splits = gridDim.x;
   const RowView<T> rv = row_view<T, kMask>(logits, rows, w);
   const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
   const float temperature = rows.temperature[rv.r];
@@ -661,15 +701,19 @@ __global__ void __launch_bounds__(kThreads, LSE || kMinP ? 4 : 5)
   Proxy px{-kInf, -kInf, INT_MAX};
   float mx = -kInf, sum = 0.f;
   bool nan;
-  __shared__ MinPMask min_p;  // kMinP: the row's mask
-  if constexpr (kMinP) {
+  __shared__ RowMask row_mask;  // in shared memory: its few uses reload it rather than hold its registers
+  if constexpr (kRowMask != kNoRowMask) {
     float v[kGroupsPerThread][4];
     nan = load_chunk(rv, logits.vocab, g0, v, evict_first);
-    wait_for_previous_grid();  // stats_kernel's row max, and the workspace it used, from here on
-    // in shared memory: its few uses reload it rather than hold five registers through the screen
-    if (threadIdx.x == 0) min_p = min_p_mask(stats_row_max[rv.r], temperature, rows.min_p[rv.r]);
+    wait_for_previous_grid();  // the kernel before has written what the mask is made of, and is done with the workspace
+    if (threadIdx.x == 0) {
+      if constexpr (kRowMask == kCutRowMask)
+        row_mask = cut_mask(stats_row_max[rv.r], temperature, static_cast<uint64_t>(cut_keys[rv.r]));
+      else
+        row_mask = min_p_mask(stats_row_max[rv.r], temperature, rows.min_p[rv.r]);
+    }
     __syncthreads();
-    gumbel_screened(v, rv, logits.vocab, g0, inv_t, noise, px, mx, RowBound{}, min_p);
+    gumbel_screened(v, rv, logits.vocab, g0, inv_t, noise, px, mx, RowBound{}, row_mask);
   } else if constexpr (!LSE) {
     float v[kGroupsPerThread][4];
     nan = load_chunk(rv, logits.vocab, g0, v, evict_first);
@@ -742,7 +786,7 @@ __global__ void __launch_bounds__(kThreads, LSE || kMinP ? 4 : 5)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         sanitize(x[e]);
-        if constexpr (kMinP) min_p.apply(x[e]);
+        if constexpr (kRowMask != kNoRowMask) row_mask.apply(x[e], static_cast<uint32_t>(4 * g + e));
         if (x[e] > -kInf) {
           const float f = __fadd_rn(scaled(x[e], row_max, temperature), gumbel_exact(word_of(words, e)));
           best = max(best, rank_key(f, static_cast<uint32_t>(4 * g + e)));
@@ -751,13 +795,16 @@ __global__ void __launch_bounds__(kThreads, LSE || kMinP ? 4 : 5)
     }
     __shared__ uint64_t scratch[kThreads / 32];
     best = block_allreduce<kThreads>(best, MaxOp{}, scratch);
-    token = key_index(best);
+    token = best ? static_cast<int64_t>(key_index(best)) : -1;  // none: a cut that kept nothing
   }
   if (threadIdx.x != 0) return;
+  uint8_t flags = (row.nan ? 1 : 0) | (row_max > -kInf ? 0 : 2);
+  if constexpr (kRowMask == kCutRowMask)
+    if (row_max > -kInf && row_mask.key == kNothingKept) flags |= 4;
   out.tokens[rv.r * out.num_samples + out.sample] = token;
   if (out.row_max) out.row_max[rv.r] = row_max;
   if (LSE && out.row_logz) out.row_logz[rv.r] = logf(row.sum);
-  if (out.flags) out.flags[rv.r] = static_cast<uint8_t>((row.nan ? 1 : 0) | (row_max > -kInf ? 0 : 2));
+  if (out.flags) out.flags[rv.r] = flags;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1408,7 +1455,10 @@ __device__ __noinline__ Cut crowded_cuts(const FilterRow<T, kMask>& fr, const Hi
   return last;
 }
 
-template <typename T, bool kMask>
+// kCut: the kept set alone, for a masked Gumbel-max after it (gumbel_kernel<..., kCutRowMask>, every sample): the
+// pass keeps counts (and masses under top-p) but no Philox word and no winner, every cut is resolved, and the row's
+// last kept key is written to out.kept_min_key (kNothingKept: none), nothing else.
+template <typename T, bool kMask, bool kCut>
 __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilterBlocksTarget (routes.cpp)
     filter_kernel(TsLogits logits, TsRows rows, const float* row_max_in, const float* row_min_in,
                   const int64_t* row_argmax, const uint8_t* stats_flags, int need_exact_mass, TsOutputs out,
@@ -1424,8 +1474,12 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
   if (sflags & kRowDecided) return;
   if (sflags & 2u) {  // no finite logit: every block leaves, the first writes the row
     if (split == 0 && threadIdx.x == 0) {
-      out.tokens[r * ns + out.sample] = -1;
-      out.flags[r] = sflags & 3u;
+      if (kCut) {
+        out.kept_min_key[r] = static_cast<int64_t>(kNothingKept);
+      } else {
+        out.tokens[r * ns + out.sample] = -1;
+        out.flags[r] = sflags & 3u;
+      }
     }
     return;
   }
@@ -1435,6 +1489,7 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
   const int k = rows.top_k[r];
   const float p = rows.top_p[r], m = rows.min_p[r];
   const bool use_bins = k > 0 || p < 1.f;
+  const bool need_mass = !kCut || p < 1.f;  // the cut's own need: top-p's target
   const NoiseStream noise = row_noise(rows, r, static_cast<uint32_t>(out.sample));
   // The argmax (z = 0) is always kept, so the winner scores at least its f = g: a token whose
   // z + (upper bound of g) is below that cannot win, and its exact noise is never computed.
@@ -1458,13 +1513,21 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
   const int64_t g_begin = split * per, g_end = min(groups, g_begin + per);
   // The exact work of one group: z, min-p, mass, bins and the winner, for each of its tokens.
   auto score_group = [&](uint32_t g, const float (&x)[4]) {
-    const uint4 words = noise.group(g);
+    const uint4 words = kCut ? uint4{} : noise.group(g);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float z = scaled(x[e], row_max, temperature);
       if (!passes_min_p(x[e], z)) continue;
       const uint32_t id = 4 * g + e;
       min_key = min(min_key, rank_key(z, id));
+      if (kCut) {
+        if (use_bins) {
+          const int b = bin_of(z);
+          atomicAdd(h.count + b, 1u);
+          if (need_mass) atomicAdd(reinterpret_cast<unsigned long long*>(h.mass + b), static_cast<unsigned long long>(mass_fixed(z)));
+        }
+        continue;
+      }
       const uint64_t q = mass_fixed(z);
       const uint32_t word = word_of(words, e);
       const bool may_win = !(z + gumbel_upper_bound(word) < floor_score);
@@ -1614,7 +1677,7 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
     best_above = block_allreduce<kFilterThreads>(best_above, MaxOp{}, scratch);
     const uint64_t cut_win = h.win[c_lo];
     const bool whole = !k_cut && !p_cut;
-    const bool resolve = !whole && (k_cut || need_exact_mass || best_above == 0 || cut_win > best_above);
+    const bool resolve = !whole && (kCut || k_cut || need_exact_mass || best_above == 0 || cut_win > best_above);
     if (whole) {
       uint64_t b = 0;
       for (int i = threadIdx.x; i < kBins; i += kFilterThreads) b = max(b, h.win[i]);
@@ -1630,7 +1693,7 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
       const uint32_t l1 = k_cut ? static_cast<uint32_t>(k) : total_count;
       // The cut bin holds one token (on spiky rows, often the spike whose mass reaches p x the total): top-p keeps
       // it, and its exact score is the bin's winner unless it cannot beat the argmax. No re-read.
-      const bool one_token = !k_cut && n == 1 && !need_exact_mass;
+      const bool one_token = !kCut && !k_cut && n == 1 && !need_exact_mass;
       if (!one_token && threadIdx.x == 0 && ws.fallback_count) atomicAdd(ws.fallback_count, 1ull);
       if (one_token) {
         token = key_index(max(best_above, cut_win));
@@ -1672,17 +1735,23 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
           if (static_cast<double>(mass_above) >= target) flags |= 4u;  // cut above the range: impossible
           if (first != UINT_MAX) jk = first + 1;
         }
-        uint64_t win = best_above;
-        for (uint32_t i = threadIdx.x; i < jk; i += kFilterThreads)
-          win = max(win, gumbel_key(key_value(cand[i]), key_index(cand[i]), noise));
-        win = block_allreduce<kFilterThreads>(win, MaxOp{}, scratch);
-        token = key_index(win);
+        if (!kCut) {
+          uint64_t win = best_above;
+          for (uint32_t i = threadIdx.x; i < jk; i += kFilterThreads)
+            win = max(win, gumbel_key(key_value(cand[i]), key_index(cand[i]), noise));
+          win = block_allreduce<kFilterThreads>(win, MaxOp{}, scratch);
+          token = key_index(win);
+        }
         kept_mass = (mass_above + (jk ? prefix[jk - 1] : 0)) * kMassUnit;
         kept_min = jk ? cand[jk - 1] : 0;
       }
     }
   }
   if (threadIdx.x != 0) return;
+  if (kCut) {
+    out.kept_min_key[r] = static_cast<int64_t>((flags & 4u) ? kNothingKept : kept_min);
+    return;
+  }
   out.tokens[r * ns + out.sample] = (flags & 4u) ? -1 : token;
   out.flags[r] = static_cast<uint8_t>(flags);
   if (out.kept_mass) out.kept_mass[r] = static_cast<float>(kept_mass);

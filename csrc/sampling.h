@@ -94,6 +94,12 @@ int ts_gumbel(const TsLogits* logits, const TsRows* rows, const float* lse_scale
 int ts_min_p(const TsLogits* logits, const TsRows* rows, const float* row_max, const TsOutputs* out,
              const TsWorkspace* ws, void* stream);
 
+/* Gumbel-max over each row's kept set as ts_cut gives it (kept_keys), sample out->sample, given ts_stats' row_max
+ * of the same rows; scratch as ts_gumbel. The token of ts_filter for the same row and sample. Launched to overlap the
+ * end of the kernel before it (programmatic dependent launch). A row whose cut kept nothing gets -1 and flag 4. */
+int ts_sample_kept(const TsLogits* logits, const TsRows* rows, const float* row_max, const int64_t* kept_keys,
+                   const TsOutputs* out, const TsWorkspace* ws, void* stream);
+
 /* top-k (1 <= k, k + 1 <= bucket) with optional top-p and min-p, every sample in one launch. */
 int ts_topk(const TsLogits* logits, const TsRows* rows, int32_t bucket, const TsOutputs* out,
             const TsWorkspace* ws, void* stream);
@@ -108,6 +114,13 @@ int ts_filter(const TsLogits* logits, const TsRows* rows, const float* row_max,
               const float* row_min, const int64_t* row_argmax, const uint8_t* stats_flags,
               int32_t need_exact_mass, int32_t splits, const TsOutputs* out, const TsWorkspace* ws,
               void* stream);
+
+/* The kept set of ts_filter (any k, top-p, min-p), with no sample drawn: each row's last kept rank key (z desc, id
+ * asc) to kept_keys (int64, by row; ~0: none kept, or no finite logit), for ts_sample_kept to draw every sample
+ * from. Arguments and launch as ts_filter; the workspace's hist and counters as ts_filter's. */
+int ts_cut(const TsLogits* logits, const TsRows* rows, const float* row_max, const float* row_min,
+           const int64_t* row_argmax, const uint8_t* stats_flags, int32_t splits, int64_t* kept_keys,
+           const TsWorkspace* ws, void* stream);
 
 /* Top-p and/or min-p without k, sample out->sample, from a frontier of candidates (nucleus.cuh):
  * writes what ts_stats writes to pre (row_max, row_min, tokens [num_rows, 1] = argmax, flags) and,

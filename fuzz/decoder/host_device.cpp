@@ -46,8 +46,9 @@ constexpr uint8_t kFlagCpu = 4;
 
 // One stand-in launch over a work list: every read checked, then a token and flags for each work row. The
 // answer comes from the row's first byte, so that a fuzzed input reaches both the answered and the declined
-// (kFlagCpu) ends of RequestPath::sample.
-void run(const TsLogits* l, const TsRows* r, const TsOutputs* out, const TsWorkspace* ws, size_t scratch_bytes) {
+// (kFlagCpu) ends of RequestPath::sample. `draws`: the launch writes tokens and flags (ts_cut writes neither).
+void run(const TsLogits* l, const TsRows* r, const TsOutputs* out, const TsWorkspace* ws, size_t scratch_bytes,
+         bool draws = true) {
   if (l->num_rows < 1 || l->vocab < 1) fail("TsLogits without rows or tokens");
   if (r->num_work_rows < 1 || r->num_work_rows > l->num_rows) fail("TsRows.num_work_rows outside [1, num_rows]");
   const uint64_t rows = static_cast<uint64_t>(l->num_rows), n = static_cast<uint64_t>(r->num_work_rows);
@@ -63,9 +64,11 @@ void run(const TsLogits* l, const TsRows* r, const TsOutputs* out, const TsWorks
   if (l->row_start) need(l->row_start, rows, 8, "TsLogits.row_start");
   need(ws->counters, n, 4, "TsWorkspace.counters");
   need(ws->scratch, scratch_bytes, 1, "TsWorkspace.scratch");
-  if (out->num_samples != 1 || out->sample != 0) fail("TsOutputs: more than one sample");
-  need(out->tokens, rows, 8, "TsOutputs.tokens");
-  need(out->flags, rows, 1, "TsOutputs.flags");
+  if (draws) {
+    if (out->num_samples != 1 || out->sample != 0) fail("TsOutputs: more than one sample");
+    need(out->tokens, rows, 8, "TsOutputs.tokens");
+    need(out->flags, rows, 1, "TsOutputs.flags");
+  }
   for (float* column : {out->row_max, out->row_min, out->row_logz, out->kept_mass})
     if (column) need(column, rows, 4, "TsOutputs' per-row floats");
   if (out->kept_min_key) need(out->kept_min_key, rows, 8, "TsOutputs.kept_min_key");
@@ -81,8 +84,10 @@ void run(const TsLogits* l, const TsRows* r, const TsOutputs* out, const TsWorks
     if (!inside(const_cast<const uint8_t*>(logits), row_bytes)) fail("a row's logits outside every region and buffer");
     const uint8_t first = logits[0];
     (void)logits[row_bytes - 1];  // both ends read, for AddressSanitizer too
-    out->tokens[row] = first % l->vocab;
-    out->flags[row] = first == 0xC4 ? kFlagCpu : first & 3;
+    if (draws) {
+      out->tokens[row] = first % l->vocab;
+      out->flags[row] = first == 0xC4 ? kFlagCpu : first & 3;
+    }
     for (float* column : {out->row_max, out->row_min, out->row_logz, out->kept_mass})
       if (column) column[row] = 0.f;
     if (out->kept_min_key) out->kept_min_key[row] = 0;
@@ -207,9 +212,10 @@ int ts_topk(const TsLogits* l, const TsRows* r, int32_t bucket, const TsOutputs*
   fuzz::run(l, r, out, ws, ts_topk_scratch_bytes(r->num_work_rows, l->vocab, bucket));
   return 0;
 }
-int ts_filter(const TsLogits* l, const TsRows* r, const float* row_max, const float* row_min,
-              const int64_t* row_argmax, const uint8_t* stats_flags, int32_t, int32_t splits, const TsOutputs* out,
-              const TsWorkspace* ws, void*) {
+namespace {
+// What ts_filter and ts_cut read beside the rows.
+void need_filter_inputs(const TsLogits* l, const TsRows* r, const float* row_max, const float* row_min,
+                        const int64_t* row_argmax, const uint8_t* stats_flags, int32_t splits, const TsWorkspace* ws) {
   const uint64_t rows = static_cast<uint64_t>(l->num_rows);
   fuzz::need(row_max, rows, 4, "ts_filter row_max");
   fuzz::need(row_min, rows, 4, "ts_filter row_min");
@@ -217,7 +223,30 @@ int ts_filter(const TsLogits* l, const TsRows* r, const float* row_max, const fl
   fuzz::need(stats_flags, rows, 1, "ts_filter stats_flags");
   if (splits < 1 || splits > 64) fuzz::fail("ts_filter splits outside [1, 64]");
   if (splits > 1) fuzz::need(ws->hist, ts_hist_bytes(r->num_work_rows), 1, "TsWorkspace.hist");
+}
+}  // namespace
+
+int ts_filter(const TsLogits* l, const TsRows* r, const float* row_max, const float* row_min,
+              const int64_t* row_argmax, const uint8_t* stats_flags, int32_t, int32_t splits, const TsOutputs* out,
+              const TsWorkspace* ws, void*) {
+  need_filter_inputs(l, r, row_max, row_min, row_argmax, stats_flags, splits, ws);
   fuzz::run(l, r, out, ws, 0);
+  return 0;
+}
+int ts_cut(const TsLogits* l, const TsRows* r, const float* row_max, const float* row_min, const int64_t* row_argmax,
+           const uint8_t* stats_flags, int32_t splits, int64_t* kept_keys, const TsWorkspace* ws, void*) {
+  need_filter_inputs(l, r, row_max, row_min, row_argmax, stats_flags, splits, ws);
+  TsOutputs out{};
+  out.kept_min_key = kept_keys;
+  fuzz::need(kept_keys, static_cast<uint64_t>(l->num_rows), 8, "ts_cut kept_keys");
+  fuzz::run(l, r, &out, ws, 0, false);
+  return 0;
+}
+int ts_sample_kept(const TsLogits* l, const TsRows* r, const float* row_max, const int64_t* kept_keys,
+                   const TsOutputs* out, const TsWorkspace* ws, void*) {
+  fuzz::need(row_max, static_cast<uint64_t>(l->num_rows), 4, "ts_sample_kept row_max");
+  fuzz::need(kept_keys, static_cast<uint64_t>(l->num_rows), 8, "ts_sample_kept kept_keys");
+  fuzz::run(l, r, out, ws, ts_gumbel_scratch_bytes(r->num_work_rows, l->vocab));
   return 0;
 }
 int ts_nucleus(const TsLogits* l, const TsRows* r, const TsOutputs* pre, const TsOutputs* out, const TsWorkspace* ws,

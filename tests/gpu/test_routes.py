@@ -42,9 +42,10 @@ def expected_routes(t: list[float], k: list[int], p: list[float], m: list[float]
         if kind == module.LOGPROBS_RAW and raw_pass:
             groups["need_raw"].append(r)
         masks.append((through and not greedy, through, raw_pass))
-    bounded = not processed and not exact_k
-    if not bounded:
+    if processed:
         route = module.EXACT_FILTER
+    elif exact_k:
+        route = module.EXACT_FILTER if exact_p else module.EXACT_CUT
     elif not exact_p:
         route = module.EXACT_MIN_P
     else:
