@@ -9,7 +9,10 @@ csrc/routes.cpp, which the native request path (csrc/request_path.cpp) calls too
                                    the frontier cannot settle (32 rows or more; below, stats + filter)
   min-p alone                   -> stats_kernel, then gumbel_kernel over the tokens min-p keeps (a mask
                                    from the row max)
-  k > 255, processed log-probs  -> stats_kernel then filter_kernel: exact binned cut, any k, p and min-p
+  k > 255 without top-p         -> stats_kernel, filter_kernel's cut form once (the kept set's last key, from
+                                   counts alone), then gumbel_kernel with that set as a mask, a sample
+  k > 255 with top-p, processed log-probs
+                                -> stats_kernel then filter_kernel: exact binned cut, any k, p and min-p
 A token bitmask (structured output) is read by every kernel above as it loads the logits, a disallowed token
 read as -inf: a batch whose only processing is a bitmask reads its logits once, as without one. Other processing
 (masks, bias, penalties) runs first, in torch on the GPU (processing.apply_processing), on a float32 copy into
@@ -63,10 +66,13 @@ ROUTES = [
     Route("top-p without k (and min-p), fewer than 32 rows", ("stats_kernel", "filter_kernel"),
           "two reads, and the cut bin re-read: 29-38 us at B = 1-8"),
     Route("min-p alone", ("stats_kernel", "gumbel_kernel"), "two reads: 14-137 us"),
-    Route("k > 255 (any k up to V, per row), with or without top-p / min-p; processed log-probs",
-          ("stats_kernel", "filter_kernel"),
-          "two reads, and each row's cut bins re-read by one block (radix passes when a bin holds more than 4096 "
-          "tokens): 1.5-5.0x the top-k 50 call, 90-730 us a call at B = 1-256"),
+    Route("k > 255 (any k up to V, per row) without top-p, with or without min-p",
+          ("stats_kernel", "filter_kernel", "gumbel_kernel"),
+          "three reads, and each row's cut bin re-read by one block, once for every sample; then one read a sample: "
+          "1.3-3.7x the top-k 50 call, 90-730 us a call at B = 1-256"),
+    Route("k > 255 with top-p (and min-p); processed log-probs", ("stats_kernel", "filter_kernel"),
+          "two reads a sample, and each row's cut bins re-read by one block (radix passes when a bin holds more "
+          "than 4096 tokens): 1.8-4.1x the top-k 50 call, 105-800 us a call at B = 1-256"),
     Route("rows with a token bitmask (structured output)",
           ("the route of the rows' parameters", "apply_bitmask_kernel beside other processing"),
           "without other processing, the same kernels, each reading the mask with the logits (1/32 more bytes at "
