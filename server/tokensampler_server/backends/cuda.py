@@ -43,7 +43,7 @@ from tokensampler_server.core.fallbacks import record_fallback
 from tokensampler_server.model.sampling import LogitProcessing, LogprobsMode, SamplingBatch, SamplingResult, select_rows
 from tokensampler_server.backends import cuda_fused
 from tokensampler_server.backends.base import Backend, BackendInfo, PreparedSampling, Route
-from tokensampler_server.backends.cuda_buffers import FLAG_EXACT, FLAG_INVALID, FLAG_NAN, CallOutputs, Stage
+from tokensampler_server.backends.cuda_buffers import FLAG_EXACT, FLAG_NAN, CallOutputs, Stage, row_states
 from tokensampler_server.backends.cuda_build import CudaBackendUnavailable
 from tokensampler_server.backends.cuda_kernels import NO_BITMASK, Kernels, Plan
 from tokensampler_server.backends.mps import mps_state
@@ -328,10 +328,10 @@ class CudaBackend(Backend):
             valid = torch.ones(num_rows, dtype=torch.bool)
             nan = flags != 0 if top else torch.zeros(num_rows, dtype=torch.bool)
             return SamplingResult(tokens=tokens, valid=valid, nan_detected=nan), None
-        valid = (flags & FLAG_INVALID) == 0
+        valid, nan = row_states(flags)
         tokens.masked_fill_(~valid.unsqueeze(1), -1)
         flagged = ((flags & FLAG_EXACT) != 0).nonzero().squeeze(1) if top >= FLAG_EXACT else None
-        return SamplingResult(tokens=tokens, valid=valid, nan_detected=(flags & FLAG_NAN) != 0), flagged
+        return SamplingResult(tokens=tokens, valid=valid, nan_detected=nan), flagged
 
     @staticmethod
     def _empty_result(batch: SamplingBatch, vocab: int, wants_logprobs: bool) -> SamplingResult:
@@ -353,8 +353,9 @@ class CudaBackend(Backend):
                                    self._ones_on_device(num_rows), raw_x, x, bitmask, LogprobCall.of(batch), stream)
         # The one synchronisation: everything back to the host.
         flags = got.flags.cpu()
+        valid, nan = row_states(flags)
         result = SamplingResult(
-            tokens=got.tokens.cpu(), valid=(flags & FLAG_INVALID) == 0, nan_detected=(flags & FLAG_NAN) != 0,
+            tokens=got.tokens.cpu(), valid=valid, nan_detected=nan,
             logprobs=got.logprobs.cpu() if got.logprobs is not None else None,
             top_logprob_ids=got.top_ids.cpu() if got.top_ids is not None else None,
             top_logprobs=got.top_values.cpu() if got.top_values is not None else None)

@@ -7,12 +7,17 @@ import torch
 
 from tokensampler_server.model.sampling import RowSampling
 
-__all__ = ["FLAG_EXACT", "FLAG_INVALID", "FLAG_NAN", "CallOutputs", "Stage", "grown"]
+__all__ = ["FLAG_EXACT", "FLAG_INVALID", "FLAG_NAN", "CallOutputs", "Stage", "grown", "row_states"]
 
 # The kernels' per-row flags (csrc/sampling.h TsOutputs.flags); FLAG_EXACT: the row needs the exact filter.
 FLAG_NAN, FLAG_INVALID, FLAG_EXACT = 1, 2, 4
 
 _ALIGN = 16  # device-buffer offsets
+
+
+def row_states(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid, nan_detected) of each row, from the flags its kernels wrote."""
+    return (flags & FLAG_INVALID) == 0, (flags & FLAG_NAN) != 0
 
 
 def grown(t: torch.Tensor, numel: int, *, zeroed: bool = False, double: bool = True) -> torch.Tensor:

@@ -15,7 +15,7 @@ from functools import lru_cache
 import torch
 
 from tokensampler_server.model.sampling import LogprobsMode, SamplingBatch, SamplingResult
-from tokensampler_server.backends.cuda_buffers import FLAG_INVALID, FLAG_NAN
+from tokensampler_server.backends.cuda_buffers import row_states
 from tokensampler_server.backends.cuda_build import load_kernels
 from tokensampler_server.backends.cuda_kernels import RowParams, stream_address
 
@@ -168,7 +168,7 @@ def sample_hidden(batch: SamplingBatch) -> tuple[SamplingResult, torch.Tensor]:
         logprobs=batch.return_logprobs, filtered=_has_filters(batch))
     tokens, flags = tokens.cpu(), flags.cpu()
     logprobs = logprobs.cpu() if logprobs is not None else None
-    valid = (flags & FLAG_INVALID) == 0
-    result = SamplingResult(tokens=tokens, valid=valid, nan_detected=(flags & FLAG_NAN) != 0, logprobs=logprobs)
+    valid, nan = row_states(flags)
+    result = SamplingResult(tokens=tokens, valid=valid, nan_detected=nan, logprobs=logprobs)
     return result, ((flags & _FLAG_LOGITS_PATH) != 0).nonzero().squeeze(1)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from tokensampler_server.backends.base import PreparedSampling
-from tokensampler_server.backends.cuda_buffers import FLAG_INVALID, FLAG_NAN, CallOutputs, Stage
+from tokensampler_server.backends.cuda_buffers import CallOutputs, Stage, row_states
 from tokensampler_server.backends.cuda_kernels import NO_BITMASK, Kernels
 from tokensampler_server.backends.cuda_logprobs import LogprobCall, sample_with_logprobs
 from tokensampler_server.model.sampling import LogprobsMode, SamplingBatch, SamplingResult
@@ -64,12 +64,11 @@ class CudaPreparedSampling(PreparedSampling):
         if self._logprobs is not None:
             got = sample_with_logprobs(kernels, self._plan, self._stage, out, self._ones, logits, logits, NO_BITMASK,
                                        self._logprobs, stream, ws=self._ws)
-            return SamplingResult(tokens=got.tokens, valid=(got.flags & FLAG_INVALID) == 0,
-                                  nan_detected=(got.flags & FLAG_NAN) != 0, logprobs=got.logprobs,
+            valid, nan = row_states(got.flags)
+            return SamplingResult(tokens=got.tokens, valid=valid, nan_detected=nan, logprobs=got.logprobs,
                                   top_logprob_ids=got.top_ids, top_logprobs=got.top_values)
         kernels.launch_plan(self._plan, logits, NO_BITMASK, 0, None, 0, self._stage.dev_base, out.num_samples,
                             out.main, out.filt_shared, out.pre, out.raw, out.exact_bits, stream, ws=self._ws)
-        flags = out.view("main_flags")
-        valid = (flags & FLAG_INVALID) == 0
+        valid, nan = row_states(out.view("main_flags"))
         tokens = torch.where(valid.unsqueeze(1), out.view("main_tokens"), -1)
-        return SamplingResult(tokens=tokens, valid=valid, nan_detected=(flags & FLAG_NAN) != 0)
+        return SamplingResult(tokens=tokens, valid=valid, nan_detected=nan)
