@@ -420,14 +420,20 @@ struct CutMask {
   __device__ __forceinline__ float group_bound(float gx) const { return gx >= drop ? gx : -kInf; }
 };
 
+// The two floors of a mask around z = z0 (MinPMask, CutMask): x >= keep has z clear above z0, x < drop clear below;
+// floors that do not come out finite leave every token to the exact test.
+template <typename Mask>
+__device__ __forceinline__ void set_floors(Mask& mask, float row_max, float temperature, float z0) {
+  const float delta = 0x1p-18f * (1.f + fabsf(row_max) / temperature + fabsf(z0));
+  mask.keep = fmaf(temperature, z0 + delta, row_max);
+  mask.drop = fmaf(temperature, z0 - delta, row_max);
+  if (!(fabsf(mask.keep) < kInf && fabsf(mask.drop) < kInf)) mask.keep = kInf, mask.drop = -kInf;
+}
+
 __device__ __forceinline__ CutMask cut_mask(float row_max, float temperature, uint64_t key) {
   CutMask c{kInf, kInf, row_max, temperature, key};  // nothing to keep
   if (!(row_max > -kInf) || key == kNothingKept) return c;
-  const float z = key_value(key);
-  const float delta = 0x1p-18f * (1.f + fabsf(row_max) / temperature + fabsf(z));
-  c.keep = fmaf(temperature, z + delta, row_max);
-  c.drop = fmaf(temperature, z - delta, row_max);
-  if (!(fabsf(c.keep) < kInf && fabsf(c.drop) < kInf)) c.keep = kInf, c.drop = -kInf;
+  set_floors(c, row_max, temperature, key_value(key));
   return c;
 }
 
@@ -438,11 +444,7 @@ __device__ __forceinline__ MinPMask min_p_mask(float row_max, float temperature,
     k.keep = k.drop = -kInf;
     return k;
   }
-  const float lm = logf(m);
-  const float delta = 0x1p-18f * (1.f + fabsf(row_max) / temperature + fabsf(lm));
-  k.keep = fmaf(temperature, lm + delta, row_max);
-  k.drop = fmaf(temperature, lm - delta, row_max);
-  if (!(fabsf(k.keep) < kInf && fabsf(k.drop) < kInf)) k.keep = kInf, k.drop = -kInf;
+  set_floors(k, row_max, temperature, logf(m));
   return k;
 }
 
