@@ -221,7 +221,8 @@ def _compose() -> list[str]:
     pytest.skip("no Compose implementation (Debian's docker-compose, or the docker compose plugin)")
 
 
-@pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.gpu.yml"]])
+@pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.gpu.yml"],
+                                   ["docker-compose.yml", "docker-compose.gpu.yml", "docker-compose.colocated.yml"]])
 def test_compose_files_are_valid(files: list[str]) -> None:
     command = [*_compose(), "--project-name", "tokensampler"]
     for name in files:

@@ -193,6 +193,25 @@ def test_compose_demo_load_does_not_inherit_the_servers_health_check() -> None:
     assert demo["healthcheck"] == {"disable": True}
 
 
+def test_compose_colocated_file_joins_the_server_to_the_mps_daemon() -> None:
+    """The server shares the daemon's IPC namespace (/dev/shm), the host's PID namespace (CUDA IPC), the pipe
+    directory and the GPU, and takes both region kinds; the daemon runs from the server's image, as root."""
+    services = _load_yaml(DOCKER / "docker-compose.colocated.yml")[0]["services"]
+    daemon, server = services["mps"], services["tokensampler"]
+    pipe = daemon["environment"]["CUDA_MPS_PIPE_DIRECTORY"]
+    assert server["environment"]["CUDA_MPS_PIPE_DIRECTORY"] == pipe
+    assert pipe in " ".join(daemon["entrypoint"]) and "nvidia-cuda-mps-control -f" in daemon["entrypoint"][-1]
+    mount = next(volume for volume in daemon["volumes"] if pipe.startswith(volume.split(":")[1]))
+    assert mount in server["volumes"]
+    assert daemon["ipc"] == "shareable" and server["ipc"] == "service:mps"
+    assert daemon["pid"] == server["pid"] == "host"
+    assert server["depends_on"]["mps"]["condition"] == "service_healthy"
+    assert server["environment"]["TOKENSAMPLER_ALLOW_SHM"] == server["environment"]["TOKENSAMPLER_ALLOW_CUDA_IPC"] == "1"
+    gpu = _load_yaml(DOCKER / "docker-compose.gpu.yml")[0]["services"]["tokensampler"]
+    assert daemon["image"] == gpu["image"] and daemon["user"] == "0:0"
+    assert daemon["deploy"] == gpu["deploy"]  # the same GPU: each service gets the host's first
+
+
 def test_kubernetes_manifests_agree() -> None:
     objects = _manifests()
     deployment = objects["Deployment", "tokensampler"]
@@ -248,6 +267,35 @@ def test_kubernetes_manifests_pass_the_api_schemas() -> None:
     misspelled["spec"]["template"]["spec"]["containers"][0]["securityContex"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(misspelled, versions[-1], strict=True)
+
+
+def _colocated_manifests() -> dict[tuple[str, str], dict]:
+    """The objects of docker/k8s/colocated (an engine and the server in one pod, under MPS) by (kind, name)."""
+    objects = [doc for path in sorted((DOCKER / "k8s" / "colocated").glob("*.yaml")) for doc in _load_yaml(path)]
+    return {(doc["kind"], doc["metadata"]["name"]): doc for doc in objects if "metadata" in doc}
+
+
+def test_kubernetes_colocated_manifests_pass_the_api_schemas_and_agree() -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the dev extra installs it")
+    objects = _colocated_manifests()
+    for doc in objects.values():
+        for version in _KUBERNETES_VERSIONS:
+            kubernetes_validate.validate(doc, version or kubernetes_validate.latest_version(), strict=True)
+    kustomization = _load_yaml(DOCKER / "k8s/colocated/kustomization.yaml")[0]
+    assert sorted(kustomization["resources"]) == sorted(p.name for p in (DOCKER / "k8s/colocated").glob("*.yaml")
+                                                        if p.name != "kustomization.yaml")
+    pod = objects["Deployment", "tokensampler-colocated"]["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in pod["containers"]}
+    assert pod["shareProcessNamespace"] is True  # CUDA IPC between the containers
+    assert {c["resources"]["limits"]["nvidia.com/gpu"] for c in containers.values()} == {1}  # a share each
+    assert "runAsUser" not in str([c.get("securityContext") for c in containers.values()])  # the pod's one user
+    env = {item["name"]: item["value"] for item in containers["tokensampler"]["env"]}
+    assert env["TOKENSAMPLER_ALLOW_SHM"] == env["TOKENSAMPLER_ALLOW_CUDA_IPC"] == "1"
+    assert env["TOKENSAMPLER_DEVICE"] == "cuda"
+    config = yaml.safe_load(objects["ConfigMap", "tokensampler-mps"]["data"]["config.yaml"])
+    shares = config["sharing"]["mps"]["resources"][0]
+    assert shares["name"] == "nvidia.com/gpu" and shares["replicas"] >= len(containers)
+    assert restricted_profile_violations(pod) == []
 
 
 _RESTRICTED_VOLUME_TYPES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
