@@ -14,7 +14,9 @@ mode, B, median_us, roofline_us, of_roofline) and a PNG plot per file.
 one upload, the launches, the one copy back) of the parameters an engine lets its users pick, beside the same
 call of top-k 50: k in {256, 1000, 4096, V/2}, k 1000 + top-p 0.9, k V/2 + top-p 0.5, a k per row uniform in
 [1, V] with top-p 0.9, and fp16 logits with top-k 50 + top-p 0.9. Writes adversarial-<gpu>-<date>.json with the
-ratio to top-k 50 at the same B and generator, and the rows a fast kernel left to the exact filter.
+ratio to top-k 50 at the same B and generator, and the rows a fast kernel left to the exact filter. `--samples N`
+draws N samples a row in every call (FlashInfer: each row repeated N times, one sample each) and writes
+adversarial-samplesN-<gpu>-<date>.json.
 """
 
 from __future__ import annotations
@@ -208,7 +210,7 @@ def write_results(out_dir: Path, workload: str, meta: dict, rows: list[dict], pl
     return path
 
 
-def adversarial_batch(mode: str, logits: torch.Tensor, gen: torch.Generator) -> SamplingBatch:
+def adversarial_batch(mode: str, logits: torch.Tensor, gen: torch.Generator, num_samples: int) -> SamplingBatch:
     """The backend call of one adversarial mode over `logits` (per-row tensors, as a server batch carries)."""
     top_k, top_p, dtype = ADVERSARIAL[mode]
     b = logits.shape[0]
@@ -219,14 +221,15 @@ def adversarial_batch(mode: str, logits: torch.Tensor, gen: torch.Generator) -> 
     return SamplingBatch(
         logits=logits.to(dtype), temperature=torch.ones(b), top_k=k, top_p=torch.full((b,), top_p),
         min_p=torch.zeros(b), seed=torch.arange(b, dtype=torch.int64) + 7, position=torch.zeros(b, dtype=torch.int64),
-        iteration=torch.zeros(b, dtype=torch.int64), num_samples=1)
+        iteration=torch.zeros(b, dtype=torch.int64), num_samples=num_samples)
 
 
 def flashinfer_adversarial(fi, peers, mode: str, batch: SamplingBatch) -> tuple[float, str]:
     """FlashInfer's fastest form of one adversarial request: per-row k and p tensors, or (one k for the batch) its
-    scalar form. Returns (µs, form)."""
-    x = batch.logits.cuda()
-    k, p = batch.top_k.cuda(), batch.top_p.cuda()
+    scalar form; several samples a row as that many copies of the row. Returns (µs, form)."""
+    n = batch.num_samples
+    x = batch.logits.cuda().repeat_interleave(n, dim=0)
+    k, p = batch.top_k.cuda().repeat_interleave(n), batch.top_p.cuda().repeat_interleave(n)
     forms = {"tensor_k": lambda: fi.top_k_top_p_sampling_from_logits(x, k, p)}
     if ADVERSARIAL[mode][0] != "per_row":
         k0, p0 = int(batch.top_k[0]), float(batch.top_p[0])
@@ -239,7 +242,7 @@ def flashinfer_adversarial(fi, peers, mode: str, batch: SamplingBatch) -> tuple[
 def run_adversarial(args, peers, batches: list[int]) -> None:
     """--set adversarial: whole backend calls of each mode, and each one's ratio to top-k 50 (see the docstring)."""
     backend = CudaBackend(torch.cuda.current_device())
-    meta = {**run_meta(peers), "V": V, "call": "CudaBackend.sample, logits on the GPU"}
+    meta = {**run_meta(peers), "V": V, "call": "CudaBackend.sample, logits on the GPU", "num_samples": args.samples}
     read_bw = meta["read_bw_GBps"] * 1e9
     print(json.dumps(meta), flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -251,7 +254,7 @@ def run_adversarial(args, peers, batches: list[int]) -> None:
             roof = b * V * 4 / read_bw * 1e6
             base = None
             for mode in ADVERSARIAL:
-                batch = adversarial_batch(mode, logits, gen)
+                batch = adversarial_batch(mode, logits, gen, args.samples)
                 before = backend.fallbacks()
                 backend.sample(batch)
                 after = backend.fallbacks()
@@ -269,13 +272,15 @@ def run_adversarial(args, peers, batches: list[int]) -> None:
                       + (f"  FlashInfer {row['flashinfer_us']:9.2f} us ({row['flashinfer_form']})" if fi else ""),
                       flush=True)
             del logits
-    write_results(Path(args.out), "adversarial", meta, rows)
+    write_results(Path(args.out), "adversarial" if args.samples == 1 else f"adversarial-samples{args.samples}", meta,
+                  rows)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--set", choices=("protocol", "adversarial"), default="protocol",
                     help="the protocol's modes (kernels alone), or the adversarial parameters (backend calls)")
+    ap.add_argument("--samples", type=int, default=1, help="--set adversarial: samples a row in every call")
     args, batches, peers = kernel_bench_arguments("1,8,32,64,128,256", ap)
     if args.set == "adversarial":
         run_adversarial(args, peers, batches)
