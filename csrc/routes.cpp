@@ -178,7 +178,9 @@ TsWorkspaceBytes ts_plan_workspace(const TsPlan* plan) {
       case TS_EXACT_FRONTIER: need(exact, ts_nucleus_scratch_bytes(exact.n, vocab)); break;
       case TS_EXACT_MIN_P: need(exact, std::max(ts_stats_scratch_bytes(exact.n, vocab),
                                                 ts_gumbel_scratch_bytes(exact.n, vocab))); break;
-      case TS_EXACT_CUT: need(exact, cut_keys_offset(plan) + sizeof(int64_t) * static_cast<size_t>(plan->num_rows)); break;
+      case TS_EXACT_CUT:
+        need(exact, cut_keys_offset(plan) + sizeof(int64_t) * static_cast<size_t>(plan->num_rows));
+        break;
       default: need(exact, ts_stats_scratch_bytes(exact.n, vocab));
     }
     if (plan->exact_route != TS_EXACT_MIN_P && plan->filter_splits > 1) w.hist = ts_hist_bytes(exact.n);

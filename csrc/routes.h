@@ -65,7 +65,7 @@ typedef enum {
   TS_EXACT_FILTER = 0,   /* ts_stats, then ts_filter: any k, p and min-p */
   TS_EXACT_MIN_P = 1,    /* ts_stats, then ts_min_p: min-p alone */
   TS_EXACT_FRONTIER = 2, /* ts_nucleus, then ts_filter for the rows it leaves: top-p without k, many rows */
-  TS_EXACT_CUT = 3       /* ts_stats, ts_cut once, then ts_sample_kept a sample: any k, p and min-p, kept mass unneeded */
+  TS_EXACT_CUT = 3       /* ts_stats, ts_cut once, then ts_sample_kept a sample: any k, p and min-p; no kept mass */
 } TsExactRoute;
 
 typedef struct {

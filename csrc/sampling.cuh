@@ -689,7 +689,8 @@ __global__ void __launch_bounds__(kThreads, LSE || kRowMask != kNoRowMask ? 4 : 
                   const int64_t* cut_keys, TsOutputs out, TsWorkspace ws) {
   static_assert(!(LSE && kRowMask != kNoRowMask), "the masked instances have no log-sum-exp");
   using RowMask = std::conditional_t<kRowMask == kCutRowMask, CutMask, MinPMask>;
-  // A masked row takes the rows in reverse order: its first blocks read the rows the kernel before read last, from L2.
+  // A masked instance takes the rows in reverse order: its first blocks read the rows the kernel before read last,
+  // from L2.
   const int w = kRowMask != kNoRowMask ? gridDim.y - 1 - blockIdx.y : blockIdx.y, split = blockIdx.x,
             splits = gridDim.x;
   const RowView<T> rv = row_view<T, kMask>(logits, rows, w);
@@ -1526,7 +1527,10 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
         if (use_bins) {
           const int b = bin_of(z);
           atomicAdd(h.count + b, 1u);
-          if (need_mass) atomicAdd(reinterpret_cast<unsigned long long*>(h.mass + b), static_cast<unsigned long long>(mass_fixed(z)));
+          if (need_mass) {
+            const auto q = static_cast<unsigned long long>(mass_fixed(z));
+            atomicAdd(reinterpret_cast<unsigned long long*>(h.mass + b), q);
+          }
         }
         continue;
       }
