@@ -103,6 +103,7 @@ void register_routes(pybind11::module_& m) {
       .def_property_readonly("exact", [group](const TsPlan& p) { return group(p.exact); })
       .def_property_readonly("need_raw", [group](const TsPlan& p) { return group(p.need_raw); })
       .def_property_readonly("settle", [group](const TsPlan& p) { return group(p.settle); })
+      .def_readonly("num_samples", &TsPlan::num_samples)
       .def_readonly("exact_route", &TsPlan::exact_route)
       .def_readonly("filter_splits", &TsPlan::filter_splits)
       .def_readonly("settle_splits", &TsPlan::settle_splits)
@@ -122,6 +123,8 @@ void register_routes(pybind11::module_& m) {
   m.attr("ROUTES_FAST") = static_cast<int>(TS_ROUTES_FAST);
   m.attr("ROUTES_SETTLED") = static_cast<int>(TS_ROUTES_SETTLED);
   m.attr("FRONTIER_MIN_ROWS") = TS_FRONTIER_MIN_ROWS;
+  m.attr("CUT_MIN_SAMPLES_WITH_K") = TS_CUT_MIN_SAMPLES_WITH_K;
+  m.attr("CUT_MIN_SAMPLES_TOP_P") = TS_CUT_MIN_SAMPLES_TOP_P;
   m.def("filter_splits", &ts_filter_splits);
   m.def("stage_layout", [](int64_t num_rows) {
     const TsStageLayout s = ts_stage_layout(num_rows);
@@ -131,11 +134,12 @@ void register_routes(pybind11::module_& m) {
     d["row_start"] = s.row_start, d["bitmask_row"] = s.bitmask_row, d["bitmask_words"] = s.bitmask_words;
     return d;
   });
-  m.def("plan", [](int64_t host_stage, int64_t num_rows, int64_t vocab, int64_t kind, bool processing,
-                   int64_t routing) {
+  m.def("plan", [](int64_t host_stage, int64_t num_rows, int64_t vocab, int64_t num_samples, int64_t kind,
+                   bool processing, int64_t routing) {
     TsPlan plan;
-    if (ts_plan(ptr<void>(host_stage), num_rows, vocab, static_cast<int32_t>(kind), processing,
-                static_cast<int32_t>(routing), &plan))
+    if (num_samples < 1 || num_samples > INT32_MAX ||
+        ts_plan(ptr<void>(host_stage), num_rows, vocab, static_cast<int32_t>(num_samples), static_cast<int32_t>(kind),
+                processing, static_cast<int32_t>(routing), &plan))
       throw std::invalid_argument("tokensampler: a call the routes cannot plan");
     return plan;
   });
@@ -143,7 +147,7 @@ void register_routes(pybind11::module_& m) {
   // entries of launch params; main, filt, pre, raw_out: 7 output addresses each (outputs_of).
   m.def("launch_plan", [](const TsPlan& plan, int64_t data, int64_t dtype, std::vector<int64_t> bitmask,
                           int64_t lse_scale, int64_t raw_data, int64_t raw_dtype, int64_t raw_lse_scale,
-                          int64_t dev_stage, int64_t num_samples, std::vector<int64_t> main, std::vector<int64_t> filt,
+                          int64_t dev_stage, std::vector<int64_t> main, std::vector<int64_t> filt,
                           std::vector<int64_t> pre, std::vector<int64_t> raw_out, int64_t exact_bits,
                           std::vector<int64_t> ws, int64_t stream) {
     if (bitmask.size() != 3) throw std::invalid_argument("tokensampler: 3 bitmask entries expected");
@@ -153,9 +157,7 @@ void register_routes(pybind11::module_& m) {
     const TsCallOutputs out{outputs_of(main, 1, 0), outputs_of(filt, 1, 0), outputs_of(pre, 1, 0),
                             outputs_of(raw_out, 1, 0), ptr<uint8_t>(exact_bits)};
     const TsWorkspace w = workspace_of(ws);
-    check(ts_launch_plan(&plan, &in, ptr<const void>(dev_stage), static_cast<int32_t>(num_samples), &out, &w,
-                         ptr<void>(stream)),
-          "launch_plan");
+    check(ts_launch_plan(&plan, &in, ptr<const void>(dev_stage), &out, &w, ptr<void>(stream)), "launch_plan");
   });
 }
 

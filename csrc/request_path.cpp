@@ -513,7 +513,7 @@ void RequestPath::launch_rows(const std::vector<const PreparedRequest*>& request
 
   // ---- the routes (routes.h): the rows grouped, the stage up in one copy
   TsPlan plan;
-  check_launch(ts_plan(host, num_rows, vocab, TS_TOKENS, 0, TS_ROUTES_FAST, &plan), "plan");
+  check_launch(ts_plan(host, num_rows, vocab, 1, TS_TOKENS, 0, TS_ROUTES_FAST, &plan), "plan");
   const size_t upload = per_row_start ? layout.bitmask_row : layout.lists + 4 * static_cast<size_t>(plan.lists_used);
   char* dev = static_cast<char*>(dev_stage_.ptr);
   check(cudaMemcpyAsync(dev, host, upload, cudaMemcpyHostToDevice, stream_), "upload");
@@ -552,7 +552,7 @@ void RequestPath::launch_rows(const std::vector<const PreparedRequest*>& request
                 f32(row_max), f32(row_min), nullptr, nullptr, nullptr},
       TsOutputs{}, reinterpret_cast<uint8_t*>(out + exact_bits)};
   const TsWorkspace ws{static_cast<unsigned int*>(counters_.ptr), hist_.ptr, scratch_.ptr, fallback_count_};
-  check_launch(ts_launch_plan(&plan, &in, dev, 1, &outputs, &ws, stream_), "launch");
+  check_launch(ts_launch_plan(&plan, &in, dev, &outputs, &ws, stream_), "launch");
   // Tokens and flags back in one copy.
   check(cudaMemcpyAsync(host_out_.ptr, out, 9 * b, cudaMemcpyDeviceToHost, stream_), "download");
 }

@@ -67,9 +67,10 @@ TsStageLayout ts_stage_layout(int64_t num_rows) {
   return s;
 }
 
-int ts_plan(void* host_stage, int64_t num_rows, int64_t vocab, int32_t kind, int32_t processing, int32_t routing,
-            TsPlan* plan) {
-  if (num_rows < 0 || vocab < 1 || kind < TS_TOKENS || kind > TS_LOGPROBS_PROCESSED) return cudaErrorInvalidValue;
+int ts_plan(void* host_stage, int64_t num_rows, int64_t vocab, int32_t num_samples, int32_t kind, int32_t processing,
+            int32_t routing, TsPlan* plan) {
+  if (num_rows < 0 || vocab < 1 || num_samples < 1 || kind < TS_TOKENS || kind > TS_LOGPROBS_PROCESSED)
+    return cudaErrorInvalidValue;
   if (routing < TS_ROUTES_EXACT || routing > TS_ROUTES_SETTLED || (routing == TS_ROUTES_SETTLED && kind != TS_TOKENS))
     return cudaErrorInvalidValue;
   const bool use_buckets = routing != TS_ROUTES_EXACT;
@@ -130,7 +131,7 @@ int ts_plan(void* host_stage, int64_t num_rows, int64_t vocab, int32_t kind, int
   }
   Collector lists{reinterpret_cast<int32_t*>(stage + layout.lists)};
   TsPlan p{};
-  p.num_rows = num_rows, p.vocab = vocab, p.kind = kind, p.processing = processing;
+  p.num_rows = num_rows, p.vocab = vocab, p.num_samples = num_samples, p.kind = kind, p.processing = processing;
   p.greedy = lists.place(greedy, n_greedy, num_rows);
   p.unfiltered = lists.place(unfiltered, n_unfiltered, num_rows);
   for (int i = 0; i < TS_NUM_BUCKETS; ++i) p.buckets[i] = lists.place(bucket_ids[i], n_bucket[i], num_rows);
@@ -142,13 +143,17 @@ int ts_plan(void* host_stage, int64_t num_rows, int64_t vocab, int32_t kind, int
   p.settle_splits = ts_filter_splits(p.settle.n, 1);
   // Unless the kept mass itself is wanted (processed log-probs, the filter's), the kept set is a mask on Gumbel-max:
   // a k without top-p is found once for every sample by a pass of counts alone (no mass, no Philox); min-p alone
-  // needs only the row max; top-p without k goes to the frontier from TS_FRONTIER_MIN_ROWS rows. A k with top-p
-  // stays on the filter, whose one pass beat the cut's pass plus a Gumbel-max (docs/design/kernel-routing.md).
+  // needs only the row max; top-p without k goes to the frontier from TS_FRONTIER_MIN_ROWS rows. Other rows with
+  // top-p stay on the filter, whose one pass beat the cut's pass plus a Gumbel-max, unless the call draws enough
+  // samples that the cut's pass (with the mass) once and a Gumbel-max a sample beat a filter pass a sample
+  // (docs/design/kernel-routing.md).
   p.exact_route = processed ? TS_EXACT_FILTER
-                  : exact_has_k ? (exact_has_top_p ? TS_EXACT_FILTER : TS_EXACT_CUT)
+                  : exact_has_k ? (exact_has_top_p && num_samples < TS_CUT_MIN_SAMPLES_WITH_K ? TS_EXACT_FILTER
+                                                                                              : TS_EXACT_CUT)
                   : !exact_has_top_p ? TS_EXACT_MIN_P
                   : n_exact >= TS_FRONTIER_MIN_ROWS ? TS_EXACT_FRONTIER
-                                                    : TS_EXACT_FILTER;
+                  : num_samples >= TS_CUT_MIN_SAMPLES_TOP_P ? TS_EXACT_CUT
+                                                            : TS_EXACT_FILTER;
   p.filter_splits = ts_filter_splits(n_exact, p.exact_route == TS_EXACT_FRONTIER);
   *plan = p;
   return cudaSuccess;
@@ -191,8 +196,9 @@ TsWorkspaceBytes ts_plan_workspace(const TsPlan* plan) {
   return w;
 }
 
-int ts_launch_plan(const TsPlan* plan, const TsCallInputs* in, const void* dev_stage, int32_t num_samples,
-                   const TsCallOutputs* out, const TsWorkspace* ws, void* stream) {
+int ts_launch_plan(const TsPlan* plan, const TsCallInputs* in, const void* dev_stage, const TsCallOutputs* out,
+                   const TsWorkspace* ws, void* stream) {
+  const int32_t num_samples = plan->num_samples;
   if (num_samples < 1 || (num_samples > 1 && plan->exact.n && !out->exact_bits)) return cudaErrorInvalidValue;
   void* s = stream;
   const TsStageLayout layout = ts_stage_layout(plan->num_rows);

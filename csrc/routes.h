@@ -23,6 +23,12 @@ extern "C" {
 /* Top-p rows from this many up take the frontier route (TS_EXACT_FRONTIER): slower than the filter at B = 1 and 8,
  * 2x faster on spiky rows from B = 32 (docs/design/kernel-routing.md). */
 #define TS_FRONTIER_MIN_ROWS 32
+/* Calls of several samples a row take the cut route (TS_EXACT_CUT) for rows with top-p too, where the filter would
+ * run a pass a sample: from 2 samples when a row has a k (1.6-1.8x faster at 2 samples), from 8 for top-p without k
+ * below TS_FRONTIER_MIN_ROWS rows, whose filter pass is cheaper (the two cross at 4-6 samples; H200 measurements in
+ * docs/design/kernel-routing.md). */
+#define TS_CUT_MIN_SAMPLES_WITH_K 2
+#define TS_CUT_MIN_SAMPLES_TOP_P 8
 
 /* Byte offsets, in the stage of num_rows rows, of each per-row array. */
 typedef struct {
@@ -70,6 +76,7 @@ typedef enum {
 
 typedef struct {
   int64_t num_rows, vocab;
+  int32_t num_samples; /* samples a row */
   int32_t kind;        /* TsCallKind */
   int32_t processing;  /* the logits were processed before sampling: RAW log-probs need the input's own pass */
   TsGroup greedy;      /* T = 0: ts_stats (argmax) */
@@ -84,11 +91,11 @@ typedef struct {
   int32_t lists_used;  /* row ids written at the stage's lists */
 } TsPlan;
 
-/* Groups the rows of the host stage (its parameter arrays filled) for a call of `kind`, the filtered rows as
- * `routing` (TsRouting) says. Writes the row lists, T_eff and, for log-prob calls, the masks into the stage. Returns
- * 0, or cudaErrorInvalidValue for a call it cannot plan. */
-int ts_plan(void* host_stage, int64_t num_rows, int64_t vocab, int32_t kind, int32_t processing, int32_t routing,
-            TsPlan* plan);
+/* Groups the rows of the host stage (its parameter arrays filled) for a call of `kind` drawing num_samples samples a
+ * row, the filtered rows as `routing` (TsRouting) says. Writes the row lists, T_eff and, for log-prob calls, the masks
+ * into the stage. Returns 0, or cudaErrorInvalidValue for a call it cannot plan. */
+int ts_plan(void* host_stage, int64_t num_rows, int64_t vocab, int32_t num_samples, int32_t kind, int32_t processing,
+            int32_t routing, TsPlan* plan);
 
 /* ts_filter's blocks a row for a launch over num_work_rows rows, after the frontier (1) or after ts_stats (0). */
 int32_t ts_filter_splits(int32_t num_work_rows, int32_t after_frontier);
@@ -120,10 +127,10 @@ typedef struct {
 } TsCallInputs;
 
 /* Every launch of the plan, in order: greedy, unfiltered, the top-k buckets, the settle group, the exact group, the
- * need_raw pass.
+ * need_raw pass; each sampler draws the plan's num_samples samples a row.
  * dev_stage: the device copy of the planned stage. */
-int ts_launch_plan(const TsPlan* plan, const TsCallInputs* in, const void* dev_stage, int32_t num_samples,
-                   const TsCallOutputs* out, const TsWorkspace* ws, void* stream);
+int ts_launch_plan(const TsPlan* plan, const TsCallInputs* in, const void* dev_stage, const TsCallOutputs* out,
+                   const TsWorkspace* ws, void* stream);
 
 #ifdef __cplusplus
 }

@@ -12,7 +12,7 @@ BUCKETS = (16, 32, 64, 128, 256)
 
 
 def expected_routes(t: list[float], k: list[int], p: list[float], m: list[float], vocab: int, kind: int,
-                    processing: bool, routing: int, module) -> dict:
+                    processing: bool, routing: int, module, num_samples: int = 1) -> dict:
     """The routing table of docs/design/kernel-routing.md, stated row by row."""
     chunks = -(-vocab // 8192)
     processed = kind == module.LOGPROBS_PROCESSED
@@ -45,15 +45,17 @@ def expected_routes(t: list[float], k: list[int], p: list[float], m: list[float]
     if processed:
         route = module.EXACT_FILTER
     elif exact_k:
-        route = module.EXACT_FILTER if exact_p else module.EXACT_CUT
+        route = module.EXACT_FILTER if exact_p and num_samples < module.CUT_MIN_SAMPLES_WITH_K else module.EXACT_CUT
     elif not exact_p:
         route = module.EXACT_MIN_P
+    elif len(groups["exact"]) >= module.FRONTIER_MIN_ROWS:
+        route = module.EXACT_FRONTIER
     else:
-        route = module.EXACT_FRONTIER if len(groups["exact"]) >= module.FRONTIER_MIN_ROWS else module.EXACT_FILTER
+        route = module.EXACT_CUT if num_samples >= module.CUT_MIN_SAMPLES_TOP_P else module.EXACT_FILTER
     return {"groups": groups, "masks": masks, "route": route}
 
 
-def plan_rows(kernels, t, k, p, m, vocab, kind, processing=False, routing=None):
+def plan_rows(kernels, t, k, p, m, vocab, kind, processing=False, routing=None, num_samples=1):
     """Plans the rows in a stage of their own; returns the plan, the row ids of each group and the stage's T_eff and
     masks."""
     b = len(t)
@@ -64,7 +66,7 @@ def plan_rows(kernels, t, k, p, m, vocab, kind, processing=False, routing=None):
     stage[layout["min_p"]: layout["min_p"] + 4 * b].view(torch.float32).copy_(torch.tensor(m))
     stage[layout["top_k"]: layout["top_k"] + 4 * b].view(torch.int32).copy_(torch.tensor(k, dtype=torch.int32))
     routing = kernels.module.ROUTES_FAST if routing is None else routing
-    plan = kernels.plan(stage.data_ptr(), b, vocab, kind, processing, routing)
+    plan = kernels.plan(stage.data_ptr(), b, vocab, num_samples, kind, processing, routing)
     lists = stage[layout["lists"]: layout["lists"] + 12 * b].view(torch.int32).tolist()
 
     def rows(group):
@@ -96,11 +98,14 @@ def test_plan_follows_the_routing_table(sampling_kernels, vocab, kind_name, proc
     for b in (1, 2, 7, 31, 32, 33, 100, 300):
         routings = [module.ROUTES_FAST, module.ROUTES_EXACT] + [module.ROUTES_SETTLED] * (kind == module.TOKENS)
         for routing in routings:
+            num_samples = rng.choice([1, 1, 2, 5, 8, 9])
             t, k, p, m = random_rows(rng, b, vocab)
-            plan, got, t_eff, masks = plan_rows(sampling_kernels, t, k, p, m, vocab, kind, processing, routing)
-            want = expected_routes(t, k, p, m, vocab, kind, processing, routing, module)
+            plan, got, t_eff, masks = plan_rows(sampling_kernels, t, k, p, m, vocab, kind, processing, routing,
+                                                num_samples)
+            want = expected_routes(t, k, p, m, vocab, kind, processing, routing, module, num_samples)
+            assert plan.num_samples == num_samples
             assert got == want["groups"], (b, routing)
-            assert plan.exact_route == want["route"] or not got["exact"], (b, routing)
+            assert plan.exact_route == want["route"] or not got["exact"], (b, routing, num_samples)
             assert plan.settle_splits == module.filter_splits(len(got["settle"]), True)
             assert t_eff == [1.0 if x == 0 else x for x in torch.tensor(t).tolist()]  # float32 values
             if kind != module.TOKENS:
@@ -129,6 +134,29 @@ def test_frontier_from_its_row_count(sampling_kernels):
         assert plan.filter_splits == module.filter_splits(b, route == module.EXACT_FRONTIER)
     assert module.filter_splits(1, False) == 64 and module.filter_splits(1, True) == 64
     assert module.filter_splits(132, False) == 2 and module.filter_splits(132, True) == 1
+
+
+def test_several_samples_take_the_cut_for_top_p(sampling_kernels):
+    """Rows with top-p that one sample sends to the filter take the cut route from CUT_MIN_SAMPLES_WITH_K samples a
+    row when they have a k, from CUT_MIN_SAMPLES_TOP_P without k (below the frontier's row count). The frontier's
+    rows and processed log-probs keep their routes."""
+    module = sampling_kernels.module
+    with_k, top_p, few = module.CUT_MIN_SAMPLES_WITH_K, module.CUT_MIN_SAMPLES_TOP_P, module.FRONTIER_MIN_ROWS - 1
+    filt, cut = module.EXACT_FILTER, module.EXACT_CUT
+    cases = (  # rows (k, p, b), kind, then (samples, route) pairs
+        ((1000, 0.9, 8), module.TOKENS, ((1, filt), (with_k - 1, filt), (with_k, cut), (64, cut))),
+        ((1000, 0.9, 8), module.LOGPROBS_RAW, ((1, filt), (with_k, cut))),
+        ((1000, 0.9, 8), module.LOGPROBS_PROCESSED, ((1, filt), (with_k, filt), (64, filt))),
+        ((0, 0.9, few), module.TOKENS, ((1, filt), (top_p - 1, filt), (top_p, cut), (64, cut))),
+        ((0, 0.9, few + 1), module.TOKENS, ((1, module.EXACT_FRONTIER), (64, module.EXACT_FRONTIER))),
+        ((1000, 1.0, 8), module.TOKENS, ((1, cut), (64, cut))),
+    )
+    for (k, p, b), kind, routes in cases:
+        for num_samples, route in routes:
+            plan, *_ = plan_rows(sampling_kernels, [1.0] * b, [k] * b, [p] * b, [0.0] * b, 151936, kind,
+                                 routing=module.ROUTES_FAST, num_samples=num_samples)
+            assert plan.exact_route == route, (k, p, b, kind, num_samples)
+            assert plan.filter_splits == module.filter_splits(b, route == module.EXACT_FRONTIER)
 
 
 def test_workspace_covers_every_launch(sampling_kernels):

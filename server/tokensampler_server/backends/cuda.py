@@ -239,8 +239,8 @@ class CudaBackend(Backend):
         stage = self._stage(num_rows, 4 * words_up * (bitmask.shape[1] if bitmask is not None else 0))
         stage.fill(batch)
         routes = self._kernels.module
-        plan = self._kernels.plan(stage.host_base, num_rows, batch.vocab_size, kind, processing is not None,
-                                  routes.ROUTES_FAST if use_buckets else routes.ROUTES_EXACT)
+        plan = self._kernels.plan(stage.host_base, num_rows, batch.vocab_size, batch.num_samples, kind,
+                                  processing is not None, routes.ROUTES_FAST if use_buckets else routes.ROUTES_EXACT)
         end, entries = stage.lists + 4 * plan.lists_used, NO_BITMASK
         if bitmask is not None:
             end, entries = self._place_bitmask(stage, bitmask, masked, words_up)
@@ -317,8 +317,8 @@ class CudaBackend(Backend):
 
         out = self._out(num_rows, num_samples)
         # Without log-probs every row is written by one group: the filtered rows write the main tokens and flags too.
-        self._kernels.launch_plan(plan, x, bitmask, 0, None, 0, stage.dev_base, num_samples, out.main,
-                                  out.filt_shared, out.pre, out.raw, out.exact_bits, stream)
+        self._kernels.launch_plan(plan, x, bitmask, 0, None, 0, stage.dev_base, out.main, out.filt_shared, out.pre,
+                                  out.raw, out.exact_bits, stream)
         # The one synchronisation: tokens and flags back to the host in one copy.
         self._kernels.copy_to_host_and_wait(out.host_base, out.dev_base, out.d2h_bytes, stream)
         flags = out.h_flags

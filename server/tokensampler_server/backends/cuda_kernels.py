@@ -240,16 +240,18 @@ class Kernels:
         """Byte offsets of the per-row arrays in the upload of num_rows rows (TsStageLayout)."""
         return self.module.stage_layout(num_rows)
 
-    def plan(self, host_stage: int, num_rows: int, vocab: int, kind: int, processing: bool, routing: int) -> Plan:
-        """Groups the rows whose parameters lie in the pinned stage at `host_stage` (ts_plan): kind is the module's
-        TOKENS, LOGPROBS_RAW or LOGPROBS_PROCESSED, routing its ROUTES_FAST, ROUTES_EXACT (every filtered row to
-        the exact filter) or ROUTES_SETTLED (flagged rows sampled again on the device; TOKENS only)."""
-        return self.module.plan(host_stage, num_rows, vocab, kind, processing, routing)
+    def plan(self, host_stage: int, num_rows: int, vocab: int, num_samples: int, kind: int, processing: bool,
+             routing: int) -> Plan:
+        """Groups the rows whose parameters lie in the pinned stage at `host_stage` for a call of num_samples samples
+        a row (ts_plan): kind is the module's TOKENS, LOGPROBS_RAW or LOGPROBS_PROCESSED, routing its ROUTES_FAST,
+        ROUTES_EXACT (every filtered row to the exact filter) or ROUTES_SETTLED (flagged rows sampled again on the
+        device; TOKENS only)."""
+        return self.module.plan(host_stage, num_rows, vocab, num_samples, kind, processing, routing)
 
     def launch_plan(self, plan: Plan, x: torch.Tensor, bitmask: list[int], lse_scale: int, raw_x: torch.Tensor | None,
-                    raw_lse_scale: int, dev_stage: int, num_samples: int, main: list[int], filt: list[int],
-                    pre: list[int], raw: list[int], exact_bits: int, stream: int, ws: list[int] | None = None) -> None:
-        """Every launch of `plan` (ts_launch_plan) on x, whose rows the device copy of the stage at dev_stage
+                    raw_lse_scale: int, dev_stage: int, main: list[int], filt: list[int], pre: list[int],
+                    raw: list[int], exact_bits: int, stream: int, ws: list[int] | None = None) -> None:
+        """Every launch of `plan` (ts_launch_plan, the plan's samples a row) on x, whose rows the device copy of the stage at dev_stage
         describes. main, filt, pre, raw: the 7 output addresses of each (Outputs.pointers() order); raw_x: the input
         logits of the need_raw pass; exact_bits: uint8 [B] scratch; ws: a workspace of the plan's own
         (plan_workspace), else the shared one."""
@@ -258,8 +260,8 @@ class Kernels:
             ws = self._workspace(counters // 4, scratch, hist)
         data, _, _, dt = self._logits(x)
         raw_data, raw_dt = (raw_x.data_ptr(), DTYPE_CODES[raw_x.dtype]) if raw_x is not None and plan.need_raw[1] else (0, 0)
-        self.module.launch_plan(plan, data, dt, bitmask, lse_scale, raw_data, raw_dt, raw_lse_scale, dev_stage,
-                                num_samples, main, filt, pre, raw, exact_bits, ws, stream)
+        self.module.launch_plan(plan, data, dt, bitmask, lse_scale, raw_data, raw_dt, raw_lse_scale, dev_stage, main,
+                                filt, pre, raw, exact_bits, ws, stream)
 
     def plan_workspace(self, plan: Plan) -> tuple[list[int], tuple[torch.Tensor, ...]]:
         """A workspace of the plan's own (ts_plan_workspace's sizes), for launches that must find it at the same

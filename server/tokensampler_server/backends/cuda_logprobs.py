@@ -67,8 +67,8 @@ def sample_with_logprobs(kernels: Kernels, plan: Plan, stage: Stage, out: CallOu
     elif not call.processed_input:
         lse_unfiltered = ones  # raw log-sum-exp for free in the same pass
     kernels.launch_plan(plan, x, bitmask, lse_unfiltered.data_ptr() if lse_unfiltered is not None else 0, raw_x,
-                        ones.data_ptr(), stage.dev_base, out.num_samples, out.main, out.filt, out.pre, out.raw,
-                        out.exact_bits, stream, ws=ws)
+                        ones.data_ptr(), stage.dev_base, out.main, out.filt, out.pre, out.raw, out.exact_bits, stream,
+                        ws=ws)
     main = Outputs(tokens=out.view("main_tokens"), flags=out.view("main_flags"), row_max=out.view("main_row_max"),
                    row_min=out.view("main_row_min"), row_logz=out.view("main_row_logz"))
     filt = Outputs(tokens=out.view("filt_tokens"), flags=out.view("filt_flags"), row_max=out.view("filt_row_max"),

@@ -49,7 +49,8 @@ class CudaPreparedSampling(PreparedSampling):
         else:  # the log-prob tables read the filter's outputs of every filtered row: each takes the exact route
             raw = self._logprobs.mode is LogprobsMode.RAW
             kind, routing = (routes.LOGPROBS_RAW if raw else routes.LOGPROBS_PROCESSED), routes.ROUTES_EXACT
-        self._plan = kernels.plan(self._stage.host_base, num_rows, template.vocab_size, kind, False, routing)
+        self._plan = kernels.plan(self._stage.host_base, num_rows, template.vocab_size, num_samples, kind, False,
+                                  routing)
         self._stage.dev.copy_(host)
         _, out_bytes = CallOutputs.offsets(num_rows, num_samples)
         self._out = CallOutputs(None, torch.empty(out_bytes, dtype=torch.uint8, device=device), num_rows, num_samples)
@@ -67,8 +68,8 @@ class CudaPreparedSampling(PreparedSampling):
             valid, nan = row_states(got.flags)
             return SamplingResult(tokens=got.tokens, valid=valid, nan_detected=nan, logprobs=got.logprobs,
                                   top_logprob_ids=got.top_ids, top_logprobs=got.top_values)
-        kernels.launch_plan(self._plan, logits, NO_BITMASK, 0, None, 0, self._stage.dev_base, out.num_samples,
-                            out.main, out.filt_shared, out.pre, out.raw, out.exact_bits, stream, ws=self._ws)
+        kernels.launch_plan(self._plan, logits, NO_BITMASK, 0, None, 0, self._stage.dev_base, out.main,
+                            out.filt_shared, out.pre, out.raw, out.exact_bits, stream, ws=self._ws)
         valid, nan = row_states(out.view("main_flags"))
         tokens = torch.where(valid.unsqueeze(1), out.view("main_tokens"), -1)
         return SamplingResult(tokens=tokens, valid=valid, nan_detected=nan)
