@@ -73,7 +73,7 @@ SamplerCall sampler_call(int64_t data, int64_t num_rows, int64_t vocab, int64_t 
                      outputs_of(outs, num_samples, sample), workspace_of(ws)};
 }
 
-using SamplerWithRowFloats = int (*)(const TsLogits*, const TsRows*, const float*, const TsOutputs*,
+using SamplerWithRowFloats = int (*)(const TsLogits*, const TsRows*, const float*, int32_t, const TsOutputs*,
                                      const TsWorkspace*, void*);
 
 // A sampler of one sample column that takes one per-row float array besides the rows (ts_gumbel, ts_min_p).
@@ -84,7 +84,7 @@ void def_sampler_with_row_floats(pybind11::module_& m, const char* name, Sampler
                              int64_t stream) {
     const SamplerCall c =
         sampler_call(data, num_rows, vocab, dtype, rows, num_work, params, outs, num_samples, sample, ws);
-    check(launch(&c.logits, &c.rows, ptr<const float>(row_floats), &c.out, &c.ws, ptr<void>(stream)), name);
+    check(launch(&c.logits, &c.rows, ptr<const float>(row_floats), 1, &c.out, &c.ws, ptr<void>(stream)), name);
   });
 }
 

@@ -29,10 +29,11 @@ int bucket_index(int32_t k, int64_t vocab) {
   return static_cast<int>(std::find(kBuckets, kBuckets + TS_NUM_BUCKETS, bucket) - kBuckets);
 }
 
-// The cut route's kept keys (int64 [num_rows]) lie in the scratch, after what its stats and sampling kernels use.
+// The cut route's kept keys (int64 [num_rows]) lie in the scratch, after what its stats and sampling kernels use (the
+// sampling kernel draws every sample at once: a partial each).
 size_t cut_keys_offset(const TsPlan* plan) {
   return align16(std::max(ts_stats_scratch_bytes(plan->exact.n, plan->vocab),
-                          ts_gumbel_scratch_bytes(plan->exact.n, plan->vocab)));
+                          ts_gumbel_scratch_bytes(plan->exact.n, plan->vocab) * static_cast<size_t>(plan->num_samples)));
 }
 
 // Row ids gathered for one group while planning; placed into the stage's lists when the plan is complete.
@@ -173,18 +174,28 @@ TsWorkspaceBytes ts_plan_workspace(const TsPlan* plan) {
     w.counters = std::max(w.counters, sizeof(uint32_t) * static_cast<size_t>(g.n));
     w.scratch = std::max(w.scratch, scratch);
   };
+  // A Gumbel-max launch of every sample: a partial and a counter each (sampling.h).
+  auto need_draws = [&](const TsGroup& g) {
+    if (!g.n) return;
+    const size_t draws = static_cast<size_t>(g.n) * static_cast<size_t>(plan->num_samples);
+    w.counters = std::max(w.counters, sizeof(uint32_t) * draws);
+    w.scratch = std::max(w.scratch, ts_gumbel_scratch_bytes(g.n, vocab) * static_cast<size_t>(plan->num_samples));
+  };
   need(plan->greedy, ts_stats_scratch_bytes(plan->greedy.n, vocab));
-  need(plan->unfiltered, ts_gumbel_scratch_bytes(plan->unfiltered.n, vocab));
+  need_draws(plan->unfiltered);
   for (int i = 0; i < TS_NUM_BUCKETS; ++i)
     need(plan->buckets[i], ts_topk_scratch_bytes(plan->buckets[i].n, vocab, kBuckets[i]));
   const TsGroup& exact = plan->exact;
   if (exact.n) {
     switch (plan->exact_route) {
       case TS_EXACT_FRONTIER: need(exact, ts_nucleus_scratch_bytes(exact.n, vocab)); break;
-      case TS_EXACT_MIN_P: need(exact, std::max(ts_stats_scratch_bytes(exact.n, vocab),
-                                                ts_gumbel_scratch_bytes(exact.n, vocab))); break;
+      case TS_EXACT_MIN_P:
+        need(exact, ts_stats_scratch_bytes(exact.n, vocab));
+        need_draws(exact);
+        break;
       case TS_EXACT_CUT:
         need(exact, cut_keys_offset(plan) + sizeof(int64_t) * static_cast<size_t>(plan->num_rows));
+        need_draws(exact);
         break;
       default: need(exact, ts_stats_scratch_bytes(exact.n, vocab));
     }
@@ -227,10 +238,8 @@ int ts_launch_plan(const TsPlan* plan, const TsCallInputs* in, const void* dev_s
   }
   if (plan->unfiltered.n) {
     const TsRows r = rows_of(plan->unfiltered, in->bitmask);
-    for (int32_t sample = 0; sample < num_samples; ++sample) {
-      const TsOutputs o = with_sample(out->main, num_samples, sample);
-      if ((err = ts_gumbel(x, &r, in->lse_scale, &o, ws, s))) return err;
-    }
+    const TsOutputs o = with_sample(out->main, num_samples, 0);
+    if ((err = ts_gumbel(x, &r, in->lse_scale, num_samples, &o, ws, s))) return err;
   }
   for (int i = 0; i < TS_NUM_BUCKETS; ++i) {
     if (!plan->buckets[i].n) continue;
@@ -252,32 +261,30 @@ int ts_launch_plan(const TsPlan* plan, const TsCallInputs* in, const void* dev_s
     const TsRows r = rows_of(plan->exact, in->bitmask);
     const int32_t route = plan->exact_route;
     if (route != TS_EXACT_FRONTIER && (err = ts_stats(x, &r, nullptr, &pre, ws, s))) return err;
-    int64_t* kept_keys = route == TS_EXACT_CUT
-                             ? reinterpret_cast<int64_t*>(static_cast<char*>(ws->scratch) + cut_keys_offset(plan))
-                             : nullptr;
-    if (route == TS_EXACT_CUT && (err = ts_cut(x, &r, pre.row_max, pre.row_min, pre.tokens, pre.flags,
-                                               plan->filter_splits, kept_keys, ws, s)))
-      return err;
-    // Each sample's launch rewrites the flags: keep every sample's exact-filter bit.
-    const bool keep_bits = num_samples > 1;
-    if (keep_bits && (err = cudaMemsetAsync(out->exact_bits, 0, static_cast<size_t>(plan->num_rows),
-                                             static_cast<cudaStream_t>(s))))
-      return err;
-    for (int32_t sample = 0; sample < num_samples; ++sample) {
-      const TsOutputs o = with_sample(out->filt, num_samples, sample);
-      switch (route) {
-        case TS_EXACT_MIN_P: err = ts_min_p(x, &r, pre.row_max, &o, ws, s); break;  // exact in the kernel
-        case TS_EXACT_CUT: err = ts_sample_kept(x, &r, pre.row_max, kept_keys, &o, ws, s); break;
-        case TS_EXACT_FRONTIER:
-          if ((err = ts_nucleus(x, &r, &pre, &o, ws, s))) break;
-          err = filter(r, 0, plan->filter_splits, o);
-          break;
-        default: err = filter(r, plan->kind == TS_LOGPROBS_PROCESSED, plan->filter_splits, o);
+    const TsOutputs all = with_sample(out->filt, num_samples, 0);
+    if (route == TS_EXACT_MIN_P) {  // exact in the kernel, every sample in one launch
+      if ((err = ts_min_p(x, &r, pre.row_max, num_samples, &all, ws, s))) return err;
+    } else if (route == TS_EXACT_CUT) {  // the kept set once, then every sample in one launch
+      auto* kept_keys = reinterpret_cast<int64_t*>(static_cast<char*>(ws->scratch) + cut_keys_offset(plan));
+      if ((err = ts_cut(x, &r, pre.row_max, pre.row_min, pre.tokens, pre.flags, plan->filter_splits, kept_keys, ws,
+                        s)) ||
+          (err = ts_sample_kept(x, &r, pre.row_max, kept_keys, num_samples, &all, ws, s)))
+        return err;
+    } else {
+      // A launch a sample, each rewriting the flags: keep every sample's exact-filter bit.
+      const bool keep_bits = num_samples > 1;
+      if (keep_bits && (err = cudaMemsetAsync(out->exact_bits, 0, static_cast<size_t>(plan->num_rows),
+                                               static_cast<cudaStream_t>(s))))
+        return err;
+      for (int32_t sample = 0; sample < num_samples; ++sample) {
+        const TsOutputs o = with_sample(out->filt, num_samples, sample);
+        if (route == TS_EXACT_FRONTIER && (err = ts_nucleus(x, &r, &pre, &o, ws, s))) return err;
+        const int32_t need_exact_mass = route == TS_EXACT_FILTER && plan->kind == TS_LOGPROBS_PROCESSED;
+        if ((err = filter(r, need_exact_mass, plan->filter_splits, o))) return err;
+        if (keep_bits && (err = ts_or_flags(out->exact_bits, o.flags, plan->num_rows, kFlagExact, s))) return err;
       }
-      if (err) return err;
-      if (keep_bits && (err = ts_or_flags(out->exact_bits, o.flags, plan->num_rows, kFlagExact, s))) return err;
+      if (keep_bits && (err = ts_or_flags(out->filt.flags, out->exact_bits, plan->num_rows, 0xFF, s))) return err;
     }
-    if (keep_bits && (err = ts_or_flags(out->filt.flags, out->exact_bits, plan->num_rows, 0xFF, s))) return err;
   }
   if (plan->need_raw.n) {  // the input's log-sum-exp: no bitmask (step 1 precedes step 2)
     const TsRows r = rows_of(plan->need_raw, TsBitmask{nullptr, nullptr, 0});

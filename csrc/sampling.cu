@@ -12,12 +12,18 @@ using namespace tokensampler;
 
 namespace {
 
-constexpr int kMaxGridY = 65535;
+constexpr int kMaxGridY = 65535, kMaxGridZ = 65535;
 
 bool bad_args(const TsLogits* logits, const TsRows* rows) {
   return logits->vocab < 1 || logits->vocab > (int64_t{1} << 31) - 1 || rows->num_work_rows < 0 ||
          rows->num_work_rows > kMaxGridY || logits->dtype < kF32 || logits->dtype > kBF16 ||
          (rows->bitmask.words && rows->bitmask.row_words < (logits->vocab + 31) / 32);
+}
+
+// The Gumbel-max launchers draw samples out->sample .. + num_draws - 1, one grid layer (blockIdx.z) each.
+bool bad_draws(const TsOutputs* out, int32_t num_draws) {
+  return num_draws < 1 || num_draws > kMaxGridZ || out->sample < 0 ||
+         out->sample + static_cast<int64_t>(num_draws) > out->num_samples;
 }
 
 // Calls f with a value of the logits' element type and std::true_type when some row has a token bitmask (the
@@ -167,11 +173,12 @@ int ts_stats_flagged(const TsLogits* logits, const TsRows* rows, const uint8_t* 
   return launch_stats(logits, rows, nullptr, flagged, out, ws, stream);
 }
 
-int ts_gumbel(const TsLogits* logits, const TsRows* rows, const float* lse_scale, const TsOutputs* out,
-              const TsWorkspace* ws, void* stream) {
-  if (bad_args(logits, rows) || !out->tokens) return cudaErrorInvalidValue;
+int ts_gumbel(const TsLogits* logits, const TsRows* rows, const float* lse_scale, int32_t num_draws,
+              const TsOutputs* out, const TsWorkspace* ws, void* stream) {
+  if (bad_args(logits, rows) || !out->tokens || bad_draws(out, num_draws)) return cudaErrorInvalidValue;
   return dispatch_chunks(logits, rows, stream, [&](auto t, auto mask, dim3 grid, cudaStream_t s) {
     using T = decltype(t);
+    grid.z = static_cast<unsigned>(num_draws);
     constexpr bool M = decltype(mask)::value;
     if (lse_scale)
       gumbel_kernel<T, M, true, kNoRowMask><<<grid, kThreads, 0, s>>>(*logits, *rows, lse_scale, nullptr, nullptr,
@@ -183,10 +190,11 @@ int ts_gumbel(const TsLogits* logits, const TsRows* rows, const float* lse_scale
   });
 }
 
-int ts_min_p(const TsLogits* logits, const TsRows* rows, const float* row_max, const TsOutputs* out,
-             const TsWorkspace* ws, void* stream) {
-  if (bad_args(logits, rows) || !out->tokens || !row_max) return cudaErrorInvalidValue;
+int ts_min_p(const TsLogits* logits, const TsRows* rows, const float* row_max, int32_t num_draws,
+             const TsOutputs* out, const TsWorkspace* ws, void* stream) {
+  if (bad_args(logits, rows) || !out->tokens || !row_max || bad_draws(out, num_draws)) return cudaErrorInvalidValue;
   return dispatch_chunks(logits, rows, stream, [&](auto t, auto mask, dim3 grid, cudaStream_t s) {
+    grid.z = static_cast<unsigned>(num_draws);
     return launch_after_previous(&gumbel_kernel<decltype(t), decltype(mask)::value, false, kMinPRowMask>, grid,
                                  dim3(kThreads), 0, s, *logits, *rows, static_cast<const float*>(nullptr), row_max,
                                  static_cast<const int64_t*>(nullptr), *out, *ws);
@@ -194,9 +202,11 @@ int ts_min_p(const TsLogits* logits, const TsRows* rows, const float* row_max, c
 }
 
 int ts_sample_kept(const TsLogits* logits, const TsRows* rows, const float* row_max, const int64_t* kept_keys,
-                   const TsOutputs* out, const TsWorkspace* ws, void* stream) {
-  if (bad_args(logits, rows) || !out->tokens || !row_max || !kept_keys) return cudaErrorInvalidValue;
+                   int32_t num_draws, const TsOutputs* out, const TsWorkspace* ws, void* stream) {
+  if (bad_args(logits, rows) || !out->tokens || !row_max || !kept_keys || bad_draws(out, num_draws))
+    return cudaErrorInvalidValue;
   return dispatch_chunks(logits, rows, stream, [&](auto t, auto mask, dim3 grid, cudaStream_t s) {
+    grid.z = static_cast<unsigned>(num_draws);
     return launch_after_previous(&gumbel_kernel<decltype(t), decltype(mask)::value, false, kCutRowMask>, grid,
                                  dim3(kThreads), 0, s, *logits, *rows, static_cast<const float*>(nullptr), row_max,
                                  kept_keys, *out, *ws);

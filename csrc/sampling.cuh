@@ -693,12 +693,15 @@ __global__ void __launch_bounds__(kThreads, LSE || kRowMask != kNoRowMask ? 4 : 
   // from L2.
   const int w = kRowMask != kNoRowMask ? gridDim.y - 1 - blockIdx.y : blockIdx.y, split = blockIdx.x,
             splits = gridDim.x;
+  // blockIdx.z draws sample out.sample + z: every (sample, row) has its own partials and counter.
+  const int sample = out.sample + static_cast<int>(blockIdx.z);
+  const int64_t slot = static_cast<int64_t>(blockIdx.z) * rows.num_work_rows + w;
   const RowView<T> rv = row_view<T, kMask>(logits, rows, w);
   const int64_t g0 = static_cast<int64_t>(split) * kChunkGroups;
   const float temperature = rows.temperature[rv.r];
   const float inv_t = 1.f / temperature;
   const float c = LSE ? lse_scale[rv.r] : 0.f;
-  const NoiseStream noise = row_noise(rows, rv.r, static_cast<uint32_t>(out.sample));
+  const NoiseStream noise = row_noise(rows, rv.r, static_cast<uint32_t>(sample));
   const bool evict_first = rows_exceed_l2<T>(rows.num_work_rows, logits.vocab);
 
   Proxy px{-kInf, -kInf, INT_MAX};
@@ -746,7 +749,7 @@ __global__ void __launch_bounds__(kThreads, LSE || kRowMask != kNoRowMask ? 4 : 
   __shared__ GumbelPartial warp_part[kThreads / 32];
   if ((threadIdx.x & 31) == 0) warp_part[threadIdx.x >> 5] = GumbelPartial{px, mx, sum, 0u};
   __syncthreads();
-  GumbelPartial* partial = static_cast<GumbelPartial*>(ws.scratch) + static_cast<int64_t>(w) * splits;
+  GumbelPartial* partial = static_cast<GumbelPartial*>(ws.scratch) + slot * splits;
   if (threadIdx.x < 32) {  // warp 0 merges the warps' partials across its lanes (see block_stats)
     GumbelPartial acc =
         threadIdx.x < kThreads / 32 ? warp_part[threadIdx.x] : GumbelPartial{{-kInf, -kInf, INT_MAX}, -kInf, 0.f, 0u};
@@ -754,7 +757,7 @@ __global__ void __launch_bounds__(kThreads, LSE || kRowMask != kNoRowMask ? 4 : 
     acc.nan = any_nan;
     if (threadIdx.x == 0) partial[split] = acc;
   }
-  if (!finish_and_elect_last(ws.counters + w, splits)) return;
+  if (!finish_and_elect_last(ws.counters + slot, splits)) return;
 
   __shared__ GumbelPartial row;
   __shared__ bool rescore;
@@ -804,7 +807,7 @@ __global__ void __launch_bounds__(kThreads, LSE || kRowMask != kNoRowMask ? 4 : 
   uint8_t flags = (row.nan ? 1 : 0) | (row_max > -kInf ? 0 : 2);
   if constexpr (kRowMask == kCutRowMask)
     if (row_max > -kInf && row_mask.key == kNothingKept) flags |= 4;
-  out.tokens[rv.r * out.num_samples + out.sample] = token;
+  out.tokens[rv.r * out.num_samples + sample] = token;
   if (out.row_max) out.row_max[rv.r] = row_max;
   if (LSE && out.row_logz) out.row_logz[rv.r] = logf(row.sum);
   if (out.flags) out.flags[rv.r] = flags;

@@ -84,21 +84,24 @@ int ts_stats(const TsLogits* logits, const TsRows* rows, const float* lse_scale,
 int ts_stats_flagged(const TsLogits* logits, const TsRows* rows, const uint8_t* flagged, const TsOutputs* out,
                      const TsWorkspace* ws, void* stream);
 
-/* Gumbel-max over the whole vocabulary (no filter), sample out->sample; optional lse as ts_stats. */
-int ts_gumbel(const TsLogits* logits, const TsRows* rows, const float* lse_scale,
+/* The Gumbel-max samplers below draw samples out->sample .. + num_draws - 1 in one launch, each (sample, row) with its
+ * own partials and counter: scratch num_draws x ts_gumbel_scratch_bytes, counters num_draws x the rows'. */
+
+/* Gumbel-max over the whole vocabulary (no filter); optional lse as ts_stats. */
+int ts_gumbel(const TsLogits* logits, const TsRows* rows, const float* lse_scale, int32_t num_draws,
               const TsOutputs* out, const TsWorkspace* ws, void* stream);
 
-/* min-p alone (no k, no top-p): Gumbel-max over the tokens min-p keeps, sample out->sample, given
- * ts_stats' row_max of the same rows; scratch as ts_gumbel. Launched to overlap the end of the kernel
- * before it on the stream (programmatic dependent launch), like ts_filter. */
-int ts_min_p(const TsLogits* logits, const TsRows* rows, const float* row_max, const TsOutputs* out,
-             const TsWorkspace* ws, void* stream);
+/* min-p alone (no k, no top-p): Gumbel-max over the tokens min-p keeps, given ts_stats' row_max of the same rows.
+ * Launched to overlap the end of the kernel before it on the stream (programmatic dependent launch), like
+ * ts_filter. */
+int ts_min_p(const TsLogits* logits, const TsRows* rows, const float* row_max, int32_t num_draws,
+             const TsOutputs* out, const TsWorkspace* ws, void* stream);
 
-/* Gumbel-max over each row's kept set as ts_cut gives it (kept_keys), sample out->sample, given ts_stats' row_max
- * of the same rows; scratch as ts_gumbel. The token of ts_filter for the same row and sample. Launched to overlap the
- * end of the kernel before it (programmatic dependent launch). A row whose cut kept nothing gets -1 and flag 4. */
+/* Gumbel-max over each row's kept set as ts_cut gives it (kept_keys), given ts_stats' row_max of the same rows: the
+ * token of ts_filter for the same row and sample. Launched to overlap the end of the kernel before it (programmatic
+ * dependent launch). A row whose cut kept nothing gets -1 and flag 4 (the same flags every sample). */
 int ts_sample_kept(const TsLogits* logits, const TsRows* rows, const float* row_max, const int64_t* kept_keys,
-                   const TsOutputs* out, const TsWorkspace* ws, void* stream);
+                   int32_t num_draws, const TsOutputs* out, const TsWorkspace* ws, void* stream);
 
 /* top-k (1 <= k, k + 1 <= bucket) with optional top-p and min-p, every sample in one launch. */
 int ts_topk(const TsLogits* logits, const TsRows* rows, int32_t bucket, const TsOutputs* out,

@@ -44,6 +44,11 @@ size_t itemsize_of(int32_t dtype) {
 
 constexpr uint8_t kFlagCpu = 4;
 
+// The request path draws one sample a row: a Gumbel-max launch of one grid layer.
+void one_draw(int32_t num_draws) {
+  if (num_draws != 1) fail("a Gumbel-max launch of more than one sample");
+}
+
 // One stand-in launch over a work list: every read checked, then a token and flags for each work row. The
 // answer comes from the row's first byte, so that a fuzzed input reaches both the answered and the declined
 // (kFlagCpu) ends of RequestPath::sample. `draws`: the launch writes tokens and flags (ts_cut writes neither).
@@ -198,12 +203,15 @@ int ts_stats_flagged(const TsLogits* l, const TsRows* r, const uint8_t* flagged,
   return 0;
 }
 
-int ts_gumbel(const TsLogits* l, const TsRows* r, const float*, const TsOutputs* out, const TsWorkspace* ws, void*) {
+int ts_gumbel(const TsLogits* l, const TsRows* r, const float*, int32_t num_draws, const TsOutputs* out,
+              const TsWorkspace* ws, void*) {
+  fuzz::one_draw(num_draws);
   fuzz::run(l, r, out, ws, ts_gumbel_scratch_bytes(r->num_work_rows, l->vocab));
   return 0;
 }
-int ts_min_p(const TsLogits* l, const TsRows* r, const float* row_max, const TsOutputs* out, const TsWorkspace* ws,
-             void*) {
+int ts_min_p(const TsLogits* l, const TsRows* r, const float* row_max, int32_t num_draws, const TsOutputs* out,
+             const TsWorkspace* ws, void*) {
+  fuzz::one_draw(num_draws);
   fuzz::need(row_max, static_cast<uint64_t>(l->num_rows), 4, "ts_min_p row_max");
   fuzz::run(l, r, out, ws, ts_gumbel_scratch_bytes(r->num_work_rows, l->vocab));
   return 0;
@@ -243,7 +251,8 @@ int ts_cut(const TsLogits* l, const TsRows* r, const float* row_max, const float
   return 0;
 }
 int ts_sample_kept(const TsLogits* l, const TsRows* r, const float* row_max, const int64_t* kept_keys,
-                   const TsOutputs* out, const TsWorkspace* ws, void*) {
+                   int32_t num_draws, const TsOutputs* out, const TsWorkspace* ws, void*) {
+  fuzz::one_draw(num_draws);
   fuzz::need(row_max, static_cast<uint64_t>(l->num_rows), 4, "ts_sample_kept row_max");
   fuzz::need(kept_keys, static_cast<uint64_t>(l->num_rows), 8, "ts_sample_kept kept_keys");
   fuzz::run(l, r, out, ws, ts_gumbel_scratch_bytes(r->num_work_rows, l->vocab));

@@ -10,6 +10,8 @@ from tokensampler_server.backends.cpu import kept_token_mask
 from tokensampler_server.backends.cuda import select_rows
 from tokensampler_server.model.sampling import LogitProcessing, LogprobsMode, TokenEntries
 
+from tokensampler_server.backends.cuda_kernels import Outputs, RowParams
+
 from .conftest import MODES, assert_logprobs_match, logits, make_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
@@ -128,6 +130,31 @@ def test_processing_matches_reference(cuda_backend, cpu_backend, mode):
     assert torch.equal(got.tokens, want.tokens)
     torch.testing.assert_close(got.logprobs, want.logprobs, rtol=1e-4, atol=1e-4, equal_nan=True)
     assert torch.equal(got.top_logprob_ids, want.top_logprob_ids)
+
+
+@pytest.mark.parametrize("rows", [2, 40])
+@pytest.mark.parametrize("route", ["gumbel", "min_p"])
+def test_every_sample_in_one_launch_is_the_sample_drawn_alone(cuda_backend, sampling_kernels, route, rows):
+    """The Gumbel-max routes draw a call's samples in one launch (a grid layer each, csrc/sampling.h): sample s of
+    each row is the token a launch of sample s alone gives, bit for bit, rows without a finite logit included."""
+    num_samples = 64
+    x = logits("flat", rows, 32000, seed=rows).cuda()
+    x[0, :] = float("-inf")  # every sample -1, not valid
+    batch = make_batch(x, temperature=0.7, min_p=0.05 if route == "min_p" else 0.0, num_samples=num_samples)
+    got = cuda_backend.sample(batch)
+    params = RowParams(*(t.cuda() for t in (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seed,
+                                            batch.position, batch.iteration)))
+    alone = Outputs(tokens=torch.empty(rows, num_samples, dtype=torch.int64, device="cuda"),
+                    flags=torch.empty(rows, dtype=torch.uint8, device="cuda"))
+    pre = Outputs.row_stats(rows, "cuda")
+    sampling_kernels.stats(x, params, pre)
+    for s in range(num_samples):
+        if route == "gumbel":
+            sampling_kernels.gumbel(x, params, alone, s)
+        else:
+            sampling_kernels.min_p(x, params, pre, alone, s)
+    assert not got.valid[0] and (got.tokens[0] == -1).all() and got.valid[1:].all()
+    assert torch.equal(got.tokens, alone.tokens.cpu())
 
 
 def test_large_batch_runs(cuda_backend, cpu_backend):
