@@ -58,21 +58,23 @@ __all__ = ["CudaBackend", "CudaBackendUnavailable"]
 # (docs/performance.md, benchmarks/results/).
 ROUTES = [
     Route("greedy (T = 0)", ("stats_kernel",), "one read: 0.61-0.70x torch argmax (7-49 us)"),
-    Route("T > 0, no filter", ("gumbel_kernel",), "one read: 0.83-1.21x torch argmax (11-84 us)"),
+    Route("T > 0, no filter", ("gumbel_kernel",),
+          "one read (every sample in one launch): 0.83-1.21x torch argmax (11-84 us)"),
     Route("0 < k, k + 1 <= 256, with or without top-p / min-p", ("topk_kernel",),
           "one read: 1.15-1.38x torch argmax (16-91 us)"),
     Route("top-p without k (and min-p), 32 rows or more",
           ("frontier_kernel", "nucleus_mass_kernel", "filter_kernel"), "two reads: 37-151 us at B = 32-256"),
-    Route("top-p without k (and min-p), fewer than 32 rows", ("stats_kernel", "filter_kernel"),
-          "two reads, and the cut bin re-read: 29-38 us at B = 1-8"),
-    Route("min-p alone", ("stats_kernel", "gumbel_kernel"), "two reads: 14-137 us"),
-    Route("k > 255 (any k up to V, per row) without top-p, with or without min-p",
-          ("stats_kernel", "filter_kernel", "gumbel_kernel"),
-          "three reads, and each row's cut bin re-read by one block, once for every sample; then one read a sample: "
-          "1.3-3.7x the top-k 50 call, 90-730 us a call at B = 1-256"),
-    Route("k > 255 with top-p (and min-p); processed log-probs", ("stats_kernel", "filter_kernel"),
+    Route("top-p without k (and min-p), fewer than 32 rows, fewer than 8 samples a row",
+          ("stats_kernel", "filter_kernel"), "two reads a sample, and the cut bin re-read: 29-38 us at B = 1-8"),
+    Route("min-p alone", ("stats_kernel", "gumbel_kernel"), "two reads (every sample in one launch): 14-137 us"),
+    Route("k > 255 (any k up to V, per row) without top-p, with or without min-p; with top-p from 2 samples a row; "
+          "top-p without k below 32 rows from 8 samples", ("stats_kernel", "filter_kernel", "gumbel_kernel"),
+          "three reads, and each row's cut bin re-read by one block, once for every sample; then one read a sample, "
+          "every sample in one launch: 1.6-4.2x the top-k 50 call, 90-590 us a call at B = 1-256; 64 samples: "
+          "0.1-0.4 ms at B = 1-8, 3.9-6.1 ms at B = 256"),
+    Route("k > 255 with top-p (and min-p), one sample; processed log-probs", ("stats_kernel", "filter_kernel"),
           "two reads a sample, and each row's cut bins re-read by one block (radix passes when a bin holds more "
-          "than 4096 tokens): 1.8-4.1x the top-k 50 call, 105-800 us a call at B = 1-256"),
+          "than 4096 tokens): 2.1-4.7x the top-k 50 call, 105-670 us a call at B = 1-256"),
     Route("rows with a token bitmask (structured output)",
           ("the route of the rows' parameters", "apply_bitmask_kernel beside other processing"),
           "without other processing, the same kernels, each reading the mask with the logits (1/32 more bytes at "
