@@ -191,12 +191,12 @@ def chi_batch() -> SamplingBatch:
     return make_batch(logits, seed=torch.arange(DRAWS), **CHI_PARAMS)
 
 
-def _result_dict(result: SamplingResult) -> dict[str, torch.Tensor | None]:
+def result_dict(result: SamplingResult) -> dict[str, torch.Tensor | None]:
     return {name: getattr(result, name) for name in
             ("tokens", "valid", "nan_detected", "logprobs", "top_logprob_ids", "top_logprobs")}
 
 
-def _shard_of(batch: SamplingBatch, start: int, stop: int) -> SamplingBatch:
+def shard_of(batch: SamplingBatch, start: int, stop: int) -> SamplingBatch:
     return replace(batch, logits=batch.logits[:, start:stop].contiguous())
 
 
@@ -215,15 +215,15 @@ def _run_layout(rank: int, layout: Layout, group: dist.ProcessGroup | None) -> d
     shard = Shard(start, layout.vocab_size)
     record: dict[str, object] = {}
     for name in CASES:
-        batch = _shard_of(case_batch(name, layout), start, stop)
-        record[name] = _result_dict(sample_sharded(batch, shard, group, candidates=layout.candidates))
+        batch = shard_of(case_batch(name, layout), start, stop)
+        record[name] = result_dict(sample_sharded(batch, shard, group, candidates=layout.candidates))
     if layout.hidden_size:
         batch, head = hidden_batch(layout)
         sharded = replace(batch, hidden=HiddenInput(batch.hidden.states, shard_head(head, start, stop)))
-        record["hidden"] = _result_dict(sample_sharded(sharded, shard, group, candidates=layout.candidates))
+        record["hidden"] = result_dict(sample_sharded(sharded, shard, group, candidates=layout.candidates))
         chi_bounds = (0, CHI_SPLIT, CHI_LOGITS.numel())
         for variant, candidates in CHI_CANDIDATES.items():
-            batch = _shard_of(chi_batch(), chi_bounds[rank], chi_bounds[rank + 1])
+            batch = shard_of(chi_batch(), chi_bounds[rank], chi_bounds[rank + 1])
             chi_shard = Shard(chi_bounds[rank], CHI_LOGITS.numel())
             record[f"chi {variant}"] = sample_sharded(batch, chi_shard, group, candidates=candidates).tokens
     return record
@@ -256,7 +256,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         # and the group still serves the next call.
         layout = LAYOUTS[PAIR_LAYOUT]
         start, stop = layout.bounds[rank], layout.bounds[rank + 1]
-        small = _shard_of(case_batch("top-k 5", layout), start, stop)
+        small = shard_of(case_batch("top-k 5", layout), start, stop)
         wrong = Shard(layout.vocab_size - 1 if rank == 1 else start, layout.vocab_size)
         record["raises"] = _timed_failure(lambda: sample_sharded(small, wrong, pair))
         record["after raise"] = sample_sharded(small, Shard(start, layout.vocab_size), pair).tokens
@@ -268,7 +268,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     # The last rank dies.
     layout = LAYOUTS[TRIO_LAYOUT]
     start, stop = layout.bounds[rank], layout.bounds[rank + 1]
-    small = _shard_of(case_batch("top-k 5", layout), start, stop)
+    small = shard_of(case_batch("top-k 5", layout), start, stop)
     dist.barrier()
     if rank == RANKS - 1:
         torch.save(record, Path(out) / f"rank{rank}.pt")

@@ -66,12 +66,17 @@ def shard_head(head: RegisteredWeight, start: int, stop: int) -> RegisteredWeigh
 class Exchange:
     """The collectives of one call. Every payload carries one failure flag per rank: a rank whose local step
     raised still joins the collective it was due at, flagged, so the others fail at once naming it instead of
-    waiting for the group's timeout (and the group stays usable: every rank ran the same collectives)."""
+    waiting for the group's timeout (and the group stays usable: every rank ran the same collectives).
+
+    The blocks are computed on the CPU; over an NCCL group each payload crosses on this rank's current CUDA device
+    (NCCL moves device memory only) and comes back to the CPU for the merges."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
+        nccl = dist.get_backend(group) == dist.Backend.NCCL
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def gather(self, stage: str, shape: tuple[int, ...], dtype: torch.dtype,
                compute: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -93,16 +98,16 @@ class Exchange:
             failure, local = err, torch.zeros(shape, dtype=dtype)
         flags = torch.zeros(self.world, dtype=dtype)
         flags[self.rank] = failure is not None
-        payload = torch.cat([local.reshape(-1).to(dtype), flags])
+        payload = torch.cat([local.reshape(-1).to(dtype), flags]).to(self.device)
         started = time.monotonic()
         try:
             if gather:
                 parts = [torch.empty_like(payload) for _ in range(self.world)]
                 dist.all_gather(parts, payload, group=self.group)
-                out = torch.stack(parts)
+                out = torch.stack(parts).cpu()
             else:
                 dist.all_reduce(payload, group=self.group)
-                out = payload
+                out = payload.cpu()
         except RuntimeError as err:
             raise ShardExchangeError(
                 f"vocabulary-parallel exchange '{stage}' failed on rank {self.rank} of {self.world} after "

@@ -1,0 +1,124 @@
+"""The exchanges of vocabulary-parallel sampling (docs/design/vocab-parallel.md) between GPUs over NCCL.
+
+  python benchmarks/bench_vocab_parallel.py            # two GPUs: writes vocab-parallel-exchange-<gpu>-<date>.json
+
+One process a GPU. For each exchange of a call and each B, with the payload the design doc gives per row and
+shard, two timings as the host sees them (time.perf_counter around the call, p50 and p99 of REPS after WARMUP):
+- "nccl": the bare collective on device tensors, then a synchronisation: what a shard's kernels would pay;
+- "exchange": `Exchange.gather` / `reduce` as `sample_sharded` runs it today, blocks on the CPU: the payload up to
+  the GPU, the collective, the result back, the failure flags checked.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "server"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_kernels import write_results  # noqa: E402
+from provenance import tree_commit  # noqa: E402
+from tokensampler_server.backends.vocab_parallel import CANDIDATES, Exchange  # noqa: E402
+
+WARMUP, REPS = 20, 200
+BATCHES = (1, 8, 32, 64, 128)
+F64, I64 = torch.float64, torch.int64
+
+
+def payloads(rows: int, ranks: int) -> dict[str, tuple[str, tuple[int, ...], torch.dtype]]:
+    """Each exchange of a call: (gather or reduce, a shard's block shape, dtype), as sample_sharded sends them."""
+    return {
+        "1 stats (gather)": ("gather", (8 + 4 * rows,), F64),
+        "2 partials, top-k 64 candidates (gather)": ("gather", (rows, 3 + 3 * CANDIDATES), F64),
+        "3 search round: quantiles (gather)": ("gather", (rows, 32), I64),
+        "3 search round: counts (reduce)": ("reduce", (2, rows, ranks * 32 + 2), F64),
+        "3 search finish (gather)": ("gather", (2, rows, 160), I64),
+    }
+
+
+def percentiles(seconds: list[float]) -> tuple[float, float]:
+    ordered = sorted(seconds)
+    return 1e6 * ordered[len(ordered) // 2], 1e6 * ordered[int(len(ordered) * 0.99) - 1]
+
+
+def timed(call) -> tuple[float, float]:
+    for _ in range(WARMUP):
+        call()
+    seconds = []
+    for _ in range(REPS):
+        started = time.perf_counter()
+        call()
+        seconds.append(time.perf_counter() - started)
+    return percentiles(seconds)
+
+
+def _worker(rank: int, ranks: int, port: int, out: str) -> None:
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks,
+                            timeout=datetime.timedelta(seconds=120), device_id=device)
+    exchange = Exchange(None)
+    rows_out = []
+    for b in BATCHES:
+        for stage, (kind, shape, dtype) in payloads(b, ranks).items():
+            block = torch.zeros(shape, dtype=dtype)
+            on_device = torch.zeros(block.numel() + ranks, dtype=dtype, device=device)
+            parts = [torch.empty_like(on_device) for _ in range(ranks)]
+
+            def bare() -> None:
+                if kind == "gather":
+                    dist.all_gather(parts, on_device)
+                else:
+                    dist.all_reduce(on_device)
+                torch.cuda.synchronize()
+
+            def through_exchange() -> None:
+                if kind == "gather":
+                    exchange.gather(stage, shape, dtype, lambda: block)
+                else:
+                    exchange.reduce(stage, shape, lambda: block)
+
+            for method, call in (("nccl", bare), ("exchange", through_exchange)):
+                p50, p99 = timed(call)
+                rows_out.append({"workload": "vocab-parallel-exchange", "method": method, "mode": stage, "B": b,
+                                 "ranks": ranks, "bytes_per_rank": on_device.numel() * on_device.element_size(),
+                                 "median_us": round(p50, 1), "p99_us": round(p99, 1)})
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows_out))
+
+
+def main() -> None:
+    ranks = torch.cuda.device_count()
+    if ranks < 2:
+        raise SystemExit(f"needs two CUDA GPUs or more, found {ranks}")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = ROOT / "benchmarks" / "results" / ".vocab_parallel_rank0.json"
+    mp.start_processes(_worker, args=(ranks, port, str(out)), nprocs=ranks, start_method="spawn")
+    rows = json.loads(out.read_text())
+    os.remove(out)
+    for row in rows:
+        print(f"{row['mode']:42s} B={row['B']:4d} {row['method']:9s} {row['bytes_per_rank']:7d} B "
+              f"p50 {row['median_us']:8.1f} us  p99 {row['p99_us']:8.1f} us", flush=True)
+    meta = {"gpu": f"{ranks}x {torch.cuda.get_device_name(0)}", "torch": torch.__version__,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())), "commit": tree_commit(),
+            "date": datetime.date.today().isoformat(),
+            "timing": f"host time around each call, p50 and p99 of {REPS} after {WARMUP}"}
+    write_results(ROOT / "benchmarks" / "results", f"vocab-parallel-exchange-{ranks}gpu", meta, rows)
+
+
+if __name__ == "__main__":
+    main()
