@@ -6,6 +6,8 @@ One process a GPU. For each exchange of a call and each B, with the payload the 
 shard, p50 and p99 of REPS after WARMUP:
 - "nccl, device time": the collective alone (all_gather_into_tensor or all_reduce on device tensors) between CUDA
   events on its stream: what it adds to a chain of kernels on the GPU;
+- "nccl, back to back": REPS of them enqueued in a row between two CUDA events, divided by REPS: the collective's
+  own latency, without the two processes' skew in reaching it;
 - "nccl": the same collective as the host sees it (time.perf_counter around the call and a synchronisation);
 - "exchange": `Exchange.gather` / `reduce` as `sample_sharded` runs it today, blocks on the CPU: the payload up to
   the GPU, torch.distributed's all_gather into a list (or all_reduce), the result back, the failure flags checked.
@@ -65,6 +67,20 @@ def timed(call) -> tuple[float, float]:
     return percentiles(seconds)
 
 
+def back_to_back(collective) -> float:
+    """µs a collective, REPS enqueued in a row on the stream (each rank's stream paces the other's)."""
+    for _ in range(WARMUP):
+        collective()
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(REPS):
+        collective()
+    end.record()
+    end.synchronize()
+    return 1e3 * begin.elapsed_time(end) / REPS
+
+
 def device_timed(collective) -> tuple[float, float]:
     """The collective between CUDA events, each call after the stream has drained."""
     for _ in range(WARMUP):
@@ -110,7 +126,9 @@ def _worker(rank: int, ranks: int, port: int, out: str) -> None:
                 else:
                     exchange.reduce(stage, shape, lambda: block)
 
-            timings = (("nccl, device time", device_timed(collective)), ("nccl", timed(bare)),
+            in_a_row = back_to_back(collective)
+            timings = (("nccl, back to back", (in_a_row, in_a_row)), ("nccl, device time", device_timed(collective)),
+                       ("nccl", timed(bare)),
                        ("exchange", timed(through_exchange)))
             for method, (p50, p99) in timings:
                 rows_out.append({"workload": "vocab-parallel-exchange", "method": method, "mode": stage, "B": b,
