@@ -81,7 +81,7 @@ typedef struct {
   int32_t processing;  /* the logits were processed before sampling: RAW log-probs need the input's own pass */
   TsGroup greedy;      /* T = 0: ts_stats (argmax) */
   TsGroup unfiltered;  /* T > 0, no filter: ts_gumbel */
-  TsGroup buckets[TS_NUM_BUCKETS]; /* 0 < k, ts_topk_bucket(k): ts_topk, with top-p / min-p on its candidates */
+  TsGroup buckets[TS_NUM_BUCKETS]; /* 0 < k, k + 1 <= bucket: ts_topk, with top-p / min-p on its candidates */
   TsGroup exact;       /* every other filtered row: TsExactRoute */
   TsGroup need_raw;    /* RAW log-prob rows whose input log-sum-exp needs its own ts_stats pass */
   TsGroup settle;      /* TS_ROUTES_SETTLED: every bucket row; ts_stats_flagged and ts_filter redo the flagged ones */

@@ -150,13 +150,10 @@ size_t ts_topk_scratch_bytes(int32_t num_work_rows, int64_t vocab, int32_t bucke
 
 size_t ts_hist_bytes(int32_t num_work_rows) { return kHistRowBytes * static_cast<size_t>(num_work_rows); }
 
-// The smallest bucket that holds k + 1 candidates, so that the list shows whether the k-th token's z ties past it;
-// k = 256 fills the largest bucket, where the kernel tests the last entry for a tie past the list instead (the
-// next value below its logit, and the tied entries' ids) and flags a row that could have one for the exact filter.
 int ts_topk_bucket(int32_t k) {
   for (int bucket : {16, 32, 64, 128, 256})
     if (k + 1 <= bucket) return bucket;
-  return k == 256 ? 256 : 0;
+  return 0;
 }
 
 int ts_or_flags(uint8_t* dst, const uint8_t* src, int64_t n, uint8_t bits, void* stream) {

@@ -814,7 +814,7 @@ __global__ void __launch_bounds__(kThreads, LSE || kRowMask != kNoRowMask ? 4 : 
 }
 
 // ---------------------------------------------------------------------------------------------
-// top-k (k + 1 <= K, or k = K = 256) with optional top-p and min-p in one read. Each block finds its chunk's exact
+// top-k (k + 1 <= K) with optional top-p and min-p in one read. Each block finds its chunk's exact
 // top K by rank key: a threshold (the K-th largest of the threads' maxima, so at least K tokens pass
 // it) selects a few candidates, which are ranked in shared memory. The last block merges the sorted
 // lists by warps (warp_merge_list), takes the first k + 1, re-sorts them by z, applies min-p and

@@ -71,7 +71,7 @@ size_t ts_stats_scratch_bytes(int32_t num_work_rows, int64_t vocab);
 size_t ts_gumbel_scratch_bytes(int32_t num_work_rows, int64_t vocab);
 size_t ts_topk_scratch_bytes(int32_t num_work_rows, int64_t vocab, int32_t bucket);
 size_t ts_hist_bytes(int32_t num_work_rows);
-int ts_topk_bucket(int32_t k); /* smallest bucket holding k + 1 candidates (k = 256: 256), 0 if none */
+int ts_topk_bucket(int32_t k); /* smallest bucket holding k + 1 candidates, 0 if none */
 
 /* Row max/min, argmax, nan flag, optional log-sum-exp with a per-row scale (lse_scale NULL: none);
  * with out->tokens, writes the argmax (or -1) to every sample column: the greedy sampler. */
@@ -103,7 +103,7 @@ int ts_min_p(const TsLogits* logits, const TsRows* rows, const float* row_max, i
 int ts_sample_kept(const TsLogits* logits, const TsRows* rows, const float* row_max, const int64_t* kept_keys,
                    int32_t num_draws, const TsOutputs* out, const TsWorkspace* ws, void* stream);
 
-/* top-k (1 <= k, k + 1 <= bucket or k = bucket = 256) with optional top-p and min-p, every sample in one launch. */
+/* top-k (1 <= k, k + 1 <= bucket) with optional top-p and min-p, every sample in one launch. */
 int ts_topk(const TsLogits* logits, const TsRows* rows, int32_t bucket, const TsOutputs* out,
             const TsWorkspace* ws, void* stream);
 

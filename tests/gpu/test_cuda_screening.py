@@ -8,22 +8,19 @@
 - filter_kernel rejects whole groups by the min-p test on an approximate z: tokens just above and
   just below exp(z) = m must be kept and dropped exactly as the CPU reference does.
 - topk_kernel's merge prunes by a bound from the chunk lists' heads: top-k tokens crowded into one
-  chunk, ties, and pools too large for the pruned path; at k = 256 its list ends at the k-th token, and the test
-  for a tie past it decides alone.
+  chunk, ties, and pools too large for the pruned path.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import pytest
 import torch
 
 from tokensampler_server.backends.cuda_kernels import Outputs, RowParams
-from tokensampler_server.model.sampling import LogprobsMode
 
-from .conftest import case_generator, exact_gumbel_argmax, logits, make_batch
+from .conftest import case_generator, exact_gumbel_argmax, make_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 
@@ -129,24 +126,6 @@ def test_topk_merge_pruning_matches_reference(cuda_backend, cpu_backend, top_k, 
     batch = make_batch(x, num_samples=3, top_k=top_k, top_p=top_p)
     got, want = cuda_backend.sample(batch), cpu_backend.sample(batch)
     assert int((got.tokens != want.tokens).sum()) <= 1
-
-
-@pytest.mark.parametrize("top_p", [1.0, 0.9])
-def test_k_256_fills_the_largest_bucket_with_the_exact_filters_tokens(cuda_backend, sampling_kernels, top_p):
-    """k = 256 takes the top-k kernel's 256 bucket, whose last entry the kernel tests for a tie past the list: its
-    tokens are the exact filter's bit for bit (a prepared call with log-probs plans every filtered row onto the
-    exact routes), on crowded, tied, bf16 and spiky rows, and no row leaves the kernel."""
-    assert sampling_kernels.topk_bucket(256) == 256 and sampling_kernels.topk_bucket(257) == 0
-    gen = torch.Generator().manual_seed(256)
-    for x in (_crowded_rows(151936 - 5, 8, seed=256), torch.randn(8, 32000, generator=gen).bfloat16(),
-              logits("spiky", 8, 151936, seed=9)):
-        x = x.cuda()
-        batch = make_batch(x, num_samples=3, top_k=256, top_p=top_p)
-        fast = cuda_backend.sample(batch)
-        exact_call = cuda_backend.prepare(replace(batch, return_logprobs=True, logprobs_mode=LogprobsMode.PROCESSED))
-        exact = exact_call.sample(x)
-        assert torch.equal(fast.valid, exact.valid.cpu())
-        assert torch.equal(fast.tokens, exact.tokens.cpu()), (fast.tokens != exact.tokens.cpu()).nonzero()
 
 
 def _pilot_stress_rows(vocab: int, b: int, gen: torch.Generator, dev: torch.device) -> torch.Tensor:

@@ -29,7 +29,7 @@ def expected_routes(t: list[float], k: list[int], p: list[float], m: list[float]
         elif not filtered:
             groups["unfiltered"].append(r)
         if through:
-            bucket = next((b for b in BUCKETS if kr + 1 <= b), 256 if kr == 256 else 0) if kr > 0 and use_buckets else 0
+            bucket = next((b for b in BUCKETS if kr + 1 <= b), 0) if kr > 0 and use_buckets else 0
             if bucket and chunks * bucket <= 16384:
                 groups[bucket].append(r)
                 if routing == module.ROUTES_SETTLED:

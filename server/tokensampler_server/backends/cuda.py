@@ -4,14 +4,14 @@ Rows are routed by their parameters (known on the host, so routing costs no sync
 csrc/routes.cpp, which the native request path (csrc/request_path.cpp) calls too:
   greedy (T == 0)               -> stats_kernel: argmax, with the raw log-sum-exp in the same pass
   T > 0, no filter              -> gumbel_kernel: one read, exact up to an in-kernel re-score
-  0 < k <= 256                  -> topk_kernel<bucket>: one read, min-p and top-p on the candidates
+  0 < k, k + 1 <= 256           -> topk_kernel<bucket>: one read, min-p and top-p on the candidates
   top-p without k (+ min-p)     -> frontier_kernel + nucleus_mass_kernel, then filter_kernel for the rows
                                    the frontier cannot settle (32 rows or more; below, stats + filter)
   min-p alone                   -> stats_kernel, then gumbel_kernel over the tokens min-p keeps (a mask
                                    from the row max)
-  k > 256 without top-p         -> stats_kernel, filter_kernel's cut form once (the kept set's last key, from
+  k > 255 without top-p         -> stats_kernel, filter_kernel's cut form once (the kept set's last key, from
                                    counts alone), then gumbel_kernel with that set as a mask, a sample
-  k > 256 with top-p, processed log-probs
+  k > 255 with top-p, processed log-probs
                                 -> stats_kernel then filter_kernel: exact binned cut, any k, p and min-p
 A token bitmask (structured output) is read by every kernel above as it loads the logits, a disallowed token
 read as -inf: a batch whose only processing is a bitmask reads its logits once, as without one. Other processing
@@ -60,19 +60,19 @@ ROUTES = [
     Route("greedy (T = 0)", ("stats_kernel",), "one read: 0.61-0.70x torch argmax (7-49 us)"),
     Route("T > 0, no filter", ("gumbel_kernel",),
           "one read (every sample in one launch): 0.83-1.21x torch argmax (11-84 us)"),
-    Route("0 < k <= 256, with or without top-p / min-p", ("topk_kernel",),
+    Route("0 < k, k + 1 <= 256, with or without top-p / min-p", ("topk_kernel",),
           "one read: 1.15-1.38x torch argmax (16-91 us)"),
     Route("top-p without k (and min-p), 32 rows or more",
           ("frontier_kernel", "nucleus_mass_kernel", "filter_kernel"), "two reads: 37-151 us at B = 32-256"),
     Route("top-p without k (and min-p), fewer than 32 rows, fewer than 8 samples a row",
           ("stats_kernel", "filter_kernel"), "two reads a sample, and the cut bin re-read: 29-38 us at B = 1-8"),
     Route("min-p alone", ("stats_kernel", "gumbel_kernel"), "two reads (every sample in one launch): 14-137 us"),
-    Route("k > 256 (any k up to V, per row) without top-p, with or without min-p; with top-p from 2 samples a row; "
+    Route("k > 255 (any k up to V, per row) without top-p, with or without min-p; with top-p from 2 samples a row; "
           "top-p without k below 32 rows from 8 samples", ("stats_kernel", "filter_kernel", "gumbel_kernel"),
           "three reads, and each row's cut bin re-read by one block, once for every sample; then one read a sample, "
           "every sample in one launch: 1.6-4.2x the top-k 50 call, 90-590 us a call at B = 1-256; 64 samples: "
           "0.1-0.4 ms at B = 1-8, 3.9-6.1 ms at B = 256"),
-    Route("k > 256 with top-p (and min-p), one sample; processed log-probs", ("stats_kernel", "filter_kernel"),
+    Route("k > 255 with top-p (and min-p), one sample; processed log-probs", ("stats_kernel", "filter_kernel"),
           "two reads a sample, and each row's cut bins re-read by one block (radix passes when a bin holds more "
           "than 4096 tokens): 2.1-4.7x the top-k 50 call, 105-670 us a call at B = 1-256"),
     Route("rows with a token bitmask (structured output)",
