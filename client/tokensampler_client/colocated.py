@@ -36,7 +36,7 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._torch import require_torch
 from tokensampler_client.errors import error_from_rpc
 from tokensampler_client.handoff import FLAGS_BYTES, MAX_STEP, READY_OFFSET, RELEASE_OFFSET, StreamMemOps
-from tokensampler_client.params import LOGPROBS_MODES, PREPARED_KEYWORDS, fill_sampling_params
+from tokensampler_client.params import PREPARED_KEYWORDS, fill_sampling_params, logprobs_mode_value
 from tokensampler_client.regions import CudaRegion, SharedMemoryRegion
 
 log = logging.getLogger("tokensampler.colocated")
@@ -53,8 +53,7 @@ class ColocatedLoop:
         for name in params:
             if name not in PREPARED_KEYWORDS:
                 raise ValueError(f"{name}: not taken by a colocated loop; expected only {', '.join(PREPARED_KEYWORDS)}")
-        if logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode: got {logprobs_mode!r}, expected 'raw' or 'processed'")
+        logprobs_mode_value(logprobs_mode)  # refused here, before any region is registered
         if not (isinstance(source, torch.Tensor) and source.is_cuda and source.dim() == 2 and source.is_contiguous()):
             raise ValueError("source: expected a contiguous [B, V] logits (or [B, D] hidden-state) CUDA tensor")
         self._torch = torch
@@ -98,7 +97,7 @@ class ColocatedLoop:
               params: dict[str, Any]) -> None:
         client, tag = self._client, f"colocated-{secrets.token_hex(6)}"
         source = self._register(client.register_cuda_region(f"{tag}-input", self._source))
-        opened = pb.ColocateOpen(num_samples=num_samples, logprobs_mode=LOGPROBS_MODES[logprobs_mode],
+        opened = pb.ColocateOpen(num_samples=num_samples, logprobs_mode=logprobs_mode_value(logprobs_mode),
                                  wait_timeout_ms=int(wait_timeout_s * 1000))
         if head is None:
             opened.logits.CopyFrom(source.view_of(self._source).ref())

@@ -311,7 +311,8 @@ def encode_logits(logits: Any, out: pb.Tensor, name: str = "logits") -> int:
     return int(rows.shape[0])
 
 
-def _logprobs_mode(mode: str | int) -> int:
+def logprobs_mode_value(mode: str | int) -> int:
+    """The LogprobsMode of "raw" / "processed" (any case) or of its enum value; ValueError naming the field else."""
     if isinstance(mode, str):
         try:
             return LOGPROBS_MODES[mode.lower()]
@@ -379,7 +380,7 @@ def build_sample_request(logits: Any = None, *, hidden: Any = None, weights: str
         _set_scalar(request, "num_samples", num_samples)
     _set_scalar(request, "return_logprobs", options.get("return_logprobs", False))
     _set_scalar(request, "top_logprobs", options.get("top_logprobs", 0))
-    request.logprobs_mode = _logprobs_mode(options.get("logprobs_mode", "raw"))
+    request.logprobs_mode = logprobs_mode_value(options.get("logprobs_mode", "raw"))
     return request
 
 

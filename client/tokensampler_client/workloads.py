@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ._proto import sampler_pb2 as pb
-from .params import LOGITS_DTYPES, Column, _column, _extend, _logprobs_mode, fill_sampling_params
+from .params import LOGITS_DTYPES, Column, _column, _extend, fill_sampling_params, logprobs_mode_value
 from .result import ReadableRepr, Timings
 from .tensors import Array, as_array, cast, decode_owned, decode_tensor, encode_tensor, wire_dtype
 
@@ -196,7 +196,7 @@ def fill_score_options(
     return_entropy: bool = False,
 ) -> None:
     """Everything of a ScoreTokensRequest but its input, for B = `rows`: build_score_request's keywords."""
-    request.mode, request.top_logprobs, request.return_entropy = _logprobs_mode(mode), top_logprobs, return_entropy
+    request.mode, request.top_logprobs, request.return_entropy = logprobs_mode_value(mode), top_logprobs, return_entropy
     ids = as_array(token_ids)
     if ids.ndim != 2:
         raise ValueError(f"token_ids: expected shape [B, T], got {list(ids.shape)}")

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <string>
 
 #include "host_device.h"
 #include "sampling.h"
@@ -221,15 +222,17 @@ int ts_topk(const TsLogits* l, const TsRows* r, int32_t bucket, const TsOutputs*
   return 0;
 }
 namespace {
-// What ts_filter and ts_cut read beside the rows.
-void need_filter_inputs(const TsLogits* l, const TsRows* r, const float* row_max, const float* row_min,
-                        const int64_t* row_argmax, const uint8_t* stats_flags, int32_t splits, const TsWorkspace* ws) {
+// What ts_filter and ts_cut (`launcher`, named in the failure) read beside the rows.
+void need_filter_inputs(const char* launcher, const TsLogits* l, const TsRows* r, const float* row_max,
+                        const float* row_min, const int64_t* row_argmax, const uint8_t* stats_flags, int32_t splits,
+                        const TsWorkspace* ws) {
   const uint64_t rows = static_cast<uint64_t>(l->num_rows);
-  fuzz::need(row_max, rows, 4, "ts_filter row_max");
-  fuzz::need(row_min, rows, 4, "ts_filter row_min");
-  fuzz::need(row_argmax, rows, 8, "ts_filter row_argmax");
-  fuzz::need(stats_flags, rows, 1, "ts_filter stats_flags");
-  if (splits < 1 || splits > 64) fuzz::fail("ts_filter splits outside [1, 64]");
+  auto named = [launcher](const char* what) { return std::string(launcher) + " " + what; };
+  fuzz::need(row_max, rows, 4, named("row_max").c_str());
+  fuzz::need(row_min, rows, 4, named("row_min").c_str());
+  fuzz::need(row_argmax, rows, 8, named("row_argmax").c_str());
+  fuzz::need(stats_flags, rows, 1, named("stats_flags").c_str());
+  if (splits < 1 || splits > 64) fuzz::fail(named("splits outside [1, 64]").c_str());
   if (splits > 1) fuzz::need(ws->hist, ts_hist_bytes(r->num_work_rows), 1, "TsWorkspace.hist");
 }
 }  // namespace
@@ -237,13 +240,13 @@ void need_filter_inputs(const TsLogits* l, const TsRows* r, const float* row_max
 int ts_filter(const TsLogits* l, const TsRows* r, const float* row_max, const float* row_min,
               const int64_t* row_argmax, const uint8_t* stats_flags, int32_t, int32_t splits, const TsOutputs* out,
               const TsWorkspace* ws, void*) {
-  need_filter_inputs(l, r, row_max, row_min, row_argmax, stats_flags, splits, ws);
+  need_filter_inputs("ts_filter", l, r, row_max, row_min, row_argmax, stats_flags, splits, ws);
   fuzz::run(l, r, out, ws, 0);
   return 0;
 }
 int ts_cut(const TsLogits* l, const TsRows* r, const float* row_max, const float* row_min, const int64_t* row_argmax,
            const uint8_t* stats_flags, int32_t splits, int64_t* kept_keys, const TsWorkspace* ws, void*) {
-  need_filter_inputs(l, r, row_max, row_min, row_argmax, stats_flags, splits, ws);
+  need_filter_inputs("ts_cut", l, r, row_max, row_min, row_argmax, stats_flags, splits, ws);
   TsOutputs out{};
   out.kept_min_key = kept_keys;
   fuzz::need(kept_keys, static_cast<uint64_t>(l->num_rows), 8, "ts_cut kept_keys");

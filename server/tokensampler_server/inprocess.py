@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 from tokensampler_client._proto import sampler_pb2 as pb
-from tokensampler_client.params import LOGPROBS_MODES, PREPARED_KEYWORDS, fill_sampling_params
+from tokensampler_client.params import PREPARED_KEYWORDS, fill_sampling_params, logprobs_mode_value
 from tokensampler_client.result import SampleResult, Timings
 from tokensampler_client.workloads import ScoreTokensResult, TopKProbsResult, fill_score_options, fill_topk_options
 
@@ -235,10 +235,8 @@ class LocalSampler:
     def _request(x: torch.Tensor, num_samples: int, return_logprobs: bool, logprobs_mode: str, top_logprobs: int,
                  params: dict[str, Any]) -> pb.SampleRequest:
         _input(x, (2,), "a [B, V] logits or [B, D] hidden-state tensor")
-        if logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode: got {logprobs_mode!r}, expected 'raw' or 'processed'")
         request = pb.SampleRequest(num_samples=num_samples, return_logprobs=return_logprobs,
-                                   logprobs_mode=LOGPROBS_MODES[logprobs_mode], top_logprobs=top_logprobs)
+                                   logprobs_mode=logprobs_mode_value(logprobs_mode), top_logprobs=top_logprobs)
         _filled(fill_sampling_params, request.params, x.shape[0], **params)
         return request
 
