@@ -283,19 +283,24 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
-    """{rank: what the rank recorded}, from one run of RANKS processes."""
-    folder = tmp_path_factory.mktemp("ranks")
-    context = mp.start_processes(_worker, args=(_free_port(), str(folder)), nprocs=RANKS, join=False,
+def spawn_ranks(worker: Callable[[int, int, str], None], ranks: int, folder: Path, deadline_s: float) -> dict[int, dict]:
+    """{rank: what the rank saved}: runs worker(rank, port, folder) in `ranks` spawned processes, each of which saves
+    its record to folder/rank<r>.pt; kills them and fails the test past deadline_s."""
+    context = mp.start_processes(worker, args=(_free_port(), str(folder)), nprocs=ranks, join=False,
                                  start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
+    deadline = time.monotonic() + deadline_s
     while not context.join(timeout=1.0):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            pytest.fail(f"the ranks did not finish within {DEADLINE_S} s")
-    return {rank: torch.load(folder / f"rank{rank}.pt", weights_only=False) for rank in range(RANKS)}
+            pytest.fail(f"the ranks did not finish within {deadline_s} s")
+    return {rank: torch.load(folder / f"rank{rank}.pt", weights_only=False) for rank in range(ranks)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    """{rank: what the rank recorded}, from one run of RANKS processes."""
+    return spawn_ranks(_worker, RANKS, tmp_path_factory.mktemp("ranks"), DEADLINE_S)
 
 
 def assert_same(got: dict[str, torch.Tensor | None], want: SamplingResult) -> None:

@@ -11,7 +11,6 @@ relies on it); a rank whose own step raises is named to the other at once, and t
 from __future__ import annotations
 
 import datetime
-import socket
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -19,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from tokensampler_server.backends.cpu import CpuBackend
 from tokensampler_server.backends.vocab_parallel import Shard, ShardExchangeError, sample_sharded, shard_head
 from tokensampler_server.model.sampling import HiddenInput
@@ -34,6 +32,7 @@ from ..test_vocab_parallel import (
     hidden_batch,
     result_dict,
     shard_of,
+    spawn_ranks,
 )
 
 pytestmark = [
@@ -82,25 +81,10 @@ def _worker(rank: int, port: int, out: str) -> None:
     torch.save(record, Path(out) / f"rank{rank}.pt")
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
     """{rank: what the rank recorded}, from one run of two processes on GPUs 0 and 1."""
-    folder = tmp_path_factory.mktemp("nccl_ranks")
-    context = mp.start_processes(_worker, args=(_free_port(), str(folder)), nprocs=RANKS, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the ranks did not finish within {DEADLINE_S} s")
-    return {rank: torch.load(folder / f"rank{rank}.pt", weights_only=False) for rank in range(RANKS)}
+    return spawn_ranks(_worker, RANKS, tmp_path_factory.mktemp("nccl_ranks"), DEADLINE_S)
 
 
 @pytest.mark.parametrize("case", CASES)
