@@ -24,7 +24,7 @@ extern "C" {
  * 2x faster on spiky rows from B = 32 (docs/design/kernel-routing.md). */
 #define TS_FRONTIER_MIN_ROWS 32
 /* Calls of several samples a row take the cut route (TS_EXACT_CUT) for rows with top-p too, where the filter would
- * run a pass a sample: from 2 samples when a row has a k (1.6-1.8x faster at 2 samples), from 8 for top-p without k
+ * run a pass a sample: from 2 samples when a row has a k (1.35-1.8x faster at 2 samples), from 8 for top-p without k
  * below TS_FRONTIER_MIN_ROWS rows, whose filter pass is cheaper (the two cross at 4-6 samples; H200 measurements in
  * docs/design/kernel-routing.md). */
 #define TS_CUT_MIN_SAMPLES_WITH_K 2
