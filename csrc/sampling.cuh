@@ -680,7 +680,7 @@ __device__ __forceinline__ void gumbel_screened_by_bound(const float (&v)[kGroup
 enum RowMaskKind : int {
   kNoRowMask = 0,
   kMinPRowMask = 1,  // min-p alone, after stats_kernel (stats_row_max: its row max): MinPMask
-  kCutRowMask = 2    // the kept set of filter_kernel<T, kMask, true> (cut_keys), after it or a sample before: CutMask
+  kCutRowMask = 2    // the kept set of filter_kernel<T, kMask, true> (cut_keys), after it: CutMask
 };
 
 template <typename T, bool kMask, bool LSE, int kRowMask>

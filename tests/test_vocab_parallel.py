@@ -283,7 +283,8 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def spawn_ranks(worker: Callable[[int, int, str], None], ranks: int, folder: Path, deadline_s: float) -> dict[int, dict]:
+def spawn_ranks(worker: Callable[[int, int, str], None], ranks: int, folder: Path,
+                deadline_s: float) -> dict[int, dict]:
     """{rank: what the rank saved}: runs worker(rank, port, folder) in `ranks` spawned processes, each of which saves
     its record to folder/rank<r>.pt; kills them and fails the test past deadline_s."""
     context = mp.start_processes(worker, args=(_free_port(), str(folder)), nprocs=ranks, join=False,

@@ -10,7 +10,8 @@ Step n, in stream order:
 The engine's memory is read and written only while READY holds n and the loop's stop word (pinned host memory of
 the server's) is 0. To end a loop the server's CPU sets the stop word, then writes ABORT into READY (through the
 flags' file, and by a stream of its own), which ends the wait of step 2: no kernel of the loop touches the
-engine's memory after that, however late the GPU runs it. An engine that has exited leaves memory whose access would fault the server's GPU context.
+engine's memory after that, however late the GPU runs it. An engine that has exited leaves memory whose access would
+fault the server's GPU context.
 """
 
 from __future__ import annotations
