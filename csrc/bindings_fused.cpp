@@ -29,6 +29,14 @@ TsFusedPlan plan_of(const PlanTuple& t) {
                      static_cast<size_t>(std::get<4>(t)), static_cast<size_t>(std::get<5>(t))};
 }
 
+TsRows rows_of(int64_t num_rows, const std::vector<int64_t>& params) {
+  if (params.size() != 10) throw std::invalid_argument("tokensampler: 7 parameter arrays and a bitmask expected");
+  return TsRows{nullptr, static_cast<int32_t>(num_rows), ptr<const float>(params[0]), ptr<const int32_t>(params[1]),
+                ptr<const float>(params[2]), ptr<const float>(params[3]), ptr<const int64_t>(params[4]),
+                ptr<const int64_t>(params[5]), ptr<const int64_t>(params[6]),
+                TsBitmask{ptr<const int32_t>(params[7]), ptr<const int32_t>(params[8]), params[9]}};
+}
+
 }  // namespace
 
 void register_fused(pybind11::module_& m) {
@@ -45,19 +53,40 @@ void register_fused(pybind11::module_& m) {
                            double soft_cap, int64_t states, int64_t num_rows, std::vector<int64_t> params,
                            PlanTuple plan, int64_t tokens, int64_t num_samples, int64_t logprobs, int64_t flags,
                            int64_t scratch, int64_t stream) {
-    if (params.size() != 10) throw std::invalid_argument("tokensampler: 7 parameter arrays and a bitmask expected");
     const TsLmHead head{ptr<const void>(weight), vocab, dim, static_cast<int32_t>(dtype), ptr<const float>(bias),
-                        static_cast<float>(logit_scale), static_cast<float>(soft_cap)};
-    const TsRows rows{nullptr, static_cast<int32_t>(num_rows), ptr<const float>(params[0]),
-                      ptr<const int32_t>(params[1]), ptr<const float>(params[2]), ptr<const float>(params[3]),
-                      ptr<const int64_t>(params[4]), ptr<const int64_t>(params[5]),
-                      ptr<const int64_t>(params[6]),
-                      TsBitmask{ptr<const int32_t>(params[7]), ptr<const int32_t>(params[8]), params[9]}};
+                        static_cast<float>(logit_scale), static_cast<float>(soft_cap), 0};
+    const TsRows rows = rows_of(num_rows, params);
     const TsFusedOutputs out{ptr<int64_t>(tokens), static_cast<int32_t>(num_samples), ptr<float>(logprobs),
                              ptr<uint8_t>(flags)};
     const TsFusedPlan p = plan_of(plan);
     tokensampler::binding::check(
         ts_fused_sample(&head, ptr<const void>(states), num_rows, &rows, &p, &out, ptr<void>(scratch), ptr<void>(stream)),
         "fused_sample");
+  });
+  // The stages apart, for a shard of a vocabulary-parallel head (fused.h): the head as fused_sample's plus the
+  // token id of its first row; stage 1 writes `scratch`, stage 2 reads num_parts partials a row.
+  m.def("fused_candidates", [](int64_t kernel) { return ts_fused_candidates(static_cast<int32_t>(kernel)); });
+  m.def("fused_partials", [](int64_t weight, int64_t vocab, int64_t dim, int64_t dtype, int64_t bias,
+                             double logit_scale, double soft_cap, int64_t first_token, int64_t states, int64_t num_rows,
+                             std::vector<int64_t> params, PlanTuple plan, bool want_sum1, int64_t scratch,
+                             int64_t stream) {
+    const TsLmHead head{ptr<const void>(weight), vocab, dim, static_cast<int32_t>(dtype), ptr<const float>(bias),
+                        static_cast<float>(logit_scale), static_cast<float>(soft_cap), first_token};
+    const TsRows rows = rows_of(num_rows, params);
+    const TsFusedPlan p = plan_of(plan);
+    tokensampler::binding::check(ts_fused_partials(&head, ptr<const void>(states), num_rows, &rows, &p,
+                                                   want_sum1 ? 1 : 0, ptr<void>(scratch), ptr<void>(stream)),
+                                 "fused_partials");
+  });
+  m.def("fused_finish", [](int64_t num_rows, std::vector<int64_t> params, int64_t num_parts, int64_t partials,
+                           int64_t cands, int64_t cands_per_part, int64_t tokens, int64_t num_samples, int64_t logprobs,
+                           int64_t flags, int64_t stream) {
+    const TsRows rows = rows_of(num_rows, params);
+    const TsFusedOutputs out{ptr<int64_t>(tokens), static_cast<int32_t>(num_samples), ptr<float>(logprobs),
+                             ptr<uint8_t>(flags)};
+    tokensampler::binding::check(
+        ts_fused_finish(num_rows, &rows, static_cast<int32_t>(num_parts), ptr<const void>(partials),
+                        ptr<const void>(cands), static_cast<int32_t>(cands_per_part), &out, ptr<void>(stream)),
+        "fused_finish");
   });
 }

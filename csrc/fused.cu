@@ -83,7 +83,11 @@ cudaError_t encode_rows(CUtensorMap* map, const void* base, int32_t dtype, int64
 template <bool BF16, bool kMask, int N>
 cudaError_t launch_stream(const PartialsArgs& args, const TsFusedPlan& plan, cudaStream_t stream) {
   CUtensorMap w_map, h_map;
-  cudaError_t err = encode_rows(&w_map, args.head.weight, args.head.dtype, args.head.vocab, args.head.dim, kTileRows);
+  // The map covers the weight's own rows (a shard's, from args.first_tile on): the producer's tile coordinates are
+  // relative to it.
+  const int64_t first_row = static_cast<int64_t>(args.first_tile) * kTileRows;
+  const void* weight = static_cast<const uint16_t*>(args.head.weight) + first_row * args.head.dim;
+  cudaError_t err = encode_rows(&w_map, weight, args.head.dtype, args.head.vocab - first_row, args.head.dim, kTileRows);
   if (err == cudaSuccess) err = encode_rows(&h_map, args.states, args.head.dtype, args.num_rows, args.head.dim, N);
   if (err != cudaSuccess) return err;
   auto kernel = fused_stream_kernel<BF16, N, kMask>;
@@ -133,6 +137,21 @@ int cands_per_part(int kernel) {
   return kernel == TS_FUSED_RING ? kCand : kernel == TS_FUSED_STREAM_CANDIDATES ? kStreamCand : 0;
 }
 
+// A shard's head as the rows first_token .. of a head that starts at token 0: the weight's and the bias's
+// addresses moved back by first_token rows (never read there: the CTAs start at tile first_token / kTileRows), so
+// that tile indices, ids, noise and bitmask words are the whole vocabulary's and no kernel knows of shards.
+TsLmHead whole_vocabulary_view(const TsLmHead& head) {
+  TsLmHead view = head;
+  const uintptr_t rows_back = static_cast<uintptr_t>(head.first_token);
+  view.weight = reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(head.weight) -
+                                              rows_back * static_cast<uintptr_t>(head.dim) * sizeof(uint16_t));
+  if (head.bias != nullptr)
+    view.bias = reinterpret_cast<const float*>(reinterpret_cast<uintptr_t>(head.bias) - rows_back * sizeof(float));
+  view.vocab = head.first_token + head.vocab;
+  view.first_token = 0;
+  return view;
+}
+
 }  // namespace
 
 extern "C" TsFusedPlan ts_fused_plan(int64_t num_rows, int64_t dim, int64_t vocab, int32_t num_sms,
@@ -169,45 +188,64 @@ extern "C" TsFusedPlan ts_fused_plan(int64_t num_rows, int64_t dim, int64_t voca
   return plan;
 }
 
-extern "C" int ts_fused_sample(const TsLmHead* head, const void* states, int64_t num_rows, const TsRows* rows,
-                               const TsFusedPlan* plan, const TsFusedOutputs* out, void* scratch, void* stream) {
+
+extern "C" int32_t ts_fused_candidates(int32_t kernel) { return cands_per_part(kernel); }
+
+extern "C" int ts_fused_partials(const TsLmHead* head, const void* states, int64_t num_rows, const TsRows* rows,
+                                 const TsFusedPlan* plan, int32_t want_sum1, void* scratch, void* stream) {
+  static_assert(sizeof(Partial) == TS_FUSED_PARTIAL_BYTES, "fused.h gives the size of a partial result");
   if (plan->rows_per_tile == 0 || rows->rows != nullptr || (head->dtype != 1 && head->dtype != 2) ||
-      (rows->bitmask.words && rows->bitmask.row_words < (head->vocab + 31) / 32))
+      head->first_token < 0 || head->first_token % kTileRows != 0 ||
+      head->first_token + head->vocab > INT32_MAX ||
+      (rows->bitmask.words && rows->bitmask.row_words < (head->first_token + head->vocab + 31) / 32))
     return cudaErrorInvalidValue;
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
   const size_t parts = static_cast<size_t>(num_rows) * plan->vocab_ctas;
   Partial* partials = static_cast<Partial*>(scratch);
-  const int per_part = cands_per_part(plan->kernel);
-  uint64_t* cands = per_part == 0 ? nullptr : reinterpret_cast<uint64_t*>(partials + parts);
-
   PartialsArgs args;
-  args.head = *head;
+  args.head = whole_vocabulary_view(*head);
   args.states = static_cast<const uint16_t*>(states);
   args.num_rows = num_rows;
   args.rows = *rows;
-  args.want_sum1 = out->logprobs != nullptr;
-  args.num_tiles = static_cast<int32_t>((head->vocab + kTileRows - 1) / kTileRows);
+  args.want_sum1 = want_sum1;
+  args.first_tile = static_cast<int32_t>(head->first_token / kTileRows);
+  args.num_tiles = static_cast<int32_t>((args.head.vocab + kTileRows - 1) / kTileRows);
   args.vocab_ctas = plan->vocab_ctas;
   args.batch_tiles = plan->batch_tiles;
   args.partials = partials;
-  args.cands = cands;
-  cudaError_t err = head->dtype == 2 ? launch_partials_masked<true>(args, *plan, s)
-                                     : launch_partials_masked<false>(args, *plan, s);
-  if (err != cudaSuccess) return err;
+  args.cands = cands_per_part(plan->kernel) == 0 ? nullptr : reinterpret_cast<uint64_t*>(partials + parts);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return head->dtype == 2 ? launch_partials_masked<true>(args, *plan, s) : launch_partials_masked<false>(args, *plan, s);
+}
 
+extern "C" int ts_fused_finish(int64_t num_rows, const TsRows* rows, int32_t num_parts, const void* partials,
+                               const void* cands, int32_t cands_per_part, const TsFusedOutputs* out, void* stream) {
+  if (num_parts <= 0 || rows->rows != nullptr || (cands_per_part != 0 && cands_per_part != kCand &&
+                                                  cands_per_part != kStreamCand))
+    return cudaErrorInvalidValue;
   FinishArgs finish;
   finish.num_rows = num_rows;
   finish.rows = *rows;
-  finish.vocab_ctas = plan->vocab_ctas;
-  finish.partials = partials;
-  finish.cands = cands;
-  finish.cands_per_part = per_part;
+  finish.vocab_ctas = num_parts;
+  finish.partials = static_cast<const Partial*>(partials);
+  finish.cands = cands_per_part == 0 ? nullptr : static_cast<const uint64_t*>(cands);
+  finish.cands_per_part = cands_per_part;
   finish.out = *out;
   const size_t staged_bytes =
-      stages_candidates(per_part) ? static_cast<size_t>(plan->vocab_ctas) * per_part * sizeof(uint64_t) : 0;
-  err = cudaFuncSetAttribute(fused_finish_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(staged_bytes));
+      stages_candidates(cands_per_part) ? static_cast<size_t>(num_parts) * cands_per_part * sizeof(uint64_t) : 0;
+  cudaError_t err = cudaFuncSetAttribute(fused_finish_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(staged_bytes));
   if (err != cudaSuccess) return err;
   return launch_after_previous(&fused_finish_kernel, dim3(static_cast<unsigned>(num_rows)), dim3(kFinishThreads),
-                               staged_bytes, s, finish);
+                               staged_bytes, static_cast<cudaStream_t>(stream), finish);
+}
+
+extern "C" int ts_fused_sample(const TsLmHead* head, const void* states, int64_t num_rows, const TsRows* rows,
+                               const TsFusedPlan* plan, const TsFusedOutputs* out, void* scratch, void* stream) {
+  const int err = ts_fused_partials(head, states, num_rows, rows, plan, out->logprobs != nullptr, scratch, stream);
+  if (err != cudaSuccess) return err;
+  const Partial* partials = static_cast<const Partial*>(scratch);
+  const int per_part = cands_per_part(plan->kernel);
+  const uint64_t* cands =
+      per_part == 0 ? nullptr : reinterpret_cast<const uint64_t*>(partials + static_cast<size_t>(num_rows) * plan->vocab_ctas);
+  return ts_fused_finish(num_rows, rows, plan->vocab_ctas, partials, cands, per_part, out, stream);
 }

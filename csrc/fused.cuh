@@ -68,6 +68,7 @@ struct PartialsArgs {
   int64_t num_rows;
   TsRows rows;
   int32_t want_sum1;
+  int32_t first_tile;   // the CTAs walk tiles first_tile .. num_tiles - 1 (ids global: fused.cu's shard_view)
   int32_t num_tiles;
   int32_t vocab_ctas;   // fixed by V and the GPU, never by B: each row's arithmetic is batch invariant
   int32_t batch_tiles;
@@ -337,7 +338,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_partials_kernel(const Parti
   };
 
   uint4 ring_lo[PF], ring_hi[PF];  // rows g and g + 8 of the next PF chunks
-  int tile = cta;
+  int tile = a.first_tile + cta;
   if (tile < a.num_tiles) {
     const uint16_t *lo = row_ptr(tile, g), *hi = row_ptr(tile, g + 8);
 #pragma unroll

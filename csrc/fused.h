@@ -32,6 +32,9 @@ typedef struct {
   const float* bias;    /* [>= vocab] or NULL */
   float logit_scale;
   float soft_cap;       /* 0: none */
+  int64_t first_token;  /* the token id of weight row 0, a multiple of 128 (a vocabulary-parallel shard: rows
+                           first_token .. first_token + vocab - 1 of a larger head, bias indexed like the weight);
+                           ids, noise and the token bitmask are the whole vocabulary's. 0: the whole head */
 } TsLmHead;
 
 typedef struct {
@@ -64,9 +67,24 @@ TsFusedPlan ts_fused_plan(int64_t num_rows, int64_t dim, int64_t vocab, int32_t 
                           int32_t filtered);
 
 /* Samples num_rows hidden states [num_rows, dim] (the weight's dtype, 16-byte aligned rows) with the
- * per-row parameters `rows` (its `rows` work list must be NULL). */
+ * per-row parameters `rows` (its `rows` work list must be NULL): ts_fused_partials, then ts_fused_finish. */
 int ts_fused_sample(const TsLmHead* head, const void* states, int64_t num_rows, const TsRows* rows,
                     const TsFusedPlan* plan, const TsFusedOutputs* out, void* scratch, void* stream);
+
+/* The two stages apart, for a head split by vocabulary rows (docs/design/vocab-parallel.md): each shard's
+ * stage 1 writes its partial results, the shards' are concatenated per row, and one stage 2 finishes them.
+ *
+ * Stage 1 writes `scratch` (plan->scratch_bytes): partials [num_rows, plan->vocab_ctas] of
+ * TS_FUSED_PARTIAL_BYTES each, then candidates [num_rows, plan->vocab_ctas, ts_fused_candidates(plan->kernel)]
+ * uint64 keys. want_sum1: raw log-probs will be asked of stage 2. */
+enum { TS_FUSED_PARTIAL_BYTES = 32 };
+int32_t ts_fused_candidates(int32_t kernel);
+int ts_fused_partials(const TsLmHead* head, const void* states, int64_t num_rows, const TsRows* rows,
+                      const TsFusedPlan* plan, int32_t want_sum1, void* scratch, void* stream);
+/* Stage 2 over num_parts partial results a row, laid out as one stage 1's with num_parts CTAs: partials
+ * [num_rows, num_parts], candidates [num_rows, num_parts, cands_per_part] (NULL when 0). */
+int ts_fused_finish(int64_t num_rows, const TsRows* rows, int32_t num_parts, const void* partials, const void* cands,
+                    int32_t cands_per_part, const TsFusedOutputs* out, void* stream);
 
 #ifdef __cplusplus
 }

@@ -446,7 +446,7 @@ __device__ __forceinline__ void lane_row_epilogue(const PartialsArgs& a, const f
   RowTotals totals;
   bool nan = false;
   int round = 0;
-  for (int tile = cta; tile < a.num_tiles; tile += a.vocab_ctas, ++round) {
+  for (int tile = a.first_tile + cta; tile < a.num_tiles; tile += a.vocab_ctas, ++round) {
     const int buf = round % L::kTileBuffers;
     mbarrier_wait(tile_full + 8 * buf, (round / L::kTileBuffers) & 1);
     if (active) {
@@ -520,13 +520,13 @@ __global__ void __launch_bounds__(StreamLayout<N>::kThreads, 1)
   if (warp == kStreamMmaWarps + L::kEpilogueWarps) {  // the producer
     if (lane == 0) {
       int step = 0;
-      for (int tile = cta; tile < a.num_tiles; tile += a.vocab_ctas) {
+      for (int tile = a.first_tile + cta; tile < a.num_tiles; tile += a.vocab_ctas) {
         for (int k = 0; k < k_stages; ++k, ++step) {
           const int s = step % L::kStages;
           mbarrier_wait(empty + 8 * s, ((step / L::kStages) & 1) ^ 1);
           const uint32_t stage = ring + s * L::kStageBytes;
           mbarrier_expect_bytes(full + 8 * s, L::kStageBytes);
-          bulk_tensor_load(stage, &w_map, k * kStageK, tile * kTileRows, full + 8 * s);
+          bulk_tensor_load(stage, &w_map, k * kStageK, (tile - a.first_tile) * kTileRows, full + 8 * s);
           bulk_tensor_load(stage + kStageW, &h_map, k * kStageK, b0, full + 8 * s);
         }
       }
@@ -537,7 +537,7 @@ __global__ void __launch_bounds__(StreamLayout<N>::kThreads, 1)
   if (warp < kStreamMmaWarps) {  // multiply warp: W rows 16 warp .. + 15 of each tile
     const int g = lane >> 2, t = lane & 3;
     int step = 0, round = 0;
-    for (int tile = cta; tile < a.num_tiles; tile += a.vocab_ctas, ++round) {
+    for (int tile = a.first_tile + cta; tile < a.num_tiles; tile += a.vocab_ctas, ++round) {
       float acc[N / 2] = {};
       // Each stage goes back to the producer as soon as its multiply is done, before the next one is awaited. Held
       // until the next stage had landed and been issued (one multiply in flight), a stage stayed out of the stream
@@ -591,7 +591,7 @@ __global__ void __launch_bounds__(StreamLayout<N>::kThreads, 1)
   RowTotals totals;
   uint32_t nan_rows = 0;  // bit r: a NaN / +inf logit of row r seen by this lane
   int round = 0;
-  for (int tile = cta; tile < a.num_tiles; tile += a.vocab_ctas, ++round) {
+  for (int tile = a.first_tile + cta; tile < a.num_tiles; tile += a.vocab_ctas, ++round) {
     const int buf = round % L::kTileBuffers;
     mbarrier_wait(tile_full + 8 * buf, (round / L::kTileBuffers) & 1);
     const float* tile_x = tiles + buf * N * kTileStride;

@@ -38,7 +38,7 @@ def fused_is_faster(num_rows: int, filtered: bool) -> bool:
 
 
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2}
-_FLAG_LOGITS_PATH = 4  # csrc/fused.h TsFusedOutputs.flags: the row needs the logits path
+FLAG_LOGITS_PATH = 4  # csrc/fused.h TsFusedOutputs.flags: the row needs the logits path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +103,41 @@ def fused_sample(weight: torch.Tensor, states: torch.Tensor, params: RowParams, 
     return tokens, out_logprobs, flags
 
 
+def fused_partials(weight: torch.Tensor, states: torch.Tensor, params: RowParams, the_plan: FusedPlan,
+                   scratch: torch.Tensor, *, first_token: int, bias: torch.Tensor | None, logit_scale: float,
+                   soft_cap: float | None, want_sum1: bool) -> None:
+    """Stage 1 alone on a shard of a head (csrc/fused.h): W [rows, D] holds the tokens first_token.. (a multiple of
+    128) of a larger vocabulary; its partial results go to `scratch` (the_plan.scratch_bytes, uint8), on the current
+    stream of W's device. Shapes, dtypes and alignment as fused_sample's."""
+    device = weight.device
+    load_kernels(device.index).fused_partials(
+        weight.data_ptr(), weight.shape[0], weight.shape[1], _DTYPES[weight.dtype],
+        0 if bias is None else bias.data_ptr(), float(logit_scale), float(soft_cap or 0.0), first_token,
+        states.data_ptr(), states.shape[0], params.pointers(), the_plan.as_tuple(), want_sum1,
+        scratch.data_ptr(), stream_address(device))
+
+
+def candidates_per_part(the_plan: FusedPlan, device_index: int) -> int:
+    """The candidate keys stage 1 keeps per (row, CTA) under this plan (0: none)."""
+    return load_kernels(device_index).fused_candidates(the_plan.kernel)
+
+
+def fused_finish(params: RowParams, partials: torch.Tensor, cands: torch.Tensor | None, cands_per_part: int,
+                 num_samples: int, logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Stage 2 over partials [B, P, 32] uint8 (P partial results a row, the shards' side by side) and candidates
+    [B, P, cands_per_part * 8] uint8, on the current stream of their device. Returns what fused_sample returns."""
+    num_rows, num_parts = partials.shape[0], partials.shape[1]
+    device = partials.device
+    tokens = torch.empty((num_rows, num_samples), dtype=torch.int64, device=device)
+    out_logprobs = torch.empty((num_rows, num_samples), dtype=torch.float32, device=device) if logprobs else None
+    flags = torch.empty(num_rows, dtype=torch.uint8, device=device)
+    load_kernels(device.index).fused_finish(
+        num_rows, params.pointers(), num_parts, partials.data_ptr(), 0 if cands is None else cands.data_ptr(),
+        cands_per_part, tokens.data_ptr(), num_samples, 0 if out_logprobs is None else out_logprobs.data_ptr(),
+        flags.data_ptr(), stream_address(device))
+    return tokens, out_logprobs, flags
+
+
 def unsupported_reason(batch: SamplingBatch) -> str | None:
     """Why the fused kernel cannot sample this hidden-state batch (a metric label), or None if it can."""
     hidden = batch.hidden
@@ -111,9 +146,20 @@ def unsupported_reason(batch: SamplingBatch) -> str | None:
         return "fused_dtype"
     if weight.data_ptr() % 16:  # a weight at an odd offset of a region: the copy engine reads 16-byte units
         return "fused_alignment"
-    filtered = _has_filters(batch)
+    filtered = has_filters(batch)
     if not fused_is_faster(batch.num_rows, filtered):
         return "fused_slower"
+    reason = request_unsupported_reason(batch)
+    if reason is not None:
+        return reason
+    vocab = hidden.lm_head.finish.vocab_size
+    if plan(batch.num_rows, weight.shape[1], vocab, weight.device.index, filtered) is None:
+        return "fused_hidden_size"
+    return None
+
+
+def request_unsupported_reason(batch: SamplingBatch) -> str | None:
+    """What of the request itself (not its head or batch size) the fused kernel does not take, or None."""
     processing = batch.processing
     if processing is not None and processing.without_bitmask() is not None:
         return "fused_processing"  # the kernel applies a token bitmask, no other processing
@@ -127,19 +173,16 @@ def unsupported_reason(batch: SamplingBatch) -> str | None:
     unfiltered = sampled & (batch.top_k == 0) & (batch.top_p >= 1) & (batch.min_p <= 0)
     if batch.num_samples > 1 and bool(unfiltered.any()):
         return "fused_num_samples"
-    vocab = hidden.lm_head.finish.vocab_size
-    if plan(batch.num_rows, weight.shape[1], vocab, weight.device.index, filtered) is None:
-        return "fused_hidden_size"
     return None
 
 
-def _has_filters(batch: SamplingBatch) -> bool:
+def has_filters(batch: SamplingBatch) -> bool:
     """Whether a sampled row has top-k, top-p or min-p (the batch's columns are CPU tensors: no sync)."""
     sampled = batch.temperature > 0
     return bool((sampled & ((batch.top_k > 0) | (batch.top_p < 1) | (batch.min_p > 0))).any())
 
 
-def _row_params(batch: SamplingBatch, device: torch.device) -> RowParams:
+def row_params(batch: SamplingBatch, device: torch.device) -> RowParams:
     """The batch's columns and token bitmask (the rows without one, from token_bitmask_rows, read none) on device."""
     columns = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seed, batch.position, batch.iteration)
     processing = batch.processing
@@ -163,12 +206,12 @@ def sample_hidden(batch: SamplingBatch) -> tuple[SamplingResult, torch.Tensor]:
     states = batch.hidden.states.to(weight.device, non_blocking=True).contiguous()
     finish = lm_head.finish
     tokens, logprobs, flags = fused_sample(
-        weight, states, _row_params(batch, weight.device), vocab=finish.vocab_size, bias=finish.bias,
+        weight, states, row_params(batch, weight.device), vocab=finish.vocab_size, bias=finish.bias,
         logit_scale=finish.logit_scale, soft_cap=finish.soft_cap, num_samples=batch.num_samples,
-        logprobs=batch.return_logprobs, filtered=_has_filters(batch))
+        logprobs=batch.return_logprobs, filtered=has_filters(batch))
     tokens, flags = tokens.cpu(), flags.cpu()
     logprobs = logprobs.cpu() if logprobs is not None else None
     valid, nan = row_states(flags)
     result = SamplingResult(tokens=tokens, valid=valid, nan_detected=nan, logprobs=logprobs)
-    return result, ((flags & _FLAG_LOGITS_PATH) != 0).nonzero().squeeze(1)
+    return result, ((flags & FLAG_LOGITS_PATH) != 0).nonzero().squeeze(1)
 
