@@ -40,7 +40,8 @@ from dataclasses import replace
 import torch
 
 from tokensampler_server.core.fallbacks import record_fallback
-from tokensampler_server.model.sampling import LogitProcessing, LogprobsMode, SamplingBatch, SamplingResult, select_rows
+from tokensampler_server.model.sampling import (LogitProcessing, LogprobsMode, SamplingBatch, SamplingResult,
+                                                 merge_rows, select_rows)
 from tokensampler_server.backends import cuda_fused
 from tokensampler_server.backends.base import Backend, BackendInfo, PreparedSampling, Route
 from tokensampler_server.backends.cuda_buffers import FLAG_EXACT, FLAG_NAN, CallOutputs, Stage, row_states
@@ -151,7 +152,7 @@ class CudaBackend(Backend):
             again, undecided = self._locked_sample(select_rows(batch, flagged), use_buckets=False)
             if undecided is not None and undecided.numel():
                 raise RuntimeError(f"the exact filter left {undecided.numel()} rows undecided")
-            result = _merge_rows(result, flagged, again)
+            result = merge_rows(result, flagged, again)
         return result
 
     def prepare(self, template: SamplingBatch) -> PreparedSampling:
@@ -174,7 +175,7 @@ class CudaBackend(Backend):
         if not redo.numel():
             return result
         record_fallback("fused_kept_set")
-        return _merge_rows(result, redo, self.sample(select_rows(batch, redo).with_logits()))
+        return merge_rows(result, redo, self.sample(select_rows(batch, redo).with_logits()))
 
     def _after_failure(self) -> None:
         """A call that raised may have left copies in flight from the reused pinned buffers: wait for them,
@@ -362,19 +363,3 @@ class CudaBackend(Backend):
             top_logprob_ids=got.top_ids.cpu() if got.top_ids is not None else None,
             top_logprobs=got.top_values.cpu() if got.top_values is not None else None)
         return result, ((flags & FLAG_EXACT) != 0).nonzero().squeeze(1)
-
-
-def _merge_rows(result: SamplingResult, rows: torch.Tensor, sub: SamplingResult) -> SamplingResult:
-    """`result` with its `rows` replaced by the rows of `sub` (sampled again on another path)."""
-    def put(full: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
-        if full is None or part is None:
-            return full
-        full = full.clone()
-        full[rows] = part
-        return full
-
-    return SamplingResult(tokens=put(result.tokens, sub.tokens), valid=put(result.valid, sub.valid),
-                          nan_detected=put(result.nan_detected, sub.nan_detected),
-                          logprobs=put(result.logprobs, sub.logprobs),
-                          top_logprob_ids=put(result.top_logprob_ids, sub.top_logprob_ids),
-                          top_logprobs=put(result.top_logprobs, sub.top_logprobs))

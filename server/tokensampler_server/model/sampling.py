@@ -224,6 +224,22 @@ def _select(entries: TokenEntries | None, mapping: torch.Tensor) -> tuple[TokenE
     return TokenEntries(new_rows[keep], entries.tokens[keep]), keep
 
 
+def merge_rows(result: SamplingResult, rows: torch.Tensor, sub: SamplingResult) -> SamplingResult:
+    """`result` with its `rows` replaced by the rows of `sub` (sampled again on another path)."""
+    def put(full: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
+        if full is None or part is None:
+            return full
+        full = full.clone()
+        full[rows] = part
+        return full
+
+    return SamplingResult(tokens=put(result.tokens, sub.tokens), valid=put(result.valid, sub.valid),
+                          nan_detected=put(result.nan_detected, sub.nan_detected),
+                          logprobs=put(result.logprobs, sub.logprobs),
+                          top_logprob_ids=put(result.top_logprob_ids, sub.top_logprob_ids),
+                          top_logprobs=put(result.top_logprobs, sub.top_logprobs))
+
+
 def _select_row_ids(row_ids: torch.Tensor | None, mapping: torch.Tensor) -> torch.Tensor | None:
     """The new numbers of those of `row_ids` that `mapping` keeps (None stays None: every row)."""
     if row_ids is None:
