@@ -381,3 +381,24 @@ def test_noise_of_a_slice_is_the_noise_of_its_global_ids() -> None:
     whole = random_words(seed, position, iteration, 1, 103)
     for start, stop in ((0, 3), (1, 2), (6, 103), (33, 70)):
         assert torch.equal(random_words(seed, position, iteration, 1, stop - start, start), whole[:, start:stop])
+
+
+@pytest.mark.parametrize("vocab,shards", [(151936, 2), (262144, 4), (1000, 3), (129, 2), (128, 1), (32000, 7)])
+def test_shard_bounds_tile_the_vocabulary_in_whole_tiles(vocab: int, shards: int) -> None:
+    """The fused path's split (cuda_vocab_parallel.shard_bounds): contiguous, covering [0, V), each shard starting
+    at a multiple of the kernel's 128-row tile, sizes within one tile of each other but for the last's tail."""
+    from tokensampler_server.backends.cuda_vocab_parallel import TILE_ROWS, shard_bounds
+
+    bounds = shard_bounds(vocab, shards)
+    assert len(bounds) == shards and bounds[0][0] == 0 and bounds[-1][1] == vocab
+    assert all(stop == start for (_, stop), (start, _) in zip(bounds, bounds[1:]))
+    assert all(start % TILE_ROWS == 0 and stop > start for start, stop in bounds)
+    tiles = [-(-(stop - start) // TILE_ROWS) for start, stop in bounds]
+    assert max(tiles) - min(tiles) <= 1
+
+
+def test_shard_bounds_refuse_more_shards_than_tiles() -> None:
+    from tokensampler_server.backends.cuda_vocab_parallel import shard_bounds
+
+    with pytest.raises(ValueError, match="devices: 3 shards of a vocabulary of 200 tokens"):
+        shard_bounds(200, 3)
