@@ -1,6 +1,7 @@
 """FUSED workload benchmark (docs/performance.md): hidden states [B, D] bf16 x LM head [V, D] bf16.
 
   python benchmarks/bench_fused.py (--peers PATH/peers.py | --no-peers) [--out benchmarks/results] [--batches 1,8,32,64,128,256]
+  python benchmarks/bench_fused.py --no-peers --devices 0,1 [--batches 1,8,32,64,128]   # vocabulary-parallel mode
 
 Times, in one process on the same W and h: the fused kernel (`tokensampler_fused`: gumbel, and
 top_k_top_p with raw log-probs on), cuBLAS into fp32 logits followed by our logits kernels
@@ -9,10 +10,17 @@ top_k_top_p with raw log-probs on), cuBLAS into fp32 logits followed by our logi
 and top_k_top_p_sampling_from_logits, FlashSampling's Triton kernel when its fs_core module imports.
 Every row carries the HBM roofline (W bytes / measured read bandwidth).
 Writes fused-<gpu>-<date>.json and a PNG.
+
+With --devices, the vocabulary-parallel mode instead (docs/design/vocab-parallel.md): the head split over 1 and
+N GPUs (`VocabParallelHead.launch`: each GPU's first stage on its shard, one NCCL all-gather of the partials, the
+second stage on the first GPU), at V = 151936, D = 4096 and V = 262144, D = 8192, gumbel and top_k_top_p with raw
+log-probs; and the all-gather alone of the same bytes. Timed on the first GPU's stream; writes
+fused-vocab-parallel-x<N>-<gpu>-<date>.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import sys
@@ -71,8 +79,90 @@ def print_targets(rows: list[dict]) -> None:
         print("TARGET fused " + "  ".join(cells), flush=True)
 
 
+VOCAB_PARALLEL_SHAPES = ((151936, 4096), (262144, 8192))
+
+
+def vocab_parallel_fn(sharded, hidden: torch.Tensor, mode: str):
+    """One call of the split head, launches only (the call's lock and host wait are the caller's)."""
+    b = hidden.shape[0]
+    extra = {} if mode == "gumbel" else {"top_k": TOP_K, "top_p": TOP_P}
+    params = [RowParams.make(b, torch.device("cuda", d), seed=7, **extra) for d in sharded.devices]
+    return lambda: sharded.launch(hidden, params, 1, mode != "gumbel", mode != "gumbel")[0]
+
+
+def queued_us(fn, calls: int = 50) -> float:
+    """µs a call with the host ahead of the GPUs: the first GPU sleeps while `calls` calls are enqueued behind it
+    (the other GPUs' work waits on its stream through the hidden states' copy), then runs them back to back. The
+    GPUs' own time a call, without the host's enqueueing (which peers.bench includes when it is the slower)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(60_000_000)  # ~30 ms at the H200's clock: longer than the host takes to enqueue the calls
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
+def all_gather_fn(sharded, nbytes: int):
+    """The exchange alone: an all-gather of nbytes a GPU over the split head's NCCL group."""
+    devices = sharded.devices
+    sends = [torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{d}") for d in devices]
+    receives = [torch.empty((len(devices), nbytes), dtype=torch.uint8, device=f"cuda:{d}") for d in devices]
+    group = sharded._communicators()
+    return lambda: group.all_gather(sends, receives)
+
+
+def vocab_parallel_main(args, batches: list[int], peers, devices: list[int]) -> None:
+    from tokensampler_server.backends.cuda_vocab_parallel import PARTIAL_BYTES, VocabParallelHead  # noqa: PLC0415
+    from tokensampler_server.backends.nccl import nccl_version  # noqa: PLC0415
+    from tokensampler_server.resources.weights import LogitsFinish, RegisteredWeight  # noqa: PLC0415
+
+    meta = {**run_meta(peers), "devices": devices, "nccl": nccl_version(), "dtype": "bfloat16", "top_k": TOP_K,
+            "top_p": TOP_P, "shapes": VOCAB_PARALLEL_SHAPES}
+    print(json.dumps(meta), flush=True)
+    read_bw = meta["read_bw_GBps"] * 1e9
+    rows: list[dict] = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for vocab, dim in VOCAB_PARALLEL_SHAPES:
+        weight = torch.randn(vocab, dim, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        head = RegisteredWeight(name="w", weight=weight, finish=LogitsFinish(vocab_size=vocab), sha256="")
+        for count in sorted({1, len(devices)}):
+            sharded = VocabParallelHead(head, devices[:count])
+            roof = vocab * dim * 2 / count / read_bw * 1e6  # each GPU reads its shard once
+            for b in batches:
+                hidden = torch.randn(b, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+                for mode in ("gumbel", "top_k_top_p"):
+                    call = vocab_parallel_fn(sharded, hidden, mode)
+                    us, gpu_us = peers.bench(call), queued_us(call)
+                    rows.append({"workload": "fused_vocab_parallel", "method": "tokensampler_vocab_parallel",
+                                 "mode": mode, "V": vocab, "D": dim, "N": count, "B": b, "median_us": round(us, 2),
+                                 "queued_us": round(gpu_us, 2), "roofline_us": round(roof, 2)})
+                    print(f"V={vocab} D={dim} N={count} B={b:4d} {mode:12s} {us:9.2f} us, queued {gpu_us:9.2f} us"
+                          f"  roof {roof:7.2f}", flush=True)
+                if count > 1:
+                    plan = cuda_fused.plan(b, dim, min(e - s for s, e in sharded.bounds), devices[0], True)
+                    us = peers.bench(all_gather_fn(sharded, plan.scratch_bytes))
+                    rows.append({"workload": "fused_vocab_parallel", "method": "nccl_all_gather", "mode": None,
+                                 "V": vocab, "D": dim, "N": count, "B": b, "median_us": round(us, 2),
+                                 "bytes_a_gpu": plan.scratch_bytes, "partial_bytes": PARTIAL_BYTES})
+                    print(f"V={vocab} D={dim} N={count} B={b:4d} all-gather of {plan.scratch_bytes} B {us:9.2f} us",
+                          flush=True)
+            sharded.close()
+        del weight, head
+        torch.cuda.empty_cache()
+    write_results(Path(args.out), f"fused-vocab-parallel-x{len(devices)}", meta, rows)
+
+
 def main() -> None:
-    args, batches, peers = kernel_bench_arguments("1,8,32,64,128,256")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--devices", default=None, help="comma-separated CUDA devices: the vocabulary-parallel mode")
+    args, batches, peers = kernel_bench_arguments("1,8,32,64,128,256", ap)
+    if args.devices:
+        vocab_parallel_main(args, batches, peers, [int(d) for d in args.devices.split(",")])
+        return
     kernels = Kernels(torch.cuda.current_device())
     meta = {**run_meta(peers), "V": V, "D": D, "dtype": "bfloat16", "top_k": TOP_K, "top_p": TOP_P,
             "fused_max_rows": cuda_fused.MAX_ROWS,
