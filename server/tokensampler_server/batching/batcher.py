@@ -39,6 +39,7 @@ import grpc
 import torch
 
 from tokensampler_server.backends import Backend
+from tokensampler_server.backends.nccl import NcclError
 from tokensampler_server.batching.batch_merge import merge_batches, merge_key, split_result
 from tokensampler_server.core.errors import ServiceError, queue_full
 from tokensampler_server.resources.leases import Lease
@@ -51,8 +52,9 @@ Done = Callable[[object, BaseException | None], None]
 """Called on the event loop with (outcome, None) or (None, error) when a worker job ends."""
 
 
-def _out_of_memory_as_status(work: Callable[[], T]) -> T:
-    """Runs `work`; running out of memory becomes RESOURCE_EXHAUSTED after the cache is given back."""
+def _backend_errors_as_status(work: Callable[[], T]) -> T:
+    """Runs `work`; running out of memory becomes RESOURCE_EXHAUSTED after the cache is given back, and a failed
+    exchange between vocabulary-parallel GPUs UNAVAILABLE (health turns NOT_SERVING until they recover)."""
     try:
         return work()
     except (torch.cuda.OutOfMemoryError, MemoryError):
@@ -61,6 +63,9 @@ def _out_of_memory_as_status(work: Callable[[], T]) -> T:
         raise ServiceError(
             "out of memory: retry later or with fewer rows", grpc.StatusCode.RESOURCE_EXHAUSTED
         ) from None
+    except NcclError as err:
+        raise ServiceError(f"vocabulary-parallel sampling failed: {err}; retry on another replica",
+                           grpc.StatusCode.UNAVAILABLE) from None
 
 
 def host_bytes(tensor: torch.Tensor) -> int:
@@ -429,12 +434,12 @@ class DynamicBatcher:
         self._exclusive_rows += rows
         self._exclusive_bytes += nbytes
         device = self._backend.device
-        job = partial(_watched, future.done, _out_of_memory_as_status, partial(_finished_on, device, work))
+        job = partial(_watched, future.done, _backend_errors_as_status, partial(_finished_on, device, work))
         self._worker.submit(loop, contextvars.copy_context(), job, done)
         return await future
 
     def _sample(self, batch: SamplingBatch) -> SamplingResult:
-        return _out_of_memory_as_status(lambda: self._backend.sample(batch.with_logits()))
+        return _backend_errors_as_status(lambda: self._backend.sample(batch))
 
     @property
     def idle(self) -> bool:
