@@ -86,7 +86,7 @@ def vocab_parallel_fn(sharded, hidden: torch.Tensor, mode: str):
     """One call of the split head, launches only (the call's lock and host wait are the caller's)."""
     b = hidden.shape[0]
     extra = {} if mode == "gumbel" else {"top_k": TOP_K, "top_p": TOP_P}
-    params = [RowParams.make(b, torch.device("cuda", d), seed=7, **extra) for d in sharded.devices]
+    params = [RowParams.make(b, torch.device("cuda", d), seed=7, **extra) for d in sharded.group.devices]
     return lambda: sharded.launch(hidden, params, 1, mode != "gumbel", mode != "gumbel")[0]
 
 
@@ -108,15 +108,16 @@ def queued_us(fn, calls: int = 50) -> float:
 
 def all_gather_fn(sharded, nbytes: int):
     """The exchange alone: an all-gather of nbytes a GPU over the split head's NCCL group."""
-    devices = sharded.devices
+    devices = sharded.group.devices
     sends = [torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{d}") for d in devices]
     receives = [torch.empty((len(devices), nbytes), dtype=torch.uint8, device=f"cuda:{d}") for d in devices]
-    group = sharded._communicators()
+    group = sharded.group.communicators()
     return lambda: group.all_gather(sends, receives)
 
 
 def vocab_parallel_main(args, batches: list[int], peers, devices: list[int]) -> None:
-    from tokensampler_server.backends.cuda_vocab_parallel import PARTIAL_BYTES, VocabParallelHead  # noqa: PLC0415
+    from tokensampler_server.backends.cuda_vocab_parallel import (  # noqa: PLC0415
+        PARTIAL_BYTES, DeviceGroup, VocabParallelHead)
     from tokensampler_server.backends.nccl import nccl_version  # noqa: PLC0415
     from tokensampler_server.resources.weights import LogitsFinish, RegisteredWeight  # noqa: PLC0415
 
@@ -130,7 +131,8 @@ def vocab_parallel_main(args, batches: list[int], peers, devices: list[int]) -> 
         weight = torch.randn(vocab, dim, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
         head = RegisteredWeight(name="w", weight=weight, finish=LogitsFinish(vocab_size=vocab), sha256="")
         for count in sorted({1, len(devices)}):
-            sharded = VocabParallelHead(head, devices[:count])
+            group = DeviceGroup(devices[:count])
+            sharded = VocabParallelHead(head, group)
             roof = vocab * dim * 2 / count / read_bw * 1e6  # each GPU reads its shard once
             for b in batches:
                 hidden = torch.randn(b, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -150,7 +152,7 @@ def vocab_parallel_main(args, batches: list[int], peers, devices: list[int]) -> 
                                  "bytes_a_gpu": plan.scratch_bytes, "partial_bytes": PARTIAL_BYTES})
                     print(f"V={vocab} D={dim} N={count} B={b:4d} all-gather of {plan.scratch_bytes} B {us:9.2f} us",
                           flush=True)
-            sharded.close()
+            group.close()
         del weight, head
         torch.cuda.empty_cache()
     write_results(Path(args.out), f"fused-vocab-parallel-x{len(devices)}", meta, rows)

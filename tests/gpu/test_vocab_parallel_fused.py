@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import time
 
+import grpc
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -78,10 +79,10 @@ def _launch_both(head, sharded, hidden, params, logprobs=False):
                                     vocab=head.finish.vocab_size, bias=head.finish.bias,
                                     logit_scale=head.finish.logit_scale, soft_cap=head.finish.soft_cap,
                                     logprobs=logprobs, filtered=filtered)
-    shard_params = [cuda_fused.row_params(batch, torch.device("cuda", d)) for d in sharded.devices]
-    with sharded._lock:
+    shard_params = [cuda_fused.row_params(batch, torch.device("cuda", d)) for d in sharded.group.devices]
+    with sharded.group.lock:
         parts = sharded.launch(states, shard_params, 1, logprobs, filtered)
-        sharded._wait()
+        sharded.group.wait()
     return tuple(tuple(None if t is None else t.cpu() for t in out) for out in (whole, parts))
 
 
@@ -112,7 +113,8 @@ def test_shards_give_the_whole_heads_tokens(layout, mode, shape):
     _, cuda_vocab_parallel, _ = _modules()
     vocab, dim, rows = shape
     head = _head(vocab, dim, bias=vocab == 5000)
-    sharded = cuda_vocab_parallel.VocabParallelHead(head, _devices(layout[1], layout[0] == "same"))
+    group = cuda_vocab_parallel.DeviceGroup(_devices(layout[1], layout[0] == "same"))
+    sharded = cuda_vocab_parallel.VocabParallelHead(head, group)
     try:
         for seed in range(3):
             params = {**MODES[mode], "seed": 1000 * seed + 17}
@@ -121,7 +123,7 @@ def test_shards_give_the_whole_heads_tokens(layout, mode, shape):
             # Top-p without k is often past the candidates: those rows take the logits path in both calls.
             _assert_same_decided(whole, parts, logprobs, least=0.0 if mode == "top_p" else 0.9)
     finally:
-        sharded.close()
+        group.close()
 
 
 @pytest.mark.parametrize("layout", [("same", 2), ("distinct", 2)])
@@ -131,7 +133,8 @@ def test_sample_serves_every_request_as_the_whole_head(layout):
     _, cuda_vocab_parallel, CudaBackend = _modules()
     head = _head(32000, 1024, seed=3)
     backend = CudaBackend(0)
-    sharded = cuda_vocab_parallel.VocabParallelHead(head, _devices(2, layout[0] == "same"))
+    group = cuda_vocab_parallel.DeviceGroup(_devices(2, layout[0] == "same"))
+    sharded = cuda_vocab_parallel.VocabParallelHead(head, group)
     cases = [
         ({"temperature": 0.7, "top_k": 30}, torch.bfloat16),
         ({"temperature": 1.0, "top_p": 0.9}, torch.bfloat16),
@@ -153,7 +156,7 @@ def test_sample_serves_every_request_as_the_whole_head(layout):
             if want.top_logprob_ids is not None:
                 assert torch.equal(got.top_logprob_ids, want.top_logprob_ids)
     finally:
-        sharded.close()
+        group.close()
 
 
 def test_gumbel_over_shards_follows_the_exact_distribution():
@@ -162,7 +165,7 @@ def test_gumbel_over_shards_follows_the_exact_distribution():
     _, cuda_vocab_parallel, _ = _modules()
     vocab, dim, draws = 1000, 256, 20000
     head = _head(vocab, dim, seed=11)
-    sharded = cuda_vocab_parallel.VocabParallelHead(head, [0, 0, 0])
+    sharded = cuda_vocab_parallel.VocabParallelHead(head, cuda_vocab_parallel.DeviceGroup([0, 0, 0]))
     hidden = (_hidden(1, dim, seed=4) * 0.3).repeat(draws, 1)
     batch = dataclasses.replace(_batch(head, hidden, temperature=1.0), seed=torch.arange(draws, dtype=torch.int64))
     tokens = sharded.sample(batch, lambda b: pytest.fail("no row needs the logits path")).tokens[:, 0]
@@ -203,3 +206,47 @@ def test_a_rank_that_never_joins_ends_at_the_deadline_and_a_new_group_serves():
     for rank in range(2):
         assert receives[rank][0].eq(1).all() and receives[rank][1].eq(2).all()
     fresh.close()
+
+
+@pytest.fixture(scope="module")
+def split_server():
+    """A server with --vocab-parallel-devices 0,1 (two GPUs)."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    from ..conftest import serving
+
+    yield from serving("--device", "cuda:0", "--vocab-parallel-devices", "0,1", timeout=300)
+
+
+def test_the_server_samples_hidden_states_through_a_split_head(split_server) -> None:
+    """Through the service, a head registered once and split over two GPUs: the tokens of an in-process sampler
+    on the whole head on one GPU, for fused rows exactly, for top-p rows (the logits path: every shard's logits
+    gathered) at the contract's agreement; GetServerInfo names the route, health says SERVING."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from tokensampler_client import SamplerClient
+    from tokensampler_server.inprocess import LocalSampler
+
+    split_client = SamplerClient(split_server.target, timeout=300)
+    weight = (torch.randn(32000, 1024, generator=torch.Generator().manual_seed(9)) / 32).to(torch.bfloat16)
+    split_client.register_weights("split-head", weight, chunk_bytes=64 << 20)
+    local = LocalSampler("cuda:0")
+    whole = local.register_head(weight)
+    try:
+        info = split_client.server_info()
+        assert any("vocab-parallel" in route.rows and "ncclAllGather" in route.kernels for route in info.routes)
+        hidden = (torch.randn(32, 1024, generator=torch.Generator().manual_seed(10)) * 4).to(torch.bfloat16)
+        seeds = list(range(100, 132))
+        for params in ({"temperature": 0.0}, {"temperature": 0.8}, {"top_k": 30}, {"top_k": 50, "top_p": 0.9},
+                       {"top_k": 20, "num_samples": 4}):
+            got = split_client.sample_hidden(hidden, "split-head", seed=seeds, **params)
+            want = local.sample_hidden(hidden.cuda(), whole, seed=seeds, **params)
+            assert torch.equal(got.tokens, want.tokens.cpu()), params
+        got = split_client.sample_hidden(hidden, "split-head", seed=seeds, top_p=0.9, num_samples=8)
+        want = local.sample_hidden(hidden.cuda(), whole, seed=seeds, top_p=0.9, num_samples=8)
+        assert (got.tokens == want.tokens.cpu()).float().mean().item() >= 0.99
+        with grpc.insecure_channel(split_server.target) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        split_client.unregister_weights("split-head")
+        split_client.close()

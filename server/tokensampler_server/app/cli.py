@@ -39,6 +39,19 @@ class _Flags:
                                  help=f"{help} [{variable}]")
 
 
+def _device_indices(parser: argparse.ArgumentParser, text: str | None) -> tuple[int, ...]:
+    """--vocab-parallel-devices as indices: at least two, distinct, each >= 0; () when unset."""
+    if not text:
+        return ()
+    try:
+        indices = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        parser.error(f"--vocab-parallel-devices: got {text!r}, expected comma-separated CUDA device indices, e.g. 0,1")
+    if len(indices) < 2 or len(set(indices)) != len(indices) or min(indices) < 0:
+        parser.error(f"--vocab-parallel-devices: got {text!r}, expected two or more distinct device indices")
+    return indices
+
+
 def parse_args(argv: list[str] | None = None) -> ServerConfig:
     defaults = ServerConfig()
     parser = argparse.ArgumentParser(
@@ -54,6 +67,10 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     flags.value("--port-file", Path, None, "write the TCP port here once it is bound, for health checks that cannot "
                 "see the flags (the container image's)")
     flags.value("--device", str, defaults.device, "auto (CUDA when a GPU is present, else CPU), cpu, cuda or cuda:N")
+    flags.value("--vocab-parallel-devices", str, None,
+                "comma-separated CUDA device indices, the backend's --device first (e.g. 0,1): hidden states through "
+                "a registered head are sampled with the head split by vocabulary rows over these GPUs "
+                "(docs/design/vocab-parallel.md)")
     flags.value("--max-message-mb", int, defaults.limits.max_message_bytes // _MIB,
                 "largest request or response message, in MiB")
     flags.value("--max-batch-rows", int, defaults.limits.max_batch_rows, "most rows in one request")
@@ -140,6 +157,12 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         parser.error("--tls-cert and --tls-key go together")
     if args.tls_client_ca is not None and args.tls_cert is None:
         parser.error("--tls-client-ca needs --tls-cert and --tls-key")
+    vocab_parallel_devices = _device_indices(parser, args.vocab_parallel_devices)
+    if vocab_parallel_devices:
+        first = vocab_parallel_devices[0]
+        if args.device not in {f"cuda:{first}", *(("auto", "cuda") if first == 0 else ())}:
+            parser.error(f"--vocab-parallel-devices must start with the backend's CUDA device (--device "
+                         f"{args.device}); expected --device cuda:{first}")
     if args.otlp_endpoint is not None and not args.otlp_endpoint.startswith(("http://", "https://")):
         parser.error("--otlp-endpoint must be an http:// or https:// URL, e.g. http://collector:4317")
     return ServerConfig(
@@ -147,6 +170,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         port=args.port,
         port_file=args.port_file,
         device=args.device,
+        vocab_parallel_devices=vocab_parallel_devices,
         limits=Limits(
             max_batch_rows=args.max_batch_rows,
             max_batch_elements=args.max_batch_elements or defaults.limits.max_batch_elements,

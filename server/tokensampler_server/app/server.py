@@ -21,7 +21,7 @@ from tokensampler_client._proto import sampler_pb2 as pb
 
 from tokensampler_server.rpc.admission import Admission
 from tokensampler_server.rpc.auth import AuthInterceptor, BearerTokens
-from tokensampler_server.backends import create_backend
+from tokensampler_server.backends import Backend, create_backend
 from tokensampler_server.batching.batcher import DynamicBatcher
 from tokensampler_server.core.config import ServerConfig, StartupError, cpu_max_batch_elements
 from tokensampler_server.rpc.call_guard import CallGuard
@@ -39,6 +39,23 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Sampler"].full_name
 
 def _memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+async def follow_backend_health(backend: Backend, health_servicer: health.aio.HealthServicer,
+                                period_s: float = 1.0) -> None:
+    """gRPC health follows backend.serving(), asked every period_s on a worker thread: NOT_SERVING while the
+    backend's devices cannot serve (a vocabulary-parallel exchange failed; the backend rebuilds its communicators
+    there), SERVING again once they can. Runs until cancelled."""
+    serving = True
+    while True:
+        now = await asyncio.to_thread(backend.serving)
+        if now != serving:
+            status = health_pb2.HealthCheckResponse.SERVING if now else health_pb2.HealthCheckResponse.NOT_SERVING
+            for service in ("", SERVICE_NAME):
+                await health_servicer.set(service, status)
+            log.warning("backend %s: health %s", backend.info().device, "SERVING" if now else "NOT_SERVING")
+            serving = now
+        await asyncio.sleep(period_s)
 
 
 def sampler_serving(health_servicer: health.aio.HealthServicer) -> bool:
@@ -88,7 +105,7 @@ async def serve(config: ServerConfig) -> None:
     credentials = None
     if config.tls_cert is not None and config.tls_key is not None:
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-    backend = create_backend(config.device)
+    backend = create_backend(config.device, config.vocab_parallel_devices)
     info = backend.info()
     tracer = None
     if config.otlp_endpoint is not None:
@@ -173,6 +190,9 @@ async def serve(config: ServerConfig) -> None:
     if config.uds is not None:
         log.info("also serving on unix:%s", config.uds)
 
+    # Only a backend whose devices can fail apart from the process (vocabulary-parallel GPUs) changes its health.
+    follower = asyncio.create_task(follow_backend_health(backend, health_servicer)) \
+        if config.vocab_parallel_devices else None
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -180,6 +200,8 @@ async def serve(config: ServerConfig) -> None:
     await stopping.wait()
 
     log.info("shutting down: NOT_SERVING, %.1f s grace for in-flight requests", config.grace_period_s)
+    if follower is not None:
+        follower.cancel()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(config.grace_period_s)
     await sampler.close()

@@ -59,6 +59,10 @@ class Backend(abc.ABC):
     def sample(self, batch: SamplingBatch) -> SamplingResult:
         """Samples every row of `batch`; rows are independent of each other (batch invariance)."""
 
+    def serving(self) -> bool:
+        """Whether the backend can serve now (gRPC health): a backend whose devices failed tries to recover here."""
+        return True
+
     def prepare(self, template: SamplingBatch) -> PreparedSampling:
         """A call whose rows' parameters are those of `template` (its logits unused), made once and then run on new
         logits many times (docs/inprocess.md). This one samples through `sample`; a GPU backend runs it on the

@@ -13,18 +13,20 @@ logits kernels.
 
 from __future__ import annotations
 
+import logging
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-from tokensampler_server.model.sampling import HiddenInput, SamplingBatch, SamplingResult, merge_rows, select_rows
+from tokensampler_server.model.sampling import SamplingBatch, SamplingResult, merge_rows, select_rows
 from tokensampler_server.resources.weights import RegisteredWeight
 from tokensampler_server.backends import cuda_fused
 from tokensampler_server.backends.cuda_buffers import row_states
 from tokensampler_server.backends.cuda_kernels import RowParams, stream_address
-from tokensampler_server.backends.nccl import NcclGroup
+from tokensampler_server.backends.nccl import NcclError, NcclGroup
 from tokensampler_server.backends.vocab_parallel import shard_head
 
 TILE_ROWS = 128
@@ -33,6 +35,8 @@ PARTIAL_BYTES = 32
 """One (row, CTA) partial result (csrc/fused.h, TS_FUSED_PARTIAL_BYTES)."""
 _BUFFERED = 8
 """Call shapes whose buffers a head keeps."""
+
+log = logging.getLogger(__name__)
 
 
 def shard_bounds(vocab: int, num_shards: int) -> list[tuple[int, int]]:
@@ -77,33 +81,82 @@ class _Shard:
         return self.head.weight.device
 
 
-class VocabParallelHead:
-    """A registered head split over `devices` (CUDA indices; the first one answers), sampled by `sample`. One index
-    repeated puts every shard on one GPU: the same merge without an exchange (the tests' single-GPU form).
+class DeviceGroup:
+    """The GPUs heads are split over (CUDA indices; the first answers) and their NCCL communicators, shared by every
+    head on them. One index repeated puts every shard on one GPU: the same merge without an exchange (the tests'
+    single-GPU form). Calls are serialised by `lock`: the communicators take one collective at a time. A collective
+    that misses timeout_s (a GPU stalled) aborts the communicators and raises NcclError; `recover`, or the next
+    call, builds new ones."""
 
-    The shards are copies of W's rows on their devices; `head` itself may live anywhere. Calls are serialised: the
-    communicators take one collective at a time. A collective that misses `timeout_s` (a GPU stalled) aborts the
-    communicators and raises NcclError; the next call builds new ones.
-    """
-
-    def __init__(self, head: RegisteredWeight, devices: Sequence[int], timeout_s: float = 10.0) -> None:
-        weight = head.weight
-        if weight.dtype not in (torch.bfloat16, torch.float16) or weight.shape[1] % 64:
-            raise ValueError(f"a vocabulary-parallel head takes a bf16/fp16 weight of hidden size a multiple of 64, "
-                             f"got {weight.dtype} [{weight.shape[0]}, {weight.shape[1]}]")
+    def __init__(self, devices: Sequence[int], timeout_s: float = 10.0) -> None:
         if not devices or len(set(devices)) not in (1, len(devices)):
             raise ValueError(f"devices: distinct CUDA device indices (or one index repeated: every shard on one GPU) "
                              f"expected, got {list(devices)}")
         sms = {torch.cuda.get_device_properties(d).multi_processor_count for d in devices}
         if len(sms) != 1:
             raise ValueError(f"devices: GPUs of one kind expected (one launch plan), got SM counts {sorted(sms)}")
-        self.head = head
         self.devices = list(devices)
         self.timeout_s = timeout_s
+        self.lock = threading.Lock()
+        self._nccl: NcclGroup | None = None
+
+    @property
+    def exchanged(self) -> bool:
+        """Whether the shards lie on several GPUs (and so exchange over NCCL)."""
+        return len(set(self.devices)) > 1
+
+    def communicators(self) -> NcclGroup:
+        """The NCCL communicators of the devices, built again after an abort (NcclError when that fails)."""
+        if self._nccl is None or not self._nccl.usable:
+            self._nccl = NcclGroup(self.devices, self.timeout_s)
+        return self._nccl
+
+    def wait(self) -> None:
+        """The end of the work enqueued so far on every device's current stream, within timeout_s."""
+        events = []
+        for device in dict.fromkeys(self.devices):
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            events.append(event)
+        if not self.exchanged:
+            events[0].synchronize()
+        else:
+            self.communicators().wait(events, self.timeout_s)
+
+    def recover(self) -> bool:
+        """Whether the group can serve: its communicators are usable, or were just built again (and connected)."""
+        if not self.exchanged:
+            return True
+        with self.lock:
+            try:
+                self.communicators()
+            except NcclError as err:
+                log.warning("vocabulary-parallel devices %s: %s", self.devices, err)
+                return False
+        return True
+
+    def close(self) -> None:
+        if self._nccl is not None:
+            self._nccl.close()
+            self._nccl = None
+
+
+class VocabParallelHead:
+    """A registered head split over a DeviceGroup's devices, sampled by `sample`. The shards are copies of W's rows
+    on their devices (views where a device already holds W); the head itself is only weakly referenced, so that a
+    cache keyed by it lets it go when it is unregistered."""
+
+    def __init__(self, head: RegisteredWeight, group: DeviceGroup) -> None:
+        weight = head.weight
+        if weight.dtype not in (torch.bfloat16, torch.float16) or weight.shape[1] % 64:
+            raise ValueError(f"a vocabulary-parallel head takes a bf16/fp16 weight of hidden size a multiple of 64, "
+                             f"got {weight.dtype} [{weight.shape[0]}, {weight.shape[1]}]")
+        self._head = weakref.ref(head)
+        self.dtype = weight.dtype
+        self.group = group
         self._shards = [self._place(head, start, stop, torch.device("cuda", device))
-                        for (start, stop), device in zip(shard_bounds(head.finish.vocab_size, len(devices)), devices)]
-        self._lock = threading.Lock()
-        self._group: NcclGroup | None = None
+                        for (start, stop), device in zip(shard_bounds(head.finish.vocab_size, len(group.devices)),
+                                                         group.devices)]
         self._calls: dict[tuple, _CallBuffers] = {}
 
     @property
@@ -126,8 +179,8 @@ class VocabParallelHead:
                filtered: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Enqueues a call on each device's current stream, without a host synchronisation: hidden states [B, D]
         (W's dtype, on the first device), the rows' parameters on each device (params[r] on devices[r]). Returns
-        fused_sample's tokens, raw log-probs and flags, on the first device. The caller holds the call's lock; the
-        call's buffers are reused by the next call of its shape, after it on the same streams."""
+        fused_sample's tokens, raw log-probs and flags, on the first device. The caller holds the group's lock;
+        the call's buffers are reused by the next call of its shape, after it on the same streams."""
         num_rows, dim = states.shape
         buffers = self._buffers(num_rows, dim, filtered)
         # Every copy first: a copy waits for the source device's stream, which must not hold the first shard's
@@ -143,7 +196,7 @@ class VocabParallelHead:
         if buffers.streams is None:  # every shard on one GPU: no exchange
             gathered = torch.stack(buffers.scratch) if count > 1 else buffers.scratch[0].view(1, -1)
         else:
-            self._communicators().all_gather(buffers.scratch, buffers.receives, buffers.streams)
+            self.group.communicators().all_gather(buffers.scratch, buffers.receives, buffers.streams)
             gathered = buffers.receives[0]
         split = num_rows * buffers.plan.vocab_ctas * PARTIAL_BYTES
         partials, cands = gathered[0, :split], gathered[0, split:] if buffers.per_part else None
@@ -174,8 +227,8 @@ class VocabParallelHead:
         if plan is None:
             raise ValueError(f"hidden size {dim} does not fit the fused kernel")
         per_part = cuda_fused.candidates_per_part(plan, self.main.index)
-        count, dtype = len(self._shards), self.head.weight.dtype
-        exchanged = len(set(self.devices)) > 1
+        count, dtype = len(self._shards), self.dtype
+        exchanged = self.group.exchanged
 
         def on(shard: _Shard, *shape: int, kind: torch.dtype = torch.uint8) -> torch.Tensor:
             return torch.empty(shape, dtype=kind, device=shard.device)
@@ -201,17 +254,17 @@ class VocabParallelHead:
         """Samples a hidden-state batch through this head (batch.hidden.lm_head is `head`): the fused path where the
         kernel takes the request, `logits_path` (a single-GPU backend's sample on the first device) for the rest and
         for the rows the kernel flags. Every request is served; a stalled GPU raises NcclError."""
-        if batch.hidden is None or batch.hidden.lm_head is not self.head:
+        if batch.hidden is None or batch.hidden.lm_head is not self._head():
             raise ValueError("a vocabulary-parallel head samples hidden states through itself")
         states = batch.hidden.states
-        if states.dtype != self.head.weight.dtype or cuda_fused.request_unsupported_reason(batch) is not None:
+        if states.dtype != self.dtype or cuda_fused.request_unsupported_reason(batch) is not None:
             return logits_path(replace(batch, logits=self.logits(states), hidden=None))
         states = states.to(self.main)
-        with self._lock:
+        with self.group.lock:
             params = [cuda_fused.row_params(batch, shard.device) for shard in self._shards]
             tokens, logprobs, flags = self.launch(states.contiguous(), params, batch.num_samples,
                                                   batch.return_logprobs, cuda_fused.has_filters(batch))
-            self._wait()
+            self.group.wait()
         flags = flags.cpu()
         valid, nan = row_states(flags)
         result = SamplingResult(tokens=tokens.cpu(), valid=valid, nan_detected=nan,
@@ -219,29 +272,31 @@ class VocabParallelHead:
         redo = ((flags & cuda_fused.FLAG_LOGITS_PATH) != 0).nonzero().squeeze(1)
         if not redo.numel():
             return result
-        rows = select_rows(replace(batch, hidden=HiddenInput(batch.hidden.states, self.head)), redo)
+        rows = select_rows(batch, redo)
         again = logits_path(replace(rows, logits=self.logits(rows.hidden.states), hidden=None))
         return merge_rows(result, redo, again)
 
-    def close(self) -> None:
-        if self._group is not None:
-            self._group.close()
-            self._group = None
 
-    def _communicators(self) -> NcclGroup:
-        """The NCCL group of the devices, built again after an abort."""
-        if self._group is None or not self._group.usable:
-            self._group = NcclGroup(self.devices, self.timeout_s)
-        return self._group
+class SplitHeads:
+    """Every registered head the backend samples hidden states through, split over one DeviceGroup the first time
+    a request goes through it, and let go with the head."""
 
-    def _wait(self) -> None:
-        """The call's end on every device, within timeout_s."""
-        events = []
-        for shard in self._shards:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(shard.device))
-            events.append(event)
-        if len(set(self.devices)) == 1:
-            events[0].synchronize()
-        else:
-            self._group.wait(events, self.timeout_s)
+    def __init__(self, group: DeviceGroup) -> None:
+        self.group = group
+        self._heads: weakref.WeakKeyDictionary[RegisteredWeight, VocabParallelHead] = weakref.WeakKeyDictionary()
+
+    @staticmethod
+    def takes(head: RegisteredWeight) -> bool:
+        """Whether the fused kernel can split this head (a bf16/fp16 weight on a GPU, D a multiple of 64); other
+        heads stay whole on the first GPU."""
+        weight = head.weight
+        return weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and weight.shape[1] % 64 == 0
+
+    def sample(self, batch: SamplingBatch,
+               logits_path: Callable[[SamplingBatch], SamplingResult]) -> SamplingResult:
+        """VocabParallelHead.sample through the request's head (NcclError when an exchange failed)."""
+        head = batch.hidden.lm_head
+        split = self._heads.get(head)
+        if split is None:
+            split = self._heads[head] = VocabParallelHead(head, self.group)
+        return split.sample(batch, logits_path)

@@ -36,6 +36,8 @@ class ServerConfig:
     """Where the server writes the port it listens on, once bound: for a health check that cannot see the flags."""
     device: str = "auto"
     """"auto", "cpu", "cuda" or "cuda:N"."""
+    vocab_parallel_devices: tuple[int, ...] = ()
+    """CUDA devices (the backend's first) that registered heads are split over by vocabulary rows; () for none."""
     limits: Limits = field(default_factory=Limits)
     log_level: str = "INFO"
     grace_period_s: float = 10.0
