@@ -22,6 +22,7 @@ import torch
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from tokensampler_client import SamplerClient
+from tokensampler_server.app.cli import parse_args
 
 from .conftest import RunningServer, serving, start_command, start_server
 from .test_metrics import metrics_port, parse_samples, scrape_text, value
@@ -481,3 +482,39 @@ def test_round_robin_spreads_calls_over_replicas(live_server: RunningServer) -> 
 def _sample_calls(server: RunningServer) -> float:
     samples = parse_samples(scrape_text(metrics_port(server)))
     return value(samples, "tokensampler_requests_total", method="tokensampler.v1.Sampler/Sample", code="OK") or 0
+
+
+def _merged(base: object, patch: object) -> object:
+    """A strategic merge patch applied as kustomize applies these: maps merged key by key, lists of named items
+    merged by name, other values replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        return {**base, **{key: _merged(base.get(key), value) for key, value in patch.items()}}
+    if isinstance(base, list) and isinstance(patch, list) and all(isinstance(i, dict) and "name" in i
+                                                                   for i in base + patch):
+        by_name = {item["name"]: item for item in base}
+        merged = [_merged(item, next((p for p in patch if p["name"] == item["name"]), {})) for item in base]
+        return merged + [item for item in patch if item["name"] not in by_name]
+    return patch
+
+
+def test_kubernetes_vocab_parallel_overlay_gives_a_valid_two_gpu_replica() -> None:
+    """docker/k8s/vocab-parallel patches the base Deployment: two GPUs a replica, the server told to split heads
+    over them (flags the server's own parser takes), a memory-backed /dev/shm for NCCL; still schema-valid and
+    within the restricted profile."""
+    kustomization = _load_yaml(DOCKER / "k8s/vocab-parallel/kustomization.yaml")[0]
+    assert kustomization["resources"] == ["../"]
+    (patch,) = kustomization["patches"]
+    assert patch["target"] == {"kind": "Deployment", "name": "tokensampler"}
+    deployment = _merged(_manifests()["Deployment", "tokensampler"], yaml.safe_load(patch["patch"]))
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {item["name"]: item["value"] for item in container["env"]}
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
+    config = parse_args(["--device", env["TOKENSAMPLER_DEVICE"], "--vocab-parallel-devices",
+                         env["TOKENSAMPLER_VOCAB_PARALLEL_DEVICES"]])
+    assert len(config.vocab_parallel_devices) == container["resources"]["limits"]["nvidia.com/gpu"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert restricted_profile_violations(pod) == []
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the dev extra installs it")
+    for version in _KUBERNETES_VERSIONS:
+        kubernetes_validate.validate(deployment, version or kubernetes_validate.latest_version(), strict=True)
