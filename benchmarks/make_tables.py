@@ -110,7 +110,9 @@ def service_table(path: Path) -> str:
 def render() -> str:
     parts = [kernel_table(p) for p in sorted(RESULTS.glob("logits-*.json"))]
     for workload in ("fused", "diffusion", "topk_probs", "verify"):
-        parts += [workload_table(p) for p in sorted(RESULTS.glob(f"{workload}-*.json"))]
+        # The vocabulary-parallel files hold several shapes and GPU counts: docs/performance.md tables them by hand.
+        parts += [workload_table(p) for p in sorted(RESULTS.glob(f"{workload}-*.json"))
+                  if not p.name.startswith("fused-vocab-parallel")]
     services = sorted(RESULTS.glob("service-*.json"))
     if services:
         parts.append(service_table(services[-1]))

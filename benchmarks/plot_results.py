@@ -25,8 +25,10 @@ def plot(path: Path, value: str = "median_us") -> Path:
         label = row["method"] + (f" {row['mode']}" if row.get("mode") else "")
         label += f" ({row['generator']})" if row.get("generator") else ""
         label += f", {row['layers']} layers" if row.get("layers") else ""
+        # Several head shapes and GPU counts in one file (vocabulary-parallel): a line each, no shared roofline.
+        label += f", V = {row['V']}, D = {row['D']}, N = {row['N']}" if "N" in row else ""
         series.setdefault(label, []).append((row["B"], row[value]))
-        if "roofline_us" in row:
+        if "roofline_us" in row and "N" not in row:
             roof[row["B"]] = row["roofline_us"]
     fig, ax = plt.subplots(figsize=(10, 6))
     for label, points in sorted(series.items()):
@@ -38,7 +40,7 @@ def plot(path: Path, value: str = "median_us") -> Path:
         ax.plot(bs, [roof[b] for b in bs], "k:", label="HBM roofline (read once)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("B (rows), V = %d" % data["meta"].get("V", 0))
+    ax.set_xlabel("B (rows)" + (", V = %d" % data["meta"]["V"] if "V" in data["meta"] else ""))
     ax.set_ylabel("median time (us)" if value == "median_us" else value)
     ax.set_title(f"{data['rows'][0]['workload']} on {data['meta']['gpu']} ({data['meta']['date']})")
     ax.grid(True, which="both", alpha=0.3)

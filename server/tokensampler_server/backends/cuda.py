@@ -18,6 +18,8 @@ read as -inf: a batch whose only processing is a bitmask reads its logits once, 
 (masks, bias, penalties) runs first, in torch on the GPU (processing.apply_processing), on a float32 copy into
 which the bitmask is written first by a small in-place kernel; then the local samplers (top-n-sigma, typical-p,
 XTC) by their own kernels on the same copy (cuda_local_samplers.py, csrc/local_samplers.cuh).
+Hidden states through a registered head go through the fused LM-head kernel (cuda_fused.py), or, with
+--vocab-parallel-devices, through the head split by vocabulary rows over several GPUs (cuda_vocab_parallel.py).
 Rows a fast kernel cannot settle exactly (flag 4: z-order ties at the top-k cut, an overflowing candidate
 buffer; rare by construction) are sampled again through stats + filter, which settles every row, after
 the one synchronisation that returns the results: no request leaves the GPU (out of device memory is
@@ -98,9 +100,9 @@ ROUTES = [
 SPLIT_HEAD_ROUTE = Route(
     "hidden states with a registered head, with --vocab-parallel-devices: the head split by vocabulary rows",
     ("fused_stream_kernel on each GPU's shard", "ncclAllGather", "fused_finish_kernel on the first GPU"),
-    "each GPU reads its shard of W once; on two H200s 0.54-0.65x the one-GPU call up to B = 64 (188-205 us at "
-    "V = 151936, D = 4096; 520-552 us at V = 262144, D = 8192); rows the kernel flags, and requests it does not "
-    "take, through the shards' logits gathered on the first GPU")
+    "each GPU reads its shard of W once; on two H200s, up to B = 64, 0.54-0.67x the one-GPU call without filters "
+    "(188-204 us at V = 151936, D = 4096; 520-552 us at V = 262144, D = 8192), 0.55-0.78x with top-k + top-p; rows "
+    "the kernel flags, and requests it does not take, through the shards' logits gathered on the first GPU")
 
 
 class CudaBackend(Backend):
