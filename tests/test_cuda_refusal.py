@@ -72,7 +72,7 @@ def _gpu_present_but_the_backend_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
 
-    def fail(self: object, device_index: int = 0) -> None:
+    def fail(self: object, device_index: int = 0, vocab_parallel_devices: tuple[int, ...] = ()) -> None:
         raise RuntimeError("CUDA driver version is insufficient for CUDA runtime version")
 
     monkeypatch.setattr(cuda_backend.CudaBackend, "__init__", fail)
