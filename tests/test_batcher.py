@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -13,7 +14,9 @@ from tokensampler_server.backends.base import Backend, BackendInfo
 from tokensampler_server.backends.cpu import CpuBackend
 from tokensampler_server.batching.batcher import DynamicBatcher
 from tokensampler_server.core.errors import ServiceError
-from tokensampler_server.model.sampling import LogitProcessing, SamplingBatch, SamplingResult, TokenEntries
+from tokensampler_server.model.sampling import (HiddenInput, LogitProcessing, SamplingBatch, SamplingResult,
+                                                TokenEntries)
+from tokensampler_server.resources.weights import LogitsFinish, RegisteredWeight
 
 from .batches import make_batch
 from .polling import wait_until_async
@@ -224,3 +227,39 @@ def test_the_event_loop_waits_for_the_worker_to_be_idle() -> None:
 
     asyncio.run(run())
     assert backend.threads == ["tokensampler-backend"]
+
+
+class InputRecordingBackend(Backend):
+    """The CPU backend, recording whether each call got hidden states or logits."""
+
+    def __init__(self) -> None:
+        self.hidden: list[bool] = []
+
+    def info(self) -> BackendInfo:
+        return BackendInfo(name="cpu", device="cpu")
+
+    def sample(self, batch: SamplingBatch) -> SamplingResult:
+        self.hidden.append(batch.hidden is not None)
+        return CpuBackend().sample(batch)
+
+
+def test_hidden_states_reach_the_backend_as_hidden_states() -> None:
+    """The backend decides how hidden states become tokens (the CUDA backend: the fused kernel, or a head split
+    over GPUs), so the batcher hands them over unconverted, merged, each request getting its own rows."""
+    gen = torch.Generator().manual_seed(5)
+    head = RegisteredWeight(name="w", weight=torch.randn(VOCAB, 16, generator=gen), sha256="",
+                            finish=LogitsFinish(vocab_size=VOCAB))
+    batches = [replace(make_batch(torch.empty(2, 0), seed=[seed, seed + 1]), logits=None,
+                       hidden=HiddenInput(torch.randn(2, 16, generator=gen), head)) for seed in range(0, 12, 2)]
+    backend = InputRecordingBackend()
+
+    async def run() -> list[SamplingResult]:
+        batcher = DynamicBatcher(backend, max_batch_rows=64, max_queue_delay_us=2000)
+        results = await asyncio.gather(*(batcher.submit(batch) for batch in batches))
+        await batcher.close()
+        return [result for result, _ in results]
+
+    results = asyncio.run(run())
+    assert backend.hidden and all(backend.hidden)
+    for batch, result in zip(batches, results):
+        assert torch.equal(result.tokens, CpuBackend().sample(batch).tokens)
