@@ -210,6 +210,25 @@ def test_small_batches_already_on_a_device_run_on_the_event_loop_and_host_ones_o
     assert backend.threads == [loop_thread, "tokensampler-backend", "tokensampler-backend"]
 
 
+class StallingBackend(ThreadRecordingBackend):
+    """Says every batch may wait on other devices (as hidden states through a head split over GPUs)."""
+
+    def may_stall(self, batch: SamplingBatch) -> bool:
+        return True
+
+
+def test_batches_that_may_stall_never_run_on_the_event_loop() -> None:
+    backend = StallingBackend()
+
+    async def run() -> None:
+        batcher = DynamicBatcher(backend, max_batch_rows=64)
+        await batcher.submit(make_batch(torch.empty(2, 8, device="meta")))  # small and on a device, yet the worker's
+        await batcher.close()
+
+    asyncio.run(run())
+    assert backend.threads == ["tokensampler-backend"]
+
+
 def test_the_event_loop_waits_for_the_worker_to_be_idle() -> None:
     backend = ThreadRecordingBackend()
     entered, gate = threading.Event(), threading.Event()

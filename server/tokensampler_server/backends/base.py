@@ -59,6 +59,11 @@ class Backend(abc.ABC):
     def sample(self, batch: SamplingBatch) -> SamplingResult:
         """Samples every row of `batch`; rows are independent of each other (batch invariance)."""
 
+    def may_stall(self, batch: SamplingBatch) -> bool:
+        """Whether sampling `batch` may wait on devices that fail apart from this process (an exchange between
+        GPUs, up to its timeout): the batcher then never runs it on the event loop."""
+        return False
+
     def serving(self) -> bool:
         """Whether the backend can serve now (gRPC health): a backend whose devices failed tries to recover here."""
         return True

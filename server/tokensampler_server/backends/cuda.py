@@ -156,6 +156,10 @@ class CudaBackend(Backend):
         """Exact re-evaluations inside kernels, and rows a fast kernel left to the exact filter (synchronises)."""
         return {"in_kernel": int(self._kernels.fallback_count.item()), "exact_rows": self._exact_rows}
 
+    def may_stall(self, batch: SamplingBatch) -> bool:
+        split = self._split_heads
+        return batch.hidden is not None and split is not None and split.takes(batch.hidden.lm_head)
+
     def serving(self) -> bool:
         """Whether the vocabulary-parallel devices can exchange (their communicators rebuilt after an abort)."""
         return self._split_heads is None or self._split_heads.group.recover()

@@ -360,7 +360,7 @@ class DynamicBatcher:
             self._finished(loop, group, started, 0, None, err)
             return
         done = partial(self._finished, loop, group, started, merged.num_rows)
-        if not self._exclusive and _runs_inline(merged):
+        if not self._exclusive and _runs_inline(merged) and not self._backend.may_stall(merged):
             try:
                 outcome, error = group[0].context.run(self._sample, merged), None
             except Exception as err:  # handed to the callers, as from the worker
