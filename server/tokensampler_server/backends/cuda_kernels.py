@@ -251,9 +251,9 @@ class Kernels:
     def launch_plan(self, plan: Plan, x: torch.Tensor, bitmask: list[int], lse_scale: int, raw_x: torch.Tensor | None,
                     raw_lse_scale: int, dev_stage: int, main: list[int], filt: list[int], pre: list[int],
                     raw: list[int], exact_bits: int, stream: int, ws: list[int] | None = None) -> None:
-        """Every launch of `plan` (ts_launch_plan, the plan's samples a row) on x, whose rows the device copy of the stage at dev_stage
-        describes. main, filt, pre, raw: the 7 output addresses of each (Outputs.pointers() order); raw_x: the input
-        logits of the need_raw pass; exact_bits: uint8 [B] scratch; ws: a workspace of the plan's own
+        """Every launch of `plan` (ts_launch_plan, the plan's samples a row) on x, whose rows the device copy of the
+        stage at dev_stage describes. main, filt, pre, raw: the 7 output addresses of each (Outputs.pointers() order);
+        raw_x: the input logits of the need_raw pass; exact_bits: uint8 [B] scratch; ws: a workspace of the plan's own
         (plan_workspace), else the shared one."""
         if ws is None:
             counters, hist, scratch = plan.workspace()
