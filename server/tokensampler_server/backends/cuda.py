@@ -157,17 +157,15 @@ class CudaBackend(Backend):
         return {"in_kernel": int(self._kernels.fallback_count.item()), "exact_rows": self._exact_rows}
 
     def may_stall(self, batch: SamplingBatch) -> bool:
-        split = self._split_heads
-        return batch.hidden is not None and split is not None and split.takes(batch.hidden.lm_head)
+        return self._split_heads is not None and self._split_heads.takes(batch)
 
     def serving(self) -> bool:
         """Whether the vocabulary-parallel devices can exchange (their communicators rebuilt after an abort)."""
         return self._split_heads is None or self._split_heads.group.recover()
 
     def sample(self, batch: SamplingBatch) -> SamplingResult:
-        split = self._split_heads
-        if batch.hidden is not None and split is not None and split.takes(batch.hidden.lm_head):
-            return split.sample(batch, self.sample)
+        if self.may_stall(batch):  # hidden states through a split head
+            return self._split_heads.sample(batch, self.sample)
         if batch.hidden is not None:
             reason = cuda_fused.unsupported_reason(batch)
             if reason is None:

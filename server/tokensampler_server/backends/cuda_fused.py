@@ -38,7 +38,7 @@ def fused_is_faster(num_rows: int, filtered: bool) -> bool:
 
 
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2}
-FLAG_LOGITS_PATH = 4  # csrc/fused.h TsFusedOutputs.flags: the row needs the logits path
+_FLAG_LOGITS_PATH = 4  # csrc/fused.h TsFusedOutputs.flags: the row needs the logits path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +87,7 @@ def fused_sample(weight: torch.Tensor, states: torch.Tensor, params: RowParams, 
     the_plan = plan(num_rows, dim, vocab, device.index, filtered)
     if the_plan is None:
         raise ValueError(f"fused sampling does not take hidden size {dim} (a multiple of 64 that fits shared memory)")
-    tokens = torch.empty((num_rows, num_samples), dtype=torch.int64, device=device)
-    out_logprobs = torch.empty((num_rows, num_samples), dtype=torch.float32, device=device) if logprobs else None
-    flags = torch.empty(num_rows, dtype=torch.uint8, device=device)
+    tokens, out_logprobs, flags = _outputs(num_rows, num_samples, logprobs, device)
     scratch = torch.empty(the_plan.scratch_bytes, dtype=torch.uint8, device=device)
     bias_ptr = 0
     if bias is not None:
@@ -101,6 +99,25 @@ def fused_sample(weight: torch.Tensor, states: torch.Tensor, params: RowParams, 
         0 if out_logprobs is None else out_logprobs.data_ptr(), flags.data_ptr(), scratch.data_ptr(),
         stream_address(device))
     return tokens, out_logprobs, flags
+
+
+def _outputs(num_rows: int, num_samples: int, logprobs: bool,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Stage 2's outputs: tokens int64 [B, samples], raw log-probs float32 [B, samples] (or None), flags uint8 [B]."""
+    tokens = torch.empty((num_rows, num_samples), dtype=torch.int64, device=device)
+    out_logprobs = torch.empty((num_rows, num_samples), dtype=torch.float32, device=device) if logprobs else None
+    return tokens, out_logprobs, torch.empty(num_rows, dtype=torch.uint8, device=device)
+
+
+def host_result(tokens: torch.Tensor, logprobs: torch.Tensor | None,
+                flags: torch.Tensor) -> tuple[SamplingResult, torch.Tensor]:
+    """Stage 2's outputs on the host: the result, and the rows (int64) that must be sampled again on the logits path
+    (their entries here are placeholders)."""
+    flags = flags.cpu()
+    valid, nan = row_states(flags)
+    result = SamplingResult(tokens=tokens.cpu(), valid=valid, nan_detected=nan,
+                            logprobs=logprobs.cpu() if logprobs is not None else None)
+    return result, ((flags & _FLAG_LOGITS_PATH) != 0).nonzero().squeeze(1)
 
 
 def fused_partials(weight: torch.Tensor, states: torch.Tensor, params: RowParams, the_plan: FusedPlan,
@@ -128,9 +145,7 @@ def fused_finish(params: RowParams, partials: torch.Tensor, cands: torch.Tensor 
     [B, P, cands_per_part * 8] uint8, on the current stream of their device. Returns what fused_sample returns."""
     num_rows, num_parts = partials.shape[0], partials.shape[1]
     device = partials.device
-    tokens = torch.empty((num_rows, num_samples), dtype=torch.int64, device=device)
-    out_logprobs = torch.empty((num_rows, num_samples), dtype=torch.float32, device=device) if logprobs else None
-    flags = torch.empty(num_rows, dtype=torch.uint8, device=device)
+    tokens, out_logprobs, flags = _outputs(num_rows, num_samples, logprobs, device)
     load_kernels(device.index).fused_finish(
         num_rows, params.pointers(), num_parts, partials.data_ptr(), 0 if cands is None else cands.data_ptr(),
         cands_per_part, tokens.data_ptr(), num_samples, 0 if out_logprobs is None else out_logprobs.data_ptr(),
@@ -209,9 +224,5 @@ def sample_hidden(batch: SamplingBatch) -> tuple[SamplingResult, torch.Tensor]:
         weight, states, row_params(batch, weight.device), vocab=finish.vocab_size, bias=finish.bias,
         logit_scale=finish.logit_scale, soft_cap=finish.soft_cap, num_samples=batch.num_samples,
         logprobs=batch.return_logprobs, filtered=has_filters(batch))
-    tokens, flags = tokens.cpu(), flags.cpu()
-    logprobs = logprobs.cpu() if logprobs is not None else None
-    valid, nan = row_states(flags)
-    result = SamplingResult(tokens=tokens, valid=valid, nan_detected=nan, logprobs=logprobs)
-    return result, ((flags & FLAG_LOGITS_PATH) != 0).nonzero().squeeze(1)
+    return host_result(tokens, logprobs, flags)
 

@@ -24,9 +24,8 @@ import torch
 from tokensampler_server.model.sampling import SamplingBatch, SamplingResult, merge_rows, select_rows
 from tokensampler_server.resources.weights import RegisteredWeight
 from tokensampler_server.backends import cuda_fused
-from tokensampler_server.backends.cuda_buffers import row_states
 from tokensampler_server.backends.cuda_kernels import RowParams, stream_address
-from tokensampler_server.backends.nccl import NcclError, NcclGroup
+from tokensampler_server.backends.nccl import NcclError, NcclGroup, record_events
 from tokensampler_server.backends.vocab_parallel import shard_head
 
 TILE_ROWS = 128
@@ -37,6 +36,11 @@ _BUFFERED = 8
 """Call shapes whose buffers a head keeps."""
 
 log = logging.getLogger(__name__)
+
+
+def splittable(weight: torch.Tensor) -> bool:
+    """Whether the fused kernel can split this head weight: bf16/fp16, D a multiple of 64."""
+    return weight.dtype in (torch.bfloat16, torch.float16) and weight.shape[1] % 64 == 0
 
 
 def shard_bounds(vocab: int, num_shards: int) -> list[tuple[int, int]]:
@@ -113,11 +117,7 @@ class DeviceGroup:
 
     def wait(self) -> None:
         """The end of the work enqueued so far on every device's current stream, within timeout_s."""
-        events = []
-        for device in dict.fromkeys(self.devices):
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
-            events.append(event)
+        events = record_events(dict.fromkeys(self.devices))
         if not self.exchanged:
             events[0].synchronize()
         else:
@@ -148,7 +148,7 @@ class VocabParallelHead:
 
     def __init__(self, head: RegisteredWeight, group: DeviceGroup) -> None:
         weight = head.weight
-        if weight.dtype not in (torch.bfloat16, torch.float16) or weight.shape[1] % 64:
+        if not splittable(weight):
             raise ValueError(f"a vocabulary-parallel head takes a bf16/fp16 weight of hidden size a multiple of 64, "
                              f"got {weight.dtype} [{weight.shape[0]}, {weight.shape[1]}]")
         self._head = weakref.ref(head)
@@ -265,11 +265,7 @@ class VocabParallelHead:
             tokens, logprobs, flags = self.launch(states.contiguous(), params, batch.num_samples,
                                                   batch.return_logprobs, cuda_fused.has_filters(batch))
             self.group.wait()
-        flags = flags.cpu()
-        valid, nan = row_states(flags)
-        result = SamplingResult(tokens=tokens.cpu(), valid=valid, nan_detected=nan,
-                                logprobs=None if logprobs is None else logprobs.cpu())
-        redo = ((flags & cuda_fused.FLAG_LOGITS_PATH) != 0).nonzero().squeeze(1)
+        result, redo = cuda_fused.host_result(tokens, logprobs, flags)
         if not redo.numel():
             return result
         rows = select_rows(batch, redo)
@@ -286,11 +282,13 @@ class SplitHeads:
         self._heads: weakref.WeakKeyDictionary[RegisteredWeight, VocabParallelHead] = weakref.WeakKeyDictionary()
 
     @staticmethod
-    def takes(head: RegisteredWeight) -> bool:
-        """Whether the fused kernel can split this head (a bf16/fp16 weight on a GPU, D a multiple of 64); other
-        heads stay whole on the first GPU."""
-        weight = head.weight
-        return weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and weight.shape[1] % 64 == 0
+    def takes(batch: SamplingBatch) -> bool:
+        """Whether the batch goes through a split head: hidden states through a head on a GPU that the fused kernel
+        can split (other heads, and logits, stay on the first GPU)."""
+        if batch.hidden is None:
+            return False
+        weight = batch.hidden.lm_head.weight
+        return weight.is_cuda and splittable(weight)
 
     def sample(self, batch: SamplingBatch,
                logits_path: Callable[[SamplingBatch], SamplingResult]) -> SamplingResult:

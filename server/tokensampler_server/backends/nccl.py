@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -88,6 +88,16 @@ def nccl_version() -> str:
     return f"{major}.{rest // 100}.{rest % 100}"
 
 
+def record_events(devices: Iterable[int]) -> list[torch.cuda.Event]:
+    """An event recorded on each device's current stream: what `wait` waits for."""
+    events = []
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return events
+
+
 class NcclGroup:
     """One NCCL communicator per device of `devices` (rank r on devices[r]), made by ncclCommInitAll and connected
     within timeout_s."""
@@ -108,11 +118,7 @@ class NcclGroup:
         sends = [torch.zeros(1, dtype=torch.uint8, device=f"cuda:{d}") for d in self.devices]
         receives = [torch.empty(len(self.devices), dtype=torch.uint8, device=f"cuda:{d}") for d in self.devices]
         self.all_gather(sends, receives)
-        events = []
-        for device in self.devices:
-            events.append(torch.cuda.Event())
-            events[-1].record(torch.cuda.current_stream(device))
-        self.wait(events, timeout_s)
+        self.wait(record_events(self.devices), timeout_s)
 
     @property
     def usable(self) -> bool:
