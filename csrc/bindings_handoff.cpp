@@ -10,9 +10,10 @@ using tokensampler::binding::ptr;
 
 void register_handoff(pybind11::module_& m) {
   m.def("gated_copy", [](int64_t src, int64_t dst, int64_t nbytes, int64_t gate, int64_t stop, int64_t step,
-                         int64_t stream) {
+                         int64_t verdict, int64_t stream) {
     check(ts_gated_copy(ptr<const void>(src), ptr<void>(dst), nbytes, ptr<const uint32_t>(gate),
-                        ptr<const uint32_t>(stop), static_cast<uint32_t>(step), ptr<void>(stream)),
+                        ptr<const uint32_t>(stop), static_cast<uint32_t>(step), ptr<uint32_t>(verdict),
+                        ptr<void>(stream)),
           "gated_copy");
   });
   // tokens, count, out_tokens, out_int64, logprobs (0: none), out_logprobs (0: none), gate, stop, step, release,

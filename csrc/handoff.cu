@@ -1,5 +1,9 @@
 // The colocated hand-off kernels (csrc/handoff.h). Both are a few microseconds on the step's critical path: the
 // copy moves the engine's logits at the bandwidth of a device-to-device copy, the delivery writes B tokens.
+// The gate words live in mapped host memory, where a GPU read crosses PCIe and such reads queue behind one
+// another: when each of the copy's 1,024 blocks read both words itself, the copy of an H200's [8, 128256] fp32
+// logits took about 1.1 ms. So one thread reads them and leaves the verdict in device memory for the copy's
+// blocks (docs/design/colocated-handoff.md).
 #include <cuda_runtime.h>
 
 #include "handoff.h"
@@ -14,13 +18,15 @@ __device__ __forceinline__ bool open_gate(const uint32_t* gate, const uint32_t* 
          *reinterpret_cast<const volatile uint32_t*>(gate) == step;
 }
 
+// Writes step to *verdict when the gate is open for it, else 0 (no step is 0).
+__global__ void read_gate_kernel(const uint32_t* gate, const uint32_t* stop, uint32_t step, uint32_t* verdict) {
+  *verdict = open_gate(gate, stop, step) ? step : 0u;
+}
+
 template <typename T>
 __global__ void gated_copy_kernel(const T* __restrict__ src, T* __restrict__ dst, int64_t count,
-                                  const uint32_t* gate, const uint32_t* stop, uint32_t step) {
-  __shared__ bool open;
-  if (threadIdx.x == 0) open = open_gate(gate, stop, step);
-  __syncthreads();
-  if (!open) return;
+                                  const uint32_t* verdict, uint32_t step) {
+  if (*verdict != step) return;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     dst[i] = src[i];
@@ -55,16 +61,17 @@ int blocks_for(int64_t count) {
 }  // namespace
 
 extern "C" int ts_gated_copy(const void* src, void* dst, int64_t nbytes, const uint32_t* gate, const uint32_t* stop,
-                             uint32_t step, void* stream) {
+                             uint32_t step, uint32_t* verdict, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
+  read_gate_kernel<<<1, 1, 0, s>>>(gate, stop, step, verdict);
   const bool wide = (reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) | nbytes) % 16 == 0;
   if (wide) {
     const int64_t count = nbytes / 16;
     gated_copy_kernel<uint4><<<blocks_for(count), kThreads, 0, s>>>(static_cast<const uint4*>(src),
-                                                                   static_cast<uint4*>(dst), count, gate, stop, step);
+                                                                   static_cast<uint4*>(dst), count, verdict, step);
   } else {
     gated_copy_kernel<uint8_t><<<blocks_for(nbytes), kThreads, 0, s>>>(static_cast<const uint8_t*>(src),
-                                                                      static_cast<uint8_t*>(dst), nbytes, gate, stop, step);
+                                                                      static_cast<uint8_t*>(dst), nbytes, verdict, step);
   }
   return static_cast<int>(cudaGetLastError());
 }

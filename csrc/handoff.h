@@ -13,9 +13,11 @@
 extern "C" {
 #endif
 
-/* Copies nbytes from src (the engine's input) to dst (the server's) when *gate == step and *stop == 0. */
+/* Copies nbytes from src (the engine's input) to dst (the server's) when *gate == step and *stop == 0. The two
+ * words are read once, by a kernel of one thread just before the copy, which leaves its verdict in *verdict (a
+ * word of device memory the caller owns; the copy's blocks read that instead of host memory). */
 int ts_gated_copy(const void* src, void* dst, int64_t nbytes, const uint32_t* gate, const uint32_t* stop,
-                  uint32_t step, void* stream);
+                  uint32_t step, uint32_t* verdict, void* stream);
 
 /* When *gate == step and *stop == 0: writes count tokens (int64, -1 where the row is not valid) to out_tokens as int32 or int64,
  * and count log-probs to out_logprobs when both are given, then, after a system-wide fence, step to *release. */

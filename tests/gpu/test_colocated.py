@@ -228,3 +228,32 @@ def test_the_server_survives_an_engine_that_exits_mid_loop(server, local) -> Non
         assert sampled.valid.all()
     for (tokens, _), (want_tokens, _) in zip(got, want):
         assert torch.equal(tokens, want_tokens)
+
+
+@pytest.mark.parametrize("dtype,width", [(torch.float32, 32000), (torch.bfloat16, 4096), (torch.uint8, 1001)])
+def test_the_gated_copy_moves_the_input_only_while_its_gate_is_open(dtype, width) -> None:
+    """The copy's gate is read once a step into a device word: the copy happens when "ready" holds the step and the
+    stop word is clear, and not at all for a stale step or once the stop word is set (also with the word still
+    holding an earlier open step's verdict). Odd sizes take the byte-wise copy."""
+    from tokensampler_server.backends.cuda_build import load_kernels
+
+    kernels = load_kernels(torch.cuda.current_device())
+    ready = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    stop = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    verdict = torch.zeros(1, dtype=torch.int32, device="cuda")
+    src = torch.randint(1, 100, (B, width), device="cuda").to(dtype)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def copy(step: int) -> torch.Tensor:
+        dst = torch.zeros_like(src)
+        kernels.gated_copy(src.data_ptr(), dst.data_ptr(), src.numel() * src.element_size(), ready.data_ptr(),
+                           stop.data_ptr(), step, verdict.data_ptr(), stream)
+        torch.cuda.synchronize()
+        return dst
+
+    ready[0] = 3
+    assert torch.equal(copy(3), src)
+    assert not copy(4).any()  # "ready" holds an earlier step
+    assert torch.equal(copy(3), src)  # the word holds step 3's verdict from here
+    stop[0] = 1
+    assert not copy(3).any()

@@ -52,6 +52,7 @@ class Handoff:
         self._stop = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         with torch.cuda.stream(self.stream):
             self._input = torch.empty_like(source)
+            self._verdict = torch.zeros(1, dtype=torch.int32, device=device)  # the copy's gate, read once a step
             self._base_position = prepared.position.clone()
 
     def enqueue(self, step: int) -> torch.cuda.Event:
@@ -64,7 +65,8 @@ class Handoff:
             self._ops.wait_at_least(raw, self._ready, step)
             stop = self._stop.data_ptr()
             self._module.gated_copy(self._source.data_ptr(), self._input.data_ptr(),
-                                    self._input.numel() * self._input.element_size(), self._ready, stop, step, raw)
+                                    self._input.numel() * self._input.element_size(), self._ready, stop, step,
+                                    self._verdict.data_ptr(), raw)
             x = self._input if self._head is None else self._head.logits(self._input)
             result = self._prepared.sample(x)
             logprobs = result.logprobs if self._logprobs is not None else None
