@@ -210,7 +210,11 @@ TsWorkspaceBytes ts_plan_workspace(const TsPlan* plan) {
 int ts_launch_plan(const TsPlan* plan, const TsCallInputs* in, const void* dev_stage, const TsCallOutputs* out,
                    const TsWorkspace* ws, void* stream) {
   const int32_t num_samples = plan->num_samples;
-  if (num_samples < 1 || (num_samples > 1 && plan->exact.n && !out->exact_bits)) return cudaErrorInvalidValue;
+  // The exact routes that launch once a sample rewrite the flags each time: out->exact_bits keeps every sample's
+  // exact-filter bit. Min-p and the cut draw every sample in one launch.
+  const bool keep_bits = num_samples > 1 && plan->exact.n && plan->exact_route != TS_EXACT_MIN_P &&
+                         plan->exact_route != TS_EXACT_CUT;
+  if (num_samples < 1 || (keep_bits && !out->exact_bits)) return cudaErrorInvalidValue;
   void* s = stream;
   const TsStageLayout layout = ts_stage_layout(plan->num_rows);
   const char* stage = static_cast<const char*>(dev_stage);
@@ -271,8 +275,6 @@ int ts_launch_plan(const TsPlan* plan, const TsCallInputs* in, const void* dev_s
           (err = ts_sample_kept(x, &r, pre.row_max, kept_keys, num_samples, &all, ws, s)))
         return err;
     } else {
-      // A launch a sample, each rewriting the flags: keep every sample's exact-filter bit.
-      const bool keep_bits = num_samples > 1;
       if (keep_bits && (err = cudaMemsetAsync(out->exact_bits, 0, static_cast<size_t>(plan->num_rows),
                                                static_cast<cudaStream_t>(s))))
         return err;

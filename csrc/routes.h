@@ -110,7 +110,8 @@ TsWorkspaceBytes ts_plan_workspace(const TsPlan* plan);
 /* Where a call's kernels write: main (greedy and unfiltered rows; with TS_TOKENS every row), filt (filtered rows of
  * log-prob calls; with TS_TOKENS the same tokens and flags as main), pre (the exact group's row statistics, passed
  * between its two kernels: tokens [B, 1], flags, row_max, row_min), raw (the need_raw pass: flags, row_max,
- * row_min, row_logz), and exact_bits (uint8 [B] scratch: with several samples, every sample's exact-filter flag). */
+ * row_min, row_logz), and exact_bits (uint8 [B] scratch: with several samples on the filter or frontier route, every
+ * sample's exact-filter flag; NULL otherwise). */
 typedef struct {
   TsOutputs main, filt, pre, raw;
   uint8_t* exact_bits;

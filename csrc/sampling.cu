@@ -41,12 +41,12 @@ cudaError_t dispatch(int32_t dtype, const TsRows* rows, F&& f) {
   }
 }
 
-// dispatch for the kernels that run a block per chunk of each work row: f(t, mask, grid, stream) gets that grid.
-// No rows, no launch.
+// dispatch for the kernels that run a block per chunk of each work row, and per draw (blockIdx.z) for the Gumbel-max
+// launchers: f(t, mask, grid, stream) gets that grid. No rows, no launch.
 template <typename F>
-cudaError_t dispatch_chunks(const TsLogits* logits, const TsRows* rows, void* stream, F&& f) {
+cudaError_t dispatch_chunks(const TsLogits* logits, const TsRows* rows, void* stream, F&& f, int32_t num_draws = 1) {
   if (rows->num_work_rows == 0) return cudaSuccess;
-  const dim3 grid(num_splits(logits->vocab), rows->num_work_rows);
+  const dim3 grid(num_splits(logits->vocab), rows->num_work_rows, static_cast<unsigned>(num_draws));
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   return dispatch(logits->dtype, rows, [&](auto t, auto mask) { return f(t, mask, grid, s); });
 }
@@ -178,7 +178,6 @@ int ts_gumbel(const TsLogits* logits, const TsRows* rows, const float* lse_scale
   if (bad_args(logits, rows) || !out->tokens || bad_draws(out, num_draws)) return cudaErrorInvalidValue;
   return dispatch_chunks(logits, rows, stream, [&](auto t, auto mask, dim3 grid, cudaStream_t s) {
     using T = decltype(t);
-    grid.z = static_cast<unsigned>(num_draws);
     constexpr bool M = decltype(mask)::value;
     if (lse_scale)
       gumbel_kernel<T, M, true, kNoRowMask><<<grid, kThreads, 0, s>>>(*logits, *rows, lse_scale, nullptr, nullptr,
@@ -187,18 +186,17 @@ int ts_gumbel(const TsLogits* logits, const TsRows* rows, const float* lse_scale
       gumbel_kernel<T, M, false, kNoRowMask><<<grid, kThreads, 0, s>>>(*logits, *rows, lse_scale, nullptr, nullptr,
                                                                        *out, *ws);
     return cudaGetLastError();
-  });
+  }, num_draws);
 }
 
 int ts_min_p(const TsLogits* logits, const TsRows* rows, const float* row_max, int32_t num_draws,
              const TsOutputs* out, const TsWorkspace* ws, void* stream) {
   if (bad_args(logits, rows) || !out->tokens || !row_max || bad_draws(out, num_draws)) return cudaErrorInvalidValue;
   return dispatch_chunks(logits, rows, stream, [&](auto t, auto mask, dim3 grid, cudaStream_t s) {
-    grid.z = static_cast<unsigned>(num_draws);
     return launch_after_previous(&gumbel_kernel<decltype(t), decltype(mask)::value, false, kMinPRowMask>, grid,
                                  dim3(kThreads), 0, s, *logits, *rows, static_cast<const float*>(nullptr), row_max,
                                  static_cast<const int64_t*>(nullptr), *out, *ws);
-  });
+  }, num_draws);
 }
 
 int ts_sample_kept(const TsLogits* logits, const TsRows* rows, const float* row_max, const int64_t* kept_keys,
@@ -206,11 +204,10 @@ int ts_sample_kept(const TsLogits* logits, const TsRows* rows, const float* row_
   if (bad_args(logits, rows) || !out->tokens || !row_max || !kept_keys || bad_draws(out, num_draws))
     return cudaErrorInvalidValue;
   return dispatch_chunks(logits, rows, stream, [&](auto t, auto mask, dim3 grid, cudaStream_t s) {
-    grid.z = static_cast<unsigned>(num_draws);
     return launch_after_previous(&gumbel_kernel<decltype(t), decltype(mask)::value, false, kCutRowMask>, grid,
                                  dim3(kThreads), 0, s, *logits, *rows, static_cast<const float*>(nullptr), row_max,
                                  kept_keys, *out, *ws);
-  });
+  }, num_draws);
 }
 
 int ts_topk(const TsLogits* logits, const TsRows* rows, int32_t bucket, const TsOutputs* out,
