@@ -22,6 +22,10 @@ same model, GPU and prompt, in one run:
   tokensampler_colocated_logits  the same server, colocated (SamplerClient.colocate): each step handed off on the GPU,
                                  no host round trip on the step's way (docs/colocated.md; needs a GPU)
   tokensampler_colocated_hidden  the same from the hidden states, lm_head.weight registered in place
+  tokensampler_colocated_late_logits
+                                 colocated from logits with every announcement late: the engine's host sends it
+                                 only once its GPU has reached the hand-off, so each step waits for the message,
+                                 the server's queueing of the step and its kernels (the worst a late one costs)
 Rows: tokens/s and step p50/p99 per method, B and depth (medians of --repeats runs, with their range), the
 remote overhead per step, whether the tokens of one input kind are the same in process and remote, and how often
 the tokens of the two kinds agree. Writes e2e-<gpu>-<date>.json (e2e-mps-... when an MPS daemon serves the GPU)
@@ -87,7 +91,7 @@ LOGIT_STD = 2.0
 about LOGIT_STD, which leaves tens of tokens after top-k and top-p (meta's step0_distribution measures it)."""
 METHODS = ("torch", "flashinfer", "tokensampler_inprocess_logits", "tokensampler_graph_logits",
            "tokensampler_inprocess_hidden", "tokensampler_remote_logits", "tokensampler_remote_hidden",
-           "tokensampler_colocated_logits", "tokensampler_colocated_hidden")
+           "tokensampler_colocated_logits", "tokensampler_colocated_hidden", "tokensampler_colocated_late_logits")
 REMOTE_OF_INPROCESS = {"tokensampler_remote_logits": "tokensampler_inprocess_logits",
                        "tokensampler_remote_hidden": "tokensampler_inprocess_hidden",
                        "tokensampler_colocated_logits": "tokensampler_inprocess_logits",
@@ -429,9 +433,11 @@ class ColocatedSampling(Sampling):
     the GPU and the decode loop's stream for the tokens, the step's announcement travelling on a gRPC thread meanwhile.
     One loop a run (its steps count from 1), opened before the run's clock starts."""
 
-    def __init__(self, client: SamplerClient, decoder: Decoder, kind: str, seeds: list[int], prompt_len: int) -> None:
+    def __init__(self, client: SamplerClient, decoder: Decoder, kind: str, seeds: list[int], prompt_len: int,
+                 late: bool = False) -> None:
         super().__init__()
         self.kind = kind
+        self._late = late
         self._client = client
         self._seeds = seeds
         self._prompt_len = prompt_len
@@ -447,6 +453,8 @@ class ColocatedSampling(Sampling):
                                            position=self._prompt_len, **PARAMS)
 
     def sample(self, position: int) -> torch.Tensor:
+        if self._late:  # the step's input is on the GPU before its announcement leaves
+            torch.cuda.current_stream().synchronize()
         return self._loop.step()
 
     def close(self) -> None:
@@ -594,6 +602,10 @@ def compare(rows: dict[str, dict[str, Any]], tokens: dict[str, torch.Tensor]) ->
     if "tokensampler_colocated_logits" in rows and graph in rows:  # against the fastest sampling in process
         rows["tokensampler_colocated_logits"]["overhead_over_graph_us"] = round(
             rows["tokensampler_colocated_logits"]["step_p50_us"] - rows[graph]["step_p50_us"], 1)
+    late, on_time = "tokensampler_colocated_late_logits", "tokensampler_colocated_logits"
+    if late in rows and on_time in rows:
+        rows[late]["late_cost_us"] = round(rows[late]["step_p50_us"] - rows[on_time]["step_p50_us"], 1)
+        rows[late]["tokens_identical_to_on_time"] = torch.equal(tokens[late], tokens[on_time])
     graph, local = "tokensampler_graph_logits", "tokensampler_inprocess_logits"
     if graph in rows and local in rows:
         rows[graph]["saving_over_inprocess_us"] = round(rows[local]["step_p50_us"] - rows[graph]["step_p50_us"], 1)
@@ -630,7 +642,7 @@ def make_sampling(name: str, decoder: Decoder, seeds: list[int], seed: int, *, s
     if name.startswith("tokensampler_inprocess_"):
         return InProcessSampling(sampler, decoder, kind, seeds)
     if name.startswith("tokensampler_colocated_"):
-        return ColocatedSampling(client, decoder, kind, seeds, prompt_len)
+        return ColocatedSampling(client, decoder, kind, seeds, prompt_len, late="_late_" in name)
     return RemoteSampling(client, decoder, kind, seeds, remote_form, probe_iters)
 
 
