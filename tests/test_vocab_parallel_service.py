@@ -53,9 +53,10 @@ def test_a_failed_exchange_is_unavailable() -> None:
 
 
 class _Devices(Backend):
-    """A backend whose devices fail and recover on cue: serving() answers the next of `states`, then the last."""
+    """A backend whose devices fail and recover on cue: serving() answers the next of `states` (None: raises), then
+    the last."""
 
-    def __init__(self, states: list[bool]) -> None:
+    def __init__(self, states: list[bool | None]) -> None:
         self.states = states
         self.asked = 0
 
@@ -67,7 +68,10 @@ class _Devices(Backend):
 
     def serving(self) -> bool:
         self.asked += 1
-        return self.states[min(self.asked - 1, len(self.states) - 1)]
+        state = self.states[min(self.asked - 1, len(self.states) - 1)]
+        if state is None:
+            raise RuntimeError("CUDA error: out of memory")
+        return state
 
 
 class _Health:
@@ -89,4 +93,19 @@ def test_health_follows_the_devices_down_and_back() -> None:
 
     asyncio.run(run())
     # Set only on changes, for the server as a whole and for the Sampler.
+    assert health.history == [("", NOT_SERVING), (SERVICE_NAME, NOT_SERVING), ("", SERVING), (SERVICE_NAME, SERVING)]
+
+
+def test_health_survives_a_device_that_cannot_be_asked() -> None:
+    """serving() raising (a rebuild that ran out of memory) counts as not serving, and the follower goes on."""
+    backend, health = _Devices([True, None, None, True]), _Health()
+
+    async def run() -> None:
+        follower = asyncio.create_task(follow_backend_health(backend, health, period_s=0.01))
+        while backend.asked < 6:
+            await asyncio.sleep(0.01)
+        assert not follower.done()
+        follower.cancel()
+
+    asyncio.run(run())
     assert health.history == [("", NOT_SERVING), (SERVICE_NAME, NOT_SERVING), ("", SERVING), (SERVICE_NAME, SERVING)]

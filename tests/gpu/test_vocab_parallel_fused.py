@@ -250,3 +250,79 @@ def test_the_server_samples_hidden_states_through_a_split_head(split_server) -> 
     finally:
         split_client.unregister_weights("split-head")
         split_client.close()
+
+
+def test_heads_a_split_cannot_take_stay_on_the_first_gpu():
+    """A head with fewer 128-row tiles than devices, or a weight not 16-byte aligned (a region at an odd offset),
+    is not split: the backend's single-GPU path serves it."""
+    _, cuda_vocab_parallel, _ = _modules()
+    heads = cuda_vocab_parallel.SplitHeads(cuda_vocab_parallel.DeviceGroup([0, 0]))
+    hidden = _hidden(4, 256, seed=2)
+    assert heads.takes(_batch(_head(1000, 256), hidden, temperature=1.0))
+    assert not heads.takes(_batch(_head(100, 256), hidden, temperature=1.0))  # one tile, two devices
+    whole = _head(1000, 256)
+    storage = torch.zeros(whole.weight.numel() + 8, dtype=torch.bfloat16, device="cuda")
+    odd = storage[1:1 + whole.weight.numel()].view_as(whole.weight)  # 2 bytes past a 16-byte boundary
+    odd.copy_(whole.weight)
+    assert odd.data_ptr() % 16 == 2
+    assert not heads.takes(_batch(dataclasses.replace(whole, weight=odd), hidden, temperature=1.0))
+
+
+def test_a_second_stage_past_shared_memory_takes_the_logits_path():
+    """Eight shards of V = 64000 with filters: each shard has 62 tiles, so stage 1 runs the register ring (64
+    candidates a CTA) and stage 2 would stage 8 x 62 x 64 keys, past an H200's shared memory. The whole request
+    then takes the logits path, with the tokens of CudaBackend on the whole head's logits; four shards still take
+    the fused path."""
+    _, cuda_vocab_parallel, CudaBackend = _modules()
+    head = _head(64000, 256, seed=7)
+    backend = CudaBackend(0)
+    batch = _batch(head, _hidden(8, 256, seed=6), temperature=1.0, top_k=40, top_p=0.9)
+    eight = cuda_vocab_parallel.VocabParallelHead(head, cuda_vocab_parallel.DeviceGroup([0] * 8))
+    four = cuda_vocab_parallel.VocabParallelHead(head, cuda_vocab_parallel.DeviceGroup([0] * 4))
+    assert not eight._fused_takes(8, 256, True) and four._fused_takes(8, 256, True)
+    whole_requests = []
+
+    def logits_path(rows):
+        whole_requests.append(rows.num_rows)
+        return backend.sample(rows)
+
+    got = eight.sample(batch, logits_path)
+    assert whole_requests == [8]
+    whole_logits = dataclasses.replace(batch, logits=head.logits(batch.hidden.states), hidden=None)
+    assert torch.equal(got.tokens, backend.sample(whole_logits).tokens)
+
+
+def test_a_device_still_busy_after_a_failure_takes_no_call():
+    """check_idle, which guards the rebuild after a failed call: NcclError while a device's stream still runs
+    work (as a stalled kernel would), none once it has finished."""
+    _, cuda_vocab_parallel, _ = _modules()
+    from tokensampler_server.backends.nccl import NcclError
+
+    group = cuda_vocab_parallel.DeviceGroup([0, 0])
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU clock cycles on the current stream
+    with pytest.raises(NcclError, match=r"GPUs \[0\] have not finished"):
+        group.check_idle()
+    torch.cuda.synchronize()
+    group.check_idle()
+
+
+def test_a_group_that_fails_to_connect_aborts_its_communicators(monkeypatch):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    from tokensampler_server.backends import nccl
+
+    aborted = []
+    real_abort = nccl.NcclGroup.abort
+
+    def connect(self, timeout_s):
+        raise RuntimeError("CUDA error: out of memory")
+
+    def abort(self):
+        aborted.append(list(self._comms or ()))
+        real_abort(self)
+
+    monkeypatch.setattr(nccl.NcclGroup, "_connect", connect)
+    monkeypatch.setattr(nccl.NcclGroup, "abort", abort)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        nccl.NcclGroup([0, 1])
+    assert len(aborted) == 1 and len(aborted[0]) == 2

@@ -48,7 +48,11 @@ async def follow_backend_health(backend: Backend, health_servicer: health.aio.He
     there), SERVING again once they can. Runs until cancelled."""
     serving = True
     while True:
-        now = await asyncio.to_thread(backend.serving)
+        try:
+            now = await asyncio.to_thread(backend.serving)
+        except Exception:  # noqa: BLE001 - a device that cannot even be asked does not serve; keep following it
+            log.exception("backend %s: asking whether it serves failed", backend.info().device)
+            now = False
         if now != serving:
             status = health_pb2.HealthCheckResponse.SERVING if now else health_pb2.HealthCheckResponse.NOT_SERVING
             for service in ("", SERVICE_NAME):

@@ -110,10 +110,27 @@ class DeviceGroup:
         return len(set(self.devices)) > 1
 
     def communicators(self) -> NcclGroup:
-        """The NCCL communicators of the devices, built again after an abort (NcclError when that fails)."""
+        """The NCCL communicators of the devices, built again after an abort (NcclError when that fails, or while a
+        device has not finished the work of the call that failed)."""
         if self._nccl is None or not self._nccl.usable:
+            self.check_idle()
             self._nccl = NcclGroup(self.devices, self.timeout_s)
         return self._nccl
+
+    def check_idle(self) -> None:
+        """NcclError unless every device's current stream has finished its work. After a stall that work may never
+        finish, and anything that waits for it (a copy to the device, NCCL's connection on the host) has no deadline.
+        """
+        busy = [device for device in dict.fromkeys(self.devices) if not torch.cuda.current_stream(device).query()]
+        if busy:
+            raise NcclError(f"GPUs {busy} have not finished the work of a call that failed; they take no call until "
+                            "they do")
+
+    def ready(self) -> None:
+        """Before a call, under `lock`: NcclError unless the group can take it (after a failure: its devices idle
+        again and its communicators rebuilt)."""
+        if self.exchanged:
+            self.communicators()
 
     def wait(self) -> None:
         """The end of the work enqueued so far on every device's current stream, within timeout_s."""
@@ -127,12 +144,18 @@ class DeviceGroup:
         """Whether the group can serve: its communicators are usable, or were just built again (and connected)."""
         if not self.exchanged:
             return True
-        with self.lock:
-            try:
-                self.communicators()
-            except NcclError as err:
-                log.warning("vocabulary-parallel devices %s: %s", self.devices, err)
-                return False
+        # A call holds the lock for at most its exchange's deadline; longer, and a device stalled outside it.
+        if not self.lock.acquire(timeout=2 * self.timeout_s):
+            log.warning("vocabulary-parallel devices %s: a call has held them for over %g s", self.devices,
+                        2 * self.timeout_s)
+            return False
+        try:
+            self.communicators()
+        except NcclError as err:
+            log.warning("vocabulary-parallel devices %s: %s", self.devices, err)
+            return False
+        finally:
+            self.lock.release()
         return True
 
     def close(self) -> None:
@@ -220,10 +243,24 @@ class VocabParallelHead:
             self._calls.pop(next(iter(self._calls)))
         return found
 
-    def _make_buffers(self, num_rows: int, dim: int, filtered: bool) -> _CallBuffers:
+    def _plan(self, num_rows: int, dim: int, filtered: bool) -> cuda_fused.FusedPlan | None:
+        """One plan for every shard (the shortest's CTAs along V), so that their partials line up for one
+        all-gather; None where the kernel does not take D."""
         shortest = min(s.head.finish.vocab_size for s in self._shards)
-        # One plan for every shard (the shortest's CTAs along V), so their partials line up for one all-gather.
-        plan = cuda_fused.plan(num_rows, dim, shortest, self.main.index, filtered)
+        return cuda_fused.plan(num_rows, dim, shortest, self.main.index, filtered)
+
+    def _fused_takes(self, num_rows: int, dim: int, filtered: bool) -> bool:
+        """Whether the split call has a plan and its second stage fits the first GPU: with full candidate lists
+        that stage stages every part's list in shared memory, N shards x CTAs x 64 keys."""
+        plan = self._plan(num_rows, dim, filtered)
+        if plan is None:
+            return False
+        per_part = cuda_fused.candidates_per_part(plan, self.main.index)
+        staged = len(self._shards) * plan.vocab_ctas * per_part * 8 if per_part > cuda_fused.MAX_TOP_K else 0
+        return staged <= torch.cuda.get_device_properties(self.main).shared_memory_per_block_optin
+
+    def _make_buffers(self, num_rows: int, dim: int, filtered: bool) -> _CallBuffers:
+        plan = self._plan(num_rows, dim, filtered)
         if plan is None:
             raise ValueError(f"hidden size {dim} does not fit the fused kernel")
         per_part = cuda_fused.candidates_per_part(plan, self.main.index)
@@ -257,13 +294,18 @@ class VocabParallelHead:
         if batch.hidden is None or batch.hidden.lm_head is not self._head():
             raise ValueError("a vocabulary-parallel head samples hidden states through itself")
         states = batch.hidden.states
-        if states.dtype != self.dtype or cuda_fused.request_unsupported_reason(batch) is not None:
+        filtered = cuda_fused.has_filters(batch)
+        with self.group.lock:
+            self.group.ready()
+        if (states.dtype != self.dtype or cuda_fused.request_unsupported_reason(batch) is not None
+                or not self._fused_takes(batch.num_rows, states.shape[1], filtered)):
             return logits_path(replace(batch, logits=self.logits(states), hidden=None))
         states = states.to(self.main)
         with self.group.lock:
+            self.group.ready()
             params = [cuda_fused.row_params(batch, shard.device) for shard in self._shards]
             tokens, logprobs, flags = self.launch(states.contiguous(), params, batch.num_samples,
-                                                  batch.return_logprobs, cuda_fused.has_filters(batch))
+                                                  batch.return_logprobs, filtered)
             self.group.wait()
         result, redo = cuda_fused.host_result(tokens, logprobs, flags)
         if not redo.numel():
@@ -281,14 +323,17 @@ class SplitHeads:
         self.group = group
         self._heads: weakref.WeakKeyDictionary[RegisteredWeight, VocabParallelHead] = weakref.WeakKeyDictionary()
 
-    @staticmethod
-    def takes(batch: SamplingBatch) -> bool:
+    def takes(self, batch: SamplingBatch) -> bool:
         """Whether the batch goes through a split head: hidden states through a head on a GPU that the fused kernel
-        can split (other heads, and logits, stay on the first GPU)."""
+        can split, 16-byte aligned as its loads need, with a tile of rows for every device (other heads, and logits,
+        stay on the first GPU)."""
         if batch.hidden is None:
             return False
-        weight = batch.hidden.lm_head.weight
-        return weight.is_cuda and splittable(weight)
+        head = batch.hidden.lm_head
+        weight = head.weight
+        tiles = -(-head.finish.vocab_size // TILE_ROWS)
+        return (weight.is_cuda and splittable(weight) and weight.data_ptr() % 16 == 0
+                and tiles >= len(self.group.devices))
 
     def sample(self, batch: SamplingBatch,
                logits_path: Callable[[SamplingBatch], SamplingResult]) -> SamplingResult:

@@ -109,7 +109,11 @@ class NcclGroup:
         ids = (ctypes.c_int * len(self.devices))(*self.devices)
         self._api.check(self._api.lib.ncclCommInitAll(comms, len(self.devices), ids), "ncclCommInitAll")
         self._comms: list[ctypes.c_void_p] | None = [ctypes.c_void_p(c) for c in comms]
-        self._connect(timeout_s)
+        try:
+            self._connect(timeout_s)
+        except BaseException:
+            self.abort()  # a group that never connected holds no call: its communicators go with it
+            raise
 
     def _connect(self, timeout_s: float) -> None:
         """One small all-gather, waited for: NCCL connects the ranks at a communicator's first collective, inside
