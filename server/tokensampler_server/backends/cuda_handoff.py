@@ -46,8 +46,12 @@ class Handoff:
         self._logprobs = logprobs
         self._flags = flags
         self._ready, self._release = flags.device_address + READY_OFFSET, flags.device_address + RELEASE_OFFSET
-        self.stream = torch.cuda.Stream(device)
-        self._abort_stream = torch.cuda.Stream(device)  # never blocked: what ends a wait of `stream`
+        # Streams of the loop's own, not torch's pool: a pooled stream may be another loop's, blocked at its wait.
+        index = device.index or 0
+        self.stream = torch.cuda.ExternalStream(self._ops.new_stream(index), device=device)
+        self._abort_stream = torch.cuda.ExternalStream(self._ops.new_stream(index), device=device)  # never blocked:
+        # what ends a wait of `stream`
+        self._streams_held = True
         # Pinned, so mapped for the GPU (unified addressing): the CPU's store is what every later gate reads.
         self._stop = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         with torch.cuda.stream(self.stream):
@@ -86,10 +90,19 @@ class Handoff:
 
     def drain(self, timeout_s: float) -> bool:
         """Whether every queued step is done within `timeout_s` (after an abort: at once, up to the kernels in
-        flight); polled, so a wait that never ends leaves this thread free."""
+        flight); polled, so a wait that never ends leaves this thread free. Once drained the loop's streams are let
+        go."""
         deadline = time.monotonic() + timeout_s
         while not (self.stream.query() and self._abort_stream.query()):
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.001)
+        self.release()
         return True
+
+    def release(self) -> None:
+        """Lets go of the loop's streams if they have drained (streams with work queued are kept, with it)."""
+        if self._streams_held and self.stream.query() and self._abort_stream.query():
+            self._streams_held = False
+            for stream in (self.stream, self._abort_stream):
+                self._ops.destroy_stream(stream.cuda_stream)
