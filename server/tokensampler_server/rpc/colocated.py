@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, aclosing
 
 import grpc
 import numpy as np
@@ -40,9 +40,14 @@ DEFAULT_MAX_LOOPS = 8
 _TOKEN_DTYPES = (pb.DTYPE_INT32, pb.DTYPE_INT64)
 _POSITION_LIMIT = 2**32  # positions are uint32 (SamplingParams.position)
 _DRAIN_TIMEOUT_S = 10.0
+MAX_STEPS_AHEAD = 4
+"""Steps a loop queues on the GPU beyond the last delivered one; a later announcement waits for room. An engine
+runs one or two steps ahead; the bound keeps an engine that never marks its input ready from filling the GPU's
+launch queue (where a launch would block the event loop), and bounds the work queued when a loop ends."""
 log = logging.getLogger(__name__)
-# Flags of loops whose stream did not drain: the GPU may still poll them, so they stay pinned for good.
-_STILL_POLLED: list[MappedFlags] = []
+# Loops whose stream did not drain, with their flags: the GPU may still poll the flags and the loop's stop word,
+# so both stay pinned for good.
+_STILL_POLLED: list[tuple[MappedFlags, _Loop]] = []
 
 
 def _close_flags(flags: MappedFlags, decode: _Loop) -> None:
@@ -51,7 +56,7 @@ def _close_flags(flags: MappedFlags, decode: _Loop) -> None:
     else:
         log.error("a colocated loop's stream did not drain within %g s after its end; its flags stay pinned",
                   _DRAIN_TIMEOUT_S)
-        _STILL_POLLED.append(flags)
+        _STILL_POLLED.append((flags, decode))
 
 
 class ColocatedLoops:
@@ -94,9 +99,12 @@ class ColocatedLoops:
                     region.on_unregister.add(decode.let_go)
                     held.callback(region.on_unregister.discard, decode.let_go)
                 yield pb.ColocateResponse(step=0, seeds=[int(s) for s in seeds], request_id=request_id)
-                async for answer in decode.run(requests):
-                    answer.request_id = request_id
-                    yield answer
+                # Closed here, however this call ends, so that the loop's end (the abort and the drain) comes
+                # before its flags and regions are let go.
+                async with aclosing(decode.run(requests)) as answers:
+                    async for answer in answers:
+                        answer.request_id = request_id
+                        yield answer
         finally:
             self._flags_in_use.discard(opened.flags)
 
@@ -151,6 +159,7 @@ class ColocatedLoops:
         except BaseException:
             flags.close()
             raise
+        held.callback(handoff.release)  # a loop that never queued a step: its idle streams
         return handoff, flags, seeds
 
     def _cuda_tensor(self, held: ExitStack, regions: list[Region], ref: pb.TensorRef, field: str,
@@ -185,9 +194,10 @@ class _Loop:
         self._ended: ServiceError | None = None
         self._ended_event = asyncio.Event()
         self._done = 0
+        self._advanced = asyncio.Event()  # set when a step is delivered or the loop ends: room for the next steps
         self.drained = True
-        """Whether the loop's stream had drained when it ended (else its flags must stay pinned); true while no
-        step was queued."""
+        """Whether the loop's stream is known to have drained (else its flags must stay pinned); true until a step
+        is queued."""
         self._timers: dict[int, asyncio.TimerHandle] = {}  # by step; all cancelled at the end, as an abort after it
         # would write to unpinned flags
 
@@ -200,6 +210,7 @@ class _Loop:
         if self._ended is None:
             self._ended = reason
             self._ended_event.set()
+            self._advanced.set()
             self._handoff.abort()
             self._queue.put_nowait(reason)
 
@@ -228,7 +239,12 @@ class _Loop:
                 ended.cancel()
                 if self._ended is not None:  # at once: the GPU's wait may end later, or (stuck) never
                     raise self._ended
+                if synchronized.exception() is not None:
+                    self._end(ServiceError(f"step {step}: the GPU failed ({synchronized.exception()}); the loop "
+                                           "ended", grpc.StatusCode.INTERNAL))
+                    raise self._ended
                 self._done = step
+                self._advanced.set()
                 self._timers.pop(step).cancel()
                 elapsed = time.perf_counter_ns() - announced
                 yield pb.ColocateResponse(step=step, timings=pb.Timings(compute_ns=elapsed, total_ns=elapsed))
@@ -254,10 +270,16 @@ class _Loop:
                 if step > self._last_step:
                     raise ServiceError(f"step.step: step {step} would sample past position 2^32 - 1 or the last "
                                        f"step {MAX_STEP}; open a new loop", grpc.StatusCode.OUT_OF_RANGE)
+                while True:  # room for the step: at most MAX_STEPS_AHEAD queued past the last delivered
+                    self._advanced.clear()
+                    if step - self._done <= MAX_STEPS_AHEAD or self._ended is not None:
+                        break
+                    await self._advanced.wait()
                 if self._ended is not None:
                     return
                 announced = time.perf_counter_ns()
-                done = self._handoff.enqueue(step)
+                self.drained = False
+                done = self._enqueue(step)
                 self._timers[step] = events.call_later(self._timeout_s, self._expire, step)
                 self._queue.put_nowait((step, done, announced))
                 expected += 1
@@ -266,3 +288,14 @@ class _Loop:
             self._end(err)
         except Exception as err:  # the call broke under the reader (the engine gone)
             self._end(ServiceError(f"Colocate: the call broke ({err})", grpc.StatusCode.CANCELLED))
+
+    def _enqueue(self, step: int) -> torch.cuda.Event:
+        """Handoff.enqueue, its failures as the loop's status."""
+        try:
+            return self._handoff.enqueue(step)
+        except torch.cuda.OutOfMemoryError as err:
+            raise ServiceError(f"step {step}: the server's GPU is out of memory ({err}); the loop ended",
+                               grpc.StatusCode.RESOURCE_EXHAUSTED) from None
+        except Exception as err:  # noqa: BLE001 - a launch that failed: the server's fault, not the call's
+            raise ServiceError(f"step {step}: queueing it on the GPU failed ({err}); the loop ended",
+                               grpc.StatusCode.INTERNAL) from None
