@@ -35,7 +35,7 @@ import numpy as np
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._torch import require_torch
 from tokensampler_client.errors import error_from_rpc
-from tokensampler_client.handoff import FLAGS_BYTES, MAX_STEP, READY_OFFSET, RELEASE_OFFSET, StreamMemOps
+from tokensampler_client.handoff import ABORT, FLAGS_BYTES, MAX_STEP, READY_OFFSET, RELEASE_OFFSET, StreamMemOps
 from tokensampler_client.params import PREPARED_KEYWORDS, fill_sampling_params, logprobs_mode_value
 from tokensampler_client.regions import CudaRegion, SharedMemoryRegion
 
@@ -86,6 +86,7 @@ class ColocatedLoop:
         self._broken: BaseException | None = None
         self._cancelled = False  # by this side, on its first fallback: CANCELLED is then no error
         self._stopping = False  # close(): the watchdog leaves once nothing is pending
+        self._watchdog_error: BaseException | None = None
         self._last_event: Any = None
         self._reader = threading.Thread(target=self._read, name="tokensampler-colocated-reader", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name="tokensampler-colocated-watchdog", daemon=True)
@@ -131,6 +132,7 @@ class ColocatedLoop:
         try:
             answer = next(self._call)
         except grpc.RpcError as err:
+            self._requests.put(_DONE)  # the request iterator's thread waits for it
             raise error_from_rpc(err, self._request_id) from None
         self.seeds = [int(seed) for seed in answer.seeds]
         """The seed of each row (drawn by the server where none was given)."""
@@ -178,6 +180,13 @@ class ColocatedLoop:
 
     def _watch(self) -> None:
         """Falls back, step by step, where the server does not deliver (see the module's docstring)."""
+        try:
+            self._watch_steps()
+        except BaseException as err:  # a fallback that failed: nothing more delivers the steps, close() says so
+            log.exception("colocated loop %s: the watchdog stopped", self._request_id)
+            self._watchdog_error = err
+
+    def _watch_steps(self) -> None:
         poll_s = min(0.01, self._watchdog_s / 10)
         ready_since: float | None = None
         while True:
@@ -215,10 +224,13 @@ class ColocatedLoop:
         with self._lock:
             first = not self._local
             self._local = True
+        # Every gate of the server's closes (the engine's stream wrote "ready n" before it reached this step): a late
+        # step of the server's would otherwise copy a later input and write over a later step's tokens.
+        self._words[READY_OFFSET // 4] = ABORT
         if first:
             log.warning("colocated loop %s: sampling in this process from step %d on (%s)", self._request_id, n, reason)
             self._cancelled = True
-            self._call.cancel()  # the server ends its side: its waits end, it leaves the engine's memory alone
+            self._call.cancel()  # the server ends its side: its waits end
         side = self._fallback.stream
         self._fallback.sample(n, side, self.tokens, self.logprobs)
         side.synchronize()
@@ -236,6 +248,9 @@ class ColocatedLoop:
             with self._lock:
                 if not self._pending:
                     break
+            if not self._watchdog.is_alive():
+                raise RuntimeError(f"colocated loop {self._request_id}: steps are left undelivered, the watchdog "
+                                   f"stopped: {self._watchdog_error!r}")
             time.sleep(0.001)
         if self._last_event is not None:
             self._last_event.synchronize()  # no queued operation reads the flags any more
