@@ -16,7 +16,7 @@ import pytest
 import torch
 from tokensampler_client import SamplerClient
 from tokensampler_client._proto import sampler_pb2 as pb
-from tokensampler_client.handoff import FLAGS_BYTES
+from tokensampler_client.handoff import ABORT, FLAGS_BYTES, READY_OFFSET
 from tokensampler_server.inprocess import LocalSampler
 
 from ..conftest import start_server
@@ -121,6 +121,7 @@ def test_a_late_input_ends_the_loop_on_the_server_and_the_watchdog_delivers(serv
         torch.cuda._sleep(2_000_000_000)  # about a second of the engine's GPU before step 2's input is ready
         got += run_loop(loop, buffer, inputs[1:])
         assert loop.fallbacks == 2, loop._broken  # step 2 after the server's DEADLINE_EXCEEDED, step 3 in process after it
+        assert int(loop._words[READY_OFFSET // 4]) == ABORT  # no late step of the server's copies or delivers
         loop.close()
         assert client.health() == "SERVING"
     for n, ((tokens, _), (want_tokens, _)) in enumerate(zip(got, want), start=1):
@@ -189,6 +190,64 @@ def test_bad_openings_are_refused_by_field(server) -> None:
         assert client.health() == "SERVING"
 
 
+def test_a_loop_announcing_far_ahead_holds_up_no_other_call(server, local) -> None:
+    """An engine announces 200 steps and marks none ready: the server queues a few and holds the rest back, so its
+    event loop and GPU queue stay free. Meanwhile a plain call is served, and so are 16 loops opened and closed
+    and a 17th that checks its tokens: each loop has streams of its own, none of them the stuck loop's."""
+    with SamplerClient(server.target, timeout=60) as client:
+        stuck_buffer = torch.zeros(B, V, device="cuda")
+        stuck = client.colocate(stuck_buffer, seed=list(range(B)), wait_timeout_s=60, **PARAMS)
+        for n in range(1, 201):  # announcements only: the engine's stream never writes "ready"
+            stuck._requests.put(pb.ColocateRequest(step=pb.ColocateStep(step=n)))
+        started = time.monotonic()
+        assert client.sample(torch.randn(4, 1000), top_k=5, seed=[1, 2, 3, 4]).valid.all()
+        assert time.monotonic() - started < 10
+        buffer = torch.zeros(B, V, device="cuda")
+        for _ in range(16):
+            with client.colocate(buffer, seed=list(range(B)), **PARAMS) as loop:
+                run_loop(loop, buffer, step_inputs(1, (B, V), torch.float32, seed=5))
+        seeds = [3 * r for r in range(B)]
+        inputs = step_inputs(3, (B, V), torch.float32, seed=6)
+        want = reference(local, inputs, [0] * B, seed=seeds, **PARAMS)
+        with client.colocate(buffer, seed=seeds, position=0, watchdog_s=5, **PARAMS) as loop:
+            got = run_loop(loop, buffer, inputs)
+            assert loop.fallbacks == 0
+        stuck._call.cancel()  # the server ends the stuck loop: its waits end, its stream drains
+        stuck.close()
+        assert client.health() == "SERVING"
+    for (tokens, _), (want_tokens, _) in zip(got, want):
+        assert torch.equal(tokens, want_tokens)
+
+
+@pytest.mark.parametrize("dtype,width", [(torch.float32, 32000), (torch.bfloat16, 4096), (torch.uint8, 1001)])
+def test_the_gated_copy_moves_the_input_only_while_its_gate_is_open(dtype, width) -> None:
+    """The copy's gate is read once a step into a device word: the copy happens when "ready" holds the step and the
+    stop word is clear, and not at all for a stale step or once the stop word is set (also with the word still
+    holding an earlier open step's verdict). Odd sizes take the byte-wise copy."""
+    from tokensampler_server.backends.cuda_build import load_kernels
+
+    kernels = load_kernels(torch.cuda.current_device())
+    ready = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    stop = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    verdict = torch.zeros(1, dtype=torch.int32, device="cuda")
+    src = torch.randint(1, 100, (B, width), device="cuda").to(dtype)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def copy(step: int) -> torch.Tensor:
+        dst = torch.zeros_like(src)
+        kernels.gated_copy(src.data_ptr(), dst.data_ptr(), src.numel() * src.element_size(), ready.data_ptr(),
+                           stop.data_ptr(), step, verdict.data_ptr(), stream)
+        torch.cuda.synchronize()
+        return dst
+
+    ready[0] = 3
+    assert torch.equal(copy(3), src)
+    assert not copy(4).any()  # "ready" holds an earlier step
+    assert torch.equal(copy(3), src)  # the word holds step 3's verdict from here
+    stop[0] = 1
+    assert not copy(3).any()
+
+
 # Last in the file: when it fails, the module's server is left unusable.
 def test_the_server_survives_an_engine_that_exits_mid_loop(server, local) -> None:
     engine = textwrap.dedent(f"""
@@ -229,31 +288,3 @@ def test_the_server_survives_an_engine_that_exits_mid_loop(server, local) -> Non
     for (tokens, _), (want_tokens, _) in zip(got, want):
         assert torch.equal(tokens, want_tokens)
 
-
-@pytest.mark.parametrize("dtype,width", [(torch.float32, 32000), (torch.bfloat16, 4096), (torch.uint8, 1001)])
-def test_the_gated_copy_moves_the_input_only_while_its_gate_is_open(dtype, width) -> None:
-    """The copy's gate is read once a step into a device word: the copy happens when "ready" holds the step and the
-    stop word is clear, and not at all for a stale step or once the stop word is set (also with the word still
-    holding an earlier open step's verdict). Odd sizes take the byte-wise copy."""
-    from tokensampler_server.backends.cuda_build import load_kernels
-
-    kernels = load_kernels(torch.cuda.current_device())
-    ready = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-    stop = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-    verdict = torch.zeros(1, dtype=torch.int32, device="cuda")
-    src = torch.randint(1, 100, (B, width), device="cuda").to(dtype)
-    stream = torch.cuda.current_stream().cuda_stream
-
-    def copy(step: int) -> torch.Tensor:
-        dst = torch.zeros_like(src)
-        kernels.gated_copy(src.data_ptr(), dst.data_ptr(), src.numel() * src.element_size(), ready.data_ptr(),
-                           stop.data_ptr(), step, verdict.data_ptr(), stream)
-        torch.cuda.synchronize()
-        return dst
-
-    ready[0] = 3
-    assert torch.equal(copy(3), src)
-    assert not copy(4).any()  # "ready" holds an earlier step
-    assert torch.equal(copy(3), src)  # the word holds step 3's verdict from here
-    stop[0] = 1
-    assert not copy(3).any()
