@@ -23,7 +23,6 @@ FLAGS_BYTES = 128
 ABORT = 0x7FFFFFFF
 MAX_STEP = ABORT - 1
 
-_CU_STREAM_NON_BLOCKING = 0x1
 _CU_STREAM_WAIT_VALUE_GEQ = 0x0
 _CU_STREAM_WRITE_VALUE_DEFAULT = 0x0  # ordered after the stream's earlier work, with a memory barrier
 _HOST_REGISTER_PORTABLE_MAPPED = 0x1 | 0x2
@@ -31,8 +30,8 @@ _OPS = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
 
 
 class StreamMemOps:
-    """cuStreamWaitValue32 and cuStreamWriteValue32 of the CUDA driver (torch does not expose them), streams of
-    their own, and the registration of host memory the GPU maps. Loaded once per process."""
+    """cuStreamWaitValue32 and cuStreamWriteValue32 of the CUDA driver (torch does not expose them), and the
+    registration of host memory the GPU maps. Loaded once per process."""
 
     _instance: StreamMemOps | None = None
     _lock = threading.Lock()
@@ -46,14 +45,6 @@ class StreamMemOps:
         self._write = self._function(driver, "cuStreamWriteValue32", _OPS)
         self._device_pointer = self._function(
             driver, "cuMemHostGetDevicePointer", [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint])
-        handle = [ctypes.POINTER(ctypes.c_void_p)]
-        self._device_get = self._function(driver, "cuDeviceGet", [ctypes.POINTER(ctypes.c_int), ctypes.c_int])
-        self._retain = self._function(driver, "cuDevicePrimaryCtxRetain", [*handle, ctypes.c_int])
-        self._release = self._function(driver, "cuDevicePrimaryCtxRelease", [ctypes.c_int])
-        self._push = self._function(driver, "cuCtxPushCurrent", [ctypes.c_void_p])
-        self._pop = self._function(driver, "cuCtxPopCurrent", handle)
-        self._stream_create = self._function(driver, "cuStreamCreate", [*handle, ctypes.c_uint])
-        self._stream_destroy = self._function(driver, "cuStreamDestroy", [ctypes.c_void_p])
 
     @classmethod
     def get(cls) -> StreamMemOps:
@@ -78,29 +69,6 @@ class StreamMemOps:
     def write(self, stream: int, address: int, value: int) -> None:
         """Writes `value` to the word at `address` once `stream`'s earlier work is done and visible."""
         self._check(self._write(stream, address, value, _CU_STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue32")
-
-    def new_stream(self, device_index: int) -> int:
-        """A CUDA stream of its own (cudaStream_t address) on the device's primary context, the one torch uses,
-        that does not wait for the legacy default stream. torch.cuda.Stream() hands out a pool of 32 streams a
-        device in turn, so two of its streams may be one: a loop blocked at its wait would then hold the other's
-        work too."""
-        device, context = ctypes.c_int(), ctypes.c_void_p()
-        self._check(self._device_get(ctypes.byref(device), device_index), "cuDeviceGet")
-        self._check(self._retain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain")
-        try:
-            self._check(self._push(context), "cuCtxPushCurrent")
-            try:
-                stream = ctypes.c_void_p()
-                self._check(self._stream_create(ctypes.byref(stream), _CU_STREAM_NON_BLOCKING), "cuStreamCreate")
-                return stream.value
-            finally:
-                self._pop(ctypes.byref(ctypes.c_void_p()))
-        finally:
-            self._release(device)
-
-    def destroy_stream(self, stream: int) -> None:
-        """Lets go of a stream of new_stream (its queued work still completes)."""
-        self._check(self._stream_destroy(stream), "cuStreamDestroy")
 
     def register_host(self, address: int, nbytes: int) -> int:
         """Pins host memory [address, address + nbytes) and maps it for every GPU; returns its device address."""

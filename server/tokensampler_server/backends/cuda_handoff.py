@@ -23,6 +23,7 @@ from tokensampler_client.handoff import ABORT, READY_OFFSET, RELEASE_OFFSET, Str
 
 from tokensampler_server.backends.base import PreparedSampling
 from tokensampler_server.backends.cuda_build import load_kernels
+from tokensampler_server.backends.cuda_streams import exclusive_stream, give_back
 from tokensampler_server.resources.flags import MappedFlags
 from tokensampler_server.resources.weights import RegisteredWeight
 
@@ -46,18 +47,20 @@ class Handoff:
         self._logprobs = logprobs
         self._flags = flags
         self._ready, self._release = flags.device_address + READY_OFFSET, flags.device_address + RELEASE_OFFSET
-        # Streams of the loop's own, not torch's pool: a pooled stream may be another loop's, blocked at its wait.
-        index = device.index or 0
-        self.stream = torch.cuda.ExternalStream(self._ops.new_stream(index), device=device)
-        self._abort_stream = torch.cuda.ExternalStream(self._ops.new_stream(index), device=device)  # never blocked:
-        # what ends a wait of `stream`
+        # Streams no other loop shares: a shared one would queue this loop's steps behind another's wait.
+        self.stream = exclusive_stream(device)
+        self._abort_stream = exclusive_stream(device)  # never blocked: what ends a wait of `stream`
         self._streams_held = True
-        # Pinned, so mapped for the GPU (unified addressing): the CPU's store is what every later gate reads.
-        self._stop = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-        with torch.cuda.stream(self.stream):
-            self._input = torch.empty_like(source)
-            self._verdict = torch.zeros(1, dtype=torch.int32, device=device)  # the copy's gate, read once a step
-            self._base_position = prepared.position.clone()
+        try:
+            # Pinned, so mapped for the GPU (unified addressing): the CPU's store is what every later gate reads.
+            self._stop = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            with torch.cuda.stream(self.stream):
+                self._input = torch.empty_like(source)
+                self._verdict = torch.zeros(1, dtype=torch.int32, device=device)  # the copy's gate, read once a step
+                self._base_position = prepared.position.clone()
+        except BaseException:
+            self.release()
+            raise
 
     def enqueue(self, step: int) -> torch.cuda.Event:
         """Queues step `step` (1 <= step < ABORT); the event is recorded once its tokens are delivered (or skipped,
@@ -101,8 +104,7 @@ class Handoff:
         return True
 
     def release(self) -> None:
-        """Lets go of the loop's streams if they have drained (streams with work queued are kept, with it)."""
+        """Lets other loops have the streams once they have drained (streams with work queued stay held)."""
         if self._streams_held and self.stream.query() and self._abort_stream.query():
             self._streams_held = False
-            for stream in (self.stream, self._abort_stream):
-                self._ops.destroy_stream(stream.cuda_stream)
+            give_back(self.stream, self._abort_stream)

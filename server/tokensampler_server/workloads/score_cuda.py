@@ -20,6 +20,7 @@ import torch
 
 from tokensampler_server.backends.cuda_buffers import grown
 from tokensampler_server.backends.cuda_kernels import DTYPE_CODES, stream_address
+from tokensampler_server.backends.cuda_streams import exclusive_stream
 from tokensampler_server.resources.weights import RegisteredWeight
 from tokensampler_server.workloads.score import LogitSource, Scores, TokenScoring, row_temperature, score_tokens
 
@@ -56,7 +57,7 @@ class ScoreKernels:
         self.device = device
         self.module = module
         self.chunk_bytes = chunk_bytes
-        self._side = torch.cuda.Stream(device)
+        self._side = exclusive_stream(device)  # never one a colocated loop blocks
         self._counters = torch.zeros(0, dtype=torch.int32, device=device)
         self._scratch = torch.empty(0, dtype=torch.uint8, device=device)
         self._state = torch.empty(0, dtype=torch.uint8, device=device)
