@@ -2,8 +2,8 @@
 (docs/colocated.md; the GPU side is backends/cuda_handoff.py).
 
 A loop is one call. Its first message opens it over the engine's registered regions, which it holds until it
-ends; each later message announces a step, queued on the loop's stream at once (the host never waits for the
-GPU on a step's way). A thread of the loop's waits for each step's event in turn and the call answers it. The
+ends; each later message announces a step, queued on the loop's stream at once, up to MAX_STEPS_AHEAD past the
+last delivered one (the host never waits for the GPU on a step's way). A thread of the loop's waits for each step's event in turn and the call answers it. The
 loop ends, its waits ended by an abort, when the engine closes the call (after its steps are answered), when
 the call breaks (the engine gone: at once), when a step's input is not ready within the wait timeout
 (DEADLINE_EXCEEDED), or when one of its regions is unregistered (FAILED_PRECONDITION).
@@ -193,8 +193,11 @@ class _Loop:
         self._queue: asyncio.Queue[tuple[int, torch.cuda.Event, int] | BaseException | None] = asyncio.Queue()
         self._ended: ServiceError | None = None
         self._ended_event = asyncio.Event()
-        self._done = 0
-        self._advanced = asyncio.Event()  # set when a step is delivered or the loop ends: room for the next steps
+        self._done = 0  # the last step delivered
+        self._queued = 0  # the last step queued on the GPU
+        self._announced = 0  # the last step announced
+        self._read_all = False  # the engine closed its side: once every announced step is queued, the loop ends
+        self._events: asyncio.AbstractEventLoop | None = None
         self.drained = True
         """Whether the loop's stream is known to have drained (else its flags must stay pinned); true until a step
         is queued."""
@@ -210,7 +213,6 @@ class _Loop:
         if self._ended is None:
             self._ended = reason
             self._ended_event.set()
-            self._advanced.set()
             self._handoff.abort()
             self._queue.put_nowait(reason)
 
@@ -221,8 +223,8 @@ class _Loop:
                                    grpc.StatusCode.DEADLINE_EXCEEDED))
 
     async def run(self, requests: AsyncIterator[pb.ColocateRequest]) -> AsyncIterator[pb.ColocateResponse]:
-        events = asyncio.get_running_loop()
-        reader = asyncio.ensure_future(self._read(requests, events))
+        events = self._events = asyncio.get_running_loop()
+        reader = asyncio.ensure_future(self._read(requests))
         clean = False
         try:
             while True:
@@ -232,7 +234,7 @@ class _Loop:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                step, done, announced = item
+                step, done, queued = item
                 synchronized = events.run_in_executor(self._waiters, done.synchronize)
                 ended = asyncio.ensure_future(self._ended_event.wait())
                 await asyncio.wait({synchronized, ended}, return_when=asyncio.FIRST_COMPLETED)
@@ -244,9 +246,9 @@ class _Loop:
                                            "ended", grpc.StatusCode.INTERNAL))
                     raise self._ended
                 self._done = step
-                self._advanced.set()
                 self._timers.pop(step).cancel()
-                elapsed = time.perf_counter_ns() - announced
+                self._queue_steps()
+                elapsed = time.perf_counter_ns() - queued
                 yield pb.ColocateResponse(step=step, timings=pb.Timings(compute_ns=elapsed, total_ns=elapsed))
         finally:
             reader.cancel()
@@ -258,7 +260,9 @@ class _Loop:
             for timer in self._timers.values():
                 timer.cancel()
 
-    async def _read(self, requests: AsyncIterator[pb.ColocateRequest], events: asyncio.AbstractEventLoop) -> None:
+    async def _read(self, requests: AsyncIterator[pb.ColocateRequest]) -> None:
+        """Reads every announcement as it comes (so a broken call ends the loop at once) and queues the steps there
+        is room for."""
         expected = 1
         try:
             async for message in requests:
@@ -270,24 +274,36 @@ class _Loop:
                 if step > self._last_step:
                     raise ServiceError(f"step.step: step {step} would sample past position 2^32 - 1 or the last "
                                        f"step {MAX_STEP}; open a new loop", grpc.StatusCode.OUT_OF_RANGE)
-                while True:  # room for the step: at most MAX_STEPS_AHEAD queued past the last delivered
-                    self._advanced.clear()
-                    if step - self._done <= MAX_STEPS_AHEAD or self._ended is not None:
-                        break
-                    await self._advanced.wait()
                 if self._ended is not None:
                     return
-                announced = time.perf_counter_ns()
-                self.drained = False
-                done = self._enqueue(step)
-                self._timers[step] = events.call_later(self._timeout_s, self._expire, step)
-                self._queue.put_nowait((step, done, announced))
+                self._announced = step
+                self._queue_steps()
                 expected += 1
-            self._queue.put_nowait(None)
+            self._read_all = True
+            self._queue_steps()
         except ServiceError as err:
             self._end(err)
         except Exception as err:  # the call broke under the reader (the engine gone)
             self._end(ServiceError(f"Colocate: the call broke ({err})", grpc.StatusCode.CANCELLED))
+
+    def _queue_steps(self) -> None:
+        """Queues announced steps on the GPU while at most MAX_STEPS_AHEAD lie past the last delivered one; once the
+        engine has closed its side and every step is queued, the loop's last item."""
+        while self._ended is None and self._queued < self._announced and self._queued - self._done < MAX_STEPS_AHEAD:
+            step = self._queued + 1
+            queued = time.perf_counter_ns()
+            self.drained = False
+            try:
+                done = self._enqueue(step)
+            except ServiceError as err:
+                self._end(err)
+                return
+            self._queued = step
+            self._timers[step] = self._events.call_later(self._timeout_s, self._expire, step)
+            self._queue.put_nowait((step, done, queued))
+        if self._ended is None and self._read_all and self._queued == self._announced:
+            self._read_all = False  # the last item once
+            self._queue.put_nowait(None)
 
     def _enqueue(self, step: int) -> torch.cuda.Event:
         """Handoff.enqueue, its failures as the loop's status."""
