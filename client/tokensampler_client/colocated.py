@@ -301,8 +301,8 @@ class _Fallback:
         self._head = self._sampler.register_head(head) if head is not None else None
         self._options = dict(num_samples=num_samples, return_logprobs=logprobs, logprobs_mode=logprobs_mode)
         self._params = params
-        # High priority: torch's pool of such streams is not the one an engine's default-priority streams come from,
-        # so this is never the stream whose wait a fallback step releases.
+        # From torch's pool of high-priority streams: not one of the engine's default-priority pooled streams, one
+        # of which may be blocked at the very wait that a fallback step releases.
         self.stream = torch.cuda.Stream(source.device, priority=-1)
         self._lock = threading.Lock()
 
