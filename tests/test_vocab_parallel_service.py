@@ -82,23 +82,10 @@ class _Health:
         self.history.append((service, status))
 
 
-def test_health_follows_the_devices_down_and_back() -> None:
-    backend, health = _Devices([True, False, False, True]), _Health()
-
-    async def run() -> None:
-        follower = asyncio.create_task(follow_backend_health(backend, health, period_s=0.01))
-        while backend.asked < 6:
-            await asyncio.sleep(0.01)
-        follower.cancel()
-
-    asyncio.run(run())
-    # Set only on changes, for the server as a whole and for the Sampler.
-    assert health.history == [("", NOT_SERVING), (SERVICE_NAME, NOT_SERVING), ("", SERVING), (SERVICE_NAME, SERVING)]
-
-
-def test_health_survives_a_device_that_cannot_be_asked() -> None:
-    """serving() raising (a rebuild that ran out of memory) counts as not serving, and the follower goes on."""
-    backend, health = _Devices([True, None, None, True]), _Health()
+def _followed(states: list[bool | None]) -> list[tuple[str, int]]:
+    """The health statuses set while a follower asks a backend answering `states` six times (it must still be
+    following then)."""
+    backend, health = _Devices(states), _Health()
 
     async def run() -> None:
         follower = asyncio.create_task(follow_backend_health(backend, health, period_s=0.01))
@@ -108,4 +95,16 @@ def test_health_survives_a_device_that_cannot_be_asked() -> None:
         follower.cancel()
 
     asyncio.run(run())
-    assert health.history == [("", NOT_SERVING), (SERVICE_NAME, NOT_SERVING), ("", SERVING), (SERVICE_NAME, SERVING)]
+    return health.history
+
+
+def test_health_follows_the_devices_down_and_back() -> None:
+    # Set only on changes, for the server as a whole and for the Sampler.
+    assert _followed([True, False, False, True]) == [("", NOT_SERVING), (SERVICE_NAME, NOT_SERVING), ("", SERVING),
+                                                     (SERVICE_NAME, SERVING)]
+
+
+def test_health_survives_a_device_that_cannot_be_asked() -> None:
+    """serving() raising (a rebuild that ran out of memory) counts as not serving, and the follower goes on."""
+    assert _followed([True, None, None, True]) == [("", NOT_SERVING), (SERVICE_NAME, NOT_SERVING), ("", SERVING),
+                                                   (SERVICE_NAME, SERVING)]
