@@ -345,3 +345,41 @@ def test_acceptance_uniforms_use_their_own_counter_and_are_uniform() -> None:
     many = acceptance_uniforms(torch.arange(50_000), zero, zero)
     assert ((many > 0) & (many < 1)).all()
     assert stats.kstest(many.numpy(), "uniform").pvalue >= ALPHA
+
+
+def _verify_request(draft: np.ndarray, kind: str = "draft_probs", rows: int = 1000):
+    """A VerifyDraftRequest of `rows` rows of one draft position over V = 2: draft token 0, flat target logits."""
+    from tokensampler_client._proto import sampler_pb2 as pb
+    from tokensampler_client.tensors import encode_tensor
+
+    request = pb.VerifyDraftRequest(draft_ids=encode_tensor(np.zeros((rows, 1), np.int32)),
+                                    target_logits=encode_tensor(np.zeros((rows, 2, 2), np.float32)),
+                                    params=pb.SamplingParams(seed=list(range(1, rows + 1))))
+    getattr(request, kind).CopyFrom(encode_tensor(np.tile(draft.astype(np.float32), (rows, 1, 1))))
+    return request
+
+
+def test_huge_draft_probabilities_are_the_distribution_they_scale_to() -> None:
+    """[3e38, 1e38] is [0.75, 0.25] once renormalised; its fp32 sum overflows, which must not make p = 0 (every draft
+    token accepted): the same tokens as the small form, for the same seeds."""
+    from tokensampler_server.core.config import Limits
+    from tokensampler_server.validation.workloads import validate_verify_request
+
+    results = []
+    for draft in (np.array([3e38, 1e38]), np.array([0.75, 0.25])):
+        verification, _ = validate_verify_request(_verify_request(draft), Limits())
+        results.append(verify_draft(verification))
+    (accepted, tokens), (want_accepted, want_tokens) = results
+    assert torch.equal(accepted, want_accepted) and torch.equal(tokens, want_tokens)
+    assert 0.6 < float(want_accepted.float().mean()) < 0.73  # P(accept) = q/p = 0.5/0.75
+
+
+@pytest.mark.parametrize("value", [float("-inf"), float("nan")])
+def test_draft_logits_without_a_finite_value_are_refused_by_field(value: float) -> None:
+    from tokensampler_server.core.config import Limits
+    from tokensampler_server.core.errors import InvalidArgument
+    from tokensampler_server.validation.workloads import validate_verify_request
+
+    with pytest.raises(InvalidArgument) as refused:
+        validate_verify_request(_verify_request(np.array([value, value]), "draft_logits", rows=2), Limits())
+    assert "draft_logits" in str(refused.value)

@@ -178,14 +178,18 @@ def validate_verify_request(
     ids = draft_ids.numpy()
     _check(ids.reshape(-1), ((ids >= 0) & (ids < vocab)).reshape(-1), "draft_ids", f"token ids in [0, V={vocab})")
     if kind == "draft_logits":
+        if not bool(torch.isfinite(draft).any(dim=-1).all()):
+            raise InvalidArgument("draft_logits", "got a position without a finite logit, expected a distribution")
         probs = torch.softmax(torch.nan_to_num(draft, nan=float("-inf"), posinf=float("-inf")), dim=-1)
     else:
-        probs = draft
-        bad = ~torch.isfinite(probs) | (probs < 0)
+        bad = ~torch.isfinite(draft) | (draft < 0)
         if bool(bad.any()):
             raise InvalidArgument("draft_probs", "got negative or non-finite values, expected probabilities >= 0")
-        if bool((probs.sum(dim=-1) <= 0).any()):
+        largest = draft.amax(dim=-1, keepdim=True)
+        if bool((largest <= 0).any()):
             raise InvalidArgument("draft_probs", "got a position whose probabilities sum to 0, expected a distribution")
+        # Scaled to a largest value of 1 (the same distribution once renormalised), so that no fp32 sum overflows.
+        probs = draft / largest
     rows = validate_row_params(request.params, num_rows, vocab, limits, seed_source)
     verification = DraftVerification(
         draft_ids=draft_ids, draft_probs=probs.nan_to_num(0.0), target_logits=target, **rows.row_sampling(),
