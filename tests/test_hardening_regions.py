@@ -209,3 +209,43 @@ def test_concurrent_register_and_unregister_of_the_same_names_keeps_the_registri
             client.unregister_weights(name)
         client.unregister_region("heads")
     assert client.list_regions() == [] and client.list_weights() == []
+
+
+def test_a_reference_larger_than_the_caller_may_send_is_refused_before_it_is_read(monkeypatch) -> None:
+    """A sparse segment can be far larger than any input the server takes: Region.tensor refuses a reference past
+    its max_bytes by field, without reading a byte of it."""
+    from multiprocessing import shared_memory
+
+    from tokensampler_server.core.errors import InvalidArgument
+    from tokensampler_server.resources.regions import Region, RegionRegistry
+
+    segment = shared_memory.SharedMemory(create=True, size=1 << 20)
+    try:
+        regions = RegionRegistry(allow_shm=True)
+        region = regions.register(pb.RegisterRegionRequest(
+            name="sparse", shm=pb.SharedMemorySource(key=segment.name.lstrip("/"), byte_size=segment.size)))
+        monkeypatch.setattr(Region, "_read", lambda *args: pytest.fail("the reference was read"))
+        ref = pb.TensorRef(region="sparse", dtype=pb.DTYPE_FLOAT32, shape=[1, 1 << 18])  # the whole 1 MiB
+        with pytest.raises(InvalidArgument) as refused:
+            region.tensor(ref, "logits_ref", (pb.DTYPE_FLOAT32,), max_bytes=1 << 16)
+        assert refused.value.field == "logits_ref.shape" and "at most 65536" in str(refused.value)
+        region.release()
+    finally:
+        segment.close()
+        segment.unlink()
+
+
+def test_names_past_the_limit_are_refused_and_long_names_do_not_break_the_status(
+        client: SamplerClient, capped_server: RunningServer) -> None:
+    """A name of more than 256 bytes is INVALID_ARGUMENT naming `name` (every listing repeats every name), and a
+    status quoting a caller's 100,000-character string stays a status, cut short, not a metadata overflow."""
+    code, details = _status(lambda: client.register_shm_region("r" * 257, 64))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("name:"), details
+    weight = torch.randn(VOCAB, DIM)
+    code, details = _status(lambda: client.register_weights("w" * 300, weight))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("name:"), details
+    assert client.list_weights() == [] and client.list_regions() == []
+    with grpc.insecure_channel(capped_server.target) as channel:
+        code, details = _status(lambda: pb_grpc.SamplerStub(channel).UnregisterWeights(
+            pb.UnregisterWeightsRequest(name="y" * 100_000), timeout=30))
+    assert code == grpc.StatusCode.NOT_FOUND and "bytes)" in details and len(details) < 2000, (code, len(details))

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_server.core.errors import InvalidArgument, ServiceError
 from tokensampler_server.resources.weights import LogitsFinish, WeightRegistry, check_finish, load_safetensors, resolve_weights_path
+from tokensampler_server.resources.refcounted import MAX_NAME_BYTES
 from tokensampler_server.rpc.weights_rpc import read_upload
 
 from .polling import wait_until_async
@@ -64,8 +65,9 @@ async def _stream(messages):
         yield message
 
 
-def _read(messages, max_bytes: int = 1 << 20):
-    return asyncio.run(read_upload(_stream(messages), max_bytes))
+def _read(messages, max_bytes: int = 1 << 20, registry: WeightRegistry | None = None):
+    registry = registry if registry is not None else WeightRegistry(torch.device("cpu"))
+    return asyncio.run(read_upload(_stream(messages), max_bytes, registry.check_free))
 
 
 def test_upload_in_chunks_is_verified_and_complete() -> None:
@@ -85,6 +87,9 @@ def test_upload_in_chunks_is_verified_and_complete() -> None:
         (lambda m: m[0].__setattr__("dtype", pb.DTYPE_INT32), "dtype"),
         (lambda m: m[0].shape.pop(), "shape"),
         (lambda m: m[1].__setattr__("name", "again"), "name"),
+        (lambda m: m[1].options.CopyFrom(pb.WeightOptions(soft_cap=-1.0)), "options"),  # options only in the header
+        (lambda m: m[0].__setattr__("name", "n" * (MAX_NAME_BYTES + 1)), "name"),
+        (lambda m: m[0].options.CopyFrom(pb.WeightOptions(soft_cap=-1.0)), "options.soft_cap"),
         (lambda m: m.clear(), "name"),
     ],
 )
@@ -94,6 +99,24 @@ def test_bad_uploads_are_refused(mutate, field: str) -> None:
     with pytest.raises(InvalidArgument) as raised:
         _read(messages)
     assert raised.value.field == field
+
+
+@pytest.mark.parametrize("taken", [True, False])
+def test_an_upload_whose_name_cannot_be_registered_is_refused_at_its_header(taken: bool) -> None:
+    """A name already taken (ALREADY_EXISTS), or a registry at its limit (RESOURCE_EXHAUSTED), is refused when the
+    header arrives: no data message is read."""
+    registry = WeightRegistry(torch.device("cpu"), max_weights=1)
+    registry.register("w" if taken else "other", torch.randn(4, 2), LogitsFinish(vocab_size=4), sha256="")
+    messages = _chunks(torch.randn(33, 7).half(), chunk_bytes=64)
+
+    async def header_then_fail():
+        yield messages[0]
+        raise AssertionError("a data message was read")
+
+    with pytest.raises(ServiceError) as raised:
+        asyncio.run(read_upload(header_then_fail(), 1 << 20, registry.check_free))
+    want = grpc.StatusCode.ALREADY_EXISTS if taken else grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert raised.value.code == want
 
 
 def test_upload_larger_than_the_limit_is_refused() -> None:

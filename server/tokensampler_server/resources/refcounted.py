@@ -28,6 +28,18 @@ from tokensampler_server.core.errors import InvalidArgument, ServiceError
 
 T = TypeVar("T")
 _UNREGISTER_POLL_S = 0.005
+MAX_NAME_BYTES = 256
+"""The longest name of a registered resource, in UTF-8 bytes: every listing repeats every name, and a few names of
+megabytes would push ListWeights or ListRegions past the message limit for every client."""
+
+
+def check_name(name: str, kind: str, field: str = "name") -> None:
+    """INVALID_ARGUMENT naming `field` unless `name` is a non-empty name of at most MAX_NAME_BYTES."""
+    if not name:
+        raise InvalidArgument(field, f"got an empty name, expected a non-empty {kind} name")
+    size = len(name.encode())
+    if size > MAX_NAME_BYTES:
+        raise InvalidArgument(field, f"got a name of {size} bytes, expected at most {MAX_NAME_BYTES}")
 
 
 class RefCountedRegistry(Generic[T]):
@@ -46,19 +58,28 @@ class RefCountedRegistry(Generic[T]):
 
     def add(self, name: str, item: T) -> T:
         """Makes `item` usable under `name` (ALREADY_EXISTS if taken, RESOURCE_EXHAUSTED past the cap)."""
-        if not name:
-            raise InvalidArgument("name", f"got an empty name, expected a non-empty {self._kind} name")
+        check_name(name, self._kind)
         with self._lock:
-            if name in self._items or name in self._leaving:
-                state = "being unregistered" if name in self._leaving else "already registered"
-                raise ServiceError(f"name: a {self._kind} named {name!r} is {state}", grpc.StatusCode.ALREADY_EXISTS)
-            if self._max_items is not None and len(self._items) + len(self._leaving) >= self._max_items:
-                raise ServiceError(
-                    f"name: {self._max_items} {self._kind}s are registered, the server's limit; unregister one first",
-                    grpc.StatusCode.RESOURCE_EXHAUSTED)
+            self._refuse_locked(name)
             self._items[name] = item
             self._holds[id(item)] = 0
         return item
+
+    def check_free(self, name: str) -> None:
+        """Raises what `add` would raise for `name` now, without adding: lets a long registration be refused
+        before its work."""
+        check_name(name, self._kind)
+        with self._lock:
+            self._refuse_locked(name)
+
+    def _refuse_locked(self, name: str) -> None:
+        if name in self._items or name in self._leaving:
+            state = "being unregistered" if name in self._leaving else "already registered"
+            raise ServiceError(f"name: a {self._kind} named {name!r} is {state}", grpc.StatusCode.ALREADY_EXISTS)
+        if self._max_items is not None and len(self._items) + len(self._leaving) >= self._max_items:
+            raise ServiceError(
+                f"name: {self._max_items} {self._kind}s are registered, the server's limit; unregister one first",
+                grpc.StatusCode.RESOURCE_EXHAUSTED)
 
     def get(self, name: str) -> T | None:
         """The item registered as `name`, without holding it; None if there is none."""

@@ -29,7 +29,7 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.tensors import DTYPE_TO_TORCH, dtype_name
 
 from tokensampler_server.core.errors import InvalidArgument, ServiceError
-from tokensampler_server.resources.refcounted import RefCountedRegistry
+from tokensampler_server.resources.refcounted import RefCountedRegistry, check_name
 
 _SHM_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _MAX_CACHED_VIEWS = 64
@@ -84,11 +84,15 @@ class Region:
         if self.ready_event is not None:
             torch.cuda.current_stream(self.device).wait_event(self.ready_event)
 
-    def tensor(self, ref: pb.TensorRef, field: str, dtypes: tuple[int, ...]) -> torch.Tensor:
+    def tensor(self, ref: pb.TensorRef, field: str, dtypes: tuple[int, ...], max_bytes: int) -> torch.Tensor:
         """The tensor `ref` points to (a view of a GPU region; a copy read from a shared-memory segment):
-        OUT_OF_RANGE past the region's end, INVALID_ARGUMENT if malformed."""
+        OUT_OF_RANGE past the region's end, INVALID_ARGUMENT if malformed or larger than max_bytes (checked before
+        a byte is read: a sparse segment may be far larger than anything the server would accept)."""
         _check_dtype(ref.dtype, field, dtypes)
         shape = tuple(ref.shape)
+        size = math.prod(shape) * DTYPE_TO_TORCH[ref.dtype].itemsize
+        if size > max_bytes:
+            raise InvalidArgument(f"{field}.shape", f"got {list(shape)}: {size} bytes, expected at most {max_bytes}")
         key = (ref.offset, ref.dtype, shape)
         view = self.views.get(key)
         if view is None:
@@ -350,8 +354,7 @@ class RegionRegistry:
             flag = "--allow-shm" if kind == "shm" else "--allow-cuda-ipc"
             raise ServiceError(f"source: {kind} regions are off on this server (start it with {flag})",
                                grpc.StatusCode.PERMISSION_DENIED)
-        if not request.name:
-            raise InvalidArgument("name", "got an empty name, expected a non-empty region name")
+        check_name(request.name, "region")  # before the segment is opened or the memory mapped
         if kind == "shm":
             segment = open_shared_memory(request.shm)
             region = Region(name=request.name, kind=kind, release=segment.close, segment=segment)

@@ -256,6 +256,10 @@ class WeightRegistry:
             region.weights.add(entry)
         return entry
 
+    def check_free(self, name: str) -> None:
+        """What `register` would refuse of `name` now (a bad name, ALREADY_EXISTS, RESOURCE_EXHAUSTED)."""
+        self._weights.check_free(name)
+
     def list(self) -> list[RegisteredWeight]:
         return self._weights.items()
 

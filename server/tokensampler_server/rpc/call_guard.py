@@ -54,6 +54,19 @@ Admit = Callable[[grpc.aio.ServicerContext], None]
 """Takes the call's admission slots, or raises RESOURCE_EXHAUSTED."""
 
 
+_MAX_DETAILS = 1024
+"""UTF-8 bytes of a status message kept. A message quoting a caller's long string would pass gRPC's metadata limit
+(8 KiB by default; the message travels percent-encoded, up to 3 bytes a byte), and the caller would read
+RESOURCE_EXHAUSTED instead of the status."""
+
+
+def _details(message: str, request_id: str) -> str:
+    encoded = message.encode()
+    if len(encoded) > _MAX_DETAILS:
+        message = f"{encoded[:_MAX_DETAILS].decode(errors='ignore')}... ({len(encoded)} bytes)"
+    return f"{message} (request id {request_id})"
+
+
 @dataclass(frozen=True)
 class _Unparsable:
     """Stands for a request message whose bytes did not parse; the call's guard raises `error`."""
@@ -162,7 +175,7 @@ class CallGuard:
         async def abort(context: grpc.aio.ServicerContext, err: ServiceError) -> None:
             request_id = request_id_from_metadata(context.invocation_metadata())
             log.debug("stream %s failed: %s", request_id, err.message)
-            await context.abort(err.code, f"{err.message} (request id {request_id})", _trailing(err.code))
+            await context.abort(err.code, _details(err.message, request_id), _trailing(err.code))
 
         if inspect.isasyncgenfunction(behaviour):
             async def guarded(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
@@ -248,7 +261,7 @@ class CallGuard:
                     tracer.record(call, code, elapsed_ns, context.invocation_metadata())
                 metrics.observe_call_later(call, code, elapsed_ns)  # recorded at the next scrape
                 _log_call(call, code, elapsed_ns, error)
-            await context.abort(code, f"{error} (request id {call.request_id})", _trailing(code, trailing))
+            await context.abort(code, _details(error, call.request_id), _trailing(code, trailing))
 
         return guarded
 

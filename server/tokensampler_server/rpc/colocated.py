@@ -31,6 +31,7 @@ from tokensampler_server.core.errors import InvalidArgument, ServiceError
 from tokensampler_server.resources.flags import MappedFlags
 from tokensampler_server.resources.regions import Region, RegionRegistry
 from tokensampler_server.resources.weights import RegisteredWeight, WeightRegistry
+from tokensampler_server.rpc.sample_rpc import max_input_bytes
 from tokensampler_server.validation.prepared import validate_prepared_request
 from tokensampler_server.validation.sample import LOGITS_DTYPES
 
@@ -179,7 +180,7 @@ class ColocatedLoops:
                                   f"{self._limits.max_batch_rows}")
         if shape is not None and tuple(ref.shape) != shape:
             raise InvalidArgument(f"{field}.shape", f"got {list(ref.shape)}, expected {list(shape)}")
-        return region.tensor(ref, field, dtypes)
+        return region.tensor(ref, field, dtypes, max_input_bytes(self._limits))
 
 
 class _Loop:

@@ -71,13 +71,19 @@ def _input_ref(request: pb.SampleRequest) -> tuple[pb.TensorRef | pb.RowsRef | N
     return None, ""
 
 
+def max_input_bytes(limits: Limits) -> int:
+    """The most bytes an input tensor in a region may take: the batch's element limit in float32, the widest
+    input dtype (its exact shape is checked after)."""
+    return limits.max_batch_elements * 4
+
+
 def referenced_input(region: Region, ref: pb.TensorRef | pb.RowsRef, field: str, limits: Limits) -> torch.Tensor:
     """The input tensor a region reference (`field`, from _input_ref) names in `region`: logits_rows' rows are
     bounded by the limits before they are copied together."""
     if field == "logits_rows":
         check_rows_shape(ref, limits)
         return region.rows(ref, field, LOGITS_DTYPES)
-    return region.tensor(ref, field, LOGITS_DTYPES)
+    return region.tensor(ref, field, LOGITS_DTYPES, max_input_bytes(limits))
 
 
 def _output_refs(request: pb.SampleRequest) -> list[tuple[str, pb.TensorRef]]:

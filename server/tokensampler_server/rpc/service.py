@@ -224,7 +224,7 @@ class SamplerService(pb_grpc.SamplerServicer):
         return response
 
     async def RegisterWeights(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.WeightsInfo:
-        upload = await read_upload(request_iterator, self._limits.max_weight_bytes)
+        upload = await read_upload(request_iterator, self._limits.max_weight_bytes, self._registry.check_free)
         return weights_info(self._registry.register(upload.name, upload.weight, upload.finish, upload.sha256))
 
     async def RegisterWeightsFromFile(
@@ -247,7 +247,7 @@ class SamplerService(pb_grpc.SamplerServicer):
         if not request.HasField("weight"):
             raise InvalidArgument("weight", "not set; expected a reference to W [V, D] in a registered region")
         with self._regions.use(request.weight.region, "weight.region") as region:
-            weight = region.tensor(request.weight, "weight", WIRE_DTYPES)
+            weight = region.tensor(request.weight, "weight", WIRE_DTYPES, self._limits.max_weight_bytes)
             if weight.dim() != 2 or min(weight.shape) < 1:
                 raise InvalidArgument("weight.shape", f"got {list(weight.shape)}, expected [V, D] with V, D >= 1")
             if weight.numel() * weight.element_size() > self._limits.max_weight_bytes:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,9 +55,12 @@ def weights_info(entry: RegisteredWeight, in_flight: int = 0) -> pb.WeightsInfo:
     )
 
 
-async def read_upload(chunks: AsyncIterator[pb.RegisterWeightsChunk], max_bytes: int) -> VerifiedUpload:
-    """Assembles a chunked upload aside; returns it only when complete and its SHA-256 matches."""
+async def read_upload(chunks: AsyncIterator[pb.RegisterWeightsChunk], max_bytes: int,
+                      check_name: Callable[[str], None]) -> VerifiedUpload:
+    """Assembles a chunked upload aside; returns it only when complete and its SHA-256 matches. The header (name,
+    dtype, shape, options) is checked as it arrives, `check_name` with it, before any data is kept."""
     header: pb.RegisterWeightsChunk | None = None
+    finish: LogitsFinish | None = None
     buffer = bytearray()
     expected_bytes = 0
     digest = hashlib.sha256()
@@ -65,6 +68,7 @@ async def read_upload(chunks: AsyncIterator[pb.RegisterWeightsChunk], max_bytes:
     async for chunk in chunks:
         if header is None:
             header = chunk
+            check_name(header.name)
             if header.dtype not in WIRE_DTYPES:
                 raise InvalidArgument("dtype", f"got {header.dtype}, expected float32, bfloat16 or float16")
             if len(header.shape) != 2 or min(header.shape) < 1:
@@ -74,8 +78,11 @@ async def read_upload(chunks: AsyncIterator[pb.RegisterWeightsChunk], max_bytes:
             expected_bytes = math.prod(header.shape) * itemsize
             if expected_bytes > max_bytes:
                 raise InvalidArgument("shape", f"{list(header.shape)} needs {expected_bytes} bytes, expected at most {max_bytes}")
-        elif chunk.name or len(chunk.shape) or chunk.dtype:
-            raise InvalidArgument("name", "header fields sent again after the first message; expected data only")
+            finish = finish_from_options(header.options, int(header.shape[0]))
+        elif chunk.name or len(chunk.shape) or chunk.dtype or chunk.HasField("options"):
+            field = "options" if chunk.HasField("options") else "name"
+            raise InvalidArgument(field, "header fields sent again after the first message; expected data only (and "
+                                  "sha256 with the last)")
         if len(buffer) + len(chunk.data) > expected_bytes:
             raise InvalidArgument("data", f"got more than the {expected_bytes} bytes that shape {list(header.shape)} holds")
         buffer += chunk.data
@@ -93,6 +100,6 @@ async def read_upload(chunks: AsyncIterator[pb.RegisterWeightsChunk], max_bytes:
     return VerifiedUpload(
         name=header.name,
         weight=weight,
-        finish=finish_from_options(header.options, int(header.shape[0])),
+        finish=finish,
         sha256=digest.hexdigest(),
     )
