@@ -15,7 +15,7 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_server.core.errors import InvalidArgument, ServiceError
 from tokensampler_server.resources.weights import LogitsFinish, WeightRegistry, check_finish, load_safetensors, resolve_weights_path
 from tokensampler_server.resources.refcounted import MAX_NAME_BYTES
-from tokensampler_server.rpc.weights_rpc import read_upload
+from tokensampler_server.rpc.weights_rpc import UploadBudget, read_upload
 
 from .polling import wait_until_async
 
@@ -67,7 +67,7 @@ async def _stream(messages):
 
 def _read(messages, max_bytes: int = 1 << 20, registry: WeightRegistry | None = None):
     registry = registry if registry is not None else WeightRegistry(torch.device("cpu"))
-    return asyncio.run(read_upload(_stream(messages), max_bytes, registry.check_free))
+    return asyncio.run(read_upload(_stream(messages), max_bytes, registry.check_free, UploadBudget(max_bytes)))
 
 
 def test_upload_in_chunks_is_verified_and_complete() -> None:
@@ -114,7 +114,7 @@ def test_an_upload_whose_name_cannot_be_registered_is_refused_at_its_header(take
         raise AssertionError("a data message was read")
 
     with pytest.raises(ServiceError) as raised:
-        asyncio.run(read_upload(header_then_fail(), 1 << 20, registry.check_free))
+        asyncio.run(read_upload(header_then_fail(), 1 << 20, registry.check_free, UploadBudget(1 << 20)))
     want = grpc.StatusCode.ALREADY_EXISTS if taken else grpc.StatusCode.RESOURCE_EXHAUSTED
     assert raised.value.code == want
 
@@ -172,3 +172,38 @@ def test_unregister_waits_for_requests_in_flight() -> None:
 
     assert asyncio.run(run()) == ["released", "unregistered"]
     assert registry.list() == []
+
+
+def test_uploads_in_progress_hold_at_most_the_budget_together() -> None:
+    """Two uploads whose bytes together pass the budget: the second is refused at its header (RESOURCE_EXHAUSTED)
+    while the first is in progress; once the first ends, by success or failure, its bytes are free again."""
+    weight = torch.randn(33, 7).half()  # 462 bytes
+    budget = UploadBudget(700)
+    registry = WeightRegistry(torch.device("cpu"))
+
+    async def run() -> None:
+        first = _chunks(weight, name="first")
+        second = _chunks(weight, name="second")
+        gate = asyncio.Event()
+
+        async def slow():
+            yield first[0]
+            await gate.wait()
+            for message in first[1:]:
+                yield message
+
+        pending = asyncio.ensure_future(read_upload(slow(), 1 << 20, registry.check_free, budget))
+        await asyncio.sleep(0.01)
+        assert budget.held == 462
+        with pytest.raises(ServiceError) as refused:
+            await read_upload(_stream(second), 1 << 20, registry.check_free, budget)
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and budget.held == 462
+        gate.set()
+        assert (await pending).name == "first" and budget.held == 0
+        bad = _chunks(weight, name="second", sha256="0" * 64)
+        with pytest.raises(InvalidArgument):
+            await read_upload(_stream(bad), 1 << 20, registry.check_free, budget)
+        assert budget.held == 0
+        assert (await read_upload(_stream(second), 1 << 20, registry.check_free, budget)).name == "second"
+
+    asyncio.run(run())

@@ -36,7 +36,8 @@ from tokensampler_server.rpc.sample_rpc import SampleRpc
 from tokensampler_server.validation.sample import LOGITS_DTYPES
 from tokensampler_server.validation.workloads import validate_diffusion_request, validate_score_request, validate_topk_request, validate_verify_request
 from tokensampler_server.resources.weights import WEIGHT_DTYPES, RegisteredWeight, WeightRegistry, load_safetensors, resolve_weights_path, sha256_hex
-from tokensampler_server.rpc.weights_rpc import WIRE_DTYPES, finish_from_options, read_upload, weights_info
+from tokensampler_server.rpc.weights_rpc import (WIRE_DTYPES, UploadBudget, finish_from_options, read_upload,
+                                                  weights_info)
 
 API_VERSION = "tokensampler.v1"
 FEATURES = (
@@ -91,6 +92,7 @@ class SamplerService(pb_grpc.SamplerServicer):
         self._batcher = batcher or DynamicBatcher(backend, max_batch_rows=limits.max_batch_rows,
                                                   max_batch_elements=limits.max_batch_elements)
         self._registry = registry or WeightRegistry(backend.device)
+        self._uploads = UploadBudget(limits.max_weight_bytes)  # uploads in progress hold one largest weight at most
         self._weights_dir = weights_dir
         self._regions = regions or RegionRegistry()
         self._metrics = metrics
@@ -224,7 +226,8 @@ class SamplerService(pb_grpc.SamplerServicer):
         return response
 
     async def RegisterWeights(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.WeightsInfo:
-        upload = await read_upload(request_iterator, self._limits.max_weight_bytes, self._registry.check_free)
+        upload = await read_upload(request_iterator, self._limits.max_weight_bytes, self._registry.check_free,
+                                   self._uploads)
         return weights_info(self._registry.register(upload.name, upload.weight, upload.finish, upload.sha256))
 
     async def RegisterWeightsFromFile(

@@ -7,11 +7,12 @@ import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import grpc
 import torch
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.tensors import DTYPE_TO_TORCH, TORCH_TO_DTYPE, TensorDecodeError, decode_tensor
 
-from tokensampler_server.core.errors import InvalidArgument
+from tokensampler_server.core.errors import InvalidArgument, ServiceError
 from tokensampler_server.resources.weights import LogitsFinish, RegisteredWeight, check_finish, check_weight_shape
 
 WIRE_DTYPES = (pb.DTYPE_FLOAT32, pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT16)
@@ -55,39 +56,67 @@ def weights_info(entry: RegisteredWeight, in_flight: int = 0) -> pb.WeightsInfo:
     )
 
 
+class UploadBudget:
+    """The bytes that uploads in progress may hold together: each takes its weight's bytes when its header arrives
+    and gives them back when it ends, so that slow or stalled uploads cannot hold more than this between them.
+    Used on the event loop only."""
+
+    def __init__(self, total_bytes: int) -> None:
+        self.total_bytes = total_bytes
+        self.held = 0
+
+    def take(self, nbytes: int) -> None:
+        if self.held + nbytes > self.total_bytes:
+            raise ServiceError(f"shape: uploads in progress hold {self.held} bytes, and this one needs {nbytes}; the "
+                               f"server holds at most {self.total_bytes} bytes of uploads at once, retry later",
+                               grpc.StatusCode.RESOURCE_EXHAUSTED)
+        self.held += nbytes
+
+    def give_back(self, nbytes: int) -> None:
+        self.held -= nbytes
+
+
 async def read_upload(chunks: AsyncIterator[pb.RegisterWeightsChunk], max_bytes: int,
-                      check_name: Callable[[str], None]) -> VerifiedUpload:
+                      check_name: Callable[[str], None], budget: UploadBudget) -> VerifiedUpload:
     """Assembles a chunked upload aside; returns it only when complete and its SHA-256 matches. The header (name,
-    dtype, shape, options) is checked as it arrives, `check_name` with it, before any data is kept."""
+    dtype, shape, options) is checked as it arrives, `check_name` with it, and the weight's bytes are taken from
+    `budget` until the upload ends, before any data is kept."""
     header: pb.RegisterWeightsChunk | None = None
     finish: LogitsFinish | None = None
     buffer = bytearray()
-    expected_bytes = 0
+    expected_bytes = taken = 0
     digest = hashlib.sha256()
     sha256 = ""
-    async for chunk in chunks:
-        if header is None:
-            header = chunk
-            check_name(header.name)
-            if header.dtype not in WIRE_DTYPES:
-                raise InvalidArgument("dtype", f"got {header.dtype}, expected float32, bfloat16 or float16")
-            if len(header.shape) != 2 or min(header.shape) < 1:
-                raise InvalidArgument("shape", f"got {list(header.shape)}, expected [V, D] with V, D >= 1")
-            check_weight_shape(tuple(header.shape), "shape")
-            itemsize = torch.empty((), dtype=DTYPE_TO_TORCH[header.dtype]).element_size()
-            expected_bytes = math.prod(header.shape) * itemsize
-            if expected_bytes > max_bytes:
-                raise InvalidArgument("shape", f"{list(header.shape)} needs {expected_bytes} bytes, expected at most {max_bytes}")
-            finish = finish_from_options(header.options, int(header.shape[0]))
-        elif chunk.name or len(chunk.shape) or chunk.dtype or chunk.HasField("options"):
-            field = "options" if chunk.HasField("options") else "name"
-            raise InvalidArgument(field, "header fields sent again after the first message; expected data only (and "
-                                  "sha256 with the last)")
-        if len(buffer) + len(chunk.data) > expected_bytes:
-            raise InvalidArgument("data", f"got more than the {expected_bytes} bytes that shape {list(header.shape)} holds")
-        buffer += chunk.data
-        digest.update(chunk.data)
-        sha256 = chunk.sha256 or sha256
+    try:
+        async for chunk in chunks:
+            if header is None:
+                header = chunk
+                check_name(header.name)
+                if header.dtype not in WIRE_DTYPES:
+                    raise InvalidArgument("dtype", f"got {header.dtype}, expected float32, bfloat16 or float16")
+                if len(header.shape) != 2 or min(header.shape) < 1:
+                    raise InvalidArgument("shape", f"got {list(header.shape)}, expected [V, D] with V, D >= 1")
+                check_weight_shape(tuple(header.shape), "shape")
+                itemsize = torch.empty((), dtype=DTYPE_TO_TORCH[header.dtype]).element_size()
+                expected_bytes = math.prod(header.shape) * itemsize
+                if expected_bytes > max_bytes:
+                    raise InvalidArgument("shape", f"{list(header.shape)} needs {expected_bytes} bytes, expected at "
+                                          f"most {max_bytes}")
+                finish = finish_from_options(header.options, int(header.shape[0]))
+                budget.take(expected_bytes)
+                taken = expected_bytes
+            elif chunk.name or len(chunk.shape) or chunk.dtype or chunk.HasField("options"):
+                field = "options" if chunk.HasField("options") else "name"
+                raise InvalidArgument(field, "header fields sent again after the first message; expected data only "
+                                      "(and sha256 with the last)")
+            if len(buffer) + len(chunk.data) > expected_bytes:
+                raise InvalidArgument("data", f"got more than the {expected_bytes} bytes that shape "
+                                      f"{list(header.shape)} holds")
+            buffer += chunk.data
+            digest.update(chunk.data)
+            sha256 = chunk.sha256 or sha256
+    finally:
+        budget.give_back(taken)  # the upload's bytes are the registry's from here, or gone
     if header is None:
         raise InvalidArgument("name", "the upload had no messages; expected a header with name, dtype and shape")
     if len(buffer) != expected_bytes:
@@ -97,9 +126,4 @@ async def read_upload(chunks: AsyncIterator[pb.RegisterWeightsChunk], max_bytes:
     if digest.hexdigest() != sha256.lower():
         raise InvalidArgument("sha256", f"got {sha256}, but the bytes received hash to {digest.hexdigest()}")
     weight = torch.frombuffer(buffer, dtype=DTYPE_TO_TORCH[header.dtype]).view(*header.shape)
-    return VerifiedUpload(
-        name=header.name,
-        weight=weight,
-        finish=finish,
-        sha256=digest.hexdigest(),
-    )
+    return VerifiedUpload(name=header.name, weight=weight, finish=finish, sha256=digest.hexdigest())
