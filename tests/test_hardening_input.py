@@ -117,6 +117,27 @@ def test_element_limit_is_checked_before_anything_is_decoded() -> None:
     assert raised.value.field == "hidden.states.shape" and "1200 elements" in raised.value.message
 
 
+def test_on_the_cpu_backend_every_sample_counts_against_the_element_limit() -> None:
+    """The CPU reference's cost grows with every sample (512 x 65536 logits with 64 samples took 4 minutes and held
+    every other client): there B·V·num_samples is bounded; the CUDA kernels draw every sample in one pass, and
+    their limit stays B·V."""
+    cpu, cuda = Limits(max_batch_elements=1000, samples_are_elements=True), Limits(max_batch_elements=1000)
+    request = build_sample_request(torch.zeros(4, 250), seed=1, num_samples=2)
+    assert validate_sample_request(request, cuda)[0].num_samples == 2
+    with pytest.raises(InvalidArgument) as raised:
+        validate_sample_request(request, cpu)
+    assert raised.value.field == "num_samples" and "4·250·2" in raised.value.message
+    assert validate_sample_request(build_sample_request(torch.zeros(2, 250), seed=1, num_samples=2), cpu)
+    small = start_server("--device", "cpu", "--max-batch-elements", "1000")  # the CPU server sets it
+    try:
+        with grpc.insecure_channel(small.target) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.SamplerStub(channel).Sample(request, timeout=60)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_samples" in refused.value.details()
+    finally:
+        small.stop()
+
+
 def test_element_limit_flag() -> None:
     assert parse_args([]).limits.max_batch_elements == 4096 * 262144 and not parse_args([]).max_elements_given
     assert parse_args(["--max-batch-elements", "5"]).limits.max_batch_elements == 5

@@ -123,10 +123,12 @@ async def serve(config: ServerConfig) -> None:
         import torch
 
         torch.cuda.set_per_process_memory_fraction(config.gpu_memory_fraction, backend.device)
-    if not config.max_elements_given and backend.device.type == "cpu":
-        limits = replace(config.limits, max_batch_elements=cpu_max_batch_elements(_memory_bytes()))
+    if backend.device.type == "cpu":
+        limits = replace(config.limits, samples_are_elements=True)
+        if not config.max_elements_given:
+            limits = replace(limits, max_batch_elements=cpu_max_batch_elements(_memory_bytes()))
         config = replace(config, limits=limits)
-        log.info("CPU backend: at most %d elements in a request or batch (--max-batch-elements)",
+        log.info("CPU backend: at most %d elements (B·V·samples) in a request or batch (--max-batch-elements)",
                  limits.max_batch_elements)
     metrics = ServerMetrics(info)
     # The only interceptor: a refused call reaches nothing else. Every handler is guarded as it registers, and

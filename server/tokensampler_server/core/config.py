@@ -20,6 +20,9 @@ class Limits:
     batch (cpu_max_batch_elements lowers it on the CPU backend when not given)."""
     max_message_bytes: int = 256 * 1024 * 1024
     max_num_samples: int = 64
+    samples_are_elements: bool = False
+    """Whether each sample of a request counts as a pass over its logits against max_batch_elements (B·V·samples):
+    set for the CPU backend, whose cost grows with every sample; the CUDA kernels draw all samples in one pass."""
     max_top_logprobs: int = 64
     max_weight_bytes: int = 16 * 1024**3
     max_token_entries: int = 1 << 25

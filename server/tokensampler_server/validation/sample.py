@@ -432,6 +432,10 @@ def validate_sample_request(
     num_samples = request.num_samples if request.HasField("num_samples") else 1
     if not 1 <= num_samples <= limits.max_num_samples:
         raise InvalidArgument("num_samples", f"got {num_samples}, expected 1 <= n <= {limits.max_num_samples}")
+    if limits.samples_are_elements and num_rows * vocab_size * num_samples > limits.max_batch_elements:
+        raise InvalidArgument("num_samples", f"got {num_samples}: B·V·num_samples = {num_rows}·{vocab_size}·"
+                              f"{num_samples} on this server's CPU backend, expected at most "
+                              f"{limits.max_batch_elements} (--max-batch-elements)")
     if request.top_logprobs > limits.max_top_logprobs:
         raise InvalidArgument(
             "top_logprobs", f"got {request.top_logprobs}, expected at most {limits.max_top_logprobs}"
