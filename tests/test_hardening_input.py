@@ -328,3 +328,29 @@ def test_bad_requests_keep_memory_bounded(tmp_path: Path) -> None:
         assert _tracebacks(running) == 0
     finally:
         running.stop()
+
+
+def test_unary_requests_in_progress_hold_at_most_the_queue_bound_before_they_are_parsed() -> None:
+    """Parsing costs several times a message's size, and the queues' bound applies after it: the bytes of the unary
+    requests in progress are bounded by --max-queue-mb from before they are parsed. With 1 MiB, a second 720 KB
+    request while the first waits in its batching window is refused, marked retryable; the first is answered."""
+    import threading
+
+    server = start_server("--device", "cpu", "--max-queue-mb", "1", "--max-queue-delay-us", "1000000")
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            stub = pb_grpc.SamplerStub(channel)
+            request = build_sample_request(torch.randn(1, 180_000), seed=1)
+            first: dict[str, object] = {}
+            waiting = threading.Thread(target=lambda: first.update(answer=stub.Sample(request, timeout=60)))
+            waiting.start()
+            time.sleep(0.3)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Sample(request, timeout=60)
+            waiting.join(60)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "requests in progress hold" in refused.value.details()
+        assert ("x-retryable", "overload") in (refused.value.trailing_metadata() or ())
+        assert first["answer"].tokens.shape[:] == [1, 1]
+    finally:
+        server.stop()

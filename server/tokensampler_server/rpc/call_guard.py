@@ -121,14 +121,35 @@ def _log_call(call: CallRecord, code: grpc.StatusCode, elapsed_ns: int, error: s
     )
 
 
+class RequestBytes:
+    """The bytes of the unary requests in progress, from before they are parsed to their answer: parsing costs
+    several times a message's size, and the queues' own bound (--max-queue-mb) applies only after it. One request
+    is always let in, whatever its size (the message limit bounds it)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.held = 0  # changed on the event loop only
+
+    def take(self, nbytes: int) -> None:
+        if self.held and self.held + nbytes > self.max_bytes:
+            raise ServiceError(f"request: requests in progress hold {self.held} bytes and this one has {nbytes}; "
+                               f"the server takes at most {self.max_bytes} at once (--max-queue-mb), retry",
+                               grpc.StatusCode.RESOURCE_EXHAUSTED)
+        self.held += nbytes
+
+    def give_back(self, nbytes: int) -> None:
+        self.held -= nbytes
+
+
 class CallGuard:
     """Wraps each method's behaviour, and the parsing and serialisation of its messages, once per method."""
 
     def __init__(self, metrics: ServerMetrics | None = None, admission: Admission | None = None,
-                 tracer: CallTracer | None = None) -> None:
+                 tracer: CallTracer | None = None, request_bytes: RequestBytes | None = None) -> None:
         self._metrics = metrics or ServerMetrics()
         self._admission = admission
         self._tracer = tracer
+        self._request_bytes = request_bytes
 
     def registration(self, server: grpc.aio.Server) -> GuardedRegistration:
         """What services register on instead of `server`: every handler they add reaches it guarded."""
@@ -238,10 +259,14 @@ class CallGuard:
             code, error = grpc.StatusCode.OK, ""
             metrics = self._metrics
             metrics.calls_in_flight += 1  # every guarded call runs on the server's event loop: no lock needed
+            held = 0
             try:
                 if admit is not None:
                     admit(context)
                 if not streaming:
+                    if self._request_bytes is not None and isinstance(request, bytes):
+                        self._request_bytes.take(len(request))
+                        held = len(request)
                     parse_started = time.perf_counter_ns()
                     request = _parse(deserialize, request)
                     call.parse_ns = time.perf_counter_ns() - parse_started
@@ -255,6 +280,8 @@ class CallGuard:
             except Exception as err:
                 code, error = failure_status(err, call.method, call.request_id)
             finally:
+                if held:
+                    self._request_bytes.give_back(held)
                 metrics.calls_in_flight -= 1
                 elapsed_ns = call.elapsed_ns()
                 if tracer is not None:  # before the metrics, which trade the call's batch for its row counts
