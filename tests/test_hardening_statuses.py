@@ -269,3 +269,21 @@ def test_an_empty_weight_file_tensor_is_refused(stub: pb_grpc.SamplerStub, weigh
         request = pb.RegisterWeightsFromFileRequest(name=tensor, path="empty.safetensors", tensor=tensor)
         _assert_invalid(_status(stub.RegisterWeightsFromFile, request), "weight.shape", words, "1 <= V, D")
     assert stub.ListWeights(pb.ListWeightsRequest(), timeout=60).weights == []
+
+
+def test_many_dry_sequence_breakers_are_decoded_off_the_event_loop() -> None:
+    """2M breaker ids (4096 rows of 32 breakers of 16 ids) took 170-250 ms of the event loop per request: they
+    count towards what sends a request's lists to a thread, shared breakers once per row."""
+    from tokensampler_server.validation.sample import OFF_LOOP_ENTRIES, heavy_token_lists
+
+    rows = 4096
+    request = build_sample_request(torch.zeros(rows, 16), seed=1)
+    breakers = request.params.dry_sequence_breakers
+    breakers.lengths.extend([16] * 32 * rows)
+    breakers.counts.extend([32] * rows)
+    breakers.ids.extend([1] * 16 * 32 * rows)
+    assert heavy_token_lists(request)
+    shared = build_sample_request(torch.zeros(rows, 16), seed=1)
+    shared.params.dry_sequence_breakers.lengths.extend([8] * 32)  # 256 ids given once, laid out for every row
+    shared.params.dry_sequence_breakers.ids.extend([1] * 256)
+    assert 256 * rows > OFF_LOOP_ENTRIES and heavy_token_lists(shared)

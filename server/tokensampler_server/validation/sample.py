@@ -479,14 +479,16 @@ def declared_rows(request: pb.SampleRequest) -> int:
 
 
 def heavy_token_lists(request: pb.SampleRequest) -> bool:
-    """Whether the request's token lists expand to more than OFF_LOOP_ENTRIES entries (from their counts
-    alone: no element is read)."""
+    """Whether the request's token lists and DRY sequence breakers expand to more than OFF_LOOP_ENTRIES entries
+    (from their counts alone: no element is read)."""
     params = request.params
     rows = declared_rows(request)
     entries = 0
     for lists in (params.allowed_token_ids, params.banned_token_ids, params.logit_bias.tokens,
                   params.output_token_ids, params.prompt_token_ids, params.stop_token_ids):
         entries += len(lists.ids) * (rows if len(lists.lengths) == 1 else 1)
+    breakers = params.dry_sequence_breakers  # laid out per row, as the lists are expanded
+    entries += len(breakers.ids) * (1 if len(breakers.counts) else rows)
     return entries > OFF_LOOP_ENTRIES
 
 
