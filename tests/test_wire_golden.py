@@ -66,3 +66,13 @@ def test_sample_request_carries_the_golden_logits(dtype: torch.dtype) -> None:
     tensor = _message_bytes(number, data)
     request = serialize_sample_request(torch.tensor(values, dtype=dtype))
     assert request.startswith(bytes([0x0A, len(tensor)]) + tensor)
+
+
+def test_dtype_names_read_as_words_for_every_value() -> None:
+    """What refusals print for a tensor's dtype: its name, 'unspecified' for a tensor sent without one, and the
+    number for a value that is no DType (which must not raise while the refusal is written)."""
+    from tokensampler_client.tensors import dtype_name
+
+    assert dtype_name(pb.DTYPE_FLOAT32) == "float32" and dtype_name(pb.DTYPE_BFLOAT16) == "bfloat16"
+    assert dtype_name(0) == "unspecified"
+    assert dtype_name(99) == "99 (no such dtype)"

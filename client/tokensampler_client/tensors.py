@@ -62,8 +62,12 @@ class TensorDecodeError(ValueError):
 
 
 def dtype_name(dtype: int) -> str:
-    """'float32' for DTYPE_FLOAT32, and so on."""
-    return pb.DType.Name(dtype).removeprefix("DTYPE_").lower()
+    """'float32' for DTYPE_FLOAT32, and so on ('unspecified' for a tensor whose dtype is not set; the number for a
+    value that is no DType)."""
+    try:
+        return pb.DType.Name(dtype).removeprefix("DTYPE_").lower()
+    except ValueError:
+        return f"{dtype} (no such dtype)"
 
 
 def wire_dtype(dtype: Any) -> int | None:

@@ -184,7 +184,7 @@ class OutputTarget:
 def _check_dtype(dtype: int, field: str, dtypes: tuple[int, ...]) -> None:
     if dtype not in dtypes:
         names = ", ".join(dtype_name(d) for d in dtypes)
-        raise InvalidArgument(f"{field}.dtype", f"got {dtype}, expected one of {names}")
+        raise InvalidArgument(f"{field}.dtype", f"got {dtype_name(dtype)}, expected one of {names}")
 
 
 def _process_exists(pid: int) -> bool:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 from tokensampler_client._proto import sampler_pb2 as pb
-from tokensampler_client.tensors import DTYPE_TO_TORCH, TORCH_TO_DTYPE, TensorDecodeError, decode_tensor
+from tokensampler_client.tensors import DTYPE_TO_TORCH, TORCH_TO_DTYPE, TensorDecodeError, decode_tensor, dtype_name
 
 from tokensampler_server.core.errors import InvalidArgument, ServiceError
 from tokensampler_server.resources.weights import LogitsFinish, RegisteredWeight, check_finish, check_weight_shape
@@ -93,7 +93,7 @@ async def read_upload(chunks: AsyncIterator[pb.RegisterWeightsChunk], max_bytes:
                 header = chunk
                 check_name(header.name)
                 if header.dtype not in WIRE_DTYPES:
-                    raise InvalidArgument("dtype", f"got {header.dtype}, expected float32, bfloat16 or float16")
+                    raise InvalidArgument("dtype", f"got {dtype_name(header.dtype)}, expected float32, bfloat16 or float16")
                 if len(header.shape) != 2 or min(header.shape) < 1:
                     raise InvalidArgument("shape", f"got {list(header.shape)}, expected [V, D] with V, D >= 1")
                 check_weight_shape(tuple(header.shape), "shape")

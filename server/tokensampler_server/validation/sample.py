@@ -197,7 +197,7 @@ def _token_bitmask(params: pb.SamplingParams, num_rows: int, vocab_size: int, li
                                         "expected it in Sample requests only")
     message = params.token_bitmask
     if message.dtype != pb.DTYPE_INT32:
-        raise InvalidArgument(f"{_BITMASK}.dtype", f"got {message.dtype}, expected int32")
+        raise InvalidArgument(f"{_BITMASK}.dtype", f"got {dtype_name(message.dtype)}, expected int32")
     words = -(-vocab_size // 32)
     shape = list(message.shape)
     if len(shape) != 2 or shape[0] != num_rows:

@@ -37,7 +37,7 @@ _IN_PLACE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _tensor(message: pb.Tensor, field: str, dtypes: tuple[int, ...], rank: int | tuple[int, ...]) -> torch.Tensor:
     """Decodes a tensor of one of `dtypes` and rank(s) `rank`, with every size >= 1."""
     if message.dtype not in dtypes:
-        raise InvalidArgument(f"{field}.dtype", f"got {message.dtype}, expected one of {', '.join(dtype_name(d) for d in dtypes)}")
+        raise InvalidArgument(f"{field}.dtype", f"got {dtype_name(message.dtype)}, expected one of {', '.join(dtype_name(d) for d in dtypes)}")
     ranks = (rank,) if isinstance(rank, int) else rank
     if len(message.shape) not in ranks or min(message.shape, default=0) < 1:
         raise InvalidArgument(f"{field}.shape", f"got {list(message.shape)}, expected {' or '.join(map(str, ranks))} sizes >= 1")
