@@ -130,7 +130,9 @@ class SamplerServicer(object):
 
     def SampleStream(self, request_iterator, context):
         """A stream of Sample calls for decode loops: one response per request, in request order. Each
-        message is validated on its own: a bad one gets an error response and the stream stays open.
+        message is validated on its own: an invalid one gets an error response and the stream stays open.
+        Bytes that do not parse as a SampleRequest end the stream with INVALID_ARGUMENT, after the answers
+        of the messages before them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
