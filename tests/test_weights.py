@@ -12,10 +12,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_server.core.budget import ByteBudget
 from tokensampler_server.core.errors import InvalidArgument, ServiceError
 from tokensampler_server.resources.weights import LogitsFinish, WeightRegistry, check_finish, load_safetensors, resolve_weights_path
 from tokensampler_server.resources.refcounted import MAX_NAME_BYTES
-from tokensampler_server.rpc.weights_rpc import UploadBudget, read_upload
+from tokensampler_server.rpc.weights_rpc import read_upload
 
 from .polling import wait_until_async
 
@@ -65,9 +66,13 @@ async def _stream(messages):
         yield message
 
 
+def _budget(max_bytes: int) -> ByteBudget:
+    return ByteBudget(max_bytes, "shape", "uploads", "--max-weight-mb")
+
+
 def _read(messages, max_bytes: int = 1 << 20, registry: WeightRegistry | None = None):
     registry = registry if registry is not None else WeightRegistry(torch.device("cpu"))
-    return asyncio.run(read_upload(_stream(messages), max_bytes, registry.check_free, UploadBudget(max_bytes)))
+    return asyncio.run(read_upload(_stream(messages), max_bytes, registry.check_free, _budget(max_bytes)))
 
 
 def test_upload_in_chunks_is_verified_and_complete() -> None:
@@ -114,7 +119,7 @@ def test_an_upload_whose_name_cannot_be_registered_is_refused_at_its_header(take
         raise AssertionError("a data message was read")
 
     with pytest.raises(ServiceError) as raised:
-        asyncio.run(read_upload(header_then_fail(), 1 << 20, registry.check_free, UploadBudget(1 << 20)))
+        asyncio.run(read_upload(header_then_fail(), 1 << 20, registry.check_free, _budget(1 << 20)))
     want = grpc.StatusCode.ALREADY_EXISTS if taken else grpc.StatusCode.RESOURCE_EXHAUSTED
     assert raised.value.code == want
 
@@ -178,7 +183,7 @@ def test_uploads_in_progress_hold_at_most_the_budget_together() -> None:
     """Two uploads whose bytes together pass the budget: the second is refused at its header (RESOURCE_EXHAUSTED)
     while the first is in progress; once the first ends, by success or failure, its bytes are free again."""
     weight = torch.randn(33, 7).half()  # 462 bytes
-    budget = UploadBudget(700)
+    budget = _budget(700)
     registry = WeightRegistry(torch.device("cpu"))
 
     async def run() -> None:

@@ -23,8 +23,9 @@ from tokensampler_server.rpc.admission import Admission
 from tokensampler_server.rpc.auth import AuthInterceptor, BearerTokens
 from tokensampler_server.backends import Backend, create_backend
 from tokensampler_server.batching.batcher import DynamicBatcher
+from tokensampler_server.core.budget import ByteBudget
 from tokensampler_server.core.config import ServerConfig, StartupError, cpu_max_batch_elements
-from tokensampler_server.rpc.call_guard import CallGuard, RequestBytes
+from tokensampler_server.rpc.call_guard import CallGuard
 from tokensampler_server.resources.regions import RegionRegistry
 from tokensampler_server.rpc.metrics import ServerMetrics, start_metrics_http
 from tokensampler_server.rpc.native_path import create_native_path
@@ -138,7 +139,8 @@ async def serve(config: ServerConfig) -> None:
                              maximum_concurrent_rpcs=grpc_call_backstop(config))
     admission = Admission(config.max_concurrent_rpcs, config.max_health_watchers, config.max_calls_per_client,
                           tokens, metrics)
-    registration = CallGuard(metrics, admission, tracer, RequestBytes(config.max_queue_bytes)).registration(server)
+    requests_in_progress = ByteBudget(config.max_queue_bytes, "request", "requests", "--max-queue-mb")
+    registration = CallGuard(metrics, admission, tracer, requests_in_progress).registration(server)
     batcher = DynamicBatcher(
         backend,
         max_batch_rows=config.limits.max_batch_rows,

@@ -35,6 +35,7 @@ from google.protobuf.message import DecodeError
 
 from tokensampler_server.rpc.admission import Admission
 from tokensampler_server.rpc.call_record import CallRecord, current_call, current_message_tracer
+from tokensampler_server.core.budget import ByteBudget
 from tokensampler_server.core.errors import InvalidArgument, ServiceError, failure_status, unparsable
 from tokensampler_server.rpc.metrics import ServerMetrics
 from tokensampler_server.core.request_context import REQUEST_ID_METADATA_KEY, current_request_id, request_id_from_metadata
@@ -121,31 +122,13 @@ def _log_call(call: CallRecord, code: grpc.StatusCode, elapsed_ns: int, error: s
     )
 
 
-class RequestBytes:
-    """The bytes of the unary requests in progress, from before they are parsed to their answer: parsing costs
-    several times a message's size, and the queues' own bound (--max-queue-mb) applies only after it. One request
-    is always let in, whatever its size (the message limit bounds it)."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.held = 0  # changed on the event loop only
-
-    def take(self, nbytes: int) -> None:
-        if self.held and self.held + nbytes > self.max_bytes:
-            raise ServiceError(f"request: requests in progress hold {self.held} bytes and this one has {nbytes}; "
-                               f"the server takes at most {self.max_bytes} at once (--max-queue-mb), retry",
-                               grpc.StatusCode.RESOURCE_EXHAUSTED)
-        self.held += nbytes
-
-    def give_back(self, nbytes: int) -> None:
-        self.held -= nbytes
-
-
 class CallGuard:
     """Wraps each method's behaviour, and the parsing and serialisation of its messages, once per method."""
 
     def __init__(self, metrics: ServerMetrics | None = None, admission: Admission | None = None,
-                 tracer: CallTracer | None = None, request_bytes: RequestBytes | None = None) -> None:
+                 tracer: CallTracer | None = None, request_bytes: ByteBudget | None = None) -> None:
+        """`request_bytes`: what unary requests in progress hold from before they are parsed (parsing costs
+        several times a message's size, and the queues' own bound applies only after it)."""
         self._metrics = metrics or ServerMetrics()
         self._admission = admission
         self._tracer = tracer

@@ -7,12 +7,12 @@ import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-import grpc
 import torch
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.tensors import DTYPE_TO_TORCH, TORCH_TO_DTYPE, TensorDecodeError, decode_tensor, dtype_name
 
-from tokensampler_server.core.errors import InvalidArgument, ServiceError
+from tokensampler_server.core.budget import ByteBudget
+from tokensampler_server.core.errors import InvalidArgument
 from tokensampler_server.resources.weights import LogitsFinish, RegisteredWeight, check_finish, check_weight_shape
 
 WIRE_DTYPES = (pb.DTYPE_FLOAT32, pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT16)
@@ -56,28 +56,8 @@ def weights_info(entry: RegisteredWeight, in_flight: int = 0) -> pb.WeightsInfo:
     )
 
 
-class UploadBudget:
-    """The bytes that uploads in progress may hold together: each takes its weight's bytes when its header arrives
-    and gives them back when it ends, so that slow or stalled uploads cannot hold more than this between them.
-    Used on the event loop only."""
-
-    def __init__(self, total_bytes: int) -> None:
-        self.total_bytes = total_bytes
-        self.held = 0
-
-    def take(self, nbytes: int) -> None:
-        if self.held + nbytes > self.total_bytes:
-            raise ServiceError(f"shape: uploads in progress hold {self.held} bytes, and this one needs {nbytes}; the "
-                               f"server holds at most {self.total_bytes} bytes of uploads at once, retry later",
-                               grpc.StatusCode.RESOURCE_EXHAUSTED)
-        self.held += nbytes
-
-    def give_back(self, nbytes: int) -> None:
-        self.held -= nbytes
-
-
 async def read_upload(chunks: AsyncIterator[pb.RegisterWeightsChunk], max_bytes: int,
-                      check_name: Callable[[str], None], budget: UploadBudget) -> VerifiedUpload:
+                      check_name: Callable[[str], None], budget: ByteBudget) -> VerifiedUpload:
     """Assembles a chunked upload aside; returns it only when complete and its SHA-256 matches. The header (name,
     dtype, shape, options) is checked as it arrives, `check_name` with it, and the weight's bytes are taken from
     `budget` until the upload ends, before any data is kept."""
