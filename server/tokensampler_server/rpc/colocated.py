@@ -3,10 +3,11 @@
 
 A loop is one call. Its first message opens it over the engine's registered regions, which it holds until it
 ends; each later message announces a step, queued on the loop's stream at once, up to MAX_STEPS_AHEAD past the
-last delivered one (the host never waits for the GPU on a step's way). A thread of the loop's waits for each step's event in turn and the call answers it. The
-loop ends, its waits ended by an abort, when the engine closes the call (after its steps are answered), when
-the call breaks (the engine gone: at once), when a step's input is not ready within the wait timeout
-(DEADLINE_EXCEEDED), or when one of its regions is unregistered (FAILED_PRECONDITION).
+last delivered one (the host never waits for the GPU on a step's way). A thread of the loop's waits for each
+step's event in turn and the call answers it. The loop ends, its waits ended by an abort, when the engine closes
+the call (after its steps are answered), when the call breaks (the engine gone: at once), when a step's input is
+not ready within the wait timeout (DEADLINE_EXCEEDED), or when one of its regions is unregistered
+(FAILED_PRECONDITION).
 """
 
 from __future__ import annotations
@@ -198,6 +199,7 @@ class _Loop:
         self._queued = 0  # the last step queued on the GPU
         self._announced = 0  # the last step announced
         self._read_all = False  # the engine closed its side: once every announced step is queued, the loop ends
+        self._last_queued = False  # the loop's last item (None) is in the queue
         self._events: asyncio.AbstractEventLoop | None = None
         self.drained = True
         """Whether the loop's stream is known to have drained (else its flags must stay pinned); true until a step
@@ -302,8 +304,8 @@ class _Loop:
             self._queued = step
             self._timers[step] = self._events.call_later(self._timeout_s, self._expire, step)
             self._queue.put_nowait((step, done, queued))
-        if self._ended is None and self._read_all and self._queued == self._announced:
-            self._read_all = False  # the last item once
+        if self._ended is None and self._read_all and self._queued == self._announced and not self._last_queued:
+            self._last_queued = True
             self._queue.put_nowait(None)
 
     def _enqueue(self, step: int) -> torch.cuda.Event:
