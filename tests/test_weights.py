@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client.tensors import encode_tensor
 from tokensampler_server.core.budget import ByteBudget
 from tokensampler_server.core.errors import InvalidArgument, ServiceError
 from tokensampler_server.resources.weights import LogitsFinish, WeightRegistry, check_finish, load_safetensors, resolve_weights_path
@@ -95,6 +96,7 @@ def test_upload_in_chunks_is_verified_and_complete() -> None:
         (lambda m: m[1].options.CopyFrom(pb.WeightOptions(soft_cap=-1.0)), "options"),  # options only in the header
         (lambda m: m[0].__setattr__("name", "n" * (MAX_NAME_BYTES + 1)), "name"),
         (lambda m: m[0].options.CopyFrom(pb.WeightOptions(soft_cap=-1.0)), "options.soft_cap"),
+        (lambda m: m[0].options.bias.CopyFrom(encode_tensor(torch.zeros(33, dtype=torch.int64))), "options.bias.dtype"),
         (lambda m: m.clear(), "name"),
     ],
 )

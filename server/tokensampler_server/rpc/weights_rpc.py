@@ -33,6 +33,8 @@ def finish_from_options(options: pb.WeightOptions, padded_vocab_size: int) -> Lo
             bias = decode_tensor(options.bias, "options.bias")
         except TensorDecodeError as err:
             raise InvalidArgument(err.field, str(err).removeprefix(f"{err.field}: ")) from None
+        if not bias.is_floating_point():
+            raise InvalidArgument("options.bias.dtype", f"got {dtype_name(options.bias.dtype)}, expected float32")
     return check_finish(
         padded_vocab_size,
         bias,
