@@ -295,16 +295,16 @@ class VocabParallelHead:
             raise ValueError("a vocabulary-parallel head samples hidden states through itself")
         states = batch.hidden.states
         filtered = cuda_fused.has_filters(batch)
-        with self.group.lock:
-            self.group.ready()
+        # Each path checks the group first: after a failure, a copy to a device still busy with it would not end.
         if (states.dtype != self.dtype or cuda_fused.request_unsupported_reason(batch) is not None
                 or not self._fused_takes(batch.num_rows, states.shape[1], filtered)):
+            with self.group.lock:
+                self.group.ready()
             return logits_path(replace(batch, logits=self.logits(states), hidden=None))
-        states = states.to(self.main)
         with self.group.lock:
             self.group.ready()
             params = [cuda_fused.row_params(batch, shard.device) for shard in self._shards]
-            tokens, logprobs, flags = self.launch(states.contiguous(), params, batch.num_samples,
+            tokens, logprobs, flags = self.launch(states.to(self.main).contiguous(), params, batch.num_samples,
                                                   batch.return_logprobs, filtered)
             self.group.wait()
         result, redo = cuda_fused.host_result(tokens, logprobs, flags)
