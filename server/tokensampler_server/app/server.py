@@ -110,7 +110,16 @@ async def serve(config: ServerConfig) -> None:
     credentials = None
     if config.tls_cert is not None and config.tls_key is not None:
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+    if config.allow_cuda_ipc:
+        # Colocated loops: a loop's stream waits on its engine's GPU, and a kernel loaded on its first launch waits
+        # for every stream of the context, so a call's first kernel would wait for another process's engine
+        # (docs/design/colocated-handoff.md). Loaded up front instead; before the backend makes the context.
+        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     backend = create_backend(config.device, config.vocab_parallel_devices)
+    if config.allow_cuda_ipc and backend.device.type == "cuda":
+        from tokensampler_server.backends.cuda_handoff import load_libraries
+
+        load_libraries(backend.device)
     info = backend.info()
     tracer = None
     if config.otlp_endpoint is not None:

@@ -27,7 +27,7 @@ from tokensampler_server.backends.cuda_streams import exclusive_stream, give_bac
 from tokensampler_server.resources.flags import MappedFlags
 from tokensampler_server.resources.weights import RegisteredWeight
 
-__all__ = ["Handoff"]
+__all__ = ["Handoff", "load_libraries"]
 
 
 class Handoff:
@@ -108,3 +108,13 @@ class Handoff:
         if self._streams_held and self.stream.query() and self._abort_stream.query():
             self._streams_held = False
             give_back(self.stream, self._abort_stream)
+
+
+def load_libraries(device: torch.device) -> None:
+    """Loads the libraries a loop's step and the calls beside it open on first use (cuBLAS and cuBLASLt, through one
+    small product of each dtype a head takes): loading one waits for every stream of the context, a loop's stream
+    waiting on its engine included. Run before any loop."""
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = torch.ones(8, 64, dtype=dtype, device=device)
+        torch.nn.functional.linear(x, x)
+    torch.cuda.synchronize(device)

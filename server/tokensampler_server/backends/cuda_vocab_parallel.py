@@ -113,7 +113,8 @@ class DeviceGroup:
         """The NCCL communicators of the devices, built again after an abort (NcclError when that fails, or while a
         device has not finished the work of the call that failed)."""
         if self._nccl is None or not self._nccl.usable:
-            self.check_idle()
+            if self._nccl is not None:  # a failed call's work may still run; a first build waits for ordinary work
+                self.check_idle()
             self._nccl = NcclGroup(self.devices, self.timeout_s)
         return self._nccl
 
