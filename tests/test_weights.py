@@ -51,6 +51,17 @@ def test_bad_options_name_the_field(kwargs: dict, field: str) -> None:
     assert raised.value.field == field
 
 
+@pytest.mark.parametrize("bad, row", [(float("nan"), 4), (float("inf"), 0), (float("-inf"), 5)])
+def test_a_weight_with_a_nan_or_infinity_is_refused_naming_its_row(bad: float, row: int) -> None:
+    weight = torch.randn(6, 8).half()
+    weight[row, 3] = bad
+    registry = WeightRegistry(torch.device("cpu"))
+    with pytest.raises(InvalidArgument, match=f"row {row}") as raised:
+        registry.register("head", weight, LogitsFinish(vocab_size=6), "x")
+    assert raised.value.field == "weight"
+    registry.register("head", torch.randn(6, 8).half(), LogitsFinish(vocab_size=6), "x")  # the name stays free
+
+
 def _chunks(weight: torch.Tensor, name: str = "w", chunk_bytes: int = 100, sha256: str | None = None, **header):
     data = weight.contiguous().view(torch.uint8).numpy().tobytes()
     digest = sha256 if sha256 is not None else hashlib.sha256(data).hexdigest()

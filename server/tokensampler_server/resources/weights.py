@@ -132,6 +132,18 @@ def check_weight_shape(shape: tuple[int, ...], field: str) -> None:
             raise InvalidArgument(field, f"got {list(shape)}: {name} = {size}, expected 1 <= V, D <= {MAX_WEIGHT_SIZE}")
 
 
+def check_finite_weight(weight: torch.Tensor, field: str) -> None:
+    """INVALID_ARGUMENT naming `field` and the first row holding a NaN or an infinity: such a head would register,
+    then give that token a NaN or infinite logit in every request. Checked a slice of rows at a time, so that the
+    check holds at most ~64 MiB of flags."""
+    rows = max(1, (1 << 26) // weight.shape[1])
+    for start in range(0, weight.shape[0], rows):
+        finite = torch.isfinite(weight[start:start + rows]).all(dim=1)
+        if not bool(finite.all()):
+            row = start + int(torch.argmin(finite.to(torch.uint8)))
+            raise InvalidArgument(field, f"got a NaN or infinite value in row {row}, expected finite numbers")
+
+
 def sha256_hex(tensor: torch.Tensor) -> str:
     """SHA-256 of a CPU tensor's row-major bytes."""
     return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
@@ -249,6 +261,7 @@ class WeightRegistry:
             raise InvalidArgument("weight", f"got {weight.dtype} {list(weight.shape)}, expected a [V, D] float tensor")
         check_weight_shape(tuple(weight.shape), "weight.shape")
         placed = weight.to(self._device).contiguous()
+        check_finite_weight(placed, "weight")
         bias = None if finish.bias is None else finish.bias.to(self._device)
         entry = RegisteredWeight(name=name, weight=placed, finish=replace(finish, bias=bias), sha256=sha256, region=region)
         self._weights.add(name, entry)
