@@ -236,26 +236,29 @@ RequestPath::~RequestPath() {
   // Errors are ignored: at interpreter exit the CUDA context may be gone already.
   cudaSetDevice(device_);
   for (Buffer* b : {&dev_logits_, &dev_stage_, &dev_out_, &counters_, &hist_, &scratch_})
-    if (b->ptr) cudaFree(b->ptr);
+    if (b->ptr) retired_device_.push_back(b->ptr);
   for (Buffer* b : {&host_stage_, &host_out_})
-    if (b->ptr) cudaFreeHost(b->ptr);
+    if (b->ptr) retired_host_.push_back(b->ptr);
+  for (void* ptr : retired_device_) cudaFree(ptr);
+  for (void* ptr : retired_host_) cudaFreeHost(ptr);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
 void RequestPath::add_region(const std::string& name, RegionMapping region) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(regions_mutex_);
   regions_[name] = region;
 }
 
 void RequestPath::remove_region(const std::string& name) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> batch(launch_mutex_);  // a batch that found the region may still read it
+  std::lock_guard<std::mutex> lock(regions_mutex_);
   regions_.erase(name);
 }
 
 void RequestPath::grow_device(Buffer& buffer, size_t bytes, bool zeroed) {
   if (buffer.bytes >= bytes) return;
   const size_t size = std::max({bytes, 2 * buffer.bytes, size_t{4096}});
-  if (buffer.ptr) check(cudaFree(buffer.ptr), "cudaFree");  // waits for the device: rare
+  if (buffer.ptr) retired_device_.push_back(buffer.ptr);
   buffer = Buffer{};
   check(cudaMalloc(&buffer.ptr, size), "cudaMalloc");
   buffer.bytes = size;
@@ -265,7 +268,7 @@ void RequestPath::grow_device(Buffer& buffer, size_t bytes, bool zeroed) {
 void RequestPath::grow_host(Buffer& buffer, size_t bytes) {
   if (buffer.bytes >= bytes) return;
   const size_t size = std::max({bytes, 2 * buffer.bytes, size_t{4096}});
-  if (buffer.ptr) check(cudaFreeHost(buffer.ptr), "cudaFreeHost");  // every batch ends synchronised
+  if (buffer.ptr) retired_host_.push_back(buffer.ptr);
   buffer = Buffer{};
   check(cudaHostAlloc(&buffer.ptr, size, cudaHostAllocDefault), "cudaHostAlloc");
   buffer.bytes = size;
@@ -274,14 +277,19 @@ void RequestPath::grow_host(Buffer& buffer, size_t bytes) {
 std::shared_ptr<PreparedRequest> RequestPath::prepare(std::string_view request, std::string_view request_id,
                                                       bool stream_message) {
   const int64_t started = now_ns();
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(parse_mutex_);
   Parsed& q = *parsed_;
   if (!q.parse(request)) return nullptr;
+  RegionMapping mapping;  // a copy: the region may leave while the request is validated
   const RegionMapping* region = nullptr;  // none for logits carried in the request
   if (!q.carried) {
-    const auto found = regions_.find(std::string(q.region));
-    if (found == regions_.end()) return nullptr;
-    region = &found->second;
+    {
+      std::lock_guard<std::mutex> regions(regions_mutex_);
+      const auto found = regions_.find(std::string(q.region));
+      if (found == regions_.end()) return nullptr;
+      mapping = found->second;
+    }
+    region = &mapping;
     // regions.py check_producer: a dead producer's memory must not be read
     if (region->producer_pid && kill(region->producer_pid, 0) != 0 && errno == ESRCH) return nullptr;
   }
@@ -398,11 +406,12 @@ bool RequestPath::validate(const Parsed& q, const RegionMapping* region, Prepare
 }
 
 std::vector<AnsweredRequest> RequestPath::sample(const std::vector<std::shared_ptr<PreparedRequest>>& batch) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(launch_mutex_);
   if (batch.empty()) throw std::invalid_argument("tokensampler request path: an empty batch");
   std::vector<const PreparedRequest*> included;
   std::vector<AnsweredRequest> answers(batch.size());
   int64_t rows = 0;
+  std::unique_lock<std::mutex> regions(regions_mutex_);
   for (size_t i = 0; i < batch.size(); ++i) {
     const PreparedRequest& p = *batch[i];
     if (p.vocab != batch[0]->vocab || p.dtype_code != batch[0]->dtype_code)
@@ -417,6 +426,7 @@ std::vector<AnsweredRequest> RequestPath::sample(const std::vector<std::shared_p
     included.push_back(&p);
     rows += p.num_rows;
   }
+  regions.unlock();
   if (rows > limits_.max_batch_rows || rows > limits_.max_batch_elements / batch[0]->vocab)
     throw std::invalid_argument("tokensampler request path: a batch past the limits");
   if (!rows) return answers;

@@ -111,9 +111,16 @@ class RequestPath {
   RequestLimits limits_;
   unsigned long long* fallback_count_;
   cudaStream_t stream_ = nullptr;
-  std::mutex mutex_;  // one request or batch at a time; regions change between them only
+  // A prepare never waits for a batch: it runs on the server's event loop, and a batch can wait on the GPU for
+  // as long as another stream of the context holds it (a colocated loop waiting on its engine).
+  std::mutex launch_mutex_;   // one batch at a time on stream_ and the buffers; a region leaves between batches
+  std::mutex parse_mutex_;    // parsed_
+  std::mutex regions_mutex_;  // regions_, held for a lookup or a change only
   std::unordered_map<std::string, RegionMapping> regions_;
   std::unique_ptr<Parsed> parsed_;
+  // Buffers outgrown, freed with the path: cudaFree and cudaFreeHost wait for every stream of the device, a
+  // colocated loop's included. Growth doubles, so these hold less than the live buffers.
+  std::vector<void*> retired_device_, retired_host_;
   Buffer dev_logits_;  // carried logits, uploaded (as large as the largest such batch so far)
   Buffer host_stage_, dev_stage_, host_out_, dev_out_, counters_, hist_, scratch_;
 };
