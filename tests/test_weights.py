@@ -62,6 +62,14 @@ def test_a_weight_with_a_nan_or_infinity_is_refused_naming_its_row(bad: float, r
     registry.register("head", torch.randn(6, 8).half(), LogitsFinish(vocab_size=6), "x")  # the name stays free
 
 
+def test_an_empty_name_is_not_set_rather_than_not_found() -> None:
+    registry = WeightRegistry(torch.device("cpu"))
+    with pytest.raises(InvalidArgument, match="not set") as raised:
+        with registry.use("", "hidden.weights"):
+            pass
+    assert raised.value.field == "hidden.weights"
+
+
 def _chunks(weight: torch.Tensor, name: str = "w", chunk_bytes: int = 100, sha256: str | None = None, **header):
     data = weight.contiguous().view(torch.uint8).numpy().tobytes()
     digest = sha256 if sha256 is not None else hashlib.sha256(data).hexdigest()

@@ -95,7 +95,10 @@ class RefCountedRegistry(Generic[T]):
             return self._holds.get(id(item), 0)
 
     def hold(self, name: str, field: str) -> T:
-        """Takes a hold on `name` (NOT_FOUND naming `field` if unknown); `release` ends it."""
+        """Takes a hold on `name` (INVALID_ARGUMENT naming `field` if empty, NOT_FOUND if unknown); `release` ends
+        it."""
+        if not name:
+            raise InvalidArgument(field, f"not set; expected the name of a registered {self._kind}")
         with self._lock:
             item = self._items.get(name)
             if item is None:
