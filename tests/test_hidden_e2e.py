@@ -167,6 +167,26 @@ def test_register_from_file_inside_weights_dir(client: SamplerClient) -> None:
     client.unregister_weights("from-file")
 
 
+def test_a_weight_file_rewritten_after_registration_changes_nothing(client: SamplerClient, weights_dir: Path) -> None:
+    """The registered head is the server's copy: a file truncated or rewritten in place afterwards (its pages
+    mapped by safetensors) neither kills the server (SIGBUS) nor changes the tokens."""
+    from safetensors.torch import save_file
+
+    path = weights_dir / "rewritten.safetensors"
+    save_file({"lm_head.weight": torch.randn(300, 64, generator=torch.Generator().manual_seed(3))}, str(path))
+    info = client.register_weights_from_file("rewritten", path.name, "lm_head.weight")
+    hidden = torch.randn(4, 64, generator=torch.Generator().manual_seed(4))
+    before = client.sample_hidden(hidden, "rewritten", seed=[1, 2, 3, 4], return_logprobs=True)
+    os.truncate(path, 0)
+    after_truncation = client.sample_hidden(hidden, "rewritten", seed=[1, 2, 3, 4], return_logprobs=True)
+    save_file({"lm_head.weight": torch.full((300, 64), float("nan"))}, str(path))
+    after_rewrite = client.sample_hidden(hidden, "rewritten", seed=[1, 2, 3, 4], return_logprobs=True)
+    for after in (after_truncation, after_rewrite):
+        assert torch.equal(after.tokens, before.tokens) and torch.equal(after.logprobs, before.logprobs)
+    assert client.list_weights()[[w.name for w in client.list_weights()].index("rewritten")].sha256 == info.sha256
+    client.unregister_weights("rewritten")
+
+
 @pytest.mark.parametrize(
     "path, code",
     [

@@ -70,6 +70,34 @@ def test_an_empty_name_is_not_set_rather_than_not_found() -> None:
     assert raised.value.field == "hidden.weights"
 
 
+def test_an_idle_upload_ends_and_gives_its_bytes_back() -> None:
+    """A header declaring the whole budget holds nothing; an upload that stops sending ends after the idle timeout
+    (DEADLINE_EXCEEDED) and frees what it held."""
+    budget = _budget(1 << 20)
+    registry = WeightRegistry(torch.device("cpu"))
+    messages = _chunks(torch.randn(33, 7).half())
+
+    async def stalls():
+        yield messages[0]
+        await asyncio.sleep(30)
+
+    async def run() -> None:
+        header_only = pb.RegisterWeightsChunk(name="hog", dtype=pb.DTYPE_FLOAT16, shape=[512, 1024])
+        hog = asyncio.ensure_future(read_upload(stalls_after(header_only), 1 << 20, registry.check_free, budget))
+        await asyncio.sleep(0.01)
+        assert budget.held == 0
+        with pytest.raises(ServiceError) as ended:
+            await read_upload(stalls(), 1 << 20, registry.check_free, budget, idle_timeout_s=0.05)
+        assert ended.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and budget.held == 0
+        hog.cancel()
+
+    async def stalls_after(message):
+        yield message
+        await asyncio.sleep(30)
+
+    asyncio.run(run())
+
+
 def _chunks(weight: torch.Tensor, name: str = "w", chunk_bytes: int = 100, sha256: str | None = None, **header):
     data = weight.contiguous().view(torch.uint8).numpy().tobytes()
     digest = sha256 if sha256 is not None else hashlib.sha256(data).hexdigest()
@@ -201,10 +229,11 @@ def test_unregister_waits_for_requests_in_flight() -> None:
 
 
 def test_uploads_in_progress_hold_at_most_the_budget_together() -> None:
-    """Two uploads whose bytes together pass the budget: the second is refused at its header (RESOURCE_EXHAUSTED)
-    while the first is in progress; once the first ends, by success or failure, its bytes are free again."""
-    weight = torch.randn(33, 7).half()  # 462 bytes
-    budget = _budget(700)
+    """Uploads hold the bytes they have received, together at most the budget: a header declaring more holds
+    nothing; a second upload is refused (RESOURCE_EXHAUSTED) at the message that would pass the budget while the
+    first is in progress; once the first ends, by success or failure, its bytes are free again."""
+    weight = torch.randn(33, 7).half()  # 462 bytes, in messages of 100
+    budget = _budget(500)
     registry = WeightRegistry(torch.device("cpu"))
 
     async def run() -> None:
@@ -220,10 +249,10 @@ def test_uploads_in_progress_hold_at_most_the_budget_together() -> None:
 
         pending = asyncio.ensure_future(read_upload(slow(), 1 << 20, registry.check_free, budget))
         await asyncio.sleep(0.01)
-        assert budget.held == 462
+        assert budget.held == 100
         with pytest.raises(ServiceError) as refused:
             await read_upload(_stream(second), 1 << 20, registry.check_free, budget)
-        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and budget.held == 462
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and budget.held == 100
         gate.set()
         assert (await pending).name == "first" and budget.held == 0
         bad = _chunks(weight, name="second", sha256="0" * 64)

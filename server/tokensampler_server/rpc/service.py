@@ -229,35 +229,49 @@ class SamplerService(pb_grpc.SamplerServicer):
     async def RegisterWeights(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.WeightsInfo:
         upload = await read_upload(request_iterator, self._limits.max_weight_bytes, self._registry.check_free,
                                    self._uploads)
-        return weights_info(self._registry.register(upload.name, upload.weight, upload.finish, upload.sha256))
+        # Registration checks every value of the weight (seconds a GiB on a CPU): off the event loop.
+        return weights_info(await asyncio.to_thread(self._registry.register, upload.name, upload.weight,
+                                                    upload.finish, upload.sha256))
 
     async def RegisterWeightsFromFile(
         self, request: pb.RegisterWeightsFromFileRequest, context: grpc.aio.ServicerContext
     ) -> pb.WeightsInfo:
         path = resolve_weights_path(self._weights_dir, request.path)
-        loop = asyncio.get_running_loop()
-        weight = await loop.run_in_executor(None, load_safetensors, path, request.tensor)
+        self._registry.check_free(request.name)  # a taken name is refused before the file is read
+        return weights_info(await asyncio.to_thread(self._register_file, request, path))
+
+    def _register_file(self, request: pb.RegisterWeightsFromFileRequest, path: Path) -> RegisteredWeight:
+        """Reads, checks, hashes and registers a file's tensor: seconds a GiB, on a thread."""
+        weight = load_safetensors(path, request.tensor)
         if weight.dim() != 2 or weight.dtype not in WEIGHT_DTYPES:
             raise InvalidArgument("tensor", f"{request.tensor!r} is {weight.dtype} {list(weight.shape)}, expected a [V, D] float tensor")
         if weight.numel() * weight.element_size() > self._limits.max_weight_bytes:
             raise InvalidArgument("tensor", f"{request.tensor!r} is larger than {self._limits.max_weight_bytes} bytes")
         finish = finish_from_options(request.options, int(weight.shape[0]))
-        entry = self._registry.register(request.name, weight, finish, sha256_hex(weight))
-        return weights_info(entry)
+        # A copy: the file's pages may change or go (a file rewritten or truncated in place) once registered.
+        weight = weight.clone()
+        return self._registry.register(request.name, weight, finish, sha256_hex(weight))
 
     async def RegisterWeightsFromRegion(
         self, request: pb.RegisterWeightsFromRegionRequest, context: grpc.aio.ServicerContext
     ) -> pb.WeightsInfo:
         if not request.HasField("weight"):
             raise InvalidArgument("weight", "not set; expected a reference to W [V, D] in a registered region")
+        self._registry.check_free(request.name)  # a taken name is refused before the region is read
+        return weights_info(await asyncio.to_thread(self._register_region_weight, request))
+
+    def _register_region_weight(self, request: pb.RegisterWeightsFromRegionRequest) -> RegisteredWeight:
+        """Reads (a shared-memory region), checks and registers a region's weight: seconds a GiB, on a thread, which
+        holds the region while it reads (a call cancelled meanwhile must not let it go under the read)."""
         with self._regions.use(request.weight.region, "weight.region") as region:
             weight = region.tensor(request.weight, "weight", WIRE_DTYPES, self._limits.max_weight_bytes)
             if weight.dim() != 2 or min(weight.shape) < 1:
                 raise InvalidArgument("weight.shape", f"got {list(weight.shape)}, expected [V, D] with V, D >= 1")
             if weight.numel() * weight.element_size() > self._limits.max_weight_bytes:
-                raise InvalidArgument("weight.shape", f"{list(weight.shape)} is larger than {self._limits.max_weight_bytes} bytes")
+                raise InvalidArgument("weight.shape", f"{list(weight.shape)} is larger than "
+                                                      f"{self._limits.max_weight_bytes} bytes")
             finish = finish_from_options(request.options, int(weight.shape[0]))
-            return weights_info(self._registry.register(request.name, weight, finish, sha256="", region=region))
+            return self._registry.register(request.name, weight, finish, sha256="", region=region)
 
     async def ListWeights(self, request: pb.ListWeightsRequest, context: grpc.aio.ServicerContext) -> pb.ListWeightsResponse:
         registry = self._registry

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import grpc
 import torch
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.tensors import DTYPE_TO_TORCH, TORCH_TO_DTYPE, TensorDecodeError, decode_tensor, dtype_name
 
 from tokensampler_server.core.budget import ByteBudget
-from tokensampler_server.core.errors import InvalidArgument
+from tokensampler_server.core.errors import InvalidArgument, ServiceError
 from tokensampler_server.resources.weights import LogitsFinish, RegisteredWeight, check_finish, check_weight_shape
 
 WIRE_DTYPES = (pb.DTYPE_FLOAT32, pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT16)
+UPLOAD_IDLE_TIMEOUT_S = 60.0
+"""An upload whose next message does not come within this ends (DEADLINE_EXCEEDED): the bytes it holds count
+against every other upload's budget."""
 
 
 @dataclass(frozen=True)
@@ -59,18 +64,19 @@ def weights_info(entry: RegisteredWeight, in_flight: int = 0) -> pb.WeightsInfo:
 
 
 async def read_upload(chunks: AsyncIterator[pb.RegisterWeightsChunk], max_bytes: int,
-                      check_name: Callable[[str], None], budget: ByteBudget) -> VerifiedUpload:
+                      check_name: Callable[[str], None], budget: ByteBudget,
+                      idle_timeout_s: float = UPLOAD_IDLE_TIMEOUT_S) -> VerifiedUpload:
     """Assembles a chunked upload aside; returns it only when complete and its SHA-256 matches. The header (name,
-    dtype, shape, options) is checked as it arrives, `check_name` with it, and the weight's bytes are taken from
-    `budget` until the upload ends, before any data is kept."""
+    dtype, shape, options) is checked as it arrives, `check_name` with it. The bytes received are taken from `budget`
+    as they come (a header alone holds nothing) and held until the upload ends."""
     header: pb.RegisterWeightsChunk | None = None
     finish: LogitsFinish | None = None
     buffer = bytearray()
-    expected_bytes = taken = 0
+    expected_bytes = 0
     digest = hashlib.sha256()
     sha256 = ""
     try:
-        async for chunk in chunks:
+        async for chunk in _within(chunks, idle_timeout_s):
             if header is None:
                 header = chunk
                 check_name(header.name)
@@ -85,20 +91,22 @@ async def read_upload(chunks: AsyncIterator[pb.RegisterWeightsChunk], max_bytes:
                     raise InvalidArgument("shape", f"{list(header.shape)} needs {expected_bytes} bytes, expected at "
                                           f"most {max_bytes}")
                 finish = finish_from_options(header.options, int(header.shape[0]))
-                budget.take(expected_bytes)
-                taken = expected_bytes
-            elif chunk.name or len(chunk.shape) or chunk.dtype or chunk.HasField("options"):
-                field = "options" if chunk.HasField("options") else "name"
-                raise InvalidArgument(field, "header fields sent again after the first message; expected data only "
-                                      "(and sha256 with the last)")
+            else:
+                resent = [field for field, given in (("name", chunk.name), ("dtype", chunk.dtype),
+                                                     ("shape", len(chunk.shape)), ("options", chunk.HasField("options")))
+                          if given]
+                if resent:
+                    raise InvalidArgument(resent[0], "header fields sent again after the first message; expected "
+                                          "data only (and sha256 with the last)")
             if len(buffer) + len(chunk.data) > expected_bytes:
                 raise InvalidArgument("data", f"got more than the {expected_bytes} bytes that shape "
                                       f"{list(header.shape)} holds")
+            budget.take(len(chunk.data))
             buffer += chunk.data
             digest.update(chunk.data)
             sha256 = chunk.sha256 or sha256
     finally:
-        budget.give_back(taken)  # the upload's bytes are the registry's from here, or gone
+        budget.give_back(len(buffer))  # the upload's bytes are the registry's from here, or gone
     if header is None:
         raise InvalidArgument("name", "the upload had no messages; expected a header with name, dtype and shape")
     if len(buffer) != expected_bytes:
@@ -109,3 +117,18 @@ async def read_upload(chunks: AsyncIterator[pb.RegisterWeightsChunk], max_bytes:
         raise InvalidArgument("sha256", f"got {sha256}, but the bytes received hash to {digest.hexdigest()}")
     weight = torch.frombuffer(buffer, dtype=DTYPE_TO_TORCH[header.dtype]).view(*header.shape)
     return VerifiedUpload(name=header.name, weight=weight, finish=finish, sha256=digest.hexdigest())
+
+
+async def _within(chunks: AsyncIterator[pb.RegisterWeightsChunk],
+                  timeout_s: float) -> AsyncIterator[pb.RegisterWeightsChunk]:
+    """The upload's messages, each within `timeout_s` of the one before."""
+    iterator = aiter(chunks)
+    while True:
+        try:
+            chunk = await asyncio.wait_for(anext(iterator), timeout_s)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise ServiceError(f"data: no message for {timeout_s:g} s; the upload ended "
+                               f"(uploads in progress hold their bytes)", grpc.StatusCode.DEADLINE_EXCEEDED) from None
+        yield chunk
