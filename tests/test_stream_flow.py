@@ -54,3 +54,49 @@ def test_a_stream_is_not_read_past_its_bytes_in_flight() -> None:
         await batcher.close()
 
     asyncio.run(run())
+
+
+def test_references_into_shared_memory_count_the_bytes_they_read() -> None:
+    """Messages of a few bytes that each reference 1 MiB of a shared-memory region: their start reads that MiB
+    into the server, so the window counts it, and an unread stream stops being read at the same bound."""
+    from multiprocessing import shared_memory
+
+    from tokensampler_client._proto import sampler_pb2 as pb
+
+    segment = shared_memory.SharedMemory(create=True, size=MESSAGE_ROWS * VOCAB * 4)
+    read = 0
+
+    async def requests():  # noqa: ANN202 - an endless client stream
+        nonlocal read
+        request = build_sample_request(logits=torch.zeros(1, 1), seed=[1])
+        request.logits_ref.CopyFrom(pb.TensorRef(region="r", dtype=pb.DTYPE_FLOAT32, shape=[MESSAGE_ROWS, VOCAB]))
+        message = request.SerializeToString()
+        while True:
+            read += 1
+            yield message
+
+    async def run() -> None:
+        batcher = DynamicBatcher(CpuBackend(), max_batch_rows=64)
+        regions = RegionRegistry(allow_shm=True)
+        regions.register(pb.RegisterRegionRequest(name="r", shm=pb.SharedMemorySource(key=segment.name,
+                                                                                      byte_size=segment.size)))
+        path = SampleRpc(Limits(), batcher, WeightRegistry(torch.device("cpu")), regions, None)
+        answers = path.stream(requests(), "s")
+        await answers.__anext__()
+        previous = -1
+        for _ in range(600):
+            await asyncio.sleep(0.05)
+            if read == previous and batcher.idle:
+                break
+            previous = read
+        bound = STREAM_BYTES_IN_FLIGHT // segment.size
+        assert bound <= read <= bound + 2, (read, bound)
+        await answers.aclose()
+        await batcher.close()
+        await regions.unregister("r")
+
+    try:
+        asyncio.run(run())
+    finally:
+        segment.close()
+        segment.unlink()

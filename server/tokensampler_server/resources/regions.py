@@ -379,6 +379,11 @@ class RegionRegistry:
     def in_flight(self, region: Region) -> int:
         return self._regions.in_flight(region)
 
+    def copied(self, name: str) -> bool:
+        """Whether a reference into region `name` is read into the server's memory (a shared-memory segment; a
+        CUDA region is read in place)."""
+        return any(region.name == name and region.kind == "shm" for region in self.list())
+
     @property
     def total_bytes(self) -> int:
         return sum(region.byte_size for region in self.list())

@@ -14,6 +14,7 @@ answers in order by awaiting the futures one after the other: the fewest event-l
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -23,12 +24,12 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 from tokensampler_client._proto import sampler_pb2 as pb
-from tokensampler_client.tensors import encode_tensor
+from tokensampler_client.tensors import DTYPE_TO_TORCH, encode_tensor
 
 from tokensampler_server.batching.batcher import BatchTimes, DynamicBatcher
 from tokensampler_server.rpc.call_record import CallRecord, current_message_tracer
 from tokensampler_server.core.config import Limits
-from tokensampler_server.core.errors import InvalidArgument, failure_status, unparsable
+from tokensampler_server.core.errors import InvalidArgument, ServiceError, failure_status, unparsable
 from tokensampler_server.resources.leases import Lease
 from tokensampler_server.rpc.metrics import ServerMetrics
 from tokensampler_server.rpc.native_path import NativePath
@@ -47,8 +48,27 @@ from tokensampler_server.validation.sample import (
 from tokensampler_server.resources.weights import WeightRegistry
 
 STREAM_METHOD = "tokensampler.v1.Sampler/SampleStream"
-def _message_bytes(message: bytes | pb.SampleRequest) -> int:
-    return len(message) if isinstance(message, bytes) else message.ByteSize()
+_SMALL_MESSAGE_BYTES = 4096
+"""A stream message at most this large may be a reference into a region, whose bytes its start reads."""
+
+
+def _message_bytes(message: bytes | pb.SampleRequest, regions: RegionRegistry) -> int:
+    """What a stream message holds in the server once begun: its own bytes, and the bytes of an input it references
+    in a shared-memory region (read into memory when the message starts)."""
+    size = len(message) if isinstance(message, bytes) else message.ByteSize()
+    if size > _SMALL_MESSAGE_BYTES:
+        return size
+    try:
+        request = as_request(message)
+    except ServiceError:
+        return size  # its start answers that it does not parse
+    ref, _ = _input_ref(request)
+    if ref is None or not regions.copied(ref.region):
+        return size
+    itemsize = DTYPE_TO_TORCH[ref.dtype].itemsize if ref.dtype in DTYPE_TO_TORCH else 4
+    if isinstance(ref, pb.RowsRef):
+        return size + len(ref.row_offsets) * ref.row_size * itemsize
+    return size + math.prod(ref.shape) * itemsize
 
 
 def as_request(message: bytes | pb.SampleRequest) -> pb.SampleRequest:
@@ -308,7 +328,7 @@ class SampleRpc:
             index += 1
             begun = await self._begin(message, record)
             if not isinstance(begun, asyncio.Future):
-                first = _stream_item(record, message, begun, _message_bytes(message))
+                first = _stream_item(record, message, begun, _message_bytes(message, self._regions))
                 async for answer in self._pipelined(messages, stream_id, index, first):
                     yield answer
                 return
@@ -334,7 +354,7 @@ class SampleRpc:
         async def read() -> None:
             number = index
             async for message in messages:
-                nbytes = _message_bytes(message)
+                nbytes = _message_bytes(message, self._regions)
                 await window.admit(nbytes)
                 record = self._stream_record(stream_id, number)
                 number += 1
