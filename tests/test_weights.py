@@ -262,3 +262,22 @@ def test_uploads_in_progress_hold_at_most_the_budget_together() -> None:
         assert (await read_upload(_stream(second), 1 << 20, registry.check_free, budget)).name == "second"
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("by_ref", [False, True])
+def test_hidden_states_of_the_wrong_width_name_their_own_field(by_ref: bool) -> None:
+    from tokensampler_client.tensors import encode_tensor as encode
+    from tokensampler_server.core.config import Limits
+    from tokensampler_server.validation.sample import validate_sample_request
+
+    head = WeightRegistry(torch.device("cpu")).register("head", torch.randn(6, 4), LogitsFinish(vocab_size=6), "x")
+    states = torch.zeros(2, 5)
+    request = pb.SampleRequest()
+    request.hidden.weights = "head"
+    if by_ref:
+        request.hidden.states_ref.CopyFrom(pb.TensorRef(region="r", dtype=pb.DTYPE_FLOAT32, shape=[2, 5]))
+    else:
+        encode(states, out=request.hidden.states)
+    with pytest.raises(InvalidArgument, match="D=5") as raised:
+        validate_sample_request(request, Limits(), lm_head=head, referenced=states if by_ref else None)
+    assert raised.value.field == ("hidden.states_ref.shape" if by_ref else "hidden.states.shape")

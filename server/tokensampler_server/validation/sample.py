@@ -290,13 +290,15 @@ def _check_shape(shape: Sequence[int], field: str, limits: Limits, dims: str) ->
     _check_elements(field, num_rows, width, limits, dims.strip("[]").replace(", ", "·"))
 
 
-def check_lm_head(lm_head: RegisteredWeight | None, hidden_size: int) -> RegisteredWeight:
-    """The weight that hidden.weights names, for hidden states whose last size is `hidden_size`."""
+def check_lm_head(lm_head: RegisteredWeight | None, hidden_size: int,
+                  states_field: str = "hidden.states") -> RegisteredWeight:
+    """The weight that hidden.weights names, for hidden states (in `states_field`) whose last size is
+    `hidden_size`."""
     if lm_head is None:
         raise InvalidArgument("hidden.weights", "not set; expected the name of a registered weight")
     if hidden_size != lm_head.hidden_size:
         raise InvalidArgument(
-            "hidden.states.shape", f"got D={hidden_size}, expected D={lm_head.hidden_size} of weight {lm_head.name!r}"
+            f"{states_field}.shape", f"got D={hidden_size}, expected D={lm_head.hidden_size} of weight {lm_head.name!r}"
         )
     return lm_head
 
@@ -421,7 +423,8 @@ def validate_sample_request(
         logits = tensor
         num_rows, vocab_size = logits.shape
     else:
-        hidden = HiddenInput(states=tensor, lm_head=check_lm_head(lm_head, tensor.shape[1]))
+        states_field = "hidden.states_ref" if request.hidden.HasField("states_ref") else "hidden.states"
+        hidden = HiddenInput(states=tensor, lm_head=check_lm_head(lm_head, tensor.shape[1], states_field))
         num_rows, vocab_size = tensor.shape[0], lm_head.finish.vocab_size
         # The server computes B·V logits from B·D hidden states: bound those too.
         _check_elements("hidden.states", num_rows, vocab_size, limits, f"B·V of weight {lm_head.name!r}")
