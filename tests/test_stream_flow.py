@@ -58,7 +58,8 @@ def test_a_stream_is_not_read_past_its_bytes_in_flight() -> None:
 
 def test_references_into_shared_memory_count_the_bytes_they_read() -> None:
     """Messages of a few bytes that each reference 1 MiB of a shared-memory region: their start reads that MiB
-    into the server, so the window counts it, and an unread stream stops being read at the same bound."""
+    into the server, so the window counts it, and an unread stream stops being read at the same bound. Its
+    sampled messages hold the region no longer than their batch."""
     from multiprocessing import shared_memory
 
     from tokensampler_client._proto import sampler_pb2 as pb
@@ -91,6 +92,8 @@ def test_references_into_shared_memory_count_the_bytes_they_read() -> None:
             previous = read
         bound = STREAM_BYTES_IN_FLIGHT // segment.size
         assert bound <= read <= bound + 2, (read, bound)
+        # Sampled and unanswered, the messages no longer hold the region: it can be unregistered meanwhile.
+        assert regions.in_flight(regions.list()[0]) == 0
         await answers.aclose()
         await batcher.close()
         await regions.unregister("r")

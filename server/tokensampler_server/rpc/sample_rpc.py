@@ -150,20 +150,23 @@ def encode_result(result: SamplingResult, seeds: np.ndarray) -> pb.SampleRespons
 
 @dataclass
 class _Started:
-    """A validated request queued on the batcher; `held` is the call's share of what it holds (the batcher's
-    share keeps the weights and regions until the backend is done with them)."""
+    """A validated request queued on the batcher. The call holds its inputs (weight, input region) until its batch
+    is done, the batcher's share of them until the backend is done with them; `outputs` (the output regions the
+    answer is written to) until it is answered. So an answer left unread (a stream's client that does not read)
+    holds no input region or weight that someone is unregistering."""
 
     call: CallRecord
-    held: Lease
+    outputs: Lease
     future: asyncio.Future
     seeds: np.ndarray
     targets: dict[str, OutputTarget]
     arrived: int
 
     def drop(self) -> None:
-        """The answer is no longer wanted: let the batcher skip it and release what it holds."""
+        """The answer is no longer wanted: let the batcher skip it (which ends the inputs' hold) and release the
+        outputs."""
         self.future.cancel()
-        self.held.release()
+        self.outputs.release()
 
 
 _StreamItem = tuple[CallRecord, bytes | pb.SampleRequest | None, asyncio.Future | _Started | Exception, int]
@@ -253,7 +256,7 @@ class SampleRpc:
     def start(self, request: pb.SampleRequest, call: CallRecord, token_lists: DecodedLists | None = None) -> _Started:
         """Holds what the request names, validates it and queues it (errors raise here). `token_lists`: the
         request's lists already decoded (_token_lists)."""
-        held = Lease()
+        held, answered = Lease(), Lease()  # the inputs, and the output regions
         try:
             lm_head = None
             if request.WhichOneof("input") == "hidden":
@@ -264,7 +267,7 @@ class SampleRpc:
                 region = held.enter(self._regions.use(ref.region, f"{field}.region"))
                 referenced = referenced_input(region, ref, field, self._limits)
             outputs = [
-                (name, held.enter(self._regions.use(out.region, f"output.{name}.region")), out)
+                (name, answered.enter(self._regions.use(out.region, f"output.{name}.region")), out)
                 for name, out in _output_refs(request)
             ]
             arrived = time.perf_counter_ns()
@@ -279,8 +282,10 @@ class SampleRpc:
             future = self._batcher.enqueue(batch, held)
         except BaseException:
             held.release()
+            answered.release()
             raise
-        return _Started(call, held, future, seeds, targets, arrived)
+        future.add_done_callback(lambda _: held.release())
+        return _Started(call, answered, future, seeds, targets, arrived)
 
     @staticmethod
     def finish(started: _Started, result: SamplingResult, times: BatchTimes) -> pb.SampleResponse:
@@ -310,7 +315,7 @@ class SampleRpc:
             return response
         request = self._parsed(message, call)
         started = self.start(request, call, await self._token_lists(request))
-        with started.held:
+        with started.outputs:
             result, times = await started.future
             return self.finish(started, result, times)
 
@@ -417,7 +422,7 @@ class SampleRpc:
         try:
             if isinstance(started, Exception):
                 raise started
-            with started.held:
+            with started.outputs:
                 result, times = await started.future
                 return pb.SampleStreamResponse(response=self.finish(started, result, times))
         except Exception as err:
