@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -352,3 +353,22 @@ def test_cli_rejects_bad_shape(capsys: pytest.CaptureFixture[str]) -> None:
         cli.main(["sample", "--random-logits", "4by10"])
     assert info.value.code == 2
     assert "expected BxV" in capsys.readouterr().err
+
+
+def test_a_diffusion_mask_is_nonzero_not_cast() -> None:
+    """Integers past uint8 and fractions are undecided positions (nonzero), not what a uint8 cast makes of them."""
+    from tokensampler_client.workloads import build_diffusion_request
+
+    for mask in (np.array([[256, 0, -256]]), torch.tensor([[0.5, 0.0, 1.0]])):
+        request = build_diffusion_request(torch.zeros(1, 3, 4), mask)
+        assert decode_tensor(request.mask, "mask").tolist() == [[1, 0, 1]]
+
+
+@pytest.mark.parametrize("ids", [np.array([[1.7]]), torch.tensor([[1.0]])])
+def test_float_token_ids_are_refused_not_truncated(ids) -> None:
+    from tokensampler_client.workloads import build_score_request, build_verify_request
+
+    with pytest.raises(TypeError, match="draft_ids: got .*float.*expected integer"):
+        build_verify_request(ids, torch.zeros(1, 2, 4), draft_probs=torch.ones(1, 1, 4))
+    with pytest.raises(TypeError, match="token_ids: got .*float.*expected integer"):
+        build_score_request(torch.zeros(1, 1, 4), ids)

@@ -68,6 +68,14 @@ class DiffusionStepResult(ReadableRepr):
         return cls(**fields, mask=decode_tensor(response.mask, "mask") != 0, seeds=list(response.seeds))
 
 
+def _integers(name: str, ids: Array) -> Array:
+    """Token ids as given, refused when they are not integers (a cast would truncate 1.7 to 1)."""
+    floating = np.issubdtype(ids.dtype, np.floating) if isinstance(ids, np.ndarray) else ids.is_floating_point()
+    if floating:
+        raise TypeError(f"{name}: got {ids.dtype}, expected integer token ids")
+    return ids
+
+
 def build_diffusion_request(
     logits: Any, mask: Any, *, hidden: Any = None, weights: str | None = None, confidence_threshold: Any = None,
     commit_count: Any = None, **params: Any,
@@ -77,7 +85,7 @@ def build_diffusion_request(
     or B values; params: the per-row sampling keywords of sample() (no position)."""
     request = pb.DiffusionStepRequest()
     tensor = _set_input(request, logits, hidden, weights, 3)
-    encode_tensor(cast(as_array(mask), np.uint8), out=request.mask)
+    encode_tensor(cast(as_array(mask) != 0, np.uint8), out=request.mask)  # not a cast: 256 would read 0
     batch = tensor.shape[0]
     fill_sampling_params(request.params, batch, **params)
     for name, value in (("confidence_threshold", confidence_threshold), ("commit_count", commit_count)):
@@ -147,7 +155,7 @@ def build_verify_request(
     ids = as_array(draft_ids)
     if ids.ndim != 2:
         raise ValueError(f"draft_ids: expected shape [B, n], got {list(ids.shape)}")
-    encode_tensor(cast(ids, np.int64), out=request.draft_ids)
+    encode_tensor(cast(_integers("draft_ids", ids), np.int64), out=request.draft_ids)
     _float_tensor("target_logits", target_logits, 3, request.target_logits)
     if draft_probs is not None:
         _float_tensor("draft_probs", draft_probs, 3, request.draft_probs)
@@ -200,7 +208,7 @@ def fill_score_options(
     ids = as_array(token_ids)
     if ids.ndim != 2:
         raise ValueError(f"token_ids: expected shape [B, T], got {list(ids.shape)}")
-    encode_tensor(cast(ids, np.int64), out=request.token_ids)
+    encode_tensor(cast(_integers("token_ids", ids), np.int64), out=request.token_ids)
     for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
         if value is not None:
             _extend(name, getattr(request, name), _column(name, value, rows))
