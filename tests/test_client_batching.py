@@ -124,6 +124,20 @@ def test_errors_go_only_to_the_callers_whose_rows_were_bad(server: RunningServer
     assert all(outcomes[i].tokens.shape == (2, 1) for i in range(8) if i != 3)
 
 
+def test_merged_requests_stay_within_the_clients_message_limit(server: RunningServer) -> None:
+    """Eight calls of 400 KB each fit a 1 MiB channel alone; merged they would not, and every caller would fail.
+    Batches are cut at the limit instead."""
+    logits = [torch.randn(1, 100_000, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    with (SamplerClient(server.target, timeout=60, max_message_mb=1) as client,
+          BatchingClient(client, max_delay_us=200_000) as batcher,
+          concurrent.futures.ThreadPoolExecutor(8) as pool):
+        results = list(pool.map(lambda i: batcher.sample(logits[i], seed=i), range(8)))
+        alone = [client.sample(logits[i], seed=i) for i in range(8)]
+    for got, want in zip(results, alone):
+        assert torch.equal(got.tokens, want.tokens)
+    assert len({result.request_id for result in results}) < 8  # some calls did merge
+
+
 def test_async_batching_client(server: RunningServer) -> None:
     rng = random.Random(2)
     calls = [random_call(rng) for _ in range(40)]
@@ -157,6 +171,8 @@ class _RowEchoClient:
 
     def __init__(self, features: list[str]) -> None:
         self.features, self.sent = features, []
+
+    max_message_bytes = 256 << 20
 
     def server_info(self) -> pb.ServerInfo:
         return pb.ServerInfo(features=self.features)

@@ -142,6 +142,8 @@ class ClientCore:
         self._policy = CallPolicy(timeout, retries, backoff or Backoff())
         self._auth_token = check_auth_token(auth_token)
         channel_args = channel_options(max_message_mb, options)
+        self.max_message_bytes = int(max_message_mb * 1024 * 1024)
+        """The largest message this client sends or receives (max_message_mb)."""
         credentials = channel_credentials(credentials, tls_ca, tls_cert, tls_key)
         target = channel_target(target)
         if credentials is None:

@@ -45,9 +45,11 @@ class _Call:
     request: pb.SampleRequest
     future: Any  # _Waiter (BatchingClient) or asyncio.Future
     rows: int = field(init=False)
+    nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.rows = num_rows(self.request)
+        self.nbytes = self.request.ByteSize()
 
 
 class _Waiter:
@@ -81,9 +83,10 @@ def _region_calls(calls: Sequence[_Call]) -> int:
     return sum(call.request.WhichOneof("input") == "logits_ref" for call in calls)
 
 
-def _batches(calls: Sequence[_Call], max_rows: int, gather: bool) -> Iterator[list[_Call]]:
+def _batches(calls: Sequence[_Call], max_rows: int, gather: bool, max_bytes: int) -> Iterator[list[_Call]]:
     """Groups calls by merge key, in arrival order (region references: by offset and, without `gather`, cut
-    where one does not follow the other), each group cut at max_rows rows."""
+    where one does not follow the other), each group cut at max_rows rows and at max_bytes of requests (a merged
+    request is no larger than its parts together, and past the channel's limit every caller would fail)."""
     groups: dict[Hashable, list[_Call]] = defaultdict(list)
     for call in calls:
         groups[merge_key(call.request)].append(call)
@@ -92,14 +95,15 @@ def _batches(calls: Sequence[_Call], max_rows: int, gather: bool) -> Iterator[li
         if by_ref:
             group.sort(key=lambda call: call.request.logits_ref.offset)
         batch: list[_Call] = []
-        rows = 0
+        rows = nbytes = 0
         for call in group:
             apart = by_ref and not gather and bool(batch) and not follows(batch[-1].request, call.request)
-            if batch and (rows + call.rows > max_rows or apart):
+            if batch and (rows + call.rows > max_rows or nbytes + call.nbytes > max_bytes or apart):
                 yield batch
-                batch, rows = [], 0
+                batch, rows, nbytes = [], 0, 0
             batch.append(call)
             rows += call.rows
+            nbytes += call.nbytes
         yield batch
 
 
@@ -193,7 +197,7 @@ class BatchingClient(_Batcher[SamplerClient]):
                     self._lock.wait(remaining)
                 calls, self._pending, self._pending_rows = self._pending, [], 0
             gather = _region_calls(calls) > 1 and self._server_gathers()
-            for index, batch in enumerate(_batches(calls, self._max_rows, gather)):
+            for index, batch in enumerate(_batches(calls, self._max_rows, gather, self._client.max_message_bytes)):
                 if index:  # the first batch has the slot taken above
                     self._slots.acquire()
                 self._senders.submit(self._send_in_slot, batch, gather)
@@ -295,7 +299,8 @@ class AsyncBatchingClient(_Batcher[AsyncSamplerClient]):
 
     async def _send_all(self, calls: list[_Call]) -> None:
         gather = _region_calls(calls) > 1 and await self._server_gathers()
-        await asyncio.gather(*(self._send(batch, gather) for batch in _batches(calls, self._max_rows, gather)))
+        batches = _batches(calls, self._max_rows, gather, self._client.max_message_bytes)
+        await asyncio.gather(*(self._send(batch, gather) for batch in batches))
 
     async def _send(self, batch: list[_Call], gather: bool) -> None:
         request, alone = _merged_or_alone(batch, gather)
