@@ -334,3 +334,13 @@ def test_what_the_sequence_samplers_read_is_bounded() -> None:
     assert err.value.field == "params.output_token_ids" and "1048576" in str(err.value)
     batch = _validated(torch.zeros(128, 4), output_token_ids=history, dry_multiplier=1.0)
     assert batch.processing.sequence_samplers is not None
+
+
+@pytest.mark.parametrize("none", [[None, None], [[], []]])
+def test_rows_that_all_have_no_breakers_are_no_breakers(none: list) -> None:
+    """B entries each None or empty: no row has a breaker, as if none were given (not a refusal, and not one
+    shared list of empty breakers)."""
+    logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(5))
+    params = dict(seed=[1, 2], output_token_ids=[[1, 2, 1, 2], [3, 3, 3]], dry_multiplier=1.0, dry_allowed_length=1)
+    want = BACKEND.sample(_validated(logits, **params)).tokens
+    assert torch.equal(BACKEND.sample(_validated(logits, dry_sequence_breakers=none, **params)).tokens, want)

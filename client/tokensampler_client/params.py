@@ -256,7 +256,8 @@ def _set_breakers(out: pb.TokenSequences, breakers: BreakersArg, batch: int) -> 
     name = "dry_sequence_breakers"
     if not _is_sequence(breakers):
         raise TypeError(f"{name}: expected a list of token-id sequences or B such lists, got {type(breakers).__name__}")
-    per_row = any(row is None or (_is_sequence(row) and len(row) and _is_sequence(row[0])) for row in breakers)
+    # B lists where an entry is None, empty (an empty breaker is never valid) or a list of sequences
+    per_row = any(row is None or (_is_sequence(row) and (not len(row) or _is_sequence(row[0]))) for row in breakers)
     if per_row:
         if len(breakers) != batch:
             raise ValueError(f"{name}: expected one list of breakers or {batch} lists (one per row), got {len(breakers)}")

@@ -36,10 +36,12 @@ class DecodedBreakers:
 def decode_breakers(message: pb.TokenSequences, num_rows: int) -> DecodedBreakers | None:
     """The breakers of every row, or None when the message is empty; counts and lengths checked first."""
     num_ids, num_breakers, num_counts = len(message.ids), len(message.lengths), len(message.counts)
-    if num_breakers == 0:
-        if num_ids or num_counts:
-            raise InvalidArgument(f"{_BREAKERS}.lengths", f"got 0 values for {num_ids} ids and {num_counts} counts, "
-                                                          "expected one length per breaker")
+    if num_breakers == 0:  # no breakers: no ids, and no counts or B zero counts (no row has one)
+        if num_ids or any(message.counts):
+            raise InvalidArgument(f"{_BREAKERS}.lengths", f"got 0 values for {num_ids} ids and counts summing to "
+                                                          f"{sum(message.counts)}, expected one length per breaker")
+        if num_counts not in (0, num_rows):
+            raise InvalidArgument(f"{_BREAKERS}.counts", f"got {num_counts} values, expected 0 or B={num_rows}")
         return None
     lengths = np.asarray(message.lengths, dtype=np.int64)
     check(lengths, (lengths >= 1) & (lengths <= MAX_BREAKER_LENGTH), f"{_BREAKERS}.lengths",
