@@ -66,3 +66,51 @@ def test_every_subcommand_has_a_help_line_and_a_description(capsys: pytest.Captu
         with pytest.raises(SystemExit):
             cli.main([name, "--help"])
         assert " ".join(parser.description.split()) in " ".join(capsys.readouterr().out.split()), name
+
+
+def test_json_writes_non_finite_numbers_as_strings(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """-inf log-probs (outside the kept set) and NaN (an invalid row) are not JSON numbers: strict readers
+    (JavaScript's JSON.parse) refuse them, and jq reads -inf as -1.797e308."""
+
+    class NonFinite(_DrawingClient):
+        def sample(self, logits: torch.Tensor, **params: Any) -> SampleResult:
+            return SampleResult.from_response(pb.SampleResponse(
+                tokens=encode_tensor(torch.tensor([[0], [-1]], dtype=torch.int32)), seeds=[1, 2], valid=[True, False],
+                nan_detected=[False, True], logprobs=encode_tensor(torch.tensor([[float("-inf")], [float("nan")]])),
+                timings=pb.Timings(), request_id="r"))
+
+    monkeypatch.setattr(cli, "SamplerClient", NonFinite)
+    assert cli.main(["sample", "--random-logits", "2x8", "--logprobs", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out, parse_constant=lambda name: pytest.fail(f"non-JSON number {name}"))
+    assert out["logprobs"] == [["-Infinity"], ["NaN"]]
+    assert [float(x) for x in out["logprobs"][0]] == [float("-inf")]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--timeout", "0", "health"], "expected a number of seconds > 0"),
+    (["--auth-token-file", "/nonexistent/token", "health"], "--auth-token-file: cannot read"),
+])
+def test_bad_flag_values_are_usage_errors(argv: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_file_a_flag_names_that_cannot_be_used_is_one_line_and_status_2(
+        monkeypatch: pytest.MonkeyPatch, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    import numpy as np
+
+    monkeypatch.setattr(cli, "SamplerClient", _DrawingClient)
+    empty = tmp_path / "token"
+    empty.write_text("\n")
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--auth-token-file", str(empty), "health"])
+    assert exited.value.code == 2 and "is empty" in capsys.readouterr().err
+    monkeypatch.undo()  # the real client: it checks the mask before any call (none is made: no server there)
+    np.save(tmp_path / "mask.npy", np.zeros((3, 1), dtype=np.int32))  # 3 rows for 2
+    for mask in (tmp_path / "absent.npy", tmp_path / "mask.npy"):
+        argv = ["--target", "127.0.0.1:1", "sample", "--random-logits", "2x8", "--token-bitmask", str(mask)]
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("tokensampler: error:") and len(err.strip().splitlines()) == 1, err

@@ -5,7 +5,9 @@
     tokensampler health
 
 Exit status: 0 on success, 1 when the call fails (one line with the gRPC code and details on
-stderr) or `health` is not SERVING, 2 for a usage error.
+stderr) or `health` is not SERVING, 2 for a usage error (a bad flag, or a file or value a flag names).
+`--json` writes non-finite numbers as the strings "NaN", "Infinity" and "-Infinity" (JSON has no such
+numbers), and uint64 seeds as strings.
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get("TOKENSAMPLER_TARGET", DEFAULT_TARGET),
         help="server address, host:port or unix:///path (default: $TOKENSAMPLER_TARGET or %(default)s)",
     )
-    parser.add_argument("--timeout", type=float, default=30.0, help="deadline of the call in seconds (default: %(default)s)")
+    parser.add_argument("--timeout", type=_positive_seconds, default=30.0, help="deadline of the call in seconds (default: %(default)s)")
     parser.add_argument(
         "--auth-token-file", type=Path, default=os.environ.get("TOKENSAMPLER_AUTH_TOKEN_FILE"),
         help="file whose first line is the bearer token to send (default: $TOKENSAMPLER_AUTH_TOKEN_FILE)",
@@ -186,6 +188,28 @@ def _parser() -> argparse.ArgumentParser:
              "Print the server's grpc.health.v1 status (SERVING, NOT_SERVING, ...); the exit status is 0 only for "
              "SERVING.")
     return parser
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"got {text}, expected a number of seconds > 0")
+    return value
+
+
+def _finite(value: object) -> object:
+    """`value` with its non-finite floats as the strings JSON readers parse back (float("-Infinity"))."""
+    if isinstance(value, float) and not np.isfinite(value):
+        return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite(item) for item in value]
+    return value
+
+
+def _json(value: object) -> str:
+    return json.dumps(_finite(value), allow_nan=False)
 
 
 def _result_dict(result: SampleResult) -> dict[str, object]:
@@ -253,7 +277,7 @@ def _run_sample(client: SamplerClient, args: argparse.Namespace) -> int:
         token_bitmask=None if args.token_bitmask is None else np.load(args.token_bitmask, allow_pickle=False),
     )
     if args.json:
-        print(json.dumps(_result_dict(result)))
+        print(_json(_result_dict(result)))
     else:
         _print_result(result)
     return 0
@@ -276,7 +300,7 @@ def _run_score(client: SamplerClient, args: argparse.Namespace) -> int:
         out["top_logprob_ids"] = result.top_logprob_ids.tolist()
         out["top_logprobs"] = result.top_logprobs.tolist()
     if args.json:
-        print(json.dumps(out))
+        print(_json(out))
         return 0
     for name, value in out.items():
         print(f"{name}: {value}")
@@ -316,7 +340,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (args.tls_cert is None) != (args.tls_key is None) or (args.tls_cert and args.tls_ca is None):
         parser.error("--tls-cert and --tls-key go together, and with --tls-ca")
-    token = args.auth_token_file.read_text().splitlines()[0].strip() if args.auth_token_file else None
+    token = None
+    if args.auth_token_file:
+        try:
+            token = next(iter(args.auth_token_file.read_text().split()), None)
+        except OSError as err:
+            parser.error(f"--auth-token-file: cannot read {args.auth_token_file}: {err.strerror}")
+        if token is None:
+            parser.error(f"--auth-token-file: {args.auth_token_file} is empty, expected a bearer token")
     try:
         with SamplerClient(args.target, timeout=args.timeout, auth_token=token, tls_ca=args.tls_ca,
                            tls_cert=args.tls_cert, tls_key=args.tls_key) as client:
@@ -324,6 +355,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TokenSamplerError as err:
         print(f"tokensampler: error: {err.code.name}: {err.details}", file=sys.stderr)
         return 1
+    except (OSError, ValueError, TypeError) as err:  # a file a flag names, or a value the client refuses
+        print(f"tokensampler: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
