@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -79,3 +80,26 @@ def test_async_stream(server: RunningServer) -> None:
     streamed, unary = asyncio.run(run())
     for s, u in zip(streamed, unary):
         assert torch.equal(s.tokens, u.tokens)
+
+
+def test_a_stream_past_its_deadline_raises_deadline_exceeded_sync_and_async(server: RunningServer) -> None:
+    with SamplerClient(server.target) as client:
+        stream = client.stream(timeout=0.3)
+        stream.sample(torch.randn(1, 50))
+        time.sleep(0.5)
+        with pytest.raises(TokenSamplerError) as raised:
+            stream.sample(torch.randn(1, 50))
+        assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        stream.close()
+
+    async def run() -> None:
+        async with AsyncSamplerClient(server.target) as client:
+            stream = client.stream(timeout=0.3)
+            await stream.sample(torch.randn(1, 50))
+            await asyncio.sleep(0.5)
+            with pytest.raises(TokenSamplerError) as raised:
+                await stream.sample(torch.randn(1, 50))
+            assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            await stream.close()
+
+    asyncio.run(run())

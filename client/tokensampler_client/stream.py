@@ -7,6 +7,8 @@ server rejects raises TokenSamplerError from `receive()` and the stream stays us
 
 from __future__ import annotations
 
+import asyncio
+
 import queue
 from typing import Any
 
@@ -91,8 +93,18 @@ class AsyncSampleStream:
         self._outstanding = 0
 
     async def send(self, logits: Any = None, **params: Any) -> None:
-        await self._call.write(stream_request(logits, params))
+        request = stream_request(logits, params)
+        try:
+            await self._call.write(request)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, self._request_id) from err
+        except asyncio.InvalidStateError:  # the call has ended (a deadline, the server): its status says why
+            raise TokenSamplerError(await self._call.code(), await self._call.details(), self._request_id) from None
         self._outstanding += 1
+
+    @property
+    def _request_id(self) -> str | None:
+        return dict(self._metadata).get("x-request-id")
 
     async def receive(self) -> SampleResult:
         if not self._outstanding:
@@ -101,7 +113,7 @@ class AsyncSampleStream:
         try:
             message = await self._call.read()
         except grpc.RpcError as err:
-            raise error_from_rpc(err, dict(self._metadata).get("x-request-id")) from err
+            raise error_from_rpc(err, self._request_id) from err
         if message is grpc.aio.EOF:
             raise TokenSamplerError(grpc.StatusCode.UNAVAILABLE, "the stream ended early")
         return result_or_error(message)
@@ -111,6 +123,8 @@ class AsyncSampleStream:
         return await self.receive()
 
     async def close(self) -> None:
+        if self._call.done():
+            return
         if self._outstanding:
             self._call.cancel()
         else:
