@@ -10,6 +10,7 @@ import asyncio
 import json
 import random
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 
@@ -26,6 +27,8 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._proto import sampler_pb2_grpc
 from tokensampler_client._retry import CallPolicy, RetryState
 from tokensampler_client.tensors import decode_tensor, encode_tensor
+
+from .polling import wait_until
 
 FAST = Backoff(initial=0.001, maximum=0.002)
 
@@ -372,3 +375,54 @@ def test_float_token_ids_are_refused_not_truncated(ids) -> None:
         build_verify_request(ids, torch.zeros(1, 2, 4), draft_probs=torch.ones(1, 1, 4))
     with pytest.raises(TypeError, match="token_ids: got .*float.*expected integer"):
         build_score_request(torch.zeros(1, 1, 4), ids)
+
+
+def test_closing_a_client_ends_its_calls_in_flight_with_cancelled() -> None:
+    """Not a retry of the caller's own cancellation on the closed channel (ValueError), nor a bare CancelledError
+    in an asyncio caller that nobody cancelled."""
+    attempts: list[float] = []
+
+    class Slow(grpc.GenericRpcHandler):
+        def service(self, details):
+            def handle(request, context):
+                attempts.append(1.0)
+                time.sleep(1.0)
+                context.abort(grpc.StatusCode.INTERNAL, "late")
+            return grpc.unary_unary_rpc_method_handler(handle)
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers((Slow(),))
+    target = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    try:
+        client, outcome = SamplerClient(target, timeout=10), {}
+
+        def call() -> None:
+            try:
+                client.sample(torch.randn(1, 10))
+            except Exception as err:  # noqa: BLE001 - what the caller sees is the point
+                outcome["error"] = err
+
+        thread = threading.Thread(target=call)
+        thread.start()
+        wait_until(lambda: attempts, "the call reached the server")
+        client.close()
+        thread.join(5)
+        assert isinstance(outcome["error"], TokenSamplerError) and outcome["error"].code == grpc.StatusCode.CANCELLED
+        assert len(attempts) == 1
+
+        async def run() -> BaseException:
+            aclient = AsyncSamplerClient(target, timeout=10)
+            task = asyncio.ensure_future(aclient.sample(torch.randn(1, 10)))
+            await asyncio.sleep(0.3)
+            await aclient.close()
+            try:
+                await asyncio.wait_for(task, 5)
+            except BaseException as err:  # noqa: BLE001
+                return err
+            raise AssertionError("the call succeeded")
+
+        error = asyncio.run(run())
+        assert isinstance(error, TokenSamplerError) and error.code == grpc.StatusCode.CANCELLED, error
+    finally:
+        server.stop(0)

@@ -29,7 +29,7 @@ from ._channel import (
 from ._proto import sampler_pb2 as pb
 from ._proto import sampler_pb2_grpc
 from ._retry import Backoff, CallPolicy
-from .errors import error_from_rpc
+from .errors import TokenSamplerError, error_from_rpc
 from .params import SampleOptions, build_sample_request, serialize_sample_request
 from .regions import CudaRegion, RegionView, SharedMemoryRegion
 from .result import SampleResult
@@ -99,9 +99,15 @@ class Attempts:
         request = iter(call.request) if call.streamed else call.request
         return getattr(stub, call.rpc)(request, timeout=self._state.remaining(), metadata=self._metadata)
 
-    def retry_delay(self, err: grpc.RpcError) -> float:
+    def closed(self) -> TokenSamplerError:
+        """The error of this call when its client was closed while it was in flight."""
+        return TokenSamplerError(grpc.StatusCode.CANCELLED, "the client was closed during the call", self._request_id)
+
+    def retry_delay(self, err: grpc.RpcError, client_closed: bool = False) -> float:
         """The wait before retrying after `err` (see _retry.py); `err` raised as TokenSamplerError when it ends the
-        call."""
+        call, as it does once the client is closed."""
+        if client_closed:
+            raise self.closed() from err
         code, metadata, details = err.code(), err.trailing_metadata(), err.details()  # type: ignore[attr-defined]
         delay = self._state.next_delay(code, metadata, self._call.idempotent, details)
         if delay is None:
@@ -140,6 +146,7 @@ class ClientCore:
         auth_token: str | None = None,
     ) -> None:
         self._policy = CallPolicy(timeout, retries, backoff or Backoff())
+        self._closed = False
         self._auth_token = check_auth_token(auth_token)
         channel_args = channel_options(max_message_mb, options)
         self.max_message_bytes = int(max_message_mb * 1024 * 1024)

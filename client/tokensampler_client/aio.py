@@ -39,7 +39,12 @@ class AsyncSamplerClient(ClientCore):
                 try:
                     return call.decode(await attempt.send(self._stub))
                 except grpc.RpcError as err:
-                    delay = attempt.retry_delay(err)
+                    delay = attempt.retry_delay(err, self._closed)
+                except asyncio.CancelledError:  # grpc.aio cancels the calls of a closed channel this way
+                    task = asyncio.current_task()
+                    if self._closed and not (task is not None and getattr(task, "cancelling", lambda: 0)()):
+                        raise attempt.closed() from None
+                    raise
                 await asyncio.sleep(delay)
 
     async def sample(
@@ -171,7 +176,8 @@ class AsyncSamplerClient(ClientCore):
         return await self._run(_core.health(service, timeout))
 
     async def close(self) -> None:
-        """Closes the channel; calls in flight are cancelled."""
+        """Closes the channel; calls in flight are cancelled (TokenSamplerError CANCELLED)."""
+        self._closed = True
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncSamplerClient:

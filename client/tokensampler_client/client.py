@@ -57,7 +57,11 @@ class SamplerClient(ClientCore):
                 try:
                     return call.decode(attempt.send(self._stub))
                 except grpc.RpcError as err:
-                    delay = attempt.retry_delay(err)
+                    delay = attempt.retry_delay(err, self._closed)
+                except ValueError:  # grpc's "Cannot invoke RPC on closed channel!"
+                    if self._closed:
+                        raise attempt.closed() from None
+                    raise
                 time.sleep(delay)
 
     def sample(
@@ -273,7 +277,8 @@ class SamplerClient(ClientCore):
         return self._run(_core.health(service, timeout))
 
     def close(self) -> None:
-        """Closes the channel; calls in flight are cancelled."""
+        """Closes the channel; calls in flight are cancelled (TokenSamplerError CANCELLED)."""
+        self._closed = True
         self._channel.close()
 
     def __enter__(self) -> SamplerClient:
