@@ -27,6 +27,8 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._proto import sampler_pb2_grpc
 from tokensampler_client._retry import CallPolicy, RetryState
 from tokensampler_client.tensors import decode_tensor, encode_tensor
+from tokensampler_client.weights import weight_options
+from tokensampler_client.workloads import build_diffusion_request, build_score_request, build_topk_request
 
 from .polling import wait_until
 
@@ -426,3 +428,21 @@ def test_closing_a_client_ends_its_calls_in_flight_with_cancelled() -> None:
         assert isinstance(error, TokenSamplerError) and error.code == grpc.StatusCode.CANCELLED, error
     finally:
         server.stop(0)
+
+
+@pytest.mark.parametrize("build, name", [
+    (lambda: build_topk_request(torch.zeros(1, 4), k=-1), "k"),
+    (lambda: build_topk_request(torch.zeros(1, 4), k=2, temperature="1"), "temperature"),
+    (lambda: build_diffusion_request(torch.zeros(1, 2, 4), torch.ones(1, 2), commit_count=-1), "commit_count"),
+    (lambda: build_diffusion_request(torch.zeros(1, 2, 4), torch.ones(1, 2), confidence_threshold=[0.9, None]),
+     "confidence_threshold"),
+    (lambda: build_score_request(torch.zeros(1, 1, 4), torch.zeros(1, 1, dtype=torch.int64), top_logprobs=-1),
+     "top_logprobs"),
+    (lambda: build_score_request(torch.zeros(1, 1, 4), torch.zeros(1, 1, dtype=torch.int64), mode="x"), "mode"),
+    (lambda: weight_options(vocab_size=-1), "vocab_size"),
+    (lambda: weight_options(soft_cap="x"), "soft_cap"),
+])
+def test_workload_and_weight_arguments_are_named_in_their_errors(build, name: str) -> None:
+    with pytest.raises((TypeError, ValueError)) as raised:
+        build()
+    assert str(raised.value).startswith(f"{name}:"), raised.value

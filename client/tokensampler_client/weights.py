@@ -9,6 +9,7 @@ from typing import Any, TypedDict
 import numpy as np
 
 from ._proto import sampler_pb2 as pb
+from .params import _set_scalar
 from .regions import RegionView
 from .tensors import as_array, cast, encode_tensor
 
@@ -32,14 +33,11 @@ def weight_options(
 ) -> pb.WeightOptions:
     """How the server finishes the logits: x = cap·tanh(((W·h + bias)·logit_scale)/cap), rows >= vocab_size dropped."""
     options = pb.WeightOptions()
-    if vocab_size is not None:
-        options.vocab_size = vocab_size
+    for name, value in (("vocab_size", vocab_size), ("soft_cap", soft_cap), ("logit_scale", logit_scale)):
+        if value is not None:
+            _set_scalar(options, name, value)
     if bias is not None:
         encode_tensor(cast(as_array(bias), np.float32), out=options.bias)
-    if soft_cap is not None:
-        options.soft_cap = soft_cap
-    if logit_scale is not None:
-        options.logit_scale = logit_scale
     return options
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ._proto import sampler_pb2 as pb
-from .params import LOGITS_DTYPES, Column, _column, _extend, fill_sampling_params, logprobs_mode_value
+from .params import LOGITS_DTYPES, Column, _column, _extend, _set_scalar, fill_sampling_params, logprobs_mode_value
 from .result import ReadableRepr, Timings
 from .tensors import Array, as_array, cast, decode_owned, decode_tensor, encode_tensor, wire_dtype
 
@@ -68,6 +68,16 @@ class DiffusionStepResult(ReadableRepr):
         return cls(**fields, mask=decode_tensor(response.mask, "mask") != 0, seeds=list(response.seeds))
 
 
+def _values(name: str, value: Any) -> list[Any]:
+    """One value, or a sequence of them (a list, a numpy array, a tensor), as the list a repeated field takes."""
+    if isinstance(value, (int, float)):
+        return [value]
+    try:
+        return as_array(value).reshape(-1).tolist()
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"{name}: expected a number or a sequence of numbers, got {value!r}") from err
+
+
 def _integers(name: str, ids: Array) -> Array:
     """Token ids as given, refused when they are not integers (a cast would truncate 1.7 to 1)."""
     floating = np.issubdtype(ids.dtype, np.floating) if isinstance(ids, np.ndarray) else ids.is_floating_point()
@@ -90,8 +100,7 @@ def build_diffusion_request(
     fill_sampling_params(request.params, batch, **params)
     for name, value in (("confidence_threshold", confidence_threshold), ("commit_count", commit_count)):
         if value is not None:
-            values = as_array(value).reshape(-1).tolist() if not isinstance(value, (int, float)) else [value]
-            getattr(request, name).extend(values)
+            _extend(name, getattr(request, name), _values(name, value))
     return request
 
 
@@ -122,10 +131,9 @@ def build_topk_request(
 
 def fill_topk_options(request: pb.TopKProbsRequest, k: int, temperature: Any = None) -> None:
     """Everything of a TopKProbsRequest but its input: build_topk_request's k and temperature."""
-    request.k = k
+    _set_scalar(request, "k", k)
     if temperature is not None:
-        request.temperature.extend(as_array(temperature).reshape(-1).tolist() if not isinstance(temperature, (int, float))
-                                   else [temperature])
+        _extend("temperature", request.temperature, _values("temperature", temperature))
 
 
 @dataclass(repr=False)
@@ -204,7 +212,12 @@ def fill_score_options(
     return_entropy: bool = False,
 ) -> None:
     """Everything of a ScoreTokensRequest but its input, for B = `rows`: build_score_request's keywords."""
-    request.mode, request.top_logprobs, request.return_entropy = logprobs_mode_value(mode), top_logprobs, return_entropy
+    try:
+        request.mode = logprobs_mode_value(mode)
+    except ValueError as err:
+        raise ValueError(str(err).replace("logprobs_mode:", "mode:", 1)) from None
+    _set_scalar(request, "top_logprobs", top_logprobs)
+    _set_scalar(request, "return_entropy", return_entropy)
     ids = as_array(token_ids)
     if ids.ndim != 2:
         raise ValueError(f"token_ids: expected shape [B, T], got {list(ids.shape)}")
