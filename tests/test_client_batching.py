@@ -164,6 +164,15 @@ def test_closed_batching_client_refuses_calls(server: RunningServer) -> None:
         with pytest.raises(RuntimeError, match="closed"):
             batcher.sample(torch.zeros(1, 4))
 
+    async def run() -> None:
+        async with AsyncSamplerClient(server.target, timeout=60) as client:
+            batcher = AsyncBatchingClient(client)
+            await batcher.close()
+            with pytest.raises(RuntimeError, match="closed"):
+                await batcher.sample(torch.zeros(1, 4))
+
+    asyncio.run(run())
+
 
 class _RowEchoClient:
     """Stands for a SamplerClient whose server lists `features`: records each request and answers every row with

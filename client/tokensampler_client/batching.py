@@ -144,6 +144,7 @@ class _Batcher(Generic[Client]):
         self._max_delay_s = max_delay_us / 1e6
         self._pending: list[_Call] = []
         self._pending_rows = 0
+        self._closed = False  # later calls are refused
         self._gather: bool | None = None  # whether the server takes logits_rows: asked when first needed
 
 
@@ -162,7 +163,6 @@ class BatchingClient(_Batcher[SamplerClient]):
     ) -> None:
         super().__init__(client, max_rows, max_delay_us, max_in_flight)
         self._lock = threading.Condition()
-        self._closed = False
         self._slots = threading.Semaphore(max_in_flight)
         self._senders = concurrent.futures.ThreadPoolExecutor(max_in_flight, thread_name_prefix="tokensampler-batch")
         self._collector = threading.Thread(target=self._collect, name="tokensampler-batcher", daemon=True)
@@ -263,6 +263,8 @@ class AsyncBatchingClient(_Batcher[AsyncSamplerClient]):
 
     async def sample(self, logits: Any, **params: Any) -> SampleResult:
         """Samples like AsyncSamplerClient.sample; returns when this call's rows are back."""
+        if self._closed:
+            raise RuntimeError("AsyncBatchingClient is closed")
         loop = asyncio.get_running_loop()
         call = _Call(build_sample_request(logits, **params), loop.create_future())
         self._pending.append(call)
@@ -325,7 +327,8 @@ class AsyncBatchingClient(_Batcher[AsyncSamplerClient]):
         _deliver(batch, result, set_result)
 
     async def close(self) -> None:
-        """Sends what is pending and waits for every batch in flight."""
+        """Sends what is pending and waits for every batch in flight; later calls are refused."""
+        self._closed = True
         while self._pending or self._tasks:
             if self._pending:
                 self._flush()
