@@ -283,3 +283,61 @@ def test_the_global_cap_refuses_at_once_and_spares_health(tmp_path: Path) -> Non
         assert refusals(running, "calls") == 201
 
     run_then_stop(running, run)
+
+
+def test_unix_socket_connections_are_not_one_client(tmp_path: Path) -> None:
+    """grpc names every Unix-socket peer alike: counted as one client, one local engine at its cap refused every
+    other's calls. Two connections over the socket, a cap of 2: the second connection is still served."""
+    socket = tmp_path / "ts.sock"
+    running = start_capped(tmp_path, calls=16, per_client=2, tokens=False, args=["--uds", str(socket)])
+
+    async def run() -> None:
+        channels = [grpc.aio.insecure_channel(f"unix://{socket}", options=[("grpc.use_local_subchannel_pool", 1)])
+                    for _ in range(2)]
+        try:
+            streams = [await open_held(channels[0], None) for _ in range(2)]
+            streams.append(await open_held(channels[1], None))
+            for call in streams:
+                call.cancel()
+        finally:
+            for channel in channels:
+                await channel.close()
+
+    run_then_stop(running, run)
+
+
+def test_a_connection_of_calls_that_never_send_their_request_leaves_health_and_others_served(tmp_path: Path) -> None:
+    """Unary calls whose request never arrives are not admitted (admission runs in the handler) but count against
+    grpc's backstop (2 × 16 + 4 here). A connection opens 60 of them: HTTP/2's per-connection stream limit (the
+    per-client cap + 16) makes its client hold back the rest, so another connection's Sample and health check are
+    still served."""
+    running = start_capped(tmp_path, calls=16, watchers=4, per_client=4, tokens=False)
+
+    async def run() -> None:
+        hog = grpc.aio.insecure_channel(running.target, options=[("grpc.use_local_subchannel_pool", 1)])
+        other = grpc.aio.insecure_channel(running.target, options=[("grpc.use_local_subchannel_pool", 1)])
+        held = asyncio.Event()
+
+        async def never():  # noqa: ANN202 - a request stream that sends nothing
+            await held.wait()
+            yield b""
+
+        info = hog.stream_unary(SAMPLER + "GetServerInfo")
+        calls = [info(never()) for _ in range(60)]
+        try:
+            await asyncio.sleep(1.0)
+            sample = other.unary_unary(SAMPLER + "Sample", request_serializer=pb.SampleRequest.SerializeToString,
+                                       response_deserializer=pb.SampleResponse.FromString)
+            await sample(build_sample_request(torch.randn(1, 16), seed=1), timeout=10)
+            check = other.unary_unary("/grpc.health.v1.Health/Check",
+                                      request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                                      response_deserializer=health_pb2.HealthCheckResponse.FromString)
+            status = (await check(health_pb2.HealthCheckRequest(), timeout=10)).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            for call in calls:
+                call.cancel()
+            await hog.close()
+            await other.close()
+
+    run_then_stop(running, run)

@@ -69,11 +69,21 @@ def sampler_serving(health_servicer: health.aio.HealthServicer) -> bool:
     return health_servicer._server_status.get(SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
 
 
+PER_CONNECTION_MARGIN = 16
+"""Streams a connection may open beyond --max-calls-per-client: health checks and calls being refused."""
+
+
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     options = [
         ("grpc.max_receive_message_length", config.limits.max_message_bytes),
         ("grpc.max_send_message_length", config.limits.max_message_bytes),
     ]
+    if config.max_calls_per_client:
+        # Calls a connection may open at once (HTTP/2's own limit; the client queues the rest). Admission counts a
+        # call only from its handler's start, and a unary call reaches it only once its request has arrived:
+        # without this, one connection opening calls that never send their request held every slot of the
+        # backstop below, health checks included. A little above the per-client cap, for health and refusals.
+        options.append(("grpc.max_concurrent_streams", config.max_calls_per_client + PER_CONNECTION_MARGIN))
     if config.max_connection_age_s > 0:
         # Clients that balance over DNS results re-resolve when a connection closes: closing each one
         # after a while lets them find replicas that started since. Calls in flight get the grace period.

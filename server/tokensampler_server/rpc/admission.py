@@ -77,21 +77,25 @@ class Admission:
         pool = self.watchers if method == WATCH_METHOD else self.calls
         return pool if pool.limit or self._per_client else None
 
-    def client_of(self, context: grpc.aio.ServicerContext) -> bytes | str:
-        """The digest of the accepted token the call presents, else the peer's connection (types keep them apart).
-        Only an accepted token counts: any other string would give a caller a fresh cap per call."""
+    def client_of(self, context: grpc.aio.ServicerContext) -> bytes | str | None:
+        """The digest of the accepted token the call presents, else the peer's connection (types keep them apart);
+        None for a Unix-socket connection without one: grpc names every such peer alike, so counting them under
+        one name would let one local client's calls refuse every other's (the connection's own stream limit,
+        grpc_options, bounds each). Only an accepted token counts: any other string would give a caller a fresh
+        cap per call."""
         if self._tokens is not None:
             digest = self._tokens.digest_of(context.invocation_metadata())
             if digest is not None:
                 return digest
-        return context.peer()
+        peer = context.peer()
+        return None if peer.startswith("unix:") else peer
 
     def admit(self, pool: Pool, context: grpc.aio.ServicerContext) -> None:
         """Takes a slot of `pool` and of the call's client until the call ends; raises RESOURCE_EXHAUSTED past
         a cap (the client's first: it names the limit that its own calls reached)."""
         client = self.client_of(context)
         held = self._held_by.get(client, 0)
-        if self._per_client and held >= self._per_client:
+        if self._per_client and client is not None and held >= self._per_client:
             raise self._refuse("calls_per_client", "calls of one client", "--max-calls-per-client", self._per_client)
         if pool.limit and pool.held >= pool.limit:
             raise self._refuse(pool.name, pool.what, pool.flag, pool.limit)
@@ -107,7 +111,7 @@ class Admission:
         return ServiceError(f"too many {what} held at once: at most {value} ({flag}); retry with backoff",
                             grpc.StatusCode.RESOURCE_EXHAUSTED)
 
-    def _release(self, pool: Pool, client: bytes | str, _context: grpc.aio.ServicerContext) -> None:
+    def _release(self, pool: Pool, client: bytes | str | None, _context: grpc.aio.ServicerContext) -> None:
         # Every guarded call runs on the server's event loop, and so do these callbacks: no lock needed.
         pool.held -= 1
         held = self._held_by[client] - 1
