@@ -86,3 +86,35 @@ def test_readyz_turns_503_at_sigterm_while_a_call_holds_the_server() -> None:
         assert running.process.wait(timeout=60) == 0
     finally:
         running.stop()
+
+
+def test_slow_http_clients_are_bounded_and_timed_out(monkeypatch) -> None:
+    """Connections that send a partial request and stall: at most MAX_HTTP_CONNECTIONS are served at once (more
+    are closed at once), each is closed once its request has not arrived within HTTP_TIMEOUT_S, and then
+    /healthz answers again. Before, each held a thread and a descriptor for good."""
+    import socket
+    import time
+
+    from tokensampler_server.rpc import metrics
+
+    monkeypatch.setattr(metrics._QuietHandler, "timeout", 0.5)
+    httpd = start_metrics_http(ServerMetrics(), "127.0.0.1", 0)
+    assert httpd is not None
+    port = httpd.server_address[1]
+    slow = []
+    try:
+        threads = threading.active_count()
+        for _ in range(metrics.MAX_HTTP_CONNECTIONS + 20):
+            connection = socket.create_connection(("127.0.0.1", port), timeout=5)
+            connection.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+            slow.append(connection)
+        time.sleep(0.2)
+        assert threading.active_count() - threads <= metrics.MAX_HTTP_CONNECTIONS
+        time.sleep(1.0)  # past the timeout: every slow connection closed by the server
+        assert threading.active_count() - threads <= 1
+        assert get(port, "/healthz") == (200, "ok\n")
+    finally:
+        for connection in slow:
+            connection.close()
+        httpd.shutdown()
+        httpd.server_close()

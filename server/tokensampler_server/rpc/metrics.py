@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import re
 import socket
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -299,11 +300,46 @@ def _http_app(registry: CollectorRegistry, ready: Callable[[], bool]) -> WsgiApp
     return app
 
 
+HTTP_TIMEOUT_S = 5.0
+"""A connection whose request has not arrived within this is closed: a client that sends its headers slowly
+(or never) held a thread and a descriptor for good, and about a thousand of them took every descriptor."""
+MAX_HTTP_CONNECTIONS = 64
+"""Connections served at once; one more is closed at once (Prometheus and probes need a few)."""
+
+
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True  # a client that never finishes its request does not hold the process at exit
+    request_queue_size = 64  # the listen backlog: socketserver's 5 made connections under load wait for SYN retries
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(MAX_HTTP_CONNECTIONS)
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: object) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: socket.socket, client_address: object) -> None:
+        """A client that timed out or went away is no error of the server's (socketserver prints a traceback)."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = HTTP_TIMEOUT_S  # set on the connection's socket (StreamRequestHandler)
+
     def log_message(self, format: str, *args: object) -> None:
         """No line per request: Prometheus and probes call every few seconds."""
 
