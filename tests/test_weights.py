@@ -281,3 +281,26 @@ def test_hidden_states_of_the_wrong_width_name_their_own_field(by_ref: bool) -> 
     with pytest.raises(InvalidArgument, match="D=5") as raised:
         validate_sample_request(request, Limits(), lm_head=head, referenced=states if by_ref else None)
     assert raised.value.field == ("hidden.states_ref.shape" if by_ref else "hidden.states.shape")
+
+
+def test_a_weight_joins_its_region_before_its_name_is_visible() -> None:
+    """An UnregisterWeights landing right after the name is added removes the entry from its region; the entry
+    must already be there, or it would be added after and keep the region registered for good. A name refused
+    (ALREADY_EXISTS) leaves the region as it was."""
+    from types import SimpleNamespace
+
+    region = SimpleNamespace(name="r", weights=set())
+    registry = WeightRegistry(torch.device("cpu"))
+    real_add = registry._weights.add
+    seen = []
+
+    def add(name, entry):  # noqa: ANN001, ANN202
+        seen.append(entry in region.weights)
+        return real_add(name, entry)
+
+    registry._weights.add = add
+    entry = registry.register("head", torch.randn(4, 2), LogitsFinish(vocab_size=4), "", region=region)
+    assert seen == [True] and region.weights == {entry}
+    with pytest.raises(ServiceError):
+        registry.register("head", torch.randn(4, 2), LogitsFinish(vocab_size=4), "", region=region)
+    assert region.weights == {entry}

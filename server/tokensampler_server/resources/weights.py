@@ -264,9 +264,15 @@ class WeightRegistry:
         check_finite_weight(placed, "weight")
         bias = None if finish.bias is None else finish.bias.to(self._device)
         entry = RegisteredWeight(name=name, weight=placed, finish=replace(finish, bias=bias), sha256=sha256, region=region)
-        self._weights.add(name, entry)
+        # The region first: an unregister of the name that lands right after `add` lets the entry leave the region,
+        # and an entry added to it after that would keep the region from being unregistered for good.
         if region is not None:
             region.weights.add(entry)
+        try:
+            self._weights.add(name, entry)
+        except BaseException:
+            _leave_region(entry)
+            raise
         return entry
 
     def check_free(self, name: str) -> None:
