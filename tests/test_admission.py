@@ -184,18 +184,26 @@ def test_one_client_at_its_cap_leaves_the_others_their_slots(tmp_path: Path) -> 
     run_then_stop(running, run)
 
 
-def test_without_tokens_a_client_is_its_connection(tmp_path: Path) -> None:
-    """Colocated engines all come from 127.0.0.1: without tokens each connection is a client of its own. Against
-    a cap of 2 per client, a connection's third stream is refused while another connection's is admitted."""
-    running = start_capped(tmp_path, calls=16, per_client=2, tokens=False)
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_without_tokens_a_client_is_its_connection(tmp_path: Path, transport: str) -> None:
+    """Colocated engines all come from 127.0.0.1: without tokens each TCP connection is a client of its own.
+    Against a cap of 2 per client, a connection's third stream is refused while another connection's is admitted.
+    grpc names every Unix-socket peer alike, so those are not counted per client at all (counted as one, an engine
+    at its cap refused every other local client): each is bounded by its connection's stream limit instead."""
+    socket = tmp_path / "ts.sock"
+    running = start_capped(tmp_path, calls=16, per_client=2, tokens=False, args=["--uds", str(socket)])
+    target = running.target if transport == "tcp" else f"unix://{socket}"
 
     async def run() -> None:
         # a subchannel pool of its own each: two connections, not one shared
-        channels = [grpc.aio.insecure_channel(running.target, options=[("grpc.use_local_subchannel_pool", 1)])
+        channels = [grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
                     for _ in range(2)]
         try:
             streams = [await open_held(channels[0], None) for _ in range(2)]
-            await assert_refused(open_stream(channels[0], None), "--max-calls-per-client", 2)
+            if transport == "tcp":
+                await assert_refused(open_stream(channels[0], None), "--max-calls-per-client", 2)
+            else:
+                streams.append(await open_held(channels[0], None))
             streams.append(await open_held(channels[1], None))
             for call in streams:
                 call.cancel()
@@ -281,27 +289,6 @@ def test_the_global_cap_refuses_at_once_and_spares_health(tmp_path: Path) -> Non
                 call.cancel()
             await wait_held(running, calls=0)
         assert refusals(running, "calls") == 201
-
-    run_then_stop(running, run)
-
-
-def test_unix_socket_connections_are_not_one_client(tmp_path: Path) -> None:
-    """grpc names every Unix-socket peer alike: counted as one client, one local engine at its cap refused every
-    other's calls. Two connections over the socket, a cap of 2: the second connection is still served."""
-    socket = tmp_path / "ts.sock"
-    running = start_capped(tmp_path, calls=16, per_client=2, tokens=False, args=["--uds", str(socket)])
-
-    async def run() -> None:
-        channels = [grpc.aio.insecure_channel(f"unix://{socket}", options=[("grpc.use_local_subchannel_pool", 1)])
-                    for _ in range(2)]
-        try:
-            streams = [await open_held(channels[0], None) for _ in range(2)]
-            streams.append(await open_held(channels[1], None))
-            for call in streams:
-                call.cancel()
-        finally:
-            for channel in channels:
-                await channel.close()
 
     run_then_stop(running, run)
 

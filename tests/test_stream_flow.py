@@ -4,14 +4,21 @@ server's own objects for it stay bounded (how much more grpc's transport buffers
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import tracemalloc
+from collections.abc import AsyncIterator
+from multiprocessing import shared_memory
 
 import torch
+from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.params import build_sample_request
 from tokensampler_server.backends.cpu import CpuBackend
 from tokensampler_server.batching.batcher import DynamicBatcher
 from tokensampler_server.core.config import Limits
 from tokensampler_server.resources.regions import RegionRegistry
+from tokensampler_server.rpc import sample_rpc
+from tokensampler_server.rpc.call_record import CallRecord
 from tokensampler_server.rpc.sample_rpc import SampleRpc
 from tokensampler_server.rpc.stream_flow import STREAM_BYTES_IN_FLIGHT
 from tokensampler_server.resources.weights import WeightRegistry
@@ -56,15 +63,28 @@ def test_a_stream_is_not_read_past_its_bytes_in_flight() -> None:
     asyncio.run(run())
 
 
+@contextlib.asynccontextmanager
+async def _over_a_segment(size: int) -> AsyncIterator[tuple[SampleRpc, RegionRegistry, DynamicBatcher]]:
+    """A CPU SampleRpc whose region "r" is a shared-memory segment of `size` bytes; all closed after."""
+    segment = shared_memory.SharedMemory(create=True, size=size)
+    batcher = DynamicBatcher(CpuBackend(), max_batch_rows=64)
+    regions = RegionRegistry(allow_shm=True)
+    try:
+        regions.register(pb.RegisterRegionRequest(name="r", shm=pb.SharedMemorySource(key=segment.name,
+                                                                                      byte_size=size)))
+        yield SampleRpc(Limits(), batcher, WeightRegistry(torch.device("cpu")), regions, None), regions, batcher
+        await batcher.close()
+        await regions.unregister("r")
+    finally:
+        segment.close()
+        segment.unlink()
+
+
 def test_references_into_shared_memory_count_the_bytes_they_read() -> None:
     """Messages of a few bytes that each reference 1 MiB of a shared-memory region: their start reads that MiB
     into the server, so the window counts it, and an unread stream stops being read at the same bound. Its
     sampled messages hold the region no longer than their batch."""
-    from multiprocessing import shared_memory
-
-    from tokensampler_client._proto import sampler_pb2 as pb
-
-    segment = shared_memory.SharedMemory(create=True, size=MESSAGE_ROWS * VOCAB * 4)
+    size = MESSAGE_ROWS * VOCAB * 4
     read = 0
 
     async def requests():  # noqa: ANN202 - an endless client stream
@@ -77,45 +97,27 @@ def test_references_into_shared_memory_count_the_bytes_they_read() -> None:
             yield message
 
     async def run() -> None:
-        batcher = DynamicBatcher(CpuBackend(), max_batch_rows=64)
-        regions = RegionRegistry(allow_shm=True)
-        regions.register(pb.RegisterRegionRequest(name="r", shm=pb.SharedMemorySource(key=segment.name,
-                                                                                      byte_size=segment.size)))
-        path = SampleRpc(Limits(), batcher, WeightRegistry(torch.device("cpu")), regions, None)
-        answers = path.stream(requests(), "s")
-        await answers.__anext__()
-        previous = -1
-        for _ in range(600):
-            await asyncio.sleep(0.05)
-            if read == previous and batcher.idle:
-                break
-            previous = read
-        bound = STREAM_BYTES_IN_FLIGHT // segment.size
-        assert bound <= read <= bound + 2, (read, bound)
-        # Sampled and unanswered, the messages no longer hold the region: it can be unregistered meanwhile.
-        assert regions.in_flight(regions.list()[0]) == 0
-        await answers.aclose()
-        await batcher.close()
-        await regions.unregister("r")
+        async with _over_a_segment(size) as (path, regions, batcher):
+            answers = path.stream(requests(), "s")
+            await answers.__anext__()
+            previous = -1
+            for _ in range(600):
+                await asyncio.sleep(0.05)
+                if read == previous and batcher.idle:
+                    break
+                previous = read
+            bound = STREAM_BYTES_IN_FLIGHT // size
+            assert bound <= read <= bound + 2, (read, bound)
+            # Sampled and unanswered, the messages no longer hold the region: it can be unregistered meanwhile.
+            assert regions.in_flight(regions.list()[0]) == 0
+            await answers.aclose()
 
-    try:
-        asyncio.run(run())
-    finally:
-        segment.close()
-        segment.unlink()
+    asyncio.run(run())
 
 
 def test_a_large_shared_memory_input_is_read_off_the_event_loop(monkeypatch) -> None:
     """256 MiB read from a segment took 0.18 s of the event loop, every other call waiting: inputs past 1 MiB are
     read on a thread, smaller ones on the loop (a thread hop costs more than their read)."""
-    import threading
-    from multiprocessing import shared_memory
-
-    from tokensampler_client._proto import sampler_pb2 as pb
-    from tokensampler_server.rpc import sample_rpc
-    from tokensampler_server.rpc.call_record import CallRecord
-
-    segment = shared_memory.SharedMemory(create=True, size=4 << 20)
     read_on: list[bool] = []
     real = sample_rpc.referenced_input
 
@@ -126,21 +128,11 @@ def test_a_large_shared_memory_input_is_read_off_the_event_loop(monkeypatch) -> 
     monkeypatch.setattr(sample_rpc, "referenced_input", recording)
 
     async def run() -> None:
-        batcher = DynamicBatcher(CpuBackend(), max_batch_rows=64)
-        regions = RegionRegistry(allow_shm=True)
-        regions.register(pb.RegisterRegionRequest(name="r", shm=pb.SharedMemorySource(key=segment.name,
-                                                                                      byte_size=segment.size)))
-        path = SampleRpc(Limits(), batcher, WeightRegistry(torch.device("cpu")), regions, None)
-        for rows in (1, 4):  # fp16 [rows, 2^19]: 1 MiB, then 4 MiB
-            request = build_sample_request(logits=torch.zeros(1, 1), seed=[1])
-            request.logits_ref.CopyFrom(pb.TensorRef(region="r", dtype=pb.DTYPE_FLOAT16, shape=[rows, 1 << 19]))
-            await path.unary(request, CallRecord(method="Sample", request_id=str(rows)))
-        await batcher.close()
-        await regions.unregister("r")
+        async with _over_a_segment(4 << 20) as (path, _, _):
+            for rows in (1, 4):  # fp16 [rows, 2^19]: 1 MiB, then 4 MiB
+                request = build_sample_request(logits=torch.zeros(1, 1), seed=[1])
+                request.logits_ref.CopyFrom(pb.TensorRef(region="r", dtype=pb.DTYPE_FLOAT16, shape=[rows, 1 << 19]))
+                await path.unary(request, CallRecord(method="Sample", request_id=str(rows)))
 
-    try:
-        asyncio.run(run())
-    finally:
-        segment.close()
-        segment.unlink()
+    asyncio.run(run())
     assert read_on == [True, False]
