@@ -128,7 +128,8 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get("TOKENSAMPLER_TARGET", DEFAULT_TARGET),
         help="server address, host:port or unix:///path (default: $TOKENSAMPLER_TARGET or %(default)s)",
     )
-    parser.add_argument("--timeout", type=_positive_seconds, default=30.0, help="deadline of the call in seconds (default: %(default)s)")
+    parser.add_argument("--timeout", type=_positive_seconds, default=30.0,
+                        help="deadline of the call in seconds (default: %(default)s)")
     parser.add_argument(
         "--auth-token-file", type=Path, default=os.environ.get("TOKENSAMPLER_AUTH_TOKEN_FILE"),
         help="file whose first line is the bearer token to send (default: $TOKENSAMPLER_AUTH_TOKEN_FILE)",

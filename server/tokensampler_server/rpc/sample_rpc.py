@@ -263,7 +263,8 @@ class SampleRpc:
             return None
         return await asyncio.to_thread(decode_token_lists, request, self._limits)
 
-    async def _read_input(self, region: Region, ref: pb.TensorRef | pb.RowsRef, field: str, held: Lease) -> torch.Tensor:
+    async def _read_input(self, region: Region, ref: pb.TensorRef | pb.RowsRef, field: str,
+                          held: Lease) -> torch.Tensor:
         """The referenced input: a view of a CUDA region, or the bytes of a shared-memory one, read on a thread when
         large. The thread holds a share of the request's lease until its read ends, also when the call is
         cancelled meanwhile (the region must not go under the read)."""

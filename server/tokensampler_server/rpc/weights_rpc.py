@@ -92,9 +92,9 @@ async def read_upload(chunks: AsyncIterator[pb.RegisterWeightsChunk], max_bytes:
                                           f"most {max_bytes}")
                 finish = finish_from_options(header.options, int(header.shape[0]))
             else:
-                resent = [field for field, given in (("name", chunk.name), ("dtype", chunk.dtype),
-                                                     ("shape", len(chunk.shape)), ("options", chunk.HasField("options")))
-                          if given]
+                header_fields = (("name", chunk.name), ("dtype", chunk.dtype), ("shape", len(chunk.shape)),
+                                 ("options", chunk.HasField("options")))
+                resent = [field for field, given in header_fields if given]
                 if resent:
                     raise InvalidArgument(resent[0], "header fields sent again after the first message; expected "
                                           "data only (and sha256 with the last)")
