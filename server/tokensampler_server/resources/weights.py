@@ -252,6 +252,11 @@ class WeightRegistry:
         self._weights: RefCountedRegistry[RegisteredWeight] = RefCountedRegistry(
             "weight", max_items=max_weights, unregister_timeout_s=unregister_timeout_s)
 
+    @property
+    def device(self) -> torch.device:
+        """Where registered weights live (a weight elsewhere is copied there)."""
+        return self._device
+
     def register(
         self, name: str, weight: torch.Tensor, finish: LogitsFinish, sha256: str, region: Region | None = None
     ) -> RegisteredWeight:

@@ -248,8 +248,10 @@ class SamplerService(pb_grpc.SamplerServicer):
         if weight.numel() * weight.element_size() > self._limits.max_weight_bytes:
             raise InvalidArgument("tensor", f"{request.tensor!r} is larger than {self._limits.max_weight_bytes} bytes")
         finish = finish_from_options(request.options, int(weight.shape[0]))
-        # A copy: the file's pages may change or go (a file rewritten or truncated in place) once registered.
-        weight = weight.clone()
+        if self._registry.device.type == "cpu":  # else registering copies it to the GPU
+            # The file's pages (safetensors maps it) may change or go once registered: a file rewritten or
+            # truncated in place would change the head or fault the server.
+            weight = weight.clone()
         return self._registry.register(request.name, weight, finish, sha256_hex(weight))
 
     async def RegisterWeightsFromRegion(
