@@ -64,3 +64,51 @@ def test_generate_in_process_and_remote_give_the_plain_loop_s_tokens(model, serv
 def test_the_processor_sets_the_position_itself() -> None:
     with pytest.raises(ValueError, match="position"):
         TokenSamplerProcessor(LocalSampler("cpu"), position=3)
+
+
+def test_penalties_and_min_tokens_read_the_rows_history() -> None:
+    """Penalties and min_tokens given to the processor apply to the row's own tokens. Before, the processor sent
+    no history: a penalty changed nothing, and min_tokens banned the stop token for good."""
+    sampler = LocalSampler("cpu")
+    scores = torch.zeros(1, 16)
+    scores[0, 7], scores[0, 8] = 2.0, 1.9  # 7, in the prompt, wins unless it is penalised
+    penalised = TokenSamplerProcessor(sampler, temperature=0.0, repetition_penalty=2.0)
+    assert int(penalised(torch.tensor([[5, 7, 6]]), scores.clone()).argmax()) == 8
+    stop = torch.zeros(1, 16)
+    stop[0, 1] = 3.0  # the stop token wins once it is allowed
+    stopping = TokenSamplerProcessor(sampler, temperature=0.0, min_tokens=2, stop_token_ids=[1])
+    ids, chosen = torch.tensor([[5, 6]]), []
+    for _ in range(3):
+        token = int(stopping(ids, stop.clone()).argmax())
+        chosen.append(token)
+        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    assert 1 not in chosen[:2] and chosen[2] == 1
+
+
+class _Recording:
+    """A sampler that answers token 0 and records what each call was given."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def sample(self, logits: torch.Tensor, **params):  # noqa: ANN003, ANN201
+        self.calls.append(params)
+        rows = logits.shape[0]
+        return type("R", (), {"tokens": torch.zeros(rows, 1, dtype=torch.long), "valid": torch.ones(rows, dtype=torch.bool)})
+
+
+def test_left_pads_count_neither_in_the_position_nor_in_the_prompt() -> None:
+    """A row of 3 tokens padded to 5 is sampled at positions 3, 4, ... with its 3 tokens as prompt, as it would be
+    alone; a call that does not continue the last one starts a new generation."""
+    recording = _Recording()
+    processor = TokenSamplerProcessor(recording, pad_token_id=0, repetition_penalty=1.5)
+    ids = torch.tensor([[0, 0, 7, 8, 9], [3, 4, 5, 6, 7]])
+    scores = torch.zeros(2, 16)
+    processor(ids, scores)
+    processor(torch.cat([ids, torch.tensor([[2], [2]])], dim=1), scores)
+    processor(torch.tensor([[5, 6]]), scores[:1])  # a new generation, one row
+    first, second, third = recording.calls
+    assert first["position"] == [3, 5] and first["prompt_token_ids"] == [[7, 8, 9], [3, 4, 5, 6, 7]]
+    assert first["output_token_ids"] == [[], []] and first["num_generated"] == 0
+    assert second["position"] == [4, 6] and second["output_token_ids"] == [[2], [2]] and second["num_generated"] == 1
+    assert third["position"] == [2] and third["prompt_token_ids"] == [[5, 6]] and third["num_generated"] == 0
