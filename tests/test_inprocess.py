@@ -213,3 +213,28 @@ def test_a_prepared_call_with_log_probs_gives_sample_s(sampler: LocalSampler) ->
     for mine, theirs in ((got.logprobs, want.logprobs), (got.top_logprob_ids, want.top_logprob_ids),
                          (got.top_logprobs, want.top_logprobs)):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("logits", [torch.zeros(2, 8, dtype=torch.float64), torch.zeros(2, 8, dtype=torch.int64)])
+def test_logits_of_another_dtype_are_refused(sampler: LocalSampler, logits: torch.Tensor) -> None:
+    with pytest.raises(ValueError, match=r"dtype: got torch\.(float64|int64), expected float32, bfloat16 or float16"):
+        sampler.sample(logits)
+
+
+@pytest.mark.parametrize("options, name", [(dict(num_samples=-1), "num_samples"), (dict(num_samples=2.0), "num_samples"),
+                                           (dict(top_logprobs=-1), "top_logprobs"),
+                                           (dict(return_logprobs="yes"), "return_logprobs")])
+def test_request_scalars_are_named_in_their_refusals(sampler: LocalSampler, options: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        sampler.sample(torch.zeros(2, 8), **options)
+
+
+def test_results_of_inputs_that_require_grad_are_values(sampler: LocalSampler) -> None:
+    """As a remote call's are: no autograd graph, so .numpy() works."""
+    result = sampler.sample(torch.randn(2, 8, requires_grad=True), return_logprobs=True, top_logprobs=2, seed=[1, 2])
+    scored = sampler.score(torch.randn(1, 2, 8, requires_grad=True), torch.zeros(1, 2, dtype=torch.int64),
+                           return_entropy=True)
+    probs = sampler.topk_probs(torch.randn(2, 8, requires_grad=True), 2).probs
+    for tensor in (result.logprobs, result.top_logprobs, scored.logprobs, scored.entropy, probs):
+        assert not tensor.requires_grad
+        tensor.numpy()

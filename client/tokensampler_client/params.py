@@ -162,7 +162,7 @@ def _column(name: str, value: Column, batch: int) -> Sequence[Any]:
     return values
 
 
-def _set_scalar(message: Any, name: str, value: Any) -> None:
+def set_scalar(message: Any, name: str, value: Any) -> None:
     """message.name = value, re-raising protobuf's type/range errors with the argument's name."""
     try:
         setattr(message, name, value)
@@ -378,9 +378,9 @@ def build_sample_request(logits: Any = None, *, hidden: Any = None, weights: str
         request.output.logprobs.CopyFrom(output_logprobs.ref())
     fill_sampling_params(request.params, batch, **sampling)
     if (num_samples := options.get("num_samples")) is not None:
-        _set_scalar(request, "num_samples", num_samples)
-    _set_scalar(request, "return_logprobs", options.get("return_logprobs", False))
-    _set_scalar(request, "top_logprobs", options.get("top_logprobs", 0))
+        set_scalar(request, "num_samples", num_samples)
+    set_scalar(request, "return_logprobs", options.get("return_logprobs", False))
+    set_scalar(request, "top_logprobs", options.get("top_logprobs", 0))
     request.logprobs_mode = logprobs_mode_value(options.get("logprobs_mode", "raw"))
     return request
 

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 from tokensampler_client._proto import sampler_pb2 as pb
-from tokensampler_client.params import PREPARED_KEYWORDS, fill_sampling_params, logprobs_mode_value
+from tokensampler_client.params import PREPARED_KEYWORDS, fill_sampling_params, logprobs_mode_value, set_scalar
 from tokensampler_client.result import SampleResult, Timings
 from tokensampler_client.workloads import ScoreTokensResult, TopKProbsResult, fill_score_options, fill_topk_options
 
@@ -197,6 +197,7 @@ class LocalSampler:
         _filled(fill_topk_options, request, k, temperature)
         return request
 
+    @torch.no_grad()  # results are values, as a remote call's are: no autograd graph from an input that needs one
     def _topk(self, request: pb.TopKProbsRequest, x: torch.Tensor, head: RegisteredWeight | None) -> TopKProbsResult:
         """TopKProbs' result (request_id empty)."""
         started = time.perf_counter_ns()
@@ -214,6 +215,7 @@ class LocalSampler:
         _filled(fill_score_options, request, x.shape[0], token_ids, **options)
         return request
 
+    @torch.no_grad()
     def _score(self, request: pb.ScoreTokensRequest, x: torch.Tensor,
                head: RegisteredWeight | None) -> ScoreTokensResult:
         """ScoreTokens' result (request_id empty)."""
@@ -235,11 +237,14 @@ class LocalSampler:
     def _request(x: torch.Tensor, num_samples: int, return_logprobs: bool, logprobs_mode: str, top_logprobs: int,
                  params: dict[str, Any]) -> pb.SampleRequest:
         _input(x, (2,), "a [B, V] logits or [B, D] hidden-state tensor")
-        request = pb.SampleRequest(num_samples=num_samples, return_logprobs=return_logprobs,
-                                   logprobs_mode=logprobs_mode_value(logprobs_mode), top_logprobs=top_logprobs)
+        request = pb.SampleRequest(logprobs_mode=logprobs_mode_value(logprobs_mode))
+        for name, value in (("num_samples", num_samples), ("return_logprobs", return_logprobs),
+                            ("top_logprobs", top_logprobs)):
+            _filled(set_scalar, request, name, value)
         _filled(fill_sampling_params, request.params, x.shape[0], **params)
         return request
 
+    @torch.no_grad()
     def _run(self, request: pb.SampleRequest, x: torch.Tensor, head: RegisteredWeight | None) -> SampleResult:
         """The result a remote call returns (request_id empty)."""
         started = time.perf_counter_ns()

@@ -321,8 +321,14 @@ def check_rows_shape(ref: pb.RowsRef, limits: Limits) -> None:
 
 
 def _referenced(tensor: torch.Tensor, field: str, limits: Limits, dims: str) -> torch.Tensor:
+    """A tensor given in place (read from a region, or passed to the in-process API), checked as a carried one."""
+    if tensor.dtype not in _FLOAT_DTYPES:
+        raise InvalidArgument(f"{field}.dtype", f"got {tensor.dtype}, expected float32, bfloat16 or float16")
     _check_shape(tensor.shape, field, limits, dims)
     return tensor
+
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _input(request: pb.SampleRequest, referenced: torch.Tensor | None, limits: Limits) -> tuple[str, torch.Tensor]:
