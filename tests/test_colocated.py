@@ -48,6 +48,16 @@ def test_the_client_refuses_parameters_a_loop_does_not_take(client: SamplerClien
         client.colocate(torch.zeros(2, 10), repetition_penalty=1.2)
 
 
+@pytest.mark.parametrize("options, name", [(dict(watchdog_s=-1.0), "watchdog_s"), (dict(watchdog_s=0), "watchdog_s"),
+                                           (dict(wait_timeout_s=float("nan")), "wait_timeout_s"),
+                                           (dict(num_samples=0), "num_samples")])
+def test_the_client_refuses_timeouts_and_samples_out_of_range(client: SamplerClient, options: dict, name: str) -> None:
+    """A negative watchdog period killed the watchdog thread at its first sleep (no fallback, and close() raised);
+    zero made it spin. Refused before anything else, the source's check included."""
+    with pytest.raises(ValueError, match=f"^{name}: got"):
+        client.colocate(torch.zeros(2, 10), **options)
+
+
 def test_a_loop_needs_a_cuda_source(client: SamplerClient) -> None:
     with pytest.raises(ValueError, match="source: expected a contiguous"):
         client.colocate(torch.zeros(2, 10), top_k=5)

@@ -22,6 +22,7 @@ ends a loop whose engine is gone: its waits end and it never touches the engine'
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import secrets
 import threading
@@ -54,6 +55,11 @@ class ColocatedLoop:
             if name not in PREPARED_KEYWORDS:
                 raise ValueError(f"{name}: not taken by a colocated loop; expected only {', '.join(PREPARED_KEYWORDS)}")
         logprobs_mode_value(logprobs_mode)  # refused here, before any region is registered
+        for name, seconds in (("wait_timeout_s", wait_timeout_s), ("watchdog_s", watchdog_s)):
+            if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
+                raise ValueError(f"{name}: got {seconds!r}, expected a number of seconds > 0")
+        if not (isinstance(num_samples, int) and num_samples >= 1):
+            raise ValueError(f"num_samples: got {num_samples!r}, expected an integer >= 1")
         if not (isinstance(source, torch.Tensor) and source.is_cuda and source.dim() == 2 and source.is_contiguous()):
             raise ValueError("source: expected a contiguous [B, V] logits (or [B, D] hidden-state) CUDA tensor")
         self._torch = torch
