@@ -221,7 +221,8 @@ def test_logits_of_another_dtype_are_refused(sampler: LocalSampler, logits: torc
         sampler.sample(logits)
 
 
-@pytest.mark.parametrize("options, name", [(dict(num_samples=-1), "num_samples"), (dict(num_samples=2.0), "num_samples"),
+@pytest.mark.parametrize("options, name", [(dict(num_samples=-1), "num_samples"),
+                                           (dict(num_samples=2.0), "num_samples"),
                                            (dict(top_logprobs=-1), "top_logprobs"),
                                            (dict(return_logprobs="yes"), "return_logprobs")])
 def test_request_scalars_are_named_in_their_refusals(sampler: LocalSampler, options: dict, name: str) -> None:
@@ -238,3 +239,14 @@ def test_results_of_inputs_that_require_grad_are_values(sampler: LocalSampler) -
     for tensor in (result.logprobs, result.top_logprobs, scored.logprobs, scored.entropy, probs):
         assert not tensor.requires_grad
         tensor.numpy()
+
+
+def test_a_head_and_sizes_of_the_wrong_kind_are_named(sampler: LocalSampler) -> None:
+    with pytest.raises(ValueError, match="^head: got Tensor"):
+        sampler.sample_hidden(torch.zeros(2, 4), torch.zeros(8, 4))
+    with pytest.raises(ValueError, match="^head: got Tensor"):
+        sampler.topk_probs_hidden(torch.zeros(2, 4), torch.zeros(8, 4), 2)
+    with pytest.raises(ValueError, match="^batch_size: got -1"):
+        sampler.prepare(-1, 50)
+    with pytest.raises(ValueError, match="^vocab_size: got None"):
+        sampler.prepare(2)

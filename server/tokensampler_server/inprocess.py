@@ -55,6 +55,11 @@ def _input(x: Any, dims: tuple[int, ...], expected: str) -> None:
         raise ValueError(f"input: {expected} expected")
 
 
+def _check_head(head: Any, optional: bool = False) -> None:
+    if not (isinstance(head, RegisteredWeight) or (optional and head is None)):
+        raise ValueError(f"head: got {type(head).__name__}, expected the head register_head returned")
+
+
 def _filled(fill: Callable[..., None], *args: Any, **kwargs: Any) -> None:
     """A client builder's fill of a request: an unknown keyword or a value of the wrong type as ValueError."""
     try:
@@ -129,6 +134,7 @@ class LocalSampler:
                       **params: Any) -> SampleResult:
         """Samples hidden states [B, D] through `head` (register_head): the logits are W·h as the service
         computes them, inside the fused kernel where it applies. The keywords of sample()."""
+        _check_head(head)
         request = self._request(hidden, num_samples, return_logprobs, logprobs_mode, top_logprobs, params)
         request.hidden.states_ref.SetInParent()
         return self._run(request, hidden, head)
@@ -145,6 +151,7 @@ class LocalSampler:
                      **options: Any) -> ScoreTokensResult:
         """score() under the logits `head` (register_head) makes of hidden states [B, T, D], which are never
         computed whole: the keywords of score()."""
+        _check_head(head)
         request = self._score_request(hidden, token_ids, options)
         request.hidden.weights = head.name
         return self._score(request, hidden, head)
@@ -160,6 +167,7 @@ class LocalSampler:
     def topk_probs_hidden(self, hidden: torch.Tensor, head: RegisteredWeight, k: int, *,
                           temperature: Any = None) -> TopKProbsResult:
         """topk_probs() of the logits `head` (register_head) makes of hidden states [B, D] or [B, S, D]."""
+        _check_head(head)
         request = self._topk_request(hidden, k, temperature)
         request.hidden.weights = head.name
         return self._topk(request, hidden, head)
@@ -175,10 +183,13 @@ class LocalSampler:
             if name not in PREPARED_KEYWORDS:
                 raise ValueError(f"{name}: not taken by a prepared call; expected only {', '.join(PREPARED_KEYWORDS)}"
                                  " (sample() takes every parameter)")
+        _check_head(head, optional=True)
         if head is not None:
             vocab_size = head.finish.vocab_size
-        if vocab_size is None:
-            raise ValueError("vocab_size: expected the logits' V (or a head)")
+        for name, size in (("batch_size", batch_size), ("vocab_size", vocab_size)):
+            if not (isinstance(size, int) and size >= 1):
+                raise ValueError(f"{name}: got {size!r}, expected an integer >= 1"
+                                 + (" (the logits' V, or a head)" if name == "vocab_size" else ""))
         shape = (batch_size, head.weight.shape[1] if head is not None else vocab_size)
         request = self._request(torch.empty(shape, device="meta"), num_samples, return_logprobs, logprobs_mode,
                                 top_logprobs, params)
