@@ -47,17 +47,3 @@ def test_workload_results_repr_shows_shapes() -> None:
         assert re.match(rf"{name}\((\w+=(int64|float32|bool)\[\d+(, \d+)*\], )+", text), text
         _no_tensor_values(text)
     assert "accepted=int64[64], tokens=int64[64, 5], seeds=list[64]" in repr(results["VerifyDraftResult"])
-
-
-def test_a_sample_result_pickles_to_the_same_values() -> None:
-    """For handing results to another process: the generated message classes alone do not pickle."""
-    import pickle
-
-    tokens = encode_tensor(torch.tensor([[3], [-1]], dtype=torch.int32))
-    response = pb.SampleResponse(tokens=tokens, seeds=[1, 2**64 - 1], valid=[True, False], nan_detected=[False, True],
-                                 request_id="r")
-    result = SampleResult.from_response(response)
-    _ = result.tokens  # one field decoded before pickling, the others after
-    again = pickle.loads(pickle.dumps(result))
-    assert torch.equal(again.tokens, result.tokens) and again.seeds == result.seeds == [1, 2**64 - 1]
-    assert again.valid.tolist() == [True, False] and again.request_id == "r"

@@ -128,11 +128,6 @@ class _DecodedOnRead(SampleResult):
                 check_tensor(getattr(response, field), field)
         self._response = response
 
-    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
-        """Pickled as the response's bytes: the generated message classes name a module ("tokensampler.v1") that
-        pickle cannot import."""
-        return _decoded_on_read, (self._response.SerializeToString(),)
-
     def __getattr__(self, name: str) -> Any:
         """Called for a field not read yet (Python looks here only when the instance lacks the attribute)."""
         decode = _DECODERS.get(name)
@@ -141,8 +136,3 @@ class _DecodedOnRead(SampleResult):
         value = decode(self._response)
         setattr(self, name, value)
         return value
-
-
-def _decoded_on_read(response: bytes) -> _DecodedOnRead:
-    """A pickled _DecodedOnRead, from its response's bytes."""
-    return _DecodedOnRead(pb.SampleResponse.FromString(response))
