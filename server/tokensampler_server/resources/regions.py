@@ -90,7 +90,7 @@ class Region:
         a byte is read: a sparse segment may be far larger than anything the server would accept)."""
         _check_dtype(ref.dtype, field, dtypes)
         shape = tuple(ref.shape)
-        size = math.prod(shape) * DTYPE_TO_TORCH[ref.dtype].itemsize
+        size = referenced_bytes(ref)
         if size > max_bytes:
             raise InvalidArgument(f"{field}.shape", f"got {list(shape)}: {size} bytes, expected at most {max_bytes}")
         key = (ref.offset, ref.dtype, shape)
@@ -179,6 +179,15 @@ class OutputTarget:
         else:
             size = values.numel() * values.element_size()
             region.buffer[self.offset : self.offset + size].view(self.dtype).view(self.shape).copy_(values)
+
+
+def referenced_bytes(ref: pb.TensorRef | pb.RowsRef) -> int:
+    """The bytes a reference names, as declared (its bounds are checked when it is read); an element of a dtype the
+    server does not know counts 4 bytes."""
+    itemsize = DTYPE_TO_TORCH[ref.dtype].itemsize if ref.dtype in DTYPE_TO_TORCH else 4
+    if isinstance(ref, pb.RowsRef):
+        return len(ref.row_offsets) * ref.row_size * itemsize
+    return math.prod(ref.shape) * itemsize
 
 
 def _check_dtype(dtype: int, field: str, dtypes: tuple[int, ...]) -> None:

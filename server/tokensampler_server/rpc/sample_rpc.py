@@ -14,7 +14,6 @@ answers in order by awaiting the futures one after the other: the fewest event-l
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 from tokensampler_client._proto import sampler_pb2 as pb
-from tokensampler_client.tensors import DTYPE_TO_TORCH, encode_tensor
+from tokensampler_client.tensors import encode_tensor
 
 from tokensampler_server.batching.batcher import BatchTimes, DynamicBatcher
 from tokensampler_server.rpc.call_record import CallRecord, current_message_tracer
@@ -33,7 +32,7 @@ from tokensampler_server.core.errors import InvalidArgument, ServiceError, failu
 from tokensampler_server.resources.leases import Lease
 from tokensampler_server.rpc.metrics import ServerMetrics
 from tokensampler_server.rpc.native_path import NativePath
-from tokensampler_server.resources.regions import OutputTarget, Region, RegionRegistry
+from tokensampler_server.resources.regions import OutputTarget, Region, RegionRegistry, referenced_bytes
 from tokensampler_server.core.request_context import current_request_id
 from tokensampler_server.model.sampling import SamplingResult
 from tokensampler_server.rpc.stream_flow import StreamBudget
@@ -65,15 +64,7 @@ def _message_bytes(message: bytes | pb.SampleRequest, regions: RegionRegistry) -
     ref, _ = _input_ref(request)
     if ref is None or not regions.copied(ref.region):
         return size
-    return size + _referenced_bytes(ref)
-
-
-def _referenced_bytes(ref: pb.TensorRef | pb.RowsRef) -> int:
-    """The bytes a region reference names, as declared (checked when it is read)."""
-    itemsize = DTYPE_TO_TORCH[ref.dtype].itemsize if ref.dtype in DTYPE_TO_TORCH else 4
-    if isinstance(ref, pb.RowsRef):
-        return len(ref.row_offsets) * ref.row_size * itemsize
-    return math.prod(ref.shape) * itemsize
+    return size + referenced_bytes(ref)
 
 
 _READ_ON_LOOP_BYTES = 1 << 20
@@ -268,7 +259,7 @@ class SampleRpc:
         """The referenced input: a view of a CUDA region, or the bytes of a shared-memory one, read on a thread when
         large. The thread holds a share of the request's lease until its read ends, also when the call is
         cancelled meanwhile (the region must not go under the read)."""
-        if region.kind != "shm" or _referenced_bytes(ref) <= _READ_ON_LOOP_BYTES:
+        if region.kind != "shm" or referenced_bytes(ref) <= _READ_ON_LOOP_BYTES:
             return referenced_input(region, ref, field, self._limits)
         share = held.share()
 

@@ -269,9 +269,6 @@ class SamplerService(pb_grpc.SamplerServicer):
             weight = region.tensor(request.weight, "weight", WIRE_DTYPES, self._limits.max_weight_bytes)
             if weight.dim() != 2 or min(weight.shape) < 1:
                 raise InvalidArgument("weight.shape", f"got {list(weight.shape)}, expected [V, D] with V, D >= 1")
-            if weight.numel() * weight.element_size() > self._limits.max_weight_bytes:
-                raise InvalidArgument("weight.shape", f"{list(weight.shape)} is larger than "
-                                                      f"{self._limits.max_weight_bytes} bytes")
             finish = finish_from_options(request.options, int(weight.shape[0]))
             return self._registry.register(request.name, weight, finish, sha256="", region=region)
 

@@ -320,15 +320,20 @@ def check_rows_shape(ref: pb.RowsRef, limits: Limits) -> None:
     _check_shape((len(ref.row_offsets), ref.row_size), "logits_rows", limits, "[B, V]")
 
 
-def _referenced(tensor: torch.Tensor, field: str, limits: Limits, dims: str) -> torch.Tensor:
-    """A tensor given in place (read from a region, or passed to the in-process API), checked as a carried one."""
-    if tensor.dtype not in _FLOAT_DTYPES:
+IN_PLACE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""What a tensor given in place (read from a region, or passed to the in-process API) may be: LOGITS_DTYPES."""
+
+
+def check_in_place_dtype(tensor: torch.Tensor, field: str) -> None:
+    if tensor.dtype not in IN_PLACE_DTYPES:
         raise InvalidArgument(f"{field}.dtype", f"got {tensor.dtype}, expected float32, bfloat16 or float16")
+
+
+def _referenced(tensor: torch.Tensor, field: str, limits: Limits, dims: str) -> torch.Tensor:
+    """A tensor given in place, checked as a carried one."""
+    check_in_place_dtype(tensor, field)
     _check_shape(tensor.shape, field, limits, dims)
     return tensor
-
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _input(request: pb.SampleRequest, referenced: torch.Tensor | None, limits: Limits) -> tuple[str, torch.Tensor]:

@@ -22,16 +22,13 @@ from tokensampler_server.core.errors import InvalidArgument
 from tokensampler_server.workloads.diffusion import DiffusionStep
 from tokensampler_server.workloads.score import LogitSource, TokenScoring
 from tokensampler_server.workloads.verify import DraftVerification
-from tokensampler_server.validation.sample import (LOGITS_DTYPES, SeedSource, _column, _check, check_lm_head, filter_columns, random_seeds,
-                         validate_row_params)
+from tokensampler_server.validation.sample import (LOGITS_DTYPES, SeedSource, _column, _check, check_in_place_dtype,
+                                                   check_lm_head, filter_columns, random_seeds, validate_row_params)
 from tokensampler_server.resources.weights import RegisteredWeight
 
 MASK_DTYPES = (pb.DTYPE_UINT8, pb.DTYPE_INT32, pb.DTYPE_INT64)
 ID_DTYPES = (pb.DTYPE_INT32, pb.DTYPE_INT64)
 MAX_TOPK = 1024
-
-
-_IN_PLACE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _tensor(message: pb.Tensor, field: str, dtypes: tuple[int, ...], rank: int | tuple[int, ...]) -> torch.Tensor:
@@ -80,8 +77,7 @@ class WorkloadLogits:
 def _in_place(tensor: torch.Tensor, field: str, rank: int | tuple[int, ...]) -> torch.Tensor:
     """An in-process caller's tensor standing for the request's carried one (inprocess.py): the checks a decoded
     tensor gets."""
-    if tensor.dtype not in _IN_PLACE_DTYPES:
-        raise InvalidArgument(f"{field}.dtype", f"got {tensor.dtype}, expected float32, bfloat16 or float16")
+    check_in_place_dtype(tensor, field)
     ranks = (rank,) if isinstance(rank, int) else rank
     if tensor.dim() not in ranks or min(tensor.shape, default=0) < 1:
         raise InvalidArgument(f"{field}.shape", f"got {list(tensor.shape)}, expected {' or '.join(map(str, ranks))} "
