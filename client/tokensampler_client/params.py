@@ -162,7 +162,7 @@ def _column(name: str, value: Column, batch: int) -> Sequence[Any]:
     return values
 
 
-def set_scalar(message: Any, name: str, value: Any) -> None:
+def _set_scalar(message: Any, name: str, value: Any) -> None:
     """message.name = value, re-raising protobuf's type/range errors with the argument's name."""
     try:
         setattr(message, name, value)
@@ -377,12 +377,19 @@ def build_sample_request(logits: Any = None, *, hidden: Any = None, weights: str
     if (output_logprobs := options.get("output_logprobs")) is not None:
         request.output.logprobs.CopyFrom(output_logprobs.ref())
     fill_sampling_params(request.params, batch, **sampling)
-    if (num_samples := options.get("num_samples")) is not None:
-        set_scalar(request, "num_samples", num_samples)
-    set_scalar(request, "return_logprobs", options.get("return_logprobs", False))
-    set_scalar(request, "top_logprobs", options.get("top_logprobs", 0))
-    request.logprobs_mode = logprobs_mode_value(options.get("logprobs_mode", "raw"))
+    fill_request_options(request, options.get("num_samples"), options.get("return_logprobs", False),
+                         options.get("top_logprobs", 0), options.get("logprobs_mode", "raw"))
     return request
+
+
+def fill_request_options(request: pb.SampleRequest, num_samples: int | None, return_logprobs: bool,
+                         top_logprobs: int, logprobs_mode: str | int) -> None:
+    """A Sample request's own options (num_samples None: the server's default of 1), each refused by its name."""
+    if num_samples is not None:
+        _set_scalar(request, "num_samples", num_samples)
+    _set_scalar(request, "return_logprobs", return_logprobs)
+    _set_scalar(request, "top_logprobs", top_logprobs)
+    request.logprobs_mode = logprobs_mode_value(logprobs_mode)
 
 
 def serialize_sample_request(logits: Any = None, **params: Unpack[SampleOptions]) -> bytes:

@@ -9,7 +9,7 @@ from typing import Any, TypedDict
 import numpy as np
 
 from ._proto import sampler_pb2 as pb
-from .params import set_scalar
+from .params import _set_scalar
 from .regions import RegionView
 from .tensors import as_array, cast, encode_tensor
 
@@ -35,7 +35,7 @@ def weight_options(
     options = pb.WeightOptions()
     for name, value in (("vocab_size", vocab_size), ("soft_cap", soft_cap), ("logit_scale", logit_scale)):
         if value is not None:
-            set_scalar(options, name, value)
+            _set_scalar(options, name, value)
     if bias is not None:
         encode_tensor(cast(as_array(bias), np.float32), out=options.bias)
     return options

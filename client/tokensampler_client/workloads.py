@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ._proto import sampler_pb2 as pb
-from .params import LOGITS_DTYPES, Column, _column, _extend, set_scalar, fill_sampling_params, logprobs_mode_value
+from .params import LOGITS_DTYPES, Column, _column, _extend, _set_scalar, fill_sampling_params, logprobs_mode_value
 from .result import ReadableRepr, Timings
 from .tensors import Array, as_array, cast, decode_owned, decode_tensor, encode_tensor, wire_dtype
 
@@ -131,7 +131,7 @@ def build_topk_request(
 
 def fill_topk_options(request: pb.TopKProbsRequest, k: int, temperature: Any = None) -> None:
     """Everything of a TopKProbsRequest but its input: build_topk_request's k and temperature."""
-    set_scalar(request, "k", k)
+    _set_scalar(request, "k", k)
     if temperature is not None:
         _extend("temperature", request.temperature, _values("temperature", temperature))
 
@@ -216,8 +216,8 @@ def fill_score_options(
         request.mode = logprobs_mode_value(mode)
     except ValueError as err:
         raise ValueError(str(err).replace("logprobs_mode:", "mode:", 1)) from None
-    set_scalar(request, "top_logprobs", top_logprobs)
-    set_scalar(request, "return_entropy", return_entropy)
+    _set_scalar(request, "top_logprobs", top_logprobs)
+    _set_scalar(request, "return_entropy", return_entropy)
     ids = as_array(token_ids)
     if ids.ndim != 2:
         raise ValueError(f"token_ids: expected shape [B, T], got {list(ids.shape)}")

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 from tokensampler_client._proto import sampler_pb2 as pb
-from tokensampler_client.params import PREPARED_KEYWORDS, fill_sampling_params, logprobs_mode_value, set_scalar
+from tokensampler_client.params import PREPARED_KEYWORDS, fill_request_options, fill_sampling_params
 from tokensampler_client.result import SampleResult, Timings
 from tokensampler_client.workloads import ScoreTokensResult, TopKProbsResult, fill_score_options, fill_topk_options
 
@@ -248,10 +248,8 @@ class LocalSampler:
     def _request(x: torch.Tensor, num_samples: int, return_logprobs: bool, logprobs_mode: str, top_logprobs: int,
                  params: dict[str, Any]) -> pb.SampleRequest:
         _input(x, (2,), "a [B, V] logits or [B, D] hidden-state tensor")
-        request = pb.SampleRequest(logprobs_mode=logprobs_mode_value(logprobs_mode))
-        for name, value in (("num_samples", num_samples), ("return_logprobs", return_logprobs),
-                            ("top_logprobs", top_logprobs)):
-            _filled(set_scalar, request, name, value)
+        request = pb.SampleRequest()
+        _filled(fill_request_options, request, num_samples, return_logprobs, top_logprobs, logprobs_mode)
         _filled(fill_sampling_params, request.params, x.shape[0], **params)
         return request
 
