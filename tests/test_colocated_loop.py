@@ -16,6 +16,7 @@ import pytest
 import torch
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_server.core.errors import ServiceError
+from tokensampler_server.resources import gpu_waits
 from tokensampler_server.rpc.colocated import MAX_STEPS_AHEAD, _Loop
 
 
@@ -185,7 +186,47 @@ def test_a_drain_cut_short_leaves_the_flags_pinned() -> None:
             release.set()
             return loop
 
-    assert not asyncio.run(run()).drained
+    loop = asyncio.run(run())
+    assert not loop.drained
+    released: list[str] = []
+    gpu_waits.when_idle(lambda: released.append("mapping"))  # the GPU may still wait for the engine: held back
+    assert released == [] and gpu_waits.pending() == 1
+    gpu_waits.end(loop)  # what a later drain would say
+    assert released == ["mapping"] and gpu_waits.pending() == 0
+
+
+def test_gpu_mappings_are_released_only_while_no_step_of_a_loop_is_queued() -> None:
+    """Closing a mapping waits for every stream of the GPU, so a loop whose input never comes would hold it, and the
+    event loop with it (resources/gpu_waits.py): a release asked for while a step is queued runs once none is."""
+    handoff, engine = _Handoff(), _Announcements()
+    released: list[str] = []
+
+    async def run() -> None:
+        with ThreadPoolExecutor(2) as waiters:
+            loop = _Loop(handoff, _open(), waiters)
+            answers: list[int] = []
+
+            async def answer() -> None:
+                async for response in loop.run(engine):
+                    answers.append(response.step)
+
+            task = asyncio.ensure_future(answer())
+            gpu_waits.when_idle(lambda: released.append("before"))  # no step queued: at once
+            assert released == ["before"]
+            engine.announce(1, 2)
+            await _settle()
+            gpu_waits.when_idle(lambda: released.append("held"))
+            for step in (1, 2):
+                assert released == ["before"]  # a step still waits on the GPU
+                handoff.steps[step].ready.set()
+                while step not in answers:
+                    await asyncio.sleep(0.001)
+            assert released == ["before", "held"]
+            engine.close()
+            await asyncio.wait_for(task, 5)
+
+    asyncio.run(run())
+    assert gpu_waits.pending() == 0
 
 
 def test_exclusive_streams_skip_those_of_torchs_pool_still_held(monkeypatch) -> None:

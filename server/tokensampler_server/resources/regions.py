@@ -29,6 +29,7 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.tensors import DTYPE_TO_TORCH, dtype_name
 
 from tokensampler_server.core.errors import InvalidArgument, ServiceError
+from tokensampler_server.resources import gpu_waits
 from tokensampler_server.resources.refcounted import RefCountedRegistry, check_name
 
 _SHM_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
@@ -433,7 +434,10 @@ def _holds_no_weights(region: Region) -> None:
 
 def _release(region: Region) -> None:
     region.views.clear()  # the cached views hold the mapping open
-    region.release()
+    if region.kind == "cuda_ipc":  # closing the mapping waits for every stream of the GPU (gpu_waits.py)
+        gpu_waits.when_idle(region.release)
+    else:
+        region.release()
 
 
 def region_info(region: Region, in_flight: int = 0) -> pb.RegionInfo:

@@ -29,6 +29,7 @@ from tokensampler_server.backends.base import Backend
 from tokensampler_server.backends.cuda_handoff import Handoff
 from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument, ServiceError
+from tokensampler_server.resources import gpu_waits
 from tokensampler_server.resources.flags import MappedFlags
 from tokensampler_server.resources.regions import Region, RegionRegistry
 from tokensampler_server.resources.weights import RegisteredWeight, WeightRegistry
@@ -54,7 +55,7 @@ _STILL_POLLED: list[tuple[MappedFlags, _Loop]] = []
 
 def _close_flags(flags: MappedFlags, decode: _Loop) -> None:
     if decode.drained:
-        flags.close()
+        gpu_waits.when_idle(flags.close)  # unpinning waits for every stream of the GPU, a stuck loop's too
     else:
         log.error("a colocated loop's stream did not drain within %g s after its end; its flags stay pinned",
                   _DRAIN_TIMEOUT_S)
@@ -251,6 +252,8 @@ class _Loop:
                 self._done = step
                 self._timers.pop(step).cancel()
                 self._queue_steps()
+                if self._queued == self._done:  # nothing of the loop's waits on the GPU
+                    gpu_waits.end(self)
                 elapsed = time.perf_counter_ns() - queued
                 yield pb.ColocateResponse(step=step, timings=pb.Timings(compute_ns=elapsed, total_ns=elapsed))
         finally:
@@ -260,6 +263,8 @@ class _Loop:
             # Every wait ended (all answered, or the abort): the stream drains in a moment.
             self.drained = await asyncio.shield(
                 events.run_in_executor(self._waiters, self._handoff.drain, _DRAIN_TIMEOUT_S))
+            if self.drained:  # else the GPU may still wait: the releases held back stay so
+                gpu_waits.end(self)
             for timer in self._timers.values():
                 timer.cancel()
 
@@ -302,6 +307,7 @@ class _Loop:
                 self._end(err)
                 return
             self._queued = step
+            gpu_waits.begin(self)
             self._timers[step] = self._events.call_later(self._timeout_s, self._expire, step)
             self._queue.put_nowait((step, done, queued))
         if self._ended is None and self._read_all and self._queued == self._announced and not self._last_queued:
