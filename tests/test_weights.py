@@ -17,7 +17,7 @@ from tokensampler_server.core.budget import ByteBudget
 from tokensampler_server.core.errors import InvalidArgument, ServiceError
 from tokensampler_server.resources.weights import LogitsFinish, WeightRegistry, check_finish, load_safetensors, resolve_weights_path
 from tokensampler_server.resources.refcounted import MAX_NAME_BYTES
-from tokensampler_server.rpc.weights_rpc import read_upload
+from tokensampler_server.rpc.weights_rpc import read_upload, upload_budget
 
 from .polling import wait_until_async
 
@@ -115,7 +115,7 @@ async def _stream(messages):
 
 
 def _budget(max_bytes: int) -> ByteBudget:
-    return ByteBudget(max_bytes, "shape", "uploads", "--max-weight-mb")
+    return upload_budget(max_bytes)
 
 
 def _read(messages, max_bytes: int = 1 << 20, registry: WeightRegistry | None = None):
@@ -253,6 +253,7 @@ def test_uploads_in_progress_hold_at_most_the_budget_together() -> None:
         with pytest.raises(ServiceError) as refused:
             await read_upload(_stream(second), 1 << 20, registry.check_free, budget)
         assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and budget.held == 100
+        assert refused.value.message.startswith("data: uploads in progress hold "), refused.value.message
         gate.set()
         assert (await pending).name == "first" and budget.held == 0
         bad = _chunks(weight, name="second", sha256="0" * 64)

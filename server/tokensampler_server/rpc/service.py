@@ -37,7 +37,8 @@ from tokensampler_server.rpc.sample_rpc import SampleRpc
 from tokensampler_server.validation.sample import LOGITS_DTYPES
 from tokensampler_server.validation.workloads import validate_diffusion_request, validate_score_request, validate_topk_request, validate_verify_request
 from tokensampler_server.resources.weights import WEIGHT_DTYPES, RegisteredWeight, WeightRegistry, load_safetensors, resolve_weights_path, sha256_hex
-from tokensampler_server.rpc.weights_rpc import WIRE_DTYPES, finish_from_options, read_upload, weights_info
+from tokensampler_server.rpc.weights_rpc import (WIRE_DTYPES, finish_from_options, read_upload, upload_budget,
+                                                  weights_info)
 
 API_VERSION = "tokensampler.v1"
 FEATURES = (
@@ -92,7 +93,7 @@ class SamplerService(pb_grpc.SamplerServicer):
         self._batcher = batcher or DynamicBatcher(backend, max_batch_rows=limits.max_batch_rows,
                                                   max_batch_elements=limits.max_batch_elements)
         self._registry = registry or WeightRegistry(backend.device)
-        self._uploads = ByteBudget(limits.max_weight_bytes, "shape", "uploads", "--max-weight-mb")  # one largest
+        self._uploads = upload_budget(limits.max_weight_bytes)  # one largest
         # weight's bytes at most, between every upload in progress
         self._weights_dir = weights_dir
         self._regions = regions or RegionRegistry()

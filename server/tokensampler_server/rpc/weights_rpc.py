@@ -63,6 +63,11 @@ def weights_info(entry: RegisteredWeight, in_flight: int = 0) -> pb.WeightsInfo:
     )
 
 
+def upload_budget(max_bytes: int) -> ByteBudget:
+    """The bytes that uploads in progress hold together; a refusal names the field that carries them."""
+    return ByteBudget(max_bytes, "data", "uploads", "--max-weight-mb")
+
+
 async def read_upload(chunks: AsyncIterator[pb.RegisterWeightsChunk], max_bytes: int,
                       check_name: Callable[[str], None], budget: ByteBudget,
                       idle_timeout_s: float = UPLOAD_IDLE_TIMEOUT_S) -> VerifiedUpload:
