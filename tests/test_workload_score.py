@@ -64,6 +64,31 @@ def test_raw_scores_are_log_softmax_gathered(monkeypatch, slice_elements: int) -
     assert scores.top_ids[5].eq(-1).all() and scores.top_values[5].isnan().all()
 
 
+@pytest.mark.parametrize("slice_elements", [1 << 22, 1], ids=["one slice", "slices of 1 token"])
+@pytest.mark.parametrize("logits,processed,temperature", [
+    ([1e8, 1e8, -5.0], False, 1.0),  # max(z) + log 2 rounds to max(z) in float32
+    ([3e4, 3e4, 0.0], False, 1.0),
+    ([3.0, 3.0, 1.0], True, 1e-10),
+    ([3.0, 3.0, 1.0], True, 1e-45),  # x / T overflows; (x - max) / T does not
+    ([-5.0, 1e8, 1e8], True, 1e-3),  # the tied maximum in the last slice: earlier sums rescaled to nothing
+], ids=["raw 1e8", "raw 3e4", "T 1e-10", "T 1e-45", "T 1e-3 max last"])
+def test_two_tied_maxima_score_log_one_half_at_any_scale(monkeypatch, slice_elements: int, logits: list[float],
+                                                        processed: bool, temperature: float) -> None:
+    """z = (x - max) / T as Sample takes it (choice 2): two tied maxima and a far third score exactly log 1/2, and
+    the entropy is log 2, however large |x / T|."""
+    monkeypatch.setattr(score_module, "_SLICE_ELEMENTS", slice_elements)
+    x = torch.tensor([logits])
+    tied = int(np.argmax(logits))
+    scoring = _scoring(torch.tensor([tied]), processed=processed, temperature=temperature, top_logprobs=2,
+                       entropy=True)
+    scores = score_tokens(LogitSource(logits=x), scoring, CPU)
+    half = torch.tensor([float(np.log(0.5))])
+    torch.testing.assert_close(scores.logprobs, half, rtol=0, atol=1e-6)
+    torch.testing.assert_close(scores.top_values, half.expand(1, 2), rtol=0, atol=1e-6)
+    assert sorted(scores.top_ids[0].tolist()) == sorted(i for i, v in enumerate(logits) if v == max(logits))
+    torch.testing.assert_close(scores.entropy, -half, rtol=0, atol=1e-6)
+
+
 def test_top_logprob_ties_go_to_the_lower_id_across_slices(monkeypatch) -> None:
     monkeypatch.setattr(score_module, "_SLICE_ELEMENTS", 3)
     logits = torch.tensor([[0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.5]])

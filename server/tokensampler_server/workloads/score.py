@@ -122,49 +122,55 @@ def _temperature(scoring: TokenScoring, rows: torch.Tensor, device: torch.device
 
 def score_streamed(source: LogitSource, scoring: TokenScoring, rows: torch.Tensor, device: torch.device,
                    out: Scores) -> None:
-    """Rows whose distribution is softmax(x / T) over the whole vocabulary, a vocabulary slice at a time."""
+    """Rows whose distribution is softmax(z), z = (x - max) / T over the whole vocabulary (choice 2), a vocabulary
+    slice at a time. The sums are kept about the largest x seen so far and rescaled as it grows: x / T alone
+    overflows for a small T, and max(z) + log Σ e^(z - max(z)) loses the log term in float32 for a large |z|."""
     num_rows, vocab = rows.numel(), source.vocab_size
     width = max(1, min(vocab, _SLICE_ELEMENTS // num_rows))
     t = _temperature(scoring, rows, device)
     targets = scoring.token_ids[rows].to(device)
-    running_max = torch.full((num_rows,), _NEG_INF, device=device)
-    sum_exp = torch.zeros(num_rows, device=device)
-    sum_terms = torch.zeros(num_rows, device=device)  # Σ e^(z - max)·(z - max): the entropy's numerator
-    target_z = torch.full((num_rows,), _NEG_INF, device=device)
-    best_z = best_ids = None
+    running_max = torch.full((num_rows,), _NEG_INF, device=device)  # of x
+    sum_exp = torch.zeros(num_rows, device=device)  # Σ e^c, c = (x - running_max) / T
+    sum_terms = torch.zeros(num_rows, device=device)  # Σ e^c·c: the entropy's numerator
+    target_x = torch.full((num_rows,), _NEG_INF, device=device)
+    best_x = best_ids = None
     for start in range(0, vocab, width):
         stop = min(start + width, vocab)
-        z = source.block(rows, start, stop, device).div_(t)
-        new_max = torch.maximum(running_max, z.amax(dim=1))
+        x = source.block(rows, start, stop, device)
+        new_max = torch.maximum(running_max, x.amax(dim=1))
         shift = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))  # no -inf - -inf
-        centred = z - shift.unsqueeze(1)
+        centred = (x - shift.unsqueeze(1)).div_(t)
         e = centred.exp()
         terms = torch.where(e > 0, e * centred, torch.zeros_like(e)).sum(dim=1)
-        # Rescale what the earlier slices summed to the new max: e^(z - m') = e^(z - m)·e^(m - m').
-        scale = torch.exp(running_max - shift)
-        moved = torch.where(sum_exp > 0, sum_terms + sum_exp * (running_max - shift), torch.zeros_like(sum_exp))
+        # Rescale what the earlier slices summed to the new max: e^(c') = e^c·e^d, c' = c + d, d = (m - m') / T.
+        d = (running_max - shift).div_(t.squeeze(1))
+        scale = d.exp()
+        moved = torch.where(scale > 0, sum_terms + sum_exp * d, torch.zeros_like(sum_exp))
         sum_terms = scale * moved + terms
         sum_exp = scale * sum_exp + e.sum(dim=1)
         running_max = new_max
         inside = (targets >= start) & (targets < stop)
-        picked = z.gather(1, (targets - start).clamp(0, stop - start - 1).unsqueeze(1)).squeeze(1)
-        target_z = torch.where(inside, picked, target_z)
+        picked = x.gather(1, (targets - start).clamp(0, stop - start - 1).unsqueeze(1)).squeeze(1)
+        target_x = torch.where(inside, picked, target_x)
         if scoring.top_logprobs:
-            best_z, best_ids = _merge_best(best_z, best_ids, z, start, scoring.top_logprobs)
+            best_x, best_ids = _merge_best(best_x, best_ids, x, start, scoring.top_logprobs)
     valid = torch.isfinite(running_max)
-    log_z = running_max + sum_exp.log()
+    shift = torch.where(valid, running_max, torch.zeros_like(running_max))
+    log_sum = sum_exp.log()
     index = rows.to(device)
-    out.logprobs[index] = torch.where(valid, target_z - log_z, out.logprobs[index])
+    target_z = (target_x - shift).div_(t.squeeze(1))
+    out.logprobs[index] = torch.where(valid, target_z - log_sum, out.logprobs[index])
     if out.entropy is not None:
-        out.entropy[index] = torch.where(valid, sum_exp.log() - sum_terms / sum_exp, out.entropy[index])
+        out.entropy[index] = torch.where(valid, log_sum - sum_terms / sum_exp, out.entropy[index])
     if scoring.top_logprobs:
-        _write_top(out, index, valid, best_ids, best_z - log_z.unsqueeze(1))
+        best_z = (best_x - shift.unsqueeze(1)).div_(t)
+        _write_top(out, index, valid, best_ids, best_z - log_sum.unsqueeze(1))
 
 
 def _merge_best(best_z: torch.Tensor | None, best_ids: torch.Tensor | None, z: torch.Tensor, start: int,
                 n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The n best (z desc, id asc) of the best so far and a slice of ids start.. (all higher than theirs): a
-    stable sort keeps the earlier, lower ids first among ties."""
+    stable sort keeps the earlier, lower ids first among ties. Ranked by x, whose order is z's (T > 0)."""
     ids = torch.arange(start, start + z.shape[1], device=z.device).expand_as(z)
     if best_z is not None:
         z, ids = torch.cat([best_z, z], dim=1), torch.cat([best_ids, ids], dim=1)
