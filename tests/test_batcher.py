@@ -151,6 +151,23 @@ def test_queued_bytes_are_bounded() -> None:
     assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "bytes waiting" in error.message
 
 
+def test_queued_bytes_count_the_token_entries_a_shared_list_expands_to() -> None:
+    """A list shared by every row is held once per row, 16 bytes an entry: one row of 8 logits with 100,000 banned
+    entries holds 1.6 MB, past a queue of 1 MB, and is refused; the same row without them is sampled."""
+    entries = TokenEntries(rows=torch.zeros(100_000, dtype=torch.int64), tokens=torch.zeros(100_000, dtype=torch.int64))
+
+    async def run() -> ServiceError:
+        batcher = DynamicBatcher(CountingBackend(), max_batch_rows=4, max_queue_bytes=1_000_000)
+        await batcher.submit(make_batch(torch.zeros(1, 8)))
+        with pytest.raises(ServiceError) as raised:
+            await batcher.submit(make_batch(torch.zeros(1, 8), processing=LogitProcessing(banned=entries)))
+        await batcher.close()
+        return raised.value
+
+    error = asyncio.run(run())
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "bytes waiting" in error.message
+
+
 class OutOfMemoryBackend(Backend):
     """Fails like a GPU whose memory ran out on batches of more than 2 rows."""
 

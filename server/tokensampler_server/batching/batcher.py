@@ -74,7 +74,9 @@ def host_bytes(tensor: torch.Tensor) -> int:
 
 
 def _host_bytes(batch: SamplingBatch) -> int:
-    return host_bytes(batch.logits if batch.logits is not None else batch.hidden.states)
+    """What a queued request holds in host memory: its input, and its token entries (shared lists expanded)."""
+    held = host_bytes(batch.logits if batch.logits is not None else batch.hidden.states)
+    return held + (batch.processing.host_bytes() if batch.processing is not None else 0)
 
 
 # Largest GPU-resident batch run on the event loop: B·V logits (64 rows of 262,144), a few hundred µs

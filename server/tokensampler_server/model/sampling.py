@@ -118,6 +118,12 @@ class LogitProcessing:
             return None
         return rest
 
+    def host_bytes(self) -> int:
+        """Bytes of its token entries on the CPU (a row and a token id, 16 bytes an entry). A list shared by every
+        row is held once per row: a request of a few KiB can hold hundreds of MiB (Limits.max_token_entries)."""
+        entries = (self.allowed, self.banned, self.bias, self.output_tokens, self.prompt_tokens)
+        return sum(16 * len(e) for e in entries if e is not None)
+
     def at_positions(self, position: torch.Tensor) -> LogitProcessing:
         """The same processing with the rows' XTC coins drawn at `position` (int64 [B]): for a row that samples
         at another position than its request's (a draft position, a diffusion position)."""

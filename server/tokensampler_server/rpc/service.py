@@ -219,7 +219,8 @@ class SamplerService(pb_grpc.SamplerServicer):
         accepted, tokens = await self._batcher.run_exclusive(
             lambda: self._workloads.verify_draft(verification),
             rows=int(verification.target_logits.shape[0] * verification.target_logits.shape[1]),
-            nbytes=host_bytes(verification.target_logits) + host_bytes(verification.draft_probs))
+            nbytes=host_bytes(verification.target_logits) + host_bytes(verification.draft_probs)
+            + (verification.processing.host_bytes() if verification.processing is not None else 0))
         response = pb.VerifyDraftResponse(request_id=current_call.get().request_id)
         encode_tensor(accepted.to(torch.int32).cpu(), out=response.accepted)
         encode_tensor(tokens.to(torch.int32).cpu(), out=response.tokens)

@@ -163,7 +163,7 @@ def _decode_lists(params: pb.SamplingParams, num_rows: int, limits: Limits, posi
         return DecodedLists(num_rows, lists, bias_values, breakers)
     sequences = Sequences(*(None if lists[name] is None else lists[name].entries
                             for name in ("prompt_token_ids", "output_token_ids")), num_rows)
-    check_sequence_reads(rules, sequences.lengths())
+    check_sequence_reads(rules, sequences.lengths(), positions)
     return DecodedLists(num_rows, lists, bias_values, breakers, rules.samplers(sequences))
 
 

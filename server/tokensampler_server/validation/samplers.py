@@ -92,9 +92,10 @@ def sequence_rules(params: pb.SamplingParams, num_rows: int,
     )
 
 
-def check_sequence_reads(rules: SequenceRules, lengths: np.ndarray) -> None:
+def check_sequence_reads(rules: SequenceRules, lengths: np.ndarray, positions: int = 1) -> None:
     """Bounds what DRY and no-repeat-n-gram read: a DRY row reading its whole sequence (-1) reads at most
-    MAX_DRY_WINDOW tokens, and the rows together at most MAX_SEQUENCE_READS."""
+    MAX_DRY_WINDOW tokens, and the rows together at most MAX_SEQUENCE_READS, counted once for each of the
+    `positions` a workload samples per row (each reads the row's sequence again)."""
     dry = rules.dry_rows()
     too_long = dry & (rules.dry_last_n == -1) & (lengths > MAX_DRY_WINDOW)
     if bool(too_long.any()):
@@ -103,7 +104,7 @@ def check_sequence_reads(rules: SequenceRules, lengths: np.ndarray) -> None:
                               f"got -1 for row {row}, whose sequence has {int(lengths[row])} tokens; expected a window "
                               f"of at most {MAX_DRY_WINDOW} tokens (send a window, or fewer ids)")
     windows = np.where(rules.dry_last_n > 0, np.minimum(rules.dry_last_n, lengths), lengths)
-    reads = int(windows[dry].sum()) + int(lengths[rules.ngram > 0].sum())
+    reads = (int(windows[dry].sum()) + int(lengths[rules.ngram > 0].sum())) * positions
     if reads > MAX_SEQUENCE_READS:
         raise InvalidArgument("params.output_token_ids",
                               f"DRY and no-repeat-n-gram would read {reads} tokens of the rows' sequences; expected at "

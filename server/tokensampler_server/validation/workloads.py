@@ -186,7 +186,8 @@ def validate_verify_request(
             raise InvalidArgument("draft_probs", "got a position whose probabilities sum to 0, expected a distribution")
         # Scaled to a largest value of 1 (the same distribution once renormalised), so that no fp32 sum overflows.
         probs = draft / largest
-    rows = validate_row_params(request.params, num_rows, vocab, limits, seed_source)
+    # Token lists and sequences are applied at each of the n + 1 positions (workloads/verify.py).
+    rows = validate_row_params(request.params, num_rows, vocab, limits, seed_source, positions=n + 1)
     verification = DraftVerification(
         draft_ids=draft_ids, draft_probs=probs.nan_to_num(0.0), target_logits=target, **rows.row_sampling(),
         processing=rows.processing,
