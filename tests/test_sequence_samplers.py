@@ -17,6 +17,8 @@ from tokensampler_server.backends.cpu import CpuBackend
 from tokensampler_server.backends.processing import apply_processing
 from tokensampler_server.batching.batch_merge import merge_batches
 from tokensampler_server.core.config import Limits
+from tokensampler_server.core.errors import InvalidArgument
+from tokensampler_server.model.repetition import MAX_SEQUENCE_READS
 from tokensampler_server.model.sampling import select_rows
 from tokensampler_server.validation.sample import validate_sample_request
 from tokensampler_server.validation.workloads import validate_diffusion_request
@@ -191,3 +193,22 @@ def test_diffusion_positions_get_their_request_rows_bans_and_penalties() -> None
                                            temperature=0.0, **alone)
             batch = validate_sample_request(request, Limits())[0]
             assert int(tokens[row, position]) == int(CpuBackend().sample(batch).tokens[0, 0]), (row, position)
+
+
+def test_a_diffusion_step_counts_the_sequence_reads_of_every_position() -> None:
+    """Each of a row's L positions reads its sequence again (DRY and no-repeat-n-gram): a history within the read
+    bound for one position is refused, by field, when L positions together would pass it."""
+    history = [1, 2, 3, 4] * 256  # 1,024 tokens, read by DRY and by the n-gram ban: 2,048 reads a position
+    per_position = 2 * len(history)
+    length = MAX_SEQUENCE_READS // per_position  # the most positions that fit
+    for positions, refused in ((length, False), (length + 1, True)):
+        logits = torch.zeros(1, positions, 8)
+        request = build_diffusion_request(logits, torch.ones(1, positions, dtype=torch.uint8), seed=[1],
+                                          output_token_ids=[history], dry_multiplier=[0.8],
+                                          dry_penalty_last_n=[-1], no_repeat_ngram_size=[3])
+        if not refused:
+            validate_diffusion_request(request, Limits())
+            continue
+        with pytest.raises(InvalidArgument) as raised:
+            validate_diffusion_request(request, Limits())
+        assert raised.value.field == "params.output_token_ids" and "would read" in raised.value.message

@@ -383,3 +383,27 @@ def test_draft_logits_without_a_finite_value_are_refused_by_field(value: float) 
     with pytest.raises(InvalidArgument) as refused:
         validate_verify_request(_verify_request(np.array([value, value]), "draft_logits", rows=2), Limits())
     assert "draft_logits" in str(refused.value)
+
+
+def test_token_lists_are_counted_once_for_each_position_they_are_applied_at() -> None:
+    """The lists apply at each of the n + 1 positions (workloads/verify.py): a request whose entries fit the limit
+    once but not n + 1 times is refused by field, before any work; the same lists over one draft fit."""
+    from tokensampler_client._proto import sampler_pb2 as pb
+    from tokensampler_client.tensors import encode_tensor
+    from tokensampler_server.core.config import Limits
+    from tokensampler_server.core.errors import InvalidArgument
+    from tokensampler_server.validation.workloads import validate_verify_request
+
+    def request(n: int) -> pb.VerifyDraftRequest:
+        return pb.VerifyDraftRequest(
+            draft_ids=encode_tensor(np.zeros((1, n), np.int32)),
+            target_logits=encode_tensor(np.zeros((1, n + 1, 2), np.float32)),
+            draft_probs=encode_tensor(np.full((1, n, 2), 0.5, np.float32)),
+            params=pb.SamplingParams(seed=[1], repetition_penalty=[1.5],
+                                     output_token_ids=pb.TokenLists(ids=[0, 1] * 50, lengths=[100])))
+
+    limits = Limits(max_token_entries=1000)
+    validate_verify_request(request(8), limits)  # 100 entries x 9 positions
+    with pytest.raises(InvalidArgument) as refused:
+        validate_verify_request(request(10), limits)  # x 11
+    assert refused.value.field == "params.output_token_ids.lengths" and "× 11 positions" in refused.value.message
