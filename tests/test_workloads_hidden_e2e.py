@@ -199,6 +199,9 @@ def _hidden(states: torch.Tensor, weights: str) -> pb.HiddenStates:
         ("TopKProbs", lambda name: pb.TopKProbsRequest(
             hidden=pb.HiddenStates(weights=name, states_ref=pb.TensorRef(region="r", dtype=pb.DTYPE_FLOAT32, shape=[1, 32])),
             k=2), "hidden.states_ref", "expected hidden.states"),
+        ("TopKProbs", lambda name: pb.TopKProbsRequest(  # no weight named: the reference is what is refused
+            hidden=pb.HiddenStates(states_ref=pb.TensorRef(region="r", dtype=pb.DTYPE_FLOAT32, shape=[1, 32])),
+            k=2), "hidden.states_ref", "expected hidden.states"),
     ],
 )
 def test_malformed_hidden_requests_are_invalid(stub: pb_grpc.SamplerStub, heads: dict[str, Head], method: str, request_for,

@@ -143,8 +143,8 @@ class SamplerService(pb_grpc.SamplerServicer):
                       held: Lease) -> RegisteredWeight | None:
         """Holds the weight a hidden-state request names in `held` (NOT_FOUND if unknown), as Sample does;
         None for logits."""
-        if request.WhichOneof("input") != "hidden":
-            return None
+        if request.WhichOneof("input") != "hidden" or request.hidden.HasField("states_ref"):
+            return None  # a region reference is refused by validation, named whatever weight is given
         return held.enter(self._registry.use(request.hidden.weights))
 
     async def SampleDiffusionStep(
