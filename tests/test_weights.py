@@ -142,6 +142,8 @@ def test_upload_in_chunks_is_verified_and_complete() -> None:
         (lambda m: m[1].__setattr__("name", "again"), "name"),
         (lambda m: m[1].options.CopyFrom(pb.WeightOptions(soft_cap=-1.0)), "options"),  # options only in the header
         (lambda m: m[0].__setattr__("name", "n" * (MAX_NAME_BYTES + 1)), "name"),
+        (lambda m: m[0].__setattr__("name", "head\nINFO forged log line"), "name"),
+        (lambda m: m[0].__setattr__("name", "head\x00"), "name"),
         (lambda m: m[0].options.CopyFrom(pb.WeightOptions(soft_cap=-1.0)), "options.soft_cap"),
         (lambda m: m[0].options.bias.CopyFrom(encode_tensor(torch.zeros(33, dtype=torch.int64))), "options.bias.dtype"),
         (lambda m: m.clear(), "name"),

@@ -34,9 +34,13 @@ megabytes would push ListWeights or ListRegions past the message limit for every
 
 
 def check_name(name: str, kind: str, field: str = "name") -> None:
-    """INVALID_ARGUMENT naming `field` unless `name` is a non-empty name of at most MAX_NAME_BYTES."""
+    """INVALID_ARGUMENT naming `field` unless `name` is a non-empty name of printable characters (it reaches logs and
+    listings: no line breaks or control characters) of at most MAX_NAME_BYTES."""
     if not name:
         raise InvalidArgument(field, f"got an empty name, expected a non-empty {kind} name")
+    if not name.isprintable():
+        raise InvalidArgument(field, f"got {name!r}, expected a {kind} name of printable characters (no control "
+                                     "characters or line breaks)")
     size = len(name.encode())
     if size > MAX_NAME_BYTES:
         raise InvalidArgument(field, f"got a name of {size} bytes, expected at most {MAX_NAME_BYTES}")
