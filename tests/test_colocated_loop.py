@@ -90,19 +90,24 @@ def _open(wait_timeout_ms: int = 30_000) -> pb.ColocateOpen:
     return pb.ColocateOpen(wait_timeout_ms=wait_timeout_ms)
 
 
+def _answering(loop: _Loop, engine: _Announcements) -> tuple[asyncio.Future, list[int]]:
+    """Runs the loop's answers in a task; the steps answered, in order, as they come."""
+    answers: list[int] = []
+
+    async def answer() -> None:
+        async for response in loop.run(engine):
+            answers.append(response.step)
+
+    return asyncio.ensure_future(answer()), answers
+
+
 def test_a_flood_of_announcements_queues_only_a_few_steps_and_the_rest_as_steps_are_delivered() -> None:
     handoff, engine = _Handoff(), _Announcements()
 
     async def run() -> list[int]:
         with ThreadPoolExecutor(2) as waiters:
             loop = _Loop(handoff, _open(), waiters)
-            answers: list[int] = []
-
-            async def answer() -> None:
-                async for response in loop.run(engine):
-                    answers.append(response.step)
-
-            task = asyncio.ensure_future(answer())
+            task, answers = _answering(loop, engine)
             engine.announce(*range(1, 201))
             await _settle()
             assert sorted(handoff.steps) == list(range(1, MAX_STEPS_AHEAD + 1))
@@ -204,13 +209,7 @@ def test_gpu_mappings_are_released_only_while_no_step_of_a_loop_is_queued() -> N
     async def run() -> None:
         with ThreadPoolExecutor(2) as waiters:
             loop = _Loop(handoff, _open(), waiters)
-            answers: list[int] = []
-
-            async def answer() -> None:
-                async for response in loop.run(engine):
-                    answers.append(response.step)
-
-            task = asyncio.ensure_future(answer())
+            task, answers = _answering(loop, engine)
             gpu_waits.when_idle(lambda: released.append("before"))  # no step queued: at once
             assert released == ["before"]
             engine.announce(1, 2)
