@@ -118,3 +118,39 @@ def test_slow_http_clients_are_bounded_and_timed_out(monkeypatch) -> None:
             connection.close()
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_clients_trickling_their_request_are_cut_at_the_deadline(monkeypatch) -> None:
+    """A client that sends a byte of its request at a time, each within the read timeout, is cut once the request
+    has not arrived within the deadline: MAX_HTTP_CONNECTIONS of them free their slots, and /healthz answers."""
+    import socket
+    import time
+
+    from tokensampler_server.rpc import metrics
+
+    monkeypatch.setattr(metrics._QuietHandler, "timeout", 0.5)
+    monkeypatch.setattr(metrics._QuietHandler, "request_deadline_s", 1.0)
+    httpd = start_metrics_http(ServerMetrics(), "127.0.0.1", 0)
+    assert httpd is not None
+    port = httpd.server_address[1]
+    trickling = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(metrics.MAX_HTTP_CONNECTIONS)]
+    cut: set[int] = set()
+    try:
+        for connection in trickling:
+            connection.sendall(b"GET /metrics HTTP/1.1\r\n")
+        started = time.monotonic()
+        while time.monotonic() - started < 3.0 and len(cut) < len(trickling):
+            for index, connection in enumerate(trickling):
+                if index not in cut:
+                    try:
+                        connection.sendall(b"X")  # one header byte, well within the read timeout
+                    except OSError:
+                        cut.add(index)
+            time.sleep(0.2)
+        assert len(cut) == len(trickling), f"{len(trickling) - len(cut)} trickling connections still open after 3 s"
+        assert get(port, "/healthz") == (200, "ok\n")
+    finally:
+        for connection in trickling:
+            connection.close()
+        httpd.shutdown()
+        httpd.server_close()

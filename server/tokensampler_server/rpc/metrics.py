@@ -338,7 +338,32 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
-    timeout = HTTP_TIMEOUT_S  # set on the connection's socket (StreamRequestHandler)
+    timeout = HTTP_TIMEOUT_S  # each read and write of the connection's socket (StreamRequestHandler)
+    request_deadline_s = HTTP_TIMEOUT_S
+    """The request line and headers arrive within this, or the connection is cut: a client sending a byte every few
+    seconds passes every read's timeout, and 64 such clients would hold every slot for good."""
+
+    def setup(self) -> None:
+        super().setup()
+        self._deadline = threading.Timer(self.request_deadline_s, self._cut)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _cut(self) -> None:
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)  # the blocked read returns: the handler ends
+        except OSError:
+            pass  # the connection is already gone
+
+    def parse_request(self) -> bool:
+        try:
+            return super().parse_request()  # reads the headers
+        finally:
+            self._deadline.cancel()
+
+    def finish(self) -> None:
+        self._deadline.cancel()
+        super().finish()
 
     def log_message(self, format: str, *args: object) -> None:
         """No line per request: Prometheus and probes call every few seconds."""
