@@ -430,6 +430,63 @@ def test_closing_a_client_ends_its_calls_in_flight_with_cancelled() -> None:
         server.stop(0)
 
 
+def test_stream_and_calls_cancelled_under_the_caller_raise_token_sampler_errors() -> None:
+    """A stream's receive() after one that asyncio.wait_for cancelled (which cancels the call), a receive() waiting
+    when its client closes, and calls and streams opened on a closed client (sync and asyncio) raise
+    TokenSamplerError CANCELLED; before, grpc's CancelledError, UsageError or ValueError came through. The caller's
+    own cancellation stays a CancelledError (asyncio.wait_for's timeout)."""
+
+    class Silent(grpc.GenericRpcHandler):
+        def service(self, details):
+            def handle(requests, context):
+                for _ in requests:  # reads every request and answers none
+                    pass
+                return iter(())
+            return grpc.stream_stream_rpc_method_handler(handle)
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers((Silent(),))
+    target = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    logits = torch.randn(1, 10)
+
+    async def run() -> None:
+        client = AsyncSamplerClient(target, timeout=10)
+        stream = client.stream()
+        await stream.send(logits)
+        await stream.send(logits)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(stream.receive(), 0.2)
+        with pytest.raises(TokenSamplerError) as raised:
+            await stream.receive()
+        assert raised.value.code == grpc.StatusCode.CANCELLED
+        waiting_stream = client.stream()
+        await waiting_stream.send(logits)
+        waiting = asyncio.ensure_future(waiting_stream.receive())
+        await asyncio.sleep(0.2)
+        await client.close()
+        with pytest.raises(TokenSamplerError) as raised:
+            await asyncio.wait_for(waiting, 5)
+        assert raised.value.code == grpc.StatusCode.CANCELLED
+        for after_close in (lambda: client.sample(logits), lambda: client.health()):
+            with pytest.raises(TokenSamplerError) as raised:
+                await after_close()
+            assert raised.value.code == grpc.StatusCode.CANCELLED and "closed" in raised.value.details
+        with pytest.raises(TokenSamplerError):
+            client.stream()
+
+    try:
+        asyncio.run(run())
+        client = SamplerClient(target, timeout=10)
+        client.close()
+        for after_close in (lambda: client.sample(logits), client.stream):
+            with pytest.raises(TokenSamplerError) as raised:
+                after_close()
+            assert raised.value.code == grpc.StatusCode.CANCELLED
+    finally:
+        server.stop(0)
+
+
 @pytest.mark.parametrize("build, name", [
     (lambda: build_topk_request(torch.zeros(1, 4), k=-1), "k"),
     (lambda: build_topk_request(torch.zeros(1, 4), k=2, temperature="1"), "temperature"),

@@ -100,8 +100,14 @@ class Attempts:
         return getattr(stub, call.rpc)(request, timeout=self._state.remaining(), metadata=self._metadata)
 
     def closed(self) -> TokenSamplerError:
-        """The error of this call when its client was closed while it was in flight."""
+        """The error of this call when its client is closed, before or while it was in flight."""
         return TokenSamplerError(grpc.StatusCode.CANCELLED, "the client was closed during the call", self._request_id)
+
+    def check_open(self, client_closed: bool) -> None:
+        """Raises closed() for a call made on a closed client (grpc's own error there is a bare ValueError or
+        UsageError)."""
+        if client_closed:
+            raise TokenSamplerError(grpc.StatusCode.CANCELLED, "the client is closed", self._request_id)
 
     def retry_delay(self, err: grpc.RpcError, client_closed: bool = False) -> float:
         """The wait before retrying after `err` (see _retry.py); `err` raised as TokenSamplerError when it ends the
@@ -163,6 +169,9 @@ class ClientCore:
         return Attempts(call, self._policy, self._auth_token)
 
     def _stream_metadata(self, request_id: str | None) -> Metadata:
+        """A new stream's metadata; CANCELLED (TokenSamplerError) on a closed client."""
+        if self._closed:
+            raise TokenSamplerError(grpc.StatusCode.CANCELLED, "the client is closed", request_id)
         return call_metadata(request_id or new_request_id(), self._auth_token)
 
 

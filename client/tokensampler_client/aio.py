@@ -13,7 +13,7 @@ from ._proto import sampler_pb2 as pb
 from .params import SampleOptions
 from .regions import CudaRegion, RegionView, SharedMemoryRegion
 from .result import SampleResult
-from .stream import AsyncSampleStream
+from .stream import AsyncSampleStream, cancelled_by_caller
 from .weights import DEFAULT_CHUNK_BYTES, HeadOptions, Progress
 from .workloads import DiffusionStepResult, ScoreTokensResult, TopKProbsResult, VerifyDraftResult
 
@@ -35,14 +35,14 @@ class AsyncSamplerClient(ClientCore):
     async def _run(self, call: Call[T]) -> T:
         """Sends `call` and decodes its answer, retrying UNAVAILABLE and overload with backoff within the deadline."""
         with self._attempts(call) as attempt:
+            attempt.check_open(self._closed)
             while True:
                 try:
                     return call.decode(await attempt.send(self._stub))
                 except grpc.RpcError as err:
                     delay = attempt.retry_delay(err, self._closed)
                 except asyncio.CancelledError:  # grpc.aio cancels the calls of a closed channel this way
-                    task = asyncio.current_task()
-                    if self._closed and not (task is not None and getattr(task, "cancelling", lambda: 0)()):
+                    if self._closed and not cancelled_by_caller():
                         raise attempt.closed() from None
                     raise
                 await asyncio.sleep(delay)

@@ -53,6 +53,7 @@ class SamplerClient(ClientCore):
     def _run(self, call: Call[T]) -> T:
         """Sends `call` and decodes its answer, retrying UNAVAILABLE and overload with backoff within the deadline."""
         with self._attempts(call) as attempt:
+            attempt.check_open(self._closed)
             while True:
                 try:
                     return call.decode(attempt.send(self._stub))

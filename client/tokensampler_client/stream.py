@@ -23,6 +23,13 @@ _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 _END = object()
 
 
+def cancelled_by_caller() -> bool:
+    """Whether the running task is being cancelled (asyncio.wait_for's timeout, task.cancel()), as opposed to a
+    grpc.aio call ended under it (a closed channel), which raises the same CancelledError."""
+    task = asyncio.current_task()
+    return task is not None and getattr(task, "cancelling", lambda: 0)() > 0  # Python 3.10 has no cancelling()
+
+
 def result_or_error(message: pb.SampleStreamResponse) -> SampleResult:
     """The result of one stream message, or its error raised as TokenSamplerError."""
     if message.WhichOneof("result") == "error":
@@ -85,7 +92,9 @@ class SampleStream:
 
 
 class AsyncSampleStream:
-    """An asyncio SampleStream call; use `AsyncSamplerClient.stream()` to open one."""
+    """An asyncio SampleStream call; use `AsyncSamplerClient.stream()` to open one. Cancelling a receive() (its
+    task, or asyncio.wait_for's timeout) cancels the whole call, as grpc.aio does: later calls of the stream raise
+    TokenSamplerError CANCELLED, as they do once its client is closed."""
 
     def __init__(self, method: Any, metadata: tuple[tuple[str, str], ...], timeout: float | None) -> None:
         self._call = method(metadata=metadata, timeout=timeout)
@@ -100,6 +109,10 @@ class AsyncSampleStream:
             raise error_from_rpc(err, self._request_id) from err
         except asyncio.InvalidStateError:  # the call has ended (a deadline, the server): its status says why
             raise TokenSamplerError(await self._call.code(), await self._call.details(), self._request_id) from None
+        except asyncio.CancelledError:
+            if cancelled_by_caller():
+                raise
+            raise self._cancelled() from None
         self._outstanding += 1
 
     @property
@@ -114,9 +127,18 @@ class AsyncSampleStream:
             message = await self._call.read()
         except grpc.RpcError as err:
             raise error_from_rpc(err, self._request_id) from err
+        except asyncio.CancelledError:
+            if cancelled_by_caller():
+                raise
+            raise self._cancelled() from None
         if message is grpc.aio.EOF:
             raise TokenSamplerError(grpc.StatusCode.UNAVAILABLE, "the stream ended early")
         return result_or_error(message)
+
+    def _cancelled(self) -> TokenSamplerError:
+        """The error of a call of the stream once grpc.aio has cancelled it under the caller."""
+        return TokenSamplerError(grpc.StatusCode.CANCELLED, "the stream was cancelled: its client was closed, or a "
+                                 "receive() of it was cancelled", self._request_id)
 
     async def sample(self, logits: Any = None, **params: Any) -> SampleResult:
         await self.send(logits, **params)
