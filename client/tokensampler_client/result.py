@@ -58,7 +58,7 @@ class SampleResult(ReadableRepr):
         top_logprob_ids: int64 [B, N], best first (None unless top_logprobs > 0).
         top_logprobs: float32 [B, N], matching top_logprob_ids (None unless top_logprobs > 0).
         valid: bool [B]; False where no finite logit remained after processing.
-        nan_detected: bool [B]; True where the row's logits held NaN or +inf.
+        nan_detected: bool [B]; True where a NaN or +inf logit remained after the masks, bias and penalties.
         timings: the server's queue, compute and total time.
         request_id: the request id the server logged the call under.
     """
