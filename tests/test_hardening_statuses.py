@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import os
 import tracemalloc
 from collections.abc import Iterator
 from multiprocessing import shared_memory
@@ -14,6 +15,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 from tokensampler_client.params import build_sample_request
@@ -21,7 +23,6 @@ from tokensampler_client.tensors import TensorDecodeError, decode_tensor
 from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument, ServiceError
 from tokensampler_server.validation.sample import validate_sample_request
-from tokensampler_server.resources.weights import load_safetensors
 
 from .conftest import RunningServer, serving
 
@@ -220,18 +221,26 @@ def test_weight_paths_the_file_system_refuses_get_a_specific_status(
     (MemoryError(), grpc.StatusCode.RESOURCE_EXHAUSTED),
 ])
 def test_a_weight_file_that_cannot_be_read_gets_the_status_of_why(
-    monkeypatch: pytest.MonkeyPatch, error: BaseException, code: grpc.StatusCode
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, error: BaseException, code: grpc.StatusCode
 ) -> None:
-    """The file changed after it was resolved (or the server ran out of memory): not "not safetensors"."""
-    import safetensors
+    """A read of an open weight file that fails (or a server out of memory): the status of why, not "not
+    safetensors", and no path of the server's in the message."""
+    from tokensampler_server.resources import weight_files
+
+    save_file({"t": torch.zeros(2, 2)}, tmp_path / "head.safetensors")
+    fd = weight_files.open_weights_file(tmp_path, "head.safetensors")
 
     def refuse(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(safetensors, "safe_open", refuse)
-    with pytest.raises(ServiceError) as raised:
-        load_safetensors(Path("head.safetensors"), "t")
+    monkeypatch.setattr(weight_files.os, "pread", refuse)
+    try:
+        with pytest.raises(ServiceError) as raised:
+            weight_files.read_safetensor(fd, "head.safetensors", "t", 1 << 20)
+    finally:
+        os.close(fd)
     assert raised.value.code == code and raised.value.message.startswith(("path:", "tensor:")), raised.value.message
+    assert str(tmp_path) not in raised.value.message
 
 
 # --- weights past WeightsInfo's uint32 sizes -------------------------------------------------------------
@@ -262,7 +271,6 @@ def test_a_weight_wider_than_uint32_is_refused_before_it_is_registered(stub: pb_
 
 def test_an_empty_weight_file_tensor_is_refused(stub: pb_grpc.SamplerStub, weights_dir: Path) -> None:
     """[0, D] used to register, then answer INTERNAL to every Sample through it; [V, 0] registered unusable."""
-    from safetensors.torch import save_file
 
     save_file({"no_rows": torch.zeros(0, 4), "no_columns": torch.zeros(4, 0)}, str(weights_dir / "empty.safetensors"))
     for tensor, words in (("no_rows", "V = 0"), ("no_columns", "D = 0")):

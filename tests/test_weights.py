@@ -15,7 +15,8 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.tensors import encode_tensor
 from tokensampler_server.core.budget import ByteBudget
 from tokensampler_server.core.errors import InvalidArgument, ServiceError
-from tokensampler_server.resources.weights import LogitsFinish, WeightRegistry, check_finish, load_safetensors, resolve_weights_path
+from tokensampler_server.resources.weight_files import MAX_HEADER_BYTES, open_weights_file, read_safetensor
+from tokensampler_server.resources.weights import LogitsFinish, WeightRegistry, check_finish
 from tokensampler_server.resources.refcounted import MAX_NAME_BYTES
 from tokensampler_server.rpc.weights_rpc import read_upload, upload_budget
 
@@ -180,29 +181,116 @@ def test_upload_larger_than_the_limit_is_refused() -> None:
         _read(_chunks(torch.randn(33, 7).half()), max_bytes=100)
 
 
+def _read_file(root: Path | None, relative: str, tensor: str = "lm_head.weight", max_bytes: int = 1 << 20) -> torch.Tensor:
+    fd = open_weights_file(root, relative)
+    try:
+        return read_safetensor(fd, relative, tensor, max_bytes)
+    finally:
+        os.close(fd)
+
+
 def test_weights_dir_confinement(tmp_path: Path) -> None:
+    """Paths leaving the directory or going through a link anywhere are refused, and so is whatever is not a
+    regular file (a FIFO is refused at once: opening it must not wait for a writer)."""
     root = tmp_path / "weights"
     (root / "sub").mkdir(parents=True)
     save_file({"lm_head.weight": torch.randn(5, 3)}, root / "sub" / "head.safetensors")
     (tmp_path / "outside.safetensors").write_bytes(b"")
     os.symlink(tmp_path / "outside.safetensors", root / "link.safetensors")
-    assert resolve_weights_path(root, "sub/head.safetensors").name == "head.safetensors"
-    assert load_safetensors(root / "sub" / "head.safetensors", "lm_head.weight").shape == (5, 3)
+    os.symlink(root / "sub", root / "linked-dir")
+    os.mkfifo(root / "pipe.safetensors")
+    assert _read_file(root, "sub/head.safetensors").shape == (5, 3)
     for path, code in [
         ("../outside.safetensors", grpc.StatusCode.PERMISSION_DENIED),
         (str(tmp_path / "outside.safetensors"), grpc.StatusCode.PERMISSION_DENIED),
         ("link.safetensors", grpc.StatusCode.PERMISSION_DENIED),
+        ("linked-dir/head.safetensors", grpc.StatusCode.PERMISSION_DENIED),
         ("missing.safetensors", grpc.StatusCode.NOT_FOUND),
+        ("sub", grpc.StatusCode.NOT_FOUND),
+        ("pipe.safetensors", grpc.StatusCode.NOT_FOUND),
+        ("sub/head.safetensors/x", grpc.StatusCode.NOT_FOUND),
     ]:
         with pytest.raises(ServiceError) as raised:
-            resolve_weights_path(root, path)
+            open_weights_file(root, path)
         assert raised.value.code == code, path
+        assert str(tmp_path) not in raised.value.message or path.startswith(str(tmp_path)), raised.value.message
     with pytest.raises(ServiceError) as raised:
-        resolve_weights_path(None, "sub/head.safetensors")
+        open_weights_file(None, "sub/head.safetensors")
     assert raised.value.code == grpc.StatusCode.FAILED_PRECONDITION
     with pytest.raises(ServiceError) as raised:
-        load_safetensors(root / "sub" / "head.safetensors", "missing")
-    assert raised.value.code == grpc.StatusCode.NOT_FOUND
+        _read_file(root, "sub/head.safetensors", "missing")
+    assert raised.value.code == grpc.StatusCode.NOT_FOUND and "lm_head.weight" in raised.value.message
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_file_tensor_is_read_exactly(tmp_path: Path, dtype: torch.dtype) -> None:
+    """The header is parsed here (the safetensors library opens by name and maps): the tensor read is the one
+    saved, bit for bit, among others of other shapes and dtypes."""
+    want = torch.randn(7, 5).to(dtype)
+    save_file({"a": torch.arange(6, dtype=torch.int64), "lm_head.weight": want, "z": torch.ones(3, dtype=torch.float16)},
+              tmp_path / "m.safetensors", metadata={"format": "pt"})
+    got = _read_file(tmp_path, "m.safetensors")
+    assert got.dtype == dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    with pytest.raises(InvalidArgument, match="expected a \\[V, D\\] float tensor"):
+        _read_file(tmp_path, "m.safetensors", "a")
+    with pytest.raises(InvalidArgument, match="larger than 60 bytes"):
+        _read_file(tmp_path, "m.safetensors", max_bytes=60)
+
+
+def test_a_file_swapped_for_a_link_after_it_is_opened_is_read_as_opened(tmp_path: Path) -> None:
+    """Every read goes through the descriptor opened without following links: a name swapped for a link to a file
+    outside the directory in between (an atomic rename) is not followed."""
+    root, inside, outside = tmp_path / "weights", torch.zeros(4, 2), torch.ones(4, 2)
+    root.mkdir()
+    save_file({"lm_head.weight": inside}, root / "m.safetensors")
+    save_file({"lm_head.weight": outside}, tmp_path / "secret.safetensors")
+    fd = open_weights_file(root, "m.safetensors")
+    try:
+        os.symlink(tmp_path / "secret.safetensors", root / "swap")
+        os.replace(root / "swap", root / "m.safetensors")
+        assert torch.equal(read_safetensor(fd, "m.safetensors", "lm_head.weight", 1 << 20), inside)
+    finally:
+        os.close(fd)
+    with pytest.raises(ServiceError) as raised:
+        open_weights_file(root, "m.safetensors")
+    assert raised.value.code == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_a_file_cut_short_while_it_is_read_is_refused_and_faults_nothing(tmp_path: Path, monkeypatch) -> None:
+    """A file truncated under the read: the read comes up short (FAILED_PRECONDITION), where a mapped file would
+    fault the process (SIGBUS)."""
+    from tokensampler_server.resources import weight_files
+
+    save_file({"lm_head.weight": torch.randn(64, 64)}, tmp_path / "m.safetensors")
+    real = os.preadv
+
+    def truncating(fd, buffers, offset):
+        os.truncate(tmp_path / "m.safetensors", offset)  # the file ends where the data begins
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(weight_files.os, "preadv", truncating)
+    with pytest.raises(ServiceError) as raised:
+        _read_file(tmp_path, "m.safetensors")
+    assert raised.value.code == grpc.StatusCode.FAILED_PRECONDITION and "changed" in raised.value.message
+
+
+@pytest.mark.parametrize("header, words", [
+    (MAX_HEADER_BYTES + 1, "a header of"),  # refused before it is read
+    (b"[1, 2]", "not an object"),
+    (b"\xff\xfe", "not JSON"),
+    (b'{"lm_head.weight": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 8]}}', "data takes 8 bytes"),
+    (b'{"lm_head.weight": {"dtype": "F32", "shape": [2], "data_offsets": [0, 800]}}', "data takes 800 bytes"),
+    (b'{"lm_head.weight": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}', "malformed entry"),
+    (b'{"lm_head.weight": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}', "ends past the file"),
+])
+def test_malformed_safetensors_headers_are_refused_by_field(tmp_path: Path, header, words: str) -> None:
+    if isinstance(header, int):
+        (tmp_path / "m.safetensors").write_bytes(header.to_bytes(8, "little") + b"{}")
+    else:
+        (tmp_path / "m.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(InvalidArgument) as raised:
+        _read_file(tmp_path, "m.safetensors")
+    assert raised.value.field == "path" and words in raised.value.message, raised.value.message
 
 
 def test_unregister_waits_for_requests_in_flight() -> None:

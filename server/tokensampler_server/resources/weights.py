@@ -8,19 +8,15 @@ the region stays registered while the weight does, and a request fails cleanly o
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import math
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from pathlib import Path
 
-import grpc
 import torch
 
-from tokensampler_server.core.errors import InvalidArgument, ServiceError
+from tokensampler_server.core.errors import InvalidArgument
 from tokensampler_server.resources.refcounted import RefCountedRegistry
 from tokensampler_server.resources.regions import Region
 from tokensampler_server.core.request_context import raise_if_abandoned
@@ -174,73 +170,6 @@ def check_finish(
         soft_cap=soft_cap,
         logit_scale=1.0 if logit_scale is None else logit_scale,
     )
-
-
-def _file_error(err: OSError, relative: str) -> ServiceError:
-    """The status of a file-system error on the weight file `relative` (what the server may say of it)."""
-    if err.errno == errno.ENAMETOOLONG:
-        return InvalidArgument("path", f"got a path of {len(relative)} characters that the file system finds too long, "
-                                       "expected shorter names")
-    if err.errno in (errno.EACCES, errno.EPERM):
-        return ServiceError(f"path: the server may not read {relative!r}", grpc.StatusCode.PERMISSION_DENIED)
-    if err.errno in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENODEV):
-        return ServiceError(f"path: {relative!r} is not a file inside --weights-dir", grpc.StatusCode.NOT_FOUND)
-    return ServiceError(f"path: the server could not read {relative!r}: {os.strerror(err.errno or 0)}",
-                        grpc.StatusCode.FAILED_PRECONDITION)
-
-
-def resolve_weights_path(weights_dir: Path | None, relative: str) -> Path:
-    """The file `relative` inside weights_dir; PERMISSION_DENIED outside it, for links and for "..".
-
-    FAILED_PRECONDITION when the server has no --weights-dir.
-    """
-    if weights_dir is None:
-        raise ServiceError("path: loading weights from server files is off (start the server with --weights-dir)",
-                           grpc.StatusCode.FAILED_PRECONDITION)
-    if "\0" in relative:
-        raise InvalidArgument("path", f"got {relative!r}, expected a path without NUL characters")
-    parts = Path(relative).parts
-    if not relative or Path(relative).is_absolute() or ".." in parts:
-        raise ServiceError(f"path: got {relative!r}, expected a relative path inside --weights-dir without '..'",
-                           grpc.StatusCode.PERMISSION_DENIED)
-    try:
-        root = weights_dir.resolve()
-        candidate = root
-        for part in parts:
-            candidate = candidate / part
-            if candidate.is_symlink():
-                raise ServiceError(f"path: {relative!r} goes through a symbolic link, which is refused",
-                                   grpc.StatusCode.PERMISSION_DENIED)
-        if not candidate.is_file():
-            raise ServiceError(f"path: {relative!r} is not a file inside --weights-dir", grpc.StatusCode.NOT_FOUND)
-        if root not in candidate.resolve().parents:
-            raise ServiceError(f"path: {relative!r} is outside --weights-dir", grpc.StatusCode.PERMISSION_DENIED)
-    except OSError as err:  # a name too long, a directory the server may not list, ...
-        raise _file_error(err, relative) from None
-    return candidate
-
-
-def load_safetensors(path: Path, tensor: str) -> torch.Tensor:
-    """One tensor of a safetensors file (the format holds no code: safe to read)."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(os.fspath(path), framework="pt") as handle:
-            if tensor not in handle.keys():
-                raise ServiceError(f"tensor: {tensor!r} is not in {path.name} (it has {sorted(handle.keys())[:8]})",
-                                   grpc.StatusCode.NOT_FOUND)
-            return handle.get_tensor(tensor)
-    except ServiceError:
-        raise
-    except MemoryError:
-        raise ServiceError(f"tensor: the server has no memory for {tensor!r} of {path.name}",
-                           grpc.StatusCode.RESOURCE_EXHAUSTED) from None
-    except OSError as err:  # gone, or no longer readable, since it was resolved
-        if err.errno is not None:
-            raise _file_error(err, path.name) from None
-        raise InvalidArgument("path", f"could not read {path.name} as safetensors: {err}") from None
-    except Exception as err:  # a corrupt or foreign file
-        raise InvalidArgument("path", f"could not read {path.name} as safetensors: {err}") from None
 
 
 class WeightRegistry:

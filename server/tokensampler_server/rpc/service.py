@@ -7,6 +7,7 @@ sampling in the batcher and the backends, the torch references of the other work
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator
 import math
@@ -24,7 +25,6 @@ from tokensampler_server.backends import Backend
 from tokensampler_server.batching.batcher import DynamicBatcher, host_bytes
 from tokensampler_server.rpc.call_record import current_call
 from tokensampler_server.rpc.colocated import ColocatedLoops
-from tokensampler_server.core.budget import ByteBudget
 from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument
 from tokensampler_server.resources.leases import Lease
@@ -36,7 +36,8 @@ from tokensampler_server.rpc.native_path import NativePath
 from tokensampler_server.rpc.sample_rpc import SampleRpc
 from tokensampler_server.validation.sample import LOGITS_DTYPES
 from tokensampler_server.validation.workloads import validate_diffusion_request, validate_score_request, validate_topk_request, validate_verify_request
-from tokensampler_server.resources.weights import WEIGHT_DTYPES, RegisteredWeight, WeightRegistry, load_safetensors, resolve_weights_path, sha256_hex
+from tokensampler_server.resources.weight_files import open_weights_file, read_safetensor
+from tokensampler_server.resources.weights import RegisteredWeight, WeightRegistry, sha256_hex
 from tokensampler_server.rpc.weights_rpc import (WIRE_DTYPES, finish_from_options, read_upload, upload_budget,
                                                   weights_info)
 
@@ -238,22 +239,24 @@ class SamplerService(pb_grpc.SamplerServicer):
     async def RegisterWeightsFromFile(
         self, request: pb.RegisterWeightsFromFileRequest, context: grpc.aio.ServicerContext
     ) -> pb.WeightsInfo:
-        path = resolve_weights_path(self._weights_dir, request.path)
-        self._registry.check_free(request.name)  # a taken name is refused before the file is read
-        return weights_info(await asyncio.to_thread(self._register_file, request, path))
+        fd = open_weights_file(self._weights_dir, request.path)  # every later read goes through it (weight_files.py)
+        try:
+            self._registry.check_free(request.name)  # a taken name is refused before the file is read
+        except BaseException:
+            os.close(fd)
+            raise
+        return weights_info(await asyncio.to_thread(self._register_file, request, fd))
 
-    def _register_file(self, request: pb.RegisterWeightsFromFileRequest, path: Path) -> RegisteredWeight:
-        """Reads, checks, hashes and registers a file's tensor: seconds a GiB, on a thread."""
-        weight = load_safetensors(path, request.tensor)
-        if weight.dim() != 2 or weight.dtype not in WEIGHT_DTYPES:
+    def _register_file(self, request: pb.RegisterWeightsFromFileRequest, fd: int) -> RegisteredWeight:
+        """Reads, checks, hashes and registers a file's tensor: seconds a GiB, on a thread, which closes `fd` (a call
+        cancelled meanwhile leaves the read running)."""
+        try:
+            weight = read_safetensor(fd, request.path, request.tensor, self._limits.max_weight_bytes)
+        finally:
+            os.close(fd)
+        if weight.dim() != 2:
             raise InvalidArgument("tensor", f"{request.tensor!r} is {weight.dtype} {list(weight.shape)}, expected a [V, D] float tensor")
-        if weight.numel() * weight.element_size() > self._limits.max_weight_bytes:
-            raise InvalidArgument("tensor", f"{request.tensor!r} is larger than {self._limits.max_weight_bytes} bytes")
         finish = finish_from_options(request.options, int(weight.shape[0]))
-        if self._registry.device.type == "cpu":  # else registering copies it to the GPU
-            # The file's pages (safetensors maps it) may change or go once registered: a file rewritten or
-            # truncated in place would change the head or fault the server.
-            weight = weight.clone()
         return self._registry.register(request.name, weight, finish, sha256_hex(weight))
 
     async def RegisterWeightsFromRegion(
