@@ -279,6 +279,35 @@ def test_a_key_that_does_not_match_the_certificate_stops_the_server(pki: Pki) ->
     assert "mismatch" in result.stderr.lower()
 
 
+def test_an_encrypted_key_stops_the_server_saying_so_without_a_prompt(pki: Pki, tmp_path: Path) -> None:
+    """OpenSSL asks for an encrypted key's passphrase on the terminal (and the server waited there): the server
+    refuses the key at once, saying it is encrypted."""
+    key = serialization.load_pem_private_key(pki.server_key.read_bytes(), password=None)
+    encrypted = tmp_path / "encrypted.key"
+    encrypted.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                            serialization.BestAvailableEncryption(b"passphrase")))
+    result = subprocess.run([sys.executable, "-m", "tokensampler_server", "--tls-cert", str(pki.server_cert),
+                             "--tls-key", str(encrypted), "--port", "0", "--no-metrics"],
+                            capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "--tls-key" in result.stderr and "encrypted" in result.stderr and "pass phrase" not in result.stderr.lower()
+
+
+def test_a_port_in_use_stops_the_server_with_one_line() -> None:
+    """grpc raises for an address in use: a one-line error naming the flags and exit status 2, as for every other
+    setting the server cannot start with."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "tokensampler_server", "--host", "127.0.0.1", "--port", str(port),
+                                 "--no-metrics", "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "--host/--port" in result.stderr and str(port) in result.stderr
+
+
 def test_failover_targets() -> None:
     assert channel_target("localhost:1") == "localhost:1"
     assert channel_target(["127.0.0.1:1", "127.0.0.2:2"]) == "ipv4:127.0.0.1:1,127.0.0.2:2"

@@ -94,6 +94,19 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     return options
 
 
+def _listen(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None, flags: str) -> int:
+    """The port bound at `address`; a StartupError naming `flags` when it cannot be (grpc raises for an address in
+    use, or returns 0, depending on its version)."""
+    try:
+        port = (server.add_secure_port(address, credentials) if credentials is not None
+                else server.add_insecure_port(address))
+    except RuntimeError as err:
+        raise StartupError(f"{flags}: cannot listen on {address} ({err})") from None
+    if port == 0:
+        raise StartupError(f"{flags}: cannot listen on {address} (in use, or not an address of this machine)")
+    return port
+
+
 def grpc_call_backstop(config: ServerConfig) -> int | None:
     """grpc's own cap on calls (None: none), a backstop far above admission's caps (admission.py), which count
     only the calls they admit, from their handler's start. grpc counts every call from its arrival: also health
@@ -191,18 +204,12 @@ async def serve(config: ServerConfig) -> None:
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)),
             registration)
-    address = f"{config.host}:{config.port}"
-    if credentials is not None:
-        port = server.add_secure_port(address, credentials)
-    else:
-        port = server.add_insecure_port(address)
-    if port == 0:
-        raise RuntimeError(f"could not listen on {config.host}:{config.port}")
+    port = _listen(server, f"{config.host}:{config.port}", credentials, "--host/--port")
     if config.port_file is not None:
         _write_port_file(config.port_file, port)
     # The socket file's permissions guard it; bearer tokens still apply there.
-    if config.uds is not None and server.add_insecure_port(f"unix:{config.uds}") == 0:
-        raise RuntimeError(f"could not listen on unix:{config.uds}")
+    if config.uds is not None:
+        _listen(server, f"unix:{config.uds}", None, "--uds")
     metrics_http = None
     if config.metrics_port is not None:  # before the serving line: whoever waits for it finds the metrics port too
         metrics_http = start_metrics_http(metrics, config.host, config.metrics_port,
