@@ -184,7 +184,7 @@ def _request(logits=None, ids=None, **params) -> pb.ScoreTokensRequest:
     (_request(top_p=0.0), "top_p", "0 < p <= 1"),
     (pb.ScoreTokensRequest(logits=_request().logits, token_ids=_request().token_ids, temperature=[1.0, 2.0, 3.0]),
      "temperature", "B=2"),
-    (_request(top_logprobs=41), "top_logprobs", "min(V, 20) = 20"),
+    (_request(top_logprobs=21), "top_logprobs", "at most 20"),
     (pb.ScoreTokensRequest(logits=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[2, 40], data=bytes(320)),
                            token_ids=_request().token_ids), "logits.shape", "3 sizes"),
     (pb.ScoreTokensRequest(), "input", "expected logits, or hidden"),
@@ -193,6 +193,16 @@ def test_validation_names_the_field(request_, field: str, expected: str) -> None
     with pytest.raises(InvalidArgument) as err:
         validate_score_request(request_, Limits(max_top_logprobs=20))
     assert err.value.field == field and expected in err.value.message
+
+
+def test_top_logprobs_past_v_list_the_whole_vocabulary_as_sample_does() -> None:
+    """N = 5 over V = 4: the min(N, V) best (step 11), as Sample returns them, not a refusal."""
+    logits = torch.tensor([[[0.5, 2.0, -1.0, 2.0]]])
+    _, source, scoring = validate_score_request(_request(logits=logits, ids=torch.zeros(1, 1, dtype=torch.int64),
+                                                         top_logprobs=5), Limits())
+    scores = score_tokens(source, scoring, CPU)
+    assert scores.top_ids.tolist() == [[1, 3, 0, 2]]
+    torch.testing.assert_close(scores.top_values, torch.log_softmax(logits[0], dim=1)[:, [1, 3, 0, 2]])
 
 
 def test_positions_are_bounded_by_the_row_limit() -> None:

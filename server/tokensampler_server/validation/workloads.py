@@ -211,15 +211,14 @@ def validate_score_request(
     _check(flat, (flat >= 0) & (flat < vocab), "token_ids", f"token ids in [0, V={vocab})")
     if request.mode not in (pb.LOGPROBS_MODE_UNSPECIFIED, pb.LOGPROBS_MODE_RAW, pb.LOGPROBS_MODE_PROCESSED):
         raise InvalidArgument("mode", f"got {request.mode}, expected RAW or PROCESSED")
-    most = min(vocab, limits.max_top_logprobs)
-    if request.top_logprobs > most:
-        raise InvalidArgument("top_logprobs", f"got {request.top_logprobs}, expected at most min(V, "
-                                              f"{limits.max_top_logprobs}) = {most}")
+    if request.top_logprobs > limits.max_top_logprobs:
+        raise InvalidArgument("top_logprobs", f"got {request.top_logprobs}, expected at most {limits.max_top_logprobs}")
+    top_logprobs = min(request.top_logprobs, vocab)  # the min(N, V) best, as Sample returns (step 11)
     columns = filter_columns(request, num_rows, vocab, prefix="")
     temperature, top_k, top_p, min_p = (column.repeat_interleave(length) for column in columns)
     tensor = logits.tensor.reshape(num_rows * length, -1)
     source = LogitSource(logits=tensor) if logits.lm_head is None else LogitSource(hidden=tensor, lm_head=logits.lm_head)
     scoring = TokenScoring(token_ids=ids.reshape(-1), temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                           processed=request.mode == pb.LOGPROBS_MODE_PROCESSED, top_logprobs=request.top_logprobs,
+                           processed=request.mode == pb.LOGPROBS_MODE_PROCESSED, top_logprobs=top_logprobs,
                            entropy=request.return_entropy)
     return logits, source, scoring
