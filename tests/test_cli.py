@@ -88,8 +88,12 @@ def test_json_writes_non_finite_numbers_as_strings(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--timeout", "0", "health"], "expected a number of seconds > 0"),
+    (["--timeout", "0", "health"], "expected a finite number of seconds > 0"),
+    (["--timeout", "inf", "health"], "expected a finite number of seconds > 0"),
+    (["--timeout", "abc", "health"], "invalid seconds value"),
     (["--auth-token-file", "/nonexistent/token", "health"], "--auth-token-file: cannot read"),
+    (["sample", "--random-logits", "1x8", "--seed", "x1"], "invalid seed value"),
+    (["sample", "--random-logits", "1x8", "--logits-seed", str(2**64)], "--logits-seed"),
 ])
 def test_bad_flag_values_are_usage_errors(argv: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
@@ -109,6 +113,22 @@ def test_a_file_a_flag_names_that_cannot_be_used_is_one_line_and_status_2(
     assert exited.value.code == 2 and "is empty" in capsys.readouterr().err
     monkeypatch.undo()  # the real client: it checks the mask before any call (none is made: no server there)
     np.save(tmp_path / "mask.npy", np.zeros((3, 1), dtype=np.int32))  # 3 rows for 2
+    binary = tmp_path / "binary-token"
+    binary.write_bytes(b"\xff\xfe\x00token")
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--auth-token-file", str(binary), "health"])
+    assert exited.value.code == 2 and "not UTF-8" in capsys.readouterr().err
+    (tmp_path / "text.npy").write_text("not an array\n")
+    np.save(tmp_path / "int64.npy", np.zeros((2, 1), dtype=np.int64))
+    for mask, words in ((tmp_path / "text.npy", "not a .npy array file"), (tmp_path / "int64.npy", "expected int32")):
+        argv = ["--target", "127.0.0.1:1", "sample", "--random-logits", "2x8", "--token-bitmask", str(mask)]
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"--token-bitmask: {mask}" in err and words in err and "pickle" not in err, err
+    argv = ["--target", "127.0.0.1:1", "sample", "--random-logits", "100000000x100000000"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--random-logits" in err and len(err.strip().splitlines()) == 1, err
     for mask in (tmp_path / "absent.npy", tmp_path / "mask.npy"):
         argv = ["--target", "127.0.0.1:1", "sample", "--random-logits", "2x8", "--token-bitmask", str(mask)]
         assert cli.main(argv) == 2

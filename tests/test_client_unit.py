@@ -503,3 +503,16 @@ def test_workload_and_weight_arguments_are_named_in_their_errors(build, name: st
     with pytest.raises((TypeError, ValueError)) as raised:
         build()
     assert str(raised.value).startswith(f"{name}:"), raised.value
+
+
+def test_deadlines_too_far_off_for_grpc_are_sent_as_none() -> None:
+    """grpc turns a timeout past ~1e10 s (inf included) into a deadline already passed: every call failed
+    DEADLINE_EXCEEDED at once. Such deadlines go as none; NaN and non-positive ones are refused."""
+    policy = CallPolicy(timeout=float("inf"))
+    assert policy.start().remaining() is None and policy.start(timeout=1e10).remaining() is None
+    assert 4.0 < policy.start(timeout=5.0).remaining() <= 5.0
+    for bad in (float("nan"), 0.0, -1.0):
+        with pytest.raises(ValueError, match="timeout"):
+            CallPolicy(timeout=bad)
+        with pytest.raises(ValueError, match="timeout"):
+            policy.start(timeout=bad)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import grpc
 
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+LONGEST_TIMEOUT_S = 1e8
+"""Deadlines further off (about three years; inf included) are sent as none."""
 RETRYABLE_METADATA_KEY = "x-retryable"
 """Set by the server on failures that a later retry can get past (RESOURCE_EXHAUSTED: queue full)."""
 
@@ -81,8 +83,9 @@ class RetryState:
         self.retries_done = 0
 
     def remaining(self) -> float | None:
-        """Seconds left until the call's deadline (the per-attempt gRPC timeout), None without one."""
-        if self._deadline is None:
+        """Seconds left until the call's deadline (the per-attempt gRPC timeout), None without one (or one too far
+        off for grpc, which turns a timeout past ~1e10 s into a deadline already passed)."""
+        if self._deadline is None or self._deadline - self._clock() > LONGEST_TIMEOUT_S:
             return None
         return max(0.0, self._deadline - self._clock())
 
@@ -115,9 +118,15 @@ class CallPolicy:
     def __post_init__(self) -> None:
         if self.retries < 0:
             raise ValueError(f"retries: expected >= 0, got {self.retries}")
-        if self.timeout is not None and self.timeout <= 0:
-            raise ValueError(f"timeout: expected a positive number of seconds or None, got {self.timeout}")
+        check_timeout(self.timeout)
 
     def start(self, timeout: float | None = None) -> RetryState:
         """The retry state of a new call; `timeout` overrides the client's default deadline."""
+        check_timeout(timeout)
         return RetryState(self.retries, self.backoff, self.timeout if timeout is None else timeout)
+
+
+def check_timeout(timeout: float | None) -> None:
+    """ValueError unless `timeout` is None or a number of seconds > 0 (inf: no deadline)."""
+    if timeout is not None and not timeout > 0:  # NaN too
+        raise ValueError(f"timeout: expected a positive number of seconds or None, got {timeout}")

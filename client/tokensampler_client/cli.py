@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from google.protobuf import json_format
@@ -66,10 +68,16 @@ _positive = _int_at_least(1)
 
 
 def _seed(text: str) -> int:
-    value = int(text, 0)
+    try:
+        value = int(text, 0)
+    except ValueError:
+        value = int(text, 10)  # decimal with leading zeros ("007"), which base 0 refuses
     if not 0 <= value < 2**64:
         raise argparse.ArgumentTypeError(f"expected a uint64 seed, 0 <= seed < 2**64, got {text}")
     return value
+
+
+_seed.__name__ = "seed"  # argparse names the type in its message for text that is no integer
 
 
 def _ids(text: str) -> list[int]:
@@ -143,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
                       "Sample tokens from random logits and print them.")
     sample.add_argument("--random-logits", type=_shape, required=True, metavar="BxV", help="batch of B rows of V standard-normal logits, e.g. 4x32000")
     sample.add_argument("--dtype", choices=DTYPES, default="float32", help="logits dtype on the wire (default: %(default)s)")
-    sample.add_argument("--logits-seed", type=int, default=0, help="seed of the random logits, so that runs are repeatable (default: %(default)s)")
+    sample.add_argument("--logits-seed", type=_seed, default=0, help="seed of the random logits, so that runs are repeatable (default: %(default)s)")
     sample.add_argument("--temperature", type=float, help="T >= 0; 0 is greedy (server default 1)")
     sample.add_argument("--top-k", type=int, help="keep the k most likely tokens; 0 or -1 disables")
     sample.add_argument("--top-p", type=float, help="nucleus sampling, 0 < p <= 1; 1 disables")
@@ -169,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     score.add_argument("--random-logits", type=_shape3, required=True, metavar="BxTxV",
                        help="B rows of T positions of V standard-normal logits, e.g. 2x16x32000; the token ids are "
                             "uniform in [0, V)")
-    score.add_argument("--logits-seed", type=int, default=0, help="seed of the random logits and ids (default: %(default)s)")
+    score.add_argument("--logits-seed", type=_seed, default=0, help="seed of the random logits and ids (default: %(default)s)")
     score.add_argument("--mode", choices=("raw", "processed"), default="raw",
                        help="raw: log_softmax of the logits; processed: after temperature and filters (default: %(default)s)")
     score.add_argument("--temperature", type=float, help="T >= 0 (processed; server default 1)")
@@ -193,9 +201,34 @@ def _parser() -> argparse.ArgumentParser:
 
 def _positive_seconds(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"got {text}, expected a number of seconds > 0")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"got {text}, expected a finite number of seconds > 0")
     return value
+
+
+_positive_seconds.__name__ = "seconds"
+
+
+def _random_logits(torch: Any, shape: tuple[int, ...], generator: Any) -> Any:
+    """Standard-normal logits of `shape` drawn from `generator`; ValueError (status 2) when this machine cannot
+    hold them."""
+    try:
+        return torch.randn(*shape, generator=generator)
+    except (RuntimeError, MemoryError):
+        size = "x".join(map(str, shape))
+        raise ValueError(f"--random-logits: {size} float32 logits take {4 * math.prod(shape)} bytes, more than "
+                         "this machine can allocate") from None
+
+
+def _token_bitmask(path: Path) -> np.ndarray:
+    """The int32 words of a .npy file (never unpickled)."""
+    try:
+        words = np.load(path, allow_pickle=False)
+    except ValueError:
+        raise ValueError(f"--token-bitmask: {path} is not a .npy array file (np.save's format)") from None
+    if words.dtype != np.int32:
+        raise ValueError(f"--token-bitmask: {path} holds {words.dtype} words, expected int32")
+    return words
 
 
 def _finite(value: object) -> object:
@@ -246,10 +279,9 @@ def _print_result(result: SampleResult) -> None:
 
 
 def _run_sample(client: SamplerClient, args: argparse.Namespace) -> int:
-    rows, vocab = args.random_logits
     torch = require_torch("tokensampler sample (its random logits)")
     generator = torch.Generator().manual_seed(args.logits_seed)
-    logits = torch.randn(rows, vocab, generator=generator).to(getattr(torch, args.dtype))
+    logits = _random_logits(torch, args.random_logits, generator).to(getattr(torch, args.dtype))
     result = client.sample(
         logits,
         temperature=args.temperature,
@@ -275,7 +307,7 @@ def _run_sample(client: SamplerClient, args: argparse.Namespace) -> int:
         top_n_sigma=args.top_n_sigma,
         xtc_threshold=args.xtc_threshold,
         xtc_probability=args.xtc_probability,
-        token_bitmask=None if args.token_bitmask is None else np.load(args.token_bitmask, allow_pickle=False),
+        token_bitmask=None if args.token_bitmask is None else _token_bitmask(args.token_bitmask),
     )
     if args.json:
         print(_json(_result_dict(result)))
@@ -288,7 +320,7 @@ def _run_score(client: SamplerClient, args: argparse.Namespace) -> int:
     torch = require_torch("tokensampler score (its random logits)")
     rows, length, vocab = args.random_logits
     generator = torch.Generator().manual_seed(args.logits_seed)
-    logits = torch.randn(rows, length, vocab, generator=generator)
+    logits = _random_logits(torch, args.random_logits, generator)
     token_ids = torch.randint(vocab, (rows, length), generator=generator)
     result = client.score_tokens(logits, token_ids, mode=args.mode, temperature=args.temperature, top_k=args.top_k,
                                  top_p=args.top_p, min_p=args.min_p, top_logprobs=args.top_logprobs,
@@ -347,6 +379,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             token = next(iter(args.auth_token_file.read_text().split()), None)
         except OSError as err:
             parser.error(f"--auth-token-file: cannot read {args.auth_token_file}: {err.strerror}")
+        except UnicodeDecodeError:
+            parser.error(f"--auth-token-file: {args.auth_token_file} is not UTF-8 text, expected a bearer token")
         if token is None:
             parser.error(f"--auth-token-file: {args.auth_token_file} is empty, expected a bearer token")
     try:
