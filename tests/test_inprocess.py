@@ -3,6 +3,7 @@ refusals as ValueError naming the field, hidden states through a head used in pl
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from tokensampler_client import SamplerClient
@@ -123,7 +124,7 @@ def test_scores_from_hidden_states_are_those_of_their_logits(sampler: LocalSampl
     (lambda s: s.score(torch.randn(2, 3, 10), torch.full((2, 3), 10)), "token_ids"),
     (lambda s: s.score(torch.randn(2, 3, 10), torch.zeros(2, 4, dtype=torch.int64)), "token_ids.shape"),
     (lambda s: s.score(torch.randn(2, 3, 10).double(), torch.zeros(2, 3, dtype=torch.int64)), "logits.dtype"),
-    (lambda s: s.score(torch.randn(2, 3, 10), torch.zeros(2, 3, dtype=torch.int64), top_logprobs=11), "top_logprobs"),
+    (lambda s: s.score(torch.randn(2, 3, 10), torch.zeros(2, 3, dtype=torch.int64), top_logprobs=65), "top_logprobs"),
 ])
 def test_score_refusals_name_the_field(sampler: LocalSampler, call, field: str) -> None:
     with pytest.raises(ValueError, match=rf"^{field}\b"):
@@ -197,8 +198,19 @@ def test_a_prepared_call_from_hidden_states_is_that_of_their_logits(sampler: Loc
     (lambda s: s.prepare(ROWS, VOCAB, logprobs_mode="exact"), "logprobs_mode"),
     (lambda s: s.prepare(ROWS), "vocab_size"),
     (lambda s: s.prepare(ROWS, VOCAB)(torch.zeros(ROWS + 1, VOCAB)), "input"),
+    (lambda s: s.prepare(ROWS, VOCAB)(torch.zeros(ROWS, VOCAB, dtype=torch.float64)), "input.dtype"),
+    (lambda s: s.prepare(ROWS, VOCAB)(torch.zeros(ROWS, VOCAB, dtype=torch.int64)), "input.dtype"),
+    (lambda s: s.prepare(True, VOCAB), "batch_size"),
+    (lambda s: s.register_head(np.zeros((VOCAB, 8), np.float32)), "weight"),
+    (lambda s: s.register_head(torch.zeros(VOCAB, 8, dtype=torch.int64)), "weight"),
+    (lambda s: s.register_head(torch.zeros(VOCAB, 8, dtype=torch.float64)), "weight"),
+    (lambda s: s.register_head(torch.zeros(VOCAB, 8), vocab_size=90.0), "head.vocab_size"),
+    (lambda s: s.register_head(torch.zeros(VOCAB, 8), logit_scale="2"), "head.logit_scale"),
+    (lambda s: s.register_head(torch.zeros(VOCAB, 8), soft_cap="30"), "head.soft_cap"),
+    (lambda s: s.register_head(torch.zeros(VOCAB, 8), bias=np.zeros(VOCAB, np.float32)), "head.bias"),
 ])
 def test_prepared_call_refusals_name_the_field(sampler: LocalSampler, call, field: str) -> None:
+    """Prepared calls and heads refuse, by argument, what the service and sample() refuse."""
     with pytest.raises(ValueError, match=field):
         call(sampler)
 

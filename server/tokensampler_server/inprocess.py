@@ -40,10 +40,10 @@ from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument
 from tokensampler_server.model.sampling import SamplingResult
 from tokensampler_server.validation.prepared import validate_prepared_request
-from tokensampler_server.validation.sample import validate_sample_request
+from tokensampler_server.validation.sample import IN_PLACE_DTYPES, validate_sample_request
 from tokensampler_server.validation.workloads import validate_score_request, validate_topk_request
 from tokensampler_server.workloads.cuda import workloads_of
-from tokensampler_server.resources.weights import RegisteredWeight, check_finish, check_weight_shape
+from tokensampler_server.resources.weights import WEIGHT_DTYPES, RegisteredWeight, check_finish, check_weight_shape
 
 __all__ = ["LocalSampler", "PreparedSampler", "capture"]
 
@@ -118,8 +118,19 @@ class LocalSampler:
                       soft_cap: float | None = None, vocab_size: int | None = None) -> RegisteredWeight:
         """An LM head W [V, D] for sample_hidden, used in place when it already lies on the sampler's device:
         x = cap·tanh(((W·h + bias)·scale)/cap), rows from vocab_size on never sampled (docs/semantics.md)."""
+        if not isinstance(weight, torch.Tensor):
+            raise ValueError(f"weight: got {type(weight).__name__}, expected a torch tensor [V, D]")
         if weight.dim() != 2:
             raise ValueError(f"weight: got {weight.dim()} dimensions, expected [V, D]")
+        if weight.dtype not in WEIGHT_DTYPES:  # as the service refuses an upload
+            raise ValueError(f"weight: got {weight.dtype}, expected float32, bfloat16 or float16")
+        if bias is not None and not isinstance(bias, torch.Tensor):
+            raise ValueError(f"head.bias: got {type(bias).__name__}, expected a torch tensor [V] or None")
+        for name, value in (("logit_scale", logit_scale), ("soft_cap", soft_cap)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"head.{name}: got {value!r}, expected a number or None")
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)):
+            raise ValueError(f"head.vocab_size: got {vocab_size!r}, expected an integer or None")
         try:
             check_weight_shape(tuple(weight.shape), "weight")
             finish = check_finish(weight.shape[0], bias, vocab_size, soft_cap, logit_scale, field_prefix="head")
@@ -187,9 +198,10 @@ class LocalSampler:
         if head is not None:
             vocab_size = head.finish.vocab_size
         for name, size in (("batch_size", batch_size), ("vocab_size", vocab_size)):
-            if not (isinstance(size, int) and size >= 1):
+            if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
                 raise ValueError(f"{name}: got {size!r}, expected an integer >= 1"
                                  + (" (the logits' V, or a head)" if name == "vocab_size" else ""))
+        batch_size, vocab_size = int(batch_size), int(vocab_size)
         shape = (batch_size, head.weight.shape[1] if head is not None else vocab_size)
         request = self._request(torch.empty(shape, device="meta"), num_samples, return_logprobs, logprobs_mode,
                                 top_logprobs, params)
@@ -299,6 +311,8 @@ class PreparedSampler:
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != self._shape:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"input: got {got}, expected a tensor of shape {list(self._shape)} as prepared")
+        if x.dtype not in IN_PLACE_DTYPES:  # as sample() refuses them
+            raise ValueError(f"input.dtype: got {x.dtype}, expected float32, bfloat16 or float16")
         return self._prepared.sample(self._head.logits(x) if self._head is not None else x)
 
 
