@@ -85,6 +85,21 @@ def test_penalties_and_min_tokens_read_the_rows_history() -> None:
     assert 1 not in chosen[:2] and chosen[2] == 1
 
 
+def test_reset_starts_a_new_generation_whose_prompt_is_the_last_output() -> None:
+    """A generate() whose prompt is the last one's output looks like its next step; after reset() its tokens are
+    the prompt: min_tokens counts from there (before, the stop token was allowed at once)."""
+    sampler = LocalSampler("cpu")
+    stop = torch.zeros(1, 16)
+    stop[0, 1] = 3.0  # the stop token wins once it is allowed
+    processor = TokenSamplerProcessor(sampler, temperature=0.0, min_tokens=2, stop_token_ids=[1])
+    ids = torch.tensor([[5, 6]])
+    for _ in range(3):  # a first generation: 2 tokens, then the stop token
+        ids = torch.cat([ids, processor(ids, stop.clone()).argmax(dim=1, keepdim=True)], dim=1)
+    assert ids[0, -1] == 1
+    processor.reset()
+    assert int(processor(ids, stop.clone()).argmax()) != 1  # a new generation: no token of its own yet
+
+
 class _Recording:
     """A sampler that answers token 0 and records what each call was given."""
 

@@ -40,7 +40,9 @@ class TokenSamplerProcessor:
     same every step. Set per step: `position` (the row's length so far), and for penalties, no-repeat-n-gram, DRY
     and min_tokens the row's history (`prompt_token_ids`, `output_token_ids`, `num_generated`). A row the sampler
     reports invalid (no finite logit) keeps generate's own choice of its scores. One processor follows one
-    generation at a time; a call whose tokens do not continue the last call's starts a new one.
+    generation at a time; a call whose tokens do not continue the last call's starts a new one. A generate() whose
+    prompt is the last one's output looks like its next step (the same tokens plus the one sampled): call reset()
+    between generate() calls, or give each its own processor.
     """
 
     def __init__(self, sampler: _Sampler, *, pad_token_id: int | None = None, **params: Any) -> None:
@@ -54,6 +56,10 @@ class TokenSamplerProcessor:
         self._history = any(name in params for name in _READ_HISTORY)
         self._last: torch.Tensor | None = None  # the last call's input_ids
         self._prompt_width = 0
+
+    def reset(self) -> None:
+        """The next call starts a new generation: its tokens are the prompt."""
+        self._last = None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         last = self._last
