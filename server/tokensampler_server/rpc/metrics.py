@@ -19,6 +19,7 @@ import re
 import socket
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from socketserver import ThreadingMixIn
@@ -307,13 +308,61 @@ MAX_HTTP_CONNECTIONS = 64
 """Connections served at once; one more is closed at once (Prometheus and probes need a few)."""
 
 
+class _RequestDeadlines:
+    """Cuts the connections whose request has not arrived by its deadline, from one thread for all of them (a timer
+    thread each would double the threads that the connection limit bounds)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._due: dict[socket.socket, float] = {}
+        self._stopped = False
+        threading.Thread(target=self._run, name="metrics-http-deadlines", daemon=True).start()
+
+    def add(self, connection: socket.socket, seconds: float) -> None:
+        with self._changed:
+            self._due[connection] = time.monotonic() + seconds
+            self._changed.notify()
+
+    def discard(self, connection: socket.socket) -> None:
+        with self._changed:
+            self._due.pop(connection, None)
+
+    def stop(self) -> None:
+        with self._changed:
+            self._stopped = True
+            self._changed.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                if self._stopped:
+                    return
+                now = time.monotonic()
+                expired = [connection for connection, due in self._due.items() if due <= now]
+                for connection in expired:
+                    del self._due[connection]
+                if not expired:
+                    self._changed.wait(min(self._due.values(), default=now + 60.0) - now)
+                    continue
+            for connection in expired:
+                try:
+                    connection.shutdown(socket.SHUT_RDWR)  # the handler's blocked read returns: it ends
+                except OSError:
+                    pass  # the connection is already gone
+
+
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True  # a client that never finishes its request does not hold the process at exit
     request_queue_size = 64  # the listen backlog: socketserver's 5 made connections under load wait for SYN retries
 
     def __init__(self, *args: object, **kwargs: object) -> None:
+        self.deadlines = _RequestDeadlines()  # first: a bind that fails calls server_close
         super().__init__(*args, **kwargs)
         self._slots = threading.BoundedSemaphore(MAX_HTTP_CONNECTIONS)
+
+    def server_close(self) -> None:
+        self.deadlines.stop()
+        super().server_close()
 
     def process_request(self, request: socket.socket, client_address: object) -> None:
         if not self._slots.acquire(blocking=False):
@@ -345,24 +394,16 @@ class _QuietHandler(WSGIRequestHandler):
 
     def setup(self) -> None:
         super().setup()
-        self._deadline = threading.Timer(self.request_deadline_s, self._cut)
-        self._deadline.daemon = True
-        self._deadline.start()
-
-    def _cut(self) -> None:
-        try:
-            self.connection.shutdown(socket.SHUT_RDWR)  # the blocked read returns: the handler ends
-        except OSError:
-            pass  # the connection is already gone
+        self.server.deadlines.add(self.connection, self.request_deadline_s)
 
     def parse_request(self) -> bool:
         try:
             return super().parse_request()  # reads the headers
         finally:
-            self._deadline.cancel()
+            self.server.deadlines.discard(self.connection)
 
     def finish(self) -> None:
-        self._deadline.cancel()
+        self.server.deadlines.discard(self.connection)
         super().finish()
 
     def log_message(self, format: str, *args: object) -> None:
