@@ -176,7 +176,7 @@ def build_verify_request(
 @dataclass(repr=False)
 class ScoreTokensResult(ReadableRepr):
     """logprobs float32 [B, T]: each given token's log-prob (NaN where no logit was finite); when asked,
-    top_logprob_ids int64 / top_logprobs float32 [B, T, N] (best first) and entropy float32 [B, T] in nats."""
+    top_logprob_ids int64 / top_logprobs float32 [B, T, min(N, V)] (best first) and entropy float32 [B, T] in nats."""
 
     logprobs: Array
     top_logprob_ids: Array | None
