@@ -27,6 +27,7 @@ def weights_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     save_file({"lm_head.weight": torch.randn(300, 64, generator=torch.Generator().manual_seed(9)).bfloat16()},
               root / "model.safetensors")
     os.symlink(root / "model.safetensors", root / "link.safetensors")
+    os.mkfifo(root / "pipe.safetensors")  # opening it for reading would wait for a writer
     return root
 
 
@@ -194,12 +195,15 @@ def test_a_weight_file_rewritten_after_registration_changes_nothing(client: Samp
         ("/etc/passwd", grpc.StatusCode.PERMISSION_DENIED),
         ("link.safetensors", grpc.StatusCode.PERMISSION_DENIED),
         ("absent.safetensors", grpc.StatusCode.NOT_FOUND),
+        ("pipe.safetensors", grpc.StatusCode.NOT_FOUND),
     ],
 )
 def test_files_outside_weights_dir_are_refused(client: SamplerClient, path: str, code: grpc.StatusCode) -> None:
+    """Refused at once, and the server serves on (a FIFO's open used to freeze the process)."""
     with pytest.raises(TokenSamplerError) as raised:
-        client.register_weights_from_file("bad", path)
+        client.register_weights_from_file("bad", path, timeout=10)
     assert raised.value.code == code
+    assert client.health() == "SERVING"
 
 
 def test_registry_errors(client: SamplerClient) -> None:
