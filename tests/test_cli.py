@@ -120,7 +120,9 @@ def test_a_file_a_flag_names_that_cannot_be_used_is_one_line_and_status_2(
     assert exited.value.code == 2 and "not UTF-8" in capsys.readouterr().err
     (tmp_path / "text.npy").write_text("not an array\n")
     np.save(tmp_path / "int64.npy", np.zeros((2, 1), dtype=np.int64))
-    for mask, words in ((tmp_path / "text.npy", "not a .npy array file"), (tmp_path / "int64.npy", "expected int32")):
+    np.savez(tmp_path / "archive.npz", mask=np.zeros((2, 1), dtype=np.int32))
+    for mask, words in ((tmp_path / "text.npy", "not a .npy array file"), (tmp_path / "int64.npy", "expected int32"),
+                        (tmp_path / "archive.npz", "an archive")):
         argv = ["--target", "127.0.0.1:1", "sample", "--random-logits", "2x8", "--token-bitmask", str(mask)]
         assert cli.main(argv) == 2
         err = capsys.readouterr().err

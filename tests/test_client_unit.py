@@ -516,3 +516,6 @@ def test_deadlines_too_far_off_for_grpc_are_sent_as_none() -> None:
             CallPolicy(timeout=bad)
         with pytest.raises(ValueError, match="timeout"):
             policy.start(timeout=bad)
+        with pytest.raises(ValueError, match="timeout"):
+            SamplerClient("127.0.0.1:1").stream(timeout=bad)  # streams take the same timeouts
+    assert SamplerClient._stream_timeout(float("inf")) is None and SamplerClient._stream_timeout(5.0) == 5.0

@@ -19,6 +19,8 @@ from tokensampler_server.core.errors import ServiceError
 from tokensampler_server.resources import gpu_waits
 from tokensampler_server.rpc.colocated import MAX_STEPS_AHEAD, _Loop
 
+from .polling import wait_until_async
+
 
 class _Step:
     """A queued step's event: synchronize() returns once the test marks the step ready, or the loop is aborted."""
@@ -188,16 +190,45 @@ def test_a_drain_cut_short_leaves_the_flags_pinned() -> None:
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            release.set()
+            released: list[str] = []
+            gpu_waits.when_idle(lambda: released.append("mapping"))  # the GPU may still wait for the engine
+            assert released == []
+            release.set()  # the drain ends after the call did
+            await wait_until_async(lambda: released, "the release held back runs once the drain has ended")
             return loop
 
-    loop = asyncio.run(run())
-    assert not loop.drained
-    released: list[str] = []
-    gpu_waits.when_idle(lambda: released.append("mapping"))  # the GPU may still wait for the engine: held back
-    assert released == [] and gpu_waits.pending() == 1
-    gpu_waits.end(loop)  # what a later drain would say
-    assert released == ["mapping"] and gpu_waits.pending() == 0
+    assert not asyncio.run(run()).drained
+
+
+def test_a_stream_that_drains_late_lets_the_held_back_releases_go_then(monkeypatch) -> None:
+    """A drain past its timeout: the loop's stream is asked again until it has drained, and only then do the
+    releases held back for it run (before, they were held for the server's life)."""
+    from tokensampler_server.rpc import colocated
+
+    monkeypatch.setattr(colocated, "_DRAIN_TIMEOUT_S", 0.05)
+    handoff, engine = _Handoff(), _Announcements()
+    drained = threading.Event()
+    handoff.drain = lambda timeout_s: drained.is_set()
+
+    async def run() -> None:
+        with ThreadPoolExecutor(2) as waiters:
+            loop = _Loop(handoff, _open(), waiters)
+            task, _ = _answering(loop, engine)
+            engine.announce(1)
+            await _settle()
+            engine.break_call()
+            with pytest.raises(ServiceError):
+                await asyncio.wait_for(task, 5)
+            assert not loop.drained
+            released: list[str] = []
+            gpu_waits.when_idle(lambda: released.append("mapping"))
+            await asyncio.sleep(0.2)
+            assert released == []  # asked again meanwhile, not drained
+            drained.set()
+            await wait_until_async(lambda: released, "the release held back runs once the stream has drained")
+
+    asyncio.run(run())
+    assert gpu_waits.pending() == 0
 
 
 def test_gpu_mappings_are_released_only_while_no_step_of_a_loop_is_queued() -> None:
@@ -247,3 +278,28 @@ def test_exclusive_streams_skip_those_of_torchs_pool_still_held(monkeypatch) -> 
         cuda_streams.exclusive_stream(device)
     cuda_streams.give_back(held[5])
     assert cuda_streams.exclusive_stream(device).cuda_stream == held[5].cuda_stream
+
+
+def test_a_cuda_region_s_mapping_closes_in_its_deferred_release_not_where_the_region_object_goes() -> None:
+    """The mapping closes with its storage's last reference: unregistering hands the region's own to the deferred
+    release, so that dropping the region object while a loop waits closes nothing (a CPU tensor stands in)."""
+    import gc
+    import weakref
+
+    from tokensampler_server.resources import regions
+
+    buffer = torch.zeros(8, dtype=torch.uint8)
+    alive = weakref.ref(buffer)
+    region = regions.Region(name="r", kind="cuda_ipc", release=lambda: None, buffer=buffer)
+    del buffer
+    loop = object()
+    gpu_waits.begin(loop)
+    try:
+        regions._release(region)
+        assert region.byte_size == 8 and region.buffer is None
+        del region
+        gc.collect()
+        assert alive() is not None  # a loop waits on the GPU: the mapping stays
+    finally:
+        gpu_waits.end(loop)
+    assert alive() is None and gpu_waits.pending() == 0

@@ -215,6 +215,12 @@ def test_prepared_call_refusals_name_the_field(sampler: LocalSampler, call, fiel
         call(sampler)
 
 
+def test_a_head_takes_numpy_and_torch_scalars_for_its_options(sampler: LocalSampler) -> None:
+    head = sampler.register_head(torch.randn(VOCAB + 6, 8), vocab_size=np.int64(VOCAB), soft_cap=np.float32(20.0),
+                                 logit_scale=torch.tensor(0.5).item())
+    assert head.finish.vocab_size == VOCAB and type(head.finish.vocab_size) is int and head.finish.soft_cap == 20.0
+
+
 def test_a_prepared_call_with_log_probs_gives_sample_s(sampler: LocalSampler) -> None:
     logits = _logits(7)
     params = {"temperature": 0.9, "top_k": 40, "top_p": 0.8, "seed": 5, "position": 2}

@@ -209,6 +209,7 @@ def test_weights_dir_confinement(tmp_path: Path) -> None:
         ("sub", grpc.StatusCode.NOT_FOUND),
         ("pipe.safetensors", grpc.StatusCode.NOT_FOUND),
         ("sub/head.safetensors/x", grpc.StatusCode.NOT_FOUND),
+        (".", grpc.StatusCode.PERMISSION_DENIED),  # no parts at all: was an IndexError (INTERNAL)
     ]:
         with pytest.raises(ServiceError) as raised:
             open_weights_file(root, path)

@@ -28,7 +28,7 @@ from ._channel import (
 )
 from ._proto import sampler_pb2 as pb
 from ._proto import sampler_pb2_grpc
-from ._retry import Backoff, CallPolicy
+from ._retry import LONGEST_TIMEOUT_S, Backoff, CallPolicy, check_timeout
 from .errors import TokenSamplerError, error_from_rpc
 from .params import SampleOptions, build_sample_request, serialize_sample_request
 from .regions import CudaRegion, RegionView, SharedMemoryRegion
@@ -173,6 +173,12 @@ class ClientCore:
         if self._closed:
             raise TokenSamplerError(grpc.StatusCode.CANCELLED, "the client is closed", request_id)
         return call_metadata(request_id or new_request_id(), self._auth_token)
+
+    @staticmethod
+    def _stream_timeout(timeout: float | None) -> float | None:
+        """A stream's grpc timeout: checked as a call's, and none when too far off for grpc (as for calls)."""
+        check_timeout(timeout)
+        return None if timeout is None or timeout > LONGEST_TIMEOUT_S else timeout
 
 
 def sample(

@@ -226,6 +226,8 @@ def _token_bitmask(path: Path) -> np.ndarray:
         words = np.load(path, allow_pickle=False)
     except ValueError:
         raise ValueError(f"--token-bitmask: {path} is not a .npy array file (np.save's format)") from None
+    if not isinstance(words, np.ndarray):  # an .npz archive
+        raise ValueError(f"--token-bitmask: {path} is an archive of arrays, expected one .npy array")
     if words.dtype != np.int32:
         raise ValueError(f"--token-bitmask: {path} holds {words.dtype} words, expected int32")
     return words

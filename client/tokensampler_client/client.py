@@ -226,7 +226,7 @@ class SamplerClient(ClientCore):
 
         `timeout` bounds the whole stream (default: none); UNAVAILABLE is not retried inside it.
         """
-        return SampleStream(self._stub.SampleStream, self._stream_metadata(request_id), timeout)
+        return SampleStream(self._stub.SampleStream, self._stream_metadata(request_id), self._stream_timeout(timeout))
 
     def colocate(self, source: Any, *, head: Any = None, num_samples: int = 1, tokens_dtype: Any = None,
                  logprobs: bool = False, logprobs_mode: str = "raw", wait_timeout_s: float = 10.0,

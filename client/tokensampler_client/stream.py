@@ -22,12 +22,16 @@ from .result import SampleResult
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 _END = object()
 
+CAN_TELL_CANCELLER = hasattr(asyncio.Task, "cancelling")
+"""Python 3.11 on: 3.10 cannot tell the caller's cancellation from grpc.aio's."""
+
 
 def cancelled_by_caller() -> bool:
     """Whether the running task is being cancelled (asyncio.wait_for's timeout, task.cancel()), as opposed to a
     grpc.aio call ended under it (a closed channel), which raises the same CancelledError."""
     task = asyncio.current_task()
-    return task is not None and getattr(task, "cancelling", lambda: 0)() > 0  # Python 3.10 has no cancelling()
+    return task is not None and CAN_TELL_CANCELLER and task.cancelling() > 0
+
 
 
 def result_or_error(message: pb.SampleStreamResponse) -> SampleResult:
@@ -110,7 +114,7 @@ class AsyncSampleStream:
         except asyncio.InvalidStateError:  # the call has ended (a deadline, the server): its status says why
             raise TokenSamplerError(await self._call.code(), await self._call.details(), self._request_id) from None
         except asyncio.CancelledError:
-            if cancelled_by_caller():
+            if cancelled_by_caller() or not CAN_TELL_CANCELLER:
                 raise
             raise self._cancelled() from None
         self._outstanding += 1
@@ -128,7 +132,7 @@ class AsyncSampleStream:
         except grpc.RpcError as err:
             raise error_from_rpc(err, self._request_id) from err
         except asyncio.CancelledError:
-            if cancelled_by_caller():
+            if cancelled_by_caller() or not CAN_TELL_CANCELLER:
                 raise
             raise self._cancelled() from None
         if message is grpc.aio.EOF:

@@ -22,6 +22,7 @@ what the service refuses, with the same field-named message (as ValueError).
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import replace
 from collections.abc import Callable
@@ -127,10 +128,13 @@ class LocalSampler:
         if bias is not None and not isinstance(bias, torch.Tensor):
             raise ValueError(f"head.bias: got {type(bias).__name__}, expected a torch tensor [V] or None")
         for name, value in (("logit_scale", logit_scale), ("soft_cap", soft_cap)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
                 raise ValueError(f"head.{name}: got {value!r}, expected a number or None")
-        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)):
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral)):
             raise ValueError(f"head.vocab_size: got {vocab_size!r}, expected an integer or None")
+        logit_scale = None if logit_scale is None else float(logit_scale)
+        soft_cap = None if soft_cap is None else float(soft_cap)
+        vocab_size = None if vocab_size is None else int(vocab_size)
         try:
             check_weight_shape(tuple(weight.shape), "weight")
             finish = check_finish(weight.shape[0], bias, vocab_size, soft_cap, logit_scale, field_prefix="head")

@@ -63,14 +63,21 @@ class Region:
     loop) lets it go."""
     """Tensors of the references already resolved in a GPU region: a decode loop names the same few every step,
     and slicing a view anew costs more than the rest of the lookup."""
+    gpu_bytes: int = field(init=False, default=0)
+    gpu: torch.device | None = field(init=False, default=None)
+    """A CUDA region's size and GPU, kept apart from `buffer`, which the region lets go when it is unregistered."""
+
+    def __post_init__(self) -> None:
+        if self.buffer is not None:
+            self.gpu_bytes, self.gpu = int(self.buffer.numel()), self.buffer.device
 
     @property
     def byte_size(self) -> int:
-        return self.segment.byte_size if self.segment is not None else int(self.buffer.numel())
+        return self.segment.byte_size if self.segment is not None else self.gpu_bytes
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu") if self.segment is not None else self.buffer.device
+        return torch.device("cpu") if self.segment is not None else self.gpu
 
     def check_producer(self, field: str) -> None:
         """FAILED_PRECONDITION once a CUDA region's producer has exited (reading it would fault)."""
@@ -434,10 +441,20 @@ def _holds_no_weights(region: Region) -> None:
 
 def _release(region: Region) -> None:
     region.views.clear()  # the cached views hold the mapping open
-    if region.kind == "cuda_ipc":  # closing the mapping waits for every stream of the GPU (gpu_waits.py)
-        gpu_waits.when_idle(region.release)
-    else:
+    if region.kind != "cuda_ipc":
         region.release()
+        return
+    # The mapping closes with its storage's last reference. Closing waits for every stream of the GPU, a colocated
+    # loop's waiting on its engine too (gpu_waits.py): the region's own reference goes into the deferred release,
+    # so that the close happens there and not wherever the region object is dropped.
+    held = [region.buffer]
+    region.buffer = None
+
+    def close() -> None:
+        held.clear()
+        region.release()
+
+    gpu_waits.when_idle(close)
 
 
 def region_info(region: Region, in_flight: int = 0) -> pb.RegionInfo:

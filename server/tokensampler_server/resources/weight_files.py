@@ -62,7 +62,7 @@ def open_weights_file(weights_dir: Path | None, relative: str) -> int:
     if len(os.fsencode(relative)) >= _PATH_MAX:  # opened a component at a time, no call would say ENAMETOOLONG
         raise file_error(OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG)), relative)
     parts = Path(relative).parts
-    if not relative or Path(relative).is_absolute() or ".." in parts:
+    if not parts or Path(relative).is_absolute() or ".." in parts:  # "" and "." have no parts
         raise ServiceError(f"path: got {relative!r}, expected a relative path inside --weights-dir without '..'",
                            grpc.StatusCode.PERMISSION_DENIED)
     try:
@@ -143,7 +143,7 @@ def _header_length(fd: int, relative: str, size: int) -> int:
 
 def _header(raw: bytes, relative: str) -> dict:
     try:
-        header = json.loads(raw)
+        header = json.loads(raw.decode("utf-8"))  # the format's encoding (json.loads would take UTF-16 too)
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
         raise InvalidArgument("path", f"could not read {relative} as safetensors: a header that is not JSON "
                                       f"({type(err).__name__})") from None
@@ -155,7 +155,7 @@ def _header(raw: bytes, relative: str) -> dict:
 def _entry(entry: dict, relative: str, tensor: str) -> tuple[torch.dtype, list[int], int, int]:
     """(dtype, shape, begin, end) of a header entry, checked against each other."""
     shape, offsets, name = entry.get("shape"), entry.get("data_offsets"), entry.get("dtype")
-    if (not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape)
+    if (not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**63 for d in shape)
             or not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
             or not 0 <= offsets[0] <= offsets[1]):
         raise InvalidArgument("path", f"could not read {relative} as safetensors: a malformed entry for {tensor!r}")

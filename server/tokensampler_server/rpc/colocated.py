@@ -207,6 +207,7 @@ class _Loop:
         is queued."""
         self._timers: dict[int, asyncio.TimerHandle] = {}  # by step; all cancelled at the end, as an abort after it
         # would write to unpinned flags
+        self._late_drain: asyncio.Future | None = None
 
     def let_go(self) -> None:
         """A region of the loop's is being unregistered: the loop ends."""
@@ -261,12 +262,25 @@ class _Loop:
             if not clean:
                 self._end(ServiceError("Colocate: the call ended", grpc.StatusCode.CANCELLED))
             # Every wait ended (all answered, or the abort): the stream drains in a moment.
-            self.drained = await asyncio.shield(
-                events.run_in_executor(self._waiters, self._handoff.drain, _DRAIN_TIMEOUT_S))
-            if self.drained:  # else the GPU may still wait: the releases held back stay so
-                gpu_waits.end(self)
+            drain = events.run_in_executor(self._waiters, self._handoff.drain, _DRAIN_TIMEOUT_S)
+            drain.add_done_callback(self._after_drain)  # also when this call is cancelled meanwhile
+            self.drained = await asyncio.shield(drain)
             for timer in self._timers.values():
                 timer.cancel()
+
+    def _after_drain(self, drain: asyncio.Future) -> None:
+        """The releases held back while the loop had steps queued may go once its stream has drained; a stream that
+        did not drain in time is asked again until it has (the GPU may still wait on it meanwhile)."""
+        if not drain.cancelled() and drain.exception() is None and drain.result():
+            gpu_waits.end(self)
+        else:
+            self._late_drain = asyncio.ensure_future(self._end_once_drained())
+
+    async def _end_once_drained(self) -> None:
+        while not self._handoff.drain(0):  # one query of the streams: no thread held
+            await asyncio.sleep(_DRAIN_TIMEOUT_S)
+        log.info("a colocated loop's stream drained late; the GPU mappings held back for it are released")
+        gpu_waits.end(self)
 
     async def _read(self, requests: AsyncIterator[pb.ColocateRequest]) -> None:
         """Reads every announcement as it comes (so a broken call ends the loop at once) and queues the steps there

@@ -160,9 +160,12 @@ class SamplerService(pb_grpc.SamplerServicer):
             started = time.perf_counter_ns()
             # Hidden states become logits on the worker, on the LM head's (the backend's) device; then the
             # CUDA kernels on a CUDA backend, the torch references otherwise (workloads/cuda.py).
+            processing = step.keywords["processing"]  # the rows' token entries, shared lists expanded
             tokens, confidences, mask = await self._batcher.run_exclusive(
                 lambda: self._workloads.diffusion_step(step(logits.compute())),
-                rows=math.prod(logits.shape[:-1]), nbytes=host_bytes(logits.tensor), lease=held)
+                rows=math.prod(logits.shape[:-1]),
+                nbytes=host_bytes(logits.tensor) + (processing.host_bytes() if processing is not None else 0),
+                lease=held)
         response = pb.DiffusionStepResponse(request_id=current_call.get().request_id)
         encode_tensor(tokens.to(torch.int32).cpu(), out=response.tokens)
         encode_tensor(confidences.cpu(), out=response.confidences)
