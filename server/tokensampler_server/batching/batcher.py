@@ -44,7 +44,7 @@ from tokensampler_server.batching.batch_merge import merge_batches, merge_key, s
 from tokensampler_server.core.errors import ServiceError, queue_full
 from tokensampler_server.resources.leases import Lease
 from tokensampler_server.core.request_context import current_abandoned
-from tokensampler_server.model.sampling import SamplingBatch, SamplingResult
+from tokensampler_server.model.sampling import LogitProcessing, SamplingBatch, SamplingResult
 
 
 T = TypeVar("T")
@@ -73,10 +73,14 @@ def host_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size() if tensor.device.type == "cpu" else 0
 
 
+def entry_bytes(processing: LogitProcessing | None) -> int:
+    """Bytes of a request's token entries in host memory (shared lists expanded); 0 without processing."""
+    return 0 if processing is None else processing.host_bytes()
+
+
 def _host_bytes(batch: SamplingBatch) -> int:
-    """What a queued request holds in host memory: its input, and its token entries (shared lists expanded)."""
-    held = host_bytes(batch.logits if batch.logits is not None else batch.hidden.states)
-    return held + (batch.processing.host_bytes() if batch.processing is not None else 0)
+    """What a queued request holds in host memory: its input, and its token entries."""
+    return host_bytes(batch.logits if batch.logits is not None else batch.hidden.states) + entry_bytes(batch.processing)
 
 
 # Largest GPU-resident batch run on the event loop: B·V logits (64 rows of 262,144), a few hundred µs

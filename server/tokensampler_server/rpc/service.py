@@ -22,7 +22,7 @@ from tokensampler_client.wire import serialized
 
 from tokensampler_server import __version__
 from tokensampler_server.backends import Backend
-from tokensampler_server.batching.batcher import DynamicBatcher, host_bytes
+from tokensampler_server.batching.batcher import DynamicBatcher, entry_bytes, host_bytes
 from tokensampler_server.rpc.call_record import current_call
 from tokensampler_server.rpc.colocated import ColocatedLoops
 from tokensampler_server.core.config import Limits
@@ -160,11 +160,10 @@ class SamplerService(pb_grpc.SamplerServicer):
             started = time.perf_counter_ns()
             # Hidden states become logits on the worker, on the LM head's (the backend's) device; then the
             # CUDA kernels on a CUDA backend, the torch references otherwise (workloads/cuda.py).
-            processing = step.keywords["processing"]  # the rows' token entries, shared lists expanded
             tokens, confidences, mask = await self._batcher.run_exclusive(
                 lambda: self._workloads.diffusion_step(step(logits.compute())),
                 rows=math.prod(logits.shape[:-1]),
-                nbytes=host_bytes(logits.tensor) + (processing.host_bytes() if processing is not None else 0),
+                nbytes=host_bytes(logits.tensor) + entry_bytes(step.keywords["processing"]),  # the step's partial
                 lease=held)
         response = pb.DiffusionStepResponse(request_id=current_call.get().request_id)
         encode_tensor(tokens.to(torch.int32).cpu(), out=response.tokens)
@@ -224,7 +223,7 @@ class SamplerService(pb_grpc.SamplerServicer):
             lambda: self._workloads.verify_draft(verification),
             rows=int(verification.target_logits.shape[0] * verification.target_logits.shape[1]),
             nbytes=host_bytes(verification.target_logits) + host_bytes(verification.draft_probs)
-            + (verification.processing.host_bytes() if verification.processing is not None else 0))
+            + entry_bytes(verification.processing))
         response = pb.VerifyDraftResponse(request_id=current_call.get().request_id)
         encode_tensor(accepted.to(torch.int32).cpu(), out=response.accepted)
         encode_tensor(tokens.to(torch.int32).cpu(), out=response.tokens)
