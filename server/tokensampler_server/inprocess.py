@@ -41,7 +41,7 @@ from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument
 from tokensampler_server.model.sampling import SamplingResult
 from tokensampler_server.validation.prepared import validate_prepared_request
-from tokensampler_server.validation.sample import IN_PLACE_DTYPES, validate_sample_request
+from tokensampler_server.validation.sample import check_in_place_dtype, validate_sample_request
 from tokensampler_server.validation.workloads import validate_score_request, validate_topk_request
 from tokensampler_server.workloads.cuda import workloads_of
 from tokensampler_server.resources.weights import WEIGHT_DTYPES, RegisteredWeight, check_finish, check_weight_shape
@@ -315,8 +315,7 @@ class PreparedSampler:
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != self._shape:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"input: got {got}, expected a tensor of shape {list(self._shape)} as prepared")
-        if x.dtype not in IN_PLACE_DTYPES:  # as sample() refuses them
-            raise ValueError(f"input.dtype: got {x.dtype}, expected float32, bfloat16 or float16")
+        _validated(check_in_place_dtype, x, "input")  # as sample() refuses them
         return self._prepared.sample(self._head.logits(x) if self._head is not None else x)
 
 
