@@ -58,11 +58,11 @@ class Region:
     weights: set = field(default_factory=set)
     """The registered weights (RegisteredWeight objects) that lie in this region."""
     views: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = field(default_factory=dict, repr=False)
+    """Tensors of the references already resolved in a GPU region: a decode loop names the same few every step,
+    and slicing a view anew costs more than the rest of the lookup."""
     on_unregister: set[Callable[[], None]] = field(default_factory=set, repr=False)
     """Called as the region is unregistered, before the wait for its users: what holds it for long (a colocated
     loop) lets it go."""
-    """Tensors of the references already resolved in a GPU region: a decode loop names the same few every step,
-    and slicing a view anew costs more than the rest of the lookup."""
     gpu_bytes: int = field(init=False, default=0)
     gpu: torch.device | None = field(init=False, default=None)
     """A CUDA region's size and GPU, kept apart from `buffer`, which the region lets go when it is unregistered."""

@@ -33,7 +33,7 @@ _READ_BYTES = 64 << 20  # one read call at most: the interpreter lock is free wh
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
-def file_error(err: OSError, relative: str) -> ServiceError:
+def _file_error(err: OSError, relative: str) -> ServiceError:
     """The status of a file-system error on the weight file `relative` (what the server may say of it: never a path
     of its own)."""
     if err.errno == errno.ENAMETOOLONG:
@@ -60,7 +60,7 @@ def open_weights_file(weights_dir: Path | None, relative: str) -> int:
     if "\0" in relative:
         raise InvalidArgument("path", f"got {relative!r}, expected a path without NUL characters")
     if len(os.fsencode(relative)) >= _PATH_MAX:  # opened a component at a time, no call would say ENAMETOOLONG
-        raise file_error(OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG)), relative)
+        raise _file_error(OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG)), relative)
     parts = Path(relative).parts
     if not parts or Path(relative).is_absolute() or ".." in parts:  # "" and "." have no parts
         raise ServiceError(f"path: got {relative!r}, expected a relative path inside --weights-dir without '..'",
@@ -78,7 +78,7 @@ def open_weights_file(weights_dir: Path | None, relative: str) -> int:
         # O_NONBLOCK: opening a FIFO would otherwise wait for a writer (and with it the process).
         fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=directory)
     except OSError as err:
-        raise file_error(err, relative) from None
+        raise _file_error(err, relative) from None
     finally:
         os.close(directory)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -124,7 +124,7 @@ def read_safetensor(fd: int, relative: str, tensor: str, max_bytes: int) -> torc
         raise ServiceError(f"tensor: the server has no memory for {tensor!r} of {relative}",
                            grpc.StatusCode.RESOURCE_EXHAUSTED) from None
     except OSError as err:
-        raise file_error(err, relative) from None
+        raise _file_error(err, relative) from None
     return data.view(dtype).reshape(shape)
 
 
