@@ -28,7 +28,7 @@ from ._channel import (
 )
 from ._proto import sampler_pb2 as pb
 from ._proto import sampler_pb2_grpc
-from ._retry import LONGEST_TIMEOUT_S, Backoff, CallPolicy, check_timeout
+from ._retry import Backoff, CallPolicy, check_timeout, grpc_timeout
 from .errors import TokenSamplerError, error_from_rpc
 from .params import SampleOptions, build_sample_request, serialize_sample_request
 from .regions import CudaRegion, RegionView, SharedMemoryRegion
@@ -104,10 +104,10 @@ class Attempts:
         return TokenSamplerError(grpc.StatusCode.CANCELLED, "the client was closed during the call", self._request_id)
 
     def check_open(self, client_closed: bool) -> None:
-        """Raises closed() for a call made on a closed client (grpc's own error there is a bare ValueError or
-        UsageError)."""
+        """Raises client_is_closed() for a call made on a closed client (grpc's own error there is a bare ValueError
+        or UsageError)."""
         if client_closed:
-            raise TokenSamplerError(grpc.StatusCode.CANCELLED, "the client is closed", self._request_id)
+            raise client_is_closed(self._request_id)
 
     def retry_delay(self, err: grpc.RpcError, client_closed: bool = False) -> float:
         """The wait before retrying after `err` (see _retry.py); `err` raised as TokenSamplerError when it ends the
@@ -171,14 +171,19 @@ class ClientCore:
     def _stream_metadata(self, request_id: str | None) -> Metadata:
         """A new stream's metadata; CANCELLED (TokenSamplerError) on a closed client."""
         if self._closed:
-            raise TokenSamplerError(grpc.StatusCode.CANCELLED, "the client is closed", request_id)
+            raise client_is_closed(request_id)
         return call_metadata(request_id or new_request_id(), self._auth_token)
 
     @staticmethod
     def _stream_timeout(timeout: float | None) -> float | None:
         """A stream's grpc timeout: checked as a call's, and none when too far off for grpc (as for calls)."""
         check_timeout(timeout)
-        return None if timeout is None or timeout > LONGEST_TIMEOUT_S else timeout
+        return grpc_timeout(timeout)
+
+
+def client_is_closed(request_id: str | None) -> TokenSamplerError:
+    """The error of a call or stream opened on a closed client."""
+    return TokenSamplerError(grpc.StatusCode.CANCELLED, "the client is closed", request_id)
 
 
 def sample(

@@ -85,9 +85,7 @@ class RetryState:
     def remaining(self) -> float | None:
         """Seconds left until the call's deadline (the per-attempt gRPC timeout), None without one (or one too far
         off for grpc, which turns a timeout past ~1e10 s into a deadline already passed)."""
-        if self._deadline is None or self._deadline - self._clock() > LONGEST_TIMEOUT_S:
-            return None
-        return max(0.0, self._deadline - self._clock())
+        return None if self._deadline is None else grpc_timeout(max(0.0, self._deadline - self._clock()))
 
     def next_delay(
         self,
@@ -124,6 +122,11 @@ class CallPolicy:
         """The retry state of a new call; `timeout` overrides the client's default deadline."""
         check_timeout(timeout)
         return RetryState(self.retries, self.backoff, self.timeout if timeout is None else timeout)
+
+
+def grpc_timeout(seconds: float | None) -> float | None:
+    """`seconds` as grpc takes a timeout: None for none, or for one further off than LONGEST_TIMEOUT_S."""
+    return None if seconds is None or seconds > LONGEST_TIMEOUT_S else seconds
 
 
 def check_timeout(timeout: float | None) -> None:
