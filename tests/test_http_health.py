@@ -7,6 +7,8 @@ import signal
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -88,6 +90,22 @@ def test_readyz_turns_503_at_sigterm_while_a_call_holds_the_server() -> None:
         running.stop()
 
 
+@contextmanager
+def _metrics_port(monkeypatch, **handler: float) -> Iterator[int]:
+    """The port of a metrics server of its own, its handler's timeouts (seconds) set as given; shut down after."""
+    from tokensampler_server.rpc import metrics
+
+    for name, seconds in handler.items():
+        monkeypatch.setattr(metrics._QuietHandler, name, seconds)
+    httpd = start_metrics_http(ServerMetrics(), "127.0.0.1", 0)
+    assert httpd is not None
+    try:
+        yield httpd.server_address[1]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_slow_http_clients_are_bounded_and_timed_out(monkeypatch) -> None:
     """Connections that send a partial request and stall: at most MAX_HTTP_CONNECTIONS are served at once (more
     are closed at once), each is closed once its request has not arrived within HTTP_TIMEOUT_S, and then
@@ -97,12 +115,8 @@ def test_slow_http_clients_are_bounded_and_timed_out(monkeypatch) -> None:
 
     from tokensampler_server.rpc import metrics
 
-    monkeypatch.setattr(metrics._QuietHandler, "timeout", 0.5)
-    httpd = start_metrics_http(ServerMetrics(), "127.0.0.1", 0)
-    assert httpd is not None
-    port = httpd.server_address[1]
     slow = []
-    try:
+    with _metrics_port(monkeypatch, timeout=0.5) as port:
         threads = threading.active_count()
         for _ in range(metrics.MAX_HTTP_CONNECTIONS + 20):
             connection = socket.create_connection(("127.0.0.1", port), timeout=5)
@@ -113,11 +127,8 @@ def test_slow_http_clients_are_bounded_and_timed_out(monkeypatch) -> None:
         time.sleep(1.0)  # past the timeout: every slow connection closed by the server
         assert threading.active_count() - threads <= 1
         assert get(port, "/healthz") == (200, "ok\n")
-    finally:
-        for connection in slow:
-            connection.close()
-        httpd.shutdown()
-        httpd.server_close()
+    for connection in slow:
+        connection.close()
 
 
 def test_clients_trickling_their_request_are_cut_at_the_deadline(monkeypatch) -> None:
@@ -128,14 +139,10 @@ def test_clients_trickling_their_request_are_cut_at_the_deadline(monkeypatch) ->
 
     from tokensampler_server.rpc import metrics
 
-    monkeypatch.setattr(metrics._QuietHandler, "timeout", 0.5)
-    monkeypatch.setattr(metrics._QuietHandler, "request_deadline_s", 1.0)
-    httpd = start_metrics_http(ServerMetrics(), "127.0.0.1", 0)
-    assert httpd is not None
-    port = httpd.server_address[1]
-    trickling = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(metrics.MAX_HTTP_CONNECTIONS)]
-    cut: set[int] = set()
-    try:
+    with _metrics_port(monkeypatch, timeout=0.5, request_deadline_s=1.0) as port:
+        trickling = [socket.create_connection(("127.0.0.1", port), timeout=5)
+                     for _ in range(metrics.MAX_HTTP_CONNECTIONS)]
+        cut: set[int] = set()
         for connection in trickling:
             connection.sendall(b"GET /metrics HTTP/1.1\r\n")
         started = time.monotonic()
@@ -149,8 +156,5 @@ def test_clients_trickling_their_request_are_cut_at_the_deadline(monkeypatch) ->
             time.sleep(0.2)
         assert len(cut) == len(trickling), f"{len(trickling) - len(cut)} trickling connections still open after 3 s"
         assert get(port, "/healthz") == (200, "ok\n")
-    finally:
-        for connection in trickling:
-            connection.close()
-        httpd.shutdown()
-        httpd.server_close()
+    for connection in trickling:
+        connection.close()
