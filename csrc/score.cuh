@@ -1,10 +1,11 @@
 // The scoring kernel as a framework-free device template (launcher: score.cu; semantics: docs/semantics.md,
 // choice 18; design: docs/design/scoring.md). Rows are cut into the sampling kernels' kChunk-token chunks, one
-// block each (sampling.cuh). Each block reads its chunk once and reduces it to a partial: the max of z = x / T,
-// the sums of e^(z - max) and e^(z - max)·(z - max) (the online softmax, rescaled as partials merge), and the
-// chunk's top n by rank key (z desc, id asc). The owner of the scored token stores its z. The row's last block
+// block each (sampling.cuh). Each block reads its chunk once and reduces it to a partial: the max of x, the sums
+// of e^c and e^c·c with c = (x - max) / T (the online softmax, rescaled as partials merge), and the chunk's top n
+// by rank key (x desc, id asc: z's order, T > 0). The owner of the scored token stores its x. The row's last block
 // (counter) merges the partials in chunk order with the row's running state, then writes the state (a slice
-// before the row's last) or the outputs.
+// before the row's last) or the outputs. Sums about the largest x, never of x / T: x / T overflows for a small T,
+// and max(z) + log S loses log S in float32 for a large |z| (the reference's form, workloads/score.py).
 #pragma once
 #include <cfloat>
 #include <cstdint>
@@ -20,8 +21,8 @@ constexpr int kScoreMaxTop = TS_SCORE_MAX_TOP;
 constexpr int kScoreCandidates = 32 * kScoreMaxTop;
 static_assert((kScoreCandidates & (kScoreCandidates - 1)) == 0, "the candidates sort as a power of two");
 
-// A row's (or a partial's) running state: sum = Σ e^(z - max), terms = Σ e^(z - max)·(z - max), the numerator
-// of the entropy; target = the scored token's z (the state's only; written by the block that holds the token).
+// A row's (or a partial's) running state: max of x, sum = Σ e^c, terms = Σ e^c·c with c = (x - max) / T, the
+// numerator of the entropy; target = the scored token's x (the state's only; written by the block that holds it).
 struct ScoreState {
   float max, sum, terms, target;
 };
@@ -30,32 +31,41 @@ struct Moments {
   float max, sum, terms;
 };
 
-// p's sums rescaled to r.max (>= p.max, finite) and added: e^(z - m) = e^(z - p.max)·e^d, z - m = (z - p.max) + d.
-// 2^x by the hardware approximation, as the sampling kernels' sums: ~1e-7 relative a term.
-__device__ __forceinline__ void add_rescaled(Moments& r, const Moments& p) {
+// c = (x - m) / T correctly rounded, as the reference divides (T = 1 leaves the difference as it is). Where it is
+// -inf (and where x - m is NaN: no finite x at all) it clamps to -FLT_MAX: a term of 0, e^c·c = 0.
+__device__ __forceinline__ float centred(float x, float m, float t) {
+  const float d = x - m;
+  return fmaxf(t != 1.f ? __fdiv_rn(d, t) : d, -FLT_MAX);
+}
+
+// p's sums rescaled to r.max (>= p.max, finite) and added: e^(c') = e^c·e^d, c' = c + d, d = (p.max - r.max) / T.
+// 2^x by the hardware approximation, as the sampling kernels' sums: ~1e-7 relative a term. A scale of 0 (d far below
+// the float range's exponent) adds nothing: d·p.sum may be -inf there.
+__device__ __forceinline__ void add_rescaled(Moments& r, const Moments& p, float t) {
   if (!(p.max > -kInf)) return;
-  const float d = p.max - r.max;
+  const float d = centred(p.max, r.max, t);
   const float s = fast_exp2(d * kLog2e);
+  if (s == 0.f) return;
   r.sum += s * p.sum;
   r.terms += s * (p.terms + d * p.sum);
 }
 
-__device__ __forceinline__ Moments merge_moments(const Moments& a, const Moments& b) {
+__device__ __forceinline__ Moments merge_moments(const Moments& a, const Moments& b, float t) {
   Moments r{fmaxf(a.max, b.max), 0.f, 0.f};
   if (r.max > -kInf) {
-    add_rescaled(r, a);
-    add_rescaled(r, b);
+    add_rescaled(r, a, t);
+    add_rescaled(r, b, t);
   }
   return r;
 }
 
 // Every thread gets the block's merge of the threads' moments (warps by butterfly, then the 8 warps in order).
-__device__ __forceinline__ Moments block_moments(Moments m) {
+__device__ __forceinline__ Moments block_moments(Moments m, float t) {
 #pragma unroll
   for (int o = 16; o; o >>= 1) {
     const Moments other{__shfl_xor_sync(0xffffffffu, m.max, o), __shfl_xor_sync(0xffffffffu, m.sum, o),
                         __shfl_xor_sync(0xffffffffu, m.terms, o)};
-    m = merge_moments(m, other);
+    m = merge_moments(m, other, t);
   }
   __shared__ Moments warp_moments[kThreads / 32];
   __syncthreads();  // the previous call's readers are done
@@ -63,7 +73,7 @@ __device__ __forceinline__ Moments block_moments(Moments m) {
   __syncthreads();
   Moments r = warp_moments[0];
 #pragma unroll
-  for (int i = 1; i < kThreads / 32; ++i) r = merge_moments(r, warp_moments[i]);
+  for (int i = 1; i < kThreads / 32; ++i) r = merge_moments(r, warp_moments[i], t);
   return r;
 }
 
@@ -103,14 +113,14 @@ __device__ __forceinline__ void block_top(const float (&v)[kGroupsPerThread][4],
   // Ids rise along (j, e): the first maximum has the lowest id. A thread whose first token lies past the slice
   // holds none (tokens there read as -inf and never replace the first).
   const int64_t first = token_of(g0, 0, 0);
-  float best_z = v[0][0];
+  float best_x = v[0][0];
   int64_t best = first;
 #pragma unroll
   for (int j = 0; j < kGroupsPerThread; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      if (v[j][e] > best_z) best_z = v[j][e], best = token_of(g0, j, e);
-  const uint64_t sorted = warp_sort_desc(first < width ? rank_key(best_z, static_cast<uint32_t>(offset + best)) : 0);
+      if (v[j][e] > best_x) best_x = v[j][e], best = token_of(g0, j, e);
+  const uint64_t sorted = warp_sort_desc(first < width ? rank_key(best_x, static_cast<uint32_t>(offset + best)) : 0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   sh.thread_max[threadIdx.x] = sorted;
   if (threadIdx.x == 0) {
@@ -126,12 +136,12 @@ __device__ __forceinline__ void block_top(const float (&v)[kGroupsPerThread][4],
   }
   __syncthreads();
   const uint64_t th = threshold;
-  const float th_z = th == 1 ? -kInf : key_value(th);  // a float test first, the full key on a pass
+  const float th_x = th == 1 ? -kInf : key_value(th);  // a float test first, the full key on a pass
 #pragma unroll
   for (int j = 0; j < kGroupsPerThread; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      if (!(v[j][e] >= th_z)) continue;
+      if (!(v[j][e] >= th_x)) continue;
       const int64_t i = token_of(g0, j, e);
       if (i >= width) continue;
       const uint64_t key = rank_key(v[j][e], static_cast<uint32_t>(offset + i));
@@ -190,24 +200,16 @@ __global__ void __launch_bounds__(kThreads, 4)
   if (!first) before = Moments{__ldcg(&row_state[w].max), __ldcg(&row_state[w].sum), __ldcg(&row_state[w].terms)};
   float v[kGroupsPerThread][4];
   load_chunk(rv, width, g0, v, rows_exceed_l2<T>(logits.num_rows, width));
-  // z = x / T, correctly rounded as the reference divides (T = 1 leaves x as it is)
-  if (t != 1.f) {
-#pragma unroll
-    for (int j = 0; j < kGroupsPerThread; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) v[j][e] = __fdiv_rn(v[j][e], t);
-  }
-  // The scored token's z, by one thread of the block that holds it (one load, not a search of the registers).
+  // The scored token's x, by one thread of the block that holds it (one load, not a search of the registers).
   if (threadIdx.x == 0) {
     const int64_t target = rows.token[w] - offset;
     if (target >= 4 * g0 && target < min(width, 4 * (g0 + kChunkGroups))) {
       float x = to_f32(rv.row[target]);
       sanitize(x);
-      row_state[w].target = t != 1.f ? __fdiv_rn(x, t) : x;
+      row_state[w].target = x;
     }
   }
-  // The thread's moments about its own max: no barrier before the exponentials. Where z is -inf (and where the
-  // thread has no finite z at all, max - max being NaN) the difference clamps to -FLT_MAX: a term of 0, e·d = 0.
+  // The thread's moments about its own max: no barrier before the exponentials.
   Moments m{-kInf, 0.f, 0.f};
 #pragma unroll
   for (int j = 0; j < kGroupsPerThread; ++j)
@@ -217,12 +219,12 @@ __global__ void __launch_bounds__(kThreads, 4)
   for (int j = 0; j < kGroupsPerThread; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float d = fmaxf(v[j][e] - m.max, -FLT_MAX);
+      const float d = centred(v[j][e], m.max, t);
       const float p = fast_exp2(d * kLog2e);
       m.sum += p;
       m.terms = fmaf(p, d, m.terms);
     }
-  m = block_moments(m);
+  m = block_moments(m, t);
   const int64_t block = static_cast<int64_t>(w) * splits + split;
   if constexpr (kTop) block_top(v, g0, width, offset, n, lists + block * n, sh);
   Moments row = m;  // a block that reads the whole slice is its row's last, without a partial
@@ -233,13 +235,13 @@ __global__ void __launch_bounds__(kThreads, 4)
     row = Moments{-kInf, 0.f, 0.f};
     for (int i = threadIdx.x; i < splits; i += kThreads) {
       const ScoreState* p = partials + static_cast<int64_t>(w) * splits + i;
-      row = merge_moments(row, Moments{__ldcg(&p->max), __ldcg(&p->sum), __ldcg(&p->terms)});
+      row = merge_moments(row, Moments{__ldcg(&p->max), __ldcg(&p->sum), __ldcg(&p->terms)}, t);
     }
-    row = block_moments(row);
+    row = block_moments(row, t);
   } else if (kTop) {
     __syncthreads();  // the block's own list, read back below
   }
-  row = merge_moments(row, before);  // the same in every thread
+  row = merge_moments(row, before, t);  // the same in every thread
   if constexpr (kTop)
     merge_top(lists + static_cast<int64_t>(w) * splits * n, splits, first ? nullptr : state_lists + w * n, n, sh);
   if (!last) {
@@ -253,10 +255,12 @@ __global__ void __launch_bounds__(kThreads, 4)
     return;
   }
   const bool valid = row.max > -kInf;
-  const float log_sum = logf(row.sum), log_z = row.max + log_sum;
+  const float log_sum = logf(row.sum);
   const float nan = __int_as_float(0x7fc00000);
+  // (x - max) / T - log S, as the reference: the scored token's -inf stays -inf (centred clamps only the sums').
+  auto logprob_of = [&](float x) { return (t != 1.f ? __fdiv_rn(x - row.max, t) : x - row.max) - log_sum; };
   if (threadIdx.x == 0) {
-    rows.logprob[w] = valid ? __ldcg(&row_state[w].target) - log_z : nan;
+    rows.logprob[w] = valid ? logprob_of(__ldcg(&row_state[w].target)) : nan;
     if (rows.entropy != nullptr) rows.entropy[w] = valid ? log_sum - row.terms / row.sum : nan;
   }
   if constexpr (kTop)
@@ -264,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, 4)
       const uint64_t key = sh.acc[i];
       const bool listed = valid && key != 0;
       rows.top_ids[static_cast<int64_t>(w) * n + i] = listed ? static_cast<int64_t>(key_index(key)) : -1;
-      rows.top_values[static_cast<int64_t>(w) * n + i] = listed ? key_value(key) - log_z : nan;
+      rows.top_values[static_cast<int64_t>(w) * n + i] = listed ? logprob_of(key_value(key)) : nan;
     }
 }
 

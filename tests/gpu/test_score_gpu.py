@@ -1,8 +1,8 @@
 """The scoring kernel (csrc/score.cuh through workloads/score_cuda.py) against the torch reference of
 workloads/score.py on the same GPU (docs/semantics.md, choice 18).
 
-From logits both read the same z = x / T, so the top ids are identical (ties go to the lower id in both) and
-log-probs, entropies and top values agree to 1e-4 (relative, and absolute near 0). From hidden states the kernel's
+From logits both rank the same x and take z = (x - max) / T, so the top ids are identical (ties go to the lower id
+in both) and log-probs, entropies and top values agree to 1e-4 (relative, and absolute near 0). From hidden states the kernel's
 logits come from other matmul shapes than the reference's, so a listed id may differ where the reference's
 log-probs of the two tokens agree to 1e-4. The extra memory from hidden states stays O(N).
 """
@@ -138,6 +138,43 @@ def test_the_cuda_workloads_score_through_the_kernel(cuda_backend, monkeypatch):
     beyond = _scoring(7, 32000, "raw", workloads.scorer.module.score_max_top + 1, seed=5)
     workloads.score_tokens(source, beyond)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("source_kind", ["logits", "hidden states, a slice a chunk"])
+@pytest.mark.parametrize("scale,temperature,max_last", [
+    (1e8, None, False),  # max(z) + log 2 rounds to max(z) in float32
+    (3e4, None, False),
+    (3.0, 1e-10, False),
+    (3.0, 1e-45, False),  # x / T overflows; (x - max) / T does not
+    (1e8, 1e-3, True),  # the tied maximum in the last chunk: the earlier chunks' sums rescale to nothing
+], ids=["raw 1e8", "raw 3e4", "T 1e-10", "T 1e-45", "T 1e-3 max last"])
+def test_two_tied_maxima_score_log_one_half_at_any_scale(source_kind, scale, temperature, max_last):
+    """The kernel's sums are kept about the largest x, as the reference's: two tied maxima among logits of -5 score
+    exactly log 1/2 and list both, and the entropy is log 2, however large |x / T| (rows of four 8192-token chunks,
+    merged across blocks; from hidden states across slices too)."""
+    vocab = 3 * 8192 + 5
+    tied = [vocab - 3, vocab - 1] if max_last else [100, vocab - 1]
+    x = torch.full((1, vocab), -5.0, device="cuda")
+    x[0, tied] = scale
+    if source_kind == "logits":
+        source, scorer = LogitSource(logits=x), ScoreKernels(torch.device("cuda", 0), load_kernels(0))
+    else:  # h = e_0 picks column 0 of the head: its logits are x exactly
+        weight = torch.zeros(vocab, 8, device="cuda")
+        weight[:, 0] = x[0]
+        head = RegisteredWeight("head", weight, LogitsFinish(vocab_size=vocab), "")
+        hidden = torch.zeros(1, 8, device="cuda")
+        hidden[0, 0] = 1.0
+        source = LogitSource(hidden=hidden, lm_head=head)
+        scorer = ScoreKernels(torch.device("cuda", 0), load_kernels(0), chunk_bytes=4 * 8192)
+    scoring = TokenScoring(token_ids=torch.tensor([tied[0]]), temperature=torch.tensor([temperature or 1.0]),
+                           top_k=torch.zeros(1, dtype=torch.int32), top_p=torch.ones(1), min_p=torch.zeros(1),
+                           processed=temperature is not None, top_logprobs=2, entropy=True)
+    got = score_tokens_cuda(source, scoring, scorer)
+    half = torch.tensor([float(torch.tensor(0.5).log())])
+    torch.testing.assert_close(got.logprobs.cpu(), half, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got.top_values.cpu(), half.expand(1, 2), rtol=0, atol=1e-6)
+    assert got.top_ids.cpu().tolist() == [tied]
+    torch.testing.assert_close(got.entropy.cpu(), -half, rtol=0, atol=1e-6)
 
 
 # -- from hidden states -------------------------------------------------------------------------------
