@@ -29,6 +29,12 @@ def scorer() -> ScoreKernels:
     return ScoreKernels(torch.device("cuda", 0), load_kernels(0))
 
 
+@pytest.fixture(scope="module")
+def slice_scorer() -> ScoreKernels:
+    """A scorer whose matmul blocks hold one 8192-token chunk of one row: rows of hidden states in several slices."""
+    return ScoreKernels(torch.device("cuda", 0), load_kernels(0), chunk_bytes=4 * 8192)
+
+
 def _logits(num_rows: int, vocab: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     """randn · 2 with spikes in U(10, 30), every 13th logit -inf and every 17th NaN; from 7 rows on, rows of every
     kind: 1 no finite logit, 2 a single one, 3 all equal (ties), 4 every other logit +inf (read as -inf)."""
@@ -148,7 +154,8 @@ def test_the_cuda_workloads_score_through_the_kernel(cuda_backend, monkeypatch):
     (3.0, 1e-45, False),  # x / T overflows; (x - max) / T does not
     (1e8, 1e-3, True),  # the tied maximum in the last chunk: the earlier chunks' sums rescale to nothing
 ], ids=["raw 1e8", "raw 3e4", "T 1e-10", "T 1e-45", "T 1e-3 max last"])
-def test_two_tied_maxima_score_log_one_half_at_any_scale(source_kind, scale, temperature, max_last):
+def test_two_tied_maxima_score_log_one_half_at_any_scale(scorer, slice_scorer, source_kind, scale, temperature,
+                                                        max_last):
     """The kernel's sums are kept about the largest x, as the reference's: two tied maxima among logits of -5 score
     exactly log 1/2 and list both, and the entropy is log 2, however large |x / T| (rows of four 8192-token chunks,
     merged across blocks; from hidden states across slices too)."""
@@ -157,7 +164,7 @@ def test_two_tied_maxima_score_log_one_half_at_any_scale(source_kind, scale, tem
     x = torch.full((1, vocab), -5.0, device="cuda")
     x[0, tied] = scale
     if source_kind == "logits":
-        source, scorer = LogitSource(logits=x), ScoreKernels(torch.device("cuda", 0), load_kernels(0))
+        source = LogitSource(logits=x)
     else:  # h = e_0 picks column 0 of the head: its logits are x exactly
         weight = torch.zeros(vocab, 8, device="cuda")
         weight[:, 0] = x[0]
@@ -165,7 +172,7 @@ def test_two_tied_maxima_score_log_one_half_at_any_scale(source_kind, scale, tem
         hidden = torch.zeros(1, 8, device="cuda")
         hidden[0, 0] = 1.0
         source = LogitSource(hidden=hidden, lm_head=head)
-        scorer = ScoreKernels(torch.device("cuda", 0), load_kernels(0), chunk_bytes=4 * 8192)
+        scorer = slice_scorer
     scoring = TokenScoring(token_ids=torch.tensor([tied[0]]), temperature=torch.tensor([temperature or 1.0]),
                            top_k=torch.zeros(1, dtype=torch.int32), top_p=torch.ones(1), min_p=torch.zeros(1),
                            processed=temperature is not None, top_logprobs=2, entropy=True)

@@ -14,13 +14,14 @@ after it and waited for before returning.
 
 from __future__ import annotations
 
+import weakref
 from types import ModuleType
 
 import torch
 
 from tokensampler_server.backends.cuda_buffers import grown
 from tokensampler_server.backends.cuda_kernels import DTYPE_CODES, stream_address
-from tokensampler_server.backends.cuda_streams import exclusive_stream
+from tokensampler_server.backends.cuda_streams import exclusive_stream, give_back
 from tokensampler_server.resources.weights import RegisteredWeight
 from tokensampler_server.workloads.score import LogitSource, Scores, TokenScoring, row_temperature, score_tokens
 
@@ -58,6 +59,7 @@ class ScoreKernels:
         self.module = module
         self.chunk_bytes = chunk_bytes
         self._side = exclusive_stream(device)  # never one a colocated loop blocks
+        weakref.finalize(self, give_back, self._side)  # the pool has 32: a dropped scorer must not keep one
         self._counters = torch.zeros(0, dtype=torch.int32, device=device)
         self._scratch = torch.empty(0, dtype=torch.uint8, device=device)
         self._state = torch.empty(0, dtype=torch.uint8, device=device)
