@@ -14,10 +14,13 @@ csrc/routes.cpp, which the native request path (csrc/request_path.cpp) calls too
   k > 255 with top-p, processed log-probs
                                 -> stats_kernel then filter_kernel: exact binned cut, any k, p and min-p
 A token bitmask (structured output) is read by every kernel above as it loads the logits, a disallowed token
-read as -inf: a batch whose only processing is a bitmask reads its logits once, as without one. Other processing
-(masks, bias, penalties) runs first, in torch on the GPU (processing.apply_processing), on a float32 copy into
-which the bitmask is written first by a small in-place kernel; then the local samplers (top-n-sigma, typical-p,
-XTC) by their own kernels on the same copy (cuda_local_samplers.py, csrc/local_samplers.cuh).
+read as -inf: a batch whose only processing is a bitmask reads its logits once, as without one. So does a batch
+whose only processing is allowed and banned token lists (min_tokens' bans among them), made into bitmask rows on
+the host when few rows have them (entry_masks.py). Other processing (bias, penalties, the sequence samplers, those
+lists beside a request's own bitmask or on many rows) runs first, in torch on the GPU (processing.apply_processing),
+on a float32 copy into which the bitmask is written first by a small in-place kernel; then the local samplers
+(top-n-sigma, typical-p, XTC) by their own kernels on the same copy (cuda_local_samplers.py,
+csrc/local_samplers.cuh).
 Hidden states through a registered head go through the fused LM-head kernel (cuda_fused.py), or, with
 --vocab-parallel-devices, through the head split by vocabulary rows over several GPUs (cuda_vocab_parallel.py).
 Rows a fast kernel cannot settle exactly (flag 4: z-order ties at the top-k cut, an overflowing candidate
@@ -27,9 +30,10 @@ RESOURCE_EXHAUSTED). `fallbacks()` counts both kinds of re-evaluation.
 
 Host path of one call (docs/design/host-path.md): the per-row parameters are packed into one reused pinned
 buffer, where the route planner writes the row lists of its groups (a group of every row needs no list) and, with
-log-probs, the row masks; with a token bitmask beside them, the buffer goes up in ONE copy; the kernels are launched on device addresses laid out once per (B, samples) in
-one reused device buffer; without log-probs every kernel writes its rows' tokens and flags into the same
-two arrays, which come back in ONE copy that is also the call's one synchronisation. Reusing the pinned
+log-probs, the row masks; with a token bitmask beside them, the buffer goes up in ONE copy; the kernels are
+launched on device addresses laid out once per (B, samples) in one reused device buffer; without log-probs every
+kernel writes its rows' tokens and flags into the same two arrays, which come back in ONE copy that is also the
+call's one synchronisation. Reusing the pinned
 buffers across calls is safe because every call ends with that synchronisation and calls hold a lock.
 With log-probs the torch post-processing below runs on views of the same buffers.
 """
@@ -40,6 +44,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from tokensampler_server.core.fallbacks import record_fallback
@@ -55,6 +60,7 @@ from tokensampler_server.backends.cuda_local_samplers import LocalSamplerKernels
 from tokensampler_server.backends.cuda_logprobs import LogprobCall, sample_with_logprobs
 from tokensampler_server.backends.cuda_prepared import CudaPreparedSampling
 from tokensampler_server.backends.cuda_vocab_parallel import DeviceGroup, SplitHeads
+from tokensampler_server.backends.entry_masks import fill_mask_words, mask_rows, words_of
 from tokensampler_server.backends.processing import apply_processing
 
 __all__ = ["CudaBackend", "CudaBackendUnavailable"]
@@ -256,27 +262,39 @@ class CudaBackend(Backend):
             self._ones = torch.ones(max(num_rows, 2 * self._ones.numel()), dtype=torch.float32, device=self._device)
         return self._ones[:num_rows]
 
-    def _upload(self, batch: SamplingBatch, kind: int, use_buckets: bool, stream: int) -> tuple[Stage, Plan, list[int]]:
+    def _upload(self, batch: SamplingBatch, kind: int, use_buckets: bool,
+                stream: int) -> tuple[Stage, Plan, list[int], bool]:
         """Packs the per-row parameters into the pinned buffer, plans the call there (csrc/routes.h: the row lists,
-        T_eff and, for log-prob calls, the row masks), adds the token bitmask, and copies it all to the device in one
-        copy. Returns the stage, the plan and the bitmask's entries of the launches' params (NO_BITMASK without
-        one)."""
-        num_rows = batch.num_rows
+        T_eff and, for log-prob calls, the row masks), adds the token bitmask (the request's, or its allowed and
+        banned lists as one: entry_masks.py), and copies it all to the device in one copy. Returns the stage, the
+        plan, the bitmask's entries of the launches' params (NO_BITMASK without one) and whether that bitmask is all
+        of the call's processing."""
+        num_rows, vocab = batch.num_rows, batch.vocab_size
         processing = batch.processing
         bitmask = processing.token_bitmask if processing is not None else None
         masked = processing.token_bitmask_rows if bitmask is not None else None
-        # Only the rows whose mask came with their request go up (filled rows of all ones would cost a read).
-        words_up = 0 if bitmask is None or bitmask.is_cuda else (num_rows if masked is None else masked.numel())
-        stage = self._stage(num_rows, 4 * words_up * (bitmask.shape[1] if bitmask is not None else 0))
+        entry_rows = mask_rows(processing, vocab) if processing is not None and bitmask is None else None
+        if entry_rows is not None:
+            words_up, width = entry_rows.size, words_of(vocab)
+        elif bitmask is not None:
+            # Only the rows whose mask came with their request go up (filled rows of all ones would cost a read).
+            words_up = 0 if bitmask.is_cuda else (num_rows if masked is None else masked.numel())
+            width = bitmask.shape[1]
+        else:
+            words_up = width = 0
+        stage = self._stage(num_rows, 4 * words_up * width)
         stage.fill(batch)
         routes = self._kernels.module
-        plan = self._kernels.plan(stage.host_base, num_rows, batch.vocab_size, batch.num_samples, kind,
+        plan = self._kernels.plan(stage.host_base, num_rows, vocab, batch.num_samples, kind,
                                   processing is not None, routes.ROUTES_FAST if use_buckets else routes.ROUTES_EXACT)
         end, entries = stage.lists + 4 * plan.lists_used, NO_BITMASK
-        if bitmask is not None:
+        if entry_rows is not None:
+            end, entries = self._place_entry_mask(stage, processing, entry_rows, width)
+        elif bitmask is not None:
             end, entries = self._place_bitmask(stage, bitmask, masked, words_up)
         self._kernels.copy_to_device(stage.dev_base, stage.host_base, end, stream)
-        return stage, plan, entries
+        whole = entry_rows is not None or (bitmask is not None and processing.without_bitmask() is None)
+        return stage, plan, entries, whole
 
     def _place_bitmask(self, stage: Stage, bitmask: torch.Tensor, masked: torch.Tensor | None,
                        words_up: int) -> tuple[int, list[int]]:
@@ -287,35 +305,48 @@ class CudaBackend(Backend):
         row_map = 0
         end = stage.bitmask_row
         if masked is not None:
-            stage.h_bitmask_row.fill_(-1)
-            stage.h_bitmask_row[masked] = (torch.arange(masked.numel(), dtype=torch.int32) if words_up
-                                           else masked.to(torch.int32))
-            row_map, end = stage.dev_base + stage.bitmask_row, stage.bitmask_row + 4 * stage.num_rows
+            row_map, end = self._place_row_map(stage, masked, torch.arange(masked.numel(), dtype=torch.int32)
+                                               if words_up else masked.to(torch.int32))
         if not words_up:
             return end, [bitmask.data_ptr(), row_map, width]
-        host_words = stage.host[stage.bitmask_words: stage.bitmask_words + 4 * words_up * width]
-        host_words = host_words.view(torch.int32).view(words_up, width)
+        host_words = stage.host_words(words_up, width)
         if masked is None:
             host_words.copy_(bitmask)
         else:
             torch.index_select(bitmask, 0, masked, out=host_words)
         return stage.bitmask_words + 4 * words_up * width, [stage.dev_base + stage.bitmask_words, row_map, width]
 
+    def _place_entry_mask(self, stage: Stage, processing: LogitProcessing, rows: np.ndarray,
+                          width: int) -> tuple[int, list[int]]:
+        """Lays the allowed and banned lists of `rows` out in the stage as their mask rows, the others unmasked.
+        Returns where the upload ends and the launches' bitmask entries."""
+        row_map, _ = self._place_row_map(stage, torch.from_numpy(rows), torch.arange(rows.size, dtype=torch.int32))
+        fill_mask_words(stage.host_words(rows.size, width).numpy(), rows, processing)
+        return stage.bitmask_words + 4 * rows.size * width, [stage.dev_base + stage.bitmask_words, row_map, width]
+
+    @staticmethod
+    def _place_row_map(stage: Stage, rows: torch.Tensor, mask_rows_of: torch.Tensor) -> tuple[int, int]:
+        """Each row's mask row in the stage: `mask_rows_of` for `rows`, -1 (none) for the others. Returns its
+        device address and where it ends in the stage."""
+        stage.h_bitmask_row.fill_(-1)
+        stage.h_bitmask_row[rows] = mask_rows_of
+        return stage.dev_base + stage.bitmask_row, stage.bitmask_row + 4 * stage.num_rows
+
     def _processed(self, raw_x: torch.Tensor, processing: LogitProcessing | None, bitmask: list[int],
-                   stream: int) -> tuple[torch.Tensor, list[int]]:
-        """The logits the kernels read and the token-bitmask entries they take. A bitmask that is the only processing
-        stays with the kernels, which read the raw logits once; other processing runs in torch on a float32 copy,
-        with the bitmask written into the copy first (step 2 precedes bias, penalties and the local samplers) by
-        the in-place kernel, which reads 1/32 of the logits' bytes and allocates nothing."""
+                   masks_all: bool, stream: int) -> tuple[torch.Tensor, list[int]]:
+        """The logits the kernels read and the token-bitmask entries they take. A bitmask that is all of the
+        processing (masks_all) stays with the kernels, which read the raw logits once; other processing runs in
+        torch on a float32 copy, with the bitmask written into the copy first (step 2 precedes bias, penalties and
+        the local samplers) by the in-place kernel, which reads 1/32 of the logits' bytes and allocates nothing."""
         if processing is None:
             return raw_x, NO_BITMASK
-        rest = processing.without_bitmask() if processing.token_bitmask is not None else processing
-        if rest is None:
+        if masks_all:
             return raw_x, bitmask
         x = raw_x.to(torch.float32, copy=True)
         if processing.token_bitmask is not None:
             self._kernels.launch_apply_bitmask(x.data_ptr(), x.shape[0], x.shape[1], bitmask, stream)
-        return apply_processing(x, rest, truncate=self._local_samplers.apply).contiguous(), NO_BITMASK
+            processing = processing.without_bitmask()
+        return apply_processing(x, processing, truncate=self._local_samplers.apply).contiguous(), NO_BITMASK
 
     def _sample_on_gpu(self, batch: SamplingBatch, use_buckets: bool) -> tuple[SamplingResult, torch.Tensor | None]:
         dev = self._device
@@ -328,11 +359,10 @@ class CudaBackend(Backend):
                 raw_x = logits.to(dev).contiguous()
         else:
             raw_x = logits.contiguous().pin_memory().to(dev, non_blocking=True)
-        processing = batch.processing
-        if processing is not None and processing.token_bitmask is not None and processing.token_bitmask.is_cuda:
+        mask = batch.processing.token_bitmask if batch.processing is not None else None
+        if mask is not None and mask.is_cuda and (mask.get_device() != dev.index or not mask.is_contiguous()):
             # A mask already on a GPU (an in-process caller's) is read where it is, from this device.
-            batch = replace(batch, processing=replace(
-                processing, token_bitmask=processing.token_bitmask.to(dev).contiguous()))
+            batch = replace(batch, processing=replace(batch.processing, token_bitmask=mask.to(dev).contiguous()))
         wants_logprobs = batch.return_logprobs or batch.top_logprobs > 0
         if num_rows == 0:
             return self._empty_result(batch, vocab, wants_logprobs), None
@@ -341,8 +371,8 @@ class CudaBackend(Backend):
         kind = routes.TOKENS
         if wants_logprobs:
             kind = routes.LOGPROBS_RAW if batch.logprobs_mode is LogprobsMode.RAW else routes.LOGPROBS_PROCESSED
-        stage, plan, bitmask = self._upload(batch, kind, use_buckets, stream)
-        x, bitmask = self._processed(raw_x, batch.processing, bitmask, stream)
+        stage, plan, bitmask, masks_all = self._upload(batch, kind, use_buckets, stream)
+        x, bitmask = self._processed(raw_x, batch.processing, bitmask, masks_all, stream)
         if wants_logprobs:
             return self._sample_with_logprobs(batch, plan, stage, raw_x, x, bitmask, stream)
 

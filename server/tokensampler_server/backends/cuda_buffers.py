@@ -68,6 +68,11 @@ class Stage:
         torch.cat([_as(row.temperature, f32), _as(row.top_p, f32), _as(row.min_p, f32)], out=self.h_f32)
         self.h_topk.copy_(row.top_k)
 
+    def host_words(self, num_mask_rows: int, width: int) -> torch.Tensor:
+        """int32 [num_mask_rows, width]: the bitmask words' place in the host stage (sized by the caller)."""
+        at = self.bitmask_words
+        return self.host[at: at + 4 * num_mask_rows * width].view(torch.int32).view(num_mask_rows, width)
+
     def dev_counters(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """seed, position, iteration: int64 [B] on the device, where the kernels read them."""
         at = self.layout["seed"]

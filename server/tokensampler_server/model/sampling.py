@@ -78,6 +78,10 @@ class Truncation:
 _TRUNCATION_COLUMNS = ("top_n_sigma", "typical_p", "xtc_threshold", "xtc_probability", "seed", "position", "iteration")
 
 
+_ENTRY_FIELDS = ("allowed", "banned", "bias", "output_tokens", "prompt_tokens")
+_BITMASK_ONLY = frozenset({"token_bitmask"})
+
+
 @dataclass(frozen=True)
 class LogitProcessing:
     """Steps 2 to 5 of the semantics: masks, logit bias, penalties and the local samplers. Fields left None do
@@ -109,20 +113,27 @@ class LogitProcessing:
     for requests without a mask merged beside ones with. None: every row's came with it. Says which rows a backend
     need not mask at all; the masks are the same either way."""
 
+    def changes_beyond(self, fields: frozenset[str]) -> bool:
+        """Whether anything but these fields (of this class) changes a logit: a token bitmask, a token list with
+        entries (the penalties' values without a history change nothing), the sequence samplers or a local sampler.
+        Reads the fields, builds nothing: it runs on every processed call."""
+        if self.truncation is not None or self.sequence_samplers is not None:
+            return True
+        if self.token_bitmask is not None and "token_bitmask" not in fields:
+            return True
+        return any(name not in fields and (entries := getattr(self, name)) is not None and len(entries)
+                   for name in _ENTRY_FIELDS)
+
     def without_bitmask(self) -> LogitProcessing | None:
-        """This processing less its token bitmask; None when nothing else is left that changes a logit (no entry
-        of the masks, bias or penalties, no local sampler)."""
-        rest = replace(self, token_bitmask=None, token_bitmask_rows=None)
-        entries = (rest.allowed, rest.banned, rest.bias, rest.output_tokens, rest.prompt_tokens)
-        if rest.truncation is None and rest.sequence_samplers is None and all(e is None or not len(e) for e in entries):
+        """This processing less its token bitmask; None when nothing else is left that changes a logit."""
+        if not self.changes_beyond(_BITMASK_ONLY):
             return None
-        return rest
+        return replace(self, token_bitmask=None, token_bitmask_rows=None)
 
     def host_bytes(self) -> int:
         """Bytes of its token entries on the CPU (a row and a token id, 16 bytes an entry). A list shared by every
         row is held once per row: a request of a few KiB can hold hundreds of MiB (Limits.max_token_entries)."""
-        entries = (self.allowed, self.banned, self.bias, self.output_tokens, self.prompt_tokens)
-        return sum(16 * len(e) for e in entries if e is not None)
+        return sum(16 * len(entries) for name in _ENTRY_FIELDS if (entries := getattr(self, name)) is not None)
 
     def at_positions(self, position: torch.Tensor) -> LogitProcessing:
         """The same processing with the rows' XTC coins drawn at `position` (int64 [B]): for a row that samples
