@@ -38,7 +38,7 @@ def random_lists(num_rows: int, vocab: int, seed: int) -> LogitProcessing:
 @pytest.mark.parametrize("vocab", [1, 33, 4096, 50001, 151936])
 def test_the_words_keep_what_step_two_keeps(vocab: int) -> None:
     processing = random_lists(10, vocab, seed=vocab)
-    rows = mask_rows(processing, vocab)
+    rows = mask_rows(processing, 10, vocab)
     assert rows is not None and rows.tolist() == [r for r in range(10) if r % 5 != 4]
     words = np.empty((rows.size, words_of(vocab)), dtype=np.int32)
     fill_mask_words(words, rows, processing)
@@ -65,7 +65,7 @@ def test_bits_past_the_vocabulary_stay_set() -> None:
     LogitProcessing(banned=_entries([(0, 1)]), truncation=Truncation.off(1)),
 ], ids=["nothing", "no entries", "a bitmask of its own", "bias", "penalties", "a local sampler"])
 def test_lists_beside_other_processing_keep_the_torch_path(processing: LogitProcessing) -> None:
-    assert mask_rows(processing, 64) is None
+    assert mask_rows(processing, 1, 64) is None
 
 
 def test_lists_on_more_rows_than_the_budget_keep_the_torch_path() -> None:
@@ -73,4 +73,4 @@ def test_lists_on_more_rows_than_the_budget_keep_the_torch_path() -> None:
     fits = MAX_BYTES // (4 * words_of(vocab))
     for num_rows, takes in ((fits, True), (fits + 1, False)):
         banned = _entries([(row, 5) for row in range(num_rows)])
-        assert (mask_rows(LogitProcessing(banned=banned), vocab) is not None) is takes
+        assert (mask_rows(LogitProcessing(banned=banned), num_rows, vocab) is not None) is takes

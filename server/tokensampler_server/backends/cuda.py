@@ -273,7 +273,7 @@ class CudaBackend(Backend):
         processing = batch.processing
         bitmask = processing.token_bitmask if processing is not None else None
         masked = processing.token_bitmask_rows if bitmask is not None else None
-        entry_rows = mask_rows(processing, vocab) if processing is not None and bitmask is None else None
+        entry_rows = mask_rows(processing, num_rows, vocab) if processing is not None and bitmask is None else None
         if entry_rows is not None:
             words_up, width = entry_rows.size, words_of(vocab)
         elif bitmask is not None:
@@ -305,8 +305,10 @@ class CudaBackend(Backend):
         row_map = 0
         end = stage.bitmask_row
         if masked is not None:
-            row_map, end = self._place_row_map(stage, masked, torch.arange(masked.numel(), dtype=torch.int32)
-                                               if words_up else masked.to(torch.int32))
+            stage.h_bitmask_row.fill_(-1)
+            stage.h_bitmask_row[masked] = (torch.arange(masked.numel(), dtype=torch.int32) if words_up
+                                           else masked.to(torch.int32))
+            row_map, end = stage.dev_base + stage.bitmask_row, stage.bitmask_row + 4 * stage.num_rows
         if not words_up:
             return end, [bitmask.data_ptr(), row_map, width]
         host_words = stage.host_words(words_up, width)
@@ -320,17 +322,12 @@ class CudaBackend(Backend):
                           width: int) -> tuple[int, list[int]]:
         """Lays the allowed and banned lists of `rows` out in the stage as their mask rows, the others unmasked.
         Returns where the upload ends and the launches' bitmask entries."""
-        row_map, _ = self._place_row_map(stage, torch.from_numpy(rows), torch.arange(rows.size, dtype=torch.int32))
+        row_map = stage.h_bitmask_row.numpy()  # numpy: a few us less than torch's indexing, on every such call
+        row_map.fill(-1)
+        row_map[rows] = np.arange(rows.size, dtype=np.int32)
         fill_mask_words(stage.host_words(rows.size, width).numpy(), rows, processing)
-        return stage.bitmask_words + 4 * rows.size * width, [stage.dev_base + stage.bitmask_words, row_map, width]
-
-    @staticmethod
-    def _place_row_map(stage: Stage, rows: torch.Tensor, mask_rows_of: torch.Tensor) -> tuple[int, int]:
-        """Each row's mask row in the stage: `mask_rows_of` for `rows`, -1 (none) for the others. Returns its
-        device address and where it ends in the stage."""
-        stage.h_bitmask_row.fill_(-1)
-        stage.h_bitmask_row[rows] = mask_rows_of
-        return stage.dev_base + stage.bitmask_row, stage.bitmask_row + 4 * stage.num_rows
+        return stage.bitmask_words + 4 * rows.size * width, [stage.dev_base + stage.bitmask_words,
+                                                             stage.dev_base + stage.bitmask_row, width]
 
     def _processed(self, raw_x: torch.Tensor, processing: LogitProcessing | None, bitmask: list[int],
                    masks_all: bool, stream: int) -> tuple[torch.Tensor, list[int]]:

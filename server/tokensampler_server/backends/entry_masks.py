@@ -20,18 +20,18 @@ MAX_BYTES = 256 << 10
 _MASK_FIELDS = frozenset({"allowed", "banned"})
 
 
-def mask_rows(processing: LogitProcessing, vocab_size: int) -> np.ndarray | None:
-    """The rows (int64, ascending) that the allowed and banned entries touch, when those entries are all the
-    processing does and their mask rows fit MAX_BYTES; else None (a token bitmask of the request's own, or any
-    other processing, keeps the torch path)."""
+def mask_rows(processing: LogitProcessing, num_rows: int, vocab_size: int) -> np.ndarray | None:
+    """The rows (int64, ascending) of the num_rows that the allowed and banned entries touch, when those entries are
+    all the processing does and their mask rows fit MAX_BYTES; else None (a token bitmask of the request's own, or
+    any other processing, keeps the torch path)."""
     if processing.changes_beyond(_MASK_FIELDS):
         return None
-    lists = [entries.rows.numpy() for entries in (processing.allowed, processing.banned)
-             if entries is not None and len(entries)]
-    if not lists:
-        return None
-    rows = np.unique(np.concatenate(lists))
-    return rows if rows.size * 4 * words_of(vocab_size) <= MAX_BYTES else None
+    touched = np.zeros(num_rows, dtype=bool)
+    for entries in (processing.allowed, processing.banned):
+        if entries is not None:
+            touched[entries.rows.numpy()] = True
+    rows = np.flatnonzero(touched)
+    return rows if 0 < rows.size and rows.size * 4 * words_of(vocab_size) <= MAX_BYTES else None
 
 
 def words_of(vocab_size: int) -> int:
