@@ -1,13 +1,13 @@
 """Allowed and banned token lists as bitmask rows (backends/entry_masks.py): the words keep exactly the tokens that
-step 2 of the reference keeps (processing.apply_processing), and only calls whose processing the lists are all of,
-on few enough rows, take them."""
+step 2 of the reference keeps (processing.apply_processing), rows with the same lists share a mask row, and only
+calls whose processing the lists are all of, on few enough distinct rows, take them."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from tokensampler_server.backends.entry_masks import MAX_BYTES, fill_mask_words, mask_rows, words_of
+from tokensampler_server.backends.entry_masks import MAX_BYTES, entry_mask, fill_mask_words, words_of
 from tokensampler_server.backends.processing import apply_processing, unpack_bitmask
 from tokensampler_server.model.sampling import LogitProcessing, TokenEntries, Truncation
 
@@ -35,23 +35,55 @@ def random_lists(num_rows: int, vocab: int, seed: int) -> LogitProcessing:
     return LogitProcessing(allowed=_entries(allowed) if allowed else None, banned=_entries(banned))
 
 
+def _masks_of_rows(processing: LogitProcessing, num_rows: int, vocab: int) -> torch.Tensor:
+    """bool [B, V]: each row's allowed tokens through its mask row (every token where it has none)."""
+    mask = entry_mask(processing, num_rows, vocab)
+    assert mask is not None
+    words = np.empty((mask.num_masks, words_of(vocab)), dtype=np.int32)
+    fill_mask_words(words, mask)
+    allowed = torch.ones(num_rows, vocab, dtype=torch.bool)
+    allowed[torch.from_numpy(mask.rows)] = unpack_bitmask(torch.from_numpy(words), vocab)[torch.from_numpy(
+        mask.mask_rows).long()]
+    return allowed
+
+
 @pytest.mark.parametrize("vocab", [1, 33, 4096, 50001, 151936])
 def test_the_words_keep_what_step_two_keeps(vocab: int) -> None:
     processing = random_lists(10, vocab, seed=vocab)
-    rows = mask_rows(processing, 10, vocab)
-    assert rows is not None and rows.tolist() == [r for r in range(10) if r % 5 != 4]
-    words = np.empty((rows.size, words_of(vocab)), dtype=np.int32)
-    fill_mask_words(words, rows, processing)
+    assert entry_mask(processing, 10, vocab).rows.tolist() == [r for r in range(10) if r % 5 != 4]
     kept = apply_processing(torch.zeros(10, vocab), processing) > float("-inf")
-    assert torch.equal(unpack_bitmask(torch.from_numpy(words), vocab), kept[torch.from_numpy(rows)])
+    assert torch.equal(_masks_of_rows(processing, 10, vocab), kept)
     assert not bool(kept[3].any())  # a row whose bans empty its allowed list allows nothing
     assert bool(kept[4].all())  # a row without lists has no mask row: unmasked
 
 
+def test_rows_with_the_same_lists_share_one_mask_row() -> None:
+    """min_tokens' stop ids on every row of a batch (entries in any order, duplicates included): one mask row, at
+    any B, and the same tokens kept as step 2 keeps."""
+    vocab, num_rows = 151936, 256
+    stops = [151643, 151645, 0, 31, 32, 7, 7]
+    pairs = [(row, t) for row in range(1, num_rows, 2) for t in (stops if row % 3 else stops[::-1])]
+    allowed_pairs = [(row, t) for row in range(1, num_rows, 2) for t in (5, 7, 151643, 40000)]
+    for processing in (LogitProcessing(banned=_entries(pairs)),
+                       LogitProcessing(banned=_entries(pairs), allowed=_entries(allowed_pairs))):
+        mask = entry_mask(processing, num_rows, vocab)
+        assert mask.num_masks == 1 and mask.rows.tolist() == list(range(1, num_rows, 2))
+        kept = apply_processing(torch.zeros(num_rows, vocab), processing) > float("-inf")
+        assert torch.equal(_masks_of_rows(processing, num_rows, vocab), kept)
+
+
+def test_rows_whose_lists_differ_in_one_token_do_not_share() -> None:
+    pairs = [(0, 5), (0, 6), (1, 5), (1, 7)]
+    mask = entry_mask(LogitProcessing(banned=_entries(pairs)), 2, 64)
+    assert mask.num_masks == 2
+    one_list_each = LogitProcessing(banned=_entries([(0, 5)]), allowed=_entries([(1, 5)]))
+    assert entry_mask(one_list_each, 2, 64).num_masks == 2
+
+
 def test_bits_past_the_vocabulary_stay_set() -> None:
-    processing = LogitProcessing(banned=_entries([(0, 0)]))
+    mask = entry_mask(LogitProcessing(banned=_entries([(0, 0)])), 1, 33)
     words = np.empty((1, 2), dtype=np.int32)
-    fill_mask_words(words, np.array([0]), processing)
+    fill_mask_words(words, mask)
     assert words.view(np.uint32).tolist() == [[0xFFFFFFFE, 0xFFFFFFFF]]
 
 
@@ -65,12 +97,12 @@ def test_bits_past_the_vocabulary_stay_set() -> None:
     LogitProcessing(banned=_entries([(0, 1)]), truncation=Truncation.off(1)),
 ], ids=["nothing", "no entries", "a bitmask of its own", "bias", "penalties", "a local sampler"])
 def test_lists_beside_other_processing_keep_the_torch_path(processing: LogitProcessing) -> None:
-    assert mask_rows(processing, 1, 64) is None
+    assert entry_mask(processing, 1, 64) is None
 
 
-def test_lists_on_more_rows_than_the_budget_keep_the_torch_path() -> None:
+def test_distinct_lists_on_more_rows_than_the_budget_keep_the_torch_path() -> None:
     vocab = 151936
     fits = MAX_BYTES // (4 * words_of(vocab))
     for num_rows, takes in ((fits, True), (fits + 1, False)):
-        banned = _entries([(row, 5) for row in range(num_rows)])
-        assert (mask_rows(LogitProcessing(banned=banned), num_rows, vocab) is not None) is takes
+        banned = _entries([(row, row) for row in range(num_rows)])
+        assert (entry_mask(LogitProcessing(banned=banned), num_rows, vocab) is not None) is takes

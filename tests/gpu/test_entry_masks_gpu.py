@@ -97,15 +97,17 @@ def test_a_nan_that_a_list_bans_is_no_nan(cuda_backend, torch_calls) -> None:
     assert got.nan_detected.tolist() == [False, True, True]
 
 
-def test_min_tokens_from_a_request(cuda_backend, cpu_backend, torch_calls) -> None:
-    """min_tokens' stop-id bans, as validation builds them, take the bitmask rows and never draw a stop id."""
+@pytest.mark.parametrize("num_rows", [4, 256])
+def test_min_tokens_from_a_request(cuda_backend, cpu_backend, torch_calls, num_rows: int) -> None:
+    """min_tokens' stop-id bans, as validation builds them, take the bitmask rows (one, shared by every row, at any
+    B) and never draw a stop id."""
     from tokensampler_client.params import build_sample_request
     from tokensampler_server.core.config import Limits
     from tokensampler_server.validation.sample import validate_sample_request
 
-    x = logits("spiky", 4, VOCAB, seed=6)
-    stops = x.argmax(dim=1).tolist()  # each row's most likely token: banned, it must not come out
-    request = build_sample_request(x, seed=[1, 2, 3, 4], temperature=0.0, min_tokens=5, num_generated=1,
+    x = logits("spiky", num_rows, VOCAB, seed=6)
+    stops = x[:4].argmax(dim=1).tolist()  # the first rows' most likely tokens: banned, they must not come out
+    request = build_sample_request(x, seed=list(range(num_rows)), temperature=0.0, min_tokens=5, num_generated=1,
                                    stop_token_ids=stops)
     batch, _ = validate_sample_request(request, Limits())
     got = cuda_backend.sample(dataclasses.replace(batch, logits=x.cuda()))

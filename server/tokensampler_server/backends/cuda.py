@@ -44,7 +44,6 @@ import threading
 from collections.abc import Sequence
 from dataclasses import replace
 
-import numpy as np
 import torch
 
 from tokensampler_server.core.fallbacks import record_fallback
@@ -60,7 +59,7 @@ from tokensampler_server.backends.cuda_local_samplers import LocalSamplerKernels
 from tokensampler_server.backends.cuda_logprobs import LogprobCall, sample_with_logprobs
 from tokensampler_server.backends.cuda_prepared import CudaPreparedSampling
 from tokensampler_server.backends.cuda_vocab_parallel import DeviceGroup, SplitHeads
-from tokensampler_server.backends.entry_masks import fill_mask_words, mask_rows, words_of
+from tokensampler_server.backends.entry_masks import EntryMask, entry_mask, fill_mask_words, words_of
 from tokensampler_server.backends.processing import apply_processing
 
 __all__ = ["CudaBackend", "CudaBackendUnavailable"]
@@ -273,9 +272,9 @@ class CudaBackend(Backend):
         processing = batch.processing
         bitmask = processing.token_bitmask if processing is not None else None
         masked = processing.token_bitmask_rows if bitmask is not None else None
-        entry_rows = mask_rows(processing, num_rows, vocab) if processing is not None and bitmask is None else None
-        if entry_rows is not None:
-            words_up, width = entry_rows.size, words_of(vocab)
+        lists = entry_mask(processing, num_rows, vocab) if processing is not None and bitmask is None else None
+        if lists is not None:
+            words_up, width = lists.num_masks, words_of(vocab)
         elif bitmask is not None:
             # Only the rows whose mask came with their request go up (filled rows of all ones would cost a read).
             words_up = 0 if bitmask.is_cuda else (num_rows if masked is None else masked.numel())
@@ -288,12 +287,12 @@ class CudaBackend(Backend):
         plan = self._kernels.plan(stage.host_base, num_rows, vocab, batch.num_samples, kind,
                                   processing is not None, routes.ROUTES_FAST if use_buckets else routes.ROUTES_EXACT)
         end, entries = stage.lists + 4 * plan.lists_used, NO_BITMASK
-        if entry_rows is not None:
-            end, entries = self._place_entry_mask(stage, processing, entry_rows, width)
+        if lists is not None:
+            end, entries = self._place_entry_mask(stage, lists, width)
         elif bitmask is not None:
             end, entries = self._place_bitmask(stage, bitmask, masked, words_up)
         self._kernels.copy_to_device(stage.dev_base, stage.host_base, end, stream)
-        whole = entry_rows is not None or (bitmask is not None and processing.without_bitmask() is None)
+        whole = lists is not None or (bitmask is not None and processing.without_bitmask() is None)
         return stage, plan, entries, whole
 
     def _place_bitmask(self, stage: Stage, bitmask: torch.Tensor, masked: torch.Tensor | None,
@@ -318,16 +317,16 @@ class CudaBackend(Backend):
             torch.index_select(bitmask, 0, masked, out=host_words)
         return stage.bitmask_words + 4 * words_up * width, [stage.dev_base + stage.bitmask_words, row_map, width]
 
-    def _place_entry_mask(self, stage: Stage, processing: LogitProcessing, rows: np.ndarray,
-                          width: int) -> tuple[int, list[int]]:
-        """Lays the allowed and banned lists of `rows` out in the stage as their mask rows, the others unmasked.
-        Returns where the upload ends and the launches' bitmask entries."""
+    @staticmethod
+    def _place_entry_mask(stage: Stage, lists: EntryMask, width: int) -> tuple[int, list[int]]:
+        """Lays allowed and banned lists out in the stage as mask rows, the rows without lists unmasked. Returns
+        where the upload ends and the launches' bitmask entries."""
         row_map = stage.h_bitmask_row.numpy()  # numpy: a few us less than torch's indexing, on every such call
         row_map.fill(-1)
-        row_map[rows] = np.arange(rows.size, dtype=np.int32)
-        fill_mask_words(stage.host_words(rows.size, width).numpy(), rows, processing)
-        return stage.bitmask_words + 4 * rows.size * width, [stage.dev_base + stage.bitmask_words,
-                                                             stage.dev_base + stage.bitmask_row, width]
+        row_map[lists.rows] = lists.mask_rows
+        fill_mask_words(stage.host_words(lists.num_masks, width).numpy(), lists)
+        return stage.bitmask_words + 4 * lists.num_masks * width, [stage.dev_base + stage.bitmask_words,
+                                                                   stage.dev_base + stage.bitmask_row, width]
 
     def _processed(self, raw_x: torch.Tensor, processing: LogitProcessing | None, bitmask: list[int],
                    masks_all: bool, stream: int) -> tuple[torch.Tensor, list[int]]:

@@ -3,35 +3,37 @@
 A call whose only processing they are is then read once by the sampling kernels, as a structured-output mask is,
 instead of masking a float32 copy of the logits in torch (a copy, a scatter and their host work: 49-59 us a call at
 B = 1 and 64, V = 151936, on an H200). The words are built on the host, into the pinned stage the call uploads
-anyway, so only the rows with entries cost a mask row (4 ceil(V / 32) bytes each); past MAX_BYTES of them the
-torch path stays cheaper than the upload. Device-agnostic numpy; the CUDA backend lays the words out.
+anyway. Rows whose lists are the same (min_tokens' stop ids, shared by a batch's requests) share one mask row;
+otherwise each row with lists costs one (4 ceil(V / 32) bytes), and past MAX_BYTES of them the torch path stays
+cheaper than the upload. Device-agnostic numpy; the CUDA backend lays the words out.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from tokensampler_server.model.entries import TokenEntries
 from tokensampler_server.model.sampling import LogitProcessing
 
 MAX_BYTES = 256 << 10
 """Mask rows a call builds on the host at most: 13 rows of V = 151936 (19 KB each)."""
 
-_MASK_FIELDS = frozenset({"allowed", "banned"})
+_MASK_FIELDS = ("allowed", "banned")
+_MASK_ONLY = frozenset(_MASK_FIELDS)
 
 
-def mask_rows(processing: LogitProcessing, num_rows: int, vocab_size: int) -> np.ndarray | None:
-    """The rows (int64, ascending) of the num_rows that the allowed and banned entries touch, when those entries are
-    all the processing does and their mask rows fit MAX_BYTES; else None (a token bitmask of the request's own, or
-    any other processing, keeps the torch path)."""
-    if processing.changes_beyond(_MASK_FIELDS):
-        return None
-    touched = np.zeros(num_rows, dtype=bool)
-    for entries in (processing.allowed, processing.banned):
-        if entries is not None:
-            touched[entries.rows.numpy()] = True
-    rows = np.flatnonzero(touched)
-    return rows if 0 < rows.size and rows.size * 4 * words_of(vocab_size) <= MAX_BYTES else None
+@dataclass(frozen=True)
+class EntryMask:
+    """Where a call's allowed and banned lists go as bitmask rows."""
+
+    rows: np.ndarray
+    """int64 [M]: the batch rows that have lists, ascending."""
+    mask_rows: np.ndarray
+    """int32 [M]: the mask row of each of them."""
+    num_masks: int
+    lists: dict[str, tuple[np.ndarray, np.ndarray]]
+    """allowed / banned: (mask row, token) of each entry that builds the mask rows."""
 
 
 def words_of(vocab_size: int) -> int:
@@ -39,22 +41,63 @@ def words_of(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
-def fill_mask_words(words: np.ndarray, rows: np.ndarray, processing: LogitProcessing) -> None:
-    """words (int32 [len(rows), W]): row i becomes the mask of batch row rows[i] (docs/semantics.md, choice 17):
-    all ones, only the allowed tokens where the row has allowed entries, less its banned tokens. Bits past V stay
-    set; the kernels ignore them."""
+def entry_mask(processing: LogitProcessing, num_rows: int, vocab_size: int) -> EntryMask | None:
+    """The mask rows of the allowed and banned lists when those lists are all the processing does and their rows
+    fit MAX_BYTES; else None (a token bitmask of the request's own, or any other processing, keeps the torch
+    path)."""
+    if processing.changes_beyond(_MASK_ONLY):
+        return None
+    lists = {name: (entries.rows.numpy(), entries.tokens.numpy()) for name in _MASK_FIELDS
+             if (entries := getattr(processing, name)) is not None and len(entries)}
+    if not lists:
+        return None
+    touched = np.zeros(num_rows, dtype=bool)
+    for rows, _ in lists.values():
+        touched[rows] = True
+    rows = np.flatnonzero(touched)
+    shared = _shared(lists, rows, num_rows)
+    if shared is not None:
+        first = {name: (np.zeros(tokens.size, dtype=np.int64), tokens) for name, tokens in shared.items()}
+        return EntryMask(rows, np.zeros(rows.size, dtype=np.int32), 1, first)
+    if rows.size * 4 * words_of(vocab_size) > MAX_BYTES:
+        return None
+    mask_of = np.full(num_rows, -1, dtype=np.int64)
+    mask_of[rows] = np.arange(rows.size)
+    by_mask = {name: (mask_of[entry_rows], tokens) for name, (entry_rows, tokens) in lists.items()}
+    return EntryMask(rows, np.arange(rows.size, dtype=np.int32), rows.size, by_mask)
+
+
+def _shared(lists: dict[str, tuple[np.ndarray, np.ndarray]], rows: np.ndarray,
+            num_rows: int) -> dict[str, np.ndarray] | None:
+    """Each kind's tokens when every row of `rows` has the same list of it (as a multiset), else None."""
+    shared = {}
+    for name, (entry_rows, tokens) in lists.items():
+        counts = np.bincount(entry_rows, minlength=num_rows)[rows]
+        if (counts != counts[0]).any():  # a row without this kind's list differs too
+            return None
+        grid = tokens[np.lexsort((tokens, entry_rows))].reshape(rows.size, counts[0])
+        if (grid != grid[0]).any():
+            return None
+        shared[name] = grid[0]
+    return shared
+
+
+def fill_mask_words(words: np.ndarray, mask: EntryMask) -> None:
+    """words (int32 [mask.num_masks, W]) become the mask rows (docs/semantics.md, choice 17): all ones, only the
+    allowed tokens where the lists have allowed entries, less the banned tokens. Bits past V stay set; the kernels
+    ignore them."""
     bits = words.view(np.uint32)
     bits.fill(0xFFFFFFFF)
-    if processing.allowed is not None and len(processing.allowed):
-        at, word, bit = _coordinates(processing.allowed, rows)
+    flat = bits.reshape(-1)
+    width = bits.shape[1]
+    if "allowed" in mask.lists:
+        at, tokens = mask.lists["allowed"]
         bits[at] = 0  # restricted rows keep only what their entries set
-        np.bitwise_or.at(bits, (at, word), bit)
-    if processing.banned is not None and len(processing.banned):
-        at, word, bit = _coordinates(processing.banned, rows)
-        np.bitwise_and.at(bits, (at, word), ~bit)
+        np.bitwise_or.at(flat, at * width + (tokens >> 5), _bit(tokens))
+    if "banned" in mask.lists:
+        at, tokens = mask.lists["banned"]
+        np.bitwise_and.at(flat, at * width + (tokens >> 5), ~_bit(tokens))
 
 
-def _coordinates(entries: TokenEntries, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each entry's mask row, word and bit (uint32)."""
-    tokens = entries.tokens.numpy()
-    return np.searchsorted(rows, entries.rows.numpy()), tokens >> 5, np.uint32(1) << (tokens & 31).astype(np.uint32)
+def _bit(tokens: np.ndarray) -> np.ndarray:
+    return np.uint32(1) << (tokens & 31).astype(np.uint32)
