@@ -58,13 +58,15 @@ def test_the_words_keep_what_step_two_keeps(vocab: int) -> None:
 
 
 def test_rows_with_the_same_lists_share_one_mask_row() -> None:
-    """min_tokens' stop ids on every row of a batch (entries in any order, duplicates included): one mask row, at
-    any B, and the same tokens kept as step 2 keeps."""
+    """min_tokens' stop ids on every other row of a batch (each row's list in either order, the entries in row order
+    or shuffled, duplicates included): one mask row, at any B, and the same tokens kept as step 2 keeps."""
     vocab, num_rows = 151936, 256
     stops = [151643, 151645, 0, 31, 32, 7, 7]
     pairs = [(row, t) for row in range(1, num_rows, 2) for t in (stops if row % 3 else stops[::-1])]
     allowed_pairs = [(row, t) for row in range(1, num_rows, 2) for t in (5, 7, 151643, 40000)]
+    shuffled = [pairs[i] for i in np.random.default_rng(0).permutation(len(pairs))]
     for processing in (LogitProcessing(banned=_entries(pairs)),
+                       LogitProcessing(banned=_entries(shuffled)),
                        LogitProcessing(banned=_entries(pairs), allowed=_entries(allowed_pairs))):
         mask = entry_mask(processing, num_rows, vocab)
         assert mask.num_masks == 1 and mask.rows.tolist() == list(range(1, num_rows, 2))

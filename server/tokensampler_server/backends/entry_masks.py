@@ -75,9 +75,13 @@ def _shared(lists: dict[str, tuple[np.ndarray, np.ndarray]], rows: np.ndarray,
         counts = np.bincount(entry_rows, minlength=num_rows)[rows]
         if (counts != counts[0]).any():  # a row without this kind's list differs too
             return None
-        grid = tokens[np.lexsort((tokens, entry_rows))].reshape(rows.size, counts[0])
+        if (entry_rows[1:] < entry_rows[:-1]).any():  # validation writes rows in order: no sort of every entry
+            tokens = tokens[np.argsort(entry_rows, kind="stable")]
+        grid = tokens.reshape(rows.size, counts[0])
         if (grid != grid[0]).any():
-            return None
+            grid = np.sort(grid, axis=1)  # the same lists in another order
+            if (grid != grid[0]).any():
+                return None
         shared[name] = grid[0]
     return shared
 
