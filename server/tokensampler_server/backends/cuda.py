@@ -85,14 +85,16 @@ ROUTES = [
     Route("k > 255 with top-p (and min-p), one sample; processed log-probs", ("stats_kernel", "filter_kernel"),
           "two reads a sample, and each row's cut bins re-read by one block (radix passes when a bin holds more "
           "than 4096 tokens): 2.1-4.7x the top-k 50 call, 105-670 us a call at B = 1-256"),
-    Route("rows with a token bitmask (structured output)",
+    Route("rows with a token bitmask (structured output), or with allowed or banned lists (min_tokens' bans) as "
+          "their only processing",
           ("the route of the rows' parameters", "apply_bitmask_kernel beside other processing"),
           "without other processing, the same kernels, each reading the mask with the logits (1/32 more bytes at "
-          "fp32): benchmarks/bench_structured.py"),
+          "fp32): 0.92-1.07x the unmasked call at B = 1-256 (benchmarks/bench_structured.py); lists become mask "
+          "rows on the host, one a distinct list"),
     Route("rows with top-n-sigma, typical-p or XTC (the local samplers), before the route of their parameters",
           LocalSamplerKernels.kernel_names,
           "in place on the processing copy, from per-row float64 statistics: top-n-sigma two reads, XTC one, "
-          "typical-p three (no sort of the row); a whole call 2.8-5.8x the top-k 50 + top-p 0.9 call"),
+          "typical-p three (no sort of the row); a whole call 2.3-4.7x the top-k 50 + top-p 0.9 call"),
     Route("rows a fast kernel cannot settle (z-ties past the top-k list, overflowing candidates)",
           ("stats_kernel", "filter_kernel"),
           "the exact filter again after the call's synchronisation (a prepared call: on the device, right after "
