@@ -137,6 +137,22 @@ def test_every_n_gram_size_up_to_the_sequence_length() -> None:
         _assert_same(_processed(_validated(1, 6, **params)), want)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_bans_alone_compare_as_many_columns_as_the_longest_n(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """no-repeat-n-gram without DRY: rows of different n (and rows without it) give the reference's bans while every
+    window is compared over the largest n columns only (n - 1 tokens and the sentinel), not HALO."""
+    columns: list[int] = []
+    original = sequence_samplers._repeats
+    monkeypatch.setattr(sequence_samplers, "_repeats",
+                        lambda tokens, suffix, width: columns.append(suffix.shape[1]) or original(tokens, suffix, width))
+    monkeypatch.setattr(sequence_samplers, "_CHUNK_POSITIONS", 3000)
+    params, sequences = _case(200 + seed, rows=8, vocab=6, longest=2000)
+    params["dry_multiplier"] = [0.0] * 8
+    _assert_same(_processed(_validated(8, 6, **params)), _expected(params, sequences, 6))
+    longest = max(params["no_repeat_ngram_size"])
+    assert columns == ([longest] if longest else [])
+
+
 def test_rows_taken_apart_merged_and_repeated_keep_their_answers() -> None:
     """select_rows (the CPU backend's chunks), merge_batches (server batching: tiles of other widths and other
     single breakers) and repeated rows (a diffusion step's positions) each give a row what it had alone."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokensampler_server.model.repetition import HALO, SequenceSamplers, TileLayout
+from tokensampler_server.model.repetition import HALO, NGRAM_OFF, PAD_SUFFIX, SequenceSamplers, TileLayout
 
 _CHUNK_POSITIONS = 1 << 20
 """Positions compared at once: a bool temporary of HALO bytes each (51 MiB)."""
@@ -31,9 +31,9 @@ class Derived:
 
 
 def _repeats(tokens: torch.Tensor, suffix: torch.Tensor, width: int) -> torch.Tensor:
-    """int64 [U, width]: the repeat of every position, the first column of tokens[i+1 : i+1+HALO] that differs from
-    the suffix (the last one always does)."""
-    windows = tokens.unfold(1, HALO, 1)[:, 1:width + 1]  # [U, width, HALO], a view
+    """int64 [U, width]: the repeat of every position, the first column of tokens[i+1 : i+1+C] that differs from
+    the suffix of C <= HALO columns (its last, a sentinel, always does)."""
+    windows = tokens.unfold(1, HALO, 1)[:, 1:width + 1, :suffix.shape[1]]  # [U, width, C], a view
     suffix = suffix.unsqueeze(1)
     per_chunk = max(1, _CHUNK_POSITIONS // width)
     if windows.shape[0] <= per_chunk:
@@ -52,7 +52,10 @@ def derive(samplers: SequenceSamplers, vocab_size: int, device: torch.device) ->
     width = layout.width
     tokens = tiles[:, layout.tokens:]
     current = tokens[:, :width]  # the token at each position
-    repeat = _repeats(tokens, tiles[:, TileLayout.SUFFIX:TileLayout.TABLE], width)
+    suffix = tiles[:, TileLayout.SUFFIX:TileLayout.TABLE]
+    if not samplers.penalties:
+        suffix = _capped(suffix, _longest_need(samplers))
+    repeat = _repeats(tokens, suffix, width)
     banned = penalty = None
     if samplers.bans:
         banned = (repeat >= tiles[:, TileLayout.NEED:TileLayout.NEED + 1]) & (current >= 0)
@@ -76,6 +79,21 @@ def derive(samplers: SequenceSamplers, vocab_size: int, device: torch.device) ->
         penalty = None if penalty is None else penalty[tile]
     index = current.clamp(min=0) + rows.long().mul_(vocab_size).unsqueeze(1)
     return Derived(index, banned, penalty)
+
+
+def _longest_need(samplers: SequenceSamplers) -> int:
+    """The largest n - 1 of the tiles that ban (no-repeat-n-gram)."""
+    need = samplers.tiles[:, TileLayout.NEED]
+    return int(need[need < NGRAM_OFF].max())
+
+
+def _capped(suffix: torch.Tensor, columns: int) -> torch.Tensor:
+    """The suffix's first `columns` entries and the sentinel: repeats stop counting at `columns`. no-repeat-n-gram
+    alone asks only whether a repeat reaches n - 1, so it compares n columns of every window, not HALO (51); a tile
+    that does not ban needs NGRAM_OFF, which no capped repeat reaches."""
+    capped = suffix[:, :columns + 1].clone()
+    capped[:, columns] = PAD_SUFFIX
+    return capped
 
 
 def apply_bans(x: torch.Tensor, derived: Derived) -> torch.Tensor:
