@@ -103,7 +103,7 @@ struct TopShared {
   uint64_t acc[kScoreMaxTop];
 };
 
-// This block's top n (z desc, id asc; absolute ids) into list[0, n). The threshold is the n-th largest of the
+// This block's top n (x desc, id asc; absolute ids) into list[0, n). The threshold is the n-th largest of the
 // threads' best keys, so exactly n threads hold the tokens that reach it: at most 32 n candidates, ranked in
 // shared memory. Tokens at -inf count (a row with fewer than n finite logits lists them by id, as the reference).
 __device__ __forceinline__ void block_top(const float (&v)[kGroupsPerThread][4], int64_t g0, int64_t width,

@@ -26,7 +26,7 @@ typedef struct {
   int32_t top_n;            /* 0 .. TS_SCORE_MAX_TOP */
   float* logprob;           /* [num_rows] */
   float* entropy;           /* [num_rows] or NULL */
-  int64_t* top_ids;         /* [num_rows, top_n] when top_n > 0: (log-prob desc, id asc); -1 on rows not valid */
+  int64_t* top_ids;         /* [num_rows, top_n] when top_n > 0: (x desc, id asc: log-prob order, ties of x by id); -1 on rows not valid */
   float* top_values;        /* [num_rows, top_n] */
 } TsScoreRows;
 

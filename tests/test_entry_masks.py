@@ -102,6 +102,15 @@ def test_lists_beside_other_processing_keep_the_torch_path(processing: LogitProc
     assert entry_mask(processing, 1, 64) is None
 
 
+def test_a_history_without_penalty_values_changes_nothing_and_keeps_the_route() -> None:
+    """An engine that sends every row's history (for penalties it may turn on later) with min_tokens alone: the
+    history changes no logit (step 4 without values), so the bans still take the bitmask rows."""
+    banned, history = _entries([(0, 1)]), _entries([(0, 2), (0, 3)])
+    assert entry_mask(LogitProcessing(banned=banned, output_tokens=history, prompt_tokens=history), 1, 64) is not None
+    with_values = LogitProcessing(banned=banned, output_tokens=history, frequency_penalty=torch.ones(1))
+    assert entry_mask(with_values, 1, 64) is None
+
+
 def test_distinct_lists_on_more_rows_than_the_budget_keep_the_torch_path() -> None:
     vocab = 151936
     fits = MAX_BYTES // (4 * words_of(vocab))

@@ -148,9 +148,12 @@ def test_bans_alone_compare_as_many_columns_as_the_longest_n(seed: int, monkeypa
     monkeypatch.setattr(sequence_samplers, "_CHUNK_POSITIONS", 3000)
     params, sequences = _case(200 + seed, rows=8, vocab=6, longest=2000)
     params["dry_multiplier"] = [0.0] * 8
+    longest_row = max(range(8), key=lambda row: len(sequences[row]))
+    assert len(sequences[longest_row]) >= 5
+    params["no_repeat_ngram_size"] = [n if row != longest_row else 5 for row, n in
+                                      enumerate(np.random.default_rng(seed).choice([0, 1, 2, 3], 8).tolist())]
     _assert_same(_processed(_validated(8, 6, **params)), _expected(params, sequences, 6))
-    longest = max(params["no_repeat_ngram_size"])
-    assert columns == ([longest] if longest else [])
+    assert columns == [5]  # the largest n - 1 (4) and the sentinel
 
 
 def test_rows_taken_apart_merged_and_repeated_keep_their_answers() -> None:

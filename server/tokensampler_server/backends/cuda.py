@@ -90,7 +90,7 @@ ROUTES = [
           ("the route of the rows' parameters", "apply_bitmask_kernel beside other processing"),
           "without other processing, the same kernels, each reading the mask with the logits (1/32 more bytes at "
           "fp32): 0.92-1.07x the unmasked call at B = 1-256 (benchmarks/bench_structured.py); lists become mask "
-          "rows on the host, one a distinct list"),
+          "rows on the host (one for all when every row's lists are the same)"),
     Route("rows with top-n-sigma, typical-p or XTC (the local samplers), before the route of their parameters",
           LocalSamplerKernels.kernel_names,
           "in place on the processing copy, from per-row float64 statistics: top-n-sigma two reads, XTC one, "

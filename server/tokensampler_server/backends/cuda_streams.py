@@ -16,7 +16,7 @@ __all__ = ["exclusive_stream", "give_back"]
 
 _POOL_STREAMS = 32
 _held: set[int] = set()  # by address
-_lock = threading.Lock()
+_lock = threading.RLock()  # a holder's finalizer may give back inside exclusive_stream (its allocation runs the GC)
 
 
 def exclusive_stream(device: torch.device) -> torch.cuda.Stream:

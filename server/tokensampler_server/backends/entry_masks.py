@@ -3,9 +3,9 @@
 A call whose only processing they are is then read once by the sampling kernels, as a structured-output mask is,
 instead of masking a float32 copy of the logits in torch (a copy, a scatter and their host work: 49-59 us a call at
 B = 1 and 64, V = 151936, on an H200). The words are built on the host, into the pinned stage the call uploads
-anyway. Rows whose lists are the same (min_tokens' stop ids, shared by a batch's requests) share one mask row;
-otherwise each row with lists costs one (4 ceil(V / 32) bytes), and past MAX_BYTES of them the torch path stays
-cheaper than the upload. Device-agnostic numpy; the CUDA backend lays the words out.
+anyway. When every row with lists has the same lists (min_tokens' stop ids, shared by a batch's requests), they
+share one mask row; otherwise each row with lists costs one (4 ceil(V / 32) bytes), and past MAX_BYTES of them the
+torch path stays cheaper than the upload. Device-agnostic numpy; the CUDA backend lays the words out.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _shared(lists: dict[str, tuple[np.ndarray, np.ndarray]], rows: np.ndarray,
         counts = np.bincount(entry_rows, minlength=num_rows)[rows]
         if (counts != counts[0]).any():  # a row without this kind's list differs too
             return None
-        if (entry_rows[1:] < entry_rows[:-1]).any():  # validation writes rows in order: no sort of every entry
+        if (entry_rows[1:] < entry_rows[:-1]).any():  # a request's one list comes in row order: no sort then
             tokens = tokens[np.argsort(entry_rows, kind="stable")]
         grid = tokens.reshape(rows.size, counts[0])
         if (grid != grid[0]).any():
@@ -88,8 +88,8 @@ def _shared(lists: dict[str, tuple[np.ndarray, np.ndarray]], rows: np.ndarray,
 
 def fill_mask_words(words: np.ndarray, mask: EntryMask) -> None:
     """words (int32 [mask.num_masks, W]) become the mask rows (docs/semantics.md, choice 17): all ones, only the
-    allowed tokens where the lists have allowed entries, less the banned tokens. Bits past V stay set; the kernels
-    ignore them."""
+    allowed tokens where the lists have allowed entries, less the banned tokens. Bits past V are left as the lists
+    leave them; the kernels ignore them."""
     bits = words.view(np.uint32)
     bits.fill(0xFFFFFFFF)
     flat = bits.reshape(-1)

@@ -15,7 +15,7 @@ import torch
 from tokensampler_server.model.repetition import HALO, NGRAM_OFF, PAD_SUFFIX, SequenceSamplers, TileLayout
 
 _CHUNK_POSITIONS = 1 << 20
-"""Positions compared at once: a bool temporary of HALO bytes each (51 MiB)."""
+"""Positions compared at once: a bool temporary of up to HALO bytes each (51 MiB)."""
 
 
 @dataclass(frozen=True)

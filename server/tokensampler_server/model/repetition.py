@@ -32,7 +32,7 @@ MAX_DRY_WINDOW = 8192
 MAX_SEQUENCE_READS = 1 << 20
 """Sequence tokens DRY (its windows) and no-repeat-n-gram (whole sequences) read in one request, all rows together:
 what validation lays out in tiles, and what a backend uploads (4 bytes a token, and the tiles' settings) and
-compares HALO times on every call."""
+compares up to HALO times on every call."""
 DRY_MAX_REPEAT = 50
 """Repeats count at most this many tokens (text-generation-webui's cap; docs/semantics.md L3)."""
 

@@ -79,6 +79,7 @@ _TRUNCATION_COLUMNS = ("top_n_sigma", "typical_p", "xtc_threshold", "xtc_probabi
 
 
 _ENTRY_FIELDS = ("allowed", "banned", "bias", "output_tokens", "prompt_tokens")
+_HISTORY_FIELDS = ("output_tokens", "prompt_tokens")
 _BITMASK_ONLY = frozenset({"token_bitmask"})
 
 
@@ -114,15 +115,18 @@ class LogitProcessing:
     need not mask at all; the masks are the same either way."""
 
     def changes_beyond(self, fields: frozenset[str]) -> bool:
-        """Whether anything but these fields (of this class) changes a logit: a token bitmask, a token list with
-        entries (the penalties' values without a history change nothing), the sequence samplers or a local sampler.
-        Reads the fields, builds nothing: it runs on every processed call."""
+        """Whether anything but these fields changes a logit. `fields` may name token_bitmask and the token lists
+        (allowed, banned, bias, output_tokens, prompt_tokens); the sequence samplers and the local samplers always
+        count. A history changes nothing without a penalty's values, nor the values without a history. Reads the
+        fields, builds nothing: it runs on every processed call."""
         if self.truncation is not None or self.sequence_samplers is not None:
             return True
         if self.token_bitmask is not None and "token_bitmask" not in fields:
             return True
-        return any(name not in fields and (entries := getattr(self, name)) is not None and len(entries)
-                   for name in _ENTRY_FIELDS)
+        penalised = any(value is not None for value in (self.repetition_penalty, self.presence_penalty,
+                                                        self.frequency_penalty))
+        return any(name not in fields and (penalised or name not in _HISTORY_FIELDS)
+                   and (entries := getattr(self, name)) is not None and len(entries) for name in _ENTRY_FIELDS)
 
     def without_bitmask(self) -> LogitProcessing | None:
         """This processing less its token bitmask; None when nothing else is left that changes a logit."""

@@ -59,7 +59,8 @@ class ScoreKernels:
         self.module = module
         self.chunk_bytes = chunk_bytes
         self._side = exclusive_stream(device)  # never one a colocated loop blocks
-        weakref.finalize(self, give_back, self._side)  # the pool has 32: a dropped scorer must not keep one
+        # The pool has 32: a dropped scorer must not keep one. Work it left queued runs before the next holder's.
+        weakref.finalize(self, give_back, self._side)
         self._counters = torch.zeros(0, dtype=torch.int32, device=device)
         self._scratch = torch.empty(0, dtype=torch.uint8, device=device)
         self._state = torch.empty(0, dtype=torch.uint8, device=device)
