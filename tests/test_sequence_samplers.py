@@ -143,8 +143,8 @@ def test_bans_alone_compare_as_many_columns_as_the_longest_n(seed: int, monkeypa
     window is compared over the largest n columns only (n - 1 tokens and the sentinel), not HALO."""
     columns: list[int] = []
     original = sequence_samplers._repeats
-    monkeypatch.setattr(sequence_samplers, "_repeats",
-                        lambda tokens, suffix, width: columns.append(suffix.shape[1]) or original(tokens, suffix, width))
+    monkeypatch.setattr(sequence_samplers, "_repeats", lambda tokens, suffix, width: columns.append(
+        suffix.shape[1]) or original(tokens, suffix, width))
     monkeypatch.setattr(sequence_samplers, "_CHUNK_POSITIONS", 3000)
     params, sequences = _case(200 + seed, rows=8, vocab=6, longest=2000)
     params["dry_multiplier"] = [0.0] * 8
