@@ -295,3 +295,31 @@ def test_many_dry_sequence_breakers_are_decoded_off_the_event_loop() -> None:
     shared.params.dry_sequence_breakers.lengths.extend([8] * 32)  # 256 ids given once, laid out for every row
     shared.params.dry_sequence_breakers.ids.extend([1] * 256)
     assert 256 * rows > OFF_LOOP_ENTRIES and heavy_token_lists(shared)
+
+
+@pytest.mark.parametrize("kind", ["lengths", "counts"])
+def test_breaker_sizes_are_refused_from_their_counts_before_any_is_read(kind: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """5M breaker lengths (and no ids) were converted to an array on the event loop before any size check (50M: 25 s
+    and 5 GB for one 200 MB request). Their number alone now refuses them: nothing that long is converted."""
+    from tokensampler_server.validation import samplers
+    from tokensampler_server.validation.sample import heavy_token_lists
+
+    class _NoLongArrays:
+        def __getattr__(self, name: str) -> object:
+            return getattr(np, name)
+
+        def asarray(self, values, *args, **kwargs):  # noqa: ANN001, ANN201 - numpy's own signature
+            assert len(values) < 1_000_000, "a client-sized list was converted before its size was checked"
+            return np.asarray(values, *args, **kwargs)
+
+    monkeypatch.setattr(samplers, "np", _NoLongArrays())
+    request = build_sample_request(torch.zeros(2, 16), seed=1, dry_multiplier=1.0)
+    breakers = request.params.dry_sequence_breakers
+    breakers.lengths.extend([0] * 5_000_000)
+    if kind == "counts":
+        breakers.counts.extend([2_500_000, 2_500_000])
+    assert not heavy_token_lists(request)  # decoded on the event loop
+    with pytest.raises(InvalidArgument) as err:
+        validate_sample_request(request, Limits())
+    assert err.value.field == "params.dry_sequence_breakers.lengths" and "at most 32" in str(err.value)

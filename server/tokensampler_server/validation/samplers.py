@@ -43,23 +43,29 @@ def decode_breakers(message: pb.TokenSequences, num_rows: int) -> DecodedBreaker
         if num_counts not in (0, num_rows):
             raise InvalidArgument(f"{_BREAKERS}.counts", f"got {num_counts} values, expected 0 or B={num_rows}")
         return None
+    # The sizes first, from the counts alone: converting tens of millions of lengths held the event loop for seconds.
+    if num_counts not in (0, num_rows):
+        raise InvalidArgument(f"{_BREAKERS}.counts", f"got {num_counts} values, expected 0 or B={num_rows}")
+    most = MAX_BREAKERS * (num_rows if num_counts else 1)
+    if num_breakers > most:
+        raise InvalidArgument(f"{_BREAKERS}.lengths", f"got {num_breakers} breakers, expected at most {MAX_BREAKERS}"
+                                                      + (f" per row ({most} for B={num_rows})" if num_counts else ""))
+    if num_ids > MAX_BREAKER_LENGTH * num_breakers:
+        raise InvalidArgument(f"{_BREAKERS}.lengths", f"got {num_ids} ids in {num_breakers} breakers, expected "
+                                                      f"breakers of 1 to {MAX_BREAKER_LENGTH} ids")
     lengths = np.asarray(message.lengths, dtype=np.int64)
     check(lengths, (lengths >= 1) & (lengths <= MAX_BREAKER_LENGTH), f"{_BREAKERS}.lengths",
           f"breakers of 1 to {MAX_BREAKER_LENGTH} ids")
     if int(lengths.sum()) != num_ids:
         raise InvalidArgument(f"{_BREAKERS}.lengths", f"sum is {int(lengths.sum())}, expected len(ids)={num_ids}")
     if num_counts == 0:
-        if num_breakers > MAX_BREAKERS:
-            raise InvalidArgument(f"{_BREAKERS}.lengths", f"got {num_breakers} breakers, expected at most {MAX_BREAKERS}")
         first, count = np.zeros(num_rows, dtype=np.int64), np.full(num_rows, num_breakers, dtype=np.int64)
-    elif num_counts == num_rows:
+    else:
         count = np.asarray(message.counts, dtype=np.int64)
         check(count, count <= MAX_BREAKERS, f"{_BREAKERS}.counts", f"at most {MAX_BREAKERS} breakers per row")
         if int(count.sum()) != num_breakers:
             raise InvalidArgument(f"{_BREAKERS}.counts", f"sum is {int(count.sum())}, expected len(lengths)={num_breakers}")
         first = np.cumsum(count) - count
-    else:
-        raise InvalidArgument(f"{_BREAKERS}.counts", f"got {num_counts} values, expected 0 or B={num_rows}")
     ids = np.asarray(message.ids, dtype=np.int64)
     return DecodedBreakers(Breakers.build(ids, lengths, first, count), int(ids.min()), int(ids.max()), ids)
 
