@@ -10,6 +10,7 @@ import tracemalloc
 from collections.abc import AsyncIterator
 from multiprocessing import shared_memory
 
+import pytest
 import torch
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.params import build_sample_request
@@ -80,10 +81,12 @@ async def _over_a_segment(size: int) -> AsyncIterator[tuple[SampleRpc, RegionReg
         segment.unlink()
 
 
-def test_references_into_shared_memory_count_the_bytes_they_read() -> None:
+@pytest.mark.parametrize("padding", [b"", b"\xc2\x3e\x80\x40" + b"\0" * 8192], ids=["small", "padded"])
+def test_references_into_shared_memory_count_the_bytes_they_read(padding: bytes) -> None:
     """Messages of a few bytes that each reference 1 MiB of a shared-memory region: their start reads that MiB
     into the server, so the window counts it, and an unread stream stops being read at the same bound. Its
-    sampled messages hold the region no longer than their batch."""
+    sampled messages hold the region no longer than their batch. Padded with 8 KiB of an unknown field, they are
+    counted the same (a size limit on the messages looked into let padded ones through uncounted)."""
     size = MESSAGE_ROWS * VOCAB * 4
     read = 0
 
@@ -91,7 +94,7 @@ def test_references_into_shared_memory_count_the_bytes_they_read() -> None:
         nonlocal read
         request = build_sample_request(logits=torch.zeros(1, 1), seed=[1])
         request.logits_ref.CopyFrom(pb.TensorRef(region="r", dtype=pb.DTYPE_FLOAT32, shape=[MESSAGE_ROWS, VOCAB]))
-        message = request.SerializeToString()
+        message = request.SerializeToString() + padding
         while True:
             read += 1
             yield message
@@ -106,7 +109,7 @@ def test_references_into_shared_memory_count_the_bytes_they_read() -> None:
                 if read == previous and batcher.idle:
                     break
                 previous = read
-            bound = STREAM_BYTES_IN_FLIGHT // size
+            bound = STREAM_BYTES_IN_FLIGHT // (size + len(padding))
             assert bound <= read <= bound + 2, (read, bound)
             # Sampled and unanswered, the messages no longer hold the region: it can be unregistered meanwhile.
             assert regions.in_flight(regions.list()[0]) == 0

@@ -27,6 +27,7 @@ from tokensampler_client.tensors import encode_tensor
 
 from tokensampler_server.batching.batcher import BatchTimes, DynamicBatcher
 from tokensampler_server.rpc.call_record import CallRecord, current_message_tracer
+from tokensampler_server.rpc.input_scan import UnusualWire, input_of
 from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument, ServiceError, failure_status, unparsable
 from tokensampler_server.resources.leases import Lease
@@ -47,20 +48,18 @@ from tokensampler_server.validation.sample import (
 from tokensampler_server.resources.weights import WeightRegistry
 
 STREAM_METHOD = "tokensampler.v1.Sampler/SampleStream"
-_SMALL_MESSAGE_BYTES = 4096
-"""A stream message at most this large may be a reference into a region, whose bytes its start reads."""
-
-
 def _message_bytes(message: bytes | pb.SampleRequest, regions: RegionRegistry) -> int:
     """What a stream message holds in the server once begun: its own bytes, and the bytes of an input it references
-    in a shared-memory region (read into memory when the message starts)."""
+    in a shared-memory region (read into memory when the message starts). Its input is found without parsing the
+    rest (input_scan.py)."""
     size = len(message) if isinstance(message, bytes) else message.ByteSize()
-    if size > _SMALL_MESSAGE_BYTES:
-        return size
     try:
-        request = as_request(message)
-    except ServiceError:
-        return size  # its start answers that it does not parse
+        request = input_of(message) if isinstance(message, bytes) else message
+    except (UnusualWire, DecodeError):
+        try:
+            request = as_request(message)
+        except ServiceError:
+            return size  # its start answers that it does not parse
     ref, _ = _input_ref(request)
     if ref is None or not regions.copied(ref.region):
         return size
