@@ -1,13 +1,12 @@
-"""rpc/input_scan.py: a serialized SampleRequest's input reference, found by walking its top-level fields, is the one
-protobuf's own parse gives (the oneof's last case wins, a message field's occurrences merge), whatever the size of
-the message and of its other fields; and a stream message padded past any size still counts the region bytes its
-input references."""
+"""rpc/input_scan.py: a serialized SampleRequest's head, found by walking its top-level fields, has the input and the
+answer-sizing fields that protobuf's own parse gives (the oneof's last case wins, a message field's occurrences
+merge), whatever the size of the message and of its other fields, with its tensors' data left out."""
 
 from __future__ import annotations
 
 import pytest
 from tokensampler_client._proto import sampler_pb2 as pb
-from tokensampler_server.rpc.input_scan import UnusualWire, input_of
+from tokensampler_server.rpc.input_scan import UnusualWire, head_of
 
 REF = pb.TensorRef(region="r", offset=64, dtype=pb.DTYPE_FLOAT32, shape=[2, 1 << 20])
 ROWS = pb.RowsRef(region="q", dtype=pb.DTYPE_BFLOAT16, row_offsets=[0, 4096], row_size=2048)
@@ -24,14 +23,15 @@ def _field(number: int, payload: bytes) -> bytes:
     return varint(number << 3 | 2) + varint(len(payload)) + payload
 
 
-def _input(request: pb.SampleRequest) -> tuple[str | None, bytes]:
+def _head(request: pb.SampleRequest) -> tuple:
+    """What the head must keep: the input's case, its reference or shape, and the answer's sizes."""
     kind = request.WhichOneof("input")
-    if kind == "hidden":
-        return ("hidden.states_ref", request.hidden.states_ref.SerializeToString()) \
-            if request.hidden.HasField("states_ref") else (None, b"")
-    if kind in ("logits_ref", "logits_rows"):
-        return kind, getattr(request, kind).SerializeToString()
-    return None, b""
+    shape = {"logits": lambda: list(request.logits.shape), "hidden": lambda: (
+        list(request.hidden.states.shape), request.hidden.states_ref.SerializeToString()),
+        "logits_ref": lambda: request.logits_ref.SerializeToString(),
+        "logits_rows": lambda: request.logits_rows.SerializeToString()}.get(kind, lambda: None)()
+    return (kind, shape, request.HasField("num_samples"), request.num_samples, request.return_logprobs,
+            request.top_logprobs)
 
 
 LOGITS = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 4], data=b"\0" * 16).SerializeToString()
@@ -52,19 +52,27 @@ CASES = {
     + _field(3, pb.TensorRef(region="s", shape=[1, 1]).SerializeToString()),
     "hidden in two parts": _field(2, pb.HiddenStates(states_ref=pb.TensorRef(region="r")).SerializeToString())
     + _field(2, pb.HiddenStates(weights="w", states_ref=pb.TensorRef(shape=[4, 8])).SerializeToString()),
-    "hidden states carried": pb.SampleRequest(hidden=pb.HiddenStates(states=pb.Tensor(data=b"\0" * 9000)))
+    "hidden states carried": pb.SampleRequest(hidden=pb.HiddenStates(states=pb.Tensor(shape=[3, 3000],
+                                                                                 data=b"\0" * 9000)))
     .SerializeToString(),
+    "answer sizes": pb.SampleRequest(logits=pb.Tensor(shape=[4096, 1], data=b"\0" * 8192), num_samples=64,
+                                     return_logprobs=True, top_logprobs=20).SerializeToString(),
+    "answer sizes twice": pb.SampleRequest(num_samples=3, top_logprobs=2).SerializeToString()
+    + pb.SampleRequest(num_samples=7).SerializeToString(),
     "empty": b"",
 }
 
 
 @pytest.mark.parametrize("message", list(CASES.values()), ids=list(CASES))
-def test_the_input_found_is_protobufs_own(message: bytes) -> None:
-    assert _input(input_of(message)) == _input(pb.SampleRequest.FromString(message))
+def test_the_head_found_is_protobufs_own(message: bytes) -> None:
+    head = head_of(message)
+    assert _head(head) == _head(pb.SampleRequest.FromString(message))
+    assert not head.logits.data and not head.hidden.states.data and not head.HasField("params")
+    assert head.ByteSize() < 1000
 
 
 @pytest.mark.parametrize("message", [b"\x0b\x0c", b"\x1a\x05ab", b"\x80", b"\x08"],
                          ids=["a group", "a length past the end", "a cut varint", "a varint field cut"])
 def test_unusual_wire_is_left_to_a_whole_parse(message: bytes) -> None:
     with pytest.raises(UnusualWire):
-        input_of(message)
+        head_of(message)

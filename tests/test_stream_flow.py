@@ -64,6 +64,41 @@ def test_a_stream_is_not_read_past_its_bytes_in_flight() -> None:
     asyncio.run(run())
 
 
+def test_a_stream_is_not_read_past_the_answers_it_holds() -> None:
+    """Small messages with large answers (4096 rows of 64 samples with log-probs: 8 KiB asked, 3 MiB answered) never
+    read: the window counts each answer as its message is read, so an unread stream holds a few answers, not 64
+    (48 such streams used to hold 6.4 GB)."""
+    request = build_sample_request(logits=torch.zeros(4096, 1, dtype=torch.float16), seed=1, num_samples=64,
+                                   return_logprobs=True)
+    message = request.SerializeToString()
+    answer = 4096 * (64 * 12 + 10)
+    bound = STREAM_BYTES_IN_FLIGHT // (len(message) + answer)
+    read = 0
+
+    async def requests():  # noqa: ANN202 - an endless client stream
+        nonlocal read
+        while True:
+            read += 1
+            yield message
+
+    async def run() -> None:
+        batcher = DynamicBatcher(CpuBackend(), max_batch_rows=4096)
+        path = SampleRpc(Limits(), batcher, WeightRegistry(torch.device("cpu")), RegionRegistry(), None)
+        answers = path.stream(requests(), "s")
+        await answers.__anext__()
+        previous = -1
+        for _ in range(600):
+            await asyncio.sleep(0.05)
+            if read == previous and batcher.idle:
+                break
+            previous = read
+        assert bound <= read <= bound + 2, (read, bound)
+        await answers.aclose()
+        await batcher.close()
+
+    asyncio.run(run())
+
+
 @contextlib.asynccontextmanager
 async def _over_a_segment(size: int) -> AsyncIterator[tuple[SampleRpc, RegionRegistry, DynamicBatcher]]:
     """A CPU SampleRpc whose region "r" is a shared-memory segment of `size` bytes; all closed after."""

@@ -1,55 +1,74 @@
-"""The input of a serialized SampleRequest, found without parsing its payload.
+"""What a serialized SampleRequest holds in the server once begun, found without parsing its payload.
 
-A stream message is counted against its stream's window as it arrives, with the region bytes its input references
-(read into the server when it starts). Parsing a large message to look costs its copy on the event loop (a 64 MiB
-message: 39 ms), and trusting a large message to hold no reference let one padded past the size limit reference
-32 MiB each uncounted (2.5 GB for one stream). So the top-level fields are walked by their tags and lengths, and
-only the input's own reference (a few bytes) is parsed, with protobuf's rules: the oneof's last case wins and the
-occurrences of a message field since then merge.
+A stream message is counted against its stream's window as it arrives: its own bytes, the region bytes its input
+references (read into the server when it starts) and the answer it will hold until the client reads it. Parsing a
+large message to look costs its copy on the event loop (a 64 MiB message: 39 ms), and trusting a large message to
+hold no reference let one padded past the size limit reference 32 MiB each uncounted (2.5 GB for one stream). So
+the top-level fields are walked by their tags and lengths, and only a head is parsed: the input (its tensors'
+data left out) and the counts that size the answer, with protobuf's own rules (the oneof's last case wins, the
+occurrences of a message field merge), since the head keeps those fields' occurrences in order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from tokensampler_client._proto import sampler_pb2 as pb
 
-# Field numbers of sampler.proto: SampleRequest's input oneof, and HiddenStates.states_ref.
+# Field numbers of sampler.proto. SampleRequest: the input oneof, and what sizes the answer.
 _LOGITS, _HIDDEN, _LOGITS_REF, _LOGITS_ROWS = 1, 2, 3, 10
-_STATES_REF = 3
-_INPUT_CASES = (_LOGITS, _HIDDEN, _LOGITS_REF, _LOGITS_ROWS)
+_NUM_SAMPLES, _RETURN_LOGPROBS, _TOP_LOGPROBS = 5, 6, 8
+_HEAD = {_LOGITS, _HIDDEN, _LOGITS_REF, _LOGITS_ROWS, _NUM_SAMPLES, _RETURN_LOGPROBS, _TOP_LOGPROBS}
+_TENSOR_DATA = 3  # Tensor.data
+_HIDDEN_STATES = 1  # HiddenStates.states, a Tensor
 
 
 class UnusualWire(ValueError):
     """A field of a wire type the walk does not skip (a group), or a length past the message: parse it whole."""
 
 
-def input_of(message: bytes) -> pb.SampleRequest:
-    """A SampleRequest holding only the message's input reference (logits_ref, logits_rows or hidden.states_ref),
-    empty when its input is none. Raises UnusualWire where only a whole parse can tell."""
-    case, parts = 0, []
-    for number, payload in _fields(message):
-        if number in _INPUT_CASES:
-            if number != case:
-                case, parts = number, []
-            parts.append(payload)
-    if case == _LOGITS_REF:
-        return pb.SampleRequest(logits_ref=pb.TensorRef.FromString(b"".join(parts)))
-    if case == _LOGITS_ROWS:
-        return pb.SampleRequest(logits_rows=pb.RowsRef.FromString(b"".join(parts)))
-    if case == _HIDDEN:
-        refs = [ref for part in parts for number, ref in _fields(part) if number == _STATES_REF]
-        if refs:
-            return pb.SampleRequest(hidden=pb.HiddenStates(states_ref=pb.TensorRef.FromString(b"".join(refs))))
-    return pb.SampleRequest()
+def head_of(message: bytes) -> pb.SampleRequest:
+    """The message's input and answer-sizing fields, its tensors' data left out (empty data). Raises UnusualWire
+    where only a whole parse can tell."""
+    head = bytearray()
+    for number, wire, whole, payload in _fields(message):
+        if number not in _HEAD:
+            continue
+        if wire == 2 and number == _LOGITS:
+            head += _delimited(number, _without(payload, _TENSOR_DATA))
+        elif wire == 2 and number == _HIDDEN:
+            head += _delimited(number, _hidden_without_data(payload))
+        else:
+            head += whole
+    return pb.SampleRequest.FromString(bytes(head))
 
 
-def _fields(message: bytes | memoryview):  # noqa: ANN202 - a generator of (field number, payload)
-    """(field number, payload) of each length-delimited field at this level, in order, the payload a view (nothing
-    copied); fields of other wire types skipped."""
+def _hidden_without_data(hidden: memoryview) -> bytes:
+    out = bytearray()
+    for number, wire, whole, payload in _fields(hidden):
+        out += _delimited(number, _without(payload, _TENSOR_DATA)) if wire == 2 and number == _HIDDEN_STATES else whole
+    return bytes(out)
+
+
+def _without(message: memoryview, dropped: int) -> bytes:
+    """The message's fields but those numbered `dropped`."""
+    return b"".join(bytes(whole) for number, _, whole, _ in _fields(message) if number != dropped)
+
+
+def _delimited(number: int, payload: bytes) -> bytes:
+    return _encode_varint(number << 3 | 2) + _encode_varint(len(payload)) + payload
+
+
+def _fields(message: bytes | memoryview) -> Iterator[tuple[int, int, memoryview, memoryview | None]]:
+    """(field number, wire type, the field's bytes, its payload for a length-delimited field) at this level, in
+    order; views of the message, nothing copied."""
     view = memoryview(message)
     at, end = 0, len(view)
     while at < end:
+        start = at
         key, at = _varint(view, at)
         number, wire = key >> 3, key & 7
+        payload = None
         if wire == 0:
             _, at = _varint(view, at)
         elif wire == 1:
@@ -58,14 +77,13 @@ def _fields(message: bytes | memoryview):  # noqa: ANN202 - a generator of (fiel
             at += 4
         elif wire == 2:
             length, at = _varint(view, at)
-            if at + length > end:
-                raise UnusualWire("a length past the message")
-            yield number, view[at:at + length]
+            payload = view[at:at + length]
             at += length
         else:
             raise UnusualWire(f"wire type {wire}")
-    if at != end:
-        raise UnusualWire("a field past the message")
+        if at > end:
+            raise UnusualWire("a field past the message")
+        yield number, wire, view[start:at], payload
 
 
 def _varint(view: memoryview, at: int) -> tuple[int, int]:
@@ -79,3 +97,12 @@ def _varint(view: memoryview, at: int) -> tuple[int, int]:
         if byte < 0x80:
             return value, at
         shift += 7
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)

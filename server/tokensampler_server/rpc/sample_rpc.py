@@ -27,7 +27,7 @@ from tokensampler_client.tensors import encode_tensor
 
 from tokensampler_server.batching.batcher import BatchTimes, DynamicBatcher
 from tokensampler_server.rpc.call_record import CallRecord, current_message_tracer
-from tokensampler_server.rpc.input_scan import UnusualWire, input_of
+from tokensampler_server.rpc.input_scan import UnusualWire, head_of
 from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument, ServiceError, failure_status, unparsable
 from tokensampler_server.resources.leases import Lease
@@ -41,6 +41,7 @@ from tokensampler_server.validation.sample import (
     LOGITS_DTYPES,
     DecodedLists,
     check_rows_shape,
+    declared_rows,
     decode_token_lists,
     heavy_token_lists,
     validate_sample_request,
@@ -48,22 +49,33 @@ from tokensampler_server.validation.sample import (
 from tokensampler_server.resources.weights import WeightRegistry
 
 STREAM_METHOD = "tokensampler.v1.Sampler/SampleStream"
-def _message_bytes(message: bytes | pb.SampleRequest, regions: RegionRegistry) -> int:
-    """What a stream message holds in the server once begun: its own bytes, and the bytes of an input it references
-    in a shared-memory region (read into memory when the message starts). Its input is found without parsing the
-    rest (input_scan.py)."""
+def _message_bytes(message: bytes | pb.SampleRequest, regions: RegionRegistry, limits: Limits) -> int:
+    """What a stream message holds in the server once begun: its own bytes, the bytes of an input it references in
+    a shared-memory region (read into memory when the message starts) and its answer until the client reads it.
+    Found without parsing the rest of the message (input_scan.py)."""
     size = len(message) if isinstance(message, bytes) else message.ByteSize()
     try:
-        request = input_of(message) if isinstance(message, bytes) else message
+        head = head_of(message) if isinstance(message, bytes) else message
     except (UnusualWire, DecodeError):
         try:
-            request = as_request(message)
+            head = as_request(message)
         except ServiceError:
             return size  # its start answers that it does not parse
-    ref, _ = _input_ref(request)
-    if ref is None or not regions.copied(ref.region):
-        return size
-    return size + referenced_bytes(ref)
+    held = size + _answer_bytes(head, limits)
+    ref, _ = _input_ref(head)
+    if ref is not None and regions.copied(ref.region):
+        held += referenced_bytes(ref)
+    return held
+
+
+def _answer_bytes(request: pb.SampleRequest, limits: Limits) -> int:
+    """The most a request's result and answer hold, within the server's limits (an int64 token and a float32
+    log-prob a sample, an id and a log-prob a top log-prob, a seed and the flags a row): 64 samples with log-probs
+    of 4096 rows hold 3 MiB, and a client that does not read its answers used to hold 64 of them a stream."""
+    rows = min(declared_rows(request), limits.max_batch_rows)
+    samples = min(request.num_samples if request.HasField("num_samples") else 1, limits.max_num_samples)
+    top = min(request.top_logprobs, limits.max_top_logprobs)
+    return rows * (samples * (12 if request.return_logprobs else 8) + 12 * top + 10)
 
 
 _READ_ON_LOOP_BYTES = 1 << 20
@@ -351,7 +363,7 @@ class SampleRpc:
             index += 1
             begun = await self._begin(message, record)
             if not isinstance(begun, asyncio.Future):
-                first = _stream_item(record, message, begun, _message_bytes(message, self._regions))
+                first = _stream_item(record, message, begun, _message_bytes(message, self._regions, self._limits))
                 async for answer in self._pipelined(messages, stream_id, index, first):
                     yield answer
                 return
@@ -377,7 +389,7 @@ class SampleRpc:
         async def read() -> None:
             number = index
             async for message in messages:
-                nbytes = _message_bytes(message, self._regions)
+                nbytes = _message_bytes(message, self._regions, self._limits)
                 await window.admit(nbytes)
                 record = self._stream_record(stream_id, number)
                 number += 1

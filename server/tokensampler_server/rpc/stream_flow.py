@@ -2,8 +2,9 @@
 
 While a stream's window is full the server stops reading that stream, so HTTP/2 flow control pushes back on the
 client: a client that never reads its answers holds a bounded share of the server's memory. A window holds at
-most STREAM_MESSAGES_IN_FLIGHT messages and STREAM_BYTES_IN_FLIGHT request bytes, and all windows together at
-most the budget's total (the server's --max-queue-mb); a stream with nothing in flight always takes its next
+most STREAM_MESSAGES_IN_FLIGHT messages and STREAM_BYTES_IN_FLIGHT bytes (each message's own, the region bytes its
+input references and the answer it will hold: sample_rpc._message_bytes), and all windows together at most the
+budget's total (the server's --max-queue-mb); a stream with nothing in flight always takes its next
 message, whatever its size, so that every stream moves on. docs/hardening.md has the measured figures.
 """
 
@@ -16,7 +17,7 @@ STREAM_BYTES_IN_FLIGHT = 16 << 20
 
 
 class StreamBudget:
-    """The request bytes of every stream's begun, unanswered messages."""
+    """The bytes of every stream's begun, unanswered messages."""
 
     def __init__(self, total_bytes: int) -> None:
         self.total_bytes = total_bytes
