@@ -71,6 +71,17 @@ def test_bad_references(client: SamplerClient) -> None:
         with pytest.raises(TokenSamplerError) as raised:  # output of the wrong shape
             client.sample(torch.zeros(2, 8), output_tokens=RegionView("small", 0, torch.int32, (3, 1)))
         assert raised.value.details.startswith("output.tokens.shape")
+        # Log-probs over the tokens' bytes would overwrite them: refused, and apart (even adjacent) they are taken.
+        for offset, refused in ((4, True), (8, False)):
+            outputs = dict(output_tokens=RegionView("small", 0, torch.int32, (2, 1)),
+                           output_logprobs=RegionView("small", offset, torch.float32, (2, 1)), return_logprobs=True)
+            if refused:
+                with pytest.raises(TokenSamplerError) as raised:
+                    client.sample(torch.zeros(2, 8), **outputs)
+                assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT
+                assert raised.value.details.startswith("output.logprobs.offset") and "overlaps" in raised.value.details
+            else:
+                client.sample(torch.zeros(2, 8), **outputs)
         with pytest.raises(ValueError, match="outside"):
             region.view(torch.float32, (2, 200))
         with pytest.raises(TokenSamplerError) as raised:

@@ -177,6 +177,10 @@ class OutputTarget:
     shape: tuple[int, ...]
     field: str
 
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
     def write(self, tensor: torch.Tensor) -> None:
         """Writes `tensor` (of `shape`, converted to `dtype`) there."""
         values = tensor.to(self.dtype).reshape(self.shape)

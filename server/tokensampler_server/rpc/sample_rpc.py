@@ -137,6 +137,18 @@ def _output_target(
     return target
 
 
+def _check_apart(targets: dict[str, OutputTarget]) -> None:
+    """Two outputs in one region must not share a byte: the second write would overwrite the first's tokens."""
+    if len(targets) < 2:
+        return
+    tokens, logprobs = targets["tokens"], targets["logprobs"]
+    if tokens.region is logprobs.region and tokens.offset < logprobs.offset + logprobs.nbytes and \
+            logprobs.offset < tokens.offset + tokens.nbytes:
+        raise InvalidArgument("output.logprobs.offset", f"{logprobs.offset} overlaps output.tokens (bytes "
+                                                        f"{tokens.offset} to {tokens.offset + tokens.nbytes}); "
+                                                        "expected outputs that share no byte")
+
+
 def _encode_host(tensor: torch.Tensor, dtype: int, out: pb.Tensor) -> None:
     """tensors.encode_tensor for a CPU tensor already of the wire dtype: fewer torch calls on the hot path."""
     out.dtype = dtype
@@ -307,6 +319,7 @@ class SampleRpc:
                 name: _output_target(region, out, name, (batch.num_rows, batch.num_samples), request.return_logprobs)
                 for name, region, out in outputs
             }
+            _check_apart(targets)
             submitted = time.perf_counter_ns()
             call.batch, call.decode_ns = batch, submitted - arrived
             future = self._batcher.enqueue(batch, held)
