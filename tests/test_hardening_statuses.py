@@ -323,3 +323,13 @@ def test_breaker_sizes_are_refused_from_their_counts_before_any_is_read(kind: st
     with pytest.raises(InvalidArgument) as err:
         validate_sample_request(request, Limits())
     assert err.value.field == "params.dry_sequence_breakers.lengths" and "at most 32" in str(err.value)
+
+
+@pytest.mark.parametrize("dtype,named", [(pb.DTYPE_INT32, "got int32"), (99, "got 99 (no such dtype)")])
+def test_a_carried_tensors_dtype_is_named_as_a_references_is(dtype: int, named: str) -> None:
+    """Carried logits of a wrong dtype said "got 4"; a reference's said "got int32". Both name it now."""
+    request = build_sample_request(torch.zeros(2, 8), seed=1)
+    request.logits.dtype = dtype
+    with pytest.raises(InvalidArgument) as err:
+        validate_sample_request(request, Limits())
+    assert err.value.field == "logits.dtype" and named in str(err.value)

@@ -307,7 +307,7 @@ def _decode(tensor: pb.Tensor, field: str, limits: Limits, dims: str) -> torch.T
     """A [B, N] float32/bfloat16/float16 tensor carried in the message (checked before decoding)."""
     if tensor.dtype not in LOGITS_DTYPES:
         names = ", ".join(dtype_name(d) for d in LOGITS_DTYPES)
-        raise InvalidArgument(f"{field}.dtype", f"got {tensor.dtype}, expected one of {names}")
+        raise InvalidArgument(f"{field}.dtype", f"got {dtype_name(tensor.dtype)}, expected one of {names}")
     _check_shape(tensor.shape, field, limits, dims)
     try:
         return decode_tensor(tensor, field)
