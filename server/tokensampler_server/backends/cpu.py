@@ -25,8 +25,11 @@ from tokensampler_server.backends.philox import gumbel_noise, gumbel_noise_at
 from tokensampler_server.backends.processing import apply_processing, sanitize_non_finite
 
 _NEG_INF = float("-inf")
-# Rows whose kept sets are all at most this wide draw noise at the kept ids only.
+# Rows whose kept sets are all at most this wide, and under 1/_SPARSE_NOISE_COST of the row, draw noise at the kept
+# ids only: a kept id's draw costs about five of the whole row's vectorised draws (160 against 32 ns a token on a
+# 2-core host), so rows keeping most of a small vocabulary (V = 4096, no filter) were 5x slower that way.
 _SPARSE_NOISE_MAX_KEPT = 4096
+_SPARSE_NOISE_COST = 5
 
 
 def kept_token_mask(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -125,7 +128,7 @@ def gumbel_argmax(
     num_kept = kept.sum(dim=1)
     widest = int(num_kept.max())
     out = torch.empty((rows.numel(), batch.num_samples), dtype=torch.int64)
-    if widest > _SPARSE_NOISE_MAX_KEPT:
+    if widest > _SPARSE_NOISE_MAX_KEPT or _SPARSE_NOISE_COST * widest > z_kept.shape[1]:
         for sample in range(batch.num_samples):
             noise = gumbel_noise(seed, position, iteration, sample, z_kept.shape[1], vocab_offset)
             out[:, sample] = (z_kept + noise).argmax(dim=1)
