@@ -39,7 +39,8 @@ def sample_methods(channel: Any) -> tuple[Any, Any]:
     return sample, stream
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """A protobuf varint."""
     out = bytearray()
     while value >= 0x80:
         out.append(value & 0x7F | 0x80)
@@ -48,8 +49,9 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _length_prefix(field_number: int, length: int) -> bytes:
-    return _varint(field_number << 3 | _LENGTH_DELIMITED) + _varint(length)
+def length_prefix(field_number: int, length: int) -> bytes:
+    """The key and length of a length-delimited field (also what the server's input scan re-frames)."""
+    return varint(field_number << 3 | _LENGTH_DELIMITED) + varint(length)
 
 
 def serialize_with_logits(request: pb.SampleRequest, rows: Array) -> bytes:
@@ -57,6 +59,6 @@ def serialize_with_logits(request: pb.SampleRequest, rows: Array) -> bytes:
     the bytes of the full message's SerializeToString, with the rows' memory copied once."""
     head = pb.Tensor(dtype=wire_dtype(rows.dtype), shape=rows.shape).SerializeToString()
     data = memoryview(host_bytes(rows)).cast("B")
-    data_prefix = _length_prefix(_TENSOR_DATA_FIELD, data.nbytes)
-    tensor_prefix = _length_prefix(_REQUEST_LOGITS_FIELD, len(head) + len(data_prefix) + data.nbytes)
+    data_prefix = length_prefix(_TENSOR_DATA_FIELD, data.nbytes)
+    tensor_prefix = length_prefix(_REQUEST_LOGITS_FIELD, len(head) + len(data_prefix) + data.nbytes)
     return b"".join((tensor_prefix, head, data_prefix, data, request.SerializeToString()))

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client.wire import length_prefix
 
 # Field numbers of sampler.proto. SampleRequest: the input oneof, and what sizes the answer.
 _LOGITS, _HIDDEN, _LOGITS_REF, _LOGITS_ROWS = 1, 2, 3, 10
@@ -56,7 +57,7 @@ def _without(message: memoryview, dropped: int) -> bytes:
 
 
 def _delimited(number: int, payload: bytes) -> bytes:
-    return _encode_varint(number << 3 | 2) + _encode_varint(len(payload)) + payload
+    return length_prefix(number, len(payload)) + payload
 
 
 def _fields(message: bytes | memoryview) -> Iterator[tuple[int, int, memoryview, memoryview | None]]:
@@ -97,12 +98,3 @@ def _varint(view: memoryview, at: int) -> tuple[int, int]:
         if byte < 0x80:
             return value, at
         shift += 7
-
-
-def _encode_varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
