@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import threading
 import tracemalloc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from multiprocessing import shared_memory
 
 import pytest
@@ -27,9 +27,19 @@ from tokensampler_server.resources.weights import WeightRegistry
 MESSAGE_ROWS, VOCAB = 1, 1 << 18  # 1 MiB of fp32 logits a message
 
 
-def test_a_stream_is_not_read_past_its_bytes_in_flight() -> None:
-    message = build_sample_request(logits=torch.zeros(MESSAGE_ROWS, VOCAB), seed=[1]).SerializeToString()
-    bound = STREAM_BYTES_IN_FLIGHT // len(message)
+async def _until_reading_stops(read: Callable[[], int], batcher: DynamicBatcher) -> None:
+    """Waits until the server stops reading a stream (each message is sampled in a few ms), 30 s at most."""
+    previous = -1
+    for _ in range(600):
+        await asyncio.sleep(0.05)
+        if read() == previous and batcher.idle:
+            return
+        previous = read()
+
+
+def _read_by_an_unread_stream(message: bytes, max_batch_rows: int) -> tuple[int, int]:
+    """How many messages the server reads of an endless stream of `message` whose answers, but the first, are never
+    read, and the bytes of Python objects it holds then."""
     read = 0
 
     async def requests():  # noqa: ANN202 - an endless client stream
@@ -38,30 +48,32 @@ def test_a_stream_is_not_read_past_its_bytes_in_flight() -> None:
             read += 1
             yield message
 
-    async def run() -> None:
-        batcher = DynamicBatcher(CpuBackend(), max_batch_rows=64)
+    async def run() -> int:
+        batcher = DynamicBatcher(CpuBackend(), max_batch_rows=max_batch_rows)
         path = SampleRpc(Limits(), batcher, WeightRegistry(torch.device("cpu")), RegionRegistry(), None)
         tracemalloc.start()
         answers = path.stream(requests(), "s")
         await answers.__anext__()  # the first answer; the client reads no more
-        previous = -1
-        for _ in range(600):  # until reading stops: each message is sampled in a few ms
-            await asyncio.sleep(0.05)
-            if read == previous and batcher.idle:
-                break
-            previous = read
-        # the answered first message, `bound` unanswered ones, and one read and waiting for room
-        assert read <= bound + 2, (read, bound)
-        assert read >= bound, (read, bound)  # it did read up to the bound
+        await _until_reading_stops(lambda: read, batcher)
         held = tracemalloc.get_traced_memory()[0]
-        print(f"\nan unread stream: {read} messages read, {held / 2**20:.1f} MiB of Python objects held")
         tracemalloc.stop()
-        # the window's request bytes, and the bytes the decoded logits view (one copy of the data each)
-        assert held <= 2 * STREAM_BYTES_IN_FLIGHT + (4 << 20), held
         await answers.aclose()
         await batcher.close()
+        return held
 
-    asyncio.run(run())
+    held = asyncio.run(run())
+    return read, held
+
+
+def test_a_stream_is_not_read_past_its_bytes_in_flight() -> None:
+    message = build_sample_request(logits=torch.zeros(MESSAGE_ROWS, VOCAB), seed=[1]).SerializeToString()
+    bound = STREAM_BYTES_IN_FLIGHT // len(message)
+    read, held = _read_by_an_unread_stream(message, 64)
+    # the answered first message, `bound` unanswered ones, and one read and waiting for room
+    assert bound <= read <= bound + 2, (read, bound)
+    print(f"\nan unread stream: {read} messages read, {held / 2**20:.1f} MiB of Python objects held")
+    # the window's request bytes, and the bytes the decoded logits view (one copy of the data each)
+    assert held <= 2 * STREAM_BYTES_IN_FLIGHT + (4 << 20), held
 
 
 def test_a_stream_is_not_read_past_the_answers_it_holds() -> None:
@@ -71,32 +83,9 @@ def test_a_stream_is_not_read_past_the_answers_it_holds() -> None:
     request = build_sample_request(logits=torch.zeros(4096, 1, dtype=torch.float16), seed=1, num_samples=64,
                                    return_logprobs=True)
     message = request.SerializeToString()
-    answer = 4096 * (64 * 12 + 10)
-    bound = STREAM_BYTES_IN_FLIGHT // (len(message) + answer)
-    read = 0
-
-    async def requests():  # noqa: ANN202 - an endless client stream
-        nonlocal read
-        while True:
-            read += 1
-            yield message
-
-    async def run() -> None:
-        batcher = DynamicBatcher(CpuBackend(), max_batch_rows=4096)
-        path = SampleRpc(Limits(), batcher, WeightRegistry(torch.device("cpu")), RegionRegistry(), None)
-        answers = path.stream(requests(), "s")
-        await answers.__anext__()
-        previous = -1
-        for _ in range(600):
-            await asyncio.sleep(0.05)
-            if read == previous and batcher.idle:
-                break
-            previous = read
-        assert bound <= read <= bound + 2, (read, bound)
-        await answers.aclose()
-        await batcher.close()
-
-    asyncio.run(run())
+    bound = STREAM_BYTES_IN_FLIGHT // (len(message) + 4096 * (64 * 12 + 10))
+    read, _ = _read_by_an_unread_stream(message, 4096)
+    assert bound <= read <= bound + 2, (read, bound)
 
 
 @contextlib.asynccontextmanager
@@ -138,12 +127,7 @@ def test_references_into_shared_memory_count_the_bytes_they_read(padding: bytes)
         async with _over_a_segment(size) as (path, regions, batcher):
             answers = path.stream(requests(), "s")
             await answers.__anext__()
-            previous = -1
-            for _ in range(600):
-                await asyncio.sleep(0.05)
-                if read == previous and batcher.idle:
-                    break
-                previous = read
+            await _until_reading_stops(lambda: read, batcher)
             bound = STREAM_BYTES_IN_FLIGHT // (size + len(padding))
             assert bound <= read <= bound + 2, (read, bound)
             # Sampled and unanswered, the messages no longer hold the region: it can be unregistered meanwhile.
