@@ -294,8 +294,8 @@ class CudaBackend(Backend):
         elif bitmask is not None:
             end, entries = self._place_bitmask(stage, bitmask, masked, words_up)
         self._kernels.copy_to_device(stage.dev_base, stage.host_base, end, stream)
-        whole = lists is not None or (bitmask is not None and processing.without_bitmask() is None)
-        return stage, plan, entries, whole
+        masks_all = lists is not None or (bitmask is not None and processing.without_bitmask() is None)
+        return stage, plan, entries, masks_all
 
     def _place_bitmask(self, stage: Stage, bitmask: torch.Tensor, masked: torch.Tensor | None,
                        words_up: int) -> tuple[int, list[int]]:
