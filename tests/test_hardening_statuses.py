@@ -297,7 +297,7 @@ def test_many_dry_sequence_breakers_are_decoded_off_the_event_loop() -> None:
     assert 256 * rows > OFF_LOOP_ENTRIES and heavy_token_lists(shared)
 
 
-@pytest.mark.parametrize("kind", ["lengths", "counts"])
+@pytest.mark.parametrize("kind", ["lengths", "counts", "counts alone"])
 def test_breaker_sizes_are_refused_from_their_counts_before_any_is_read(kind: str,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """5M breaker lengths (and no ids) were converted to an array on the event loop before any size check (50M: 25 s
@@ -316,13 +316,19 @@ def test_breaker_sizes_are_refused_from_their_counts_before_any_is_read(kind: st
     monkeypatch.setattr(samplers, "np", _NoLongArrays())
     request = build_sample_request(torch.zeros(2, 16), seed=1, dry_multiplier=1.0)
     breakers = request.params.dry_sequence_breakers
-    breakers.lengths.extend([0] * 5_000_000)
+    if kind == "counts alone":  # no breakers, and a count past its rows: refused before the counts are read
+        breakers.counts.extend([0] * 4_999_999 + [1])
+    else:
+        breakers.lengths.extend([0] * 5_000_000)
     if kind == "counts":
         breakers.counts.extend([2_500_000, 2_500_000])
     assert not heavy_token_lists(request)  # decoded on the event loop
     with pytest.raises(InvalidArgument) as err:
         validate_sample_request(request, Limits())
-    assert err.value.field == "params.dry_sequence_breakers.lengths" and "at most 32" in str(err.value)
+    if kind == "counts alone":  # read one by one, 5M counts held the event loop 0.1 s
+        assert err.value.field == "params.dry_sequence_breakers.counts" and "B=2" in str(err.value)
+    else:
+        assert err.value.field == "params.dry_sequence_breakers.lengths" and "at most 32" in str(err.value)
 
 
 @pytest.mark.parametrize("dtype,named", [(pb.DTYPE_INT32, "got int32"), (99, "got 99 (no such dtype)")])

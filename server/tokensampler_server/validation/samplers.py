@@ -36,16 +36,15 @@ class DecodedBreakers:
 def decode_breakers(message: pb.TokenSequences, num_rows: int) -> DecodedBreakers | None:
     """The breakers of every row, or None when the message is empty; counts and lengths checked first."""
     num_ids, num_breakers, num_counts = len(message.ids), len(message.lengths), len(message.counts)
+    # The sizes first, from the field lengths alone: reading tens of millions of lengths or counts held the event
+    # loop for seconds.
+    if num_counts not in (0, num_rows):
+        raise InvalidArgument(f"{_BREAKERS}.counts", f"got {num_counts} values, expected 0 or B={num_rows}")
     if num_breakers == 0:  # no breakers: no ids, and no counts or B zero counts (no row has one)
         if num_ids or any(message.counts):
             raise InvalidArgument(f"{_BREAKERS}.lengths", f"got 0 values for {num_ids} ids and counts summing to "
                                                           f"{sum(message.counts)}, expected one length per breaker")
-        if num_counts not in (0, num_rows):
-            raise InvalidArgument(f"{_BREAKERS}.counts", f"got {num_counts} values, expected 0 or B={num_rows}")
         return None
-    # The sizes first, from the counts alone: converting tens of millions of lengths held the event loop for seconds.
-    if num_counts not in (0, num_rows):
-        raise InvalidArgument(f"{_BREAKERS}.counts", f"got {num_counts} values, expected 0 or B={num_rows}")
     most = MAX_BREAKERS * (num_rows if num_counts else 1)
     if num_breakers > most:
         raise InvalidArgument(f"{_BREAKERS}.lengths", f"got {num_breakers} breakers, expected at most {MAX_BREAKERS}"
