@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 from tokensampler_client._proto import sampler_pb2 as pb
-from tokensampler_server.rpc.input_scan import UnusualWire, head_of
+from tokensampler_server.rpc.input_scan import head_of
+from tokensampler_server.validation.wire import UnusualWire
 
 REF = pb.TensorRef(region="r", offset=64, dtype=pb.DTYPE_FLOAT32, shape=[2, 1 << 20])
 ROWS = pb.RowsRef(region="q", dtype=pb.DTYPE_BFLOAT16, row_offsets=[0, 4096], row_size=2048)
@@ -76,3 +77,11 @@ def test_the_head_found_is_protobufs_own(message: bytes) -> None:
 def test_unusual_wire_is_left_to_a_whole_parse(message: bytes) -> None:
     with pytest.raises(UnusualWire):
         head_of(message)
+
+
+def test_the_packed_runs_stop_at_a_group_as_at_any_later_field() -> None:
+    """packed_runs walks the same fields: a group a client sent as an unknown field ends the walk, past the runs."""
+    from tokensampler_server.validation.packed import packed_runs
+
+    runs = packed_runs(_field(1, b"\x01\x02") + _field(2, b"\x03") + b"\x0b\x0c", (1, 2))
+    assert {number: bytes(run) for number, run in runs.items()} == {1: b"\x01\x02", 2: b"\x03"}

@@ -11,10 +11,10 @@ occurrences of a message field merge), since the head keeps those fields' occurr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.wire import length_prefix
+
+from tokensampler_server.validation.wire import fields
 
 # Field numbers of sampler.proto. SampleRequest: the input oneof, and what sizes the answer.
 _LOGITS, _HIDDEN, _LOGITS_REF, _LOGITS_ROWS = 1, 2, 3, 10
@@ -24,15 +24,11 @@ _TENSOR_DATA = 3  # Tensor.data
 _HIDDEN_STATES = 1  # HiddenStates.states, a Tensor
 
 
-class UnusualWire(ValueError):
-    """A field of a wire type the walk does not skip (a group), or a length past the message: parse it whole."""
-
-
 def head_of(message: bytes) -> pb.SampleRequest:
     """The message's input and answer-sizing fields, its tensors' data left out (empty data). Raises UnusualWire
     where only a whole parse can tell."""
     head = bytearray()
-    for number, wire, whole, payload in _fields(message):
+    for number, wire, whole, payload in fields(message):
         if number not in _HEAD:
             continue
         if wire == 2 and number == _LOGITS:
@@ -46,55 +42,15 @@ def head_of(message: bytes) -> pb.SampleRequest:
 
 def _hidden_without_data(hidden: memoryview) -> bytes:
     out = bytearray()
-    for number, wire, whole, payload in _fields(hidden):
+    for number, wire, whole, payload in fields(hidden):
         out += _delimited(number, _without(payload, _TENSOR_DATA)) if wire == 2 and number == _HIDDEN_STATES else whole
     return bytes(out)
 
 
 def _without(message: memoryview, dropped: int) -> bytes:
     """The message's fields but those numbered `dropped`."""
-    return b"".join(bytes(whole) for number, _, whole, _ in _fields(message) if number != dropped)
+    return b"".join(bytes(whole) for number, _, whole, _ in fields(message) if number != dropped)
 
 
 def _delimited(number: int, payload: bytes) -> bytes:
     return length_prefix(number, len(payload)) + payload
-
-
-def _fields(message: bytes | memoryview) -> Iterator[tuple[int, int, memoryview, memoryview | None]]:
-    """(field number, wire type, the field's bytes, its payload for a length-delimited field) at this level, in
-    order; views of the message, nothing copied."""
-    view = memoryview(message)
-    at, end = 0, len(view)
-    while at < end:
-        start = at
-        key, at = _varint(view, at)
-        number, wire = key >> 3, key & 7
-        payload = None
-        if wire == 0:
-            _, at = _varint(view, at)
-        elif wire == 1:
-            at += 8
-        elif wire == 5:
-            at += 4
-        elif wire == 2:
-            length, at = _varint(view, at)
-            payload = view[at:at + length]
-            at += length
-        else:
-            raise UnusualWire(f"wire type {wire}")
-        if at > end:
-            raise UnusualWire("a field past the message")
-        yield number, wire, view[start:at], payload
-
-
-def _varint(view: memoryview, at: int) -> tuple[int, int]:
-    value, shift = 0, 0
-    while True:
-        if at >= len(view) or shift > 63:
-            raise UnusualWire("a varint past the message")
-        byte = view[at]
-        value |= (byte & 0x7F) << shift
-        at += 1
-        if byte < 0x80:
-            return value, at
-        shift += 7

@@ -27,7 +27,7 @@ from tokensampler_client.tensors import encode_tensor
 
 from tokensampler_server.batching.batcher import BatchTimes, DynamicBatcher
 from tokensampler_server.rpc.call_record import CallRecord, current_message_tracer
-from tokensampler_server.rpc.input_scan import UnusualWire, head_of
+from tokensampler_server.rpc.input_scan import head_of
 from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument, ServiceError, failure_status, unparsable
 from tokensampler_server.resources.leases import Lease
@@ -37,6 +37,7 @@ from tokensampler_server.resources.regions import OutputTarget, Region, RegionRe
 from tokensampler_server.core.request_context import current_request_id
 from tokensampler_server.model.sampling import SamplingResult
 from tokensampler_server.rpc.stream_flow import StreamBudget
+from tokensampler_server.validation.wire import UnusualWire
 from tokensampler_server.validation.sample import (
     LOGITS_DTYPES,
     DecodedLists,
@@ -49,6 +50,8 @@ from tokensampler_server.validation.sample import (
 from tokensampler_server.resources.weights import WeightRegistry
 
 STREAM_METHOD = "tokensampler.v1.Sampler/SampleStream"
+
+
 def _message_bytes(message: bytes | pb.SampleRequest, regions: RegionRegistry, limits: Limits) -> int:
     """What a stream message holds in the server once begun: its own bytes, the bytes of an input it references in
     a shared-memory region (read into memory when the message starts) and its answer until the client reads it.

@@ -12,21 +12,11 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from tokensampler_server.validation.wire import UnusualWire, fields
+
 # Bytes of varints decoded at once: bounds the temporaries (about 17 bytes per input byte) to ~17 MiB.
 _SLICE_BYTES = 1 << 20
 _MAX_VARINT_BYTES = 10
-
-
-def _varint(data: memoryview, pos: int) -> tuple[int, int]:
-    """The varint at data[pos:] and the position after it."""
-    value = shift = 0
-    while True:
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
 
 
 def packed_runs(serialized: bytes | memoryview, numbers: tuple[int, ...]) -> dict[int, memoryview]:
@@ -36,18 +26,15 @@ def packed_runs(serialized: bytes | memoryview, numbers: tuple[int, ...]) -> dic
     SerializeToString writes the known fields first, in field-number order, a packed repeated field as one
     run: only the fields up to the last wanted one are walked (unknown fields come after them).
     """
-    data = memoryview(serialized)
     runs: dict[int, memoryview] = {}
-    pos = 0
-    while pos < len(data):
-        key, pos = _varint(data, pos)
-        number, wire = key >> 3, key & 7
-        if number > max(numbers) or wire != 2:
-            break
-        size, pos = _varint(data, pos)
-        if number in numbers:
-            runs[number] = data[pos : pos + size]
-        pos += size
+    try:
+        for number, wire, _, payload in fields(serialized):
+            if number > max(numbers) or wire != 2:
+                break
+            if number in numbers:
+                runs[number] = payload
+    except UnusualWire:  # a group a client sent as an unknown field: past the wanted runs, as any other field
+        pass
     return runs
 
 

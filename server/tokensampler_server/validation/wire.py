@@ -1,0 +1,52 @@
+"""Serialized protobuf messages walked field by field, by their tags and lengths, without parsing them: what the
+packed-run decoder (packed.py) and the stream's input scan (rpc/input_scan.py) read. Views of the message only,
+nothing copied; checked against the message's end, so untrusted bytes never read past it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+
+class UnusualWire(ValueError):
+    """A field of a wire type the walk does not skip (a group), or one past the message: parse it whole."""
+
+
+def fields(message: bytes | memoryview) -> Iterator[tuple[int, int, memoryview, memoryview | None]]:
+    """(field number, wire type, the field's bytes, its payload for a length-delimited field) at this level, in
+    order."""
+    view = memoryview(message)
+    at, end = 0, len(view)
+    while at < end:
+        start = at
+        key, at = _varint(view, at)
+        number, wire = key >> 3, key & 7
+        payload = None
+        if wire == 0:
+            _, at = _varint(view, at)
+        elif wire == 1:
+            at += 8
+        elif wire == 5:
+            at += 4
+        elif wire == 2:
+            length, at = _varint(view, at)
+            payload = view[at:at + length]
+            at += length
+        else:
+            raise UnusualWire(f"wire type {wire}")
+        if at > end:
+            raise UnusualWire("a field past the message")
+        yield number, wire, view[start:at], payload
+
+
+def _varint(view: memoryview, at: int) -> tuple[int, int]:
+    """The varint at view[at:] and the position after it."""
+    value, shift = 0, 0
+    while True:
+        if at >= len(view) or shift > 63:
+            raise UnusualWire("a varint past the message")
+        byte = view[at]
+        value |= (byte & 0x7F) << shift
+        at += 1
+        if byte < 0x80:
+            return value, at
+        shift += 7
