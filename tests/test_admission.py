@@ -37,8 +37,10 @@ OVERLOAD = ("x-retryable", "overload")
 
 
 def start_capped(tmp_path: Path, *, calls: int, watchers: int = 64, per_client: int = 256, tokens: bool = True,
-                 args: Sequence[str] = ()) -> RunningServer:
-    flags = ["--device", "cpu", "--max-concurrent-rpcs", str(calls), *args]
+                 reclaim_idle_s: float = 0.0, args: Sequence[str] = ()) -> RunningServer:
+    """A CPU server with these caps; idle streams keep their slots unless `reclaim_idle_s` is set."""
+    flags = ["--device", "cpu", "--max-concurrent-rpcs", str(calls), "--reclaim-idle-streams-s", str(reclaim_idle_s),
+             *args]
     if tokens:
         path = tmp_path / "tokens"
         path.write_text("\n".join(TOKENS) + "\n")
@@ -122,12 +124,13 @@ async def open_held(channel: grpc.aio.Channel, token: str | None) -> grpc.aio.St
 
 
 def test_limits_are_flags() -> None:
-    config = parse_args(["--max-concurrent-rpcs", "9", "--max-health-watchers", "3", "--max-calls-per-client", "2"])
-    assert (config.max_concurrent_rpcs, config.max_health_watchers, config.max_calls_per_client) == (9, 3, 2)
-    for flag in ("--max-health-watchers", "--max-calls-per-client"):
+    config = parse_args(["--max-concurrent-rpcs", "9", "--max-health-watchers", "3", "--max-calls-per-client", "2",
+                         "--reclaim-idle-streams-s", "2.5"])
+    assert (config.max_concurrent_rpcs, config.max_health_watchers, config.max_calls_per_client,
+            config.reclaim_idle_streams_s) == (9, 3, 2, 2.5)
+    for flag in ("--max-health-watchers", "--max-calls-per-client", "--reclaim-idle-streams-s"):
         with pytest.raises(SystemExit):
             parse_args([flag, "-1"])
-
 
 
 
@@ -328,3 +331,69 @@ def test_a_connection_of_calls_that_never_send_their_request_leaves_health_and_o
             await other.close()
 
     run_then_stop(running, run)
+
+
+async def assert_reclaimed(call: grpc.aio.StreamStreamCall) -> None:
+    """The stream ended with RESOURCE_EXHAUSTED: a new call took its slot while it was idle; retryable."""
+    code = await asyncio.wait_for(call.code(), 10)
+    details = await call.details()
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+    assert "idle" in details and "(--reclaim-idle-streams-s 2)" in details and "reopen the stream" in details, details
+    assert OVERLOAD in tuple(await call.trailing_metadata())
+
+
+def test_at_the_cap_a_new_call_takes_the_slot_of_the_stream_idle_longest(tmp_path: Path) -> None:
+    """3 slots held by SampleStreams of two tokens. While none has been idle 2 s, a new call is refused; after, a new
+    call ends the stream idle longest and is served: first the one that never sent a message, then, the slots full
+    again, the one idle longest (not the one that sampled since, nor the newest). The others go on sampling, and
+    the slots all come back."""
+    running = start_capped(tmp_path, calls=3, reclaim_idle_s=2.0)
+
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(running.target) as channel:
+            first = open_stream(channel, TOKENS[0])  # never sends: idle from its start
+            await wait_held(running, calls=1)
+            second, third = await open_held(channel, TOKENS[1]), await open_held(channel, TOKENS[0])
+            await assert_refused(open_stream(channel, TOKENS[1]), "--max-concurrent-rpcs", 3)
+            await asyncio.sleep(2.2)
+            assert (await sample_on(second)).response.tokens.shape == [1, 1]  # idle again from now
+            async with AsyncSamplerClient(running.target, timeout=30, retries=0, auth_token=TOKENS[1]) as client:
+                assert (await client.sample(torch.randn(2, 16), seed=[1, 2])).tokens.shape == (2, 1)
+                await assert_reclaimed(first)
+                fourth = await open_held(channel, TOKENS[1])  # full again: second, third, fourth
+                assert (await client.sample(torch.randn(1, 16), seed=3)).tokens.shape == (1, 1)
+                await assert_reclaimed(third)
+            for stream in (second, fourth):
+                assert (await sample_on(stream)).response.tokens.shape == [1, 1]
+            await wait_held(running, calls=2)
+            for stream in (second, fourth):
+                stream.cancel()
+            await wait_held(running, calls=0)
+        assert refusals(running, "calls") == 1
+
+    run_then_stop(running, run)
+
+
+def test_a_stream_with_a_message_unanswered_keeps_its_slot(tmp_path: Path) -> None:
+    """2 slots: a SampleStream whose message waits out a long queue delay, and a unary Sample doing the same. Idle
+    past --reclaim-idle-streams-s? Neither: the stream has a message in flight and a unary call is never idle, so a
+    new call is refused and both keep their slots."""
+    running = start_capped(tmp_path, calls=2, reclaim_idle_s=0.2, args=["--max-queue-delay-us", "600000000"])
+
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(running.target) as channel:
+            stream = open_stream(channel, TOKENS[0])
+            await stream.write(build_sample_request(torch.randn(1, 16), seed=1))
+            sample = channel.unary_unary(SAMPLER + "Sample", request_serializer=pb.SampleRequest.SerializeToString,
+                                         response_deserializer=pb.SampleResponse.FromString)
+            held_call = sample(build_sample_request(torch.randn(1, 16), seed=2), metadata=metadata(TOKENS[1]))
+            await wait_held(running, calls=2)
+            await asyncio.sleep(0.5)
+            await assert_refused(open_stream(channel, TOKENS[1]), "--max-concurrent-rpcs", 2)
+            assert not stream.done() and not held_call.done()
+            for call in (stream, held_call):
+                call.cancel()
+            await wait_held(running, calls=0)
+
+    # A graceful stop would wait out the queue delay of the cancelled calls.
+    run_then_stop(running, run, signal.SIGKILL)

@@ -10,6 +10,12 @@ refused (auth.py) never takes a slot. Three caps, each 0 for no limit:
   nothing, and a probe must get through while the watchers are full.
 - `--max-calls-per-client`: the calls one client holds at once, of every kind counted.
 
+A bidirectional stream (SampleStream, reflection) that has answered every message it read and has waited for the
+next one at least `--reclaim-idle-streams-s` is idle: when `--max-concurrent-rpcs` is reached, a new call takes
+the slot of the stream idle longest, which ends with RESOURCE_EXHAUSTED (marked retryable: reopening it can
+succeed). Without this, streams opened and left silent, on as many connections as it takes, held every slot
+until they ended, however long that was; an engine's stream between two steps is idle for far less than a second.
+
 A client is the accepted bearer token it presents (kept as its SHA-256 digest), else its connection (the peer
 with its port): colocated engines all connect from 127.0.0.1, and keyed by address they would share one cap. A
 caller without a token can open more connections for more calls; the global cap still bounds them all, and
@@ -23,8 +29,10 @@ when the call's task finishes.
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from functools import partial
 
 import grpc
 from prometheus_client import Counter
@@ -51,11 +59,22 @@ class Pool:
     held: int = 0
 
 
+@dataclass(eq=False)
+class Slot:
+    """One admitted call's hold on its pool and its client's count, given back once."""
+
+    pool: Pool
+    client: bytes | str | None
+    released: bool = False
+
+
 class Admission:
     """Counts the calls held now, per pool and per client, and refuses a call past a cap."""
 
     def __init__(self, max_calls: int, max_health_watchers: int, max_calls_per_client: int,
-                 tokens: BearerTokens | None = None, metrics: ServerMetrics | None = None) -> None:
+                 tokens: BearerTokens | None = None, metrics: ServerMetrics | None = None,
+                 reclaim_idle_s: float = 0.0) -> None:
+        """`reclaim_idle_s`: how long a stream must have been idle before a new call may take its slot; 0: never."""
         self.calls = Pool("calls", "--max-concurrent-rpcs", max_calls, "calls")
         self.watchers = Pool("health_watchers", "--max-health-watchers", max_health_watchers,
                              "health Watch streams")
@@ -63,6 +82,9 @@ class Admission:
         self._held_by: dict[bytes | str, int] = {}
         """Calls held per client; a client with none has no entry, so the dict grows only with calls held."""
         self._tokens = tokens
+        self.reclaim_idle_s = reclaim_idle_s
+        self._idle: dict[Slot, tuple[float, Callable[[float], None]]] = {}
+        """Idle streams' slots, the longest idle first: since when, and what ends the stream (given its idle s)."""
         self._refused: dict[str, Counter] = {}
         if metrics is not None:
             for pool in (self.calls, self.watchers):
@@ -90,18 +112,44 @@ class Admission:
         peer = context.peer()
         return None if peer.startswith("unix:") else peer
 
-    def admit(self, pool: Pool, context: grpc.aio.ServicerContext) -> None:
+    def admit(self, pool: Pool, context: grpc.aio.ServicerContext) -> Slot:
         """Takes a slot of `pool` and of the call's client until the call ends; raises RESOURCE_EXHAUSTED past
-        a cap (the client's first: it names the limit that its own calls reached)."""
+        a cap (the client's first: it names the limit that its own calls reached). At the pool's cap the slot of
+        the stream idle longest is taken, if one has been idle long enough."""
         client = self.client_of(context)
-        held = self._held_by.get(client, 0)
-        if self._per_client and client is not None and held >= self._per_client:
+        if self._per_client and client is not None and self._held_by.get(client, 0) >= self._per_client:
             raise self._refuse("calls_per_client", "calls of one client", "--max-calls-per-client", self._per_client)
-        if pool.limit and pool.held >= pool.limit:
+        if pool.limit and pool.held >= pool.limit and not self._reclaim(pool):
             raise self._refuse(pool.name, pool.what, pool.flag, pool.limit)
         pool.held += 1
-        self._held_by[client] = held + 1
-        context.add_done_callback(partial(self._release, pool, client))
+        self._held_by[client] = self._held_by.get(client, 0) + 1
+        slot = Slot(pool, client)
+        context.add_done_callback(lambda _context: self._release(slot))
+        return slot
+
+    def idle(self, slot: Slot, end: Callable[[float], None]) -> None:
+        """The stream holding `slot` waits for a message with every one it read answered; `end(idle_s)` ends it
+        if its slot is taken."""
+        if self.reclaim_idle_s > 0 and not slot.released:
+            self._idle.pop(slot, None)  # to the end: the longest idle stay first
+            self._idle[slot] = (time.monotonic(), end)
+
+    def busy(self, slot: Slot) -> None:
+        """The stream holding `slot` got a message (or stopped waiting for one)."""
+        self._idle.pop(slot, None)
+
+    def _reclaim(self, pool: Pool) -> bool:
+        """Gives back the slot of the stream of `pool` idle longest, and ends that stream, if it has been idle at
+        least reclaim_idle_s; whether it did."""
+        now = time.monotonic()
+        for slot, (since, end) in self._idle.items():
+            if now - since < self.reclaim_idle_s:
+                return False  # the longest idle first: none after it has waited longer
+            if slot.pool is pool:
+                self._release(slot)
+                end(now - since)
+                return True
+        return False
 
     def _refuse(self, limit: str, what: str, flag: str, value: int) -> ServiceError:
         """The refusal at the cap `flag` = `value`, counted under the label value `limit`."""
@@ -111,11 +159,69 @@ class Admission:
         return ServiceError(f"too many {what} held at once: at most {value} ({flag}); retry with backoff",
                             grpc.StatusCode.RESOURCE_EXHAUSTED)
 
-    def _release(self, pool: Pool, client: bytes | str | None, _context: grpc.aio.ServicerContext) -> None:
+    def _release(self, slot: Slot) -> None:
         # Every guarded call runs on the server's event loop, and so do these callbacks: no lock needed.
-        pool.held -= 1
-        held = self._held_by[client] - 1
+        if slot.released:  # taken back from an idle stream, which then ended
+            return
+        slot.released = True
+        self._idle.pop(slot, None)
+        slot.pool.held -= 1
+        held = self._held_by[slot.client] - 1
         if held:
-            self._held_by[client] = held
+            self._held_by[slot.client] = held
         else:
-            del self._held_by[client]
+            del self._held_by[slot.client]
+
+
+class IdleWatch:
+    """A bidirectional stream's messages and answers, counted so that admission knows when the stream is idle (every
+    message it read answered, the next awaited) and can end it there to take its slot."""
+
+    def __init__(self, admission: Admission, slot: Slot) -> None:
+        self._admission = admission
+        self._slot = slot
+        self._unanswered = 0
+        self._waiting: asyncio.Task | None = None
+        """The task awaiting the stream's next message, while one is."""
+        self._ended_after: float | None = None
+        """The idle seconds after which admission took the slot; None while the stream holds it."""
+
+    async def requests(self, requests: AsyncIterator[object]) -> AsyncIterator[object]:
+        """`requests`, the stream's messages; ends the stream with RESOURCE_EXHAUSTED once its slot is taken."""
+        messages = aiter(requests)
+        while True:
+            self._waiting = asyncio.current_task()
+            if not self._unanswered:
+                self._admission.idle(self._slot, self._end)
+            try:
+                message = await anext(messages)
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if self._ended_after is None:
+                    raise
+                self._waiting.uncancel()  # cancelled by _end, not by grpc: the stream ends with its status
+                raise self._refusal() from None
+            finally:
+                self._waiting = None
+                self._admission.busy(self._slot)
+            self._unanswered += 1
+            yield message
+
+    def answered(self) -> None:
+        """The stream sent the answer to one of its messages."""
+        self._unanswered -= 1
+        if not self._unanswered and self._waiting is not None:
+            self._admission.idle(self._slot, self._end)
+
+    def _end(self, idle_s: float) -> None:
+        self._ended_after = idle_s
+        if self._waiting is not None:
+            self._waiting.cancel()
+
+    def _refusal(self) -> ServiceError:
+        pool = self._slot.pool
+        return ServiceError(
+            f"stream ended: idle {self._ended_after:.1f} s (--reclaim-idle-streams-s "
+            f"{self._admission.reclaim_idle_s:g}) while all {pool.limit} {pool.what} of {pool.flag} were held; "
+            "a new call took its slot; reopen the stream", grpc.StatusCode.RESOURCE_EXHAUSTED)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import grpc
 from google.protobuf.message import DecodeError
 
-from tokensampler_server.rpc.admission import Admission
+from tokensampler_server.rpc.admission import Admission, IdleWatch, Slot
 from tokensampler_server.rpc.call_record import CallRecord, current_call, current_message_tracer
 from tokensampler_server.core.budget import ByteBudget
 from tokensampler_server.core.errors import InvalidArgument, ServiceError, failure_status, unparsable
@@ -51,7 +51,7 @@ Deserializer = Callable[[bytes], object]
 Serializer = Callable[[object], bytes]
 
 RETRYABLE_METADATA_KEY = "x-retryable"
-Admit = Callable[[grpc.aio.ServicerContext], None]
+Admit = Callable[[grpc.aio.ServicerContext], Slot]
 """Takes the call's admission slots, or raises RESOURCE_EXHAUSTED."""
 
 
@@ -165,12 +165,14 @@ class CallGuard:
         pool = self._admission.pool_of(method)
         return None if pool is None else partial(self._admission.admit, pool)
 
-    @staticmethod
-    def _wrap_streaming(handler: grpc.RpcMethodHandler, admit: Admit | None,
+    def _wrap_streaming(self, handler: grpc.RpcMethodHandler, admit: Admit | None,
                         tracer: CallTracer | None) -> grpc.RpcMethodHandler:
         """A response-streaming handler whose unparsable requests and ServiceErrors become statuses; with
-        `tracer`, its messages get spans through current_message_tracer."""
+        `tracer`, its messages get spans through current_message_tracer. A bidirectional stream's slot may be
+        taken back while it is idle (admission.py)."""
         streaming = handler.request_streaming
+        admission = self._admission
+        watched = streaming and admit is not None and admission.reclaim_idle_s > 0
         if streaming:
             wrap, behaviour = grpc.stream_stream_rpc_method_handler, handler.stream_stream
         else:
@@ -186,10 +188,15 @@ class CallGuard:
                 if tracer is not None:
                     current_message_tracer.set(partial(tracer.record, metadata=context.invocation_metadata()))
                 try:
-                    if admit is not None:
-                        admit(context)
-                    async for response in behaviour(_checked(request, streaming), context):
+                    slot = admit(context) if admit is not None else None
+                    requests = _checked(request, streaming)
+                    watch = IdleWatch(admission, slot) if watched else None
+                    if watch is not None:
+                        requests = watch.requests(requests)
+                    async for response in behaviour(requests, context):
                         yield response
+                        if watch is not None:
+                            watch.answered()
                 except ServiceError as err:
                     await abort(context, err)
         else:  # a coroutine that writes its responses with context.write (health Watch)
