@@ -17,7 +17,7 @@ import torch
 from tokensampler_server.model.sampling import LogprobsMode, SamplingBatch, SamplingResult
 from tokensampler_server.backends.cuda_buffers import row_states
 from tokensampler_server.backends.cuda_build import load_kernels
-from tokensampler_server.backends.cuda_kernels import RowParams, stream_address
+from tokensampler_server.backends.cuda_kernels import DTYPE_CODES, RowParams, stream_address
 
 MAX_TOP_K = 63
 """The largest top-k the fused kernel takes: k + 1 <= its 64 candidates per row (the cut is then inside)."""
@@ -37,7 +37,7 @@ def fused_is_faster(num_rows: int, filtered: bool) -> bool:
     return num_rows <= (MAX_FILTERED_ROWS if filtered else MAX_ROWS)
 
 
-_DTYPES = {torch.float16: 1, torch.bfloat16: 2}
+_DTYPES = {dtype: code for dtype, code in DTYPE_CODES.items() if dtype != torch.float32}  # the head's dtypes
 _FLAG_LOGITS_PATH = 4  # csrc/fused.h TsFusedOutputs.flags: the row needs the logits path
 
 
