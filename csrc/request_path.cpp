@@ -350,7 +350,7 @@ bool RequestPath::validate(const Parsed& q, const RegionMapping* region, Prepare
   for (uint32_t bits : q.top_p)
     if (!(float_of(bits) > 0.f && float_of(bits) <= 1.f)) return false;
   for (uint32_t bits : q.min_p)
-    if (!(float_of(bits) >= 0.f && float_of(bits) < 1.f)) return false;
+    if (!(float_of(bits) >= 0.f && float_of(bits) <= 1.f)) return false;
   for (const auto* column : {&q.position, &q.iteration})
     for (uint64_t v : *column)
       if (!in_uint32(v)) return false;

@@ -234,6 +234,17 @@ def test_min_p_near_one_keeps_only_the_maximum() -> None:
     assert (result.tokens == 1).all()
 
 
+def test_min_p_one_keeps_exactly_the_tokens_tied_at_the_maximum() -> None:
+    """m = 1: the tokens whose logit equals the row's maximum, each as likely (chi-square); the next float below the
+    maximum is dropped."""
+    below = float(np.nextafter(np.float32(2.0), np.float32(0.0)))
+    row = torch.tensor([0.5, 2.0, below, 2.0, -1.0, 2.0, 1.9])
+    counts = draw(row, min_p=1.0)
+    expected = exact_distribution(row.numpy(), temperature=1.0, min_p=1.0)
+    assert np.flatnonzero(expected).tolist() == [1, 3, 5]
+    assert_fits(counts, expected)
+
+
 @pytest.mark.parametrize("temperature", [1e-6, 1e6])
 def test_extreme_temperatures(temperature: float) -> None:
     logits = torch.tensor([[0.0, 2.0, 1.0, 1.9]]).expand(2000, -1).contiguous()

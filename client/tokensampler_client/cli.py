@@ -155,7 +155,7 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--temperature", type=float, help="T >= 0; 0 is greedy (server default 1)")
     sample.add_argument("--top-k", type=int, help="keep the k most likely tokens; 0 or -1 disables")
     sample.add_argument("--top-p", type=float, help="nucleus sampling, 0 < p <= 1; 1 disables")
-    sample.add_argument("--min-p", type=float, help="keep tokens with probability >= m * max, 0 <= m < 1")
+    sample.add_argument("--min-p", type=float, help="keep tokens with probability >= m * max, 0 <= m <= 1")
     sample.add_argument("--seed", type=_seed,
                         help="Philox seed of every row: the rows then draw the same noise, so their tokens are "
                              "correlated (default: the server draws one seed per row)")
@@ -183,7 +183,7 @@ def _parser() -> argparse.ArgumentParser:
     score.add_argument("--temperature", type=float, help="T >= 0 (processed; server default 1)")
     score.add_argument("--top-k", type=int, help="top-k of the processed distribution; 0 or -1 disables")
     score.add_argument("--top-p", type=float, help="top-p of the processed distribution, 0 < p <= 1")
-    score.add_argument("--min-p", type=float, help="min-p of the processed distribution, 0 <= m < 1")
+    score.add_argument("--min-p", type=float, help="min-p of the processed distribution, 0 <= m <= 1")
     score.add_argument("--top-logprobs", type=_non_negative, default=0, metavar="N", help="also return the N best log-probs per position")
     score.add_argument("--entropy", action="store_true", help="also return the entropy of each position")
     score.add_argument("--json", action="store_true", help="print the result as JSON")

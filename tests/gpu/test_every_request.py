@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -178,4 +179,24 @@ def test_unusual_parameters_through_the_server_stay_on_their_routes(cuda_server:
                            {"top_k": 3200 % vocab + 1, "top_p": 0.1, "num_samples": 8}):
                 result = client.sample(x, seed=list(range(19)), **params)
                 assert bool(result.valid.all())
+    assert _fallbacks(cuda_server) == before
+
+
+def test_min_p_one_keeps_the_tied_maximum_on_the_gpu(cuda_backend, cuda_server: RunningServer) -> None:
+    """min_p = 1 keeps exactly the tokens tied at the row's maximum: on the backend the reference's tokens, through
+    the server (whose request decoder checks the range too) only tied ids, as often each (chi-square), no fallback."""
+    gen = torch.Generator().manual_seed(5)
+    vocab, tied = 128256, [5, 17, 128255]
+    x = torch.randn(19, vocab, generator=gen)
+    x[:, tied] = 10.0
+    x[:, 6] = float(np.nextafter(np.float32(10.0), np.float32(0.0)))  # one ulp below: dropped
+    batch = make_batch(x.cuda(), temperature=1.0, min_p=1.0, seed=torch.arange(19), num_samples=4)
+    reference = dataclasses.replace(batch, logits=x)
+    assert torch.equal(cuda_backend.sample(batch).tokens.cpu(), CpuBackend().sample(reference).tokens)
+    before = _fallbacks(cuda_server)
+    with SamplerClient(cuda_server.target, timeout=300) as client:
+        tokens = client.sample(x, seed=list(range(19)), min_p=1.0, num_samples=64).tokens.reshape(-1).numpy()
+    assert set(tokens.tolist()) <= set(tied)
+    counts = np.array([(tokens == t).sum() for t in tied])
+    assert chisquare(counts).pvalue >= ALPHA, counts
     assert _fallbacks(cuda_server) == before

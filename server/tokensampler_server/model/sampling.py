@@ -171,7 +171,7 @@ class RowSampling:
     top_p: torch.Tensor
     """float32 in (0, 1]; 1 means off."""
     min_p: torch.Tensor
-    """float32 in [0, 1); 0 means off."""
+    """float32 in [0, 1]; 0 means off."""
     seed: torch.Tensor
     """int64 holding the uint64 seed's bits (two's complement)."""
     position: torch.Tensor

@@ -378,8 +378,8 @@ def filter_columns(params: FilterFields, num_rows: int, vocab_size: int,
     top_k = np.where((top_k < 0) | (top_k >= vocab_size), 0, top_k).astype(np.int32)
     top_p = _checked_column(params.top_p, f"{prefix}top_p", num_rows, 1.0, np.float32, lambda p: (p > 0) & (p <= 1),
                             "0 < p <= 1")
-    min_p = _checked_column(params.min_p, f"{prefix}min_p", num_rows, 0.0, np.float32, lambda m: (m >= 0) & (m < 1),
-                            "0 <= min_p < 1")
+    min_p = _checked_column(params.min_p, f"{prefix}min_p", num_rows, 0.0, np.float32, lambda m: (m >= 0) & (m <= 1),
+                            "0 <= min_p <= 1")
     return tuple(torch.from_numpy(column) for column in (temperature, top_k, top_p, min_p))
 
 
