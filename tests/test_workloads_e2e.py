@@ -6,7 +6,12 @@ import grpc
 import pytest
 import torch
 from tokensampler_client import SamplerClient, TokenSamplerError
+from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client.tensors import encode_tensor
 from tokensampler_server.backends.cpu import CpuBackend
+from tokensampler_server.core.config import Limits
+from tokensampler_server.core.errors import InvalidArgument
+from tokensampler_server.validation.workloads import validate_topk_request
 from tokensampler_server.workloads.diffusion import DiffusionStep, diffusion_step
 from tokensampler_server.workloads.verify import DraftVerification, verify_draft
 
@@ -49,6 +54,31 @@ def test_topk_probs(client: SamplerClient) -> None:
     expected, expected_ids = torch.softmax(logits.double() / temperature, dim=-1).sort(dim=-1, descending=True, stable=True)
     torch.testing.assert_close(result.probs.double(), expected[..., :20], rtol=1e-5, atol=1e-7)
     assert torch.equal(result.ids, expected_ids[..., :20])
+
+
+def test_topk_probs_takes_any_k_up_to_the_vocabulary(client: SamplerClient) -> None:
+    """k past 1024 (as torch.topk takes it): the k most probable ids of 32000, ranked (ties to the lower id), and the
+    whole vocabulary. The logits lie on a grid of 1/64, so that fp32 rounding cannot swap two distinct
+    probabilities, and equal ones tie exactly."""
+    logits = (torch.randn(3, 32000, generator=torch.Generator().manual_seed(4)) * 64).round() / 64
+    probs = torch.softmax(logits.double(), dim=-1)
+    expected_ids = probs.float().sort(dim=-1, descending=True, stable=True).indices
+    for k in (2048, 32000):
+        result = client.topk_probs(logits, k)
+        assert torch.equal(result.ids, expected_ids[:, :k])
+        torch.testing.assert_close(result.probs.double(), probs.gather(1, expected_ids[:, :k]), rtol=1e-5, atol=1e-9)
+
+
+def test_topk_probs_refuses_an_answer_past_the_largest_message() -> None:
+    """k within V whose answer (8 bytes a row and k) would not fit the largest message: INVALID_ARGUMENT naming k
+    and the largest k that fits."""
+    limits = Limits(max_message_bytes=1 << 20)
+    request = pb.TopKProbsRequest(logits=encode_tensor(torch.zeros(4, 2, 65536)), k=65536)
+    with pytest.raises(InvalidArgument) as raised:
+        validate_topk_request(request, limits)
+    assert raised.value.field == "k" and "expected k <= 16320" in raised.value.message
+    request.k = 16320
+    assert validate_topk_request(request, limits)[2] == 16320
 
 
 def test_verify_draft_matches_the_reference(client: SamplerClient) -> None:

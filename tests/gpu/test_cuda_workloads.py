@@ -114,11 +114,12 @@ def test_topk_probs_merges_many_chunk_lists(kernels, k, vocab):
     torch.testing.assert_close(probs, ref_probs, rtol=1e-5, atol=1e-9)
 
 
-def test_topk_probs_large_k_uses_the_reference_on_the_gpu(kernels):
+@pytest.mark.parametrize("k", [1024, 2048, 20000])
+def test_topk_probs_large_k_uses_the_reference_on_the_gpu(kernels, k):
     x = logits("spiky", 4, 20000, seed=9).cuda()
     t = torch.ones(4).cuda()
-    probs, ids = topk_probs_cuda(x, t, 1024, kernels)
-    ref_probs, ref_ids = topk_probs(x, t, 1024)
+    probs, ids = topk_probs_cuda(x, t, k, kernels)
+    ref_probs, ref_ids = topk_probs(x, t, k)
     assert torch.equal(ids, ref_ids) and torch.equal(probs, ref_probs)
 
 

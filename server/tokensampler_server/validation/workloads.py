@@ -28,7 +28,10 @@ from tokensampler_server.resources.weights import RegisteredWeight
 
 MASK_DTYPES = (pb.DTYPE_UINT8, pb.DTYPE_INT32, pb.DTYPE_INT64)
 ID_DTYPES = (pb.DTYPE_INT32, pb.DTYPE_INT64)
-MAX_TOPK = 1024
+TOPK_ENTRY_BYTES = 8
+"""An answer's bytes per TopKProbs entry: a float32 probability and an int32 id."""
+ANSWER_SLACK_BYTES = 4096
+"""What a TopKProbs answer holds besides its entries (shapes, timings, request id), at most."""
 
 
 def _tensor(message: pb.Tensor, field: str, dtypes: tuple[int, ...], rank: int | tuple[int, ...]) -> torch.Tensor:
@@ -147,8 +150,13 @@ def validate_topk_request(
     validate_diffusion_request, `in_place` as for _workload_logits."""
     logits = _workload_logits(request, (2, 3), limits, lm_head, in_place)
     num_rows, vocab = logits.shape[0], logits.shape[-1]
-    if not 1 <= request.k <= min(vocab, MAX_TOPK):
-        raise InvalidArgument("k", f"got {request.k}, expected 1 <= k <= min(V, {MAX_TOPK}) = {min(vocab, MAX_TOPK)}")
+    if not 1 <= request.k <= vocab:
+        raise InvalidArgument("k", f"got {request.k}, expected 1 <= k <= V = {vocab}")
+    rows = math.prod(logits.shape[:-1])
+    most = (limits.max_message_bytes - ANSWER_SLACK_BYTES) // (TOPK_ENTRY_BYTES * rows)
+    if request.k > most:
+        raise InvalidArgument("k", f"got {request.k}: the answer, {TOPK_ENTRY_BYTES} bytes for each of {rows} rows × k, "
+                                   f"would pass the largest message (--max-message-mb); expected k <= {most}")
     temperature = _column(request.temperature, "temperature", num_rows, 1.0, np.float32)
     _check(temperature, np.isfinite(temperature) & (temperature > 0), "temperature", "T > 0 and finite")
     per_position = torch.from_numpy(temperature).repeat_interleave(math.prod(logits.shape[1:-1]))
