@@ -259,7 +259,7 @@ def _declined_requests(ref: pb.TensorRef) -> dict[str, bytes]:
         "k below -1": params(top_k=[-2]),
         "p of 0": params(top_p=[0.0]),
         "p above 1": params(top_p=[1.5]),
-        "min_p of 1": params(min_p=[1.0]),
+        "min_p above 1": params(min_p=[1.0000001]),
         "two values for three rows": params(temperature=[1.0, 0.5]),
         "has_seed without seeds": params(has_seed=[True, True, True]),
         "has_seed of one row": params(seed=[1], has_seed=[True]),
