@@ -90,13 +90,18 @@ def test_random_bytes_on_streaming_methods_get_invalid_argument(server: RunningS
     code, details = _code(lambda: list(watch(garbage, timeout=30)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(UNPARSABLE), details
 
-    # A good message answered first, then the stream ends on the bad one.
+    # A good message answered first, then the stream ends on the bad one, whose number the status names, under the
+    # stream's one request id.
     good = build_sample_request(torch.zeros(1, 8), seed=1).SerializeToString()
     stream = channel.stream_stream(SAMPLER + "SampleStream")
     answers: list[bytes] = []
-    code, details = _code(lambda: answers.extend(stream(iter([good, garbage]), timeout=30)))
+    code, details = _code(lambda: answers.extend(stream(iter([good, garbage]), timeout=30,
+                                                        metadata=(("x-request-id", "bad-stream"),))))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and len(answers) == 1
-    assert pb.SampleStreamResponse.FromString(answers[0]).WhichOneof("result") == "response"
+    assert details.startswith("request: message 1 of the stream (request id bad-stream.1): 6 bytes that do not parse")
+    assert details.endswith("(request id bad-stream)"), details
+    first = pb.SampleStreamResponse.FromString(answers[0])
+    assert first.WhichOneof("result") == "response" and first.response.request_id == "bad-stream.0"
     assert _tracebacks(server) == tracebacks  # a client's bad bytes are not the server's bug
 
 

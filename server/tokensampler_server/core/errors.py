@@ -38,9 +38,10 @@ def queue_full(waiting: int, limit: int, unit: str) -> ServiceError:
                         grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
-def unparsable(raw: bytes, err: Exception) -> InvalidArgument:
-    """The error of request bytes that do not parse as the method's message."""
-    return InvalidArgument("request", f"{len(raw)} bytes that do not parse ({err}); "
+def unparsable(raw: bytes, err: Exception, which: str = "") -> InvalidArgument:
+    """The error of request bytes that do not parse as the method's message; `which` names the message of a
+    stream ("message 3 of the stream: ")."""
+    return InvalidArgument("request", f"{which}{len(raw)} bytes that do not parse ({err}); "
                            "expected a serialized protobuf message of the method's request type")
 
 

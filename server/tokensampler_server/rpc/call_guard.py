@@ -178,13 +178,15 @@ class CallGuard:
         else:
             wrap, behaviour = grpc.unary_stream_rpc_method_handler, handler.unary_stream
 
-        async def abort(context: grpc.aio.ServicerContext, err: ServiceError) -> None:
-            request_id = request_id_from_metadata(context.invocation_metadata())
+        async def abort(context: grpc.aio.ServicerContext, err: ServiceError, request_id: str) -> None:
             log.debug("stream %s failed: %s", request_id, err.message)
             await context.abort(err.code, _details(err.message, request_id), _trailing(err.code))
 
         if inspect.isasyncgenfunction(behaviour):
             async def guarded(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
+                # One id for the stream: its messages' ids (the stream's id, a dot, their number) and its status.
+                request_id = request_id_from_metadata(context.invocation_metadata())
+                current_request_id.set(request_id)
                 if tracer is not None:
                     current_message_tracer.set(partial(tracer.record, metadata=context.invocation_metadata()))
                 try:
@@ -198,15 +200,17 @@ class CallGuard:
                         if watch is not None:
                             watch.answered()
                 except ServiceError as err:
-                    await abort(context, err)
+                    await abort(context, err, request_id)
         else:  # a coroutine that writes its responses with context.write (health Watch)
             async def guarded(request: object, context: grpc.aio.ServicerContext) -> object:
+                request_id = request_id_from_metadata(context.invocation_metadata())
+                current_request_id.set(request_id)
                 try:
                     if admit is not None:
                         admit(context)
                     return await behaviour(_checked(request, streaming), context)
                 except ServiceError as err:
-                    await abort(context, err)
+                    await abort(context, err, request_id)
 
         return wrap(
             guarded,

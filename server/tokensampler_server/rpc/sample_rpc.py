@@ -86,14 +86,15 @@ _READ_ON_LOOP_BYTES = 1 << 20
 took 0.18 s, during which every other call waited)."""
 
 
-def as_request(message: bytes | pb.SampleRequest) -> pb.SampleRequest:
-    """The request a Sample / SampleStream message holds (its bytes, or an already parsed message)."""
+def as_request(message: bytes | pb.SampleRequest, which: str = "") -> pb.SampleRequest:
+    """The request a Sample / SampleStream message holds (its bytes, or an already parsed message); `which` as
+    for errors.unparsable."""
     if not isinstance(message, bytes):
         return message
     try:
         return pb.SampleRequest.FromString(message)
     except DecodeError as err:
-        raise unparsable(message, err) from None
+        raise unparsable(message, err, which) from None
 
 
 def _input_ref(request: pb.SampleRequest) -> tuple[pb.TensorRef | pb.RowsRef | None, str]:
@@ -248,10 +249,10 @@ class SampleRpc:
         return answer.response
 
     @staticmethod
-    def _parsed(message: bytes | pb.SampleRequest, call: CallRecord) -> pb.SampleRequest:
+    def _parsed(message: bytes | pb.SampleRequest, call: CallRecord, which: str = "") -> pb.SampleRequest:
         """as_request, timed into the call's parse time (the deserialize metric)."""
         started = time.perf_counter_ns()
-        request = as_request(message)
+        request = as_request(message, which)
         call.parse_ns += time.perf_counter_ns() - started
         return request
 
@@ -267,7 +268,8 @@ class SampleRpc:
     async def _begin_python(self, message: bytes | pb.SampleRequest, call: CallRecord) -> _Started | Exception:
         """A stream message started on the Python path, or its error. Bytes that do not parse raise: they end
         the stream."""
-        request = self._parsed(message, call)
+        index = call.request_id.rsplit(".", 1)[-1]  # _stream_record's numbering
+        request = self._parsed(message, call, f"message {index} of the stream (request id {call.request_id}): ")
         try:
             return await self.start(request, call, await self._token_lists(request))
         except Exception as err:  # noqa: BLE001

@@ -31,7 +31,7 @@ from tokensampler_server.resources.leases import Lease
 from tokensampler_server.rpc.metrics import ServerMetrics
 from tokensampler_server.workloads.cuda import workloads_of
 from tokensampler_server.resources.regions import RegionRegistry, region_info
-from tokensampler_server.core.request_context import request_id_from_metadata
+from tokensampler_server.core.request_context import current_request_id
 from tokensampler_server.rpc.native_path import NativePath
 from tokensampler_server.rpc.sample_rpc import SampleRpc
 from tokensampler_server.validation.sample import LOGITS_DTYPES
@@ -128,16 +128,14 @@ class SamplerService(pb_grpc.SamplerServicer):
         self, request_iterator: AsyncIterator[bytes | pb.SampleRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes | pb.SampleStreamResponse]:
         """Samples each message as it arrives (so the batcher can merge them) and answers in order."""
-        stream_id = request_id_from_metadata(context.invocation_metadata())
-        async for answer in self._sample_path.stream(request_iterator, stream_id):
+        async for answer in self._sample_path.stream(request_iterator, current_request_id.get()):
             yield answer
 
     async def Colocate(
         self, request_iterator: AsyncIterator[pb.ColocateRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ColocateResponse]:
         """A decode loop's loop, its steps handed off on the GPU (colocated.py)."""
-        async for answer in self._colocated.serve(request_iterator,
-                                                  request_id_from_metadata(context.invocation_metadata())):
+        async for answer in self._colocated.serve(request_iterator, current_request_id.get()):
             yield answer
 
     def _hold_lm_head(self, request: pb.DiffusionStepRequest | pb.TopKProbsRequest | pb.ScoreTokensRequest,
