@@ -200,7 +200,11 @@ class IdleWatch:
             except asyncio.CancelledError:
                 if self._ended_after is None:
                     raise
-                self._waiting.uncancel()  # cancelled by _end, not by grpc: the stream ends with its status
+                # Cancelled by _end, not by grpc: the stream ends with its status. Python 3.11 counts cancellations,
+                # which the task would otherwise still carry; 3.10 has no count.
+                uncancel = getattr(self._waiting, "uncancel", None)
+                if uncancel is not None:
+                    uncancel()
                 raise self._refusal() from None
             finally:
                 self._waiting = None
