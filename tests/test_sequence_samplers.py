@@ -231,3 +231,18 @@ def test_a_diffusion_step_counts_the_sequence_reads_of_every_position() -> None:
         with pytest.raises(InvalidArgument) as raised:
             validate_diffusion_request(request, Limits())
         assert raised.value.field == "params.output_token_ids" and "would read" in raised.value.message
+
+
+def test_bans_alone_are_told_apart_from_other_processing() -> None:
+    """The CUDA backend's ban-mask route takes no-repeat-n-gram alone: not beside DRY, a token list or a bias."""
+    from tokensampler_server.backends.cuda_sequence_bans import bans_only
+    from tokensampler_server.backends.entry_masks import entry_mask
+
+    history = {"output_token_ids": [[1, 2, 1, 2, 1]], "no_repeat_ngram_size": 2}
+    alone = _validated(1, 8, **history).processing
+    assert bans_only(alone) and entry_mask(alone, 1, 8) is None
+    for extra in ({"dry_multiplier": 0.8}, {"banned_token_ids": [[3]]}, {"logit_bias": {4: 1.0}},
+                  {"repetition_penalty": 1.2}):
+        assert not bans_only(_validated(1, 8, **history, **extra).processing), extra
+    assert not bans_only(_validated(1, 8, output_token_ids=[[1, 2, 1]], no_repeat_ngram_size=0,
+                                    banned_token_ids=[[3]]).processing)  # no sequence sampler at all

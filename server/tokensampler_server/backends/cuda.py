@@ -16,8 +16,9 @@ csrc/routes.cpp, which the native request path (csrc/request_path.cpp) calls too
 A token bitmask (structured output) is read by every kernel above as it loads the logits, a disallowed token
 read as -inf: a batch whose only processing is a bitmask reads its logits once, as without one. So does a batch
 whose only processing is allowed and banned token lists (min_tokens' bans among them), made into bitmask rows on
-the host when few rows have them (entry_masks.py). Other processing (bias, penalties, the sequence samplers, those
-lists beside a request's own bitmask or on many rows) runs first, in torch on the GPU (processing.apply_processing),
+the host when few rows have them (entry_masks.py), and one whose only processing is no-repeat-n-gram's bans, made
+into a mask on the GPU from the rows' sequences (cuda_sequence_bans.py). Other processing (bias, penalties, DRY,
+those lists beside a request's own bitmask or on many rows) runs first, in torch on the GPU (processing.apply_processing),
 on a float32 copy into which the bitmask is written first by a small in-place kernel; then the local samplers
 (top-n-sigma, typical-p, XTC) by their own kernels on the same copy (cuda_local_samplers.py,
 csrc/local_samplers.cuh).
@@ -56,6 +57,7 @@ from tokensampler_server.backends.cuda_build import CudaBackendUnavailable
 from tokensampler_server.backends.cuda_kernels import NO_BITMASK, Kernels, Plan
 from tokensampler_server.backends.mps import mps_state
 from tokensampler_server.backends.cuda_local_samplers import LocalSamplerKernels
+from tokensampler_server.backends.cuda_sequence_bans import SequenceBanKernels, bans_only
 from tokensampler_server.backends.cuda_logprobs import LogprobCall, sample_with_logprobs
 from tokensampler_server.backends.cuda_prepared import CudaPreparedSampling
 from tokensampler_server.backends.cuda_vocab_parallel import DeviceGroup, SplitHeads
@@ -91,6 +93,10 @@ ROUTES = [
           "without other processing, the same kernels, each reading the mask with the logits (1/32 more bytes at "
           "fp32): 0.92-1.07x the unmasked call at B = 1-256 (benchmarks/bench_structured.py); lists become mask "
           "rows on the host (one for all when every row's lists are the same)"),
+    Route("rows whose only processing is no-repeat-n-gram's bans (no DRY), before the route of their parameters",
+          SequenceBanKernels.kernel_names,
+          "one block a tile of the rows' sequences clears the banned tokens' bits in a mask of all ones (B x V / 8 "
+          "bytes); then the masked kernels read the raw logits once (docs/performance.md, \"Local samplers\")"),
     Route("rows with top-n-sigma, typical-p or XTC (the local samplers), before the route of their parameters",
           LocalSamplerKernels.kernel_names,
           "in place on the processing copy, from per-row float64 statistics: top-n-sigma two reads, XTC one, "
@@ -126,6 +132,7 @@ class CudaBackend(Backend):
         with torch.cuda.device(self._device):
             self._kernels = Kernels(device_index)
             self._local_samplers = LocalSamplerKernels(self._kernels.module, self._device)
+            self._sequence_bans = SequenceBanKernels(self._kernels.module, self._device)
         self._gpu_name = torch.cuda.get_device_name(device_index)
         self._mps = mps_state()  # the context is made: whether it connected to a daemon is settled
         self._exact_rows = 0  # rows sampled again through stats + filter
@@ -150,9 +157,9 @@ class CudaBackend(Backend):
 
     def info(self) -> BackendInfo:
         routes = ROUTES if self._split_heads is None else [SPLIT_HEAD_ROUTE, *ROUTES]
-        return BackendInfo(name="cuda", device=f"cuda:{self._device.index} ({self._gpu_name})",
-                           kernels=[*Kernels.kernel_names, *LocalSamplerKernels.kernel_names], routes=routes,
-                           mps=self._mps)
+        kernels = [*Kernels.kernel_names, *LocalSamplerKernels.kernel_names, *SequenceBanKernels.kernel_names]
+        return BackendInfo(name="cuda", device=f"cuda:{self._device.index} ({self._gpu_name})", kernels=kernels,
+                           routes=routes, mps=self._mps)
 
     @property
     def fallback_counter_address(self) -> int:
@@ -275,6 +282,7 @@ class CudaBackend(Backend):
         bitmask = processing.token_bitmask if processing is not None else None
         masked = processing.token_bitmask_rows if bitmask is not None else None
         lists = entry_mask(processing, num_rows, vocab) if processing is not None and bitmask is None else None
+        bans = lists is None and bitmask is None and processing is not None and bans_only(processing)
         if lists is not None:
             words_up, width = lists.num_masks, words_of(vocab)
         elif bitmask is not None:
@@ -293,8 +301,11 @@ class CudaBackend(Backend):
             end, entries = self._place_entry_mask(stage, lists, width)
         elif bitmask is not None:
             end, entries = self._place_bitmask(stage, bitmask, masked, words_up)
+        elif bans:
+            words = self._sequence_bans.words(processing.sequence_samplers, num_rows, vocab)
+            entries = [words.data_ptr(), 0, words.shape[1]]
         self._kernels.copy_to_device(stage.dev_base, stage.host_base, end, stream)
-        masks_all = lists is not None or (bitmask is not None and processing.without_bitmask() is None)
+        masks_all = lists is not None or bans or (bitmask is not None and processing.without_bitmask() is None)
         return stage, plan, entries, masks_all
 
     def _place_bitmask(self, stage: Stage, bitmask: torch.Tensor, masked: torch.Tensor | None,
