@@ -15,12 +15,12 @@
 #include "sampling.h"
 
 // Defined in bindings_fused.cpp (hidden states x LM head), bindings_workloads.cpp (diffusion, top-k
-// probabilities, draft verification), bindings_request_path.cpp (the native request path),
+// probabilities, draft verification), bindings_native_path.cpp (the native path),
 // bindings_score.cpp (scoring given tokens), bindings_local_samplers.cpp (typical-p, top-n-σ, XTC) and
 // bindings_handoff.cpp (the colocated hand-off): one extension module, one binding file per family.
 void register_fused(pybind11::module_& m);
 void register_workloads(pybind11::module_& m);
-void register_request_path(pybind11::module_& m);
+void register_native_path(pybind11::module_& m);
 void register_score(pybind11::module_& m);
 void register_local_samplers(pybind11::module_& m);
 void register_handoff(pybind11::module_& m);
@@ -223,7 +223,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   register_fused(m);
   register_workloads(m);
-  register_request_path(m);
+  register_native_path(m);
   register_local_samplers(m);
   register_routes(m);
   register_score(m);

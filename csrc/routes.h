@@ -1,7 +1,7 @@
 /* The routes of one sampling call over logits (docs/design/kernel-routing.md): which kernel samples each row,
  * decided from the rows' parameters on the host (so routing costs no synchronisation), and the launches of a call
- * in their one order. The CUDA backend (server/tokensampler_server/backends/cuda.py) and the native request path
- * (request_path.cpp) both sample through here: this is the one place that routes rows and launches the logits
+ * in their one order. The CUDA backend (server/tokensampler_server/backends/cuda.py) and the native path
+ * (native_path.cpp) both sample through here: this is the one place that routes rows and launches the logits
  * kernels.
  *
  * A call: the caller writes the rows' parameters into a host stage laid out by ts_stage_layout (pinned memory,

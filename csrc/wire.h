@@ -1,4 +1,4 @@
-// The protobuf wire format, as much of it as the native request path needs (request_path.cpp):
+// The protobuf wire format, as much of it as the native path needs (native_path.cpp):
 // reading a message's fields in order, the two encodings of repeated scalars (packed and not), and
 // writing a response. Plain C++17, no protobuf library: the path reads only messages whose every
 // field it knows, and hands anything else to the Python path.

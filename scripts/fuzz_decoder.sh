@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fuzzes the native request path's decoder and validation (csrc/wire.h, csrc/request_path.cpp) on the CPU under
+# Fuzzes the native path's decoder and validation (csrc/wire.h, csrc/native_path.cpp) on the CPU under
 # AddressSanitizer and UndefinedBehaviorSanitizer (fuzz/decoder/). Builds the harness, writes the seed corpus
 # (real SampleRequest messages), replays the regression corpus tests/fuzz_corpus/decoder/, then runs RUNS inputs.
 #
@@ -38,7 +38,7 @@ rm -f "$work"/artifacts/*
 # UB aborts (no recovery), and std::vector's operator[] is bounds-checked (_GLIBCXX_ASSERTIONS)
 sanitize=(-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer)
 flags=(-std=c++17 -g -O1 -D_GLIBCXX_ASSERTIONS -Ifuzz/decoder -Icsrc)  # fuzz/decoder first: its cuda_runtime.h
-sources=(fuzz/decoder/harness.cpp fuzz/decoder/host_device.cpp fuzz/decoder/mutator.cpp csrc/request_path.cpp
+sources=(fuzz/decoder/harness.cpp fuzz/decoder/host_device.cpp fuzz/decoder/mutator.cpp csrc/native_path.cpp
          csrc/routes.cpp)
 
 compiles() {  # compiles <libfuzzer 0|1> <compiler> <flags...>: links a trivial fuzz target with these flags

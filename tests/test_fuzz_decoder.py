@@ -1,4 +1,4 @@
-"""The native request path's decoder and validation (csrc/wire.h, csrc/request_path.cpp) fuzzed in small, as
+"""The native path's decoder and validation (csrc/wire.h, csrc/native_path.cpp) fuzzed in small, as
 scripts/fuzz_decoder.sh does at length: the AddressSanitizer + UndefinedBehaviorSanitizer build on the CPU,
 every input of the regression corpus tests/fuzz_corpus/decoder/ replayed (each once crashed the decoder), then a
 few thousand mutations of the seed requests. Skipped where no C++ compiler has both sanitizers."""

@@ -1,5 +1,5 @@
 """The native path's batching (native_path.py, queued on the batcher's one queue) over a stand-in for the C++
-RequestPath: which requests go out together, in what order, and what each caller gets back. The C++ side, and the answers themselves, are held to
+NativePath: which requests go out together, in what order, and what each caller gets back. The C++ side, and the answers themselves, are held to
 the Python path on the GPU (tests/gpu/test_native_path.py)."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class Prepared:
 
 @dataclass
 class StandInPath:
-    """RequestPath's methods. A request is b"ROWS,VOCAB" ("decline" is declined at once); a request id starting
+    """NativePath's methods. A request is b"ROWS,VOCAB" ("decline" is declined at once); a request id starting
     with "cpu" is declined after it was sampled; a batch holding a request id in `fail` raises."""
 
     fail: set[str] = field(default_factory=set)

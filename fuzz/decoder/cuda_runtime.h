@@ -1,4 +1,4 @@
-// A host-only stand-in for the few CUDA runtime calls csrc/request_path.cpp makes, so that the request path
+// A host-only stand-in for the few CUDA runtime calls csrc/native_path.cpp makes, so that the native path
 // compiles unchanged for the sanitizer build on a machine without CUDA. "Device" memory is ordinary heap
 // memory (host_device.cpp), which AddressSanitizer watches like any other; streams and events do nothing, since
 // every copy here completes before it returns.

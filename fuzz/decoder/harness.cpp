@@ -1,12 +1,12 @@
-// The fuzz target of the native request path: one input is the bytes of a SampleRequest as a client sends them.
+// The fuzz target of the native path: one input is the bytes of a SampleRequest as a client sends them.
 // Each input goes through
 //   1. wire.h alone: every field of the message and of its nested messages read, each payload a view inside its
 //      parent, each repeated run's count bounded by its bytes, and varint and length-delimited fields written back
 //      by wire::Writer and read again unchanged;
-//   2. RequestPath::prepare (csrc/request_path.cpp, compiled unchanged) under three sets of limits (the server's
+//   2. NativePath::prepare (csrc/native_path.cpp, compiled unchanged) under three sets of limits (the server's
 //      defaults, small ones, and none at all, as an operator may configure); a request it takes must satisfy the
 //      invariants below, computed in 128 bits so that no overflow can hide a violation;
-//   3. RequestPath::sample of the prepared request, alone, then merged with a second copy of itself between a
+//   3. NativePath::sample of the prepared request, alone, then merged with a second copy of itself between a
 //      carried and a gathered one-row request, through the stand-in device of host_device.cpp (every row's logits
 //      checked inside its region or buffer), and each response read back.
 // Any sanitizer report, or fuzz::fail on a broken invariant, aborts: the input is a bug.
@@ -20,14 +20,14 @@
 #include <vector>
 
 #include "host_device.h"
-#include "request_path.h"
+#include "native_path.h"
 #include "wire.h"
 
 namespace {
 
 using tokensampler::PreparedRequest;
 using tokensampler::RequestLimits;
-using tokensampler::RequestPath;
+using tokensampler::NativePath;
 using u128 = unsigned __int128;
 
 // The regions a request may name (make_seeds.py names the same): sizes of a few rows, one not a multiple of any
@@ -47,7 +47,7 @@ const Region* region_named(std::string_view name) {
 
 struct Path {
   RequestLimits limits;
-  std::unique_ptr<RequestPath> path;
+  std::unique_ptr<NativePath> path;
   std::vector<std::unique_ptr<uint8_t[]>> regions;  // each region's memory, as this path knows it
 };
 
@@ -56,7 +56,7 @@ std::vector<Path>& paths() {
     std::vector<Path> made;
     for (RequestLimits limits : {RequestLimits{4096, 4096LL * 262144}, RequestLimits{8, 256},
                                  RequestLimits{INT64_MAX, INT64_MAX}}) {
-      Path p{limits, std::make_unique<RequestPath>(0, limits, nullptr), {}};
+      Path p{limits, std::make_unique<NativePath>(0, limits, nullptr), {}};
       for (const Region& r : kRegions) {
         // exactly the region's size: AddressSanitizer's redzone starts at its last byte
         p.regions.push_back(std::make_unique<uint8_t[]>(r.bytes));

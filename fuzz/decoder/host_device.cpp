@@ -1,6 +1,6 @@
 // The sanitizer build's stand-ins for the CUDA runtime (cuda_runtime.h here) and for the launchers of
 // csrc/sampling.h. Each launcher checks, before it writes an answer, that everything the real kernel would read
-// or write lies inside a block the request path allocated or a region registered with it: the logits of every
+// or write lies inside a block the native path allocated or a region registered with it: the logits of every
 // work row, the per-row columns, the row lists, the outputs, the workspace. A row outside its region is the
 // worst a decoding or validation bug can do on the GPU (a read of another allocation), and on the GPU no
 // sanitizer sees it; here fail() stops the run on it.
@@ -45,14 +45,14 @@ size_t itemsize_of(int32_t dtype) {
 
 constexpr uint8_t kFlagCpu = 4;
 
-// The request path draws one sample a row: a Gumbel-max launch of one grid layer.
+// The native path draws one sample a row: a Gumbel-max launch of one grid layer.
 void one_draw(int32_t num_draws) {
   if (num_draws != 1) fail("a Gumbel-max launch of more than one sample");
 }
 
 // One stand-in launch over a work list: every read checked, then a token and flags for each work row. The
 // answer comes from the row's first byte, so that a fuzzed input reaches both the answered and the declined
-// (kFlagCpu) ends of RequestPath::sample. `draws`: the launch writes tokens and flags (ts_cut writes neither).
+// (kFlagCpu) ends of NativePath::sample. `draws`: the launch writes tokens and flags (ts_cut writes neither).
 void run(const TsLogits* l, const TsRows* r, const TsOutputs* out, const TsWorkspace* ws, size_t scratch_bytes,
          bool draws = true) {
   if (l->num_rows < 1 || l->vocab < 1) fail("TsLogits without rows or tokens");
@@ -117,7 +117,7 @@ bool inside(const void* p, size_t bytes) {
 }
 
 void fail(const char* what) {
-  std::fprintf(stderr, "==fuzz== request path invariant broken: %s\n", what);
+  std::fprintf(stderr, "==fuzz== native path invariant broken: %s\n", what);
   std::abort();
 }
 
@@ -171,7 +171,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   return cudaSuccess;
 }
 
-// ---- the launchers request_path.cpp calls, with scratch sizes of the same shape as the real ones
+// ---- the launchers native_path.cpp calls, with scratch sizes of the same shape as the real ones
 size_t ts_stats_scratch_bytes(int32_t n, int64_t) { return 16 * static_cast<size_t>(n); }
 size_t ts_gumbel_scratch_bytes(int32_t n, int64_t) { return 24 * static_cast<size_t>(n); }
 size_t ts_topk_scratch_bytes(int32_t n, int64_t, int32_t bucket) {

@@ -5,7 +5,7 @@
 
 namespace fuzz {
 
-// A block the request path may read: a stand-in allocation, or a region the harness registered.
+// A block the native path may read: a stand-in allocation, or a region the harness registered.
 void track(const void* base, size_t bytes);
 void untrack(const void* base);
 // Whether [p, p + bytes) lies inside one tracked block (bytes = 0: p inside or one past the end).

@@ -1,5 +1,5 @@
 """Writes the seed corpus of the request-decoder fuzzer: real SampleRequest messages, serialized by the
-generated protobuf classes, of every input kind the native request path takes (carried logits in each dtype,
+generated protobuf classes, of every input kind the native path takes (carried logits in each dtype,
 logits_ref, logits_rows; with and without params, each sampling mode, per-row and scalar columns, seeds with and
 without has_seed, num_samples) and of the nearby kinds it declines (num_samples > 1, log-probs, output
 regions, hidden states, penalties, other dtypes, unknown regions). Region names and sizes are harness.cpp's.

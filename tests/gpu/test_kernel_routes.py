@@ -121,7 +121,7 @@ def test_verify_draft_kernel(cuda_backend) -> None:
     _assert_verdicts_agree(workloads_of(cuda_backend).verify_draft(v), verify_draft(v))
 
 
-def test_native_request_path(cuda_backend) -> None:
+def test_native_path_routes(cuda_backend) -> None:
     from tokensampler_server.batching.batcher import DynamicBatcher
     from tokensampler_server.rpc.native_path import NativePath
 

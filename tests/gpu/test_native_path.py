@@ -1,4 +1,4 @@
-"""The native request path (csrc/request_path.cpp, native_path.py) against the Python path.
+"""The native path (csrc/native_path.cpp, native_path.py) against the Python path.
 
 In process, no RPC: a CUDA tensor of this process stands for a registered CUDA region. Every request the
 native path answers must get the response the Python path gives it (validation/sample.py + the CUDA backend):
@@ -479,7 +479,7 @@ def test_server_native_and_python_paths_answer_alike(servers) -> None:
     """Unary and stream over one CUDA region, and with the logits carried in the request: the native server
     equals the --no-native-path one, and its metrics count the rows it answered natively."""
     native_server, python_server = servers
-    assert any("native request path on" in line for line in native_server.log)
+    assert any("native path on" in line for line in native_server.log)
     x = logits("spiky", 48, 151936, seed=8).cuda()
     torch.cuda.synchronize()
     answers = []

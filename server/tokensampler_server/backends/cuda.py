@@ -1,7 +1,7 @@
 """The `cuda` backend: docs/semantics.md on the GPU with the compiled kernels of csrc/.
 
 Rows are routed by their parameters (known on the host, so routing costs no synchronisation) in one place,
-csrc/routes.cpp, which the native request path (csrc/request_path.cpp) calls too:
+csrc/routes.cpp, which the native path (csrc/native_path.cpp) calls too:
   greedy (T == 0)               -> stats_kernel: argmax, with the raw log-sum-exp in the same pass
   T > 0, no filter              -> gumbel_kernel: one read, exact up to an in-kernel re-score
   0 < k, k + 1 <= 256           -> topk_kernel<bucket>: one read, min-p and top-p on the candidates

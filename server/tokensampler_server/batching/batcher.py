@@ -9,7 +9,7 @@ A caller that goes away (cancelled, deadline passed) leaves its rows behind; the
 are unaffected, and work whose every caller has gone is dropped before it starts.
 
 The queue also holds direct work: requests a sampler of their own answers on the event loop, in groups of one
-merge key (the native request path's prepared requests, rpc/native_path.py). They count against the same bounds,
+merge key (the native path's prepared requests, rpc/native_path.py). They count against the same bounds,
 wait out the same delay, and, being GPU work on their own stream, may run while a batch is on the worker.
 
 Each queued request holds a share of its lease (leases.py): the regions and weights it reads stay registered

@@ -1,4 +1,4 @@
-"""The native request path beside the Python one (csrc/request_path.cpp; docs/design/service-path.md).
+"""The native path beside the Python one (csrc/native_path.cpp; docs/design/service-path.md).
 
 On the CUDA backend, a SampleRequest whose logits lie in a CUDA region of the backend's GPU or are carried in
 the request (uploaded straight from its bytes), and that asks for tokens alone (no log-probs, no logit
@@ -48,7 +48,7 @@ class NativePath:
     """The C++ path of one CUDA backend, with the CUDA regions it may read; its requests queue on the batcher."""
 
     def __init__(self, path: Any, device: torch.device, batcher: DynamicBatcher) -> None:
-        """`path`: the C++ RequestPath of `device` (for_backend), or a stand-in with its methods."""
+        """`path`: the C++ NativePath of `device` (for_backend), or a stand-in with its methods."""
         self._path = path
         self._device = device
         self._batcher = batcher
@@ -59,7 +59,7 @@ class NativePath:
         from tokensampler_server.backends.cuda_build import load_kernels
 
         device = backend.device
-        path = load_kernels(device.index).RequestPath(device.index, limits.max_batch_rows, limits.max_batch_elements,
+        path = load_kernels(device.index).NativePath(device.index, limits.max_batch_rows, limits.max_batch_elements,
                                                       backend.fallback_counter_address)
         return cls(path, device, batcher)
 
@@ -127,7 +127,7 @@ def create_native_path(backend: Backend, limits: Limits, enabled: bool, batcher:
     try:
         path = NativePath.for_backend(backend, limits, batcher)
     except Exception as err:  # noqa: BLE001 - the Python path still serves every request
-        log.warning("native request path unavailable (%s): every request takes the Python path", err)
+        log.warning("native path unavailable (%s): every request takes the Python path", err)
         return None
-    log.info("native request path on: plain requests (logits in a CUDA region or carried) are answered in C++")
+    log.info("native path on: plain requests (logits in a CUDA region or carried) are answered in C++")
     return path

@@ -1,10 +1,10 @@
-// The native request path of the CUDA backend: a SampleRequest whose logits lie in a CUDA region or
+// The native path of the CUDA backend: a SampleRequest whose logits lie in a CUDA region or
 // are carried in its own bytes, and that asks for tokens alone (no log-probs, no logit processing, no output
 // regions, one sample) is parsed, validated, planned, launched and answered here, without a Python line
 // between the request's bytes and the response's. The server's Python path (sample_rpc.py) answers every
 // other request and every error: prepare() declines (returns null) whatever it does not take, before anything
 // a client could see has happened, and the Python path then takes the request as if this one did not exist.
-// It decodes and validates by validation/sample.py's rules (tests/gpu/test_request_path.py holds the two paths to
+// It decodes and validates by validation/sample.py's rules (tests/gpu/test_native_path.py holds the two paths to
 // the same answers) and samples through the routes of routes.h, the planner and launcher the CUDA backend uses.
 // Why it exists, and what it measured: docs/design/service-path.md.
 //
@@ -13,7 +13,7 @@
 // each gets its own answer. Batch invariance (docs/semantics.md) makes a request's tokens the same alone or
 // merged. native_path.py decides what to merge and when.
 //
-// Plain C++ and the CUDA runtime, no torch: bindings_request_path.cpp is the thin binding.
+// Plain C++ and the CUDA runtime, no torch: bindings_native_path.cpp is the thin binding.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -74,13 +74,13 @@ struct AnsweredRequest {
   int64_t batch_rows = 0;  // rows of the batch it was part of
 };
 
-class RequestPath {
+class NativePath {
  public:
   // fallback_count: the backend's in-kernel fallback counter (device memory), shared.
-  RequestPath(int device, RequestLimits limits, unsigned long long* fallback_count);
-  ~RequestPath();
-  RequestPath(const RequestPath&) = delete;
-  RequestPath& operator=(const RequestPath&) = delete;
+  NativePath(int device, RequestLimits limits, unsigned long long* fallback_count);
+  ~NativePath();
+  NativePath(const NativePath&) = delete;
+  NativePath& operator=(const NativePath&) = delete;
 
   void add_region(const std::string& name, RegionMapping region);
   void remove_region(const std::string& name);  // waits for a batch being sampled
@@ -93,7 +93,7 @@ class RequestPath {
   // went since it was prepared is left out and declined.
   std::vector<AnsweredRequest> sample(const std::vector<std::shared_ptr<PreparedRequest>>& batch);
 
-  struct Parsed;  // the request's fields, reused from call to call (request_path.cpp)
+  struct Parsed;  // the request's fields, reused from call to call (native_path.cpp)
 
  private:
   struct Buffer {  // grown on demand, never shrunk

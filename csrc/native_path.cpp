@@ -1,8 +1,8 @@
-// The native request path (request_path.h): parse -> validate -> stage -> the routes' plan, one upload and
+// The native path (native_path.h): parse -> validate -> stage -> the routes' plan, one upload and
 // launches (routes.h, shared with the Python path) -> one copy back and synchronisation -> encode. Parsing,
 // validation and encoding follow the Python path's rules, named where they are; any request or value outside
 // them is declined, never approximated.
-#include "request_path.h"
+#include "native_path.h"
 
 #include <signal.h>
 #include <sys/random.h>
@@ -30,7 +30,7 @@ enum Mode { kGreedy, kGumbel, kTopK, kTopP, kMinP };  // metrics.ROW_MODES
 
 void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess)
-    throw std::runtime_error(std::string("tokensampler request path: ") + what + ": " + cudaGetErrorString(err));
+    throw std::runtime_error(std::string("tokensampler native path: ") + what + ": " + cudaGetErrorString(err));
 }
 
 void check_launch(int err, const char* what) { check(static_cast<cudaError_t>(err), what); }
@@ -56,7 +56,7 @@ void random_words(uint64_t* out, size_t count) {
     const ssize_t got = getrandom(bytes, left, 0);
     if (got < 0) {
       if (errno == EINTR) continue;
-      throw std::runtime_error("tokensampler request path: getrandom failed");
+      throw std::runtime_error("tokensampler native path: getrandom failed");
     }
     bytes += got, left -= static_cast<size_t>(got);
   }
@@ -77,7 +77,7 @@ bool in_int32(uint64_t v) { return v <= 0x7FFFFFFFull || v >= 0xFFFFFFFF80000000
 
 }  // namespace
 
-struct RequestPath::Parsed {
+struct NativePath::Parsed {
   // SampleRequest.logits (Tensor, carried in the request's bytes), logits_ref (TensorRef) or logits_rows (RowsRef:
   // row_size and row_offsets, gathered)
   bool has_input = false, carried = false, gathered = false;
@@ -226,13 +226,13 @@ struct DeviceGuard {  // the caller's current device back on every way out
 
 }  // namespace
 
-RequestPath::RequestPath(int device, RequestLimits limits, unsigned long long* fallback_count)
+NativePath::NativePath(int device, RequestLimits limits, unsigned long long* fallback_count)
     : device_(device), limits_(limits), fallback_count_(fallback_count), parsed_(std::make_unique<Parsed>()) {
   DeviceGuard guard(device_);
   check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
 }
 
-RequestPath::~RequestPath() {
+NativePath::~NativePath() {
   // Errors are ignored: at interpreter exit the CUDA context may be gone already.
   cudaSetDevice(device_);
   for (Buffer* b : {&dev_logits_, &dev_stage_, &dev_out_, &counters_, &hist_, &scratch_})
@@ -244,18 +244,18 @@ RequestPath::~RequestPath() {
   if (stream_) cudaStreamDestroy(stream_);
 }
 
-void RequestPath::add_region(const std::string& name, RegionMapping region) {
+void NativePath::add_region(const std::string& name, RegionMapping region) {
   std::lock_guard<std::mutex> lock(regions_mutex_);
   regions_[name] = region;
 }
 
-void RequestPath::remove_region(const std::string& name) {
+void NativePath::remove_region(const std::string& name) {
   std::lock_guard<std::mutex> batch(launch_mutex_);  // a batch that found the region may still read it
   std::lock_guard<std::mutex> lock(regions_mutex_);
   regions_.erase(name);
 }
 
-void RequestPath::grow_device(Buffer& buffer, size_t bytes, bool zeroed) {
+void NativePath::grow_device(Buffer& buffer, size_t bytes, bool zeroed) {
   if (buffer.bytes >= bytes) return;
   const size_t size = std::max({bytes, 2 * buffer.bytes, size_t{4096}});
   if (buffer.ptr) retired_device_.push_back(buffer.ptr);
@@ -265,7 +265,7 @@ void RequestPath::grow_device(Buffer& buffer, size_t bytes, bool zeroed) {
   if (zeroed) check(cudaMemsetAsync(buffer.ptr, 0, size, stream_), "cudaMemsetAsync");
 }
 
-void RequestPath::grow_host(Buffer& buffer, size_t bytes) {
+void NativePath::grow_host(Buffer& buffer, size_t bytes) {
   if (buffer.bytes >= bytes) return;
   const size_t size = std::max({bytes, 2 * buffer.bytes, size_t{4096}});
   if (buffer.ptr) retired_host_.push_back(buffer.ptr);
@@ -274,7 +274,7 @@ void RequestPath::grow_host(Buffer& buffer, size_t bytes) {
   buffer.bytes = size;
 }
 
-std::shared_ptr<PreparedRequest> RequestPath::prepare(std::string_view request, std::string_view request_id,
+std::shared_ptr<PreparedRequest> NativePath::prepare(std::string_view request, std::string_view request_id,
                                                       bool stream_message) {
   const int64_t started = now_ns();
   std::lock_guard<std::mutex> lock(parse_mutex_);
@@ -302,7 +302,7 @@ std::shared_ptr<PreparedRequest> RequestPath::prepare(std::string_view request, 
   return prepared;
 }
 
-bool RequestPath::validate(const Parsed& q, const RegionMapping* region, PreparedRequest& p) const {
+bool NativePath::validate(const Parsed& q, const RegionMapping* region, PreparedRequest& p) const {
   // ---- validation/sample.py: the input's shape and its bytes (tensors.py _checked), or the region reference
   // (regions.py Region.tensor, Region.rows)
   const bool gathered = q.gathered;
@@ -405,9 +405,9 @@ bool RequestPath::validate(const Parsed& q, const RegionMapping* region, Prepare
   return true;
 }
 
-std::vector<AnsweredRequest> RequestPath::sample(const std::vector<std::shared_ptr<PreparedRequest>>& batch) {
+std::vector<AnsweredRequest> NativePath::sample(const std::vector<std::shared_ptr<PreparedRequest>>& batch) {
   std::lock_guard<std::mutex> lock(launch_mutex_);
-  if (batch.empty()) throw std::invalid_argument("tokensampler request path: an empty batch");
+  if (batch.empty()) throw std::invalid_argument("tokensampler native path: an empty batch");
   std::vector<const PreparedRequest*> included;
   std::vector<AnsweredRequest> answers(batch.size());
   int64_t rows = 0;
@@ -415,7 +415,7 @@ std::vector<AnsweredRequest> RequestPath::sample(const std::vector<std::shared_p
   for (size_t i = 0; i < batch.size(); ++i) {
     const PreparedRequest& p = *batch[i];
     if (p.vocab != batch[0]->vocab || p.dtype_code != batch[0]->dtype_code)
-      throw std::invalid_argument("tokensampler request path: a batch of more than one vocabulary or dtype");
+      throw std::invalid_argument("tokensampler native path: a batch of more than one vocabulary or dtype");
     if (!p.region.empty()) {  // regions.py: a request after the region's unregister finds it gone
       const auto found = regions_.find(p.region);
       const bool same = found != regions_.end() && found->second.base == p.region_base &&
@@ -428,7 +428,7 @@ std::vector<AnsweredRequest> RequestPath::sample(const std::vector<std::shared_p
   }
   regions.unlock();
   if (rows > limits_.max_batch_rows || rows > limits_.max_batch_elements / batch[0]->vocab)
-    throw std::invalid_argument("tokensampler request path: a batch past the limits");
+    throw std::invalid_argument("tokensampler native path: a batch past the limits");
   if (!rows) return answers;
   const int64_t launched = now_ns();
   {
@@ -465,7 +465,7 @@ std::vector<AnsweredRequest> RequestPath::sample(const std::vector<std::shared_p
   return answers;
 }
 
-void RequestPath::launch_rows(const std::vector<const PreparedRequest*>& requests, int64_t num_rows) {
+void NativePath::launch_rows(const std::vector<const PreparedRequest*>& requests, int64_t num_rows) {
   const PreparedRequest& first = *requests.front();
   const int64_t vocab = first.vocab;
   const uint64_t itemsize = first.itemsize, row_bytes = static_cast<uint64_t>(vocab) * itemsize;
@@ -568,7 +568,7 @@ void RequestPath::launch_rows(const std::vector<const PreparedRequest*>& request
 }
 
 // sample_rpc.py encode_result + finish: the SampleResponse (in a SampleStreamResponse for a stream message).
-std::string RequestPath::encode(const PreparedRequest& p, const int64_t* tokens, const uint8_t* flags,
+std::string NativePath::encode(const PreparedRequest& p, const int64_t* tokens, const uint8_t* flags,
                                 int64_t launched_ns, int64_t computed_ns) const {
   const size_t b = static_cast<size_t>(p.num_rows);
   std::vector<int32_t> token_ids(b);
