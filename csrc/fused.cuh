@@ -766,7 +766,8 @@ __global__ void __launch_bounds__(kFinishThreads, 1) fused_finish_kernel(const F
   const bool sampled_here = valid && !sh.needs_logits_path;
   if (threadIdx.x == 0)
     a.out.flags[b] =
-        static_cast<uint8_t>((row.flags & kPartNan ? 1 : 0) | (valid ? 0 : 2) | (sh.needs_logits_path ? 4 : 0));
+        static_cast<uint8_t>((row.flags & kPartNan ? TS_ROW_NAN : 0) | (valid ? 0 : TS_ROW_INVALID) |
+                             (sh.needs_logits_path ? TS_ROW_UNSETTLED : 0));
   for (int s = threadIdx.x; s < ns; s += kFinishThreads) {
     if (!valid) tokens[b * ns + s] = -1;
     // Sampled candidate rows have their log-probs from sample_candidates; NaN marks rows that are not valid

@@ -41,7 +41,7 @@ typedef struct {
   int64_t* tokens;      /* [num_rows, num_samples] */
   int32_t num_samples;
   float* logprobs;      /* [num_rows, num_samples], raw log-probs; NULL: not computed */
-  uint8_t* flags;       /* [num_rows]: bit 0 nan_detected, bit 1 not valid, bit 2 needs the logits path */
+  uint8_t* flags;       /* [num_rows]: TS_ROW_* bits (sampling.h); UNSETTLED: the row needs the logits path */
 } TsFusedOutputs;
 
 /* Stage 1 kernels: W streamed by the tensor memory accelerator, collecting filtered rows' candidates

@@ -24,8 +24,6 @@ namespace {
 constexpr uint64_t kFloat32 = 1, kBfloat16 = 2, kFloat16 = 3, kInt32 = 4;
 constexpr uint64_t kMaxLogprobsMode = 2;  // LOGPROBS_MODE_PROCESSED
 
-constexpr uint8_t kFlagNan = 1, kFlagInvalid = 2, kFlagExact = 4;
-
 enum Mode { kGreedy, kGumbel, kTopK, kTopP, kMinP };  // metrics.ROW_MODES
 
 void check(cudaError_t err, const char* what) {
@@ -451,7 +449,7 @@ std::vector<AnsweredRequest> NativePath::sample(const std::vector<std::shared_pt
     const PreparedRequest& p = *batch[i];
     const size_t n = static_cast<size_t>(p.num_rows);
     // a row for the exact filter: the Python path has the request (backends/cuda.py samples it again)
-    a.answered = std::none_of(flags + row, flags + row + n, [](uint8_t f) { return (f & kFlagExact) != 0; });
+    a.answered = std::none_of(flags + row, flags + row + n, [](uint8_t f) { return (f & TS_ROW_UNSETTLED) != 0; });
     if (a.answered) {
       a.response = encode(p, tokens + row, flags + row, launched, computed);
       a.decode_ns = p.prepared_ns - p.started_ns;
@@ -574,8 +572,8 @@ std::string NativePath::encode(const PreparedRequest& p, const int64_t* tokens, 
   std::vector<int32_t> token_ids(b);
   std::vector<uint8_t> valid(b), nan(b);
   for (size_t r = 0; r < b; ++r) {
-    valid[r] = !(flags[r] & kFlagInvalid);
-    nan[r] = (flags[r] & kFlagNan) != 0;
+    valid[r] = !(flags[r] & TS_ROW_INVALID);
+    nan[r] = (flags[r] & TS_ROW_NAN) != 0;
     token_ids[r] = valid[r] ? static_cast<int32_t>(tokens[r]) : -1;
   }
   wire::Writer tensor;

@@ -331,7 +331,7 @@ __device__ __forceinline__ void merge_row_frontier(const FrontierPartial* partia
     if (threadIdx.x == 0) {
       row = acc;
       const bool valid = acc.max > -kInf;
-      const uint8_t sflags = static_cast<uint8_t>((acc.nan ? 1 : 0) | (valid ? 0 : 2));
+      const uint8_t sflags = static_cast<uint8_t>((acc.nan ? TS_ROW_NAN : 0) | (valid ? 0 : TS_ROW_INVALID));
       pre.row_max[rv.r] = acc.max;
       pre.row_min[rv.r] = acc.min;
       pre.tokens[rv.r] = valid ? acc.argmax : -1;

@@ -18,7 +18,6 @@ constexpr int64_t kMaxMergedCandidates = 16384;
 // flat top-p at B = 256 (docs/design/top-p-frontier.md).
 constexpr int32_t kFilterBlocksTarget = 264;
 constexpr int32_t kFrontierFilterBlocksTarget = kFilterBlocksTarget / 2;
-constexpr uint8_t kFlagExact = 4;
 
 size_t align16(size_t n) { return (n + 15) / 16 * 16; }
 
@@ -283,7 +282,7 @@ int ts_launch_plan(const TsPlan* plan, const TsCallInputs* in, const void* dev_s
         if (route == TS_EXACT_FRONTIER && (err = ts_nucleus(x, &r, &pre, &o, ws, s))) return err;
         const int32_t need_exact_mass = route == TS_EXACT_FILTER && plan->kind == TS_LOGPROBS_PROCESSED;
         if ((err = filter(r, need_exact_mass, plan->filter_splits, o))) return err;
-        if (keep_bits && (err = ts_or_flags(out->exact_bits, o.flags, plan->num_rows, kFlagExact, s))) return err;
+        if (keep_bits && (err = ts_or_flags(out->exact_bits, o.flags, plan->num_rows, TS_ROW_UNSETTLED, s))) return err;
       }
       if (keep_bits && (err = ts_or_flags(out->filt.flags, out->exact_bits, plan->num_rows, 0xFF, s))) return err;
     }

@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(kThreads)
   if (out.row_max) out.row_max[rv.r] = row.max;
   if (out.row_min) out.row_min[rv.r] = row.min;
   if (out.row_logz && lse) out.row_logz[rv.r] = logf(row.sum);
-  if (out.flags) out.flags[rv.r] = static_cast<uint8_t>((row.nan ? 1 : 0) | (valid ? 0 : 2));
+  if (out.flags) out.flags[rv.r] = static_cast<uint8_t>((row.nan ? TS_ROW_NAN : 0) | (valid ? 0 : TS_ROW_INVALID));
   if (out.tokens)
     for (int i = 0; i < out.num_samples; ++i)
       out.tokens[rv.r * out.num_samples + i] = valid ? row.argmax : -1;
@@ -804,9 +804,9 @@ __global__ void __launch_bounds__(kThreads, LSE || kRowMask != kNoRowMask ? 4 : 
     token = best ? static_cast<int64_t>(key_index(best)) : -1;  // none: a cut that kept nothing
   }
   if (threadIdx.x != 0) return;
-  uint8_t flags = (row.nan ? 1 : 0) | (row_max > -kInf ? 0 : 2);
+  uint8_t flags = (row.nan ? TS_ROW_NAN : 0) | (row_max > -kInf ? 0 : TS_ROW_INVALID);
   if constexpr (kRowMask == kCutRowMask)
-    if (row_max > -kInf && row_mask.key == kNothingKept) flags |= 4;
+    if (row_max > -kInf && row_mask.key == kNothingKept) flags |= TS_ROW_UNSETTLED;
   out.tokens[rv.r * out.num_samples + sample] = token;
   if (out.row_max) out.row_max[rv.r] = row_max;
   if (LSE && out.row_logz) out.row_logz[rv.r] = logf(row.sum);
@@ -1014,7 +1014,7 @@ __global__ void __launch_bounds__(kThreads, 5)
   const bool any_nan = __syncthreads_or(nan);
   if (threadIdx.x == 0)
     block_flags[static_cast<int64_t>(w) * splits + split] =
-        (any_nan ? 1u : 0u) | (num_cand > kChunkCandidates ? 4u : 0u);
+        (any_nan ? TS_ROW_NAN : 0u) | (num_cand > kChunkCandidates ? TS_ROW_UNSETTLED : 0u);
   if (!finish_and_elect_last(ws.counters + w, splits)) return;
 
   // ---- merge stage (last block of the row): warp v folds lists v, v + 8, ... into its slot of
@@ -1180,7 +1180,7 @@ __global__ void __launch_bounds__(kThreads, 5)
   }
   if (threadIdx.x == 0) {
     const bool fallback = z_tie || (row_flags & 4u);
-    out.flags[r] = static_cast<uint8_t>((row_flags & 1u) | (fallback ? 4u : 0u));
+    out.flags[r] = static_cast<uint8_t>((row_flags & TS_ROW_NAN) | (fallback ? TS_ROW_UNSETTLED : 0u));
     if (out.row_max) out.row_max[r] = row_max;
     if (out.kept_mass) out.kept_mass[r] = static_cast<float>(kept_sum);
     if (out.kept_min_key) out.kept_min_key[r] = static_cast<int64_t>(by_z[kept - 1]);
@@ -1659,7 +1659,7 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
   }
 
   int64_t token = -1;
-  uint32_t flags = sflags & 1u;
+  uint32_t flags = sflags & TS_ROW_NAN;
   // The row's mask for the re-reads below, read again from the rows' parameters rather than kept in registers
   // through the bins (the masked instance spilled 4 more bytes).
   const uint32_t* row_mask = kMask ? row_bitmask(rows.bitmask, r) : nullptr;
@@ -1741,7 +1741,7 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
           for (uint32_t i = threadIdx.x; i < j1; i += kFilterThreads)
             if (static_cast<double>(mass_above + prefix[i]) >= target) first = min(first, i);
           first = block_allreduce<kFilterThreads>(first, MinOp{}, reinterpret_cast<uint32_t*>(scratch));
-          if (static_cast<double>(mass_above) >= target) flags |= 4u;  // cut above the range: impossible
+          if (static_cast<double>(mass_above) >= target) flags |= TS_ROW_UNSETTLED;  // cut above the range: impossible
           if (first != UINT_MAX) jk = first + 1;
         }
         if (!kCut) {

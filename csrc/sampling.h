@@ -45,12 +45,17 @@ typedef struct {
   TsBitmask bitmask;
 } TsRows;
 
+/* The bits of a row's flags, which every sampling kernel writes (TsOutputs.flags, TsFusedOutputs.flags, the
+ * workloads' flags); backends/cuda_buffers.py holds Python's copy. UNSETTLED: the kernel could not settle the row
+ * exactly (z-order ties past its candidates, a kept set reaching past them) and a slower route must sample it. */
+enum { TS_ROW_NAN = 1, TS_ROW_INVALID = 2, TS_ROW_UNSETTLED = 4 };
+
 /* Outputs; a NULL pointer is not written. tokens is [num_rows, num_samples]. */
 typedef struct {
   int64_t* tokens;
   int32_t num_samples;
   int32_t sample;       /* the sample (Philox word 3) this launch draws, where one launch draws one */
-  uint8_t* flags;       /* bit 0: nan_detected, bit 1: not valid, bit 2: needs the exact CPU path */
+  uint8_t* flags;       /* TS_ROW_* bits */
   float* row_max;       /* max of the sanitized logits */
   float* row_min;       /* min of the finite logits */
   float* row_logz;      /* log sum exp(scale * (x - max)) */

@@ -752,7 +752,7 @@ __global__ void __launch_bounds__(kThreads, 5)
     float s = 0.f;
     for (int i = 0; i < kThreads / 32; ++i) s += warp_sum[i];
     sums[static_cast<int64_t>(w) * splits + split] = ChunkSum{chunk_max, s};
-    block_flags[static_cast<int64_t>(w) * splits + split] = num_cand > kTopkCap ? 4u : 0u;
+    block_flags[static_cast<int64_t>(w) * splits + split] = num_cand > kTopkCap ? TS_ROW_UNSETTLED : 0u;
   }
   if (!finish_and_elect_last(ws.counters + w, splits)) return;
 
@@ -829,7 +829,7 @@ __global__ void __launch_bounds__(kThreads, 5)
   }
   if (threadIdx.x == 0) {
     const bool cut_tie = valid && kk == k + 1 && ranked[k] != 0 && key_value(ranked[k]) == key_value(ranked[k - 1]);
-    flags[w] = static_cast<uint8_t>(overflow || cut_tie ? 4u : 0u);
+    flags[w] = static_cast<uint8_t>(overflow || cut_tie ? TS_ROW_UNSETTLED : 0u);
   }
 }
 

@@ -52,7 +52,7 @@ from tokensampler_server.model.sampling import (LogitProcessing, LogprobsMode, S
                                                  merge_rows, select_rows)
 from tokensampler_server.backends import cuda_fused
 from tokensampler_server.backends.base import Backend, BackendInfo, PreparedSampling, Route
-from tokensampler_server.backends.cuda_buffers import FLAG_EXACT, FLAG_NAN, CallOutputs, Stage, row_states
+from tokensampler_server.backends.cuda_buffers import FLAG_UNSETTLED, FLAG_NAN, CallOutputs, Stage, row_states
 from tokensampler_server.backends.cuda_build import CudaBackendUnavailable
 from tokensampler_server.backends.cuda_kernels import NO_BITMASK, Kernels, Plan
 from tokensampler_server.backends.mps import mps_state
@@ -400,7 +400,7 @@ class CudaBackend(Backend):
             return SamplingResult(tokens=tokens, valid=valid, nan_detected=nan), None
         valid, nan = row_states(flags)
         tokens.masked_fill_(~valid.unsqueeze(1), -1)
-        flagged = ((flags & FLAG_EXACT) != 0).nonzero().squeeze(1) if top >= FLAG_EXACT else None
+        flagged = ((flags & FLAG_UNSETTLED) != 0).nonzero().squeeze(1) if top >= FLAG_UNSETTLED else None
         return SamplingResult(tokens=tokens, valid=valid, nan_detected=nan), flagged
 
     @staticmethod
@@ -429,4 +429,4 @@ class CudaBackend(Backend):
             logprobs=got.logprobs.cpu() if got.logprobs is not None else None,
             top_logprob_ids=got.top_ids.cpu() if got.top_ids is not None else None,
             top_logprobs=got.top_values.cpu() if got.top_values is not None else None)
-        return result, ((flags & FLAG_EXACT) != 0).nonzero().squeeze(1)
+        return result, ((flags & FLAG_UNSETTLED) != 0).nonzero().squeeze(1)

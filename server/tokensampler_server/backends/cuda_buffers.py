@@ -7,10 +7,11 @@ import torch
 
 from tokensampler_server.model.sampling import RowSampling
 
-__all__ = ["FLAG_EXACT", "FLAG_INVALID", "FLAG_NAN", "CallOutputs", "Stage", "grown", "row_states"]
+__all__ = ["FLAG_UNSETTLED", "FLAG_INVALID", "FLAG_NAN", "CallOutputs", "Stage", "grown", "row_states"]
 
-# The kernels' per-row flags (csrc/sampling.h TsOutputs.flags); FLAG_EXACT: the row needs the exact filter.
-FLAG_NAN, FLAG_INVALID, FLAG_EXACT = 1, 2, 4
+# The kernels' per-row flags (csrc/sampling.h TS_ROW_*): FLAG_UNSETTLED, a fast kernel could not settle the row
+# exactly, and a slower route samples it (the exact filter after the logits kernels, the logits path after the fused one).
+FLAG_NAN, FLAG_INVALID, FLAG_UNSETTLED = 1, 2, 4
 
 _ALIGN = 16  # device-buffer offsets
 

@@ -15,7 +15,7 @@ from functools import lru_cache
 import torch
 
 from tokensampler_server.model.sampling import LogprobsMode, SamplingBatch, SamplingResult
-from tokensampler_server.backends.cuda_buffers import row_states
+from tokensampler_server.backends.cuda_buffers import FLAG_UNSETTLED, row_states
 from tokensampler_server.backends.cuda_build import load_kernels
 from tokensampler_server.backends.cuda_kernels import DTYPE_CODES, RowParams, stream_address
 
@@ -38,7 +38,6 @@ def fused_is_faster(num_rows: int, filtered: bool) -> bool:
 
 
 _DTYPES = {dtype: code for dtype, code in DTYPE_CODES.items() if dtype != torch.float32}  # the head's dtypes
-_FLAG_LOGITS_PATH = 4  # csrc/fused.h TsFusedOutputs.flags: the row needs the logits path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +116,7 @@ def host_result(tokens: torch.Tensor, logprobs: torch.Tensor | None,
     valid, nan = row_states(flags)
     result = SamplingResult(tokens=tokens.cpu(), valid=valid, nan_detected=nan,
                             logprobs=logprobs.cpu() if logprobs is not None else None)
-    return result, ((flags & _FLAG_LOGITS_PATH) != 0).nonzero().squeeze(1)
+    return result, ((flags & FLAG_UNSETTLED) != 0).nonzero().squeeze(1)
 
 
 def fused_partials(weight: torch.Tensor, states: torch.Tensor, params: RowParams, the_plan: FusedPlan,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokensampler_server.backends.cuda_buffers import FLAG_EXACT, FLAG_INVALID, CallOutputs, Stage
+from tokensampler_server.backends.cuda_buffers import FLAG_UNSETTLED, FLAG_INVALID, CallOutputs, Stage
 from tokensampler_server.backends.cuda_kernels import Kernels, Outputs, Plan
 from tokensampler_server.model.sampling import LogprobsMode, SamplingBatch
 
@@ -34,7 +34,7 @@ class LogprobCall:
 @dataclass(frozen=True)
 class DeviceLogprobs:
     """A log-prob call's result on the device: tokens int64 [B, S] (-1 in rows that are not valid), flags uint8 [B]
-    (FLAG_EXACT: the row needs the exact filter), log-probs float32 [B, S] and the top log-prob table [B, N]."""
+    (FLAG_UNSETTLED: the row needs the exact filter), log-probs float32 [B, S] and the top log-prob table [B, N]."""
 
     tokens: torch.Tensor
     flags: torch.Tensor
@@ -78,7 +78,7 @@ def sample_with_logprobs(kernels: Kernels, plan: Plan, stage: Stage, out: CallOu
     use_filt, through_dev, need_dev = stage.dev_masks().unbind(0)
     tokens = torch.where(use_filt.unsqueeze(1), filt.tokens, main.tokens)
     flags = torch.where(use_filt, filt.flags, main.flags)
-    flags = flags | torch.where(through_dev, filt.flags & FLAG_EXACT, torch.zeros_like(flags))
+    flags = flags | torch.where(through_dev, filt.flags & FLAG_UNSETTLED, torch.zeros_like(flags))
     row_max = torch.where(use_filt, filt.row_max, main.row_max)
     valid = (flags & FLAG_INVALID) == 0
 
