@@ -8,7 +8,6 @@ and the server must keep serving afterwards.
 from __future__ import annotations
 
 import collections
-
 import math
 
 import grpc

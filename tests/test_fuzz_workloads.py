@@ -7,7 +7,6 @@ or INVALID_ARGUMENT naming a field; never INTERNAL; the server keeps serving.
 from __future__ import annotations
 
 import collections
-
 import math
 
 import grpc
@@ -30,12 +29,13 @@ numbers = st.one_of(st.floats(-3, 3, width=32), st.sampled_from([float("nan"), f
 
 
 @st.composite
-def tensors(draw, shape: list[int], kinds=dtypes) -> pb.Tensor:
-    """A tensor of `shape`, sometimes with another shape, dtype or one byte too many or too few."""
-    if draw(st.integers(0, 5)) == 0:
+def tensors(draw, shape: list[int], kinds=dtypes, exact: int | None = None) -> pb.Tensor:
+    """A tensor of `shape`, sometimes with another shape, dtype or one byte too many or too few; with `exact` (a
+    dtype), of `shape` and that dtype, every byte there."""
+    if exact is None and draw(st.integers(0, 5)) == 0:
         shape = draw(st.lists(dims, min_size=1, max_size=4))
-    dtype = draw(kinds)
-    size = math.prod(shape) * ITEMSIZE.get(dtype, 4) + draw(st.sampled_from([0, 0, 0, 0, 1, -1]))
+    dtype = draw(kinds) if exact is None else exact
+    size = math.prod(shape) * ITEMSIZE.get(dtype, 4) + (0 if exact is not None else draw(st.sampled_from([0, 0, 0, 0, 1, -1])))
     raw = np.random.default_rng(draw(st.integers(0, 9))).integers(0, 4, max(size, 0), dtype=np.uint8).tobytes()
     return pb.Tensor(dtype=dtype, shape=shape, data=raw)
 
@@ -44,6 +44,8 @@ def tensors(draw, shape: list[int], kinds=dtypes) -> pb.Tensor:
 def requests(draw) -> tuple[str, object]:
     b, n, v = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 9))
     kind = draw(st.sampled_from(["diffusion", "topk", "verify"]))
+    # Half the requests have well-formed tensors, so that the hostile parameters and lists meet answers to check.
+    exact = pb.DTYPE_FLOAT32 if draw(st.booleans()) else None
     params = pb.SamplingParams(temperature=draw(st.lists(numbers, max_size=1)), top_k=draw(st.lists(st.integers(-2, 9), max_size=1)),
                                seed=draw(st.lists(st.integers(0, 2**64 - 1), max_size=1)))
     for name in ("banned_token_ids", "output_token_ids"):
@@ -53,21 +55,24 @@ def requests(draw) -> tuple[str, object]:
             getattr(params, name).CopyFrom(pb.TokenLists(ids=ids, lengths=lengths))
     if kind == "diffusion":
         return "SampleDiffusionStep", pb.DiffusionStepRequest(
-            logits=draw(tensors([b, n, v])), mask=draw(tensors([b, n], st.sampled_from([pb.DTYPE_UINT8, pb.DTYPE_INT32, 0]))),
+            logits=draw(tensors([b, n, v], exact=exact)),
+            mask=draw(tensors([b, n], st.sampled_from([pb.DTYPE_UINT8, pb.DTYPE_INT32, 0]),
+                              exact=None if exact is None else pb.DTYPE_UINT8)),
             params=params, confidence_threshold=draw(st.lists(numbers, max_size=2)),
             commit_count=draw(st.lists(st.integers(0, 9), max_size=2)))
     if kind == "topk":
         return "TopKProbs", pb.TopKProbsRequest(
-            logits=draw(tensors([b, n, v])), k=draw(st.integers(0, 12)), temperature=draw(st.lists(numbers, max_size=2)))
+            logits=draw(tensors([b, n, v], exact=exact)), k=draw(st.integers(0, 12)),
+            temperature=draw(st.lists(numbers, max_size=2)))
     ids = pb.Tensor(dtype=pb.DTYPE_INT64, shape=[b, n],
-                    data=np.random.default_rng(draw(st.integers(0, 9))).integers(0, v + 1, b * n).tobytes())
-    if draw(st.integers(0, 3)) == 0:  # sometimes a malformed id tensor
+                    data=np.random.default_rng(draw(st.integers(0, 9))).integers(0, v + (exact is None), b * n).tobytes())
+    if exact is None and draw(st.integers(0, 3)) == 0:  # sometimes a malformed id tensor
         ids = draw(tensors([b, n], st.sampled_from([pb.DTYPE_INT32, pb.DTYPE_INT64, 0])))
-    request = pb.VerifyDraftRequest(draft_ids=ids, target_logits=draw(tensors([b, n + 1, v])), params=params)
+    request = pb.VerifyDraftRequest(draft_ids=ids, target_logits=draw(tensors([b, n + 1, v], exact=exact)), params=params)
     if draw(st.booleans()):
-        request.draft_probs.CopyFrom(draw(tensors([b, n, v])))
-    elif draw(st.booleans()):
-        request.draft_logits.CopyFrom(draw(tensors([b, n, v])))
+        request.draft_probs.CopyFrom(draw(tensors([b, n, v], exact=exact)))
+    elif exact is not None or draw(st.booleans()):
+        request.draft_logits.CopyFrom(draw(tensors([b, n, v], exact=exact)))
     return "VerifyDraft", request
 
 
