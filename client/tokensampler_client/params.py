@@ -49,9 +49,8 @@ BreakersArg = Union[Sequence[TokenIds], Sequence[Union[Sequence[TokenIds], None]
 
 
 
-class SamplingOptions(TypedDict, total=False):
-    """The per-row sampling parameters of a request, the one list every call that samples takes (see the module doc
-    for what each accepts; docs/semantics.md for what each does). None, or left out: the default."""
+class RowOptions(TypedDict, total=False):
+    """The per-row parameters every sampling kernel reads: the filters and the Philox counter of each row."""
 
     temperature: Column
     top_k: Column
@@ -60,6 +59,12 @@ class SamplingOptions(TypedDict, total=False):
     seed: Column
     position: Column
     iteration: Column
+
+
+class SamplingOptions(RowOptions, total=False):
+    """The per-row sampling parameters of a request, the one list every call that samples takes (see the module doc
+    for what each accepts; docs/semantics.md for what each does). None, or left out: the default."""
+
     allowed_token_ids: TokenListsArg
     banned_token_ids: TokenListsArg
     logit_bias: LogitBiasArg
@@ -95,8 +100,9 @@ class SampleOptions(SamplingOptions, total=False):
     output_logprobs: RegionView | None
 
 
-# SamplingOptions by how they are filled in: numeric columns, token lists, then the rest one by one.
-_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "position", "iteration", "repetition_penalty",
+# SamplingOptions by how they are filled in: numeric columns (seeds have their own form), token lists, then the rest
+# one by one.
+_COLUMNS = (*(name for name in RowOptions.__annotations__ if name != "seed"), "repetition_penalty",
             "presence_penalty", "frequency_penalty", "min_tokens", "num_generated", "no_repeat_ngram_size",
             "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "typical_p", "top_n_sigma",
             "xtc_threshold", "xtc_probability")
@@ -118,7 +124,7 @@ LOGITS_DTYPES = (pb.DTYPE_FLOAT32, pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT16)
 LOGPROBS_MODES = {"raw": pb.LOGPROBS_MODE_RAW, "processed": pb.LOGPROBS_MODE_PROCESSED}
 # What a call planned once takes per row (LocalSampler.prepare, a colocated loop): the kernels' parameters and
 # Philox counters; the processing of steps 2-5 needs the host between calls.
-PREPARED_KEYWORDS = ("temperature", "top_k", "top_p", "min_p", "seed", "position", "iteration")
+PREPARED_KEYWORDS = tuple(RowOptions.__annotations__)
 
 
 def _is_array(value: Any) -> TypeGuard[Array]:

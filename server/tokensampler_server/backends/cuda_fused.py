@@ -198,18 +198,17 @@ def has_filters(batch: SamplingBatch) -> bool:
 
 def row_params(batch: SamplingBatch, device: torch.device) -> RowParams:
     """The batch's columns and token bitmask (the rows without one, from token_bitmask_rows, read none) on device."""
-    columns = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seed, batch.position, batch.iteration)
+    columns = {name: column.to(device) for name, column in batch.row_sampling().items()}
     processing = batch.processing
     bitmask = processing.token_bitmask if processing is not None else None
     if bitmask is None:
-        return RowParams(*(column.to(device) for column in columns))
+        return RowParams(**columns)
     bitmask_row = None
     if processing.token_bitmask_rows is not None:
         bitmask_row = torch.full((batch.num_rows,), -1, dtype=torch.int32)
         bitmask_row[processing.token_bitmask_rows] = processing.token_bitmask_rows.to(torch.int32)
         bitmask_row = bitmask_row.to(device)
-    return RowParams(*(column.to(device) for column in columns), token_bitmask=bitmask.to(device).contiguous(),
-                     bitmask_row=bitmask_row)
+    return RowParams(**columns, token_bitmask=bitmask.to(device).contiguous(), bitmask_row=bitmask_row)
 
 
 def sample_hidden(batch: SamplingBatch) -> tuple[SamplingResult, torch.Tensor]:

@@ -17,6 +17,7 @@ import torch
 
 from tokensampler_server.backends.cuda_buffers import grown
 from tokensampler_server.backends.cuda_build import load_kernels
+from tokensampler_server.model.sampling import ROW_FIELDS
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
@@ -80,9 +81,8 @@ class RowParams:
 
     @cached_property
     def _addresses(self) -> list[int]:
-        return [t.data_ptr() for t in (self.temperature, self.top_k, self.top_p, self.min_p, self.seed,
-                                       self.position, self.iteration)] + bitmask_entries(self.token_bitmask,
-                                                                                         self.bitmask_row)
+        return [getattr(self, name).data_ptr() for name in ROW_FIELDS] + bitmask_entries(self.token_bitmask,
+                                                                                          self.bitmask_row)
 
     def pointers(self) -> list[int]:
         """The 7 device addresses and the 3 bitmask entries (bitmask_entries), in the launchers' order (the fields

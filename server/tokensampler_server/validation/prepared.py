@@ -15,12 +15,13 @@ from tokensampler_client._proto import sampler_pb2 as pb
 
 from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument
-from tokensampler_server.model.sampling import SamplingBatch
+from tokensampler_server.model.sampling import ROW_FIELDS, SamplingBatch
 from tokensampler_server.resources.weights import RegisteredWeight
 from tokensampler_server.validation.sample import validate_sample_request
 
-# The SamplingParams fields of a prepared call (docs/inprocess.md, "Prepared calls").
-PREPARED_PARAMS = ("temperature", "top_k", "top_p", "min_p", "seed", "has_seed", "position", "iteration")
+# The SamplingParams fields of a prepared call (docs/inprocess.md, "Prepared calls"): the per-row parameters, and
+# has_seed beside their seeds.
+PREPARED_PARAMS = (*ROW_FIELDS, "has_seed")
 
 
 def validate_prepared_request(request: pb.SampleRequest, limits: Limits, batch_size: int, vocab_size: int,

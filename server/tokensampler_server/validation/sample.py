@@ -351,8 +351,9 @@ def _input(request: pb.SampleRequest, referenced: torch.Tensor | None, limits: L
 
 
 @dataclass(frozen=True, kw_only=True)
-class RowParams(RowSampling):
-    """The per-row parameters of SamplingParams, checked and expanded to B values (torch, CPU)."""
+class ValidatedRows(RowSampling):
+    """The per-row parameters of SamplingParams, checked and expanded to B values (torch, CPU), with the seeds as the
+    response states them. (cuda_kernels.RowParams is the same columns on a device, for the kernels.)"""
 
     seeds: np.ndarray
     """The same seeds as uint64, for the response."""
@@ -386,7 +387,7 @@ def filter_columns(params: FilterFields, num_rows: int, vocab_size: int,
 def validate_row_params(
     params: pb.SamplingParams, num_rows: int, vocab_size: int, limits: Limits, seed_source: SeedSource = random_seeds,
     positions: int = 1, token_lists: DecodedLists | None = None, takes_bitmask: bool = False,
-) -> RowParams:
+) -> ValidatedRows:
     """Checks every column of `params` for B = num_rows rows over a vocabulary of vocab_size.
 
     `positions`: the copies of each token-list entry the workload makes (one per position it samples);
@@ -401,7 +402,7 @@ def validate_row_params(
     counter = torch.from_numpy(seeds.view(np.int64)), torch.from_numpy(position), torch.from_numpy(iteration)
     bitmask = _token_bitmask(params, num_rows, vocab_size, limits, takes_bitmask)
     processing = _processing(params, num_rows, vocab_size, token_lists, counter, bitmask)
-    return RowParams(
+    return ValidatedRows(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
