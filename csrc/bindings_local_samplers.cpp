@@ -24,7 +24,6 @@ void register_local_samplers(pybind11::module_& m) {
     const TsLocalWorkspaceBytes w = ts_local_samplers_workspace(num_rows, vocab);
     return pybind11::make_tuple(w.scratch, w.zeroed);
   });
-  // logits: float32 [num_rows, vocab]; rows: the packed parameters (ts_local_rows_packed).
   m.attr("SEQUENCE_MAX_NEED") = static_cast<int>(TS_SEQUENCE_MAX_NEED);
   // tiles: int32 [num_tiles, columns] (repetition.py TileLayout; the column indices given here); instances: int32
   // [num_instances, 2] or 0; words: int32 [rows, words_per_row], whose banned tokens' bits are cleared.
@@ -40,6 +39,7 @@ void register_local_samplers(pybind11::module_& m) {
     check(ts_sequence_bans(&t, ptr<uint32_t>(words), static_cast<int32_t>(words_per_row), ptr<void>(stream)),
           "sequence_bans");
   });
+  // logits: float32 [num_rows, vocab]; rows: the packed parameters (ts_local_rows_packed).
   m.def("local_samplers", [](int64_t logits, int64_t num_rows, int64_t vocab, int64_t rows, int64_t samplers,
                              int64_t scratch, int64_t zeroed, int64_t stream) {
     const TsLocalRows r = ts_local_rows_packed(ptr<const void>(rows), num_rows);

@@ -26,6 +26,7 @@ from tokensampler_client._channel import call_metadata
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.params import build_sample_request
 from tokensampler_server.app.cli import parse_args
+from tokensampler_server.rpc.admission import Admission
 
 from .conftest import RunningServer, start_server
 from .test_metrics import metrics_port, parse_samples, scrape_text, value
@@ -131,6 +132,18 @@ def test_limits_are_flags() -> None:
     for flag in ("--max-health-watchers", "--max-calls-per-client", "--reclaim-idle-streams-s"):
         with pytest.raises(SystemExit):
             parse_args([flag, "-1"])
+    for value in ("nan", "inf"):  # nan > 0 is false: it would have turned reclaiming off unsaid
+        with pytest.raises(SystemExit):
+            parse_args(["--reclaim-idle-streams-s", value])
+
+
+def test_colocated_loops_are_never_reclaimed() -> None:
+    """A colocated loop holds an engine's GPU hand-off and waits between its requests by design."""
+    admission = Admission(4, 4, 4, reclaim_idle_s=1.0)
+    assert admission.reclaims(SAMPLER.lstrip("/") + "SampleStream")
+    assert admission.reclaims("grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+    assert not admission.reclaims(SAMPLER.lstrip("/") + "Colocate")
+    assert not Admission(4, 4, 4).reclaims(SAMPLER.lstrip("/") + "SampleStream")  # 0: never
 
 
 

@@ -113,3 +113,12 @@ def test_large_vocabulary() -> None:
 def test_k_out_of_range(k: int) -> None:
     with pytest.raises(ValueError):
         topk_probs(torch.zeros(1, 10), torch.ones(1), k)
+
+
+@pytest.mark.parametrize("k", [1024, 1025, 3000, 4096])
+def test_either_side_of_the_sort_threshold_ranks_alike(k: int) -> None:
+    """k up to SORT_ABOVE_K takes the top-k cut, past it one stable sort: the same ids, ties to the lower id (a coarse
+    grid: thousands of exact ties), and rows with nothing finite."""
+    logits = (torch.randn(3, 4096, generator=torch.Generator().manual_seed(k)) * 4).round() / 4
+    logits[2] = float("-inf")
+    assert_matches(logits, torch.tensor([1.0, 0.5, 1.0]), k)

@@ -161,7 +161,7 @@ void check_prepared(const PreparedRequest& p, const Path& path, std::string_view
   for (size_t r = 0; r < b; ++r) {
     expect(std::isfinite(p.temperature[r]) && p.temperature[r] >= 0.f, "a temperature not finite and >= 0");
     expect(p.top_p[r] > 0.f && p.top_p[r] <= 1.f, "a top_p outside (0, 1]");
-    expect(p.min_p[r] >= 0.f && p.min_p[r] < 1.f, "a min_p outside [0, 1)");
+    expect(p.min_p[r] >= 0.f && p.min_p[r] <= 1.f, "a min_p outside [0, 1]");
     expect(p.top_k[r] >= 0 && p.top_k[r] < p.vocab, "a top_k outside [0, vocab)");
     expect(p.positions[r] >= 0 && p.positions[r] <= UINT32_MAX, "a position outside uint32");
     expect(p.iterations[r] >= 0 && p.iterations[r] <= UINT32_MAX, "an iteration outside uint32");

@@ -43,6 +43,7 @@ def params_variants(pb: ModuleType, rows: int) -> Iterator[tuple[str, object]]:
     yield "topk-off", pb.SamplingParams(top_k=[-1], seed=[3])
     yield "topp", pb.SamplingParams(temperature=[0.9], top_p=[0.9], seed=[4])
     yield "minp", pb.SamplingParams(min_p=[0.05], seed=[5])
+    yield "minp-one", pb.SamplingParams(min_p=[1.0], seed=[5])
     yield "topk-topp-minp", pb.SamplingParams(top_k=[20], top_p=[0.8], min_p=[0.01], seed=[6])
     yield "stream", pb.SamplingParams(seed=[9], position=[12], iteration=[3])
     if rows > 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -155,8 +156,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     for name in ("max_concurrent_rpcs", "max_health_watchers", "max_calls_per_client"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be at least 0")
-    if args.reclaim_idle_streams_s < 0:
-        parser.error("--reclaim-idle-streams-s must be at least 0")
+    if not (math.isfinite(args.reclaim_idle_streams_s) and args.reclaim_idle_streams_s >= 0):
+        parser.error("--reclaim-idle-streams-s must be finite and at least 0")
     if args.max_connection_age_s < 0:
         parser.error("--max-connection-age-s must be at least 0")
     if (args.tls_cert is None) != (args.tls_key is None):

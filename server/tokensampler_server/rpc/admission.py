@@ -15,6 +15,9 @@ next one at least `--reclaim-idle-streams-s` is idle: when `--max-concurrent-rpc
 the slot of the stream idle longest, which ends with RESOURCE_EXHAUSTED (marked retryable: reopening it can
 succeed). Without this, streams opened and left silent, on as many connections as it takes, held every slot
 until they ended, however long that was; an engine's stream between two steps is idle for far less than a second.
+A colocated loop (Colocate) is never taken: it holds an engine's GPU hand-off, and waits between an engine's
+requests by design (colocated.py ends loops by their own rules). A client at its own --max-calls-per-client is
+refused before any reclaim: its idle streams are its own to close.
 
 A client is the accepted bearer token it presents (kept as its SHA-256 digest), else its connection (the peer
 with its port): colocated engines all connect from 127.0.0.1, and keyed by address they would share one cap. A
@@ -44,6 +47,8 @@ from tokensampler_server.rpc.metrics import ServerMetrics
 WATCH_METHOD = "grpc.health.v1.Health/Watch"
 UNCOUNTED_METHODS = frozenset({"grpc.health.v1.Health/Check"})
 """Methods that answer at once and hold no slot."""
+UNRECLAIMED_METHODS = frozenset({"tokensampler.v1.Sampler/Colocate"})
+"""Bidirectional streams whose slots are never taken back while idle."""
 
 
 @dataclass
@@ -91,6 +96,10 @@ class Admission:
                 metrics.admitted_calls.labels(pool.name).set_function(lambda pool=pool: pool.held)
             self._refused = {limit: metrics.admission_refusals.labels(limit)
                              for limit in (self.calls.name, self.watchers.name, "calls_per_client")}
+
+    def reclaims(self, method: str) -> bool:
+        """Whether an idle bidirectional stream of `method` may lose its slot to a new call."""
+        return self.reclaim_idle_s > 0 and method not in UNRECLAIMED_METHODS
 
     def pool_of(self, method: str) -> Pool | None:
         """The pool `method` (full name, no leading slash) counts against; None for a method not counted."""
@@ -194,6 +203,8 @@ class IdleWatch:
             if not self._unanswered:
                 self._admission.idle(self._slot, self._end)
             try:
+                # A message that has arrived but not yet resumed this task when its slot is taken is dropped with
+                # the stream, whose status says to retry: never processed, so never answered twice.
                 message = await anext(messages)
             except StopAsyncIteration:
                 return

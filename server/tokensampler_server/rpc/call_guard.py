@@ -142,7 +142,7 @@ class CallGuard:
         """`handler` of `method` (the full name without the leading slash) with this guard around it."""
         admit = self._admit(method)
         if handler.response_streaming:
-            return self._wrap_streaming(handler, admit, self._tracer if self._tracer is not None
+            return self._wrap_streaming(handler, method, admit, self._tracer if self._tracer is not None
                                         and self._tracer.traces(method) else None)
         if handler.request_streaming:
             wrap, behaviour = grpc.stream_unary_rpc_method_handler, handler.stream_unary
@@ -165,14 +165,14 @@ class CallGuard:
         pool = self._admission.pool_of(method)
         return None if pool is None else partial(self._admission.admit, pool)
 
-    def _wrap_streaming(self, handler: grpc.RpcMethodHandler, admit: Admit | None,
+    def _wrap_streaming(self, handler: grpc.RpcMethodHandler, method: str, admit: Admit | None,
                         tracer: CallTracer | None) -> grpc.RpcMethodHandler:
         """A response-streaming handler whose unparsable requests and ServiceErrors become statuses; with
         `tracer`, its messages get spans through current_message_tracer. A bidirectional stream's slot may be
         taken back while it is idle (admission.py)."""
         streaming = handler.request_streaming
         admission = self._admission
-        watched = streaming and admit is not None and admission.reclaim_idle_s > 0
+        watched = streaming and admit is not None and admission.reclaims(method)
         if streaming:
             wrap, behaviour = grpc.stream_stream_rpc_method_handler, handler.stream_stream
         else:

@@ -249,10 +249,10 @@ class SampleRpc:
         return answer.response
 
     @staticmethod
-    def _parsed(message: bytes | pb.SampleRequest, call: CallRecord, which: str = "") -> pb.SampleRequest:
+    def _parsed(message: bytes | pb.SampleRequest, call: CallRecord) -> pb.SampleRequest:
         """as_request, timed into the call's parse time (the deserialize metric)."""
         started = time.perf_counter_ns()
-        request = as_request(message, which)
+        request = as_request(message)
         call.parse_ns += time.perf_counter_ns() - started
         return request
 
@@ -268,8 +268,12 @@ class SampleRpc:
     async def _begin_python(self, message: bytes | pb.SampleRequest, call: CallRecord) -> _Started | Exception:
         """A stream message started on the Python path, or its error. Bytes that do not parse raise: they end
         the stream."""
-        index = call.request_id.rsplit(".", 1)[-1]  # _stream_record's numbering
-        request = self._parsed(message, call, f"message {index} of the stream (request id {call.request_id}): ")
+        try:
+            request = self._parsed(message, call)
+        except InvalidArgument:  # bytes that do not parse end the stream; parsed again, its status names the message
+            index = call.request_id.rsplit(".", 1)[-1]  # _stream_record's numbering
+            as_request(message, f"message {index} of the stream (request id {call.request_id}): ")
+            raise
         try:
             return await self.start(request, call, await self._token_lists(request))
         except Exception as err:  # noqa: BLE001

@@ -176,12 +176,13 @@ class SamplerService(pb_grpc.SamplerServicer):
         with Lease() as held:
             lm_head = self._hold_lm_head(request, held)
             logits, temperature, k = validate_topk_request(request, self._limits, lm_head=lm_head)
+            shape = [*logits.shape[:-1], k]
             started = time.perf_counter_ns()
-            # Hidden states become logits on the worker, as for diffusion steps; one row per position.
+            # Hidden states become logits on the worker, as for diffusion steps; one row per position. The answer
+            # as computed (float32 probabilities, int64 ids) counts towards the bound as the input does.
             probs, ids = await self._batcher.run_exclusive(
                 lambda: self._workloads.topk_probs(logits.compute().flatten(0, -2), temperature, k),
-                rows=math.prod(logits.shape[:-1]), nbytes=host_bytes(logits.tensor), lease=held)
-        shape = [*logits.shape[:-1], k]
+                rows=math.prod(shape[:-1]), nbytes=host_bytes(logits.tensor) + 12 * math.prod(shape), lease=held)
         response = pb.TopKProbsResponse(request_id=current_call.get().request_id)
         encode_tensor(probs.cpu().reshape(shape), out=response.probs)
         encode_tensor(ids.to(torch.int32).cpu().reshape(shape), out=response.ids)

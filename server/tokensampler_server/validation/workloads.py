@@ -154,6 +154,9 @@ def validate_topk_request(
         raise InvalidArgument("k", f"got {request.k}, expected 1 <= k <= V = {vocab}")
     rows = math.prod(logits.shape[:-1])
     most = (limits.max_message_bytes - ANSWER_SLACK_BYTES) // (TOPK_ENTRY_BYTES * rows)
+    if most < 1:
+        raise InvalidArgument("k", f"no k fits: the answer, {TOPK_ENTRY_BYTES} bytes for each of {rows} rows × k, would "
+                                   "pass the largest message (--max-message-mb) even at k = 1; send fewer rows")
     if request.k > most:
         raise InvalidArgument("k", f"got {request.k}: the answer, {TOPK_ENTRY_BYTES} bytes for each of {rows} rows × k, "
                                    f"would pass the largest message (--max-message-mb); expected k <= {most}")

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+SORT_ABOVE_K = 1024
+"""Past this k a whole-row sort ranks the tokens, in less memory than the top-k cut's int64 [N, k] lists."""
+
 
 def topk_probs(logits: torch.Tensor, temperature: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k most probable ids of every row and their probabilities.
@@ -17,7 +20,8 @@ def topk_probs(logits: torch.Tensor, temperature: torch.Tensor, k: int) -> tuple
     (moved to the logits' device). 1 <= k <= V.
     Returns (probs float32 [N, k], ids int64 [N, k]) on the logits' device, sorted by probability
     descending, then id ascending. A row with no finite logit gets probabilities 0 and ids -1.
-    Temporaries are fp32/int32/bool [N, V] (no float64 and no int64 [N, V] tensor).
+    Temporaries: up to k = SORT_ABOVE_K fp32/int32/bool [N, V] and int64 [N, k] (no float64 and no int64 [N, V]
+    tensor); past it one sort's fp32 and int64 [N, V].
     """
     num_rows, vocab_size = logits.shape
     if not 1 <= k <= vocab_size:
@@ -36,6 +40,14 @@ def topk_probs(logits: torch.Tensor, temperature: torch.Tensor, k: int) -> tuple
     z = x.sub_(x_max).div_(t)
     probs = z.sub_(torch.logsumexp(z, dim=1, keepdim=True)).exp_()  # in place: one fp32 [N, V] buffer
     probs.masked_fill_(~valid.unsqueeze(1), 0.0)
+
+    if k > SORT_ABOVE_K:
+        # One stable descending sort ranks every token as the contract does (ties to the lower id): 12 bytes a
+        # token, where the cut below holds int64 [N, k] several times over (about 44 bytes a row and k).
+        values, ids = torch.sort(probs, dim=1, descending=True, stable=True)
+        values, ids = values[:, :k].clone(), ids[:, :k].clone()
+        ids.masked_fill_(~valid.unsqueeze(1), -1)
+        return values, ids
 
     # torch.topk fixes the k-th largest value t_k exactly but not which of the ids tied at t_k it returns.
     # Keep every id above t_k (there are fewer than k) and the lowest ids equal to t_k until k are kept.
