@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from dataclasses import replace
 from multiprocessing import shared_memory
 
 import grpc
@@ -43,9 +44,10 @@ class GatedBackend(CpuBackend):
     def sample(self, batch: SamplingBatch):  # noqa: ANN201 - the base class's type
         self.entered.set()
         assert self.gate.wait(WAIT_S), "the test never opened the gate"
-        result = super().sample(batch)
-        self.finished.append("sampled")
-        return result
+        try:
+            return super().sample(batch)  # work whose callers have all gone stops early (CANCELLED)
+        finally:
+            self.finished.append("backend done")
 
 
 async def _wait_for(event: threading.Event) -> None:
@@ -69,7 +71,7 @@ def _register_shm(regions: RegionRegistry, name: str, segment: shared_memory.Sha
 
 def test_a_region_stays_registered_until_the_work_of_a_cancelled_call_is_done() -> None:
     """A call cancelled while the backend samples its rows leaves its hold with the work: unregistering waits for
-    the backend, and only then releases the region."""
+    the backend's call to end (here it stops early, nobody waiting), and only then releases the region."""
     backend = GatedBackend()
     regions = RegionRegistry(allow_shm=True)
     events: list[str] = backend.finished
@@ -94,7 +96,7 @@ def test_a_region_stays_registered_until_the_work_of_a_cancelled_call_is_done() 
             backend.gate.set()
             assert await unregister is region
             await batcher.close()
-        assert events == ["sampled", "released"]
+        assert events == ["backend done", "released"]
 
     asyncio.run(run())
 
@@ -239,6 +241,28 @@ def test_the_cpu_reference_samples_in_chunks_and_stops_when_nobody_waits(monkeyp
     chunked = backend.sample(batch)
     whole = backend._sample(batch)  # noqa: SLF001 - one pass, the oracle
     assert torch.equal(chunked.tokens, whole.tokens) and torch.equal(chunked.valid, whole.valid)
+    asked: list[int] = []
+
+    def abandoned_after_first() -> bool:
+        asked.append(1)
+        return len(asked) > 1
+
+    current_abandoned.set(abandoned_after_first)
+    try:
+        with pytest.raises(ServiceError) as raised:
+            backend.sample(batch)
+    finally:
+        current_abandoned.set(lambda: False)
+    assert raised.value.code == grpc.StatusCode.CANCELLED and len(asked) == 2
+
+
+def test_a_row_wider_than_a_chunk_stops_between_steps_when_nobody_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One row is the smallest chunk: a row of many times a chunk's logits (seconds a step) asks between its steps
+    and samples, so work abandoned by every caller stops there too."""
+    monkeypatch.setattr(cpu, "_CHUNK_ELEMENTS", 4000)
+    batch = replace(_batch(1, vocab=20000), top_p=torch.tensor([0.9]), num_samples=3)
+    backend = CpuBackend()
+    assert backend.sample(batch).valid.all()
     asked: list[int] = []
 
     def abandoned_after_first() -> bool:

@@ -130,6 +130,7 @@ def gumbel_argmax(
     out = torch.empty((rows.numel(), batch.num_samples), dtype=torch.int64)
     if widest > _SPARSE_NOISE_MAX_KEPT or _SPARSE_NOISE_COST * widest > z_kept.shape[1]:
         for sample in range(batch.num_samples):
+            raise_if_abandoned()  # a sample's noise over a wide row is seconds of work
             noise = gumbel_noise(seed, position, iteration, sample, z_kept.shape[1], vocab_offset)
             out[:, sample] = (z_kept + noise).argmax(dim=1)
         return out
@@ -189,7 +190,9 @@ class CpuBackend(Backend):
         if wants_logprobs and raw:
             raw_logprobs = torch.log_softmax(sanitize_non_finite(x.clone())[0], dim=1)
 
-        # 2-5. Processing, then non-finite entries.
+        # 2-5. Processing, then non-finite entries. A chunk is one row at least: a row far wider than a chunk's
+        # logits takes seconds a step, so work whose callers have gone also stops between steps.
+        raise_if_abandoned()
         x = apply_processing(x, batch.processing)
         x, nan_detected = sanitize_non_finite(x)
         valid = torch.isfinite(x).any(dim=1)
@@ -209,6 +212,7 @@ class CpuBackend(Backend):
         filtered = (batch.top_k > 0) | (batch.top_p < 1) | (batch.min_p > 0)
         kept = torch.isfinite(z)
         if bool(filtered.any()):
+            raise_if_abandoned()
             rows = filtered.nonzero().squeeze(1)
             kept[rows] = kept_token_mask(z[rows], batch.top_k[rows], batch.top_p[rows], batch.min_p[rows])
         z_kept = torch.where(kept, z, torch.full_like(z, _NEG_INF))
@@ -223,6 +227,7 @@ class CpuBackend(Backend):
         # 11. Log-probs in the requested mode.
         logprobs = top_ids = top_values = None
         if wants_logprobs:
+            raise_if_abandoned()
             if raw:
                 table = raw_logprobs
             else:
