@@ -15,7 +15,7 @@ from tokensampler_client import SamplerClient, TokenSamplerError
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 from tokensampler_client.tensors import encode_tensor
-from tokensampler_server.core.logs import JsonFormatter, RequestIdFilter
+from tokensampler_server.core.logs import JsonFormatter, PeerGoneFilter, RequestIdFilter
 from tokensampler_server.core.request_context import current_request_id
 
 from .conftest import RunningServer, start_command, start_server
@@ -107,3 +107,35 @@ def test_json_formatter_adds_the_current_request_id_and_the_traceback() -> None:
     assert entry["request_id"] == "req-7" and entry["rows"] == 4
     assert "ValueError: boom" in entry["exception"]
     assert entry["timestamp"].endswith("+00:00")
+
+
+def test_a_caller_that_hangs_up_on_unread_answers_leaves_no_traceback() -> None:
+    """Two streams send messages whose answers (3 MiB each) they never read, then cancel: grpc cannot send what is
+    pending and says so; the call has ended and nothing on the server failed, so the log holds no error and no
+    traceback (a client could otherwise fill it by hanging up), and the server serves the next call."""
+    running = start_server("--device", "cpu")
+    try:
+        request = pb.SampleRequest(logits=encode_tensor(torch.zeros(4096, 2, dtype=torch.float16)), num_samples=64,
+                                   return_logprobs=True)
+        with grpc.insecure_channel(running.target) as channel:
+            stub = pb_grpc.SamplerStub(channel)
+            calls = [stub.SampleStream(iter([request] * 8)) for _ in range(2)]
+            time.sleep(3)  # the answers pile up behind the unread streams' flow-control windows
+            for call in calls:
+                call.cancel()
+            time.sleep(1)
+        with SamplerClient(running.target, timeout=30) as client:
+            assert client.sample(torch.zeros(1, 4), seed=1).valid.all()
+    finally:
+        running.stop()
+    log = "\\n".join(running.log)
+    assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
+
+
+def test_the_peer_gone_filter_demotes_only_grpc_failing_to_answer_a_gone_caller() -> None:
+    peer_gone = PeerGoneFilter()
+    record = logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, "", 0,
+                               "ExecuteBatchError raised in core by servicer method [%s]", ("/a/B",), None)
+    assert not peer_gone.filter(record) and record.levelno == logging.DEBUG
+    other = logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, "", 0, "Unexpected error in core", (), None)
+    assert peer_gone.filter(other) and other.levelno == logging.ERROR

@@ -117,7 +117,7 @@ def test_k_out_of_range(k: int) -> None:
 
 @pytest.mark.parametrize("k", [1024, 1025, 3000, 4096])
 def test_either_side_of_the_sort_threshold_ranks_alike(k: int) -> None:
-    """k up to SORT_ABOVE_K takes the top-k cut, past it one stable sort: the same ids, ties to the lower id (a coarse
+    """k up to V / SORT_FRACTION takes the top-k cut, past it one stable sort: the same ids, ties to the lower id (a coarse
     grid: thousands of exact ties), and rows with nothing finite."""
     logits = (torch.randn(3, 4096, generator=torch.Generator().manual_seed(k)) * 4).round() / 4
     logits[2] = float("-inf")

@@ -264,11 +264,15 @@ class DynamicBatcher:
         return sum(not pending.future.done() for pending in self._queue)
 
     def _check_room(self, rows: int, nbytes: int) -> None:
-        """RESOURCE_EXHAUSTED when `rows` and `nbytes` more would not fit the queue's bounds."""
+        """RESOURCE_EXHAUSTED when `rows` and `nbytes` more would not fit the queue's bounds. An empty queue takes
+        any one request (its own limits bound it), as ByteBudget does: one larger than a bound would otherwise be
+        refused for good, with a status that says to retry."""
         waiting_rows = self._queued_rows + self._exclusive_rows
+        waiting_bytes = self._queued_bytes + self._exclusive_bytes
+        if not waiting_rows and not waiting_bytes:
+            return
         if waiting_rows + rows > self._max_queue_rows:
             raise queue_full(waiting_rows, self._max_queue_rows, "rows")
-        waiting_bytes = self._queued_bytes + self._exclusive_bytes
         if waiting_bytes + nbytes > self._max_queue_bytes:
             raise queue_full(waiting_bytes, self._max_queue_bytes, "bytes")
 

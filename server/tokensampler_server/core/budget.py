@@ -26,5 +26,10 @@ class ByteBudget:
                                grpc.StatusCode.RESOURCE_EXHAUSTED)
         self.held += nbytes
 
+    def hold(self, nbytes: int) -> None:
+        """Counts `nbytes` that are held already, past the bound if need be (an answer made, not yet delivered):
+        later takers are refused until they are given back."""
+        self.held += nbytes
+
     def give_back(self, nbytes: int) -> None:
         self.held -= nbytes

@@ -47,6 +47,20 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+class PeerGoneFilter(logging.Filter):
+    """grpc logs an ERROR with a traceback when it cannot send an answer because its caller has gone (cancelled,
+    past its deadline, disconnected with answers unread). The call has ended, and nothing on the server failed: such
+    records go to DEBUG, so that a client cannot fill the log with tracebacks by hanging up."""
+
+    PREFIX = "ExecuteBatchError raised in core by servicer method"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and isinstance(record.msg, str) and record.msg.startswith(self.PREFIX):
+            record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
 def configure_logging(level: str, log_format: str) -> None:
     """Sends every log record to stderr at `level` and above, in `log_format` (text or json)."""
     handler = logging.StreamHandler(sys.stderr)
@@ -56,3 +70,4 @@ def configure_logging(level: str, log_format: str) -> None:
     logging.captureWarnings(True)  # Python warnings too, so a JSON log stays all JSON
     # grpc's Cython layer logs every new connection at DEBUG: noise beside the per-request lines.
     logging.getLogger("grpc._cython").setLevel(max(logging.getLevelName(level), logging.INFO))
+    logging.getLogger("grpc._cython.cygrpc").addFilter(PeerGoneFilter())

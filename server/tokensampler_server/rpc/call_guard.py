@@ -241,6 +241,14 @@ class CallGuard:
 
         return serialize_timed
 
+    def _hold_until_delivered(self, response: object, context: grpc.aio.ServicerContext) -> None:
+        """Counts an answer in the requests' budget until grpc has delivered it, or the call has ended otherwise: a
+        caller that never reads its answers holds them in the server, and past the budget new calls are refused
+        (before, unread 32 MiB answers held 3 GB for 24 calls with a budget of 64 MiB)."""
+        nbytes = len(response) if isinstance(response, bytes) else response.ByteSize()
+        self._request_bytes.hold(nbytes)
+        context.add_done_callback(lambda _context: self._request_bytes.give_back(nbytes))
+
     def _guard(self, handler: Handler, method: str, deserialize: Deserializer | None, streaming: bool,
                admit: Admit | None, tracer: CallTracer | None) -> Handler:
         async def guarded(request: object, context: grpc.aio.ServicerContext) -> object:
@@ -264,7 +272,10 @@ class CallGuard:
                     parse_started = time.perf_counter_ns()
                     request = _parse(deserialize, request)
                     call.parse_ns = time.perf_counter_ns() - parse_started
-                return await handler(_checked(request, streaming), context)
+                response = await handler(_checked(request, streaming), context)
+                if self._request_bytes is not None:
+                    self._hold_until_delivered(response, context)
+                return response
             except grpc.aio.AbortError:  # the handler set its own status
                 code = context.code() or grpc.StatusCode.UNKNOWN
                 raise

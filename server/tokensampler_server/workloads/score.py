@@ -17,6 +17,7 @@ import torch
 
 from tokensampler_server.backends.cpu import kept_token_mask, top_n
 from tokensampler_server.resources.weights import RegisteredWeight
+from tokensampler_server.core.request_context import raise_if_abandoned
 
 # Logits computed at once (a vocabulary slice of every row, or whole rows of filtered positions): 16 MiB of fp32.
 _SLICE_ELEMENTS = 1 << 22
@@ -102,6 +103,7 @@ def score_tokens(source: LogitSource, scoring: TokenScoring, device: torch.devic
     kept_rows = filtered.nonzero().squeeze(1)
     group = max(1, _SLICE_ELEMENTS // source.vocab_size)
     for begin in range(0, kept_rows.numel(), group):
+        raise_if_abandoned()  # a group's sort is up to seconds on the CPU
         _filtered(source, scoring, kept_rows[begin:begin + group], device, out)
     return out
 
@@ -135,6 +137,7 @@ def score_streamed(source: LogitSource, scoring: TokenScoring, rows: torch.Tenso
     target_x = torch.full((num_rows,), _NEG_INF, device=device)
     best_x = best_ids = None
     for start in range(0, vocab, width):
+        raise_if_abandoned()
         stop = min(start + width, vocab)
         x = source.block(rows, start, stop, device)
         new_max = torch.maximum(running_max, x.amax(dim=1))
