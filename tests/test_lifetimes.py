@@ -28,6 +28,10 @@ from tokensampler_server.core.request_context import current_abandoned
 from tokensampler_server.rpc.sample_rpc import SampleRpc
 from tokensampler_server.model.sampling import SamplingBatch
 from tokensampler_server.resources.weights import LogitsFinish, WeightRegistry
+from tokensampler_server.workloads.score import LogitSource, score_tokens
+from tokensampler_server.workloads.topk_probs import topk_probs
+
+from .test_workload_score import _scoring
 
 VOCAB = 64
 WAIT_S = 30.0
@@ -269,3 +273,25 @@ def test_a_row_wider_than_a_chunk_stops_between_steps_when_nobody_waits(monkeypa
     backend = CpuBackend()
     assert backend.sample(batch).valid.all()
     _assert_stops_at_the_second_question(backend, batch)
+
+
+@pytest.mark.parametrize("workload", ["topk_probs", "score_processed", "score_raw"])
+def test_workloads_stop_between_steps_when_nobody_waits(workload: str) -> None:
+    """TopKProbs and ScoreTokens (a filtered position's sort, a raw row's vocabulary slices) ask between their steps,
+    as the sampler does, so work whose callers have all gone stops there."""
+    logits = torch.randn(2, 3000)
+    ids = torch.tensor([5, 7])
+    work = {
+        "topk_probs": lambda: topk_probs(logits, torch.ones(2), 2000),
+        "score_processed": lambda: score_tokens(LogitSource(logits=logits), _scoring(ids, processed=True, top_p=0.9),
+                                                torch.device("cpu")),
+        "score_raw": lambda: score_tokens(LogitSource(logits=logits), _scoring(ids), torch.device("cpu")),
+    }[workload]
+    work()  # runs whole while someone waits
+    current_abandoned.set(lambda: True)
+    try:
+        with pytest.raises(ServiceError) as raised:
+            work()
+    finally:
+        current_abandoned.set(lambda: False)
+    assert raised.value.code == grpc.StatusCode.CANCELLED
