@@ -27,10 +27,13 @@ from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 from tokensampler_client.params import build_sample_request
 from tokensampler_client.tensors import encode_tensor
 from tokensampler_server.app.cli import parse_args
+from tokensampler_server.backends.cpu import CpuBackend
+from tokensampler_server.batching.batcher import DynamicBatcher
 from tokensampler_server.core.config import Limits, cpu_max_batch_elements
 from tokensampler_server.core.errors import InvalidArgument
 from tokensampler_server.validation.sample import validate_sample_request
 from tokensampler_server.resources.weights import LogitsFinish, RegisteredWeight
+from tokensampler_server.rpc import sample_rpc
 
 from .conftest import RunningServer, start_server
 
@@ -359,3 +362,27 @@ def test_unary_requests_in_progress_hold_at_most_the_queue_bound_before_they_are
         assert first["answer"].tokens.shape[:] == [1, 1]
     finally:
         server.stop()
+
+
+def test_long_token_lists_decode_two_requests_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each request's lists may expand to 2^25 entries before the queue's bound can refuse it: eight at once decode
+    two at a time, not as many as the thread pool runs."""
+    running, most = 0, 0
+
+    def decode(request: pb.SampleRequest, limits: Limits) -> None:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        time.sleep(0.05)
+        running -= 1
+
+    monkeypatch.setattr(sample_rpc, "decode_token_lists", decode)
+    request = build_sample_request(torch.zeros(4096, 8), seed=1, banned_token_ids=list(range(100)))
+    assert sample_rpc.heavy_token_lists(request)  # one list of 100 ids shared by 4096 rows: 409,600 entries
+
+    async def run() -> None:
+        rpc = sample_rpc.SampleRpc(Limits(), DynamicBatcher(CpuBackend(), max_batch_rows=64), None, None, None)
+        await asyncio.gather(*(rpc._token_lists(request) for _ in range(8)))  # noqa: SLF001
+
+    asyncio.run(run())
+    assert most == sample_rpc.HEAVY_DECODES == 2

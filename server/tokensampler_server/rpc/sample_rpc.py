@@ -215,6 +215,12 @@ def _drop(begun: asyncio.Future | _Started | Exception) -> None:
         begun.cancel()
 
 
+HEAVY_DECODES = 2
+"""Requests whose long token lists decode on threads at once. Each may expand to max_token_entries (2^25 entries,
+16 bytes each) before the queue's bound can refuse it: 24 requests of 139 KB, each one list shared by 4096 rows, took
+the server from 0.7 to 5.7 GB, as many at once as the thread pool ran."""
+
+
 class SampleRpc:
     """Sample and SampleStream over one batcher, weight registry and region registry."""
 
@@ -228,6 +234,7 @@ class SampleRpc:
         self._native = native
         # streams' unanswered messages together: as much as the queue may hold
         self._stream_budget = StreamBudget(batcher.max_queue_bytes)
+        self._heavy_decodes = asyncio.Semaphore(HEAVY_DECODES)
 
     def _submit_natively(self, message: bytes | pb.SampleRequest, call: CallRecord,
                          stream_message: bool) -> asyncio.Future | None:
@@ -284,7 +291,8 @@ class SampleRpc:
         would stall every other call on the event loop); None when validation may decode them itself."""
         if not heavy_token_lists(request):
             return None
-        return await asyncio.to_thread(decode_token_lists, request, self._limits)
+        async with self._heavy_decodes:
+            return await asyncio.to_thread(decode_token_lists, request, self._limits)
 
     async def _read_input(self, region: Region, ref: pb.TensorRef | pb.RowsRef, field: str,
                           held: Lease) -> torch.Tensor:
