@@ -11,7 +11,8 @@ from tokensampler_client.tensors import encode_tensor
 from tokensampler_server.backends.cpu import CpuBackend
 from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument
-from tokensampler_server.validation.workloads import validate_topk_request
+from tokensampler_server.rpc.service import ON_LOOP_ANSWER_BYTES
+from tokensampler_server.validation.workloads import TOPK_ENTRY_BYTES, validate_topk_request
 from tokensampler_server.workloads.diffusion import DiffusionStep, diffusion_step
 from tokensampler_server.workloads.verify import DraftVerification, verify_draft
 
@@ -67,6 +68,10 @@ def test_topk_probs_takes_any_k_up_to_the_vocabulary(client: SamplerClient) -> N
         result = client.topk_probs(logits, k)
         assert torch.equal(result.ids, expected_ids[:, :k])
         torch.testing.assert_close(result.probs.double(), probs.gather(1, expected_ids[:, :k]), rtol=1e-5, atol=1e-9)
+    rows = logits.repeat(4, 1)  # an answer of 3 MB: encoded and serialised off the event loop
+    result = client.topk_probs(rows, 32000)
+    assert TOPK_ENTRY_BYTES * result.ids.numel() > ON_LOOP_ANSWER_BYTES
+    assert torch.equal(result.ids, expected_ids.repeat(4, 1)) and torch.equal(result.probs[:3], result.probs[3:6])
 
 
 def test_topk_probs_refuses_an_answer_past_the_largest_message() -> None:

@@ -35,7 +35,8 @@ from tokensampler_server.core.request_context import current_request_id
 from tokensampler_server.rpc.native_path import NativePath
 from tokensampler_server.rpc.sample_rpc import SampleRpc
 from tokensampler_server.validation.sample import LOGITS_DTYPES
-from tokensampler_server.validation.workloads import validate_diffusion_request, validate_score_request, validate_topk_request, validate_verify_request
+from tokensampler_server.validation.workloads import (TOPK_ENTRY_BYTES, validate_diffusion_request, validate_score_request,
+                                                      validate_topk_request, validate_verify_request)
 from tokensampler_server.resources.weight_files import open_weights_file, read_safetensor
 from tokensampler_server.resources.weights import RegisteredWeight, WeightRegistry, sha256_hex
 from tokensampler_server.rpc.weights_rpc import (WIRE_DTYPES, finish_from_options, read_upload, upload_budget,
@@ -50,6 +51,8 @@ FEATURES = (
 )
 # Features that need a region, which a server registers only with --allow-shm or --allow-cuda-ipc.
 _REGION_FEATURES = frozenset({"regions", "region_rows", "weights_from_region"})
+ON_LOOP_ANSWER_BYTES = 1 << 20
+"""Answers up to this size are encoded on the event loop (a thread's hand-off costs more); larger ones on a thread."""
 
 
 def served_features(weights_dir: Path | None, region_kinds: frozenset[str], on_gpu: bool) -> list[str]:
@@ -171,7 +174,10 @@ class SamplerService(pb_grpc.SamplerServicer):
         _set_timings(response.timings, arrived, started)
         return response
 
-    async def TopKProbs(self, request: pb.TopKProbsRequest, context: grpc.aio.ServicerContext) -> pb.TopKProbsResponse:
+    async def TopKProbs(self, request: pb.TopKProbsRequest,
+                        context: grpc.aio.ServicerContext) -> pb.TopKProbsResponse | bytes:
+        """The answer; past ON_LOOP_ANSWER_BYTES encoded and serialised on a thread (a 256 MiB answer held the event
+        loop, and with it every other call, for 0.9 s)."""
         arrived = time.perf_counter_ns()
         with Lease() as held:
             lm_head = self._hold_lm_head(request, held)
@@ -183,11 +189,18 @@ class SamplerService(pb_grpc.SamplerServicer):
             probs, ids = await self._batcher.run_exclusive(
                 lambda: self._workloads.topk_probs(logits.compute().flatten(0, -2), temperature, k),
                 rows=math.prod(shape[:-1]), nbytes=host_bytes(logits.tensor) + 12 * math.prod(shape), lease=held)
-        response = pb.TopKProbsResponse(request_id=current_call.get().request_id)
-        encode_tensor(probs.cpu().reshape(shape), out=response.probs)
-        encode_tensor(ids.to(torch.int32).cpu().reshape(shape), out=response.ids)
-        _set_timings(response.timings, arrived, started)
-        return response
+        request_id = current_call.get().request_id
+
+        def answer() -> pb.TopKProbsResponse:
+            response = pb.TopKProbsResponse(request_id=request_id)
+            encode_tensor(probs.cpu().reshape(shape), out=response.probs)
+            encode_tensor(ids.to(torch.int32).cpu().reshape(shape), out=response.ids)
+            _set_timings(response.timings, arrived, started)
+            return response
+
+        if TOPK_ENTRY_BYTES * math.prod(shape) <= ON_LOOP_ANSWER_BYTES:
+            return answer()
+        return await asyncio.to_thread(lambda: answer().SerializeToString())
 
     async def ScoreTokens(
         self, request: pb.ScoreTokensRequest, context: grpc.aio.ServicerContext
@@ -342,13 +355,16 @@ class _HandlerCapture:
 
 def add_sampler_to_server(service: SamplerService, server: grpc.aio.Server) -> None:
     """The generated registration, except that Sample and SampleStream take the request's bytes and answer
-    bytes or messages: the native path reads and writes the wire bytes itself (sample_rpc.py)."""
+    bytes or messages: the native path reads and writes the wire bytes itself (sample_rpc.py); and TopKProbs answers
+    bytes when it serialised a large answer on a thread."""
     capture = _HandlerCapture()
     pb_grpc.add_SamplerServicer_to_server(service, capture)
     handlers = dict(capture.handlers)
     handlers["Sample"] = grpc.unary_unary_rpc_method_handler(service.Sample, response_serializer=serialized)
     handlers["SampleStream"] = grpc.stream_stream_rpc_method_handler(service.SampleStream,
                                                                      response_serializer=serialized)
+    handlers["TopKProbs"] = grpc.unary_unary_rpc_method_handler(
+        service.TopKProbs, request_deserializer=pb.TopKProbsRequest.FromString, response_serializer=serialized)
     name = pb.DESCRIPTOR.services_by_name["Sampler"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
     server.add_registered_method_handlers(name, handlers)
