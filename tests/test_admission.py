@@ -29,6 +29,7 @@ from tokensampler_server.app.cli import parse_args
 from tokensampler_server.rpc.admission import Admission
 
 from .conftest import RunningServer, start_server
+from .raw_h2 import UnreadingConnection
 from .test_metrics import metrics_port, parse_samples, scrape_text, value
 
 TOKENS = [secrets.token_urlsafe(32), secrets.token_urlsafe(32)]
@@ -40,7 +41,7 @@ OVERLOAD = ("x-retryable", "overload")
 def start_capped(tmp_path: Path, *, calls: int, watchers: int = 64, per_client: int = 256, tokens: bool = True,
                  reclaim_idle_s: float = 0.0, args: Sequence[str] = ()) -> RunningServer:
     """A CPU server with these caps; idle streams keep their slots unless `reclaim_idle_s` is set."""
-    flags = ["--device", "cpu", "--max-concurrent-rpcs", str(calls), "--reclaim-idle-streams-s", str(reclaim_idle_s),
+    flags = ["--device", "cpu", "--max-concurrent-rpcs", str(calls), "--reclaim-idle-calls-s", str(reclaim_idle_s),
              *args]
     if tokens:
         path = tmp_path / "tokens"
@@ -126,15 +127,15 @@ async def open_held(channel: grpc.aio.Channel, token: str | None) -> grpc.aio.St
 
 def test_limits_are_flags() -> None:
     config = parse_args(["--max-concurrent-rpcs", "9", "--max-health-watchers", "3", "--max-calls-per-client", "2",
-                         "--reclaim-idle-streams-s", "2.5"])
+                         "--reclaim-idle-calls-s", "2.5"])
     assert (config.max_concurrent_rpcs, config.max_health_watchers, config.max_calls_per_client,
-            config.reclaim_idle_streams_s) == (9, 3, 2, 2.5)
-    for flag in ("--max-health-watchers", "--max-calls-per-client", "--reclaim-idle-streams-s"):
+            config.reclaim_idle_calls_s) == (9, 3, 2, 2.5)
+    for flag in ("--max-health-watchers", "--max-calls-per-client", "--reclaim-idle-calls-s"):
         with pytest.raises(SystemExit):
             parse_args([flag, "-1"])
     for value in ("nan", "inf"):  # nan > 0 is false: it would have turned reclaiming off unsaid
         with pytest.raises(SystemExit):
-            parse_args(["--reclaim-idle-streams-s", value])
+            parse_args(["--reclaim-idle-calls-s", value])
 
 
 def test_colocated_loops_are_never_reclaimed() -> None:
@@ -351,7 +352,7 @@ async def assert_reclaimed(call: grpc.aio.StreamStreamCall) -> None:
     code = await asyncio.wait_for(call.code(), 10)
     details = await call.details()
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
-    assert "idle" in details and "(--reclaim-idle-streams-s 2)" in details and "reopen the stream" in details, details
+    assert "idle" in details and "(--reclaim-idle-calls-s 2)" in details and "reopen the stream" in details, details
     assert OVERLOAD in tuple(await call.trailing_metadata())
 
 
@@ -389,7 +390,7 @@ def test_at_the_cap_a_new_call_takes_the_slot_of_the_stream_idle_longest(tmp_pat
 
 def test_a_stream_with_a_message_unanswered_keeps_its_slot(tmp_path: Path) -> None:
     """2 slots: a SampleStream whose message waits out a long queue delay, and a unary Sample doing the same. Idle
-    past --reclaim-idle-streams-s? Neither: the stream has a message in flight and a unary call is never idle, so a
+    past --reclaim-idle-calls-s? Neither: the stream has a message in flight and a unary call is never idle, so a
     new call is refused and both keep their slots."""
     running = start_capped(tmp_path, calls=2, reclaim_idle_s=0.2, args=["--max-queue-delay-us", "600000000"])
 
@@ -410,3 +411,33 @@ def test_a_stream_with_a_message_unanswered_keeps_its_slot(tmp_path: Path) -> No
 
     # A graceful stop would wait out the queue delay of the cancelled calls.
     run_then_stop(running, run, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("method", ["Sample", "SampleStream"])
+def test_a_call_whose_answer_is_never_read_gives_its_slot_to_a_new_call(tmp_path: Path, method: str) -> None:
+    """A client that grants no flow-control window holds both slots with two calls whose 3 MB answers the server
+    cannot send. While they have waited less than --reclaim-idle-calls-s a new call is refused; after, a new call
+    cancels one of them and is served, and the other holds its slot until its client goes."""
+    running = start_capped(tmp_path, calls=2, tokens=False, reclaim_idle_s=1.5)
+    request = build_sample_request(torch.zeros(4096, 2, dtype=torch.float16), seed=1, num_samples=64,
+                                   return_logprobs=True).SerializeToString()
+
+    async def run() -> None:
+        host, port = running.target.rsplit(":", 1)
+        unread = UnreadingConnection(host, int(port))
+        try:
+            for _ in range(2):
+                unread.call(SAMPLER + method, request)
+            await wait_held(running, calls=2)
+            async with grpc.aio.insecure_channel(running.target) as channel:
+                await assert_refused(open_stream(channel, None), "--max-concurrent-rpcs", 2)
+            await asyncio.sleep(2.5)  # the answers were made within 0.5 s of the calls' start
+            async with AsyncSamplerClient(running.target, timeout=30, retries=0) as client:
+                assert (await client.sample(torch.randn(1, 16), seed=1)).tokens.shape == (1, 1)
+            await wait_held(running, calls=1)  # the other unread call, until its client goes
+            assert unread.data_bytes < 1 << 20  # the answers were never taken
+        finally:
+            unread.close()
+        await wait_held(running, calls=0)
+
+    run_then_stop(running, run)

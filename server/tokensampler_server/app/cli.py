@@ -102,10 +102,11 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                 "Check is not counted; 0: no limit")
     flags.value("--max-calls-per-client", int, defaults.max_calls_per_client,
                 "calls one client holds at once; a client is its bearer token, else its connection; 0: no limit")
-    flags.value("--reclaim-idle-streams-s", float, defaults.reclaim_idle_streams_s,
-                "at the --max-concurrent-rpcs cap, a new call takes the slot of a stream that has answered every "
-                "message and waited this many seconds for the next; that stream ends with RESOURCE_EXHAUSTED, "
-                "which a client may retry by reopening it; 0: never")
+    flags.value("--reclaim-idle-calls-s", float, defaults.reclaim_idle_calls_s,
+                "at the --max-concurrent-rpcs cap, a new call takes the slot of a call that has waited this many "
+                "seconds on its client: a stream for its next message (it ends with RESOURCE_EXHAUSTED, which a "
+                "client may retry by reopening it), or any call for its client to read an answer (it is cancelled); "
+                "0: never")
     flags.value("--gpu-memory-fraction", float, None,
                 "cap on the share of the GPU's memory the server's allocator may take, 0 < f <= 1; a batch that needs "
                 "more gets RESOURCE_EXHAUSTED")
@@ -156,8 +157,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     for name in ("max_concurrent_rpcs", "max_health_watchers", "max_calls_per_client"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be at least 0")
-    if not (math.isfinite(args.reclaim_idle_streams_s) and args.reclaim_idle_streams_s >= 0):
-        parser.error("--reclaim-idle-streams-s must be finite and at least 0")
+    if not (math.isfinite(args.reclaim_idle_calls_s) and args.reclaim_idle_calls_s >= 0):
+        parser.error("--reclaim-idle-calls-s must be finite and at least 0")
     if args.max_connection_age_s < 0:
         parser.error("--max-connection-age-s must be at least 0")
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -202,7 +203,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         max_health_watchers=args.max_health_watchers,
         max_calls_per_client=args.max_calls_per_client,
-        reclaim_idle_streams_s=args.reclaim_idle_streams_s,
+        reclaim_idle_calls_s=args.reclaim_idle_calls_s,
         gpu_memory_fraction=args.gpu_memory_fraction,
         allow_shm=args.allow_shm,
         allow_cuda_ipc=args.allow_cuda_ipc,

@@ -170,7 +170,7 @@ async def serve(config: ServerConfig) -> None:
     server = grpc.aio.server(interceptors=interceptors, options=grpc_options(config),
                              maximum_concurrent_rpcs=grpc_call_backstop(config))
     admission = Admission(config.max_concurrent_rpcs, config.max_health_watchers, config.max_calls_per_client,
-                          tokens, metrics, config.reclaim_idle_streams_s)
+                          tokens, metrics, config.reclaim_idle_calls_s)
     requests_in_progress = ByteBudget(config.max_queue_bytes, "request", "requests", "--max-queue-mb")
     registration = CallGuard(metrics, admission, tracer, requests_in_progress).registration(server)
     batcher = DynamicBatcher(

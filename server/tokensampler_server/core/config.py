@@ -75,10 +75,11 @@ class ServerConfig:
     max_calls_per_client: int = 256
     """Calls one client (its accepted bearer token, else its connection) holds at once (0: no limit): a quarter of
     max_concurrent_rpcs, so that one client alone cannot take every slot from the others."""
-    reclaim_idle_streams_s: float = 1.0
-    """How long a bidirectional stream must have waited for a message, every earlier one answered, before a new call
-    may take its slot at the max_concurrent_rpcs cap, ending the stream (0: never; admission.py). An engine's stream
-    between two steps waits far less; a stream left silent for a second while others are refused gives way."""
+    reclaim_idle_calls_s: float = 1.0
+    """How long a call must have waited on its client (a stream for its next message, every earlier one answered; any
+    call for its client to take an answer sent to it) before a new call may take its slot at the max_concurrent_rpcs
+    cap, ending it (0: never; admission.py). An engine's stream between two steps waits far less; a call left waiting
+    for a second while others are refused gives way."""
     max_elements_given: bool = True
     """limits.max_batch_elements was set by the operator; when not, the CPU backend sizes it (cpu_max_batch_elements)."""
     max_regions: int = 256

@@ -10,11 +10,14 @@ refused (auth.py) never takes a slot. Three caps, each 0 for no limit:
   nothing, and a probe must get through while the watchers are full.
 - `--max-calls-per-client`: the calls one client holds at once, of every kind counted.
 
-A bidirectional stream (SampleStream, reflection) that has answered every message it read and has waited for the
-next one at least `--reclaim-idle-streams-s` is idle: when `--max-concurrent-rpcs` is reached, a new call takes
-the slot of the stream idle longest, which ends with RESOURCE_EXHAUSTED (marked retryable: reopening it can
-succeed). Without this, streams opened and left silent, on as many connections as it takes, held every slot
-until they ended, however long that was; an engine's stream between two steps is idle for far less than a second.
+A call that has waited on its client for at least `--reclaim-idle-calls-s` is idle: a bidirectional stream
+(SampleStream, reflection) that has answered every message it read and waits for the next, or any call whose answer
+grpc is sending and the client does not take (HTTP/2 flow control holds it). When `--max-concurrent-rpcs` is
+reached, a new call takes the slot of the call idle longest: a stream waiting for a message ends with
+RESOURCE_EXHAUSTED (marked retryable: reopening it can succeed), a call whose answer is not taken is cancelled.
+Without this, streams opened and left silent, or calls whose answers were never read, on as many connections as it
+takes, held every slot until they ended, however long that was; an engine's stream between two steps is idle for
+far less than a second, and an engine reads its answers.
 A colocated loop (Colocate) is never taken: it holds an engine's GPU hand-off, and waits between an engine's
 requests by design (colocated.py ends loops by their own rules). A client at its own --max-calls-per-client is
 refused before any reclaim: its idle streams are its own to close.
@@ -137,14 +140,15 @@ class Admission:
         return slot
 
     def idle(self, slot: Slot, end: Callable[[float], None]) -> None:
-        """The stream holding `slot` waits for a message with every one it read answered; `end(idle_s)` ends it
-        if its slot is taken."""
+        """The call holding `slot` waits on its client: a stream for the next message with every one it read
+        answered, or any call for its client to take an answer; `end(idle_s)` ends it if its slot is taken. A call
+        already waiting keeps the time it began."""
         if self.reclaim_idle_s > 0 and not slot.released:
-            self._idle.pop(slot, None)  # to the end: the longest idle stay first
-            self._idle[slot] = (time.monotonic(), end)
+            since = self._idle[slot][0] if slot in self._idle else time.monotonic()
+            self._idle[slot] = (since, end)
 
     def busy(self, slot: Slot) -> None:
-        """The stream holding `slot` got a message (or stopped waiting for one)."""
+        """The call holding `slot` no longer waits on its client."""
         self._idle.pop(slot, None)
 
     def _reclaim(self, pool: Pool) -> bool:
@@ -183,8 +187,9 @@ class Admission:
 
 
 class IdleWatch:
-    """A bidirectional stream's messages and answers, counted so that admission knows when the stream is idle (every
-    message it read answered, the next awaited) and can end it there to take its slot."""
+    """A bidirectional stream's messages and answers, counted so that admission knows when the stream waits on its
+    client (every message it read answered and the next awaited, or an answer its client does not take) and can end
+    it there to take its slot."""
 
     def __init__(self, admission: Admission, slot: Slot) -> None:
         self._admission = admission
@@ -192,6 +197,10 @@ class IdleWatch:
         self._unanswered = 0
         self._waiting: asyncio.Task | None = None
         """The task awaiting the stream's next message, while one is."""
+        self._delivering: asyncio.Task | None = None
+        """The task grpc sends an answer in, while it does."""
+        self._cancelled: asyncio.Task | None = None
+        """The task _end cancelled."""
         self._ended_after: float | None = None
         """The idle seconds after which admission took the slot; None while the stream holds it."""
 
@@ -209,7 +218,7 @@ class IdleWatch:
             except StopAsyncIteration:
                 return
             except asyncio.CancelledError:
-                if self._ended_after is None:
+                if self._cancelled is not asyncio.current_task():
                     raise
                 # Cancelled by _end, not by grpc: the stream ends with its status. Python 3.11 counts cancellations,
                 # which the task would otherwise still carry; 3.10 has no count.
@@ -219,24 +228,35 @@ class IdleWatch:
                 raise self._refusal() from None
             finally:
                 self._waiting = None
-                self._admission.busy(self._slot)
+                if self._delivering is None:
+                    self._admission.busy(self._slot)
             self._unanswered += 1
             yield message
 
+    def delivering(self) -> None:
+        """grpc begins to send an answer, in the current task: it waits on the client until the client takes it."""
+        self._delivering = asyncio.current_task()
+        self._admission.idle(self._slot, self._end)
+
     def answered(self) -> None:
         """The stream sent the answer to one of its messages."""
+        self._delivering = None
+        self._admission.busy(self._slot)
         self._unanswered -= 1
         if not self._unanswered and self._waiting is not None:
             self._admission.idle(self._slot, self._end)
 
     def _end(self, idle_s: float) -> None:
+        """Ends the stream where it waits: an answer not taken ends the call (grpc's task, cancelled), a message not
+        sent ends the stream with its status."""
         self._ended_after = idle_s
-        if self._waiting is not None:
-            self._waiting.cancel()
+        self._cancelled = self._delivering or self._waiting
+        if self._cancelled is not None:
+            self._cancelled.cancel()
 
     def _refusal(self) -> ServiceError:
         pool = self._slot.pool
         return ServiceError(
-            f"stream ended: idle {self._ended_after:.1f} s (--reclaim-idle-streams-s "
+            f"stream ended: idle {self._ended_after:.1f} s (--reclaim-idle-calls-s "
             f"{self._admission.reclaim_idle_s:g}) while all {pool.limit} {pool.what} of {pool.flag} were held; "
             "a new call took its slot; reopen the stream", grpc.StatusCode.RESOURCE_EXHAUSTED)

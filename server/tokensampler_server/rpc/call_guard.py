@@ -196,6 +196,8 @@ class CallGuard:
                     if watch is not None:
                         requests = watch.requests(requests)
                     async for response in behaviour(requests, context):
+                        if watch is not None:
+                            watch.delivering()
                         yield response
                         if watch is not None:
                             watch.answered()
@@ -251,6 +253,8 @@ class CallGuard:
 
     def _guard(self, handler: Handler, method: str, deserialize: Deserializer | None, streaming: bool,
                admit: Admit | None, tracer: CallTracer | None) -> Handler:
+        reclaims = admit is not None and self._admission.reclaims(method)
+
         async def guarded(request: object, context: grpc.aio.ServicerContext) -> object:
             call = CallRecord(method=method, request_id=request_id_from_metadata(context.invocation_metadata()))
             call.start()
@@ -263,8 +267,7 @@ class CallGuard:
             metrics.calls_in_flight += 1  # every guarded call runs on the server's event loop: no lock needed
             held = 0
             try:
-                if admit is not None:
-                    admit(context)
+                slot = admit(context) if admit is not None else None
                 if not streaming:
                     if self._request_bytes is not None and isinstance(request, bytes):
                         self._request_bytes.take(len(request))
@@ -275,6 +278,9 @@ class CallGuard:
                 response = await handler(_checked(request, streaming), context)
                 if self._request_bytes is not None:
                     self._hold_until_delivered(response, context)
+                if reclaims:  # grpc sends the answer in this task: one its client does not take may lose the slot
+                    task = asyncio.current_task()
+                    self._admission.idle(slot, lambda _idle_s: task.cancel())
                 return response
             except grpc.aio.AbortError:  # the handler set its own status
                 code = context.code() or grpc.StatusCode.UNKNOWN
