@@ -133,9 +133,9 @@ def test_limits_are_flags() -> None:
     for flag in ("--max-health-watchers", "--max-calls-per-client", "--reclaim-idle-calls-s"):
         with pytest.raises(SystemExit):
             parse_args([flag, "-1"])
-    for value in ("nan", "inf"):  # nan > 0 is false: it would have turned reclaiming off unsaid
+    for seconds in ("nan", "inf"):  # nan > 0 is false: it would have turned reclaiming off unsaid
         with pytest.raises(SystemExit):
-            parse_args(["--reclaim-idle-calls-s", value])
+            parse_args(["--reclaim-idle-calls-s", seconds])
 
 
 def test_colocated_loops_are_never_reclaimed() -> None:
