@@ -153,33 +153,31 @@ def test_queued_bytes_are_bounded() -> None:
 
 def test_queued_bytes_count_the_token_entries_a_shared_list_expands_to() -> None:
     """A list shared by every row is held once per row, 16 bytes an entry: one row of 8 logits with 100,000 banned
-    entries holds 1.6 MB, past a queue of 1 MB, and is refused behind a waiting request; the same row without them
-    is sampled. On an empty queue it is taken: no later moment would fit it better."""
+    entries holds 1.6 MB, past a queue of 1 MB: refused, for good (no retry can fit it: not retryable, naming the
+    flag); the same row without them is sampled. Behind a waiting request, a request that fits the bound alone but
+    not beside it is refused as retryable."""
     entries = TokenEntries(rows=torch.zeros(100_000, dtype=torch.int64), tokens=torch.zeros(100_000, dtype=torch.int64))
-    listed = make_batch(torch.zeros(1, 8), processing=LogitProcessing(banned=entries))
 
-    async def run() -> ServiceError:
+    async def run() -> tuple[ServiceError, ServiceError]:
         batcher = DynamicBatcher(CountingBackend(), max_batch_rows=4, max_queue_bytes=1_000_000,
                                  max_queue_delay_us=2_000_000)
+        with pytest.raises(ServiceError) as never:
+            await batcher.submit(make_batch(torch.zeros(1, 8), processing=LogitProcessing(banned=entries)))
         waiting = asyncio.ensure_future(batcher.submit(make_batch(torch.zeros(1, 8))))
         await asyncio.sleep(0)  # queued, waiting out its delay for others to batch with
-        assert batcher.queued_rows == 1
-        with pytest.raises(ServiceError) as raised:
-            await batcher.submit(listed)
+        half = TokenEntries(rows=torch.zeros(62_000, dtype=torch.int64), tokens=torch.zeros(62_000, dtype=torch.int64))
+        await batcher.submit(make_batch(torch.zeros(1, 8), processing=LogitProcessing(banned=half)))  # 0.99 MB fits
+        with pytest.raises(ServiceError) as full:
+            await asyncio.gather(batcher.submit(make_batch(torch.zeros(1, 8), processing=LogitProcessing(banned=half))),
+                                 batcher.submit(make_batch(torch.zeros(1, 8), processing=LogitProcessing(banned=half))))
         await batcher.close()
         await waiting
-        return raised.value
+        return never.value, full.value
 
-    error = asyncio.run(run())
-    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "bytes waiting" in error.message
-
-    async def alone() -> None:
-        batcher = DynamicBatcher(CountingBackend(), max_batch_rows=4, max_queue_bytes=1_000_000)
-        rows, _ = await batcher.submit(listed)
-        assert rows.tokens.shape == (1, 1)
-        await batcher.close()
-
-    asyncio.run(alone())
+    never, full = asyncio.run(run())
+    assert never.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not never.retryable
+    assert "needs 1600" in never.message and "(--max-queue-mb)" in never.message, never.message
+    assert full.code == grpc.StatusCode.RESOURCE_EXHAUSTED and full.retryable and "bytes waiting" in full.message
 
 
 class OutOfMemoryBackend(Backend):

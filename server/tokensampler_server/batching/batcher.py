@@ -41,7 +41,7 @@ import torch
 from tokensampler_server.backends import Backend
 from tokensampler_server.backends.nccl import NcclError
 from tokensampler_server.batching.batch_merge import merge_batches, merge_key, split_result
-from tokensampler_server.core.errors import ServiceError, queue_full
+from tokensampler_server.core.errors import ServiceError, never_fits, queue_full
 from tokensampler_server.resources.leases import Lease
 from tokensampler_server.core.request_context import current_abandoned
 from tokensampler_server.model.sampling import LogitProcessing, SamplingBatch, SamplingResult
@@ -264,13 +264,14 @@ class DynamicBatcher:
         return sum(not pending.future.done() for pending in self._queue)
 
     def _check_room(self, rows: int, nbytes: int) -> None:
-        """RESOURCE_EXHAUSTED when `rows` and `nbytes` more would not fit the queue's bounds. An empty queue takes
-        any one request (its own limits bound it), as ByteBudget does: one larger than a bound would otherwise be
-        refused for good, with a status that says to retry."""
+        """RESOURCE_EXHAUSTED when `rows` and `nbytes` more would not fit the queue's bounds: marked retryable, unless
+        the request alone is larger than a bound, which no retry gets past."""
+        if nbytes > self._max_queue_bytes:
+            raise never_fits(nbytes, self._max_queue_bytes, "bytes", "--max-queue-mb")
+        if rows > self._max_queue_rows:
+            raise never_fits(rows, self._max_queue_rows, "rows", "--max-queue-rows")
         waiting_rows = self._queued_rows + self._exclusive_rows
         waiting_bytes = self._queued_bytes + self._exclusive_bytes
-        if not waiting_rows and not waiting_bytes:
-            return
         if waiting_rows + rows > self._max_queue_rows:
             raise queue_full(waiting_rows, self._max_queue_rows, "rows")
         if waiting_bytes + nbytes > self._max_queue_bytes:

@@ -13,10 +13,13 @@ class ServiceError(Exception):
     """An error with the gRPC status code the client should see and a message for a person."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    retryable: bool = True
+    """For RESOURCE_EXHAUSTED: whether a later try can succeed (an overload), which the call guard marks."""
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, retryable: bool = True) -> None:
         super().__init__(message)
         self.message = message
+        self.retryable = retryable
         if code is not None:
             self.code = code
 
@@ -29,6 +32,14 @@ class InvalidArgument(ServiceError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+def never_fits(needed: int, limit: int, unit: str, flag: str) -> ServiceError:
+    """RESOURCE_EXHAUSTED of a request larger than a bound's whole room, which no retry gets past: not marked
+    retryable."""
+    return ServiceError(f"queue full for good: this request needs {needed} {unit}, more than the whole bound of "
+                        f"{limit} ({flag}); send less, or raise {flag}", grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        retryable=False)
 
 
 def queue_full(waiting: int, limit: int, unit: str) -> ServiceError:

@@ -101,9 +101,10 @@ async def _checked_stream(requests: AsyncIterator[object]) -> AsyncIterator[obje
         yield request
 
 
-def _trailing(code: grpc.StatusCode, trailing: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[str, str], ...]:
+def _trailing(code: grpc.StatusCode, trailing: tuple[tuple[str, str], ...] = (),
+              retryable: bool = True) -> tuple[tuple[str, str], ...]:
     """`trailing`, marked retryable for an overload."""
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and retryable:
         return trailing + ((RETRYABLE_METADATA_KEY, "overload"),)
     return trailing
 
@@ -180,7 +181,7 @@ class CallGuard:
 
         async def abort(context: grpc.aio.ServicerContext, err: ServiceError, request_id: str) -> None:
             log.debug("stream %s failed: %s", request_id, err.message)
-            await context.abort(err.code, _details(err.message, request_id), _trailing(err.code))
+            await context.abort(err.code, _details(err.message, request_id), _trailing(err.code, retryable=err.retryable))
 
         if inspect.isasyncgenfunction(behaviour):
             async def guarded(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
@@ -262,7 +263,7 @@ class CallGuard:
             current_call.set(call)
             trailing = ((REQUEST_ID_METADATA_KEY, call.request_id),)
             context.set_trailing_metadata(trailing)
-            code, error = grpc.StatusCode.OK, ""
+            code, error, retryable = grpc.StatusCode.OK, "", True
             metrics = self._metrics
             metrics.calls_in_flight += 1  # every guarded call runs on the server's event loop: no lock needed
             held = 0
@@ -290,6 +291,7 @@ class CallGuard:
                 raise
             except Exception as err:
                 code, error = failure_status(err, call.method, call.request_id)
+                retryable = getattr(err, "retryable", True)
             finally:
                 if held:
                     self._request_bytes.give_back(held)
@@ -299,7 +301,7 @@ class CallGuard:
                     tracer.record(call, code, elapsed_ns, context.invocation_metadata())
                 metrics.observe_call_later(call, code, elapsed_ns)  # recorded at the next scrape
                 _log_call(call, code, elapsed_ns, error)
-            await context.abort(code, _details(error, call.request_id), _trailing(code, trailing))
+            await context.abort(code, _details(error, call.request_id), _trailing(code, trailing, retryable))
 
         return guarded
 
