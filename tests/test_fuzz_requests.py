@@ -177,7 +177,7 @@ def test_hostile_requests_get_ok_or_invalid_argument(stub: pb_grpc.SamplerStub, 
 
 
 def test_server_still_serves_after_fuzzing(stub: pb_grpc.SamplerStub) -> None:
-    """After the fuzzer (when it ran in this session: about half its requests sample), the server samples."""
+    """After the fuzzer (when it ran in the same test run: about half its requests sample), the server samples."""
     total = sum(OUTCOMES.values())
     if total:
         assert OUTCOMES["sampled"] >= total // 4, OUTCOMES

@@ -24,7 +24,7 @@ class ByteBudget:
             raise ServiceError(f"{self._field}: {self._what} in progress hold {self.held} bytes and this one "
                                f"{nbytes}; the server holds at most {self.max_bytes} at once ({self._flag}), retry",
                                grpc.StatusCode.RESOURCE_EXHAUSTED)
-        self.held += nbytes
+        self.hold(nbytes)
 
     def hold(self, nbytes: int) -> None:
         """Counts `nbytes` that are held already, past the bound if need be (an answer made, not yet delivered):

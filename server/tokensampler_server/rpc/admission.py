@@ -51,7 +51,7 @@ WATCH_METHOD = "grpc.health.v1.Health/Watch"
 UNCOUNTED_METHODS = frozenset({"grpc.health.v1.Health/Check"})
 """Methods that answer at once and hold no slot."""
 UNRECLAIMED_METHODS = frozenset({"tokensampler.v1.Sampler/Colocate"})
-"""Bidirectional streams whose slots are never taken back while idle."""
+"""Methods whose calls never lose their slots while idle."""
 
 
 @dataclass
@@ -82,7 +82,7 @@ class Admission:
     def __init__(self, max_calls: int, max_health_watchers: int, max_calls_per_client: int,
                  tokens: BearerTokens | None = None, metrics: ServerMetrics | None = None,
                  reclaim_idle_s: float = 0.0) -> None:
-        """`reclaim_idle_s`: how long a stream must have been idle before a new call may take its slot; 0: never."""
+        """`reclaim_idle_s`: how long a call must have been idle before a new call may take its slot; 0: never."""
         self.calls = Pool("calls", "--max-concurrent-rpcs", max_calls, "calls")
         self.watchers = Pool("health_watchers", "--max-health-watchers", max_health_watchers,
                              "health Watch streams")
@@ -92,7 +92,7 @@ class Admission:
         self._tokens = tokens
         self.reclaim_idle_s = reclaim_idle_s
         self._idle: dict[Slot, tuple[float, Callable[[float], None]]] = {}
-        """Idle streams' slots, the longest idle first: since when, and what ends the stream (given its idle s)."""
+        """Idle calls' slots, the longest idle first: since when, and what ends the call (given its idle s)."""
         self._refused: dict[str, Counter] = {}
         if metrics is not None:
             for pool in (self.calls, self.watchers):
@@ -101,7 +101,7 @@ class Admission:
                              for limit in (self.calls.name, self.watchers.name, "calls_per_client")}
 
     def reclaims(self, method: str) -> bool:
-        """Whether an idle bidirectional stream of `method` may lose its slot to a new call."""
+        """Whether an idle call of `method` may lose its slot to a new call."""
         return self.reclaim_idle_s > 0 and method not in UNRECLAIMED_METHODS
 
     def pool_of(self, method: str) -> Pool | None:
@@ -127,7 +127,7 @@ class Admission:
     def admit(self, pool: Pool, context: grpc.aio.ServicerContext) -> Slot:
         """Takes a slot of `pool` and of the call's client until the call ends; raises RESOURCE_EXHAUSTED past
         a cap (the client's first: it names the limit that its own calls reached). At the pool's cap the slot of
-        the stream idle longest is taken, if one has been idle long enough."""
+        the call idle longest is taken, if one has been idle long enough."""
         client = self.client_of(context)
         if self._per_client and client is not None and self._held_by.get(client, 0) >= self._per_client:
             raise self._refuse("calls_per_client", "calls of one client", "--max-calls-per-client", self._per_client)
@@ -152,8 +152,8 @@ class Admission:
         self._idle.pop(slot, None)
 
     def _reclaim(self, pool: Pool) -> bool:
-        """Gives back the slot of the stream of `pool` idle longest, and ends that stream, if it has been idle at
-        least reclaim_idle_s; whether it did."""
+        """Gives back the slot of the call of `pool` idle longest, and ends that call, if it has been idle at least
+        reclaim_idle_s; whether it did."""
         now = time.monotonic()
         for slot, (since, end) in self._idle.items():
             if now - since < self.reclaim_idle_s:
@@ -174,7 +174,7 @@ class Admission:
 
     def _release(self, slot: Slot) -> None:
         # Every guarded call runs on the server's event loop, and so do these callbacks: no lock needed.
-        if slot.released:  # taken back from an idle stream, which then ended
+        if slot.released:  # taken back from an idle call, which then ended
             return
         slot.released = True
         self._idle.pop(slot, None)
