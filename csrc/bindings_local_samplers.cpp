@@ -6,13 +6,27 @@
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "binding_args.h"
 #include "local_samplers.h"
-#include "sequence_bans.h"
+#include "sequence_samplers.h"
 
 using tokensampler::binding::check;
 using tokensampler::binding::ptr;
+
+namespace {
+
+// TsSequenceTiles from its fields in declaration order: tiles, num_tiles, columns, width, halo, the nine column
+// indices and counts from row_column to off_need, instances, num_instances.
+TsSequenceTiles sequence_tiles(const std::vector<int64_t>& f) {
+  if (f.size() != 17) throw std::invalid_argument("sequence tiles: 17 fields expected, got " + std::to_string(f.size()));
+  auto i32 = [&](size_t k) { return static_cast<int32_t>(f[k]); };
+  return TsSequenceTiles{ptr<const int32_t>(f[0]), f[1], i32(2), i32(3), i32(4), i32(5), i32(6), i32(7), i32(8),
+                         i32(9), i32(10), i32(11), i32(12), i32(13), i32(14), ptr<const int32_t>(f[15]), f[16]};
+}
+
+}  // namespace
 
 void register_local_samplers(pybind11::module_& m) {
   m.attr("LOCAL_TOP_N_SIGMA") = static_cast<int>(TS_LOCAL_TOP_N_SIGMA);
@@ -24,20 +38,20 @@ void register_local_samplers(pybind11::module_& m) {
     const TsLocalWorkspaceBytes w = ts_local_samplers_workspace(num_rows, vocab);
     return pybind11::make_tuple(w.scratch, w.zeroed);
   });
-  m.attr("SEQUENCE_MAX_NEED") = static_cast<int>(TS_SEQUENCE_MAX_NEED);
-  // tiles: int32 [num_tiles, columns] (repetition.py TileLayout; the column indices given here); instances: int32
-  // [num_instances, 2] or 0; words: int32 [rows, words_per_row], whose banned tokens' bits are cleared.
-  m.def("sequence_bans", [](int64_t tiles, int64_t num_tiles, int64_t columns, int64_t width, int64_t row_column,
-                            int64_t need_column, int64_t suffix_column, int64_t tokens_column, int64_t off_need,
-                            int64_t instances, int64_t num_instances, int64_t words, int64_t words_per_row,
-                            int64_t stream) {
-    const TsSequenceTiles t{ptr<const int32_t>(tiles), num_tiles, static_cast<int32_t>(columns),
-                            static_cast<int32_t>(width), static_cast<int32_t>(row_column),
-                            static_cast<int32_t>(need_column), static_cast<int32_t>(suffix_column),
-                            static_cast<int32_t>(tokens_column), static_cast<int32_t>(off_need),
-                            ptr<const int32_t>(instances), num_instances};
+  m.attr("SEQUENCE_MAX_HALO") = static_cast<int>(TS_SEQUENCE_MAX_HALO);
+  m.attr("SEQUENCE_MAX_SINGLES") = static_cast<int>(TS_SEQUENCE_MAX_SINGLES);
+  // The tiles' addresses and layout (repetition.py TileLayout; column indices given by the caller, in
+  // sequence_tiles' order) for the launchers below.
+  m.def("sequence_bans", [](std::vector<int64_t> tiles, int64_t words, int64_t words_per_row, int64_t stream) {
+    const TsSequenceTiles t = sequence_tiles(tiles);
     check(ts_sequence_bans(&t, ptr<uint32_t>(words), static_cast<int32_t>(words_per_row), ptr<void>(stream)),
           "sequence_bans");
+  });
+  m.def("sequence_penalties", [](std::vector<int64_t> tiles, int64_t x, int64_t vocab, int64_t penalty,
+                                 int64_t stream) {
+    const TsSequenceTiles t = sequence_tiles(tiles);
+    check(ts_sequence_penalties(&t, ptr<float>(x), vocab, ptr<float>(penalty), ptr<void>(stream)),
+          "sequence_penalties");
   });
   // logits: float32 [num_rows, vocab]; rows: the packed parameters (ts_local_rows_packed).
   m.def("local_samplers", [](int64_t logits, int64_t num_rows, int64_t vocab, int64_t rows, int64_t samplers,

@@ -233,16 +233,23 @@ def test_a_diffusion_step_counts_the_sequence_reads_of_every_position() -> None:
         assert raised.value.field == "params.output_token_ids" and "would read" in raised.value.message
 
 
-def test_bans_alone_are_told_apart_from_other_processing() -> None:
-    """The CUDA backend's ban-mask route takes no-repeat-n-gram alone: not beside DRY, a token list or a bias."""
-    from tokensampler_server.backends.cuda_sequence_bans import bans_only
+def test_bans_alone_and_penalties_alone_are_told_apart_from_other_processing() -> None:
+    """The CUDA backend's own routes take no-repeat-n-gram alone (a mask) and DRY alone (its kernels): not the two
+    together, nor beside a token list, a bias or a penalty."""
+    from tokensampler_server.backends.cuda_sequence_samplers import bans_only, penalties_only
     from tokensampler_server.backends.entry_masks import entry_mask
 
-    history = {"output_token_ids": [[1, 2, 1, 2, 1]], "no_repeat_ngram_size": 2}
-    alone = _validated(1, 8, **history).processing
-    assert bans_only(alone) and entry_mask(alone, 1, 8) is None
-    for extra in ({"dry_multiplier": 0.8}, {"banned_token_ids": [[3]]}, {"logit_bias": {4: 1.0}},
-                  {"repetition_penalty": 1.2}):
-        assert not bans_only(_validated(1, 8, **history, **extra).processing), extra
+    history = {"output_token_ids": [[1, 2, 1, 2, 1]]}
+    ngram, dry = {"no_repeat_ngram_size": 2}, {"dry_multiplier": 0.8}
+    alone = _validated(1, 8, **history, **ngram).processing
+    assert bans_only(alone) and not penalties_only(alone) and entry_mask(alone, 1, 8) is None
+    alone = _validated(1, 8, **history, **dry).processing
+    assert penalties_only(alone) and not bans_only(alone)
+    both = _validated(1, 8, **history, **ngram, **dry).processing
+    assert not bans_only(both) and not penalties_only(both)
+    for extra in ({"banned_token_ids": [[3]]}, {"logit_bias": {4: 1.0}}, {"repetition_penalty": 1.2}):
+        for sampler in (ngram, dry):
+            processing = _validated(1, 8, **history, **sampler, **extra).processing
+            assert not bans_only(processing) and not penalties_only(processing), (sampler, extra)
     assert not bans_only(_validated(1, 8, output_token_ids=[[1, 2, 1]], no_repeat_ngram_size=0,
                                     banned_token_ids=[[3]]).processing)  # no sequence sampler at all

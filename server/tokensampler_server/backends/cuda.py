@@ -17,8 +17,9 @@ A token bitmask (structured output) is read by every kernel above as it loads th
 read as -inf: a batch whose only processing is a bitmask reads its logits once, as without one. So does a batch
 whose only processing is allowed and banned token lists (min_tokens' bans among them), made into bitmask rows on
 the host when few rows have them (entry_masks.py), and one whose only processing is no-repeat-n-gram's bans, made
-into a mask on the GPU from the rows' sequences (cuda_sequence_bans.py). Other processing (bias, penalties, DRY,
-those lists beside a request's own bitmask or on many rows) runs first, in torch on the GPU (processing.apply_processing),
+into a mask on the GPU from the rows' sequences (cuda_sequence_samplers.py). DRY alone is subtracted from a float32
+copy by kernels of its own, from the same tiles. Other processing (bias, penalties, those lists beside a request's own
+bitmask or on many rows, several kinds together) runs first, in torch on the GPU (processing.apply_processing),
 on a float32 copy into which the bitmask is written first by a small in-place kernel; then the local samplers
 (top-n-sigma, typical-p, XTC) by their own kernels on the same copy (cuda_local_samplers.py,
 csrc/local_samplers.cuh).
@@ -57,7 +58,7 @@ from tokensampler_server.backends.cuda_build import CudaBackendUnavailable
 from tokensampler_server.backends.cuda_kernels import NO_BITMASK, Kernels, Plan
 from tokensampler_server.backends.mps import mps_state
 from tokensampler_server.backends.cuda_local_samplers import LocalSamplerKernels
-from tokensampler_server.backends.cuda_sequence_bans import SequenceBanKernels, bans_only
+from tokensampler_server.backends.cuda_sequence_samplers import SequenceSamplerKernels, bans_only, penalties_only
 from tokensampler_server.backends.cuda_logprobs import LogprobCall, sample_with_logprobs
 from tokensampler_server.backends.cuda_prepared import CudaPreparedSampling
 from tokensampler_server.backends.cuda_vocab_parallel import DeviceGroup, SplitHeads
@@ -93,10 +94,11 @@ ROUTES = [
           "without other processing, the same kernels, each reading the mask with the logits (1/32 more bytes at "
           "fp32): 0.92-1.07x the unmasked call at B = 1-256 (benchmarks/bench_structured.py); lists become mask "
           "rows on the host (one for all when every row's lists are the same)"),
-    Route("rows whose only processing is no-repeat-n-gram's bans (no DRY), before the route of their parameters",
-          SequenceBanKernels.kernel_names,
-          "one block a tile of the rows' sequences clears the banned tokens' bits in a mask of all ones (B x V / 8 "
-          "bytes); then the masked kernels read the raw logits once (docs/performance.md, \"Local samplers\")"),
+    Route("rows whose only processing is no-repeat-n-gram (or DRY), before the route of their parameters",
+          SequenceSamplerKernels.kernel_names,
+          "no-repeat-n-gram: one block a tile of the rows' sequences clears the banned tokens' bits in a mask of all "
+          "ones (B x V / 8 bytes), and the masked kernels read the raw logits once; DRY: two passes over the tiles "
+          "subtract each token's largest penalty from the float32 copy (docs/performance.md, \"Local samplers\")"),
     Route("rows with top-n-sigma, typical-p or XTC (the local samplers), before the route of their parameters",
           LocalSamplerKernels.kernel_names,
           "in place on the processing copy, from per-row float64 statistics: top-n-sigma two reads, XTC one, "
@@ -132,7 +134,7 @@ class CudaBackend(Backend):
         with torch.cuda.device(self._device):
             self._kernels = Kernels(device_index)
             self._local_samplers = LocalSamplerKernels(self._kernels.module, self._device)
-            self._sequence_bans = SequenceBanKernels(self._kernels.module, self._device)
+            self._sequence_samplers = SequenceSamplerKernels(self._kernels.module, self._device)
         self._gpu_name = torch.cuda.get_device_name(device_index)
         self._mps = mps_state()  # the context is made: whether it connected to a daemon is settled
         self._exact_rows = 0  # rows sampled again through stats + filter
@@ -157,7 +159,7 @@ class CudaBackend(Backend):
 
     def info(self) -> BackendInfo:
         routes = ROUTES if self._split_heads is None else [SPLIT_HEAD_ROUTE, *ROUTES]
-        kernels = [*Kernels.kernel_names, *LocalSamplerKernels.kernel_names, *SequenceBanKernels.kernel_names]
+        kernels = [*Kernels.kernel_names, *LocalSamplerKernels.kernel_names, *SequenceSamplerKernels.kernel_names]
         return BackendInfo(name="cuda", device=f"cuda:{self._device.index} ({self._gpu_name})", kernels=kernels,
                            routes=routes, mps=self._mps)
 
@@ -302,7 +304,7 @@ class CudaBackend(Backend):
         elif bitmask is not None:
             end, entries = self._place_bitmask(stage, bitmask, masked, words_up)
         elif bans:
-            words = self._sequence_bans.words(processing.sequence_samplers, num_rows, vocab)
+            words = self._sequence_samplers.words(processing.sequence_samplers, num_rows, vocab)
             entries = [words.data_ptr(), 0, words.shape[1]]
         self._kernels.copy_to_device(stage.dev_base, stage.host_base, end, stream)
         masks_all = lists is not None or bans or (bitmask is not None and processing.without_bitmask() is None)
@@ -344,14 +346,17 @@ class CudaBackend(Backend):
     def _processed(self, raw_x: torch.Tensor, processing: LogitProcessing | None, bitmask: list[int],
                    masks_all: bool, stream: int) -> tuple[torch.Tensor, list[int]]:
         """The logits the kernels read and the token-bitmask entries they take. A bitmask that is all of the
-        processing (masks_all) stays with the kernels, which read the raw logits once; other processing runs in
-        torch on a float32 copy, with the bitmask written into the copy first (step 2 precedes bias, penalties and
-        the local samplers) by the in-place kernel, which reads 1/32 of the logits' bytes and allocates nothing."""
+        processing (masks_all) stays with the kernels, which read the raw logits once; DRY alone is subtracted from
+        a float32 copy by its own kernels; other processing runs in torch on a float32 copy, with the bitmask written
+        into the copy first (step 2 precedes bias, penalties and the local samplers) by the in-place kernel, which
+        reads 1/32 of the logits' bytes and allocates nothing."""
         if processing is None:
             return raw_x, NO_BITMASK
         if masks_all:
             return raw_x, bitmask
         x = raw_x.to(torch.float32, copy=True)
+        if penalties_only(processing):
+            return self._sequence_samplers.penalise(x, processing.sequence_samplers), NO_BITMASK
         if processing.token_bitmask is not None:
             self._kernels.launch_apply_bitmask(x.data_ptr(), x.shape[0], x.shape[1], bitmask, stream)
             processing = processing.without_bitmask()

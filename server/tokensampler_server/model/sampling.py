@@ -116,14 +116,15 @@ class LogitProcessing:
 
     def changes_beyond(self, fields: frozenset[str]) -> bool:
         """Whether anything but these fields changes a logit. `fields` may name token_bitmask, the token lists
-        (allowed, banned, bias, output_tokens, prompt_tokens) and sequence_bans (the sequence samplers when they
-        only ban: no-repeat-n-gram without DRY); the local samplers always count. A history changes nothing without
-        a penalty's values, nor the values without a history. Reads the fields, builds nothing: it runs on every
-        processed call."""
+        (allowed, banned, bias, output_tokens, prompt_tokens), sequence_bans (no-repeat-n-gram) and
+        sequence_penalties (DRY); the local samplers always count. A history changes nothing without a penalty's
+        values, nor the values without a history. Reads the fields, builds nothing: it runs on every processed
+        call."""
         if self.truncation is not None:
             return True
         samplers = self.sequence_samplers
-        if samplers is not None and (samplers.penalties or "sequence_bans" not in fields):
+        if samplers is not None and ((samplers.bans and "sequence_bans" not in fields)
+                                     or (samplers.penalties and "sequence_penalties" not in fields)):
             return True
         if self.token_bitmask is not None and "token_bitmask" not in fields:
             return True
