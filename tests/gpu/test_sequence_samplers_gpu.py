@@ -87,6 +87,7 @@ def test_dry_penalties_are_the_references(kernels: SequenceSamplerKernels, seed:
     params["no_repeat_ngram_size"] = [0] * 12
     params["dry_multiplier"][0] = 0.8
     params["dry_penalty_last_n"][0] = -1
+    params["dry_sequence_breakers"][0] = None  # row 0 penalises: its repeats are not cut short
     processing = _validated(12, vocab, **params).processing
     samplers = processing.sequence_samplers
     assert samplers.penalties and not samplers.bans
