@@ -208,6 +208,22 @@ def test_xtc_with_more_top_choices_than_a_chunk_lists(kernels) -> None:
     assert int(torch.isfinite(want[2]).sum()) == 201
 
 
+def test_xtc_with_more_top_choices_than_the_finishing_block_gathers(kernels) -> None:
+    """60 tokens at the top of each of 40 chunks (each chunk's list holds them, the row's 2400 do not fit the
+    finishing block's gather): all but the last id removed at t = 4e-4 <= q = 1/2400, none at t = 5e-4; on one
+    chunk's worth fewer chunks the gather holds them all."""
+    chunk, chunks = 8192, 40
+    vocab = chunk * chunks
+    x = torch.full((3, vocab), -40.0, device="cuda")
+    tops = (torch.arange(chunks, device="cuda") * chunk).unsqueeze(1) + torch.arange(60, device="cuda") * 7
+    x[:, tops.flatten()] = 0.0
+    x[2, tops[30:].flatten()] = -40.0  # 30 chunks of 60: 1800 gathered
+    want = _check(kernels, x, _truncation(3, t=[4e-4, 5e-4, 5e-4], q=1.0), "xtc gather spill")
+    assert int(torch.isfinite(want[0]).sum()) == vocab - 2399
+    assert int(torch.isfinite(want[1]).sum()) == vocab
+    assert int(torch.isfinite(want[2]).sum()) == vocab - 1799
+
+
 def test_xtc_coins_are_the_references(kernels) -> None:
     """Probability 0.5 over 4096 rows: the kernels' coins (drawn on the GPU) act on the rows where the reference's
     do, and on about half of them."""

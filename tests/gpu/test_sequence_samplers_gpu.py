@@ -20,7 +20,7 @@ from tokensampler_server.backends.cuda_sequence_samplers import SequenceSamplerK
 from tokensampler_server.backends.entry_masks import words_of
 from tokensampler_server.backends.processing import apply_processing
 from tokensampler_server.core.config import Limits
-from tokensampler_server.model.repetition import SequenceSamplers
+from tokensampler_server.model.repetition import SequenceSamplers, TileLayout
 from tokensampler_server.validation.sample import validate_sample_request
 
 from ..test_sequence_samplers import _case, _validated
@@ -95,9 +95,11 @@ def test_dry_penalties_are_the_references(kernels: SequenceSamplerKernels, seed:
     x[1, 0], x[2, -1] = float("nan"), float("inf")
     got = kernels.penalise(x.to(DEVICE), samplers).cpu()
     _assert_same(got, apply_processing(x.clone(), processing))
-    repeated = samplers.rows(torch.tensor([3, 0, 0, 11, 5, 5, 5]))
+    held = sorted(set(samplers.tiles[:, TileLayout.ROW].tolist()))  # the rows that penalise
+    picks = [held[-1], 0, 0, held[len(held) // 2], held[0], held[0], held[0]]  # rows repeated, a penalising one among them
+    repeated = samplers.rows(torch.tensor(picks))
     assert repeated.instances is not None
-    picked = x[[3, 0, 0, 11, 5, 5, 5]]
+    picked = x[picks]
     got = kernels.penalise(picked.to(DEVICE), repeated).cpu()
     _assert_same(got, apply_processing(picked.clone(), type(processing)(sequence_samplers=repeated)))
     assert not kernels._penalty.any()
@@ -121,6 +123,7 @@ def test_the_backend_samples_through_the_sequence_kernels_as_the_reference(
     if sampler == "dry":
         bans["no_repeat_ngram_size"] = [0] * rows
         bans["dry_multiplier"] = [0.8, 3.0, 1e30, 0.5] * (rows // 4)
+        bans["dry_sequence_breakers"][:rows // 2] = [None] * (rows // 2)  # at V = 3 breakers can cut every repeat
     gen = torch.Generator().manual_seed(vocab)
     x = torch.randn(rows, vocab, generator=gen)
     for row, history in enumerate(bans["output_token_ids"]):

@@ -30,6 +30,9 @@ class LocalSamplerKernels:
         self._device = device
         self._scratch = torch.empty(0, dtype=torch.uint8, device=device)
         self._zeroed = torch.zeros(0, dtype=torch.uint8, device=device)
+        self._host_rows = torch.empty(0, dtype=torch.uint8)  # pinned once grown
+        self._host_view = self._host_rows.numpy()
+        self._dev_rows = torch.empty(0, dtype=torch.uint8, device=device)
 
     def _workspace(self, num_rows: int, vocab: int) -> tuple[int, int]:
         scratch, zeroed = self._module.local_samplers_workspace(num_rows, vocab)
@@ -51,18 +54,31 @@ class LocalSamplerKernels:
         if not samplers or num_rows == 0:
             return x
         x = x.contiguous()
-        # csrc/local_samplers.h, ts_local_rows_packed: four float32 columns, then three int64 ones. A pinned buffer
-        # from torch's caching allocator, which reuses it only once the copy out of it has run.
-        host = torch.empty(m.local_rows_bytes(num_rows), dtype=torch.uint8, pin_memory=True)
-        packed = host.numpy()
-        floats = packed[:16 * num_rows].view(np.float32).reshape(4, num_rows)
-        for i, column in enumerate((n, p, truncation.xtc_threshold.numpy(), q)):
-            floats[i] = column
-        ints = packed[16 * num_rows:].view(np.int64).reshape(3, num_rows)
-        for i, column in enumerate((truncation.seed, truncation.position, truncation.iteration)):
-            ints[i] = column.numpy()
-        rows = host.to(self._device, non_blocking=True)
+        rows = self._upload_rows(num_rows, (n, p, truncation.xtc_threshold.numpy(), q),
+                                 (truncation.seed.numpy(), truncation.position.numpy(), truncation.iteration.numpy()))
         scratch, zeroed = self._workspace(num_rows, vocab)
-        m.local_samplers(x.data_ptr(), num_rows, vocab, rows.data_ptr(), samplers, scratch, zeroed,
+        m.local_samplers(x.data_ptr(), num_rows, vocab, rows, samplers, scratch, zeroed,
                          stream_address(self._device))
         return x
+
+    def _upload_rows(self, num_rows: int, floats: tuple[np.ndarray, ...], ints: tuple[np.ndarray, ...]) -> int:
+        """The rows' parameters packed as csrc/local_samplers.h's ts_local_rows_packed lays them out (four float32
+        columns, then three int64 ones) and copied up on the current stream in one copy; returns their device
+        address. The pinned buffer is reused: every call of the backend waits for its own results before the next
+        one starts (the backend's lock), so no earlier copy still reads it."""
+        nbytes = self._module.local_rows_bytes(num_rows)
+        if self._host_rows.numel() < nbytes:
+            size = max(nbytes, 2 * self._host_rows.numel(), 4096)
+            self._host_rows = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            self._host_view = self._host_rows.numpy()
+            self._dev_rows = torch.empty(size, dtype=torch.uint8, device=self._device)
+        packed = self._host_view
+        float_view = packed[:16 * num_rows].view(np.float32).reshape(4, num_rows)
+        for i, column in enumerate(floats):
+            float_view[i] = column
+        int_view = packed[16 * num_rows: 40 * num_rows].view(np.int64).reshape(3, num_rows)
+        for i, column in enumerate(ints):
+            int_view[i] = column
+        self._module.copy_h2d(self._dev_rows.data_ptr(), self._host_rows.data_ptr(), nbytes,
+                              stream_address(self._device))
+        return self._dev_rows.data_ptr()
