@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <torch/extension.h>
 
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -53,12 +54,37 @@ void register_local_samplers(pybind11::module_& m) {
     check(ts_sequence_penalties(&t, ptr<float>(x), vocab, ptr<float>(penalty), ptr<void>(stream)),
           "sequence_penalties");
   });
-  // logits: float32 [num_rows, vocab]; rows: the packed parameters (ts_local_rows_packed).
-  m.def("local_samplers", [](int64_t logits, int64_t num_rows, int64_t vocab, int64_t rows, int64_t samplers,
-                             int64_t scratch, int64_t zeroed, int64_t stream) {
-    const TsLocalRows r = ts_local_rows_packed(ptr<const void>(rows), num_rows);
-    check(ts_local_samplers(ptr<float>(logits), num_rows, vocab, &r, static_cast<int32_t>(samplers), ptr<void>(scratch),
-                            ptr<void>(zeroed), ptr<void>(stream)),
+  // logits: float32 [num_rows, vocab] on the device; columns: the host addresses of the rows' float32 top_n_sigma,
+  // typical_p, xtc_threshold, xtc_probability and int64 seed, position, iteration [num_rows] each. Packs them into
+  // pinned `host` as ts_local_rows_packed lays them out, copies them to `dev` and launches the samplers some row uses,
+  // all on `stream`; returns their TS_LOCAL_* bits (0: nothing copied or launched). One call from Python instead of
+  // the packing's numpy operations, which were most of a small call's time (docs/design/kernel-routing.md).
+  m.def("local_samplers", [](int64_t logits, int64_t num_rows, int64_t vocab, std::vector<int64_t> columns,
+                             int64_t host, int64_t dev, int64_t scratch, int64_t zeroed, int64_t stream) {
+    if (columns.size() != 7) throw std::invalid_argument("local samplers: 7 host columns expected");
+    const size_t n = static_cast<size_t>(num_rows);
+    const float* sigma = ptr<const float>(columns[0]);
+    const float* typical = ptr<const float>(columns[1]);
+    const float* probability = ptr<const float>(columns[3]);
+    int32_t samplers = 0;
+    for (size_t i = 0; i < n; ++i) {
+      if (sigma[i] > 0.f) samplers |= TS_LOCAL_TOP_N_SIGMA;
+      if (typical[i] < 1.f) samplers |= TS_LOCAL_TYPICAL;
+      if (probability[i] > 0.f) samplers |= TS_LOCAL_XTC;
+    }
+    if (!samplers) return 0;
+    char* packed = ptr<char>(host);
+    for (size_t c = 0; c < 4; ++c) std::memcpy(packed + c * sizeof(float) * n, ptr<const void>(columns[c]), sizeof(float) * n);
+    for (size_t c = 0; c < 3; ++c)
+      std::memcpy(packed + 4 * sizeof(float) * n + c * sizeof(int64_t) * n, ptr<const void>(columns[4 + c]),
+                  sizeof(int64_t) * n);
+    const cudaStream_t s = static_cast<cudaStream_t>(ptr<void>(stream));
+    check(cudaMemcpyAsync(ptr<void>(dev), packed, ts_local_rows_bytes(num_rows), cudaMemcpyHostToDevice, s),
+          "local samplers' rows");
+    const TsLocalRows r = ts_local_rows_packed(ptr<const void>(dev), num_rows);
+    check(ts_local_samplers(ptr<float>(logits), num_rows, vocab, &r, samplers, ptr<void>(scratch), ptr<void>(zeroed),
+                            ptr<void>(stream)),
           "local_samplers");
+    return static_cast<int>(samplers);
   });
 }

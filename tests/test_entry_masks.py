@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tokensampler_server.backends.entry_masks import MAX_BYTES, entry_mask, fill_mask_words, words_of
+from tokensampler_server.backends.entry_masks import CACHED_ROW_BYTES, MAX_BYTES, entry_mask, fill_mask_words, words_of
 from tokensampler_server.backends.processing import apply_processing, unpack_bitmask
 from tokensampler_server.model.sampling import LogitProcessing, TokenEntries, Truncation
 
@@ -80,6 +80,25 @@ def test_rows_whose_lists_differ_in_one_token_do_not_share() -> None:
     assert mask.num_masks == 2
     one_list_each = LogitProcessing(banned=_entries([(0, 5)]), allowed=_entries([(1, 5)]))
     assert entry_mask(one_list_each, 2, 64).num_masks == 2
+
+
+@pytest.mark.parametrize("vocab", [40, 151936, 8 * CACHED_ROW_BYTES + 1])
+def test_one_row_and_shared_rows_are_built_once_for_the_same_lists(vocab: int) -> None:
+    """A one-row call (allowed and banned lists) keeps what step 2 keeps; the next call with the same lists, in any
+    batch, reads the same read-only row, unless the row is larger than the cache keeps; other lists build another."""
+    pairs = [(0, t) for t in (3, 31, 32, vocab - 1, 3)]
+    one = LogitProcessing(allowed=_entries(pairs + [(0, 17)]), banned=_entries(pairs[:2]))
+    kept = apply_processing(torch.zeros(1, vocab), one) > float("-inf")
+    assert torch.equal(_masks_of_rows(one, 1, vocab), kept) and int(kept.sum()) == 3  # 17, 32, V - 1
+    first = entry_mask(one, 1, vocab).shared_words
+    assert not first.flags.writeable
+    batch = LogitProcessing(allowed=_entries([(2, t) for _, t in pairs + [(0, 17)]]),
+                            banned=_entries([(2, t) for _, t in pairs[:2]]))
+    again = entry_mask(batch, 4, vocab).shared_words
+    cached = 4 * words_of(vocab) <= CACHED_ROW_BYTES
+    assert (again is first) == cached and np.array_equal(again, first)
+    other = entry_mask(LogitProcessing(allowed=_entries(pairs), banned=_entries(pairs[:2])), 1, vocab).shared_words
+    assert not np.array_equal(other, first)
 
 
 def test_bits_past_the_vocabulary_stay_set() -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from types import ModuleType
 
-import numpy as np
 import torch
 
 from tokensampler_server.model.sampling import Truncation
@@ -31,7 +30,6 @@ class LocalSamplerKernels:
         self._scratch = torch.empty(0, dtype=torch.uint8, device=device)
         self._zeroed = torch.zeros(0, dtype=torch.uint8, device=device)
         self._host_rows = torch.empty(0, dtype=torch.uint8)  # pinned once grown
-        self._host_view = self._host_rows.numpy()
         self._dev_rows = torch.empty(0, dtype=torch.uint8, device=device)
 
     def _workspace(self, num_rows: int, vocab: int) -> tuple[int, int]:
@@ -45,40 +43,33 @@ class LocalSamplerKernels:
         use the returned tensor."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.device != self._device:
             raise ValueError("x: float32 [B, V] logits on the kernels' device expected")
-        n, p = truncation.top_n_sigma.numpy(), truncation.typical_p.numpy()
-        q = truncation.xtc_probability.numpy()
-        m = self._module
-        samplers = ((m.LOCAL_TOP_N_SIGMA if (n > 0).any() else 0) | (m.LOCAL_TYPICAL if (p < 1).any() else 0)
-                    | (m.LOCAL_XTC if (q > 0).any() else 0))
         num_rows, vocab = x.shape
-        if not samplers or num_rows == 0:
+        if num_rows == 0:
             return x
         x = x.contiguous()
-        rows = self._upload_rows(num_rows, (n, p, truncation.xtc_threshold.numpy(), q),
-                                 (truncation.seed.numpy(), truncation.position.numpy(), truncation.iteration.numpy()))
-        scratch, zeroed = self._workspace(num_rows, vocab)
-        m.local_samplers(x.data_ptr(), num_rows, vocab, rows, samplers, scratch, zeroed,
-                         stream_address(self._device))
-        return x
-
-    def _upload_rows(self, num_rows: int, floats: tuple[np.ndarray, ...], ints: tuple[np.ndarray, ...]) -> int:
-        """The rows' parameters packed as csrc/local_samplers.h's ts_local_rows_packed lays them out (four float32
-        columns, then three int64 ones) and copied up on the current stream in one copy; returns their device
-        address. The pinned buffer is reused: every call of the backend waits for its own results before the next
-        one starts (the backend's lock), so no earlier copy still reads it."""
+        columns = [_host_column(getattr(truncation, name), dtype) for name, dtype in _COLUMNS]
         nbytes = self._module.local_rows_bytes(num_rows)
         if self._host_rows.numel() < nbytes:
             size = max(nbytes, 2 * self._host_rows.numel(), 4096)
             self._host_rows = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-            self._host_view = self._host_rows.numpy()
             self._dev_rows = torch.empty(size, dtype=torch.uint8, device=self._device)
-        packed = self._host_view
-        float_view = packed[:16 * num_rows].view(np.float32).reshape(4, num_rows)
-        for i, column in enumerate(floats):
-            float_view[i] = column
-        int_view = packed[16 * num_rows: 40 * num_rows].view(np.int64).reshape(3, num_rows)
-        for i, column in enumerate(ints):
-            int_view[i] = column
-        self._module.copy_h2d(self._dev_rows.data_ptr(), self._host_rows.data_ptr(), nbytes,
-                              stream_address(self._device))
-        return self._dev_rows.data_ptr()
+        scratch, zeroed = self._workspace(num_rows, vocab)
+        # The pinned buffer is reused: each call of the backend waits for its own results before the next one starts
+        # (the backend's lock), so no earlier copy still reads it.
+        self._module.local_samplers(x.data_ptr(), num_rows, vocab, [c.data_ptr() for c in columns],
+                                    self._host_rows.data_ptr(), self._dev_rows.data_ptr(), scratch, zeroed,
+                                    stream_address(self._device))
+        return x
+
+
+# The rows' columns in the order and dtypes of csrc/local_samplers.h's TsLocalRows.
+_COLUMNS = (("top_n_sigma", torch.float32), ("typical_p", torch.float32), ("xtc_threshold", torch.float32),
+            ("xtc_probability", torch.float32), ("seed", torch.int64), ("position", torch.int64),
+            ("iteration", torch.int64))
+
+
+def _host_column(column: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous CPU tensor of dtype (the column itself when it is one)."""
+    if column.dtype == dtype and column.is_contiguous() and not column.is_cuda:
+        return column
+    return column.to("cpu", dtype).contiguous()

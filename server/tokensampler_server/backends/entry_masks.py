@@ -11,6 +11,7 @@ torch path stays cheaper than the upload. Device-agnostic numpy; the CUDA backen
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -18,6 +19,10 @@ from tokensampler_server.model.sampling import LogitProcessing
 
 MAX_BYTES = 256 << 10
 """Mask rows a call builds on the host at most: 13 rows of V = 151936 (19 KB each)."""
+
+CACHED_ROW_BYTES = 64 << 10
+"""Shared mask rows up to this size (V up to 2^19) are kept for the next call with the same lists: 64 of them, 4 MiB
+at most."""
 
 _MASK_FIELDS = ("allowed", "banned")
 _MASK_ONLY = frozenset(_MASK_FIELDS)
@@ -34,6 +39,8 @@ class EntryMask:
     num_masks: int
     lists: dict[str, tuple[np.ndarray, np.ndarray]]
     """allowed / banned: (mask row, token) of each entry that builds the mask rows."""
+    shared_words: np.ndarray | None = None
+    """uint32 [W], read-only: the one mask row when every row with lists shares it, built once for those lists."""
 
 
 def words_of(vocab_size: int) -> int:
@@ -55,10 +62,12 @@ def entry_mask(processing: LogitProcessing, num_rows: int, vocab_size: int) -> E
     for rows, _ in lists.values():
         touched[rows] = True
     rows = np.flatnonzero(touched)
-    shared = _shared(lists, rows, num_rows)
+    shared = {name: tokens for name, (_, tokens) in lists.items()} if rows.size == 1 else _shared(lists, rows, num_rows)
     if shared is not None:
-        first = {name: (np.zeros(tokens.size, dtype=np.int64), tokens) for name, tokens in shared.items()}
-        return EntryMask(rows, np.zeros(rows.size, dtype=np.int32), 1, first)
+        key = [np.ascontiguousarray(shared[name], dtype=np.int64).tobytes() if name in shared else None
+               for name in _MASK_FIELDS]
+        row_of = _shared_row if 4 * words_of(vocab_size) <= CACHED_ROW_BYTES else _shared_row.__wrapped__
+        return EntryMask(rows, np.zeros(rows.size, dtype=np.int32), 1, {}, row_of(vocab_size, *key))
     if rows.size * 4 * words_of(vocab_size) > MAX_BYTES:
         return None
     mask_of = np.full(num_rows, -1, dtype=np.int64)
@@ -86,20 +95,40 @@ def _shared(lists: dict[str, tuple[np.ndarray, np.ndarray]], rows: np.ndarray,
     return shared
 
 
+@lru_cache(maxsize=64)
+def _shared_row(vocab_size: int, allowed: bytes | None, banned: bytes | None) -> np.ndarray:
+    """The mask row of one allowed and one banned list (int64 token bytes; None: no such list), read-only. Cached:
+    the same lists come back at every step of a request and across requests (min_tokens' stop ids), and building a
+    row was most of such a call's host work (docs/design/kernel-routing.md)."""
+    lists = {name: (np.zeros(len(tokens) // 8, dtype=np.int64), np.frombuffer(tokens, dtype=np.int64))
+             for name, tokens in zip(_MASK_FIELDS, (allowed, banned)) if tokens is not None}
+    words = np.empty((1, words_of(vocab_size)), dtype=np.uint32)
+    _fill(words, lists)
+    words.flags.writeable = False
+    return words[0]
+
+
 def fill_mask_words(words: np.ndarray, mask: EntryMask) -> None:
     """words (int32 [mask.num_masks, W]) become the mask rows (docs/semantics.md, choice 17): all ones, only the
     allowed tokens where the lists have allowed entries, less the banned tokens. Bits past V are left as the lists
     leave them; the kernels ignore them."""
-    bits = words.view(np.uint32)
+    if mask.shared_words is not None:
+        words.view(np.uint32)[0] = mask.shared_words
+        return
+    _fill(words.view(np.uint32), mask.lists)
+
+
+def _fill(bits: np.ndarray, lists: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+    """bits: uint32 [mask rows, W]; lists: allowed / banned as (mask row, token) of each entry."""
     bits.fill(0xFFFFFFFF)
     flat = bits.reshape(-1)
     width = bits.shape[1]
-    if "allowed" in mask.lists:
-        at, tokens = mask.lists["allowed"]
+    if "allowed" in lists:
+        at, tokens = lists["allowed"]
         bits[at] = 0  # restricted rows keep only what their entries set
         np.bitwise_or.at(flat, at * width + (tokens >> 5), _bit(tokens))
-    if "banned" in mask.lists:
-        at, tokens = mask.lists["banned"]
+    if "banned" in lists:
+        at, tokens = lists["banned"]
         np.bitwise_and.at(flat, at * width + (tokens >> 5), ~_bit(tokens))
 
 
