@@ -2,7 +2,8 @@
 // stream. Shapes, dtypes and workspace sizes are checked on the Python side
 // (server/tokensampler_server/backends/cuda_kernels.py), which owns every tensor passed here.
 // copy_h2d / copy_d2h_sync move the CUDA backend's packed per-call upload and results (pinned host
-// memory) with one runtime call each, without a torch op around them.
+// memory), copy_d2d and fill_bytes its reused device buffers, with one runtime call each, without a torch op around
+// them (a torch op's dispatch and allocation cost several times the runtime call on the host).
 #include <cuda_runtime.h>
 #include <torch/extension.h>
 
@@ -210,6 +211,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     check(cudaMemcpyAsync(ptr<void>(dst), ptr<const void>(src), static_cast<size_t>(nbytes), cudaMemcpyHostToDevice,
                           ptr<CUstream_st>(stream)),
           "copy_h2d");
+  });
+  m.def("copy_d2d", [](int64_t dst, int64_t src, int64_t nbytes, int64_t stream) {
+    check(cudaMemcpyAsync(ptr<void>(dst), ptr<const void>(src), static_cast<size_t>(nbytes), cudaMemcpyDeviceToDevice,
+                          ptr<CUstream_st>(stream)),
+          "copy_d2d");
+  });
+  m.def("fill_bytes", [](int64_t dst, int64_t value, int64_t nbytes, int64_t stream) {
+    check(cudaMemsetAsync(ptr<void>(dst), static_cast<int>(value), static_cast<size_t>(nbytes),
+                          ptr<CUstream_st>(stream)),
+          "fill_bytes");
   });
   m.def("copy_d2h_sync", [](int64_t dst, int64_t src, int64_t nbytes, int64_t stream) {
     int err = 0;

@@ -53,7 +53,7 @@ from tokensampler_server.model.sampling import (LogitProcessing, LogprobsMode, S
                                                  merge_rows, select_rows)
 from tokensampler_server.backends import cuda_fused
 from tokensampler_server.backends.base import Backend, BackendInfo, PreparedSampling, Route
-from tokensampler_server.backends.cuda_buffers import FLAG_UNSETTLED, FLAG_NAN, CallOutputs, Stage, row_states
+from tokensampler_server.backends.cuda_buffers import FLAG_UNSETTLED, FLAG_NAN, CallOutputs, Stage, grown, row_states
 from tokensampler_server.backends.cuda_build import CudaBackendUnavailable
 from tokensampler_server.backends.cuda_kernels import NO_BITMASK, Kernels, Plan
 from tokensampler_server.backends.mps import mps_state
@@ -154,6 +154,7 @@ class CudaBackend(Backend):
         self._host_out: torch.Tensor | None = None
         self._dev_out: torch.Tensor | None = None
         self._ones = torch.ones(0, dtype=torch.float32, device=self._device)
+        self._processed_x = torch.empty(0, dtype=torch.float32, device=self._device)
         self._stages: dict[int, Stage] = {}
         self._outs: dict[tuple[int, int], CallOutputs] = {}
 
@@ -354,13 +355,24 @@ class CudaBackend(Backend):
             return raw_x, NO_BITMASK
         if masks_all:
             return raw_x, bitmask
-        x = raw_x.to(torch.float32, copy=True)
+        x = self._processing_copy(raw_x, stream)
         if penalties_only(processing):
             return self._sequence_samplers.penalise(x, processing.sequence_samplers), NO_BITMASK
         if processing.token_bitmask is not None:
             self._kernels.launch_apply_bitmask(x.data_ptr(), x.shape[0], x.shape[1], bitmask, stream)
             processing = processing.without_bitmask()
         return apply_processing(x, processing, truncate=self._local_samplers.apply).contiguous(), NO_BITMASK
+
+    def _processing_copy(self, raw_x: torch.Tensor, stream: int) -> torch.Tensor:
+        """A float32 copy of the logits that processing changes in place. float32 logits go by one copy into a
+        reused buffer (each call synchronises before the next one starts), which costs the host less than torch's
+        allocation and copy; other dtypes convert through torch."""
+        if raw_x.dtype != torch.float32:
+            return raw_x.to(torch.float32)
+        self._processed_x = grown(self._processed_x, raw_x.numel(), double=False)
+        x = self._processed_x[:raw_x.numel()].view(raw_x.shape)
+        self._kernels.module.copy_d2d(x.data_ptr(), raw_x.data_ptr(), 4 * raw_x.numel(), stream)
+        return x
 
     def _sample_on_gpu(self, batch: SamplingBatch, use_buckets: bool) -> tuple[SamplingResult, torch.Tensor | None]:
         dev = self._device

@@ -49,6 +49,8 @@ class SequenceSamplerKernels:
         self._device = device
         self._words = torch.empty(0, dtype=torch.int32, device=device)
         self._penalty = torch.zeros(0, dtype=torch.float32, device=device)
+        self._tiles_up = torch.empty(0, dtype=torch.int32, device=device)
+        self._instances_up = torch.empty(0, dtype=torch.int32, device=device)
         if HALO > module.SEQUENCE_MAX_HALO:
             raise ValueError(f"the kernels stage at most {module.SEQUENCE_MAX_HALO} suffix entries; HALO is {HALO}")
 
@@ -57,37 +59,48 @@ class SequenceSamplerKernels:
         width = words_of(vocab)
         self._words = grown(self._words, num_rows * width)
         words = self._words[:num_rows * width].view(num_rows, width)
-        words.fill_(-1)
-        tiles, held = self._tiles(samplers)
-        self._module.sequence_bans(tiles, words.data_ptr(), width, stream_address(self._device))
-        del held  # the uploads stay allocated until the launch is queued; torch's allocator orders their reuse
+        stream = stream_address(self._device)
+        self._module.fill_bytes(words.data_ptr(), 0xFF, 4 * words.numel(), stream)
+        self._module.sequence_bans(self._tiles(samplers, stream), words.data_ptr(), width, stream)
         return words
 
     def penalise(self, x: torch.Tensor, samplers: SequenceSamplers) -> torch.Tensor:
         """Step 4's DRY on float32 logits x [B, V] (contiguous, on the device) in place."""
         num_rows, vocab = x.shape
         self._penalty = grown(self._penalty, num_rows * vocab, zeroed=True)
-        tiles, held = self._tiles(samplers)
+        stream = stream_address(self._device)
+        tiles = self._tiles(samplers, stream)
         try:
-            self._module.sequence_penalties(tiles, x.data_ptr(), vocab, self._penalty.data_ptr(),
-                                            stream_address(self._device))
+            self._module.sequence_penalties(tiles, x.data_ptr(), vocab, self._penalty.data_ptr(), stream)
         except BaseException:
             self._penalty.zero_()  # a launch that failed between the two kernels may leave entries set
             raise
-        del held
         return x
 
-    def _tiles(self, samplers: SequenceSamplers) -> tuple[list[int], tuple[torch.Tensor, ...]]:
-        """The launchers' tile fields (csrc/sequence_samplers.h TsSequenceTiles, in order) and the device tensors
-        they point into."""
+    def _tiles(self, samplers: SequenceSamplers, stream: int) -> list[int]:
+        """The launchers' tile fields (csrc/sequence_samplers.h TsSequenceTiles, in order), the tiles and instances
+        copied on `stream` into reused device buffers (the next call's copies queue behind this call's kernels)."""
         layout = samplers.layout
         if layout.singles > self._module.SEQUENCE_MAX_SINGLES:
             raise ValueError(f"{layout.singles} single breakers a tile; the kernels stage at most "
                              f"{self._module.SEQUENCE_MAX_SINGLES}")
-        tiles = samplers.tiles.to(self._device, non_blocking=True)
-        instances = None if samplers.instances is None else samplers.instances.to(self._device, non_blocking=True)
-        fields = [tiles.data_ptr(), tiles.shape[0], layout.columns, layout.width, HALO, TileLayout.ROW, TileLayout.NEED,
-                  TileLayout.DRY_TOP, TileLayout.CAP, TileLayout.SUFFIX, TileLayout.TABLE, TileLayout.SINGLES,
-                  layout.singles, layout.tokens, NGRAM_OFF, 0 if instances is None else instances.data_ptr(),
-                  0 if instances is None else instances.shape[0]]
-        return fields, (tiles,) if instances is None else (tiles, instances)
+        self._tiles_up = grown(self._tiles_up, samplers.tiles.numel())
+        tiles = self._upload(samplers.tiles, self._tiles_up, stream)
+        instances, num_instances = 0, 0
+        if samplers.instances is not None:
+            self._instances_up = grown(self._instances_up, samplers.instances.numel())
+            instances = self._upload(samplers.instances, self._instances_up, stream)
+            num_instances = samplers.instances.shape[0]
+        return [tiles, samplers.tiles.shape[0], layout.columns, layout.width, HALO, TileLayout.ROW, TileLayout.NEED,
+                TileLayout.DRY_TOP, TileLayout.CAP, TileLayout.SUFFIX, TileLayout.TABLE, TileLayout.SINGLES,
+                layout.singles, layout.tokens, NGRAM_OFF, instances, num_instances]
+
+    def _upload(self, host: torch.Tensor, device: torch.Tensor, stream: int) -> int:
+        """int32 host tensor `host` into the start of `device`; returns its device address. A page-locked `host` is
+        read when the copy runs, so it must outlive it: the backend's calls hold their batch until they synchronise
+        (and wait for the stream when they fail)."""
+        host = host.contiguous()
+        if host.dtype != torch.int32:
+            raise ValueError(f"tiles: int32 expected, got {host.dtype}")
+        self._module.copy_h2d(device.data_ptr(), host.data_ptr(), 4 * host.numel(), stream)
+        return device.data_ptr()
