@@ -2,8 +2,8 @@
 // stream. Shapes, dtypes and workspace sizes are checked on the Python side
 // (server/tokensampler_server/backends/cuda_kernels.py), which owns every tensor passed here.
 // copy_h2d / copy_d2h_sync move the CUDA backend's packed per-call upload and results (pinned host
-// memory), copy_d2d and fill_bytes its reused device buffers, with one runtime call each, without a torch op around
-// them (a torch op's dispatch and allocation cost several times the runtime call on the host).
+// memory), copy_d2d and fill_bytes its reused device buffers, with one runtime call each, without a torch op's
+// dispatch and allocation around them.
 #include <cuda_runtime.h>
 #include <torch/extension.h>
 

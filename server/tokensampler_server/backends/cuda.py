@@ -364,9 +364,9 @@ class CudaBackend(Backend):
         return apply_processing(x, processing, truncate=self._local_samplers.apply).contiguous(), NO_BITMASK
 
     def _processing_copy(self, raw_x: torch.Tensor, stream: int) -> torch.Tensor:
-        """A float32 copy of the logits that processing changes in place. float32 logits go by one copy into a
-        reused buffer (each call synchronises before the next one starts), which costs the host less than torch's
-        allocation and copy; other dtypes convert through torch."""
+        """A float32 copy of the logits that processing changes in place. float32 logits go by one runtime copy into
+        a reused buffer (each call synchronises before the next one starts), with no torch allocation or dispatch;
+        other dtypes convert through torch."""
         if raw_x.dtype != torch.float32:
             return raw_x.to(torch.float32)
         self._processed_x = grown(self._processed_x, raw_x.numel(), double=False)
