@@ -21,7 +21,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2
-from tokensampler_client import AsyncSamplerClient, TokenSamplerError
+from tokensampler_client import AsyncSamplerClient, SamplerClient, TokenSamplerError
 from tokensampler_client._channel import call_metadata
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.params import build_sample_request
@@ -384,6 +384,50 @@ def test_at_the_cap_a_new_call_takes_the_slot_of_the_stream_idle_longest(tmp_pat
                 stream.cancel()
             await wait_held(running, calls=0)
         assert refusals(running, "calls") == 1
+
+    run_then_stop(running, run)
+
+
+def test_a_client_stream_whose_slot_was_reclaimed_opens_again_with_its_unanswered_requests(tmp_path: Path) -> None:
+    """One slot. A client's SampleStream samples, then sits idle past --reclaim-idle-calls-s, and a new call takes
+    its slot. The stream's next two requests, pipelined, are answered on the stream the client opens again, with the
+    tokens they get as unary calls; the sync client's too. A client without retries sees the overload instead."""
+    running = start_capped(tmp_path, calls=1, reclaim_idle_s=0.3, tokens=False)
+    logits = [torch.randn(2, 16) for _ in range(3)]
+
+    async def take_the_slot() -> None:
+        await asyncio.sleep(0.6)  # the stream idle past the threshold
+        async with AsyncSamplerClient(running.target, timeout=30, retries=0) as other:
+            assert (await other.sample(torch.randn(1, 16), seed=9)).tokens.shape == (1, 1)
+
+    async def run() -> None:
+        async with AsyncSamplerClient(running.target, timeout=30, retries=3) as client:
+            want = [(await client.sample(x, seed=[i, i + 1])).tokens for i, x in enumerate(logits)]
+            async with client.stream() as stream:
+                assert torch.equal((await stream.sample(logits[0], seed=[0, 1])).tokens, want[0])
+                await take_the_slot()
+                await stream.send(logits[1], seed=[1, 2])
+                await stream.send(logits[2], seed=[2, 3])
+                for expected in want[1:]:
+                    assert torch.equal((await stream.receive()).tokens, expected)
+                assert stream.reopens == 1
+            with SamplerClient(running.target, timeout=30, retries=3) as sync_client:
+                with sync_client.stream() as stream:
+                    assert torch.equal(stream.sample(logits[0], seed=[0, 1]).tokens, want[0])
+                    await take_the_slot()
+                    stream.send(logits[1], seed=[1, 2])
+                    stream.send(logits[2], seed=[2, 3])
+                    for expected in want[1:]:
+                        assert torch.equal(stream.receive().tokens, expected)
+                    assert stream.reopens == 1
+        async with AsyncSamplerClient(running.target, timeout=30, retries=0) as client:
+            async with client.stream() as stream:
+                await stream.sample(logits[0], seed=[0, 1])
+                await take_the_slot()
+                with pytest.raises(TokenSamplerError) as refused:
+                    await stream.sample(logits[1], seed=[1, 2])
+                assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and stream.reopens == 0
+                assert "reopen the stream" in refused.value.details
 
     run_then_stop(running, run)
 

@@ -518,4 +518,6 @@ def test_deadlines_too_far_off_for_grpc_are_sent_as_none() -> None:
             policy.start(timeout=bad)
         with pytest.raises(ValueError, match="timeout"):
             SamplerClient("127.0.0.1:1").stream(timeout=bad)  # streams take the same timeouts
-    assert SamplerClient._stream_timeout(float("inf")) is None and SamplerClient._stream_timeout(5.0) == 5.0
+    client = SamplerClient("127.0.0.1:1")
+    assert client._stream_retry(float("inf")).remaining() is None and client._stream_retry(None).remaining() is None
+    assert 4.0 < client._stream_retry(5.0).remaining() <= 5.0

@@ -28,7 +28,7 @@ from ._channel import (
 )
 from ._proto import sampler_pb2 as pb
 from ._proto import sampler_pb2_grpc
-from ._retry import Backoff, CallPolicy, check_timeout, grpc_timeout
+from ._retry import Backoff, CallPolicy, RetryState, check_timeout
 from .errors import TokenSamplerError, error_from_rpc
 from .params import SampleOptions, build_sample_request, serialize_sample_request
 from .regions import CudaRegion, RegionView, SharedMemoryRegion
@@ -174,11 +174,11 @@ class ClientCore:
             raise client_is_closed(request_id)
         return call_metadata(request_id or new_request_id(), self._auth_token)
 
-    @staticmethod
-    def _stream_timeout(timeout: float | None) -> float | None:
-        """A stream's grpc timeout: checked as a call's, and none when too far off for grpc (as for calls)."""
+    def _stream_retry(self, timeout: float | None) -> RetryState:
+        """A stream's deadline (`timeout` checked as a call's; none by default, whatever the client's) and its
+        reopens after overload, with the client's retries and backoff."""
         check_timeout(timeout)
-        return grpc_timeout(timeout)
+        return RetryState(self._policy.retries, self._policy.backoff, timeout)
 
 
 def client_is_closed(request_id: str | None) -> TokenSamplerError:

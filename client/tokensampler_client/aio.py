@@ -149,7 +149,7 @@ class AsyncSamplerClient(ClientCore):
         """Opens a SampleStream for a decode loop (see stream.py):
         `async with client.stream() as s: await s.sample(logits)`; `timeout` as for SamplerClient.stream."""
         return AsyncSampleStream(self._stub.SampleStream, self._stream_metadata(request_id),
-                                 self._stream_timeout(timeout))
+                                 self._stream_retry(timeout))
 
     async def register_shm_region(self, name: str, byte_size: int, *, timeout: float | None = None) -> SharedMemoryRegion:
         """As SamplerClient.register_shm_region: a POSIX shared-memory segment registered as `name`."""

@@ -224,9 +224,10 @@ class SamplerClient(ClientCore):
     def stream(self, *, timeout: float | None = None, request_id: str | None = None) -> SampleStream:
         """Opens a SampleStream for a decode loop (see stream.py): `with client.stream() as s: s.sample(logits)`.
 
-        `timeout` bounds the whole stream (default: none); UNAVAILABLE is not retried inside it.
+        `timeout` bounds the whole stream (default: none); UNAVAILABLE is not retried inside it, overload is (the
+        stream is opened again with this client's retries and backoff: stream.py).
         """
-        return SampleStream(self._stub.SampleStream, self._stream_metadata(request_id), self._stream_timeout(timeout))
+        return SampleStream(self._stub.SampleStream, self._stream_metadata(request_id), self._stream_retry(timeout))
 
     def colocate(self, source: Any, *, head: Any = None, num_samples: int = 1, tokens_dtype: Any = None,
                  logprobs: bool = False, logprobs_mode: str = "raw", wait_timeout_s: float = 10.0,

@@ -3,18 +3,25 @@
 Responses come back in request order, so `receive()` returns the result of the oldest request not yet
 received. `sample()` is send + receive; `send()` several times first to pipeline steps. A request the
 server rejects raises TokenSamplerError from `receive()` and the stream stays usable.
+
+A stream the server ends as overloaded (RESOURCE_EXHAUSTED marked retryable: it was refused at the cap of
+concurrent calls, or its slot was given to a new call while it sat idle, `--reclaim-idle-calls-s`) is opened
+again, with the client's backoff and retries, and the requests not yet answered are sent on the new call. The
+server ends such a stream only while no request of it is being sampled, so none of them was sampled before.
 """
 
 from __future__ import annotations
 
 import asyncio
-
+import collections
 import queue
+import time
 from typing import Any
 
 import grpc
 
 from ._proto import sampler_pb2 as pb
+from ._retry import RetryState
 from .errors import TokenSamplerError, error_from_rpc
 from .params import serialize_sample_request
 from .result import SampleResult
@@ -51,31 +58,59 @@ def stream_request(logits: Any, params: dict[str, Any]) -> pb.SampleRequest | by
     return serialize_sample_request(logits, **params)
 
 
+def _reopens(code: grpc.StatusCode | None, trailing_metadata: Any, details: str | None,
+             retry: RetryState) -> float | None:
+    """The wait before the stream is opened again after it ended with `code`, or None when it must fail now:
+    only overload is retried (the server sampled none of the stream's unanswered requests then)."""
+    if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    return retry.next_delay(code, trailing_metadata, details=details or "")
+
+
 class SampleStream:
     """A blocking SampleStream call; use `SamplerClient.stream()` to open one."""
 
-    def __init__(self, method: Any, metadata: tuple[tuple[str, str], ...], timeout: float | None) -> None:
-        """`method`: the channel's SampleStream (wire.sample_methods)."""
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._call = method(iter(self._requests.get, _END), metadata=metadata, timeout=timeout)
+    def __init__(self, method: Any, metadata: tuple[tuple[str, str], ...], retry: RetryState) -> None:
+        """`method`: the channel's SampleStream (wire.sample_methods); `retry`: the stream's deadline and reopens."""
+        self._method = method
         self._metadata = metadata
-        self._outstanding = 0
+        self._retry = retry
+        self._pending: collections.deque = collections.deque()  # sent, not yet received
+        self.reopens = 0
+        """How many times the stream was opened again after the server ended it as overloaded."""
+        self._open()
+
+    def _open(self) -> None:
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._call = self._method(iter(self._requests.get, _END), metadata=self._metadata,
+                                  timeout=self._retry.remaining())
+        for request in self._pending:
+            self._requests.put(request)
 
     def send(self, logits: Any = None, **params: Any) -> None:
         """Queues one request: logits [B, V] (or hidden=..., weights=...) with sample()'s keywords,
         or a prebuilt SampleRequest or its bytes."""
-        self._requests.put(stream_request(logits, params))
-        self._outstanding += 1
+        request = stream_request(logits, params)
+        self._pending.append(request)
+        self._requests.put(request)
 
     def receive(self) -> SampleResult:
         """The result of the oldest request sent and not yet received."""
-        if not self._outstanding:
+        if not self._pending:
             raise RuntimeError("receive() with no request outstanding")
-        self._outstanding -= 1
-        try:
-            message = next(self._call)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err, dict(self._metadata).get("x-request-id")) from err
+        while True:
+            try:
+                message = next(self._call)
+                break
+            except grpc.RpcError as err:
+                delay = _reopens(err.code(), err.trailing_metadata(), err.details(), self._retry)
+                if delay is None:
+                    self._pending.popleft()
+                    raise error_from_rpc(err, dict(self._metadata).get("x-request-id")) from err
+            time.sleep(delay)
+            self.reopens += 1
+            self._open()
+        self._pending.popleft()
         return result_or_error(message)
 
     def sample(self, logits: Any = None, **params: Any) -> SampleResult:
@@ -85,7 +120,7 @@ class SampleStream:
     def close(self) -> None:
         """Ends the stream; results not yet received are dropped."""
         self._requests.put(_END)
-        if self._outstanding:
+        if self._pending:
             self._call.cancel()
 
     def __enter__(self) -> SampleStream:
@@ -100,41 +135,78 @@ class AsyncSampleStream:
     task, or asyncio.wait_for's timeout) cancels the whole call, as grpc.aio does: later calls of the stream raise
     TokenSamplerError CANCELLED, as they do once its client is closed."""
 
-    def __init__(self, method: Any, metadata: tuple[tuple[str, str], ...], timeout: float | None) -> None:
-        self._call = method(metadata=metadata, timeout=timeout)
+    def __init__(self, method: Any, metadata: tuple[tuple[str, str], ...], retry: RetryState) -> None:
+        self._method = method
         self._metadata = metadata
-        self._outstanding = 0
+        self._retry = retry
+        self._pending: collections.deque = collections.deque()  # written, not yet received
+        self.reopens = 0
+        """How many times the stream was opened again after the server ended it as overloaded."""
+        self._call = method(metadata=metadata, timeout=retry.remaining())
 
     async def send(self, logits: Any = None, **params: Any) -> None:
         request = stream_request(logits, params)
+        self._pending.append(request)
+        try:
+            await self._write(request)
+        except BaseException:
+            self._pending.pop()
+            raise
+
+    async def _write(self, request: Any) -> None:
+        """Writes `request` on the call; if the server ended the call as overloaded, opens the stream again, which
+        writes every pending request, this one too."""
         try:
             await self._call.write(request)
         except grpc.RpcError as err:
-            raise error_from_rpc(err, self._request_id) from err
+            if not await self._reopened():
+                raise error_from_rpc(err, self._request_id) from err
         except asyncio.InvalidStateError:  # the call has ended (a deadline, the server): its status says why
-            raise TokenSamplerError(await self._call.code(), await self._call.details(), self._request_id) from None
+            if not await self._reopened():
+                raise TokenSamplerError(await self._call.code(), await self._call.details(), self._request_id) from None
         except asyncio.CancelledError:
             if cancelled_by_caller() or not CAN_TELL_CANCELLER:
                 raise
             raise self._cancelled() from None
-        self._outstanding += 1
+
+    async def _reopened(self) -> bool:
+        """Whether the ended call was opened again (its status overload, with a retry left); the requests not yet
+        answered are then written on the new call. Should that call end at once too, the next read finds why."""
+        delay = _reopens(await self._call.code(), await self._call.trailing_metadata(), await self._call.details(),
+                         self._retry)
+        if delay is None:
+            return False
+        await asyncio.sleep(delay)
+        self.reopens += 1
+        self._call = self._method(metadata=self._metadata, timeout=self._retry.remaining())
+        for request in self._pending:
+            try:
+                await self._call.write(request)
+            except (grpc.RpcError, asyncio.InvalidStateError):
+                break
+        return True
 
     @property
     def _request_id(self) -> str | None:
         return dict(self._metadata).get("x-request-id")
 
     async def receive(self) -> SampleResult:
-        if not self._outstanding:
+        if not self._pending:
             raise RuntimeError("receive() with no request outstanding")
-        self._outstanding -= 1
-        try:
-            message = await self._call.read()
-        except grpc.RpcError as err:
-            raise error_from_rpc(err, self._request_id) from err
-        except asyncio.CancelledError:
-            if cancelled_by_caller() or not CAN_TELL_CANCELLER:
-                raise
-            raise self._cancelled() from None
+        while True:
+            try:
+                message = await self._call.read()
+            except grpc.RpcError as err:
+                if await self._reopened():
+                    continue
+                self._pending.popleft()
+                raise error_from_rpc(err, self._request_id) from err
+            except asyncio.CancelledError:
+                if cancelled_by_caller() or not CAN_TELL_CANCELLER:
+                    raise
+                raise self._cancelled() from None
+            break
+        self._pending.popleft()
         if message is grpc.aio.EOF:
             raise TokenSamplerError(grpc.StatusCode.UNAVAILABLE, "the stream ended early")
         return result_or_error(message)
@@ -151,7 +223,7 @@ class AsyncSampleStream:
     async def close(self) -> None:
         if self._call.done():
             return
-        if self._outstanding:
+        if self._pending:
             self._call.cancel()
         else:
             await self._call.done_writing()
