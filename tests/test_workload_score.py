@@ -18,6 +18,7 @@ from tokensampler_server.workloads import score as score_module
 from tokensampler_server.workloads.score import LogitSource, TokenScoring, score_tokens
 from tokensampler_server.validation.workloads import validate_score_request
 from tokensampler_server.resources.weights import LogitsFinish, RegisteredWeight
+from tokensampler_server.rpc.service import ON_LOOP_ANSWER_BYTES
 
 from .conftest import RunningServer
 
@@ -241,6 +242,21 @@ def test_end_to_end_raw_processed_and_hidden(client: SamplerClient) -> None:
     with pytest.raises(TokenSamplerError) as err:
         client.score_tokens(logits, torch.full((2, 5), 64))
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "token_ids" in err.value.details
+
+
+def test_a_large_answer_is_serialised_off_the_event_loop_and_complete(client: SamplerClient) -> None:
+    """4096 positions with 64 top log-probs and the entropy each: an answer of 2 MB, past ON_LOOP_ANSWER_BYTES, made
+    on a thread; every value as torch's log_softmax gives it."""
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(1, 4096, 64, generator=gen) * 3
+    ids = torch.randint(64, (1, 4096), generator=gen)
+    scores = client.score_tokens(logits, ids, top_logprobs=64, return_entropy=True)
+    assert 4 * (scores.logprobs.numel() + 2 * scores.top_logprob_ids.numel() + scores.entropy.numel()) \
+        > ON_LOOP_ANSWER_BYTES
+    table = torch.log_softmax(logits, dim=-1)
+    torch.testing.assert_close(scores.logprobs, table.gather(2, ids.unsqueeze(2)).squeeze(2), rtol=0, atol=2e-5)
+    torch.testing.assert_close(scores.top_logprobs, table.sort(dim=-1, descending=True).values, rtol=0, atol=2e-5)
+    torch.testing.assert_close(scores.entropy, -(table.exp() * table).sum(-1), rtol=0, atol=1e-4)
 
 
 def test_the_cli_scores_and_takes_a_bitmask(server: RunningServer, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:

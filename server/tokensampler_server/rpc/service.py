@@ -204,7 +204,8 @@ class SamplerService(pb_grpc.SamplerServicer):
 
     async def ScoreTokens(
         self, request: pb.ScoreTokensRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ScoreTokensResponse:
+    ) -> pb.ScoreTokensResponse | bytes:
+        """The answer; past ON_LOOP_ANSWER_BYTES encoded and serialised on a thread, as TopKProbs'."""
         arrived = time.perf_counter_ns()
         with Lease() as held:
             lm_head = self._hold_lm_head(request, held)
@@ -216,15 +217,24 @@ class SamplerService(pb_grpc.SamplerServicer):
                 lambda: self._workloads.score_tokens(source, scoring),
                 rows=source.num_rows, nbytes=host_bytes(logits.tensor), lease=held)
         shape = list(logits.shape[:-1])
-        response = pb.ScoreTokensResponse(request_id=current_call.get().request_id)
-        encode_tensor(scores.logprobs.cpu().reshape(shape), out=response.logprobs)
-        if scores.top_ids is not None:
-            encode_tensor(scores.top_ids.to(torch.int32).cpu().reshape([*shape, -1]), out=response.top_logprob_ids)
-            encode_tensor(scores.top_values.cpu().reshape([*shape, -1]), out=response.top_logprobs)
-        if scores.entropy is not None:
-            encode_tensor(scores.entropy.cpu().reshape(shape), out=response.entropy)
-        _set_timings(response.timings, arrived, started)
-        return response
+        request_id = current_call.get().request_id
+
+        def answer() -> pb.ScoreTokensResponse:
+            response = pb.ScoreTokensResponse(request_id=request_id)
+            encode_tensor(scores.logprobs.cpu().reshape(shape), out=response.logprobs)
+            if scores.top_ids is not None:
+                encode_tensor(scores.top_ids.to(torch.int32).cpu().reshape([*shape, -1]), out=response.top_logprob_ids)
+                encode_tensor(scores.top_values.cpu().reshape([*shape, -1]), out=response.top_logprobs)
+            if scores.entropy is not None:
+                encode_tensor(scores.entropy.cpu().reshape(shape), out=response.entropy)
+            _set_timings(response.timings, arrived, started)
+            return response
+
+        answer_bytes = sum(t.numel() * 4 for t in (scores.logprobs, scores.top_ids, scores.top_values, scores.entropy)
+                           if t is not None)
+        if answer_bytes <= ON_LOOP_ANSWER_BYTES:
+            return answer()
+        return await asyncio.to_thread(lambda: answer().SerializeToString())
 
     async def VerifyDraft(self, request: pb.VerifyDraftRequest, context: grpc.aio.ServicerContext) -> pb.VerifyDraftResponse:
         arrived = time.perf_counter_ns()
@@ -355,16 +365,17 @@ class _HandlerCapture:
 
 def add_sampler_to_server(service: SamplerService, server: grpc.aio.Server) -> None:
     """The generated registration, except that Sample and SampleStream take the request's bytes and answer
-    bytes or messages: the native path reads and writes the wire bytes itself (sample_rpc.py); and TopKProbs answers
-    bytes when it serialised a large answer on a thread."""
+    bytes or messages: the native path reads and writes the wire bytes itself (sample_rpc.py); and TopKProbs and
+    ScoreTokens answer bytes when they serialised a large answer on a thread."""
     capture = _HandlerCapture()
     pb_grpc.add_SamplerServicer_to_server(service, capture)
     handlers = dict(capture.handlers)
     handlers["Sample"] = grpc.unary_unary_rpc_method_handler(service.Sample, response_serializer=serialized)
     handlers["SampleStream"] = grpc.stream_stream_rpc_method_handler(service.SampleStream,
                                                                      response_serializer=serialized)
-    handlers["TopKProbs"] = grpc.unary_unary_rpc_method_handler(
-        service.TopKProbs, request_deserializer=pb.TopKProbsRequest.FromString, response_serializer=serialized)
+    for method, request_type in (("TopKProbs", pb.TopKProbsRequest), ("ScoreTokens", pb.ScoreTokensRequest)):
+        handlers[method] = grpc.unary_unary_rpc_method_handler(
+            getattr(service, method), request_deserializer=request_type.FromString, response_serializer=serialized)
     name = pb.DESCRIPTOR.services_by_name["Sampler"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
     server.add_registered_method_handlers(name, handlers)
