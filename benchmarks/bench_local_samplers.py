@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--rounds", type=int, default=5, help="rounds of every case in turn; medians over them")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds: at least 1")
     if args.device == "cuda":
         import timing  # noqa: PLC0415 - triton's timer, CUDA only
         from tokensampler_server.backends.cuda import CudaBackend  # noqa: PLC0415

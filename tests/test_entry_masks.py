@@ -101,6 +101,16 @@ def test_one_row_and_shared_rows_are_built_once_for_the_same_lists(vocab: int) -
     assert not np.array_equal(other, first)
 
 
+def test_long_lists_build_their_row_each_time() -> None:
+    """Lists past CACHED_ROW_BYTES of entries (repeats count) are not kept as cache keys: the row is built again, the
+    same words."""
+    tokens = [5, 7] * (CACHED_ROW_BYTES // 16 + 1)
+    processing = LogitProcessing(banned=_entries([(0, t) for t in tokens]))
+    first, again = (entry_mask(processing, 1, 64).shared_words for _ in range(2))
+    assert again is not first and np.array_equal(again, first)
+    assert first.tolist() == [0xFFFFFF5F, 0xFFFFFFFF]
+
+
 def test_bits_past_the_vocabulary_stay_set() -> None:
     mask = entry_mask(LogitProcessing(banned=_entries([(0, 0)])), 1, 33)
     words = np.empty((1, 2), dtype=np.int32)

@@ -19,7 +19,9 @@ from tokensampler_server.backends.cuda_kernels import stream_address
 
 class LocalSamplerKernels:
     """Launches the local samplers' kernels on the current torch stream of one device, with their reused workspace
-    (grown on demand, never shrunk). Not for concurrent use from several threads or streams."""
+    (grown on demand, never shrunk). Not for concurrent use from several threads or streams, and the host must wait
+    for a call's launches before the next call: that call packs the rows into the same page-locked buffer, which the
+    earlier copy may still be reading (the CUDA backend synchronises every call before its next)."""
 
     kernel_names = ("local::stats_kernel", "local::sigma_kernel", "local::typical_hist_kernel",
                     "local::typical_cut_kernel")
@@ -48,6 +50,8 @@ class LocalSamplerKernels:
             return x
         x = x.contiguous()
         columns = [_host_column(getattr(truncation, name), dtype) for name, dtype in _COLUMNS]
+        if any(column.numel() != num_rows for column in columns):
+            raise ValueError(f"truncation: {num_rows} values a column expected, one per row of x")
         nbytes = self._module.local_rows_bytes(num_rows)
         if self._host_rows.numel() < nbytes:
             size = max(nbytes, 2 * self._host_rows.numel(), 4096)

@@ -21,8 +21,8 @@ MAX_BYTES = 256 << 10
 """Mask rows a call builds on the host at most: 13 rows of V = 151936 (19 KB each)."""
 
 CACHED_ROW_BYTES = 64 << 10
-"""Shared mask rows up to this size (V up to 2^19) are kept for the next call with the same lists: 64 of them, 4 MiB
-at most."""
+"""Shared mask rows up to this size (V up to 2^19), of lists of up to as many bytes (8192 entries), are kept for the
+next call with the same lists: 64 rows and their lists, 8 MiB at most."""
 
 _MASK_FIELDS = ("allowed", "banned")
 _MASK_ONLY = frozenset(_MASK_FIELDS)
@@ -66,7 +66,8 @@ def entry_mask(processing: LogitProcessing, num_rows: int, vocab_size: int) -> E
     if shared is not None:
         key = [np.ascontiguousarray(shared[name], dtype=np.int64).tobytes() if name in shared else None
                for name in _MASK_FIELDS]
-        row_of = _shared_row if 4 * words_of(vocab_size) <= CACHED_ROW_BYTES else _shared_row.__wrapped__
+        cached = 4 * words_of(vocab_size) <= CACHED_ROW_BYTES and sum(len(k or b"") for k in key) <= CACHED_ROW_BYTES
+        row_of = _shared_row if cached else _shared_row.__wrapped__
         return EntryMask(rows, np.zeros(rows.size, dtype=np.int32), 1, {}, row_of(vocab_size, *key))
     if rows.size * 4 * words_of(vocab_size) > MAX_BYTES:
         return None
