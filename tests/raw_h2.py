@@ -1,12 +1,14 @@
-"""A gRPC client over plain HTTP/2 that never grants flow-control window (no WINDOW_UPDATE frame): the server can send
-it at most the 65,535 bytes of the initial windows, and every larger answer stays in the server, unsent. What a
-client that does not read its answers looks like to the server."""
+"""gRPC over plain HTTP/2, for what grpc's own clients do not do: a client that never grants flow-control window (no
+WINDOW_UPDATE frame), so that the server can send it at most the 65,535 bytes of the initial windows and every larger
+answer stays in the server, unsent; and a call whose header values are bytes that grpc's Python client refuses to
+send (other gRPC stacks send them)."""
 
 from __future__ import annotations
 
 import socket
 import struct
 import threading
+import time
 
 _DATA, _HEADERS, _SETTINGS, _PING = 0, 1, 4, 6
 _END_STREAM, _END_HEADERS, _ACK = 1, 4, 1
@@ -24,9 +26,10 @@ def _length(n: int, prefix_bits: int = 7) -> bytes:
     return bytes([*out, n])
 
 
-def _header(name: str, value: str) -> bytes:
+def _header(name: str | bytes, value: str | bytes) -> bytes:
     """A literal header field without indexing, its name a literal (RFC 7541, 6.2.2)."""
-    name_bytes, value_bytes = name.encode(), value.encode()
+    name_bytes = name.encode() if isinstance(name, str) else name
+    value_bytes = value.encode() if isinstance(value, str) else value
     return b"\x00" + _length(len(name_bytes)) + name_bytes + _length(len(value_bytes)) + value_bytes
 
 
@@ -91,3 +94,32 @@ class UnreadingConnection:
                 raise OSError("closed")
             data += chunk
         return data
+
+
+_WINDOW_UPDATE = 8
+
+
+def call_status(host: str, port: int, path: str, message: bytes, headers: list[tuple[bytes, bytes]],
+                timeout_s: float = 10.0) -> int:
+    """One call of `message` to `path` on a new connection, with `headers` added as raw bytes; returns its grpc-status.
+    The status is read from the trailers' bytes: grpc writes the header's name and a short value as literals."""
+    with socket.create_connection((host, port), timeout=timeout_s) as sock:
+        block = b"".join(_header(name, value) for name, value in [
+            (b":method", b"POST"), (b":scheme", b"http"), (b":path", path.encode()), (b":authority", b"x"),
+            (b"content-type", b"application/grpc"), (b"te", b"trailers"), *headers])
+        body = b"\x00" + struct.pack(">I", len(message)) + message
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(_SETTINGS, 0, 0)
+                     + _frame(_WINDOW_UPDATE, 0, 0, struct.pack(">I", 1 << 30))
+                     + _frame(_HEADERS, _END_HEADERS, 1, block) + _frame(_DATA, _END_STREAM, 1, body))
+        received, deadline = b"", time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            at = received.find(b"grpc-status")
+            if at >= 0 and at + 12 < len(received):
+                size = received[at + 11]  # a literal value of fewer than 127 bytes, not Huffman-coded
+                if at + 12 + size <= len(received):
+                    return int(received[at + 12: at + 12 + size])
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            received += chunk
+    raise TimeoutError(f"no grpc-status within {timeout_s} s")

@@ -15,10 +15,11 @@ from tokensampler_client import SamplerClient, TokenSamplerError
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 from tokensampler_client.tensors import encode_tensor
-from tokensampler_server.core.logs import JsonFormatter, PeerGoneFilter, RequestIdFilter
+from tokensampler_server.core.logs import ClientNoiseFilter, JsonFormatter, RequestIdFilter
 from tokensampler_server.core.request_context import current_request_id
 
 from .conftest import RunningServer, start_command, start_server
+from .raw_h2 import call_status
 
 
 def wait_for_line(server: RunningServer, match: Callable[[str], bool], timeout: float = 30.0) -> str:
@@ -132,10 +133,33 @@ def test_a_caller_that_hangs_up_on_unread_answers_leaves_no_traceback() -> None:
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
 
 
-def test_the_peer_gone_filter_demotes_only_grpc_failing_to_answer_a_gone_caller() -> None:
-    peer_gone = PeerGoneFilter()
-    record = logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, "", 0,
-                               "ExecuteBatchError raised in core by servicer method [%s]", ("/a/B",), None)
-    assert not peer_gone.filter(record) and record.levelno == logging.DEBUG
+def test_the_client_noise_filter_demotes_only_gone_callers_and_undecodable_metadata() -> None:
+    noise = ClientNoiseFilter()
+    for message, args in (("ExecuteBatchError raised in core by servicer method [%s]", ("/a/B",)),
+                          ("Invalid encoding on %s", (b"\xff\xfe",))):
+        record = logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, "", 0, message, args, None)
+        assert not noise.filter(record) and record.levelno == logging.DEBUG
     other = logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, "", 0, "Unexpected error in core", (), None)
-    assert peer_gone.filter(other) and other.levelno == logging.ERROR
+    assert noise.filter(other) and other.levelno == logging.ERROR
+
+
+def test_request_ids_that_are_not_printable_ascii_are_replaced_and_every_call_keeps_its_status() -> None:
+    """x-request-id values that grpc's Python client refuses to send and other stacks send: UTF-8 ("é", "日本"), bytes
+    that are not UTF-8, a control character. The server gives such calls an id of its own: a valid request answers
+    OK and an invalid one INVALID_ARGUMENT (before: INTERNAL for both, the id echoed in trailers that grpc refused),
+    and the log holds no error and no traceback (before: two a call for bytes that are not UTF-8)."""
+    running = start_server("--device", "cpu")
+    host, port = running.target.rsplit(":", 1)
+    valid = pb.SampleRequest(logits=encode_tensor(torch.zeros(1, 8))).SerializeToString()
+    invalid = pb.SampleRequest(logits=encode_tensor(torch.zeros(1, 8)),
+                               params=pb.SamplingParams(top_p=[5.0])).SerializeToString()
+    try:
+        for request_id in ("é".encode(), "日本".encode(), b"\xff\xfe", b"a\x7fb", b"plain-id"):
+            for message, status in ((valid, grpc.StatusCode.OK), (invalid, grpc.StatusCode.INVALID_ARGUMENT)):
+                got = call_status(host, int(port), "/tokensampler.v1.Sampler/Sample", message,
+                                  [(b"x-request-id", request_id)])
+                assert got == status.value[0], (request_id, got)
+    finally:
+        running.stop()
+    log = "\n".join(running.log)
+    assert "Traceback" not in log and " ERROR " not in log and "Illegal header" not in log, log[-3000:]

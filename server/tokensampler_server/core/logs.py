@@ -47,15 +47,16 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
-class PeerGoneFilter(logging.Filter):
-    """grpc logs an ERROR with a traceback when it cannot send an answer because its caller has gone (cancelled,
-    past its deadline, disconnected with answers unread). The call has ended, and nothing on the server failed: such
-    records go to DEBUG, so that a client cannot fill the log with tracebacks by hanging up."""
+class ClientNoiseFilter(logging.Filter):
+    """grpc logs an ERROR with a traceback for two things a client does, on which nothing on the server fails: an
+    answer it cannot send because its caller has gone (cancelled, past its deadline, disconnected with answers
+    unread), and metadata whose bytes are not UTF-8 (which it then reads as Latin-1). Such records go to DEBUG, so
+    that a client cannot fill the log with tracebacks."""
 
-    PREFIX = "ExecuteBatchError raised in core by servicer method"
+    PREFIXES = ("ExecuteBatchError raised in core by servicer method", "Invalid encoding on")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR and isinstance(record.msg, str) and record.msg.startswith(self.PREFIX):
+        if record.levelno >= logging.ERROR and isinstance(record.msg, str) and record.msg.startswith(self.PREFIXES):
             record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
             return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
         return True
@@ -70,4 +71,4 @@ def configure_logging(level: str, log_format: str) -> None:
     logging.captureWarnings(True)  # Python warnings too, so a JSON log stays all JSON
     # grpc's Cython layer logs every new connection at DEBUG: noise beside the per-request lines.
     logging.getLogger("grpc._cython").setLevel(max(logging.getLevelName(level), logging.INFO))
-    logging.getLogger("grpc._cython.cygrpc").addFilter(PeerGoneFilter())
+    logging.getLogger("grpc._cython.cygrpc").addFilter(ClientNoiseFilter())

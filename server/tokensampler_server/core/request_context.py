@@ -17,10 +17,11 @@ current_request_id: ContextVar[str] = ContextVar("current_request_id", default="
 
 
 def request_id_from_metadata(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str:
-    """The client's `x-request-id` when it sent a printable one, else a fresh uuid4 hex."""
+    """The client's `x-request-id` when it sent printable ASCII, else a fresh uuid4 hex. The id is echoed in the
+    call's trailers, where grpc refuses any other byte: echoed, it turned the call's status into INTERNAL."""
     for key, value in metadata or ():
         if key == REQUEST_ID_METADATA_KEY and isinstance(value, str):
-            if 0 < len(value) <= _MAX_CLIENT_ID_LENGTH and value.isprintable():
+            if 0 < len(value) <= _MAX_CLIENT_ID_LENGTH and value.isascii() and value.isprintable():
                 return value
     return uuid.uuid4().hex
 
