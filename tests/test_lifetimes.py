@@ -26,12 +26,15 @@ from tokensampler_server.core.errors import ServiceError
 from tokensampler_server.resources.regions import RegionRegistry
 from tokensampler_server.core.request_context import current_abandoned
 from tokensampler_server.rpc.sample_rpc import SampleRpc
-from tokensampler_server.model.sampling import SamplingBatch
+from tokensampler_server.backends.truncation import apply_truncation
+from tokensampler_server.model.sampling import SamplingBatch, Truncation
 from tokensampler_server.resources.weights import LogitsFinish, WeightRegistry
 from tokensampler_server.workloads.score import LogitSource, score_tokens
 from tokensampler_server.workloads.topk_probs import topk_probs
+from tokensampler_server.workloads.verify import verify_draft
 
 from .test_workload_score import _scoring
+from .test_workload_verify import make_verification
 
 VOCAB = 64
 WAIT_S = 30.0
@@ -275,17 +278,23 @@ def test_a_row_wider_than_a_chunk_stops_between_steps_when_nobody_waits(monkeypa
     _assert_stops_at_the_second_question(backend, batch)
 
 
-@pytest.mark.parametrize("workload", ["topk_probs", "score_processed", "score_raw"])
+@pytest.mark.parametrize("workload", ["topk_probs", "score_processed", "score_raw", "verify", "local_samplers"])
 def test_workloads_stop_between_steps_when_nobody_waits(workload: str) -> None:
-    """TopKProbs and ScoreTokens (a filtered position's sort, a raw row's vocabulary slices) ask between their steps,
-    as the sampler does, so work whose callers have all gone stops there."""
+    """TopKProbs and ScoreTokens (a filtered position's sort, a raw row's vocabulary slices), VerifyDraft (each
+    position's processing, the kept sets' sort) and the local samplers (each sampler) ask between their steps, as the
+    sampler does, so work whose callers have all gone stops there."""
     logits = torch.randn(2, 3000)
     ids = torch.tensor([5, 7])
+    drafts = torch.tensor([[1, 2], [3, 4]])
     work = {
         "topk_probs": lambda: topk_probs(logits, torch.ones(2), 2000),
         "score_processed": lambda: score_tokens(LogitSource(logits=logits), _scoring(ids, processed=True, top_p=0.9),
                                                 torch.device("cpu")),
         "score_raw": lambda: score_tokens(LogitSource(logits=logits), _scoring(ids), torch.device("cpu")),
+        "verify": lambda: verify_draft(make_verification(drafts, torch.full((2, 2, 3000), 1 / 3000),
+                                                         torch.randn(2, 3, 3000), top_p=0.9)),
+        "local_samplers": lambda: apply_truncation(logits.clone(), replace(
+            Truncation.off(2), typical_p=torch.full((2,), 0.5), top_n_sigma=torch.full((2,), 1.0))),
     }[workload]
     work()  # runs whole while someone waits
     current_abandoned.set(lambda: True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tokensampler_server.core.request_context import raise_if_abandoned
 from tokensampler_server.model.sampling import Truncation
 from tokensampler_server.backends.philox import counter_uniforms
 
@@ -111,6 +112,7 @@ def apply_truncation(x: torch.Tensor, truncation: Truncation) -> torch.Tensor:
     finite = torch.isfinite(source)
     work = torch.where(finite, source, _NEG_INF)
     for sampler, on, argument in samplers:
+        raise_if_abandoned()  # each sampler over a wide row is seconds of work on the CPU
         on, argument = on[active], argument[active]
         if on.all():
             work.masked_fill_(sampler(work, _argument(argument, device)), _NEG_INF)

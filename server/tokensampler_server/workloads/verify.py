@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokensampler_server.core.request_context import raise_if_abandoned
 from tokensampler_server.backends.cpu import kept_token_mask
 from tokensampler_server.backends.philox import counter_uniforms, gumbel_noise
 from tokensampler_server.backends.processing import apply_processing, sanitize_non_finite
@@ -75,16 +76,12 @@ def _target_distributions(v: DraftVerification) -> tuple[torch.Tensor, torch.Ten
     device = v.target_logits.device
     # 2-5 position by position: processing indexes rows of B, and each position gets its own copy (with
     # its own XTC coins, those Sample draws at position + j).
-    x = torch.stack(
-        [
-            apply_processing(
-                v.target_logits[:, j].to(torch.float32, copy=True),
-                None if v.processing is None else v.processing.at_positions(v.position + j),
-            )
-            for j in range(num_positions)
-        ],
-        dim=1,
-    ).view(num_rows * num_positions, vocab_size)
+    processed = []
+    for j in range(num_positions):
+        raise_if_abandoned()  # a position's processing over wide rows is seconds of work on the CPU
+        processed.append(apply_processing(v.target_logits[:, j].to(torch.float32, copy=True),
+                                          None if v.processing is None else v.processing.at_positions(v.position + j)))
+    x = torch.stack(processed, dim=1).view(num_rows * num_positions, vocab_size)
     x, _ = sanitize_non_finite(x)
     finite = torch.isfinite(x).any(dim=1)
     x_max = x.max(dim=1, keepdim=True).values
@@ -103,6 +100,7 @@ def _target_distributions(v: DraftVerification) -> tuple[torch.Tensor, torch.Ten
     filtered = (top_k > 0) | (top_p < 1) | (min_p > 0)
     kept = torch.isfinite(z)
     if bool(filtered.any()):
+        raise_if_abandoned()
         rows = filtered.nonzero().squeeze(1)
         kept[rows] = kept_token_mask(z[rows], top_k[rows], top_p[rows], min_p[rows])
     scores = torch.where(kept, z, torch.full_like(z, _NEG_INF))
