@@ -148,11 +148,11 @@ def test_request_ids_that_are_not_printable_ascii_are_replaced_and_every_call_ke
     that are not UTF-8, a control character. The server gives such calls an id of its own: a valid request answers
     OK and an invalid one INVALID_ARGUMENT (before: INTERNAL for both, the id echoed in trailers that grpc refused),
     and the log holds no error and no traceback (before: two a call for bytes that are not UTF-8)."""
-    running = start_server("--device", "cpu")
-    host, port = running.target.rsplit(":", 1)
     valid = pb.SampleRequest(logits=encode_tensor(torch.zeros(1, 8))).SerializeToString()
     invalid = pb.SampleRequest(logits=encode_tensor(torch.zeros(1, 8)),
                                params=pb.SamplingParams(top_p=[5.0])).SerializeToString()
+    running = start_server("--device", "cpu")
+    host, port = running.target.rsplit(":", 1)
     try:
         for request_id in ("é".encode(), "日本".encode(), b"\xff\xfe", b"a\x7fb", b"plain-id"):
             for message, status in ((valid, grpc.StatusCode.OK), (invalid, grpc.StatusCode.INVALID_ARGUMENT)):
