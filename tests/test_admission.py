@@ -432,6 +432,88 @@ def test_a_client_stream_whose_slot_was_reclaimed_opens_again_with_its_unanswere
     run_then_stop(running, run)
 
 
+def test_a_client_stream_refused_at_the_cap_opens_once_a_slot_is_free_each_overload_with_its_retries(
+        tmp_path: Path) -> None:
+    """One slot, held. A client's stream is refused as it opens, with three requests of 1, 2 and 3 rows sent before
+    the first receive (writes that race the refusal too); the slot is freed 0.3 s later, and each request gets its
+    own answer, in order, on the streams the client opens again, asyncio and sync. With 2 retries, a stream whose
+    idle slot is then reclaimed three times opens again every time: the retries count from the last answer."""
+    running = start_capped(tmp_path, calls=1, reclaim_idle_s=0.3, tokens=False)
+    logits = [torch.randn(rows, 16) for rows in (1, 2, 3)]
+    seeds = [list(range(10 * i, 10 * i + rows)) for i, rows in enumerate((1, 2, 3))]
+
+    async def free_later(holder: grpc.aio.StreamStreamCall) -> None:
+        await asyncio.sleep(0.3)
+        holder.cancel()
+
+    def sync_answers() -> list[torch.Tensor]:
+        with SamplerClient(running.target, timeout=30, retries=10) as client, client.stream() as stream:
+            for x, seed in zip(logits, seeds):
+                stream.send(x, seed=seed)
+            answers = [stream.receive().tokens for _ in logits]
+            assert stream.reopens >= 1
+            return answers
+
+    async def run() -> None:
+        async with AsyncSamplerClient(running.target, timeout=30, retries=10) as client:
+            want = [(await client.sample(x, seed=seed)).tokens for x, seed in zip(logits, seeds)]
+            async with grpc.aio.insecure_channel(running.target) as channel:
+                holder = await open_held(channel, None)
+                async with client.stream() as stream:
+                    for x, seed in zip(logits, seeds):
+                        await stream.send(x, seed=seed)
+                    freed = asyncio.ensure_future(free_later(holder))
+                    for expected in want:
+                        assert torch.equal((await stream.receive()).tokens, expected)
+                    await freed
+                    assert stream.reopens >= 1
+                holder = await open_held(channel, None)
+                freed = asyncio.ensure_future(free_later(holder))
+                got = await asyncio.to_thread(sync_answers)
+                await freed
+                assert all(torch.equal(g, w) for g, w in zip(got, want))
+        async with AsyncSamplerClient(running.target, timeout=30, retries=2) as client:
+            async with client.stream() as stream:
+                await stream.sample(logits[0], seed=seeds[0])
+                for reclaim in range(3):
+                    await asyncio.sleep(0.6)  # idle past the threshold, then a new call takes the slot
+                    async with AsyncSamplerClient(running.target, timeout=30, retries=0) as other:
+                        await other.sample(torch.randn(1, 16), seed=9)
+                    assert torch.equal((await stream.sample(logits[0], seed=seeds[0])).tokens, want[0])
+                    assert stream.reopens == reclaim + 1
+
+    run_then_stop(running, run)
+
+
+def test_a_client_stream_whose_reopening_is_cancelled_ends_there(tmp_path: Path) -> None:
+    """One slot, held: a stream's receive() keeps opening the stream again, refused each time; its caller cancels it.
+    The stream ends there: its later calls raise CANCELLED (a call opened without the pending requests would answer
+    later ones in their place), and it holds no slot."""
+    running = start_capped(tmp_path, calls=1, tokens=False)
+
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(running.target) as channel:
+            holder = await open_held(channel, None)
+            async with AsyncSamplerClient(running.target, timeout=30, retries=50) as client:
+                stream = client.stream()
+                await stream.send(torch.randn(1, 16), seed=1)
+                receiving = asyncio.ensure_future(stream.receive())
+                while stream.reopens < 2:
+                    await asyncio.sleep(0.01)
+                receiving.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await receiving
+                for later in (stream.receive(), stream.sample(torch.randn(1, 16), seed=2)):
+                    with pytest.raises(TokenSamplerError) as ended:
+                        await later
+                    assert ended.value.code == grpc.StatusCode.CANCELLED
+                await stream.close()
+            holder.cancel()
+            await wait_held(running, calls=0)
+
+    run_then_stop(running, run)
+
+
 def test_a_stream_with_a_message_unanswered_keeps_its_slot(tmp_path: Path) -> None:
     """2 slots: a SampleStream whose message waits out a long queue delay, and a unary Sample doing the same. Idle
     past --reclaim-idle-calls-s? Neither: the stream has a message in flight and a unary call is never idle, so a

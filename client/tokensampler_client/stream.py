@@ -21,12 +21,17 @@ from typing import Any
 import grpc
 
 from ._proto import sampler_pb2 as pb
-from ._retry import RetryState
+from ._retry import RETRYABLE_METADATA_KEY, RetryState
 from .errors import TokenSamplerError, error_from_rpc
 from .params import serialize_sample_request
 from .result import SampleResult
 
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+_STATUS_LOST_UNDER_A_WRITE = "Internal error from Core"
+"""grpc.aio's status for a call whose write failed because the call had ended, in place of the status the server
+ended it with (often not yet read then): such a call is opened again as an overloaded one, within the retries, and
+its unanswered requests are sent again. Had the server sampled one of them, its caller still gets one answer, the
+same for a seeded request."""
 _END = object()
 
 CAN_TELL_CANCELLER = hasattr(asyncio.Task, "cancelling")
@@ -61,7 +66,8 @@ def stream_request(logits: Any, params: dict[str, Any]) -> pb.SampleRequest | by
 def _reopens(code: grpc.StatusCode | None, trailing_metadata: Any, details: str | None,
              retry: RetryState) -> float | None:
     """The wait before the stream is opened again after it ended with `code`, or None when it must fail now:
-    only overload is retried (the server sampled none of the stream's unanswered requests then)."""
+    only overload is retried (the server sampled none of the stream's unanswered requests then). The retries are
+    counted from the stream's last answer: each overload gets the client's retries, within the stream's deadline."""
     if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
         return None
     return retry.next_delay(code, trailing_metadata, details=details or "")
@@ -76,11 +82,14 @@ class SampleStream:
         self._metadata = metadata
         self._retry = retry
         self._pending: collections.deque = collections.deque()  # sent, not yet received
+        self._closed = False
         self.reopens = 0
         """How many times the stream was opened again after the server ended it as overloaded."""
         self._open()
 
     def _open(self) -> None:
+        """A new call, sent every pending request. grpc reads a call's requests from its queue on a thread of its
+        own, which the queue's end lets go."""
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._call = self._method(iter(self._requests.get, _END), metadata=self._metadata,
                                   timeout=self._retry.remaining())
@@ -103,14 +112,17 @@ class SampleStream:
                 message = next(self._call)
                 break
             except grpc.RpcError as err:
-                delay = _reopens(err.code(), err.trailing_metadata(), err.details(), self._retry)
+                delay = None if self._closed else _reopens(err.code(), err.trailing_metadata(), err.details(),
+                                                           self._retry)
                 if delay is None:
                     self._pending.popleft()
                     raise error_from_rpc(err, dict(self._metadata).get("x-request-id")) from err
             time.sleep(delay)
             self.reopens += 1
+            self._requests.put(_END)  # the ended call's request thread
             self._open()
         self._pending.popleft()
+        self._retry.retries_done = 0
         return result_or_error(message)
 
     def sample(self, logits: Any = None, **params: Any) -> SampleResult:
@@ -118,7 +130,8 @@ class SampleStream:
         return self.receive()
 
     def close(self) -> None:
-        """Ends the stream; results not yet received are dropped."""
+        """Ends the stream; results not yet received are dropped, and it is not opened again."""
+        self._closed = True
         self._requests.put(_END)
         if self._pending:
             self._call.cancel()
@@ -140,12 +153,16 @@ class AsyncSampleStream:
         self._metadata = metadata
         self._retry = retry
         self._pending: collections.deque = collections.deque()  # written, not yet received
+        self._closed = False  # by close(), or by a caller's cancellation of a reopen
+        self._write_failed = False  # on the current call: its status may be grpc.aio's, not the server's
         self.reopens = 0
         """How many times the stream was opened again after the server ended it as overloaded."""
         self._call = method(metadata=metadata, timeout=retry.remaining())
 
     async def send(self, logits: Any = None, **params: Any) -> None:
         request = stream_request(logits, params)
+        if self._closed:
+            raise self._cancelled()
         self._pending.append(request)
         try:
             await self._write(request)
@@ -159,6 +176,7 @@ class AsyncSampleStream:
         try:
             await self._call.write(request)
         except grpc.RpcError as err:
+            self._write_failed = True
             if not await self._reopened():
                 raise error_from_rpc(err, self._request_id) from err
         except asyncio.InvalidStateError:  # the call has ended (a deadline, the server): its status says why
@@ -171,19 +189,33 @@ class AsyncSampleStream:
 
     async def _reopened(self) -> bool:
         """Whether the ended call was opened again (its status overload, with a retry left); the requests not yet
-        answered are then written on the new call. Should that call end at once too, the next read finds why."""
-        delay = _reopens(await self._call.code(), await self._call.trailing_metadata(), await self._call.details(),
-                         self._retry)
+        answered are then written on the new call. Should that call end at once too, the next read finds why. A
+        caller's cancellation during the reopen cancels the new call and ends the stream: a call left without the
+        pending requests would answer later requests in their place."""
+        if self._closed:
+            return False
+        code, trailing, details = (await self._call.code(), await self._call.trailing_metadata(),
+                                   await self._call.details())
+        if self._write_failed and code == grpc.StatusCode.INTERNAL and details.startswith(_STATUS_LOST_UNDER_A_WRITE):
+            code, trailing = grpc.StatusCode.RESOURCE_EXHAUSTED, ((RETRYABLE_METADATA_KEY, "overload"),)
+        delay = _reopens(code, trailing, details, self._retry)
         if delay is None:
             return False
-        await asyncio.sleep(delay)
-        self.reopens += 1
-        self._call = self._method(metadata=self._metadata, timeout=self._retry.remaining())
-        for request in self._pending:
-            try:
-                await self._call.write(request)
-            except (grpc.RpcError, asyncio.InvalidStateError):
-                break
+        try:
+            await asyncio.sleep(delay)
+            self.reopens += 1
+            self._call = self._method(metadata=self._metadata, timeout=self._retry.remaining())
+            self._write_failed = False
+            for request in list(self._pending):
+                try:
+                    await self._call.write(request)
+                except (grpc.RpcError, asyncio.InvalidStateError):
+                    self._write_failed = True
+                    break
+        except BaseException:
+            self._closed = True
+            self._call.cancel()
+            raise
         return True
 
     @property
@@ -193,6 +225,8 @@ class AsyncSampleStream:
     async def receive(self) -> SampleResult:
         if not self._pending:
             raise RuntimeError("receive() with no request outstanding")
+        if self._closed:
+            raise self._cancelled()
         while True:
             try:
                 message = await self._call.read()
@@ -207,6 +241,7 @@ class AsyncSampleStream:
                 raise self._cancelled() from None
             break
         self._pending.popleft()
+        self._retry.retries_done = 0
         if message is grpc.aio.EOF:
             raise TokenSamplerError(grpc.StatusCode.UNAVAILABLE, "the stream ended early")
         return result_or_error(message)
@@ -221,6 +256,7 @@ class AsyncSampleStream:
         return await self.receive()
 
     async def close(self) -> None:
+        self._closed = True
         if self._call.done():
             return
         if self._pending:
