@@ -411,6 +411,7 @@ def test_a_client_stream_whose_slot_was_reclaimed_opens_again_with_its_unanswere
                 for expected in want[1:]:
                     assert torch.equal((await stream.receive()).tokens, expected)
                 assert stream.reopens == 1
+            await wait_held(running, calls=0)  # the closed stream's slot comes back once the server sees it end
             with SamplerClient(running.target, timeout=30, retries=3) as sync_client:
                 with sync_client.stream() as stream:
                     assert torch.equal(stream.sample(logits[0], seed=[0, 1]).tokens, want[0])
@@ -420,6 +421,7 @@ def test_a_client_stream_whose_slot_was_reclaimed_opens_again_with_its_unanswere
                     for expected in want[1:]:
                         assert torch.equal(stream.receive().tokens, expected)
                     assert stream.reopens == 1
+        await wait_held(running, calls=0)
         async with AsyncSamplerClient(running.target, timeout=30, retries=0) as client:
             async with client.stream() as stream:
                 await stream.sample(logits[0], seed=[0, 1])
@@ -467,11 +469,13 @@ def test_a_client_stream_refused_at_the_cap_opens_once_a_slot_is_free_each_overl
                         assert torch.equal((await stream.receive()).tokens, expected)
                     await freed
                     assert stream.reopens >= 1
+                await wait_held(running, calls=0)  # the closed stream's slot comes back once the server sees it end
                 holder = await open_held(channel, None)
                 freed = asyncio.ensure_future(free_later(holder))
                 got = await asyncio.to_thread(sync_answers)
                 await freed
                 assert all(torch.equal(g, w) for g, w in zip(got, want))
+        await wait_held(running, calls=0)
         async with AsyncSamplerClient(running.target, timeout=30, retries=2) as client:
             async with client.stream() as stream:
                 await stream.sample(logits[0], seed=seeds[0])
