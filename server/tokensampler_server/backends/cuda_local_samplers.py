@@ -58,8 +58,6 @@ class LocalSamplerKernels:
             self._host_rows = torch.empty(size, dtype=torch.uint8, pin_memory=True)
             self._dev_rows = torch.empty(size, dtype=torch.uint8, device=self._device)
         scratch, zeroed = self._workspace(num_rows, vocab)
-        # The pinned buffer is reused: each call of the backend waits for its own results before the next one starts
-        # (the backend's lock), so no earlier copy still reads it.
         self._module.local_samplers(x.data_ptr(), num_rows, vocab, [c.data_ptr() for c in columns],
                                     self._host_rows.data_ptr(), self._dev_rows.data_ptr(), scratch, zeroed,
                                     stream_address(self._device))

@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 import math
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import Message
 import torch
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
@@ -53,6 +54,14 @@ FEATURES = (
 _REGION_FEATURES = frozenset({"regions", "region_rows", "weights_from_region"})
 ON_LOOP_ANSWER_BYTES = 1 << 20
 """Answers up to this size are encoded on the event loop (a thread's hand-off costs more); larger ones on a thread."""
+
+
+async def _made(answer: Callable[[], Message], nbytes: int) -> Message | bytes:
+    """The answer `answer` makes, of about `nbytes`: made on the event loop up to ON_LOOP_ANSWER_BYTES, else made and
+    serialised on a thread (the method is registered with a serializer that passes bytes through)."""
+    if nbytes <= ON_LOOP_ANSWER_BYTES:
+        return answer()
+    return await asyncio.to_thread(lambda: answer().SerializeToString())
 
 
 def served_features(weights_dir: Path | None, region_kinds: frozenset[str], on_gpu: bool) -> list[str]:
@@ -198,9 +207,7 @@ class SamplerService(pb_grpc.SamplerServicer):
             _set_timings(response.timings, arrived, started)
             return response
 
-        if TOPK_ENTRY_BYTES * math.prod(shape) <= ON_LOOP_ANSWER_BYTES:
-            return answer()
-        return await asyncio.to_thread(lambda: answer().SerializeToString())
+        return await _made(answer, TOPK_ENTRY_BYTES * math.prod(shape))
 
     async def ScoreTokens(
         self, request: pb.ScoreTokensRequest, context: grpc.aio.ServicerContext
@@ -232,9 +239,7 @@ class SamplerService(pb_grpc.SamplerServicer):
 
         answer_bytes = sum(t.numel() * 4 for t in (scores.logprobs, scores.top_ids, scores.top_values, scores.entropy)
                            if t is not None)
-        if answer_bytes <= ON_LOOP_ANSWER_BYTES:
-            return answer()
-        return await asyncio.to_thread(lambda: answer().SerializeToString())
+        return await _made(answer, answer_bytes)
 
     async def VerifyDraft(self, request: pb.VerifyDraftRequest, context: grpc.aio.ServicerContext) -> pb.VerifyDraftResponse:
         arrived = time.perf_counter_ns()
