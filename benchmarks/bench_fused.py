@@ -167,8 +167,9 @@ def main() -> None:
         return
     kernels = Kernels(torch.cuda.current_device())
     meta = {**run_meta(peers), "V": V, "D": D, "dtype": "bfloat16", "top_k": TOP_K, "top_p": TOP_P,
-            "fused_max_rows": cuda_fused.MAX_ROWS,
-            "fused_max_filtered_rows": cuda_fused.MAX_FILTERED_ROWS}
+            "fused_routes": {f"B={b}": {"unfiltered": cuda_fused.fused_is_faster(b, False, kernels.device.index),
+                                        "filtered": cuda_fused.fused_is_faster(b, True, kernels.device.index)}
+                             for b in batches}}
     read_bw = meta["read_bw_GBps"] * 1e9
     fi = fs = None
     if not args.no_peers:
@@ -197,7 +198,7 @@ def main() -> None:
             unfused_us = peers.bench(unfused_fn(kernels, weight, hidden, mode))
             emit("tokensampler_fused", mode, b, fused_us)
             emit("tokensampler_unfused", mode, b, unfused_us)
-            chosen = cuda_fused.fused_is_faster(b, filtered=mode != "gumbel")
+            chosen = cuda_fused.fused_is_faster(b, mode != "gumbel", kernels.device.index)
             emit("tokensampler", mode, b, fused_us if chosen else unfused_us)
         if args.no_peers:
             continue

@@ -28,27 +28,14 @@ void register_handoff(pybind11::module_& m);
 
 namespace {
 
+using tokensampler::binding::bitmask_of;
 using tokensampler::binding::check;
 using tokensampler::binding::ptr;
+using tokensampler::binding::rows_of;
 using tokensampler::binding::workspace_of;
 
 TsLogits logits_of(int64_t data, int64_t num_rows, int64_t vocab, int64_t dtype) {
   return TsLogits{ptr<const void>(data), num_rows, vocab, static_cast<int32_t>(dtype), nullptr};
-}
-
-// The token bitmask of TsRows from (words, row, row_words): device addresses (0: NULL) and a count.
-TsBitmask bitmask_of(int64_t words, int64_t row, int64_t row_words) {
-  return TsBitmask{ptr<const int32_t>(words), ptr<const int32_t>(row), row_words};
-}
-
-// params: temperature, top_k, top_p, min_p, seed, position, iteration (device addresses), then the token bitmask:
-// its words (0: no row has one), its row map (0: row r's mask is row r) and the words a mask row.
-TsRows rows_of(int64_t rows, int64_t num_work_rows, const std::vector<int64_t>& params) {
-  if (params.size() != 10) throw std::invalid_argument("tokensampler: 7 parameter arrays and a bitmask expected");
-  return TsRows{ptr<const int32_t>(rows), static_cast<int32_t>(num_work_rows), ptr<const float>(params[0]),
-                ptr<const int32_t>(params[1]), ptr<const float>(params[2]), ptr<const float>(params[3]),
-                ptr<const int64_t>(params[4]), ptr<const int64_t>(params[5]), ptr<const int64_t>(params[6]),
-                bitmask_of(params[7], params[8], params[9])};
 }
 
 // outputs: tokens, flags, row_max, row_min, row_logz, kept_mass, kept_min_key (0 = not written).
@@ -130,8 +117,10 @@ void register_routes(pybind11::module_& m) {
   m.def("stage_layout", [](int64_t num_rows) {
     const TsStageLayout s = ts_stage_layout(num_rows);
     py::dict d;
-    d["seed"] = s.seed, d["position"] = s.position, d["iteration"] = s.iteration, d["temperature"] = s.temperature;
-    d["top_p"] = s.top_p, d["min_p"] = s.min_p, d["top_k"] = s.top_k, d["masks"] = s.masks, d["lists"] = s.lists;
+#define TS_ENTRY(type, name) d[#name] = s.name;
+    TS_ROW_PARAMS(TS_ENTRY)
+#undef TS_ENTRY
+    d["masks"] = s.masks, d["lists"] = s.lists;
     d["row_start"] = s.row_start, d["bitmask_row"] = s.bitmask_row, d["bitmask_words"] = s.bitmask_words;
     return d;
   });

@@ -15,6 +15,7 @@
 namespace {
 
 using tokensampler::binding::ptr;
+using tokensampler::binding::rows_of;
 
 using PlanTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
 
@@ -29,14 +30,6 @@ TsFusedPlan plan_of(const PlanTuple& t) {
                      static_cast<size_t>(std::get<4>(t)), static_cast<size_t>(std::get<5>(t))};
 }
 
-TsRows rows_of(int64_t num_rows, const std::vector<int64_t>& params) {
-  if (params.size() != 10) throw std::invalid_argument("tokensampler: 7 parameter arrays and a bitmask expected");
-  return TsRows{nullptr, static_cast<int32_t>(num_rows), ptr<const float>(params[0]), ptr<const int32_t>(params[1]),
-                ptr<const float>(params[2]), ptr<const float>(params[3]), ptr<const int64_t>(params[4]),
-                ptr<const int64_t>(params[5]), ptr<const int64_t>(params[6]),
-                TsBitmask{ptr<const int32_t>(params[7]), ptr<const int32_t>(params[8]), params[9]}};
-}
-
 }  // namespace
 
 void register_fused(pybind11::module_& m) {
@@ -46,16 +39,17 @@ void register_fused(pybind11::module_& m) {
     return plan_tuple(ts_fused_plan(num_rows, dim, vocab, static_cast<int32_t>(num_sms), static_cast<int32_t>(max_smem),
                                     filtered ? 1 : 0));
   });
-  // head: weight, vocab, dim, dtype, bias (0: none); params: temperature, top_k, top_p, min_p, seed,
-  // position, iteration (device addresses), then the token bitmask's words (0: none), row map (0: row r's mask is
-  // row r) and words a mask row, as bindings.cpp takes them; logprobs 0: not computed.
+  m.def("fused_preferred", [](int64_t num_rows, bool filtered) { return ts_fused_preferred(num_rows, filtered) != 0; });
+  m.attr("FUSED_MAX_TOP_K") = static_cast<int>(TS_FUSED_MAX_TOP_K);
+  // head: weight, vocab, dim, dtype, bias (0: none); params: as binding_args.h rows_of takes them; logprobs 0: not
+  // computed.
   m.def("fused_sample", [](int64_t weight, int64_t vocab, int64_t dim, int64_t dtype, int64_t bias, double logit_scale,
                            double soft_cap, int64_t states, int64_t num_rows, std::vector<int64_t> params,
                            PlanTuple plan, int64_t tokens, int64_t num_samples, int64_t logprobs, int64_t flags,
                            int64_t scratch, int64_t stream) {
     const TsLmHead head{ptr<const void>(weight), vocab, dim, static_cast<int32_t>(dtype), ptr<const float>(bias),
                         static_cast<float>(logit_scale), static_cast<float>(soft_cap), 0};
-    const TsRows rows = rows_of(num_rows, params);
+    const TsRows rows = rows_of(0, num_rows, params);
     const TsFusedOutputs out{ptr<int64_t>(tokens), static_cast<int32_t>(num_samples), ptr<float>(logprobs),
                              ptr<uint8_t>(flags)};
     const TsFusedPlan p = plan_of(plan);
@@ -72,7 +66,7 @@ void register_fused(pybind11::module_& m) {
                              int64_t stream) {
     const TsLmHead head{ptr<const void>(weight), vocab, dim, static_cast<int32_t>(dtype), ptr<const float>(bias),
                         static_cast<float>(logit_scale), static_cast<float>(soft_cap), first_token};
-    const TsRows rows = rows_of(num_rows, params);
+    const TsRows rows = rows_of(0, num_rows, params);
     const TsFusedPlan p = plan_of(plan);
     tokensampler::binding::check(ts_fused_partials(&head, ptr<const void>(states), num_rows, &rows, &p,
                                                    want_sum1 ? 1 : 0, ptr<void>(scratch), ptr<void>(stream)),
@@ -81,7 +75,7 @@ void register_fused(pybind11::module_& m) {
   m.def("fused_finish", [](int64_t num_rows, std::vector<int64_t> params, int64_t num_parts, int64_t partials,
                            int64_t cands, int64_t cands_per_part, int64_t tokens, int64_t num_samples, int64_t logprobs,
                            int64_t flags, int64_t stream) {
-    const TsRows rows = rows_of(num_rows, params);
+    const TsRows rows = rows_of(0, num_rows, params);
     const TsFusedOutputs out{ptr<int64_t>(tokens), static_cast<int32_t>(num_samples), ptr<float>(logprobs),
                              ptr<uint8_t>(flags)};
     tokensampler::binding::check(

@@ -191,6 +191,13 @@ extern "C" TsFusedPlan ts_fused_plan(int64_t num_rows, int64_t dim, int64_t voca
 
 extern "C" int32_t ts_fused_candidates(int32_t kernel) { return cands_per_part(kernel); }
 
+static_assert(TS_FUSED_MAX_TOP_K + 1 == kCand, "a top-k row's cut lies inside its kCand candidates");
+
+extern "C" int32_t ts_fused_preferred(int64_t num_rows, int32_t filtered) {
+  constexpr int64_t kMaxRows = 128, kMaxFilteredRows = 64;
+  return num_rows > 0 && num_rows <= (filtered ? kMaxFilteredRows : kMaxRows);
+}
+
 extern "C" int ts_fused_partials(const TsLmHead* head, const void* states, int64_t num_rows, const TsRows* rows,
                                  const TsFusedPlan* plan, int32_t want_sum1, void* scratch, void* stream) {
   static_assert(sizeof(Partial) == TS_FUSED_PARTIAL_BYTES, "fused.h gives the size of a partial result");

@@ -66,6 +66,14 @@ typedef struct {
 TsFusedPlan ts_fused_plan(int64_t num_rows, int64_t dim, int64_t vocab, int32_t num_sms, int32_t max_smem,
                           int32_t filtered);
 
+/* The route of a hidden-state batch of num_rows rows (`filtered`: some sampled row has top-k, top-p or min-p): 1 when
+ * the backend sends it to the fused kernel, 0 when cuBLAS into fp32 logits + the logits kernels (routes.h) is faster.
+ * By measurement on an H200 (docs/design/fused-lm-head.md): the fused kernel up to one streaming batch tile (128
+ * rows), up to 64 rows when filtered, where the candidates' epilogue beside the multiply costs more. Rows whose top-k
+ * exceeds TS_FUSED_MAX_TOP_K (k + 1 within the 64 candidates a row keeps) take the logits path whatever B. */
+enum { TS_FUSED_MAX_TOP_K = 63 };
+int32_t ts_fused_preferred(int64_t num_rows, int32_t filtered);
+
 /* Samples num_rows hidden states [num_rows, dim] (the weight's dtype, 16-byte aligned rows) with the
  * per-row parameters `rows` (its `rows` work list must be NULL): ts_fused_partials, then ts_fused_finish. */
 int ts_fused_sample(const TsLmHead* head, const void* states, int64_t num_rows, const TsRows* rows,

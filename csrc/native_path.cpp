@@ -370,11 +370,14 @@ bool NativePath::validate(const Parsed& q, const RegionMapping* region, Prepared
 
   // ---- validation/sample.py _seeds and the per-row columns (backends/cuda.py _Stage)
   const size_t b = static_cast<size_t>(num_rows);
-  p.seeds.resize(b);
+#define TS_SIZE(type, name) p.name.resize(b);
+  TS_ROW_PARAMS(TS_SIZE)
+#undef TS_SIZE
+  auto* seeds = reinterpret_cast<uint64_t*>(p.seed.data());  // the seed's bits, as the wire carries them
   if (seed.given()) {
     size_t missing = 0;
     for (size_t r = 0; r < b; ++r) {
-      p.seeds[r] = seed.at(static_cast<int64_t>(r), 0);
+      seeds[r] = seed.at(static_cast<int64_t>(r), 0);
       missing += !q.has_seed.empty() && !q.has_seed[r];
     }
     if (missing) {  // fresh seeds for the rows without one, in row order
@@ -382,21 +385,19 @@ bool NativePath::validate(const Parsed& q, const RegionMapping* region, Prepared
       random_words(fresh.data(), missing);
       size_t next = 0;
       for (size_t r = 0; r < b; ++r)
-        if (!q.has_seed[r]) p.seeds[r] = fresh[next++];
+        if (!q.has_seed[r]) seeds[r] = fresh[next++];
     }
   } else {
-    random_words(p.seeds.data(), b);
+    random_words(seeds, b);
   }
-  p.positions.resize(b), p.iterations.resize(b), p.temperature.resize(b), p.top_p.resize(b), p.min_p.resize(b),
-      p.top_k.resize(b);
   for (size_t r = 0; r < b; ++r) {
     const int64_t row = static_cast<int64_t>(r);
     const float t = float_of(temperature.at(row, 0x3F800000u));  // default 1.0
     int32_t k = static_cast<int32_t>(static_cast<uint32_t>(top_k.at(row, 0)));
     if (k < 0 || k >= vocab) k = 0;  // -1 and 0 disable; k >= V keeps every token
     const float top = float_of(top_p.at(row, 0x3F800000u)), floor = float_of(min_p.at(row, 0u));
-    p.positions[r] = static_cast<int64_t>(position.at(row, 0));
-    p.iterations[r] = static_cast<int64_t>(iteration.at(row, 0));
+    p.position[r] = static_cast<int64_t>(position.at(row, 0));
+    p.iteration[r] = static_cast<int64_t>(iteration.at(row, 0));
     p.temperature[r] = t, p.top_p[r] = top, p.min_p[r] = floor, p.top_k[r] = k;
     ++p.rows_by_mode[t == 0.f ? kGreedy : k > 0 ? kTopK : top < 1.f ? kTopP : floor > 0.f ? kMinP : kGumbel];
   }
@@ -487,13 +488,6 @@ void NativePath::launch_rows(const std::vector<const PreparedRequest*>& requests
   grow_host(host_stage_, layout.bitmask_row);
   grow_device(dev_stage_, layout.bitmask_row, false);
   char* host = static_cast<char*>(host_stage_.ptr);
-  auto* seeds = reinterpret_cast<uint64_t*>(host + layout.seed);
-  auto* positions = reinterpret_cast<int64_t*>(host + layout.position);
-  auto* iterations = reinterpret_cast<int64_t*>(host + layout.iteration);
-  auto* temperature = reinterpret_cast<float*>(host + layout.temperature);
-  auto* top_p = reinterpret_cast<float*>(host + layout.top_p);
-  auto* min_p = reinterpret_cast<float*>(host + layout.min_p);
-  auto* top_k = reinterpret_cast<int32_t*>(host + layout.top_k);
   auto* row_start = per_row_start ? reinterpret_cast<int64_t*>(host + layout.row_start) : nullptr;
   uintptr_t first_row = 0;  // the address TsLogits.data holds; rows start past it (or before it) by row_start
   size_t row = 0, carried_at = 0;
@@ -513,9 +507,9 @@ void NativePath::launch_rows(const std::vector<const PreparedRequest*>& requests
       if (row == 0) first_row = at;
       // every address is a multiple of the item size (validate(), align16), so the difference divides
       if (row_start) row_start[row] = static_cast<int64_t>(at - first_row) / static_cast<int64_t>(itemsize);
-      seeds[row] = p->seeds[r], positions[row] = p->positions[r], iterations[row] = p->iterations[r];
-      temperature[row] = p->temperature[r], top_p[row] = p->top_p[r], min_p[row] = p->min_p[r];
-      top_k[row] = p->top_k[r];
+#define TS_STAGE(type, name) reinterpret_cast<type*>(host + layout.name)[row] = p->name[r];
+      TS_ROW_PARAMS(TS_STAGE)
+#undef TS_STAGE
     }
   }
 
@@ -584,7 +578,7 @@ std::string NativePath::encode(const PreparedRequest& p, const int64_t* tokens, 
   wire::Writer response;
   response.reserve(4 * b + 12 * b + 64 + p.request_id.size());
   response.message_field(1, tensor);
-  response.packed_varints(2, p.seeds.data(), b);
+  response.packed_varints(2, p.seed.data(), b);
   response.packed_varints(6, valid.data(), b);
   response.packed_varints(7, nan.data(), b);
   wire::Writer timings;

@@ -25,6 +25,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "sampling.h"
+
 namespace tokensampler {
 
 struct RequestLimits {
@@ -55,10 +57,11 @@ struct PreparedRequest {
   int64_t num_rows = 0, vocab = 0;
   int32_t dtype_code = 0;  // sampling.h TsLogits.dtype
   uint32_t itemsize = 0;
-  std::vector<uint64_t> seeds;
-  std::vector<int64_t> positions, iterations;
-  std::vector<float> temperature, top_p, min_p;  // temperature as given: 0 in greedy rows
-  std::vector<int32_t> top_k;                    // 0: off (-1, 0 and k >= vocab)
+  // The rows' parameters (sampling.h TS_ROW_PARAMS): seeds drawn for the rows without one (their bits, as uint64 on
+  // the wire), temperature as given (0 in greedy rows), top_k 0 where off (-1, 0 and k >= vocab).
+#define TS_ROW_VECTOR(type, name) std::vector<type> name;
+  TS_ROW_PARAMS(TS_ROW_VECTOR)
+#undef TS_ROW_VECTOR
   int64_t rows_by_mode[5] = {};  // greedy, gumbel, top_k, top_p, min_p: metrics.ROW_MODES' order
   int64_t started_ns = 0, prepared_ns = 0;
 };

@@ -58,9 +58,12 @@ TsStageLayout ts_stage_layout(int64_t num_rows) {
   // int64 and the float32 ones with one copy each; the rest 16-byte aligned.
   const size_t b = static_cast<size_t>(num_rows);
   TsStageLayout s{};
-  s.seed = 0, s.position = 8 * b, s.iteration = 16 * b;
-  s.temperature = 24 * b, s.top_p = 28 * b, s.min_p = 32 * b, s.top_k = 36 * b, s.masks = 40 * b;
-  s.lists = align16(43 * b);
+  size_t at = 0;
+#define TS_PLACE(type, name) s.name = at, at += sizeof(type) * b;
+  TS_ROW_PARAMS(TS_PLACE)
+#undef TS_PLACE
+  s.masks = at;
+  s.lists = align16(s.masks + 3 * b);
   s.row_start = align16(s.lists + 12 * b);
   s.bitmask_row = align16(s.row_start + 8 * b);
   s.bitmask_words = align16(s.bitmask_row + 4 * b);
@@ -219,14 +222,12 @@ int ts_launch_plan(const TsPlan* plan, const TsCallInputs* in, const void* dev_s
   const char* stage = static_cast<const char*>(dev_stage);
   const auto* lists = reinterpret_cast<const int32_t*>(stage + layout.lists);
   auto rows_of = [&](const TsGroup& g, const TsBitmask& bitmask) {
-    return TsRows{g.first < 0 ? nullptr : lists + g.first, g.n,
-                  reinterpret_cast<const float*>(stage + layout.temperature),
-                  reinterpret_cast<const int32_t*>(stage + layout.top_k),
-                  reinterpret_cast<const float*>(stage + layout.top_p),
-                  reinterpret_cast<const float*>(stage + layout.min_p),
-                  reinterpret_cast<const int64_t*>(stage + layout.seed),
-                  reinterpret_cast<const int64_t*>(stage + layout.position),
-                  reinterpret_cast<const int64_t*>(stage + layout.iteration), bitmask};
+    TsRows r{};
+    r.rows = g.first < 0 ? nullptr : lists + g.first, r.num_work_rows = g.n, r.bitmask = bitmask;
+#define TS_POINT(type, name) r.name = reinterpret_cast<const type*>(stage + layout.name);
+    TS_ROW_PARAMS(TS_POINT)
+#undef TS_POINT
+    return r;
   };
   const TsLogits* x = &in->logits;
   auto with_sample = [](TsOutputs o, int32_t ns, int32_t sample) {

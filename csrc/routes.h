@@ -30,12 +30,12 @@ extern "C" {
 #define TS_CUT_MIN_SAMPLES_WITH_K 2
 #define TS_CUT_MIN_SAMPLES_TOP_P 8
 
-/* Byte offsets, in the stage of num_rows rows, of each per-row array. */
+/* Byte offsets, in the stage of num_rows rows, of each per-row array: the parameters first, back to back in
+ * TS_ROW_PARAMS' order (temperature as given; ts_plan makes it T_eff, 1 in greedy rows), then the planner's. */
 typedef struct {
-  size_t seed, position, iteration; /* int64 [B] */
-  size_t temperature;               /* float32 [B]: as given; ts_plan makes it T_eff (1 in greedy rows) */
-  size_t top_p, min_p;              /* float32 [B]; 1 and 0: off */
-  size_t top_k;                     /* int32 [B]; 0: off (callers map -1 and k >= V to 0) */
+#define TS_ROW_OFFSET(type, name) size_t name;
+  TS_ROW_PARAMS(TS_ROW_OFFSET)
+#undef TS_ROW_OFFSET
   size_t masks;                     /* bool [3, B]: use_filt, through, need_raw (written for log-prob calls) */
   size_t lists;                     /* int32 [3B]: the groups' row ids (ts_plan) */
   size_t row_start;                 /* int64 [B]: TsLogits.row_start, for rows gathered from anywhere */

@@ -32,16 +32,27 @@ typedef struct {
   int64_t row_words;     /* >= ceil(vocab / 32) */
 } TsBitmask;
 
+/* The per-row sampling parameters, declared once as X(type, name) (docs/semantics.md): temperature (0: greedy),
+ * top_k (0: off; callers map -1 and k >= V to 0), top_p (1: off), min_p (0: off), and the noise stream's seed,
+ * position and iteration. TsRows holds a device array of each, the route planner's stage an offset of each
+ * (routes.h TsStageLayout) and a prepared request of the native path a host vector of each (native_path.h). The
+ * 8-byte types come first, so that arrays laid out back to back in this order stay aligned. The Python side lists
+ * the same names in the same order (model/sampling.py ROW_FIELDS; tests/test_cuda_buffers.py holds the two equal). */
+#define TS_ROW_PARAMS(X) \
+  X(int64_t, seed)         \
+  X(int64_t, position)     \
+  X(int64_t, iteration)    \
+  X(float, temperature)    \
+  X(float, top_p)          \
+  X(float, min_p)          \
+  X(int32_t, top_k)
+
 typedef struct {
   const int32_t* rows;
   int32_t num_work_rows;
-  const float* temperature;
-  const int32_t* top_k; /* 0 = off */
-  const float* top_p;   /* 1 = off */
-  const float* min_p;   /* 0 = off */
-  const int64_t* seed;
-  const int64_t* position;
-  const int64_t* iteration;
+#define TS_ROW_ARRAY(type, name) const type* name;
+  TS_ROW_PARAMS(TS_ROW_ARRAY)
+#undef TS_ROW_ARRAY
   TsBitmask bitmask;
 } TsRows;
 

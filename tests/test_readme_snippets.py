@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import RunningServer, serving
+from .conftest import RunningServer, serving, start_command
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 DEFAULT_TARGET = "localhost:50051"
@@ -58,6 +58,31 @@ def test_readme_has_snippets_and_the_test_command() -> None:
     assert all(DEFAULT_TARGET in snippet for snippet in _python_snippets())
     text = README.read_text()  # .ci/run runs the line after the marker
     assert "<!-- test-command -->\n```bash\n.venv/bin/python -m pytest\n```" in text
+
+
+def _serve_command() -> tuple[str, str]:
+    """The quick start's `INSTALL && SERVE` (the line after the serve-command marker): .ci/run runs INSTALL."""
+    line = re.search(r"<!-- serve-command -->\n```bash\n(.*)\n```", README.read_text()).group(1)
+    install, serve = line.split(" && ")
+    return install, serve
+
+
+def test_the_quick_start_server_command_serves_the_readme_calls() -> None:
+    install, serve = _serve_command()
+    assert install == "./scripts/install.sh"
+    # Verbatim, from the repository's root; the environment moves it off the default port (every flag has a
+    # TOKENSAMPLER_* variable), so that it never meets another server.
+    command = shlex.split(serve)
+    command[0] = str(README.parent / command[0])
+    env = {"TOKENSAMPLER_HOST": "127.0.0.1", "TOKENSAMPLER_PORT": "0", "TOKENSAMPLER_METRICS_PORT": "0"}
+    server = start_command(command, env, 120.0)
+    try:
+        args = _cli_lines()[0]
+        done = _run(["-m", "tokensampler_client.cli", *args], server.target)
+        assert done.returncode == 0, f"tokensampler {shlex.join(args)}:\n{done.stdout}{done.stderr}"
+        assert done.stdout.strip()
+    finally:
+        assert server.stop() == 0, "\n".join(server.log)
 
 
 @pytest.mark.parametrize("index", range(len(_python_snippets())))

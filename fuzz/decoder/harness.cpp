@@ -152,7 +152,7 @@ void check_prepared(const PreparedRequest& p, const Path& path, std::string_view
     }
   }
   const size_t b = static_cast<size_t>(p.num_rows);
-  expect(p.seeds.size() == b && p.positions.size() == b && p.iterations.size() == b && p.temperature.size() == b &&
+  expect(p.seed.size() == b && p.position.size() == b && p.iteration.size() == b && p.temperature.size() == b &&
              p.top_p.size() == b && p.min_p.size() == b && p.top_k.size() == b,
          "a per-row column of another length");
   int64_t modes = 0;
@@ -163,8 +163,8 @@ void check_prepared(const PreparedRequest& p, const Path& path, std::string_view
     expect(p.top_p[r] > 0.f && p.top_p[r] <= 1.f, "a top_p outside (0, 1]");
     expect(p.min_p[r] >= 0.f && p.min_p[r] <= 1.f, "a min_p outside [0, 1]");
     expect(p.top_k[r] >= 0 && p.top_k[r] < p.vocab, "a top_k outside [0, vocab)");
-    expect(p.positions[r] >= 0 && p.positions[r] <= UINT32_MAX, "a position outside uint32");
-    expect(p.iterations[r] >= 0 && p.iterations[r] <= UINT32_MAX, "an iteration outside uint32");
+    expect(p.position[r] >= 0 && p.position[r] <= UINT32_MAX, "a position outside uint32");
+    expect(p.iteration[r] >= 0 && p.iteration[r] <= UINT32_MAX, "an iteration outside uint32");
   }
 }
 
@@ -210,7 +210,7 @@ void check_response(const PreparedRequest& p, std::string_view response) {
     }
   }
   expect(reader.ok() && tokens_seen, "a response without tokens");
-  expect(seeds == p.seeds, "the response's seeds are not the request's rows' seeds");
+  expect(seeds == std::vector<uint64_t>(p.seed.begin(), p.seed.end()), "the response's seeds are not the request's rows' seeds");
   expect(valid.size() == static_cast<size_t>(p.num_rows), "one valid flag per row");
 }
 

@@ -324,7 +324,7 @@ def test_hidden_states_through_the_fused_kernels(cuda_backend, cpu_backend, voca
     params = {"greedy": {"temperature": 0.0}, "gumbel": {"temperature": 0.8},
               "top_k_top_p": {"temperature": 1.0, "top_k": 50, "top_p": 0.9},
               "top_k_min_p": {"temperature": 1.2, "top_k": 20, "min_p": 0.05}}[mode]
-    if num_rows > cuda_fused.MAX_FILTERED_ROWS and "top_k" in mode:
+    if not cuda_fused.fused_is_faster(num_rows, "top_k" in mode, torch.cuda.current_device()):
         pytest.skip("filtered batches of this size take cuBLAS and the logits kernels")
     head = _head(vocab, 896, seed=vocab)
     hidden = (torch.randn(num_rows, 896, generator=torch.Generator().manual_seed(num_rows)) * 4).to(torch.bfloat16)

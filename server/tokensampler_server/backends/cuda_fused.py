@@ -19,22 +19,16 @@ from tokensampler_server.backends.cuda_buffers import FLAG_UNSETTLED, row_states
 from tokensampler_server.backends.cuda_build import load_kernels
 from tokensampler_server.backends.cuda_kernels import DTYPE_CODES, RowParams, stream_address
 
-MAX_TOP_K = 63
-"""The largest top-k the fused kernel takes: k + 1 <= its 64 candidates per row (the cut is then inside)."""
-MAX_ROWS = 128
-"""The largest batch tile of the streaming kernel, and the most rows the backend sends it without filters. Beyond it
-the kernel passes over W once per tile and cuBLAS into fp32 logits + the logits kernels is faster
-(benchmarks/results/fused-*.json, H200)."""
-MAX_FILTERED_ROWS = 64
-"""The most rows the backend sends the streaming kernel when a row has top-k/top-p/min-p: at 128 rows its candidate
-epilogue is slower than cuBLAS + the logits kernels (docs/design/fused-lm-head.md)."""
+def fused_is_faster(num_rows: int, filtered: bool, device_index: int) -> bool:
+    """Which path the backend takes for a hidden-state batch (`filtered`: some sampled row has top-k/top-p/min-p):
+    the fused kernel, or cuBLAS into fp32 logits + the logits kernels. The route planner decides it, by
+    measurement (csrc/fused.h ts_fused_preferred, docs/design/fused-lm-head.md)."""
+    return bool(load_kernels(device_index).fused_preferred(num_rows, filtered))
 
 
-def fused_is_faster(num_rows: int, filtered: bool) -> bool:
-    """Which path the backend takes, by measurement (docs/design/fused-lm-head.md, H200): the streaming fused
-    kernel for batches of one batch tile (top-k 50 + top-p 0.9 with log-probs: 313-333 µs at B = 1-64; cuBLAS into
-    fp32 logits + the logits kernels 312-347), for filtered batches up to 64 rows."""
-    return num_rows <= (MAX_FILTERED_ROWS if filtered else MAX_ROWS)
+def max_top_k(device_index: int) -> int:
+    """The largest top-k the fused kernel takes: k + 1 within the candidates it keeps a row (csrc/fused.h)."""
+    return load_kernels(device_index).FUSED_MAX_TOP_K
 
 
 _DTYPES = {dtype: code for dtype, code in DTYPE_CODES.items() if dtype != torch.float32}  # the head's dtypes
@@ -161,9 +155,9 @@ def unsupported_reason(batch: SamplingBatch) -> str | None:
     if weight.data_ptr() % 16:  # a weight at an odd offset of a region: the copy engine reads 16-byte units
         return "fused_alignment"
     filtered = has_filters(batch)
-    if not fused_is_faster(batch.num_rows, filtered):
+    if not fused_is_faster(batch.num_rows, filtered, weight.device.index):
         return "fused_slower"
-    reason = request_unsupported_reason(batch)
+    reason = request_unsupported_reason(batch, weight.device.index)
     if reason is not None:
         return reason
     vocab = hidden.lm_head.finish.vocab_size
@@ -172,8 +166,9 @@ def unsupported_reason(batch: SamplingBatch) -> str | None:
     return None
 
 
-def request_unsupported_reason(batch: SamplingBatch) -> str | None:
-    """What of the request itself (not its head or batch size) the fused kernel does not take, or None."""
+def request_unsupported_reason(batch: SamplingBatch, device_index: int) -> str | None:
+    """What of the request itself (not its head or batch size) the fused kernel of GPU `device_index` does not
+    take, or None."""
     processing = batch.processing
     if processing is not None and processing.without_bitmask() is not None:
         return "fused_processing"  # the kernel applies a token bitmask, no other processing
@@ -182,7 +177,7 @@ def request_unsupported_reason(batch: SamplingBatch) -> str | None:
     if batch.top_logprobs > 0 or (batch.return_logprobs and (batch.logprobs_mode is not LogprobsMode.RAW or masked)):
         return "fused_logprobs"
     sampled = batch.temperature > 0
-    if bool((sampled & (batch.top_k > MAX_TOP_K)).any()):
+    if bool((sampled & (batch.top_k > max_top_k(device_index))).any()):
         return "fused_top_k"
     unfiltered = sampled & (batch.top_k == 0) & (batch.top_p >= 1) & (batch.min_p <= 0)
     if batch.num_samples > 1 and bool(unfiltered.any()):

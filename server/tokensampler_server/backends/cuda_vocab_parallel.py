@@ -257,7 +257,7 @@ class VocabParallelHead:
         if plan is None:
             return False
         per_part = cuda_fused.candidates_per_part(plan, self.main.index)
-        staged = len(self._shards) * plan.vocab_ctas * per_part * 8 if per_part > cuda_fused.MAX_TOP_K else 0
+        staged = len(self._shards) * plan.vocab_ctas * per_part * 8 if per_part > cuda_fused.max_top_k(self.main.index) else 0
         return staged <= torch.cuda.get_device_properties(self.main).shared_memory_per_block_optin
 
     def _make_buffers(self, num_rows: int, dim: int, filtered: bool) -> _CallBuffers:
@@ -297,7 +297,7 @@ class VocabParallelHead:
         states = batch.hidden.states
         filtered = cuda_fused.has_filters(batch)
         # Each path checks the group first: after a failure, a copy to a device still busy with it would not end.
-        if (states.dtype != self.dtype or cuda_fused.request_unsupported_reason(batch) is not None
+        if (states.dtype != self.dtype or cuda_fused.request_unsupported_reason(batch, self.main.index) is not None
                 or not self._fused_takes(batch.num_rows, states.shape[1], filtered)):
             with self.group.lock:
                 self.group.ready()

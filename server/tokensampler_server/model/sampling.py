@@ -160,8 +160,9 @@ class HiddenInput:
     lm_head: RegisteredWeight
 
 
-ROW_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "position", "iteration")
-"""The per-row parameters of docs/semantics.md that every workload which samples reads."""
+ROW_FIELDS = ("seed", "position", "iteration", "temperature", "top_p", "min_p", "top_k")
+"""The per-row parameters of docs/semantics.md that every workload which samples reads, in the kernels' order
+(csrc/sampling.h TS_ROW_PARAMS): the bindings take their device addresses in this order."""
 
 
 @dataclass(frozen=True, kw_only=True)
