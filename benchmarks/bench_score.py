@@ -5,7 +5,7 @@
 Times, in one process on the same inputs (V = 151936, bf16 hidden states and head, D = 4096):
 - from hidden states, N = B·T positions (RAW log-probs of the given tokens, and with the entropy): tokensampler's
   scoring on the CUDA backend (workloads/score_cuda.py: matmul blocks of CHUNK_BYTES read by the scoring kernel;
-  at the largest N also with other block sizes, methods tokensampler_chunk_<MiB>) and the torch reference that
+  also with other block sizes, methods tokensampler_chunk_<MiB>) and the torch reference that
   walks the vocabulary a slice at a time (workloads/score.py, tokensampler_torch_slices), against cuBLAS's matmul
   alone of the same shapes and torch's matmul + log_softmax + gather, with the peak extra memory of each (bytes
   allocated beyond the inputs);
@@ -36,8 +36,8 @@ from tokensampler_server.workloads.score_cuda import CHUNK_BYTES, ScoreKernels, 
 V, D = 151936, 4096
 HIDDEN_POSITIONS = [512, 4096]
 LOGITS_POSITIONS = [64, 1024]
-CHUNK_SWEEP_MIB = [8, 32, 64]
-"""Other matmul block sizes timed at the largest N, beside CHUNK_BYTES."""
+CHUNK_SWEEP_MIB = [8, 32, 64, 128, 256]
+"""Other matmul block sizes timed at every N, beside CHUNK_BYTES."""
 
 
 def _raw_scoring(tokens: torch.Tensor, entropy: bool) -> TokenScoring:
@@ -96,8 +96,7 @@ def hidden_rows(n: int, gen: torch.Generator) -> list[dict]:
 
     raw = _raw_scoring(tokens, entropy=False)
     rows += [kernel_row("tokensampler", raw), kernel_row("tokensampler_entropy", _raw_scoring(tokens, entropy=True))]
-    if n == max(HIDDEN_POSITIONS):
-        rows += [kernel_row(f"tokensampler_chunk_{mib}MiB", raw, mib << 20) for mib in CHUNK_SWEEP_MIB]
+    rows += [kernel_row(f"tokensampler_chunk_{mib}MiB", raw, mib << 20) for mib in CHUNK_SWEEP_MIB]
     rows.append(_row("tokensampler_torch_slices", "hidden", n, lambda: score_tokens(source, raw, device)))
     return rows
 
