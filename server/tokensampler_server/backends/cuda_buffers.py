@@ -21,14 +21,16 @@ def row_states(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (flags & FLAG_INVALID) == 0, (flags & FLAG_NAN) != 0
 
 
-def grown(t: torch.Tensor, numel: int, *, zeroed: bool = False, double: bool = True) -> torch.Tensor:
+def grown(t: torch.Tensor, numel: int, *, zeroed: bool = False, double: bool = True,
+          pinned: bool = False) -> torch.Tensor:
     """`t` while it holds `numel` elements, else a new buffer of its dtype and device, zeroed when asked (for the
-    kernels' counters and histograms, which they leave zeroed): grown on demand, never shrunk, and to twice the
-    old size where `double`, so that a need that creeps up reallocates rarely."""
+    kernels' counters and histograms, which they leave zeroed), in pinned host memory when `pinned` (a buffer that
+    uploads run from): grown on demand, never shrunk, and to twice the old size where `double`, so that a need that
+    creeps up reallocates rarely."""
     if t.numel() >= numel:
         return t
     size = max(numel, 2 * t.numel()) if double else numel
-    return (torch.zeros if zeroed else torch.empty)(size, dtype=t.dtype, device=t.device)
+    return (torch.zeros if zeroed else torch.empty)(size, dtype=t.dtype, device=t.device, pin_memory=pinned)
 
 
 def _align(offset: int, alignment: int = _ALIGN) -> int:

@@ -31,7 +31,7 @@ class LocalSamplerKernels:
         self._device = device
         self._scratch = torch.empty(0, dtype=torch.uint8, device=device)
         self._zeroed = torch.zeros(0, dtype=torch.uint8, device=device)
-        self._host_rows = torch.empty(0, dtype=torch.uint8)  # pinned once grown
+        self._host_rows = torch.empty(0, dtype=torch.uint8)  # pinned once grown (grown(pinned=True))
         self._dev_rows = torch.empty(0, dtype=torch.uint8, device=device)
 
     def _workspace(self, num_rows: int, vocab: int) -> tuple[int, int]:
@@ -53,10 +53,8 @@ class LocalSamplerKernels:
         if any(column.numel() != num_rows for column in columns):
             raise ValueError(f"truncation: {num_rows} values a column expected, one per row of x")
         nbytes = self._module.local_rows_bytes(num_rows)
-        if self._host_rows.numel() < nbytes:
-            size = max(nbytes, 2 * self._host_rows.numel(), 4096)
-            self._host_rows = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-            self._dev_rows = torch.empty(size, dtype=torch.uint8, device=self._device)
+        self._host_rows = grown(self._host_rows, nbytes, pinned=True)
+        self._dev_rows = grown(self._dev_rows, nbytes)
         scratch, zeroed = self._workspace(num_rows, vocab)
         self._module.local_samplers(x.data_ptr(), num_rows, vocab, [c.data_ptr() for c in columns],
                                     self._host_rows.data_ptr(), self._dev_rows.data_ptr(), scratch, zeroed,
