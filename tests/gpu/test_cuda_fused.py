@@ -76,6 +76,17 @@ def _near_tie_rows(logits: torch.Tensor, gap: float = 1e-3) -> torch.Tensor:
     return (top2[:, 0] - top2[:, 1]) < gap
 
 
+def test_the_route_planner_sends_batches_of_one_tile_to_the_fused_kernel() -> None:
+    """csrc/fused.h ts_fused_preferred: the fused kernel up to one 128-row tile, 64 rows when a row has a filter
+    (cuBLAS + the logits kernels beyond, docs/design/fused-lm-head.md), and top-k up to its 63."""
+    cuda_fused = _fused()
+    device = torch.cuda.current_device()
+    unfiltered = [cuda_fused.fused_is_faster(b, False, device) for b in (1, 64, 65, 128, 129, 256)]
+    filtered = [cuda_fused.fused_is_faster(b, True, device) for b in (1, 63, 64, 65, 128)]
+    assert unfiltered == [True] * 4 + [False] * 2 and filtered == [True] * 3 + [False] * 2
+    assert cuda_fused.max_top_k(device) == 63
+
+
 @pytest.mark.parametrize("dim", [64, 896, 4096, 8192])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_fused_matches_the_reference(cuda_backend, dim: int, mode: str) -> None:
