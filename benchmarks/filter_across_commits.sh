@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds benchmarks/filter_one_row.cu against csrc/ of each commit given (the working tree's for "."), then, where a
-# GPU answers, runs each in turn for ROUNDS rounds at B rows (spiky rows): the logits kernels' top-p route followed
-# across commits, with nothing else of the tree in the way.
+# Builds benchmarks/filter_one_row.cu against csrc/ of each commit given (the working tree's for "."), then, unless
+# --build-only (which needs no GPU), runs each in turn for ROUNDS rounds at B spiky rows: ts_stats + ts_filter,
+# the route the planner gives top-p alone below TS_FRONTIER_MIN_ROWS rows (32; from there it takes the frontier),
+# followed across commits with nothing else of the tree in the way.
 #   benchmarks/filter_across_commits.sh [-b B] [-r ROUNDS] [--build-only] REV...
 set -euo pipefail
 cd "$(dirname "$0")/.."
