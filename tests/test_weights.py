@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -280,9 +281,9 @@ def test_a_file_cut_short_while_it_is_read_is_refused_and_faults_nothing(tmp_pat
     (b"[1, 2]", "not an object"),
     (b"\xff\xfe", "not JSON"),
     (b'{"lm_head.weight": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 8]}}', "data takes 8 bytes"),
-    (b'{"lm_head.weight": {"dtype": "F32", "shape": [2], "data_offsets": [0, 800]}}', "data takes 800 bytes"),
+    (b'{"lm_head.weight": {"dtype": "F32", "shape": [1, 2], "data_offsets": [0, 800]}}', "data takes 800 bytes"),
     (b'{"lm_head.weight": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}', "malformed entry"),
-    (b'{"lm_head.weight": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}', "ends past the file"),
+    (b'{"lm_head.weight": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}', "ends past the file"),
 ])
 def test_malformed_safetensors_headers_are_refused_by_field(tmp_path: Path, header, words: str) -> None:
     if isinstance(header, int):
@@ -292,6 +293,18 @@ def test_malformed_safetensors_headers_are_refused_by_field(tmp_path: Path, head
     with pytest.raises(InvalidArgument) as raised:
         _read_file(tmp_path, "m.safetensors")
     assert raised.value.field == "path" and words in raised.value.message, raised.value.message
+
+
+@pytest.mark.parametrize("shape", [[4], [2, 2, 1], [2**62, 2**62, 0]])
+def test_a_file_tensor_of_another_rank_is_refused_before_it_is_shaped(tmp_path: Path, shape: list[int]) -> None:
+    # [2^62, 2^62, 0] holds 0 bytes, as its offsets say, but no tensor can take its shape (int64 overflow).
+    size = 4 * shape[0] * (shape[1] if len(shape) > 1 else 1) * (shape[2] if len(shape) > 2 else 1)
+    entry = {"dtype": "F32", "shape": shape, "data_offsets": [0, size]}
+    header = json.dumps({"lm_head.weight": entry}).encode()
+    (tmp_path / "m.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(size))
+    with pytest.raises(InvalidArgument) as raised:
+        _read_file(tmp_path, "m.safetensors")
+    assert raised.value.field == "tensor" and "expected a [V, D] float tensor" in raised.value.message
 
 
 def test_unregister_waits_for_requests_in_flight() -> None:

@@ -100,8 +100,8 @@ def _open_directory(name: str, parent: int) -> int:
 
 def read_safetensor(fd: int, relative: str, tensor: str, max_bytes: int) -> torch.Tensor:
     """Tensor `tensor` of the safetensors file open at `fd` (named `relative` in messages), read into memory: a
-    float32, bfloat16 or float16 tensor of at most max_bytes. INVALID_ARGUMENT for a file that is not safetensors or
-    a tensor of another dtype or too large, NOT_FOUND for a tensor it does not hold, FAILED_PRECONDITION for a
+    float32, bfloat16 or float16 tensor [V, D] of at most max_bytes. INVALID_ARGUMENT for a file that is not
+    safetensors or a tensor of another dtype, rank or size, NOT_FOUND for a tensor it does not hold, FAILED_PRECONDITION for a
     file that changed while it was read."""
     try:
         size = os.fstat(fd).st_size
@@ -160,7 +160,8 @@ def _entry(entry: dict, relative: str, tensor: str) -> tuple[torch.dtype, list[i
             or not 0 <= offsets[0] <= offsets[1]):
         raise InvalidArgument("path", f"could not read {relative} as safetensors: a malformed entry for {tensor!r}")
     dtype = _DTYPES.get(name)
-    if dtype is None:
+    # Two dimensions before any reshape: torch refuses a shape whose sizes overflow int64 however few bytes it holds.
+    if dtype is None or len(shape) != 2:
         raise InvalidArgument("tensor", f"{tensor!r} is {name} {shape}, expected a [V, D] float tensor")
     if math.prod(shape) * dtype.itemsize != offsets[1] - offsets[0]:
         raise InvalidArgument("path", f"could not read {relative} as safetensors: {tensor!r} is {name} {shape}, "

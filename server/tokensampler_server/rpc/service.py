@@ -283,8 +283,6 @@ class SamplerService(pb_grpc.SamplerServicer):
             weight = read_safetensor(fd, request.path, request.tensor, self._limits.max_weight_bytes)
         finally:
             os.close(fd)
-        if weight.dim() != 2:
-            raise InvalidArgument("tensor", f"{request.tensor!r} is {weight.dtype} {list(weight.shape)}, expected a [V, D] float tensor")
         finish = finish_from_options(request.options, int(weight.shape[0]))
         return self._registry.register(request.name, weight, finish, sha256_hex(weight))
 
