@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 
 import grpc
@@ -16,10 +17,11 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.tensors import encode_tensor
 from tokensampler_server.core.budget import ByteBudget
 from tokensampler_server.core.errors import InvalidArgument, ServiceError
+from tokensampler_server.core.request_context import raise_if_abandoned
 from tokensampler_server.resources.weight_files import MAX_HEADER_BYTES, open_weights_file, read_safetensor
-from tokensampler_server.resources.weights import LogitsFinish, WeightRegistry, check_finish
+from tokensampler_server.resources.weights import LogitsFinish, RegisteredWeight, WeightRegistry, check_finish
 from tokensampler_server.resources.refcounted import MAX_NAME_BYTES
-from tokensampler_server.rpc.weights_rpc import read_upload, upload_budget
+from tokensampler_server.rpc.weights_rpc import read_upload, registered_off_loop, upload_budget
 
 from .polling import wait_until_async
 
@@ -399,9 +401,9 @@ def test_a_weight_joins_its_region_before_its_name_is_visible() -> None:
     real_add = registry._weights.add
     seen = []
 
-    def add(name, entry):  # noqa: ANN001, ANN202
+    def add(name, entry, **kwargs):  # noqa: ANN001, ANN003, ANN202
         seen.append(entry in region.weights)
-        return real_add(name, entry)
+        return real_add(name, entry, **kwargs)
 
     registry._weights.add = add
     entry = registry.register("head", torch.randn(4, 2), LogitsFinish(vocab_size=4), "", region=region)
@@ -409,3 +411,58 @@ def test_a_weight_joins_its_region_before_its_name_is_visible() -> None:
     with pytest.raises(ServiceError):
         registry.register("head", torch.randn(4, 2), LogitsFinish(vocab_size=4), "", region=region)
     assert region.weights == {entry}
+
+
+def test_a_registration_holds_its_name_from_before_its_work_and_its_slot_too() -> None:
+    registry = WeightRegistry(torch.device("cpu"), max_weights=2)
+    started, finish = threading.Event(), threading.Event()
+    refused = []
+
+    def slow() -> RegisteredWeight:
+        started.set()
+        finish.wait(10)
+        raise_if_abandoned()
+        return registry.register("head", torch.randn(4, 2), LogitsFinish(vocab_size=4), "", reserved=True)
+
+    async def scenario() -> None:
+        first = asyncio.ensure_future(registered_off_loop(registry, "head", slow))
+        await asyncio.to_thread(started.wait, 10)
+        with pytest.raises(ServiceError) as raised:  # the same name, refused before any work of its own
+            await registered_off_loop(registry, "head", slow, on_refused=lambda: refused.append(True))
+        assert raised.value.code == grpc.StatusCode.ALREADY_EXISTS and "being registered" in raised.value.message
+        registry.register("other", torch.randn(4, 2), LogitsFinish(vocab_size=4), "")
+        with pytest.raises(ServiceError) as raised:  # the reservation takes one of the two slots
+            registry.check_free("third")
+        assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        finish.set()
+        assert (await first).name == "head"
+
+    asyncio.run(scenario())
+    assert refused == [True] and sorted(entry.name for entry in registry.list()) == ["head", "other"]
+
+
+def test_a_registration_whose_caller_has_gone_registers_nothing() -> None:
+    registry = WeightRegistry(torch.device("cpu"))
+    started, finish, ended = threading.Event(), threading.Event(), threading.Event()
+
+    def slow() -> RegisteredWeight:
+        started.set()
+        finish.wait(10)
+        try:
+            raise_if_abandoned()
+            return registry.register("head", torch.randn(4, 2), LogitsFinish(vocab_size=4), "", reserved=True)
+        finally:
+            ended.set()
+
+    async def scenario() -> None:
+        call = asyncio.ensure_future(registered_off_loop(registry, "head", slow))
+        await asyncio.to_thread(started.wait, 10)
+        call.cancel()  # what grpc.aio does to a handler whose deadline passed or whose client cancelled
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        finish.set()
+        await asyncio.to_thread(ended.wait, 10)
+
+    asyncio.run(scenario())
+    assert registry.list() == []
+    registry.check_free("head")  # the name is free again: a retry registers

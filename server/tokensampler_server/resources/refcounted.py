@@ -56,18 +56,37 @@ class RefCountedRegistry(Generic[T]):
         self._items: dict[str, T] = {}
         self._leaving: dict[str, T] = {}
         """Items whose removal waits for their holders, by name."""
+        self._reserved: set[str] = set()
+        """Names a registration has taken before its long work (reading, checking a weight), until it adds or gives
+        up: a second registration of the name is refused at once instead of doing the same work for nothing."""
         self._holds: dict[int, int] = {}
         """Holds per item, by id: ids are unique while the item is here, and the dict keeps it alive."""
         self._lock = threading.Lock()
 
-    def add(self, name: str, item: T) -> T:
-        """Makes `item` usable under `name` (ALREADY_EXISTS if taken, RESOURCE_EXHAUSTED past the cap)."""
+    def add(self, name: str, item: T, *, reserved: bool = False) -> T:
+        """Makes `item` usable under `name` (ALREADY_EXISTS if taken, RESOURCE_EXHAUSTED past the cap); `reserved`:
+        the caller holds the name's reservation (`reserve`), which this ends."""
         check_name(name, self._kind)
         with self._lock:
+            if reserved:
+                self._reserved.remove(name)
             self._refuse_locked(name)
             self._items[name] = item
             self._holds[id(item)] = 0
         return item
+
+    def reserve(self, name: str) -> None:
+        """Takes `name` for a registration about to do long work (raising what `add` would raise now); `add(...,
+        reserved=True)` or `unreserve` ends it, on any thread."""
+        check_name(name, self._kind)
+        with self._lock:
+            self._refuse_locked(name)
+            self._reserved.add(name)
+
+    def unreserve(self, name: str) -> None:
+        """Gives up a reservation that `add` did not end; nothing if it did."""
+        with self._lock:
+            self._reserved.discard(name)
 
     def check_free(self, name: str) -> None:
         """Raises what `add` would raise for `name` now, without adding: lets a long registration be refused
@@ -77,10 +96,12 @@ class RefCountedRegistry(Generic[T]):
             self._refuse_locked(name)
 
     def _refuse_locked(self, name: str) -> None:
-        if name in self._items or name in self._leaving:
-            state = "being unregistered" if name in self._leaving else "already registered"
+        if name in self._items or name in self._leaving or name in self._reserved:
+            state = ("being unregistered" if name in self._leaving else "being registered" if name in self._reserved
+                     else "already registered")
             raise ServiceError(f"name: a {self._kind} named {name!r} is {state}", grpc.StatusCode.ALREADY_EXISTS)
-        if self._max_items is not None and len(self._items) + len(self._leaving) >= self._max_items:
+        taken = len(self._items) + len(self._leaving) + len(self._reserved)
+        if self._max_items is not None and taken >= self._max_items:
             raise ServiceError(
                 f"name: {self._max_items} {self._kind}s are registered, the server's limit; unregister one first",
                 grpc.StatusCode.RESOURCE_EXHAUSTED)

@@ -134,6 +134,7 @@ def check_finite_weight(weight: torch.Tensor, field: str) -> None:
     check holds at most ~64 MiB of flags."""
     rows = max(1, (1 << 26) // weight.shape[1])
     for start in range(0, weight.shape[0], rows):
+        raise_if_abandoned()  # a registration whose caller has gone stops here (rpc/weights_rpc.py)
         finite = torch.isfinite(weight[start:start + rows]).all(dim=1)
         if not bool(finite.all()):
             row = start + int(torch.argmin(finite.to(torch.uint8)))
@@ -187,10 +188,12 @@ class WeightRegistry:
         return self._device
 
     def register(
-        self, name: str, weight: torch.Tensor, finish: LogitsFinish, sha256: str, region: Region | None = None
+        self, name: str, weight: torch.Tensor, finish: LogitsFinish, sha256: str, region: Region | None = None, *,
+        reserved: bool = False
     ) -> RegisteredWeight:
         """Makes a complete, verified weight usable under `name` (ALREADY_EXISTS if taken). A weight that
-        lies in `region` on this registry's device is used in place, not copied."""
+        lies in `region` on this registry's device is used in place, not copied. `reserved`: the caller holds the
+        name's reservation (`reserve`)."""
         if weight.dtype not in WEIGHT_DTYPES or weight.dim() != 2:
             raise InvalidArgument("weight", f"got {weight.dtype} {list(weight.shape)}, expected a [V, D] float tensor")
         check_weight_shape(tuple(weight.shape), "weight.shape")
@@ -200,10 +203,11 @@ class WeightRegistry:
         entry = RegisteredWeight(name=name, weight=placed, finish=replace(finish, bias=bias), sha256=sha256, region=region)
         # The region first: an unregister of the name that lands right after `add` lets the entry leave the region,
         # and an entry added to it after that would keep the region from being unregistered for good.
+        raise_if_abandoned()  # the last moment a caller that has gone keeps the name free
         if region is not None:
             region.weights.add(entry)
         try:
-            self._weights.add(name, entry)
+            self._weights.add(name, entry, reserved=reserved)
         except BaseException:
             _leave_region(entry)
             raise
@@ -212,6 +216,14 @@ class WeightRegistry:
     def check_free(self, name: str) -> None:
         """What `register` would refuse of `name` now (a bad name, ALREADY_EXISTS, RESOURCE_EXHAUSTED)."""
         self._weights.check_free(name)
+
+    def reserve(self, name: str) -> None:
+        """Takes `name` (and a --max-weights slot) for a registration's long work, refused as `register` would
+        refuse it now; `register(..., reserved=True)` or `unreserve` ends it."""
+        self._weights.reserve(name)
+
+    def unreserve(self, name: str) -> None:
+        self._weights.unreserve(name)
 
     def list(self) -> list[RegisteredWeight]:
         return self._weights.items()

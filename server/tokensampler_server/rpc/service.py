@@ -40,8 +40,8 @@ from tokensampler_server.validation.workloads import (TOPK_ENTRY_BYTES, validate
                                                       validate_topk_request, validate_verify_request)
 from tokensampler_server.resources.weight_files import open_weights_file, read_safetensor
 from tokensampler_server.resources.weights import RegisteredWeight, WeightRegistry, sha256_hex
-from tokensampler_server.rpc.weights_rpc import (WIRE_DTYPES, finish_from_options, read_upload, upload_budget,
-                                                  weights_info)
+from tokensampler_server.rpc.weights_rpc import (WIRE_DTYPES, finish_from_options, read_upload, registered_off_loop,
+                                                  upload_budget, weights_info)
 
 API_VERSION = "tokensampler.v1"
 FEATURES = (
@@ -261,48 +261,44 @@ class SamplerService(pb_grpc.SamplerServicer):
     async def RegisterWeights(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.WeightsInfo:
         upload = await read_upload(request_iterator, self._limits.max_weight_bytes, self._registry.check_free,
                                    self._uploads)
-        # Registration checks every value of the weight (seconds a GiB on a CPU): off the event loop.
-        return weights_info(await asyncio.to_thread(self._registry.register, upload.name, upload.weight,
-                                                    upload.finish, upload.sha256))
+        return weights_info(await registered_off_loop(self._registry, upload.name, lambda: self._registry.register(
+            upload.name, upload.weight, upload.finish, upload.sha256, reserved=True)))
 
     async def RegisterWeightsFromFile(
         self, request: pb.RegisterWeightsFromFileRequest, context: grpc.aio.ServicerContext
     ) -> pb.WeightsInfo:
         fd = open_weights_file(self._weights_dir, request.path)  # every later read goes through it (weight_files.py)
-        try:
-            self._registry.check_free(request.name)  # a taken name is refused before the file is read
-        except BaseException:
-            os.close(fd)
-            raise
-        return weights_info(await asyncio.to_thread(self._register_file, request, fd))
+        return weights_info(await registered_off_loop(self._registry, request.name,
+                                                      lambda: self._register_file(request, fd),
+                                                      on_refused=lambda: os.close(fd)))
 
     def _register_file(self, request: pb.RegisterWeightsFromFileRequest, fd: int) -> RegisteredWeight:
-        """Reads, checks, hashes and registers a file's tensor: seconds a GiB, on a thread, which closes `fd` (a call
-        cancelled meanwhile leaves the read running)."""
+        """Reads, checks, hashes and registers a file's tensor, closing `fd`: seconds a GiB (registered_off_loop's
+        work)."""
         try:
             weight = read_safetensor(fd, request.path, request.tensor, self._limits.max_weight_bytes)
         finally:
             os.close(fd)
         finish = finish_from_options(request.options, int(weight.shape[0]))
-        return self._registry.register(request.name, weight, finish, sha256_hex(weight))
+        return self._registry.register(request.name, weight, finish, sha256_hex(weight), reserved=True)
 
     async def RegisterWeightsFromRegion(
         self, request: pb.RegisterWeightsFromRegionRequest, context: grpc.aio.ServicerContext
     ) -> pb.WeightsInfo:
         if not request.HasField("weight"):
             raise InvalidArgument("weight", "not set; expected a reference to W [V, D] in a registered region")
-        self._registry.check_free(request.name)  # a taken name is refused before the region is read
-        return weights_info(await asyncio.to_thread(self._register_region_weight, request))
+        return weights_info(await registered_off_loop(self._registry, request.name,
+                                                      lambda: self._register_region_weight(request)))
 
     def _register_region_weight(self, request: pb.RegisterWeightsFromRegionRequest) -> RegisteredWeight:
-        """Reads (a shared-memory region), checks and registers a region's weight: seconds a GiB, on a thread, which
-        holds the region while it reads (a call cancelled meanwhile must not let it go under the read)."""
+        """Reads (a shared-memory region), checks and registers a region's weight (registered_off_loop's work),
+        holding the region while it reads: the caller's going must not let the region go under the read."""
         with self._regions.use(request.weight.region, "weight.region") as region:
             weight = region.tensor(request.weight, "weight", WIRE_DTYPES, self._limits.max_weight_bytes)
             if weight.dim() != 2 or min(weight.shape) < 1:
                 raise InvalidArgument("weight.shape", f"got {list(weight.shape)}, expected [V, D] with V, D >= 1")
             finish = finish_from_options(request.options, int(weight.shape[0]))
-            return self._registry.register(request.name, weight, finish, sha256="", region=region)
+            return self._registry.register(request.name, weight, finish, sha256="", region=region, reserved=True)
 
     async def ListWeights(self, request: pb.ListWeightsRequest, context: grpc.aio.ServicerContext) -> pb.ListWeightsResponse:
         registry = self._registry

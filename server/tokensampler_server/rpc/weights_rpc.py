@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -15,7 +16,9 @@ from tokensampler_client.tensors import DTYPE_TO_TORCH, TORCH_TO_DTYPE, TensorDe
 
 from tokensampler_server.core.budget import ByteBudget
 from tokensampler_server.core.errors import InvalidArgument, ServiceError
-from tokensampler_server.resources.weights import LogitsFinish, RegisteredWeight, check_finish, check_weight_shape
+from tokensampler_server.core.request_context import current_abandoned
+from tokensampler_server.resources.weights import (LogitsFinish, RegisteredWeight, WeightRegistry, check_finish,
+                                                  check_weight_shape)
 
 WIRE_DTYPES = (pb.DTYPE_FLOAT32, pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT16)
 UPLOAD_IDLE_TIMEOUT_S = 60.0
@@ -137,3 +140,33 @@ async def _within(chunks: AsyncIterator[pb.RegisterWeightsChunk],
             raise ServiceError(f"data: no message for {timeout_s:g} s; the upload ended "
                                f"(uploads in progress hold their bytes)", grpc.StatusCode.DEADLINE_EXCEEDED) from None
         yield chunk
+
+
+async def registered_off_loop(registry: WeightRegistry, name: str, work: Callable[[], RegisteredWeight],
+                              on_refused: Callable[[], None] | None = None) -> RegisteredWeight:
+    """Runs a registration's work on a thread (reading and checking a weight, seconds a GiB on a CPU, then
+    `registry.register(name, ..., reserved=True)`) with `name` reserved from before it starts to its end: a second
+    registration of the name, or one past --max-weights, is refused at once rather than doing the same work. A
+    caller that goes away (deadline, cancel) registers nothing: the registry's checks call raise_if_abandoned,
+    which sees the call gone. `on_refused` runs when the name is refused."""
+    try:
+        registry.reserve(name)
+    except BaseException:
+        if on_refused is not None:
+            on_refused()
+        raise
+    gone = threading.Event()
+
+    def run() -> RegisteredWeight:
+        token = current_abandoned.set(gone.is_set)
+        try:
+            return work()
+        finally:
+            current_abandoned.reset(token)
+            registry.unreserve(name)  # nothing if the work registered
+
+    try:
+        return await asyncio.to_thread(run)
+    except asyncio.CancelledError:
+        gone.set()
+        raise
