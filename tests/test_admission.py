@@ -13,7 +13,7 @@ import secrets
 import signal
 import statistics
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,12 +66,15 @@ def metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 def held(server: RunningServer) -> dict[str, float | None]:
     samples = parse_samples(scrape_text(metrics_port(server)))
-    return {pool: value(samples, "tokensampler_admitted_calls", pool=pool) for pool in ("calls", "health_watchers")}
+    return {pool: value(samples, "tokensampler_admitted_calls", pool=pool)
+            for pool in ("calls", "health_watchers", "uploads")}
 
 
-async def wait_held(server: RunningServer, calls: int, watchers: int = 0, timeout: float = 20.0) -> None:
-    """Polls the metrics until the server holds `calls` service calls and `watchers` Watch streams."""
-    expected = {"calls": calls, "health_watchers": watchers}
+async def wait_held(server: RunningServer, calls: int, watchers: int = 0, timeout: float = 20.0,
+                    uploads: int = 0) -> None:
+    """Polls the metrics until the server holds `calls` service calls, `watchers` Watch streams and `uploads`
+    RegisterWeights uploads."""
+    expected = {"calls": calls, "health_watchers": watchers, "uploads": uploads}
     deadline = time.monotonic() + timeout
     while (seen := await asyncio.to_thread(held, server)) != expected:
         assert time.monotonic() < deadline, f"held {seen}, expected {expected}"
@@ -127,10 +130,10 @@ async def open_held(channel: grpc.aio.Channel, token: str | None) -> grpc.aio.St
 
 def test_limits_are_flags() -> None:
     config = parse_args(["--max-concurrent-rpcs", "9", "--max-health-watchers", "3", "--max-calls-per-client", "2",
-                         "--reclaim-idle-calls-s", "2.5"])
+                         "--reclaim-idle-calls-s", "2.5", "--max-uploads", "5"])
     assert (config.max_concurrent_rpcs, config.max_health_watchers, config.max_calls_per_client,
-            config.reclaim_idle_calls_s) == (9, 3, 2, 2.5)
-    for flag in ("--max-health-watchers", "--max-calls-per-client", "--reclaim-idle-calls-s"):
+            config.reclaim_idle_calls_s, config.max_uploads) == (9, 3, 2, 2.5, 5)
+    for flag in ("--max-health-watchers", "--max-calls-per-client", "--reclaim-idle-calls-s", "--max-uploads"):
         with pytest.raises(SystemExit):
             parse_args([flag, "-1"])
     for seconds in ("nan", "inf"):  # nan > 0 is false: it would have turned reclaiming off unsaid
@@ -170,6 +173,43 @@ def test_unauthenticated_watchers_cannot_take_the_slots_of_the_service(tmp_path:
             for call in watches:
                 call.cancel()
         assert refusals(running, "health_watchers") == 8
+
+    run_then_stop(running, run)
+
+
+def test_uploads_that_trickle_cannot_take_the_slots_of_the_service(tmp_path: Path) -> None:
+    """4 RegisterWeights uploads that send their header and then nothing, against 8 service slots and 2 upload
+    slots: 2 are held, 2 refused naming --max-uploads, and a Sample still gets through with no service slot held
+    by an upload (before: uploads kept every slot, each byte restarting their idle timer)."""
+    running = start_capped(tmp_path, calls=8, args=("--max-uploads", "2"))
+    upload = pb.RegisterWeightsChunk(name="head", dtype=pb.DTYPE_FLOAT32, shape=[4, 2])
+
+    async def run() -> None:
+        stalled = asyncio.Event()
+
+        async def header_then_nothing() -> AsyncIterator[pb.RegisterWeightsChunk]:
+            yield upload
+            await stalled.wait()
+
+        async with grpc.aio.insecure_channel(running.target) as channel:
+            method = channel.stream_unary(SAMPLER + "RegisterWeights",
+                                          request_serializer=pb.RegisterWeightsChunk.SerializeToString,
+                                          response_deserializer=pb.WeightsInfo.FromString)
+            calls = [method(header_then_nothing(), metadata=metadata(TOKENS[0])) for _ in range(4)]
+            deadline = time.monotonic() + 20
+            while sum(call.done() for call in calls) < 2:
+                assert time.monotonic() < deadline, "the uploads past the cap were not refused"
+                await asyncio.sleep(0.05)
+            done = [call for call in calls if call.done()]
+            assert len(done) == 2
+            for call in done:
+                await assert_refused(call, "--max-uploads", 2)
+            async with AsyncSamplerClient(running.target, timeout=30, retries=0, auth_token=TOKENS[0]) as client:
+                assert (await client.sample(torch.randn(2, 16), seed=[1, 2])).tokens.shape == (2, 1)
+            await wait_held(running, calls=0, uploads=2)
+            for call in calls:
+                call.cancel()
+        assert refusals(running, "uploads") == 2
 
     run_then_stop(running, run)
 
@@ -245,27 +285,28 @@ async def open_every_kind(channel: grpc.aio.Channel, timeout: float | None) -> l
 
 
 def test_slots_come_back_after_cancel_and_deadline(tmp_path: Path) -> None:
-    """3 service slots, 3 per client, 1 watcher slot, each full with one call of every kind: cancelled, then
-    past their deadline, the calls give their slots back, and the same calls are admitted again."""
-    running = start_capped(tmp_path, calls=3, watchers=1, per_client=3, args=["--max-queue-delay-us", "600000000"])
+    """2 service slots, 1 upload slot, 3 per client, 1 watcher slot, each full with one call of every kind:
+    cancelled, then past their deadline, the calls give their slots back, and the same calls are admitted again."""
+    running = start_capped(tmp_path, calls=2, watchers=1, per_client=3,
+                           args=["--max-queue-delay-us", "600000000", "--max-uploads", "1"])
 
     async def run() -> None:
         async with grpc.aio.insecure_channel(running.target) as channel:
             calls = await open_every_kind(channel, timeout=None)
-            await wait_held(running, calls=3, watchers=1)
+            await wait_held(running, calls=2, watchers=1, uploads=1)
             for call in calls:
                 call.cancel()
             await wait_held(running, calls=0, watchers=0)
 
             calls = await open_every_kind(channel, timeout=8.0)
-            await wait_held(running, calls=3, watchers=1)
+            await wait_held(running, calls=2, watchers=1, uploads=1)
             codes = await asyncio.wait_for(asyncio.gather(*(call.code() for call in calls)), 30)
             assert set(codes) == {grpc.StatusCode.DEADLINE_EXCEEDED}, codes
             await wait_held(running, calls=0, watchers=0)
 
             calls = await open_every_kind(channel, timeout=None)
-            await wait_held(running, calls=3, watchers=1)
-            await assert_refused(open_stream(channel, TOKENS[1]), "--max-concurrent-rpcs", 3)
+            await wait_held(running, calls=2, watchers=1, uploads=1)
+            await assert_refused(open_stream(channel, TOKENS[1]), "--max-concurrent-rpcs", 2)
             for call in calls:
                 call.cancel()
             await wait_held(running, calls=0, watchers=0)

@@ -100,6 +100,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     flags.value("--max-health-watchers", int, defaults.max_health_watchers,
                 "health Watch streams held at once, in a pool of their own (health is open to every caller); health "
                 "Check is not counted; 0: no limit")
+    flags.value("--max-uploads", int, defaults.max_uploads,
+                "RegisterWeights uploads held at once, in a pool of their own (an upload that trickles its chunks "
+                "never takes the Sampler's slots); 0: no limit")
     flags.value("--max-calls-per-client", int, defaults.max_calls_per_client,
                 "calls one client holds at once; a client is its bearer token, else its connection; 0: no limit")
     flags.value("--reclaim-idle-calls-s", float, defaults.reclaim_idle_calls_s,
@@ -154,7 +157,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         parser.error("--unregister-timeout-s must be greater than 0")
     if args.max_queue_delay_us < 0:
         parser.error("--max-queue-delay-us must be at least 0")
-    for name in ("max_concurrent_rpcs", "max_health_watchers", "max_calls_per_client"):
+    for name in ("max_concurrent_rpcs", "max_health_watchers", "max_uploads", "max_calls_per_client"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be at least 0")
     if not (math.isfinite(args.reclaim_idle_calls_s) and args.reclaim_idle_calls_s >= 0):
@@ -202,6 +205,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         max_queue_bytes=args.max_queue_mb * _MIB,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         max_health_watchers=args.max_health_watchers,
+        max_uploads=args.max_uploads,
         max_calls_per_client=args.max_calls_per_client,
         reclaim_idle_calls_s=args.reclaim_idle_calls_s,
         gpu_memory_fraction=args.gpu_memory_fraction,

@@ -112,9 +112,9 @@ def grpc_call_backstop(config: ServerConfig) -> int | None:
     only the calls they admit, from their handler's start. grpc counts every call from its arrival: also health
     checks, calls being refused (for their token or at a cap) and unary calls whose request is still arriving.
     Those get as much room again as the service's calls: only a flood of them reaches it."""
-    if not config.max_concurrent_rpcs or not config.max_health_watchers:
+    if not config.max_concurrent_rpcs or not config.max_health_watchers or not config.max_uploads:
         return None
-    return 2 * config.max_concurrent_rpcs + config.max_health_watchers
+    return 2 * config.max_concurrent_rpcs + config.max_health_watchers + config.max_uploads
 
 
 def _write_port_file(path: Path, port: int) -> None:
@@ -170,7 +170,7 @@ async def serve(config: ServerConfig) -> None:
     server = grpc.aio.server(interceptors=interceptors, options=grpc_options(config),
                              maximum_concurrent_rpcs=grpc_call_backstop(config))
     admission = Admission(config.max_concurrent_rpcs, config.max_health_watchers, config.max_calls_per_client,
-                          tokens, metrics, config.reclaim_idle_calls_s)
+                          tokens, metrics, config.reclaim_idle_calls_s, max_uploads=config.max_uploads)
     requests_in_progress = ByteBudget(config.max_queue_bytes, "request", "requests", "--max-queue-mb")
     registration = CallGuard(metrics, admission, tracer, requests_in_progress).registration(server)
     batcher = DynamicBatcher(

@@ -72,6 +72,11 @@ class ServerConfig:
     """Health Watch streams held at once, in a pool of their own (0: no limit). One per watching load balancer
     or client channel: a replica has a few dozen watchers at most, and the pool keeps the open health
     service from taking the slots of the Sampler's calls."""
+    max_uploads: int = 8
+    """RegisterWeights uploads held at once, in a pool of their own (0: no limit). An upload waits on its client
+    between chunks for as long as it keeps sending (each chunk restarts its idle timer), so uploads that trickle a
+    byte now and then held --max-concurrent-rpcs' every slot; in their own pool they can hold only each other's.
+    Weights are registered rarely, and uploads are bounded in bytes together by --max-weight-mb."""
     max_calls_per_client: int = 256
     """Calls one client (its accepted bearer token, else its connection) holds at once (0: no limit): a quarter of
     max_concurrent_rpcs, so that one client alone cannot take every slot from the others."""

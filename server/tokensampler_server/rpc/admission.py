@@ -1,13 +1,16 @@
 """Admission control: caps on the calls held at once, counted after authentication.
 
 The call guard (call_guard.py) admits each call as its handler starts, so a call that the bearer-token check
-refused (auth.py) never takes a slot. Three caps, each 0 for no limit:
+refused (auth.py) never takes a slot. Four caps, each 0 for no limit:
 
 - `--max-concurrent-rpcs`: calls of the Sampler service and reflection held at once; a stream holds one slot
   until it ends.
 - `--max-health-watchers`: health Watch streams, which every caller may open, in a pool of their own: they can
   never take the slots of the service's calls. Health Check is not counted: it answers at once and holds
   nothing, and a probe must get through while the watchers are full.
+- `--max-uploads`: RegisterWeights uploads, in a pool of their own: an upload waits on its client between chunks for
+  as long as the client keeps sending, so uploads that trickled a byte now and then held every slot of the service
+  (each byte restarts an upload's idle timer, and such a call is never idle long enough to be reclaimed).
 - `--max-calls-per-client`: the calls one client holds at once, of every kind counted.
 
 A call that has waited on its client for at least `--reclaim-idle-calls-s` is idle: a bidirectional stream
@@ -48,6 +51,7 @@ from tokensampler_server.core.errors import ServiceError
 from tokensampler_server.rpc.metrics import ServerMetrics
 
 WATCH_METHOD = "grpc.health.v1.Health/Watch"
+UPLOAD_METHOD = "tokensampler.v1.Sampler/RegisterWeights"
 UNCOUNTED_METHODS = frozenset({"grpc.health.v1.Health/Check"})
 """Methods that answer at once and hold no slot."""
 UNRECLAIMED_METHODS = frozenset({"tokensampler.v1.Sampler/Colocate"})
@@ -81,11 +85,12 @@ class Admission:
 
     def __init__(self, max_calls: int, max_health_watchers: int, max_calls_per_client: int,
                  tokens: BearerTokens | None = None, metrics: ServerMetrics | None = None,
-                 reclaim_idle_s: float = 0.0) -> None:
+                 reclaim_idle_s: float = 0.0, *, max_uploads: int = 0) -> None:
         """`reclaim_idle_s`: how long a call must have been idle before a new call may take its slot; 0: never."""
         self.calls = Pool("calls", "--max-concurrent-rpcs", max_calls, "calls")
         self.watchers = Pool("health_watchers", "--max-health-watchers", max_health_watchers,
                              "health Watch streams")
+        self.uploads = Pool("uploads", "--max-uploads", max_uploads, "RegisterWeights uploads")
         self._per_client = max_calls_per_client
         self._held_by: dict[bytes | str, int] = {}
         """Calls held per client; a client with none has no entry, so the dict grows only with calls held."""
@@ -95,10 +100,10 @@ class Admission:
         """Idle calls' slots, the longest idle first: since when, and what ends the call (given its idle s)."""
         self._refused: dict[str, Counter] = {}
         if metrics is not None:
-            for pool in (self.calls, self.watchers):
+            for pool in (self.calls, self.watchers, self.uploads):
                 metrics.admitted_calls.labels(pool.name).set_function(lambda pool=pool: pool.held)
             self._refused = {limit: metrics.admission_refusals.labels(limit)
-                             for limit in (self.calls.name, self.watchers.name, "calls_per_client")}
+                             for limit in (self.calls.name, self.watchers.name, self.uploads.name, "calls_per_client")}
 
     def reclaims(self, method: str) -> bool:
         """Whether an idle call of `method` may lose its slot to a new call."""
@@ -108,7 +113,7 @@ class Admission:
         """The pool `method` (full name, no leading slash) counts against; None for a method not counted."""
         if method in UNCOUNTED_METHODS:
             return None
-        pool = self.watchers if method == WATCH_METHOD else self.calls
+        pool = self.watchers if method == WATCH_METHOD else self.uploads if method == UPLOAD_METHOD else self.calls
         return pool if pool.limit or self._per_client else None
 
     def client_of(self, context: grpc.aio.ServicerContext) -> bytes | str | None:
