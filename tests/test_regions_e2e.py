@@ -13,6 +13,7 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 from tokensampler_client.params import build_sample_request
 from tokensampler_client.regions import RegionView
+from tokensampler_client.tensors import encode_tensor
 
 from .conftest import RunningServer, assert_unregister_waits, connected
 from .gated_server import GATE_SEED
@@ -187,7 +188,7 @@ def test_regions_are_off_by_default(server: RunningServer) -> None:
     assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED and "--allow-cuda-ipc" in refused.value.details()
 
 
-def test_hidden_states_in_a_region(client: SamplerClient) -> None:
+def test_hidden_states_in_a_region(client: SamplerClient, shm_server: RunningServer) -> None:
     client.register_weights("head", torch.randn(500, 32, generator=torch.Generator().manual_seed(1)))
     region = client.register_shm_region("hidden", 4 * 32 * 4)
     try:
@@ -196,6 +197,13 @@ def test_hidden_states_in_a_region(client: SamplerClient) -> None:
         by_ref = client.sample_hidden(region.view(torch.float32, (4, 32)), "head", seed=[1, 2, 3, 4])
         by_bytes = client.sample_hidden(hidden, "head", seed=[1, 2, 3, 4])
         assert torch.equal(by_ref.tokens, by_bytes.tokens)
+        # Both the states and a reference: which to sample is not the server's to guess, even where they agree.
+        both = pb.SampleRequest(hidden=pb.HiddenStates(states=encode_tensor(hidden), weights="head",
+                                                       states_ref=region.view(torch.float32, (4, 32)).ref()))
+        with grpc.insecure_channel(shm_server.target) as channel, pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.SamplerStub(channel).Sample(both, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith("hidden.states: set beside hidden.states_ref")
     finally:
         client.unregister_region(region)
         client.unregister_weights("head")

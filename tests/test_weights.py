@@ -285,6 +285,7 @@ def test_a_file_cut_short_while_it_is_read_is_refused_and_faults_nothing(tmp_pat
     (b'{"lm_head.weight": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 8]}}', "data takes 8 bytes"),
     (b'{"lm_head.weight": {"dtype": "F32", "shape": [1, 2], "data_offsets": [0, 800]}}', "data takes 800 bytes"),
     (b'{"lm_head.weight": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}', "malformed entry"),
+    (b'{"lm_head.weight": [1, 2]}', "malformed entry"),  # not a tensor's description: not a missing tensor
     (b'{"lm_head.weight": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}', "ends past the file"),
 ])
 def test_malformed_safetensors_headers_are_refused_by_field(tmp_path: Path, header, words: str) -> None:

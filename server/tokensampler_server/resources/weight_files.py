@@ -108,10 +108,13 @@ def read_safetensor(fd: int, relative: str, tensor: str, max_bytes: int) -> torc
         header_bytes = _header_length(fd, relative, size)
         header = _header(os.pread(fd, header_bytes, 8), relative)
         entry = header.get(tensor)
-        if tensor == "__metadata__" or not isinstance(entry, dict):
+        if tensor == "__metadata__" or entry is None:
             names = sorted(name for name in header if name != "__metadata__")
             raise ServiceError(f"tensor: {tensor!r} is not in {relative} (it has {names[:8]})",
                                grpc.StatusCode.NOT_FOUND)
+        if not isinstance(entry, dict):
+            raise InvalidArgument("path",
+                                  f"could not read {relative} as safetensors: a malformed entry for {tensor!r}")
         dtype, shape, begin, end = _entry(entry, relative, tensor)
         nbytes = end - begin
         if nbytes > max_bytes:

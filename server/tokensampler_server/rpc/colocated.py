@@ -126,6 +126,8 @@ class ColocatedLoops:
         else:
             if not opened.hidden.HasField("states_ref"):
                 raise InvalidArgument("open.hidden.states_ref", "not set; expected the hidden states' region")
+            if opened.hidden.HasField("states"):
+                raise InvalidArgument("open.hidden.states", "set; a loop reads its states from states_ref alone")
             head = held.enter_context(self._weights.use(opened.hidden.weights, "open.hidden.weights"))
             if head.weight.device != device:
                 raise ServiceError(f"open.hidden.weights: {opened.hidden.weights!r} is on {head.weight.device}, "

@@ -344,6 +344,8 @@ def _input(request: pb.SampleRequest, referenced: torch.Tensor | None, limits: L
     if kind == "logits":
         return "logits", _decode(request.logits, "logits", limits, "[B, V]")
     if kind == "hidden" and request.hidden.HasField("states_ref"):
+        if request.hidden.HasField("states"):  # which one would be sampled is not for the server to guess
+            raise InvalidArgument("hidden.states", "set beside hidden.states_ref; expected one of the two")
         return "hidden", _referenced(referenced, "hidden.states_ref", limits, "[B, D]")
     if kind == "hidden":
         return "hidden", _decode(request.hidden.states, "hidden.states", limits, "[B, D]")
