@@ -101,8 +101,8 @@ def _open_directory(name: str, parent: int) -> int:
 def read_safetensor(fd: int, relative: str, tensor: str, max_bytes: int) -> torch.Tensor:
     """Tensor `tensor` of the safetensors file open at `fd` (named `relative` in messages), read into memory: a
     float32, bfloat16 or float16 tensor [V, D] of at most max_bytes. INVALID_ARGUMENT for a file that is not
-    safetensors or a tensor of another dtype, rank or size, NOT_FOUND for a tensor it does not hold, FAILED_PRECONDITION for a
-    file that changed while it was read."""
+    safetensors or a tensor of another dtype, rank or size, NOT_FOUND for a tensor it does not hold,
+    FAILED_PRECONDITION for a file that changed while it was read."""
     try:
         size = os.fstat(fd).st_size
         header_bytes = _header_length(fd, relative, size)

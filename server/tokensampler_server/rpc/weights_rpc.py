@@ -42,7 +42,8 @@ def finish_from_options(options: pb.WeightOptions, padded_vocab_size: int) -> Lo
         except TensorDecodeError as err:
             raise InvalidArgument(err.field, str(err).removeprefix(f"{err.field}: ")) from None
         if not bias.is_floating_point():
-            raise InvalidArgument("options.bias.dtype", f"got {dtype_name(options.bias.dtype)}, expected float32")
+            raise InvalidArgument("options.bias.dtype",
+                                  f"got {dtype_name(options.bias.dtype)}, expected float32 (or bfloat16, float16)")
     return check_finish(
         padded_vocab_size,
         bias,
