@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
@@ -133,7 +134,7 @@ def test_a_caller_that_hangs_up_on_unread_answers_leaves_no_traceback() -> None:
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
 
 
-def test_the_client_noise_filter_demotes_only_gone_callers_and_undecodable_metadata() -> None:
+def test_the_client_noise_filter_demotes_only_gone_callers_undecodable_metadata_and_stopped_calls() -> None:
     noise = ClientNoiseFilter()
     for message, args in (("ExecuteBatchError raised in core by servicer method [%s]", ("/a/B",)),
                           ("Invalid encoding on %s", (b"\xff\xfe",))):
@@ -141,6 +142,13 @@ def test_the_client_noise_filter_demotes_only_gone_callers_and_undecodable_metad
         assert not noise.filter(record) and record.levelno == logging.DEBUG
     other = logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, "", 0, "Unexpected error in core", (), None)
     assert noise.filter(other) and other.levelno == logging.ERROR
+    # A handler grpc cancels when the server stops (an open stream past the grace period): noise. Any other
+    # exception escaping a handler is the server's own failure and stays an ERROR.
+    escaped = "Exception not handled by _handle_exceptions in servicer method [%s]"
+    for error, demoted in ((asyncio.CancelledError(), True), (RuntimeError("bug"), False)):
+        record = logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, "", 0, escaped, ("/a/B",),
+                                   (type(error), error, None))
+        assert noise.filter(record) is not demoted and (record.levelno == logging.DEBUG) is demoted
 
 
 def test_request_ids_that_are_not_printable_ascii_are_replaced_and_every_call_keeps_its_status() -> None:

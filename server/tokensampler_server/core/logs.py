@@ -6,6 +6,7 @@ is being served, every field passed with `extra=`, and the traceback as `excepti
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
@@ -48,18 +49,26 @@ class JsonFormatter(logging.Formatter):
 
 
 class ClientNoiseFilter(logging.Filter):
-    """grpc logs an ERROR with a traceback for two things a client does, on which nothing on the server fails: an
+    """grpc logs an ERROR with a traceback for things a client does, on which nothing on the server fails: an
     answer it cannot send because its caller has gone (cancelled, past its deadline, disconnected with answers
-    unread), and metadata whose bytes are not UTF-8 (which it then reads as Latin-1). Such records go to DEBUG, so
-    that a client cannot fill the log with tracebacks."""
+    unread), metadata whose bytes are not UTF-8 (which it then reads as Latin-1), and a call still open when the
+    server stops, whose handler grpc cancels after the grace period (a stream waiting for its client's next message).
+    Such records go to DEBUG, so that a client cannot fill the log with tracebacks; any other exception escaping a
+    handler stays an ERROR."""
 
     PREFIXES = ("ExecuteBatchError raised in core by servicer method", "Invalid encoding on")
+    CANCELLED_HANDLER = "Exception not handled by _handle_exceptions in servicer method"
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR and isinstance(record.msg, str) and record.msg.startswith(self.PREFIXES):
+        if record.levelno >= logging.ERROR and isinstance(record.msg, str) and (
+                record.msg.startswith(self.PREFIXES) or self._cancelled_handler(record)):
             record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
             return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
         return True
+
+    def _cancelled_handler(self, record: logging.LogRecord) -> bool:
+        return (record.msg.startswith(self.CANCELLED_HANDLER) and record.exc_info is not None
+                and isinstance(record.exc_info[1], asyncio.CancelledError))
 
 
 def configure_logging(level: str, log_format: str) -> None:
