@@ -201,9 +201,9 @@ class WeightRegistry:
         check_finite_weight(placed, "weight")
         bias = None if finish.bias is None else finish.bias.to(self._device)
         entry = RegisteredWeight(name=name, weight=placed, finish=replace(finish, bias=bias), sha256=sha256, region=region)
+        raise_if_abandoned()  # the last moment a caller that has gone keeps the name free
         # The region first: an unregister of the name that lands right after `add` lets the entry leave the region,
         # and an entry added to it after that would keep the region from being unregistered for good.
-        raise_if_abandoned()  # the last moment a caller that has gone keeps the name free
         if region is not None:
             region.weights.add(entry)
         try:
