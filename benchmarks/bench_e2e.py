@@ -17,6 +17,7 @@ same model, GPU and prompt, in one run:
   tokensampler_graph_logits      LocalSampler.prepare's call on the logits, captured in a CUDA graph (the position
                                  read from the decoder's device tensor inside it): no host work, no synchronisation
   tokensampler_inprocess_hidden  LocalSampler.sample_hidden of the final hidden states, lm_head.weight in place
+  tokensampler_graph_hidden      LocalSampler.prepare's call on the hidden states (the fused kernel), in a CUDA graph
   tokensampler_remote_logits     a server (a subprocess on a Unix socket) sampling the logits in a region
   tokensampler_remote_hidden     the same from the hidden states in a region, lm_head.weight registered in place
   tokensampler_colocated_logits  the same server, colocated (SamplerClient.colocate): each step handed off on the GPU,
@@ -90,7 +91,7 @@ LOGIT_STD = 2.0
 """The LM head is N(0, (LOGIT_STD / sqrt(D))^2): the final norm's output has unit RMS, so the logits have a std of
 about LOGIT_STD, which leaves tens of tokens after top-k and top-p (meta's step0_distribution measures it)."""
 METHODS = ("torch", "flashinfer", "tokensampler_inprocess_logits", "tokensampler_graph_logits",
-           "tokensampler_inprocess_hidden", "tokensampler_remote_logits", "tokensampler_remote_hidden",
+           "tokensampler_inprocess_hidden", "tokensampler_graph_hidden", "tokensampler_remote_logits", "tokensampler_remote_hidden",
            "tokensampler_colocated_logits", "tokensampler_colocated_hidden", "tokensampler_colocated_late_logits")
 REMOTE_OF_INPROCESS = {"tokensampler_remote_logits": "tokensampler_inprocess_logits",
                        "tokensampler_remote_hidden": "tokensampler_inprocess_hidden",
@@ -324,28 +325,35 @@ class InProcessSampling(Sampling):
 class GraphSampling(Sampling):
     """tokensampler in process as a prepared call (LocalSampler.prepare) captured in a CUDA graph of its own: the
     step's position copied into the call's counters from the decoder's device tensor inside the graph, so a step's
-    sampling is one replay, with no host work around the kernels and no synchronisation (eager on the CPU)."""
+    sampling is one replay, with no host work around the kernels and no synchronisation (eager on the CPU). From
+    hidden states the call runs the fused kernel (the model's own lm_head.weight used in place)."""
 
-    def __init__(self, sampler: LocalSampler, decoder: Decoder, seeds: list[int]) -> None:
+    def __init__(self, sampler: LocalSampler, decoder: Decoder, kind: str, seeds: list[int]) -> None:
         super().__init__()
-        rows, vocab = decoder.logits.shape
+        self.kind = kind
         self._decoder = decoder
-        self._prepared = sampler.prepare(rows, vocab, seed=seeds, **PARAMS)
+        if kind == "hidden":
+            head = sampler.register_head(decoder.model.lm_head.weight)
+            self._input = decoder.hidden
+            self._prepared = sampler.prepare(self._input.shape[0], head=head, seed=seeds, **PARAMS)
+        else:
+            self._input = decoder.logits
+            self._prepared = sampler.prepare(*self._input.shape, seed=seeds, **PARAMS)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._tokens = torch.empty(0)
-        if decoder.logits.is_cuda:
+        if self._input.is_cuda:
             self._graph, self._tokens = capture(self._replayed)
         self.extra = {"sampling": "cuda_graph" if self._graph is not None else "eager"}
 
     def _replayed(self) -> torch.Tensor:
         """What the graph holds: the position from the device, then the prepared call."""
         self._prepared.position.copy_(self._decoder.position.expand_as(self._prepared.position))
-        return self._prepared(self._decoder.logits).tokens
+        return self._prepared(self._input).tokens
 
     def sample(self, position: int) -> torch.Tensor:
         if self._graph is None:
             self._prepared.position.fill_(position)
-            return self._prepared(self._decoder.logits).tokens
+            return self._prepared(self._input).tokens
         self._graph.replay()
         return self._tokens
 
@@ -598,18 +606,18 @@ def compare(rows: dict[str, dict[str, Any]], tokens: dict[str, torch.Tensor]) ->
         if remote in rows and local in rows:
             rows[remote]["remote_overhead_us"] = round(rows[remote]["step_p50_us"] - rows[local]["step_p50_us"], 1)
             rows[remote]["tokens_identical_to_inprocess"] = torch.equal(tokens[remote], tokens[local])
-    graph = "tokensampler_graph_logits"
-    if "tokensampler_colocated_logits" in rows and graph in rows:  # against the fastest sampling in process
-        rows["tokensampler_colocated_logits"]["overhead_over_graph_us"] = round(
-            rows["tokensampler_colocated_logits"]["step_p50_us"] - rows[graph]["step_p50_us"], 1)
+    for kind in ("logits", "hidden"):
+        graph, local, colocated = (f"tokensampler_{how}_{kind}" for how in ("graph", "inprocess", "colocated"))
+        if colocated in rows and graph in rows:  # against the fastest sampling in process
+            rows[colocated]["overhead_over_graph_us"] = round(
+                rows[colocated]["step_p50_us"] - rows[graph]["step_p50_us"], 1)
+        if graph in rows and local in rows:
+            rows[graph]["saving_over_inprocess_us"] = round(rows[local]["step_p50_us"] - rows[graph]["step_p50_us"], 1)
+            rows[graph]["tokens_identical_to_inprocess"] = torch.equal(tokens[graph], tokens[local])
     late, on_time = "tokensampler_colocated_late_logits", "tokensampler_colocated_logits"
     if late in rows and on_time in rows:
         rows[late]["late_cost_us"] = round(rows[late]["step_p50_us"] - rows[on_time]["step_p50_us"], 1)
         rows[late]["tokens_identical_to_on_time"] = torch.equal(tokens[late], tokens[on_time])
-    graph, local = "tokensampler_graph_logits", "tokensampler_inprocess_logits"
-    if graph in rows and local in rows:
-        rows[graph]["saving_over_inprocess_us"] = round(rows[local]["step_p50_us"] - rows[graph]["step_p50_us"], 1)
-        rows[graph]["tokens_identical_to_inprocess"] = torch.equal(tokens[graph], tokens[local])
     kinds = {kind: next((name for name in (f"tokensampler_inprocess_{kind}", f"tokensampler_remote_{kind}")
                          if name in tokens), None) for kind in ("logits", "hidden")}
     if kinds["logits"] and kinds["hidden"]:
@@ -637,8 +645,8 @@ def make_sampling(name: str, decoder: Decoder, seeds: list[int], seed: int, *, s
     if name == "flashinfer":
         return FlashInferSampling(flashinfer, decoder, seed, probe_iters)
     kind = name.rsplit("_", 1)[1]
-    if name == "tokensampler_graph_logits":
-        return GraphSampling(sampler, decoder, seeds)
+    if name.startswith("tokensampler_graph_"):
+        return GraphSampling(sampler, decoder, kind, seeds)
     if name.startswith("tokensampler_inprocess_"):
         return InProcessSampling(sampler, decoder, kind, seeds)
     if name.startswith("tokensampler_colocated_"):

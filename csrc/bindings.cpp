@@ -110,6 +110,7 @@ void register_routes(pybind11::module_& m) {
   m.attr("ROUTES_EXACT") = static_cast<int>(TS_ROUTES_EXACT);
   m.attr("ROUTES_FAST") = static_cast<int>(TS_ROUTES_FAST);
   m.attr("ROUTES_SETTLED") = static_cast<int>(TS_ROUTES_SETTLED);
+  m.attr("ROUTES_FLAGGED") = static_cast<int>(TS_ROUTES_FLAGGED);
   m.attr("FRONTIER_MIN_ROWS") = TS_FRONTIER_MIN_ROWS;
   m.attr("CUT_MIN_SAMPLES_WITH_K") = TS_CUT_MIN_SAMPLES_WITH_K;
   m.attr("CUT_MIN_SAMPLES_TOP_P") = TS_CUT_MIN_SAMPLES_TOP_P;

@@ -30,6 +30,12 @@ TsFusedPlan plan_of(const PlanTuple& t) {
                      static_cast<size_t>(std::get<4>(t)), static_cast<size_t>(std::get<5>(t))};
 }
 
+TsLmHead head_of(int64_t weight, int64_t vocab, int64_t dim, int64_t dtype, int64_t bias, double logit_scale,
+                 double soft_cap, int64_t first_token) {
+  return TsLmHead{ptr<const void>(weight), vocab, dim, static_cast<int32_t>(dtype), ptr<const float>(bias),
+                  static_cast<float>(logit_scale), static_cast<float>(soft_cap), first_token};
+}
+
 }  // namespace
 
 void register_fused(pybind11::module_& m) {
@@ -47,8 +53,7 @@ void register_fused(pybind11::module_& m) {
                            double soft_cap, int64_t states, int64_t num_rows, std::vector<int64_t> params,
                            PlanTuple plan, int64_t tokens, int64_t num_samples, int64_t logprobs, int64_t flags,
                            int64_t scratch, int64_t stream) {
-    const TsLmHead head{ptr<const void>(weight), vocab, dim, static_cast<int32_t>(dtype), ptr<const float>(bias),
-                        static_cast<float>(logit_scale), static_cast<float>(soft_cap), 0};
+    const TsLmHead head = head_of(weight, vocab, dim, dtype, bias, logit_scale, soft_cap, 0);
     const TsRows rows = rows_of(0, num_rows, params);
     const TsFusedOutputs out{ptr<int64_t>(tokens), static_cast<int32_t>(num_samples), ptr<float>(logprobs),
                              ptr<uint8_t>(flags)};
@@ -57,6 +62,15 @@ void register_fused(pybind11::module_& m) {
         ts_fused_sample(&head, ptr<const void>(states), num_rows, &rows, &p, &out, ptr<void>(scratch), ptr<void>(stream)),
         "fused_sample");
   });
+  // The logits of the rows a fused call flagged (flags: its uint8 [num_rows]) into fp32 [num_rows, vocab].
+  m.def("fused_head_rows", [](int64_t weight, int64_t vocab, int64_t dim, int64_t dtype, int64_t bias,
+                              double logit_scale, double soft_cap, int64_t states, int64_t num_rows, int64_t flags,
+                              int64_t logits, int64_t stream) {
+    const TsLmHead head = head_of(weight, vocab, dim, dtype, bias, logit_scale, soft_cap, 0);
+    tokensampler::binding::check(ts_fused_head_rows(&head, ptr<const void>(states), num_rows, ptr<const uint8_t>(flags),
+                                                    ptr<float>(logits), ptr<void>(stream)),
+                                 "fused_head_rows");
+  });
   // The stages apart, for a shard of a vocabulary-parallel head (fused.h): the head as fused_sample's plus the
   // token id of its first row; stage 1 writes `scratch`, stage 2 reads num_parts partials a row.
   m.def("fused_candidates", [](int64_t kernel) { return ts_fused_candidates(static_cast<int32_t>(kernel)); });
@@ -64,8 +78,7 @@ void register_fused(pybind11::module_& m) {
                              double logit_scale, double soft_cap, int64_t first_token, int64_t states, int64_t num_rows,
                              std::vector<int64_t> params, PlanTuple plan, bool want_sum1, int64_t scratch,
                              int64_t stream) {
-    const TsLmHead head{ptr<const void>(weight), vocab, dim, static_cast<int32_t>(dtype), ptr<const float>(bias),
-                        static_cast<float>(logit_scale), static_cast<float>(soft_cap), first_token};
+    const TsLmHead head = head_of(weight, vocab, dim, dtype, bias, logit_scale, soft_cap, first_token);
     const TsRows rows = rows_of(0, num_rows, params);
     const TsFusedPlan p = plan_of(plan);
     tokensampler::binding::check(ts_fused_partials(&head, ptr<const void>(states), num_rows, &rows, &p,

@@ -3,6 +3,8 @@
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
+#include <algorithm>
+
 #include "fused.cuh"
 #include "fused_stream.cuh"
 #include "launch.h"
@@ -152,6 +154,58 @@ TsLmHead whole_vocabulary_view(const TsLmHead& head) {
   return view;
 }
 
+// W[v]·h[r] of 8 elements a lane (one 16-byte load of each), in fp32.
+template <bool BF16>
+__device__ __forceinline__ float dot8(const uint4& w, const uint4& h) {
+  const uint32_t wv[4] = {w.x, w.y, w.z, w.w}, hv[4] = {h.x, h.y, h.z, h.w};
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 a, b;
+    if constexpr (BF16) {
+      a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wv[i]));
+      b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&hv[i]));
+    } else {
+      a = __half22float2(*reinterpret_cast<const __half2*>(&wv[i]));
+      b = __half22float2(*reinterpret_cast<const __half2*>(&hv[i]));
+    }
+    acc = fmaf(a.x, b.x, acc);
+    acc = fmaf(a.y, b.y, acc);
+  }
+  return acc;
+}
+
+constexpr int kHeadRowsThreads = 256;
+constexpr int kHeadRowsWarps = kHeadRowsThreads / 32;
+constexpr int kHeadRowsMaxBlocks = 1024;
+
+// A warp a token: its logit in every flagged row, the W row re-read from L1 for each. The rows a fused call
+// flags are few (a kept set past its candidates), so the blocks of a call that flagged none leave after
+// reading B flags: a few µs, which is what a prepared call pays on every step.
+template <bool BF16>
+__global__ void __launch_bounds__(kHeadRowsThreads)
+    head_rows_kernel(TsLmHead head, const uint16_t* states, int64_t num_rows, const uint8_t* flags, float* logits) {
+  int flagged = 0;
+  for (int64_t r = threadIdx.x; r < num_rows; r += kHeadRowsThreads) flagged |= flags[r] & TS_ROW_UNSETTLED;
+  if (!__syncthreads_or(flagged)) return;
+  const int lane = threadIdx.x & 31;
+  const int64_t chunks = head.dim / 8;
+  const auto* weight = static_cast<const uint4*>(head.weight);
+  const auto* hidden = reinterpret_cast<const uint4*>(states);
+  for (int64_t v = static_cast<int64_t>(blockIdx.x) * kHeadRowsWarps + (threadIdx.x >> 5); v < head.vocab;
+       v += static_cast<int64_t>(gridDim.x) * kHeadRowsWarps) {
+    for (int64_t r = 0; r < num_rows; ++r) {
+      if (!(flags[r] & TS_ROW_UNSETTLED)) continue;
+      float acc = 0.f;
+      for (int64_t c = lane; c < chunks; c += 32)
+        acc += dot8<BF16>(__ldg(weight + v * chunks + c), __ldg(hidden + r * chunks + c));
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+      if (lane == 0) logits[r * head.vocab + v] = finish_logit(acc, v, head);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" TsFusedPlan ts_fused_plan(int64_t num_rows, int64_t dim, int64_t vocab, int32_t num_sms,
@@ -255,4 +309,19 @@ extern "C" int ts_fused_sample(const TsLmHead* head, const void* states, int64_t
   const uint64_t* cands =
       per_part == 0 ? nullptr : reinterpret_cast<const uint64_t*>(partials + static_cast<size_t>(num_rows) * plan->vocab_ctas);
   return ts_fused_finish(num_rows, rows, plan->vocab_ctas, partials, cands, per_part, out, stream);
+}
+
+extern "C" int ts_fused_head_rows(const TsLmHead* head, const void* states, int64_t num_rows, const uint8_t* flags,
+                                  float* logits, void* stream) {
+  if (num_rows <= 0 || head->dim <= 0 || head->dim % 8 != 0 || head->first_token != 0 ||
+      (head->dtype != 1 && head->dtype != 2))
+    return cudaErrorInvalidValue;
+  const int64_t blocks = std::min<int64_t>((head->vocab + kHeadRowsWarps - 1) / kHeadRowsWarps, kHeadRowsMaxBlocks);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const auto* h = static_cast<const uint16_t*>(states);
+  if (head->dtype == 2)
+    head_rows_kernel<true><<<static_cast<unsigned>(blocks), kHeadRowsThreads, 0, s>>>(*head, h, num_rows, flags, logits);
+  else
+    head_rows_kernel<false><<<static_cast<unsigned>(blocks), kHeadRowsThreads, 0, s>>>(*head, h, num_rows, flags, logits);
+  return cudaGetLastError();
 }

@@ -94,6 +94,14 @@ int ts_fused_partials(const TsLmHead* head, const void* states, int64_t num_rows
 int ts_fused_finish(int64_t num_rows, const TsRows* rows, int32_t num_parts, const void* partials, const void* cands,
                     int32_t cands_per_part, const TsFusedOutputs* out, void* stream);
 
+/* The fp32 logits [num_rows, head->vocab] of the rows whose flags (a fused call's) have TS_ROW_UNSETTLED: W·h
+ * accumulated in fp32 and finished (bias, scale, soft cap) as the fused kernel finishes each logit; the other rows
+ * are not written. What a call planned once (a captured CUDA graph) samples those rows from on the device, with
+ * routes.h's TS_ROUTES_FLAGGED, instead of the cuBLAS product a host decision would pick. A whole head
+ * (first_token 0); states [num_rows, dim] in the weight's dtype, both 16-byte aligned. */
+int ts_fused_head_rows(const TsLmHead* head, const void* states, int64_t num_rows, const uint8_t* flags, float* logits,
+                       void* stream);
+
 #ifdef __cplusplus
 }
 #endif

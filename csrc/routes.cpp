@@ -74,9 +74,10 @@ int ts_plan(void* host_stage, int64_t num_rows, int64_t vocab, int32_t num_sampl
             int32_t routing, TsPlan* plan) {
   if (num_rows < 0 || vocab < 1 || num_samples < 1 || kind < TS_TOKENS || kind > TS_LOGPROBS_PROCESSED)
     return cudaErrorInvalidValue;
-  if (routing < TS_ROUTES_EXACT || routing > TS_ROUTES_SETTLED || (routing == TS_ROUTES_SETTLED && kind != TS_TOKENS))
+  const bool flagged_only = routing == TS_ROUTES_FLAGGED, settles = routing == TS_ROUTES_SETTLED || flagged_only;
+  if (routing < TS_ROUTES_EXACT || routing > TS_ROUTES_FLAGGED || (settles && kind != TS_TOKENS))
     return cudaErrorInvalidValue;
-  const bool use_buckets = routing != TS_ROUTES_EXACT;
+  const bool use_buckets = routing == TS_ROUTES_FAST || routing == TS_ROUTES_SETTLED;
   const TsStageLayout layout = ts_stage_layout(num_rows);
   char* stage = static_cast<char*>(host_stage);
   auto* t_eff = reinterpret_cast<float*>(stage + layout.temperature);
@@ -97,7 +98,7 @@ int ts_plan(void* host_stage, int64_t num_rows, int64_t vocab, int32_t num_sampl
   int32_t* need_raw = exact + num_rows;
   int32_t* bucket_ids[TS_NUM_BUCKETS];
   for (int i = 0; i < TS_NUM_BUCKETS; ++i) bucket_ids[i] = need_raw + (i + 1) * num_rows;
-  std::vector<int32_t> settle;  // the bucket rows, in row order (TS_ROUTES_SETTLED)
+  std::vector<int32_t> settle;  // the bucket rows (TS_ROUTES_SETTLED) or the filtered ones (FLAGGED), in row order
   int32_t n_greedy = 0, n_unfiltered = 0, n_exact = 0, n_raw = 0, n_bucket[TS_NUM_BUCKETS] = {};
   bool exact_has_k = false, exact_has_top_p = false;
   for (int64_t r = 0; r < num_rows; ++r) {
@@ -108,12 +109,14 @@ int ts_plan(void* host_stage, int64_t num_rows, int64_t vocab, int32_t num_sampl
     // Greedy rows never go through the filters, except for the kept set of processed log-probs (at T = 1).
     const bool through = filtered && (!is_greedy || processed);
     if (is_greedy) {
-      greedy[n_greedy++] = id;
+      if (!flagged_only) greedy[n_greedy++] = id;
       t_eff[r] = 1.f;
-    } else if (!filtered) {
+    } else if (!filtered && !flagged_only) {
       unfiltered[n_unfiltered++] = id;
     }
-    if (through) {
+    if (through && flagged_only) {
+      settle.push_back(id);
+    } else if (through) {
       const int bucket = use_buckets ? bucket_index(k, vocab) : -1;
       if (bucket >= 0) {
         bucket_ids[bucket][n_bucket[bucket]++] = id;

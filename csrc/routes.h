@@ -56,8 +56,11 @@ typedef enum {
 typedef enum {
   TS_ROUTES_EXACT = 0,   /* every filtered row to the exact group: the second pass over rows a fast kernel flagged */
   TS_ROUTES_FAST = 1,    /* the top-k buckets where they apply; the rows they flag (flag 4) go back to the caller */
-  TS_ROUTES_SETTLED = 2  /* the top-k buckets, then stats + filter on the device for just the rows they flagged:
+  TS_ROUTES_SETTLED = 2, /* the top-k buckets, then stats + filter on the device for just the rows they flagged:
                             nothing is left for the host to decide (TS_TOKENS calls only) */
+  TS_ROUTES_FLAGGED = 3  /* another kernel (fused.h's) has sampled every row into the main outputs: only the settle
+                            group runs, every filtered row in it, to redo the rows that kernel flagged (TS_TOKENS
+                            calls only) */
 } TsRouting;
 
 /* Rows ids lists[first .. first + n) of the stage; first -1: every row (no list); n 0: no row. */
@@ -84,7 +87,8 @@ typedef struct {
   TsGroup buckets[TS_NUM_BUCKETS]; /* 0 < k, k + 1 <= bucket: ts_topk, with top-p / min-p on its candidates */
   TsGroup exact;       /* every other filtered row: TsExactRoute */
   TsGroup need_raw;    /* RAW log-prob rows whose input log-sum-exp needs its own ts_stats pass */
-  TsGroup settle;      /* TS_ROUTES_SETTLED: every bucket row; ts_stats_flagged and ts_filter redo the flagged ones */
+  TsGroup settle;      /* TS_ROUTES_SETTLED: every bucket row, TS_ROUTES_FLAGGED: every filtered row;
+                          ts_stats_flagged and ts_filter redo the flagged ones */
   int32_t exact_route; /* TsExactRoute */
   int32_t filter_splits; /* ts_filter's blocks a row */
   int32_t settle_splits; /* the same for the settle group */

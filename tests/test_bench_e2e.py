@@ -71,9 +71,9 @@ def test_one_kind_s_tokens_are_the_same_in_process_and_remote(model, shm_server:
         assert rows[remote]["remote_form"] in ("stream", "unary") and set(rows[remote]["remote_form_probe_p50_us"]) == {
             "stream", "unary"}
         assert isinstance(rows[remote]["remote_overhead_us"], float)
-    graph = rows["tokensampler_graph_logits"]
-    assert torch.equal(tokens["tokensampler_graph_logits"], tokens["tokensampler_inprocess_logits"])
-    assert graph["tokens_identical_to_inprocess"] is True and graph["sampling"] == "eager"
+        graph = rows[f"tokensampler_graph_{kind}"]
+        assert torch.equal(tokens[f"tokensampler_graph_{kind}"], tokens[f"tokensampler_inprocess_{kind}"]), kind
+        assert graph["tokens_identical_to_inprocess"] is True and graph["sampling"] == "eager"
     for name in ("tokensampler_inprocess_hidden", "tokensampler_remote_hidden"):
         cross = rows[name]["agreement_with_logits"]
         assert cross["compared_with"] == "tokensampler_inprocess_logits"

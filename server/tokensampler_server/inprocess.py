@@ -214,7 +214,7 @@ class LocalSampler:
         else:
             request.logits_ref.SetInParent()
         template, seeds = _validated(validate_prepared_request, request, self._limits, batch_size, vocab_size, head)
-        return PreparedSampler(self._backend.prepare(template), head, shape, [int(s) for s in seeds])
+        return PreparedSampler(self._backend.prepare(template, head), shape, [int(s) for s in seeds])
 
     # -----------------------------------------------------------------------------------------------
     @staticmethod
@@ -291,10 +291,8 @@ class PreparedSampler:
     call (inside a graph: the graph's own). `seed`, `position` and `iteration` are the rows' int64 [B] Philox
     counters on the device, read at each call: write them in place (copy_, fill_, add_), never rebind them."""
 
-    def __init__(self, prepared: PreparedSampling, head: RegisteredWeight | None, shape: tuple[int, int],
-                 seeds: list[int]) -> None:
+    def __init__(self, prepared: PreparedSampling, shape: tuple[int, int], seeds: list[int]) -> None:
         self._prepared = prepared
-        self._head = head
         self._shape = shape
         self.seeds = seeds
         """The uint64 seed of each row as prepared (drawn where none was given)."""
@@ -316,7 +314,7 @@ class PreparedSampler:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"input: got {got}, expected a tensor of shape {list(self._shape)} as prepared")
         _validated(check_in_place_dtype, x, "input")  # as sample() refuses them
-        return self._prepared.sample(self._head.logits(x) if self._head is not None else x)
+        return self._prepared.sample(x)
 
 
 def capture(call: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:

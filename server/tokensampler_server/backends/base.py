@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tokensampler_server.model.sampling import SamplingBatch, SamplingResult
+from tokensampler_server.resources.weights import RegisteredWeight
 
 
 @dataclass(frozen=True)
@@ -68,11 +69,13 @@ class Backend(abc.ABC):
         """Whether the backend can serve now (gRPC health): a backend whose devices failed tries to recover here."""
         return True
 
-    def prepare(self, template: SamplingBatch) -> PreparedSampling:
-        """A call whose rows' parameters are those of `template` (its logits unused), made once and then run on new
-        logits many times (docs/inprocess.md). This one samples through `sample`; a GPU backend runs it on the
-        caller's stream without a synchronisation."""
-        return EagerPreparedSampling(self, template)
+    def prepare(self, template: SamplingBatch, head: RegisteredWeight | None = None) -> PreparedSampling:
+        """A call whose rows' parameters are those of `template` (its logits unused), made once and then run many
+        times on new logits [B, V], or on new hidden states [B, D] through `head` when given (docs/inprocess.md).
+        This one samples through `sample`; a GPU backend runs it on the caller's stream without a
+        synchronisation."""
+        prepared = EagerPreparedSampling(self, template)
+        return prepared if head is None else ThroughHead(head, prepared)
 
 
 class PreparedSampling(abc.ABC):
@@ -85,8 +88,22 @@ class PreparedSampling(abc.ABC):
     iteration: torch.Tensor
 
     @abc.abstractmethod
-    def sample(self, logits: torch.Tensor) -> SamplingResult:
-        """Samples logits [B, V] on the backend's device: tokens, valid and nan_detected, where the logits lie."""
+    def sample(self, x: torch.Tensor) -> SamplingResult:
+        """Samples x, the logits [B, V] (or the hidden states [B, D] of a call prepared with a head), on the
+        backend's device: tokens, valid and nan_detected, where x lies."""
+
+
+class ThroughHead(PreparedSampling):
+    """A prepared call on logits given hidden states [B, D]: their logits through `head` first
+    (RegisteredWeight.logits: cuBLAS on the caller's stream on a GPU), then the call on them."""
+
+    def __init__(self, head: RegisteredWeight, on_logits: PreparedSampling) -> None:
+        self._head = head
+        self._on_logits = on_logits
+        self.seed, self.position, self.iteration = on_logits.seed, on_logits.position, on_logits.iteration
+
+    def sample(self, x: torch.Tensor) -> SamplingResult:
+        return self._on_logits.sample(self._head.logits(x))
 
 
 class EagerPreparedSampling(PreparedSampling):

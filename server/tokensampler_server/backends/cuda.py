@@ -51,8 +51,8 @@ import torch
 from tokensampler_server.core.fallbacks import record_fallback
 from tokensampler_server.model.sampling import (LogitProcessing, LogprobsMode, SamplingBatch, SamplingResult,
                                                  merge_rows, select_rows)
-from tokensampler_server.backends import cuda_fused
-from tokensampler_server.backends.base import Backend, BackendInfo, PreparedSampling, Route
+from tokensampler_server.backends import cuda_fused, cuda_prepared_hidden
+from tokensampler_server.backends.base import Backend, BackendInfo, PreparedSampling, Route, ThroughHead
 from tokensampler_server.backends.cuda_buffers import FLAG_UNSETTLED, FLAG_NAN, CallOutputs, Stage, grown, row_states
 from tokensampler_server.backends.cuda_build import CudaBackendUnavailable
 from tokensampler_server.backends.cuda_kernels import NO_BITMASK, Kernels, Plan
@@ -61,9 +61,11 @@ from tokensampler_server.backends.cuda_local_samplers import LocalSamplerKernels
 from tokensampler_server.backends.cuda_sequence_samplers import SequenceSamplerKernels, bans_only, penalties_only
 from tokensampler_server.backends.cuda_logprobs import LogprobCall, sample_with_logprobs
 from tokensampler_server.backends.cuda_prepared import CudaPreparedSampling
+from tokensampler_server.backends.cuda_prepared_hidden import CudaPreparedHidden
 from tokensampler_server.backends.cuda_vocab_parallel import DeviceGroup, SplitHeads
 from tokensampler_server.backends.entry_masks import EntryMask, entry_mask, fill_mask_words, words_of
 from tokensampler_server.backends.processing import apply_processing
+from tokensampler_server.resources.weights import RegisteredWeight
 
 __all__ = ["CudaBackend", "CudaBackendUnavailable"]
 
@@ -200,10 +202,15 @@ class CudaBackend(Backend):
             result = merge_rows(result, flagged, again)
         return result
 
-    def prepare(self, template: SamplingBatch) -> PreparedSampling:
-        """A call on the caller's stream with no synchronisation, capturable in a CUDA graph (cuda_prepared.py)."""
+    def prepare(self, template: SamplingBatch, head: RegisteredWeight | None = None) -> PreparedSampling:
+        """A call on the caller's stream with no synchronisation, capturable in a CUDA graph: on logits
+        (cuda_prepared.py), on hidden states through the fused kernel where it takes the call
+        (cuda_prepared_hidden.py), else through the head's cuBLAS product and a call on logits."""
         with torch.cuda.device(self._device):
-            return CudaPreparedSampling(self._kernels, template)
+            if head is not None and cuda_prepared_hidden.unsupported_reason(template, head) is None:
+                return CudaPreparedHidden(self._kernels, template, head)
+            prepared = CudaPreparedSampling(self._kernels, template)
+        return prepared if head is None else ThroughHead(head, prepared)
 
     def _locked_sample(self, batch: SamplingBatch, use_buckets: bool) -> tuple[SamplingResult, torch.Tensor | None]:
         with self._lock, torch.cuda.device(self._device):

@@ -18,6 +18,7 @@ from tokensampler_server.model.sampling import LogprobsMode, SamplingBatch, Samp
 from tokensampler_server.backends.cuda_buffers import FLAG_UNSETTLED, row_states
 from tokensampler_server.backends.cuda_build import load_kernels
 from tokensampler_server.backends.cuda_kernels import DTYPE_CODES, RowParams, stream_address
+from tokensampler_server.resources.weights import RegisteredWeight
 
 def fused_is_faster(num_rows: int, filtered: bool, device_index: int) -> bool:
     """Which path the backend takes for a hidden-state batch (`filtered`: some sampled row has top-k/top-p/min-p):
@@ -82,16 +83,48 @@ def fused_sample(weight: torch.Tensor, states: torch.Tensor, params: RowParams, 
         raise ValueError(f"fused sampling does not take hidden size {dim} (a multiple of 64 that fits shared memory)")
     tokens, out_logprobs, flags = _outputs(num_rows, num_samples, logprobs, device)
     scratch = torch.empty(the_plan.scratch_bytes, dtype=torch.uint8, device=device)
-    bias_ptr = 0
-    if bias is not None:
-        bias = bias.to(device=device, dtype=torch.float32).contiguous()
-        bias_ptr = bias.data_ptr()
+    head = HeadArgs.of(weight, vocab, bias, logit_scale, soft_cap)
     load_kernels(device.index).fused_sample(
-        weight.data_ptr(), vocab, dim, _DTYPES[weight.dtype], bias_ptr, float(logit_scale), float(soft_cap or 0.0),
-        states.data_ptr(), num_rows, params.pointers(), the_plan.as_tuple(), tokens.data_ptr(), num_samples,
-        0 if out_logprobs is None else out_logprobs.data_ptr(), flags.data_ptr(), scratch.data_ptr(),
+        *head.entries, states.data_ptr(), num_rows, params.pointers(), the_plan.as_tuple(), tokens.data_ptr(),
+        num_samples, 0 if out_logprobs is None else out_logprobs.data_ptr(), flags.data_ptr(), scratch.data_ptr(),
         stream_address(device))
     return tokens, out_logprobs, flags
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadArgs:
+    """A head as the fused launchers take it (csrc/fused.h TsLmHead, whole vocabulary): the weight, the rows that
+    can be sampled, and the finish, with the bias as float32 on the weight's device (kept here: its address is
+    passed)."""
+
+    weight: torch.Tensor
+    vocab: int
+    bias: torch.Tensor | None
+    logit_scale: float
+    soft_cap: float
+
+    @staticmethod
+    def of(weight: torch.Tensor, vocab: int, bias: torch.Tensor | None, logit_scale: float,
+           soft_cap: float | None) -> "HeadArgs":
+        if bias is not None:
+            bias = bias.to(device=weight.device, dtype=torch.float32).contiguous()
+        return HeadArgs(weight, vocab, bias, float(logit_scale), float(soft_cap or 0.0))
+
+    @property
+    def entries(self) -> tuple[int, int, int, int, int, float, float]:
+        """weight, vocab, dim, dtype code, bias (0: none), logit scale, soft cap (0: none)."""
+        weight = self.weight
+        return (weight.data_ptr(), self.vocab, weight.shape[1], _DTYPES[weight.dtype],
+                0 if self.bias is None else self.bias.data_ptr(), self.logit_scale, self.soft_cap)
+
+
+def head_rows(head: HeadArgs, states: torch.Tensor, flags: torch.Tensor, logits: torch.Tensor) -> None:
+    """The fp32 logits of the rows of hidden states [B, D] whose `flags` (uint8 [B], a fused call's) ask for the
+    logits path, into logits [B, head.vocab] (csrc/fused.h ts_fused_head_rows; other rows untouched), on the
+    current stream. Shapes, dtypes and alignment as fused_sample's."""
+    device = head.weight.device
+    load_kernels(device.index).fused_head_rows(*head.entries, states.data_ptr(), states.shape[0], flags.data_ptr(),
+                                               logits.data_ptr(), stream_address(device))
 
 
 def _outputs(num_rows: int, num_samples: int, logprobs: bool,
@@ -149,8 +182,16 @@ def fused_finish(params: RowParams, partials: torch.Tensor, cands: torch.Tensor 
 def unsupported_reason(batch: SamplingBatch) -> str | None:
     """Why the fused kernel cannot sample this hidden-state batch (a metric label), or None if it can."""
     hidden = batch.hidden
-    weight = hidden.lm_head.weight
-    if not weight.is_cuda or weight.dtype not in _DTYPES or hidden.states.dtype != weight.dtype:
+    if hidden.states.dtype != hidden.lm_head.weight.dtype:
+        return "fused_dtype"
+    return head_unsupported_reason(batch, hidden.lm_head)
+
+
+def head_unsupported_reason(batch: SamplingBatch, head: RegisteredWeight) -> str | None:
+    """Why the fused kernel cannot sample the rows of `batch` from hidden states in the dtype of `head`'s weight
+    through that head (a metric label), or None if it can."""
+    weight = head.weight
+    if not weight.is_cuda or weight.dtype not in _DTYPES:
         return "fused_dtype"
     if weight.data_ptr() % 16:  # a weight at an odd offset of a region: the copy engine reads 16-byte units
         return "fused_alignment"
@@ -160,8 +201,7 @@ def unsupported_reason(batch: SamplingBatch) -> str | None:
     reason = request_unsupported_reason(batch, weight.device.index)
     if reason is not None:
         return reason
-    vocab = hidden.lm_head.finish.vocab_size
-    if plan(batch.num_rows, weight.shape[1], vocab, weight.device.index, filtered) is None:
+    if plan(batch.num_rows, weight.shape[1], head.finish.vocab_size, weight.device.index, filtered) is None:
         return "fused_hidden_size"
     return None
 

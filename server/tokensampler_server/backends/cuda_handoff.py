@@ -5,7 +5,8 @@ Step n, in stream order:
 1. the rows' positions set to the loop's base + n - 1 (before the wait: off the critical path);
 2. wait until READY >= n (cuStreamWaitValue32 on the flags' mapped page);
 3. the engine's input copied into the loop's own buffer if READY still holds n (csrc/handoff.h);
-4. the prepared call (backends/cuda_prepared.py) on that buffer, through the head for hidden states;
+4. the prepared call on that buffer (backends/cuda_prepared.py; for hidden states cuda_prepared_hidden.py, or the
+   head's product first where the fused kernel does not take the call);
 5. the tokens and log-probs written into the engine's output, then RELEASE = n, if READY still holds n.
 The engine's memory is read and written only while READY holds n and the loop's stop word (pinned host memory of
 the server's) is 0. To end a loop the server's CPU sets the stop word, then writes ABORT into READY (through the
@@ -25,23 +26,20 @@ from tokensampler_server.backends.base import PreparedSampling
 from tokensampler_server.backends.cuda_build import load_kernels
 from tokensampler_server.backends.cuda_streams import exclusive_stream, give_back
 from tokensampler_server.resources.flags import MappedFlags
-from tokensampler_server.resources.weights import RegisteredWeight
 
 __all__ = ["Handoff", "load_libraries"]
 
 
 class Handoff:
-    """Queues the steps of one loop on `device`: the engine's `source` ([B, V] logits, or [B, D] hidden states
-    through `head`) sampled by `prepared` into the engine's `tokens` (int32 or int64 [B, S]) and `logprobs`
-    (float32 [B, S] or None), with `flags`."""
+    """Queues the steps of one loop on `device`: the engine's `source` ([B, V] logits, or [B, D] hidden states of a
+    call prepared with a head) sampled by `prepared` into the engine's `tokens` (int32 or int64 [B, S]) and
+    `logprobs` (float32 [B, S] or None), with `flags`."""
 
-    def __init__(self, device: torch.device, prepared: PreparedSampling, head: RegisteredWeight | None,
-                 source: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor | None,
-                 flags: MappedFlags) -> None:
+    def __init__(self, device: torch.device, prepared: PreparedSampling, source: torch.Tensor, tokens: torch.Tensor,
+                 logprobs: torch.Tensor | None, flags: MappedFlags) -> None:
         self._module = load_kernels(device.index or 0)
         self._ops = StreamMemOps.get()
         self._prepared = prepared
-        self._head = head
         self._source = source
         self._tokens = tokens
         self._logprobs = logprobs
@@ -74,8 +72,7 @@ class Handoff:
             self._module.gated_copy(self._source.data_ptr(), self._input.data_ptr(),
                                     self._input.numel() * self._input.element_size(), self._ready, stop, step,
                                     self._verdict.data_ptr(), raw)
-            x = self._input if self._head is None else self._head.logits(self._input)
-            result = self._prepared.sample(x)
+            result = self._prepared.sample(self._input)
             logprobs = result.logprobs if self._logprobs is not None else None
             self._module.deliver(result.tokens.data_ptr(), result.tokens.numel(), self._tokens.data_ptr(),
                                  self._tokens.dtype == torch.int64, 0 if logprobs is None else logprobs.data_ptr(),

@@ -160,7 +160,7 @@ class ColocatedLoops:
         flags = MappedFlags(flags_region, "open.flags")
         try:
             with torch.cuda.device(device):
-                handoff = Handoff(device, self._backend.prepare(template), head, source, tokens, logprobs, flags)
+                handoff = Handoff(device, self._backend.prepare(template, head), source, tokens, logprobs, flags)
         except BaseException:
             flags.close()
             raise
