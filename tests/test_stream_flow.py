@@ -10,6 +10,7 @@ import tracemalloc
 from collections.abc import AsyncIterator, Callable
 from multiprocessing import shared_memory
 
+import grpc
 import pytest
 import torch
 from tokensampler_client._proto import sampler_pb2 as pb
@@ -158,3 +159,62 @@ def test_a_large_shared_memory_input_is_read_off_the_event_loop(monkeypatch) -> 
 
     asyncio.run(run())
     assert read_on == [True, False]
+
+
+class _HeldBackend(CpuBackend):
+    """A CPU backend whose batches wait until `go` is set: their messages stay in flight meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+
+    def sample(self, batch):  # noqa: ANN001, ANN201 - the Backend interface
+        self.go.wait(30)
+        return super().sample(batch)
+
+
+def test_streams_with_nothing_in_flight_parse_no_more_than_the_budget(monkeypatch) -> None:
+    """Four streams, each sending one 3 MiB message while the first two are held in the backend, under a budget of
+    8 MiB: the first two are taken, the other two answered RESOURCE_EXHAUSTED without being parsed (each stream
+    used to take its first message whatever the budget held: six 228 MiB messages under 256 MiB were all parsed).
+    Once the budget has room, the same message is taken again."""
+    message = build_sample_request(logits=torch.zeros(1, 3 << 18), seed=[1]).SerializeToString()
+    begun = 0
+    begin = SampleRpc._begin
+
+    async def counted_begin(self, *args):  # noqa: ANN001, ANN202
+        nonlocal begun
+        begun += 1
+        return await begin(self, *args)
+
+    monkeypatch.setattr(SampleRpc, "_begin", counted_begin)
+
+    async def one_message(stop: asyncio.Event):  # noqa: ANN202 - a client stream left open after its message
+        yield message
+        await stop.wait()
+
+    async def run() -> None:
+        backend = _HeldBackend()
+        batcher = DynamicBatcher(backend, max_batch_rows=1, max_queue_bytes=8 << 20)
+        path = SampleRpc(Limits(), batcher, WeightRegistry(torch.device("cpu")), RegionRegistry(), None)
+        stop = asyncio.Event()
+        streams = [path.stream(one_message(stop), f"s{i}") for i in range(4)]
+        pending = [asyncio.ensure_future(stream.__anext__()) for stream in streams[:2]]
+        await asyncio.sleep(0.2)  # both taken and held in the backend
+        refused = [await stream.__anext__() for stream in streams[2:]]
+        assert begun == 2
+        for answer in refused:
+            assert answer.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], answer
+            assert "--max-queue-mb" in answer.error.message
+        backend.go.set()
+        for answer in await asyncio.gather(*pending):
+            assert answer.WhichOneof("result") == "response"
+        stop.set()  # the streams end; so do their windows
+        for stream in streams:
+            assert [answer async for answer in stream] == []
+        again = path.stream(one_message(stop), "s4")
+        assert (await again.__anext__()).WhichOneof("result") == "response" and begun == 3
+        await again.aclose()
+        await batcher.close()
+
+    asyncio.run(run())

@@ -14,6 +14,7 @@ answers in order by awaiting the futures one after the other: the fewest event-l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -36,7 +37,7 @@ from tokensampler_server.rpc.native_path import NativePath
 from tokensampler_server.resources.regions import OutputTarget, Region, RegionRegistry, referenced_bytes
 from tokensampler_server.core.request_context import current_request_id
 from tokensampler_server.model.sampling import SamplingResult
-from tokensampler_server.rpc.stream_flow import StreamBudget
+from tokensampler_server.rpc.stream_flow import StreamBudget, StreamWindow
 from tokensampler_server.validation.wire import UnusualWire
 from tokensampler_server.validation.sample import (
     LOGITS_DTYPES,
@@ -387,17 +388,34 @@ class SampleRpc:
         queue: 25-70 µs a message less on an H200 host, docs/design/service-path.md); from the first message it
         does not answer, the rest of the stream is pipelined (`_pipelined`)."""
         messages = aiter(requests)
-        index = 0
-        async for message in messages:
-            record = self._stream_record(stream_id, index)
-            index += 1
-            begun = await self._begin(message, record)
-            if not isinstance(begun, asyncio.Future):
-                first = _stream_item(record, message, begun, _message_bytes(message, self._regions, self._limits))
-                async for answer in self._pipelined(messages, stream_id, index, first):
-                    yield answer
-                return
-            yield await self._answer(record, message, begun)
+        window = self._stream_budget.window()
+        try:
+            index = 0
+            async for message in messages:
+                record = self._stream_record(stream_id, index)
+                index += 1
+                begun, nbytes = await self._admitted(window, message, record)
+                if not isinstance(begun, asyncio.Future):
+                    first = _stream_item(record, message, begun, nbytes)
+                    # closed before the window, so that its reader is cancelled before the window lets go
+                    async with contextlib.aclosing(self._pipelined(messages, stream_id, index, first, window)) as rest:
+                        async for answer in rest:
+                            yield answer
+                    return
+                yield await self._answer(record, message, begun)
+                window.answered(nbytes)
+        finally:
+            window.close()
+
+    async def _admitted(self, window: StreamWindow, message: bytes | pb.SampleRequest,
+                        record: CallRecord) -> tuple[asyncio.Future | _Started | Exception, int]:
+        """(what _begin makes of a stream message once the stream's window takes it, the bytes counted for it); a
+        message the window refuses (other streams' messages fill the budget) is answered RESOURCE_EXHAUSTED without
+        being parsed."""
+        nbytes = _message_bytes(message, self._regions, self._limits)
+        if not await window.admit(nbytes):
+            return window.refusal(nbytes), 0
+        return await self._begin(message, record), nbytes
 
     @staticmethod
     def _stream_record(stream_id: str, index: int) -> CallRecord:
@@ -408,22 +426,20 @@ class SampleRpc:
 
     async def _pipelined(
         self, messages: AsyncIterator[bytes | pb.SampleRequest], stream_id: str, index: int, first: _StreamItem,
+        window: StreamWindow,
     ) -> AsyncIterator[bytes | pb.SampleStreamResponse]:
         """Starts each message as it arrives (so the batchers can merge them) and answers them in order,
-        beginning with `first`, the message of number index - 1."""
+        beginning with `first`, the message of number index - 1, which `window` counts already."""
         answers: asyncio.Queue[_StreamItem | None] = asyncio.Queue()
-        window = self._stream_budget.window()
-        await window.admit(first[3])
         answers.put_nowait(first)
 
         async def read() -> None:
             number = index
             async for message in messages:
-                nbytes = _message_bytes(message, self._regions, self._limits)
-                await window.admit(nbytes)
                 record = self._stream_record(stream_id, number)
                 number += 1
-                answers.put_nowait(_stream_item(record, message, await self._begin(message, record), nbytes))
+                begun, nbytes = await self._admitted(window, message, record)
+                answers.put_nowait(_stream_item(record, message, begun, nbytes))
 
         async def read_then_end() -> None:
             """Reads to the end of the stream, then marks the end (also after a request that did not parse)."""
@@ -444,7 +460,6 @@ class SampleRpc:
             await reader  # a request that did not parse ends the stream with its status
         finally:
             reader.cancel()
-            window.close()
             while not answers.empty():
                 item = answers.get_nowait()
                 if item is not None:

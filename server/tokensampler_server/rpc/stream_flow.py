@@ -4,13 +4,19 @@ While a stream's window is full the server stops reading that stream, so HTTP/2 
 client: a client that never reads its answers holds a bounded share of the server's memory. A window holds at
 most STREAM_MESSAGES_IN_FLIGHT messages and STREAM_BYTES_IN_FLIGHT bytes (each message's own, the region bytes its
 input references and the answer it will hold: sample_rpc._message_bytes), and all windows together at most the
-budget's total (the server's --max-queue-mb); a stream with nothing in flight always takes its next
-message, whatever its size, so that every stream moves on. docs/hardening.md has the measured figures.
+budget's total (the server's --max-queue-mb). A stream with nothing in flight never waits: its next message is
+taken whatever its size when the budget has room for it or holds nothing, and otherwise refused unparsed (as a
+unary call past the requests' budget is), so that every stream moves on and no number of streams parses more than
+the budget at once. docs/hardening.md has the measured figures.
 """
 
 from __future__ import annotations
 
 import asyncio
+
+import grpc
+
+from tokensampler_server.core.errors import ServiceError
 
 STREAM_MESSAGES_IN_FLIGHT = 64
 STREAM_BYTES_IN_FLIGHT = 16 << 20
@@ -51,13 +57,26 @@ class StreamWindow:
                                          or self._bytes + nbytes > STREAM_BYTES_IN_FLIGHT
                                          or budget.used_bytes + nbytes > budget.total_bytes)
 
-    async def admit(self, nbytes: int) -> None:
-        """Waits until a message of `nbytes` fits, then counts it in."""
+    async def admit(self, nbytes: int) -> bool:
+        """Waits until a message of `nbytes` fits, then counts it in: True. A message that finds the window empty
+        and other streams' messages filling the budget is counted as a message of no bytes (answered(0) gives it
+        back): False, and the caller refuses it without parsing it."""
         while self._full(nbytes):
             await self._budget._wait()  # noqa: SLF001 - the window and its budget are one mechanism
+        budget = self._budget
+        taken = not (budget.used_bytes and budget.used_bytes + nbytes > budget.total_bytes)
+        counted = nbytes if taken else 0
         self._messages += 1
-        self._bytes += nbytes
-        self._budget.used_bytes += nbytes
+        self._bytes += counted
+        budget.used_bytes += counted
+        return taken
+
+    def refusal(self, nbytes: int) -> ServiceError:
+        """What a message that admit() did not take answers: RESOURCE_EXHAUSTED, retryable."""
+        budget = self._budget
+        return ServiceError(f"stream message: {nbytes} bytes, and the streams' messages in progress hold "
+                            f"{budget.used_bytes} of at most {budget.total_bytes} (--max-queue-mb); retry with "
+                            "backoff", grpc.StatusCode.RESOURCE_EXHAUSTED)
 
     def answered(self, nbytes: int) -> None:
         self._messages -= 1
