@@ -125,7 +125,12 @@ def test_hidden_states_in_another_dtype_take_the_head_s_product(sampler: LocalSa
     prepared = sampler.prepare(rows, head=head, top_k=50, top_p=0.9, seed=_seeds(rows), position=0)
     wide = hidden.float() + 1e-3  # not a bf16 value: W·h of fp32 states, not of their rounding
     prepared.position.fill_(5)  # the counters are the call's, whichever input comes
-    got = prepared(wide)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # the other dtype's call is made at prepare: its first use is a step
+    try:
+        got = prepared(wide)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     want = sampler.sample_hidden(wide, head, top_k=50, top_p=0.9, seed=_seeds(rows), position=5)
     assert torch.equal(got.tokens.cpu(), want.tokens)
 
@@ -139,3 +144,17 @@ def test_calls_the_fused_kernel_does_not_take_go_through_the_head(sampler: Local
     got = prepared(hidden)
     want = sampler.sample_hidden(hidden, head, seed=_seeds(rows), position=2, **options)
     assert torch.equal(got.tokens.cpu(), want.tokens)
+
+
+def test_a_head_of_another_layout_takes_the_head_s_product(sampler: LocalSampler) -> None:
+    """A [V, D] view of a [D, V] tensor: its rows are not D elements apart, which the fused kernel reads; the call
+    goes through the head's product, as sample_hidden does."""
+    rows = 8
+    g = torch.Generator().manual_seed(5)
+    transposed = (torch.randn(DIM, VOCAB, generator=g) * 0.05).to(torch.bfloat16).cuda()
+    head = sampler.register_head(transposed.t())
+    hidden = torch.randn(rows, DIM, generator=g).to(torch.bfloat16).cuda()
+    prepared = sampler.prepare(rows, head=head, top_k=50, top_p=0.9, seed=_seeds(rows), position=1)
+    assert isinstance(prepared._prepared, ThroughHead)
+    want = sampler.sample_hidden(hidden, head, top_k=50, top_p=0.9, seed=_seeds(rows), position=1)
+    assert torch.equal(prepared(hidden).tokens.cpu(), want.tokens)

@@ -105,7 +105,7 @@ class HeadArgs:
 
     @staticmethod
     def of(weight: torch.Tensor, vocab: int, bias: torch.Tensor | None, logit_scale: float,
-           soft_cap: float | None) -> "HeadArgs":
+           soft_cap: float | None) -> HeadArgs:
         if bias is not None:
             bias = bias.to(device=weight.device, dtype=torch.float32).contiguous()
         return HeadArgs(weight, vocab, bias, float(logit_scale), float(soft_cap or 0.0))
@@ -116,15 +116,6 @@ class HeadArgs:
         weight = self.weight
         return (weight.data_ptr(), self.vocab, weight.shape[1], _DTYPES[weight.dtype],
                 0 if self.bias is None else self.bias.data_ptr(), self.logit_scale, self.soft_cap)
-
-
-def head_rows(head: HeadArgs, states: torch.Tensor, flags: torch.Tensor, logits: torch.Tensor) -> None:
-    """The fp32 logits of the rows of hidden states [B, D] whose `flags` (uint8 [B], a fused call's) ask for the
-    logits path, into logits [B, head.vocab] (csrc/fused.h ts_fused_head_rows; other rows untouched), on the
-    current stream. Shapes, dtypes and alignment as fused_sample's."""
-    device = head.weight.device
-    load_kernels(device.index).fused_head_rows(*head.entries, states.data_ptr(), states.shape[0], flags.data_ptr(),
-                                               logits.data_ptr(), stream_address(device))
 
 
 def _outputs(num_rows: int, num_samples: int, logprobs: bool,
@@ -195,6 +186,8 @@ def head_unsupported_reason(batch: SamplingBatch, head: RegisteredWeight) -> str
         return "fused_dtype"
     if weight.data_ptr() % 16:  # a weight at an odd offset of a region: the copy engine reads 16-byte units
         return "fused_alignment"
+    if not weight.is_contiguous():  # a view of another layout (a transposed [D, V] head): rows D elements apart
+        return "fused_layout"
     filtered = has_filters(batch)
     if not fused_is_faster(batch.num_rows, filtered, weight.device.index):
         return "fused_slower"

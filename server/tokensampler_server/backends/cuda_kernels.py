@@ -244,8 +244,9 @@ class Kernels:
              routing: int) -> Plan:
         """Groups the rows whose parameters lie in the pinned stage at `host_stage` for a call of num_samples samples
         a row (ts_plan): kind is the module's TOKENS, LOGPROBS_RAW or LOGPROBS_PROCESSED, routing its ROUTES_FAST,
-        ROUTES_EXACT (every filtered row to the exact filter) or ROUTES_SETTLED (flagged rows sampled again on the
-        device; TOKENS only)."""
+        ROUTES_EXACT (every filtered row to the exact filter), ROUTES_SETTLED (flagged rows sampled again on the
+        device; TOKENS only) or ROUTES_FLAGGED (only that second pass, over every filtered row, for the rows the fused
+        kernel flagged; TOKENS only)."""
         return self.module.plan(host_stage, num_rows, vocab, num_samples, kind, processing, routing)
 
     def launch_plan(self, plan: Plan, x: torch.Tensor, bitmask: list[int], lse_scale: int, raw_x: torch.Tensor | None,

@@ -16,15 +16,45 @@ Each call's tokens, flags and log-probs are new tensors computed on the device f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tokensampler_server.backends.base import PreparedSampling
 from tokensampler_server.backends.cuda_buffers import CallOutputs, Stage, row_states
-from tokensampler_server.backends.cuda_kernels import NO_BITMASK, Kernels
+from tokensampler_server.backends.cuda_kernels import NO_BITMASK, Kernels, Plan
 from tokensampler_server.backends.cuda_logprobs import LogprobCall, sample_with_logprobs
 from tokensampler_server.model.sampling import LogprobsMode, SamplingBatch, SamplingResult
 
 __all__ = ["CudaPreparedSampling"]
+
+
+@dataclass(frozen=True)
+class PlannedCall:
+    """What a call planned once owns on its device, at addresses that never change: its stage (the rows' parameters
+    and the plan's row lists, uploaded once), the plan, its outputs and a workspace of its own."""
+
+    stage: Stage
+    plan: Plan
+    out: CallOutputs
+    ws: list[int]
+    ws_buffers: tuple[torch.Tensor, ...]
+
+    @staticmethod
+    def of(kernels: Kernels, template: SamplingBatch, vocab: int, kind: int, routing: int) -> PlannedCall:
+        """The rows of `template` planned over `vocab` tokens for a call of `kind` routed as `routing` (the kernels'
+        module constants); the stage's upload waits for the copy (it happens once, at planning)."""
+        device, num_rows, num_samples = kernels.device, template.num_rows, template.num_samples
+        layout = kernels.stage_layout(num_rows)
+        host = torch.empty(layout["bitmask_words"], dtype=torch.uint8, pin_memory=True)
+        stage = Stage(host, torch.empty_like(host, device=device), num_rows, layout)
+        stage.fill(template)
+        plan = kernels.plan(stage.host_base, num_rows, vocab, num_samples, kind, False, routing)
+        stage.dev.copy_(host)
+        _, out_bytes = CallOutputs.offsets(num_rows, num_samples)
+        out = CallOutputs(None, torch.empty(out_bytes, dtype=torch.uint8, device=device), num_rows, num_samples)
+        ws, ws_buffers = kernels.plan_workspace(plan)
+        return PlannedCall(stage, plan, out, ws, ws_buffers)
 
 
 class CudaPreparedSampling(PreparedSampling):
@@ -34,28 +64,19 @@ class CudaPreparedSampling(PreparedSampling):
     def __init__(self, kernels: Kernels, template: SamplingBatch) -> None:
         if template.processing is not None:
             raise ValueError("a prepared call takes per-row temperature, filters and counters only: no processing")
-        device = kernels.device
-        num_rows, num_samples = template.num_rows, template.num_samples
+        num_rows = template.num_rows
         self._kernels = kernels
         self._shape = (num_rows, template.vocab_size)
         self._logprobs = LogprobCall.of(template) if template.return_logprobs or template.top_logprobs else None
-        layout = kernels.stage_layout(num_rows)
-        host = torch.empty(layout["bitmask_words"], dtype=torch.uint8, pin_memory=True)
-        self._stage = Stage(host, torch.empty_like(host, device=device), num_rows, layout)
-        self._stage.fill(template)
         routes = kernels.module
         if self._logprobs is None:
             kind, routing = routes.TOKENS, routes.ROUTES_SETTLED
         else:  # the log-prob tables read the filter's outputs of every filtered row: each takes the exact route
             raw = self._logprobs.mode is LogprobsMode.RAW
             kind, routing = (routes.LOGPROBS_RAW if raw else routes.LOGPROBS_PROCESSED), routes.ROUTES_EXACT
-        self._plan = kernels.plan(self._stage.host_base, num_rows, template.vocab_size, num_samples, kind, False,
-                                  routing)
-        self._stage.dev.copy_(host)
-        _, out_bytes = CallOutputs.offsets(num_rows, num_samples)
-        self._out = CallOutputs(None, torch.empty(out_bytes, dtype=torch.uint8, device=device), num_rows, num_samples)
-        self._ones = torch.ones(num_rows, dtype=torch.float32, device=device)
-        self._ws, self._ws_buffers = kernels.plan_workspace(self._plan)
+        self._call = PlannedCall.of(kernels, template, template.vocab_size, kind, routing)
+        self._stage, self._plan, self._out, self._ws = self._call.stage, self._call.plan, self._call.out, self._call.ws
+        self._ones = torch.ones(num_rows, dtype=torch.float32, device=kernels.device)
         self.seed, self.position, self.iteration = self._stage.dev_counters()
 
     def sample(self, logits: torch.Tensor) -> SamplingResult:

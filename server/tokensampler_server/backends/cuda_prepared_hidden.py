@@ -11,18 +11,21 @@ What takes the place of the host's decisions:
 - The fused kernel reads the temperatures as given (0: greedy); the stage holds the planner's T_eff (1 in greedy
   rows) for stats + filter, so the call keeps both.
 - Hidden states in another dtype than the weight's are W·h of another product: such a call goes through the head
-  and a call on logits made on first use, with the same counters copied to it.
+  and a call on logits, made with this one (making it uploads a stage, which synchronises: never inside a step),
+  with this call's counters copied to it.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from tokensampler_server.backends import cuda_fused
 from tokensampler_server.backends.base import PreparedSampling, ThroughHead
-from tokensampler_server.backends.cuda_buffers import CallOutputs, Stage, row_states
-from tokensampler_server.backends.cuda_kernels import NO_BITMASK, Kernels, RowParams
-from tokensampler_server.backends.cuda_prepared import CudaPreparedSampling
+from tokensampler_server.backends.cuda_buffers import row_states
+from tokensampler_server.backends.cuda_kernels import NO_BITMASK, Kernels
+from tokensampler_server.backends.cuda_prepared import CudaPreparedSampling, PlannedCall
 from tokensampler_server.model.sampling import SamplingBatch, SamplingResult
 from tokensampler_server.resources.weights import RegisteredWeight
 
@@ -42,35 +45,29 @@ class CudaPreparedHidden(PreparedSampling):
     `kernels`' device for hidden states [B, D] through `head`."""
 
     def __init__(self, kernels: Kernels, template: SamplingBatch, head: RegisteredWeight) -> None:
+        if template.processing is not None:
+            raise ValueError("a prepared call takes per-row temperature, filters and counters only: no processing")
         device = kernels.device
         num_rows, num_samples, vocab = template.num_rows, template.num_samples, head.finish.vocab_size
         weight = head.weight
-        self._kernels, self._template, self._head = kernels, template, head
+        self._kernels, self._head = kernels, head
         self._shape = (num_rows, weight.shape[1])
         self._num_samples = num_samples
-        layout = kernels.stage_layout(num_rows)
-        host = torch.empty(layout["bitmask_words"], dtype=torch.uint8, pin_memory=True)
-        self._stage = Stage(host, torch.empty_like(host, device=device), num_rows, layout)
-        self._stage.fill(template)
         routes = kernels.module
-        self._plan = kernels.plan(self._stage.host_base, num_rows, vocab, num_samples, routes.TOKENS, False,
-                                  routes.ROUTES_FLAGGED)
-        self._stage.dev.copy_(host)
+        self._call = PlannedCall.of(kernels, template, vocab, routes.TOKENS, routes.ROUTES_FLAGGED)
+        self._stage, self._plan, self._out, self._ws = self._call.stage, self._call.plan, self._call.out, self._call.ws
         self.seed, self.position, self.iteration = self._stage.dev_counters()
-        columns = {name: column.to(device) for name, column in template.row_sampling().items()}
-        self._params = RowParams(**{**columns, "seed": self.seed, "position": self.position,
-                                    "iteration": self.iteration})
+        # the template's temperatures (0: greedy) and filters; the counters the caller writes
+        self._params = replace(cuda_fused.row_params(template, device), seed=self.seed, position=self.position,
+                               iteration=self.iteration)
         finish = head.finish
         self._head_args = cuda_fused.HeadArgs.of(weight, vocab, finish.bias, finish.logit_scale, finish.soft_cap)
         filtered = cuda_fused.has_filters(template)
         self._fused_plan = cuda_fused.plan(num_rows, weight.shape[1], vocab, device.index, filtered)
         self._scratch = torch.empty(self._fused_plan.scratch_bytes, dtype=torch.uint8, device=device)
-        _, out_bytes = CallOutputs.offsets(num_rows, num_samples)
-        self._out = CallOutputs(None, torch.empty(out_bytes, dtype=torch.uint8, device=device), num_rows, num_samples)
         settles = self._plan.settle[1] > 0
         self._logits = torch.empty((num_rows, vocab), dtype=torch.float32, device=device) if settles else None
-        self._ws, self._ws_buffers = kernels.plan_workspace(self._plan)
-        self._other_dtype: ThroughHead | None = None
+        self._other_dtype = ThroughHead(head, CudaPreparedSampling(kernels, template))
 
     def sample(self, x: torch.Tensor) -> SamplingResult:
         if tuple(x.shape) != self._shape:
@@ -79,14 +76,16 @@ class CudaPreparedHidden(PreparedSampling):
         if x.dtype != weight.dtype:
             return self._in_other_dtype(x)
         if x.device != weight.device or not x.is_contiguous() or x.data_ptr() % 16:
-            x = x.to(weight.device).clone()  # the kernels read 16-byte units of contiguous rows
+            # the kernels read 16-byte units of contiguous rows: one copy into a new (aligned) tensor
+            x = torch.empty(x.shape, dtype=x.dtype, device=weight.device).copy_(x)
         out, kernels, stream = self._out, self._kernels, self._kernels.current_stream()
         tokens, flags = out.main[0], out.main[1]
-        kernels.module.fused_sample(*self._head_args.entries, x.data_ptr(), self._shape[0], self._params.pointers(),
+        head, num_rows = self._head_args.entries, self._shape[0]
+        kernels.module.fused_sample(*head, x.data_ptr(), num_rows, self._params.pointers(),
                                     self._fused_plan.as_tuple(), tokens, self._num_samples, 0, flags,
                                     self._scratch.data_ptr(), stream)
         if self._logits is not None:  # the flagged rows' logits, then stats + filter over just those rows
-            cuda_fused.head_rows(self._head_args, x, out.view("main_flags"), self._logits)
+            kernels.module.fused_head_rows(*head, x.data_ptr(), num_rows, flags, self._logits.data_ptr(), stream)
             kernels.launch_plan(self._plan, self._logits, NO_BITMASK, 0, None, 0, self._stage.dev_base, out.main,
                                 out.filt_shared, out.pre, out.raw, out.exact_bits, stream, ws=self._ws)
         valid, nan = row_states(out.view("main_flags"))
@@ -94,9 +93,6 @@ class CudaPreparedHidden(PreparedSampling):
                               nan_detected=nan)
 
     def _in_other_dtype(self, x: torch.Tensor) -> SamplingResult:
-        if self._other_dtype is None:
-            with torch.cuda.device(self._kernels.device):
-                self._other_dtype = ThroughHead(self._head, CudaPreparedSampling(self._kernels, self._template))
         other = self._other_dtype
         for mine, theirs in ((self.seed, other.seed), (self.position, other.position),
                              (self.iteration, other.iteration)):
