@@ -9,6 +9,7 @@ TOKENSAMPLER_* variables, the flags' other spelling.
 from __future__ import annotations
 
 import asyncio
+import queue
 import secrets
 import signal
 import statistics
@@ -24,11 +25,13 @@ from grpc_health.v1 import health_pb2
 from tokensampler_client import AsyncSamplerClient, SamplerClient, TokenSamplerError
 from tokensampler_client._channel import call_metadata
 from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client._proto import sampler_pb2_grpc as pb_grpc
 from tokensampler_client.params import build_sample_request
 from tokensampler_server.app.cli import parse_args
 from tokensampler_server.rpc.admission import Admission
 
 from .conftest import RunningServer, start_server
+from .gated_server import GATE_SEED, ServerGate
 from .raw_h2 import UnreadingConnection
 from .test_metrics import metrics_port, parse_samples, scrape_text, value
 
@@ -626,3 +629,46 @@ def test_a_call_whose_answer_is_never_read_gives_its_slot_to_a_new_call(tmp_path
         await wait_held(running, calls=0)
 
     run_then_stop(running, run)
+
+
+def test_streams_waiting_for_their_client_end_at_shutdown_without_the_grace_period() -> None:
+    """SIGTERM with three streams that answered their message and wait for the next, and one whose message is held in
+    the backend: the waiting three end UNAVAILABLE at once, the fourth gets its answer, then ends the same way when
+    it waits again; the server exits long before its 30 s grace period, with no traceback (before: every such
+    stream held the shutdown for the whole grace period, then grpc cancelled it and printed a traceback)."""
+    gate = ServerGate()
+    server = start_server("--device", "cpu", "--grace-period-s", "30", gate=gate)
+    sent: list[queue.Queue] = []
+    try:
+        stub = pb_grpc.SamplerStub(grpc.insecure_channel(server.target))
+
+        def stream(seed: int):  # noqa: ANN202 - an open stream and its answers
+            messages: queue.Queue = queue.Queue()
+            sent.append(messages)
+            answers = stub.SampleStream(iter(messages.get, None), timeout=60)
+            messages.put(build_sample_request(logits=torch.zeros(1, 8), seed=[seed]))
+            return answers
+
+        waiting = [stream(seed) for seed in (1, 2, 3)]
+        for answers in waiting:
+            assert next(answers).WhichOneof("result") == "response"
+        held = stream(GATE_SEED)
+        gate.wait_held()
+        signalled = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        for answers in waiting:
+            with pytest.raises(grpc.RpcError) as ended:
+                next(answers)
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in ended.value.details()
+        gate.release()
+        assert next(held).WhichOneof("result") == "response"
+        with pytest.raises(grpc.RpcError) as ended:
+            next(held)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert server.process.wait(timeout=20) == 0
+        assert time.monotonic() - signalled < 10
+    finally:
+        for messages in sent:
+            messages.put(None)
+        server.stop()
+    assert not [line for line in server.log if "Traceback" in line or "ERROR" in line], server.log

@@ -237,6 +237,7 @@ async def serve(config: ServerConfig) -> None:
     if follower is not None:
         follower.cancel()
     await health_servicer.enter_graceful_shutdown()
+    admission.end_waiting_streams()  # streams with nothing in flight need no grace period
     await server.stop(config.grace_period_s)
     await sampler.close()
     if tracer is not None:

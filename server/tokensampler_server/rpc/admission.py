@@ -98,6 +98,10 @@ class Admission:
         self.reclaim_idle_s = reclaim_idle_s
         self._idle: dict[Slot, tuple[float, Callable[[float], None]]] = {}
         """Idle calls' slots, the longest idle first: since when, and what ends the call (given its idle s)."""
+        self._watches: dict[Slot, IdleWatch] = {}
+        """The watched streams, by slot, until their calls end."""
+        self.shutting_down = False
+        """Set once the server stops: a watched stream ends when it next waits for its client's message."""
         self._refused: dict[str, Counter] = {}
         if metrics is not None:
             for pool in (self.calls, self.watchers, self.uploads):
@@ -156,6 +160,14 @@ class Admission:
         """The call holding `slot` no longer waits on its client."""
         self._idle.pop(slot, None)
 
+    def end_waiting_streams(self) -> int:
+        """At shutdown: ends with UNAVAILABLE every watched stream that waits for its client's next message with each
+        one it read answered, now and whenever one does from here on (nothing of it is lost: its client reopens it,
+        on another server). Such a stream would otherwise hold the shutdown for its grace period, then be
+        cancelled under grpc. Returns how many it ended now."""
+        self.shutting_down = True
+        return sum(watch.end_waiting() for watch in list(self._watches.values()))
+
     def _reclaim(self, pool: Pool) -> bool:
         """Gives back the slot of the call of `pool` idle longest, and ends that call, if it has been idle at least
         reclaim_idle_s; whether it did."""
@@ -183,6 +195,7 @@ class Admission:
             return
         slot.released = True
         self._idle.pop(slot, None)
+        self._watches.pop(slot, None)
         slot.pool.held -= 1
         held = self._held_by[slot.client] - 1
         if held:
@@ -208,11 +221,15 @@ class IdleWatch:
         """The task _end cancelled."""
         self._ended_after: float | None = None
         """The idle seconds after which admission took the slot; None while the stream holds it."""
+        if not slot.released:
+            admission._watches[slot] = self  # noqa: SLF001 - a watch and its admission are one mechanism
 
     async def requests(self, requests: AsyncIterator[object]) -> AsyncIterator[object]:
         """`requests`, the stream's messages; ends the stream with RESOURCE_EXHAUSTED once its slot is taken."""
         messages = aiter(requests)
         while True:
+            if not self._unanswered and self._admission.shutting_down:
+                raise self._refusal()
             self._waiting = asyncio.current_task()
             if not self._unanswered:
                 self._admission.idle(self._slot, self._end)
@@ -249,7 +266,10 @@ class IdleWatch:
         self._admission.busy(self._slot)
         self._unanswered -= 1
         if not self._unanswered and self._waiting is not None:
-            self._admission.idle(self._slot, self._end)
+            if self._admission.shutting_down:
+                self.end_waiting()
+            else:
+                self._admission.idle(self._slot, self._end)
 
     def _end(self, idle_s: float) -> None:
         """Ends the stream where it waits: an answer not taken ends the call (grpc's task, cancelled), a message not
@@ -259,7 +279,19 @@ class IdleWatch:
         if self._cancelled is not None:
             self._cancelled.cancel()
 
+    def end_waiting(self) -> bool:
+        """Ends the stream if it waits for its client's next message with each one it read answered (the server
+        shuts down); whether it did."""
+        if self._waiting is None or self._unanswered or self._delivering is not None:
+            return False
+        self._cancelled = self._waiting
+        self._waiting.cancel()
+        return True
+
     def _refusal(self) -> ServiceError:
+        if self._admission.shutting_down and self._ended_after is None:
+            return ServiceError("stream ended: the server is shutting down, with every message of the stream "
+                                "answered; reopen it (on another server)", grpc.StatusCode.UNAVAILABLE)
         pool = self._slot.pool
         return ServiceError(
             f"stream ended: idle {self._ended_after:.1f} s (--reclaim-idle-calls-s "
