@@ -1,10 +1,11 @@
-"""Fixtures of the GPU tests: the CUDA backend, the CPU reference, and batch builders."""
+"""Fixtures of the GPU tests: the CUDA backend, the CPU reference, the in-process API, and batch builders."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tokensampler_server.inprocess import LocalSampler
 from tokensampler_server.model.sampling import LogprobsMode, SamplingBatch, SamplingResult
 
 from .agreement import assert_tokens_agree
@@ -158,3 +159,14 @@ def cpu_backend():
     from tokensampler_server.backends.cpu import CpuBackend
 
     return CpuBackend()
+
+
+@pytest.fixture(scope="session")
+def sampler() -> LocalSampler:
+    """The in-process API on the first GPU (prepared calls and the calls they are held equal to)."""
+    return LocalSampler("cuda:0")
+
+
+def row_seeds(rows: int) -> list[int]:
+    """A distinct seed a row, for tests that sample the same rows two ways."""
+    return [7919 * r + 11 for r in range(rows)]

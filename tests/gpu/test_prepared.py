@@ -9,7 +9,7 @@ import torch
 
 from tokensampler_server.inprocess import LocalSampler, capture
 
-from .conftest import MODES, logits
+from .conftest import MODES, logits, row_seeds
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 
@@ -18,21 +18,12 @@ MIXED = {"temperature": [0.0, 0.7, 1.0, 1.3] * 10, "top_k": [0, 50, 300, 0] * 10
          "min_p": [0.0, 0.0, 0.05, 0.02] * 10}
 
 
-@pytest.fixture(scope="module")
-def sampler() -> LocalSampler:
-    return LocalSampler("cuda:0")
-
-
-def _seeds(rows: int) -> list[int]:
-    return [7919 * r + 11 for r in range(rows)]
-
-
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("rows", [8, 40])  # 40: top-p rows take the frontier route
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prepared_tokens_are_sample_s(sampler: LocalSampler, mode: str, rows: int, dtype: torch.dtype) -> None:
     x = logits("spiky", rows, VOCAB, seed=rows, dtype=dtype).cuda()
-    params = {**MODES[mode], "seed": _seeds(rows)}
+    params = {**MODES[mode], "seed": row_seeds(rows)}
     prepared = sampler.prepare(rows, VOCAB, num_samples=2, position=0, **params)
     for step in (0, 5):
         prepared.position.fill_(step)
@@ -47,8 +38,8 @@ def test_mixed_rows_and_invalid_rows(sampler: LocalSampler) -> None:
     x = logits("flat", rows, VOCAB, seed=3).cuda()
     x[3] = float("-inf")
     x[5, 7] = float("nan")
-    prepared = sampler.prepare(rows, VOCAB, seed=_seeds(rows), position=9, **MIXED)
-    got, want = prepared(x), sampler.sample(x, seed=_seeds(rows), position=9, **MIXED)
+    prepared = sampler.prepare(rows, VOCAB, seed=row_seeds(rows), position=9, **MIXED)
+    got, want = prepared(x), sampler.sample(x, seed=row_seeds(rows), position=9, **MIXED)
     assert torch.equal(got.tokens.cpu(), want.tokens)
     assert not got.valid[3] and got.tokens[3, 0] == -1 and got.nan_detected[5]
     assert torch.equal(got.valid.cpu(), want.valid) and torch.equal(got.nan_detected.cpu(), want.nan_detected)
@@ -72,7 +63,7 @@ def test_a_prepared_call_never_synchronises(sampler: LocalSampler) -> None:
 def test_a_captured_call_replays_sample_s_tokens(sampler: LocalSampler, params: dict) -> None:
     rows = 40
     x = logits("spiky", rows, VOCAB, seed=8).cuda()
-    prepared = sampler.prepare(rows, VOCAB, seed=_seeds(rows), position=0, **params)
+    prepared = sampler.prepare(rows, VOCAB, seed=row_seeds(rows), position=0, **params)
 
     def step():
         prepared.position.add_(1)
@@ -82,11 +73,11 @@ def test_a_captured_call_replays_sample_s_tokens(sampler: LocalSampler, params: 
     prepared.position.fill_(0)
     for step in range(1, 4):
         graph.replay()
-        want = sampler.sample(x, seed=_seeds(rows), position=step, **params)
+        want = sampler.sample(x, seed=row_seeds(rows), position=step, **params)
         assert torch.equal(out.tokens.cpu(), want.tokens), step
     x.copy_(logits("flat", rows, VOCAB, seed=9).cuda())  # new logits in the same buffer
     graph.replay()
-    assert torch.equal(out.tokens.cpu(), sampler.sample(x, seed=_seeds(rows), position=4, **params).tokens)
+    assert torch.equal(out.tokens.cpu(), sampler.sample(x, seed=row_seeds(rows), position=4, **params).tokens)
 
 
 def test_a_captured_call_from_hidden_states(sampler: LocalSampler) -> None:
@@ -94,10 +85,10 @@ def test_a_captured_call_from_hidden_states(sampler: LocalSampler) -> None:
     weight = (torch.randn(VOCAB, 256, generator=g) * 0.05).to(torch.bfloat16).cuda()
     hidden = torch.randn(8, 256, generator=g).to(torch.bfloat16).cuda()
     head = sampler.register_head(weight)
-    prepared = sampler.prepare(8, head=head, top_k=50, top_p=0.9, seed=_seeds(8), position=0)
+    prepared = sampler.prepare(8, head=head, top_k=50, top_p=0.9, seed=row_seeds(8), position=0)
     graph, out = capture(lambda: prepared(hidden))
     graph.replay()
-    want = sampler.sample_hidden(hidden, head, top_k=50, top_p=0.9, seed=_seeds(8), position=0)
+    want = sampler.sample_hidden(hidden, head, top_k=50, top_p=0.9, seed=row_seeds(8), position=0)
     assert torch.equal(out.tokens.cpu(), want.tokens)
 
 
@@ -109,7 +100,7 @@ def test_rows_the_top_k_kernel_flags_are_settled_on_the_device(sampler: LocalSam
     x = logits("spiky", rows, VOCAB, seed=21).cuda()
     x[::2] = 0.0
     x[::2, :10] = 5.0  # the even rows: 10 tokens above the cut, 31990 tied at it
-    params = {"top_k": 50, "top_p": 0.95, "seed": _seeds(rows), "position": 3}
+    params = {"top_k": 50, "top_p": 0.95, "seed": row_seeds(rows), "position": 3}
     prepared = sampler.prepare(rows, VOCAB, num_samples=num_samples, **params)
     before = sampler._backend.fallbacks()["exact_rows"]
     want = sampler.sample(x, num_samples=num_samples, **params)
@@ -125,7 +116,7 @@ def test_prepared_log_probs_are_sample_s(sampler: LocalSampler, mode: str, param
     rows = len(MIXED["temperature"])
     x = logits("spiky", rows, VOCAB, seed=31).cuda()
     options = {"return_logprobs": True, "logprobs_mode": mode, "top_logprobs": 5, "num_samples": 2,
-               "seed": _seeds(rows), "position": 6, **params}
+               "seed": row_seeds(rows), "position": 6, **params}
     prepared = sampler.prepare(rows, VOCAB, **options)
     graph, got = capture(lambda: prepared(x))
     graph.replay()

@@ -18,21 +18,14 @@ from tokensampler_server.backends.cuda_kernels import RowParams
 from tokensampler_server.backends.cuda_prepared_hidden import CudaPreparedHidden
 from tokensampler_server.inprocess import LocalSampler, capture
 
+from .conftest import row_seeds
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 
 VOCAB, DIM = 32000, 256
 FLAT = {"top_p": 0.9}  # flat rows: a nucleus of thousands of tokens, past the fused kernel's candidates
 MIXED = {"temperature": [0.0, 0.7, 1.0, 1.3] * 6, "top_k": [0, 50, 20, 0] * 6, "top_p": [1.0, 0.9, 0.95, 0.8] * 6,
          "min_p": [0.0, 0.0, 0.05, 0.0] * 6}
-
-
-@pytest.fixture(scope="module")
-def sampler() -> LocalSampler:
-    return LocalSampler("cuda:0")
-
-
-def _seeds(rows: int) -> list[int]:
-    return [7919 * r + 11 for r in range(rows)]
 
 
 def _head_and_states(sampler: LocalSampler, rows: int, scale: float, seed: int = 12):
@@ -50,7 +43,7 @@ def _flagged_rows(head, hidden: torch.Tensor, params: dict) -> int:
     full = {name: torch.tensor(value if isinstance(value, list) else [value] * rows) for name, value in columns.items()}
     row = RowParams(temperature=full["temperature"].float().cuda(), top_k=full["top_k"].int().cuda(),
                     top_p=full["top_p"].float().cuda(), min_p=full["min_p"].float().cuda(),
-                    seed=torch.tensor(_seeds(rows)).cuda(), position=torch.zeros(rows, dtype=torch.int64).cuda(),
+                    seed=torch.tensor(row_seeds(rows)).cuda(), position=torch.zeros(rows, dtype=torch.int64).cuda(),
                     iteration=torch.zeros(rows, dtype=torch.int64).cuda())
     _, _, flags = cuda_fused.fused_sample(head.weight, hidden, row)
     return int(((flags & FLAG_UNSETTLED) != 0).sum())
@@ -64,12 +57,12 @@ CASES = [(params, n) for params in ({"top_k": 50, "top_p": 0.9}, FLAT, MIXED, {"
 def test_tokens_are_sample_hidden_s(sampler: LocalSampler, params: dict, num_samples: int) -> None:
     rows = len(MIXED["temperature"]) if params is MIXED else 16
     head, hidden = _head_and_states(sampler, rows, scale=0.05)
-    prepared = sampler.prepare(rows, head=head, num_samples=num_samples, seed=_seeds(rows), position=0, **params)
+    prepared = sampler.prepare(rows, head=head, num_samples=num_samples, seed=row_seeds(rows), position=0, **params)
     assert isinstance(prepared._prepared, CudaPreparedHidden)
     for step in (0, 7):
         prepared.position.fill_(step)
         got = prepared(hidden)
-        want = sampler.sample_hidden(hidden, head, num_samples=num_samples, seed=_seeds(rows), position=step, **params)
+        want = sampler.sample_hidden(hidden, head, num_samples=num_samples, seed=row_seeds(rows), position=step, **params)
         assert torch.equal(got.tokens.cpu(), want.tokens), step
         assert torch.equal(got.valid.cpu(), want.valid) and torch.equal(got.nan_detected.cpu(), want.nan_detected)
 
@@ -78,9 +71,9 @@ def test_flagged_rows_are_settled_on_the_device(sampler: LocalSampler) -> None:
     rows = 16
     head, hidden = _head_and_states(sampler, rows, scale=0.05)
     assert _flagged_rows(head, hidden, FLAT) == rows  # every row needs the device's second route here
-    prepared = sampler.prepare(rows, head=head, seed=_seeds(rows), position=0, **FLAT)
+    prepared = sampler.prepare(rows, head=head, seed=row_seeds(rows), position=0, **FLAT)
     got = prepared(hidden)
-    want = sampler.sample_hidden(hidden, head, seed=_seeds(rows), position=0, **FLAT)
+    want = sampler.sample_hidden(hidden, head, seed=row_seeds(rows), position=0, **FLAT)
     assert torch.equal(got.tokens.cpu(), want.tokens) and bool(got.valid.all())
 
 
@@ -88,7 +81,7 @@ def test_a_captured_call_replays_sample_hidden_s_tokens(sampler: LocalSampler) -
     rows = len(MIXED["temperature"])
     head, hidden = _head_and_states(sampler, rows, scale=0.05, seed=3)
     assert _flagged_rows(head, hidden, MIXED) > 0
-    prepared = sampler.prepare(rows, head=head, seed=_seeds(rows), position=0, **MIXED)
+    prepared = sampler.prepare(rows, head=head, seed=row_seeds(rows), position=0, **MIXED)
 
     def step():
         prepared.position.add_(1)
@@ -98,11 +91,11 @@ def test_a_captured_call_replays_sample_hidden_s_tokens(sampler: LocalSampler) -
     prepared.position.fill_(0)
     for position in range(1, 4):
         graph.replay()
-        want = sampler.sample_hidden(hidden, head, seed=_seeds(rows), position=position, **MIXED)
+        want = sampler.sample_hidden(hidden, head, seed=row_seeds(rows), position=position, **MIXED)
         assert torch.equal(out.tokens.cpu(), want.tokens), position
     hidden.copy_(torch.randn(rows, DIM, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16))
     graph.replay()
-    assert torch.equal(out.tokens.cpu(), sampler.sample_hidden(hidden, head, seed=_seeds(rows), position=4,
+    assert torch.equal(out.tokens.cpu(), sampler.sample_hidden(hidden, head, seed=row_seeds(rows), position=4,
                                                                **MIXED).tokens)
 
 
@@ -122,7 +115,7 @@ def test_a_prepared_hidden_call_never_synchronises(sampler: LocalSampler) -> Non
 def test_hidden_states_in_another_dtype_take_the_head_s_product(sampler: LocalSampler) -> None:
     rows = 8
     head, hidden = _head_and_states(sampler, rows, scale=0.05)
-    prepared = sampler.prepare(rows, head=head, top_k=50, top_p=0.9, seed=_seeds(rows), position=0)
+    prepared = sampler.prepare(rows, head=head, top_k=50, top_p=0.9, seed=row_seeds(rows), position=0)
     wide = hidden.float() + 1e-3  # not a bf16 value: W·h of fp32 states, not of their rounding
     prepared.position.fill_(5)  # the counters are the call's, whichever input comes
     torch.cuda.synchronize()
@@ -131,7 +124,7 @@ def test_hidden_states_in_another_dtype_take_the_head_s_product(sampler: LocalSa
         got = prepared(wide)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    want = sampler.sample_hidden(wide, head, top_k=50, top_p=0.9, seed=_seeds(rows), position=5)
+    want = sampler.sample_hidden(wide, head, top_k=50, top_p=0.9, seed=row_seeds(rows), position=5)
     assert torch.equal(got.tokens.cpu(), want.tokens)
 
 
@@ -139,10 +132,10 @@ def test_hidden_states_in_another_dtype_take_the_head_s_product(sampler: LocalSa
 def test_calls_the_fused_kernel_does_not_take_go_through_the_head(sampler: LocalSampler, options: dict) -> None:
     rows = 8
     head, hidden = _head_and_states(sampler, rows, scale=0.05)
-    prepared = sampler.prepare(rows, head=head, seed=_seeds(rows), position=2, **options)
+    prepared = sampler.prepare(rows, head=head, seed=row_seeds(rows), position=2, **options)
     assert isinstance(prepared._prepared, ThroughHead)
     got = prepared(hidden)
-    want = sampler.sample_hidden(hidden, head, seed=_seeds(rows), position=2, **options)
+    want = sampler.sample_hidden(hidden, head, seed=row_seeds(rows), position=2, **options)
     assert torch.equal(got.tokens.cpu(), want.tokens)
 
 
@@ -154,7 +147,7 @@ def test_a_head_of_another_layout_takes_the_head_s_product(sampler: LocalSampler
     transposed = (torch.randn(DIM, VOCAB, generator=g) * 0.05).to(torch.bfloat16).cuda()
     head = sampler.register_head(transposed.t())
     hidden = torch.randn(rows, DIM, generator=g).to(torch.bfloat16).cuda()
-    prepared = sampler.prepare(rows, head=head, top_k=50, top_p=0.9, seed=_seeds(rows), position=1)
+    prepared = sampler.prepare(rows, head=head, top_k=50, top_p=0.9, seed=row_seeds(rows), position=1)
     assert isinstance(prepared._prepared, ThroughHead)
-    want = sampler.sample_hidden(hidden, head, top_k=50, top_p=0.9, seed=_seeds(rows), position=1)
+    want = sampler.sample_hidden(hidden, head, top_k=50, top_p=0.9, seed=row_seeds(rows), position=1)
     assert torch.equal(prepared(hidden).tokens.cpu(), want.tokens)
