@@ -672,3 +672,32 @@ def test_streams_waiting_for_their_client_end_at_shutdown_without_the_grace_peri
             messages.put(None)
         server.stop()
     assert not [line for line in server.log if "Traceback" in line or "ERROR" in line], server.log
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "asyncio"])
+def test_a_stream_ended_by_a_shutdown_opens_again_on_the_next_replica(asynchronous: bool) -> None:
+    """A client stream over two replicas: the first shuts down while the stream waits for its next request; that
+    request is answered by the second replica, on the stream opened again."""
+    first, second = start_server("--device", "cpu"), start_server("--device", "cpu")
+    logits = torch.zeros(1, 8)
+    try:
+        targets = [first.target, second.target]
+        if asynchronous:
+            async def run() -> int:
+                async with AsyncSamplerClient(targets, timeout=30) as client, client.stream() as stream:
+                    assert (await stream.sample(logits, seed=1)).tokens.shape == (1, 1)
+                    assert first.stop() == 0
+                    assert (await stream.sample(logits, seed=2)).tokens.shape == (1, 1)
+                    return stream.reopens
+
+            reopens = asyncio.run(run())
+        else:
+            with SamplerClient(targets, timeout=30) as client, client.stream() as stream:
+                assert stream.sample(logits, seed=1).tokens.shape == (1, 1)
+                assert first.stop() == 0
+                assert stream.sample(logits, seed=2).tokens.shape == (1, 1)
+                reopens = stream.reopens
+        assert reopens >= 1
+    finally:
+        first.stop()
+        second.stop()

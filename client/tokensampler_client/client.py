@@ -224,8 +224,8 @@ class SamplerClient(ClientCore):
     def stream(self, *, timeout: float | None = None, request_id: str | None = None) -> SampleStream:
         """Opens a SampleStream for a decode loop (see stream.py): `with client.stream() as s: s.sample(logits)`.
 
-        `timeout` bounds the whole stream (default: none); UNAVAILABLE is not retried inside it, overload is (the
-        stream is opened again with this client's retries and backoff: stream.py).
+        `timeout` bounds the whole stream (default: none); within it, a stream that ends overloaded or UNAVAILABLE
+        is opened again with this client's retries and backoff (stream.py).
         """
         return SampleStream(self._stub.SampleStream, self._stream_metadata(request_id), self._stream_retry(timeout))
 

@@ -7,7 +7,10 @@ server rejects raises TokenSamplerError from `receive()` and the stream stays us
 A stream the server ends as overloaded (RESOURCE_EXHAUSTED marked retryable: it was refused at the cap of
 concurrent calls, or its slot was given to a new call while it sat idle, `--reclaim-idle-calls-s`) is opened
 again, with the client's backoff and retries, and the requests not yet answered are sent on the new call. The
-server ends such a stream only while no request of it is being sampled, so none of them was sampled before.
+server ends such a stream only while no request of it is being sampled, so none of them was sampled before. So is
+a stream that ends UNAVAILABLE: a server shutting down ends its streams that way once every request of theirs is
+answered (with a list of replicas the new call goes to another), and over a lost connection a request may have been
+sampled whose answer never arrived: its caller still gets one answer, the same for a seeded request.
 """
 
 from __future__ import annotations
@@ -66,9 +69,9 @@ def stream_request(logits: Any, params: dict[str, Any]) -> pb.SampleRequest | by
 def _reopens(code: grpc.StatusCode | None, trailing_metadata: Any, details: str | None,
              retry: RetryState) -> float | None:
     """The wait before the stream is opened again after it ended with `code`, or None when it must fail now:
-    only overload is retried (the server sampled none of the stream's unanswered requests then). The retries are
-    counted from the stream's last answer: each overload gets the client's retries, within the stream's deadline."""
-    if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+    overload and UNAVAILABLE are retried (module docstring). The retries are counted from the stream's last answer:
+    each ending gets the client's retries, within the stream's deadline."""
+    if code not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
         return None
     return retry.next_delay(code, trailing_metadata, details=details or "")
 
@@ -84,7 +87,7 @@ class SampleStream:
         self._pending: collections.deque = collections.deque()  # sent, not yet received
         self._closed = False
         self.reopens = 0
-        """How many times the stream was opened again after the server ended it as overloaded."""
+        """How many times the stream was opened again after it ended as overloaded or UNAVAILABLE."""
         self._open()
 
     def _open(self) -> None:
@@ -156,7 +159,7 @@ class AsyncSampleStream:
         self._closed = False  # by close(), or by a caller's cancellation of a reopen
         self._write_failed = False  # on the current call: its status may be grpc.aio's, not the server's
         self.reopens = 0
-        """How many times the stream was opened again after the server ended it as overloaded."""
+        """How many times the stream was opened again after it ended as overloaded or UNAVAILABLE."""
         self._call = method(metadata=metadata, timeout=retry.remaining())
 
     async def send(self, logits: Any = None, **params: Any) -> None:
