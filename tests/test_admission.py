@@ -631,13 +631,14 @@ def test_a_call_whose_answer_is_never_read_gives_its_slot_to_a_new_call(tmp_path
     run_then_stop(running, run)
 
 
-def test_streams_waiting_for_their_client_end_at_shutdown_without_the_grace_period() -> None:
+@pytest.mark.parametrize("reclaim_s", ["1", "0"], ids=["reclaiming", "never_reclaiming"])
+def test_streams_waiting_for_their_client_end_at_shutdown_without_the_grace_period(reclaim_s: str) -> None:
     """SIGTERM with three streams that answered their message and wait for the next, and one whose message is held in
     the backend: the waiting three end UNAVAILABLE at once, the fourth gets its answer, then ends the same way when
     it waits again; the server exits long before its 30 s grace period, with no traceback (before: every such
     stream held the shutdown for the whole grace period, then grpc cancelled it and printed a traceback)."""
     gate = ServerGate()
-    server = start_server("--device", "cpu", "--grace-period-s", "30", gate=gate)
+    server = start_server("--device", "cpu", "--grace-period-s", "30", "--reclaim-idle-calls-s", reclaim_s, gate=gate)
     sent: list[queue.Queue] = []
     try:
         stub = pb_grpc.SamplerStub(grpc.insecure_channel(server.target))

@@ -174,11 +174,14 @@ class _HeldBackend(CpuBackend):
 
 
 def test_streams_with_nothing_in_flight_parse_no_more_than_the_budget(monkeypatch) -> None:
-    """Four streams, each sending one 3 MiB message while the first two are held in the backend, under a budget of
-    8 MiB: the first two are taken, the other two answered RESOURCE_EXHAUSTED without being parsed (each stream
-    used to take its first message whatever the budget held: six 228 MiB messages under 256 MiB were all parsed).
-    Once the budget has room, the same message is taken again."""
-    message = build_sample_request(logits=torch.zeros(1, 3 << 18), seed=[1]).SerializeToString()
+    """Four streams, each sending one 17 MiB message (more than a window's bytes) while the first two are held in the
+    backend, under a budget of 40 MiB: the first two are taken, the other two answered RESOURCE_EXHAUSTED without
+    being parsed (each stream used to take its first message whatever the budget held: six 228 MiB messages under
+    256 MiB were all parsed). A message of a window's bytes is still taken, and once the budget has room, so is the
+    large one."""
+    message = build_sample_request(logits=torch.zeros(1, 17 << 18), seed=[1]).SerializeToString()
+    small = build_sample_request(logits=torch.zeros(1, 1 << 18), seed=[1]).SerializeToString()
+    assert len(message) > STREAM_BYTES_IN_FLIGHT > len(small)
     begun = 0
     begin = SampleRpc._begin
 
@@ -189,31 +192,35 @@ def test_streams_with_nothing_in_flight_parse_no_more_than_the_budget(monkeypatc
 
     monkeypatch.setattr(SampleRpc, "_begin", counted_begin)
 
-    async def one_message(stop: asyncio.Event):  # noqa: ANN202 - a client stream left open after its message
-        yield message
+    async def one_message(stop: asyncio.Event, sent: bytes = message):  # noqa: ANN202 - left open after its message
+        yield sent
         await stop.wait()
 
     async def run() -> None:
         backend = _HeldBackend()
-        batcher = DynamicBatcher(backend, max_batch_rows=1, max_queue_bytes=8 << 20)
+        batcher = DynamicBatcher(backend, max_batch_rows=1, max_queue_bytes=40 << 20)
         path = SampleRpc(Limits(), batcher, WeightRegistry(torch.device("cpu")), RegionRegistry(), None)
         stop = asyncio.Event()
         streams = [path.stream(one_message(stop), f"s{i}") for i in range(4)]
+        streams.append(path.stream(one_message(stop, small), "s-small"))
         pending = [asyncio.ensure_future(stream.__anext__()) for stream in streams[:2]]
         await asyncio.sleep(0.2)  # both taken and held in the backend
-        refused = [await stream.__anext__() for stream in streams[2:]]
+        refused = [await stream.__anext__() for stream in streams[2:4]]
         assert begun == 2
+        small_answer = asyncio.ensure_future(streams[4].__anext__())
+        await asyncio.sleep(0.2)
+        assert begun == 3  # taken, held in the backend behind the first two
         for answer in refused:
             assert answer.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], answer
             assert "--max-queue-mb" in answer.error.message
         backend.go.set()
-        for answer in await asyncio.gather(*pending):
+        for answer in await asyncio.gather(*pending, small_answer):
             assert answer.WhichOneof("result") == "response"
         stop.set()  # the streams end; so do their windows
         for stream in streams:
             assert [answer async for answer in stream] == []
         again = path.stream(one_message(stop), "s4")
-        assert (await again.__anext__()).WhichOneof("result") == "response" and begun == 3
+        assert (await again.__anext__()).WhichOneof("result") == "response" and begun == 4
         await again.aclose()
         await batcher.close()
 

@@ -111,7 +111,12 @@ class Admission:
 
     def reclaims(self, method: str) -> bool:
         """Whether an idle call of `method` may lose its slot to a new call."""
-        return self.reclaim_idle_s > 0 and method not in UNRECLAIMED_METHODS
+        return self.reclaim_idle_s > 0 and self.watches(method)
+
+    def watches(self, method: str) -> bool:
+        """Whether a bidirectional stream of `method` is watched (IdleWatch): to be reclaimed while idle, when
+        reclaim_idle_s allows it, and to end at shutdown once it waits for its client."""
+        return method not in UNRECLAIMED_METHODS
 
     def pool_of(self, method: str) -> Pool | None:
         """The pool `method` (full name, no leading slash) counts against; None for a method not counted."""
@@ -290,8 +295,9 @@ class IdleWatch:
 
     def _refusal(self) -> ServiceError:
         if self._admission.shutting_down and self._ended_after is None:
-            return ServiceError("stream ended: the server is shutting down, with every message of the stream "
-                                "answered; reopen it (on another server)", grpc.StatusCode.UNAVAILABLE)
+            return ServiceError("stream ended: the server is shutting down, with every message it read answered; "
+                                "reopen it (on another server) and send again what was not answered",
+                                grpc.StatusCode.UNAVAILABLE)
         pool = self._slot.pool
         return ServiceError(
             f"stream ended: idle {self._ended_after:.1f} s (--reclaim-idle-calls-s "

@@ -173,7 +173,7 @@ class CallGuard:
         taken back while it is idle (admission.py)."""
         streaming = handler.request_streaming
         admission = self._admission
-        watched = streaming and admit is not None and admission.reclaims(method)
+        watched = streaming and admit is not None and admission.watches(method)
         if streaming:
             wrap, behaviour = grpc.stream_stream_rpc_method_handler, handler.stream_stream
         else:

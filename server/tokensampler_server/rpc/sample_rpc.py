@@ -394,7 +394,12 @@ class SampleRpc:
             async for message in messages:
                 record = self._stream_record(stream_id, index)
                 index += 1
-                begun, nbytes = await self._admitted(window, message, record)
+                nbytes = _message_bytes(message, self._regions, self._limits)
+                if not await window.admit(nbytes):  # answered here: the stream stays on this loop
+                    yield await self._answer(record, message, window.refusal(nbytes))
+                    window.answered(0)
+                    continue
+                begun = await self._begin(message, record)
                 if not isinstance(begun, asyncio.Future):
                     first = _stream_item(record, message, begun, nbytes)
                     # closed before the window, so that its reader is cancelled before the window lets go
@@ -453,6 +458,8 @@ class SampleRpc:
             await answers.put(None)
 
         reader = asyncio.ensure_future(read_then_end())
+        # Its end is read below, or, when this generator is closed first, retrieved here (no "never retrieved" log).
+        reader.add_done_callback(lambda task: task.cancelled() or task.exception())
         try:
             while (item := await answers.get()) is not None:
                 yield await self._answer(*item[:3])

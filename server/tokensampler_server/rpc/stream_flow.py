@@ -4,10 +4,11 @@ While a stream's window is full the server stops reading that stream, so HTTP/2 
 client: a client that never reads its answers holds a bounded share of the server's memory. A window holds at
 most STREAM_MESSAGES_IN_FLIGHT messages and STREAM_BYTES_IN_FLIGHT bytes (each message's own, the region bytes its
 input references and the answer it will hold: sample_rpc._message_bytes), and all windows together at most the
-budget's total (the server's --max-queue-mb). A stream with nothing in flight never waits: its next message is
-taken whatever its size when the budget has room for it or holds nothing, and otherwise refused unparsed (as a
-unary call past the requests' budget is), so that every stream moves on and no number of streams parses more than
-the budget at once. docs/hardening.md has the measured figures.
+budget's total (the server's --max-queue-mb). A stream with nothing in flight never waits, so that other clients'
+unread answers, which hold the budget, stall no stream: its next message is taken if it is no larger than a
+window's bytes, or the budget has room for it, or holds nothing; a larger one is refused unparsed (as a unary call
+past the requests' budget is), so that the streams' first messages together hold at most a window each beyond the
+budget. docs/hardening.md has the measured figures.
 """
 
 from __future__ import annotations
@@ -58,13 +59,14 @@ class StreamWindow:
                                          or budget.used_bytes + nbytes > budget.total_bytes)
 
     async def admit(self, nbytes: int) -> bool:
-        """Waits until a message of `nbytes` fits, then counts it in: True. A message that finds the window empty
-        and other streams' messages filling the budget is counted as a message of no bytes (answered(0) gives it
-        back): False, and the caller refuses it without parsing it."""
+        """Waits until a message of `nbytes` fits, then counts it in: True. A message larger than a window's bytes
+        that finds the window empty and other streams' messages filling the budget is counted as a message of no
+        bytes (answered(0) gives it back): False, and the caller refuses it without parsing it."""
         while self._full(nbytes):
             await self._budget._wait()  # noqa: SLF001 - the window and its budget are one mechanism
         budget = self._budget
-        taken = not (budget.used_bytes and budget.used_bytes + nbytes > budget.total_bytes)
+        taken = (nbytes <= STREAM_BYTES_IN_FLIGHT or not budget.used_bytes
+                 or budget.used_bytes + nbytes <= budget.total_bytes)
         counted = nbytes if taken else 0
         self._messages += 1
         self._bytes += counted
