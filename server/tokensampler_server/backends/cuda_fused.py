@@ -144,11 +144,10 @@ def fused_partials(weight: torch.Tensor, states: torch.Tensor, params: RowParams
     128) of a larger vocabulary; its partial results go to `scratch` (the_plan.scratch_bytes, uint8), on the current
     stream of W's device. Shapes, dtypes and alignment as fused_sample's."""
     device = weight.device
+    head = HeadArgs.of(weight, weight.shape[0], bias, logit_scale, soft_cap)
     load_kernels(device.index).fused_partials(
-        weight.data_ptr(), weight.shape[0], weight.shape[1], _DTYPES[weight.dtype],
-        0 if bias is None else bias.data_ptr(), float(logit_scale), float(soft_cap or 0.0), first_token,
-        states.data_ptr(), states.shape[0], params.pointers(), the_plan.as_tuple(), want_sum1,
-        scratch.data_ptr(), stream_address(device))
+        *head.entries, first_token, states.data_ptr(), states.shape[0], params.pointers(), the_plan.as_tuple(),
+        want_sum1, scratch.data_ptr(), stream_address(device))
 
 
 def candidates_per_part(the_plan: FusedPlan, device_index: int) -> int:

@@ -56,6 +56,18 @@ class PlannedCall:
         ws, ws_buffers = kernels.plan_workspace(plan)
         return PlannedCall(stage, plan, out, ws, ws_buffers)
 
+    def launch_tokens(self, kernels: Kernels, x: torch.Tensor, stream: int) -> None:
+        """Every launch of a TOKENS plan over x [B, vocab] (no bitmask) on `stream`, into the main outputs."""
+        out = self.out
+        kernels.launch_plan(self.plan, x, NO_BITMASK, 0, None, 0, self.stage.dev_base, out.main, out.filt_shared,
+                            out.pre, out.raw, out.exact_bits, stream, ws=self.ws)
+
+    def tokens_result(self) -> SamplingResult:
+        """The main outputs as a result on the device: tokens (-1 in rows that are not valid), valid, nan_detected."""
+        valid, nan = row_states(self.out.view("main_flags"))
+        return SamplingResult(tokens=torch.where(valid.unsqueeze(1), self.out.view("main_tokens"), -1), valid=valid,
+                              nan_detected=nan)
+
 
 class CudaPreparedSampling(PreparedSampling):
     """The rows of `template` (per-row parameters and log-prob options, no processing) planned on `kernels`'
@@ -75,22 +87,18 @@ class CudaPreparedSampling(PreparedSampling):
             raw = self._logprobs.mode is LogprobsMode.RAW
             kind, routing = (routes.LOGPROBS_RAW if raw else routes.LOGPROBS_PROCESSED), routes.ROUTES_EXACT
         self._call = PlannedCall.of(kernels, template, template.vocab_size, kind, routing)
-        self._stage, self._plan, self._out, self._ws = self._call.stage, self._call.plan, self._call.out, self._call.ws
         self._ones = torch.ones(num_rows, dtype=torch.float32, device=kernels.device)
-        self.seed, self.position, self.iteration = self._stage.dev_counters()
+        self.seed, self.position, self.iteration = self._call.stage.dev_counters()
 
     def sample(self, logits: torch.Tensor) -> SamplingResult:
         if tuple(logits.shape) != self._shape:
             raise ValueError(f"logits: got shape {tuple(logits.shape)}, expected {list(self._shape)} as prepared")
-        out, kernels, stream = self._out, self._kernels, self._kernels.current_stream()
+        call, kernels, stream = self._call, self._kernels, self._kernels.current_stream()
         if self._logprobs is not None:
-            got = sample_with_logprobs(kernels, self._plan, self._stage, out, self._ones, logits, logits, NO_BITMASK,
-                                       self._logprobs, stream, ws=self._ws)
+            got = sample_with_logprobs(kernels, call.plan, call.stage, call.out, self._ones, logits, logits, NO_BITMASK,
+                                       self._logprobs, stream, ws=call.ws)
             valid, nan = row_states(got.flags)
             return SamplingResult(tokens=got.tokens, valid=valid, nan_detected=nan, logprobs=got.logprobs,
                                   top_logprob_ids=got.top_ids, top_logprobs=got.top_values)
-        kernels.launch_plan(self._plan, logits, NO_BITMASK, 0, None, 0, self._stage.dev_base, out.main,
-                            out.filt_shared, out.pre, out.raw, out.exact_bits, stream, ws=self._ws)
-        valid, nan = row_states(out.view("main_flags"))
-        tokens = torch.where(valid.unsqueeze(1), out.view("main_tokens"), -1)
-        return SamplingResult(tokens=tokens, valid=valid, nan_detected=nan)
+        call.launch_tokens(kernels, logits, stream)
+        return call.tokens_result()

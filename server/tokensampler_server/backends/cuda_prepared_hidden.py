@@ -23,8 +23,7 @@ import torch
 
 from tokensampler_server.backends import cuda_fused
 from tokensampler_server.backends.base import PreparedSampling, ThroughHead
-from tokensampler_server.backends.cuda_buffers import row_states
-from tokensampler_server.backends.cuda_kernels import NO_BITMASK, Kernels
+from tokensampler_server.backends.cuda_kernels import Kernels
 from tokensampler_server.backends.cuda_prepared import CudaPreparedSampling, PlannedCall
 from tokensampler_server.model.sampling import SamplingBatch, SamplingResult
 from tokensampler_server.resources.weights import RegisteredWeight
@@ -55,8 +54,7 @@ class CudaPreparedHidden(PreparedSampling):
         self._num_samples = num_samples
         routes = kernels.module
         self._call = PlannedCall.of(kernels, template, vocab, routes.TOKENS, routes.ROUTES_FLAGGED)
-        self._stage, self._plan, self._out, self._ws = self._call.stage, self._call.plan, self._call.out, self._call.ws
-        self.seed, self.position, self.iteration = self._stage.dev_counters()
+        self.seed, self.position, self.iteration = self._call.stage.dev_counters()
         # the template's temperatures (0: greedy) and filters; the counters the caller writes
         self._params = replace(cuda_fused.row_params(template, device), seed=self.seed, position=self.position,
                                iteration=self.iteration)
@@ -65,7 +63,7 @@ class CudaPreparedHidden(PreparedSampling):
         filtered = cuda_fused.has_filters(template)
         self._fused_plan = cuda_fused.plan(num_rows, weight.shape[1], vocab, device.index, filtered)
         self._scratch = torch.empty(self._fused_plan.scratch_bytes, dtype=torch.uint8, device=device)
-        settles = self._plan.settle[1] > 0
+        settles = self._call.plan.settle[1] > 0
         self._logits = torch.empty((num_rows, vocab), dtype=torch.float32, device=device) if settles else None
         self._other_dtype = ThroughHead(head, CudaPreparedSampling(kernels, template))
 
@@ -78,19 +76,16 @@ class CudaPreparedHidden(PreparedSampling):
         if x.device != weight.device or not x.is_contiguous() or x.data_ptr() % 16:
             # the kernels read 16-byte units of contiguous rows: one copy into a new (aligned) tensor
             x = torch.empty(x.shape, dtype=x.dtype, device=weight.device).copy_(x)
-        out, kernels, stream = self._out, self._kernels, self._kernels.current_stream()
-        tokens, flags = out.main[0], out.main[1]
+        call, kernels, stream = self._call, self._kernels, self._kernels.current_stream()
+        tokens, flags = call.out.main[0], call.out.main[1]
         head, num_rows = self._head_args.entries, self._shape[0]
         kernels.module.fused_sample(*head, x.data_ptr(), num_rows, self._params.pointers(),
                                     self._fused_plan.as_tuple(), tokens, self._num_samples, 0, flags,
                                     self._scratch.data_ptr(), stream)
         if self._logits is not None:  # the flagged rows' logits, then stats + filter over just those rows
             kernels.module.fused_head_rows(*head, x.data_ptr(), num_rows, flags, self._logits.data_ptr(), stream)
-            kernels.launch_plan(self._plan, self._logits, NO_BITMASK, 0, None, 0, self._stage.dev_base, out.main,
-                                out.filt_shared, out.pre, out.raw, out.exact_bits, stream, ws=self._ws)
-        valid, nan = row_states(out.view("main_flags"))
-        return SamplingResult(tokens=torch.where(valid.unsqueeze(1), out.view("main_tokens"), -1), valid=valid,
-                              nan_detected=nan)
+            call.launch_tokens(kernels, self._logits, stream)
+        return call.tokens_result()
 
     def _in_other_dtype(self, x: torch.Tensor) -> SamplingResult:
         other = self._other_dtype

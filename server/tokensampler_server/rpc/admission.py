@@ -165,13 +165,14 @@ class Admission:
         """The call holding `slot` no longer waits on its client."""
         self._idle.pop(slot, None)
 
-    def end_waiting_streams(self) -> int:
+    def end_waiting_streams(self) -> None:
         """At shutdown: ends with UNAVAILABLE every watched stream that waits for its client's next message with each
         one it read answered, now and whenever one does from here on (nothing of it is lost: its client reopens it,
         on another server). Such a stream would otherwise hold the shutdown for its grace period, then be
-        cancelled under grpc. Returns how many it ended now."""
+        cancelled under grpc."""
         self.shutting_down = True
-        return sum(watch.end_waiting() for watch in list(self._watches.values()))
+        for watch in list(self._watches.values()):
+            watch.end_waiting()
 
     def _reclaim(self, pool: Pool) -> bool:
         """Gives back the slot of the call of `pool` idle longest, and ends that call, if it has been idle at least
@@ -284,14 +285,13 @@ class IdleWatch:
         if self._cancelled is not None:
             self._cancelled.cancel()
 
-    def end_waiting(self) -> bool:
+    def end_waiting(self) -> None:
         """Ends the stream if it waits for its client's next message with each one it read answered (the server
-        shuts down); whether it did."""
+        shuts down)."""
         if self._waiting is None or self._unanswered or self._delivering is not None:
-            return False
+            return
         self._cancelled = self._waiting
         self._waiting.cancel()
-        return True
 
     def _refusal(self) -> ServiceError:
         if self._admission.shutting_down and self._ended_after is None:
