@@ -72,7 +72,7 @@ void register_fused(pybind11::module_& m) {
                                  "fused_head_rows");
   });
   // The stages apart, for a shard of a vocabulary-parallel head (fused.h): the head as fused_sample's plus the
-  // token id of its first row; stage 1 writes `scratch`, stage 2 reads num_parts partials a row.
+  // token id of its first row; stage 1 writes `scratch`, stage 2 reads the shards' scratch side by side.
   m.def("fused_candidates", [](int64_t kernel) { return ts_fused_candidates(static_cast<int32_t>(kernel)); });
   m.def("fused_partials", [](int64_t weight, int64_t vocab, int64_t dim, int64_t dtype, int64_t bias,
                              double logit_scale, double soft_cap, int64_t first_token, int64_t states, int64_t num_rows,
@@ -85,15 +85,16 @@ void register_fused(pybind11::module_& m) {
                                                    want_sum1 ? 1 : 0, ptr<void>(scratch), ptr<void>(stream)),
                                  "fused_partials");
   });
-  m.def("fused_finish", [](int64_t num_rows, std::vector<int64_t> params, int64_t num_parts, int64_t partials,
-                           int64_t cands, int64_t cands_per_part, int64_t tokens, int64_t num_samples, int64_t logprobs,
-                           int64_t flags, int64_t stream) {
+  m.def("fused_finish", [](int64_t num_rows, std::vector<int64_t> params, int64_t num_shards, int64_t parts_a_shard,
+                           int64_t shards, int64_t shard_bytes, int64_t cands_per_part, int64_t tokens,
+                           int64_t num_samples, int64_t logprobs, int64_t flags, int64_t stream) {
     const TsRows rows = rows_of(0, num_rows, params);
     const TsFusedOutputs out{ptr<int64_t>(tokens), static_cast<int32_t>(num_samples), ptr<float>(logprobs),
                              ptr<uint8_t>(flags)};
     tokensampler::binding::check(
-        ts_fused_finish(num_rows, &rows, static_cast<int32_t>(num_parts), ptr<const void>(partials),
-                        ptr<const void>(cands), static_cast<int32_t>(cands_per_part), &out, ptr<void>(stream)),
+        ts_fused_finish(num_rows, &rows, static_cast<int32_t>(num_shards), static_cast<int32_t>(parts_a_shard),
+                        ptr<const void>(shards), static_cast<size_t>(shard_bytes), static_cast<int32_t>(cands_per_part),
+                        &out, ptr<void>(stream)),
         "fused_finish");
   });
 }

@@ -84,19 +84,20 @@ cudaError_t encode_rows(CUtensorMap* map, const void* base, int32_t dtype, int64
 
 template <bool BF16, bool kMask, int N>
 cudaError_t launch_stream(const PartialsArgs& args, const TsFusedPlan& plan, cudaStream_t stream) {
-  CUtensorMap w_map, h_map;
-  // The map covers the weight's own rows (a shard's, from args.first_tile on): the producer's tile coordinates are
-  // relative to it.
-  const int64_t first_row = static_cast<int64_t>(args.first_tile) * kTileRows;
+  CUtensorMap w_map, w_half_map, h_map;
+  // The maps cover the weight's own rows (a shard's, from args.first_tile on): the producer's row coordinates are
+  // relative to them. Tiles and half tiles (a split last round: fused_stream.cuh's stream_unit) have a map each.
+  const int64_t first_row = static_cast<int64_t>(args.first_tile) * kTileRows, rows = args.head.vocab - first_row;
   const void* weight = static_cast<const uint16_t*>(args.head.weight) + first_row * args.head.dim;
-  cudaError_t err = encode_rows(&w_map, weight, args.head.dtype, args.head.vocab - first_row, args.head.dim, kTileRows);
+  cudaError_t err = encode_rows(&w_map, weight, args.head.dtype, rows, args.head.dim, kTileRows);
+  if (err == cudaSuccess) err = encode_rows(&w_half_map, weight, args.head.dtype, rows, args.head.dim, kHalfTileRows);
   if (err == cudaSuccess) err = encode_rows(&h_map, args.states, args.head.dtype, args.num_rows, args.head.dim, N);
   if (err != cudaSuccess) return err;
   auto kernel = fused_stream_kernel<BF16, N, kMask>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem_bytes));
   if (err != cudaSuccess) return err;
   const int grid = plan.vocab_ctas * plan.batch_tiles;
-  kernel<<<grid, StreamLayout<N>::kThreads, plan.smem_bytes, stream>>>(w_map, h_map, args);
+  kernel<<<grid, StreamLayout<N>::kThreads, plan.smem_bytes, stream>>>(w_map, w_half_map, h_map, args);
   return cudaGetLastError();
 }
 
@@ -137,6 +138,15 @@ static_assert(kFinishThreads % kCand == 0 && kFinishThreads % kStreamCand == 0,
               "a candidate list's length must divide kFinishThreads");
 int cands_per_part(int kernel) {
   return kernel == TS_FUSED_RING ? kCand : kernel == TS_FUSED_STREAM_CANDIDATES ? kStreamCand : 0;
+}
+
+// The streaming kernel's rounds over the shard's tiles (fused_stream.cuh's stream_unit): whole rounds of one tile a
+// CTA, then the rest, split into halves when at most half the CTAs would have a tile.
+void walk_rounds(PartialsArgs* args) {
+  const int32_t tiles = args->num_tiles - args->first_tile, rest = tiles % args->vocab_ctas;
+  args->full_rounds = tiles / args->vocab_ctas;
+  args->last_round_halves = rest > 0 && 2 * rest <= args->vocab_ctas;
+  args->last_round_units = args->last_round_halves ? 2 * rest : rest;
 }
 
 // A shard's head as the rows first_token .. of a head that starts at token 0: the weight's and the bias's
@@ -271,6 +281,7 @@ extern "C" int ts_fused_partials(const TsLmHead* head, const void* states, int64
   args.first_tile = static_cast<int32_t>(head->first_token / kTileRows);
   args.num_tiles = static_cast<int32_t>((args.head.vocab + kTileRows - 1) / kTileRows);
   args.vocab_ctas = plan->vocab_ctas;
+  walk_rounds(&args);
   args.batch_tiles = plan->batch_tiles;
   args.partials = partials;
   args.cands = cands_per_part(plan->kernel) == 0 ? nullptr : reinterpret_cast<uint64_t*>(partials + parts);
@@ -278,21 +289,24 @@ extern "C" int ts_fused_partials(const TsLmHead* head, const void* states, int64
   return head->dtype == 2 ? launch_partials_masked<true>(args, *plan, s) : launch_partials_masked<false>(args, *plan, s);
 }
 
-extern "C" int ts_fused_finish(int64_t num_rows, const TsRows* rows, int32_t num_parts, const void* partials,
-                               const void* cands, int32_t cands_per_part, const TsFusedOutputs* out, void* stream) {
-  if (num_parts <= 0 || rows->rows != nullptr || (cands_per_part != 0 && cands_per_part != kCand &&
-                                                  cands_per_part != kStreamCand))
+extern "C" int ts_fused_finish(int64_t num_rows, const TsRows* rows, int32_t num_shards, int32_t parts_a_shard,
+                               const void* shards, size_t shard_bytes, int32_t cands_per_part,
+                               const TsFusedOutputs* out, void* stream) {
+  if (num_shards <= 0 || parts_a_shard <= 0 || rows->rows != nullptr ||
+      (cands_per_part != 0 && cands_per_part != kCand && cands_per_part != kStreamCand))
     return cudaErrorInvalidValue;
   FinishArgs finish;
   finish.num_rows = num_rows;
   finish.rows = *rows;
-  finish.vocab_ctas = num_parts;
-  finish.partials = static_cast<const Partial*>(partials);
-  finish.cands = cands_per_part == 0 ? nullptr : static_cast<const uint64_t*>(cands);
+  finish.num_parts = num_shards * parts_a_shard;
+  finish.parts_a_shard = parts_a_shard;
+  finish.shards = static_cast<const unsigned char*>(shards);
+  finish.shard_bytes = num_shards == 1 ? 0 : static_cast<int64_t>(shard_bytes);
   finish.cands_per_part = cands_per_part;
   finish.out = *out;
-  const size_t staged_bytes =
-      stages_candidates(cands_per_part) ? static_cast<size_t>(num_parts) * cands_per_part * sizeof(uint64_t) : 0;
+  const size_t staged_bytes = stages_candidates(cands_per_part)
+                                  ? static_cast<size_t>(finish.num_parts) * cands_per_part * sizeof(uint64_t)
+                                  : 0;
   cudaError_t err = cudaFuncSetAttribute(fused_finish_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(staged_bytes));
   if (err != cudaSuccess) return err;
@@ -304,11 +318,8 @@ extern "C" int ts_fused_sample(const TsLmHead* head, const void* states, int64_t
                                const TsFusedPlan* plan, const TsFusedOutputs* out, void* scratch, void* stream) {
   const int err = ts_fused_partials(head, states, num_rows, rows, plan, out->logprobs != nullptr, scratch, stream);
   if (err != cudaSuccess) return err;
-  const Partial* partials = static_cast<const Partial*>(scratch);
-  const int per_part = cands_per_part(plan->kernel);
-  const uint64_t* cands =
-      per_part == 0 ? nullptr : reinterpret_cast<const uint64_t*>(partials + static_cast<size_t>(num_rows) * plan->vocab_ctas);
-  return ts_fused_finish(num_rows, rows, plan->vocab_ctas, partials, cands, per_part, out, stream);
+  return ts_fused_finish(num_rows, rows, 1, plan->vocab_ctas, scratch, plan->scratch_bytes,
+                         cands_per_part(plan->kernel), out, stream);
 }
 
 extern "C" int ts_fused_head_rows(const TsLmHead* head, const void* states, int64_t num_rows, const uint8_t* flags,

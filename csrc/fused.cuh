@@ -70,21 +70,52 @@ struct PartialsArgs {
   int32_t want_sum1;
   int32_t first_tile;   // the CTAs walk tiles first_tile .. num_tiles - 1 (ids global: fused.cu's shard_view)
   int32_t num_tiles;
+  int32_t full_rounds;        // the streaming kernel's walk (fused_stream.cuh's stream_unit): rounds of vocab_ctas
+  int32_t last_round_units;   // tiles, then the units of a last round: its tiles, or twice as many halves
+  int32_t last_round_halves;
   int32_t vocab_ctas;   // fixed by V and the GPU, never by B: each row's arithmetic is batch invariant
   int32_t batch_tiles;
   Partial* partials;   // [num_rows, vocab_ctas]
   uint64_t* cands;     // [num_rows, vocab_ctas, kCand]
 };
 
+// Stage 2's input: one or more stage 1 outputs side by side, `shard_bytes` apart (fused.h ts_fused_finish), each
+// partials [num_rows, parts_a_shard], then, with cands_per_part > 0, each CTA's best keys, descending, zero-filled,
+// [num_rows, parts_a_shard, cands_per_part]. A row's parts are the shards' in turn.
 struct FinishArgs {
   int64_t num_rows;
   TsRows rows;
-  int32_t vocab_ctas;
-  const Partial* partials;
-  const uint64_t* cands;  // [num_rows, vocab_ctas, cands_per_part]: each CTA's best keys, descending, zero-filled
+  int32_t num_parts;  // a row's: parts_a_shard times the shards
+  int32_t parts_a_shard;
+  const unsigned char* shards;
+  int64_t shard_bytes;
   int32_t cands_per_part;
   TsFusedOutputs out;
 };
+
+// Row b's entries of one kind (a shard holds `per_shard` of them, shard_bytes after the previous shard's) as one
+// array: entry i of the row is entry i - s per_shard of shard s. shard_bytes 0: one shard, a plain array.
+template <typename T>
+struct RowEntries {
+  const unsigned char* first;
+  int64_t shard_bytes;
+  int per_shard;
+  __device__ __forceinline__ T operator[](int i) const {
+    if (shard_bytes == 0) return reinterpret_cast<const T*>(first)[i];
+    const int s = i / per_shard;
+    return reinterpret_cast<const T*>(first + s * shard_bytes)[i - s * per_shard];
+  }
+};
+
+// Row b's partial results, and its candidate keys (every part's list in turn).
+__device__ __forceinline__ RowEntries<Partial> row_partials(const FinishArgs& a, int64_t b) {
+  return RowEntries<Partial>{a.shards + b * a.parts_a_shard * sizeof(Partial), a.shard_bytes, a.parts_a_shard};
+}
+__device__ __forceinline__ RowEntries<uint64_t> row_candidates(const FinishArgs& a, int64_t b) {
+  const int64_t per_shard = static_cast<int64_t>(a.parts_a_shard) * a.cands_per_part;
+  const unsigned char* lists = a.shards + a.num_rows * a.parts_a_shard * sizeof(Partial);
+  return RowEntries<uint64_t>{lists + b * per_shard * sizeof(uint64_t), a.shard_bytes, static_cast<int>(per_shard)};
+}
 
 __device__ __forceinline__ int row_mode(const TsRows& r, int64_t b) {
   if (!(r.temperature[b] > 0.f)) return kGreedy;
@@ -424,7 +455,8 @@ __device__ void post_rank_floor(const uint64_t* heads, int count, uint64_t* floo
 // differ: per pass a histogram of the next digit of the keys that match the digits so far, and warp 0
 // finds the digit holding rank `want` (lane l owns digits 255 - 8l .. 248 - 8l). Stops once the wanted
 // keys are exactly those above the digits so far and all of that digit's from `lower` up.
-__device__ uint64_t select_key(const uint64_t* keys, int n, int want, uint64_t lower, uint64_t highest,
+template <typename Keys>
+__device__ uint64_t select_key(const Keys& keys, int n, int want, uint64_t lower, uint64_t highest,
                                unsigned int* hist, int* chosen) {
   const uint64_t differ = lower ^ highest;
   int shift = differ == 0 ? 0 : (63 - __clzll(static_cast<long long>(differ))) / 8 * 8;
@@ -618,8 +650,8 @@ __device__ __forceinline__ PartsTotals block_row_totals(const PartsTotals& t, fl
 // A candidate row's lists as this thread reads them (keys i = threadIdx.x + kFinishThreads j), the CTAs' heads
 // into sh.keys and, when stages_candidates, every key into `staged`.
 __device__ __forceinline__ ListsScan scan_lists(const FinishArgs& a, int64_t b, FinishShared& sh, uint64_t* staged) {
-  const int per_part = a.cands_per_part, n = a.vocab_ctas * per_part;
-  const uint64_t* keys = a.cands + b * n;
+  const int per_part = a.cands_per_part, n = a.num_parts * per_part;
+  const RowEntries<uint64_t> keys = row_candidates(a, b);
   const bool staging = stages_candidates(per_part);
   // A thread reads the same slot of a list at every step (per_part divides kFinishThreads), and its list
   // advances by kFinishThreads / per_part.
@@ -662,8 +694,10 @@ struct Selected {
 // most kCand keys, so every finite token is a candidate.
 __device__ __forceinline__ Selected select_candidates(const FinishArgs& a, int64_t b, const ListsScan& lists,
                                                       FinishShared& sh, const uint64_t* staged) {
-  const int num_parts = a.vocab_ctas, n = num_parts * a.cands_per_part;
-  const uint64_t* keys = stages_candidates(a.cands_per_part) ? staged : a.cands + b * n;
+  const int num_parts = a.num_parts, n = num_parts * a.cands_per_part;
+  const RowEntries<uint64_t> keys = stages_candidates(a.cands_per_part)
+                                        ? RowEntries<uint64_t>{reinterpret_cast<const unsigned char*>(staged), 0, n}
+                                        : row_candidates(a, b);
   const bool complete = lists.floor == 0 && lists.nonzero <= kCand;
   post_rank_floor(sh.keys, min(num_parts, kFinishThreads), &sh.lower_bound);
   __syncthreads();
@@ -720,7 +754,7 @@ __device__ __forceinline__ void add_partial(PartsTotals& t, float& best_x, const
 // around the division slow paths; 48 registers a thread still fit beside stage 1's CTA.
 __global__ void __launch_bounds__(kFinishThreads, 1) fused_finish_kernel(const FinishArgs a) {
   __shared__ FinishShared sh;
-  extern __shared__ uint64_t staged[];  // [vocab_ctas * cands_per_part]
+  extern __shared__ uint64_t staged[];  // [num_parts * cands_per_part]
   const int64_t b = blockIdx.x;
   // The row's parameters are inputs, not stage 1's results: read before the wait.
   const int mode = row_mode(a.rows, b);
@@ -732,8 +766,8 @@ __global__ void __launch_bounds__(kFinishThreads, 1) fused_finish_kernel(const F
     sh.top_count = 0;
   }
   wait_for_previous_grid();  // launched while stage 1 runs (launch_after_previous): its partials come first
-  const int num_parts = a.vocab_ctas;
-  const Partial* parts = a.partials + b * num_parts;
+  const int num_parts = a.num_parts;
+  const RowEntries<Partial> parts = row_partials(a, b);
   // The first partial is loaded before a candidate row's lists are read, so that both reads overlap; both
   // are merged across the block under one barrier.
   Partial first{-kInf, 0.f, 0.f, 0.f, 0.f, -1, 0, 0};

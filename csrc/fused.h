@@ -80,7 +80,7 @@ int ts_fused_sample(const TsLmHead* head, const void* states, int64_t num_rows, 
                     const TsFusedPlan* plan, const TsFusedOutputs* out, void* scratch, void* stream);
 
 /* The two stages apart, for a head split by vocabulary rows (docs/design/vocab-parallel.md): each shard's
- * stage 1 writes its partial results, the shards' are concatenated per row, and one stage 2 finishes them.
+ * stage 1 writes its partial results, and one stage 2 finishes them where an all-gather leaves them.
  *
  * Stage 1 writes `scratch` (plan->scratch_bytes): partials [num_rows, plan->vocab_ctas] of
  * TS_FUSED_PARTIAL_BYTES each, then candidates [num_rows, plan->vocab_ctas, ts_fused_candidates(plan->kernel)]
@@ -89,10 +89,11 @@ enum { TS_FUSED_PARTIAL_BYTES = 32 };
 int32_t ts_fused_candidates(int32_t kernel);
 int ts_fused_partials(const TsLmHead* head, const void* states, int64_t num_rows, const TsRows* rows,
                       const TsFusedPlan* plan, int32_t want_sum1, void* scratch, void* stream);
-/* Stage 2 over num_parts partial results a row, laid out as one stage 1's with num_parts CTAs: partials
- * [num_rows, num_parts], candidates [num_rows, num_parts, cands_per_part] (NULL when 0). */
-int ts_fused_finish(int64_t num_rows, const TsRows* rows, int32_t num_parts, const void* partials, const void* cands,
-                    int32_t cands_per_part, const TsFusedOutputs* out, void* stream);
+/* Stage 2 over num_shards stage 1 outputs side by side, `shard_bytes` apart from `shards` on (one call's scratch,
+ * or the shards' as an all-gather leaves them), each from a plan of parts_a_shard CTAs along V with cands_per_part
+ * candidates a CTA: a row's parts are the shards' CTAs in turn. */
+int ts_fused_finish(int64_t num_rows, const TsRows* rows, int32_t num_shards, int32_t parts_a_shard, const void* shards,
+                    size_t shard_bytes, int32_t cands_per_part, const TsFusedOutputs* out, void* stream);
 
 /* The fp32 logits [num_rows, head->vocab] of the rows whose flags (a fused call's) have TS_ROW_UNSETTLED: W·h
  * accumulated in fp32 and finished (bias, scale, soft cap) as the fused kernel finishes each logit; the other rows

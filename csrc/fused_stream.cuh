@@ -2,7 +2,8 @@
 // the epilogue's arithmetic: fused.cuh).
 //
 // One persistent CTA per SM and batch tile of N rows (8, 16, 32, 64 or 128) walks the same vocabulary tiles of
-// 128 W rows as fused_partials_kernel. Three kinds of warps:
+// 128 W rows as fused_partials_kernel, but for a short last round, split in halves (`stream_unit`). Three kinds of
+// warps:
 // - a producer warp issues bulk tensor copies of each tile in stages of 64 D elements (W: 128 rows x 128
 //   bytes; h: N rows x 128 bytes, rows past the batch read as zeros) into a ring of shared-memory stages,
 //   128-byte swizzled; an mbarrier per stage says "full" (bytes landed), another "empty" (every multiply
@@ -51,6 +52,29 @@ constexpr int kStreamEpilogueWarps = 14;
 // take the logits path); 16 keep the per-tile update and stage 2's selection short (H200: top-k + top-p
 // rows in 313-333 µs at B = 1-64, against 312-347 through cuBLAS fp32 logits + the logits kernels).
 constexpr int kStreamCand = 16;
+
+// W rows [start, start + rows) of the whole vocabulary that a CTA multiplies in one round: a tile of kTileRows, or
+// a half tile; rows 0: the CTA's walk has ended.
+struct StreamUnit {
+  int64_t start;
+  int rows;
+};
+constexpr int kHalfTileRows = kTileRows / 2;
+
+// Round u of CTA cta's walk. The CTAs take the shard's tiles in turn, C = vocab_ctas at a time; when the last round
+// has r <= C / 2 tiles, its tiles are split into 2r halves, one a CTA, so that it takes half the time of a round
+// instead of a whole one (fused.cu's `walk_rounds` decides). Why: a shard of V = 151936 split over two GPUs is
+// 593-594 tiles, 4.5 rounds of 132, and whole tiles made its stage 1 take 5 rounds. A last round of more than
+// C / 2 tiles would leave some CTA two halves, no shorter than a tile. A function of V, the shard and the GPU only,
+// like the tiles' walk, so that a row's sums are batch invariant.
+__device__ __forceinline__ StreamUnit stream_unit(const PartialsArgs& a, int cta, int u) {
+  const int64_t round_start = static_cast<int64_t>(a.first_tile) + static_cast<int64_t>(u) * a.vocab_ctas;
+  if (u < a.full_rounds) return StreamUnit{(round_start + cta) * kTileRows, kTileRows};
+  if (u > a.full_rounds || cta >= a.last_round_units) return StreamUnit{0, 0};
+  if (!a.last_round_halves) return StreamUnit{(round_start + cta) * kTileRows, kTileRows};
+  const int64_t start = (round_start + cta / 2) * kTileRows + (cta & 1) * kHalfTileRows;
+  return start < a.head.vocab ? StreamUnit{start, kHalfTileRows} : StreamUnit{0, 0};
+}
 
 // What the epilogue needs of a batch row besides its logits (shared memory, one copy a row).
 struct RowConstants {
@@ -311,7 +335,8 @@ __device__ __forceinline__ bool plain_head(const TsLmHead& head) {
 // `consume` (x / T + gumbel_exact, or x for greedy rows), but per tile across the warp: a lane scores a
 // token exactly only if an integer-only upper bound of its noise can lift it past the row's best so
 // far, and the warp merges the lanes' best only when one beats the row's. A filtered row's tokens go
-// to its best keys (`best_keys`) instead. Returns whether this lane saw a NaN or +inf logit.
+// to its best keys (`best_keys`) instead; tokens whose bit of `unit_bits` is clear are left out, as masked tokens
+// are. Returns whether this lane saw a NaN or +inf logit.
 // The last tile's epilogue, which nothing hides, ends stage 1 (H200, B = 64, twelve epilogue warps: 6 rows a
 // warp, 8.3 us), so a row's tile is kept short: the max by one REDUX, no branch a token for a plain head (PLAIN)
 // or at T = 1, the Philox words drawn whatever the lane holds (~6.1 us). Two rows interleaved a warp gained
@@ -319,10 +344,10 @@ __device__ __forceinline__ bool plain_head(const TsLmHead& head) {
 // all eight of its waiting warps fit beside this kernel's (then 21; a scheduler holding six of them at 72
 // registers has 16K - 6 x 2304 left, room for one of stage 2's 56-register warps, not two).
 template <bool PLAIN, bool kMask>
-__device__ __forceinline__ bool consume_row_tile(const RowConstants& c, const uint32_t* mask, RowTotals& totals,
-                                                 uint64_t* best_keys, int owner, float (&x)[4], int64_t v0,
-                                                 const TsLmHead& head, bool want_sum1, int lane) {
-  const uint32_t allowed = kMask ? allowed_bits(mask, v0, head) : 0xFu;
+__device__ __forceinline__ bool consume_row_tile(const RowConstants& c, const uint32_t* mask, uint32_t unit_bits,
+                                                 RowTotals& totals, uint64_t* best_keys, int owner, float (&x)[4],
+                                                 int64_t v0, const TsLmHead& head, bool want_sum1, int lane) {
+  const uint32_t allowed = (kMask ? allowed_bits(mask, v0, head) : 0xFu) & unit_bits;
   const bool bad = PLAIN ? finish_group_plain(x, tokens_in_vocab(v0, 4, head), head.logit_scale, allowed)
                          : finish_group(x, v0, head, allowed);
   const float lane_max = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
@@ -435,7 +460,6 @@ __device__ __forceinline__ void lane_row_epilogue(const PartialsArgs& a, const f
                                                   int tile_rows, int t) {
   using L = StreamLayout<N>;
   constexpr int kEpilogueThreads = 32 * L::kEpilogueWarps;
-  constexpr int kHalf = kTileRows / 2;
   static_assert(2 * N <= kEpilogueThreads && N * kStreamCand * 8 >= N * static_cast<int>(sizeof(LaneHalf)),
                 "two epilogue threads a row, and room for the halves in the best keys' memory");
   const int n = t % N, half = t / N;
@@ -446,16 +470,16 @@ __device__ __forceinline__ void lane_row_epilogue(const PartialsArgs& a, const f
   RowTotals totals;
   bool nan = false;
   int round = 0;
-  for (int tile = a.first_tile + cta; tile < a.num_tiles; tile += a.vocab_ctas, ++round) {
+  for (StreamUnit unit = stream_unit(a, cta, 0); unit.rows != 0; unit = stream_unit(a, cta, ++round)) {
     const int buf = round % L::kTileBuffers;
     mbarrier_wait(tile_full + 8 * buf, (round / L::kTileBuffers) & 1);
-    if (active) {
+    if (active && kHalfTileRows * half < unit.rows) {  // a half tile's other half belongs to another CTA
       // Lanes of a warp read consecutive batch rows at one column: 16-byte loads, conflict-free (stride 132 floats).
-      const float* xs = tiles + (buf * N + n) * kTileStride + kHalf * half;
-      const int64_t v0 = static_cast<int64_t>(tile) * kTileRows + kHalf * half;
-      const int in_vocab = tokens_in_vocab(v0, kHalf, a.head);
+      const float* xs = tiles + (buf * N + n) * kTileStride + kHalfTileRows * half;
+      const int64_t v0 = unit.start + kHalfTileRows * half;
+      const int in_vocab = tokens_in_vocab(v0, kHalfTileRows, a.head);
 #pragma unroll 2
-      for (int g = 0; g < kHalf / 4; ++g) {
+      for (int g = 0; g < kHalfTileRows / 4; ++g) {
         const float4 q = *reinterpret_cast<const float4*>(xs + 4 * g);
         float x[4] = {q.x, q.y, q.z, q.w};
         nan |= plain ? consume_lane_group<true, kMask>(c, mask, totals, x, v0 + 4 * g, in_vocab - 4 * g, a.head)
@@ -479,8 +503,8 @@ __device__ __forceinline__ void lane_row_epilogue(const PartialsArgs& a, const f
 
 template <bool BF16, int N, bool kMask>
 __global__ void __launch_bounds__(StreamLayout<N>::kThreads, 1)
-    fused_stream_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap h_map,
-                        const PartialsArgs a) {
+    fused_stream_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap w_half_map,
+                        const __grid_constant__ CUtensorMap h_map, const PartialsArgs a) {
   using L = StreamLayout<N>;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = shared_address(smem_raw);
@@ -519,14 +543,18 @@ __global__ void __launch_bounds__(StreamLayout<N>::kThreads, 1)
 
   if (warp == kStreamMmaWarps + L::kEpilogueWarps) {  // the producer
     if (lane == 0) {
-      int step = 0;
-      for (int tile = a.first_tile + cta; tile < a.num_tiles; tile += a.vocab_ctas) {
+      int step = 0, round = 0;
+      for (StreamUnit unit = stream_unit(a, cta, 0); unit.rows != 0; unit = stream_unit(a, cta, ++round)) {
+        // The maps start at the shard's first row. A half tile's other 64 rows are left as they are in the stage:
+        // its second warpgroup multiplies them, and the epilogue reads none of their logits (unit_bits).
+        const bool half = unit.rows == kHalfTileRows;
+        const int row = static_cast<int>(unit.start - static_cast<int64_t>(a.first_tile) * kTileRows);
         for (int k = 0; k < k_stages; ++k, ++step) {
           const int s = step % L::kStages;
           mbarrier_wait(empty + 8 * s, ((step / L::kStages) & 1) ^ 1);
           const uint32_t stage = ring + s * L::kStageBytes;
-          mbarrier_expect_bytes(full + 8 * s, L::kStageBytes);
-          bulk_tensor_load(stage, &w_map, k * kStageK, (tile - a.first_tile) * kTileRows, full + 8 * s);
+          mbarrier_expect_bytes(full + 8 * s, L::kStageBytes - (half ? kStageW / 2 : 0));
+          bulk_tensor_load(stage, half ? &w_half_map : &w_map, k * kStageK, row, full + 8 * s);
           bulk_tensor_load(stage + kStageW, &h_map, k * kStageK, b0, full + 8 * s);
         }
       }
@@ -537,7 +565,7 @@ __global__ void __launch_bounds__(StreamLayout<N>::kThreads, 1)
   if (warp < kStreamMmaWarps) {  // multiply warp: W rows 16 warp .. + 15 of each tile
     const int g = lane >> 2, t = lane & 3;
     int step = 0, round = 0;
-    for (int tile = a.first_tile + cta; tile < a.num_tiles; tile += a.vocab_ctas, ++round) {
+    for (StreamUnit unit = stream_unit(a, cta, 0); unit.rows != 0; unit = stream_unit(a, cta, ++round)) {
       float acc[N / 2] = {};
       // Each stage goes back to the producer as soon as its multiply is done, before the next one is awaited. Held
       // until the next stage had landed and been issued (one multiply in flight), a stage stayed out of the stream
@@ -591,10 +619,11 @@ __global__ void __launch_bounds__(StreamLayout<N>::kThreads, 1)
   RowTotals totals;
   uint32_t nan_rows = 0;  // bit r: a NaN / +inf logit of row r seen by this lane
   int round = 0;
-  for (int tile = a.first_tile + cta; tile < a.num_tiles; tile += a.vocab_ctas, ++round) {
+  for (StreamUnit unit = stream_unit(a, cta, 0); unit.rows != 0; unit = stream_unit(a, cta, ++round)) {
     const int buf = round % L::kTileBuffers;
     mbarrier_wait(tile_full + 8 * buf, (round / L::kTileBuffers) & 1);
     const float* tile_x = tiles + buf * N * kTileStride;
+    const uint32_t unit_bits = 4 * lane < unit.rows ? 0xFu : 0u;  // a half tile's other half: another CTA's
 #pragma unroll 1
     for (int r = 0; r < rows; ++r) {
       const int n = e + L::kEpilogueWarps * r;
@@ -603,11 +632,11 @@ __global__ void __launch_bounds__(StreamLayout<N>::kThreads, 1)
       const uint32_t* mask = kMask ? masks[n] : nullptr;
       const float4 q = *reinterpret_cast<const float4*>(tile_x + n * kTileStride + 4 * lane);
       float x[4] = {q.x, q.y, q.z, q.w};
-      const int64_t v0 = static_cast<int64_t>(tile) * kTileRows + 4 * lane;
-      if (plain ? consume_row_tile<true, kMask>(c, mask, totals, best_keys + n * kStreamCand, r, x, v0, a.head,
-                                                want_sum1, lane)
-                : consume_row_tile<false, kMask>(c, mask, totals, best_keys + n * kStreamCand, r, x, v0, a.head,
-                                                 want_sum1, lane))
+      const int64_t v0 = unit.start + 4 * lane;
+      if (plain ? consume_row_tile<true, kMask>(c, mask, unit_bits, totals, best_keys + n * kStreamCand, r, x, v0,
+                                                a.head, want_sum1, lane)
+                : consume_row_tile<false, kMask>(c, mask, unit_bits, totals, best_keys + n * kStreamCand, r, x, v0,
+                                                 a.head, want_sum1, lane))
         nan_rows |= 1u << r;
     }
     mbarrier_arrive(tile_empty + 8 * buf);

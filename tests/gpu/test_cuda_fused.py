@@ -164,6 +164,51 @@ def test_kernel_shapes_and_batch_invariance(num_rows: int, mode: str) -> None:
     assert int(flags.max()) == 0 and bool((tokens < vocab).all())
 
 
+def _split_last_round_vocab(tail: int) -> int:
+    """A vocabulary of one round of tiles a CTA, then a last round of about a quarter of them, its last tile `tail`
+    rows: the streaming kernel splits that round into half tiles, one a CTA (csrc/fused_stream.cuh, stream_unit)."""
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return (sms + sms // 4) * 128 + tail
+
+
+@pytest.mark.parametrize("tail", [37, 100, 128])
+@pytest.mark.parametrize("num_rows", [64, 128])  # 128 rows, greedy without log-probs: the lane-row epilogue
+def test_every_token_of_a_last_round_split_in_halves_can_win(tail: int, num_rows: int) -> None:
+    """Greedy rows whose hidden state is a W row scaled: that row's token wins by a wide margin, so each row's token
+    is known exactly. The tokens are spread over the split round's halves, both ends of each and the vocabulary's
+    last token, so that a half read twice, never, or at the wrong rows shows."""
+    fused = _fused()
+    from tokensampler_server.backends.cuda_kernels import RowParams
+
+    vocab, dim = _split_last_round_vocab(tail), 256
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    head = _head(vocab, dim, seed=tail)
+    picks = [t for half in range(sms * 128, vocab, 64) for t in (half, min(half + 63, vocab - 1))]
+    targets = torch.tensor([picks[i * len(picks) // num_rows] for i in range(num_rows - 1)] + [vocab - 1])
+    hidden = (head.weight[targets.cuda()].float() * 16).to(torch.bfloat16)
+    columns = {name: column.cuda() for name, column in _columns(["greedy"] * num_rows).items()}
+    tokens, _, flags = fused.fused_sample(head.weight, hidden, RowParams(**columns), vocab=vocab,
+                                          logprobs=num_rows != 128, filtered=False)
+    assert int(flags.max()) == 0
+    assert torch.equal(tokens.cpu().view(-1), targets)
+
+
+@pytest.mark.parametrize("tail", [37, 100])
+@pytest.mark.parametrize("mode", ["gumbel", "top_k_top_p", "top_k_min_p"])
+def test_a_last_round_split_in_halves_agrees_with_the_reference(tail: int, mode: str) -> None:
+    """Sampled rows over a vocabulary whose last round is split in halves: tokens agree with the reference, and each
+    row comes out as it does alone."""
+    fused = _fused()
+    vocab, dim, num_rows = _split_last_round_vocab(tail), 256, 33
+    head = _head(vocab, dim, seed=tail + 1)
+    hidden = _hidden(num_rows, dim, seed=tail)
+    tokens, _, flags = _sample_streaming(fused, head, hidden, _columns([mode] * num_rows), mode != "gumbel",
+                                         rows=[0, num_rows - 1])
+    want, _ = _reference(head, hidden, **MODES[mode], return_logprobs=True)
+    _assert_agreement(tokens, want.tokens)
+    assert int(flags.max()) == 0
+
+
 @pytest.mark.parametrize("num_rows", [7, 17, 64])
 def test_mixed_modes_in_one_batch_match_each_row_alone(num_rows: int) -> None:
     """Greedy, Gumbel and filtered rows in one batch: each row takes its own path through the streaming kernel's

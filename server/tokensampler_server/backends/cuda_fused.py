@@ -155,17 +155,17 @@ def candidates_per_part(the_plan: FusedPlan, device_index: int) -> int:
     return load_kernels(device_index).fused_candidates(the_plan.kernel)
 
 
-def fused_finish(params: RowParams, partials: torch.Tensor, cands: torch.Tensor | None, cands_per_part: int,
-                 num_samples: int, logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Stage 2 over partials [B, P, 32] uint8 (P partial results a row, the shards' side by side) and candidates
-    [B, P, cands_per_part * 8] uint8, on the current stream of their device. Returns what fused_sample returns."""
-    num_rows, num_parts = partials.shape[0], partials.shape[1]
-    device = partials.device
+def fused_finish(params: RowParams, shards: torch.Tensor, num_rows: int, the_plan: FusedPlan, num_samples: int,
+                 logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Stage 2 over the shards' stage 1 outputs side by side: uint8 [N, the_plan.scratch_bytes], shard s's
+    fused_partials scratch in row s (as an all-gather of them leaves them), every shard planned with the_plan; on
+    the current stream of their device. Returns what fused_sample returns."""
+    device = shards.device
     tokens, out_logprobs, flags = _outputs(num_rows, num_samples, logprobs, device)
     load_kernels(device.index).fused_finish(
-        num_rows, params.pointers(), num_parts, partials.data_ptr(), 0 if cands is None else cands.data_ptr(),
-        cands_per_part, tokens.data_ptr(), num_samples, 0 if out_logprobs is None else out_logprobs.data_ptr(),
-        flags.data_ptr(), stream_address(device))
+        num_rows, params.pointers(), shards.shape[0], the_plan.vocab_ctas, shards.data_ptr(), shards.stride(0),
+        candidates_per_part(the_plan, device.index), tokens.data_ptr(), num_samples,
+        0 if out_logprobs is None else out_logprobs.data_ptr(), flags.data_ptr(), stream_address(device))
     return tokens, out_logprobs, flags
 
 

@@ -59,19 +59,16 @@ class _CallBuffers:
     """What a call of one shape reuses: the launch plan, and the device memory each step writes."""
 
     plan: cuda_fused.FusedPlan
-    per_part: int
     inputs: list[torch.Tensor | None]
     """The hidden states' copy on each device but the first (None there)."""
     scratch: list[torch.Tensor]
-    """Each shard's stage 1 output, uint8 [plan.scratch_bytes]."""
+    """Each shard's stage 1 output, uint8 [plan.scratch_bytes] (without an exchange, the rows of `merged`)."""
     receives: list[torch.Tensor]
     """Each device's all-gather output, uint8 [N, plan.scratch_bytes] (none without an exchange)."""
+    merged: torch.Tensor
+    """What stage 2 reads on the first device, uint8 [N, plan.scratch_bytes]: every shard's stage 1 output."""
     streams: list[int] | None
     """The devices' streams when the buffers were made (None without an exchange): the buffers are theirs."""
-    partials: torch.Tensor | None
-    """[B, N, CTAs * 32] on the first device: each row's partials side by side (None for one shard: stage 1's own)."""
-    cands: torch.Tensor | None
-    """[B, N, CTAs * candidates * 8] likewise, or None for one shard or when stage 1 keeps none."""
 
 
 @dataclass(frozen=True)
@@ -207,30 +204,21 @@ class VocabParallelHead:
         the call's buffers are reused by the next call of its shape, after it on the same streams."""
         num_rows, dim = states.shape
         buffers = self._buffers(num_rows, dim, filtered)
-        # Every copy first: a copy waits for the source device's stream, which must not hold the first shard's
-        # stage 1 yet, or the shards would run one after the other.
-        inputs = [states if copy is None else copy.copy_(states, non_blocking=True) for copy in buffers.inputs]
+        inputs = [states if copy is None else copy for copy in buffers.inputs]
+        if buffers.streams is not None:
+            # An NCCL broadcast rather than a copy: a copy between devices made each stream wait for the other
+            # through events, 15-20 µs a call on two H200s (docs/design/vocab-parallel.md).
+            self.group.communicators().broadcast(inputs, buffers.streams)
         for shard, shard_params, local, scratch in zip(self._shards, params, inputs, buffers.scratch):
             with torch.cuda.device(shard.device):
                 finish = shard.head.finish
                 cuda_fused.fused_partials(shard.head.weight, local, shard_params, buffers.plan, scratch,
                                           first_token=shard.start, bias=finish.bias, logit_scale=finish.logit_scale,
                                           soft_cap=finish.soft_cap, want_sum1=logprobs)
-        count = len(self._shards)
-        if buffers.streams is None:  # every shard on one GPU: no exchange
-            gathered = torch.stack(buffers.scratch) if count > 1 else buffers.scratch[0].view(1, -1)
-        else:
+        if buffers.streams is not None:
             self.group.communicators().all_gather(buffers.scratch, buffers.receives, buffers.streams)
-            gathered = buffers.receives[0]
-        split = num_rows * buffers.plan.vocab_ctas * PARTIAL_BYTES
-        partials, cands = gathered[0, :split], gathered[0, split:] if buffers.per_part else None
-        with torch.cuda.device(self.main):
-            if count > 1:  # [shard, row, CTA] to [row, shard, CTA]: a row's partials side by side, as one GPU's CTAs'
-                partials = buffers.partials.copy_(gathered[:, :split].view(count, num_rows, -1).transpose(0, 1))
-                if cands is not None:
-                    cands = buffers.cands.copy_(gathered[:, split:].view(count, num_rows, -1).transpose(0, 1))
-            parts = partials.view(num_rows, count * buffers.plan.vocab_ctas, PARTIAL_BYTES)
-            return cuda_fused.fused_finish(params[0], parts, cands, buffers.per_part, num_samples, logprobs)
+        with torch.cuda.device(self.main):  # stage 2 reads the shards' outputs where the exchange left them
+            return cuda_fused.fused_finish(params[0], buffers.merged, num_rows, buffers.plan, num_samples, logprobs)
 
     def _buffers(self, num_rows: int, dim: int, filtered: bool) -> _CallBuffers:
         """The launch plan and buffers of a call shape on the devices' current streams, made once (the last
@@ -264,23 +252,24 @@ class VocabParallelHead:
         plan = self._plan(num_rows, dim, filtered)
         if plan is None:
             raise ValueError(f"hidden size {dim} does not fit the fused kernel")
-        per_part = cuda_fused.candidates_per_part(plan, self.main.index)
         count, dtype = len(self._shards), self.dtype
         exchanged = self.group.exchanged
 
         def on(shard: _Shard, *shape: int, kind: torch.dtype = torch.uint8) -> torch.Tensor:
             return torch.empty(shape, dtype=kind, device=shard.device)
 
-        split = num_rows * plan.vocab_ctas * PARTIAL_BYTES
+        if exchanged:
+            scratch = [on(s, plan.scratch_bytes) for s in self._shards]
+            receives = [on(s, count, plan.scratch_bytes) for s in self._shards]
+            merged = receives[0]
+        else:  # every shard on one GPU: stage 1 writes the rows of what stage 2 reads
+            merged = on(self._shards[0], count, plan.scratch_bytes)
+            scratch, receives = list(merged), []
         return _CallBuffers(
-            plan=plan, per_part=per_part,
+            plan=plan,
             inputs=[None if s.device == self.main else on(s, num_rows, dim, kind=dtype) for s in self._shards],
-            scratch=[on(s, plan.scratch_bytes) for s in self._shards],
-            receives=[on(s, count, plan.scratch_bytes) for s in self._shards] if exchanged else [],
-            streams=[stream_address(s.device) for s in self._shards] if exchanged else None,
-            partials=on(self._shards[0], num_rows, count, split // num_rows) if count > 1 else None,
-            cands=on(self._shards[0], num_rows, count, (plan.scratch_bytes - split) // num_rows)
-            if count > 1 and per_part else None)
+            scratch=scratch, receives=receives, merged=merged,
+            streams=[stream_address(s.device) for s in self._shards] if exchanged else None)
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """float32 logits [B, V] of hidden states [B, D] on the first device: each shard's columns (the whole

@@ -60,11 +60,12 @@ class _Api:
         lib.ncclGetErrorString.argtypes = [c_int]
         lib.ncclCommInitAll.argtypes = [ctypes.POINTER(comm_p), c_int, ctypes.POINTER(c_int)]
         lib.ncclAllGather.argtypes = [void_p, void_p, ctypes.c_size_t, c_int, comm_p, void_p]
+        lib.ncclBroadcast.argtypes = [void_p, void_p, ctypes.c_size_t, c_int, c_int, comm_p, void_p]
         lib.ncclCommAbort.argtypes = [comm_p]
         lib.ncclCommDestroy.argtypes = [comm_p]
         lib.ncclCommGetAsyncError.argtypes = [comm_p, ctypes.POINTER(c_int)]
         lib.ncclGetVersion.argtypes = [ctypes.POINTER(c_int)]
-        for name in ("ncclCommInitAll", "ncclAllGather", "ncclCommAbort", "ncclCommDestroy", "ncclGroupStart",
+        for name in ("ncclCommInitAll", "ncclAllGather", "ncclBroadcast", "ncclCommAbort", "ncclCommDestroy", "ncclGroupStart",
                      "ncclGroupEnd", "ncclCommGetAsyncError", "ncclGetVersion"):
             getattr(lib, name).restype = c_int
 
@@ -147,6 +148,24 @@ class NcclGroup:
                 stream = torch.cuda.current_stream(self.devices[rank]).cuda_stream if streams is None else streams[rank]
                 api.check(api.lib.ncclAllGather(send.data_ptr(), receive.data_ptr(), nbytes, _UINT8, comms[rank],
                                                 stream), f"ncclAllGather on rank {rank}")
+        finally:
+            api.check(api.lib.ncclGroupEnd(), "ncclGroupEnd")
+
+    def broadcast(self, buffers: Sequence[torch.Tensor], streams: Sequence[int] | None = None) -> None:
+        """Rank 0's `buffers[0]` into every other rank's `buffers[r]` (contiguous, as many bytes, on its device), on
+        streams[r] (cudaStream_t addresses; by default each device's current stream), enqueued by one group call.
+        Each rank's stream waits for the data through NCCL's own flags, not through a cross-device event."""
+        comms = self._live()
+        api = self._api
+        nbytes = buffers[0].numel() * buffers[0].element_size()
+        if any(b.numel() * b.element_size() != nbytes or not b.is_contiguous() for b in buffers):
+            raise NcclError(f"broadcast: {nbytes} contiguous bytes on every rank expected")
+        api.check(api.lib.ncclGroupStart(), "ncclGroupStart")
+        try:
+            for rank, buffer in enumerate(buffers):
+                stream = torch.cuda.current_stream(self.devices[rank]).cuda_stream if streams is None else streams[rank]
+                api.check(api.lib.ncclBroadcast(buffer.data_ptr(), buffer.data_ptr(), nbytes, _UINT8, 0, comms[rank],
+                                                stream), f"ncclBroadcast on rank {rank}")
         finally:
             api.check(api.lib.ncclGroupEnd(), "ncclGroupEnd")
 
