@@ -545,8 +545,9 @@ __global__ void __launch_bounds__(StreamLayout<N>::kThreads, 1)
     if (lane == 0) {
       int step = 0, round = 0;
       for (StreamUnit unit = stream_unit(a, cta, 0); unit.rows != 0; unit = stream_unit(a, cta, ++round)) {
-        // The maps start at the shard's first row. A half tile's other 64 rows are left as they are in the stage:
-        // its second warpgroup multiplies them, and the epilogue reads none of their logits (unit_bits).
+        // The maps start at the shard's first row. A half tile's other 64 rows are left as they are in the stage
+        // (another tile's W, or never written: their logits may be NaN): its second warpgroup multiplies them, and
+        // the epilogues set those tokens to -inf before any test, as masked ones (unit_bits, lane_row_epilogue).
         const bool half = unit.rows == kHalfTileRows;
         const int row = static_cast<int>(unit.start - static_cast<int64_t>(a.first_tile) * kTileRows);
         for (int k = 0; k < k_stages; ++k, ++step) {
