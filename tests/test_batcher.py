@@ -119,6 +119,56 @@ def _refusal_behind_a_busy_backend(queued_batches: int, vocab: int, **limits: in
     return asyncio.run(run())
 
 
+class TwoWorkerBackend(Backend):
+    """The CPU backend, declared able to take two calls at once, as CpuBackend is; a call of `long_rows` rows or more
+    waits for `gate` (`entered` tells that it has begun)."""
+
+    concurrent_calls = True
+
+    def __init__(self, gate: threading.Event, long_rows: int) -> None:
+        self.calls: list[int] = []
+        self._gate = gate
+        self._long_rows = long_rows
+        self.entered = threading.Event()
+
+    def info(self) -> BackendInfo:
+        return BackendInfo(name="cpu", device="cpu")
+
+    def sample(self, batch: SamplingBatch) -> SamplingResult:
+        if batch.num_rows >= self._long_rows:
+            self.entered.set()
+            self._gate.wait(GATE_TIMEOUT_S)
+        self.calls.append(batch.num_rows)
+        return CpuBackend().sample(batch)
+
+
+def test_a_long_batch_runs_beside_the_short_ones_on_a_backend_of_concurrent_calls() -> None:
+    """On a backend that takes two calls at once (the CPU reference), a batch of long_batch_elements logits or more
+    runs on a worker of its own: short requests queued after it are answered while it runs (on one worker they
+    waited behind it: a legal maximum takes 20-37 s on the CPU), a second long one waits for the first, and no short
+    request joins a long batch."""
+    gate = threading.Event()
+    backend = TwoWorkerBackend(gate, long_rows=4)
+
+    async def run() -> tuple[list, list]:
+        batcher = DynamicBatcher(backend, max_batch_rows=64, long_batch_elements=4 * VOCAB)
+        first = asyncio.ensure_future(batcher.submit(make_batch(torch.randn(4, VOCAB))))
+        await wait_until_async(backend.entered.is_set, "the long worker busy with `first`")
+        second = asyncio.ensure_future(batcher.submit(make_batch(torch.randn(5, VOCAB))))
+        shorts = [asyncio.ensure_future(batcher.submit(make_batch(torch.randn(1, VOCAB), seed=s))) for s in range(3)]
+        answered = await asyncio.wait_for(asyncio.gather(*shorts), GATE_TIMEOUT_S)
+        assert not first.done() and not second.done(), "a long batch finished before its gate opened"
+        gate.set()
+        longs = await asyncio.wait_for(asyncio.gather(first, second), GATE_TIMEOUT_S)
+        await batcher.close()
+        return answered, longs
+
+    answered, longs = asyncio.run(run())
+    assert [result.tokens.shape[0] for result, _ in answered] == [1, 1, 1]
+    assert [result.tokens.shape[0] for result, _ in longs] == [4, 5]
+    assert backend.calls[-2:] == [4, 5] and sum(backend.calls[:-2]) == 3  # the longs alone, after the shorts
+
+
 def test_full_queue_answers_resource_exhausted_at_once() -> None:
     error = _refusal_behind_a_busy_backend(2, vocab=8, max_queue_rows=8)  # 8 rows waiting: the queue full
     assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in error.message

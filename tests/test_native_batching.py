@@ -56,6 +56,7 @@ class NoBackend:
     """The batcher's backend: never called, since every request here is the native path's."""
 
     device = torch.device("cpu")
+    concurrent_calls = False
 
 
 def native_path(stand_in: StandInPath, observed: list[int] | None = None, limits: Limits = LIMITS,

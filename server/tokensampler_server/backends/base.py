@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import torch
 
@@ -43,8 +44,13 @@ class BackendInfo:
 class Backend(abc.ABC):
     """Samples a validated batch as docs/semantics.md defines.
 
-    `sample` is called from one worker thread at a time; it takes CPU tensors and returns CPU tensors.
+    `sample` is called from one worker thread at a time, or from two when `concurrent_calls`; it takes CPU tensors
+    and returns CPU tensors.
     """
+
+    concurrent_calls: ClassVar[bool] = False
+    """Whether `sample` may run on two threads at once: the batcher then runs long batches on a worker of their own,
+    so that short ones do not wait behind them."""
 
     @property
     def device(self) -> torch.device:

@@ -161,6 +161,8 @@ _CHUNK_ELEMENTS = 1 << 22
 class CpuBackend(Backend):
     """The reference implementation of docs/semantics.md on the CPU."""
 
+    concurrent_calls = True  # torch functions of each call's own tensors; the backend keeps no state
+
     def info(self) -> BackendInfo:
         route = Route(rows="every row", kernels=(),
                       cost="the torch reference on the CPU: ~0.5 s and ~120 MiB of working memory per 2^22 logits")

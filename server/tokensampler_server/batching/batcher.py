@@ -88,6 +88,12 @@ def _host_bytes(batch: SamplingBatch) -> int:
 _INLINE_MAX_ELEMENTS = 1 << 24
 
 
+# A batch of at least this many logits is long on a backend with concurrent calls (the CPU reference: ~0.25 s
+# with Gumbel noise on 2 cores, ~60 ns a logit) and runs on the long worker, so that the short ones go on beside it
+# instead of waiting behind it: a legal maximum took 20-37 s (docs/hardening.md).
+LONG_BATCH_ELEMENTS = 1 << 22
+
+
 def _runs_inline(batch: SamplingBatch) -> bool:
     tensor = batch.logits if batch.logits is not None else batch.hidden.states
     return (tensor.device.type != "cpu" and batch.top_logprobs == 0
@@ -127,7 +133,8 @@ def _finished_on(device: torch.device, work: Callable[[], T]) -> T:
 
 
 class _Worker:
-    """The backend's one thread: runs jobs in order, and reports each on its event loop.
+    """A backend thread (the batcher's one, or two with a long worker): runs jobs in order, and reports each on its
+    event loop.
 
     Cheaper than run_in_executor (no concurrent Future to wrap, one loop turn less per job).
     """
@@ -227,6 +234,7 @@ class DynamicBatcher:
         max_queue_rows: int | None = None,
         max_queue_bytes: int = 2 << 30,
         observe_batch_rows: Callable[[int], None] | None = None,
+        long_batch_elements: int = LONG_BATCH_ELEMENTS,
     ) -> None:
         self._backend = backend
         self._max_batch_rows = max_batch_rows
@@ -249,6 +257,11 @@ class DynamicBatcher:
         """Waits out max_queue_delay_us before each batch (only when that delay is set)."""
         self._observe_batch_rows = observe_batch_rows
         self._worker = _Worker()
+        self._long_elements = long_batch_elements if backend.concurrent_calls else None
+        """Batches of at least this many logits run on `_long_worker`, one at a time (None: every batch on `_worker`)."""
+        self._long_worker = _Worker() if self._long_elements is not None else None
+        self._running_long = False
+        """A long batch is on the long worker."""
 
     @property
     def max_queue_bytes(self) -> int:
@@ -310,10 +323,22 @@ class DynamicBatcher:
         """Samples `batch`, possibly together with other requests; returns its own rows."""
         return await self.enqueue(batch)
 
-    def _take(self, direct_only: bool = False) -> list[_Pending]:
-        """Removes the next group from the queue: the oldest request (of direct work, with direct_only) and the
-        later ones it can merge with, up to max_batch_rows rows. Requests whose callers are gone are dropped on the
-        way."""
+    def _is_long(self, pending: _Pending) -> bool:
+        """Whether the request is a long batch (LONG_BATCH_ELEMENTS), which runs on the long worker."""
+        work = pending.work
+        return (self._long_elements is not None and pending.sampler is None
+                and work.num_rows * work.vocab_size >= self._long_elements)
+
+    def _may_start(self, pending: _Pending) -> bool:
+        """Whether the request could start now: direct work always, a batch when its worker is free."""
+        if pending.sampler is not None:
+            return True
+        return not self._running_long if self._is_long(pending) else not self._running
+
+    def _take(self) -> list[_Pending]:
+        """Removes the next group from the queue: the oldest request that may start now (`_may_start`) and the
+        later ones it can merge with, up to max_batch_rows rows; a long batch alone, a short group short. Requests
+        whose callers are gone are dropped on the way."""
         group: list[_Pending] = []
         kept: list[_Pending] = []
         key: Hashable = None
@@ -324,11 +349,15 @@ class DynamicBatcher:
                 self._queued_rows -= work.num_rows
                 self._queued_bytes -= pending.nbytes
                 pending.release()
-            elif not group and (pending.sampler is not None or not direct_only):
+            elif not group and self._may_start(pending):
                 group, key, rows = [pending], pending.key, work.num_rows
                 most_rows = self._max_batch_rows
                 if self._max_batch_elements is not None:  # one request alone is within it (validation)
                     most_rows = min(most_rows, max(rows, self._max_batch_elements // work.vocab_size))
+                if self._is_long(pending):
+                    most_rows = rows
+                elif self._long_elements is not None and pending.sampler is None:
+                    most_rows = min(most_rows, (self._long_elements - 1) // work.vocab_size)
             elif group and pending.key == key and rows + work.num_rows <= most_rows:
                 group.append(pending)
                 rows += work.num_rows
@@ -352,12 +381,12 @@ class DynamicBatcher:
             self._wakeup.clear()
             if self._queued_rows < self._max_batch_rows:
                 await asyncio.sleep(self._delay_s)
-            self._launch(loop)  # with a batch on the worker, direct work only; _finished wakes this again
+            self._launch(loop)  # what may start beside the batches on the workers; _finished wakes this again
 
     def _launch(self, loop: asyncio.AbstractEventLoop) -> None:
         """Runs the next group, if any request still waits: direct work at once, on the event loop (also beside a
-        batch on the worker: its own stream), a batch when no other batch is running."""
-        group = self._take(direct_only=self._running)
+        batch on the worker: its own stream), a batch when no other batch of its kind (short or long) is running."""
+        group = self._take()
         if not group:
             return
         if group[0].sampler is not None:
@@ -365,24 +394,32 @@ class DynamicBatcher:
             self._next(loop)
             return
         started = time.perf_counter_ns()
+        long = self._is_long(group[0])
         try:
             merged = merge_batches([p.work for p in group])
         except Exception as err:  # each caller gets the failure; the call guard classifies it
-            self._finished(loop, group, started, 0, None, err)
+            self._finished(loop, group, started, 0, long, None, err)
             return
-        done = partial(self._finished, loop, group, started, merged.num_rows)
-        if not self._exclusive and _runs_inline(merged) and not self._backend.may_stall(merged):
+        done = partial(self._finished, loop, group, started, merged.num_rows, long)
+        if not long and not self._exclusive and _runs_inline(merged) and not self._backend.may_stall(merged):
             try:
                 outcome, error = group[0].context.run(self._sample, merged), None
             except Exception as err:  # handed to the callers, as from the worker
                 outcome, error = None, err
             done(outcome, error)
             return
-        self._running = True
+        if long:
+            self._running_long = True
+        else:
+            self._running = True
+
         def abandoned() -> bool:
             return all(p.future.done() for p in group)
 
-        self._worker.submit(loop, group[0].context, partial(_watched, abandoned, self._sample, merged), done)
+        worker = self._long_worker if long else self._worker
+        worker.submit(loop, group[0].context, partial(_watched, abandoned, self._sample, merged), done)
+        if self._long_worker is not None:
+            self._next(loop)  # the other worker may take the next group
 
     def _sample_direct(self, group: list[_Pending]) -> None:
         """Direct work of one key, answered by its sampler."""
@@ -405,10 +442,13 @@ class DynamicBatcher:
             else:  # on the next turn: requests that arrived meanwhile can join the group
                 loop.call_soon(self._launch, loop)
 
-    def _finished(self, loop: asyncio.AbstractEventLoop, group: list[_Pending], started: int, rows: int,
+    def _finished(self, loop: asyncio.AbstractEventLoop, group: list[_Pending], started: int, rows: int, long: bool,
                   result: SamplingResult | None, error: BaseException | None) -> None:
         """On the event loop: hands every caller its rows (or the error), then starts the next batch."""
-        self._running = False
+        if long:
+            self._running_long = False
+        else:
+            self._running = False
         finished = time.perf_counter_ns()
         if error is not None:
             for pending in group:
@@ -424,10 +464,11 @@ class DynamicBatcher:
         self._next(loop)
 
     async def run_exclusive(self, work: Callable[[], T], *, rows: int, nbytes: int, lease: Lease | None = None) -> T:
-        """Runs `work` on the backend's worker thread, between sampling batches; its `rows` and host `nbytes`
-        count against the queue's bounds (RESOURCE_EXHAUSTED at once past them) until it ends. Work whose caller
-        has gone is dropped before it starts; a share of `lease` is held until the work, GPU stream included, is
-        done. Out-of-memory errors answer RESOURCE_EXHAUSTED, as for batches."""
+        """Runs `work` on the backend's worker thread, between sampling batches (beside a long batch on the long
+        worker, if any); its `rows` and host `nbytes` count against the queue's bounds (RESOURCE_EXHAUSTED at once
+        past them) until it ends. Work whose caller has gone is dropped before it starts; a share of `lease` is
+        held until the work, GPU stream included, is done. Out-of-memory errors answer RESOURCE_EXHAUSTED, as for
+        batches."""
         self._check_room(rows, nbytes)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -454,8 +495,8 @@ class DynamicBatcher:
 
     @property
     def idle(self) -> bool:
-        """Nothing queued, running, or on the worker."""
-        return not (self._queue or self._running or self._exclusive)
+        """Nothing queued, running, or on the workers."""
+        return not (self._queue or self._running or self._running_long or self._exclusive)
 
     async def close(self) -> None:
         """Stops taking batches once the queue is empty and the last batch is back."""
@@ -464,3 +505,5 @@ class DynamicBatcher:
         if self._runner is not None:
             self._runner.cancel()
         self._worker.shutdown()
+        if self._long_worker is not None:
+            self._long_worker.shutdown()
