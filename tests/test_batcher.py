@@ -169,6 +169,33 @@ def test_a_long_batch_runs_beside_the_short_ones_on_a_backend_of_concurrent_call
     assert backend.calls[-2:] == [4, 5] and sum(backend.calls[:-2]) == 3  # the longs alone, after the shorts
 
 
+def test_a_long_workload_runs_beside_short_batches_on_a_backend_of_concurrent_calls() -> None:
+    """A workload (run_exclusive) that reads long_batch_elements logits or more takes the long worker too: a short
+    Sample queued after it is answered while it runs."""
+    gate = threading.Event()
+    backend = TwoWorkerBackend(gate, long_rows=4)
+    started = threading.Event()
+
+    def workload() -> str:
+        started.set()
+        gate.wait(GATE_TIMEOUT_S)
+        return "scored"
+
+    async def run() -> tuple[object, str]:
+        batcher = DynamicBatcher(backend, max_batch_rows=64, long_batch_elements=4 * VOCAB)
+        long = asyncio.ensure_future(batcher.run_exclusive(workload, rows=8, elements=8 * VOCAB, nbytes=0))
+        await wait_until_async(started.is_set, "the long worker busy with the workload")
+        short = await asyncio.wait_for(batcher.submit(make_batch(torch.randn(1, VOCAB))), GATE_TIMEOUT_S)
+        assert not long.done(), "the workload finished before its gate opened"
+        gate.set()
+        outcome = await asyncio.wait_for(long, GATE_TIMEOUT_S)
+        await batcher.close()
+        return short, outcome
+
+    (result, _), outcome = asyncio.run(run())
+    assert result.tokens.shape[0] == 1 and outcome == "scored"
+
+
 def test_full_queue_answers_resource_exhausted_at_once() -> None:
     error = _refusal_behind_a_busy_backend(2, vocab=8, max_queue_rows=8)  # 8 rows waiting: the queue full
     assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in error.message
@@ -281,7 +308,7 @@ def test_small_batches_already_on_a_device_run_on_the_event_loop_and_host_ones_o
         await batcher.submit(make_batch(torch.empty(2, 8, device="meta")))
         await batcher.submit(make_batch(torch.empty(2, 8, device="meta"), top_logprobs=2))  # a full sort: worker
         await batcher.submit(make_batch(torch.zeros(2, 8)))
-        await batcher.run_exclusive(lambda: None, rows=0, nbytes=0)
+        await batcher.run_exclusive(lambda: None, rows=0, elements=0, nbytes=0)
         await batcher.close()
 
     asyncio.run(run())
@@ -314,7 +341,7 @@ def test_the_event_loop_waits_for_the_worker_to_be_idle() -> None:
 
     async def run() -> None:
         batcher = DynamicBatcher(backend, max_batch_rows=64)
-        busy = asyncio.ensure_future(batcher.run_exclusive(lambda: (entered.set(), gate.wait(GATE_TIMEOUT_S)), rows=0, nbytes=0))
+        busy = asyncio.ensure_future(batcher.run_exclusive(lambda: (entered.set(), gate.wait(GATE_TIMEOUT_S)), rows=0, elements=0, nbytes=0))
         await wait_until_async(entered.is_set, "the exclusive job on the worker")
         # enqueue, not submit: a batch run on the loop would be answered before this returns
         queued = batcher.enqueue(make_batch(torch.empty(1, 8, device="meta")))

@@ -210,20 +210,20 @@ def test_work_whose_caller_left_before_it_started_is_dropped() -> None:
 
     async def run() -> None:
         batcher = DynamicBatcher(backend, max_batch_rows=64, max_queue_rows=10)
-        busy = asyncio.ensure_future(batcher.run_exclusive(lambda: backend.sample(_batch(2)), rows=4, nbytes=0))
+        busy = asyncio.ensure_future(batcher.run_exclusive(lambda: backend.sample(_batch(2)), rows=4, elements=0, nbytes=0))
         await _wait_for(backend.entered)
-        queued = asyncio.ensure_future(batcher.run_exclusive(lambda: ran.append("queued"), rows=6, nbytes=0))
+        queued = asyncio.ensure_future(batcher.run_exclusive(lambda: ran.append("queued"), rows=6, elements=0, nbytes=0))
         await asyncio.sleep(0)
         with pytest.raises(ServiceError) as raised:  # 4 + 6 rows wait: the bound is full
-            await batcher.run_exclusive(lambda: ran.append("refused"), rows=1, nbytes=0)
+            await batcher.run_exclusive(lambda: ran.append("refused"), rows=1, elements=0, nbytes=0)
         assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         queued.cancel()
         backend.gate.set()
         await busy
         with pytest.raises(asyncio.CancelledError):
             await queued
-        await batcher.run_exclusive(lambda: None, rows=0, nbytes=0)  # the worker is past the dropped job
-        await batcher.run_exclusive(lambda: ran.append("after"), rows=10, nbytes=0)  # its rows left the bound
+        await batcher.run_exclusive(lambda: None, rows=0, elements=0, nbytes=0)  # the worker is past the dropped job
+        await batcher.run_exclusive(lambda: ran.append("after"), rows=10, elements=0, nbytes=0)  # its rows left the bound
         await batcher.close()
         assert ran == ["after"]
 

@@ -463,12 +463,13 @@ class DynamicBatcher:
             pending.release()
         self._next(loop)
 
-    async def run_exclusive(self, work: Callable[[], T], *, rows: int, nbytes: int, lease: Lease | None = None) -> T:
-        """Runs `work` on the backend's worker thread, between sampling batches (beside a long batch on the long
-        worker, if any); its `rows` and host `nbytes` count against the queue's bounds (RESOURCE_EXHAUSTED at once
-        past them) until it ends. Work whose caller has gone is dropped before it starts; a share of `lease` is
-        held until the work, GPU stream included, is done. Out-of-memory errors answer RESOURCE_EXHAUSTED, as for
-        batches."""
+    async def run_exclusive(self, work: Callable[[], T], *, rows: int, elements: int, nbytes: int,
+                            lease: Lease | None = None) -> T:
+        """Runs `work` on a backend worker thread, between sampling batches: the long worker's when there is one and
+        the work reads at least long_batch_elements logits (`elements`), else the other's. Its `rows` and host
+        `nbytes` count against the queue's bounds (RESOURCE_EXHAUSTED at once past them) until it ends. Work whose
+        caller has gone is dropped before it starts; a share of `lease` is held until the work, GPU stream included,
+        is done. Out-of-memory errors answer RESOURCE_EXHAUSTED, as for batches."""
         self._check_room(rows, nbytes)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -487,7 +488,8 @@ class DynamicBatcher:
         self._exclusive_bytes += nbytes
         device = self._backend.device
         job = partial(_watched, future.done, _backend_errors_as_status, partial(_finished_on, device, work))
-        self._worker.submit(loop, contextvars.copy_context(), job, done)
+        long = self._long_elements is not None and elements >= self._long_elements
+        (self._long_worker if long else self._worker).submit(loop, contextvars.copy_context(), job, done)
         return await future
 
     def _sample(self, batch: SamplingBatch) -> SamplingResult:

@@ -172,7 +172,7 @@ class SamplerService(pb_grpc.SamplerServicer):
             # CUDA kernels on a CUDA backend, the torch references otherwise (workloads/cuda.py).
             tokens, confidences, mask = await self._batcher.run_exclusive(
                 lambda: self._workloads.diffusion_step(step(logits.compute())),
-                rows=math.prod(logits.shape[:-1]),
+                rows=math.prod(logits.shape[:-1]), elements=math.prod(logits.shape),
                 nbytes=host_bytes(logits.tensor) + entry_bytes(step.keywords["processing"]),  # the step's partial
                 lease=held)
         response = pb.DiffusionStepResponse(request_id=current_call.get().request_id)
@@ -197,7 +197,8 @@ class SamplerService(pb_grpc.SamplerServicer):
             # as computed (float32 probabilities, int64 ids) counts towards the bound as the input does.
             probs, ids = await self._batcher.run_exclusive(
                 lambda: self._workloads.topk_probs(logits.compute().flatten(0, -2), temperature, k),
-                rows=math.prod(shape[:-1]), nbytes=host_bytes(logits.tensor) + 12 * math.prod(shape), lease=held)
+                rows=math.prod(shape[:-1]), elements=math.prod(logits.shape),
+                nbytes=host_bytes(logits.tensor) + 12 * math.prod(shape), lease=held)
         request_id = current_call.get().request_id
 
         def answer() -> pb.TopKProbsResponse:
@@ -222,7 +223,7 @@ class SamplerService(pb_grpc.SamplerServicer):
             # workloads/score_cuda.py).
             scores = await self._batcher.run_exclusive(
                 lambda: self._workloads.score_tokens(source, scoring),
-                rows=source.num_rows, nbytes=host_bytes(logits.tensor), lease=held)
+                rows=source.num_rows, elements=math.prod(logits.shape), nbytes=host_bytes(logits.tensor), lease=held)
         shape = list(logits.shape[:-1])
         request_id = current_call.get().request_id
 
@@ -249,6 +250,7 @@ class SamplerService(pb_grpc.SamplerServicer):
         accepted, tokens = await self._batcher.run_exclusive(
             lambda: self._workloads.verify_draft(verification),
             rows=int(verification.target_logits.shape[0] * verification.target_logits.shape[1]),
+            elements=verification.target_logits.numel(),
             nbytes=host_bytes(verification.target_logits) + host_bytes(verification.draft_probs)
             + entry_bytes(verification.processing))
         response = pb.VerifyDraftResponse(request_id=current_call.get().request_id)
