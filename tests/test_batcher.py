@@ -120,41 +120,47 @@ def _refusal_behind_a_busy_backend(queued_batches: int, vocab: int, **limits: in
 
 
 class TwoWorkerBackend(Backend):
-    """The CPU backend, declared able to take two calls at once, as CpuBackend is; a call of `long_rows` rows or more
-    waits for `gate` (`entered` tells that it has begun)."""
+    """The CPU backend, declared able to take two calls at once, as CpuBackend is; a call of `long_elements`
+    B·V·num_samples or more waits for `gate` (`entered` tells that it has begun)."""
 
     concurrent_calls = True
 
-    def __init__(self, gate: threading.Event, long_rows: int) -> None:
+    def __init__(self, gate: threading.Event, long_elements: int) -> None:
         self.calls: list[int] = []
         self._gate = gate
-        self._long_rows = long_rows
+        self._long_elements = long_elements
         self.entered = threading.Event()
 
     def info(self) -> BackendInfo:
         return BackendInfo(name="cpu", device="cpu")
 
     def sample(self, batch: SamplingBatch) -> SamplingResult:
-        if batch.num_rows >= self._long_rows:
+        if batch.num_rows * batch.vocab_size * batch.num_samples >= self._long_elements:
             self.entered.set()
             self._gate.wait(GATE_TIMEOUT_S)
         self.calls.append(batch.num_rows)
         return CpuBackend().sample(batch)
 
 
-def test_a_long_batch_runs_beside_the_short_ones_on_a_backend_of_concurrent_calls() -> None:
+@pytest.mark.parametrize("long_by", ["rows", "samples"])
+def test_a_long_batch_runs_beside_the_short_ones_on_a_backend_of_concurrent_calls(long_by: str) -> None:
     """On a backend that takes two calls at once (the CPU reference), a batch of long_batch_elements logits or more
-    runs on a worker of its own: short requests queued after it are answered while it runs (on one worker they
-    waited behind it: a legal maximum takes 20-37 s on the CPU), a second long one waits for the first, and no short
-    request joins a long batch."""
+    (B·V·num_samples: many rows, or one row sampled many times) runs on a worker of its own: short requests queued
+    after it are answered while it runs (on one worker they waited behind it: a legal maximum takes 20-37 s on the
+    CPU), a second long one waits for the first, and no short request joins a long batch."""
     gate = threading.Event()
-    backend = TwoWorkerBackend(gate, long_rows=4)
+    backend = TwoWorkerBackend(gate, long_elements=4 * VOCAB)
+
+    def long_batch(rows: int) -> SamplingBatch:
+        if long_by == "rows":
+            return make_batch(torch.randn(rows, VOCAB))
+        return make_batch(torch.randn(1, VOCAB), num_samples=rows)
 
     async def run() -> tuple[list, list]:
         batcher = DynamicBatcher(backend, max_batch_rows=64, long_batch_elements=4 * VOCAB)
-        first = asyncio.ensure_future(batcher.submit(make_batch(torch.randn(4, VOCAB))))
+        first = asyncio.ensure_future(batcher.submit(long_batch(4)))
         await wait_until_async(backend.entered.is_set, "the long worker busy with `first`")
-        second = asyncio.ensure_future(batcher.submit(make_batch(torch.randn(5, VOCAB))))
+        second = asyncio.ensure_future(batcher.submit(long_batch(5)))
         shorts = [asyncio.ensure_future(batcher.submit(make_batch(torch.randn(1, VOCAB), seed=s))) for s in range(3)]
         answered = await asyncio.wait_for(asyncio.gather(*shorts), GATE_TIMEOUT_S)
         assert not first.done() and not second.done(), "a long batch finished before its gate opened"
@@ -164,16 +170,39 @@ def test_a_long_batch_runs_beside_the_short_ones_on_a_backend_of_concurrent_call
         return answered, longs
 
     answered, longs = asyncio.run(run())
-    assert [result.tokens.shape[0] for result, _ in answered] == [1, 1, 1]
-    assert [result.tokens.shape[0] for result, _ in longs] == [4, 5]
-    assert backend.calls[-2:] == [4, 5] and sum(backend.calls[:-2]) == 3  # the longs alone, after the shorts
+    assert [result.tokens.shape for result, _ in answered] == [(1, 1)] * 3
+    assert [result.tokens.numel() for result, _ in longs] == [4, 5]
+    long_rows = [4, 5] if long_by == "rows" else [1, 1]
+    assert backend.calls[-2:] == long_rows and sum(backend.calls[:-2]) == 3  # the longs alone, after the shorts
+
+
+def test_long_batches_waiting_do_not_cut_short_the_queue_delay() -> None:
+    """With --max-queue-delay-us, short requests wait for company until they fill a batch; long ones, which run
+    alone, do not count towards it: three short requests queued while two long ones wait still go out as one
+    call."""
+    gate = threading.Event()
+    backend = TwoWorkerBackend(gate, long_elements=4 * VOCAB)
+
+    async def run() -> None:
+        batcher = DynamicBatcher(backend, max_batch_rows=6, long_batch_elements=4 * VOCAB,
+                                 max_queue_delay_us=200_000)
+        longs = [asyncio.ensure_future(batcher.submit(make_batch(torch.randn(4, VOCAB)))) for _ in range(2)]
+        await wait_until_async(backend.entered.is_set, "the long worker busy")
+        shorts = [asyncio.ensure_future(batcher.submit(make_batch(torch.randn(1, VOCAB), seed=s))) for s in range(3)]
+        await asyncio.wait_for(asyncio.gather(*shorts), GATE_TIMEOUT_S)
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(*longs), GATE_TIMEOUT_S)
+        await batcher.close()
+
+    asyncio.run(run())
+    assert sorted(backend.calls) == [3, 4, 4]
 
 
 def test_a_long_workload_runs_beside_short_batches_on_a_backend_of_concurrent_calls() -> None:
     """A workload (run_exclusive) that reads long_batch_elements logits or more takes the long worker too: a short
     Sample queued after it is answered while it runs."""
     gate = threading.Event()
-    backend = TwoWorkerBackend(gate, long_rows=4)
+    backend = TwoWorkerBackend(gate, long_elements=4 * VOCAB)
     started = threading.Event()
 
     def workload() -> str:

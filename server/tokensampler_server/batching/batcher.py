@@ -88,8 +88,8 @@ def _host_bytes(batch: SamplingBatch) -> int:
 _INLINE_MAX_ELEMENTS = 1 << 24
 
 
-# A batch of at least this many logits is long on a backend with concurrent calls (the CPU reference: ~0.25 s
-# with Gumbel noise on 2 cores, ~60 ns a logit) and runs on the long worker, so that the short ones go on beside it
+# A batch of at least this many logits (B·V·num_samples) is long on a backend with concurrent calls (the CPU
+# reference: ~0.25 s with Gumbel noise on 2 cores, ~60 ns a logit) and runs on the long worker, so that the short ones go on beside it
 # instead of waiting behind it: a legal maximum took 20-37 s (docs/hardening.md).
 LONG_BATCH_ELEMENTS = 1 << 22
 
@@ -313,7 +313,7 @@ class DynamicBatcher:
         self._queue.append(pending)
         self._queued_rows += pending.work.num_rows
         self._queued_bytes += pending.nbytes
-        if not self._delay_s or self._queued_rows >= self._max_batch_rows:
+        if not self._delay_s or self._rows_to_merge() >= self._max_batch_rows:
             self._launch(loop)  # an idle backend starts on this request now, as on a full batch
         else:
             self._wake_runner()
@@ -324,10 +324,18 @@ class DynamicBatcher:
         return await self.enqueue(batch)
 
     def _is_long(self, pending: _Pending) -> bool:
-        """Whether the request is a long batch (LONG_BATCH_ELEMENTS), which runs on the long worker."""
+        """Whether the request is a long batch (LONG_BATCH_ELEMENTS), which runs on the long worker: B·V·num_samples
+        logits or more, as the CPU backend's --max-batch-elements counts them (its noise is drawn a sample at a time
+        over the whole row)."""
         work = pending.work
         return (self._long_elements is not None and pending.sampler is None
-                and work.num_rows * work.vocab_size >= self._long_elements)
+                and work.num_rows * work.vocab_size * work.num_samples >= self._long_elements)
+
+    def _rows_to_merge(self) -> int:
+        """Queued rows that the next groups may merge: long batches run alone, so they do not fill a group."""
+        if self._long_elements is None:
+            return self._queued_rows
+        return sum(p.work.num_rows for p in self._queue if not self._is_long(p))
 
     def _may_start(self, pending: _Pending) -> bool:
         """Whether the request could start now: direct work always, a batch when its worker is free."""
@@ -357,7 +365,7 @@ class DynamicBatcher:
                 if self._is_long(pending):
                     most_rows = rows
                 elif self._long_elements is not None and pending.sampler is None:
-                    most_rows = min(most_rows, (self._long_elements - 1) // work.vocab_size)
+                    most_rows = min(most_rows, (self._long_elements - 1) // (work.vocab_size * work.num_samples))
             elif group and pending.key == key and rows + work.num_rows <= most_rows:
                 group.append(pending)
                 rows += work.num_rows
@@ -379,7 +387,7 @@ class DynamicBatcher:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            if self._queued_rows < self._max_batch_rows:
+            if self._rows_to_merge() < self._max_batch_rows:
                 await asyncio.sleep(self._delay_s)
             self._launch(loop)  # what may start beside the batches on the workers; _finished wakes this again
 
