@@ -70,9 +70,9 @@ struct PartialsArgs {
   int32_t want_sum1;
   int32_t first_tile;   // the CTAs walk tiles first_tile .. num_tiles - 1 (ids global: fused.cu's shard_view)
   int32_t num_tiles;
-  int32_t full_rounds;        // the streaming kernel's walk (fused_stream.cuh's stream_unit): rounds of vocab_ctas
-  int32_t last_round_units;   // tiles, then the units of a last round: its tiles, or twice as many halves
-  int32_t last_round_halves;
+  int32_t full_rounds;        // the streaming kernel's walk (fused_stream.cuh's stream_unit): whole rounds of a tile
+  int32_t last_round_units;   // a CTA, then a last round of this many units: its tiles, or, with last_round_halves,
+  int32_t last_round_halves;  // twice as many half tiles
   int32_t vocab_ctas;   // fixed by V and the GPU, never by B: each row's arithmetic is batch invariant
   int32_t batch_tiles;
   Partial* partials;   // [num_rows, vocab_ctas]
