@@ -198,6 +198,31 @@ def test_long_batches_waiting_do_not_cut_short_the_queue_delay() -> None:
     assert sorted(backend.calls) == [3, 4, 4]
 
 
+def test_long_batches_waiting_hold_at_most_half_the_queue() -> None:
+    """Long batches waiting for the long worker may fill half the queue's rows, not all of it: the next long one is
+    refused as overload (retryable), while a short request still gets in and is answered beside the running one."""
+    gate = threading.Event()
+    backend = TwoWorkerBackend(gate, long_elements=4 * VOCAB)
+
+    async def run() -> tuple[ServiceError, object]:
+        batcher = DynamicBatcher(backend, max_batch_rows=64, max_queue_rows=16, long_batch_elements=4 * VOCAB)
+        longs = [asyncio.ensure_future(batcher.submit(make_batch(torch.randn(4, VOCAB))))]
+        await wait_until_async(backend.entered.is_set, "the long worker busy")
+        longs += [asyncio.ensure_future(batcher.submit(make_batch(torch.randn(4, VOCAB)))) for _ in range(2)]
+        await wait_until_async(lambda: batcher.queued_requests == 2, "two long batches waiting: 8 rows, half of 16")
+        with pytest.raises(ServiceError) as refused:
+            await batcher.submit(make_batch(torch.randn(4, VOCAB)))
+        short, _ = await asyncio.wait_for(batcher.submit(make_batch(torch.randn(1, VOCAB))), GATE_TIMEOUT_S)
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(*longs), GATE_TIMEOUT_S)
+        await batcher.close()
+        return refused.value, short
+
+    error, short = asyncio.run(run())
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "rows of long batches" in error.message
+    assert short.tokens.shape == (1, 1)
+
+
 def test_a_long_workload_runs_beside_short_batches_on_a_backend_of_concurrent_calls() -> None:
     """A workload (run_exclusive) that reads long_batch_elements logits or more takes the long worker too: a short
     Sample queued after it is answered while it runs."""

@@ -290,6 +290,19 @@ class DynamicBatcher:
         if waiting_bytes + nbytes > self._max_queue_bytes:
             raise queue_full(waiting_bytes, self._max_queue_bytes, "bytes")
 
+    def _check_long_share(self, pending: _Pending) -> None:
+        """RESOURCE_EXHAUSTED (retryable) for a long batch when other long ones wait and together they would hold
+        more than half the queue's rows or bytes: the other half stays for the short requests, which run beside
+        them. A long batch with none waiting takes what the whole queue allows."""
+        waiting = [p for p in self._queue if self._is_long(p) and not p.future.done()]
+        if not waiting:
+            return
+        rows, nbytes = sum(p.work.num_rows for p in waiting), sum(p.nbytes for p in waiting)
+        if rows + pending.work.num_rows > self._max_queue_rows // 2:
+            raise queue_full(rows, self._max_queue_rows // 2, "rows of long batches")
+        if nbytes + pending.nbytes > self._max_queue_bytes // 2:
+            raise queue_full(nbytes, self._max_queue_bytes // 2, "bytes of long batches")
+
     def enqueue(self, batch: SamplingBatch, lease: Lease | None = None) -> asyncio.Future:
         """Queues `batch` to be sampled, possibly together with other requests; the future gets
         (its own rows, BatchTimes). Raises RESOURCE_EXHAUSTED at once when the queue is full. A share of
@@ -307,6 +320,8 @@ class DynamicBatcher:
     def _queue_up(self, pending: _Pending, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
         try:
             self._check_room(pending.work.num_rows, pending.nbytes)
+            if self._is_long(pending):
+                self._check_long_share(pending)
         except ServiceError:
             pending.release()
             raise
