@@ -338,13 +338,15 @@ class DynamicBatcher:
         """Samples `batch`, possibly together with other requests; returns its own rows."""
         return await self.enqueue(batch)
 
+    def _reads_long(self, elements: int) -> bool:
+        """Whether work that reads this many logits is long (LONG_BATCH_ELEMENTS): it runs on the long worker."""
+        return self._long_elements is not None and elements >= self._long_elements
+
     def _is_long(self, pending: _Pending) -> bool:
-        """Whether the request is a long batch (LONG_BATCH_ELEMENTS), which runs on the long worker: B·V·num_samples
-        logits or more, as the CPU backend's --max-batch-elements counts them (its noise is drawn a sample at a time
-        over the whole row)."""
+        """Whether the request is a long batch: B·V·num_samples logits or more, as the CPU backend's
+        --max-batch-elements counts them (its noise is drawn a sample at a time over the whole row)."""
         work = pending.work
-        return (self._long_elements is not None and pending.sampler is None
-                and work.num_rows * work.vocab_size * work.num_samples >= self._long_elements)
+        return pending.sampler is None and self._reads_long(work.num_rows * work.vocab_size * work.num_samples)
 
     def _rows_to_merge(self) -> int:
         """Queued rows that the next groups may merge: long batches run alone, so they do not fill a group."""
@@ -511,8 +513,8 @@ class DynamicBatcher:
         self._exclusive_bytes += nbytes
         device = self._backend.device
         job = partial(_watched, future.done, _backend_errors_as_status, partial(_finished_on, device, work))
-        long = self._long_elements is not None and elements >= self._long_elements
-        (self._long_worker if long else self._worker).submit(loop, contextvars.copy_context(), job, done)
+        worker = self._long_worker if self._reads_long(elements) else self._worker
+        worker.submit(loop, contextvars.copy_context(), job, done)
         return await future
 
     def _sample(self, batch: SamplingBatch) -> SamplingResult:
