@@ -54,13 +54,16 @@ void register_local_samplers(pybind11::module_& m) {
     check(ts_sequence_penalties(&t, ptr<float>(x), vocab, ptr<float>(penalty), ptr<void>(stream)),
           "sequence_penalties");
   });
-  // logits: float32 [num_rows, vocab] on the device; columns: the host addresses of the rows' float32 top_n_sigma,
-  // typical_p, xtc_threshold, xtc_probability and int64 seed, position, iteration [num_rows] each. Packs them into
-  // pinned `host` as ts_local_rows_packed lays them out, copies them to `dev` and launches the samplers some row uses,
-  // all on `stream`; returns their TS_LOCAL_* bits (0: nothing copied or launched). One call from Python instead of
-  // the packing's numpy operations, which were most of a small call's time (docs/design/kernel-routing.md).
-  m.def("local_samplers", [](int64_t logits, int64_t num_rows, int64_t vocab, std::vector<int64_t> columns,
-                             int64_t host, int64_t dev, int64_t scratch, int64_t zeroed, int64_t stream) {
+  // logits: float32 [num_rows, vocab] on the device; keep: 0 (removals written into the logits) or the device
+  // address of int32 [num_rows, ceil(vocab / 32)] kept bits (ts_local_samplers); columns: the host addresses of the
+  // rows' float32 top_n_sigma, typical_p, xtc_threshold, xtc_probability and int64 seed, position, iteration
+  // [num_rows] each. Packs them into pinned `host` as ts_local_rows_packed lays them out, copies them to `dev` and
+  // launches the samplers some row uses, all on `stream`; returns their TS_LOCAL_* bits (0: nothing copied, set or
+  // launched). One call from Python instead of the packing's numpy operations, which were most of a small call's
+  // time (docs/design/kernel-routing.md).
+  m.def("local_samplers", [](int64_t logits, int64_t keep, int64_t num_rows, int64_t vocab,
+                             std::vector<int64_t> columns, int64_t host, int64_t dev, int64_t scratch, int64_t zeroed,
+                             int64_t stream) {
     if (columns.size() != 7) throw std::invalid_argument("local samplers: 7 host columns expected");
     const size_t n = static_cast<size_t>(num_rows);
     const float* sigma = ptr<const float>(columns[0]);
@@ -82,8 +85,8 @@ void register_local_samplers(pybind11::module_& m) {
     check(cudaMemcpyAsync(ptr<void>(dev), packed, ts_local_rows_bytes(num_rows), cudaMemcpyHostToDevice, s),
           "local samplers' rows");
     const TsLocalRows r = ts_local_rows_packed(ptr<const void>(dev), num_rows);
-    check(ts_local_samplers(ptr<float>(logits), num_rows, vocab, &r, samplers, ptr<void>(scratch), ptr<void>(zeroed),
-                            ptr<void>(stream)),
+    check(ts_local_samplers(ptr<float>(logits), ptr<uint32_t>(keep), num_rows, vocab, &r, samplers, ptr<void>(scratch),
+                            ptr<void>(zeroed), ptr<void>(stream)),
           "local_samplers");
     return static_cast<int>(samplers);
   });

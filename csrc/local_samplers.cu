@@ -10,6 +10,24 @@ namespace {
 
 constexpr int64_t kMaxRows = 65535;  // grid y
 
+// The kernels of the samplers some row uses, in order; kKeep: removals go to the kept bits (Row::keep).
+template <bool kKeep>
+cudaError_t launch(float* logits, uint32_t* keep, int64_t vocab, const TsLocalRows& rows, int32_t samplers,
+                   const Workspace& ws, dim3 grid, cudaStream_t s) {
+  stats_kernel<false, kKeep><<<grid, kThreads, 0, s>>>(logits, keep, vocab, rows, ws);
+  if (samplers & TS_LOCAL_TOP_N_SIGMA) sigma_kernel<kKeep><<<grid, kThreads, 0, s>>>(logits, keep, vocab, rows, ws);
+  if (samplers & TS_LOCAL_TYPICAL) {
+    typical_hist_kernel<kKeep><<<grid, kThreads, 0, s>>>(logits, keep, vocab, rows, ws);
+    const void* cut = reinterpret_cast<const void*>(&typical_cut_kernel<kKeep>);
+    if (cudaError_t e = cudaFuncSetAttribute(cut, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(kCutSmemBytes)))
+      return e;
+    typical_cut_kernel<kKeep><<<grid, kThreads, kCutSmemBytes, s>>>(logits, keep, vocab, rows, ws);
+    if (samplers & TS_LOCAL_XTC) stats_kernel<true, kKeep><<<grid, kThreads, 0, s>>>(logits, keep, vocab, rows, ws);
+  }
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 extern "C" {
@@ -28,25 +46,19 @@ TsLocalWorkspaceBytes ts_local_samplers_workspace(int64_t num_rows, int64_t voca
   return workspace_bytes(num_rows, vocab);
 }
 
-int ts_local_samplers(float* logits, int64_t num_rows, int64_t vocab, const TsLocalRows* rows, int32_t samplers,
-                      void* scratch, void* zeroed, void* stream) {
+int ts_local_samplers(float* logits, uint32_t* keep, int64_t num_rows, int64_t vocab, const TsLocalRows* rows,
+                      int32_t samplers, void* scratch, void* zeroed, void* stream) {
   if (vocab < 1 || vocab > (int64_t{1} << 31) - 1 || num_rows < 0 || num_rows > kMaxRows) return cudaErrorInvalidValue;
   if (num_rows == 0 || !(samplers & (TS_LOCAL_TOP_N_SIGMA | TS_LOCAL_TYPICAL | TS_LOCAL_XTC))) return cudaSuccess;
   const Workspace ws = workspace_at(scratch, zeroed, num_rows, vocab);
   const dim3 grid(num_chunks(vocab), static_cast<unsigned int>(num_rows));
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  stats_kernel<false><<<grid, kThreads, 0, s>>>(logits, vocab, *rows, ws);
-  if (samplers & TS_LOCAL_TOP_N_SIGMA) sigma_kernel<<<grid, kThreads, 0, s>>>(logits, vocab, *rows, ws);
-  if (samplers & TS_LOCAL_TYPICAL) {
-    typical_hist_kernel<<<grid, kThreads, 0, s>>>(logits, vocab, *rows, ws);
-    const void* cut = reinterpret_cast<const void*>(&typical_cut_kernel);
-    if (cudaError_t e = cudaFuncSetAttribute(cut, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(kCutSmemBytes)))
-      return e;
-    typical_cut_kernel<<<grid, kThreads, kCutSmemBytes, s>>>(logits, vocab, *rows, ws);
-    if (samplers & TS_LOCAL_XTC) stats_kernel<true><<<grid, kThreads, 0, s>>>(logits, vocab, *rows, ws);
+  if (keep) {
+    const size_t bytes = static_cast<size_t>(num_rows * words_of(vocab)) * sizeof(uint32_t);
+    if (cudaError_t e = cudaMemsetAsync(keep, 0xFF, bytes, s)) return e;
+    return launch<true>(logits, keep, vocab, *rows, samplers, ws, grid, s);
   }
-  return cudaGetLastError();
+  return launch<false>(logits, keep, vocab, *rows, samplers, ws, grid, s);
 }
 
 }  // extern "C"

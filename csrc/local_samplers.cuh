@@ -1,5 +1,7 @@
-// The local samplers of step 5 (docs/semantics.md L4-L6) as row transforms on float32 logits in place, from per-row
-// statistics (launchers: local_samplers.cu; the design: docs/design/kernel-routing.md, "Local samplers").
+// The local samplers of step 5 (docs/semantics.md L4-L6) as row transforms of float32 logits, from per-row
+// statistics (launchers: local_samplers.cu; the design: docs/design/kernel-routing.md, "Local samplers"). A removal
+// is -inf written into the logits in place, or a bit cleared in a row's kept bits while the logits are only read
+// (Row::keep): the same kept set either way.
 //
 // Rows are cut into chunks of kChunk tokens, one block each, so that every statistic is summed in an order fixed by
 // the vocabulary alone: a row gives the same kept set alone or in any batch. Each block writes its chunk's partial
@@ -49,16 +51,24 @@ __host__ __device__ inline int64_t cut_capacity(int64_t vocab) { return vocab < 
 // ---------------------------------------------------------------------------------------------
 // Rows and their parameters.
 
+// Words of a row's kept bits.
+__host__ __device__ inline int64_t words_of(int64_t vocab) { return (vocab + 31) / 32; }
+
 struct Row {
   float* x;
   int64_t vocab;
-  bool aligned;  // groups of four are 16-byte loads and stores
+  bool aligned;    // groups of four are 16-byte loads and stores
+  uint32_t* keep;  // null: removals are -inf written into x. Else the row's kept bits (token i at bit i % 32 of word
+                   // i / 32): removals clear bits, x is only read, and a cleared token reads as -inf
 
-  __device__ static Row of(float* logits, int64_t r, int64_t vocab) {
+  __device__ static Row of(float* logits, uint32_t* keep, int64_t r, int64_t vocab) {
     float* x = logits + r * vocab;
-    return Row{x, vocab, reinterpret_cast<uintptr_t>(x) % 16 == 0};
+    return Row{x, vocab, reinterpret_cast<uintptr_t>(x) % 16 == 0, keep ? keep + r * words_of(vocab) : nullptr};
   }
-  // Group g as stored, through L2 (other blocks of the kernel may have written it).
+  // The kept bits of group g (bit e: token 4g + e; g inside the row) through L2: other blocks of the kernel may have
+  // cleared them.
+  __device__ uint32_t kept(int64_t g) const { return __ldcg(keep + (g >> 3)) >> (4 * static_cast<uint32_t>(g & 7)); }
+  // Group g as the samplers see it so far, through L2 (other blocks of the kernel may have removed tokens).
   __device__ void load_fresh(int64_t g, float (&v)[4]) const {
     const int64_t i0 = 4 * g;
     if (aligned && i0 + 4 <= vocab) {
@@ -68,6 +78,12 @@ struct Row {
 #pragma unroll
       for (int e = 0; e < 4; ++e) v[e] = i0 + e < vocab ? __ldcg(x + i0 + e) : -kInf;
     }
+    if (keep && i0 < vocab) mask_group(kept(g), v);
+  }
+  // Token id removed (a scattered removal; groups go through store_removed).
+  __device__ void remove(int64_t id) const {
+    if (keep) atomicAnd(keep + (id >> 5), ~(1u << (id & 31)));
+    else x[id] = -kInf;
   }
 };
 
@@ -103,7 +119,11 @@ __device__ __forceinline__ bool finite(float x) { return x > -kInf && x < kInf; 
 __device__ __forceinline__ void load_chunk(const Row& row, int chunk, float (&v)[kGroups][4]) {
   const int64_t g0 = chunk * kChunkGroups;
 #pragma unroll
-  for (int j = 0; j < kGroups; ++j) load_group(row.x, g0 + threadIdx.x + j * kThreads, row.vocab, row.aligned, v[j]);
+  for (int j = 0; j < kGroups; ++j) {
+    const int64_t g = g0 + threadIdx.x + j * kThreads;
+    load_group(row.x, g, row.vocab, row.aligned, v[j]);
+    if (row.keep && 4 * g < row.vocab) mask_group(row.kept(g), v[j]);
+  }
 }
 
 __device__ __forceinline__ int64_t token_of(int chunk, int j, int e) {
@@ -118,12 +138,22 @@ __device__ __forceinline__ void sanitize_chunk(float (&v)[kGroups][4]) {
     for (int e = 0; e < 4; ++e) sanitize(v[j][e]);
 }
 
-// Writes -inf at the tokens of group j (of the block's chunk) whose bit e of `removed` is set: one 16-byte store
-// where the group lies whole in an aligned row. v: the group as stored (so that NaN and +inf are written back as
-// they were).
+// Removes the tokens of group j (of the block's chunk) whose bit e of `removed` is set. Called by every thread of
+// the block together. Into x: -inf, one 16-byte store where the group lies whole in an aligned row (v: the group as
+// stored, so that NaN and +inf are written back as they were). Into keep: the 8 groups of a word lie in 8 adjacent
+// lanes, whose bits are merged and cleared by one atomic a word.
 __device__ __forceinline__ void store_removed(const Row& row, int chunk, int j, const float (&v)[4], uint32_t removed) {
-  if (!removed) return;
   const int64_t i0 = token_of(chunk, j, 0);
+  if (row.keep) {
+    const uint32_t slot = threadIdx.x & 7;
+    uint32_t bits = removed << (4 * slot);
+    bits |= __shfl_xor_sync(0xffffffffu, bits, 1);
+    bits |= __shfl_xor_sync(0xffffffffu, bits, 2);
+    bits |= __shfl_xor_sync(0xffffffffu, bits, 4);
+    if (slot == 0 && bits) atomicAnd(row.keep + (i0 >> 5), ~bits);
+    return;
+  }
+  if (!removed) return;
   if (row.aligned && i0 + 4 <= row.vocab) {
     float4 q;
     q.x = removed & 1u ? -kInf : v[0];
@@ -525,7 +555,7 @@ __device__ void xtc_finish(const Row& row, const XtcPart* parts, const XtcCandid
   });
   kept = block_allreduce<kThreads>(kept, MaxOp{}, s.u32);
   for_each_xtc_candidate(row, parts, listed, chunks, gathered, [&](float x, uint32_t id) {
-    if (id != kept && prob(x) >= threshold) row.x[id] = -kInf;
+    if (id != kept && prob(x) >= threshold) row.remove(id);
   });
 }
 
@@ -613,13 +643,13 @@ __device__ __forceinline__ ChunkPlace chunk_place() {
 
 // kAfterTypical false: the statistics of the row's first sampler (top-n-sigma's, typical-p's or XTC's, then XTC
 // decided). true: XTC's after typical-p.
-template <bool kAfterTypical>
-__global__ void __launch_bounds__(kThreads) stats_kernel(float* logits, int64_t vocab, TsLocalRows rows,
-                                                         Workspace ws) {
+template <bool kAfterTypical, bool kKeep>
+__global__ void __launch_bounds__(kThreads)
+stats_kernel(float* logits, uint32_t* keep, int64_t vocab, TsLocalRows rows, Workspace ws) {
   __shared__ Scratch s;
   const auto [r, chunk, chunks] = chunk_place();
   const Samplers smp = row_samplers(rows, r);
-  const Row row = Row::of(logits, r, vocab);
+  const Row row = Row::of(logits, kKeep ? keep : nullptr, r, vocab);
   float v[kGroups][4];
   if (kAfterTypical) {
     if (!(smp.typical && smp.xtc)) return;
@@ -640,13 +670,14 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(float* logits, int64_t 
 }
 
 // top-n-sigma's cut written, then the next sampler's statistics over the tokens it keeps.
-__global__ void __launch_bounds__(kThreads) sigma_kernel(float* logits, int64_t vocab, TsLocalRows rows,
-                                                         Workspace ws) {
+template <bool kKeep>
+__global__ void __launch_bounds__(kThreads)
+sigma_kernel(float* logits, uint32_t* keep, int64_t vocab, TsLocalRows rows, Workspace ws) {
   __shared__ Scratch s;
   const auto [r, chunk, chunks] = chunk_place();
   const Samplers smp = row_samplers(rows, r);
   if (!smp.sigma) return;
-  const Row row = Row::of(logits, r, vocab);
+  const Row row = Row::of(logits, kKeep ? keep : nullptr, r, vocab);
   const double cut = sigma_cut(merge_row(ws.sigma + r * chunks, chunks, MergeSigma{}), smp.n);
   float v[kGroups][4];
   load_chunk(row, chunk, v);
@@ -668,8 +699,9 @@ __global__ void __launch_bounds__(kThreads) sigma_kernel(float* logits, int64_t 
 
 // typical-p's mass by score bin (fixed point, the last bin a register sum a thread); the row's last block finds the
 // cut bin (the first whose cumulative mass exceeds p) and returns the row's bins to zero.
-__global__ void __launch_bounds__(kThreads) typical_hist_kernel(float* logits, int64_t vocab, TsLocalRows rows,
-                                                                Workspace ws) {
+template <bool kKeep>
+__global__ void __launch_bounds__(kThreads)
+typical_hist_kernel(float* logits, uint32_t* keep, int64_t vocab, TsLocalRows rows, Workspace ws) {
   __shared__ Scratch s;
   __shared__ unsigned long long hist[kBins];
   __shared__ int cut;
@@ -686,7 +718,7 @@ __global__ void __launch_bounds__(kThreads) typical_hist_kernel(float* logits, i
     return;
   }
   TypicalRow c = typical_row(all, smp.p);
-  const Row row = Row::of(logits, r, vocab);
+  const Row row = Row::of(logits, kKeep ? keep : nullptr, r, vocab);
   for (int b = threadIdx.x; b < kBins; b += kThreads) hist[b] = 0;
   __syncthreads();
   float v[kGroups][4];
@@ -772,7 +804,7 @@ __device__ void cut_listed(const Row& row, const TypicalRow& c, const uint32_t* 
   for (int i = threadIdx.x; i < static_cast<int>(n); i += kThreads)
     if (c.before + keys[i] > c.target) first = min(first, static_cast<uint32_t>(i));
   first = block_allreduce<kThreads>(first, MinOp{}, s.u32);
-  for (uint32_t i = first + 1 + threadIdx.x; i < n; i += kThreads) row.x[ids[i]] = -kInf;
+  for (uint32_t i = first + 1 + threadIdx.x; i < n; i += kThreads) row.remove(ids[i]);
 }
 
 // fn(key, id, log q) for every finite token of the cut bin, the row read whole by the block.
@@ -887,14 +919,15 @@ __device__ __noinline__ void cut_crowded(const Row& row, const TypicalRow& c, ui
   }
   // Every token of the bin after (cut_key, cut_id) is removed (none when no cut was found: kept whole).
   for_each_in_cut_bin(row, c, [&](uint64_t key, uint32_t id, double) {
-    if (key > cut_key || (key == cut_key && id > cut_id)) row.x[id] = -kInf;
+    if (key > cut_key || (key == cut_key && id > cut_id)) row.remove(id);
   });
 }
 
 // typical-p's cut written: bins after the cut bin removed by every block, the cut bin's tokens listed; the row's
 // last block cuts the cut bin.
-__global__ void __launch_bounds__(kThreads) typical_cut_kernel(float* logits, int64_t vocab, TsLocalRows rows,
-                                                               Workspace ws) {
+template <bool kKeep>
+__global__ void __launch_bounds__(kThreads)
+typical_cut_kernel(float* logits, uint32_t* keep, int64_t vocab, TsLocalRows rows, Workspace ws) {
   extern __shared__ uint64_t cut_smem[];
   __shared__ Scratch s;
   const auto [r, chunk, chunks] = chunk_place();
@@ -902,7 +935,7 @@ __global__ void __launch_bounds__(kThreads) typical_cut_kernel(float* logits, in
   if (!smp.typical) return;
   const TypicalRow c = TypicalRow::load(ws.rows + r);
   if (c.cut < 0) return;  // every token kept (no finite logit, or the cut is past them all)
-  const Row row = Row::of(logits, r, vocab);
+  const Row row = Row::of(logits, kKeep ? keep : nullptr, r, vocab);
   float v[kGroups][4];
   load_chunk(row, chunk, v);
   uint32_t in_cut = 0;  // bit 4j + e: token (j, e) lies in the cut bin

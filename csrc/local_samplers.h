@@ -43,10 +43,14 @@ typedef struct {
 } TsLocalWorkspaceBytes;
 TsLocalWorkspaceBytes ts_local_samplers_workspace(int64_t num_rows, int64_t vocab);
 
-/* Applies L4, L5 and L6, in this order, to logits [num_rows, vocab] (contiguous float32) in place on `stream`.
+/* Applies L4, L5 and L6, in this order, to logits [num_rows, vocab] (contiguous float32) on `stream`. keep NULL:
+ * the removed tokens are written as -inf into the logits in place. Else keep is int32 [num_rows, ceil(vocab / 32)]
+ * (a token bitmask: token i at bit i % 32 of word i / 32), set to all ones by this call, and the removed tokens'
+ * bits are cleared while the logits are only read; bits past the vocabulary stay set. Either way a removed token is
+ * a finite one: NaN and +inf entries keep their bits.
  * samplers: the TS_LOCAL_* bits of the samplers some row uses. num_rows <= 65535. */
-int ts_local_samplers(float* logits, int64_t num_rows, int64_t vocab, const TsLocalRows* rows, int32_t samplers,
-                      void* scratch, void* zeroed, void* stream);
+int ts_local_samplers(float* logits, uint32_t* keep, int64_t num_rows, int64_t vocab, const TsLocalRows* rows,
+                      int32_t samplers, void* scratch, void* zeroed, void* stream);
 
 #ifdef __cplusplus
 }

@@ -23,7 +23,7 @@ import torch
 from scipy.stats import chisquare
 from tokensampler_client.params import build_sample_request
 from tokensampler_server.backends.cpu import kept_token_mask
-from tokensampler_server.backends.processing import apply_processing
+from tokensampler_server.backends.processing import apply_processing, unpack_bitmask
 from tokensampler_server.backends.truncation import apply_truncation
 from tokensampler_server.core.config import Limits
 from tokensampler_server.model.sampling import Truncation
@@ -104,11 +104,29 @@ def _typical_edge(x: torch.Tensor, truncation: Truncation, row: int, tokens: lis
     return abs(place - first_past) <= 1 and bool(((masses - p).abs() <= MASS_EDGE).any())
 
 
+def _kept_as_logits(kernels, x: torch.Tensor, truncation: Truncation) -> torch.Tensor:
+    """The kernels' kept bits over x (read only: checked) as logits, the tokens they clear -inf; bits past the
+    vocabulary must be set."""
+    before = x.clone()
+    kept = kernels.kept(x, truncation)
+    assert torch.equal(x.view(torch.int32), before.view(torch.int32)), "the kept bits' route wrote the logits"
+    if kept is None:
+        return x.clone()
+    vocab = x.shape[1]
+    assert kept.shape == (x.shape[0], (vocab + 31) // 32)
+    if vocab % 32:
+        tail = kept[:, -1] >> (vocab % 32)  # arithmetic shift: all ones (-1) when every bit past V is set
+        assert bool((tail == -1).all()), "a bit past the vocabulary was cleared"
+    return x.masked_fill(~unpack_bitmask(kept, vocab), float("-inf"))
+
+
 def _check(kernels, x: torch.Tensor, truncation: Truncation, what: str) -> torch.Tensor:
-    """Kernels and reference on copies of x; returns the reference's result."""
+    """Kernels and reference on copies of x, the kernels both ways (-inf written in place, and kept bits over x
+    left as it is); returns the reference's result."""
     want = apply_truncation(x.clone(), truncation)
-    got = kernels.apply(x.clone(), truncation)
-    _assert_same(got, want, what, lambda row, tokens: _typical_edge(x, truncation, row, tokens))
+    edge = lambda row, tokens: _typical_edge(x, truncation, row, tokens)  # noqa: E731
+    _assert_same(kernels.apply(x.clone(), truncation), want, what, edge)
+    _assert_same(_kept_as_logits(kernels, x, truncation), want, f"{what}, kept bits", edge)
     return want
 
 
@@ -162,10 +180,11 @@ def test_rows_without_a_finite_logit_one_finite_logit_and_nan(kernels) -> None:
 
 
 def test_off_values_change_nothing(kernels) -> None:
-    """n = 0 (and below), p = 1, xtc_probability = 0: not a bit changes."""
+    """n = 0 (and below), p = 1, xtc_probability = 0: not a bit changes, and no kept bits are made."""
     x = logits("spiky", 16, 32000, seed=2).cuda()
     truncation = _truncation(16, n=[0.0, -1.0], p=1.0, t=0.1, q=0.0)
     _assert_same(kernels.apply(x.clone(), truncation), x, "off")
+    assert kernels.kept(x, truncation) is None
 
 
 def test_typical_cut_among_equal_logits_goes_by_id(kernels) -> None:
@@ -247,14 +266,52 @@ def test_alone_or_in_any_batch_the_same_bits(kernels) -> None:
         _assert_same(kernels.apply(x[index.cuda()].clone(), truncation.rows(index)), full[index.cuda()], f"rows {part}")
 
 
-def test_the_backend_samples_through_the_kernels(cuda_backend, monkeypatch: pytest.MonkeyPatch) -> None:
-    """CudaBackend.sample takes the kernels for the local samplers (not the torch reference)."""
-    calls = []
-    apply = cuda_backend._local_samplers.apply
-    monkeypatch.setattr(cuda_backend._local_samplers, "apply", lambda x, t: calls.append(1) or apply(x, t))
-    request = build_sample_request(logits("spiky", 4, 1000, seed=1), seed=[1, 2, 3, 4], typical_p=0.9)
-    cuda_backend.sample(validate_sample_request(request, Limits())[0])
-    assert calls
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_backend_samples_through_the_kernels(cuda_backend, monkeypatch: pytest.MonkeyPatch,
+                                                 dtype: torch.dtype) -> None:
+    """CudaBackend.sample takes the kernels for the local samplers (not the torch reference): their kept bits over
+    float32 logits that nothing else processes, no copy made; -inf written into a float32 copy otherwise (bf16
+    logits, or other processing before them)."""
+    calls: list[str] = []
+    samplers = cuda_backend._local_samplers
+    for name in ("apply", "kept"):
+        method = getattr(samplers, name)
+        monkeypatch.setattr(samplers, name, lambda x, t, name=name, method=method: calls.append(name) or method(x, t))
+    for extra, route in (({}, "kept" if dtype == torch.float32 else "apply"), ({"logit_bias": {3: 1.0}}, "apply")):
+        calls.clear()
+        request = build_sample_request(logits("spiky", 4, 1000, seed=1).to(dtype), seed=[1, 2, 3, 4],
+                                       typical_p=0.9, **extra)
+        cuda_backend.sample(validate_sample_request(request, Limits())[0])
+        assert calls == [route], (extra, calls)
+
+
+def test_kept_bits_and_the_copy_give_the_same_results(cuda_backend) -> None:
+    """The same request through both routes (a bias of 0 on token 0 sends it through the copy): the same tokens,
+    flags, processed log-probs and top log-probs bit for bit, NaN and +inf rows and greedy rows among them, and no
+    row handed to a slower path."""
+    rows, vocab = 32, 151936
+    x = logits("flat", rows, vocab, seed=5)
+    x[1, ::7] = float("nan")
+    x[3, 100] = float("inf")
+    x[4] = float("-inf")
+    x[4, 999] = 0.5
+    params = {"top_n_sigma": [1.0, 0.0, 2.0, 3.0], "typical_p": [0.9, 1.0, 0.5, 0.95],
+              "xtc_threshold": [0.05, 0.1], "xtc_probability": [1.0, 0.5, 0.0], "top_k": [0, 50, 1000, 0],
+              "top_p": [1.0, 0.9], "temperature": [0.8, 0.0, 1.0, 0.5]}
+    params = {key: list(islice(cycle(value), rows)) for key, value in params.items()}
+    results = []
+    for extra in ({}, {"logit_bias": {0: 0.0}}):
+        request = build_sample_request(x, seed=list(range(rows)), position=11, num_samples=3, logprobs_mode="processed",
+                                       return_logprobs=True, top_logprobs=5, **params, **extra)
+        batch = validate_sample_request(request, Limits())[0]
+        before = cuda_backend.fallbacks()
+        results.append(cuda_backend.sample(batch))
+        assert cuda_backend.fallbacks() == before
+    kept, copied = results
+    for name in ("tokens", "valid", "nan_detected", "logprobs", "top_logprob_ids", "top_logprobs"):
+        assert torch.equal(getattr(kept, name), getattr(copied, name)), name
+    assert bool(kept.nan_detected[1]) and bool(kept.nan_detected[3]) and not bool(kept.nan_detected[0])
+    assert bool((kept.tokens[4] == 999).all())
 
 
 def _batch(params: dict, rows: int, vocab: int, generator: str, temperature: float, samples: int):

@@ -17,7 +17,9 @@ A token bitmask (structured output) is read by every kernel above as it loads th
 read as -inf: a batch whose only processing is a bitmask reads its logits once, as without one. So does a batch
 whose only processing is allowed and banned token lists (min_tokens' bans among them), made into bitmask rows on
 the host when few rows have them (entry_masks.py), and one whose only processing is no-repeat-n-gram's bans, made
-into a mask on the GPU from the rows' sequences (cuda_sequence_samplers.py). DRY alone is subtracted from a float32
+into a mask on the GPU from the rows' sequences (cuda_sequence_samplers.py), and one of float32 logits whose only
+processing is the local samplers (top-n-sigma, typical-p, XTC), whose kernels leave the tokens they keep as a mask
+(cuda_local_samplers.py). DRY alone is subtracted from a float32
 copy by kernels of its own, from the same tiles. Other processing (bias, penalties, those lists beside a request's own
 bitmask or on many rows, several kinds together) runs first, in torch on the GPU (processing.apply_processing),
 on a float32 copy into which the bitmask is written first by a small in-place kernel; then the local samplers
@@ -57,7 +59,7 @@ from tokensampler_server.backends.cuda_buffers import FLAG_UNSETTLED, FLAG_NAN, 
 from tokensampler_server.backends.cuda_build import CudaBackendUnavailable
 from tokensampler_server.backends.cuda_kernels import NO_BITMASK, Kernels, Plan
 from tokensampler_server.backends.mps import mps_state
-from tokensampler_server.backends.cuda_local_samplers import LocalSamplerKernels
+from tokensampler_server.backends.cuda_local_samplers import LocalSamplerKernels, truncation_only
 from tokensampler_server.backends.cuda_sequence_samplers import SequenceSamplerKernels, bans_only, penalties_only
 from tokensampler_server.backends.cuda_logprobs import LogprobCall, sample_with_logprobs
 from tokensampler_server.backends.cuda_prepared import CudaPreparedSampling
@@ -354,14 +356,18 @@ class CudaBackend(Backend):
     def _processed(self, raw_x: torch.Tensor, processing: LogitProcessing | None, bitmask: list[int],
                    masks_all: bool, stream: int) -> tuple[torch.Tensor, list[int]]:
         """The logits the kernels read and the token-bitmask entries they take. A bitmask that is all of the
-        processing (masks_all) stays with the kernels, which read the raw logits once; DRY alone is subtracted from
-        a float32 copy by its own kernels; other processing runs in torch on a float32 copy, with the bitmask written
+        processing (masks_all) stays with the kernels, which read the raw logits once; so do the local samplers
+        alone on float32 logits, whose kernels leave the kept tokens as a bitmask; DRY alone is subtracted from a
+        float32 copy by its own kernels; other processing runs in torch on a float32 copy, with the bitmask written
         into the copy first (step 2 precedes bias, penalties and the local samplers) by the in-place kernel, which
         reads 1/32 of the logits' bytes and allocates nothing."""
         if processing is None:
             return raw_x, NO_BITMASK
         if masks_all:
             return raw_x, bitmask
+        if raw_x.dtype == torch.float32 and truncation_only(processing):
+            kept = self._local_samplers.kept(raw_x, processing.truncation)
+            return raw_x, NO_BITMASK if kept is None else [kept.data_ptr(), 0, kept.shape[1]]
         x = self._processing_copy(raw_x, stream)
         if penalties_only(processing):
             return self._sequence_samplers.penalise(x, processing.sequence_samplers), NO_BITMASK

@@ -1,9 +1,12 @@
 """The local samplers of step 5 (docs/semantics.md L4-L6) on the GPU: csrc/local_samplers.h's kernels.
 
 The CUDA backend's implementation of truncation.apply_truncation, which stays the CPU reference and the oracle of
-the tests: the same kept sets, written as -inf into the float32 logits in place, from per-row statistics instead of
-torch operations over [B, V] (typical-p's cut without a sort of the row). Rows at the off values are left as they
-are; XTC's coin is drawn in the kernels from the row's seed, position and iteration, as xtc_coins draws it.
+the tests: the same kept sets, from per-row statistics instead of torch operations over [B, V] (typical-p's cut
+without a sort of the row), either written as -inf into float32 logits in place (`apply`, after other processing
+on a copy) or returned as a token bitmask while the logits are only read (`kept`, when the samplers are all of a
+call's processing: the sampling kernels then read the caller's logits with it, and no copy is made). Rows at the
+off values are left as they are; XTC's coin is drawn in the kernels from the row's seed, position and iteration,
+as xtc_coins draws it.
 """
 
 from __future__ import annotations
@@ -12,9 +15,17 @@ from types import ModuleType
 
 import torch
 
-from tokensampler_server.model.sampling import Truncation
+from tokensampler_server.model.sampling import LogitProcessing, Truncation
 from tokensampler_server.backends.cuda_buffers import grown
+from tokensampler_server.backends.entry_masks import words_of
 from tokensampler_server.backends.cuda_kernels import stream_address
+
+TRUNCATION_ONLY = frozenset({"truncation"})
+
+
+def truncation_only(processing: LogitProcessing) -> bool:
+    """Whether the local samplers are all of this processing."""
+    return processing.truncation is not None and not processing.changes_beyond(TRUNCATION_ONLY)
 
 
 class LocalSamplerKernels:
@@ -33,6 +44,7 @@ class LocalSamplerKernels:
         self._zeroed = torch.zeros(0, dtype=torch.uint8, device=device)
         self._host_rows = torch.empty(0, dtype=torch.uint8)  # pinned once grown (grown(pinned=True))
         self._dev_rows = torch.empty(0, dtype=torch.uint8, device=device)
+        self._keep = torch.empty(0, dtype=torch.int32, device=device)
 
     def _workspace(self, num_rows: int, vocab: int) -> tuple[int, int]:
         scratch, zeroed = self._module.local_samplers_workspace(num_rows, vocab)
@@ -43,12 +55,29 @@ class LocalSamplerKernels:
     def apply(self, x: torch.Tensor, truncation: Truncation) -> torch.Tensor:
         """L4-L6 on float32 logits x [B, V] on the device, in place (contiguous x; otherwise a contiguous copy):
         use the returned tensor."""
-        if x.dtype != torch.float32 or x.dim() != 2 or x.device != self._device:
-            raise ValueError("x: float32 [B, V] logits on the kernels' device expected")
+        x = _float_rows(x, self._device).contiguous()
+        self._launch(x, 0, truncation)
+        return x
+
+    def kept(self, x: torch.Tensor, truncation: Truncation) -> torch.Tensor | None:
+        """L4-L6 on contiguous float32 logits x [B, V] on the device, which are only read: the tokens the samplers
+        keep, as a token bitmask int32 [B, ceil(V / 32)] (bits set: kept, and NaN and +inf entries, which step 5
+        flags; bits past V set), for the sampling kernels to read with x. None when no row uses a sampler. The
+        bitmask is a reused buffer, valid until the next call."""
+        x = _float_rows(x, self._device)
+        if not x.is_contiguous():
+            raise ValueError("x: contiguous logits expected")
+        num_rows, vocab = x.shape
+        self._keep = grown(self._keep, num_rows * words_of(vocab))
+        keep = self._keep[:num_rows * words_of(vocab)].view(num_rows, words_of(vocab))
+        return keep if num_rows and self._launch(x, keep.data_ptr(), truncation) else None
+
+    def _launch(self, x: torch.Tensor, keep: int, truncation: Truncation) -> int:
+        """Packs the rows' columns and launches the kernels on x (contiguous); keep: 0 or the kept bits' address.
+        Returns the TS_LOCAL_* bits of the samplers launched (0: none)."""
         num_rows, vocab = x.shape
         if num_rows == 0:
-            return x
-        x = x.contiguous()
+            return 0
         columns = [_host_column(getattr(truncation, name), dtype) for name, dtype in _COLUMNS]
         if any(column.numel() != num_rows for column in columns):
             raise ValueError(f"truncation: {num_rows} values a column expected, one per row of x")
@@ -56,10 +85,15 @@ class LocalSamplerKernels:
         self._host_rows = grown(self._host_rows, nbytes, pinned=True)
         self._dev_rows = grown(self._dev_rows, nbytes)
         scratch, zeroed = self._workspace(num_rows, vocab)
-        self._module.local_samplers(x.data_ptr(), num_rows, vocab, [c.data_ptr() for c in columns],
-                                    self._host_rows.data_ptr(), self._dev_rows.data_ptr(), scratch, zeroed,
-                                    stream_address(self._device))
-        return x
+        return self._module.local_samplers(x.data_ptr(), keep, num_rows, vocab, [c.data_ptr() for c in columns],
+                                           self._host_rows.data_ptr(), self._dev_rows.data_ptr(), scratch, zeroed,
+                                           stream_address(self._device))
+
+
+def _float_rows(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if x.dtype != torch.float32 or x.dim() != 2 or x.device != device:
+        raise ValueError("x: float32 [B, V] logits on the kernels' device expected")
+    return x
 
 
 # The rows' columns in the order and dtypes of csrc/local_samplers.h's TsLocalRows.

@@ -116,11 +116,11 @@ class LogitProcessing:
 
     def changes_beyond(self, fields: frozenset[str]) -> bool:
         """Whether anything but these fields changes a logit. `fields` may name token_bitmask, the token lists
-        (allowed, banned, bias, output_tokens, prompt_tokens), sequence_bans (no-repeat-n-gram) and
-        sequence_penalties (DRY); the local samplers always count. A history changes nothing without a penalty's
+        (allowed, banned, bias, output_tokens, prompt_tokens), sequence_bans (no-repeat-n-gram),
+        sequence_penalties (DRY) and truncation (the local samplers). A history changes nothing without a penalty's
         values, nor the values without a history. Reads the fields, builds nothing: it runs on every processed
         call."""
-        if self.truncation is not None:
+        if self.truncation is not None and "truncation" not in fields:
             return True
         samplers = self.sequence_samplers
         if samplers is not None and ((samplers.bans and "sequence_bans" not in fields)
