@@ -115,15 +115,22 @@ __device__ __forceinline__ Samplers row_samplers(const TsLocalRows& rows, int64_
 
 __device__ __forceinline__ bool finite(float x) { return x > -kInf && x < kInf; }
 
-// The block's chunk as stored: v[j][e] is token 4 (g0 + threadIdx.x + j kThreads) + e, -inf past the vocabulary.
-__device__ __forceinline__ void load_chunk(const Row& row, int chunk, float (&v)[kGroups][4]) {
-  const int64_t g0 = chunk * kChunkGroups;
+// The block's chunk as the samplers see it: v[j][e] is token 4 (g0 + threadIdx.x + j kThreads) + e, -inf past the
+// vocabulary. `removed_before`: an earlier kernel may have removed tokens of the row; without it the kept bits are
+// all ones and not read. The kept bits are read after every group's logits, so that no load waits for another.
+__device__ __forceinline__ void load_chunk(const Row& row, int chunk, float (&v)[kGroups][4], bool removed_before) {
+  const int64_t g0 = chunk * kChunkGroups + threadIdx.x;
+#pragma unroll
+  for (int j = 0; j < kGroups; ++j) load_group(row.x, g0 + j * kThreads, row.vocab, row.aligned, v[j]);
+  if (!row.keep || !removed_before) return;
+  uint32_t bits[kGroups];
 #pragma unroll
   for (int j = 0; j < kGroups; ++j) {
-    const int64_t g = g0 + threadIdx.x + j * kThreads;
-    load_group(row.x, g, row.vocab, row.aligned, v[j]);
-    if (row.keep && 4 * g < row.vocab) mask_group(row.kept(g), v[j]);
+    const int64_t g = g0 + j * kThreads;
+    bits[j] = 4 * g < row.vocab ? row.kept(g) : 0u;
   }
+#pragma unroll
+  for (int j = 0; j < kGroups; ++j) mask_group(bits[j], v[j]);
 }
 
 __device__ __forceinline__ int64_t token_of(int chunk, int j, int e) {
@@ -141,8 +148,10 @@ __device__ __forceinline__ void sanitize_chunk(float (&v)[kGroups][4]) {
 // Removes the tokens of group j (of the block's chunk) whose bit e of `removed` is set. Called by every thread of
 // the block together. Into x: -inf, one 16-byte store where the group lies whole in an aligned row (v: the group as
 // stored, so that NaN and +inf are written back as they were). Into keep: the 8 groups of a word lie in 8 adjacent
-// lanes, whose bits are merged and cleared by one atomic a word.
-__device__ __forceinline__ void store_removed(const Row& row, int chunk, int j, const float (&v)[4], uint32_t removed) {
+// lanes, whose bits are merged and written by one lane: a plain store where the row's first cut writes its words
+// (`first`: they are all ones yet), an atomic AND after an earlier cut.
+__device__ __forceinline__ void store_removed(const Row& row, int chunk, int j, const float (&v)[4], uint32_t removed,
+                                              bool first) {
   const int64_t i0 = token_of(chunk, j, 0);
   if (row.keep) {
     const uint32_t slot = threadIdx.x & 7;
@@ -150,7 +159,10 @@ __device__ __forceinline__ void store_removed(const Row& row, int chunk, int j, 
     bits |= __shfl_xor_sync(0xffffffffu, bits, 1);
     bits |= __shfl_xor_sync(0xffffffffu, bits, 2);
     bits |= __shfl_xor_sync(0xffffffffu, bits, 4);
-    if (slot == 0 && bits) atomicAnd(row.keep + (i0 >> 5), ~bits);
+    if (slot == 0 && bits) {
+      if (first) row.keep[i0 >> 5] = ~bits;
+      else atomicAnd(row.keep + (i0 >> 5), ~bits);
+    }
     return;
   }
   if (!removed) return;
@@ -398,6 +410,15 @@ __device__ TypicalRow typical_row(const TypicalPart& row, float p) {
 // have q >= t over the row. The row's sum is at least e^(m - M) s, so such a token has e^(x - m) >= t s; listed with
 // room for rounding, a chunk lists at most about 1 / t of them (kXtcCap: more make the row's last block re-read
 // the chunk).
+//
+// s is summed from float32 terms, a float64 exp a token having made the kernel bound by float64 throughput (an
+// H200's statistics pass took 174 us at B = 256, V = 151936, against 56 us for top-n-sigma's). Its relative error is
+// below kXtcSumError: expf is within 2 ulp (2^-22), the float32 difference x - m within 2^-24 |x - m|, which is
+// 2^-18 for |x - m| <= 64 (a term of e^-64 and less weighs under 2^-90 against the chunk's max term, 1), and the
+// sums of a thread's 32 terms within 31 x 2^-24; 5.9e-6 in all. The row's last block takes a candidate's side of t
+// from these sums only where it is certain within that error, and otherwise sums the row again in float64
+// (xtc_finish), so the kept set is the float64 one.
+constexpr double kXtcSumError = 0x1p-16;
 
 struct XtcPart {
   double s;
@@ -443,14 +464,15 @@ __device__ void xtc_part(const float (&v)[kGroups][4], int chunk, float t, XtcPa
     if (threadIdx.x == 0) *part = XtcPart::empty();
     return;
   }
-  double sum = 0.0;
+  float mine = 0.f;  // float32 terms and sums: within kXtcSumError of the chunk's sum (see there)
 #pragma unroll
   for (int j = 0; j < kGroups; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      if (v[j][e] > -kInf) sum += exp(static_cast<double>(v[j][e]) - mx);
-  sum = block_allreduce<kThreads>(sum, SumOp{}, s.d);
-  const double log_ts = log(static_cast<double>(t) * sum);
+      if (v[j][e] > -kInf) mine += expf(v[j][e] - mx);
+  const double sum = block_allreduce<kThreads>(static_cast<double>(mine), SumOp{}, s.d);
+  // The chunk's true sum is at least sum / (1 + kXtcSumError): the floor is lowered by that much more.
+  const double log_ts = log(static_cast<double>(t) * sum) - log1p(kXtcSumError);
   const double floor = mx + log_ts - 0x1p-30 * (1.0 + fabs(static_cast<double>(mx)) + fabs(log_ts));
   if (threadIdx.x == 0) found = 0;
   __syncthreads();
@@ -529,16 +551,38 @@ __device__ void for_each_xtc_candidate(const Row& row, const XtcPart* parts, con
   }
 }
 
+// sum e^(x - top) over the finite logits the row has left, in float64, by the whole block.
+__device__ double row_sum(const Row& row, double top, Scratch& s) {
+  double sum = 0.0;
+  const int64_t groups = (row.vocab + 3) / 4;
+  for (int64_t g = threadIdx.x; g < groups; g += kThreads) {
+    float v[4];
+    row.load_fresh(g, v);
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (finite(v[e])) sum += exp(static_cast<double>(v[e]) - top);
+  }
+  return block_allreduce<kThreads>(sum, SumOp{}, s.d);
+}
+
 // XTC on a row whose coin came up, by one block once every chunk's part is written: A = {i : q_i >= t}, q the
-// softmax of what L4 and L5 left, in float64 as the reference (exp(x - M) / sum); with |A| >= 2 every token of A
-// is removed but the least likely (the lowest q, the highest id among equal ones).
+// softmax of what L4 and L5 left, in float64 as the reference (exp(x - M) / sum; the merged sum where it decides
+// every candidate's side of t within kXtcSumError, else the row summed again); with |A| >= 2 every token of A is
+// removed but the least likely (the lowest q, the highest id among equal ones).
 __device__ void xtc_finish(const Row& row, const XtcPart* parts, const XtcCandidate* listed, int chunks, float t,
                            Scratch& s) {
   const XtcPart all = merge_row(parts, chunks, MergeXtc{});
   if (all.max == -kInf) return;
   __shared__ XtcRowCandidates gathered;
   gather_xtc_candidates(parts, listed, chunks, gathered);
-  const double top = all.max, total = all.s, threshold = t;
+  const double top = all.max, threshold = t;
+  double total = all.s;
+  bool unsure = false;  // a candidate's q within the sum's error of t
+  for_each_xtc_candidate(row, parts, listed, chunks, gathered, [&](float x, uint32_t) {
+    const double w = exp(static_cast<double>(x) - top);
+    unsure |= w >= threshold * total * (1.0 - kXtcSumError) && w < threshold * total * (1.0 + kXtcSumError);
+  });
+  if (__syncthreads_or(unsure)) total = row_sum(row, top, s);
   auto prob = [&](float x) { return exp(static_cast<double>(x) - top) / total; };
   uint32_t count = 0;
   double least = HUGE_VAL;
@@ -653,13 +697,13 @@ stats_kernel(float* logits, uint32_t* keep, int64_t vocab, TsLocalRows rows, Wor
   float v[kGroups][4];
   if (kAfterTypical) {
     if (!(smp.typical && smp.xtc)) return;
-    load_chunk(row, chunk, v);
+    load_chunk(row, chunk, v, true);  // after typical-p's cut
     sanitize_chunk(v);
     stage_stats(Stage::kXtc, v, row, r, chunk, chunks, smp, ws, s);
     return;
   }
   if (!(smp.sigma || smp.typical || smp.xtc)) return;
-  load_chunk(row, chunk, v);
+  load_chunk(row, chunk, v, false);  // the row's first sampler: nothing removed yet
   sanitize_chunk(v);
   if (smp.sigma) {
     const SigmaPart part = sigma_part(v, s);
@@ -680,14 +724,14 @@ sigma_kernel(float* logits, uint32_t* keep, int64_t vocab, TsLocalRows rows, Wor
   const Row row = Row::of(logits, kKeep ? keep : nullptr, r, vocab);
   const double cut = sigma_cut(merge_row(ws.sigma + r * chunks, chunks, MergeSigma{}), smp.n);
   float v[kGroups][4];
-  load_chunk(row, chunk, v);
+  load_chunk(row, chunk, v, false);  // top-n-sigma is the first sampler to cut
 #pragma unroll
   for (int j = 0; j < kGroups; ++j) {
     uint32_t removed = 0;
 #pragma unroll
     for (int e = 0; e < 4; ++e)
       if (finite(v[j][e]) && static_cast<double>(v[j][e]) < cut) removed |= 1u << e;
-    store_removed(row, chunk, j, v[j], removed);
+    store_removed(row, chunk, j, v[j], removed, true);
 #pragma unroll
     for (int e = 0; e < 4; ++e)
       if (removed >> e & 1u) v[j][e] = -kInf;
@@ -722,7 +766,7 @@ typical_hist_kernel(float* logits, uint32_t* keep, int64_t vocab, TsLocalRows ro
   for (int b = threadIdx.x; b < kBins; b += kThreads) hist[b] = 0;
   __syncthreads();
   float v[kGroups][4];
-  load_chunk(row, chunk, v);
+  load_chunk(row, chunk, v, smp.sigma);
   sanitize_chunk(v);
   unsigned long long last = 0;
 #pragma unroll
@@ -937,7 +981,7 @@ typical_cut_kernel(float* logits, uint32_t* keep, int64_t vocab, TsLocalRows row
   if (c.cut < 0) return;  // every token kept (no finite logit, or the cut is past them all)
   const Row row = Row::of(logits, kKeep ? keep : nullptr, r, vocab);
   float v[kGroups][4];
-  load_chunk(row, chunk, v);
+  load_chunk(row, chunk, v, smp.sigma);
   uint32_t in_cut = 0;  // bit 4j + e: token (j, e) lies in the cut bin
 #pragma unroll
   for (int j = 0; j < kGroups; ++j) {
@@ -949,7 +993,7 @@ typical_cut_kernel(float* logits, uint32_t* keep, int64_t vocab, TsLocalRows row
       if (b > c.cut) removed |= 1u << e;
       else if (b == c.cut) in_cut |= 1u << (4 * j + e);
     }
-    store_removed(row, chunk, j, v[j], removed);
+    store_removed(row, chunk, j, v[j], removed, !smp.sigma);
   }
   // The cut bin's ids, appended to the row's list: one reservation a block.
   uint64_t total;

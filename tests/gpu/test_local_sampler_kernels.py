@@ -243,6 +243,24 @@ def test_xtc_with_more_top_choices_than_the_finishing_block_gathers(kernels) -> 
     assert int(torch.isfinite(want[2]).sum()) == vocab - 1799
 
 
+def test_xtc_with_top_choices_at_the_threshold(kernels) -> None:
+    """Two top tokens whose q lies a float32 step from t (t just below q in row 0, just above in row 1), beside
+    151934 tokens that hold most of the mass: closer than the kernels' float32 sums can tell, so they decide in
+    float64 as the reference does (row 0 removes the first top token, row 1 nothing)."""
+    vocab = 151936
+    x = torch.full((2, vocab), -2.0)
+    x[:, [100, 90000]] = 3.0
+    q = float(torch.softmax(x[0].double(), dim=0)[100])
+    near = np.float32(q)
+    below = near if float(near) < q else np.nextafter(near, np.float32(0))
+    above = near if float(near) > q else np.nextafter(near, np.float32(1))
+    for t in (below, above):  # inside the kernels' band of doubt (2^-16 of q), outside float64's rounding
+        assert 1e-12 < abs(float(t) / q - 1) < 2.0**-16
+    want = _check(kernels, x.cuda(), _truncation(2, t=[float(below), float(above)], q=1.0), "xtc at the threshold")
+    assert not bool(torch.isfinite(want[0, 100])) and bool(torch.isfinite(want[0, 90000]))
+    assert bool(torch.isfinite(want[1]).all())
+
+
 def test_xtc_coins_are_the_references(kernels) -> None:
     """Probability 0.5 over 4096 rows: the kernels' coins (drawn on the GPU) act on the rows where the reference's
     do, and on about half of them."""
@@ -287,8 +305,8 @@ def test_the_backend_samples_through_the_kernels(cuda_backend, monkeypatch: pyte
 
 def test_kept_bits_and_the_copy_give_the_same_results(cuda_backend) -> None:
     """The same request through both routes (a bias of 0 on token 0 sends it through the copy): the same tokens,
-    flags, processed log-probs and top log-probs bit for bit, NaN and +inf rows and greedy rows among them, and no
-    row handed to a slower path."""
+    flags, processed log-probs and top log-probs bit for bit, NaN and +inf rows and greedy rows among them; the
+    kernels settle the same rows again in both, and none is handed to the exact filter."""
     rows, vocab = 32, 151936
     x = logits("flat", rows, vocab, seed=5)
     x[1, ::7] = float("nan")
@@ -299,14 +317,17 @@ def test_kept_bits_and_the_copy_give_the_same_results(cuda_backend) -> None:
               "xtc_threshold": [0.05, 0.1], "xtc_probability": [1.0, 0.5, 0.0], "top_k": [0, 50, 1000, 0],
               "top_p": [1.0, 0.9], "temperature": [0.8, 0.0, 1.0, 0.5]}
     params = {key: list(islice(cycle(value), rows)) for key, value in params.items()}
-    results = []
+    results, settled = [], []
     for extra in ({}, {"logit_bias": {0: 0.0}}):
         request = build_sample_request(x, seed=list(range(rows)), position=11, num_samples=3, logprobs_mode="processed",
                                        return_logprobs=True, top_logprobs=5, **params, **extra)
         batch = validate_sample_request(request, Limits())[0]
         before = cuda_backend.fallbacks()
         results.append(cuda_backend.sample(batch))
-        assert cuda_backend.fallbacks() == before
+        after = cuda_backend.fallbacks()
+        assert after["exact_rows"] == before["exact_rows"]
+        settled.append(after["in_kernel"] - before["in_kernel"])
+    assert settled[0] == settled[1]
     kept, copied = results
     for name in ("tokens", "valid", "nan_detected", "logprobs", "top_logprob_ids", "top_logprobs"):
         assert torch.equal(getattr(kept, name), getattr(copied, name)), name
