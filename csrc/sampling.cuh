@@ -235,8 +235,9 @@ constexpr uint8_t kRowFlaggedExact = 4;  // a fast kernel's flag: the row needs 
 
 // ---------------------------------------------------------------------------------------------
 // The k floor: for a row whose k cut the exact filter finds, a logit that at least k of the row's logits reach. The
-// filter skips every logit below it (none of them is among the row's k largest), so that on rows of a small k it
-// bins, weighs and draws noise for a few tokens instead of the whole row. stats_kernel finds it a chunk from the
+// filter skips every token whose z lies below the floor's (none of them is among the row's k kept; the floor is
+// compared in z, where ties go by id), so that on rows of a small k it bins, weighs and draws noise for a few tokens
+// instead of the whole row. stats_kernel finds it a chunk from the
 // values its threads hold (`chunk_floor`); the row's is the largest of its chunks'. It leaves it in row_min, the
 // lowest logit the filter reads.
 
@@ -1401,19 +1402,18 @@ __device__ __forceinline__ bool keeps_min_p(float x, float z, float m) {
   return x > -kInf && (m <= 0.f || expf(z) >= m);
 }
 
-// The tokens min-p keeps whose bin lies in [c_lo, c_hi], whose rank key in [key_lo, key_hi] and whose logit is not
-// below x_floor (the row_min filter_kernel read), found by the block re-reading the row: fn(key, z, id) for each.
+// The tokens min-p keeps whose bin lies in [c_lo, c_hi], whose rank key in [key_lo, key_hi] and whose z is not below
+// z_floor (filter_kernel's z_min), found by the block re-reading the row: fn(key, z, id) for each.
 // One block reads the whole row here, so the loop is kept lean: kResolveBatch loads in flight a thread, a group
 // skipped by its largest and smallest logit, and the exact z only for logits in the bins' interval (one load at a
 // time and a division a token, it took ~50 us of a 600 KB row on an H200).
 template <typename T, typename Fn>
 __device__ __forceinline__ void for_each_in_bins(const T* row, int64_t vocab, bool aligned, const uint32_t* mask,
-                                                 float row_max, float x_floor, float temperature, float bin_scale,
+                                                 float row_max, float z_floor, float temperature, float bin_scale,
                                                  float m, int c_lo, int c_hi, uint64_t key_lo, uint64_t key_hi,
                                                  Fn&& fn) {
   const int64_t groups = (vocab + 3) / 4;
-  LogitInterval range = logits_of_bins(c_lo, c_hi, row_max, temperature, bin_scale);
-  range.lo = fmaxf(range.lo, x_floor);  // the filter's pass skipped what lies below the row's floor
+  const LogitInterval range = logits_of_bins(c_lo, c_hi, row_max, temperature, bin_scale);
   for (int64_t g0 = threadIdx.x; g0 < groups; g0 += kResolveBatch * kFilterThreads) {
     float x[kResolveBatch][4];
 #pragma unroll
@@ -1428,7 +1428,7 @@ __device__ __forceinline__ void for_each_in_bins(const T* row, int64_t vocab, bo
         sanitize(x[u][e]);
         if (!range.holds(x[u][e])) continue;
         const float z = scaled(x[u][e], row_max, temperature);
-        if (!keeps_min_p(x[u][e], z, m)) continue;
+        if (z < z_floor || !keeps_min_p(x[u][e], z, m)) continue;  // below the floor: skipped by the filter's pass
         const int b = filter_bin(z, bin_scale);
         if (b < c_lo || b > c_hi) continue;
         const uint32_t id = static_cast<uint32_t>(4 * g + e);
@@ -1447,13 +1447,13 @@ struct FilterRow {
   int64_t vocab;
   bool aligned;
   const uint32_t* mask;
-  float row_max, x_floor, temperature, bin_scale, z_min, min_p, floor_score;
+  float row_max, temperature, bin_scale, z_min, min_p, floor_score;
   NoiseStream noise;
 
   template <typename Fn>
   __device__ __forceinline__ void for_each_in_bins(int c_lo, int c_hi, uint64_t key_lo, uint64_t key_hi,
                                                    Fn&& fn) const {
-    tokensampler::for_each_in_bins(row, vocab, aligned, kMask ? mask : nullptr, row_max, x_floor, temperature,
+    tokensampler::for_each_in_bins(row, vocab, aligned, kMask ? mask : nullptr, row_max, z_min, temperature,
                                    bin_scale, min_p, c_lo, c_hi, key_lo, key_hi, fn);
   }
 };
@@ -1601,9 +1601,10 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
     }
     return;
   }
-  // x_floor: the row's min, or its k floor (stats_kernel): no logit below it is among the k the row keeps.
-  const float row_max = row_max_in[r], x_floor = row_min_in[r], temperature = rows.temperature[r];
-  const float z_min = scaled(x_floor, row_max, temperature);
+  // z_min: the z of the row's min, or of its k floor (stats_kernel). z is monotone in x, so at least k tokens have a
+  // z at or above it, and no token below it is among the k the row keeps (ties in z go by id): the pass skips them.
+  const float row_max = row_max_in[r], temperature = rows.temperature[r];
+  const float z_min = scaled(row_min_in[r], row_max, temperature);
   const float bin_scale = z_min < 0.f ? static_cast<float>(kBins) / -z_min : 0.f;
   const int k = rows.top_k[r];
   const float p = rows.top_p[r], m = rows.min_p[r];
@@ -1625,7 +1626,8 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
   auto bin_of = [&](float z) { return filter_bin(z, bin_scale); };
   auto passes_min_p = [&](float x, float z) { return keeps_min_p(x, z, m); };
   const float inv_t = 1.f / temperature;
-  const float z_skip = m > 0.f ? logf(m) - 1e-4f : -kInf;
+  // A group whose largest z lies below this holds no token the row keeps: min-p's bound, or the k floor's.
+  const float z_skip = fmaxf(m > 0.f ? logf(m) - 1e-4f : -kInf, z_min);
 
   uint64_t best = 0, min_key = ~0ull, mass_sum = 0;
   const int64_t per = (groups + splits - 1) / splits;
@@ -1635,9 +1637,8 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
     const uint4 words = kCut ? uint4{} : noise.group(g);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      if (x[e] < x_floor) continue;
       const float z = scaled(x[e], row_max, temperature);
-      if (!passes_min_p(x[e], z)) continue;
+      if (z < z_min || !passes_min_p(x[e], z)) continue;
       const uint32_t id = 4 * g + e;
       min_key = min(min_key, rank_key(z, id));
       if (kCut) {
@@ -1678,11 +1679,11 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
       score_group(static_cast<uint32_t>(g), x);
     }
   } else {
-    // min-p and k floor screen on the group's largest logit gx: a group below the k floor holds no token the row
-    // keeps; and z <= z(gx), the approximate z of gx within 2e-7 |z| of the exact one, so a group rejected by
-    // min-p has every exact z < log(m) - 1e-4, where expf(z) < m: no token of it passes min-p (no division, no
-    // exp, no Philox). The groups that pass are queued per warp and scored 32 at a time: with few survivors
-    // scattered over the lanes, scoring them in place would cost the warp a full pass for each one.
+    // min-p and k floor screen on the group's largest logit gx: z <= z(gx), and the approximate z of gx is within
+    // 2e-7 |z| of the exact one, so a group rejected here has every exact z below z_skip: under log(m) - 1e-4,
+    // where expf(z) < m, or under the floor's z_min. No token of it is kept (no division, no exp, no Philox). The
+    // groups that pass are queued per warp and scored 32 at a time: with few survivors scattered over the lanes,
+    // scoring them in place would cost the warp a full pass for each one.
     // Screening is load-bound once scoring is off the lanes, so each lane keeps kScreenBatch loads
     // in flight.
     ScreenedGroup* queue = reinterpret_cast<ScreenedGroup*>(cand) + (threadIdx.x >> 5) * kQueuePerWarp;
@@ -1709,7 +1710,7 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
           for (int e = 0; e < 4; ++e) sanitize(x[u][e]);
           const float gx = fmaxf(fmaxf(x[u][0], x[u][1]), fmaxf(x[u][2], x[u][3]));
           const float zg = (gx - row_max) * inv_t;
-          pass = gx > -kInf && gx >= x_floor && !(zg + 1e-5f * fabsf(zg) < z_skip);
+          pass = gx > -kInf && !(zg + 1e-5f * fabsf(zg) < z_skip);
         }
         const uint32_t ballot = __ballot_sync(0xffffffffu, pass);
         if (pass) {
@@ -1822,8 +1823,8 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
         token = key_index(max(best_above, cut_win));
       } else if (n > kResolveCap) {
         // ---- a crowded cut range: the k cut, then the p cut, each found in its own bin
-        const FilterRow<T, kMask> fr{rv.row, vocab, rv.aligned, row_mask, row_max, x_floor, temperature, bin_scale,
-                                     z_min, m, floor_score, noise};
+        const FilterRow<T, kMask> fr{rv.row, vocab, rv.aligned, row_mask, row_max, temperature, bin_scale, z_min, m,
+                                     floor_score, noise};
         const Cut last = crowded_cuts(fr, h, k_cut ? k : 0, p_cut ? p : 1.f, c_k, total_count, total_mass, cand,
                                       scratch, &cut, &num_cand);
         token = key_index(last.win);
@@ -1836,7 +1837,7 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
         for (unsigned int i = threadIdx.x; i < padded; i += kFilterThreads) cand[i] = 0;
         if (threadIdx.x == 0) num_cand = 0;
         __syncthreads();
-        for_each_in_bins(rv.row, vocab, rv.aligned, row_mask, row_max, x_floor, temperature, bin_scale, m, c_lo, c_hi,
+        for_each_in_bins(rv.row, vocab, rv.aligned, row_mask, row_max, z_min, temperature, bin_scale, m, c_lo, c_hi,
                          0, ~0ull,
                          [&](uint64_t key, float, uint32_t) {
           const int pos = atomicAdd(&num_cand, 1);

@@ -130,8 +130,8 @@ int ts_topk(const TsLogits* logits, const TsRows* rows, int32_t bucket, const Ts
             const TsWorkspace* ws, void* stream);
 
 /* Exact top-p / min-p / large-k filtering and sampling of sample out->sample, given ts_stats'
- * row_max, row_min, flags and argmax (its tokens, [num_rows, out->num_samples]). No logit below row_min is read:
- * ts_filter_stats' k floor there skips the logits outside the row's k largest.
+ * row_max, row_min, flags and argmax (its tokens, [num_rows, out->num_samples]). No token whose z lies below
+ * row_min's is kept: ts_filter_stats' k floor there lets the filter skip the tokens outside the row's k largest.
  * need_exact_mass: resolve the kept set exactly (processed logprobs).
  * splits: blocks per row (any value gives the same result). Launched to overlap the end of the
  * kernel before it on the stream (programmatic dependent launch); it reads nothing before that kernel
