@@ -267,9 +267,7 @@ int ts_launch_plan(const TsPlan* plan, const TsCallInputs* in, const void* dev_s
   if (plan->exact.n) {
     const TsRows r = rows_of(plan->exact, in->bitmask);
     const int32_t route = plan->exact_route;
-    if (route == TS_EXACT_MIN_P) err = ts_stats(x, &r, nullptr, &pre, ws, s);  // it reads the row max only
-    else if (route != TS_EXACT_FRONTIER) err = ts_filter_stats(x, &r, &pre, ws, s);  // the k floors too
-    if (err) return err;
+    if (route != TS_EXACT_FRONTIER && (err = ts_stats(x, &r, nullptr, &pre, ws, s))) return err;
     const TsOutputs all = with_sample(out->filt, num_samples, 0);
     if (route == TS_EXACT_MIN_P) {  // exact in the kernel, every sample in one launch
       if ((err = ts_min_p(x, &r, pre.row_max, num_samples, &all, ws, s))) return err;

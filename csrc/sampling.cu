@@ -97,14 +97,13 @@ __global__ void noise_kernel(Noise noise, int64_t vocab, uint32_t* words, float*
   if (out) out[i] = gumbel_exact(word);
 }
 
-// ts_stats, ts_filter_stats and ts_stats_flagged (only_flagged NULL: every row; kFloors: the k floors too).
-template <bool kFloors>
+// ts_stats and ts_stats_flagged (only_flagged NULL: every row).
 cudaError_t launch_stats(const TsLogits* logits, const TsRows* rows, const float* lse_scale, const uint8_t* only_flagged,
                          const TsOutputs* out, const TsWorkspace* ws, void* stream) {
   if (bad_args(logits, rows)) return cudaErrorInvalidValue;
   return dispatch_chunks(logits, rows, stream, [&](auto t, auto mask, dim3 grid, cudaStream_t s) {
-    stats_kernel<decltype(t), decltype(mask)::value, kFloors><<<grid, kThreads, 0, s>>>(*logits, *rows, lse_scale,
-                                                                                         only_flagged, *out, *ws);
+    stats_kernel<decltype(t), decltype(mask)::value><<<grid, kThreads, 0, s>>>(*logits, *rows, lse_scale,
+                                                                                only_flagged, *out, *ws);
     return cudaGetLastError();
   });
 }
@@ -137,7 +136,7 @@ extern "C" {
 int ts_num_splits(int64_t vocab) { return num_splits(vocab); }
 
 size_t ts_stats_scratch_bytes(int32_t num_work_rows, int64_t vocab) {
-  return (sizeof(Stats) + sizeof(float)) * static_cast<size_t>(num_work_rows) * num_splits(vocab);  // + the k floors
+  return sizeof(Stats) * static_cast<size_t>(num_work_rows) * num_splits(vocab);
 }
 
 size_t ts_gumbel_scratch_bytes(int32_t num_work_rows, int64_t vocab) {
@@ -165,19 +164,13 @@ int ts_or_flags(uint8_t* dst, const uint8_t* src, int64_t n, uint8_t bits, void*
 
 int ts_stats(const TsLogits* logits, const TsRows* rows, const float* lse_scale, const TsOutputs* out,
              const TsWorkspace* ws, void* stream) {
-  return launch_stats<false>(logits, rows, lse_scale, nullptr, out, ws, stream);
-}
-
-int ts_filter_stats(const TsLogits* logits, const TsRows* rows, const TsOutputs* out, const TsWorkspace* ws,
-                    void* stream) {
-  if (!out->row_min) return cudaErrorInvalidValue;
-  return launch_stats<true>(logits, rows, nullptr, nullptr, out, ws, stream);
+  return launch_stats(logits, rows, lse_scale, nullptr, out, ws, stream);
 }
 
 int ts_stats_flagged(const TsLogits* logits, const TsRows* rows, const uint8_t* flagged, const TsOutputs* out,
                      const TsWorkspace* ws, void* stream) {
-  if (!flagged || !out->flags || !out->row_min) return cudaErrorInvalidValue;
-  return launch_stats<true>(logits, rows, nullptr, flagged, out, ws, stream);
+  if (!flagged || !out->flags) return cudaErrorInvalidValue;
+  return launch_stats(logits, rows, nullptr, flagged, out, ws, stream);
 }
 
 int ts_gumbel(const TsLogits* logits, const TsRows* rows, const float* lse_scale, int32_t num_draws,

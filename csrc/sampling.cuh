@@ -233,105 +233,9 @@ constexpr uint8_t kRowNeedsMass = 16;  // top-p: nucleus_mass_kernel decides the
 constexpr uint8_t kRowNeedsExact = 32;  // top-p: nucleus_exact_mass_kernel decides the row
 constexpr uint8_t kRowFlaggedExact = 4;  // a fast kernel's flag: the row needs the exact filter
 
-// ---------------------------------------------------------------------------------------------
-// The k floor: for a row whose k cut the exact filter finds, a logit that at least k of the row's logits reach. The
-// filter skips every token whose z lies below the floor's (none of them is among the row's k kept; the floor is
-// compared in z, where ties go by id), so that on rows of a small k it bins, weighs and draws noise for a few tokens
-// instead of the whole row. stats_kernel finds it a chunk from the
-// values its threads hold (`chunk_floor`); the row's is the largest of its chunks'. It leaves it in row_min, the
-// lowest logit the filter reads.
-
-constexpr int kFloorMaxK = kChunk;  // a chunk must hold k logits to vouch for them
-
-// Sorts a thread's values descending in place (a bitonic network, unrolled: the indices are constants).
-template <int N>
-__device__ __forceinline__ void sort_desc(float (&a)[N]) {
-#pragma unroll
-  for (int size = 2; size <= N; size <<= 1)
-#pragma unroll
-    for (int stride = size >> 1; stride > 0; stride >>= 1)
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        const int p = i ^ stride;
-        if (p > i) {
-          const float hi = fmaxf(a[i], a[p]), lo = fminf(a[i], a[p]);
-          const bool desc = (i & size) == 0;
-          a[i] = desc ? hi : lo;
-          a[p] = desc ? lo : hi;
-        }
-      }
-}
-
-// The J-th largest of a thread's values: by insertion into a sorted list of J for a small J (2 J operations a
-// value), by sorting all of them for a large one (15 a value).
-template <int J>
-__device__ __forceinline__ float jth_largest(float (&a)[kGroupsPerThread * 4]) {
-  constexpr int N = kGroupsPerThread * 4;
-  if constexpr (J > 8) {
-    sort_desc(a);
-    return a[J - 1];
-  } else {
-    float top[J];
-#pragma unroll
-    for (int i = 0; i < J; ++i) top[i] = -kInf;
-#pragma unroll
-    for (int n = 0; n < N; ++n) {
-#pragma unroll
-      for (int i = J - 1; i > 0; --i) top[i] = fmaxf(top[i], fminf(a[n], top[i - 1]));
-      top[0] = fmaxf(top[0], a[n]);
-    }
-    return top[J - 1];
-  }
-}
-
-// Lane i of the warp gets the i-th largest of the lanes' x (a bitonic network over the lanes).
-__device__ __forceinline__ float warp_sort_desc(float x) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int size = 2; size <= 32; size <<= 1)
-#pragma unroll
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      const float y = __shfl_xor_sync(0xffffffffu, x, stride);
-      const bool lower = (lane & stride) == 0, desc = (lane & size) == 0;
-      x = lower == desc ? fmaxf(x, y) : fminf(x, y);
-    }
-  return x;
-}
-
-// A logit that at least k (<= kFloorMaxK) of the chunk's sanitized values v reach, or -inf; every thread of the
-// block calls it and gets it. Each thread takes its J-th largest value (J the power of two at least k / kThreads),
-// each warp the q-th largest of its lanes' (q = ceil(m / 8), m = ceil(k / J)), and the block the least of the warps':
-// 8 q lanes, each with J values at or above it, hold at least m J >= k of them. v is reordered.
-__device__ __forceinline__ float chunk_floor(float (&v)[kGroupsPerThread][4], int k, float* warp_floors) {
-  constexpr int kWarps = kThreads / 32;
-  const int per_thread = (k + kThreads - 1) / kThreads;
-  float(&a)[kGroupsPerThread * 4] = reinterpret_cast<float(&)[kGroupsPerThread * 4]>(v);
-  float t;
-  if (per_thread <= 1) t = jth_largest<1>(a);
-  else if (per_thread <= 2) t = jth_largest<2>(a);
-  else if (per_thread <= 4) t = jth_largest<4>(a);
-  else if (per_thread <= 8) t = jth_largest<8>(a);
-  else if (per_thread <= 16) t = jth_largest<16>(a);
-  else t = jth_largest<32>(a);
-  const int j = per_thread <= 1 ? 1 : per_thread <= 2 ? 2 : per_thread <= 4 ? 4 : per_thread <= 8 ? 8
-                                     : per_thread <= 16 ? 16 : 32;
-  const int q = ((k + j - 1) / j + kWarps - 1) / kWarps;
-  const float w = __shfl_sync(0xffffffffu, warp_sort_desc(t), q - 1);
-  if ((threadIdx.x & 31) == 0) warp_floors[threadIdx.x >> 5] = w;
-  __syncthreads();
-  float f = warp_floors[0];
-#pragma unroll
-  for (int i = 1; i < kWarps; ++i) f = fminf(f, warp_floors[i]);
-  return f;
-}
-
-// Whether the filter may read a row through its k floor (stats_kernel finds one for such a row).
-__device__ __forceinline__ bool has_k_floor(int k, int64_t vocab) { return k > 0 && k <= kFloorMaxK && k < vocab; }
-
 // only_flagged (NULL: every row): the rows whose flag there lacks kRowFlaggedExact are decided already; all of a
 // row's blocks leave at once (its counter untouched) and the first marks it kRowDecided for the filter after.
-// kFloors: for ts_filter_stats, the rows' k floors in out.row_min (the greedy kernel keeps its registers).
-template <typename T, bool kMask, bool kFloors>
+template <typename T, bool kMask>
 __global__ void __launch_bounds__(kThreads)
     stats_kernel(TsLogits logits, TsRows rows, const float* lse_scale, const uint8_t* only_flagged, TsOutputs out,
                  TsWorkspace ws) {
@@ -357,36 +261,22 @@ __global__ void __launch_bounds__(kThreads)
       for (int e = 0; e < 4; ++e) s.sum += expf((v[j][e] - s.max) * c);
   }
   s = block_stats(s, c, lse);
-  const int k = rows.top_k[rv.r];
-  __shared__ float warp_floors[kThreads / 32];
-  const float floor =
-      kFloors && has_k_floor(k, logits.vocab) && rows.temperature[rv.r] > 0.f ? chunk_floor(v, k, warp_floors) : -kInf;
   Stats* partial = static_cast<Stats*>(ws.scratch) + static_cast<int64_t>(w) * splits;
-  // The chunks' floors follow the partials of every row (ts_stats_scratch_bytes).
-  float* floors = reinterpret_cast<float*>(static_cast<Stats*>(ws.scratch) +
-                                           static_cast<int64_t>(rows.num_work_rows) * splits) +
-                  static_cast<int64_t>(w) * splits;
-  if (threadIdx.x == 0) {
-    partial[split] = s;
-    if (kFloors) floors[split] = floor;
-  }
+  if (threadIdx.x == 0) partial[split] = s;
   if (!finish_and_elect_last(ws.counters + w, splits) || threadIdx.x >= 32) return;
 
   // warp 0: each lane merges the partials lane, lane + 32, ... in order, then the lanes merge
   Stats row = no_stats();
-  float row_floor = -kInf;
   for (int i = threadIdx.x; i < splits; i += 32) {
     const Stats* p = partial + i;
     const Stats b{__ldcg(&p->max), __ldcg(&p->min), __ldcg(&p->sum), __ldcg(&p->argmax), __ldcg(&p->nan)};
     row = merge_stats(row, b, c, lse);
-    if (kFloors) row_floor = fmaxf(row_floor, __ldcg(floors + i));
   }
   row = warp_stats_allmerge(row, c, lse);
-  row_floor = warp_allreduce(row_floor, MaxOp{});
   if (threadIdx.x != 0) return;
   const bool valid = row.max > -kInf;
   if (out.row_max) out.row_max[rv.r] = row.max;
-  if (out.row_min) out.row_min[rv.r] = fmaxf(row.min, row_floor);  // the k floor, where it lies above the min
+  if (out.row_min) out.row_min[rv.r] = row.min;
   if (out.row_logz && lse) out.row_logz[rv.r] = logf(row.sum);
   if (out.flags) out.flags[rv.r] = static_cast<uint8_t>((row.nan ? TS_ROW_NAN : 0) | (valid ? 0 : TS_ROW_INVALID));
   if (out.tokens)
@@ -1402,16 +1292,14 @@ __device__ __forceinline__ bool keeps_min_p(float x, float z, float m) {
   return x > -kInf && (m <= 0.f || expf(z) >= m);
 }
 
-// The tokens min-p keeps whose bin lies in [c_lo, c_hi], whose rank key in [key_lo, key_hi] and whose z is not below
-// z_floor (filter_kernel's z_min), found by the block re-reading the row: fn(key, z, id) for each.
-// One block reads the whole row here, so the loop is kept lean: kResolveBatch loads in flight a thread, a group
-// skipped by its largest and smallest logit, and the exact z only for logits in the bins' interval (one load at a
-// time and a division a token, it took ~50 us of a 600 KB row on an H200).
+// The tokens min-p keeps whose bin lies in [c_lo, c_hi] and whose rank key in [key_lo, key_hi], found by the block
+// re-reading the row: fn(key, z, id) for each. One block reads the whole row here, so the loop is kept lean:
+// kResolveBatch loads in flight a thread, a group skipped by its largest and smallest logit, and the exact z only for
+// logits in the bins' interval (one load at a time and a division a token, it took ~50 us of a 600 KB row on an H200).
 template <typename T, typename Fn>
 __device__ __forceinline__ void for_each_in_bins(const T* row, int64_t vocab, bool aligned, const uint32_t* mask,
-                                                 float row_max, float z_floor, float temperature, float bin_scale,
-                                                 float m, int c_lo, int c_hi, uint64_t key_lo, uint64_t key_hi,
-                                                 Fn&& fn) {
+                                                 float row_max, float temperature, float bin_scale, float m, int c_lo,
+                                                 int c_hi, uint64_t key_lo, uint64_t key_hi, Fn&& fn) {
   const int64_t groups = (vocab + 3) / 4;
   const LogitInterval range = logits_of_bins(c_lo, c_hi, row_max, temperature, bin_scale);
   for (int64_t g0 = threadIdx.x; g0 < groups; g0 += kResolveBatch * kFilterThreads) {
@@ -1428,7 +1316,7 @@ __device__ __forceinline__ void for_each_in_bins(const T* row, int64_t vocab, bo
         sanitize(x[u][e]);
         if (!range.holds(x[u][e])) continue;
         const float z = scaled(x[u][e], row_max, temperature);
-        if (z < z_floor || !keeps_min_p(x[u][e], z, m)) continue;  // below the floor: skipped by the filter's pass
+        if (!keeps_min_p(x[u][e], z, m)) continue;
         const int b = filter_bin(z, bin_scale);
         if (b < c_lo || b > c_hi) continue;
         const uint32_t id = static_cast<uint32_t>(4 * g + e);
@@ -1453,8 +1341,8 @@ struct FilterRow {
   template <typename Fn>
   __device__ __forceinline__ void for_each_in_bins(int c_lo, int c_hi, uint64_t key_lo, uint64_t key_hi,
                                                    Fn&& fn) const {
-    tokensampler::for_each_in_bins(row, vocab, aligned, kMask ? mask : nullptr, row_max, z_min, temperature,
-                                   bin_scale, min_p, c_lo, c_hi, key_lo, key_hi, fn);
+    tokensampler::for_each_in_bins(row, vocab, aligned, kMask ? mask : nullptr, row_max, temperature, bin_scale, min_p,
+                                   c_lo, c_hi, key_lo, key_hi, fn);
   }
 };
 
@@ -1601,8 +1489,6 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
     }
     return;
   }
-  // z_min: the z of the row's min, or of its k floor (stats_kernel). z is monotone in x, so at least k tokens have a
-  // z at or above it, and no token below it is among the k the row keeps (ties in z go by id): the pass skips them.
   const float row_max = row_max_in[r], temperature = rows.temperature[r];
   const float z_min = scaled(row_min_in[r], row_max, temperature);
   const float bin_scale = z_min < 0.f ? static_cast<float>(kBins) / -z_min : 0.f;
@@ -1626,8 +1512,7 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
   auto bin_of = [&](float z) { return filter_bin(z, bin_scale); };
   auto passes_min_p = [&](float x, float z) { return keeps_min_p(x, z, m); };
   const float inv_t = 1.f / temperature;
-  // A group whose largest z lies below this holds no token the row keeps: min-p's bound, or the k floor's.
-  const float z_skip = fmaxf(m > 0.f ? logf(m) - 1e-4f : -kInf, z_min);
+  const float z_skip = m > 0.f ? logf(m) - 1e-4f : -kInf;
 
   uint64_t best = 0, min_key = ~0ull, mass_sum = 0;
   const int64_t per = (groups + splits - 1) / splits;
@@ -1638,7 +1523,7 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float z = scaled(x[e], row_max, temperature);
-      if (z < z_min || !passes_min_p(x[e], z)) continue;
+      if (!passes_min_p(x[e], z)) continue;
       const uint32_t id = 4 * g + e;
       min_key = min(min_key, rank_key(z, id));
       if (kCut) {
@@ -1670,7 +1555,7 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
     }
   };
   const int lane = threadIdx.x & 31;
-  if (!(m > 0.f) && !has_k_floor(k, vocab)) {
+  if (!(m > 0.f)) {
     for (int64_t g = g_begin + threadIdx.x; g < g_end; g += kFilterThreads) {
       float x[4];
       load_row_group(rv, g, vocab, x);
@@ -1679,10 +1564,10 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
       score_group(static_cast<uint32_t>(g), x);
     }
   } else {
-    // min-p and k floor screen on the group's largest logit gx: z <= z(gx), and the approximate z of gx is within
-    // 2e-7 |z| of the exact one, so a group rejected here has every exact z below z_skip: under log(m) - 1e-4,
-    // where expf(z) < m, or under the floor's z_min. No token of it is kept (no division, no exp, no Philox). The
-    // groups that pass are queued per warp and scored 32 at a time: with few survivors scattered over the lanes,
+    // min-p screen on the group's largest logit: z <= z(gx), and the approximate z of gx is within
+    // 2e-7 |z| of the exact one, so a group rejected here has every exact z < log(m) - 1e-4, where
+    // expf(z) < m: no token of it passes min-p (no division, no exp, no Philox). The groups that
+    // pass are queued per warp and scored 32 at a time: with few survivors scattered over the lanes,
     // scoring them in place would cost the warp a full pass for each one.
     // Screening is load-bound once scoring is off the lanes, so each lane keeps kScreenBatch loads
     // in flight.
@@ -1837,8 +1722,7 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
         for (unsigned int i = threadIdx.x; i < padded; i += kFilterThreads) cand[i] = 0;
         if (threadIdx.x == 0) num_cand = 0;
         __syncthreads();
-        for_each_in_bins(rv.row, vocab, rv.aligned, row_mask, row_max, z_min, temperature, bin_scale, m, c_lo, c_hi,
-                         0, ~0ull,
+        for_each_in_bins(rv.row, vocab, rv.aligned, row_mask, row_max, temperature, bin_scale, m, c_lo, c_hi, 0, ~0ull,
                          [&](uint64_t key, float, uint32_t) {
           const int pos = atomicAdd(&num_cand, 1);
           if (pos < kResolveCap) cand[pos] = key;

@@ -94,15 +94,9 @@ int ts_topk_bucket(int32_t k); /* smallest bucket holding k + 1 candidates, 0 if
 int ts_stats(const TsLogits* logits, const TsRows* rows, const float* lse_scale,
              const TsOutputs* out, const TsWorkspace* ws, void* stream);
 
-/* ts_stats (no log-sum-exp) for ts_filter and ts_cut on the same rows: row_min (required) is raised, for a row whose
- * k cut the filter finds (0 < k <= 8192, k < vocab, T > 0), to a logit that at least k of the row's logits reach, its
- * k floor: no logit below it is among the k kept, and the filter skips them. */
-int ts_filter_stats(const TsLogits* logits, const TsRows* rows, const TsOutputs* out, const TsWorkspace* ws,
-                    void* stream);
-
-/* ts_filter_stats of the rows whose flag in `flagged` (a fast kernel's flags) has bit 2 set; every other row of the
- * launch gets flag 8 in out->flags, which ts_filter on the same rows afterwards skips: the exact filter for just the
- * rows the top-k kernel left, decided on the device. */
+/* ts_stats of the rows whose flag in `flagged` (a fast kernel's flags) has bit 2 set; every other row of the launch
+ * gets flag 8 in out->flags, which ts_filter on the same rows afterwards skips: the exact filter for just the rows
+ * the top-k kernel left, decided on the device. */
 int ts_stats_flagged(const TsLogits* logits, const TsRows* rows, const uint8_t* flagged, const TsOutputs* out,
                      const TsWorkspace* ws, void* stream);
 
@@ -130,8 +124,7 @@ int ts_topk(const TsLogits* logits, const TsRows* rows, int32_t bucket, const Ts
             const TsWorkspace* ws, void* stream);
 
 /* Exact top-p / min-p / large-k filtering and sampling of sample out->sample, given ts_stats'
- * row_max, row_min, flags and argmax (its tokens, [num_rows, out->num_samples]). No token whose z lies below
- * row_min's is kept: ts_filter_stats' k floor there lets the filter skip the tokens outside the row's k largest.
+ * row_max, row_min, flags and argmax (its tokens, [num_rows, out->num_samples]).
  * need_exact_mass: resolve the kept set exactly (processed logprobs).
  * splits: blocks per row (any value gives the same result). Launched to overlap the end of the
  * kernel before it on the stream (programmatic dependent launch); it reads nothing before that kernel

@@ -17,7 +17,7 @@ import torch
 from scipy.stats import chisquare
 from tokensampler_client import SamplerClient
 from tokensampler_server.backends.cpu import CpuBackend, kept_token_mask
-from tokensampler_server.model.sampling import HiddenInput, LogprobsMode, SamplingBatch
+from tokensampler_server.model.sampling import HiddenInput, SamplingBatch
 from tokensampler_server.resources.weights import LogitsFinish, RegisteredWeight
 
 from ..batches import make_batch
@@ -137,53 +137,6 @@ def test_large_k_follows_the_exact_distribution(cuda_backend, params: dict) -> N
     assert int(counts[~kept].sum()) == 0, "draws outside the kept set"
     probs = torch.softmax(row.double().masked_fill(~kept, float("-inf")), dim=0)[kept]
     assert chisquare(counts[kept].double().numpy(), (probs * draws).numpy()).pvalue > ALPHA
-
-
-def _floor_rows(vocab: int, gen: torch.Generator) -> torch.Tensor:
-    """Rows for the k floor: integer logits (ties at every k-th largest), the same with NaN, randn, 500 finite
-    logits (fewer than most k), a spike over near-equal logits, and all equal (ids order the whole row)."""
-    x = torch.randint(0, 8, (6, vocab), generator=gen).float()
-    x[1, ::13] = float("nan")
-    x[2] = torch.randn(vocab, generator=gen)
-    x[3] = float("-inf")
-    x[3, torch.randperm(vocab, generator=gen)[:500]] = torch.randn(500, generator=gen)
-    x[4] = torch.randn(vocab, generator=gen) * 1e-3
-    x[4, 17] = 5.0
-    x[5] = 0.0
-    return x
-
-
-@pytest.mark.parametrize("vocab", [32000, 151936])
-@pytest.mark.parametrize("params", [{"top_k": 256}, {"top_k": 1000, "top_p": 0.9}, {"top_k": 4096, "min_p": 0.01},
-                                    {"top_k": 8192}, {"top_k": 8193, "top_p": 0.5},
-                                    {"top_k": [256, 5000, 8192, 9000, -1, 0], "top_p": 0.9}],
-                         ids=["256", "1000-p", "4096-minp", "8192", "8193-p", "mixed"])
-@pytest.mark.parametrize("samples", [1, 4])
-def test_rows_read_through_their_k_floor_keep_the_references_tokens(cuda_backend, vocab: int, params: dict,
-                                                                     samples: int) -> None:
-    """The filter skips every logit below a row's k floor (a logit that at least k of the row's reach, found by the
-    statistics pass for 0 < k <= 8192): on rows of ties at the k-th largest, NaN, fewer finite logits than k and all
-    equal logits, with top-p and min-p, through the filter (one sample, and processed log-probs) and the cut route
-    (several samples), the tokens are the reference's, the processed log-probs within float rounding of its."""
-    gen = torch.Generator().manual_seed(vocab + samples)
-    x = _floor_rows(vocab, gen)
-    k = params["top_k"]
-    k = [vocab - 1 if v == -1 else v for v in k] if isinstance(k, list) else k
-    batch = make_batch(x.cuda(), temperature=[1.0, 0.7, 1.3, 1.0, 0.5, 1.0], seed=torch.arange(6) * 31 + vocab,
-                       num_samples=samples, **{**params, "top_k": k})
-    reference = dataclasses.replace(batch, logits=x)
-    before = cuda_backend.fallbacks()
-    got = cuda_backend.sample(batch)
-    assert cuda_backend.fallbacks()["exact_rows"] == before["exact_rows"]
-    want = CpuBackend().sample(reference)
-    assert torch.equal(got.valid, want.valid) and torch.equal(got.nan_detected, want.nan_detected)
-    assert_tokens_agree(x, reference, got, want)
-    logprobs = dict(return_logprobs=True, logprobs_mode=LogprobsMode.PROCESSED)
-    got = cuda_backend.sample(dataclasses.replace(batch, **logprobs))
-    want = CpuBackend().sample(dataclasses.replace(reference, **logprobs))
-    assert_tokens_agree(x, reference, got, want)
-    same = got.tokens == want.tokens
-    assert torch.allclose(got.logprobs[same], want.logprobs[same], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.exact_rows
