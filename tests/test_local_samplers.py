@@ -17,6 +17,7 @@ from scipy.stats import chisquare
 from tokensampler_client.params import build_sample_request
 from tokensampler_client.workloads import build_diffusion_request, build_verify_request
 from tokensampler_server.backends.cpu import CpuBackend
+from tokensampler_server.backends.cuda_local_samplers import truncation_only
 from tokensampler_server.backends.processing import apply_processing
 from tokensampler_server.batching.batch_merge import merge_batches, split_result
 from tokensampler_server.core.config import Limits
@@ -344,3 +345,19 @@ def test_rows_that_all_have_no_breakers_are_no_breakers(none: list) -> None:
     params = dict(seed=[1, 2], output_token_ids=[[1, 2, 1, 2], [3, 3, 3]], dry_multiplier=1.0, dry_allowed_length=1)
     want = BACKEND.sample(_validated(logits, **params)).tokens
     assert torch.equal(BACKEND.sample(_validated(logits, dry_sequence_breakers=none, **params)).tokens, want)
+
+
+@pytest.mark.parametrize("extra, alone", [
+    ({}, True),
+    ({"logit_bias": {3: 0.0}}, False),
+    ({"banned_token_ids": [5]}, False),
+    ({"repetition_penalty": 1.2, "output_token_ids": [1, 2]}, False),
+    ({"no_repeat_ngram_size": 2, "output_token_ids": [1, 2, 1]}, False),
+])
+def test_the_local_samplers_alone_are_told_apart(extra: dict, alone: bool) -> None:
+    """The CUDA backend reads float32 logits in place, with the samplers' kept tokens as a bitmask, only when the
+    samplers are all of a call's processing (truncation_only): any other processing needs the copy they cut."""
+    request = build_sample_request(torch.zeros(2, 64), seed=[1, 2], typical_p=0.9, **extra)
+    processing = validate_sample_request(request, Limits())[0].processing
+    assert truncation_only(processing) is alone
+    assert processing.changes_beyond(frozenset()) is True  # the samplers themselves always change logits
