@@ -10,7 +10,10 @@ namespace {
 
 constexpr int64_t kMaxRows = 65535;  // grid y
 
-// The kernels of the samplers some row uses, in order; kKeep: removals go to the kept bits (Row::keep).
+// The kernels of the samplers some row uses, in order; kKeep: removals go to the kept bits (Row::keep). The order is
+// also what lets a row's first cut write its words with plain stores (store_removed's `first`): sigma_kernel cuts a
+// row before anything else does, typical_cut_kernel is first where top-n-sigma is off, and XTC, which may come first,
+// removes by atomics only.
 template <bool kKeep>
 cudaError_t launch(float* logits, uint32_t* keep, int64_t vocab, const TsLocalRows& rows, int32_t samplers,
                    const Workspace& ws, dim3 grid, cudaStream_t s) {

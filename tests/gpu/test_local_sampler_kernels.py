@@ -13,6 +13,7 @@ ALPHA, fixed seeds) holds the draws to the distribution the reference leaves.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import fields, replace
 from itertools import cycle, islice
@@ -243,22 +244,26 @@ def test_xtc_with_more_top_choices_than_the_finishing_block_gathers(kernels) -> 
     assert int(torch.isfinite(want[2]).sum()) == vocab - 1799
 
 
-def test_xtc_with_top_choices_at_the_threshold(kernels) -> None:
-    """Two top tokens whose q lies a float32 step from t (t just below q in row 0, just above in row 1), beside
-    151934 tokens that hold most of the mass: closer than the kernels' float32 sums can tell, so they decide in
-    float64 as the reference does (row 0 removes the first top token, row 1 nothing)."""
+def test_xtc_with_top_choices_where_float32_sums_decide_wrongly(kernels) -> None:
+    """The first token each thread of a chunk sums (4864 of them) at logit 0, every other at -26 ln 2 (e^x = 2^-26,
+    which vanishes beside 1 in float32): the kernels' float32 sums come to 4864, the float64 sum is 4.5e-7 larger.
+    With t the next float32 above the float64 q of a top token, the float32 sum puts every top token in A (XTC would
+    remove 4863 of them), the float64 one none; with t just below it, both remove all but the last. The kernels
+    find q within their sums' error of t and sum the row again in float64, as the reference decides."""
     vocab = 151936
-    x = torch.full((2, vocab), -2.0)
-    x[:, [100, 90000]] = 3.0
-    q = float(torch.softmax(x[0].double(), dim=0)[100])
+    x = torch.full((vocab,), -26 * math.log(2)).float()
+    tops = [8192 * chunk + 4 * thread for chunk in range((vocab + 8191) // 8192) for thread in range(256)
+            if 8192 * chunk + 4 * thread < vocab]
+    x[tops] = 0.0
+    q = float(torch.softmax(x.double(), dim=0)[tops[0]])
     near = np.float32(q)
-    below = near if float(near) < q else np.nextafter(near, np.float32(0))
     above = near if float(near) > q else np.nextafter(near, np.float32(1))
-    for t in (below, above):  # inside the kernels' band of doubt (2^-16 of q), outside float64's rounding
-        assert 1e-12 < abs(float(t) / q - 1) < 2.0**-16
-    want = _check(kernels, x.cuda(), _truncation(2, t=[float(below), float(above)], q=1.0), "xtc at the threshold")
-    assert not bool(torch.isfinite(want[0, 100])) and bool(torch.isfinite(want[0, 90000]))
-    assert bool(torch.isfinite(want[1]).all())
+    below = near if float(near) <= q else np.nextafter(near, np.float32(0))
+    assert q < float(above) < 1 / len(tops)  # between the float64 q and the float32 sums' q
+    rows = x.expand(2, vocab).contiguous().cuda()
+    want = _check(kernels, rows, _truncation(2, t=[float(above), float(below)], q=1.0), "xtc against float32 sums")
+    assert bool(torch.isfinite(want[0]).all())
+    assert int(torch.isfinite(want[1, tops]).sum()) == 1 and bool(torch.isfinite(want[1, tops[-1]]))
 
 
 def test_xtc_coins_are_the_references(kernels) -> None:
