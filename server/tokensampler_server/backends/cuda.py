@@ -19,9 +19,9 @@ whose only processing is allowed and banned token lists (min_tokens' bans among 
 the host when few rows have them (entry_masks.py), and one whose only processing is no-repeat-n-gram's bans, made
 into a mask on the GPU from the rows' sequences (cuda_sequence_samplers.py), and one of float32 logits whose only
 processing is the local samplers (top-n-sigma, typical-p, XTC), whose kernels leave the tokens they keep as a mask
-(cuda_local_samplers.py). DRY alone is subtracted from a float32
-copy by kernels of its own, from the same tiles. Other processing (bias, penalties, those lists beside a request's own
-bitmask or on many rows, several kinds together) runs first, in torch on the GPU (processing.apply_processing),
+(cuda_local_samplers.py). DRY alone is subtracted from a float32 copy by kernels of its own, from the same tiles.
+Other processing (bias, penalties, those lists beside a request's own bitmask or on many rows, several kinds
+together) runs first, in torch on the GPU (processing.apply_processing),
 on a float32 copy into which the bitmask is written first by a small in-place kernel; then the local samplers
 (top-n-sigma, typical-p, XTC) by their own kernels on the same copy (cuda_local_samplers.py,
 csrc/local_samplers.cuh).

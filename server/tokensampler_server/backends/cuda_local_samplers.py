@@ -91,6 +91,7 @@ class LocalSamplerKernels:
 
 
 def _float_rows(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """x itself, once checked to be float32 [B, V] on the kernels' device."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.device != device:
         raise ValueError("x: float32 [B, V] logits on the kernels' device expected")
     return x
