@@ -4,11 +4,11 @@
 Each GPU holds a contiguous slice of W's rows; an NCCL broadcast brings it the hidden states, and it runs the fused
 kernel's first stage on its slice: its CTAs' partial results (row max, sums, the Gumbel-max or argmax winner, a
 filtered row's best keys) with global token ids and noise keyed by the global id. One NCCL all-gather brings every
-shard's partials to the first GPU, whose second stage merges them where they land as it merges one GPU's CTAs. The winner and the candidates are maxima over tokens, so the tokens
-are those of the whole head on one GPU; only the sums (log-probs, top-p's mass) add the CTAs' partials in another
-grouping, within fp32 rounding. Requests the fused kernel does not take, and rows it flags (a kept set reaching
-past its candidates), take the logits path: every shard's logits gathered on the first GPU, then the single-GPU
-logits kernels.
+shard's partials to the first GPU, whose second stage merges them where they land as it merges one GPU's CTAs. The
+winner and the candidates are maxima over tokens, so the tokens are those of the whole head on one GPU; only the
+sums (log-probs, top-p's mass) add the CTAs' partials in another grouping, within fp32 rounding. Requests the fused
+kernel does not take, and rows it flags (a kept set reaching past its candidates), take the logits path: every
+shard's logits gathered on the first GPU, then the single-GPU logits kernels.
 """
 
 from __future__ import annotations

@@ -65,8 +65,8 @@ class _Api:
         lib.ncclCommDestroy.argtypes = [comm_p]
         lib.ncclCommGetAsyncError.argtypes = [comm_p, ctypes.POINTER(c_int)]
         lib.ncclGetVersion.argtypes = [ctypes.POINTER(c_int)]
-        for name in ("ncclCommInitAll", "ncclAllGather", "ncclBroadcast", "ncclCommAbort", "ncclCommDestroy", "ncclGroupStart",
-                     "ncclGroupEnd", "ncclCommGetAsyncError", "ncclGetVersion"):
+        for name in ("ncclCommInitAll", "ncclAllGather", "ncclBroadcast", "ncclCommAbort", "ncclCommDestroy",
+                     "ncclGroupStart", "ncclGroupEnd", "ncclCommGetAsyncError", "ncclGetVersion"):
             getattr(lib, name).restype = c_int
 
     @classmethod

@@ -89,8 +89,8 @@ _INLINE_MAX_ELEMENTS = 1 << 24
 
 
 # A batch of at least this many logits (B·V·num_samples) is long on a backend with concurrent calls (the CPU
-# reference: ~0.25 s with Gumbel noise on 2 cores, ~60 ns a logit) and runs on the long worker, so that the short ones go on beside it
-# instead of waiting behind it: a legal maximum took 20-37 s (docs/hardening.md).
+# reference: ~0.25 s with Gumbel noise on 2 cores, ~60 ns a logit) and runs on the long worker, so that the short
+# ones go on beside it instead of waiting behind it: a legal maximum took 20-37 s (docs/hardening.md).
 LONG_BATCH_ELEMENTS = 1 << 22
 
 
@@ -258,7 +258,8 @@ class DynamicBatcher:
         self._observe_batch_rows = observe_batch_rows
         self._worker = _Worker()
         self._long_elements = long_batch_elements if backend.concurrent_calls else None
-        """Batches of at least this many logits run on `_long_worker`, one at a time (None: every batch on `_worker`)."""
+        """Batches of at least this many logits run on `_long_worker`, one at a time (None: every batch on
+        `_worker`)."""
         self._long_worker = _Worker() if self._long_elements is not None else None
         self._running_long = False
         """A long batch is on the long worker."""
