@@ -27,20 +27,21 @@ inline TsWorkspace workspace_of(const std::vector<int64_t>& w) {
   return TsWorkspace{ptr<unsigned int>(w[0]), ptr<void>(w[1]), ptr<void>(w[2]), ptr<unsigned long long>(w[3])};
 }
 
-// The token bitmask of TsRows from (words, row, row_words): device addresses (0: NULL) and a count.
-inline TsBitmask bitmask_of(int64_t words, int64_t row, int64_t row_words) {
-  return TsBitmask{ptr<const int32_t>(words), ptr<const int32_t>(row), row_words};
+// The token bitmask of TsRows from (words, row, row_words, floor): device addresses (0: NULL) and a count.
+inline TsBitmask bitmask_of(int64_t words, int64_t row, int64_t row_words, int64_t floor) {
+  return TsBitmask{ptr<const int32_t>(words), ptr<const int32_t>(row), row_words, ptr<const float>(floor)};
 }
 
 // params: one device address a row parameter, in TS_ROW_PARAMS' order (Python's RowParams.pointers()), then the token
-// bitmask: its words (0: no row has one), its row map (0: row r's mask is row r) and the words a mask row.
+// bitmask: its words (0: no row has one), its row map (0: row r's mask is row r), the words a mask row and the rows'
+// floors (0: none).
 // rows: the work list (0: rows 0 .. num_work_rows - 1).
 inline TsRows rows_of(int64_t rows, int64_t num_work_rows, const std::vector<int64_t>& params) {
   constexpr size_t kParams = 0
 #define TS_COUNT(type, name) +1
       TS_ROW_PARAMS(TS_COUNT);
 #undef TS_COUNT
-  if (params.size() != kParams + 3)
+  if (params.size() != kParams + 4)
     throw std::invalid_argument("tokensampler: " + std::to_string(kParams) + " parameter arrays and a bitmask expected");
   TsRows r{};
   r.rows = ptr<const int32_t>(rows), r.num_work_rows = static_cast<int32_t>(num_work_rows);
@@ -48,7 +49,7 @@ inline TsRows rows_of(int64_t rows, int64_t num_work_rows, const std::vector<int
 #define TS_POINT(type, name) r.name = ptr<const type>(params[i++]);
   TS_ROW_PARAMS(TS_POINT)
 #undef TS_POINT
-  r.bitmask = bitmask_of(params[i], params[i + 1], params[i + 2]);
+  r.bitmask = bitmask_of(params[i], params[i + 1], params[i + 2], params[i + 3]);
   return r;
 }
 

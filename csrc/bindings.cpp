@@ -134,15 +134,16 @@ void register_routes(pybind11::module_& m) {
       throw std::invalid_argument("tokensampler: a call the routes cannot plan");
     return plan;
   });
-  // logits and raw: (address, dtype code) of [num_rows, vocab] (raw address 0: no need_raw pass); bitmask: the 3
+  // logits and raw: (address, dtype code) of [num_rows, vocab] (raw address 0: no need_raw pass); bitmask: the 4
   // entries of launch params; main, filt, pre, raw_out: 7 output addresses each (outputs_of).
   m.def("launch_plan", [](const TsPlan& plan, int64_t data, int64_t dtype, std::vector<int64_t> bitmask,
                           int64_t lse_scale, int64_t raw_data, int64_t raw_dtype, int64_t raw_lse_scale,
                           int64_t dev_stage, std::vector<int64_t> main, std::vector<int64_t> filt,
                           std::vector<int64_t> pre, std::vector<int64_t> raw_out, int64_t exact_bits,
                           std::vector<int64_t> ws, int64_t stream) {
-    if (bitmask.size() != 3) throw std::invalid_argument("tokensampler: 3 bitmask entries expected");
-    const TsCallInputs in{logits_of(data, plan.num_rows, plan.vocab, dtype), bitmask_of(bitmask[0], bitmask[1], bitmask[2]),
+    if (bitmask.size() != 4) throw std::invalid_argument("tokensampler: 4 bitmask entries expected");
+    const TsCallInputs in{logits_of(data, plan.num_rows, plan.vocab, dtype),
+                          bitmask_of(bitmask[0], bitmask[1], bitmask[2], bitmask[3]),
                           ptr<const float>(lse_scale), logits_of(raw_data, plan.num_rows, plan.vocab, raw_dtype),
                           ptr<const float>(raw_lse_scale)};
     const TsCallOutputs out{outputs_of(main, 1, 0), outputs_of(filt, 1, 0), outputs_of(pre, 1, 0),
@@ -229,10 +230,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_routes(m);
   register_score(m);
   register_handoff(m);
-  // The bitmask (words, row, row_words as in params) written into fp32 logits [num_rows, vocab] in place.
+  // The bitmask (words, row, row_words, floor as in params) written into fp32 logits [num_rows, vocab] in place.
   m.def("apply_bitmask", [](int64_t logits, int64_t num_rows, int64_t vocab, int64_t words, int64_t row,
-                            int64_t row_words, int64_t stream) {
-    const TsBitmask bitmask = bitmask_of(words, row, row_words);
+                            int64_t row_words, int64_t floor, int64_t stream) {
+    const TsBitmask bitmask = bitmask_of(words, row, row_words, floor);
     check(ts_apply_bitmask(ptr<float>(logits), num_rows, vocab, &bitmask, ptr<void>(stream)), "apply_bitmask");
   });
   m.def("noise", [](int64_t seed, int64_t position, int64_t iteration, int64_t sample, int64_t vocab,

@@ -27,6 +27,38 @@ TsSequenceTiles sequence_tiles(const std::vector<int64_t>& f) {
                          i32(9), i32(10), i32(11), i32(12), i32(13), i32(14), ptr<const int32_t>(f[15]), f[16]};
 }
 
+// The rows' columns (host addresses, local_samplers' order below) packed into pinned `host`, copied to `dev` on
+// `stream`, with the TS_LOCAL_* bits of the samplers some row uses (none: nothing packed or copied).
+struct Packed {
+  TsLocalRows rows;
+  int32_t samplers;
+};
+
+Packed pack_rows(const std::vector<int64_t>& columns, int64_t num_rows, int64_t host, int64_t dev, int64_t stream) {
+  if (columns.size() != 7) throw std::invalid_argument("local samplers: 7 host columns expected");
+  const size_t n = static_cast<size_t>(num_rows);
+  const float* sigma = ptr<const float>(columns[0]);
+  const float* typical = ptr<const float>(columns[1]);
+  const float* probability = ptr<const float>(columns[3]);
+  int32_t samplers = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (sigma[i] > 0.f) samplers |= TS_LOCAL_TOP_N_SIGMA;
+    if (typical[i] < 1.f) samplers |= TS_LOCAL_TYPICAL;
+    if (probability[i] > 0.f) samplers |= TS_LOCAL_XTC;
+  }
+  if (!samplers) return Packed{TsLocalRows{}, 0};
+  char* packed = ptr<char>(host);
+  for (size_t c = 0; c < 4; ++c)
+    std::memcpy(packed + c * sizeof(float) * n, ptr<const void>(columns[c]), sizeof(float) * n);
+  for (size_t c = 0; c < 3; ++c)
+    std::memcpy(packed + 4 * sizeof(float) * n + c * sizeof(int64_t) * n, ptr<const void>(columns[4 + c]),
+                sizeof(int64_t) * n);
+  check(cudaMemcpyAsync(ptr<void>(dev), packed, ts_local_rows_bytes(num_rows), cudaMemcpyHostToDevice,
+                        static_cast<cudaStream_t>(ptr<void>(stream))),
+        "local samplers' rows");
+  return Packed{ts_local_rows_packed(ptr<const void>(dev), num_rows), samplers};
+}
+
 }  // namespace
 
 void register_local_samplers(pybind11::module_& m) {
@@ -64,30 +96,25 @@ void register_local_samplers(pybind11::module_& m) {
   m.def("local_samplers", [](int64_t logits, int64_t keep, int64_t num_rows, int64_t vocab,
                              std::vector<int64_t> columns, int64_t host, int64_t dev, int64_t scratch, int64_t zeroed,
                              int64_t stream) {
-    if (columns.size() != 7) throw std::invalid_argument("local samplers: 7 host columns expected");
-    const size_t n = static_cast<size_t>(num_rows);
-    const float* sigma = ptr<const float>(columns[0]);
-    const float* typical = ptr<const float>(columns[1]);
-    const float* probability = ptr<const float>(columns[3]);
-    int32_t samplers = 0;
-    for (size_t i = 0; i < n; ++i) {
-      if (sigma[i] > 0.f) samplers |= TS_LOCAL_TOP_N_SIGMA;
-      if (typical[i] < 1.f) samplers |= TS_LOCAL_TYPICAL;
-      if (probability[i] > 0.f) samplers |= TS_LOCAL_XTC;
-    }
-    if (!samplers) return 0;
-    char* packed = ptr<char>(host);
-    for (size_t c = 0; c < 4; ++c) std::memcpy(packed + c * sizeof(float) * n, ptr<const void>(columns[c]), sizeof(float) * n);
-    for (size_t c = 0; c < 3; ++c)
-      std::memcpy(packed + 4 * sizeof(float) * n + c * sizeof(int64_t) * n, ptr<const void>(columns[4 + c]),
-                  sizeof(int64_t) * n);
-    const cudaStream_t s = static_cast<cudaStream_t>(ptr<void>(stream));
-    check(cudaMemcpyAsync(ptr<void>(dev), packed, ts_local_rows_bytes(num_rows), cudaMemcpyHostToDevice, s),
-          "local samplers' rows");
-    const TsLocalRows r = ts_local_rows_packed(ptr<const void>(dev), num_rows);
-    check(ts_local_samplers(ptr<float>(logits), ptr<uint32_t>(keep), num_rows, vocab, &r, samplers, ptr<void>(scratch),
-                            ptr<void>(zeroed), ptr<void>(stream)),
-          "local_samplers");
-    return static_cast<int>(samplers);
+    const Packed p = pack_rows(columns, num_rows, host, dev, stream);
+    if (p.samplers)
+      check(ts_local_samplers(ptr<float>(logits), ptr<uint32_t>(keep), num_rows, vocab, &p.rows, p.samplers,
+                              ptr<void>(scratch), ptr<void>(zeroed), ptr<void>(stream)),
+            "local_samplers");
+    return static_cast<int>(p.samplers);
+  });
+  // The same for a call whose only local sampler is top-n-sigma (typical-p and XTC off in every row; checked):
+  // ts_top_n_sigma_floor into `floor`, float32 [num_rows] on the device.
+  m.def("local_sigma_floor", [](int64_t logits, int64_t floor, int64_t num_rows, int64_t vocab,
+                                std::vector<int64_t> columns, int64_t host, int64_t dev, int64_t scratch,
+                                int64_t zeroed, int64_t stream) {
+    const Packed p = pack_rows(columns, num_rows, host, dev, stream);
+    if (p.samplers & ~TS_LOCAL_TOP_N_SIGMA)
+      throw std::invalid_argument("local_sigma_floor: a row uses typical-p or XTC");
+    if (p.samplers)
+      check(ts_top_n_sigma_floor(ptr<const float>(logits), ptr<float>(floor), num_rows, vocab, &p.rows,
+                                 ptr<void>(scratch), ptr<void>(zeroed), ptr<void>(stream)),
+            "local_sigma_floor");
+    return static_cast<int>(p.samplers);
   });
 }

@@ -63,6 +63,37 @@ __device__ __forceinline__ const uint32_t* row_bitmask(const Bitmask& bitmask, i
   return m < 0 ? nullptr : reinterpret_cast<const uint32_t*>(bitmask.words) + m * bitmask.row_words;
 }
 
+// A row's cut in the kernels' masked instances: its allowed-token words (row_bitmask) or its floor (TsBitmask.floor),
+// in one 64-bit word, so that it holds the register pair the words' address alone held (a float beside it spilled
+// 12-56 bytes in the masked top-k instances). A call gives one or the other; a words address is 4-byte aligned, so
+// bit 0 tells them apart: 0 (none), the words' address, or the floor's bits << 32 | 1.
+struct RowCut {
+  uint64_t bits;
+
+  __device__ __forceinline__ const uint32_t* words() const {
+    return bits & 1u ? nullptr : reinterpret_cast<const uint32_t*>(bits);
+  }
+  __device__ __forceinline__ bool has_floor() const { return bits & 1u; }
+  __device__ __forceinline__ float floor() const { return __uint_as_float(static_cast<uint32_t>(bits >> 32)); }
+  // The floor, -inf without one (a comparison with it removes nothing).
+  __device__ __forceinline__ float floor_or_none() const { return has_floor() ? floor() : -kInf; }
+};
+
+template <typename Bitmask>
+__device__ __forceinline__ RowCut row_cut(const Bitmask& bitmask, int64_t r) {
+  if (bitmask.floor != nullptr) {
+    const float f = __ldg(bitmask.floor + r);
+    return RowCut{f > -kInf ? (static_cast<uint64_t>(__float_as_uint(f)) << 32) | 1u : 0u};
+  }
+  return RowCut{reinterpret_cast<uint64_t>(row_bitmask(bitmask, r))};
+}
+
+// The tokens of a group below the row's floor read as -inf (NaN and +inf are not below it).
+__device__ __forceinline__ void floor_group(float floor, float (&v)[4]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) v[e] = v[e] < floor ? -kInf : v[e];
+}
+
 // The allowed bits of tokens 4g .. 4g+3 (bit e: token 4g + e; group g inside the vocabulary). One read-only
 // 4-byte load, which the 7 other groups of its word share through L1: a mask adds 1/32 of an fp32 row's bytes.
 __device__ __forceinline__ uint32_t group_mask_bits(const uint32_t* mask, int64_t g) {

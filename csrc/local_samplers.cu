@@ -31,6 +31,10 @@ cudaError_t launch(float* logits, uint32_t* keep, int64_t vocab, const TsLocalRo
   return cudaGetLastError();
 }
 
+bool bad_shape(int64_t num_rows, int64_t vocab) {
+  return vocab < 1 || vocab > (int64_t{1} << 31) - 1 || num_rows < 0 || num_rows > kMaxRows;
+}
+
 }  // namespace
 
 extern "C" {
@@ -51,7 +55,7 @@ TsLocalWorkspaceBytes ts_local_samplers_workspace(int64_t num_rows, int64_t voca
 
 int ts_local_samplers(float* logits, uint32_t* keep, int64_t num_rows, int64_t vocab, const TsLocalRows* rows,
                       int32_t samplers, void* scratch, void* zeroed, void* stream) {
-  if (vocab < 1 || vocab > (int64_t{1} << 31) - 1 || num_rows < 0 || num_rows > kMaxRows) return cudaErrorInvalidValue;
+  if (bad_shape(num_rows, vocab)) return cudaErrorInvalidValue;
   if (num_rows == 0 || !(samplers & (TS_LOCAL_TOP_N_SIGMA | TS_LOCAL_TYPICAL | TS_LOCAL_XTC))) return cudaSuccess;
   const Workspace ws = workspace_at(scratch, zeroed, num_rows, vocab);
   const dim3 grid(num_chunks(vocab), static_cast<unsigned int>(num_rows));
@@ -62,6 +66,16 @@ int ts_local_samplers(float* logits, uint32_t* keep, int64_t num_rows, int64_t v
     return launch<true>(logits, keep, vocab, *rows, samplers, ws, grid, s);
   }
   return launch<false>(logits, keep, vocab, *rows, samplers, ws, grid, s);
+}
+
+int ts_top_n_sigma_floor(const float* logits, float* floor, int64_t num_rows, int64_t vocab, const TsLocalRows* rows,
+                         void* scratch, void* zeroed, void* stream) {
+  if (bad_shape(num_rows, vocab) || floor == nullptr) return cudaErrorInvalidValue;
+  if (num_rows == 0) return cudaSuccess;
+  const dim3 grid(num_chunks(vocab), static_cast<unsigned int>(num_rows));
+  sigma_floor_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      logits, floor, vocab, *rows, workspace_at(scratch, zeroed, num_rows, vocab));
+  return cudaGetLastError();
 }
 
 }  // extern "C"

@@ -10,6 +10,8 @@
 // from the float32 logits, as the torch reference computes them; probability masses that decide a cut are summed in
 // 2^-62 fixed point, whose sums do not depend on the order of accumulation.
 //
+// Top-n-sigma alone takes sigma_floor_kernel instead: its cut as a per-row floor that the sampling kernels apply.
+//
 // Kernels, in launch order (a row takes the ones of its samplers; the others leave at once):
 //   stats_kernel<false>  the statistics of the row's first sampler (XTC: decided by the row's last block)
 //   sigma_kernel         top-n-sigma's cut, written; the statistics of the next sampler (XTC: decided)
@@ -290,6 +292,13 @@ __device__ SigmaPart sigma_part(const float (&v)[kGroups][4], Scratch& s) {
 __device__ __forceinline__ double sigma_cut(const SigmaPart& row, float n) {
   if (row.count == 0) return -HUGE_VAL;
   return static_cast<double>(row.max) - static_cast<double>(n) * sqrt(row.m2 / row.count);
+}
+
+// The least float32 f >= cut: a float32 x lies below the float64 cut exactly when x < f (no float32 lies in between),
+// so the sampling kernels remove top-n-sigma's tokens with one float32 comparison (TsBitmask.floor).
+__device__ __forceinline__ float floor_of(double cut) {
+  const float f = __double2float_rn(cut);
+  return static_cast<double>(f) < cut ? nextafterf(f, kInf) : f;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -739,6 +748,30 @@ sigma_kernel(float* logits, uint32_t* keep, int64_t vocab, TsLocalRows rows, Wor
   sanitize_chunk(v);
   stage_stats(smp.typical ? Stage::kTypical : smp.xtc ? Stage::kXtc : Stage::kNone, v, row, r, chunk, chunks, smp,
               ws, s);
+}
+
+// Top-n-sigma as the call's only local sampler: the chunk's statistics, and the row's last block writes its cut as the
+// row's floor (floor_of; -inf where the sampler is off), for the sampling kernels to apply as they read the logits.
+// One read of the logits instead of sigma_kernel's second.
+__global__ void __launch_bounds__(kThreads)
+sigma_floor_kernel(const float* logits, float* floor, int64_t vocab, TsLocalRows rows, Workspace ws) {
+  __shared__ Scratch s;
+  const auto [r, chunk, chunks] = chunk_place();
+  const float n = rows.top_n_sigma[r];
+  if (!(n > 0.f)) {
+    if (chunk == 0 && threadIdx.x == 0) floor[r] = -kInf;
+    return;
+  }
+  const Row row = Row::of(const_cast<float*>(logits), nullptr, r, vocab);  // only read: nothing is removed here
+  float v[kGroups][4];
+  load_chunk(row, chunk, v, false);
+  sanitize_chunk(v);
+  const SigmaPart part = sigma_part(v, s);
+  if (threadIdx.x == 0) ws.sigma[r * chunks + chunk] = part;
+  if (finish_and_elect_last(ws.counters + r, chunks) && threadIdx.x < 32) {
+    const float f = floor_of(sigma_cut(merge_row(ws.sigma + r * chunks, chunks, MergeSigma{}), n));
+    if (threadIdx.x == 0) floor[r] = f;
+  }
 }
 
 // typical-p's mass by score bin (fixed point, the last bin a register sum a thread); the row's last block finds the

@@ -52,6 +52,13 @@ TsLocalWorkspaceBytes ts_local_samplers_workspace(int64_t num_rows, int64_t voca
 int ts_local_samplers(float* logits, uint32_t* keep, int64_t num_rows, int64_t vocab, const TsLocalRows* rows,
                       int32_t samplers, void* scratch, void* zeroed, void* stream);
 
+/* L4 alone, for calls whose only local sampler is top-n-sigma: floor float32 [num_rows] gets each row's cut as the
+ * least float32 at or above M - n sigma (-inf where n <= 0), so that a logit x is removed exactly when x < floor[r];
+ * the sampling kernels apply it as they read the logits (csrc/sampling.h TsBitmask.floor). The logits
+ * [num_rows, vocab] (contiguous float32) are only read, once. Workspace and limits as for ts_local_samplers. */
+int ts_top_n_sigma_floor(const float* logits, float* floor, int64_t num_rows, int64_t vocab, const TsLocalRows* rows,
+                         void* scratch, void* zeroed, void* stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -545,7 +545,7 @@ void NativePath::launch_rows(const std::vector<const PreparedRequest*>& requests
   const TsCallInputs in{
       TsLogits{reinterpret_cast<const void*>(first_row), num_rows, vocab, first.dtype_code,
                row_start ? reinterpret_cast<const int64_t*>(dev + layout.row_start) : nullptr},
-      TsBitmask{nullptr, nullptr, 0}, nullptr, TsLogits{}, nullptr};
+      TsBitmask{}, nullptr, TsLogits{}, nullptr};
   const TsCallOutputs outputs{
       TsOutputs{tokens, 1, 0, flags, f32(main_row_max), f32(main_row_min), f32(main_row_logz), nullptr, nullptr},
       TsOutputs{tokens, 1, 0, flags, f32(row_max), nullptr, nullptr, f32(kept_mass),

@@ -292,7 +292,7 @@ int ts_launch_plan(const TsPlan* plan, const TsCallInputs* in, const void* dev_s
     }
   }
   if (plan->need_raw.n) {  // the input's log-sum-exp: no bitmask (step 1 precedes step 2)
-    const TsRows r = rows_of(plan->need_raw, TsBitmask{nullptr, nullptr, 0});
+    const TsRows r = rows_of(plan->need_raw, TsBitmask{});
     const TsOutputs o = with_sample(out->raw, 1, 0);
     if ((err = ts_stats(&in->raw_logits, &r, in->raw_lse_scale, &o, ws, s))) return err;
   }

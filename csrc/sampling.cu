@@ -17,7 +17,7 @@ constexpr int kMaxGridY = 65535, kMaxGridZ = 65535;
 bool bad_args(const TsLogits* logits, const TsRows* rows) {
   return logits->vocab < 1 || logits->vocab > (int64_t{1} << 31) - 1 || rows->num_work_rows < 0 ||
          rows->num_work_rows > kMaxGridY || logits->dtype < kF32 || logits->dtype > kBF16 ||
-         (rows->bitmask.words && rows->bitmask.row_words < (logits->vocab + 31) / 32);
+         (rows->bitmask.words && (rows->bitmask.row_words < (logits->vocab + 31) / 32 || rows->bitmask.floor));
 }
 
 // The Gumbel-max launchers draw samples out->sample .. + num_draws - 1, one grid layer (blockIdx.z) each.
@@ -26,12 +26,12 @@ bool bad_draws(const TsOutputs* out, int32_t num_draws) {
          out->sample + static_cast<int64_t>(num_draws) > out->num_samples;
 }
 
-// Calls f with a value of the logits' element type and std::true_type when some row has a token bitmask (the
-// kernels' masked instances), std::false_type otherwise.
+// Calls f with a value of the logits' element type and std::true_type when some row has a token bitmask or a floor
+// (the kernels' masked instances), std::false_type otherwise.
 template <typename F>
 cudaError_t dispatch(int32_t dtype, const TsRows* rows, F&& f) {
   auto typed = [&](auto t) {
-    return rows->bitmask.words ? f(t, std::true_type{}) : f(t, std::false_type{});
+    return rows->bitmask.words || rows->bitmask.floor ? f(t, std::true_type{}) : f(t, std::false_type{});
   };
   switch (dtype) {
     case kF32: return typed(float{});
@@ -69,7 +69,7 @@ cudaError_t launch_topk(const TsLogits* logits, const TsRows* rows, const TsOutp
 
 // The bitmask written into fp32 logits in place (ts_apply_bitmask), for rows whose other processing runs on a
 // copy after it: a thread a token, which reads its word (one load a warp) and writes -inf where the bit is clear.
-// No logit is read, only disallowed tokens are written.
+// No logit is read, only disallowed tokens are written; a floor reads the logit it compares.
 constexpr int kBitmaskThreads = 256;
 
 __global__ void __launch_bounds__(kBitmaskThreads)
@@ -77,8 +77,12 @@ __global__ void __launch_bounds__(kBitmaskThreads)
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kBitmaskThreads + threadIdx.x;
   if (i >= vocab) return;
   for (int64_t r = blockIdx.y; r < num_rows; r += gridDim.y) {
-    const uint32_t* mask = row_bitmask(bitmask, r);
-    if (mask != nullptr && !((__ldg(mask + (i >> 5)) >> (i & 31)) & 1u)) logits[r * vocab + i] = -kInf;
+    const RowCut cut = row_cut(bitmask, r);
+    if (cut.has_floor()) {
+      if (logits[r * vocab + i] < cut.floor()) logits[r * vocab + i] = -kInf;
+    } else if (const uint32_t* mask = cut.words(); mask != nullptr && !((__ldg(mask + (i >> 5)) >> (i & 31)) & 1u)) {
+      logits[r * vocab + i] = -kInf;
+    }
   }
 }
 
@@ -272,7 +276,8 @@ int ts_nucleus(const TsLogits* logits, const TsRows* rows, const TsOutputs* pre,
 }
 
 int ts_apply_bitmask(float* logits, int64_t num_rows, int64_t vocab, const TsBitmask* bitmask, void* stream) {
-  if (vocab < 1 || num_rows < 0 || !bitmask->words || bitmask->row_words < (vocab + 31) / 32)
+  if (vocab < 1 || num_rows < 0 || !(bitmask->words || bitmask->floor) ||
+      (bitmask->words && (bitmask->row_words < (vocab + 31) / 32 || bitmask->floor)))
     return cudaErrorInvalidValue;
   if (num_rows == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned int>((vocab + kBitmaskThreads - 1) / kBitmaskThreads),

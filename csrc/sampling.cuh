@@ -31,37 +31,38 @@ struct RowView {
   const T* row;
   int64_t r;
   bool aligned;
-  const uint32_t* mask;  // the row's allowed-token words (row_bitmask), null: none
+  RowCut cut;  // the row's allowed-token words or floor (row_cut); none outside the masked instances
 };
 
 // Row r starting at `row`, and whether its groups of four can be loaded 16 bytes at a time.
 template <typename T>
-__device__ __forceinline__ RowView<T> view_of_row(const T* row, int64_t r, const uint32_t* mask = nullptr) {
-  return {row, r, reinterpret_cast<uintptr_t>(row) % (4 * sizeof(T)) == 0, mask};
+__device__ __forceinline__ RowView<T> view_of_row(const T* row, int64_t r, RowCut cut = RowCut{0}) {
+  return {row, r, reinterpret_cast<uintptr_t>(row) % (4 * sizeof(T)) == 0, cut};
 }
 
 // Logits row r: contiguous rows, or rows gathered by TsLogits.row_start.
 template <typename T>
-__device__ __forceinline__ RowView<T> logits_row(const TsLogits& logits, int64_t r, const uint32_t* mask = nullptr) {
+__device__ __forceinline__ RowView<T> logits_row(const TsLogits& logits, int64_t r, RowCut cut = RowCut{0}) {
   const int64_t start = logits.row_start ? logits.row_start[r] : r * logits.vocab;
-  return view_of_row(static_cast<const T*>(logits.data) + start, r, mask);
+  return view_of_row(static_cast<const T*>(logits.data) + start, r, cut);
 }
 
-// The row work row w samples (TsRows.rows, or row w itself). kMask: with its token bitmask, so that every load
-// through the view reads the tokens the mask disallows as -inf and the kernel samples the masked row. Each kernel
-// has an instance with and one without (the launcher picks by TsRows.bitmask.words): a batch without masks runs
+// The row work row w samples (TsRows.rows, or row w itself). kMask: with its token bitmask and floor, so that every
+// load through the view reads the tokens they remove as -inf and the kernel samples the masked row. Each kernel
+// has an instance with and one without (the launcher picks by TsRows.bitmask): a batch without masks runs
 // the kernels as they were, with no register for a mask (the 48-register kernels spilled 4-20 bytes with a
 // run-time test).
 template <typename T, bool kMask>
 __device__ __forceinline__ RowView<T> row_view(const TsLogits& logits, const TsRows& rows, int w) {
   const int64_t r = rows.rows ? rows.rows[w] : w;
-  return logits_row<T>(logits, r, kMask ? row_bitmask(rows.bitmask, r) : nullptr);
+  return logits_row<T>(logits, r, kMask ? row_cut(rows.bitmask, r) : RowCut{0});
 }
 
-// Group g of the row, as load_group reads it, with the row's mask.
+// Group g of the row, as load_group reads it, with the row's mask and floor.
 template <typename T>
 __device__ __forceinline__ void load_row_group(const RowView<T>& rv, int64_t g, int64_t vocab, float (&v)[4]) {
-  load_group(rv.row, g, vocab, rv.aligned, v, false, rv.mask);
+  load_group(rv.row, g, vocab, rv.aligned, v, false, rv.cut.words());
+  floor_group(rv.cut.floor_or_none(), v);
 }
 
 // A launch whose rows hold more bytes than this cannot keep them in L2 (50 MB on H100 / H200) until a later
@@ -100,6 +101,17 @@ __device__ __forceinline__ uint32_t warp_groups_mask_bits(const uint32_t* mask, 
   return bits;
 }
 
+// Bit 4j + e set where v[j][e] is not below `floor` (kGroups <= 8).
+template <int kGroups>
+__device__ __forceinline__ uint32_t floor_bits(const float (&v)[kGroups][4], float floor) {
+  uint32_t bits = 0;
+#pragma unroll
+  for (int j = 0; j < kGroups; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) bits |= static_cast<uint32_t>(!(v[j][e] < floor)) << (4 * j + e);
+  return bits;
+}
+
 // This block's chunk as stored (NaN and +inf not yet sanitized): v[j][e] is token
 // 4 * (g0 + threadIdx.x + j * kThreads) + e.
 template <typename T>
@@ -116,9 +128,12 @@ __device__ __forceinline__ void load_chunk_raw(const RowView<T>& rv, int64_t voc
     for (int j = 0; j < kGroupsPerThread; ++j)
       load_group(rv.row, g0 + threadIdx.x + j * kThreads, vocab, rv.aligned, v[j], evict_first);
   }
-  if (rv.mask != nullptr) {
+  if (rv.cut.bits != 0) {
+    // The floor as the bits a mask would give (set: kept), so that both take one path.
     const uint32_t bits =
-        warp_groups_mask_bits<kGroupsPerThread, kThreads, true>(rv.mask, vocab, g0 + (threadIdx.x & ~31u));
+        rv.cut.has_floor()
+            ? floor_bits(v, rv.cut.floor())
+            : warp_groups_mask_bits<kGroupsPerThread, kThreads, true>(rv.cut.words(), vocab, g0 + (threadIdx.x & ~31u));
 #pragma unroll
     for (int j = 0; j < kGroupsPerThread; ++j) mask_group(bits >> (4 * j), v[j]);
   }
@@ -1297,7 +1312,7 @@ __device__ __forceinline__ bool keeps_min_p(float x, float z, float m) {
 // kResolveBatch loads in flight a thread, a group skipped by its largest and smallest logit, and the exact z only for
 // logits in the bins' interval (one load at a time and a division a token, it took ~50 us of a 600 KB row on an H200).
 template <typename T, typename Fn>
-__device__ __forceinline__ void for_each_in_bins(const T* row, int64_t vocab, bool aligned, const uint32_t* mask,
+__device__ __forceinline__ void for_each_in_bins(const T* row, int64_t vocab, bool aligned, RowCut cut,
                                                  float row_max, float temperature, float bin_scale, float m, int c_lo,
                                                  int c_hi, uint64_t key_lo, uint64_t key_hi, Fn&& fn) {
   const int64_t groups = (vocab + 3) / 4;
@@ -1306,11 +1321,14 @@ __device__ __forceinline__ void for_each_in_bins(const T* row, int64_t vocab, bo
     float x[kResolveBatch][4];
 #pragma unroll
     for (int u = 0; u < kResolveBatch; ++u)
-      if (g0 + u * kFilterThreads < groups) load_group(row, g0 + u * kFilterThreads, vocab, aligned, x[u], false, mask);
+      if (g0 + u * kFilterThreads < groups)
+        load_group(row, g0 + u * kFilterThreads, vocab, aligned, x[u], false, cut.words());
 #pragma unroll
     for (int u = 0; u < kResolveBatch; ++u) {
       const int64_t g = g0 + u * kFilterThreads;
-      if (g >= groups || !range.meets_group(x[u])) continue;
+      if (g >= groups) continue;
+      if (cut.has_floor()) floor_group(cut.floor(), x[u]);
+      if (!range.meets_group(x[u])) continue;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         sanitize(x[u][e]);
@@ -1334,15 +1352,15 @@ struct FilterRow {
   const T* row;
   int64_t vocab;
   bool aligned;
-  const uint32_t* mask;
+  RowCut cut;
   float row_max, temperature, bin_scale, z_min, min_p, floor_score;
   NoiseStream noise;
 
   template <typename Fn>
   __device__ __forceinline__ void for_each_in_bins(int c_lo, int c_hi, uint64_t key_lo, uint64_t key_hi,
                                                    Fn&& fn) const {
-    tokensampler::for_each_in_bins(row, vocab, aligned, kMask ? mask : nullptr, row_max, temperature, bin_scale, min_p,
-                                   c_lo, c_hi, key_lo, key_hi, fn);
+    tokensampler::for_each_in_bins(row, vocab, aligned, kMask ? cut : RowCut{0}, row_max, temperature, bin_scale,
+                                   min_p, c_lo, c_hi, key_lo, key_hi, fn);
   }
 };
 
@@ -1580,11 +1598,16 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
         const int64_t g = gw + u * kFilterThreads + lane;
         if (g < g_end) load_group(rv.row, g, vocab, rv.aligned, x[u]);
       }
-      if (rv.mask != nullptr) {
-        const uint32_t bits = warp_groups_mask_bits<kScreenBatch, kFilterThreads, false>(rv.mask, vocab, gw);
+      if (const uint32_t* words = rv.cut.words()) {
+        const uint32_t bits = warp_groups_mask_bits<kScreenBatch, kFilterThreads, false>(words, vocab, gw);
 #pragma unroll
         for (int u = 0; u < kScreenBatch; ++u)
           if (gw + u * kFilterThreads + lane < g_end) mask_group(bits >> (4 * u), x[u]);
+      }
+      if (rv.cut.has_floor()) {
+#pragma unroll
+        for (int u = 0; u < kScreenBatch; ++u)
+          if (gw + u * kFilterThreads + lane < g_end) floor_group(rv.cut.floor(), x[u]);
       }
 #pragma unroll
       for (int u = 0; u < kScreenBatch; ++u) {
@@ -1660,9 +1683,9 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
 
   int64_t token = -1;
   uint32_t flags = sflags & TS_ROW_NAN;
-  // The row's mask for the re-reads below, read again from the rows' parameters rather than kept in registers
-  // through the bins (the masked instance spilled 4 more bytes).
-  const uint32_t* row_mask = kMask ? row_bitmask(rows.bitmask, r) : nullptr;
+  // The row's cut (words or floor) for the re-reads below, read again from the rows' parameters rather than kept in
+  // registers through the bins (the masked instance spilled 4 more bytes).
+  const RowCut row_cut_bits = kMask ? row_cut(rows.bitmask, r) : RowCut{0};
   double kept_mass = __builtin_nan("");
   uint64_t kept_min = 0;
   if (!use_bins) {
@@ -1708,8 +1731,8 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
         token = key_index(max(best_above, cut_win));
       } else if (n > kResolveCap) {
         // ---- a crowded cut range: the k cut, then the p cut, each found in its own bin
-        const FilterRow<T, kMask> fr{rv.row, vocab, rv.aligned, row_mask, row_max, temperature, bin_scale, z_min, m,
-                                     floor_score, noise};
+        const FilterRow<T, kMask> fr{rv.row,    vocab,    rv.aligned, row_cut_bits, row_max, temperature,
+                                     bin_scale, z_min, m,          floor_score,  noise};
         const Cut last = crowded_cuts(fr, h, k_cut ? k : 0, p_cut ? p : 1.f, c_k, total_count, total_mass, cand,
                                       scratch, &cut, &num_cand);
         token = key_index(last.win);
@@ -1722,7 +1745,8 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
         for (unsigned int i = threadIdx.x; i < padded; i += kFilterThreads) cand[i] = 0;
         if (threadIdx.x == 0) num_cand = 0;
         __syncthreads();
-        for_each_in_bins(rv.row, vocab, rv.aligned, row_mask, row_max, temperature, bin_scale, m, c_lo, c_hi, 0, ~0ull,
+        for_each_in_bins(rv.row, vocab, rv.aligned, row_cut_bits, row_max, temperature, bin_scale, m, c_lo, c_hi, 0,
+                         ~0ull,
                          [&](uint64_t key, float, uint32_t) {
           const int pos = atomicAdd(&num_cand, 1);
           if (pos < kResolveCap) cand[pos] = key;

@@ -30,6 +30,9 @@ typedef struct {
   const int32_t* words;  /* NULL: no row has a mask */
   const int32_t* row;
   int64_t row_words;     /* >= ceil(vocab / 32) */
+  const float* floor;    /* NULL: none. Else, and words NULL, float [num_rows] by logits row: a token whose logit is
+                            below its row's floor reads as -inf, as if its bit were clear (top-n-sigma's cut:
+                            local_samplers.h); NaN and +inf are not below it. Logits-path kernels only */
 } TsBitmask;
 
 /* The per-row sampling parameters, declared once as X(type, name) (docs/semantics.md): temperature (0: greedy),
@@ -150,9 +153,10 @@ size_t ts_nucleus_scratch_bytes(int32_t num_work_rows, int64_t vocab);
 int ts_nucleus(const TsLogits* logits, const TsRows* rows, const TsOutputs* pre, const TsOutputs* out,
                const TsWorkspace* ws, void* stream);
 
-/* The bitmask written into fp32 logits [num_rows, vocab] (contiguous) in place: every token it disallows
- * becomes -inf, the others are left as they are (rows without a mask too). For logits that other processing
- * changes afterwards; the sampling kernels apply TsRows.bitmask themselves. */
+/* The bitmask (or the floor) written into fp32 logits [num_rows, vocab] (contiguous) in place: every token it
+ * disallows becomes -inf, the others are left as they are (rows without a mask too). For logits that other
+ * processing changes afterwards, and for tables of the logits the kernels read; the sampling kernels apply
+ * TsRows.bitmask themselves. */
 int ts_apply_bitmask(float* logits, int64_t num_rows, int64_t vocab, const TsBitmask* bitmask, void* stream);
 
 /* dst[r] |= src[r] & bits for r in [0, n): a sample's exact-filter flags kept across the samples of a call. */

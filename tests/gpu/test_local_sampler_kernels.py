@@ -24,6 +24,7 @@ import torch
 from scipy.stats import chisquare
 from tokensampler_client.params import build_sample_request
 from tokensampler_server.backends.cpu import kept_token_mask
+from tokensampler_server.backends.cuda_local_samplers import sigma_alone
 from tokensampler_server.backends.processing import apply_processing, unpack_bitmask
 from tokensampler_server.backends.truncation import apply_truncation
 from tokensampler_server.core.config import Limits
@@ -121,13 +122,29 @@ def _kept_as_logits(kernels, x: torch.Tensor, truncation: Truncation) -> torch.T
     return x.masked_fill(~unpack_bitmask(kept, vocab), float("-inf"))
 
 
+def _floor_as_logits(kernels, x: torch.Tensor, truncation: Truncation) -> torch.Tensor:
+    """The kernels' floors over x (read only: checked) as logits, the tokens below a row's floor -inf; a row whose
+    top-n-sigma is off must have the floor -inf."""
+    before = x.clone()
+    floor = kernels.floor(x, truncation)
+    assert torch.equal(x.view(torch.int32), before.view(torch.int32)), "the floor's route wrote the logits"
+    if floor is None:
+        return x.clone()
+    assert floor.shape == (x.shape[0],) and floor.dtype == torch.float32
+    off = (truncation.top_n_sigma <= 0).cuda()
+    assert bool((floor[off] == float("-inf")).all()), "a row without top-n-sigma has a floor"
+    return x.masked_fill(x < floor.unsqueeze(1), float("-inf"))
+
+
 def _check(kernels, x: torch.Tensor, truncation: Truncation, what: str) -> torch.Tensor:
-    """Kernels and reference on copies of x, the kernels both ways (-inf written in place, and kept bits over x
-    left as it is); returns the reference's result."""
+    """Kernels and reference on copies of x, the kernels every way (-inf written in place, kept bits over x left as
+    it is, and for top-n-sigma alone the rows' floors); returns the reference's result."""
     want = apply_truncation(x.clone(), truncation)
     edge = lambda row, tokens: _typical_edge(x, truncation, row, tokens)  # noqa: E731
     _assert_same(kernels.apply(x.clone(), truncation), want, what, edge)
     _assert_same(_kept_as_logits(kernels, x, truncation), want, f"{what}, kept bits", edge)
+    if sigma_alone(truncation):
+        _assert_same(_floor_as_logits(kernels, x, truncation), want, f"{what}, floor")
     return want
 
 
@@ -186,6 +203,7 @@ def test_off_values_change_nothing(kernels) -> None:
     truncation = _truncation(16, n=[0.0, -1.0], p=1.0, t=0.1, q=0.0)
     _assert_same(kernels.apply(x.clone(), truncation), x, "off")
     assert kernels.kept(x, truncation) is None
+    assert kernels.floor(x, truncation) is None
 
 
 def test_typical_cut_among_equal_logits_goes_by_id(kernels) -> None:
@@ -292,35 +310,50 @@ def test_alone_or_in_any_batch_the_same_bits(kernels) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_backend_samples_through_the_kernels(cuda_backend, monkeypatch: pytest.MonkeyPatch,
                                                  dtype: torch.dtype) -> None:
-    """CudaBackend.sample takes the kernels for the local samplers (not the torch reference): their kept bits over
-    float32 logits that nothing else processes, no copy made; -inf written into a float32 copy otherwise (bf16
-    logits, or other processing before them)."""
+    """CudaBackend.sample takes the kernels for the local samplers (not the torch reference): over float32 logits
+    that nothing else processes, no copy made, their kept bits, or the rows' floors for top-n-sigma alone; -inf
+    written into a float32 copy otherwise (bf16 logits, or other processing before them)."""
     calls: list[str] = []
     samplers = cuda_backend._local_samplers
-    for name in ("apply", "kept"):
+    for name in ("apply", "kept", "floor"):
         method = getattr(samplers, name)
         monkeypatch.setattr(samplers, name, lambda x, t, name=name, method=method: calls.append(name) or method(x, t))
-    for extra, route in (({}, "kept" if dtype == torch.float32 else "apply"), ({"logit_bias": {3: 1.0}}, "apply")):
+    fp32 = dtype == torch.float32
+    bias, with_xtc = {"logit_bias": {3: 1.0}}, {"top_n_sigma": 1.0, "xtc_probability": [0.0, 0.5]}
+    for sampler, extra, route in (({"typical_p": 0.9}, {}, "kept" if fp32 else "apply"),
+                                  ({"typical_p": 0.9}, bias, "apply"),
+                                  ({"top_n_sigma": [1.0, 0.0]}, {}, "floor" if fp32 else "apply"),
+                                  (with_xtc, {}, "kept" if fp32 else "apply"),
+                                  ({"top_n_sigma": 1.0}, bias, "apply")):
         calls.clear()
-        request = build_sample_request(logits("spiky", 4, 1000, seed=1).to(dtype), seed=[1, 2, 3, 4],
-                                       typical_p=0.9, **extra)
+        request = build_sample_request(logits("spiky", 4, 1000, seed=1).to(dtype), seed=[1, 2, 3, 4], **sampler,
+                                       **extra)
         cuda_backend.sample(validate_sample_request(request, Limits())[0])
-        assert calls == [route], (extra, calls)
+        assert calls == [route], (sampler, extra, calls)
 
 
-def test_kept_bits_and_the_copy_give_the_same_results(cuda_backend) -> None:
-    """The same request through both routes (a bias of 0 on token 0 sends it through the copy): the same tokens,
-    flags, processed log-probs and top log-probs bit for bit, NaN and +inf rows and greedy rows among them; the
-    kernels settle the same rows again in both, and none is handed to the exact filter."""
+ROUTE_SAMPLERS = {
+    "kept bits": {"top_n_sigma": [1.0, 0.0, 2.0, 3.0], "typical_p": [0.9, 1.0, 0.5, 0.95],
+                  "xtc_threshold": [0.05, 0.1], "xtc_probability": [1.0, 0.5, 0.0]},
+    "floor": {"top_n_sigma": [1.0, 0.0, 2.0, 3.0, 0.5], "min_p": [0.0, 0.0, 0.05]},
+}
+
+
+@pytest.mark.parametrize("route", list(ROUTE_SAMPLERS))
+def test_kept_bits_or_floor_and_the_copy_give_the_same_results(cuda_backend, route: str) -> None:
+    """The same request through the route that only reads the logits (kept bits, or the rows' floors for
+    top-n-sigma alone) and through the copy (a bias of 0 on token 0 sends it there): the same tokens, flags,
+    processed log-probs and top log-probs bit for bit, NaN and +inf rows and greedy rows among them, under top-k
+    (one-pass and large), top-p and min-p; the kernels settle the same rows again in both, and none is handed to the
+    exact filter."""
     rows, vocab = 32, 151936
     x = logits("flat", rows, vocab, seed=5)
     x[1, ::7] = float("nan")
     x[3, 100] = float("inf")
     x[4] = float("-inf")
     x[4, 999] = 0.5
-    params = {"top_n_sigma": [1.0, 0.0, 2.0, 3.0], "typical_p": [0.9, 1.0, 0.5, 0.95],
-              "xtc_threshold": [0.05, 0.1], "xtc_probability": [1.0, 0.5, 0.0], "top_k": [0, 50, 1000, 0],
-              "top_p": [1.0, 0.9], "temperature": [0.8, 0.0, 1.0, 0.5]}
+    params = {**ROUTE_SAMPLERS[route], "top_k": [0, 50, 1000, 0], "top_p": [1.0, 0.9],
+              "temperature": [0.8, 0.0, 1.0, 0.5]}
     params = {key: list(islice(cycle(value), rows)) for key, value in params.items()}
     results, settled = [], []
     for extra in ({}, {"logit_bias": {0: 0.0}}):

@@ -318,7 +318,7 @@ class CudaBackend(Backend):
             end, entries = self._place_bitmask(stage, bitmask, masked, words_up)
         elif bans:
             words = self._sequence_samplers.words(processing.sequence_samplers, num_rows, vocab)
-            entries = [words.data_ptr(), 0, words.shape[1]]
+            entries = [words.data_ptr(), 0, words.shape[1], 0]
         self._kernels.copy_to_device(stage.dev_base, stage.host_base, end, stream)
         masks_all = lists is not None or bans or (bitmask is not None and processing.without_bitmask() is None)
         return stage, plan, entries, masks_all
@@ -337,13 +337,13 @@ class CudaBackend(Backend):
                                            else masked.to(torch.int32))
             row_map, end = stage.dev_base + stage.bitmask_row, stage.bitmask_row + 4 * stage.num_rows
         if not words_up:
-            return end, [bitmask.data_ptr(), row_map, width]
+            return end, [bitmask.data_ptr(), row_map, width, 0]
         host_words = stage.host_words(words_up, width)
         if masked is None:
             host_words.copy_(bitmask)
         else:
             torch.index_select(bitmask, 0, masked, out=host_words)
-        return stage.bitmask_words + 4 * words_up * width, [stage.dev_base + stage.bitmask_words, row_map, width]
+        return stage.bitmask_words + 4 * words_up * width, [stage.dev_base + stage.bitmask_words, row_map, width, 0]
 
     @staticmethod
     def _place_entry_mask(stage: Stage, lists: EntryMask, width: int) -> tuple[int, list[int]]:
@@ -354,13 +354,14 @@ class CudaBackend(Backend):
         row_map[lists.rows] = lists.mask_rows
         fill_mask_words(stage.host_words(lists.num_masks, width).numpy(), lists)
         return stage.bitmask_words + 4 * lists.num_masks * width, [stage.dev_base + stage.bitmask_words,
-                                                                   stage.dev_base + stage.bitmask_row, width]
+                                                                   stage.dev_base + stage.bitmask_row, width, 0]
 
     def _processed(self, raw_x: torch.Tensor, processing: LogitProcessing | None, bitmask: list[int],
                    masks_all: bool, stream: int) -> tuple[torch.Tensor, list[int]]:
         """The logits the kernels read and the token-bitmask entries they take. A bitmask that is all of the
         processing (masks_all) stays with the kernels, which read the raw logits once; so do the local samplers
-        alone on float32 logits, whose kernels leave the kept tokens as a bitmask; DRY alone is subtracted from a
+        alone on float32 logits, whose kernels leave the kept tokens as a bitmask (top-n-sigma alone: a floor a
+        row); DRY alone is subtracted from a
         float32 copy by its own kernels; other processing runs in torch on a float32 copy, with the bitmask written
         into the copy first (step 2 precedes bias, penalties and the local samplers) by the in-place kernel, which
         reads 1/32 of the logits' bytes and allocates nothing."""
@@ -369,8 +370,7 @@ class CudaBackend(Backend):
         if masks_all:
             return raw_x, bitmask
         if raw_x.dtype == torch.float32 and truncation_only(processing):
-            kept = self._local_samplers.kept(raw_x, processing.truncation)
-            return raw_x, NO_BITMASK if kept is None else [kept.data_ptr(), 0, kept.shape[1]]
+            return raw_x, self._local_samplers.entries(raw_x, processing.truncation)
         x = self._processing_copy(raw_x, stream)
         if penalties_only(processing):
             return self._sequence_samplers.penalise(x, processing.sequence_samplers), NO_BITMASK

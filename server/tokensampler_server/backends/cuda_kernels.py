@@ -28,14 +28,14 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 Plan = Any
 
 
-NO_BITMASK = [0, 0, 0]
-"""The token-bitmask entries of a launch's params when no row has a mask."""
+NO_BITMASK = [0, 0, 0, 0]
+"""The token-bitmask entries of a launch's params when no row has a mask or a floor."""
 
 
 def bitmask_entries(token_bitmask: torch.Tensor | None, bitmask_row: torch.Tensor | None = None) -> list[int]:
-    """The last three entries of a launch's params (csrc/sampling.h, TsBitmask): the words of int32 [M, W] masks on
+    """The last four entries of a launch's params (csrc/sampling.h, TsBitmask): the words of int32 [M, W] masks on
     the device (docs/semantics.md, choice 17), the address of int32 [B] mask rows (row r's mask is row
-    bitmask_row[r], -1: none; None: row r) and W."""
+    bitmask_row[r], -1: none; None: row r), W, and no floor."""
     if token_bitmask is None:
         return NO_BITMASK
     if token_bitmask.dtype != torch.int32 or token_bitmask.dim() != 2 or not token_bitmask.is_contiguous():
@@ -43,7 +43,7 @@ def bitmask_entries(token_bitmask: torch.Tensor | None, bitmask_row: torch.Tenso
     if bitmask_row is not None and (bitmask_row.dtype != torch.int32 or not bitmask_row.is_contiguous()):
         raise ValueError("bitmask_row: contiguous int32 expected")
     return [token_bitmask.data_ptr(), bitmask_row.data_ptr() if bitmask_row is not None else 0,
-            token_bitmask.shape[1]]
+            token_bitmask.shape[1], 0]
 
 
 def stream_address(device: torch.device) -> int:
@@ -85,7 +85,7 @@ class RowParams:
                                                                                           self.bitmask_row)
 
     def pointers(self) -> list[int]:
-        """The 7 device addresses and the 3 bitmask entries (bitmask_entries), in the launchers' order (the fields
+        """The 7 device addresses and the 4 bitmask entries (bitmask_entries), in the launchers' order (the fields
         never change: computed once)."""
         return self._addresses
 

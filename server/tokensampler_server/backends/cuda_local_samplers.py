@@ -4,7 +4,9 @@ The CUDA backend's implementation of truncation.apply_truncation, which stays th
 the tests: the same kept sets, from per-row statistics instead of torch operations over [B, V] (typical-p's cut
 without a sort of the row), either written as -inf into float32 logits in place (`apply`, after other processing
 on a copy) or returned as a token bitmask while the logits are only read (`kept`, when the samplers are all of a
-call's processing: the sampling kernels then read the caller's logits with it, and no copy is made). Rows at the
+call's processing: the sampling kernels then read the caller's logits with it, and no copy is made), or, for
+top-n-sigma alone, as a floor a row that the sampling kernels apply as they read the logits (`floor`: one read of
+the logits instead of two). `entries` picks between the last two. Rows at the
 off values are left as they are; XTC's coin is drawn in the kernels from the row's seed, position and iteration,
 as xtc_coins draws it.
 """
@@ -18,7 +20,7 @@ import torch
 from tokensampler_server.model.sampling import LogitProcessing, Truncation
 from tokensampler_server.backends.cuda_buffers import grown
 from tokensampler_server.backends.entry_masks import words_of
-from tokensampler_server.backends.cuda_kernels import stream_address
+from tokensampler_server.backends.cuda_kernels import NO_BITMASK, stream_address
 
 TRUNCATION_ONLY = frozenset({"truncation"})
 
@@ -26,6 +28,12 @@ TRUNCATION_ONLY = frozenset({"truncation"})
 def truncation_only(processing: LogitProcessing) -> bool:
     """Whether the local samplers are all of this processing."""
     return processing.truncation is not None and not processing.changes_beyond(TRUNCATION_ONLY)
+
+
+def sigma_alone(truncation: Truncation) -> bool:
+    """Whether top-n-sigma is the only local sampler any row may use (typical-p and XTC off in every row)."""
+    return bool(_host_column(truncation.typical_p, torch.float32).min() >= 1) and bool(
+        _host_column(truncation.xtc_probability, torch.float32).max() <= 0)
 
 
 class LocalSamplerKernels:
@@ -45,6 +53,7 @@ class LocalSamplerKernels:
         self._host_rows = torch.empty(0, dtype=torch.uint8)  # pinned once grown (grown(pinned=True))
         self._dev_rows = torch.empty(0, dtype=torch.uint8, device=device)
         self._keep = torch.empty(0, dtype=torch.int32, device=device)
+        self._floor = torch.empty(0, dtype=torch.float32, device=device)
 
     def _workspace(self, num_rows: int, vocab: int) -> tuple[int, int]:
         scratch, zeroed = self._module.local_samplers_workspace(num_rows, vocab)
@@ -56,25 +65,45 @@ class LocalSamplerKernels:
         """L4-L6 on float32 logits x [B, V] on the device, in place (contiguous x; otherwise a contiguous copy):
         use the returned tensor."""
         x = _float_rows(x, self._device).contiguous()
-        self._launch(x, 0, truncation)
+        self._launch(x, truncation, keep=0)
         return x
+
+    def entries(self, x: torch.Tensor, truncation: Truncation) -> list[int]:
+        """L4-L6 on contiguous float32 logits x [B, V] on the device, which are only read, as the token-bitmask entries
+        of the sampling kernels' launches (cuda_kernels.bitmask_entries' form): the rows' floors where top-n-sigma is
+        the only sampler (`floor`), else their kept bits (`kept`); NO_BITMASK when no row uses a sampler. They point
+        into reused buffers, valid until the next call."""
+        if sigma_alone(truncation):
+            floor = self.floor(x, truncation)
+            return NO_BITMASK if floor is None else [0, 0, 0, floor.data_ptr()]
+        kept = self.kept(x, truncation)
+        return NO_BITMASK if kept is None else [kept.data_ptr(), 0, kept.shape[1], 0]
+
+    def floor(self, x: torch.Tensor, truncation: Truncation) -> torch.Tensor | None:
+        """L4 alone (sigma_alone) on contiguous float32 logits x [B, V] on the device, which are only read once: each
+        row's floor, float32 [B], the least float32 at or above M - n·σ (-inf where n <= 0), so that the tokens
+        top-n-sigma removes are exactly those below it. None when no row uses it. A reused buffer, valid until the
+        next call."""
+        x = _contiguous_float_rows(x, self._device)
+        self._floor = grown(self._floor, x.shape[0])
+        floor = self._floor[:x.shape[0]]
+        return floor if self._launch(x, truncation, floor=floor.data_ptr()) else None
 
     def kept(self, x: torch.Tensor, truncation: Truncation) -> torch.Tensor | None:
         """L4-L6 on contiguous float32 logits x [B, V] on the device, which are only read: the tokens the samplers
         keep, as a token bitmask int32 [B, ceil(V / 32)] (bits set: kept, and NaN and +inf entries, which step 5
         flags; bits past V set), for the sampling kernels to read with x. None when no row uses a sampler. The
         bitmask is a reused buffer, valid until the next call."""
-        x = _float_rows(x, self._device)
-        if not x.is_contiguous():
-            raise ValueError("x: contiguous logits expected")
+        x = _contiguous_float_rows(x, self._device)
         num_rows, vocab = x.shape
         self._keep = grown(self._keep, num_rows * words_of(vocab))
         keep = self._keep[:num_rows * words_of(vocab)].view(num_rows, words_of(vocab))
-        return keep if num_rows and self._launch(x, keep.data_ptr(), truncation) else None
+        return keep if self._launch(x, truncation, keep=keep.data_ptr()) else None
 
-    def _launch(self, x: torch.Tensor, keep: int, truncation: Truncation) -> int:
-        """Packs the rows' columns and launches the kernels on x (contiguous); keep: 0 or the kept bits' address.
-        Returns the TS_LOCAL_* bits of the samplers launched (0: none)."""
+    def _launch(self, x: torch.Tensor, truncation: Truncation, *, keep: int = 0, floor: int = 0) -> int:
+        """Packs the rows' columns and launches the kernels on x (contiguous): with `floor` (an address) top-n-sigma's
+        floors, else L4-L6 with `keep` (0 or the kept bits' address). Returns the TS_LOCAL_* bits of the samplers
+        launched (0: none)."""
         num_rows, vocab = x.shape
         if num_rows == 0:
             return 0
@@ -85,15 +114,22 @@ class LocalSamplerKernels:
         self._host_rows = grown(self._host_rows, nbytes, pinned=True)
         self._dev_rows = grown(self._dev_rows, nbytes)
         scratch, zeroed = self._workspace(num_rows, vocab)
-        return self._module.local_samplers(x.data_ptr(), keep, num_rows, vocab, [c.data_ptr() for c in columns],
-                                           self._host_rows.data_ptr(), self._dev_rows.data_ptr(), scratch, zeroed,
-                                           stream_address(self._device))
+        launch, out = (self._module.local_sigma_floor, floor) if floor else (self._module.local_samplers, keep)
+        return launch(x.data_ptr(), out, num_rows, vocab, [c.data_ptr() for c in columns], self._host_rows.data_ptr(),
+                      self._dev_rows.data_ptr(), scratch, zeroed, stream_address(self._device))
 
 
 def _float_rows(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """x itself, once checked to be float32 [B, V] on the kernels' device."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.device != device:
         raise ValueError("x: float32 [B, V] logits on the kernels' device expected")
+    return x
+
+
+def _contiguous_float_rows(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """_float_rows, contiguous."""
+    if not _float_rows(x, device).is_contiguous():
+        raise ValueError("x: contiguous logits expected")
     return x
 
 

@@ -93,7 +93,8 @@ def sample_with_logprobs(kernels: Kernels, plan: Plan, stage: Stage, out: CallOu
         table_norm = (raw_max + raw_logz).unsqueeze(1)
         source = raw_f
     else:
-        in_kernels = bitmask[0] != 0  # the kernels masked x as they read it: so does the table
+        # the kernels masked x as they read it (words, or a floor a row): so does the table
+        in_kernels = bitmask[0] != 0 or bitmask[3] != 0
         xs = x.to(torch.float32, copy=in_kernels)
         if in_kernels:
             kernels.launch_apply_bitmask(xs.data_ptr(), num_rows, vocab, bitmask, stream)
