@@ -319,10 +319,10 @@ def test_the_backend_samples_through_the_kernels(cuda_backend, monkeypatch: pyte
         method = getattr(samplers, name)
         monkeypatch.setattr(samplers, name, lambda x, t, name=name, method=method: calls.append(name) or method(x, t))
     fp32 = dtype == torch.float32
-    bias, with_xtc = {"logit_bias": {3: 1.0}}, {"top_n_sigma": 1.0, "xtc_probability": [0.0, 0.5]}
+    bias, with_xtc = {"logit_bias": {3: 1.0}}, {"top_n_sigma": 1.0, "xtc_probability": [0.0, 0.5] * 2}
     for sampler, extra, route in (({"typical_p": 0.9}, {}, "kept" if fp32 else "apply"),
                                   ({"typical_p": 0.9}, bias, "apply"),
-                                  ({"top_n_sigma": [1.0, 0.0]}, {}, "floor" if fp32 else "apply"),
+                                  ({"top_n_sigma": [1.0, 0.0] * 2}, {}, "floor" if fp32 else "apply"),
                                   (with_xtc, {}, "kept" if fp32 else "apply"),
                                   ({"top_n_sigma": 1.0}, bias, "apply")):
         calls.clear()
