@@ -27,6 +27,10 @@ TsSequenceTiles sequence_tiles(const std::vector<int64_t>& f) {
                          i32(9), i32(10), i32(11), i32(12), i32(13), i32(14), ptr<const int32_t>(f[15]), f[16]};
 }
 
+// local_samplers' result bit for a call whose cut went to the rows' floors (beside the TS_LOCAL_* bits).
+constexpr int kFloorWritten = 8;
+static_assert(kFloorWritten > (TS_LOCAL_TOP_N_SIGMA | TS_LOCAL_TYPICAL | TS_LOCAL_XTC), "a bit of its own");
+
 // The rows' columns (host addresses, local_samplers' order below) packed into pinned `host`, copied to `dev` on
 // `stream`, with the TS_LOCAL_* bits of the samplers some row uses (none: nothing packed or copied).
 struct Packed {
@@ -65,6 +69,7 @@ void register_local_samplers(pybind11::module_& m) {
   m.attr("LOCAL_TOP_N_SIGMA") = static_cast<int>(TS_LOCAL_TOP_N_SIGMA);
   m.attr("LOCAL_TYPICAL") = static_cast<int>(TS_LOCAL_TYPICAL);
   m.attr("LOCAL_XTC") = static_cast<int>(TS_LOCAL_XTC);
+  m.attr("LOCAL_FLOOR") = kFloorWritten;
   m.def("local_rows_bytes", &ts_local_rows_bytes);
   // (scratch, zeroed) bytes of a launch over num_rows rows of vocab logits.
   m.def("local_samplers_workspace", [](int64_t num_rows, int64_t vocab) {
@@ -87,34 +92,28 @@ void register_local_samplers(pybind11::module_& m) {
           "sequence_penalties");
   });
   // logits: float32 [num_rows, vocab] on the device; keep: 0 (removals written into the logits) or the device
-  // address of int32 [num_rows, ceil(vocab / 32)] kept bits (ts_local_samplers); columns: the host addresses of the
-  // rows' float32 top_n_sigma, typical_p, xtc_threshold, xtc_probability and int64 seed, position, iteration
-  // [num_rows] each. Packs them into pinned `host` as ts_local_rows_packed lays them out, copies them to `dev` and
-  // launches the samplers some row uses, all on `stream`; returns their TS_LOCAL_* bits (0: nothing copied, set or
-  // launched). One call from Python instead of the packing's numpy operations, which were most of a small call's
-  // time (docs/design/kernel-routing.md).
-  m.def("local_samplers", [](int64_t logits, int64_t keep, int64_t num_rows, int64_t vocab,
+  // address of int32 [num_rows, ceil(vocab / 32)] kept bits (ts_local_samplers); floor: 0 or the device address of
+  // float32 [num_rows] floors, written instead (ts_top_n_sigma_floor) where top-n-sigma is the only sampler some row
+  // uses; columns: the host addresses of the rows' float32 top_n_sigma, typical_p, xtc_threshold, xtc_probability
+  // and int64 seed, position, iteration [num_rows] each. Packs them into pinned `host` as ts_local_rows_packed lays
+  // them out, copies them to `dev` and launches the samplers some row uses, all on `stream`; returns their
+  // TS_LOCAL_* bits (0: nothing copied, set or launched), with LOCAL_FLOOR where the floors were written. One call
+  // from Python, which decides the route from its columns here instead of in torch (~20 us of a call on an H200's
+  // host) and packs them instead of numpy (docs/design/kernel-routing.md).
+  m.def("local_samplers", [](int64_t logits, int64_t keep, int64_t floor, int64_t num_rows, int64_t vocab,
                              std::vector<int64_t> columns, int64_t host, int64_t dev, int64_t scratch, int64_t zeroed,
                              int64_t stream) {
     const Packed p = pack_rows(columns, num_rows, host, dev, stream);
-    if (p.samplers)
-      check(ts_local_samplers(ptr<float>(logits), ptr<uint32_t>(keep), num_rows, vocab, &p.rows, p.samplers,
-                              ptr<void>(scratch), ptr<void>(zeroed), ptr<void>(stream)),
-            "local_samplers");
-    return static_cast<int>(p.samplers);
-  });
-  // The same for a call whose only local sampler is top-n-sigma (typical-p and XTC off in every row; checked):
-  // ts_top_n_sigma_floor into `floor`, float32 [num_rows] on the device.
-  m.def("local_sigma_floor", [](int64_t logits, int64_t floor, int64_t num_rows, int64_t vocab,
-                                std::vector<int64_t> columns, int64_t host, int64_t dev, int64_t scratch,
-                                int64_t zeroed, int64_t stream) {
-    const Packed p = pack_rows(columns, num_rows, host, dev, stream);
-    if (p.samplers & ~TS_LOCAL_TOP_N_SIGMA)
-      throw std::invalid_argument("local_sigma_floor: a row uses typical-p or XTC");
-    if (p.samplers)
+    if (!p.samplers) return 0;
+    if (floor && p.samplers == TS_LOCAL_TOP_N_SIGMA) {
       check(ts_top_n_sigma_floor(ptr<const float>(logits), ptr<float>(floor), num_rows, vocab, &p.rows,
                                  ptr<void>(scratch), ptr<void>(zeroed), ptr<void>(stream)),
-            "local_sigma_floor");
+            "local_samplers' floor");
+      return p.samplers | kFloorWritten;
+    }
+    check(ts_local_samplers(ptr<float>(logits), ptr<uint32_t>(keep), num_rows, vocab, &p.rows, p.samplers,
+                            ptr<void>(scratch), ptr<void>(zeroed), ptr<void>(stream)),
+          "local_samplers");
     return static_cast<int>(p.samplers);
   });
 }

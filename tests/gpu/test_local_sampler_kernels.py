@@ -315,9 +315,15 @@ def test_the_backend_samples_through_the_kernels(cuda_backend, monkeypatch: pyte
     written into a float32 copy otherwise (bf16 logits, or other processing before them)."""
     calls: list[str] = []
     samplers = cuda_backend._local_samplers
-    for name in ("apply", "kept", "floor"):
-        method = getattr(samplers, name)
-        monkeypatch.setattr(samplers, name, lambda x, t, name=name, method=method: calls.append(name) or method(x, t))
+    apply, entries = samplers.apply, samplers.entries
+
+    def spy_entries(x: torch.Tensor, truncation: Truncation) -> list[int]:
+        got = entries(x, truncation)
+        calls.append("floor" if got[3] else "kept")
+        return got
+
+    monkeypatch.setattr(samplers, "apply", lambda x, t: calls.append("apply") or apply(x, t))
+    monkeypatch.setattr(samplers, "entries", spy_entries)
     fp32 = dtype == torch.float32
     bias, with_xtc = {"logit_bias": {3: 1.0}}, {"top_n_sigma": 1.0, "xtc_probability": [0.0, 0.5] * 2}
     for sampler, extra, route in (({"typical_p": 0.9}, {}, "kept" if fp32 else "apply"),

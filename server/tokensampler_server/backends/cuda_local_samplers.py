@@ -71,19 +71,26 @@ class LocalSamplerKernels:
     def entries(self, x: torch.Tensor, truncation: Truncation) -> list[int]:
         """L4-L6 on contiguous float32 logits x [B, V] on the device, which are only read, as the token-bitmask entries
         of the sampling kernels' launches (cuda_kernels.bitmask_entries' form): the rows' floors where top-n-sigma is
-        the only sampler (`floor`), else their kept bits (`kept`); NO_BITMASK when no row uses a sampler. They point
-        into reused buffers, valid until the next call."""
-        if sigma_alone(truncation):
-            floor = self.floor(x, truncation)
-            return NO_BITMASK if floor is None else [0, 0, 0, floor.data_ptr()]
-        kept = self.kept(x, truncation)
-        return NO_BITMASK if kept is None else [kept.data_ptr(), 0, kept.shape[1], 0]
+        the only sampler some row uses (`floor`), else their kept bits (`kept`); NO_BITMASK when no row uses a
+        sampler. They point into reused buffers, valid until the next call."""
+        x = _contiguous_float_rows(x, self._device)
+        num_rows, vocab = x.shape
+        self._keep = grown(self._keep, num_rows * words_of(vocab))
+        self._floor = grown(self._floor, num_rows)
+        used = self._launch(x, truncation, keep=self._keep.data_ptr(), floor=self._floor.data_ptr())
+        if not used:
+            return NO_BITMASK
+        if used & self._module.LOCAL_FLOOR:
+            return [0, 0, 0, self._floor.data_ptr()]
+        return [self._keep.data_ptr(), 0, words_of(vocab), 0]
 
     def floor(self, x: torch.Tensor, truncation: Truncation) -> torch.Tensor | None:
         """L4 alone (sigma_alone) on contiguous float32 logits x [B, V] on the device, which are only read once: each
         row's floor, float32 [B], the least float32 at or above M - n·σ (-inf where n <= 0), so that the tokens
         top-n-sigma removes are exactly those below it. None when no row uses it. A reused buffer, valid until the
         next call."""
+        if not sigma_alone(truncation):
+            raise ValueError("truncation: top-n-sigma alone expected (typical-p and XTC off in every row)")
         x = _contiguous_float_rows(x, self._device)
         self._floor = grown(self._floor, x.shape[0])
         floor = self._floor[:x.shape[0]]
@@ -101,9 +108,9 @@ class LocalSamplerKernels:
         return keep if self._launch(x, truncation, keep=keep.data_ptr()) else None
 
     def _launch(self, x: torch.Tensor, truncation: Truncation, *, keep: int = 0, floor: int = 0) -> int:
-        """Packs the rows' columns and launches the kernels on x (contiguous): with `floor` (an address) top-n-sigma's
-        floors, else L4-L6 with `keep` (0 or the kept bits' address). Returns the TS_LOCAL_* bits of the samplers
-        launched (0: none)."""
+        """Packs the rows' columns and launches the kernels on x (contiguous): L4-L6 with `keep` (0 or the kept bits'
+        address), or top-n-sigma's floors into `floor` (0 or an address) where it is the only sampler. Returns the
+        module's bits of the samplers launched (0: none) and of the floors (LOCAL_FLOOR)."""
         num_rows, vocab = x.shape
         if num_rows == 0:
             return 0
@@ -114,9 +121,9 @@ class LocalSamplerKernels:
         self._host_rows = grown(self._host_rows, nbytes, pinned=True)
         self._dev_rows = grown(self._dev_rows, nbytes)
         scratch, zeroed = self._workspace(num_rows, vocab)
-        launch, out = (self._module.local_sigma_floor, floor) if floor else (self._module.local_samplers, keep)
-        return launch(x.data_ptr(), out, num_rows, vocab, [c.data_ptr() for c in columns], self._host_rows.data_ptr(),
-                      self._dev_rows.data_ptr(), scratch, zeroed, stream_address(self._device))
+        return self._module.local_samplers(x.data_ptr(), keep, floor, num_rows, vocab, [c.data_ptr() for c in columns],
+                                           self._host_rows.data_ptr(), self._dev_rows.data_ptr(), scratch, zeroed,
+                                           stream_address(self._device))
 
 
 def _float_rows(x: torch.Tensor, device: torch.device) -> torch.Tensor:
