@@ -42,8 +42,8 @@ class LocalSamplerKernels:
     for a call's launches before the next call: that call packs the rows into the same page-locked buffer, which the
     earlier copy may still be reading (the CUDA backend synchronises every call before its next)."""
 
-    kernel_names = ("local::stats_kernel", "local::sigma_kernel", "local::typical_hist_kernel",
-                    "local::typical_cut_kernel")
+    kernel_names = ("local::stats_kernel", "local::sigma_kernel", "local::sigma_floor_kernel",
+                    "local::typical_hist_kernel", "local::typical_cut_kernel")
 
     def __init__(self, module: ModuleType, device: torch.device) -> None:
         self._module = module
