@@ -19,12 +19,11 @@ whose only processing is allowed and banned token lists (min_tokens' bans among 
 the host when few rows have them (entry_masks.py), and one whose only processing is no-repeat-n-gram's bans, made
 into a mask on the GPU from the rows' sequences (cuda_sequence_samplers.py), and one of float32 logits whose only
 processing is the local samplers (top-n-sigma, typical-p, XTC), whose kernels leave the tokens they keep as a mask
-(cuda_local_samplers.py). DRY alone is subtracted from a float32 copy by kernels of its own, from the same tiles.
-Other processing (bias, penalties, those lists beside a request's own bitmask or on many rows, several kinds
-together) runs first, in torch on the GPU (processing.apply_processing),
-on a float32 copy into which the bitmask is written first by a small in-place kernel; then the local samplers
-(top-n-sigma, typical-p, XTC) by their own kernels on the same copy (cuda_local_samplers.py,
-csrc/local_samplers.cuh).
+(top-n-sigma alone: a floor a row; cuda_local_samplers.py). DRY alone is subtracted from a float32 copy by kernels
+of its own, from the same tiles. Other processing (bias, penalties, those lists beside a request's own bitmask or on
+many rows, several kinds together) runs first, in torch on the GPU (processing.apply_processing), on a float32 copy
+into which the bitmask is written first by a small in-place kernel; then the local samplers (top-n-sigma,
+typical-p, XTC) by their own kernels on the same copy (cuda_local_samplers.py, csrc/local_samplers.cuh).
 Hidden states through a registered head go through the fused LM-head kernel (cuda_fused.py), or, with
 --vocab-parallel-devices, through the head split by vocabulary rows over several GPUs (cuda_vocab_parallel.py).
 Rows a fast kernel cannot settle exactly (flag 4: z-order ties at the top-k cut, an overflowing candidate
@@ -361,10 +360,9 @@ class CudaBackend(Backend):
         """The logits the kernels read and the token-bitmask entries they take. A bitmask that is all of the
         processing (masks_all) stays with the kernels, which read the raw logits once; so do the local samplers
         alone on float32 logits, whose kernels leave the kept tokens as a bitmask (top-n-sigma alone: a floor a
-        row); DRY alone is subtracted from a
-        float32 copy by its own kernels; other processing runs in torch on a float32 copy, with the bitmask written
-        into the copy first (step 2 precedes bias, penalties and the local samplers) by the in-place kernel, which
-        reads 1/32 of the logits' bytes and allocates nothing."""
+        row); DRY alone is subtracted from a float32 copy by its own kernels; other processing runs in torch on a
+        float32 copy, with the bitmask written into the copy first (step 2 precedes bias, penalties and the local
+        samplers) by the in-place kernel, which reads 1/32 of the logits' bytes and allocates nothing."""
         if processing is None:
             return raw_x, NO_BITMASK
         if masks_all:
