@@ -94,12 +94,12 @@ void register_local_samplers(pybind11::module_& m) {
   // logits: float32 [num_rows, vocab] on the device; keep: 0 (removals written into the logits) or the device
   // address of int32 [num_rows, ceil(vocab / 32)] kept bits (ts_local_samplers); floor: 0 or the device address of
   // float32 [num_rows] floors, written instead (ts_top_n_sigma_floor) where top-n-sigma is the only sampler some row
-  // uses; columns: the host addresses of the rows' float32 top_n_sigma, typical_p, xtc_threshold, xtc_probability
-  // and int64 seed, position, iteration [num_rows] each. Packs them into pinned `host` as ts_local_rows_packed lays
-  // them out, copies them to `dev` and launches the samplers some row uses, all on `stream`; returns their
-  // TS_LOCAL_* bits (0: nothing copied, set or launched), with LOCAL_FLOOR where the floors were written. One call
-  // from Python, which decides the route from its columns here instead of in torch (~20 us of a call on an H200's
-  // host) and packs them instead of numpy (docs/design/kernel-routing.md).
+  // uses (with keep 0, no row may use another); columns: the host addresses of the rows' float32 top_n_sigma,
+  // typical_p, xtc_threshold, xtc_probability and int64 seed, position, iteration [num_rows] each. Packs them into
+  // pinned `host` as ts_local_rows_packed lays them out, copies them to `dev` and launches the samplers some row
+  // uses, all on `stream`; returns their TS_LOCAL_* bits (0: nothing copied, set or launched), with LOCAL_FLOOR
+  // where the floors were written. One call from Python, which decides the route from its columns here instead of
+  // in torch (~20 us of a call on an H200's host) and packs them instead of numpy (docs/design/kernel-routing.md).
   m.def("local_samplers", [](int64_t logits, int64_t keep, int64_t floor, int64_t num_rows, int64_t vocab,
                              std::vector<int64_t> columns, int64_t host, int64_t dev, int64_t scratch, int64_t zeroed,
                              int64_t stream) {
@@ -111,6 +111,9 @@ void register_local_samplers(pybind11::module_& m) {
             "local_samplers' floor");
       return p.samplers | kFloorWritten;
     }
+    // A floor address says the logits are only read: the other samplers then need kept bits to cut into.
+    if (floor && !keep)
+      throw std::invalid_argument("local_samplers: floor given without keep, and a row uses typical-p or XTC");
     check(ts_local_samplers(ptr<float>(logits), ptr<uint32_t>(keep), num_rows, vocab, &p.rows, p.samplers,
                             ptr<void>(scratch), ptr<void>(zeroed), ptr<void>(stream)),
           "local_samplers");

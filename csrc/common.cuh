@@ -12,6 +12,9 @@ enum DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 constexpr float kInf = __builtin_huge_valf();
 
+// Words of a token bitmask row (or a row of kept bits) over `vocab` tokens: bit i % 32 of word i / 32.
+__host__ __device__ inline int64_t words_of(int64_t vocab) { return (vocab + 31) / 32; }
+
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }

@@ -268,7 +268,7 @@ extern "C" int ts_fused_partials(const TsLmHead* head, const void* states, int64
   if (plan->rows_per_tile == 0 || rows->rows != nullptr || (head->dtype != 1 && head->dtype != 2) ||
       head->first_token < 0 || head->first_token % kTileRows != 0 ||
       head->first_token + head->vocab > INT32_MAX ||
-      (rows->bitmask.words && rows->bitmask.row_words < (head->first_token + head->vocab + 31) / 32) ||
+      (rows->bitmask.words && rows->bitmask.row_words < words_of(head->first_token + head->vocab)) ||
       rows->bitmask.floor)
     return cudaErrorInvalidValue;
   const size_t parts = static_cast<size_t>(num_rows) * plan->vocab_ctas;

@@ -14,10 +14,15 @@ namespace {
 
 constexpr int kMaxGridY = 65535, kMaxGridZ = 65535;
 
+// Words and a floor at once (a row's cut is one or the other), or rows of fewer words than the vocabulary has.
+bool bad_bitmask(const TsBitmask& bitmask, int64_t vocab) {
+  return bitmask.words && (bitmask.row_words < words_of(vocab) || bitmask.floor);
+}
+
 bool bad_args(const TsLogits* logits, const TsRows* rows) {
   return logits->vocab < 1 || logits->vocab > (int64_t{1} << 31) - 1 || rows->num_work_rows < 0 ||
          rows->num_work_rows > kMaxGridY || logits->dtype < kF32 || logits->dtype > kBF16 ||
-         (rows->bitmask.words && (rows->bitmask.row_words < (logits->vocab + 31) / 32 || rows->bitmask.floor));
+         bad_bitmask(rows->bitmask, logits->vocab);
 }
 
 // The Gumbel-max launchers draw samples out->sample .. + num_draws - 1, one grid layer (blockIdx.z) each.
@@ -276,8 +281,7 @@ int ts_nucleus(const TsLogits* logits, const TsRows* rows, const TsOutputs* pre,
 }
 
 int ts_apply_bitmask(float* logits, int64_t num_rows, int64_t vocab, const TsBitmask* bitmask, void* stream) {
-  if (vocab < 1 || num_rows < 0 || !(bitmask->words || bitmask->floor) ||
-      (bitmask->words && (bitmask->row_words < (vocab + 31) / 32 || bitmask->floor)))
+  if (vocab < 1 || num_rows < 0 || !(bitmask->words || bitmask->floor) || bad_bitmask(*bitmask, vocab))
     return cudaErrorInvalidValue;
   if (num_rows == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned int>((vocab + kBitmaskThreads - 1) / kBitmaskThreads),

@@ -284,6 +284,19 @@ def test_xtc_with_top_choices_where_float32_sums_decide_wrongly(kernels) -> None
     assert int(torch.isfinite(want[1, tops]).sum()) == 1 and bool(torch.isfinite(want[1, tops[-1]]))
 
 
+def test_a_floor_without_kept_bits_is_refused_beside_typical_p_or_xtc(kernels) -> None:
+    """Asking for floors says the logits are only read: with no kept bits to cut into and a row using XTC or
+    typical-p, the binding refuses instead of writing their removals into the logits."""
+    x = logits("spiky", 4, 1000, seed=3).cuda()
+    before = x.clone()
+    floor = torch.empty(4, device="cuda")
+    for truncation in (_truncation(4, n=1.0, t=0.1, q=1.0), _truncation(4, p=0.9)):
+        with pytest.raises(ValueError, match="floor given without keep"):
+            kernels._launch(x, truncation, floor=floor.data_ptr())
+    torch.cuda.synchronize()
+    assert torch.equal(x, before)
+
+
 def test_xtc_coins_are_the_references(kernels) -> None:
     """Probability 0.5 over 4096 rows: the kernels' coins (drawn on the GPU) act on the rows where the reference's
     do, and on about half of them."""
