@@ -4,6 +4,7 @@
 
 #include "local_samplers.cuh"
 
+using namespace tokensampler;
 using namespace tokensampler::local;
 
 namespace {

@@ -13,8 +13,9 @@
 // Top-n-sigma alone takes sigma_floor_kernel instead: its cut as a per-row floor that the sampling kernels apply.
 //
 // Kernels, in launch order (a row takes the ones of its samplers; the others leave at once):
-//   stats_kernel<false>  the statistics of the row's first sampler (XTC: decided by the row's last block)
-//   sigma_kernel         top-n-sigma's cut, written; the statistics of the next sampler (XTC: decided)
+//   stats_kernel<false>  the statistics of the row's first sampler (by the row's last block: typical-p's merged into
+//                        the row's constants, XTC decided)
+//   sigma_kernel         top-n-sigma's cut, written; the statistics of the next sampler (merged or decided likewise)
 //   typical_hist_kernel  typical-p: mass by bins of the score |log q + H|; the last block finds the cut bin
 //   typical_cut_kernel   typical-p: bins past the cut written; the last block sorts the cut bin and cuts it
 //   stats_kernel<true>   XTC after typical-p: statistics and decision
@@ -52,9 +53,6 @@ __host__ __device__ inline int64_t cut_capacity(int64_t vocab) { return vocab < 
 
 // ---------------------------------------------------------------------------------------------
 // Rows and their parameters.
-
-// Words of a row's kept bits.
-__host__ __device__ inline int64_t words_of(int64_t vocab) { return (vocab + 31) / 32; }
 
 struct Row {
   float* x;
@@ -229,6 +227,7 @@ struct Scratch {  // the block reductions' shared memory, and words a block shar
   uint32_t u32[kThreads / 32];
   uint32_t word;
   int pick;
+  float floor;  // XTC's candidates' floor, set by thread 0
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -376,6 +375,7 @@ struct TypicalRow {
   uint64_t before;  // the mass of the bins before the cut bin
   int32_t cut;      // the cut bin; -1: none (every token kept)
   uint32_t bounded;  // hi is the Chebyshev bound: the last bin's mass is not summed
+  uint32_t finite;   // the row has a finite logit (without one, nothing is cut)
 
   __device__ double log_q(float x) const { return (static_cast<double>(x) - max) - logsum; }
   __device__ double score(double lq) const { return fabs(lq - neg_entropy); }
@@ -390,13 +390,16 @@ struct TypicalRow {
     return TypicalRow{__ldcg(&p->max), __ldcg(&p->logsum), __ldcg(&p->neg_entropy), __ldcg(&p->scale),
                       __ldcg(reinterpret_cast<const unsigned long long*>(&p->target)),
                       __ldcg(reinterpret_cast<const unsigned long long*>(&p->before)), __ldcg(&p->cut),
-                      __ldcg(&p->bounded)};
+                      __ldcg(&p->bounded), __ldcg(&p->finite)};
   }
 };
 
-// The row's constants from its merged parts (row.count > 0).
+// The row's constants from its merged parts.
 __device__ TypicalRow typical_row(const TypicalPart& row, float p) {
   TypicalRow c{};
+  c.cut = -1;
+  if (row.count == 0) return c;
+  c.finite = 1;
   c.max = row.max;
   c.logsum = log(row.s);
   const double mean = row.t / row.s, second = row.u / row.s;
@@ -410,7 +413,6 @@ __device__ TypicalRow typical_row(const TypicalPart& row, float p) {
   const double scale = kBins / hi;
   c.scale = hi > 0.0 && isfinite(scale) ? scale : 0.0;
   c.target = static_cast<uint64_t>(static_cast<double>(p) * kMassScale);
-  c.cut = -1;
   return c;
 }
 
@@ -420,14 +422,16 @@ __device__ TypicalRow typical_row(const TypicalPart& row, float p) {
 // room for rounding, a chunk lists at most about 1 / t of them (kXtcCap: more make the row's last block re-read
 // the chunk).
 //
-// s is summed from float32 terms, a float64 exp a token having made the kernel bound by float64 throughput (an
-// H200's statistics pass took 174 us at B = 256, V = 151936, against 56 us for top-n-sigma's). Its relative error is
-// below kXtcSumError: expf is within 2 ulp (2^-22), the float32 difference x - m within 2^-24 |x - m|, which is
-// 2^-18 for |x - m| <= 64 (a term of e^-64 and less weighs under 2^-90 against the chunk's max term, 1), and the
-// sums of a thread's 32 terms within 31 x 2^-24; 5.9e-6 in all. The row's last block takes a candidate's side of t
+// s is summed from float32 terms. A float64 exp a token had made the kernel bound by float64 throughput (an H200's
+// statistics pass took 174 us at B = 256, V = 151936, against 56 us for top-n-sigma's), and expf's accurate form then
+// by instruction issue (106 us); __expf and one float32 comparison a token cut the instructions by about half
+// (docs/design/kernel-routing.md). The sum's relative error is below kXtcSumError: __expf(d) is within
+// (2 + 1.173 |d|) ulp (2^-23), 77 ulp for |d| <= 64; the float32 difference d = x - m within 2^-24 |d|, 2^-18 for
+// |d| <= 64 (the terms of e^-64 and less, 8192 at most, weigh under 2^-79 against the chunk's max term, 1); and the
+// sums of a thread's 32 terms within 31 x 2^-24: 1.5e-5 in all. The row's last block takes a candidate's side of t
 // from these sums only where it is certain within that error, and otherwise sums the row again in float64
 // (xtc_finish), so the kept set is the float64 one.
-constexpr double kXtcSumError = 0x1p-16;
+constexpr double kXtcSumError = 0x1p-15;
 
 struct XtcPart {
   double s;
@@ -473,26 +477,38 @@ __device__ void xtc_part(const float (&v)[kGroups][4], int chunk, float t, XtcPa
     if (threadIdx.x == 0) *part = XtcPart::empty();
     return;
   }
-  float mine = 0.f;  // float32 terms and sums: within kXtcSumError of the chunk's sum (see there)
+  float mine = 0.f;  // float32 terms and sums, -inf tokens adding e^-inf = 0: within kXtcSumError (see there)
 #pragma unroll
   for (int j = 0; j < kGroups; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      if (v[j][e] > -kInf) mine += expf(v[j][e] - mx);
+    for (int e = 0; e < 4; ++e) mine += __expf(v[j][e] - mx);
   const double sum = block_allreduce<kThreads>(static_cast<double>(mine), SumOp{}, s.d);
-  // The chunk's true sum is at least sum / (1 + kXtcSumError): the floor is lowered by that much more.
-  const double log_ts = log(static_cast<double>(t) * sum) - log1p(kXtcSumError);
-  const double floor = mx + log_ts - 0x1p-30 * (1.0 + fabs(static_cast<double>(mx)) + fabs(log_ts));
-  if (threadIdx.x == 0) found = 0;
+  if (threadIdx.x == 0) {
+    // The chunk's true sum is at least sum / (1 + kXtcSumError): the floor is lowered by that much more
+    // (kXtcSumError >= log1p(kXtcSumError)). A float32 x lies at or above it exactly when x >= floor_of(it); never
+    // -inf, so that -inf tokens are not listed.
+    const double log_ts = log(static_cast<double>(t) * sum) - kXtcSumError;
+    const double floor = mx + log_ts - 0x1p-30 * (1.0 + fabs(static_cast<double>(mx)) + fabs(log_ts));
+    s.floor = fmaxf(floor_of(floor), -FLT_MAX);
+    found = 0;
+  }
   __syncthreads();
+  const float floor = s.floor;
+  uint32_t listing = 0;  // bit 4 j + e: v[j][e] is a candidate
 #pragma unroll
   for (int j = 0; j < kGroups; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      if (v[j][e] > -kInf && static_cast<double>(v[j][e]) >= floor) {
-        const uint32_t at = atomicAdd(&found, 1u);
-        if (at < kXtcCap) listed[at] = XtcCandidate{v[j][e], static_cast<uint32_t>(token_of(chunk, j, e))};
-      }
+    for (int e = 0; e < 4; ++e) listing |= static_cast<uint32_t>(v[j][e] >= floor) << (4 * j + e);
+  if (listing) {  // rare: about 1 / t tokens a row
+#pragma unroll
+    for (int j = 0; j < kGroups; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (listing >> (4 * j + e) & 1u) {
+          const uint32_t at = atomicAdd(&found, 1u);
+          if (at < kXtcCap) listed[at] = XtcCandidate{v[j][e], static_cast<uint32_t>(token_of(chunk, j, e))};
+        }
+  }
   __syncthreads();
   if (threadIdx.x == 0) *part = XtcPart{sum, mx, found};
 }
@@ -664,8 +680,9 @@ __host__ __device__ inline TsLocalWorkspaceBytes workspace_bytes(int64_t rows, i
   return TsLocalWorkspaceBytes{scratch, zeroed};
 }
 
-// The statistics of `stage` over the chunk v (sanitized, the logits left so far), written as the chunk's part; XTC's
-// is decided by the row's last block.
+// The statistics of `stage` over the chunk v (sanitized, the logits left so far), written as the chunk's part; the
+// row's last block merges typical-p's into the row's constants once (rather than every block of the next kernel:
+// that merge, float64 exps in every warp, was a quarter of typical_hist_kernel's instructions), and decides XTC's.
 enum class Stage { kNone, kTypical, kXtc };
 
 __device__ void stage_stats(Stage stage, const float (&v)[kGroups][4], const Row& row, int64_t r, int chunk,
@@ -674,6 +691,10 @@ __device__ void stage_stats(Stage stage, const float (&v)[kGroups][4], const Row
   if (stage == Stage::kTypical) {
     const TypicalPart part = typical_part(v, s);
     if (threadIdx.x == 0) ws.typical[at] = part;
+    if (finish_and_elect_last(ws.counters + r, chunks) && threadIdx.x < 32) {
+      const TypicalRow c = typical_row(merge_row(ws.typical + r * chunks, chunks, MergeTypical{}), smp.p);
+      if (threadIdx.x == 0) ws.rows[r] = c;
+    }
   } else if (stage == Stage::kXtc) {
     xtc_part(v, chunk, smp.t, ws.xtc + at, ws.listed + at * kXtcCap, s);
     if (finish_and_elect_last(ws.counters + r, chunks))
@@ -785,16 +806,8 @@ typical_hist_kernel(float* logits, uint32_t* keep, int64_t vocab, TsLocalRows ro
   const auto [r, chunk, chunks] = chunk_place();
   const Samplers smp = row_samplers(rows, r);
   if (!smp.typical) return;
-  const TypicalPart all = merge_row(ws.typical + r * chunks, chunks, MergeTypical{});
-  if (all.count == 0) {  // nothing finite: every block leaves, the first says so
-    if (chunk == 0 && threadIdx.x == 0) {
-      TypicalRow none{};
-      none.cut = -1;
-      ws.rows[r] = none;
-    }
-    return;
-  }
-  TypicalRow c = typical_row(all, smp.p);
+  TypicalRow c = TypicalRow::load(ws.rows + r);
+  if (!c.finite) return;  // nothing to cut: the row's constants say so (cut -1)
   const Row row = Row::of(logits, kKeep ? keep : nullptr, r, vocab);
   for (int b = threadIdx.x; b < kBins; b += kThreads) hist[b] = 0;
   __syncthreads();
