@@ -716,9 +716,10 @@ __device__ __forceinline__ ChunkPlace chunk_place() {
 }
 
 // kAfterTypical false: the statistics of the row's first sampler (top-n-sigma's, typical-p's or XTC's, then XTC
-// decided). true: XTC's after typical-p.
+// decided). true: XTC's after typical-p. Four blocks an SM (64 registers, some spilled in the rows' finishing paths):
+// XTC's statistics took 74.5 us at B = 256 on an H200, against 82.8 us at three blocks an SM (80 registers).
 template <bool kAfterTypical, bool kKeep>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 4)
 stats_kernel(float* logits, uint32_t* keep, int64_t vocab, TsLocalRows rows, Workspace ws) {
   __shared__ Scratch s;
   const auto [r, chunk, chunks] = chunk_place();
