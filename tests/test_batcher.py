@@ -166,6 +166,7 @@ def test_a_long_batch_runs_beside_the_short_ones_on_a_backend_of_concurrent_call
         assert not first.done() and not second.done(), "a long batch finished before its gate opened"
         gate.set()
         longs = await asyncio.wait_for(asyncio.gather(first, second), GATE_TIMEOUT_S)
+        assert batcher.queued_rows == 0 and batcher._rows_to_merge() == 0  # the counts follow the queue
         await batcher.close()
         return answered, longs
 

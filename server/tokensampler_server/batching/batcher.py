@@ -245,6 +245,9 @@ class DynamicBatcher:
         self._queue: list[_Pending] = []
         self._queued_rows = 0
         self._queued_bytes = 0
+        self._queued_long_rows = 0
+        """Rows of the queued long batches (_is_long), which no group merges: kept as requests come and go, so that
+        a request's arrival does not walk the queue."""
         self._running = False
         """A merged batch is on the worker; the next one starts when it is back."""
         self._exclusive = 0
@@ -327,8 +330,7 @@ class DynamicBatcher:
             pending.release()
             raise
         self._queue.append(pending)
-        self._queued_rows += pending.work.num_rows
-        self._queued_bytes += pending.nbytes
+        self._count(pending, 1)
         if not self._delay_s or self._rows_to_merge() >= self._max_batch_rows:
             self._launch(loop)  # an idle backend starts on this request now, as on a full batch
         else:
@@ -349,11 +351,17 @@ class DynamicBatcher:
         work = pending.work
         return pending.sampler is None and self._reads_long(work.num_rows * work.vocab_size * work.num_samples)
 
+    def _count(self, pending: _Pending, sign: int) -> None:
+        """Adds (sign 1) or removes (-1) the request's rows and bytes to or from the queue's counts."""
+        rows = sign * pending.work.num_rows
+        self._queued_rows += rows
+        self._queued_bytes += sign * pending.nbytes
+        if self._is_long(pending):
+            self._queued_long_rows += rows
+
     def _rows_to_merge(self) -> int:
         """Queued rows that the next groups may merge: long batches run alone, so they do not fill a group."""
-        if self._long_elements is None:
-            return self._queued_rows
-        return sum(p.work.num_rows for p in self._queue if not self._is_long(p))
+        return self._queued_rows - self._queued_long_rows
 
     def _may_start(self, pending: _Pending) -> bool:
         """Whether the request could start now: direct work always, a batch when its worker is free."""
@@ -372,8 +380,7 @@ class DynamicBatcher:
         for pending in self._queue:
             work = pending.work
             if pending.future.done():
-                self._queued_rows -= work.num_rows
-                self._queued_bytes -= pending.nbytes
+                self._count(pending, -1)
                 pending.release()
             elif not group and self._may_start(pending):
                 group, key, rows = [pending], pending.key, work.num_rows
@@ -390,8 +397,8 @@ class DynamicBatcher:
             else:
                 kept.append(pending)
         self._queue = kept
-        self._queued_rows -= rows
-        self._queued_bytes -= sum(p.nbytes for p in group)
+        for pending in group:
+            self._count(pending, -1)
         return group
 
     def _wake_runner(self) -> None:
