@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -138,18 +139,14 @@ class NcclGroup:
         comms = self._live()
         api = self._api
         nbytes = sends[0].numel() * sends[0].element_size()
-        api.check(api.lib.ncclGroupStart(), "ncclGroupStart")
-        try:
+        with self._grouped():
             for rank in range(len(comms)) if ranks is None else ranks:
                 send, receive = sends[rank], receives[rank]
                 if send.numel() * send.element_size() != nbytes or receive.numel() * receive.element_size() != \
                         nbytes * len(comms) or not (send.is_contiguous() and receive.is_contiguous()):
                     raise NcclError(f"all_gather on rank {rank}: {nbytes} contiguous bytes a rank expected")
-                stream = torch.cuda.current_stream(self.devices[rank]).cuda_stream if streams is None else streams[rank]
                 api.check(api.lib.ncclAllGather(send.data_ptr(), receive.data_ptr(), nbytes, _UINT8, comms[rank],
-                                                stream), f"ncclAllGather on rank {rank}")
-        finally:
-            api.check(api.lib.ncclGroupEnd(), "ncclGroupEnd")
+                                                self._stream(rank, streams)), f"ncclAllGather on rank {rank}")
 
     def broadcast(self, buffers: Sequence[torch.Tensor], streams: Sequence[int] | None = None) -> None:
         """Rank 0's `buffers[0]` into every other rank's `buffers[r]` (contiguous, as many bytes, on its device), on
@@ -160,14 +157,25 @@ class NcclGroup:
         nbytes = buffers[0].numel() * buffers[0].element_size()
         if any(b.numel() * b.element_size() != nbytes or not b.is_contiguous() for b in buffers):
             raise NcclError(f"broadcast: {nbytes} contiguous bytes on every rank expected")
+        with self._grouped():
+            for rank, buffer in enumerate(buffers):
+                api.check(api.lib.ncclBroadcast(buffer.data_ptr(), buffer.data_ptr(), nbytes, _UINT8, 0, comms[rank],
+                                                self._stream(rank, streams)), f"ncclBroadcast on rank {rank}")
+
+    @contextmanager
+    def _grouped(self) -> Iterator[None]:
+        """The NCCL calls inside as one group call: enqueued together at ncclGroupEnd, which runs even when one of
+        them fails or a rank's buffers are refused."""
+        api = self._api
         api.check(api.lib.ncclGroupStart(), "ncclGroupStart")
         try:
-            for rank, buffer in enumerate(buffers):
-                stream = torch.cuda.current_stream(self.devices[rank]).cuda_stream if streams is None else streams[rank]
-                api.check(api.lib.ncclBroadcast(buffer.data_ptr(), buffer.data_ptr(), nbytes, _UINT8, 0, comms[rank],
-                                                stream), f"ncclBroadcast on rank {rank}")
+            yield
         finally:
             api.check(api.lib.ncclGroupEnd(), "ncclGroupEnd")
+
+    def _stream(self, rank: int, streams: Sequence[int] | None) -> int:
+        """streams[rank], or by default the current stream of rank's device (cudaStream_t addresses)."""
+        return torch.cuda.current_stream(self.devices[rank]).cuda_stream if streams is None else streams[rank]
 
     def wait(self, events: Sequence[torch.cuda.Event], timeout_s: float) -> None:
         """Waits on the host for `events` (recorded after a collective) for at most timeout_s; past it, or when a
