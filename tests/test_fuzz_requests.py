@@ -47,11 +47,25 @@ VALID_VALUES = {
     "repetition_penalty": st.floats(0.25, 3, width=32),
     "presence_penalty": st.floats(-2, 2, width=32),
     "frequency_penalty": st.floats(-2, 2, width=32),
+    # The local samplers (docs/semantics.md, "Local samplers").
+    "min_tokens": st.integers(0, 6),
+    "num_generated": st.integers(0, 6),
+    "no_repeat_ngram_size": st.integers(0, 4),
+    "dry_multiplier": st.floats(0, 2, width=32),
+    "dry_base": st.floats(1, 3, width=32),
+    "dry_allowed_length": st.integers(1, 4),
+    "dry_penalty_last_n": st.integers(-1, 16),
+    "typical_p": st.floats(0.125, 1, width=32),
+    "top_n_sigma": st.floats(-1, 3, width=32),
+    "xtc_threshold": st.floats(0.0625, 1, width=32),
+    "xtc_probability": st.floats(0, 1, width=32),
 }
+UINT32 = ("min_tokens", "num_generated", "no_repeat_ngram_size", "dry_allowed_length")
 # Out-of-range values one time in five; any uint32/uint64 is valid for the counter and key words.
 HOSTILE_VALUES = {
     name: values if name in ("seed", "position", "iteration")
-    else mostly(values, hostile_ints if name == "top_k" else hostile_floats)
+    else mostly(values, st.integers(0, 2**32 - 1)) if name in UINT32
+    else mostly(values, hostile_ints if name in ("top_k", "dry_penalty_last_n") else hostile_floats)
     for name, values in VALID_VALUES.items()
 }
 
@@ -64,6 +78,44 @@ def token_lists(draw, rows: int, vocab: int, hostile: bool) -> pb.TokenLists:
     valid_ids = st.integers(0, max(vocab - 1, 0))
     ids = draw(st.lists(mostly(valid_ids, st.integers(-2, vocab + 2)) if hostile else valid_ids, min_size=total, max_size=total))
     return pb.TokenLists(ids=ids, lengths=lengths)
+
+
+@st.composite
+def token_sequences(draw, rows: int, vocab: int, hostile: bool) -> pb.TokenSequences:
+    """DRY's breakers: shared by every row (no counts) or counted a row; sometimes too many, too long, empty or
+    out of the vocabulary when hostile."""
+    per_row = draw(st.booleans())
+    counts = draw(st.lists(st.integers(0, 2), min_size=rows, max_size=rows)) if per_row else []
+    if hostile and per_row and draw(st.integers(0, 3)) == 0:
+        counts.append(1)  # a count too many
+    sequences = sum(counts) if per_row else draw(st.integers(0, 3))
+    if hostile and draw(st.integers(0, 4)) == 0:
+        sequences = draw(st.sampled_from([sequences + 1, 33]))
+    longest = 17 if hostile else 16
+    lengths = draw(st.lists(st.integers(0 if hostile else 1, longest), min_size=sequences, max_size=sequences))
+    ids = st.integers(0, max(vocab - 1, 0))
+    ids = draw(st.lists(mostly(ids, st.integers(-2, vocab + 2)) if hostile else ids, min_size=sum(lengths),
+                        max_size=sum(lengths)))
+    return pb.TokenSequences(ids=ids, lengths=lengths, counts=counts)
+
+
+@st.composite
+def token_bitmask(draw, out: pb.Tensor, rows: int, vocab: int, hostile: bool) -> None:
+    """A structured-output mask int32 [rows, W], W >= ceil(V / 32), rows allowing nothing among them; when hostile,
+    sometimes too few words, a wrong dtype or rank, or a byte too many."""
+    words = (vocab + 31) // 32 + draw(st.sampled_from([0, 0, 1]))
+    shape, dtype, extra = [rows, words], pb.DTYPE_INT32, 0
+    if hostile and draw(st.integers(0, 2)) == 0:
+        shape = draw(st.sampled_from([[rows, max(words - 1, 0)], [rows], [rows + 1, words], [rows, words]]))
+        dtype = draw(st.sampled_from([pb.DTYPE_INT32, pb.DTYPE_INT64, pb.DTYPE_FLOAT32]))
+        extra = draw(st.sampled_from([0, 1]))
+    size = math.prod(shape) * ITEMSIZE[dtype] + extra
+    bits = np.random.default_rng(draw(st.integers(0, 99))).integers(0, 2**32, size // 4 + 1, dtype=np.uint32)
+    if draw(st.booleans()):
+        bits[: max(size // 4 // max(rows, 1), 1)] = 0  # the first row allows nothing
+    out.dtype = dtype
+    out.shape[:] = shape
+    out.data = bits.tobytes()[:size]
 
 
 @st.composite
@@ -102,9 +154,13 @@ def sample_requests(draw) -> pb.SampleRequest:
     if draw(st.booleans()) and len(params.seed):
         has_seed_count = draw(st.sampled_from([rows, rows + 1])) if hostile else rows
         params.has_seed.extend(draw(st.lists(st.booleans(), min_size=has_seed_count, max_size=has_seed_count)))
-    for name in ("allowed_token_ids", "banned_token_ids", "output_token_ids", "prompt_token_ids"):
+    for name in ("allowed_token_ids", "banned_token_ids", "output_token_ids", "prompt_token_ids", "stop_token_ids"):
         if draw(st.booleans()):
             getattr(params, name).CopyFrom(draw(token_lists(rows, vocab, hostile)))
+    if draw(st.integers(0, 3)) == 0:
+        params.dry_sequence_breakers.CopyFrom(draw(token_sequences(rows, vocab, hostile)))
+    if draw(st.integers(0, 3)) == 0:
+        draw(token_bitmask(params.token_bitmask, rows, vocab, hostile))
     if draw(st.booleans()):
         params.logit_bias.tokens.CopyFrom(draw(token_lists(rows, vocab, hostile)))
         count = len(params.logit_bias.tokens.ids) + (draw(st.sampled_from([0, 0, 1])) if hostile else 0)
