@@ -1,4 +1,4 @@
-"""Hostile but well-typed requests for the diffusion, top-k-probs and verification RPCs.
+"""Hostile but well-typed requests for the diffusion, top-k-probs, verification and scoring RPCs.
 
 Every answer must be OK and well-formed (dtypes, shapes, ids in [0, V) or -1 where the contract says so)
 or INVALID_ARGUMENT naming a field; never INTERNAL; the server keeps serving.
@@ -22,7 +22,8 @@ from .conftest import RunningServer
 ITEMSIZE = {pb.DTYPE_FLOAT32: 4, pb.DTYPE_BFLOAT16: 2, pb.DTYPE_FLOAT16: 2, pb.DTYPE_INT32: 4, pb.DTYPE_INT64: 8,
             pb.DTYPE_UINT8: 1}
 FIELDS = ("logits", "mask", "params.", "confidence_threshold", "commit_count", "k", "temperature", "draft",
-          "target_logits", "draft_ids", "draft_probs", "draft_logits")
+          "target_logits", "draft_ids", "draft_probs", "draft_logits", "token_ids", "top_k", "top_p", "min_p", "mode",
+          "top_logprobs", "input")
 dims = st.integers(0, 5)
 dtypes = st.sampled_from([pb.DTYPE_FLOAT32] * 4 + [pb.DTYPE_BFLOAT16, pb.DTYPE_INT32, pb.DTYPE_UINT8, 0])
 numbers = st.one_of(st.floats(-3, 3, width=32), st.sampled_from([float("nan"), float("inf"), -1.0, 0.0, 2.0]))
@@ -43,7 +44,7 @@ def tensors(draw, shape: list[int], kinds=dtypes, exact: int | None = None) -> p
 @st.composite
 def requests(draw) -> tuple[str, object]:
     b, n, v = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 9))
-    kind = draw(st.sampled_from(["diffusion", "topk", "verify"]))
+    kind = draw(st.sampled_from(["diffusion", "topk", "verify", "score"]))
     # Half the requests have well-formed tensors, so that the hostile parameters and lists meet answers to check.
     exact = pb.DTYPE_FLOAT32 if draw(st.booleans()) else None
     params = pb.SamplingParams(temperature=draw(st.lists(numbers, max_size=1)), top_k=draw(st.lists(st.integers(-2, 9), max_size=1)),
@@ -68,6 +69,23 @@ def requests(draw) -> tuple[str, object]:
                     data=np.random.default_rng(draw(st.integers(0, 9))).integers(0, v + (exact is None), b * n).tobytes())
     if exact is None and draw(st.integers(0, 3)) == 0:  # sometimes a malformed id tensor
         ids = draw(tensors([b, n], st.sampled_from([pb.DTYPE_INT32, pb.DTYPE_INT64, 0])))
+    if kind == "score":  # half of them with valid columns, so that the scores are checked too
+        valid = draw(st.booleans())
+        sizes = st.sampled_from([0, 1, b] if valid else [1, b, b + 1])
+
+        def column(values: st.SearchStrategy) -> list:
+            size = draw(sizes)
+            return draw(st.lists(values, min_size=size, max_size=size))
+
+        return "ScoreTokens", pb.ScoreTokensRequest(
+            logits=draw(tensors([b, n, v], exact=exact)), token_ids=ids,
+            mode=draw(st.sampled_from([0, 1, 2] if valid else [0, 1, 2, 7])),
+            temperature=column(st.floats(0.25, 2, width=32) if valid else numbers),
+            top_k=column(st.integers(-1 if valid else -2, 9)),
+            top_p=column(st.floats(0.125, 1, width=32) if valid else numbers),
+            min_p=column(st.floats(0, 0.875, width=32) if valid else numbers),
+            top_logprobs=draw(st.sampled_from([0, 1, 3, 64] if valid else [0, 1, 3, 64, 65])),
+            return_entropy=draw(st.booleans()))
     request = pb.VerifyDraftRequest(draft_ids=ids, target_logits=draw(tensors([b, n + 1, v], exact=exact)), params=params)
     if draw(st.booleans()):
         request.draft_probs.CopyFrom(draw(tensors([b, n, v], exact=exact)))
@@ -107,6 +125,18 @@ def assert_well_formed(method: str, request, response) -> None:
         ids = _array(response.ids, pb.DTYPE_INT32, shape)
         assert ((ids >= 0) & (ids < request.logits.shape[-1])).all(), ids
         assert ((probs >= 0) & (probs <= 1 + 1e-6)).all() and (np.diff(probs, axis=-1) <= 0).all(), probs
+    elif method == "ScoreTokens":
+        b, n, vocab = request.logits.shape
+        logprobs = _array(response.logprobs, pb.DTYPE_FLOAT32, [b, n])
+        assert not (logprobs > 1e-5).any(), logprobs
+        if request.top_logprobs:
+            listed = [b, n, min(request.top_logprobs, vocab)]
+            ids = _array(response.top_logprob_ids, pb.DTYPE_INT32, listed)
+            _array(response.top_logprobs, pb.DTYPE_FLOAT32, listed)
+            assert ((ids >= -1) & (ids < vocab)).all(), ids
+        if request.return_entropy:
+            entropy = _array(response.entropy, pb.DTYPE_FLOAT32, [b, n])
+            assert not (entropy < -1e-5).any(), entropy
     else:
         b, n = request.draft_ids.shape
         vocab = request.target_logits.shape[2]
@@ -146,7 +176,7 @@ def test_server_still_serves(channel: grpc.Channel) -> None:
     """After the fuzzer (when it ran in the same test run: each method answers some of its requests), every
     method answered some OK, and the server still serves."""
     if ANSWERED:
-        assert all(ANSWERED[method] > 0 for method in ANSWERED) and len(ANSWERED) == 3, ANSWERED
+        assert all(ANSWERED[method] > 0 for method in ANSWERED) and len(ANSWERED) == 4, ANSWERED
     logits = np.zeros((1, 2, 4), dtype=np.float32)
     request = pb.TopKProbsRequest(logits=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 2, 4], data=logits.tobytes()), k=2)
     assert list(pb_grpc.SamplerStub(channel).TopKProbs(request, timeout=30).probs.shape) == [1, 2, 2]
