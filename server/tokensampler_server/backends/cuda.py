@@ -107,8 +107,8 @@ ROUTES = [
           "from per-row statistics (float64; XTC's sums float32 under a bound, decided in float64): top-n-sigma two "
           "reads, XTC one, typical-p three (no sort of the row); alone on float32 logits they leave a bitmask of "
           "the kept tokens that the route reads with the raw logits (top-n-sigma alone: one read, a floor a row), "
-          "otherwise they cut the processing copy in place; a whole call 1.2-1.4x (top-n-sigma), 1.5-1.7x (XTC), "
-          "2.3-4.1x (typical-p) the top-k 50 + top-p 0.9 call at B = 1-256"),
+          "otherwise they cut the processing copy in place; a whole call 1.1-1.3x (top-n-sigma), 1.4-1.5x (XTC), "
+          "2.4-3.8x (typical-p) the top-k 50 + top-p 0.9 call at B = 1-256"),
     Route("rows a fast kernel cannot settle (z-ties past the top-k list, overflowing candidates)",
           ("stats_kernel", "filter_kernel"),
           "the exact filter again after the call's synchronisation (a prepared call: on the device, right after "
