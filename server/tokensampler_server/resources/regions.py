@@ -30,6 +30,7 @@ from tokensampler_client.tensors import DTYPE_TO_TORCH, dtype_name
 
 from tokensampler_server.core.errors import InvalidArgument, ServiceError
 from tokensampler_server.resources import gpu_waits
+from tokensampler_server.resources.host_memory import host_bytes
 from tokensampler_server.resources.refcounted import RefCountedRegistry, check_name
 
 _SHM_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
@@ -195,11 +196,11 @@ class OutputTarget:
 
 def referenced_bytes(ref: pb.TensorRef | pb.RowsRef) -> int:
     """The bytes a reference names, as declared (its bounds are checked when it is read); an element of a dtype the
-    server does not know counts 4 bytes."""
+    server does not know counts 4 bytes, a negative dimension (refused when read) 0."""
     itemsize = DTYPE_TO_TORCH[ref.dtype].itemsize if ref.dtype in DTYPE_TO_TORCH else 4
     if isinstance(ref, pb.RowsRef):
         return len(ref.row_offsets) * ref.row_size * itemsize
-    return math.prod(ref.shape) * itemsize
+    return math.prod(max(d, 0) for d in ref.shape) * itemsize
 
 
 def _check_dtype(dtype: int, field: str, dtypes: tuple[int, ...]) -> None:
@@ -231,7 +232,7 @@ class SharedSegment:
         self.byte_size = byte_size
 
     def read(self, offset: int, size: int, what: str) -> torch.Tensor:
-        out = torch.empty(size, dtype=torch.uint8)
+        out = host_bytes(size, what)
         view = memoryview(out.numpy())
         done = 0
         while done < size:

@@ -22,6 +22,7 @@ import grpc
 import torch
 
 from tokensampler_server.core.errors import InvalidArgument, ServiceError
+from tokensampler_server.resources.host_memory import host_bytes
 
 __all__ = ["MAX_HEADER_BYTES", "open_weights_file", "read_safetensor"]
 
@@ -121,11 +122,8 @@ def read_safetensor(fd: int, relative: str, tensor: str, max_bytes: int) -> torc
             raise InvalidArgument("tensor", f"{tensor!r} is larger than {max_bytes} bytes")
         if 8 + header_bytes + end > size:
             raise InvalidArgument("path", f"could not read {relative} as safetensors: {tensor!r} ends past the file")
-        data = torch.empty(nbytes, dtype=torch.uint8)
+        data = host_bytes(nbytes, f"tensor: {tensor!r} of {relative}")
         _read_into(fd, memoryview(data.numpy()), 8 + header_bytes + begin, relative)
-    except MemoryError:
-        raise ServiceError(f"tensor: the server has no memory for {tensor!r} of {relative}",
-                           grpc.StatusCode.RESOURCE_EXHAUSTED) from None
     except OSError as err:
         raise _file_error(err, relative) from None
     return data.view(dtype).reshape(shape)
@@ -160,7 +158,7 @@ def _entry(entry: dict, relative: str, tensor: str) -> tuple[torch.dtype, list[i
     shape, offsets, name = entry.get("shape"), entry.get("data_offsets"), entry.get("dtype")
     if (not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**63 for d in shape)
             or not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1]):
+            or not 0 <= offsets[0] <= offsets[1] or not isinstance(name, str)):
         raise InvalidArgument("path", f"could not read {relative} as safetensors: a malformed entry for {tensor!r}")
     dtype = _DTYPES.get(name)
     # Two dimensions before any reshape: torch refuses a shape whose sizes overflow int64 however few bytes it holds.

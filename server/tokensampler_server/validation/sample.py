@@ -484,7 +484,8 @@ OFF_LOOP_ENTRIES = 1 << 18
 
 
 def declared_rows(request: pb.SampleRequest) -> int:
-    """B as the request's input declares it (its shape, or its row offsets); 0 without an input."""
+    """B as the request's input declares it (its shape, or its row offsets); 0 without an input or for a negative B,
+    which validation refuses: what a message is counted to hold (the streams' windows) never goes below 0."""
     kind = request.WhichOneof("input")
     if kind == "logits_rows":
         return len(request.logits_rows.row_offsets)
@@ -492,7 +493,7 @@ def declared_rows(request: pb.SampleRequest) -> int:
     if kind == "hidden":
         hidden = request.hidden
         shape = hidden.states_ref.shape if hidden.HasField("states_ref") else hidden.states.shape
-    return int(shape[0]) if shape is not None and len(shape) == 2 else 0
+    return max(int(shape[0]), 0) if shape is not None and len(shape) == 2 else 0
 
 
 def heavy_token_lists(request: pb.SampleRequest) -> bool:
