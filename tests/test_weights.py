@@ -397,7 +397,7 @@ def test_a_weight_joins_its_region_before_its_name_is_visible() -> None:
     (ALREADY_EXISTS) leaves the region as it was."""
     from types import SimpleNamespace
 
-    region = SimpleNamespace(name="r", weights=set())
+    region = SimpleNamespace(name="r", weights=set(), buffer=None)  # a shared-memory region: its weights are copies
     registry = WeightRegistry(torch.device("cpu"))
     real_add = registry._weights.add
     seen = []
@@ -467,3 +467,45 @@ def test_a_registration_whose_caller_has_gone_registers_nothing() -> None:
     asyncio.run(scenario())
     assert registry.list() == []
     registry.check_free("head")  # the name is free again: a retry registers
+
+
+def test_the_weights_hold_at_most_their_budget_together() -> None:
+    """Two 512-byte heads under a 1000-byte budget: the second is refused RESOURCE_EXHAUSTED naming the weight and the
+    flag, until the first is unregistered."""
+    registry = WeightRegistry(torch.device("cpu"), max_bytes=1000)
+    registry.register("a", torch.randn(16, 8), LogitsFinish(vocab_size=16), "")
+    with pytest.raises(ServiceError) as raised:
+        registry.register("b", torch.randn(16, 8), LogitsFinish(vocab_size=16), "")
+    assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert raised.value.message.startswith("weight: 512 bytes") and "--max-weights-mb" in raised.value.message
+    assert [entry.name for entry in registry.list()] == ["a"]
+    asyncio.run(registry.unregister("a"))
+    registry.register("b", torch.randn(16, 8), LogitsFinish(vocab_size=16), "")
+
+
+def test_registrations_in_progress_claim_their_bytes_before_they_allocate(tmp_path: Path) -> None:
+    """A registration that has claimed 800 of 1000 bytes leaves 200 to the others: a file's 512-byte tensor is refused
+    before it is read (naming `tensor`), and read once the claim is given back; a claim ends with the registration
+    that made it."""
+    registry = WeightRegistry(torch.device("cpu"), max_bytes=1000)
+    registry.reserve("big")
+    registry.claim("big", 800, "weight")
+    save_file({"lm_head.weight": torch.randn(16, 8)}, str(tmp_path / "head.safetensors"))
+    registry.reserve("file")
+
+    def read() -> torch.Tensor:
+        fd = open_weights_file(tmp_path, "head.safetensors")
+        try:
+            return read_safetensor(fd, "head.safetensors", "lm_head.weight", 1 << 20,
+                                   lambda nbytes: registry.claim("file", nbytes, "tensor"))
+        finally:
+            os.close(fd)
+
+    with pytest.raises(ServiceError) as raised:
+        read()
+    assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and raised.value.message.startswith("tensor: 512")
+    registry.unreserve("big")
+    weight = read()
+    registry.register("file", weight, LogitsFinish(vocab_size=16), "", reserved=True)
+    registry.reserve("next")
+    registry.claim("next", 488, "weight")  # exactly what is left: the claim became the weight's bytes, not both

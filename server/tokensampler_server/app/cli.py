@@ -83,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                 "regions registered at once; past it RegisterRegion gets RESOURCE_EXHAUSTED")
     flags.value("--max-weights", int, defaults.max_weights,
                 "weights registered at once; past it registering gets RESOURCE_EXHAUSTED")
+    flags.value("--max-weights-mb", int, None,
+                "MiB the registered weights may hold together, registrations in progress included; past it registering "
+                "gets RESOURCE_EXHAUSTED; default half the memory of the backend's device")
     flags.value("--unregister-timeout-s", float, defaults.unregister_timeout_s,
                 "how long an unregister waits for the requests using the weight or region; then it stays registered "
                 "and the call gets FAILED_PRECONDITION")
@@ -144,8 +147,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                 choices=LOG_FORMATS)
     args = parser.parse_args(argv)
     for name in ("max_message_mb", "max_batch_rows", "max_queue_rows", "max_queue_mb", "max_weight_mb", "max_regions",
-                 "max_weights"):
-        if getattr(args, name) < 1:
+                 "max_weights", "max_weights_mb"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if not 0 <= args.metrics_port <= 65535:
         parser.error("--metrics-port must be in 0..65535")
@@ -191,6 +194,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         max_elements_given=args.max_batch_elements is not None,
         max_regions=args.max_regions,
         max_weights=args.max_weights,
+        max_weights_bytes=None if args.max_weights_mb is None else args.max_weights_mb * _MIB,
         unregister_timeout_s=args.unregister_timeout_s,
         log_level=args.log_level,
         grace_period_s=args.grace_period_s,

@@ -185,7 +185,7 @@ async def serve(config: ServerConfig) -> None:
     native = create_native_path(backend, config.limits, config.native_path, batcher)
     regions = RegionRegistry(allow_shm=config.allow_shm, allow_cuda_ipc=config.allow_cuda_ipc, mirror=native,
                              max_regions=config.max_regions, unregister_timeout_s=config.unregister_timeout_s)
-    weights = WeightRegistry(backend.device, max_weights=config.max_weights,
+    weights = WeightRegistry(backend.device, max_weights=config.max_weights, max_bytes=config.max_weights_bytes,
                              unregister_timeout_s=config.unregister_timeout_s)
     sampler = SamplerService(
         backend, config.limits, batcher=batcher, registry=weights, weights_dir=config.weights_dir, regions=regions,

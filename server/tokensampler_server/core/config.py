@@ -91,6 +91,9 @@ class ServerConfig:
     """Regions registered at once (each shared-memory region holds a file descriptor); past it RESOURCE_EXHAUSTED."""
     max_weights: int = 64
     """Weights registered at once; past it RESOURCE_EXHAUSTED."""
+    max_weights_bytes: int | None = None
+    """Bytes the registered weights may hold together, registrations in progress included (weights used in place in
+    a CUDA region hold none); past it RESOURCE_EXHAUSTED. None: half the backend device's memory."""
     unregister_timeout_s: float = 60.0
     """How long an unregister waits for the requests using the weight or region before it gives up and leaves
     it registered (FAILED_PRECONDITION)."""

@@ -16,6 +16,7 @@ import math
 import os
 import stat
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -99,11 +100,13 @@ def _open_directory(name: str, parent: int) -> int:
         raise
 
 
-def read_safetensor(fd: int, relative: str, tensor: str, max_bytes: int) -> torch.Tensor:
+def read_safetensor(fd: int, relative: str, tensor: str, max_bytes: int,
+                    claim: Callable[[int], None] = lambda nbytes: None) -> torch.Tensor:
     """Tensor `tensor` of the safetensors file open at `fd` (named `relative` in messages), read into memory: a
     float32, bfloat16 or float16 tensor [V, D] of at most max_bytes. INVALID_ARGUMENT for a file that is not
     safetensors or a tensor of another dtype, rank or size, NOT_FOUND for a tensor it does not hold,
-    FAILED_PRECONDITION for a file that changed while it was read."""
+    FAILED_PRECONDITION for a file that changed while it was read. `claim` is given the tensor's bytes before they
+    are allocated (and may refuse them)."""
     try:
         size = os.fstat(fd).st_size
         header_bytes = _header_length(fd, relative, size)
@@ -122,6 +125,7 @@ def read_safetensor(fd: int, relative: str, tensor: str, max_bytes: int) -> torc
             raise InvalidArgument("tensor", f"{tensor!r} is larger than {max_bytes} bytes")
         if 8 + header_bytes + end > size:
             raise InvalidArgument("path", f"could not read {relative} as safetensors: {tensor!r} ends past the file")
+        claim(nbytes)
         data = host_bytes(nbytes, f"tensor: {tensor!r} of {relative}")
         _read_into(fd, memoryview(data.numpy()), 8 + header_bytes + begin, relative)
     except OSError as err:

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
+import grpc
 import torch
 
-from tokensampler_server.core.errors import InvalidArgument
+from tokensampler_server.core.errors import InvalidArgument, ServiceError
 from tokensampler_server.resources.refcounted import RefCountedRegistry
 from tokensampler_server.resources.regions import Region
 from tokensampler_server.core.request_context import raise_if_abandoned
@@ -173,14 +176,29 @@ def check_finish(
     )
 
 
-class WeightRegistry:
-    """Registered LM heads by name, on one device (see refcounted.py for the reference counting)."""
+def device_memory_bytes(device: torch.device) -> int:
+    """The memory of `device`: a GPU's, or the host's physical memory."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
-    def __init__(self, device: torch.device, *, max_weights: int = DEFAULT_MAX_WEIGHTS,
+
+class WeightRegistry:
+    """Registered LM heads by name, on one device (see refcounted.py for the reference counting), and the bytes
+    they hold together: at most `max_bytes` (default half the device's memory), registrations in progress counted
+    from before they allocate (`claim`), so that no client can make the server hold more, however many names the
+    --max-weights cap leaves it."""
+
+    def __init__(self, device: torch.device, *, max_weights: int = DEFAULT_MAX_WEIGHTS, max_bytes: int | None = None,
                  unregister_timeout_s: float = 60.0) -> None:
         self._device = device
         self._weights: RefCountedRegistry[RegisteredWeight] = RefCountedRegistry(
             "weight", max_items=max_weights, unregister_timeout_s=unregister_timeout_s)
+        self.max_bytes = max_bytes if max_bytes is not None else device_memory_bytes(device) // 2
+        self._claims: dict[str, int] = {}
+        """Bytes claimed by the registrations in progress, by the name each reserved."""
+        self._lock = threading.Lock()
+        """Orders the claims and the additions of weights (taken before the registry's own lock)."""
 
     @property
     def device(self) -> torch.device:
@@ -207,11 +225,34 @@ class WeightRegistry:
         if region is not None:
             region.weights.add(entry)
         try:
-            self._weights.add(name, entry, reserved=reserved)
+            with self._lock:  # the bytes it holds now, in place of what its registration claimed
+                claimed = self._claims.pop(name, 0)
+                try:
+                    self._check_room_locked(0 if entry.in_place else entry.nbytes, "weight")
+                    self._weights.add(name, entry, reserved=reserved)
+                except BaseException:
+                    if claimed:
+                        self._claims[name] = claimed  # `unreserve` gives it back
+                    raise
         except BaseException:
             _leave_region(entry)
             raise
         return entry
+
+    def claim(self, name: str, nbytes: int, field: str) -> None:
+        """Counts `nbytes` for the registration that reserved `name`, before it allocates them: RESOURCE_EXHAUSTED
+        naming `field` where the weights held and the registrations in progress would pass max_bytes. `register`
+        or `unreserve` ends the claim."""
+        with self._lock:
+            self._check_room_locked(nbytes, field)
+            self._claims[name] = nbytes
+
+    def _check_room_locked(self, nbytes: int, field: str) -> None:
+        held = self.total_bytes + sum(self._claims.values())
+        if held + nbytes > self.max_bytes:
+            raise ServiceError(f"{field}: {nbytes} bytes more than the weights may hold together: {held} of "
+                               f"{self.max_bytes} are held or being registered (--max-weights-mb); unregister a "
+                               "weight first", grpc.StatusCode.RESOURCE_EXHAUSTED)
 
     def check_free(self, name: str) -> None:
         """What `register` would refuse of `name` now (a bad name, ALREADY_EXISTS, RESOURCE_EXHAUSTED)."""
@@ -223,6 +264,8 @@ class WeightRegistry:
         self._weights.reserve(name)
 
     def unreserve(self, name: str) -> None:
+        with self._lock:
+            self._claims.pop(name, None)
         self._weights.unreserve(name)
 
     def list(self) -> list[RegisteredWeight]:
