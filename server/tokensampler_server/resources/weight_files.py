@@ -128,6 +128,9 @@ def read_safetensor(fd: int, relative: str, tensor: str, max_bytes: int,
         claim(nbytes)
         data = host_bytes(nbytes, f"tensor: {tensor!r} of {relative}")
         _read_into(fd, memoryview(data.numpy()), 8 + header_bytes + begin, relative)
+    except MemoryError:  # the header's reads (host_bytes answers for the tensor's own bytes)
+        raise ServiceError(f"tensor: the server has no memory to read {tensor!r} of {relative}",
+                           grpc.StatusCode.RESOURCE_EXHAUSTED) from None
     except OSError as err:
         raise _file_error(err, relative) from None
     return data.view(dtype).reshape(shape)
