@@ -31,15 +31,12 @@ from tokensampler_server.rpc.metrics import ServerMetrics, start_metrics_http
 from tokensampler_server.rpc.native_path import create_native_path
 from tokensampler_server.rpc.service import SamplerService, add_sampler_to_server
 from tokensampler_server.app.tls import server_credentials
+from tokensampler_server.resources.host_memory import host_memory_bytes
 from tokensampler_server.resources.weights import WeightRegistry
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Sampler"].full_name
-
-
-def _memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 async def follow_backend_health(backend: Backend, health_servicer: health.aio.HealthServicer,
@@ -159,7 +156,7 @@ async def serve(config: ServerConfig) -> None:
     if backend.device.type == "cpu":
         limits = replace(config.limits, samples_are_elements=True)
         if not config.max_elements_given:
-            limits = replace(limits, max_batch_elements=cpu_max_batch_elements(_memory_bytes()))
+            limits = replace(limits, max_batch_elements=cpu_max_batch_elements(host_memory_bytes()))
         config = replace(config, limits=limits)
         log.info("CPU backend: at most %d elements (B·V·samples) in a request or batch (--max-batch-elements)",
                  limits.max_batch_elements)

@@ -3,11 +3,18 @@ RESOURCE_EXHAUSTED, naming what it asked for, instead of failing the call as an 
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import numpy as np
 import torch
 
 from tokensampler_server.core.errors import ServiceError
+
+
+def host_memory_bytes() -> int:
+    """The host's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def host_bytes(size: int, what: str) -> torch.Tensor:

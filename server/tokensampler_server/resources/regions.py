@@ -93,10 +93,12 @@ class Region:
         if self.ready_event is not None:
             torch.cuda.current_stream(self.device).wait_event(self.ready_event)
 
-    def tensor(self, ref: pb.TensorRef, field: str, dtypes: tuple[int, ...], max_bytes: int) -> torch.Tensor:
+    def tensor(self, ref: pb.TensorRef, field: str, dtypes: tuple[int, ...], max_bytes: int,
+               claim: Callable[[int], None] = lambda nbytes: None) -> torch.Tensor:
         """The tensor `ref` points to (a view of a GPU region; a copy read from a shared-memory segment):
         OUT_OF_RANGE past the region's end, INVALID_ARGUMENT if malformed or larger than max_bytes (checked before
-        a byte is read: a sparse segment may be far larger than anything the server would accept)."""
+        a byte is read: a sparse segment may be far larger than anything the server would accept). `claim` is given
+        a copy's bytes before they are allocated (and may refuse them)."""
         _check_dtype(ref.dtype, field, dtypes)
         shape = tuple(ref.shape)
         size = referenced_bytes(ref)
@@ -105,7 +107,10 @@ class Region:
         key = (ref.offset, ref.dtype, shape)
         view = self.views.get(key)
         if view is None:
-            view = self._read(*self._span(ref, field, shape), field).view(DTYPE_TO_TORCH[ref.dtype]).view(shape)
+            offset, nbytes = self._span(ref, field, shape)
+            if self.segment is not None:
+                claim(nbytes)
+            view = self._read(offset, nbytes, field).view(DTYPE_TO_TORCH[ref.dtype]).view(shape)
             if self.segment is not None:  # a copy, read anew for every request
                 return view
             if len(self.views) >= _MAX_CACHED_VIEWS:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +19,7 @@ import grpc
 import torch
 
 from tokensampler_server.core.errors import InvalidArgument, ServiceError
+from tokensampler_server.resources.host_memory import host_memory_bytes
 from tokensampler_server.resources.refcounted import RefCountedRegistry
 from tokensampler_server.resources.regions import Region
 from tokensampler_server.core.request_context import raise_if_abandoned
@@ -180,7 +180,7 @@ def device_memory_bytes(device: torch.device) -> int:
     """The memory of `device`: a GPU's, or the host's physical memory."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host_memory_bytes()
 
 
 class WeightRegistry:

@@ -31,7 +31,7 @@ from tokensampler_server.core.errors import InvalidArgument
 from tokensampler_server.resources.leases import Lease
 from tokensampler_server.rpc.metrics import ServerMetrics
 from tokensampler_server.workloads.cuda import workloads_of
-from tokensampler_server.resources.regions import RegionRegistry, referenced_bytes, region_info
+from tokensampler_server.resources.regions import RegionRegistry, region_info
 from tokensampler_server.core.request_context import current_request_id
 from tokensampler_server.rpc.native_path import NativePath
 from tokensampler_server.rpc.sample_rpc import SampleRpc
@@ -297,10 +297,8 @@ class SamplerService(pb_grpc.SamplerServicer):
         """Reads (a shared-memory region), checks and registers a region's weight (registered_off_loop's work),
         holding the region while it reads: the caller's going must not let the region go under the read."""
         with self._regions.use(request.weight.region, "weight.region") as region:
-            nbytes = referenced_bytes(request.weight)
-            if region.segment is not None and nbytes <= self._limits.max_weight_bytes:  # (larger: refused below)
-                self._registry.claim(request.name, nbytes, "weight")  # read into the server's memory: counted first
-            weight = region.tensor(request.weight, "weight", WIRE_DTYPES, self._limits.max_weight_bytes)
+            weight = region.tensor(request.weight, "weight", WIRE_DTYPES, self._limits.max_weight_bytes,
+                                   lambda nbytes: self._registry.claim(request.name, nbytes, "weight"))
             if weight.dim() != 2 or min(weight.shape) < 1:
                 raise InvalidArgument("weight.shape", f"got {list(weight.shape)}, expected [V, D] with V, D >= 1")
             finish = finish_from_options(request.options, int(weight.shape[0]))
