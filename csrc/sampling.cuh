@@ -1573,7 +1573,37 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
     }
   };
   const int lane = threadIdx.x & 31;
-  if (!(m > 0.f)) {
+  if (kCut && use_bins && !(m > 0.f)) {
+    // The cut's bins alone: a token's z, its bin and the count (and mass), the division skipped at T = 1, where it
+    // is exact, and a rank key only for the tokens at the row's least z, where min_key lies (stats_kernel's row_min
+    // is the least finite logit of the same loads, and z is monotone in x). Two groups in flight a thread. What
+    // score_group does for these rows, in fewer instructions: the pass was bound by their issue
+    // (docs/design/kernel-routing.md).
+    const bool unit_t = temperature == 1.f;
+    for (int64_t g = g_begin + threadIdx.x; g < g_end; g += 2 * kFilterThreads) {
+      float x[2][4];
+      const bool second = g + kFilterThreads < g_end;
+      load_row_group(rv, g, vocab, x[0]);
+      if (second) load_row_group(rv, g + kFilterThreads, vocab, x[1]);
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        if (u == 1 && !second) break;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          sanitize(x[u][e]);
+          if (!(x[u][e] > -kInf)) continue;
+          const float d = __fsub_rn(x[u][e], row_max);
+          const float z = unit_t ? d : __fdiv_rn(d, temperature);
+          if (z <= z_min) min_key = min(min_key, rank_key(z, static_cast<uint32_t>(4 * (g + u * kFilterThreads) + e)));
+          const int b = bin_of(z);
+          atomicAdd(h.count + b, 1u);
+          if (need_mass)
+            atomicAdd(reinterpret_cast<unsigned long long*>(h.mass + b),
+                      static_cast<unsigned long long>(mass_fixed(z)));
+        }
+      }
+    }
+  } else if (!(m > 0.f)) {
     for (int64_t g = g_begin + threadIdx.x; g < g_end; g += kFilterThreads) {
       float x[4];
       load_row_group(rv, g, vocab, x);
