@@ -1307,26 +1307,31 @@ __device__ __forceinline__ bool keeps_min_p(float x, float z, float m) {
   return x > -kInf && (m <= 0.f || expf(z) >= m);
 }
 
+// Groups [begin, end) of a row.
+struct GroupSpan {
+  int64_t begin, end;
+};
+
 // The tokens min-p keeps whose bin lies in [c_lo, c_hi] and whose rank key in [key_lo, key_hi], found by the block
-// re-reading the row: fn(key, z, id) for each. One block reads the whole row here, so the loop is kept lean:
+// re-reading its groups of the row: fn(key, z, id) for each. One block may read the whole row here, so the loop is
+// kept lean:
 // kResolveBatch loads in flight a thread, a group skipped by its largest and smallest logit, and the exact z only for
 // logits in the bins' interval (one load at a time and a division a token, it took ~50 us of a 600 KB row on an H200).
 template <typename T, typename Fn>
-__device__ __forceinline__ void for_each_in_bins(const T* row, int64_t vocab, bool aligned, RowCut cut,
+__device__ __forceinline__ void for_each_in_bins(const T* row, int64_t vocab, GroupSpan span, bool aligned, RowCut cut,
                                                  float row_max, float temperature, float bin_scale, float m, int c_lo,
                                                  int c_hi, uint64_t key_lo, uint64_t key_hi, Fn&& fn) {
-  const int64_t groups = (vocab + 3) / 4;
   const LogitInterval range = logits_of_bins(c_lo, c_hi, row_max, temperature, bin_scale);
-  for (int64_t g0 = threadIdx.x; g0 < groups; g0 += kResolveBatch * kFilterThreads) {
+  for (int64_t g0 = span.begin + threadIdx.x; g0 < span.end; g0 += kResolveBatch * kFilterThreads) {
     float x[kResolveBatch][4];
 #pragma unroll
     for (int u = 0; u < kResolveBatch; ++u)
-      if (g0 + u * kFilterThreads < groups)
+      if (g0 + u * kFilterThreads < span.end)
         load_group(row, g0 + u * kFilterThreads, vocab, aligned, x[u], false, cut.words());
 #pragma unroll
     for (int u = 0; u < kResolveBatch; ++u) {
       const int64_t g = g0 + u * kFilterThreads;
-      if (g >= groups) continue;
+      if (g >= span.end) continue;
       if (cut.has_floor()) floor_group(cut.floor(), x[u]);
       if (!range.meets_group(x[u])) continue;
 #pragma unroll
@@ -1359,8 +1364,8 @@ struct FilterRow {
   template <typename Fn>
   __device__ __forceinline__ void for_each_in_bins(int c_lo, int c_hi, uint64_t key_lo, uint64_t key_hi,
                                                    Fn&& fn) const {
-    tokensampler::for_each_in_bins(row, vocab, aligned, kMask ? cut : RowCut{0}, row_max, temperature, bin_scale,
-                                   min_p, c_lo, c_hi, key_lo, key_hi, fn);
+    tokensampler::for_each_in_bins(row, vocab, GroupSpan{0, (vocab + 3) / 4}, aligned, kMask ? cut : RowCut{0},
+                                   row_max, temperature, bin_scale, min_p, c_lo, c_hi, key_lo, key_hi, fn);
   }
 };
 
@@ -1478,6 +1483,56 @@ __device__ __noinline__ Cut crowded_cuts(const FilterRow<T, kMask>& fr, const Hi
   last.win = block_allreduce<kFilterThreads>(win, MaxOp{}, scratch);
   return last;
 }
+
+// Where a cut range lies in its row: its bins' tokens (n of them) follow count_above tokens of mass mass_above; the
+// k cut keeps l1 tokens (k_cut), top-p (p_cut) the first whose mass reaches p x the mass of those l1 (total_mass
+// without a k cut).
+struct CutBounds {
+  uint32_t n, count_above, l1;
+  uint64_t mass_above, total_mass;
+  float p;
+  bool k_cut, p_cut;
+};
+
+// The kept tokens of a cut range: cand[0, jk), and the prefix of their masses.
+struct RangeWalk {
+  uint32_t jk;
+  bool unsettled;  // top-p's cut lies above the range: impossible
+};
+
+// The cut range's keys (cand: b.n of them, zero up to next_pow2(b.n)) sorted and walked exactly; prefix[i]: the mass of
+// cand[0, i].
+__device__ __forceinline__ RangeWalk walk_range(uint64_t* cand, uint64_t* prefix, const CutBounds& b,
+                                                uint64_t* scratch) {
+  const uint32_t n = b.n;
+  block_sort_desc<kFilterThreads>(cand, next_pow2(n));
+  for (uint32_t i = threadIdx.x; i < n; i += kFilterThreads) prefix[i] = mass_fixed(key_value(cand[i]));
+  block_inclusive_scan<kFilterThreads>(prefix, static_cast<int>(n), scratch);
+  const uint32_t j1 = min(n, b.l1 - b.count_above);
+  // Without a k cut the prefix L1 runs to the last kept bin, past the collected range.
+  const uint64_t l1_mass = b.k_cut ? b.mass_above + (j1 ? prefix[j1 - 1] : 0) : b.total_mass;
+  RangeWalk walk{j1, false};
+  if (b.p_cut) {
+    const double target = static_cast<double>(b.p) * l1_mass;
+    uint32_t first = UINT_MAX;
+    for (uint32_t i = threadIdx.x; i < j1; i += kFilterThreads)
+      if (static_cast<double>(b.mass_above + prefix[i]) >= target) first = min(first, i);
+    first = block_allreduce<kFilterThreads>(first, MinOp{}, reinterpret_cast<uint32_t*>(scratch));
+    walk.unsettled = static_cast<double>(b.mass_above) >= target;
+    if (first != UINT_MAX) walk.jk = first + 1;
+  }
+  return walk;
+}
+
+// A cut range that filter_kernel<T, kMask, true> leaves to cut_collect_kernel (several blocks a row): in the row's
+// histogram bytes, which both kernels leave zeroed, its keys in the bytes of the mass and winner bins.
+struct CutRange {
+  uint32_t pending, num;
+  int32_t c_lo, c_hi;
+  CutBounds bounds;
+};
+static_assert(sizeof(CutRange) <= kBins * sizeof(uint32_t), "the cut range fits the count bins");
+static_assert(kResolveCap <= 2 * kBins, "its keys fit the mass and winner bins");
 
 // kCut: the kept set alone, for a masked Gumbel-max after it (gumbel_kernel<..., kCutRowMask>, every sample): the
 // pass keeps counts (and masses under top-p) but no Philox word and no winner, every cut is resolved, and the row's
@@ -1769,35 +1824,30 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
         kept_mass = last.mass * kMassUnit;
         kept_min = last.key;
       } else {
+        const CutBounds bounds{n, count_above, l1, mass_above, total_mass, p, k_cut, p_cut};
+        if (kCut && splits > 1) {
+          // ---- every block of the row reads its groups for the range (cut_collect_kernel), not this one alone
+          if (threadIdx.x == 0) {
+            CutRange* range = reinterpret_cast<CutRange*>(static_cast<char*>(ws.hist) + w * kHistRowBytes);
+            *range = CutRange{1u, 0u, c_lo, c_hi, bounds};
+          }
+          return;
+        }
         // ---- re-read the row, collect the cut range, sort, walk the prefix exactly
         const unsigned int padded = next_pow2(n);
         __syncthreads();
         for (unsigned int i = threadIdx.x; i < padded; i += kFilterThreads) cand[i] = 0;
         if (threadIdx.x == 0) num_cand = 0;
         __syncthreads();
-        for_each_in_bins(rv.row, vocab, rv.aligned, row_cut_bits, row_max, temperature, bin_scale, m, c_lo, c_hi, 0,
-                         ~0ull,
-                         [&](uint64_t key, float, uint32_t) {
+        for_each_in_bins(rv.row, vocab, GroupSpan{0, groups}, rv.aligned, row_cut_bits, row_max, temperature,
+                         bin_scale, m, c_lo, c_hi, 0, ~0ull, [&](uint64_t key, float, uint32_t) {
           const int pos = atomicAdd(&num_cand, 1);
           if (pos < kResolveCap) cand[pos] = key;
         });
-        block_sort_desc<kFilterThreads>(cand, padded);
         uint64_t* prefix = h.mass;  // the bins are no longer needed: reuse for the masses
-        for (uint32_t i = threadIdx.x; i < n; i += kFilterThreads) prefix[i] = mass_fixed(key_value(cand[i]));
-        block_inclusive_scan<kFilterThreads>(prefix, static_cast<int>(n), scratch);
-        const uint32_t j1 = min(n, l1 - count_above);
-        // Without a k cut the prefix L1 runs to the last kept bin, past the collected range.
-        const uint64_t l1_mass = k_cut ? mass_above + (j1 ? prefix[j1 - 1] : 0) : total_mass;
-        uint32_t jk = j1;
-        if (p_cut) {
-          const double target = static_cast<double>(p) * l1_mass;
-          uint32_t first = UINT_MAX;
-          for (uint32_t i = threadIdx.x; i < j1; i += kFilterThreads)
-            if (static_cast<double>(mass_above + prefix[i]) >= target) first = min(first, i);
-          first = block_allreduce<kFilterThreads>(first, MinOp{}, reinterpret_cast<uint32_t*>(scratch));
-          if (static_cast<double>(mass_above) >= target) flags |= TS_ROW_UNSETTLED;  // cut above the range: impossible
-          if (first != UINT_MAX) jk = first + 1;
-        }
+        const RangeWalk walk = walk_range(cand, prefix, bounds, scratch);
+        const uint32_t jk = walk.jk;
+        if (walk.unsettled) flags |= TS_ROW_UNSETTLED;
         if (!kCut) {
           uint64_t win = best_above;
           for (uint32_t i = threadIdx.x; i < jk; i += kFilterThreads)
@@ -1819,6 +1869,52 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
   out.flags[r] = static_cast<uint8_t>(flags);
   if (out.kept_mass) out.kept_mass[r] = static_cast<float>(kept_mass);
   if (out.kept_min_key) out.kept_min_key[r] = static_cast<int64_t>(kept_min);
+}
+
+// The cut ranges filter_kernel<T, kMask, true> left (CutRange), read by every block of their row over its own groups
+// rather than by the row's last block alone, which took ~50 us a 600 KB row on an H200 on the way of every row
+// (docs/design/kernel-routing.md): each block appends the range's keys of its groups, the last sorts and walks them
+// and writes the row's last kept key, as the filter does for a range it reads itself. Launched after the filter
+// with the same grid.
+template <typename T, bool kMask>
+__global__ void __launch_bounds__(kFilterThreads)
+    cut_collect_kernel(TsLogits logits, TsRows rows, const float* row_max_in, const float* row_min_in, TsOutputs out,
+                       TsWorkspace ws) {
+  extern __shared__ uint64_t smem[];  // [kResolveCap] keys, then [kResolveCap] their mass prefix
+  __shared__ uint64_t scratch[kFilterThreads / 32];
+  const int w = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
+  wait_for_previous_grid();
+  char* row_hist = static_cast<char*>(ws.hist) + w * kHistRowBytes;
+  CutRange* range = reinterpret_cast<CutRange*>(row_hist);
+  uint64_t* keys = HistView::at(row_hist).mass;
+  if (!range->pending) return;  // the filter settled the row: every block of it leaves
+  const CutBounds bounds = range->bounds;
+  const int c_lo = range->c_lo, c_hi = range->c_hi;
+  const RowView<T> rv = row_view<T, kMask>(logits, rows, w);
+  const int64_t r = rv.r, vocab = logits.vocab, groups = (vocab + 3) / 4;
+  const float row_max = row_max_in[r], temperature = rows.temperature[r];
+  const float z_min = scaled(row_min_in[r], row_max, temperature);
+  const float bin_scale = z_min < 0.f ? static_cast<float>(kBins) / -z_min : 0.f;
+  const RowCut row_cut_bits = kMask ? row_cut(rows.bitmask, r) : RowCut{0};
+  const int64_t per = (groups + splits - 1) / splits;
+  const GroupSpan span{min(groups, split * per), min(groups, split * per + per)};
+  for_each_in_bins(rv.row, vocab, span, rv.aligned, row_cut_bits, row_max, temperature, bin_scale, rows.min_p[r],
+                   c_lo, c_hi, 0, ~0ull, [&](uint64_t key, float, uint32_t) {
+    const uint32_t pos = atomicAdd(&range->num, 1u);
+    if (pos < kResolveCap) keys[pos] = key;
+  });
+  if (!finish_and_elect_last(ws.counters + w, splits)) return;
+  uint64_t* cand = smem;
+  uint64_t* prefix = smem + kResolveCap;
+  const uint32_t n = bounds.n, padded = next_pow2(n);
+  const uint32_t written = min(__ldcg(&range->num), static_cast<uint32_t>(kResolveCap));  // n, as the bins counted
+  for (uint32_t i = threadIdx.x; i < padded; i += kFilterThreads) cand[i] = i < n ? __ldcg(keys + i) : 0;
+  for (uint32_t i = threadIdx.x; i < written; i += kFilterThreads) keys[i] = 0;
+  if (threadIdx.x == 0) *range = CutRange{};
+  __syncthreads();
+  const RangeWalk walk = walk_range(cand, prefix, bounds, scratch);
+  if (threadIdx.x == 0)
+    out.kept_min_key[r] = static_cast<int64_t>(walk.unsettled ? kNothingKept : walk.jk ? cand[walk.jk - 1] : 0);
 }
 
 }  // namespace tokensampler
