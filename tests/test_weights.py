@@ -429,7 +429,7 @@ def test_a_registration_holds_its_name_from_before_its_work_and_its_slot_too() -
         first = asyncio.ensure_future(registered_off_loop(registry, "head", slow))
         await asyncio.to_thread(started.wait, 10)
         with pytest.raises(ServiceError) as raised:  # the same name, refused before any work of its own
-            await registered_off_loop(registry, "head", slow, on_refused=lambda: refused.append(True))
+            await registered_off_loop(registry, "head", slow, on_unrun=lambda: refused.append(True))
         assert raised.value.code == grpc.StatusCode.ALREADY_EXISTS and "being registered" in raised.value.message
         registry.register("other", torch.randn(4, 2), LogitsFinish(vocab_size=4), "")
         with pytest.raises(ServiceError) as raised:  # the reservation takes one of the two slots
@@ -467,6 +467,40 @@ def test_a_registration_whose_caller_has_gone_registers_nothing() -> None:
     asyncio.run(scenario())
     assert registry.list() == []
     registry.check_free("head")  # the name is free again: a retry registers
+
+
+def test_a_registration_cancelled_before_a_thread_takes_it_gives_its_name_and_descriptor_back() -> None:
+    """With every thread of the loop's executor busy, a registration's work waits in the executor's queue; a call
+    cancelled there drops the job, so the work never runs. The name (and its --max-weights slot) must come back, and
+    what the work would have closed (a file's descriptor) must be closed, or each such call leaks them for good."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    registry = WeightRegistry(torch.device("cpu"), max_weights=1)
+    busy, ran, unrun = threading.Event(), [], []
+
+    def work() -> RegisteredWeight:
+        ran.append(True)
+        return registry.register("head", torch.randn(4, 2), LogitsFinish(vocab_size=4), "", reserved=True)
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(1))
+        blocker = asyncio.ensure_future(asyncio.to_thread(busy.wait, 10))  # the executor's one thread, taken
+        call = asyncio.ensure_future(registered_off_loop(registry, "head", work, on_unrun=lambda: unrun.append(True)))
+        await asyncio.sleep(0.05)  # the call has reserved the name and queued its work behind the blocker
+        with pytest.raises(ServiceError):
+            registry.check_free("head")
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        busy.set()
+        await blocker
+        await asyncio.to_thread(lambda: None)  # the executor has drained its queue
+
+    asyncio.run(scenario())
+    assert ran == [] and unrun == [True]
+    registry.check_free("head")  # the name and the one slot are free again
+    assert registry.register("head", torch.randn(4, 2), LogitsFinish(vocab_size=4), "").name == "head"
 
 
 def test_the_weights_hold_at_most_their_budget_together() -> None:

@@ -36,6 +36,7 @@ from tokensampler_server.rpc.metrics import ServerMetrics
 from tokensampler_server.rpc.native_path import NativePath
 from tokensampler_server.resources.regions import OutputTarget, Region, RegionRegistry, referenced_bytes
 from tokensampler_server.core.request_context import current_request_id
+from tokensampler_server.core.threads import on_thread
 from tokensampler_server.model.sampling import SamplingResult
 from tokensampler_server.rpc.stream_flow import StreamBudget, StreamWindow
 from tokensampler_server.validation.wire import UnusualWire
@@ -310,7 +311,7 @@ class SampleRpc:
             finally:
                 share.release()
 
-        return await asyncio.to_thread(read)
+        return await on_thread(read, share.release)
 
     async def start(self, request: pb.SampleRequest, call: CallRecord,
                     token_lists: DecodedLists | None = None) -> _Started:

@@ -272,7 +272,7 @@ class SamplerService(pb_grpc.SamplerServicer):
         fd = open_weights_file(self._weights_dir, request.path)  # every later read goes through it (weight_files.py)
         return weights_info(await registered_off_loop(self._registry, request.name,
                                                       lambda: self._register_file(request, fd),
-                                                      on_refused=lambda: os.close(fd)))
+                                                      on_unrun=lambda: os.close(fd)))
 
     def _register_file(self, request: pb.RegisterWeightsFromFileRequest, fd: int) -> RegisteredWeight:
         """Reads, checks, hashes and registers a file's tensor, closing `fd`: seconds a GiB (registered_off_loop's

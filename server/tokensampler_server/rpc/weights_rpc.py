@@ -17,6 +17,7 @@ from tokensampler_client.tensors import DTYPE_TO_TORCH, TORCH_TO_DTYPE, TensorDe
 from tokensampler_server.core.budget import ByteBudget
 from tokensampler_server.core.errors import InvalidArgument, ServiceError
 from tokensampler_server.core.request_context import current_abandoned
+from tokensampler_server.core.threads import on_thread
 from tokensampler_server.resources.weights import (LogitsFinish, RegisteredWeight, WeightRegistry, check_finish,
                                                   check_weight_shape)
 
@@ -144,17 +145,18 @@ async def _within(chunks: AsyncIterator[pb.RegisterWeightsChunk],
 
 
 async def registered_off_loop(registry: WeightRegistry, name: str, work: Callable[[], RegisteredWeight],
-                              on_refused: Callable[[], None] | None = None) -> RegisteredWeight:
+                              on_unrun: Callable[[], None] | None = None) -> RegisteredWeight:
     """Runs a registration's work on a thread (reading and checking a weight, seconds a GiB on a CPU, then
     `registry.register(name, ..., reserved=True)`) with `name` reserved from before it starts to its end: a second
     registration of the name, or one past --max-weights, is refused at once rather than doing the same work. A
     caller that goes away (deadline, cancel) registers nothing: the registry's checks call raise_if_abandoned,
-    which sees the call gone. `on_refused` runs when the name is refused."""
+    which sees the call gone, and a caller gone before a thread took the work gives the name back at once.
+    `on_unrun` runs when the work does not (the name refused, or the caller gone first)."""
     try:
         registry.reserve(name)
     except BaseException:
-        if on_refused is not None:
-            on_refused()
+        if on_unrun is not None:
+            on_unrun()
         raise
     gone = threading.Event()
 
@@ -166,8 +168,13 @@ async def registered_off_loop(registry: WeightRegistry, name: str, work: Callabl
             current_abandoned.reset(token)
             registry.unreserve(name)  # nothing if the work registered
 
+    def unrun() -> None:
+        registry.unreserve(name)
+        if on_unrun is not None:
+            on_unrun()
+
     try:
-        return await asyncio.to_thread(run)
+        return await on_thread(run, unrun)
     except asyncio.CancelledError:
         gone.set()
         raise
