@@ -74,15 +74,14 @@ class LocalSamplerKernels:
         the only sampler some row uses (`floor`), else their kept bits (`kept`); NO_BITMASK when no row uses a
         sampler. They point into reused buffers, valid until the next call."""
         x = _contiguous_float_rows(x, self._device)
-        num_rows, vocab = x.shape
-        self._keep = grown(self._keep, num_rows * words_of(vocab))
-        self._floor = grown(self._floor, num_rows)
-        used = self._launch(x, truncation, keep=self._keep.data_ptr(), floor=self._floor.data_ptr())
+        keep = self._kept_bits(*x.shape)
+        self._floor = grown(self._floor, x.shape[0])
+        used = self._launch(x, truncation, keep=keep.data_ptr(), floor=self._floor.data_ptr())
         if not used:
             return NO_BITMASK
         if used & self._module.LOCAL_FLOOR:
             return [0, 0, 0, self._floor.data_ptr()]
-        return [self._keep.data_ptr(), 0, words_of(vocab), 0]
+        return [keep.data_ptr(), 0, keep.shape[1], 0]
 
     def floor(self, x: torch.Tensor, truncation: Truncation) -> torch.Tensor | None:
         """L4 alone (sigma_alone) on contiguous float32 logits x [B, V] on the device, which are only read once: each
@@ -102,10 +101,14 @@ class LocalSamplerKernels:
         flags; bits past V set), for the sampling kernels to read with x. None when no row uses a sampler. The
         bitmask is a reused buffer, valid until the next call."""
         x = _contiguous_float_rows(x, self._device)
-        num_rows, vocab = x.shape
-        self._keep = grown(self._keep, num_rows * words_of(vocab))
-        keep = self._keep[:num_rows * words_of(vocab)].view(num_rows, words_of(vocab))
+        keep = self._kept_bits(*x.shape)
         return keep if self._launch(x, truncation, keep=keep.data_ptr()) else None
+
+    def _kept_bits(self, num_rows: int, vocab: int) -> torch.Tensor:
+        """The reused kept bits of num_rows rows, int32 [num_rows, ceil(vocab / 32)]."""
+        words = words_of(vocab)
+        self._keep = grown(self._keep, num_rows * words)
+        return self._keep[:num_rows * words].view(num_rows, words)
 
     def _launch(self, x: torch.Tensor, truncation: Truncation, *, keep: int = 0, floor: int = 0) -> int:
         """Packs the rows' columns and launches the kernels on x (contiguous): L4-L6 with `keep` (0 or the kept bits'
