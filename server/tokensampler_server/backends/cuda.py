@@ -10,7 +10,8 @@ csrc/routes.cpp, which the native path (csrc/native_path.cpp) calls too:
   min-p alone                   -> stats_kernel, then gumbel_kernel over the tokens min-p keeps (a mask
                                    from the row max)
   k > 255 without top-p         -> stats_kernel, filter_kernel's cut form once (the kept set's last key, from
-                                   counts alone), then gumbel_kernel with that set as a mask, a sample
+                                   counts alone; cut_collect_kernel reads the cut range where a row has several
+                                   blocks), then gumbel_kernel with that set as a mask, a sample
   k > 255 with top-p, processed log-probs
                                 -> stats_kernel then filter_kernel: exact binned cut, any k, p and min-p
 A token bitmask (structured output) is read by every kernel above as it loads the logits, a disallowed token
@@ -84,10 +85,11 @@ ROUTES = [
           ("stats_kernel", "filter_kernel"), "two reads a sample, and the cut bin re-read: 29-38 us at B = 1-8"),
     Route("min-p alone", ("stats_kernel", "gumbel_kernel"), "two reads (every sample in one launch): 14-137 us"),
     Route("k > 255 (any k up to V, per row) without top-p, with or without min-p; with top-p from 2 samples a row; "
-          "top-p without k below 32 rows from 8 samples", ("stats_kernel", "filter_kernel", "gumbel_kernel"),
-          "three reads, and each row's cut bin re-read by one block, once for every sample; then one read a sample, "
-          "every sample in one launch: 1.6-4.2x the top-k 50 call, 90-590 us a call at B = 1-256; 64 samples: "
-          "0.1-0.4 ms at B = 1-8, 3.9-6.1 ms at B = 256"),
+          "top-p without k below 32 rows from 8 samples",
+          ("stats_kernel", "filter_kernel", "cut_collect_kernel", "gumbel_kernel"),
+          "three reads, and each row's cut bin re-read by the row's blocks, once for every sample; then one read a "
+          "sample, every sample in one launch: 1.5-3.6x the top-k 50 call, 76-545 us a call at B = 1-256 (one "
+          "sample, without top-p); 64 samples: 0.1-0.4 ms at B = 1-8, 3.9-6.1 ms at B = 256"),
     Route("k > 255 with top-p (and min-p), one sample; processed log-probs", ("stats_kernel", "filter_kernel"),
           "two reads a sample, and each row's cut bins re-read by one block (radix passes when a bin holds more "
           "than 4096 tokens): 2.1-4.7x the top-k 50 call, 105-670 us a call at B = 1-256"),
