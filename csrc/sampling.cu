@@ -133,15 +133,19 @@ cudaError_t launch_filter(const TsLogits* logits, const TsRows* rows, const floa
     constexpr bool M = decltype(mask)::value;
     const void* kernel = reinterpret_cast<const void*>(&filter_kernel<T, M, kCut>);
     if (cudaError_t e = set_smem(kernel, kFilterSmemBytes)) return e;
+    // the cut ranges the filter leaves to every block of their row (CutRange): a failure of this set-up must come
+    // before the filter writes any, or they would stay in the workspace
+    const bool collect = kCut && blocks > 1;
+    constexpr size_t kCollectSmemBytes = 2 * kResolveCap * sizeof(uint64_t);
+    if (collect) {
+      if (cudaError_t e = set_smem(reinterpret_cast<const void*>(&cut_collect_kernel<T, M>), kCollectSmemBytes))
+        return e;
+    }
     if (cudaError_t e = launch_after_previous(&filter_kernel<T, M, kCut>, grid, dim3(kFilterThreads),
                                               kFilterSmemBytes, s, *logits, *rows, row_max, row_min, row_argmax,
                                               stats_flags, need_exact_mass, *out, *ws))
       return e;
-    if (!kCut || blocks == 1) return cudaSuccess;
-    // the cut ranges the filter left to every block of their row (CutRange)
-    constexpr size_t kCollectSmemBytes = 2 * kResolveCap * sizeof(uint64_t);
-    if (cudaError_t e = set_smem(reinterpret_cast<const void*>(&cut_collect_kernel<T, M>), kCollectSmemBytes))
-      return e;
+    if (!collect) return cudaSuccess;
     return launch_after_previous(&cut_collect_kernel<T, M>, grid, dim3(kFilterThreads), kCollectSmemBytes, s, *logits,
                                  *rows, row_max, row_min, *out, *ws);
   });

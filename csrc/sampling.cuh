@@ -1531,7 +1531,8 @@ struct CutRange {
   int32_t c_lo, c_hi;
   CutBounds bounds;
 };
-static_assert(sizeof(CutRange) <= kBins * sizeof(uint32_t), "the cut range fits the count bins");
+static_assert(sizeof(CutRange) <= kBins * sizeof(uint32_t) && sizeof(CutRange) % sizeof(uint64_t) == 0,
+              "the cut range fits the count bins, in whole words");
 static_assert(kResolveCap <= 2 * kBins, "its keys fit the mass and winner bins");
 
 // kCut: the kept set alone, for a masked Gumbel-max after it (gumbel_kernel<..., kCutRowMask>, every sample): the
@@ -1910,8 +1911,8 @@ __global__ void __launch_bounds__(kFilterThreads)
   const uint32_t written = min(__ldcg(&range->num), static_cast<uint32_t>(kResolveCap));  // n, as the bins counted
   for (uint32_t i = threadIdx.x; i < padded; i += kFilterThreads) cand[i] = i < n ? __ldcg(keys + i) : 0;
   for (uint32_t i = threadIdx.x; i < written; i += kFilterThreads) keys[i] = 0;
-  if (threadIdx.x == 0) *range = CutRange{};
-  __syncthreads();
+  __syncthreads();  // every thread has read `num` before the record is cleared, its padding too
+  if (threadIdx.x < sizeof(CutRange) / sizeof(uint64_t)) reinterpret_cast<uint64_t*>(range)[threadIdx.x] = 0;
   const RangeWalk walk = walk_range(cand, prefix, bounds, scratch);
   if (threadIdx.x == 0)
     out.kept_min_key[r] = static_cast<int64_t>(walk.unsettled ? kNothingKept : walk.jk ? cand[walk.jk - 1] : 0);
