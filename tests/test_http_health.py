@@ -11,7 +11,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client._proto import sampler_pb2_grpc
+from tokensampler_server.rpc.health import HealthService
 from tokensampler_server.rpc.metrics import ServerMetrics, start_metrics_http
 from tokensampler_server.app.server import SERVICE_NAME, sampler_serving
 
@@ -53,7 +57,7 @@ def test_each_path_answers_its_status_and_body() -> None:
 
 def test_readiness_is_what_grpc_health_says_of_the_sampler() -> None:
     async def run() -> list[bool]:
-        servicer = health.aio.HealthServicer()
+        servicer = HealthService()
         seen = [sampler_serving(servicer)]  # before the server sets it: the Sampler is unknown
         await servicer.set("", SERVING)
         seen.append(sampler_serving(servicer))  # the server as a whole is not the Sampler
@@ -67,24 +71,35 @@ def test_readiness_is_what_grpc_health_says_of_the_sampler() -> None:
 
 
 def test_readyz_turns_503_at_sigterm_while_a_call_holds_the_server() -> None:
-    """An open health Watch is a call in flight: the server stays up through its grace period until the
-    watch ends, so /readyz is read after the watch has seen NOT_SERVING and before the process exits."""
+    """An upload in progress is a call in flight: the server stays up through its grace period until the upload
+    ends, so /readyz is read after a health Watch has seen NOT_SERVING (and ended) and before the process exits."""
     running = start_server("--device", "cpu", "--grace-period-s", "60")
     try:
         port = metrics_port(running)
         assert get(port, "/readyz") == (200, "ready\n")
         assert get(port, "/healthz") == (200, "ok\n")
         with grpc.insecure_channel(running.target) as channel:
+            hold = threading.Event()
+
+            def header_then_wait() -> Iterator[pb.RegisterWeightsChunk]:
+                yield pb.RegisterWeightsChunk(name="held", dtype=pb.DTYPE_FLOAT32, shape=[4, 2])
+                hold.wait(30)
+
+            upload = sampler_pb2_grpc.SamplerStub(channel).RegisterWeights.future(header_then_wait(), timeout=30)
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
                                                                 timeout=30)
             assert next(watch).status == SERVING
             running.process.send_signal(signal.SIGTERM)
             assert next(watch).status == NOT_SERVING
-            assert running.process.poll() is None  # held by the watch, in its grace period
+            with pytest.raises(grpc.RpcError) as ended:
+                next(watch)
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert running.process.poll() is None  # held by the upload, in its grace period
             assert get(port, "/readyz") == (503, "not ready\n")
             assert get(port, "/healthz") == (200, "ok\n")
             assert get(port, "/metrics")[0] == 200  # Prometheus can scrape the drain
-            watch.cancel()
+            upload.cancel()
+            hold.set()
         assert running.process.wait(timeout=60) == 0
     finally:
         running.stop()

@@ -1,7 +1,8 @@
 """Builds the grpc.aio server (sampler, health, reflection) and runs it until SIGTERM/SIGINT.
 
-Shutdown: health turns NOT_SERVING at once (gRPC, and /readyz on the metrics port), new calls are
-refused, in-flight calls get the grace period to finish, then the process exits 0.
+Shutdown: health turns NOT_SERVING at once (gRPC, and /readyz on the metrics port) and its Watch streams end,
+new calls are refused, requests waiting out the queue delay start at once, in-flight calls get the grace period to
+finish, then the process exits 0.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from functools import partial
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from tokensampler_client._proto import sampler_pb2 as pb
 
@@ -26,6 +27,7 @@ from tokensampler_server.batching.batcher import DynamicBatcher
 from tokensampler_server.core.budget import ByteBudget
 from tokensampler_server.core.config import ServerConfig, StartupError, cpu_max_batch_elements
 from tokensampler_server.rpc.call_guard import CallGuard
+from tokensampler_server.rpc.health import NOT_SERVING, SERVING, HealthService
 from tokensampler_server.resources.regions import RegionRegistry
 from tokensampler_server.rpc.metrics import ServerMetrics, start_metrics_http
 from tokensampler_server.rpc.native_path import create_native_path
@@ -39,7 +41,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Sampler"].full_name
 
 
-async def follow_backend_health(backend: Backend, health_servicer: health.aio.HealthServicer,
+async def follow_backend_health(backend: Backend, health_servicer: HealthService,
                                 period_s: float = 1.0) -> None:
     """gRPC health follows backend.serving(), asked every period_s on a worker thread: NOT_SERVING while the
     backend's devices cannot serve (a vocabulary-parallel exchange failed; the backend rebuilds its communicators
@@ -52,7 +54,7 @@ async def follow_backend_health(backend: Backend, health_servicer: health.aio.He
             log.exception("backend %s: asking whether it serves failed", backend.info().device)
             now = False
         if now != serving:
-            status = health_pb2.HealthCheckResponse.SERVING if now else health_pb2.HealthCheckResponse.NOT_SERVING
+            status = SERVING if now else NOT_SERVING
             for service in ("", SERVICE_NAME):
                 await health_servicer.set(service, status)
             log.warning("backend %s: health %s", backend.info().device, "SERVING" if now else "NOT_SERVING")
@@ -60,10 +62,10 @@ async def follow_backend_health(backend: Backend, health_servicer: health.aio.He
         await asyncio.sleep(period_s)
 
 
-def sampler_serving(health_servicer: health.aio.HealthServicer) -> bool:
+def sampler_serving(health_servicer: HealthService) -> bool:
     """Whether gRPC health says SERVING for the Sampler: /readyz on the metrics port. Called on that port's
-    threads, where the servicer's Check (a coroutine of the event loop) cannot run: a read of its status dict."""
-    return health_servicer._server_status.get(SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
+    threads, where the servicer's Check (a coroutine of the event loop) cannot run: a read of its statuses."""
+    return health_servicer.status(SERVICE_NAME) == SERVING
 
 
 PER_CONNECTION_MARGIN = 16
@@ -194,7 +196,7 @@ async def serve(config: ServerConfig) -> None:
     metrics.registered_regions.set_function(lambda: len(regions.list()))
     metrics.registered_regions_bytes.set_function(lambda: regions.total_bytes)
     add_sampler_to_server(sampler, registration)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, registration)
     if config.reflection:
         # reflection.enable_server_reflection, with the asyncio servicer named (it picks by the server's type)
@@ -213,7 +215,7 @@ async def serve(config: ServerConfig) -> None:
                                           ready=partial(sampler_serving, health_servicer))
     await server.start()
     for service in ("", SERVICE_NAME):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(service, SERVING)
     # Tests and scripts wait for this line to learn the port (with --port 0 the OS picks it).
     log.info("access: %s, %s", "bearer tokens required" if tokens is not None else "open to every caller",
              "plaintext" if credentials is None else "TLS" + (" with client certificates" if config.tls_client_ca else ""))
@@ -233,8 +235,9 @@ async def serve(config: ServerConfig) -> None:
     log.info("shutting down: NOT_SERVING, %.1f s grace for in-flight requests", config.grace_period_s)
     if follower is not None:
         follower.cancel()
-    await health_servicer.enter_graceful_shutdown()
+    await health_servicer.enter_graceful_shutdown()  # and its Watch streams end
     admission.end_waiting_streams()  # streams with nothing in flight need no grace period
+    batcher.drain()  # nothing more will come to merge with: what waits out --max-queue-delay-us starts now
     await server.stop(config.grace_period_s)
     await sampler.close()
     if tracer is not None:
