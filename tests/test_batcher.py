@@ -443,3 +443,27 @@ def test_hidden_states_reach_the_backend_as_hidden_states() -> None:
     assert backend.hidden and all(backend.hidden)
     for batch, result in zip(batches, results):
         assert torch.equal(result.tokens, CpuBackend().sample(batch).tokens)
+
+
+def test_drain_starts_what_waits_out_the_queue_delay_at_once() -> None:
+    """At shutdown nothing more comes to merge with: requests waiting out a 60 s --max-queue-delay-us start when the
+    batcher drains, and later ones start at once, so that the grace period is not spent waiting."""
+    backend = CountingBackend()
+
+    async def run() -> tuple[float, float]:
+        batcher = DynamicBatcher(backend, max_batch_rows=64, max_queue_delay_us=60_000_000)
+        loop = asyncio.get_running_loop()
+        waiting = [asyncio.ensure_future(batcher.submit(make_batch(torch.zeros(1, VOCAB)))) for _ in range(3)]
+        await wait_until_async(lambda: batcher.queued_rows == 3, "3 rows waiting out the delay")
+        started = loop.time()
+        batcher.drain()
+        await asyncio.wait_for(asyncio.gather(*waiting), 10)
+        drained = loop.time() - started
+        started = loop.time()
+        await asyncio.wait_for(batcher.submit(make_batch(torch.zeros(2, VOCAB))), 10)
+        later = loop.time() - started
+        await batcher.close()
+        return drained, later
+
+    drained, later = asyncio.run(run())
+    assert drained < 5 and later < 5 and backend.calls == [3, 2]

@@ -528,6 +528,16 @@ class DynamicBatcher:
     def _sample(self, batch: SamplingBatch) -> SamplingResult:
         return _backend_errors_as_status(lambda: self._backend.sample(batch))
 
+    def drain(self) -> None:
+        """At shutdown: nothing more will arrive to merge with, so the queue delay ends. What waits in it starts now
+        and every later request at once, rather than holding the grace period for up to --max-queue-delay-us."""
+        self._delay_s = 0.0
+        if self._runner is not None:
+            self._runner.cancel()
+            self._runner = None
+        if self._queue:
+            self._launch(asyncio.get_running_loop())
+
     @property
     def idle(self) -> bool:
         """Nothing queued, running, or on the workers."""
