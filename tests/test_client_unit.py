@@ -521,3 +521,33 @@ def test_deadlines_too_far_off_for_grpc_are_sent_as_none() -> None:
     client = SamplerClient("127.0.0.1:1")
     assert client._stream_retry(float("inf")).remaining() is None and client._stream_retry(None).remaining() is None
     assert 4.0 < client._stream_retry(5.0).remaining() <= 5.0
+
+
+def test_an_array_of_a_released_shared_memory_region_stays_valid() -> None:
+    """An engine may keep the arrays of a shared-memory region past its unregistration: they keep their own mapping
+    of the segment, so writing through one after `release` works (before: SharedMemory.close unmapped the memory
+    under them, and the write killed the process with SIGSEGV; run in a child process so that a crash fails only
+    this test). The segment's name is gone at once, a second release does nothing, and `tensor` refuses."""
+    import subprocess
+    import sys
+
+    child = """
+import os, torch
+from tokensampler_client.regions import SharedMemoryRegion
+region = SharedMemoryRegion("r", 1 << 20)
+x = region.tensor(torch.float32, (256, 1024))
+x.fill_(1.0)
+key = region.request.shm.key
+region.release()
+region.release()
+assert not os.path.exists("/dev/shm/" + key)
+x.add_(1.0)
+print(float(x.sum()))
+try:
+    region.tensor(torch.float32, (1,))
+except ValueError as err:
+    print(err)
+"""
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == [str(2.0 * 256 * 1024), "region 'r': released; register a region again"]

@@ -28,6 +28,7 @@ CUDA regions need torch.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import secrets
 from collections.abc import Sequence
@@ -43,6 +44,9 @@ from .tensors import ITEMSIZE, Array, wire_dtype
 
 if TYPE_CHECKING:
     import torch as _torch_types
+
+_SHM_DIR = "/dev/shm"
+"""Where POSIX shared-memory segments live on Linux, which the server reads them from too."""
 
 
 def _wire(dtype: Any) -> int:
@@ -109,13 +113,24 @@ class SharedMemoryRegion:
     def __init__(self, name: str, byte_size: int) -> None:
         self.name = name
         self._segment = shared_memory.SharedMemory(name=f"tokensampler-{secrets.token_hex(8)}", create=True, size=byte_size)
+        # The arrays of `tensor` keep a mapping of their own, not SharedMemory's, which its close() unmaps under
+        # them: a mapping goes with the last reference to it, so an array kept past `release` never points at
+        # unmapped memory (writing through one crashed the process).
+        fd = os.open(os.path.join(_SHM_DIR, self._segment.name), os.O_RDWR)
+        try:
+            mapping = mmap.mmap(fd, byte_size)
+        finally:
+            os.close(fd)
+        self._segment.close()
         self.byte_size = byte_size
-        self.buffer: Array = (np.frombuffer(self._segment.buf, dtype=np.uint8, count=byte_size) if torch is None
-                              else torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=byte_size))
+        self.buffer: Array | None = (np.frombuffer(mapping, dtype=np.uint8, count=byte_size) if torch is None
+                                     else torch.frombuffer(mapping, dtype=torch.uint8, count=byte_size))
         self.request = pb.RegisterRegionRequest(name=name, shm=pb.SharedMemorySource(key=self._segment.name, byte_size=byte_size))
 
     def tensor(self, dtype: Any, shape: tuple[int, ...], offset: int = 0) -> Array:
-        """A writable array over bytes [offset, offset + size) of the segment."""
+        """A writable array over bytes [offset, offset + size) of the segment; it stays valid after `release`."""
+        if self.buffer is None:
+            raise ValueError(f"region {self.name!r}: released; register a region again")
         view = _view(self.name, self.byte_size, dtype, shape, offset)
         size = math.prod(shape) * ITEMSIZE[_wire(dtype)]
         return self.buffer[view.offset : view.offset + size].view(dtype).reshape(shape)
@@ -128,9 +143,11 @@ class SharedMemoryRegion:
         return _rows(self.name, self.byte_size, dtype, row_size, row_offsets)
 
     def release(self) -> None:
-        """Frees the segment (after the server unregistered it)."""
-        del self.buffer
-        self._segment.close()
+        """Frees the segment (after the server unregistered it): its name at once, its memory with the last array
+        from `tensor`. Once; a second call does nothing."""
+        if self.buffer is None:
+            return
+        self.buffer = None
         self._segment.unlink()
 
 
