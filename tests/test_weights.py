@@ -543,3 +543,33 @@ def test_registrations_in_progress_claim_their_bytes_before_they_allocate(tmp_pa
     registry.register("file", weight, LogitsFinish(vocab_size=16), "", reserved=True)
     registry.reserve("next")
     registry.claim("next", 488, "weight")  # exactly what is left: the claim became the weight's bytes, not both
+
+
+def test_a_registration_that_succeeded_leaves_a_later_reservation_of_its_name_alone() -> None:
+    """Registration A registers "w"; before its thread finishes, "w" is unregistered and registration B reserves
+    it and claims its bytes. A must not give back B's reservation (before: its thread's last step unreserved the
+    name whoever held it, so a third registration could reserve it too and B's own register then failed with a
+    KeyError, an INTERNAL; B's bytes also went uncounted)."""
+    registry = WeightRegistry(torch.device("cpu"), max_bytes=1 << 20)
+    registered, go_on = threading.Event(), threading.Event()
+
+    def work_a() -> RegisteredWeight:
+        entry = registry.register("w", torch.ones(4, 2), LogitsFinish(vocab_size=4), "", reserved=True)
+        registered.set()
+        go_on.wait(10)  # the thread held between its registration and its end
+        return entry
+
+    async def scenario() -> None:
+        a = asyncio.ensure_future(registered_off_loop(registry, "w", work_a))
+        await asyncio.to_thread(registered.wait, 10)
+        await registry.unregister("w")
+        registry.reserve("w")  # registration B
+        registry.claim("w", 1000, "weight")
+        go_on.set()
+        await a
+        with pytest.raises(ServiceError) as raised:  # a third registration: B still holds the name
+            registry.reserve("w")
+        assert raised.value.code == grpc.StatusCode.ALREADY_EXISTS
+        assert registry.register("w", torch.ones(4, 2), LogitsFinish(vocab_size=4), "", reserved=True).name == "w"
+
+    asyncio.run(scenario())

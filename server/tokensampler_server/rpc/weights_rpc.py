@@ -163,10 +163,14 @@ async def registered_off_loop(registry: WeightRegistry, name: str, work: Callabl
     def run() -> RegisteredWeight:
         token = current_abandoned.set(gone.is_set)
         try:
+            # Once registered, the name is not this registration's to give back: it may already be unregistered
+            # and reserved by another registration.
             return work()
+        except BaseException:
+            registry.unreserve(name)
+            raise
         finally:
             current_abandoned.reset(token)
-            registry.unreserve(name)  # nothing if the work registered
 
     def unrun() -> None:
         registry.unreserve(name)
