@@ -19,7 +19,7 @@ from tokensampler_client.params import build_sample_request
 from tokensampler_client.regions import RegionView
 from tokensampler_client.result import SampleResult
 
-from .conftest import RunningServer, serving
+from .conftest import RunningServer, serving, start_server
 from .polling import wait_until, wait_until_async
 
 VOCAB = 256
@@ -136,6 +136,30 @@ def test_merged_requests_stay_within_the_clients_message_limit(server: RunningSe
     for got, want in zip(results, alone):
         assert torch.equal(got.tokens, want.tokens)
     assert len({result.request_id for result in results}) < 8  # some calls did merge
+
+
+@pytest.mark.parametrize("flag", ["--max-message-mb", "--max-queue-mb"])
+def test_calls_that_fit_the_server_alone_are_answered_when_their_merge_does_not(flag: str) -> None:
+    """Two 600 KB calls under a server's 1 MiB bound: the merged request is refused RESOURCE_EXHAUSTED (past the
+    message limit, or the queue's whole bound), so each is sent again alone and answered (before: both callers got
+    the merge's refusal), sync and async."""
+    logits = [torch.randn(1, 150_000, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    running = start_server("--device", "cpu", flag, "1")
+    try:
+        with (SamplerClient(running.target, timeout=60) as client,
+              BatchingClient(client, max_delay_us=300_000) as batcher,
+              concurrent.futures.ThreadPoolExecutor(2) as pool):
+            results = list(pool.map(lambda i: batcher.sample(logits[i], temperature=0), range(2)))
+
+        async def run() -> list[SampleResult]:
+            async with AsyncSamplerClient(running.target, timeout=60) as client:
+                async with AsyncBatchingClient(client, max_delay_us=300_000) as batcher:
+                    return await asyncio.gather(*(batcher.sample(x, temperature=0) for x in logits))
+
+        results += asyncio.run(run())
+    finally:
+        running.stop()
+    assert [int(r.tokens[0, 0]) for r in results] == [int(x.argmax()) for x in logits] * 2
 
 
 def test_async_batching_client(server: RunningServer) -> None:

@@ -34,8 +34,11 @@ from .params import build_sample_request
 from .result import SampleResult
 
 
-# A merged call rejected with one of these may hold a single bad request: each is re-sent alone.
-_RESEND_ALONE = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE})
+# A merged call rejected with one of these may hold a single bad request, or be refused for its size alone (past the
+# server's --max-message-mb or --max-queue-mb, which each call alone fits; an overload the client's retries did not
+# get past comes here too): each is re-sent alone.
+_RESEND_ALONE = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                           grpc.StatusCode.RESOURCE_EXHAUSTED})
 # Listed by servers that take `logits_rows`: region calls then merge wherever their rows lie.
 _ROWS_FEATURE = "region_rows"
 
