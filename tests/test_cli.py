@@ -119,18 +119,20 @@ def test_a_file_a_flag_names_that_cannot_be_used_is_one_line_and_status_2(
         cli.main(["--auth-token-file", str(binary), "health"])
     assert exited.value.code == 2 and "not UTF-8" in capsys.readouterr().err
     (tmp_path / "text.npy").write_text("not an array\n")
+    (tmp_path / "empty.npy").write_bytes(b"")
     np.save(tmp_path / "int64.npy", np.zeros((2, 1), dtype=np.int64))
     np.savez(tmp_path / "archive.npz", mask=np.zeros((2, 1), dtype=np.int32))
-    for mask, words in ((tmp_path / "text.npy", "not a .npy array file"), (tmp_path / "int64.npy", "expected int32"),
-                        (tmp_path / "archive.npz", "an archive")):
+    for mask, words in ((tmp_path / "text.npy", "not a .npy array file"), (tmp_path / "empty.npy", "not a .npy array"),
+                        (tmp_path / "int64.npy", "expected int32"), (tmp_path / "archive.npz", "an archive")):
         argv = ["--target", "127.0.0.1:1", "sample", "--random-logits", "2x8", "--token-bitmask", str(mask)]
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
         assert f"--token-bitmask: {mask}" in err and words in err and "pickle" not in err, err
-    argv = ["--target", "127.0.0.1:1", "sample", "--random-logits", "100000000x100000000"]
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err
-    assert "--random-logits" in err and len(err.strip().splitlines()) == 1, err
+    for command, shape in (("sample", "100000000x100000000"), ("sample", "1x99999999999999999999"),
+                           ("score", "1x1x99999999999999999999")):  # the last two: past int64
+        assert cli.main(["--target", "127.0.0.1:1", command, "--random-logits", shape]) == 2
+        err = capsys.readouterr().err
+        assert "--random-logits" in err and len(err.strip().splitlines()) == 1, err
     for mask in (tmp_path / "absent.npy", tmp_path / "mask.npy"):
         argv = ["--target", "127.0.0.1:1", "sample", "--random-logits", "2x8", "--token-bitmask", str(mask)]
         assert cli.main(argv) == 2

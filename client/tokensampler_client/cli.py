@@ -214,7 +214,7 @@ def _random_logits(torch: Any, shape: tuple[int, ...], generator: Any) -> Any:
     hold them."""
     try:
         return torch.randn(*shape, generator=generator)
-    except (RuntimeError, MemoryError):
+    except (RuntimeError, MemoryError, TypeError):  # TypeError: a size past int64
         size = "x".join(map(str, shape))
         raise ValueError(f"--random-logits: {size} float32 logits take {4 * math.prod(shape)} bytes, more than "
                          "this machine can allocate") from None
@@ -224,7 +224,7 @@ def _token_bitmask(path: Path) -> np.ndarray:
     """The int32 words of a .npy file (never unpickled)."""
     try:
         words = np.load(path, allow_pickle=False)
-    except ValueError:
+    except (ValueError, EOFError):  # EOFError: an empty file
         raise ValueError(f"--token-bitmask: {path} is not a .npy array file (np.save's format)") from None
     if not isinstance(words, np.ndarray):  # an .npz archive
         raise ValueError(f"--token-bitmask: {path} is an archive of arrays, expected one .npy array")
