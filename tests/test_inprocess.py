@@ -86,6 +86,37 @@ def test_hidden_states_through_a_registered_head(sampler: LocalSampler) -> None:
         sampler.register_head(weight, vocab_size=VOCAB + 13)
 
 
+def _nan_row(weight: torch.Tensor) -> torch.Tensor:
+    weight = weight.clone()
+    weight[3, 0] = float("nan")
+    return weight
+
+
+@pytest.mark.parametrize("head, field", [
+    ({"weight": _nan_row(torch.randn(VOCAB, DIM))}, "weight: got a NaN or infinite value in row 3"),
+    ({"bias": torch.arange(VOCAB, dtype=torch.int32)}, "head.bias.dtype"),
+    ({"bias": torch.zeros(VOCAB, dtype=torch.complex64)}, "head.bias.dtype"),
+    ({"logit_scale": 1e300}, "head.logit_scale"),  # inf in the service's float32 field
+    ({"logit_scale": 10**400}, "head.logit_scale"),
+    ({"soft_cap": 1e39}, "head.soft_cap"),
+])
+def test_register_head_refuses_what_the_service_refuses(sampler: LocalSampler, head: dict, field: str) -> None:
+    head = {"weight": torch.randn(VOCAB, DIM), **head}
+    with pytest.raises(ValueError, match=f"^{field}"):
+        sampler.register_head(head.pop("weight"), **head)
+
+
+@pytest.mark.parametrize("make", [lambda *shape: torch.empty(*shape, device="meta"),
+                                  lambda *shape: torch.zeros(*shape).to_sparse()])
+def test_inputs_without_dense_data_are_refused(sampler: LocalSampler, make) -> None:
+    with pytest.raises(ValueError, match="^input: got a"):
+        sampler.sample(make(2, VOCAB))
+    with pytest.raises(ValueError, match="^input: got a"):
+        sampler.sample_hidden(make(2, DIM), sampler.register_head(torch.randn(VOCAB, DIM)))
+    with pytest.raises(ValueError, match="^input: got a"):
+        sampler.score(make(2, 3, VOCAB), torch.zeros(2, 3, dtype=torch.int64))
+
+
 @pytest.mark.parametrize("options", [
     {},
     {"mode": "processed", "temperature": [0.5, 1.0, 1.5, 0.8, 2.0, 1.0], "top_logprobs": 5, "return_entropy": True},

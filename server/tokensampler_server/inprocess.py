@@ -44,7 +44,8 @@ from tokensampler_server.validation.prepared import validate_prepared_request
 from tokensampler_server.validation.sample import check_in_place_dtype, validate_sample_request
 from tokensampler_server.validation.workloads import validate_score_request, validate_topk_request
 from tokensampler_server.workloads.cuda import workloads_of
-from tokensampler_server.resources.weights import WEIGHT_DTYPES, RegisteredWeight, check_finish, check_weight_shape
+from tokensampler_server.resources.weights import (WEIGHT_DTYPES, RegisteredWeight, check_finish, check_finite_weight,
+                                                  check_weight_shape)
 
 __all__ = ["LocalSampler", "PreparedSampler", "capture"]
 
@@ -54,6 +55,24 @@ T = TypeVar("T")
 def _input(x: Any, dims: tuple[int, ...], expected: str) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() not in dims:
         raise ValueError(f"input: {expected} expected")
+    if x.layout != torch.strided:
+        raise ValueError(f"input: got a {x.layout} tensor, expected a dense (strided) tensor")
+
+
+def _with_data(x: torch.Tensor) -> None:
+    """A tensor to compute on: not a meta tensor (those only describe a prepared call's inputs)."""
+    if x.is_meta:
+        raise ValueError("input: got a meta tensor, expected one with data (meta tensors describe prepare's inputs)")
+
+
+def _float32_option(name: str, value: float | None) -> float | None:
+    """A head option as the service's float32 field holds it (1e300 there is inf, which check_finish refuses)."""
+    if value is None:
+        return None
+    try:
+        return torch.tensor(float(value), dtype=torch.float32).item()
+    except OverflowError:
+        raise ValueError(f"head.{name}: got {value!r}, expected a finite number") from None
 
 
 def _check_head(head: Any, optional: bool = False) -> None:
@@ -132,11 +151,13 @@ class LocalSampler:
                 raise ValueError(f"head.{name}: got {value!r}, expected a number or None")
         if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral)):
             raise ValueError(f"head.vocab_size: got {vocab_size!r}, expected an integer or None")
-        logit_scale = None if logit_scale is None else float(logit_scale)
-        soft_cap = None if soft_cap is None else float(soft_cap)
+        if bias is not None and not bias.is_floating_point():  # as the service refuses options.bias.dtype
+            raise ValueError(f"head.bias.dtype: got {bias.dtype}, expected float32 (or bfloat16, float16)")
+        logit_scale, soft_cap = _float32_option("logit_scale", logit_scale), _float32_option("soft_cap", soft_cap)
         vocab_size = None if vocab_size is None else int(vocab_size)
         try:
             check_weight_shape(tuple(weight.shape), "weight")
+            check_finite_weight(weight, "weight")
             finish = check_finish(weight.shape[0], bias, vocab_size, soft_cap, logit_scale, field_prefix="head")
         except InvalidArgument as err:
             raise ValueError(str(err)) from None
@@ -246,6 +267,7 @@ class LocalSampler:
     def _score(self, request: pb.ScoreTokensRequest, x: torch.Tensor,
                head: RegisteredWeight | None) -> ScoreTokensResult:
         """ScoreTokens' result (request_id empty)."""
+        _with_data(x)
         started = time.perf_counter_ns()
         _, source, scoring = _validated(validate_score_request, request, self._limits, lm_head=head, in_place=x)
         computing = time.perf_counter_ns()
@@ -272,6 +294,7 @@ class LocalSampler:
     @torch.no_grad()
     def _run(self, request: pb.SampleRequest, x: torch.Tensor, head: RegisteredWeight | None) -> SampleResult:
         """The result a remote call returns (request_id empty)."""
+        _with_data(x)
         started = time.perf_counter_ns()
         batch, seeds = _validated(validate_sample_request, request, self._limits, lm_head=head, referenced=x)
         computing = time.perf_counter_ns()
