@@ -279,7 +279,7 @@ def test_a_file_cut_short_while_it_is_read_is_refused_and_faults_nothing(tmp_pat
 
 
 @pytest.mark.parametrize("header, words", [
-    (MAX_HEADER_BYTES + 1, "a header of"),  # refused before it is read
+    (MAX_HEADER_BYTES + 1, "header length is past"),  # refused before it is read, its length not echoed
     (b"[1, 2]", "not an object"),
     (b"\xff\xfe", "not JSON"),
     (b'{"lm_head.weight": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 8]}}', "data takes 8 bytes"),

@@ -9,6 +9,28 @@ import grpc
 log = logging.getLogger(__name__)
 
 
+MAX_DETAILS_BYTES = 1024
+"""The most bytes of a status message (and of a logged error) before it is cut."""
+MAX_QUOTED_CHARS = 200
+"""The most characters of a client's string that a message quotes."""
+
+
+def bounded(message: str) -> str:
+    """A message cut to MAX_DETAILS_BYTES, saying how long it was."""
+    encoded = message.encode()
+    if len(encoded) <= MAX_DETAILS_BYTES:
+        return message
+    return f"{encoded[:MAX_DETAILS_BYTES].decode(errors='ignore')}... ({len(encoded)} bytes)"
+
+
+def quoted(text: str) -> str:
+    """A client's string as a message quotes it: its repr, of at most MAX_QUOTED_CHARS characters, so that an error
+    about a 64 MiB name does not copy it several times over before the status cuts it."""
+    if len(text) <= MAX_QUOTED_CHARS:
+        return repr(text)
+    return f"{text[:MAX_QUOTED_CHARS]!r}... ({len(text)} characters)"
+
+
 class ServiceError(Exception):
     """An error with the gRPC status code the client should see and a message for a person."""
 

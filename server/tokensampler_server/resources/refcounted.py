@@ -24,7 +24,7 @@ from typing import Generic, TypeVar
 
 import grpc
 
-from tokensampler_server.core.errors import InvalidArgument, ServiceError
+from tokensampler_server.core.errors import InvalidArgument, ServiceError, quoted
 
 T = TypeVar("T")
 _UNREGISTER_POLL_S = 0.005
@@ -38,12 +38,12 @@ def check_name(name: str, kind: str, field: str = "name") -> None:
     listings: no line breaks or control characters) of at most MAX_NAME_BYTES."""
     if not name:
         raise InvalidArgument(field, f"got an empty name, expected a non-empty {kind} name")
-    if not name.isprintable():
-        raise InvalidArgument(field, f"got {name!r}, expected a {kind} name of printable characters (no control "
-                                     "characters or line breaks)")
     size = len(name.encode())
     if size > MAX_NAME_BYTES:
         raise InvalidArgument(field, f"got a name of {size} bytes, expected at most {MAX_NAME_BYTES}")
+    if not name.isprintable():
+        raise InvalidArgument(field, f"got {quoted(name)}, expected a {kind} name of printable characters (no control "
+                                     "characters or line breaks)")
 
 
 class RefCountedRegistry(Generic[T]):
@@ -99,7 +99,7 @@ class RefCountedRegistry(Generic[T]):
         if name in self._items or name in self._leaving or name in self._reserved:
             state = ("being unregistered" if name in self._leaving else "being registered" if name in self._reserved
                      else "already registered")
-            raise ServiceError(f"name: a {self._kind} named {name!r} is {state}", grpc.StatusCode.ALREADY_EXISTS)
+            raise ServiceError(f"name: a {self._kind} named {quoted(name)} is {state}", grpc.StatusCode.ALREADY_EXISTS)
         taken = len(self._items) + len(self._leaving) + len(self._reserved)
         if self._max_items is not None and taken >= self._max_items:
             raise ServiceError(
@@ -127,7 +127,8 @@ class RefCountedRegistry(Generic[T]):
         with self._lock:
             item = self._items.get(name)
             if item is None:
-                raise ServiceError(f"{field}: no {self._kind} named {name!r} is registered", grpc.StatusCode.NOT_FOUND)
+                raise ServiceError(f"{field}: no {self._kind} named {quoted(name)} is registered",
+                                   grpc.StatusCode.NOT_FOUND)
             self._holds[id(item)] += 1
         return item
 
@@ -158,7 +159,8 @@ class RefCountedRegistry(Generic[T]):
         with self._lock:
             item = self._items.get(name)
             if item is None:
-                raise ServiceError(f"name: no {self._kind} named {name!r} is registered", grpc.StatusCode.NOT_FOUND)
+                raise ServiceError(f"name: no {self._kind} named {quoted(name)} is registered",
+                                   grpc.StatusCode.NOT_FOUND)
             if check is not None:
                 check(item)
             del self._items[name]
@@ -182,7 +184,7 @@ class RefCountedRegistry(Generic[T]):
             holders = self._holds[id(item)]
             if holders:
                 refusal = ServiceError(
-                    f"name: {self._kind} {name!r} is still used by {holders} request(s) after {timeout_s:g} s; "
+                    f"name: {self._kind} {quoted(name)} is still used by {holders} request(s) after {timeout_s:g} s; "
                     "it stays registered", grpc.StatusCode.FAILED_PRECONDITION)
             elif check is not None:
                 try:

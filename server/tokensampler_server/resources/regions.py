@@ -28,12 +28,12 @@ import torch
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.tensors import DTYPE_TO_TORCH, dtype_name
 
-from tokensampler_server.core.errors import InvalidArgument, ServiceError
+from tokensampler_server.core.errors import InvalidArgument, ServiceError, quoted
 from tokensampler_server.resources import gpu_waits
 from tokensampler_server.resources.host_memory import host_bytes
 from tokensampler_server.resources.refcounted import RefCountedRegistry, check_name
 
-_SHM_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+_SHM_KEY = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 _MAX_CACHED_VIEWS = 64
 _SHM_DIR = "/dev/shm"
 # Each shared-memory region holds one file descriptor; well inside the usual limit of 1024 per process.
@@ -271,26 +271,27 @@ def _shrunk(what: str, size: int) -> ServiceError:
 def open_shared_memory(source: pb.SharedMemorySource) -> SharedSegment:
     """Opens the client's segment /dev/shm/<key>: a regular file (no link, directory or FIFO) of at least
     byte_size bytes."""
-    if not _SHM_KEY.match(source.key) or source.key in (".", ".."):
-        raise InvalidArgument("shm.key", f"got {source.key!r}, expected 1-200 letters, digits, '_', '.' or '-' "
+    if not _SHM_KEY.fullmatch(source.key) or source.key in (".", ".."):
+        raise InvalidArgument("shm.key", f"got {quoted(source.key)}, expected 1-200 letters, digits, '_', '.' or '-' "
                               "naming a segment (not '.' or '..')")
     path = os.path.join(_SHM_DIR, source.key)
     try:
         # O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW: no symbolic links.
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
-        raise ServiceError(f"shm.key: no shared-memory segment named {source.key!r}", grpc.StatusCode.NOT_FOUND) from None
+        raise ServiceError(f"shm.key: no shared-memory segment named {quoted(source.key)}",
+                           grpc.StatusCode.NOT_FOUND) from None
     except OSError as err:
         if err.errno in (errno.EMFILE, errno.ENFILE):
             raise ServiceError("shm.key: the server has no file descriptors left; unregister regions first",
                                grpc.StatusCode.RESOURCE_EXHAUSTED) from None
-        raise ServiceError(f"shm.key: cannot open segment {source.key!r} ({os.strerror(err.errno)}); expected a "
+        raise ServiceError(f"shm.key: cannot open segment {quoted(source.key)} ({os.strerror(err.errno)}); expected a "
                            "shared-memory segment the server may read and write",
                            grpc.StatusCode.FAILED_PRECONDITION) from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise ServiceError(f"shm.key: {source.key!r} is not a shared-memory segment (a regular file)",
+            raise ServiceError(f"shm.key: {quoted(source.key)} is not a shared-memory segment (a regular file)",
                                grpc.StatusCode.FAILED_PRECONDITION)
         if source.byte_size == 0 or source.byte_size > info.st_size:
             raise InvalidArgument("shm.byte_size", f"got {source.byte_size}, expected 1..{info.st_size} (the segment's size)")

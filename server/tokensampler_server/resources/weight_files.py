@@ -22,8 +22,9 @@ from pathlib import Path
 import grpc
 import torch
 
-from tokensampler_server.core.errors import InvalidArgument, ServiceError
+from tokensampler_server.core.errors import InvalidArgument, ServiceError, quoted
 from tokensampler_server.resources.host_memory import host_bytes
+from tokensampler_server.resources.weights import check_weight_shape
 
 __all__ = ["MAX_HEADER_BYTES", "open_weights_file", "read_safetensor"]
 
@@ -42,13 +43,13 @@ def _file_error(err: OSError, relative: str) -> ServiceError:
         return InvalidArgument("path", f"got a path of {len(relative)} characters that the file system finds too long, "
                                        "expected shorter names")
     if err.errno == errno.ELOOP:
-        return ServiceError(f"path: {relative!r} goes through a symbolic link, which is refused",
+        return ServiceError(f"path: {quoted(relative)} goes through a symbolic link, which is refused",
                             grpc.StatusCode.PERMISSION_DENIED)
     if err.errno in (errno.EACCES, errno.EPERM):
-        return ServiceError(f"path: the server may not read {relative!r}", grpc.StatusCode.PERMISSION_DENIED)
+        return ServiceError(f"path: the server may not read {quoted(relative)}", grpc.StatusCode.PERMISSION_DENIED)
     if err.errno in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENODEV, errno.ENXIO):
-        return ServiceError(f"path: {relative!r} is not a file inside --weights-dir", grpc.StatusCode.NOT_FOUND)
-    return ServiceError(f"path: the server could not read {relative!r}: {os.strerror(err.errno or 0)}",
+        return ServiceError(f"path: {quoted(relative)} is not a file inside --weights-dir", grpc.StatusCode.NOT_FOUND)
+    return ServiceError(f"path: the server could not read {quoted(relative)}: {os.strerror(err.errno or 0)}",
                         grpc.StatusCode.FAILED_PRECONDITION)
 
 
@@ -60,12 +61,12 @@ def open_weights_file(weights_dir: Path | None, relative: str) -> int:
         raise ServiceError("path: loading weights from server files is off (start the server with --weights-dir)",
                            grpc.StatusCode.FAILED_PRECONDITION)
     if "\0" in relative:
-        raise InvalidArgument("path", f"got {relative!r}, expected a path without NUL characters")
+        raise InvalidArgument("path", f"got {quoted(relative)}, expected a path without NUL characters")
     if len(os.fsencode(relative)) >= _PATH_MAX:  # opened a component at a time, no call would say ENAMETOOLONG
         raise _file_error(OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG)), relative)
     parts = Path(relative).parts
     if not parts or Path(relative).is_absolute() or ".." in parts:  # "" and "." have no parts
-        raise ServiceError(f"path: got {relative!r}, expected a relative path inside --weights-dir without '..'",
+        raise ServiceError(f"path: got {quoted(relative)}, expected a relative path inside --weights-dir without '..'",
                            grpc.StatusCode.PERMISSION_DENIED)
     try:
         directory = os.open(weights_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the operator's: may be a link
@@ -85,7 +86,8 @@ def open_weights_file(weights_dir: Path | None, relative: str) -> int:
         os.close(directory)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise ServiceError(f"path: {relative!r} is not a regular file inside --weights-dir", grpc.StatusCode.NOT_FOUND)
+        raise ServiceError(f"path: {quoted(relative)} is not a regular file inside --weights-dir",
+                           grpc.StatusCode.NOT_FOUND)
     return fd
 
 
@@ -114,22 +116,23 @@ def read_safetensor(fd: int, relative: str, tensor: str, max_bytes: int,
         entry = header.get(tensor)
         if tensor == "__metadata__" or entry is None:
             names = sorted(name for name in header if name != "__metadata__")
-            raise ServiceError(f"tensor: {tensor!r} is not in {relative} (it has {names[:8]})",
+            raise ServiceError(f"tensor: {quoted(tensor)} is not in {relative} (it has {names[:8]})",
                                grpc.StatusCode.NOT_FOUND)
         if not isinstance(entry, dict):
             raise InvalidArgument("path",
-                                  f"could not read {relative} as safetensors: a malformed entry for {tensor!r}")
+                                  f"could not read {relative} as safetensors: a malformed entry for {quoted(tensor)}")
         dtype, shape, begin, end = _entry(entry, relative, tensor)
         nbytes = end - begin
         if nbytes > max_bytes:
-            raise InvalidArgument("tensor", f"{tensor!r} is larger than {max_bytes} bytes")
+            raise InvalidArgument("tensor", f"{quoted(tensor)} is larger than {max_bytes} bytes")
         if 8 + header_bytes + end > size:
-            raise InvalidArgument("path", f"could not read {relative} as safetensors: {tensor!r} ends past the file")
+            raise InvalidArgument("path", f"could not read {relative} as safetensors: {quoted(tensor)} ends past "
+                                          "the file")
         claim(nbytes)
-        data = host_bytes(nbytes, f"tensor: {tensor!r} of {relative}")
+        data = host_bytes(nbytes, f"tensor: {quoted(tensor)} of {relative}")
         _read_into(fd, memoryview(data.numpy()), 8 + header_bytes + begin, relative)
     except MemoryError:  # the header's reads (host_bytes answers for the tensor's own bytes)
-        raise ServiceError(f"tensor: the server has no memory to read {tensor!r} of {relative}",
+        raise ServiceError(f"tensor: the server has no memory to read {quoted(tensor)} of {relative}",
                            grpc.StatusCode.RESOURCE_EXHAUSTED) from None
     except OSError as err:
         raise _file_error(err, relative) from None
@@ -141,9 +144,9 @@ def _header_length(fd: int, relative: str, size: int) -> int:
     if len(prefix) < 8:
         raise InvalidArgument("path", f"could not read {relative} as safetensors: {len(prefix)} bytes, no header")
     (length,) = struct.unpack("<Q", prefix)
-    if length > MAX_HEADER_BYTES:
-        raise InvalidArgument("path", f"could not read {relative} as safetensors: a header of {length} bytes, "
-                                      f"expected at most {MAX_HEADER_BYTES}")
+    if length > MAX_HEADER_BYTES:  # the length is not quoted: of a file that is not safetensors, it is its first bytes
+        raise InvalidArgument("path", f"could not read {relative} as safetensors: its header length is past "
+                                      f"{MAX_HEADER_BYTES} bytes (or it is not a safetensors file)")
     if 8 + length > size:
         raise InvalidArgument("path", f"could not read {relative} as safetensors: its header runs past the file")
     return length
@@ -166,13 +169,15 @@ def _entry(entry: dict, relative: str, tensor: str) -> tuple[torch.dtype, list[i
     if (not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**63 for d in shape)
             or not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
             or not 0 <= offsets[0] <= offsets[1] or not isinstance(name, str)):
-        raise InvalidArgument("path", f"could not read {relative} as safetensors: a malformed entry for {tensor!r}")
+        raise InvalidArgument("path", f"could not read {relative} as safetensors: a malformed entry for "
+                                      f"{quoted(tensor)}")
     dtype = _DTYPES.get(name)
     # Two dimensions before any reshape: torch refuses a shape whose sizes overflow int64 however few bytes it holds.
     if dtype is None or len(shape) != 2:
-        raise InvalidArgument("tensor", f"{tensor!r} is {name} {shape}, expected a [V, D] float tensor")
+        raise InvalidArgument("tensor", f"{quoted(tensor)} is {name} {shape}, expected a [V, D] float tensor")
+    check_weight_shape(tuple(shape), "weight.shape")  # before a tensor of that shape is made (0 x 2^63 is not)
     if math.prod(shape) * dtype.itemsize != offsets[1] - offsets[0]:
-        raise InvalidArgument("path", f"could not read {relative} as safetensors: {tensor!r} is {name} {shape}, "
+        raise InvalidArgument("path", f"could not read {relative} as safetensors: {quoted(tensor)} is {name} {shape}, "
                                       f"but its data takes {offsets[1] - offsets[0]} bytes")
     return dtype, shape, offsets[0], offsets[1]
 
@@ -182,6 +187,6 @@ def _read_into(fd: int, out: memoryview, offset: int, relative: str) -> None:
     while done < len(out):
         got = os.preadv(fd, [out[done:done + _READ_BYTES]], offset + done)
         if got == 0:
-            raise ServiceError(f"path: {relative!r} ended while it was read (changed under the server); "
+            raise ServiceError(f"path: {quoted(relative)} ended while it was read (changed under the server); "
                                "try again once it is written", grpc.StatusCode.FAILED_PRECONDITION)
         done += got

@@ -36,7 +36,7 @@ from google.protobuf.message import DecodeError
 from tokensampler_server.rpc.admission import Admission, IdleWatch, Slot
 from tokensampler_server.rpc.call_record import CallRecord, current_call, current_message_tracer
 from tokensampler_server.core.budget import ByteBudget
-from tokensampler_server.core.errors import InvalidArgument, ServiceError, failure_status, unparsable
+from tokensampler_server.core.errors import InvalidArgument, ServiceError, bounded, failure_status, unparsable
 from tokensampler_server.rpc.metrics import ServerMetrics
 from tokensampler_server.core.request_context import REQUEST_ID_METADATA_KEY, current_request_id, request_id_from_metadata
 
@@ -55,17 +55,18 @@ Admit = Callable[[grpc.aio.ServicerContext], Slot]
 """Takes the call's admission slots, or raises RESOURCE_EXHAUSTED."""
 
 
-_MAX_DETAILS = 1024
 """UTF-8 bytes of a status message kept. A message quoting a caller's long string would pass gRPC's metadata limit
 (8 KiB by default; the message travels percent-encoded, up to 3 bytes a byte), and the caller would read
 RESOURCE_EXHAUSTED instead of the status."""
 
 
+def _one_line(text: str) -> str:
+    """Text as a log line may carry it: line breaks, escapes and other control characters written as escapes."""
+    return text.encode("unicode_escape").decode("ascii")
+
+
 def _details(message: str, request_id: str) -> str:
-    encoded = message.encode()
-    if len(encoded) > _MAX_DETAILS:
-        message = f"{encoded[:_MAX_DETAILS].decode(errors='ignore')}... ({len(encoded)} bytes)"
-    return f"{message} (request id {request_id})"
+    return f"{bounded(message)} (request id {request_id})"
 
 
 @dataclass(frozen=True)
@@ -115,8 +116,9 @@ def _log_call(call: CallRecord, code: grpc.StatusCode, elapsed_ns: int, error: s
     rows = call.num_rows
     fields = {"method": call.method, "request_id": call.request_id, "code": code.name, "rows": rows,
               "duration_ms": elapsed_ns / 1e6}
-    if error:
-        fields["error"] = error
+    if error:  # a client's text: cut, and in the text line escaped so that it cannot start a line of its own
+        fields["error"] = bounded(error)
+        error = _one_line(fields["error"])
     log.debug(
         "%s %s %s rows=%s %.3f ms%s", call.method, call.request_id, code.name, rows, elapsed_ns / 1e6,
         f": {error}" if error else "", extra=fields,
@@ -180,7 +182,7 @@ class CallGuard:
             wrap, behaviour = grpc.unary_stream_rpc_method_handler, handler.unary_stream
 
         async def abort(context: grpc.aio.ServicerContext, err: ServiceError, request_id: str) -> None:
-            log.debug("stream %s failed: %s", request_id, err.message)
+            log.debug("stream %s failed: %s", request_id, _one_line(bounded(err.message)))
             await context.abort(err.code, _details(err.message, request_id), _trailing(err.code, retryable=err.retryable))
 
         if inspect.isasyncgenfunction(behaviour):

@@ -30,7 +30,7 @@ from tokensampler_server.batching.batcher import BatchTimes, DynamicBatcher
 from tokensampler_server.rpc.call_record import CallRecord, current_message_tracer
 from tokensampler_server.rpc.input_scan import head_of
 from tokensampler_server.core.config import Limits
-from tokensampler_server.core.errors import InvalidArgument, ServiceError, failure_status, unparsable
+from tokensampler_server.core.errors import InvalidArgument, ServiceError, bounded, failure_status, unparsable
 from tokensampler_server.resources.leases import Lease
 from tokensampler_server.rpc.metrics import ServerMetrics
 from tokensampler_server.rpc.native_path import NativePath
@@ -512,5 +512,5 @@ class SampleRpc:
             code, error = failure_status(err, record.method, record.request_id)
         finally:
             self._report(record, code)
-        text = f"{error} (request id {record.request_id})"
+        text = f"{bounded(error)} (request id {record.request_id})"
         return pb.SampleStreamResponse(error=pb.StreamError(code=code.value[0], message=text, request_id=record.request_id))

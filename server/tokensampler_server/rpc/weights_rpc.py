@@ -15,7 +15,7 @@ from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_client.tensors import DTYPE_TO_TORCH, TORCH_TO_DTYPE, TensorDecodeError, decode_tensor, dtype_name
 
 from tokensampler_server.core.budget import ByteBudget
-from tokensampler_server.core.errors import InvalidArgument, ServiceError
+from tokensampler_server.core.errors import InvalidArgument, ServiceError, quoted
 from tokensampler_server.core.request_context import current_abandoned
 from tokensampler_server.core.threads import on_thread
 from tokensampler_server.resources.weights import (LogitsFinish, RegisteredWeight, WeightRegistry, check_finish,
@@ -124,7 +124,7 @@ async def read_upload(chunks: AsyncIterator[pb.RegisterWeightsChunk], max_bytes:
     if not sha256:
         raise InvalidArgument("sha256", "missing; expected the hex SHA-256 of the weight's bytes")
     if digest.hexdigest() != sha256.lower():
-        raise InvalidArgument("sha256", f"got {sha256}, but the bytes received hash to {digest.hexdigest()}")
+        raise InvalidArgument("sha256", f"got {quoted(sha256)}, but the bytes received hash to {digest.hexdigest()}")
     weight = torch.frombuffer(buffer, dtype=DTYPE_TO_TORCH[header.dtype]).view(*header.shape)
     return VerifiedUpload(name=header.name, weight=weight, finish=finish, sha256=digest.hexdigest())
 
