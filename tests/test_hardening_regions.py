@@ -248,4 +248,4 @@ def test_names_past_the_limit_are_refused_and_long_names_do_not_break_the_status
     with grpc.insecure_channel(capped_server.target) as channel:
         code, details = _status(lambda: pb_grpc.SamplerStub(channel).UnregisterWeights(
             pb.UnregisterWeightsRequest(name="y" * 100_000), timeout=30))
-    assert code == grpc.StatusCode.NOT_FOUND and "bytes)" in details and len(details) < 2000, (code, len(details))
+    assert code == grpc.StatusCode.NOT_FOUND and "characters)" in details and len(details) < 2000, (code, len(details))

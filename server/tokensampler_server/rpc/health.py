@@ -5,7 +5,7 @@ shares as soon as one of them leaves, so the others never hear of a change again
 one Watch kept every load balancer watching the server from seeing NOT_SERVING at shutdown. And its Watch streams
 ran until the grace period cancelled them, so one open Watch held every shutdown for the whole of it. Here every
 watcher waits on a change counter (no lock held while it writes, so a watcher that does not read holds up no one),
-and at shutdown each writes NOT_SERVING and ends with UNAVAILABLE.
+and at shutdown each writes NOT_SERVING and, a second later, ends with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -20,6 +20,10 @@ from tokensampler_server.core.errors import ServiceError
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+SHUTDOWN_LINGER_S = 1.0
+"""How long a Watch stays open after writing NOT_SERVING at shutdown: grpc's sync client drops a message it has not
+asked for yet once the call's status is in, so a stream ended at once could lose NOT_SERVING to a client reading one
+message at a time."""
 
 
 class HealthService(health_pb2_grpc.HealthServicer):
@@ -67,6 +71,7 @@ class HealthService(health_pb2_grpc.HealthServicer):
                 await context.write(health_pb2.HealthCheckResponse(status=status))
                 sent = status
             if self._shutting_down:
+                await asyncio.sleep(SHUTDOWN_LINGER_S)
                 raise ServiceError("health: the server is shutting down (NOT_SERVING sent); watch another server",
                                    grpc.StatusCode.UNAVAILABLE)
 
