@@ -34,6 +34,8 @@ class HealthService(health_pb2_grpc.HealthServicer):
         self._changes = 0
         self._changed = asyncio.Condition()
         self._shutting_down = False
+        self._watchers = 0
+        self._told = 0  # watchers that have written NOT_SERVING at shutdown
 
     def status(self, service: str) -> int | None:
         """The service's status; None for a service never set."""
@@ -44,14 +46,20 @@ class HealthService(health_pb2_grpc.HealthServicer):
         if not self._shutting_down:
             await self._set(service, status)
 
-    async def enter_graceful_shutdown(self) -> None:
-        """Every service NOT_SERVING for good; each Watch stream writes it, then ends (UNAVAILABLE)."""
+    async def enter_graceful_shutdown(self, timeout_s: float = 1.0) -> None:
+        """Every service NOT_SERVING for good; each Watch stream writes it, then ends (UNAVAILABLE). Returns once
+        every watcher has written it (at most timeout_s): the server's stop, which comes next, lost such writes."""
         if self._shutting_down:
             return
         self._shutting_down = True
         for service in self._status:
             self._status[service] = NOT_SERVING
         await self._notify()
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: self._told >= self._watchers), timeout_s)
+            except asyncio.TimeoutError:  # a watcher whose client does not read: the grace period ends it
+                pass
 
     async def Check(self, request: health_pb2.HealthCheckRequest,
                     context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:
@@ -62,18 +70,28 @@ class HealthService(health_pb2_grpc.HealthServicer):
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
         seen, sent = -1, None
-        while True:
-            async with self._changed:
-                await self._changed.wait_for(lambda: self._changes != seen)
-                seen = self._changes
-            status = self._status.get(request.service, SERVICE_UNKNOWN)
-            if status != sent:
-                await context.write(health_pb2.HealthCheckResponse(status=status))
-                sent = status
-            if self._shutting_down:
-                await asyncio.sleep(SHUTDOWN_LINGER_S)
-                raise ServiceError("health: the server is shutting down (NOT_SERVING sent); watch another server",
-                                   grpc.StatusCode.UNAVAILABLE)
+        self._watchers += 1
+        try:
+            while True:
+                async with self._changed:
+                    await self._changed.wait_for(lambda: self._changes != seen)
+                    seen = self._changes
+                status = self._status.get(request.service, SERVICE_UNKNOWN)
+                if status != sent:
+                    await context.write(health_pb2.HealthCheckResponse(status=status))
+                    sent = status
+                if self._shutting_down:
+                    await self._tell_written()
+                    await asyncio.sleep(SHUTDOWN_LINGER_S)
+                    raise ServiceError("health: the server is shutting down (NOT_SERVING sent); watch another server",
+                                       grpc.StatusCode.UNAVAILABLE)
+        finally:
+            self._watchers -= 1
+
+    async def _tell_written(self) -> None:
+        async with self._changed:
+            self._told += 1
+            self._changed.notify_all()
 
     async def _set(self, service: str, status: int) -> None:
         self._status[service] = status
