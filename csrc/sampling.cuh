@@ -1494,7 +1494,7 @@ struct CutBounds {
   bool k_cut, p_cut;
 };
 
-// The kept tokens of a cut range: cand[0, jk), and the prefix of their masses.
+// The kept tokens of a cut range: cand[0, jk) of the sorted range.
 struct RangeWalk {
   uint32_t jk;
   bool unsettled;  // top-p's cut lies above the range: impossible

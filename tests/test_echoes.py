@@ -66,3 +66,13 @@ def test_an_empty_tensor_of_a_huge_size_is_refused_by_its_shape(tmp_path: Path, 
     with pytest.raises(InvalidArgument) as raised:
         _read(tmp_path, "m.safetensors", "w")
     assert raised.value.field == "weight.shape"
+
+
+def test_a_health_check_of_a_huge_unknown_service_quotes_it_in_part() -> None:
+    """Check is open to every caller: its NOT_FOUND quotes at most MAX_QUOTED_CHARS of the name it was given."""
+    from grpc_health.v1 import health_pb2
+    from tokensampler_server.rpc.health import HealthService
+
+    with pytest.raises(ServiceError) as raised:
+        asyncio.run(HealthService().Check(health_pb2.HealthCheckRequest(service="s" * (4 << 20)), None))
+    assert raised.value.code == grpc.StatusCode.NOT_FOUND and len(raised.value.message) < 1000

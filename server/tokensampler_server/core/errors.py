@@ -10,7 +10,9 @@ log = logging.getLogger(__name__)
 
 
 MAX_DETAILS_BYTES = 1024
-"""The most bytes of a status message (and of a logged error) before it is cut."""
+"""The most UTF-8 bytes of a status message (and of a logged error) before it is cut. A message quoting a caller's
+long string would pass gRPC's metadata limit (8 KiB by default; the message travels percent-encoded, up to 3 bytes a
+byte), and the caller would read RESOURCE_EXHAUSTED instead of the status."""
 MAX_QUOTED_CHARS = 200
 """The most characters of a client's string that a message quotes."""
 

@@ -55,11 +55,6 @@ Admit = Callable[[grpc.aio.ServicerContext], Slot]
 """Takes the call's admission slots, or raises RESOURCE_EXHAUSTED."""
 
 
-"""UTF-8 bytes of a status message kept. A message quoting a caller's long string would pass gRPC's metadata limit
-(8 KiB by default; the message travels percent-encoded, up to 3 bytes a byte), and the caller would read
-RESOURCE_EXHAUSTED instead of the status."""
-
-
 def _one_line(text: str) -> str:
     """Text as a log line may carry it: line breaks, escapes and other control characters written as escapes."""
     return text.encode("unicode_escape").decode("ascii")

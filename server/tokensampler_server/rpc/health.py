@@ -15,7 +15,7 @@ import asyncio
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tokensampler_server.core.errors import ServiceError
+from tokensampler_server.core.errors import ServiceError, quoted
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -44,7 +44,8 @@ class HealthService(health_pb2_grpc.HealthServicer):
     async def set(self, service: str, status: int) -> None:
         """Sets a service's status and tells its watchers; nothing from shutdown on (NOT_SERVING for good)."""
         if not self._shutting_down:
-            await self._set(service, status)
+            self._status[service] = status
+            await self._notify()
 
     async def enter_graceful_shutdown(self, timeout_s: float = 1.0) -> None:
         """Every service NOT_SERVING for good; each Watch stream writes it, then ends (UNAVAILABLE). Returns once
@@ -65,7 +66,7 @@ class HealthService(health_pb2_grpc.HealthServicer):
                     context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:
         status = self._status.get(request.service)
         if status is None:
-            raise ServiceError(f"service: {request.service!r} is not served here", grpc.StatusCode.NOT_FOUND)
+            raise ServiceError(f"service: {quoted(request.service)} is not served here", grpc.StatusCode.NOT_FOUND)
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
@@ -92,10 +93,6 @@ class HealthService(health_pb2_grpc.HealthServicer):
         async with self._changed:
             self._told += 1
             self._changed.notify_all()
-
-    async def _set(self, service: str, status: int) -> None:
-        self._status[service] = status
-        await self._notify()
 
     async def _notify(self) -> None:
         async with self._changed:
