@@ -135,10 +135,10 @@ cudaError_t launch_filter(const TsLogits* logits, const TsRows* rows, const floa
     if (cudaError_t e = set_smem(kernel, kFilterSmemBytes)) return e;
     // the cut ranges the filter leaves to every block of their row (CutRange): a failure of this set-up must come
     // before the filter writes any, or they would stay in the workspace
-    const bool collect = kCut && blocks > 1;
+    const bool collect = blocks > 1;
     constexpr size_t kCollectSmemBytes = 2 * kResolveCap * sizeof(uint64_t);
     if (collect) {
-      if (cudaError_t e = set_smem(reinterpret_cast<const void*>(&cut_collect_kernel<T, M>), kCollectSmemBytes))
+      if (cudaError_t e = set_smem(reinterpret_cast<const void*>(&cut_collect_kernel<T, M, kCut>), kCollectSmemBytes))
         return e;
     }
     if (cudaError_t e = launch_after_previous(&filter_kernel<T, M, kCut>, grid, dim3(kFilterThreads),
@@ -146,8 +146,8 @@ cudaError_t launch_filter(const TsLogits* logits, const TsRows* rows, const floa
                                               stats_flags, need_exact_mass, *out, *ws))
       return e;
     if (!collect) return cudaSuccess;
-    return launch_after_previous(&cut_collect_kernel<T, M>, grid, dim3(kFilterThreads), kCollectSmemBytes, s, *logits,
-                                 *rows, row_max, row_min, *out, *ws);
+    return launch_after_previous(&cut_collect_kernel<T, M, kCut>, grid, dim3(kFilterThreads), kCollectSmemBytes, s,
+                                 *logits, *rows, row_max, row_min, *out, *ws);
   });
 }
 

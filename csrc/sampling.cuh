@@ -1312,16 +1312,24 @@ struct GroupSpan {
   int64_t begin, end;
 };
 
-// The tokens min-p keeps whose bin lies in [c_lo, c_hi] and whose rank key in [key_lo, key_hi], found by the block
+// The bins a re-read collects: [lo, hi], and bin `also` below them (-1: none).
+struct BinSet {
+  int lo, hi, also;
+  __device__ __forceinline__ bool holds(int b) const { return (b >= lo && b <= hi) || b == also; }
+};
+
+// The tokens min-p keeps whose bin lies in `bins` and whose rank key in [key_lo, key_hi], found by the block
 // re-reading its groups of the row: fn(key, z, id) for each. One block may read the whole row here, so the loop is
 // kept lean:
 // kResolveBatch loads in flight a thread, a group skipped by its largest and smallest logit, and the exact z only for
-// logits in the bins' interval (one load at a time and a division a token, it took ~50 us of a 600 KB row on an H200).
+// logits in the bins' intervals (one load at a time and a division a token, it took ~50 us of a 600 KB row on an H200).
 template <typename T, typename Fn>
 __device__ __forceinline__ void for_each_in_bins(const T* row, int64_t vocab, GroupSpan span, bool aligned, RowCut cut,
-                                                 float row_max, float temperature, float bin_scale, float m, int c_lo,
-                                                 int c_hi, uint64_t key_lo, uint64_t key_hi, Fn&& fn) {
-  const LogitInterval range = logits_of_bins(c_lo, c_hi, row_max, temperature, bin_scale);
+                                                 float row_max, float temperature, float bin_scale, float m,
+                                                 BinSet bins, uint64_t key_lo, uint64_t key_hi, Fn&& fn) {
+  const LogitInterval range = logits_of_bins(bins.lo, bins.hi, row_max, temperature, bin_scale);
+  const LogitInterval also = bins.also < 0 ? LogitInterval{kInf, -kInf}  // holds nothing
+                                           : logits_of_bins(bins.also, bins.also, row_max, temperature, bin_scale);
   for (int64_t g0 = span.begin + threadIdx.x; g0 < span.end; g0 += kResolveBatch * kFilterThreads) {
     float x[kResolveBatch][4];
 #pragma unroll
@@ -1333,15 +1341,14 @@ __device__ __forceinline__ void for_each_in_bins(const T* row, int64_t vocab, Gr
       const int64_t g = g0 + u * kFilterThreads;
       if (g >= span.end) continue;
       if (cut.has_floor()) floor_group(cut.floor(), x[u]);
-      if (!range.meets_group(x[u])) continue;
+      if (!range.meets_group(x[u]) && !also.meets_group(x[u])) continue;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         sanitize(x[u][e]);
-        if (!range.holds(x[u][e])) continue;
+        if (!range.holds(x[u][e]) && !also.holds(x[u][e])) continue;
         const float z = scaled(x[u][e], row_max, temperature);
         if (!keeps_min_p(x[u][e], z, m)) continue;
-        const int b = filter_bin(z, bin_scale);
-        if (b < c_lo || b > c_hi) continue;
+        if (!bins.holds(filter_bin(z, bin_scale))) continue;
         const uint32_t id = static_cast<uint32_t>(4 * g + e);
         const uint64_t key = rank_key(z, id);
         if (key >= key_lo && key <= key_hi) fn(key, z, id);
@@ -1362,10 +1369,9 @@ struct FilterRow {
   NoiseStream noise;
 
   template <typename Fn>
-  __device__ __forceinline__ void for_each_in_bins(int c_lo, int c_hi, uint64_t key_lo, uint64_t key_hi,
-                                                   Fn&& fn) const {
+  __device__ __forceinline__ void for_each_in_bins(int c, uint64_t key_lo, uint64_t key_hi, Fn&& fn) const {
     tokensampler::for_each_in_bins(row, vocab, GroupSpan{0, (vocab + 3) / 4}, aligned, kMask ? cut : RowCut{0},
-                                   row_max, temperature, bin_scale, min_p, c_lo, c_hi, key_lo, key_hi, fn);
+                                   row_max, temperature, bin_scale, min_p, BinSet{c, c, -1}, key_lo, key_hi, fn);
   }
 };
 
@@ -1400,7 +1406,7 @@ __device__ __noinline__ Cut cut_in_bin(const FilterRow<T, kMask>& fr, int c, uin
     __syncthreads();
     for (int b = threadIdx.x; b < kBins; b += kFilterThreads) sub_count[b] = 0, sub_mass[b] = 0, sub_win[b] = 0;
     __syncthreads();
-    fr.for_each_in_bins(c, c, key_lo, key_hi, [&](uint64_t key, float z, uint32_t id) {
+    fr.for_each_in_bins(c, key_lo, key_hi, [&](uint64_t key, float z, uint32_t id) {
       const int sb = static_cast<int>((key_hi - key) >> shift);
       atomicAdd(sub_count + sb, 1u);
       atomicAdd(reinterpret_cast<unsigned long long*>(sub_mass + sb), static_cast<unsigned long long>(mass_fixed(z)));
@@ -1432,7 +1438,7 @@ __device__ __noinline__ Cut cut_in_bin(const FilterRow<T, kMask>& fr, int c, uin
   for (unsigned int i = threadIdx.x; i < padded; i += kFilterThreads) keys[i] = 0;
   if (threadIdx.x == 0) *num_cand = 0;
   __syncthreads();
-  fr.for_each_in_bins(c, c, key_lo, key_hi, [&](uint64_t key, float, uint32_t) {
+  fr.for_each_in_bins(c, key_lo, key_hi, [&](uint64_t key, float, uint32_t) {
     const int pos = atomicAdd(num_cand, 1);
     if (pos < kCrowdedCap) keys[pos] = key;
   });
@@ -1486,18 +1492,20 @@ __device__ __noinline__ Cut crowded_cuts(const FilterRow<T, kMask>& fr, const Hi
 
 // Where a cut range lies in its row: its bins' tokens (n of them) follow count_above tokens of mass mass_above; the
 // k cut keeps l1 tokens (k_cut), top-p (p_cut) the first whose mass reaches p x the mass of those l1 (total_mass
-// without a k cut).
+// without a k cut). A range in two pieces (plan_cut) has gap_count tokens of mass gap_mass, kept whole and not
+// collected, between its first n_a tokens and the rest; n_a = n when it is in one piece.
 struct CutBounds {
-  uint32_t n, count_above, l1;
-  uint64_t mass_above, total_mass;
+  uint32_t n, count_above, l1, n_a, gap_count;
+  uint64_t mass_above, total_mass, gap_mass;
   float p;
   bool k_cut, p_cut;
 };
 
-// The kept tokens of a cut range: cand[0, jk) of the sorted range.
+// The kept tokens of a cut range: cand[0, jk) of the sorted range; mass: from the row's top through cand[jk - 1].
 struct RangeWalk {
   uint32_t jk;
   bool unsettled;  // top-p's cut lies above the range: impossible
+  uint64_t mass;
 };
 
 // The cut range's keys (cand: b.n of them, zero up to next_pow2(b.n)) sorted and walked exactly; prefix[i]: the mass of
@@ -1508,32 +1516,111 @@ __device__ __forceinline__ RangeWalk walk_range(uint64_t* cand, uint64_t* prefix
   block_sort_desc<kFilterThreads>(cand, next_pow2(n));
   for (uint32_t i = threadIdx.x; i < n; i += kFilterThreads) prefix[i] = mass_fixed(key_value(cand[i]));
   block_inclusive_scan<kFilterThreads>(prefix, static_cast<int>(n), scratch);
-  const uint32_t j1 = min(n, b.l1 - b.count_above);
+  // the mass from the row's top through cand[i], the gap's included past the first piece
+  auto mass_through = [&](uint32_t i) { return b.mass_above + prefix[i] + (i >= b.n_a ? b.gap_mass : 0); };
+  const uint32_t from_top = b.l1 - b.count_above;  // the k cut's place, counted from the range's first token
+  const uint32_t j1 = min(n, from_top <= b.n_a ? from_top : from_top - b.gap_count);
   // Without a k cut the prefix L1 runs to the last kept bin, past the collected range.
-  const uint64_t l1_mass = b.k_cut ? b.mass_above + (j1 ? prefix[j1 - 1] : 0) : b.total_mass;
-  RangeWalk walk{j1, false};
+  const uint64_t l1_mass = b.k_cut ? (j1 ? mass_through(j1 - 1) : b.mass_above) : b.total_mass;
+  RangeWalk walk{j1, false, 0};
   if (b.p_cut) {
     const double target = static_cast<double>(b.p) * l1_mass;
     uint32_t first = UINT_MAX;
     for (uint32_t i = threadIdx.x; i < j1; i += kFilterThreads)
-      if (static_cast<double>(b.mass_above + prefix[i]) >= target) first = min(first, i);
+      if (static_cast<double>(mass_through(i)) >= target) first = min(first, i);
     first = block_allreduce<kFilterThreads>(first, MinOp{}, reinterpret_cast<uint32_t*>(scratch));
     walk.unsettled = static_cast<double>(b.mass_above) >= target;
     if (first != UINT_MAX) walk.jk = first + 1;
   }
+  walk.mass = walk.jk ? mass_through(walk.jk - 1) : b.mass_above;
   return walk;
 }
 
-// A cut range that filter_kernel<T, kMask, true> leaves to cut_collect_kernel (several blocks a row): in the row's
-// histogram bytes, which both kernels leave zeroed, its keys in the bytes of the mass and winner bins.
+// The bins a cut range's re-read collects, and where they lie in the row. The range runs from top-p's cut bin c_lo
+// to the k cut's bin c_hi. When it holds more than kResolveCap tokens and top-p's cut lies well above the k cut's
+// bin (top-p's mass reached long before the k-th token), it is collected in two pieces instead: the bins top-p's cut
+// can lie in whatever the k cut's exact mass (up to the first bin reaching p x the mass through c_hi), and bin c_hi;
+// the bins between are kept whole (the gap). A range still over kResolveCap is crowded_cuts'. Every thread calls it,
+// after the bins' prefix sums.
+struct CutPlan {
+  BinSet bins;
+  CutBounds bounds;
+};
+__device__ inline CutPlan plan_cut(const HistView& h, int c_lo, int c_hi, uint32_t l1, uint64_t total_mass, float p,
+                                   bool k_cut, bool p_cut, int* result) {
+  const uint32_t count_above = c_lo ? h.count[c_lo - 1] : 0;
+  const uint64_t mass_above = c_lo ? h.mass[c_lo - 1] : 0;
+  const uint32_t n = h.count[c_hi] - count_above;
+  CutPlan plan{{c_lo, c_hi, -1}, {n, count_above, l1, n, 0, mass_above, total_mass, 0, p, k_cut, p_cut}};
+  if (n <= kResolveCap || !k_cut || !p_cut || c_lo == c_hi) return plan;
+  const int c_p = first_bin_reaching(h.mass, static_cast<double>(p) * h.mass[c_hi], result);
+  if (c_p >= c_hi) return plan;
+  const uint32_t n_a = h.count[c_p] - count_above, n_b = h.count[c_hi] - h.count[c_hi - 1];
+  if (n_a + n_b > kResolveCap) return plan;
+  plan.bins.hi = c_p, plan.bins.also = c_hi;
+  plan.bounds.n = n_a + n_b, plan.bounds.n_a = n_a;
+  plan.bounds.gap_count = h.count[c_hi - 1] - h.count[c_p];
+  plan.bounds.gap_mass = h.mass[c_hi - 1] - h.mass[c_p];
+  return plan;
+}
+
+// A cut range that filter_kernel leaves to cut_collect_kernel (several blocks a row): in the row's histogram bytes,
+// which both kernels leave zeroed, its keys in the bytes of the mass and winner bins. flags and best_above: the
+// filter's row flags so far and best Gumbel key of the bins above the range (a sample's filter, not the cut's).
 struct CutRange {
   uint32_t pending, num;
-  int32_t c_lo, c_hi;
+  BinSet bins;
+  uint32_t flags;
+  uint64_t best_above;
   CutBounds bounds;
 };
 static_assert(sizeof(CutRange) <= kBins * sizeof(uint32_t) && sizeof(CutRange) % sizeof(uint64_t) == 0,
               "the cut range fits the count bins, in whole words");
 static_assert(kResolveCap <= 2 * kBins, "its keys fit the mass and winner bins");
+
+// A row's bins, as filter_kernel and cut_collect_kernel both place its tokens: z = (x - row_max) / temperature, kBins
+// bins over [z_min, 0] (bin_scale 0: every token in bin 0).
+struct RowBins {
+  float row_max, temperature, z_min, bin_scale;
+};
+__device__ __forceinline__ RowBins row_bins(const TsRows& rows, const float* row_max_in, const float* row_min_in,
+                                            int64_t r) {
+  const float row_max = row_max_in[r], temperature = rows.temperature[r];
+  const float z_min = scaled(row_min_in[r], row_max, temperature);
+  return {row_max, temperature, z_min, z_min < 0.f ? static_cast<float>(kBins) / -z_min : 0.f};
+}
+
+// Block `split` of `splits`' share of a row's groups.
+__device__ __forceinline__ GroupSpan split_span(int64_t groups, int split, int splits) {
+  const int64_t per = (groups + splits - 1) / splits;
+  return {min(groups, split * per), min(groups, split * per + per)};
+}
+
+// The winner of a sample's kept set: best_above (the bins above the cut range) against cand[0, jk) by exact score.
+__device__ __forceinline__ uint64_t kept_winner(const uint64_t* cand, uint32_t jk, uint64_t best_above,
+                                                const NoiseStream& noise, uint64_t* scratch) {
+  uint64_t win = best_above;
+  for (uint32_t i = threadIdx.x; i < jk; i += kFilterThreads)
+    win = max(win, gumbel_key(key_value(cand[i]), key_index(cand[i]), noise));
+  return block_allreduce<kFilterThreads>(win, MaxOp{}, scratch);
+}
+
+// What filter_kernel leaves of a row, written by one thread of the block that settles it (the filter's or
+// cut_collect_kernel's). kCut: the last kept key alone (kNothingKept: none); a sample's filter: the token, the flags,
+// and the kept mass and last kept key where asked for.
+template <bool kCut>
+__device__ __forceinline__ void write_filter_row(const TsOutputs& out, int64_t r, uint32_t flags, int64_t token,
+                                                 double kept_mass, uint64_t kept_min) {
+  const bool unsettled = flags & TS_ROW_UNSETTLED;
+  if (kCut) {
+    out.kept_min_key[r] = static_cast<int64_t>(unsettled ? kNothingKept : kept_min);
+    return;
+  }
+  out.tokens[r * out.num_samples + out.sample] = unsettled ? -1 : token;
+  out.flags[r] = static_cast<uint8_t>(flags);
+  if (out.kept_mass) out.kept_mass[r] = static_cast<float>(kept_mass);
+  if (out.kept_min_key) out.kept_min_key[r] = static_cast<int64_t>(kept_min);
+}
 
 // kCut: the kept set alone, for a masked Gumbel-max after it (gumbel_kernel<..., kCutRowMask>, every sample): the
 // pass keeps counts (and masses under top-p) but no Philox word and no winner, every cut is resolved, and the row's
@@ -1563,9 +1650,8 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
     }
     return;
   }
-  const float row_max = row_max_in[r], temperature = rows.temperature[r];
-  const float z_min = scaled(row_min_in[r], row_max, temperature);
-  const float bin_scale = z_min < 0.f ? static_cast<float>(kBins) / -z_min : 0.f;
+  const RowBins bins = row_bins(rows, row_max_in, row_min_in, r);
+  const float row_max = bins.row_max, temperature = bins.temperature, z_min = bins.z_min, bin_scale = bins.bin_scale;
   const int k = rows.top_k[r];
   const float p = rows.top_p[r], m = rows.min_p[r];
   const bool use_bins = k > 0 || p < 1.f;
@@ -1589,8 +1675,8 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
   const float z_skip = m > 0.f ? logf(m) - 1e-4f : -kInf;
 
   uint64_t best = 0, min_key = ~0ull, mass_sum = 0;
-  const int64_t per = (groups + splits - 1) / splits;
-  const int64_t g_begin = split * per, g_end = min(groups, g_begin + per);
+  const GroupSpan span = split_span(groups, split, splits);
+  const int64_t g_begin = span.begin, g_end = span.end;
   // The exact work of one group: z, min-p, mass, bins and the winner, for each of its tokens.
   auto score_group = [&](uint32_t g, const float (&x)[4]) {
     const uint4 words = kCut ? uint4{} : noise.group(g);
@@ -1805,10 +1891,9 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
     } else if (!resolve) {
       token = key_index(best_above);
     } else {
-      const uint32_t count_above = c_lo ? h.count[c_lo - 1] : 0;
-      const uint64_t mass_above = c_lo ? h.mass[c_lo - 1] : 0;
-      const uint32_t n = h.count[c_hi] - count_above;
       const uint32_t l1 = k_cut ? static_cast<uint32_t>(k) : total_count;
+      const CutPlan plan = plan_cut(h, c_lo, c_hi, l1, total_mass, p, k_cut, p_cut, &cut);
+      const uint32_t n = plan.bounds.n;
       // The cut bin holds one token (on spiky rows, often the spike whose mass reaches p x the total): top-p keeps
       // it, and its exact score is the bin's winner unless it cannot beat the argmax. No re-read.
       const bool one_token = !kCut && !k_cut && n == 1 && !need_exact_mass;
@@ -1824,16 +1909,14 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
         token = key_index(last.win);
         kept_mass = last.mass * kMassUnit;
         kept_min = last.key;
-      } else {
-        const CutBounds bounds{n, count_above, l1, mass_above, total_mass, p, k_cut, p_cut};
-        if (kCut && splits > 1) {
-          // ---- every block of the row reads its groups for the range (cut_collect_kernel), not this one alone
-          if (threadIdx.x == 0) {
-            CutRange* range = reinterpret_cast<CutRange*>(static_cast<char*>(ws.hist) + w * kHistRowBytes);
-            *range = CutRange{1u, 0u, c_lo, c_hi, bounds};
-          }
-          return;
+      } else if (splits > 1) {
+        // ---- every block of the row reads its groups for the range (cut_collect_kernel), not this one alone
+        if (threadIdx.x == 0) {
+          CutRange* range = reinterpret_cast<CutRange*>(static_cast<char*>(ws.hist) + w * kHistRowBytes);
+          *range = CutRange{1u, 0u, plan.bins, flags, best_above, plan.bounds};
         }
+        return;
+      } else {
         // ---- re-read the row, collect the cut range, sort, walk the prefix exactly
         const unsigned int padded = next_pow2(n);
         __syncthreads();
@@ -1841,43 +1924,27 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
         if (threadIdx.x == 0) num_cand = 0;
         __syncthreads();
         for_each_in_bins(rv.row, vocab, GroupSpan{0, groups}, rv.aligned, row_cut_bits, row_max, temperature,
-                         bin_scale, m, c_lo, c_hi, 0, ~0ull, [&](uint64_t key, float, uint32_t) {
+                         bin_scale, m, plan.bins, 0, ~0ull, [&](uint64_t key, float, uint32_t) {
           const int pos = atomicAdd(&num_cand, 1);
           if (pos < kResolveCap) cand[pos] = key;
         });
         uint64_t* prefix = h.mass;  // the bins are no longer needed: reuse for the masses
-        const RangeWalk walk = walk_range(cand, prefix, bounds, scratch);
-        const uint32_t jk = walk.jk;
+        const RangeWalk walk = walk_range(cand, prefix, plan.bounds, scratch);
         if (walk.unsettled) flags |= TS_ROW_UNSETTLED;
-        if (!kCut) {
-          uint64_t win = best_above;
-          for (uint32_t i = threadIdx.x; i < jk; i += kFilterThreads)
-            win = max(win, gumbel_key(key_value(cand[i]), key_index(cand[i]), noise));
-          win = block_allreduce<kFilterThreads>(win, MaxOp{}, scratch);
-          token = key_index(win);
-        }
-        kept_mass = (mass_above + (jk ? prefix[jk - 1] : 0)) * kMassUnit;
-        kept_min = jk ? cand[jk - 1] : 0;
+        if (!kCut) token = key_index(kept_winner(cand, walk.jk, best_above, noise, scratch));
+        kept_mass = walk.mass * kMassUnit;
+        kept_min = walk.jk ? cand[walk.jk - 1] : 0;
       }
     }
   }
-  if (threadIdx.x != 0) return;
-  if (kCut) {
-    out.kept_min_key[r] = static_cast<int64_t>((flags & 4u) ? kNothingKept : kept_min);
-    return;
-  }
-  out.tokens[r * ns + out.sample] = (flags & 4u) ? -1 : token;
-  out.flags[r] = static_cast<uint8_t>(flags);
-  if (out.kept_mass) out.kept_mass[r] = static_cast<float>(kept_mass);
-  if (out.kept_min_key) out.kept_min_key[r] = static_cast<int64_t>(kept_min);
+  if (threadIdx.x == 0) write_filter_row<kCut>(out, r, flags, token, kept_mass, kept_min);
 }
 
-// The cut ranges filter_kernel<T, kMask, true> left (CutRange), read by every block of their row over its own groups
-// rather than by the row's last block alone, which took ~50 us a 600 KB row on an H200 on the way of every row
+// The cut ranges filter_kernel left (CutRange), read by every block of their row over its own groups rather than by
+// the row's last block alone, which took ~50 us a 600 KB row on an H200 on the way of every row
 // (docs/design/kernel-routing.md): each block appends the range's keys of its groups, the last sorts and walks them
-// and writes the row's last kept key, as the filter does for a range it reads itself. Launched after the filter
-// with the same grid.
-template <typename T, bool kMask>
+// and settles the row as the filter does for a range it reads itself. Launched after the filter with the same grid.
+template <typename T, bool kMask, bool kCut>
 __global__ void __launch_bounds__(kFilterThreads)
     cut_collect_kernel(TsLogits logits, TsRows rows, const float* row_max_in, const float* row_min_in, TsOutputs out,
                        TsWorkspace ws) {
@@ -1889,33 +1956,35 @@ __global__ void __launch_bounds__(kFilterThreads)
   CutRange* range = reinterpret_cast<CutRange*>(row_hist);
   uint64_t* keys = HistView::at(row_hist).mass;
   if (!range->pending) return;  // the filter settled the row: every block of it leaves
-  const CutBounds bounds = range->bounds;
-  const int c_lo = range->c_lo, c_hi = range->c_hi;
+  const CutRange record = *range;
   const RowView<T> rv = row_view<T, kMask>(logits, rows, w);
-  const int64_t r = rv.r, vocab = logits.vocab, groups = (vocab + 3) / 4;
-  const float row_max = row_max_in[r], temperature = rows.temperature[r];
-  const float z_min = scaled(row_min_in[r], row_max, temperature);
-  const float bin_scale = z_min < 0.f ? static_cast<float>(kBins) / -z_min : 0.f;
+  const int64_t r = rv.r, vocab = logits.vocab;
+  const RowBins bins = row_bins(rows, row_max_in, row_min_in, r);
   const RowCut row_cut_bits = kMask ? row_cut(rows.bitmask, r) : RowCut{0};
-  const int64_t per = (groups + splits - 1) / splits;
-  const GroupSpan span{min(groups, split * per), min(groups, split * per + per)};
-  for_each_in_bins(rv.row, vocab, span, rv.aligned, row_cut_bits, row_max, temperature, bin_scale, rows.min_p[r],
-                   c_lo, c_hi, 0, ~0ull, [&](uint64_t key, float, uint32_t) {
+  for_each_in_bins(rv.row, vocab, split_span((vocab + 3) / 4, split, splits), rv.aligned, row_cut_bits, bins.row_max,
+                   bins.temperature, bins.bin_scale, rows.min_p[r], record.bins, 0, ~0ull,
+                   [&](uint64_t key, float, uint32_t) {
     const uint32_t pos = atomicAdd(&range->num, 1u);
     if (pos < kResolveCap) keys[pos] = key;
   });
   if (!finish_and_elect_last(ws.counters + w, splits)) return;
   uint64_t* cand = smem;
   uint64_t* prefix = smem + kResolveCap;
-  const uint32_t n = bounds.n, padded = next_pow2(n);
+  const uint32_t n = record.bounds.n, padded = next_pow2(n);
   const uint32_t written = min(__ldcg(&range->num), static_cast<uint32_t>(kResolveCap));  // n, as the bins counted
   for (uint32_t i = threadIdx.x; i < padded; i += kFilterThreads) cand[i] = i < n ? __ldcg(keys + i) : 0;
   for (uint32_t i = threadIdx.x; i < written; i += kFilterThreads) keys[i] = 0;
   __syncthreads();  // every thread has read `num` before the record is cleared, its padding too
   if (threadIdx.x < sizeof(CutRange) / sizeof(uint64_t)) reinterpret_cast<uint64_t*>(range)[threadIdx.x] = 0;
-  const RangeWalk walk = walk_range(cand, prefix, bounds, scratch);
+  const RangeWalk walk = walk_range(cand, prefix, record.bounds, scratch);
+  const uint32_t flags = record.flags | (walk.unsettled ? TS_ROW_UNSETTLED : 0u);
+  int64_t token = -1;
+  if (!kCut) {
+    const NoiseStream noise = row_noise(rows, r, static_cast<uint32_t>(out.sample));
+    token = key_index(kept_winner(cand, walk.jk, record.best_above, noise, scratch));
+  }
   if (threadIdx.x == 0)
-    out.kept_min_key[r] = static_cast<int64_t>(walk.unsettled ? kNothingKept : walk.jk ? cand[walk.jk - 1] : 0);
+    write_filter_row<kCut>(out, r, flags, token, walk.mass * kMassUnit, walk.jk ? cand[walk.jk - 1] : 0);
 }
 
 }  // namespace tokensampler
