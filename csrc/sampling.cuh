@@ -1945,7 +1945,7 @@ __global__ void __launch_bounds__(kFilterThreads, 2)  // two blocks a SM: kFilte
 // (docs/design/kernel-routing.md): each block appends the range's keys of its groups, the last sorts and walks them
 // and settles the row as the filter does for a range it reads itself. Launched after the filter with the same grid.
 template <typename T, bool kMask, bool kCut>
-__global__ void __launch_bounds__(kFilterThreads)
+__global__ void __launch_bounds__(kFilterThreads, 3)  // three blocks a SM, as its shared memory allows: it is a read
     cut_collect_kernel(TsLogits logits, TsRows rows, const float* row_max_in, const float* row_min_in, TsOutputs out,
                        TsWorkspace ws) {
   extern __shared__ uint64_t smem[];  // [kResolveCap] keys, then [kResolveCap] their mass prefix
