@@ -13,7 +13,8 @@ csrc/routes.cpp, which the native path (csrc/native_path.cpp) calls too:
                                    counts alone; cut_collect_kernel reads the cut range where a row has several
                                    blocks), then gumbel_kernel with that set as a mask, a sample
   k > 255 with top-p, processed log-probs
-                                -> stats_kernel then filter_kernel: exact binned cut, any k, p and min-p
+                                -> stats_kernel then filter_kernel: exact binned cut, any k, p and min-p (with
+                                   cut_collect_kernel, as above, where a row has several blocks)
 A token bitmask (structured output) is read by every kernel above as it loads the logits, a disallowed token
 read as -inf: a batch whose only processing is a bitmask reads its logits once, as without one. So does a batch
 whose only processing is allowed and banned token lists (min_tokens' bans among them), made into bitmask rows on
@@ -82,7 +83,8 @@ ROUTES = [
     Route("top-p without k (and min-p), 32 rows or more",
           ("frontier_kernel", "nucleus_mass_kernel", "filter_kernel"), "two reads: 37-151 us at B = 32-256"),
     Route("top-p without k (and min-p), fewer than 32 rows, fewer than 8 samples a row",
-          ("stats_kernel", "filter_kernel"), "two reads a sample, and the cut bin re-read: 29-38 us at B = 1-8"),
+          ("stats_kernel", "filter_kernel", "cut_collect_kernel"),
+          "two reads a sample, and the cut bin re-read by the row's blocks: 29-38 us at B = 1-8"),
     Route("min-p alone", ("stats_kernel", "gumbel_kernel"), "two reads (every sample in one launch): 14-137 us"),
     Route("k > 255 (any k up to V, per row) without top-p, with or without min-p; with top-p from 2 samples a row; "
           "top-p without k below 32 rows from 8 samples",
@@ -90,9 +92,11 @@ ROUTES = [
           "three reads, and each row's cut bin re-read by the row's blocks, once for every sample; then one read a "
           "sample, every sample in one launch: 1.5-3.6x the top-k 50 call, 76-545 us a call at B = 1-256 (one "
           "sample, without top-p); 64 samples: 0.1-0.4 ms at B = 1-8, 3.9-6.1 ms at B = 256"),
-    Route("k > 255 with top-p (and min-p), one sample; processed log-probs", ("stats_kernel", "filter_kernel"),
-          "two reads a sample, and each row's cut bins re-read by one block (radix passes when a bin holds more "
-          "than 4096 tokens): 2.1-4.7x the top-k 50 call, 105-670 us a call at B = 1-256"),
+    Route("k > 255 with top-p (and min-p), one sample; processed log-probs",
+          ("stats_kernel", "filter_kernel", "cut_collect_kernel"),
+          "two reads a sample, and each row's cut range re-read by the row's blocks (top-p's bins and the k cut's "
+          "bin; radix passes by one block when those hold more than 4096 tokens): 1.6-4.1x the top-k 50 call, "
+          "82-584 us a call at B = 1-256"),
     Route("rows with a token bitmask (structured output), or with allowed or banned lists (min_tokens' bans) as "
           "their only processing",
           ("the route of the rows' parameters", "apply_bitmask_kernel beside other processing"),
