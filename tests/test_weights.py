@@ -287,6 +287,12 @@ def test_a_file_cut_short_while_it_is_read_is_refused_and_faults_nothing(tmp_pat
     (b'{"lm_head.weight": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}', "malformed entry"),
     (b'{"lm_head.weight": [1, 2]}', "malformed entry"),  # not a tensor's description: not a missing tensor
     (b'{"lm_head.weight": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}', "ends past the file"),
+    # data_offsets must tile the data: tensors that share bytes, or leave a hole, are not a safetensors file
+    (b'{"lm_head.weight": {"dtype": "F32", "shape": [1, 1], "data_offsets": [0, 4]}, '
+     b'"other": {"dtype": "F32", "shape": [1, 2], "data_offsets": [0, 8]}}', "overlaps"),
+    (b'{"lm_head.weight": {"dtype": "F32", "shape": [1, 1], "data_offsets": [4, 8]}}', "begins 4 bytes past"),
+    (b'{"lm_head.weight": {"dtype": "F32", "shape": [1, 1], "data_offsets": [0, 4]}, "other": [0, 4]}',
+     "malformed entry for 'other'"),
 ])
 def test_malformed_safetensors_headers_are_refused_by_field(tmp_path: Path, header, words: str) -> None:
     if isinstance(header, int):

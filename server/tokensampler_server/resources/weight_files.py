@@ -122,6 +122,7 @@ def read_safetensor(fd: int, relative: str, tensor: str, max_bytes: int,
             raise InvalidArgument("path",
                                   f"could not read {relative} as safetensors: a malformed entry for {quoted(tensor)}")
         dtype, shape, begin, end = _entry(entry, relative, tensor)
+        _check_layout(header, relative)
         nbytes = end - begin
         if nbytes > max_bytes:
             raise InvalidArgument("tensor", f"{quoted(tensor)} is larger than {max_bytes} bytes")
@@ -161,6 +162,30 @@ def _header(raw: bytes, relative: str) -> dict:
     if not isinstance(header, dict):
         raise InvalidArgument("path", f"could not read {relative} as safetensors: a header that is not an object")
     return header
+
+
+def _check_layout(header: dict, relative: str) -> None:
+    """The format's own rule, as its library holds files to it: the tensors' data_offsets tile the data from byte 0,
+    in order, with no overlap and no hole (a file whose tensors share bytes is not safetensors, whichever is read)."""
+    spans = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise InvalidArgument("path", f"could not read {relative} as safetensors: a malformed entry for "
+                                          f"{quoted(name)}")
+        spans.append((offsets[0], offsets[1], name))
+    spans.sort(key=lambda span: span[:2])
+    end, previous = 0, None
+    for begin, stop, name in spans:
+        if begin != end:
+            what = (f"overlaps {quoted(previous)}" if begin < end
+                    else f"begins {begin - end} bytes past the data before it")
+            raise InvalidArgument("path", f"could not read {relative} as safetensors: the data of {quoted(name)} "
+                                          f"{what} (data_offsets must tile the data)")
+        end, previous = stop, name
 
 
 def _entry(entry: dict, relative: str, tensor: str) -> tuple[torch.dtype, list[int], int, int]:
