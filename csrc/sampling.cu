@@ -146,8 +146,12 @@ cudaError_t launch_filter(const TsLogits* logits, const TsRows* rows, const floa
                                               stats_flags, need_exact_mass, *out, *ws))
       return e;
     if (!collect) return cudaSuccess;
-    return launch_after_previous(&cut_collect_kernel<T, M, kCut>, grid, dim3(kFilterThreads), kCollectSmemBytes, s,
-                                 *logits, *rows, row_max, row_min, *out, *ws);
+    const cudaError_t e = launch_after_previous(&cut_collect_kernel<T, M, kCut>, grid, dim3(kFilterThreads),
+                                                kCollectSmemBytes, s, *logits, *rows, row_max, row_min, *out, *ws);
+    // the filter's records would stay in the workspace, and the next call would read them as its own: zero it (the
+    // call fails either way)
+    if (e != cudaSuccess) cudaMemsetAsync(ws->hist, 0, kHistRowBytes * static_cast<size_t>(rows->num_work_rows), s);
+    return e;
   });
 }
 
