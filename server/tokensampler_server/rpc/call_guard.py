@@ -38,6 +38,7 @@ from tokensampler_server.rpc.call_record import CallRecord, current_call, curren
 from tokensampler_server.core.budget import ByteBudget
 from tokensampler_server.core.errors import InvalidArgument, ServiceError, bounded, failure_status, unparsable
 from tokensampler_server.rpc.metrics import ServerMetrics
+from tokensampler_server.rpc.parsing import Parses
 from tokensampler_server.core.request_context import REQUEST_ID_METADATA_KEY, current_request_id, request_id_from_metadata
 
 if TYPE_CHECKING:  # tracing.py loads opentelemetry: only a server with tracing on imports it
@@ -131,6 +132,7 @@ class CallGuard:
         self._admission = admission
         self._tracer = tracer
         self._request_bytes = request_bytes
+        self._parses = Parses()
 
     def registration(self, server: grpc.aio.Server) -> GuardedRegistration:
         """What services register on instead of `server`: every handler they add reaches it guarded."""
@@ -271,7 +273,8 @@ class CallGuard:
                         self._request_bytes.take(len(request))
                         held = len(request)
                     parse_started = time.perf_counter_ns()
-                    request = _parse(deserialize, request)
+                    if deserialize is not None and isinstance(request, bytes):  # (Sample parses its own)
+                        request = await self._parses.parse(lambda raw: _parse(deserialize, raw), request)
                     call.parse_ns = time.perf_counter_ns() - parse_started
                 response = await handler(_checked(request, streaming), context)
                 if self._request_bytes is not None:

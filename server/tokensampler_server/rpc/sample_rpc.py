@@ -34,12 +34,14 @@ from tokensampler_server.core.errors import InvalidArgument, ServiceError, bound
 from tokensampler_server.resources.leases import Lease
 from tokensampler_server.rpc.metrics import ServerMetrics
 from tokensampler_server.rpc.native_path import NativePath
+from tokensampler_server.rpc.parsing import Parses
 from tokensampler_server.resources.regions import OutputTarget, Region, RegionRegistry, referenced_bytes
 from tokensampler_server.core.request_context import current_request_id
 from tokensampler_server.core.threads import on_thread
 from tokensampler_server.model.sampling import SamplingResult
 from tokensampler_server.rpc.stream_flow import StreamBudget, StreamWindow
 from tokensampler_server.validation.wire import UnusualWire
+from tokensampler_server.validation.wire_counts import TooManyValues, check_counts
 from tokensampler_server.validation.sample import (
     LOGITS_DTYPES,
     DecodedLists,
@@ -54,16 +56,17 @@ from tokensampler_server.resources.weights import WeightRegistry
 STREAM_METHOD = "tokensampler.v1.Sampler/SampleStream"
 
 
-def _message_bytes(message: bytes | pb.SampleRequest, regions: RegionRegistry, limits: Limits) -> int:
+async def _message_bytes(message: bytes | pb.SampleRequest, regions: RegionRegistry, limits: Limits,
+                         parses: Parses) -> int:
     """What a stream message holds in the server once begun: its own bytes, the bytes of an input it references in
     a shared-memory region (read into memory when the message starts) and its answer until the client reads it.
-    Found without parsing the rest of the message (input_scan.py)."""
+    Found without parsing the rest of the message (input_scan.py), or by parsing it where the walk declines."""
     size = len(message) if isinstance(message, bytes) else message.ByteSize()
     try:
         head = head_of(message) if isinstance(message, bytes) else message
     except (UnusualWire, DecodeError):
         try:
-            head = as_request(message)
+            head = await parses.parse(as_request, message)
         except ServiceError:
             return size  # its start answers that it does not parse
     held = size + _answer_bytes(head, limits)
@@ -237,6 +240,7 @@ class SampleRpc:
         # streams' unanswered messages together: as much as the queue may hold
         self._stream_budget = StreamBudget(batcher.max_queue_bytes)
         self._heavy_decodes = asyncio.Semaphore(HEAVY_DECODES)
+        self._parses = Parses()
 
     def _submit_natively(self, message: bytes | pb.SampleRequest, call: CallRecord,
                          stream_message: bool) -> asyncio.Future | None:
@@ -257,11 +261,18 @@ class SampleRpc:
         call.compute_ns, call.encode_ns = answer.compute_ns, answer.encode_ns
         return answer.response
 
-    @staticmethod
-    def _parsed(message: bytes | pb.SampleRequest, call: CallRecord) -> pb.SampleRequest:
-        """as_request, timed into the call's parse time (the deserialize metric)."""
+    async def _parsed(self, message: bytes | pb.SampleRequest, call: CallRecord,
+                      which: str = "") -> pb.SampleRequest:
+        """as_request (a large message on a thread: parsing.py), timed into the call's parse time (the deserialize
+        metric)."""
+        if not isinstance(message, bytes):
+            return message
         started = time.perf_counter_ns()
-        request = as_request(message)
+        def parse(raw: bytes) -> pb.SampleRequest:
+            check_counts(raw, self._limits)  # before protobuf expands what validation would refuse
+            return as_request(raw, which)
+
+        request = await self._parses.parse(parse, message)
         call.parse_ns += time.perf_counter_ns() - started
         return request
 
@@ -278,10 +289,12 @@ class SampleRpc:
         """A stream message started on the Python path, or its error. Bytes that do not parse raise: they end
         the stream."""
         try:
-            request = self._parsed(message, call)
+            request = await self._parsed(message, call)
+        except TooManyValues as err:  # it parses: answered as this message's error, and the stream goes on
+            return err
         except InvalidArgument:  # bytes that do not parse end the stream; parsed again, its status names the message
             index = call.request_id.rsplit(".", 1)[-1]  # _stream_record's numbering
-            as_request(message, f"message {index} of the stream (request id {call.request_id}): ")
+            await self._parsed(message, call, f"message {index} of the stream (request id {call.request_id}): ")
             raise
         try:
             return await self.start(request, call, await self._token_lists(request))
@@ -375,7 +388,7 @@ class SampleRpc:
         pending = self._submit_natively(message, call, stream_message=False)
         if pending is not None and (response := await self._native_response(pending, call)) is not None:
             return response
-        request = self._parsed(message, call)
+        request = await self._parsed(message, call)
         started = await self.start(request, call, await self._token_lists(request))
         with started.outputs:
             result, times = await started.future
@@ -395,7 +408,7 @@ class SampleRpc:
             async for message in messages:
                 record = self._stream_record(stream_id, index)
                 index += 1
-                nbytes = _message_bytes(message, self._regions, self._limits)
+                nbytes = await _message_bytes(message, self._regions, self._limits, self._parses)
                 if not await window.admit(nbytes):  # answered here: the stream stays on this loop
                     yield await self._answer(record, message, window.refusal(nbytes))
                     window.answered(0)
@@ -418,7 +431,7 @@ class SampleRpc:
         """(what _begin makes of a stream message once the stream's window takes it, the bytes counted for it); a
         message the window refuses (other streams' messages fill the budget) is answered RESOURCE_EXHAUSTED without
         being parsed."""
-        nbytes = _message_bytes(message, self._regions, self._limits)
+        nbytes = await _message_bytes(message, self._regions, self._limits, self._parses)
         if not await window.admit(nbytes):
             return window.refusal(nbytes), 0
         return await self._begin(message, record), nbytes
