@@ -299,3 +299,42 @@ def test_a_head_and_sizes_of_the_wrong_kind_are_named(sampler: LocalSampler) -> 
         sampler.prepare(-1, 50)
     with pytest.raises(ValueError, match="^vocab_size: got None"):
         sampler.prepare(2)
+
+
+def _meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+_IDS = torch.zeros(1, 2, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("call,field", [
+    # Python numbers no float32 or int64 field holds (10**400 is no float at all: OverflowError before).
+    (lambda s: s.sample(torch.zeros(2, 8), temperature=10**400), "temperature"),
+    (lambda s: s.sample(torch.zeros(2, 8), temperature=[1.0, -10**400]), "temperature"),
+    (lambda s: s.sample(torch.zeros(2, 8), logit_bias={1: 10**400}), "logit_bias"),
+    (lambda s: s.sample(torch.zeros(2, 8), frequency_penalty=10**400), "frequency_penalty"),
+    (lambda s: s.score(torch.zeros(1, 2, 8), _IDS, mode="processed", temperature=10**400), "temperature"),
+    (lambda s: s.score(torch.zeros(1, 2, 8), [[0, 10**400]]), "token_ids"),
+    (lambda s: s.topk_probs(torch.zeros(2, 8), 2, temperature=10**400), "temperature"),
+    (lambda s: s.prepare(2, 8, temperature=10**400), "temperature"),
+    (lambda s: s.prepare(2**63, 8), "batch_size"),
+    (lambda s: s.prepare(2, 10**400), "vocab_size"),
+    # Meta tensors (no data) wherever tensors come in (NotImplementedError or RuntimeError before).
+    (lambda s: s.sample(torch.zeros(2, 8), temperature=_meta(2)), "temperature"),
+    (lambda s: s.sample(torch.zeros(2, 8), temperature=[_meta(), 1.0]), "temperature"),
+    (lambda s: s.sample(torch.zeros(2, 8), seed=_meta(2, dtype=torch.int64)), "seed"),
+    (lambda s: s.sample(torch.zeros(2, 8), banned_token_ids=_meta(2, 1, dtype=torch.int64)), "banned_token_ids"),
+    (lambda s: s.topk_probs(_meta(2, 8), 2), "input"),
+    (lambda s: s.topk_probs(torch.zeros(2, 8), 2, temperature=_meta(2)), "temperature"),
+    (lambda s: s.score(torch.zeros(1, 2, 8), _IDS.to("meta")), "token_ids"),
+    (lambda s: s.score(torch.zeros(1, 2, 8), _IDS, mode="processed", temperature=_meta(1)), "temperature"),
+    (lambda s: s.register_head(_meta(VOCAB, 8)), "weight"),
+    (lambda s: s.register_head(torch.zeros(VOCAB, 8), bias=_meta(VOCAB)), "head.bias"),
+    (lambda s: s.prepare(2, 8, seed=_meta(2, dtype=torch.int64)), "seed"),
+    (lambda s: s.prepare(2, 8)(_meta(2, 8)), "input"),
+])
+def test_arguments_no_request_holds_are_value_errors_naming_them(sampler: LocalSampler, call, field: str) -> None:
+    """docs/inprocess.md: bad input is a ValueError naming its argument, never torch's or protobuf's own error."""
+    with pytest.raises(ValueError, match=rf"^{field}: got "):
+        call(sampler)

@@ -59,10 +59,31 @@ def _input(x: Any, dims: tuple[int, ...], expected: str) -> None:
         raise ValueError(f"input: got a {x.layout} tensor, expected a dense (strided) tensor")
 
 
-def _with_data(x: torch.Tensor) -> None:
-    """A tensor to compute on: not a meta tensor (those only describe a prepared call's inputs)."""
-    if x.is_meta:
-        raise ValueError("input: got a meta tensor, expected one with data (meta tensors describe prepare's inputs)")
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+_INT64_MAX = 2**63 - 1
+
+
+def _usable(name: str, value: Any) -> None:
+    """ValueError naming `name` for an argument no request can hold: a meta tensor (it has no data; meta tensors only
+    describe prepare's inputs), or a Python integer past float32's range, which every field refuses (int64 and
+    uint64 fields sooner) but which 10**400 makes an OverflowError before any field sees it."""
+    if isinstance(value, torch.Tensor):
+        if value.is_meta:
+            raise ValueError(f"{name}: got a meta tensor, expected one with data (meta tensors describe prepare's "
+                             "inputs)")
+    elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > _FLOAT32_MAX:
+        raise ValueError(f"{name}: got an integer of {value.bit_length()} bits, expected a number within float32's "
+                         "range (int64's for an integer field)")
+
+
+def _usable_within(name: str, value: Any) -> None:
+    """_usable for `value` and whatever its lists, tuples and dicts hold (the slow path: only once a fill failed)."""
+    _usable(name, value)
+    if isinstance(value, dict):
+        value = [*value.keys(), *value.values()]
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            _usable_within(name, item)
 
 
 def _float32_option(name: str, value: float | None) -> float | None:
@@ -80,12 +101,20 @@ def _check_head(head: Any, optional: bool = False) -> None:
         raise ValueError(f"head: got {type(head).__name__}, expected the head register_head returned")
 
 
-def _filled(fill: Callable[..., None], *args: Any, **kwargs: Any) -> None:
-    """A client builder's fill of a request: an unknown keyword or a value of the wrong type as ValueError."""
+def _filled(fill: Callable[..., None], request: Any, *args: Any, **kwargs: Any) -> None:
+    """A client builder's fill of a request from the call's arguments (`kwargs`, by name): an unknown keyword, a value
+    of the wrong type or one no field holds (_usable; inside a list or dict, found once the fill fails) as ValueError
+    naming it."""
+    for name, value in kwargs.items():
+        _usable(name, value)
     try:
-        fill(*args, **kwargs)
-    except TypeError as err:
-        raise ValueError(str(err)) from None
+        fill(request, *args, **kwargs)
+    except (TypeError, OverflowError, RuntimeError, NotImplementedError) as err:
+        for name, value in kwargs.items():
+            _usable_within(name, value)
+        if isinstance(err, TypeError):
+            raise ValueError(str(err)) from None
+        raise
 
 
 def _validated(validate: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -146,6 +175,8 @@ class LocalSampler:
             raise ValueError(f"weight: got {weight.dtype}, expected float32, bfloat16 or float16")
         if bias is not None and not isinstance(bias, torch.Tensor):
             raise ValueError(f"head.bias: got {type(bias).__name__}, expected a torch tensor [V] or None")
+        _usable("weight", weight)
+        _usable("head.bias", bias)
         for name, value in (("logit_scale", logit_scale), ("soft_cap", soft_cap)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
                 raise ValueError(f"head.{name}: got {value!r}, expected a number or None")
@@ -223,8 +254,8 @@ class LocalSampler:
         if head is not None:
             vocab_size = head.finish.vocab_size
         for name, size in (("batch_size", batch_size), ("vocab_size", vocab_size)):
-            if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
-                raise ValueError(f"{name}: got {size!r}, expected an integer >= 1"
+            if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or not 1 <= size <= _INT64_MAX:
+                raise ValueError(f"{name}: got {size!r}, expected an integer from 1 to 2^63 - 1"
                                  + (" (the logits' V, or a head)" if name == "vocab_size" else ""))
         batch_size, vocab_size = int(batch_size), int(vocab_size)
         shape = (batch_size, head.weight.shape[1] if head is not None else vocab_size)
@@ -242,12 +273,13 @@ class LocalSampler:
     def _topk_request(x: torch.Tensor, k: int, temperature: Any) -> pb.TopKProbsRequest:
         _input(x, (2, 3), "a [B, V] or [B, S, V] logits, or [B, D] or [B, S, D] hidden-state tensor")
         request = pb.TopKProbsRequest()
-        _filled(fill_topk_options, request, k, temperature)
+        _filled(fill_topk_options, request, k=k, temperature=temperature)
         return request
 
     @torch.no_grad()  # results are values, as a remote call's are: no autograd graph from an input that needs one
     def _topk(self, request: pb.TopKProbsRequest, x: torch.Tensor, head: RegisteredWeight | None) -> TopKProbsResult:
         """TopKProbs' result (request_id empty)."""
+        _usable("input", x)
         started = time.perf_counter_ns()
         logits, temperature, k = _validated(validate_topk_request, request, self._limits, lm_head=head, in_place=x)
         computing = time.perf_counter_ns()
@@ -260,14 +292,14 @@ class LocalSampler:
     def _score_request(x: torch.Tensor, token_ids: Any, options: dict[str, Any]) -> pb.ScoreTokensRequest:
         _input(x, (3,), "a [B, T, V] logits or [B, T, D] hidden-state tensor")
         request = pb.ScoreTokensRequest()
-        _filled(fill_score_options, request, x.shape[0], token_ids, **options)
+        _filled(fill_score_options, request, x.shape[0], token_ids=token_ids, **options)
         return request
 
     @torch.no_grad()
     def _score(self, request: pb.ScoreTokensRequest, x: torch.Tensor,
                head: RegisteredWeight | None) -> ScoreTokensResult:
         """ScoreTokens' result (request_id empty)."""
-        _with_data(x)
+        _usable("input", x)
         started = time.perf_counter_ns()
         _, source, scoring = _validated(validate_score_request, request, self._limits, lm_head=head, in_place=x)
         computing = time.perf_counter_ns()
@@ -287,14 +319,15 @@ class LocalSampler:
                  params: dict[str, Any]) -> pb.SampleRequest:
         _input(x, (2,), "a [B, V] logits or [B, D] hidden-state tensor")
         request = pb.SampleRequest()
-        _filled(fill_request_options, request, num_samples, return_logprobs, top_logprobs, logprobs_mode)
+        _filled(fill_request_options, request, num_samples=num_samples, return_logprobs=return_logprobs,
+                top_logprobs=top_logprobs, logprobs_mode=logprobs_mode)
         _filled(fill_sampling_params, request.params, x.shape[0], **params)
         return request
 
     @torch.no_grad()
     def _run(self, request: pb.SampleRequest, x: torch.Tensor, head: RegisteredWeight | None) -> SampleResult:
         """The result a remote call returns (request_id empty)."""
-        _with_data(x)
+        _usable("input", x)
         started = time.perf_counter_ns()
         batch, seeds = _validated(validate_sample_request, request, self._limits, lm_head=head, referenced=x)
         computing = time.perf_counter_ns()
@@ -336,6 +369,7 @@ class PreparedSampler:
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != self._shape:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"input: got {got}, expected a tensor of shape {list(self._shape)} as prepared")
+        _usable("input", x)
         _validated(check_in_place_dtype, x, "input")  # as sample() refuses them
         return self._prepared.sample(x)
 

@@ -82,7 +82,9 @@ def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def _penalties(x: torch.Tensor, processing: LogitProcessing) -> torch.Tensor:
-    """Repetition, presence and frequency penalties (step 4)."""
+    """Repetition, presence and frequency penalties (step 4). The penalties are finite (validated) and r > 0, so only
+    frequency·count can be an infinite term; a non-finite entry (-inf mask, NaN, +inf) leaves every stage as it came
+    and a finite one leaves as a number or ±inf (choice 1), never NaN."""
     if all(value is None for value in (processing.repetition_penalty, processing.presence_penalty,
                                        processing.frequency_penalty)):
         return x  # a history sent for DRY or no-repeat-n-gram alone is not counted
@@ -106,7 +108,10 @@ def _penalties(x: torch.Tensor, processing: LogitProcessing) -> torch.Tensor:
         x = x - presence * (output_counts > 0).to(torch.float32)
     if processing.frequency_penalty is not None:
         frequency = processing.frequency_penalty.to(device, non_blocking=True).unsqueeze(1)
-        x = x - frequency * output_counts
+        # frequency·count may overflow to ±inf (the other terms are finite): it must leave a non-finite entry as it
+        # is, so that a masked -inf stays -inf (not -inf + inf = NaN, which would flag the row) and a finite logit
+        # only ever becomes ±inf (choice 1), never NaN.
+        x = torch.where(torch.isfinite(x), x - frequency * output_counts, x)
     return x
 
 
