@@ -49,7 +49,14 @@ NGRAM_OFF = HALO
 _TILE_WIDTHS = tuple(64 << k for k in range(6))  # 64 .. 2048 positions
 # Pads breakers and tails in the restart search: no int32 token id equals it.
 _NO_TOKEN = -(1 << 40)
+# Pads a row's breakers in the restart search: equal to no tail token, _NO_TOKEN included.
+_NO_BREAKER = _NO_TOKEN - 1
 _TAIL = DRY_MAX_REPEAT + MAX_BREAKER_LENGTH
+BREAKER_STARTS = _TAIL
+"""Starts at which DRY's restart search compares each breaker of a row (_restart_caps): what a request's breakers
+cost to search is rows x breakers x BREAKER_STARTS comparisons of one byte (validation counts them)."""
+SEARCH_ROWS = 512
+"""Rows whose breakers the restart search compares at once: its temporaries stay within 512 x 32 x 66 bytes."""
 
 
 @dataclass(frozen=True)
@@ -251,30 +258,66 @@ def _restart_caps(tokens: np.ndarray, ends: np.ndarray, windows: np.ndarray, bre
     `tokens` and its length.
 
     Only starts from DRY_MAX_REPEAT + MAX_BREAKER_LENGTH tokens before the end can leave fewer than DRY_MAX_REPEAT
-    tokens after them, so the search reads that tail alone: at most its 66 starts of each breaker, first tokens
-    first, every row at once."""
+    tokens after them, so the search reads that tail alone, SEARCH_ROWS rows at a time (its temporaries bounded)."""
     limit = windows[rows].copy()
-    if breakers is None or not len(rows):
-        return np.minimum(limit, DRY_MAX_REPEAT)
-    offsets = np.arange(_TAIL + MAX_BREAKER_LENGTH) - _TAIL  # the tail, then MAX_BREAKER_LENGTH past the end
-    at = ends[rows, None] + offsets
-    inside = (offsets < 0) & (offsets >= -windows[rows, None])
-    tails = np.where(inside, tokens[np.where(inside, at, 0)], _NO_TOKEN)  # [R, 82]
-    local = np.arange(len(rows))
-    row, breaker = breakers.pairs(rows)
-    which = np.repeat(local, breakers.count[rows])  # the place in `rows` of each pair
-    candidate = tails[which, :_TAIL] == breakers.padded[breaker, :1]  # [Q, 66]: first tokens
-    pair, start = np.nonzero(candidate)
-    spans = tails[which[pair, None], start[:, None] + np.arange(MAX_BREAKER_LENGTH)]
-    lengths = breakers.lengths[breaker[pair]]
-    used = np.arange(MAX_BREAKER_LENGTH) < lengths[:, None]
-    complete = ((spans == breakers.padded[breaker[pair]]) | ~used).all(axis=1)
-    # The latest start, then the longest breaker there: the largest start * 32 + length of each row.
-    key = np.full(len(rows), -1, dtype=np.int64)
-    np.maximum.at(key, which[pair[complete]], start[complete] * 32 + lengths[complete])
-    found = key >= 0
-    limit[found] = _TAIL - (key[found] // 32 + key[found] % 32)
+    if breakers is not None:
+        for first in range(0, len(rows), SEARCH_ROWS):
+            block = rows[first:first + SEARCH_ROWS]
+            after = _tokens_after_breakers(_tails(tokens, ends, windows, block), *_row_breakers(breakers, block))
+            limit[first:first + len(block)] = np.where(after >= 0, after, windows[block])
     return np.minimum(limit, DRY_MAX_REPEAT)
+
+
+def _tails(tokens: np.ndarray, ends: np.ndarray, windows: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """int64 [R, MAX_BREAKER_LENGTH + _TAIL]: MAX_BREAKER_LENGTH columns past each row's end, then its last _TAIL
+    tokens, latest first; _NO_TOKEN outside the window, so that no breaker occurrence crosses its bounds."""
+    back = np.arange(MAX_BREAKER_LENGTH + _TAIL) - MAX_BREAKER_LENGTH  # how many tokens before the last
+    at = ends[rows, None] - 1 - back
+    inside = (back >= 0) & (back < windows[rows, None])
+    return np.where(inside, tokens[np.where(inside, at, 0)], _NO_TOKEN)
+
+
+def _row_breakers(breakers: Breakers, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's breakers side by side: ids int64 [J, R, K] (id j of each, J the longest's length) and lengths
+    int64 [R, K], K the most any of `rows` has; a row with fewer is padded with breakers of length 0 and ids
+    _NO_BREAKER, which occur nowhere. R is 1 when every row has the same breakers (one list given to all): the
+    search broadcasts it rather than copy it per row."""
+    first, count = breakers.first[rows], breakers.count[rows]
+    if (first == first[0]).all() and (count == count[0]).all():
+        first, count = first[:1], count[:1]
+    slot = np.arange(int(count.max()))
+    present = slot < count[:, None]
+    index = np.where(present, first[:, None] + slot, 0)
+    lengths = np.where(present, breakers.lengths[index], 0)
+    ids = np.where(present, breakers.padded.T[:int(lengths.max(initial=0)), index], _NO_BREAKER)
+    return ids, lengths
+
+
+def _tokens_after_breakers(tails: np.ndarray, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """int64 [R]: the tail tokens after the latest-starting occurrence of a row's breakers (the longest of those
+    starting there), -1 where none occurs; `tails` from _tails, `ids` and `lengths` from _row_breakers.
+
+    match[r, s, k] says breaker k of row r occurs from start s (s tokens before the last): the starts its first id
+    agrees with, kept while each later id agrees too. Bool [R, _TAIL, K] temporaries, one byte a comparison: no
+    breaker is ever copied per start (that took 16 int64 a comparison)."""
+    rows, width = len(tails), lengths.shape[1]
+    if width == 0:
+        return np.full(rows, -1, dtype=np.int64)
+    past = MAX_BREAKER_LENGTH  # id j of an occurrence from start s is tail column past + s - j
+    match = tails[:, past:, None] == ids[0][:, None]
+    for j in range(1, len(ids)):
+        if not match.any():  # nothing left to extend
+            break
+        same = tails[:, past - j:past - j + _TAIL, None] == ids[j][:, None]
+        done = lengths <= j
+        if done.any():  # shorter breakers keep the starts they reached
+            same |= done[:, None]
+        match &= same
+    flat = match.reshape(rows, -1)  # latest start first: a row's first true is its latest-starting occurrence
+    first = flat.argmax(axis=1)
+    latest = first // width
+    longest = np.where(match[np.arange(rows), latest], lengths, 0).max(axis=1)  # lengths [1, K] broadcast too
+    return np.where(flat[np.arange(rows), first], latest + 1 - longest, -1)
 
 
 def _penalty_tables(multiplier: np.ndarray, base: np.ndarray, allowed: np.ndarray) -> np.ndarray:
