@@ -224,6 +224,52 @@ def test_long_batches_waiting_hold_at_most_half_the_queue() -> None:
     assert short.tokens.shape == (1, 1)
 
 
+def test_long_workloads_hold_at_most_half_the_queue_with_the_long_batches() -> None:
+    """Long workloads (run_exclusive, TopKProbs/ScoreTokens of long_batch_elements logits or more) are held to half
+    the queue's rows as long batches are, and share that half with them: past it the next long one, workload or
+    batch, is refused as overload (retryable), while a short Sample and a short workload still get in. Twelve
+    ScoreTokens of 4096 rows filled all 32768 rows of the default queue, and every short Sample was refused."""
+    gate = threading.Event()
+    backend = TwoWorkerBackend(gate, long_elements=4 * VOCAB)
+    started = threading.Event()
+
+    def workload() -> str:
+        started.set()
+        gate.wait(GATE_TIMEOUT_S)
+        return "scored"
+
+    async def run() -> tuple[list[ServiceError], object, str]:
+        batcher = DynamicBatcher(backend, max_batch_rows=64, max_queue_rows=16, long_batch_elements=4 * VOCAB)
+
+        def long_workload() -> asyncio.Future:
+            return asyncio.ensure_future(batcher.run_exclusive(workload, rows=4, elements=4 * VOCAB, nbytes=0))
+
+        longs = [long_workload()]
+        await wait_until_async(started.is_set, "the long worker busy with the first workload")
+        longs.append(long_workload())  # 8 rows of long workloads: half of 16
+        refused = []
+        with pytest.raises(ServiceError) as raised:
+            await long_workload()
+        refused.append(raised.value)
+        with pytest.raises(ServiceError) as raised:
+            await batcher.submit(make_batch(torch.randn(4, VOCAB)))
+        refused.append(raised.value)
+        short, _ = await asyncio.wait_for(batcher.submit(make_batch(torch.randn(1, VOCAB))), GATE_TIMEOUT_S)
+        short_work = await asyncio.wait_for(
+            batcher.run_exclusive(lambda: "short", rows=8, elements=8, nbytes=0), GATE_TIMEOUT_S)
+        assert not any(long.done() for long in longs), "a long workload finished before its gate opened"
+        gate.set()
+        assert await asyncio.wait_for(asyncio.gather(*longs), GATE_TIMEOUT_S) == ["scored"] * 2
+        more = await asyncio.wait_for(long_workload(), GATE_TIMEOUT_S)  # their share is given back as they end
+        await batcher.close()
+        return refused, short, short_work + " " + more
+
+    refused, short, outcomes = asyncio.run(run())
+    for error in refused:
+        assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "rows of long batches" in error.message
+    assert short.tokens.shape == (1, 1) and outcomes == "short scored"
+
+
 def test_a_long_workload_runs_beside_short_batches_on_a_backend_of_concurrent_calls() -> None:
     """A workload (run_exclusive) that reads long_batch_elements logits or more takes the long worker too: a short
     Sample queued after it is answered while it runs."""

@@ -255,6 +255,10 @@ class DynamicBatcher:
         self._exclusive_rows = 0
         self._exclusive_bytes = 0
         """Rows and host bytes of the run_exclusive jobs not yet finished, within the queue's bounds."""
+        self._exclusive_long = 0
+        self._exclusive_long_rows = 0
+        self._exclusive_long_bytes = 0
+        """The same of the long ones (on the long worker), held to half the queue with the long batches."""
         self._wakeup: asyncio.Event | None = None
         self._runner: asyncio.Task | None = None
         """Waits out max_queue_delay_us before each batch (only when that delay is set)."""
@@ -294,18 +298,21 @@ class DynamicBatcher:
         if waiting_bytes + nbytes > self._max_queue_bytes:
             raise queue_full(waiting_bytes, self._max_queue_bytes, "bytes")
 
-    def _check_long_share(self, pending: _Pending) -> None:
-        """RESOURCE_EXHAUSTED (retryable) for a long batch when other long ones wait and together they would hold
-        more than half the queue's rows or bytes: the other half stays for the short requests, which run beside
-        them. A long batch with none waiting takes what the whole queue allows."""
+    def _check_long_share(self, rows: int, nbytes: int) -> None:
+        """RESOURCE_EXHAUSTED (retryable) for long work of `rows` and `nbytes` (a long batch, or a workload that
+        reads as many logits) when other long work holds queue room and together they would hold more than half
+        the queue's rows or bytes: the other half stays for the short requests, which run beside them. Long work
+        with none other holding room takes what the whole queue allows. Long batches hold it while they wait, long
+        workloads until they end (as in _check_room)."""
         waiting = [p for p in self._queue if self._is_long(p) and not p.future.done()]
-        if not waiting:
+        if not waiting and not self._exclusive_long:
             return
-        rows, nbytes = sum(p.work.num_rows for p in waiting), sum(p.nbytes for p in waiting)
-        if rows + pending.work.num_rows > self._max_queue_rows // 2:
-            raise queue_full(rows, self._max_queue_rows // 2, "rows of long batches")
-        if nbytes + pending.nbytes > self._max_queue_bytes // 2:
-            raise queue_full(nbytes, self._max_queue_bytes // 2, "bytes of long batches")
+        held_rows = self._exclusive_long_rows + sum(p.work.num_rows for p in waiting)
+        held_bytes = self._exclusive_long_bytes + sum(p.nbytes for p in waiting)
+        if held_rows + rows > self._max_queue_rows // 2:
+            raise queue_full(held_rows, self._max_queue_rows // 2, "rows of long batches")
+        if held_bytes + nbytes > self._max_queue_bytes // 2:
+            raise queue_full(held_bytes, self._max_queue_bytes // 2, "bytes of long batches")
 
     def enqueue(self, batch: SamplingBatch, lease: Lease | None = None) -> asyncio.Future:
         """Queues `batch` to be sampled, possibly together with other requests; the future gets
@@ -325,7 +332,7 @@ class DynamicBatcher:
         try:
             self._check_room(pending.work.num_rows, pending.nbytes)
             if self._is_long(pending):
-                self._check_long_share(pending)
+                self._check_long_share(pending.work.num_rows, pending.nbytes)
         except ServiceError:
             pending.release()
             raise
@@ -502,16 +509,24 @@ class DynamicBatcher:
         the work reads at least long_batch_elements logits (`elements`), else the other's. Its `rows` and host
         `nbytes` count against the queue's bounds (RESOURCE_EXHAUSTED at once past them) until it ends. Work whose
         caller has gone is dropped before it starts; a share of `lease` is held until the work, GPU stream included,
-        is done. Out-of-memory errors answer RESOURCE_EXHAUSTED, as for batches."""
+        is done. Out-of-memory errors answer RESOURCE_EXHAUSTED, as for batches. Long work, with the long batches,
+        holds at most half the queue (_check_long_share)."""
+        long = self._reads_long(elements)
         self._check_room(rows, nbytes)
+        if long:
+            self._check_long_share(rows, nbytes)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         share = None if lease is None else lease.share()
+        held = 1 if long else 0
 
         def done(outcome: object, error: BaseException | None) -> None:
             self._exclusive -= 1
             self._exclusive_rows -= rows
             self._exclusive_bytes -= nbytes
+            self._exclusive_long -= held
+            self._exclusive_long_rows -= held * rows
+            self._exclusive_long_bytes -= held * nbytes
             if share is not None:
                 share.release()
             settle(future, outcome, error)
@@ -519,9 +534,12 @@ class DynamicBatcher:
         self._exclusive += 1
         self._exclusive_rows += rows
         self._exclusive_bytes += nbytes
+        self._exclusive_long += held
+        self._exclusive_long_rows += held * rows
+        self._exclusive_long_bytes += held * nbytes
         device = self._backend.device
         job = partial(_watched, future.done, _backend_errors_as_status, partial(_finished_on, device, work))
-        worker = self._long_worker if self._reads_long(elements) else self._worker
+        worker = self._long_worker if long else self._worker
         worker.submit(loop, contextvars.copy_context(), job, done)
         return await future
 
