@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 
 import grpc
@@ -224,19 +225,26 @@ def test_long_batches_waiting_hold_at_most_half_the_queue() -> None:
     assert short.tokens.shape == (1, 1)
 
 
-def test_long_workloads_hold_at_most_half_the_queue_with_the_long_batches() -> None:
-    """Long workloads (run_exclusive, TopKProbs/ScoreTokens of long_batch_elements logits or more) are held to half
-    the queue's rows as long batches are, and share that half with them: past it the next long one, workload or
-    batch, is refused as overload (retryable), while a short Sample and a short workload still get in. Twelve
-    ScoreTokens of 4096 rows filled all 32768 rows of the default queue, and every short Sample was refused."""
+def _gated_workload() -> tuple[threading.Event, TwoWorkerBackend, threading.Event, Callable[[], str]]:
+    """(gate, a backend of two workers whose long batches wait on it, set once the workload starts, a workload
+    that waits on the gate and returns "scored")."""
     gate = threading.Event()
-    backend = TwoWorkerBackend(gate, long_elements=4 * VOCAB)
     started = threading.Event()
 
     def workload() -> str:
         started.set()
         gate.wait(GATE_TIMEOUT_S)
         return "scored"
+
+    return gate, TwoWorkerBackend(gate, long_elements=4 * VOCAB), started, workload
+
+
+def test_long_workloads_hold_at_most_half_the_queue_with_the_long_batches() -> None:
+    """Long workloads (run_exclusive, TopKProbs/ScoreTokens of long_batch_elements logits or more) are held to half
+    the queue's rows as long batches are, and share that half with them: past it the next long one, workload or
+    batch, is refused as overload (retryable), while a short Sample and a short workload still get in. Twelve
+    ScoreTokens of 4096 rows filled all 32768 rows of the default queue, and every short Sample was refused."""
+    gate, backend, started, workload = _gated_workload()
 
     async def run() -> tuple[list[ServiceError], object, str]:
         batcher = DynamicBatcher(backend, max_batch_rows=64, max_queue_rows=16, long_batch_elements=4 * VOCAB)
@@ -273,14 +281,7 @@ def test_long_workloads_hold_at_most_half_the_queue_with_the_long_batches() -> N
 def test_a_long_workload_runs_beside_short_batches_on_a_backend_of_concurrent_calls() -> None:
     """A workload (run_exclusive) that reads long_batch_elements logits or more takes the long worker too: a short
     Sample queued after it is answered while it runs."""
-    gate = threading.Event()
-    backend = TwoWorkerBackend(gate, long_elements=4 * VOCAB)
-    started = threading.Event()
-
-    def workload() -> str:
-        started.set()
-        gate.wait(GATE_TIMEOUT_S)
-        return "scored"
+    gate, backend, started, workload = _gated_workload()
 
     async def run() -> tuple[object, str]:
         batcher = DynamicBatcher(backend, max_batch_rows=64, long_batch_elements=4 * VOCAB)
