@@ -24,6 +24,7 @@ def _request(**params) -> bytes:
     ({"top_k": [-1] * 65}, "params.top_k"),                        # ten-byte varints
     ({"banned_token_ids": pb.TokenLists(ids=list(range(1001)))}, "params"),
     ({"logit_bias": pb.LogitBias(tokens=pb.TokenLists(ids=[1] * 1001), values=[0.5] * 1001)}, "params"),
+    ({"dry_sequence_breakers": pb.TokenSequences(ids=[1] * (32 * 16 * 64 + 1))}, "params.dry_sequence_breakers"),
 ])
 def test_a_request_past_the_limits_is_refused_by_its_field(params: dict, field: str) -> None:
     with pytest.raises(TooManyValues) as raised:

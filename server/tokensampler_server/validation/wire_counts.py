@@ -14,6 +14,7 @@ import numpy as np
 
 from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument
+from tokensampler_server.model.repetition import MAX_BREAKER_LENGTH, MAX_BREAKERS
 from tokensampler_server.validation.wire import UnusualWire, fields
 
 COUNTED_FROM_BYTES = 1 << 20  # a smaller message parses in well under a millisecond: not worth the walk
@@ -28,10 +29,12 @@ _PER_ROW = {
     22: ("dry_base", True), 23: ("dry_allowed_length", False), 24: ("dry_penalty_last_n", False),
     26: ("typical_p", True), 27: ("top_n_sigma", True), 28: ("xtc_threshold", True), 29: ("xtc_probability", True),
 }
-# SamplingParams' token lists (TokenLists, TokenSequences: ids = 1), and logit_bias (LogitBias: tokens = 1)
+# SamplingParams' token lists (TokenLists: ids = 1), within max_token_entries together with logit_bias (LogitBias:
+# tokens = 1); DRY's breakers (TokenSequences: ids = 1) within their own bound, a row's at most
 _LISTS = {12: "allowed_token_ids", 13: "banned_token_ids", 15: "output_token_ids", 16: "prompt_token_ids",
-          19: "stop_token_ids", 25: "dry_sequence_breakers"}
-_BIAS = 14
+          19: "stop_token_ids"}
+_BIAS, _BREAKERS = 14, 25
+_BREAKER_IDS = MAX_BREAKERS * MAX_BREAKER_LENGTH
 _LOGITS, _PARAMS, _SHAPE, _IDS = 1, 4, 2, 1  # SampleRequest.logits, .params; Tensor.shape; TokenLists.ids
 _MOST_DIMS = 8
 _MOST_TOP_FIELDS = 64  # a SampleRequest has 10
@@ -61,9 +64,9 @@ def check_counts(message: bytes, limits: Limits) -> None:
 
 def _check_params(params: memoryview, limits: Limits) -> None:
     # Unpacked, each per-row value is a field of its own: up to every row's parameters, and the lists.
-    most = len(_PER_ROW) * limits.max_batch_rows + 4 * len(_LISTS) + 64
+    most = len(_PER_ROW) * limits.max_batch_rows + 4 * (len(_LISTS) + 2) + 64
     counts: dict[int, int] = {}
-    ids = 0
+    ids = breaker_ids = 0
     for number, wire, _, payload in _walk(params, most, "params"):
         if number in _PER_ROW:
             counts[number] = counts.get(number, 0) + _count(wire, payload, _PER_ROW[number][1])
@@ -73,9 +76,12 @@ def _check_params(params: memoryview, limits: Limits) -> None:
             for n, w, _, tokens in _walk(payload, _MOST_LIST_FIELDS, "params.logit_bias"):
                 if n == 1 and w == 2:
                     ids += _values(tokens, _IDS, "params.logit_bias.tokens")
+        elif number == _BREAKERS and wire == 2:
+            breaker_ids += _values(payload, _IDS, "params.dry_sequence_breakers")
     for number, count in counts.items():
         _at_most(count, limits.max_batch_rows, f"params.{_PER_ROW[number][0]}", "values (one, or one a row)")
     _at_most(ids, limits.max_token_entries, "params", "token ids in its lists (max_token_entries)")
+    _at_most(breaker_ids, _BREAKER_IDS * limits.max_batch_rows, "params.dry_sequence_breakers", "ids")
 
 
 Field = tuple[int, int, memoryview, memoryview | None]  # as fields() yields them
