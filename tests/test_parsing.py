@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import threading
 
+from tokensampler_server.core.config import Limits
 from tokensampler_server.rpc.parsing import LARGE_PARSES, PARSE_ON_LOOP_BYTES, Parses
 
 
 def test_a_large_message_is_parsed_off_the_event_loop_and_a_small_one_on_it() -> None:
     async def run() -> tuple[str, str]:
-        parses = Parses()
+        parses = Parses(Limits())
         small = await parses.parse(lambda raw: threading.current_thread().name, b"\0" * PARSE_ON_LOOP_BYTES)
         large = await parses.parse(lambda raw: threading.current_thread().name, b"\0" * (PARSE_ON_LOOP_BYTES + 1))
         return small, large
@@ -35,7 +36,7 @@ def test_at_most_a_few_large_parses_run_at_once() -> None:
         return len(raw)
 
     async def run() -> list[int]:
-        parses = Parses()
+        parses = Parses(Limits())
         calls = [asyncio.ensure_future(parses.parse(parse, b"\0" * (PARSE_ON_LOOP_BYTES + 1))) for _ in range(6)]
         await asyncio.sleep(0.3)
         release.set()

@@ -1,53 +1,74 @@
-"""validation/wire_counts.py: a large Sample request holding more values than validation accepts is refused by its
-field from its wire bytes, before protobuf parses (and expands) it; one within the limits passes, packed or not."""
+"""validation/wire_counts.py: a request holding more repeated values than validation accepts is refused by its field
+from its wire bytes, before protobuf parses (and expands) it, whatever its type; one within the limits passes, its
+values packed or not. rpc/parsing.py counts only messages past PARSE_ON_LOOP_BYTES: the smaller parse at once."""
 
 from __future__ import annotations
+
+import asyncio
 
 import numpy as np
 import pytest
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_server.core.config import Limits
-from tokensampler_server.validation.wire_counts import COUNTED_FROM_BYTES, TooManyValues, check_counts
+from tokensampler_server.rpc.parsing import Parses
+from tokensampler_server.validation.wire_counts import TooManyValues, check_counts
 
 LIMITS = Limits(max_batch_rows=64, max_token_entries=1000)
-PAD = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, COUNTED_FROM_BYTES // 4 + 1],
-                data=np.zeros(COUNTED_FROM_BYTES // 4 + 1, np.float32).tobytes())  # past the size checked
+PAD = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 1 << 18], data=np.zeros(1 << 18, np.float32).tobytes())  # 1 MiB
 
 
-def _request(**params) -> bytes:
+def _sample(**params) -> bytes:
     return pb.SampleRequest(logits=PAD, params=pb.SamplingParams(**params)).SerializeToString()
 
 
-@pytest.mark.parametrize("params, field", [
-    ({"seed": [0] * 65}, "params.seed"),                          # one-byte varints
-    ({"temperature": [1.0] * 65}, "params.temperature"),           # fixed32
-    ({"top_k": [-1] * 65}, "params.top_k"),                        # ten-byte varints
-    ({"banned_token_ids": pb.TokenLists(ids=list(range(1001)))}, "params"),
-    ({"logit_bias": pb.LogitBias(tokens=pb.TokenLists(ids=[1] * 1001), values=[0.5] * 1001)}, "params"),
-    ({"dry_sequence_breakers": pb.TokenSequences(ids=[1] * (32 * 16 * 64 + 1))}, "params.dry_sequence_breakers"),
+SAMPLE, DIFFUSION, VERIFY, TOPK = (pb.SampleRequest.DESCRIPTOR, pb.DiffusionStepRequest.DESCRIPTOR,
+                                  pb.VerifyDraftRequest.DESCRIPTOR, pb.TopKProbsRequest.DESCRIPTOR)
+
+
+@pytest.mark.parametrize("message, descriptor, field", [
+    (_sample(seed=[0] * 65), SAMPLE, "params.seed"),  # one-byte varints
+    (_sample(temperature=[1.0] * 65), SAMPLE, "params.temperature"),  # fixed32
+    (_sample(top_k=[-1] * 65), SAMPLE, "params.top_k"),  # ten-byte varints
+    (_sample(banned_token_ids=pb.TokenLists(ids=list(range(600))),
+             allowed_token_ids=pb.TokenLists(ids=list(range(401)))), SAMPLE, "params"),  # the lists together
+    (_sample(logit_bias=pb.LogitBias(tokens=pb.TokenLists(ids=[1] * 1001), values=[0.5] * 1001)), SAMPLE, "params"),
+    (_sample(dry_sequence_breakers=pb.TokenSequences(ids=[1] * (32 * 16 * 64 + 1))), SAMPLE,
+     "params.dry_sequence_breakers.ids"),
+    (pb.SampleRequest(logits=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1] * 9, data=PAD.data)).SerializeToString(),
+     SAMPLE, "logits.shape"),
+    (pb.SampleRequest(logits=PAD).SerializeToString() + b"\x78\x00" * 65, SAMPLE, "request"),  # 65 unknown fields
+    (pb.DiffusionStepRequest(logits=PAD, params=pb.SamplingParams(seed=[0] * 65)).SerializeToString(), DIFFUSION,
+     "params.seed"),
+    (pb.VerifyDraftRequest(target_logits=PAD, params=pb.SamplingParams(position=[1] * 65)).SerializeToString(),
+     VERIFY, "params.position"),
+    (pb.TopKProbsRequest(logits=PAD, temperature=[1.0] * 65).SerializeToString(), TOPK, "temperature"),
 ])
-def test_a_request_past_the_limits_is_refused_by_its_field(params: dict, field: str) -> None:
+def test_a_request_past_the_limits_is_refused_by_its_field(message: bytes, descriptor, field: str) -> None:
     with pytest.raises(TooManyValues) as raised:
-        check_counts(_request(**params), LIMITS)
+        check_counts(message, descriptor, LIMITS)
     assert raised.value.field == field
 
 
 def test_a_request_within_the_limits_passes_packed_and_unpacked() -> None:
-    check_counts(_request(seed=[2**63] * 64, temperature=[0.5] * 64, top_k=[-1] * 64,
-                          banned_token_ids=pb.TokenLists(ids=list(range(1000)), lengths=[1000])), LIMITS)
+    check_counts(_sample(seed=[2**63] * 64, temperature=[0.5] * 64, top_k=[-1] * 64,
+                         banned_token_ids=pb.TokenLists(ids=list(range(1000)), lengths=[1000])),
+                 pb.SampleRequest.DESCRIPTOR, LIMITS)
     # the same per-row values unpacked, each a field of its own (tag 5, varint): as protobuf accepts them
-    unpacked = pb.SampleRequest(logits=PAD).SerializeToString() + _params_field(b"\x28\x07" * 64)
-    check_counts(unpacked, LIMITS)
+    head = pb.SampleRequest(logits=PAD).SerializeToString()
+    check_counts(head + _params_field(b"\x28\x07" * 64), pb.SampleRequest.DESCRIPTOR, LIMITS)
     with pytest.raises(TooManyValues):
-        check_counts(pb.SampleRequest(logits=PAD).SerializeToString() + _params_field(b"\x28\x07" * 65), LIMITS)
+        check_counts(head + _params_field(b"\x28\x07" * 65), pb.SampleRequest.DESCRIPTOR, LIMITS)
 
 
-def test_a_request_of_many_top_level_fields_is_refused_and_a_small_one_is_not_walked() -> None:
-    padded = pb.SampleRequest(logits=PAD).SerializeToString() + b"\x78\x00" * 65  # field 15, unknown
-    with pytest.raises(TooManyValues) as raised:
-        check_counts(padded, LIMITS)
-    assert raised.value.field == "request"
-    check_counts(pb.SampleRequest(params=pb.SamplingParams(seed=[0] * 65)).SerializeToString(), LIMITS)
+def test_only_a_large_message_is_counted_before_its_parse() -> None:
+    small = pb.SampleRequest(params=pb.SamplingParams(seed=[0] * 65)).SerializeToString()
+
+    async def run(message: bytes):
+        return await Parses(LIMITS).parse(pb.SampleRequest.FromString, message, pb.SampleRequest.DESCRIPTOR)
+
+    assert len(asyncio.run(run(small)).params.seed) == 65  # parsed at once; validation refuses it afterwards
+    with pytest.raises(TooManyValues):
+        asyncio.run(run(_sample(seed=[0] * 65)))
 
 
 def _params_field(payload: bytes) -> bytes:

@@ -171,7 +171,7 @@ async def serve(config: ServerConfig) -> None:
     admission = Admission(config.max_concurrent_rpcs, config.max_health_watchers, config.max_calls_per_client,
                           tokens, metrics, config.reclaim_idle_calls_s, max_uploads=config.max_uploads)
     requests_in_progress = ByteBudget(config.max_queue_bytes, "request", "requests", "--max-queue-mb")
-    registration = CallGuard(metrics, admission, tracer, requests_in_progress).registration(server)
+    registration = CallGuard(metrics, admission, tracer, requests_in_progress, config.limits).registration(server)
     batcher = DynamicBatcher(
         backend,
         max_batch_rows=config.limits.max_batch_rows,

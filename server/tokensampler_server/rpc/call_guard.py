@@ -31,11 +31,13 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import grpc
+from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import DecodeError
 
 from tokensampler_server.rpc.admission import Admission, IdleWatch, Slot
 from tokensampler_server.rpc.call_record import CallRecord, current_call, current_message_tracer
 from tokensampler_server.core.budget import ByteBudget
+from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument, ServiceError, bounded, failure_status, unparsable
 from tokensampler_server.rpc.metrics import ServerMetrics
 from tokensampler_server.rpc.parsing import Parses
@@ -82,6 +84,12 @@ def _parse(deserialize: Deserializer | None, raw: bytes) -> object:
         return _Unparsable(unparsable(raw, err))
 
 
+def _descriptor(deserialize: Deserializer) -> Descriptor | None:
+    """The message type a generated deserializer (a message class's FromString) parses, if it is one."""
+    descriptor = getattr(getattr(deserialize, "__self__", None), "DESCRIPTOR", None)
+    return descriptor if isinstance(descriptor, Descriptor) else None
+
+
 def _checked(request: object, streaming: bool) -> object:
     """The request (or the iterator of requests) the behaviour gets; unparsable bytes raise their error."""
     if streaming:
@@ -125,14 +133,16 @@ class CallGuard:
     """Wraps each method's behaviour, and the parsing and serialisation of its messages, once per method."""
 
     def __init__(self, metrics: ServerMetrics | None = None, admission: Admission | None = None,
-                 tracer: CallTracer | None = None, request_bytes: ByteBudget | None = None) -> None:
+                 tracer: CallTracer | None = None, request_bytes: ByteBudget | None = None,
+                 limits: Limits | None = None) -> None:
         """`request_bytes`: what unary requests in progress hold from before they are parsed (parsing costs
-        several times a message's size, and the queues' own bound applies only after it)."""
+        several times a message's size, and the queues' own bound applies only after it); `limits`: what a large
+        request's repeated values are counted against before it is parsed (parsing.py)."""
         self._metrics = metrics or ServerMetrics()
         self._admission = admission
         self._tracer = tracer
         self._request_bytes = request_bytes
-        self._parses = Parses()
+        self._parses = Parses(limits or Limits())
 
     def registration(self, server: grpc.aio.Server) -> GuardedRegistration:
         """What services register on instead of `server`: every handler they add reaches it guarded."""
@@ -274,7 +284,8 @@ class CallGuard:
                         held = len(request)
                     parse_started = time.perf_counter_ns()
                     if deserialize is not None and isinstance(request, bytes):  # (Sample parses its own)
-                        request = await self._parses.parse(lambda raw: _parse(deserialize, raw), request)
+                        request = await self._parses.parse(lambda raw: _parse(deserialize, raw), request,
+                                                           _descriptor(deserialize))
                     call.parse_ns = time.perf_counter_ns() - parse_started
                 response = await handler(_checked(request, streaming), context)
                 if self._request_bytes is not None:

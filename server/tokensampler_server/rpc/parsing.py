@@ -11,6 +11,11 @@ import asyncio
 from collections.abc import Callable
 from typing import TypeVar
 
+from google.protobuf.descriptor import Descriptor
+
+from tokensampler_server.core.config import Limits
+from tokensampler_server.validation.wire_counts import check_counts
+
 T = TypeVar("T")
 
 PARSE_ON_LOOP_BYTES = 1 << 20  # a message this size parses in well under a millisecond
@@ -18,13 +23,21 @@ LARGE_PARSES = 2
 
 
 class Parses:
-    """Parses of one owner (the call guard, the Sample service): larger messages on threads, LARGE_PARSES at once."""
+    """Parses of one owner (the call guard, the Sample service): larger messages on threads, LARGE_PARSES at once,
+    each counted first (wire_counts.py) where its type is known."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: Limits) -> None:
+        self._limits = limits
         self._large = asyncio.Semaphore(LARGE_PARSES)
 
-    async def parse(self, parse: Callable[[bytes], T], raw: bytes) -> T:
+    async def parse(self, parse: Callable[[bytes], T], raw: bytes, descriptor: Descriptor | None = None) -> T:
         if len(raw) <= PARSE_ON_LOOP_BYTES:
             return parse(raw)
+
+        def counted_then_parsed(raw: bytes) -> T:
+            if descriptor is not None:
+                check_counts(raw, descriptor, self._limits)  # before protobuf expands what validation refuses
+            return parse(raw)
+
         async with self._large:
-            return await asyncio.to_thread(parse, raw)
+            return await asyncio.to_thread(counted_then_parsed, raw)

@@ -41,7 +41,7 @@ from tokensampler_server.core.threads import on_thread
 from tokensampler_server.model.sampling import SamplingResult
 from tokensampler_server.rpc.stream_flow import StreamBudget, StreamWindow
 from tokensampler_server.validation.wire import UnusualWire
-from tokensampler_server.validation.wire_counts import TooManyValues, check_counts
+from tokensampler_server.validation.wire_counts import TooManyValues
 from tokensampler_server.validation.sample import (
     LOGITS_DTYPES,
     DecodedLists,
@@ -66,7 +66,7 @@ async def _message_bytes(message: bytes | pb.SampleRequest, regions: RegionRegis
         head = head_of(message) if isinstance(message, bytes) else message
     except (UnusualWire, DecodeError):
         try:
-            head = await parses.parse(as_request, message)
+            head = await parses.parse(as_request, message, pb.SampleRequest.DESCRIPTOR)
         except ServiceError:
             return size  # its start answers that it does not parse
     held = size + _answer_bytes(head, limits)
@@ -240,7 +240,7 @@ class SampleRpc:
         # streams' unanswered messages together: as much as the queue may hold
         self._stream_budget = StreamBudget(batcher.max_queue_bytes)
         self._heavy_decodes = asyncio.Semaphore(HEAVY_DECODES)
-        self._parses = Parses()
+        self._parses = Parses(limits)
 
     def _submit_natively(self, message: bytes | pb.SampleRequest, call: CallRecord,
                          stream_message: bool) -> asyncio.Future | None:
@@ -268,11 +268,7 @@ class SampleRpc:
         if not isinstance(message, bytes):
             return message
         started = time.perf_counter_ns()
-        def parse(raw: bytes) -> pb.SampleRequest:
-            check_counts(raw, self._limits)  # before protobuf expands what validation would refuse
-            return as_request(raw, which)
-
-        request = await self._parses.parse(parse, message)
+        request = await self._parses.parse(lambda raw: as_request(raw, which), message, pb.SampleRequest.DESCRIPTOR)
         call.parse_ns += time.perf_counter_ns() - started
         return request
 
