@@ -338,3 +338,11 @@ def test_arguments_no_request_holds_are_value_errors_naming_them(sampler: LocalS
     """docs/inprocess.md: bad input is a ValueError naming its argument, never torch's or protobuf's own error."""
     with pytest.raises(ValueError, match=rf"^{field}: got "):
         call(sampler)
+
+
+@pytest.mark.parametrize("sizes", [(2, 2**62), (2**62, 2)])
+def test_a_prepared_call_of_more_elements_than_a_request_holds_is_a_value_error(sizes: tuple[int, int]) -> None:
+    """Each size fits int64 but their product does not: refused by name before a meta tensor of that shape (torch
+    raised RuntimeError: its storage size overflowed)."""
+    with pytest.raises(ValueError, match="batch_size: .* elements, expected at most"):
+        LocalSampler("cpu").prepare(*sizes)

@@ -259,6 +259,10 @@ class LocalSampler:
                                  + (" (the logits' V, or a head)" if name == "vocab_size" else ""))
         batch_size, vocab_size = int(batch_size), int(vocab_size)
         shape = (batch_size, head.weight.shape[1] if head is not None else vocab_size)
+        for rows, width in (shape, (batch_size, vocab_size)):  # before a meta tensor of that shape (int64 numel)
+            if rows * width > self._limits.max_batch_elements:
+                raise ValueError(f"batch_size: {rows} rows of {width}, {rows * width} elements, expected at most "
+                                 f"{self._limits.max_batch_elements} (max_batch_elements)")
         request = self._request(torch.empty(shape, device="meta"), num_samples, return_logprobs, logprobs_mode,
                                 top_logprobs, params)
         if head is not None:
