@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from tokensampler_server.core.request_context import raise_if_abandoned
+from tokensampler_server.model.log_probs import log_softmax
 from tokensampler_server.model.sampling import LogprobsMode, SamplingBatch, SamplingResult, concat_results, select_rows
 from tokensampler_server.backends.base import Backend, BackendInfo, Route
 from tokensampler_server.backends.philox import gumbel_noise, gumbel_noise_at
@@ -190,7 +191,7 @@ class CpuBackend(Backend):
         # 1. Raw log-probs of the input (NaN/+inf read as -inf).
         raw_logprobs = None
         if wants_logprobs and raw:
-            raw_logprobs = torch.log_softmax(sanitize_non_finite(x.clone())[0], dim=1)
+            raw_logprobs = log_softmax(sanitize_non_finite(x.clone())[0])
 
         # 2-5. Processing, then non-finite entries. A chunk is one row at least: a row far wider than a chunk's
         # logits takes seconds a step, so work whose callers have gone also stops between steps.
@@ -233,7 +234,7 @@ class CpuBackend(Backend):
             if raw:
                 table = raw_logprobs
             else:
-                table = z_kept - torch.logsumexp(z_kept, dim=1, keepdim=True)
+                table = log_softmax(z_kept)
             if batch.return_logprobs:
                 logprobs = table.gather(1, tokens.clamp(min=0))
                 logprobs[~valid] = float("nan")

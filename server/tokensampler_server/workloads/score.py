@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tokensampler_server.backends.cpu import kept_token_mask, top_n
+from tokensampler_server.model.log_probs import log_softmax
 from tokensampler_server.resources.weights import RegisteredWeight
 from tokensampler_server.core.request_context import raise_if_abandoned
 
@@ -126,14 +127,17 @@ def score_streamed(source: LogitSource, scoring: TokenScoring, rows: torch.Tenso
                    out: Scores) -> None:
     """Rows whose distribution is softmax(z), z = (x - max) / T over the whole vocabulary (choice 2), a vocabulary
     slice at a time. The sums are kept about the largest x seen so far and rescaled as it grows: x / T alone
-    overflows for a small T, and max(z) + log Σ e^(z - max(z)) loses the log term in float32 for a large |z|."""
+    overflows for a small T, and max(z) + log Σ e^(z - max(z)) loses the log term in float32 for a large |z|.
+    The sums are float64: the slices' width depends on the rows scored together, and a float32 sum's rounding with
+    it (a log-prob moved by up to 7e-5 at V = 2^20 between ScoreTokens and Sample); in float64 the float32 results
+    are the same whatever the batch."""
     num_rows, vocab = rows.numel(), source.vocab_size
     width = max(1, min(vocab, _SLICE_ELEMENTS // num_rows))
     t = _temperature(scoring, rows, device)
     targets = scoring.token_ids[rows].to(device)
     running_max = torch.full((num_rows,), _NEG_INF, device=device)  # of x
-    sum_exp = torch.zeros(num_rows, device=device)  # Σ e^c, c = (x - running_max) / T
-    sum_terms = torch.zeros(num_rows, device=device)  # Σ e^c·c: the entropy's numerator
+    sum_exp = torch.zeros(num_rows, dtype=torch.float64, device=device)  # Σ e^c, c = (x - running_max) / T
+    sum_terms = torch.zeros(num_rows, dtype=torch.float64, device=device)  # Σ e^c·c: the entropy's numerator
     target_x = torch.full((num_rows,), _NEG_INF, device=device)
     best_x = best_ids = None
     for start in range(0, vocab, width):
@@ -144,13 +148,13 @@ def score_streamed(source: LogitSource, scoring: TokenScoring, rows: torch.Tenso
         shift = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))  # no -inf - -inf
         centred = (x - shift.unsqueeze(1)).div_(t)
         e = centred.exp()
-        terms = torch.where(e > 0, e * centred, torch.zeros_like(e)).sum(dim=1)
+        terms = torch.where(e > 0, e * centred, torch.zeros_like(e)).sum(dim=1, dtype=torch.float64)
         # Rescale what the earlier slices summed to the new max: e^(c') = e^c·e^d, c' = c + d, d = (m - m') / T.
-        d = (running_max - shift).div_(t.squeeze(1))
+        d = (running_max - shift).div_(t.squeeze(1)).double()
         scale = d.exp()
         moved = torch.where(scale > 0, sum_terms + sum_exp * d, torch.zeros_like(sum_exp))
         sum_terms = scale * moved + terms
-        sum_exp = scale * sum_exp + e.sum(dim=1)
+        sum_exp = scale * sum_exp + e.sum(dim=1, dtype=torch.float64)
         running_max = new_max
         inside = (targets >= start) & (targets < stop)
         picked = x.gather(1, (targets - start).clamp(0, stop - start - 1).unsqueeze(1)).squeeze(1)
@@ -162,12 +166,13 @@ def score_streamed(source: LogitSource, scoring: TokenScoring, rows: torch.Tenso
     log_sum = sum_exp.log()
     index = rows.to(device)
     target_z = (target_x - shift).div_(t.squeeze(1))
-    out.logprobs[index] = torch.where(valid, target_z - log_sum, out.logprobs[index])
+    log_sum32 = log_sum.float()  # rounded before the subtraction, as Sample's log_softmax does
+    out.logprobs[index] = torch.where(valid, target_z - log_sum32, out.logprobs[index])
     if out.entropy is not None:
-        out.entropy[index] = torch.where(valid, log_sum - sum_terms / sum_exp, out.entropy[index])
+        out.entropy[index] = torch.where(valid, (log_sum - sum_terms / sum_exp).float(), out.entropy[index])
     if scoring.top_logprobs:
         best_z = (best_x - shift.unsqueeze(1)).div_(t)
-        _write_top(out, index, valid, best_ids, best_z - log_sum.unsqueeze(1))
+        _write_top(out, index, valid, best_ids, best_z - log_sum32.unsqueeze(1))
 
 
 def _merge_best(best_z: torch.Tensor | None, best_ids: torch.Tensor | None, z: torch.Tensor, start: int,
@@ -195,7 +200,7 @@ def _filtered(source: LogitSource, scoring: TokenScoring, rows: torch.Tensor, de
     z = (x - x_max.unsqueeze(1)) / _temperature(scoring, rows, device)
     kept = kept_token_mask(z, *(column[rows].to(device) for column in (scoring.top_k, scoring.top_p, scoring.min_p)))
     z_kept = torch.where(kept, z, torch.full_like(z, _NEG_INF))
-    table = z_kept - torch.logsumexp(z_kept, dim=1, keepdim=True)
+    table = log_softmax(z_kept)
     index = rows.to(device)
     picked = table.gather(1, scoring.token_ids[rows].to(device).unsqueeze(1)).squeeze(1)
     out.logprobs[index] = torch.where(valid, picked, out.logprobs[index])
