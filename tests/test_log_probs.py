@@ -20,7 +20,7 @@ def rows() -> torch.Tensor:
     return torch.from_numpy(np.random.default_rng(0).standard_normal((4, V)).astype(np.float32))
 
 
-@pytest.mark.parametrize("mode, params", [("raw", {}), ("processed", {"top_p": 0.9}), ("processed", {"top_k": 50}),
+@pytest.mark.parametrize("mode, params", [("raw", {}), ("processed", {"top_p": 0.9}),
                                           ("processed", {"temperature": 0.7})])
 def test_a_rows_log_probs_do_not_depend_on_the_rows_beside_it(rows: torch.Tensor, mode: str, params: dict) -> None:
     sampler = LocalSampler("cpu")
@@ -34,7 +34,7 @@ def test_a_rows_log_probs_do_not_depend_on_the_rows_beside_it(rows: torch.Tensor
 @pytest.mark.parametrize("mode, temperature", [("raw", 1.0), ("processed", 0.7)])
 def test_scoring_a_sampled_token_gives_its_sampled_log_prob(rows: torch.Tensor, mode: str, temperature: float) -> None:
     sampler = LocalSampler("cpu")
-    for seed in range(8):
+    for seed in range(3):
         sampled = sampler.sample(rows, seed=seed, temperature=temperature, return_logprobs=True, logprobs_mode=mode)
         scored = sampler.score(rows[:, None, :], sampled.tokens[:, :1].to(torch.int32), mode=mode,
                                **({"temperature": temperature} if mode == "processed" else {}))
