@@ -101,3 +101,17 @@ def test_an_answer_counts_in_the_requests_budget_until_the_call_ends() -> None:
     for callback in context.done_callbacks:
         callback(context)
     assert budget.held == 0
+
+
+def test_a_stream_message_is_counted_before_grpc_parses_it() -> None:
+    """grpc parses stream messages (RegisterWeights' chunks, Colocate's) on the event loop as it reads them: their
+    repeated values are counted first, and a message past the limits is the call's error, not an expanded parse."""
+    from tokensampler_server.rpc.call_guard import _Unparsable
+    from tokensampler_server.rpc.parsing import COUNTED_FROM_BYTES
+
+    guard = CallGuard()
+    chunk = pb.RegisterWeightsChunk(shape=[1] * 9, data=b"\0" * COUNTED_FROM_BYTES).SerializeToString()
+    refused = guard._stream_parse(pb.RegisterWeightsChunk.FromString, chunk)
+    assert isinstance(refused, _Unparsable) and refused.error.field == "shape"
+    fine = pb.RegisterWeightsChunk(shape=[4, 2], data=b"\0" * COUNTED_FROM_BYTES).SerializeToString()
+    assert list(guard._stream_parse(pb.RegisterWeightsChunk.FromString, fine).shape) == [4, 2]

@@ -6,7 +6,8 @@ import asyncio
 import threading
 
 from tokensampler_server.core.config import Limits
-from tokensampler_server.rpc.parsing import LARGE_PARSES, PARSE_ON_LOOP_BYTES, Parses
+from tokensampler_server.rpc.parsing import (COUNTED_FROM_BYTES, LARGE_PARSES, PARSE_ON_LOOP_BYTES,
+                                            PARSE_ON_LOOP_VALUES, Parses)
 
 
 def test_a_large_message_is_parsed_off_the_event_loop_and_a_small_one_on_it() -> None:
@@ -44,3 +45,22 @@ def test_at_most_a_few_large_parses_run_at_once() -> None:
 
     assert asyncio.run(run()) == [PARSE_ON_LOOP_BYTES + 1] * 6
     assert most == LARGE_PARSES
+
+
+def test_a_message_of_many_values_is_parsed_off_the_event_loop_however_small() -> None:
+    """1 MiB of one-byte varints took 40 ms to parse: from COUNTED_FROM_BYTES the values are counted, and a message
+    of more than PARSE_ON_LOOP_VALUES of them parses on a thread, within the limits as this one is."""
+    from tokensampler_client._proto import sampler_pb2 as pb
+
+    def banning(ids: int) -> pb.SampleRequest:
+        return pb.SampleRequest(params=pb.SamplingParams(banned_token_ids=pb.TokenLists(ids=[5] * ids)))
+
+    many, few = banning(PARSE_ON_LOOP_VALUES + 1), banning(PARSE_ON_LOOP_VALUES)
+
+    async def where(message) -> str:
+        return await Parses(Limits()).parse(lambda raw: threading.current_thread().name,
+                                            message.SerializeToString(), pb.SampleRequest.DESCRIPTOR)
+
+    assert len(many.SerializeToString()) < PARSE_ON_LOOP_BYTES and len(few.SerializeToString()) >= COUNTED_FROM_BYTES
+    assert asyncio.run(where(many)) != threading.current_thread().name
+    assert asyncio.run(where(few)) == threading.current_thread().name

@@ -11,7 +11,7 @@ import pytest
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_server.core.config import Limits
 from tokensampler_server.rpc.parsing import Parses
-from tokensampler_server.validation.wire_counts import TooManyValues, check_counts
+from tokensampler_server.validation.wire_counts import WireRefusal, check_counts
 
 LIMITS = Limits(max_batch_rows=64, max_token_entries=1000)
 PAD = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 1 << 18], data=np.zeros(1 << 18, np.float32).tobytes())  # 1 MiB
@@ -42,9 +42,10 @@ SAMPLE, DIFFUSION, VERIFY, TOPK = (pb.SampleRequest.DESCRIPTOR, pb.DiffusionStep
     (pb.VerifyDraftRequest(target_logits=PAD, params=pb.SamplingParams(position=[1] * 65)).SerializeToString(),
      VERIFY, "params.position"),
     (pb.TopKProbsRequest(logits=PAD, temperature=[1.0] * 65).SerializeToString(), TOPK, "temperature"),
+    (_sample(seed=[0] * 64) + b"\x0b\x0c", SAMPLE, "request"),  # a group after the values: not walked, not parsed
 ])
 def test_a_request_past_the_limits_is_refused_by_its_field(message: bytes, descriptor, field: str) -> None:
-    with pytest.raises(TooManyValues) as raised:
+    with pytest.raises(WireRefusal) as raised:
         check_counts(message, descriptor, LIMITS)
     assert raised.value.field == field
 
@@ -56,18 +57,18 @@ def test_a_request_within_the_limits_passes_packed_and_unpacked() -> None:
     # the same per-row values unpacked, each a field of its own (tag 5, varint): as protobuf accepts them
     head = pb.SampleRequest(logits=PAD).SerializeToString()
     check_counts(head + _params_field(b"\x28\x07" * 64), pb.SampleRequest.DESCRIPTOR, LIMITS)
-    with pytest.raises(TooManyValues):
+    with pytest.raises(WireRefusal):
         check_counts(head + _params_field(b"\x28\x07" * 65), pb.SampleRequest.DESCRIPTOR, LIMITS)
 
 
-def test_only_a_large_message_is_counted_before_its_parse() -> None:
+def test_only_a_message_past_the_counted_size_is_counted_before_its_parse() -> None:
     small = pb.SampleRequest(params=pb.SamplingParams(seed=[0] * 65)).SerializeToString()
 
     async def run(message: bytes):
         return await Parses(LIMITS).parse(pb.SampleRequest.FromString, message, pb.SampleRequest.DESCRIPTOR)
 
     assert len(asyncio.run(run(small)).params.seed) == 65  # parsed at once; validation refuses it afterwards
-    with pytest.raises(TooManyValues):
+    with pytest.raises(WireRefusal):
         asyncio.run(run(_sample(seed=[0] * 65)))
 
 

@@ -41,6 +41,7 @@ from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument, ServiceError, bounded, failure_status, unparsable
 from tokensampler_server.rpc.metrics import ServerMetrics
 from tokensampler_server.rpc.parsing import Parses
+from tokensampler_server.validation.wire_counts import WireRefusal
 from tokensampler_server.core.request_context import REQUEST_ID_METADATA_KEY, current_request_id, request_id_from_metadata
 
 if TYPE_CHECKING:  # tracing.py loads opentelemetry: only a server with tracing on imports it
@@ -226,15 +227,22 @@ class CallGuard:
 
         return wrap(
             guarded,
-            request_deserializer=lambda raw: _parse(handler.request_deserializer, raw),
+            request_deserializer=lambda raw: self._stream_parse(handler.request_deserializer, raw),
             response_serializer=handler.response_serializer,
         )
 
-    @staticmethod
-    def _timed_stream_parse(deserialize: Deserializer | None) -> Deserializer:
+    def _stream_parse(self, deserialize: Deserializer | None, raw: bytes) -> object:
+        """A stream message parsed as grpc reads it (on the event loop), its repeated values counted first
+        (parsing.py): a refusal, like bytes that do not parse, is the call's error, raised when the message is read."""
+        try:
+            return self._parses.parse_here(lambda raw: _parse(deserialize, raw), raw, _descriptor(deserialize))
+        except WireRefusal as err:
+            return _Unparsable(err)
+
+    def _timed_stream_parse(self, deserialize: Deserializer | None) -> Deserializer:
         def parse(raw: bytes) -> object:
             started = time.perf_counter_ns()
-            message = _parse(deserialize, raw)
+            message = self._stream_parse(deserialize, raw)
             call = current_call.get(None)
             if call is not None:
                 call.parse_ns += time.perf_counter_ns() - started

@@ -1,8 +1,10 @@
-"""Request bytes parsed where they do not stall the server: a large message on a thread, a few at a time.
+"""Request bytes parsed where they do not stall the server, their repeated values counted first.
 
-protobuf parses a packed numeric field at ~30 ns a value into 8 bytes a value: a 200 MB Sample whose params.seed
-held 200 M one-byte varints took 9.4 s on the event loop, during which no other call was served, and 4 GB. On a
-thread the loop serves the others meanwhile; LARGE_PARSES at a time bounds what such parses hold together.
+protobuf parses a packed numeric field at ~40 ns a value into 8 bytes a value, holding the interpreter's lock: a
+200 MB Sample whose params.seed held 200 M one-byte varints took 9.4 s of the event loop, during which no other call
+was served, and 4 GB, and 1 MiB of them 40 ms. So a message from COUNTED_FROM_BYTES has its values counted from its
+wire bytes (validation/wire_counts.py: refused by field past what validation accepts), and one of many values or
+many bytes is parsed on a thread, LARGE_PARSES at a time, which bounds what such parses hold together.
 """
 
 from __future__ import annotations
@@ -18,26 +20,37 @@ from tokensampler_server.validation.wire_counts import check_counts
 
 T = TypeVar("T")
 
-PARSE_ON_LOOP_BYTES = 1 << 20  # a message this size parses in well under a millisecond
+COUNTED_FROM_BYTES = 64 << 10  # smaller, at most 64 Ki values: ~3 ms of parse
+PARSE_ON_LOOP_VALUES = 1 << 16  # more values parse on a thread
+PARSE_ON_LOOP_BYTES = 1 << 20  # and a larger message: its bytes fields alone take ~0.6 ms a MiB
 LARGE_PARSES = 2
 
 
 class Parses:
-    """Parses of one owner (the call guard, the Sample service): larger messages on threads, LARGE_PARSES at once,
-    each counted first (wire_counts.py) where its type is known."""
+    """Parses of one owner (the call guard, the Sample service): counted (where the message's type is known), then
+    parsed where it arrives, or on a thread, LARGE_PARSES at once."""
 
     def __init__(self, limits: Limits) -> None:
         self._limits = limits
         self._large = asyncio.Semaphore(LARGE_PARSES)
 
+    def counted(self, raw: bytes, descriptor: Descriptor | None) -> int:
+        """The repeated values of `raw` (0 when not counted); raises wire_counts.WireRefusal past the limits."""
+        if descriptor is None or len(raw) < COUNTED_FROM_BYTES:
+            return 0
+        return check_counts(raw, descriptor, self._limits)
+
+    def parse_here(self, parse: Callable[[bytes], T], raw: bytes, descriptor: Descriptor | None) -> T:
+        """Counted, then parsed where it is called: for grpc's deserializers of stream messages, which it calls on
+        the event loop."""
+        self.counted(raw, descriptor)
+        return parse(raw)
+
     async def parse(self, parse: Callable[[bytes], T], raw: bytes, descriptor: Descriptor | None = None) -> T:
-        if len(raw) <= PARSE_ON_LOOP_BYTES:
+        if len(raw) > PARSE_ON_LOOP_BYTES:  # counted on the thread too: numpy's count lets the loop run
+            async with self._large:
+                return await asyncio.to_thread(self.parse_here, parse, raw, descriptor)
+        if self.counted(raw, descriptor) <= PARSE_ON_LOOP_VALUES:
             return parse(raw)
-
-        def counted_then_parsed(raw: bytes) -> T:
-            if descriptor is not None:
-                check_counts(raw, descriptor, self._limits)  # before protobuf expands what validation refuses
-            return parse(raw)
-
         async with self._large:
-            return await asyncio.to_thread(counted_then_parsed, raw)
+            return await asyncio.to_thread(parse, raw)

@@ -41,7 +41,7 @@ from tokensampler_server.core.threads import on_thread
 from tokensampler_server.model.sampling import SamplingResult
 from tokensampler_server.rpc.stream_flow import StreamBudget, StreamWindow
 from tokensampler_server.validation.wire import UnusualWire
-from tokensampler_server.validation.wire_counts import TooManyValues
+from tokensampler_server.validation.wire_counts import WireRefusal
 from tokensampler_server.validation.sample import (
     LOGITS_DTYPES,
     DecodedLists,
@@ -286,7 +286,7 @@ class SampleRpc:
         the stream."""
         try:
             request = await self._parsed(message, call)
-        except TooManyValues as err:  # it parses: answered as this message's error, and the stream goes on
+        except WireRefusal as err:  # it parses: answered as this message's error, and the stream goes on
             return err
         except InvalidArgument:  # bytes that do not parse end the stream; parsed again, its status names the message
             index = call.request_id.rsplit(".", 1)[-1]  # _stream_record's numbering

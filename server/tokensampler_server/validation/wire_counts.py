@@ -28,20 +28,22 @@ _FIXED64 = {FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FIXED64, FieldDesc
 Field = tuple[int, int, memoryview, memoryview | None]  # as fields() yields them
 
 
-class TooManyValues(InvalidArgument):
-    """A request that parses, refused by its counts before it is parsed: its own error, not unparsable bytes."""
+class WireRefusal(InvalidArgument):
+    """A request refused from its wire bytes before it is parsed: its own error, not unparsable bytes."""
 
 
-def check_counts(message: bytes, descriptor: Descriptor, limits: Limits) -> None:
-    """Raises TooManyValues naming the field where `message` (serialized, of type `descriptor`) holds more values
-    than validation accepts: a per-row field past max_batch_rows values, token ids past max_token_entries, DRY's
-    breakers past 32 of 16 ids a row, a shape past 8 dimensions, or more fields at a level than such values could
-    fill unpacked (each walked field costs the interpreter ~0.5 us). Wire it cannot walk is left to the parse."""
+def check_counts(message: bytes, descriptor: Descriptor, limits: Limits) -> int:
+    """The repeated values `message` (serialized, of type `descriptor`) holds. Raises WireRefusal naming the field
+    where it holds more than validation accepts: a per-row field past max_batch_rows values, token ids past
+    max_token_entries, DRY's breakers past 32 of 16 ids a row, a shape past 8 dimensions, or more fields at a level
+    than such values could fill unpacked (each walked field costs the interpreter ~0.5 us); and where its wire is
+    not walked (a group, which no proto3 message holds, or a field cut short): a count it could hide is not parsed."""
     counts: dict[str, int] = {}
     try:
         _count_message(memoryview(message), descriptor, "", limits, counts, 0)
-    except UnusualWire:
-        return
+    except UnusualWire as err:
+        raise WireRefusal("request", f"wire that is not counted before a parse ({err}): expected proto3 fields whole")
+    return sum(counts.values())
 
 
 def _count_message(view: memoryview, descriptor: Descriptor, path: str, limits: Limits, counts: dict[str, int],
@@ -60,7 +62,7 @@ def _count_message(view: memoryview, descriptor: Descriptor, path: str, limits: 
             key, most, what = _budget(descriptor.name, field.name, name, limits)
             counts[key] = counts.get(key, 0) + _count(wire, payload, field.type)
             if counts[key] > most:
-                raise TooManyValues(key, f"{counts[key]} {what}, more than {most}")
+                raise WireRefusal(key, f"{counts[key]} {what}, more than {most}")
 
 
 def _is_repeated(field: FieldDescriptor) -> bool:
@@ -91,7 +93,7 @@ def _walk(message: memoryview, most: int, field: str) -> Iterator[Field]:
     """fields(message), refused past `most` fields."""
     for index, walked in enumerate(fields(message)):
         if index >= most:
-            raise TooManyValues(field, f"more than {most} fields (repeated values go packed, each field once)")
+            raise WireRefusal(field, f"more than {most} fields (repeated values go packed, each field once)")
         yield walked
 
 
