@@ -514,3 +514,20 @@ def test_drain_starts_what_waits_out_the_queue_delay_at_once() -> None:
 
     drained, later = asyncio.run(run())
     assert drained < 5 and later < 5 and backend.calls == [3, 2]
+
+
+def test_requests_that_cannot_merge_wait_the_queue_delay_once() -> None:
+    """Eight requests of eight vocabularies (eight groups) queued together: each group used to wait the whole
+    --max-queue-delay-us again before it launched, the last request eight delays with the backend idle. Now each
+    waits what is left of the oldest request's delay: all are answered in about one."""
+    delay_s = 0.25
+
+    async def run() -> float:
+        batcher = DynamicBatcher(CpuBackend(), max_batch_rows=64, max_queue_delay_us=int(delay_s * 1e6))
+        started = asyncio.get_running_loop().time()
+        await asyncio.gather(*(batcher.submit(make_batch(torch.randn(1, 100 + v))) for v in range(8)))
+        elapsed = asyncio.get_running_loop().time() - started
+        await batcher.close()
+        return elapsed
+
+    assert asyncio.run(run()) < 4 * delay_s  # eight delays (2 s) before
