@@ -1,6 +1,7 @@
 """validation/wire_counts.py: a request holding more repeated values than validation accepts is refused by its field
 from its wire bytes, before protobuf parses (and expands) it, whatever its type; one within the limits passes, its
-values packed or not. rpc/parsing.py counts only messages past PARSE_ON_LOOP_BYTES: the smaller parse at once."""
+values packed, or unpacked within the message's field budget. rpc/parsing.py counts only messages from
+COUNTED_FROM_BYTES: the smaller parse at once."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from tokensampler_client._proto import sampler_pb2 as pb
 from tokensampler_server.core.config import Limits
 from tokensampler_server.rpc.parsing import Parses
-from tokensampler_server.validation.wire_counts import WireRefusal, check_counts
+from tokensampler_server.validation.wire_counts import MOST_FIELDS, WireRefusal, check_counts
 
 LIMITS = Limits(max_batch_rows=64, max_token_entries=1000)
 PAD = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 1 << 18], data=np.zeros(1 << 18, np.float32).tobytes())  # 1 MiB
@@ -36,7 +37,7 @@ SAMPLE, DIFFUSION, VERIFY, TOPK = (pb.SampleRequest.DESCRIPTOR, pb.DiffusionStep
      "params.dry_sequence_breakers.ids"),
     (pb.SampleRequest(logits=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1] * 9, data=PAD.data)).SerializeToString(),
      SAMPLE, "logits.shape"),
-    (pb.SampleRequest(logits=PAD).SerializeToString() + b"\x78\x00" * 65, SAMPLE, "request"),  # 65 unknown fields
+    (pb.SampleRequest(logits=PAD).SerializeToString() + b"\x78\x00" * MOST_FIELDS, SAMPLE, "request"),  # unknown
     (pb.DiffusionStepRequest(logits=PAD, params=pb.SamplingParams(seed=[0] * 65)).SerializeToString(), DIFFUSION,
      "params.seed"),
     (pb.VerifyDraftRequest(target_logits=PAD, params=pb.SamplingParams(position=[1] * 65)).SerializeToString(),
@@ -59,6 +60,28 @@ def test_a_request_within_the_limits_passes_packed_and_unpacked() -> None:
     check_counts(head + _params_field(b"\x28\x07" * 64), pb.SampleRequest.DESCRIPTOR, LIMITS)
     with pytest.raises(WireRefusal):
         check_counts(head + _params_field(b"\x28\x07" * 65), pb.SampleRequest.DESCRIPTOR, LIMITS)
+
+
+def test_an_unpacked_list_is_walked_up_to_the_messages_field_budget() -> None:
+    """Unpacked, every id is a field of its own, walked in Python: a list within the budget passes, one past it is
+    refused with the advice to pack it (protobuf's parser would take it; no library writes it)."""
+    def unpacked(ids: int) -> bytes:
+        ids_run = b"\x08\x05" * ids  # TokenLists.ids (1), varint 5, one field each
+        lists = b"\x6a" + _varint(len(ids_run)) + ids_run  # SamplingParams.banned_token_ids (13)
+        return pb.SampleRequest(logits=PAD).SerializeToString() + b"\x22" + _varint(len(lists)) + lists
+
+    check_counts(unpacked(1000), pb.SampleRequest.DESCRIPTOR, LIMITS)
+    with pytest.raises(WireRefusal) as raised:
+        check_counts(unpacked(MOST_FIELDS), pb.SampleRequest.DESCRIPTOR, Limits(max_token_entries=1 << 20))
+    assert "go packed" in str(raised.value)
+
+
+def _varint(value: int) -> bytes:
+    out = b""
+    while value >= 0x80:
+        out += bytes([value & 0x7F | 0x80])
+        value >>= 7
+    return out + bytes([value])
 
 
 def test_only_a_message_past_the_counted_size_is_counted_before_its_parse() -> None:

@@ -40,6 +40,13 @@ class Parses:
             return 0
         return check_counts(raw, descriptor, self._limits)
 
+    async def count(self, raw: bytes, descriptor: Descriptor | None) -> int:
+        """counted(), on a thread for a message over PARSE_ON_LOOP_BYTES."""
+        if len(raw) <= PARSE_ON_LOOP_BYTES:
+            return self.counted(raw, descriptor)
+        async with self._large:
+            return await asyncio.to_thread(self.counted, raw, descriptor)
+
     def parse_here(self, parse: Callable[[bytes], T], raw: bytes, descriptor: Descriptor | None) -> T:
         """Counted, then parsed where it is called: for grpc's deserializers of stream messages, which it calls on
         the event loop."""

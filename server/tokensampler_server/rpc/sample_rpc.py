@@ -62,6 +62,11 @@ async def _message_bytes(message: bytes | pb.SampleRequest, regions: RegionRegis
     a shared-memory region (read into memory when the message starts) and its answer until the client reads it.
     Found without parsing the rest of the message (input_scan.py), or by parsing it where the walk declines."""
     size = len(message) if isinstance(message, bytes) else message.ByteSize()
+    try:  # counted before the head's parse too: its shapes and row offsets are repeated values
+        if isinstance(message, bytes):
+            await parses.count(message, pb.SampleRequest.DESCRIPTOR)
+    except WireRefusal:
+        return size  # its start answers its refusal
     try:
         head = head_of(message) if isinstance(message, bytes) else message
     except (UnusualWire, DecodeError):

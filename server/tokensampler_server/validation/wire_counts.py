@@ -21,6 +21,9 @@ from tokensampler_server.validation.wire import UnusualWire, fields
 
 _SLICE_BYTES = 16 << 20  # a run's bytes compared at once: bounds the temporary
 _MOST_DEPTH = 8  # the contract nests messages four deep
+MOST_FIELDS = 8192
+"""Fields walked in one message, its nested ones and unknown ones included (~4 ms of the interpreter): a request
+packs its repeated values (each run one field) and holds a few dozen fields; unpacked, a run is a field a value."""
 _MOST_DIMS = 8
 _FIXED32 = {FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_FIXED32, FieldDescriptor.TYPE_SFIXED32}
 _FIXED64 = {FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
@@ -35,29 +38,27 @@ class WireRefusal(InvalidArgument):
 def check_counts(message: bytes, descriptor: Descriptor, limits: Limits) -> int:
     """The repeated values `message` (serialized, of type `descriptor`) holds. Raises WireRefusal naming the field
     where it holds more than validation accepts: a per-row field past max_batch_rows values, token ids past
-    max_token_entries, DRY's breakers past 32 of 16 ids a row, a shape past 8 dimensions, or more fields at a level
-    than such values could fill unpacked (each walked field costs the interpreter ~0.5 us); and where its wire is
-    not walked (a group, which no proto3 message holds, or a field cut short): a count it could hide is not parsed."""
+    max_token_entries, DRY's breakers past 32 of 16 ids a row, a shape past 8 dimensions, more than MOST_FIELDS
+    fields in all (each walked field costs the interpreter ~0.5 us); and where its wire is not walked (a group, which
+    no proto3 message holds, or a field cut short): a count it could hide is not parsed."""
     counts: dict[str, int] = {}
     try:
-        _count_message(memoryview(message), descriptor, "", limits, counts, 0)
+        _count_message(memoryview(message), descriptor, "", limits, counts, [MOST_FIELDS], 0)
     except UnusualWire as err:
         raise WireRefusal("request", f"wire that is not counted before a parse ({err}): expected proto3 fields whole")
     return sum(counts.values())
 
 
 def _count_message(view: memoryview, descriptor: Descriptor, path: str, limits: Limits, counts: dict[str, int],
-                   depth: int) -> None:
-    # each repeated value of the level unpacked, a field of its own, up to a value a row; and the other fields
-    repeated = sum(_is_repeated(f) and f.message_type is None for f in descriptor.fields)
-    for number, wire, _, payload in _walk(view, 64 + repeated * limits.max_batch_rows, path or "request"):
+                   left: list[int], depth: int) -> None:
+    for number, wire, _, payload in _walk(view, left, path or "request"):
         field = descriptor.fields_by_number.get(number)
         if field is None:
             continue
         name = f"{path}.{field.name}" if path else field.name
         if field.message_type is not None:
             if wire == 2 and depth < _MOST_DEPTH:
-                _count_message(payload, field.message_type, name, limits, counts, depth + 1)
+                _count_message(payload, field.message_type, name, limits, counts, left, depth + 1)
         elif _is_repeated(field):
             key, most, what = _budget(descriptor.name, field.name, name, limits)
             counts[key] = counts.get(key, 0) + _count(wire, payload, field.type)
@@ -89,11 +90,13 @@ def _budget(message: str, field: str, path: str, limits: Limits) -> tuple[str, i
     return path, rows, "values (one, or one a row)"
 
 
-def _walk(message: memoryview, most: int, field: str) -> Iterator[Field]:
-    """fields(message), refused past `most` fields."""
-    for index, walked in enumerate(fields(message)):
-        if index >= most:
-            raise WireRefusal(field, f"more than {most} fields (repeated values go packed, each field once)")
+def _walk(message: memoryview, left: list[int], field: str) -> Iterator[Field]:
+    """fields(message), each taken from the message's one budget `left` ([fields]): refused once it is spent."""
+    for walked in fields(message):
+        left[0] -= 1
+        if left[0] < 0:
+            raise WireRefusal(field, f"more than {MOST_FIELDS} fields in all (repeated values go packed, as every "
+                                     "protobuf library writes them)")
         yield walked
 
 
