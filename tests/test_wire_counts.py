@@ -10,6 +10,7 @@ import asyncio
 import numpy as np
 import pytest
 from tokensampler_client._proto import sampler_pb2 as pb
+from tokensampler_client.wire import varint
 from tokensampler_server.core.config import Limits
 from tokensampler_server.rpc.parsing import Parses
 from tokensampler_server.validation.wire_counts import MOST_FIELDS, WireRefusal, check_counts
@@ -67,21 +68,14 @@ def test_an_unpacked_list_is_walked_up_to_the_messages_field_budget() -> None:
     refused with the advice to pack it (protobuf's parser would take it; no library writes it)."""
     def unpacked(ids: int) -> bytes:
         ids_run = b"\x08\x05" * ids  # TokenLists.ids (1), varint 5, one field each
-        lists = b"\x6a" + _varint(len(ids_run)) + ids_run  # SamplingParams.banned_token_ids (13)
-        return pb.SampleRequest(logits=PAD).SerializeToString() + b"\x22" + _varint(len(lists)) + lists
+        lists = b"\x6a" + varint(len(ids_run)) + ids_run  # SamplingParams.banned_token_ids (13)
+        return pb.SampleRequest(logits=PAD).SerializeToString() + b"\x22" + varint(len(lists)) + lists
 
     check_counts(unpacked(1000), pb.SampleRequest.DESCRIPTOR, LIMITS)
     with pytest.raises(WireRefusal) as raised:
         check_counts(unpacked(MOST_FIELDS), pb.SampleRequest.DESCRIPTOR, Limits(max_token_entries=1 << 20))
     assert "go packed" in str(raised.value)
 
-
-def _varint(value: int) -> bytes:
-    out = b""
-    while value >= 0x80:
-        out += bytes([value & 0x7F | 0x80])
-        value >>= 7
-    return out + bytes([value])
 
 
 def test_only_a_message_past_the_counted_size_is_counted_before_its_parse() -> None:
