@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gzip
 import logging
+import math
 import re
 import socket
 import sys
@@ -282,14 +283,15 @@ def _always() -> bool:
     return True
 
 
-SCRAPE_CACHE_S = 1.0
-"""How long a rendered scrape is served again. A render takes 1.5-2.4 ms of the process's time (2 cores, the CPU
-backend), under the GIL that the event loop needs: four clients scraping in a loop (the port has no
-authentication) took a Sample's median from 2 ms to 33-35 ms. With this, a flood costs one render a second and a
-scrape is at most this old, far below Prometheus's intervals (15 s and more)."""
-_CACHED_FORMATS = 4
-"""Renders kept, by format (text or OpenMetrics, gzipped or not): Prometheus asks for one; a client that varies its
-Accept header gets the oldest dropped, not an unbounded cache."""
+SCRAPE_INTERVAL_S = 0.1
+"""The least time between two renders of /metrics. A render takes 1.5-2.4 ms of the process (2 cores, the CPU
+backend) under the GIL that the event loop needs: four clients scraping in a loop (the port has no authentication)
+took a Sample's median from 2 ms to 33-35 ms. A scrape waits for the next render instead, at most this long, and
+shares it with the scrapes that arrived before it began: it is never older than the scrape, so a scrape after a call
+shows the call."""
+_KEPT_FORMATS = 4
+"""Renders kept to share, by format (text or OpenMetrics, gzipped or not): a client that varies its Accept header
+gets the oldest dropped, not an unbounded store."""
 
 
 def _render(registry: CollectorRegistry, encoder: Callable[[CollectorRegistry], bytes]) -> bytes:
@@ -298,39 +300,34 @@ def _render(registry: CollectorRegistry, encoder: Callable[[CollectorRegistry], 
     return encoder(registry)
 
 
-class _CachedScrape:
-    """The /metrics WSGI app: prometheus_client's, except that a GET is answered with a render at most
-    SCRAPE_CACHE_S old, and one render runs at a time (the others wait for it and take its result)."""
+class _PacedScrape:
+    """The /metrics WSGI app: prometheus_client's, except that a GET is answered with a render begun after it
+    arrived, one render at a time and SCRAPE_INTERVAL_S apart; the scrapes waiting meanwhile share the next."""
 
-    def __init__(self, registry: CollectorRegistry, max_age_s: float | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry) -> None:
         self._registry = registry
-        self._max_age_s = SCRAPE_CACHE_S if max_age_s is None else max_age_s
         self._uncached = make_wsgi_app(registry)  # OPTIONS and other methods: nothing to render
         self._rendering = threading.Lock()
+        self._last_began = -math.inf
         self._renders: dict[tuple[str, bool], tuple[float, bytes]] = {}
         """(content type, gzipped): (time.monotonic() when its render began, body)."""
 
-    def _fresh(self, key: tuple[str, bool]) -> bytes | None:
-        cached = self._renders.get(key)
-        return cached[1] if cached is not None and time.monotonic() - cached[0] < self._max_age_s else None
-
     def _body(self, encoder: Callable[[CollectorRegistry], bytes], key: tuple[str, bool],
               names: list[str] | None) -> bytes:
-        if names is None and (body := self._fresh(key)) is not None:
-            return body
+        arrived = time.monotonic()
         with self._rendering:
-            if names is not None:  # a few metrics by name (?name[]=): rare, rendered each time, one at a time
-                body = _render(self._registry.restricted_registry(names), encoder)
-                return gzip.compress(body) if key[1] else body
-            if (body := self._fresh(key)) is not None:  # rendered while this one waited
-                return body
-            began = time.monotonic()  # the body's age counts from before its collection
-            body = _render(self._registry, encoder)
+            shared = self._renders.get(key) if names is None else None
+            if shared is not None and shared[0] >= arrived:  # begun after this scrape arrived: as fresh as its own
+                return shared[1]
+            time.sleep(max(0.0, self._last_began + SCRAPE_INTERVAL_S - time.monotonic()))
+            began = self._last_began = time.monotonic()  # the body's age counts from before its collection
+            body = _render(self._registry if names is None else self._registry.restricted_registry(names), encoder)
             if key[1]:
                 body = gzip.compress(body)
-            if key not in self._renders and len(self._renders) >= _CACHED_FORMATS:
-                del self._renders[min(self._renders, key=lambda k: self._renders[k][0])]
-            self._renders[key] = (began, body)
+            if names is None:  # a few metrics by name (?name[]=) are not shared
+                if key not in self._renders and len(self._renders) >= _KEPT_FORMATS:
+                    del self._renders[min(self._renders, key=lambda k: self._renders[k][0])]
+                self._renders[key] = (began, body)
             return body
 
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
@@ -346,10 +343,10 @@ class _CachedScrape:
 
 
 def _http_app(registry: CollectorRegistry, ready: Callable[[], bool]) -> WsgiApp:
-    """The metrics port's WSGI app: /metrics (_CachedScrape), /healthz (200 while the process answers), /readyz
+    """The metrics port's WSGI app: /metrics (_PacedScrape), /healthz (200 while the process answers), /readyz
     (200 while `ready()`, else 503), and 404 for every other path (prometheus_client alone answers every path with
     the metrics, so a probe of any path would pass)."""
-    scrape = _CachedScrape(registry)
+    scrape = _PacedScrape(registry)
 
     def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")

@@ -87,6 +87,8 @@ def _budget(message: str, field: str, path: str, limits: Limits) -> tuple[str, i
         return path, most, f"values ({MAX_BREAKERS} breakers of {MAX_BREAKER_LENGTH} ids a row at most)"
     if field == "shape":
         return path, _MOST_DIMS, "dimensions"
+    if message == "RowsRef" and field == "row_offsets":  # a row each: validation names them the rows' shape
+        return path.rsplit(".", 1)[0] + ".shape", rows, "rows (row offsets)"
     return path, rows, "values (one, or one a row)"
 
 
