@@ -108,6 +108,21 @@ def test_random_bytes_on_streaming_methods_get_invalid_argument(server: RunningS
     assert _tracebacks(server) == tracebacks  # a client's bad bytes are not the server's bug
 
 
+def test_a_large_stream_message_cut_short_ends_the_stream(channel: grpc.Channel) -> None:
+    """A message past the size counted before its parse, cut short, is bytes that do not parse as a small one is:
+    the stream ends on it, and the message after it is not answered."""
+    good = build_sample_request(torch.zeros(1, 8), seed=1).SerializeToString()
+    large = build_sample_request(torch.zeros(1, 20000), seed=1).SerializeToString()
+    assert len(large) > 64 << 10
+    stream = channel.stream_stream(SAMPLER + "SampleStream")
+    answers: list[bytes] = []
+    code, details = _code(lambda: answers.extend(stream(iter([good, large[:-3], good]), timeout=30,
+                                                        metadata=(("x-request-id", "cut"),))))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and len(answers) == 1, (code, details, len(answers))
+    assert details.startswith(f"request: message 1 of the stream (request id cut.1): {len(large) - 3} bytes that "
+                              "do not parse"), details
+
+
 def test_element_limit_is_checked_before_anything_is_decoded() -> None:
     limits = Limits(max_batch_elements=1000)
     ok = build_sample_request(torch.zeros(4, 250), seed=1)

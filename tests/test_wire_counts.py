@@ -78,6 +78,25 @@ def test_an_unpacked_list_is_walked_up_to_the_messages_field_budget() -> None:
 
 
 
+def test_a_oneof_case_replaced_takes_its_counts_with_it() -> None:
+    """protobuf keeps a oneof's last case: the rows of a case that another replaced are not counted (the input's
+    cases one after another, each of 40 rows under a limit of 64, the last kept)."""
+    rows = pb.SampleRequest(logits_rows=pb.RowsRef(region="r", row_offsets=list(range(40)))).SerializeToString()
+    message = rows + pb.SampleRequest(logits=PAD).SerializeToString() + rows
+    check_counts(message, SAMPLE, LIMITS)
+    assert len(pb.SampleRequest.FromString(message).logits_rows.row_offsets) == 40
+    with pytest.raises(WireRefusal) as raised:  # the same case twice merges: 80 rows
+        check_counts(rows + rows, SAMPLE, LIMITS)
+    assert raised.value.field == "logits_rows.shape"
+
+
+def test_bytes_cut_short_are_left_to_the_parse_that_refuses_them() -> None:
+    message = _sample(seed=[0] * 64)
+    assert check_counts(message[:-3], SAMPLE, LIMITS) <= 64
+    with pytest.raises(Exception, match="parse|Error"):
+        pb.SampleRequest.FromString(message[:-3])
+
+
 def test_only_a_message_past_the_counted_size_is_counted_before_its_parse() -> None:
     small = pb.SampleRequest(params=pb.SamplingParams(seed=[0] * 65)).SerializeToString()
 

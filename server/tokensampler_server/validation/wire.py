@@ -11,6 +11,10 @@ class UnusualWire(ValueError):
     """A field of a wire type the walk does not skip (a group), or one past the message: parse it whole."""
 
 
+class CutShort(UnusualWire):
+    """Bytes that no parser takes: a field or varint past the message's end, or a wire type that does not exist."""
+
+
 def fields(message: bytes | memoryview,
            most: int | None = None) -> Iterator[tuple[int, int, memoryview, memoryview | None]]:
     """(field number, wire type, the field's bytes, its payload for a length-delimited field) at this level, in
@@ -36,10 +40,12 @@ def fields(message: bytes | memoryview,
             length, at = _varint(view, at)
             payload = view[at:at + length]
             at += length
+        elif wire in (3, 4):
+            raise UnusualWire(f"wire type {wire} (a group)")
         else:
-            raise UnusualWire(f"wire type {wire}")
+            raise CutShort(f"wire type {wire}")
         if at > end:
-            raise UnusualWire("a field past the message")
+            raise CutShort("a field past the message")
         yield number, wire, view[start:at], payload
 
 
@@ -48,7 +54,7 @@ def _varint(view: memoryview, at: int) -> tuple[int, int]:
     value, shift = 0, 0
     while True:
         if at >= len(view) or shift > 63:
-            raise UnusualWire("a varint past the message")
+            raise CutShort("a varint past the message")
         byte = view[at]
         value |= (byte & 0x7F) << shift
         at += 1

@@ -17,7 +17,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument
 from tokensampler_server.model.repetition import MAX_BREAKER_LENGTH, MAX_BREAKERS
-from tokensampler_server.validation.wire import UnusualWire, fields
+from tokensampler_server.validation.wire import CutShort, UnusualWire, fields
 
 _SLICE_BYTES = 16 << 20  # a run's bytes compared at once: bounds the temporary
 _MOST_DEPTH = 8  # the contract nests messages four deep
@@ -40,10 +40,13 @@ def check_counts(message: bytes, descriptor: Descriptor, limits: Limits) -> int:
     where it holds more than validation accepts: a per-row field past max_batch_rows values, token ids past
     max_token_entries, DRY's breakers past 32 of 16 ids a row, a shape past 8 dimensions, more than MOST_FIELDS
     fields in all (each walked field costs the interpreter ~0.5 us); and where its wire is not walked (a group, which
-    no proto3 message holds, or a field cut short): a count it could hide is not parsed."""
+    no proto3 message holds): a count it could hide is not parsed. Bytes cut short are counted up to the cut, which
+    protobuf's parse then refuses as bytes that do not parse (a stream's message so refused ends its stream)."""
     counts: dict[str, int] = {}
     try:
         _count_message(memoryview(message), descriptor, "", limits, counts, [MOST_FIELDS], 0)
+    except CutShort:
+        pass
     except UnusualWire as err:
         raise WireRefusal("request", f"wire that is not counted before a parse ({err}): expected proto3 fields whole")
     return sum(counts.values())
@@ -51,11 +54,18 @@ def check_counts(message: bytes, descriptor: Descriptor, limits: Limits) -> int:
 
 def _count_message(view: memoryview, descriptor: Descriptor, path: str, limits: Limits, counts: dict[str, int],
                    left: list[int], depth: int) -> None:
+    cases: dict[str, str] = {}  # a oneof's case so far: another case replaces it, and its counts with it
     for number, wire, _, payload in _walk(view, left, path or "request"):
         field = descriptor.fields_by_number.get(number)
         if field is None:
             continue
         name = f"{path}.{field.name}" if path else field.name
+        if field.containing_oneof is not None:
+            replaced = cases.get(field.containing_oneof.name, name)
+            if replaced != name:
+                for key in [key for key in counts if key == replaced or key.startswith(f"{replaced}.")]:
+                    del counts[key]
+            cases[field.containing_oneof.name] = name
         if field.message_type is not None:
             if wire == 2 and depth < _MOST_DEPTH:
                 _count_message(payload, field.message_type, name, limits, counts, left, depth + 1)
