@@ -47,6 +47,36 @@ def test_at_most_a_few_large_parses_run_at_once() -> None:
     assert most == LARGE_PARSES
 
 
+def test_a_parse_whose_caller_left_holds_its_slot_until_its_thread_ends() -> None:
+    """A cancelled caller does not end its thread's parse, nor give back a slot while that parse runs: six callers
+    cancelled at once still leave at most LARGE_PARSES parses running."""
+    running, most, lock = 0, 0, threading.Lock()
+    release = threading.Event()
+
+    def parse(raw: bytes) -> int:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        release.wait(5)
+        with lock:
+            running -= 1
+        return len(raw)
+
+    async def run() -> None:
+        parses = Parses(Limits())
+        for _ in range(6):
+            call = asyncio.ensure_future(parses.parse(parse, b"\0" * (PARSE_ON_LOOP_BYTES + 1)))
+            await asyncio.sleep(0.05)
+            call.cancel()
+        await asyncio.sleep(0.2)
+        release.set()
+        await asyncio.sleep(0.3)  # the parses still admitted then run to their end
+
+    asyncio.run(run())
+    assert most == LARGE_PARSES
+
+
 def test_a_message_of_many_values_is_parsed_off_the_event_loop_however_small() -> None:
     """1 MiB of one-byte varints took 40 ms to parse: from COUNTED_FROM_BYTES the values are counted, and a message
     of more than PARSE_ON_LOOP_VALUES of them parses on a thread, within the limits as this one is."""

@@ -10,6 +10,7 @@ many bytes is parsed on a thread, LARGE_PARSES at a time, which bounds what such
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -44,8 +45,7 @@ class Parses:
         """counted(), on a thread for a message over PARSE_ON_LOOP_BYTES."""
         if len(raw) <= PARSE_ON_LOOP_BYTES:
             return self.counted(raw, descriptor)
-        async with self._large:
-            return await asyncio.to_thread(self.counted, raw, descriptor)
+        return await self._on_thread(self.counted, raw, descriptor)
 
     def parse_here(self, parse: Callable[[bytes], T], raw: bytes, descriptor: Descriptor | None) -> T:
         """Counted, then parsed where it is called: for grpc's deserializers of stream messages, which it calls on
@@ -55,9 +55,25 @@ class Parses:
 
     async def parse(self, parse: Callable[[bytes], T], raw: bytes, descriptor: Descriptor | None = None) -> T:
         if len(raw) > PARSE_ON_LOOP_BYTES:  # counted on the thread too: numpy's count lets the loop run
-            async with self._large:
-                return await asyncio.to_thread(self.parse_here, parse, raw, descriptor)
+            return await self._on_thread(self.parse_here, parse, raw, descriptor)
         if self.counted(raw, descriptor) <= PARSE_ON_LOOP_VALUES:
             return parse(raw)
-        async with self._large:
-            return await asyncio.to_thread(parse, raw)
+        return await self._on_thread(parse, raw)
+
+    async def _on_thread(self, work: Callable[..., T], *args: object) -> T:
+        """work(*args) on a thread, holding one of the LARGE_PARSES slots until the thread ends: a caller that
+        leaves (cancelled, past its deadline) does not end the thread's parse, so it does not give its slot back
+        before that either."""
+        await self._large.acquire()
+        try:
+            running = asyncio.get_running_loop().run_in_executor(None, contextvars.copy_context().run, work, *args)
+        except BaseException:
+            self._large.release()
+            raise
+        running.add_done_callback(self._ended)
+        return await asyncio.shield(running)
+
+    def _ended(self, running: asyncio.Future) -> None:
+        self._large.release()
+        if not running.cancelled():
+            running.exception()  # retrieved: a parse whose caller left may fail unheard
