@@ -304,6 +304,18 @@ def test_malformed_safetensors_headers_are_refused_by_field(tmp_path: Path, head
     assert raised.value.field == "path" and words in raised.value.message, raised.value.message
 
 
+def test_a_file_with_bytes_past_its_tensors_is_refused(tmp_path: Path) -> None:
+    """The format's library refuses a file its tensors do not cover to the end: so does the server."""
+    header = json.dumps({"lm_head.weight": {"dtype": "F32", "shape": [1, 2], "data_offsets": [0, 8]}}).encode()
+    (tmp_path / "m.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    assert _read_file(tmp_path, "m.safetensors").shape == (1, 2)
+    with open(tmp_path / "m.safetensors", "ab") as file:
+        file.write(b"\0" * 3)
+    with pytest.raises(InvalidArgument) as raised:
+        _read_file(tmp_path, "m.safetensors")
+    assert raised.value.field == "path" and "3 bytes past its tensors' data" in raised.value.message
+
+
 @pytest.mark.parametrize("shape", [[4], [2, 2, 1], [2**62, 2**62, 0]])
 def test_a_file_tensor_of_another_rank_is_refused_before_it_is_shaped(tmp_path: Path, shape: list[int]) -> None:
     # [2^62, 2^62, 0] holds 0 bytes, as its offsets say, but no tensor can take its shape (int64 overflow).

@@ -122,7 +122,11 @@ def read_safetensor(fd: int, relative: str, tensor: str, max_bytes: int,
             raise InvalidArgument("path",
                                   f"could not read {relative} as safetensors: a malformed entry for {quoted(tensor)}")
         dtype, shape, begin, end = _entry(entry, relative, tensor)
-        _check_layout(header, relative)
+        data_end = _check_layout(header, relative)
+        trailing = size - 8 - header_bytes - data_end
+        if trailing > 0:
+            raise InvalidArgument("path", f"could not read {relative} as safetensors: {trailing} bytes past its "
+                                          "tensors' data (data_offsets must cover the data)")
         nbytes = end - begin
         if nbytes > max_bytes:
             raise InvalidArgument("tensor", f"{quoted(tensor)} is larger than {max_bytes} bytes")
@@ -164,9 +168,10 @@ def _header(raw: bytes, relative: str) -> dict:
     return header
 
 
-def _check_layout(header: dict, relative: str) -> None:
+def _check_layout(header: dict, relative: str) -> int:
     """The format's own rule, as its library holds files to it: the tensors' data_offsets tile the data from byte 0,
-    in order, with no overlap and no hole (a file whose tensors share bytes is not safetensors, whichever is read)."""
+    in order, with no overlap and no hole (a file whose tensors share bytes is not safetensors, whichever is read).
+    Returns where the data ends, which is the file's end."""
     spans = []
     for name, entry in header.items():
         if name == "__metadata__":
@@ -186,6 +191,7 @@ def _check_layout(header: dict, relative: str) -> None:
             raise InvalidArgument("path", f"could not read {relative} as safetensors: the data of {quoted(name)} "
                                           f"{what} (data_offsets must tile the data)")
         end, previous = stop, name
+    return end
 
 
 def _entry(entry: dict, relative: str, tensor: str) -> tuple[torch.dtype, list[int], int, int]:
