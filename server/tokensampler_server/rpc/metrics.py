@@ -32,7 +32,7 @@ import grpc
 import numpy as np
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, make_wsgi_app
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.registry import Collector
 
@@ -284,50 +284,97 @@ def _always() -> bool:
 
 
 SCRAPE_INTERVAL_S = 0.1
-"""The least time between two renders of /metrics. A render takes 1.5-2.4 ms of the process (2 cores, the CPU
+"""The least time between two collections of /metrics. A render takes 1.5-2.4 ms of the process (2 cores, the CPU
 backend) under the GIL that the event loop needs: four clients scraping in a loop (the port has no authentication)
-took a Sample's median from 2 ms to 33-35 ms. A scrape waits for the next render instead, at most this long, and
+took a Sample's median from 2 ms to 33-35 ms. A scrape waits for the next collection instead, at most this long, and
 shares it with the scrapes that arrived before it began: it is never older than the scrape, so a scrape after a call
 shows the call."""
-_KEPT_FORMATS = 4
-"""Renders kept to share, by format (text or OpenMetrics, gzipped or not): a client that varies its Accept header
-gets the oldest dropped, not an unbounded store."""
+_KEPT_BODIES = 16
+"""Bodies kept for the scrapes of one collection, by format (text or OpenMetrics, gzipped or not) and the metrics
+named (?name[]=): a client that varies them gets its own body made, not an unbounded store."""
 
 
-def _render(registry: CollectorRegistry, encoder: Callable[[CollectorRegistry], bytes]) -> bytes:
-    """One scrape's body: every metric collected (the calls kept for later recorded first: _FlushFirst) and
-    formatted."""
+def _render(registry: _Collected, encoder: Callable[[_Collected], bytes]) -> bytes:
+    """One scrape's body, formatted from a collection."""
     return encoder(registry)
 
 
+class _Collected:
+    """The metric families of one collection, given to prometheus_client's encoders as a registry: all of them, or
+    those with samples named (?name[]=, matched as prometheus_client's restricted registry matches them)."""
+
+    def __init__(self, began: float, families: list[Metric], names: frozenset[str] | None = None) -> None:
+        self.began = began
+        self._families = families
+        self._names = names
+
+    def restricted(self, names: frozenset[str]) -> _Collected:
+        return _Collected(self.began, self._families, names)
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._families:
+            if self._names is None:
+                yield family
+                continue
+            samples = [sample for sample in family.samples if sample.name in self._names]
+            if samples:
+                restricted = Metric(family.name, family.documentation, family.type)
+                restricted.samples = samples
+                yield restricted
+
+
 class _PacedScrape:
-    """The /metrics WSGI app: prometheus_client's, except that a GET is answered with a render begun after it
-    arrived, one render at a time and SCRAPE_INTERVAL_S apart; the scrapes waiting meanwhile share the next."""
+    """The /metrics WSGI app: prometheus_client's, except that a GET is answered from a collection begun after it
+    arrived, one collection at a time and SCRAPE_INTERVAL_S apart: the scrapes waiting meanwhile share the next, and
+    its bodies, whatever their format or the metrics they name (no scrape waits behind another's collection)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._registry = registry
         self._uncached = make_wsgi_app(registry)  # OPTIONS and other methods: nothing to render
-        self._rendering = threading.Lock()
-        self._last_began = -math.inf
-        self._renders: dict[tuple[str, bool], tuple[float, bytes]] = {}
-        """(content type, gzipped): (time.monotonic() when its render began, body)."""
+        self._changed = threading.Condition()
+        self._latest: _Collected | None = None
+        self._collecting = False
+        self._formatting = threading.Lock()
+        self._bodies: dict[tuple[float, str, bool, frozenset[str] | None], bytes] = {}
 
-    def _body(self, encoder: Callable[[CollectorRegistry], bytes], key: tuple[str, bool],
-              names: list[str] | None) -> bytes:
-        arrived = time.monotonic()
-        with self._rendering:
-            shared = self._renders.get(key) if names is None else None
-            if shared is not None and shared[0] >= arrived:  # begun after this scrape arrived: as fresh as its own
-                return shared[1]
-            time.sleep(max(0.0, self._last_began + SCRAPE_INTERVAL_S - time.monotonic()))
-            began = self._last_began = time.monotonic()  # the body's age counts from before its collection
-            body = _render(self._registry if names is None else self._registry.restricted_registry(names), encoder)
-            if key[1]:
-                body = gzip.compress(body)
-            if names is None:  # a few metrics by name (?name[]=) are not shared
-                if key not in self._renders and len(self._renders) >= _KEPT_FORMATS:
-                    del self._renders[min(self._renders, key=lambda k: self._renders[k][0])]
-                self._renders[key] = (began, body)
+    def _collection(self, arrived: float) -> _Collected:
+        """The first collection begun at or after `arrived`: the one in progress or the next, or made here."""
+        with self._changed:
+            while self._latest is None or self._latest.began < arrived:
+                if not self._collecting:
+                    self._collecting = True
+                    break
+                self._changed.wait()
+            else:
+                return self._latest
+        latest = None
+        try:
+            previous = self._latest.began if self._latest is not None else -math.inf
+            time.sleep(max(0.0, previous + SCRAPE_INTERVAL_S - time.monotonic()))
+            began = time.monotonic()  # the collection's age counts from before it is read
+            latest = _Collected(began, list(self._registry.collect()))
+            return latest
+        finally:  # a collection that failed leaves the next waiter to collect
+            with self._changed:
+                self._collecting = False
+                if latest is not None:
+                    self._latest = latest
+                self._changed.notify_all()
+
+    def _body(self, encoder: Callable[[_Collected], bytes], content_type: str, gzipped: bool,
+              names: frozenset[str] | None) -> bytes:
+        collected = self._collection(time.monotonic())
+        key = (collected.began, content_type, gzipped, names)
+        with self._formatting:
+            body = self._bodies.get(key)
+            if body is None:
+                body = _render(collected if names is None else collected.restricted(names), encoder)
+                if gzipped:
+                    body = gzip.compress(body)
+                if any(kept[0] != collected.began for kept in self._bodies):  # bodies of an older collection
+                    self._bodies = {kept: b for kept, b in self._bodies.items() if kept[0] == collected.began}
+                if len(self._bodies) < _KEPT_BODIES:
+                    self._bodies[key] = body
             return body
 
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
@@ -336,7 +383,7 @@ class _PacedScrape:
         encoder, content_type = choose_encoder(environ.get("HTTP_ACCEPT"))
         gzipped = gzip_accepted(environ.get("HTTP_ACCEPT_ENCODING"))
         names = parse_qs(environ.get("QUERY_STRING", "")).get("name[]")
-        body = self._body(encoder, (content_type, gzipped), names)
+        body = self._body(encoder, content_type, gzipped, frozenset(names) if names is not None else None)
         headers = [("Content-Type", content_type)] + ([("Content-Encoding", "gzip")] if gzipped else [])
         start_response("200 OK", headers)
         return [body]
