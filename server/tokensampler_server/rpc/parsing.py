@@ -4,7 +4,9 @@ protobuf parses a packed numeric field at ~40 ns a value into 8 bytes a value, h
 200 MB Sample whose params.seed held 200 M one-byte varints took 9.4 s of the event loop, during which no other call
 was served, and 4 GB, and 1 MiB of them 40 ms. So a message from COUNTED_FROM_BYTES has its values counted from its
 wire bytes (validation/wire_counts.py: refused by field past what validation accepts), and one of many values or
-many bytes is parsed on a thread, LARGE_PARSES at a time, which bounds what such parses hold together.
+many bytes is parsed on a thread, LARGE_PARSES at a time, which bounds what such parses hold together, its long
+packed runs merged a piece at a time so that the thread does not hold the lock the event loop needs for the whole
+parse (validation/wire_pieces.py).
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from google.protobuf.descriptor import Descriptor
+from google.protobuf.message import DecodeError, Message
 
 from tokensampler_server.core.config import Limits
 from tokensampler_server.validation.wire_counts import check_counts
+from tokensampler_server.validation.wire_pieces import pieces
 
 T = TypeVar("T")
 
@@ -55,10 +59,14 @@ class Parses:
 
     async def parse(self, parse: Callable[[bytes], T], raw: bytes, descriptor: Descriptor | None = None) -> T:
         if len(raw) > PARSE_ON_LOOP_BYTES:  # counted on the thread too: numpy's count lets the loop run
-            return await self._on_thread(self.parse_here, parse, raw, descriptor)
+            return await self._on_thread(self._counted_in_pieces, parse, raw, descriptor)
         if self.counted(raw, descriptor) <= PARSE_ON_LOOP_VALUES:
             return parse(raw)
-        return await self._on_thread(parse, raw)
+        return await self._on_thread(_in_pieces, parse, raw, descriptor)
+
+    def _counted_in_pieces(self, parse: Callable[[bytes], T], raw: bytes, descriptor: Descriptor | None) -> T:
+        self.counted(raw, descriptor)
+        return _in_pieces(parse, raw, descriptor)
 
     async def _on_thread(self, work: Callable[..., T], *args: object) -> T:
         """work(*args) on a thread, holding one of the LARGE_PARSES slots until the thread ends: a caller that
@@ -77,3 +85,21 @@ class Parses:
         self._large.release()
         if not running.cancelled():
             running.exception()  # retrieved: a parse whose caller left may fail unheard
+
+
+def _in_pieces(parse: Callable[[bytes], T], raw: bytes, descriptor: Descriptor | None) -> T:
+    """parse(raw), its long packed runs merged a piece at a time (validation/wire_pieces.py), so that the thread
+    hands the interpreter's lock to the event loop between pieces. Bytes that do not parse are parsed whole, for
+    the caller's own error."""
+    split = pieces(raw, descriptor) if descriptor is not None else None
+    if split is None:
+        return parse(raw)
+    message = parse(b"")
+    if not isinstance(message, Message):  # the caller's parse keeps raw bytes: nothing to merge into
+        return parse(raw)
+    try:
+        for head, body in split:
+            message.MergeFromString(head + body)
+    except DecodeError:
+        return parse(raw)
+    return message

@@ -69,14 +69,14 @@ def _count_message(view: memoryview, descriptor: Descriptor, path: str, limits: 
         if field.message_type is not None:
             if wire == 2 and depth < _MOST_DEPTH:
                 _count_message(payload, field.message_type, name, limits, counts, left, depth + 1)
-        elif _is_repeated(field):
+        elif is_repeated(field):
             key, most, what = _budget(descriptor.name, field.name, name, limits)
             counts[key] = counts.get(key, 0) + _count(wire, payload, field.type)
             if counts[key] > most:
                 raise WireRefusal(key, f"{counts[key]} {what}, more than {most}")
 
 
-def _is_repeated(field: FieldDescriptor) -> bool:
+def is_repeated(field: FieldDescriptor) -> bool:
     # newer protobuf says is_repeated and deprecates label; an older one within the project's floor has label alone
     if hasattr(type(field), "is_repeated"):
         return field.is_repeated
