@@ -138,11 +138,11 @@ def test_merged_requests_stay_within_the_clients_message_limit(server: RunningSe
     assert len({result.request_id for result in results}) < 8  # some calls did merge
 
 
-@pytest.mark.parametrize("flag", ["--max-message-mb", "--max-queue-mb"])
+@pytest.mark.parametrize("flag", ["--max-message-mb", "--max-queue-mb", "--max-queue-rows"])
 def test_calls_that_fit_the_server_alone_are_answered_when_their_merge_does_not(flag: str) -> None:
-    """Two 600 KB calls under a server's 1 MiB bound: the merged request is refused RESOURCE_EXHAUSTED (past the
-    message limit, or the queue's whole bound), so each is sent again alone and answered (before: both callers got
-    the merge's refusal), sync and async."""
+    """Two 600 KB one-row calls under a server's bound of 1 MiB (or 1 row): the merged request is refused
+    RESOURCE_EXHAUSTED without the overload mark (past the message limit, or the queue's whole bound), so each is sent
+    again alone and answered (before: both callers got the merge's refusal), sync and async."""
     logits = [torch.randn(1, 150_000, generator=torch.Generator().manual_seed(i)) for i in range(2)]
     running = start_server("--device", "cpu", flag, "1")
     try:
@@ -206,11 +206,12 @@ class _RowEchoClient:
         self.features, self.sent = features, []
 
     max_message_bytes = 256 << 20
+    timeout = None
 
     def server_info(self) -> pb.ServerInfo:
         return pb.ServerInfo(features=self.features)
 
-    def sample_request(self, request: pb.SampleRequest) -> SampleResult:
+    def sample_request(self, request: pb.SampleRequest, timeout: float | None = None) -> SampleResult:
         self.sent.append(request)
         if request.WhichOneof("input") == "logits_rows":
             starts = list(request.logits_rows.row_offsets)
@@ -242,7 +243,9 @@ class _AsyncRowEchoClient(_RowEchoClient):
     async def server_info(self) -> pb.ServerInfo:  # type: ignore[override]
         return super().server_info()
 
-    async def sample_request(self, request: pb.SampleRequest) -> SampleResult:  # type: ignore[override]
+    async def sample_request(  # type: ignore[override]
+        self, request: pb.SampleRequest, timeout: float | None = None
+    ) -> SampleResult:
         return super().sample_request(request)
 
 
@@ -267,7 +270,7 @@ def test_calls_gather_while_every_slot_is_busy() -> None:
     started, release = threading.Event(), threading.Event()
 
     class HeldFirst(_RowEchoClient):
-        def sample_request(self, request: pb.SampleRequest) -> SampleResult:
+        def sample_request(self, request: pb.SampleRequest, timeout: float | None = None) -> SampleResult:
             if not started.is_set():
                 started.set()
                 release.wait(30)
@@ -295,7 +298,7 @@ def test_async_calls_gather_while_every_slot_is_busy() -> None:
         release = asyncio.Event()
 
         class HeldFirst(_AsyncRowEchoClient):
-            async def sample_request(self, request: pb.SampleRequest) -> SampleResult:
+            async def sample_request(self, request: pb.SampleRequest, timeout: float | None = None) -> SampleResult:
                 if not self.sent:
                     self.sent.append(request)
                     await release.wait()

@@ -8,7 +8,7 @@
 
 from importlib import metadata as _metadata
 
-from ._retry import Backoff
+from ._retry import Backoff, RetryThrottle
 from .aio import AsyncSamplerClient
 from .batching import AsyncBatchingClient, BatchingClient
 from .client import SamplerClient
@@ -25,6 +25,7 @@ __all__ = [
     "AsyncSamplerClient",
     "BatchingClient",
     "Backoff",
+    "RetryThrottle",
     "SampleResult",
     "SamplerClient",
     "Timings",

@@ -28,7 +28,7 @@ from ._channel import (
 )
 from ._proto import sampler_pb2 as pb
 from ._proto import sampler_pb2_grpc
-from ._retry import Backoff, CallPolicy, RetryState, check_timeout
+from ._retry import Backoff, CallPolicy, RetryState, RetryThrottle, check_timeout
 from .errors import TokenSamplerError, error_from_rpc
 from .params import SampleOptions, build_sample_request, serialize_sample_request
 from .regions import CudaRegion, RegionView, SharedMemoryRegion
@@ -99,6 +99,11 @@ class Attempts:
         request = iter(call.request) if call.streamed else call.request
         return getattr(stub, call.rpc)(request, timeout=self._state.remaining(), metadata=self._metadata)
 
+    def answered(self, response: T) -> T:
+        """The answer of an attempt, counted as one by the client's retry throttle."""
+        self._state.answered()
+        return response
+
     def closed(self) -> TokenSamplerError:
         """The error of this call when its client is closed, before or while it was in flight."""
         return TokenSamplerError(grpc.StatusCode.CANCELLED, "the client was closed during the call", self._request_id)
@@ -143,6 +148,7 @@ class ClientCore:
         timeout: float | None = None,
         retries: int = 3,
         backoff: Backoff | None = None,
+        retry_throttle: RetryThrottle | None = None,
         max_message_mb: int = 256,
         options: Sequence[tuple[str, Any]] | None = None,
         credentials: grpc.ChannelCredentials | None = None,
@@ -151,7 +157,7 @@ class ClientCore:
         tls_key: PemSource | None = None,
         auth_token: str | None = None,
     ) -> None:
-        self._policy = CallPolicy(timeout, retries, backoff or Backoff())
+        self._policy = CallPolicy(timeout, retries, backoff or Backoff(), retry_throttle)
         self._closed = False
         self._auth_token = check_auth_token(auth_token)
         channel_args = channel_options(max_message_mb, options)
@@ -164,6 +170,11 @@ class ClientCore:
         else:
             self._channel = self._grpc.secure_channel(target, credentials, options=channel_args)
         self._stub = Stub(self._channel)
+
+    @property
+    def timeout(self) -> float | None:
+        """The default deadline of each call in seconds, retries included (None: none)."""
+        return self._policy.timeout
 
     def _attempts(self, call: Call[Any]) -> Attempts:
         return Attempts(call, self._policy, self._auth_token)
@@ -178,7 +189,7 @@ class ClientCore:
         """A stream's deadline (`timeout` checked as a call's; none by default, whatever the client's) and its
         reopens after overload, with the client's retries and backoff."""
         check_timeout(timeout)
-        return RetryState(self._policy.retries, self._policy.backoff, timeout)
+        return RetryState(self._policy.retries, self._policy.backoff, timeout, throttle=self._policy.throttle)
 
 
 def client_is_closed(request_id: str | None) -> TokenSamplerError:

@@ -9,11 +9,17 @@ after the call's deadline.
 
 Sample calls, which are idempotent (the same request samples the same tokens), also retry
 CANCELLED: a server that shuts down cancels the calls it had received but not yet started.
+
+Each call has its own count of retries (CallPolicy.retries). A client may also share a RetryThrottle among all its
+calls, gRPC's retry throttling: while most recent attempts failed, no call retries, so an overloaded server does not
+get more attempts the more overloaded it is.
 """
 
 from __future__ import annotations
 
+import math
 import random
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -32,14 +38,20 @@ CONCURRENCY_LIMIT_DETAILS = "Concurrent RPC limit exceeded!"
 Metadata = Iterable[tuple[str, str | bytes]]
 
 
+def is_overload(code: grpc.StatusCode | None, trailing_metadata: Metadata | None = None, details: str = "") -> bool:
+    """Whether a failure is RESOURCE_EXHAUSTED of an overloaded server (marked, or grpc's concurrency limit), which a
+    later attempt can get past; RESOURCE_EXHAUSTED without the mark is a request larger than a bound, which none can."""
+    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and (
+        details == CONCURRENCY_LIMIT_DETAILS or any(key == RETRYABLE_METADATA_KEY for key, _ in trailing_metadata or ())
+    )
+
+
 def is_retryable(
     code: grpc.StatusCode | None, trailing_metadata: Metadata | None = None, idempotent: bool = False, details: str = ""
 ) -> bool:
     if code in RETRYABLE_CODES or (idempotent and code == grpc.StatusCode.CANCELLED):
         return True
-    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and (
-        details == CONCURRENCY_LIMIT_DETAILS or any(key == RETRYABLE_METADATA_KEY for key, _ in trailing_metadata or ())
-    )
+    return is_overload(code, trailing_metadata, details)
 
 
 @dataclass(frozen=True)
@@ -66,8 +78,44 @@ class Backoff:
         return base * (1.0 - self.jitter * (rng or random).random())
 
 
+class RetryThrottle:
+    """gRPC's retry throttling (its service config's retryThrottling), shared by every call of one client.
+
+    The throttle holds `max_tokens` tokens to begin with. Each attempt that fails with a retryable code takes one
+    (down to 0), each answered attempt gives `token_ratio` back (up to `max_tokens`); no call retries while
+    max_tokens / 2 or fewer are left: its failure is final. With the defaults, a client whose attempts all fail stops
+    retrying after 5 failures, and retries again once its answers outnumber its failures ten to one. First attempts
+    are never held back.
+    """
+
+    def __init__(self, max_tokens: float = 10.0, token_ratio: float = 0.1) -> None:
+        if not 0 < max_tokens <= 1000 or not 0 < token_ratio < math.inf:  # gRPC's bounds; NaN refused too
+            raise ValueError(f"retry throttle: expected 0 < max_tokens <= 1000 and a finite token_ratio > 0, "
+                             f"got max_tokens={max_tokens}, token_ratio={token_ratio}")
+        self.max_tokens = max_tokens
+        self.token_ratio = token_ratio
+        self._tokens = max_tokens
+        self._lock = threading.Lock()  # one client's calls fail and succeed on many threads
+
+    @property
+    def tokens(self) -> float:
+        """The tokens left now."""
+        return self._tokens
+
+    def failed(self) -> bool:
+        """Counts a failure that could be retried; whether a retry may go."""
+        with self._lock:
+            self._tokens = max(0.0, self._tokens - 1)
+            return self._tokens > self.max_tokens / 2
+
+    def answered(self) -> None:
+        """Counts an answered attempt."""
+        with self._lock:
+            self._tokens = min(self.max_tokens, self._tokens + self.token_ratio)
+
+
 class RetryState:
-    """Deadline and retry bookkeeping of one call (one instance per call)."""
+    """Deadline and retry bookkeeping of one call (one instance per call); `throttle`: the client's, if it has one."""
 
     def __init__(
         self,
@@ -75,10 +123,12 @@ class RetryState:
         backoff: Backoff,
         timeout: float | None,
         clock: Callable[[], float] = time.monotonic,
+        throttle: RetryThrottle | None = None,
     ) -> None:
         self._retries = retries
         self._backoff = backoff
         self._clock = clock
+        self._throttle = throttle
         self._deadline = None if timeout is None else clock() + timeout
         self.retries_done = 0
 
@@ -95,8 +145,11 @@ class RetryState:
         details: str = "",
     ) -> float | None:
         """The wait before retrying after a failure with `code` (and the failure's trailing metadata and
-        message), or None when the call must fail now."""
-        if not is_retryable(code, trailing_metadata, idempotent, details) or self.retries_done >= self._retries:
+        message), or None when the call must fail now: the failure is final, the retries are spent, the throttle
+        holds retries back, or the wait would pass the deadline."""
+        if not is_retryable(code, trailing_metadata, idempotent, details):
+            return None
+        if (self._throttle is not None and not self._throttle.failed()) or self.retries_done >= self._retries:
             return None
         delay = self._backoff.delay(self.retries_done)
         if self._deadline is not None and self._clock() + delay >= self._deadline:
@@ -104,14 +157,23 @@ class RetryState:
         self.retries_done += 1
         return delay
 
+    def answered(self) -> None:
+        """An attempt was answered: the throttle counts it, and the retries count afresh (a stream's next
+        message gets them all)."""
+        self.retries_done = 0
+        if self._throttle is not None:
+            self._throttle.answered()
+
 
 @dataclass(frozen=True)
 class CallPolicy:
-    """A client's defaults for every call: deadline (seconds, None for none), retries and backoff."""
+    """A client's defaults for every call: deadline (seconds, None for none), retries and backoff, and the retry
+    throttle its calls share (None: none)."""
 
     timeout: float | None = None
     retries: int = 3
     backoff: Backoff = Backoff()
+    throttle: RetryThrottle | None = None
 
     def __post_init__(self) -> None:
         if self.retries < 0:
@@ -121,7 +183,8 @@ class CallPolicy:
     def start(self, timeout: float | None = None) -> RetryState:
         """The retry state of a new call; `timeout` overrides the client's default deadline."""
         check_timeout(timeout)
-        return RetryState(self.retries, self.backoff, self.timeout if timeout is None else timeout)
+        return RetryState(self.retries, self.backoff, self.timeout if timeout is None else timeout,
+                          throttle=self.throttle)
 
 
 def grpc_timeout(seconds: float | None) -> float | None:

@@ -38,7 +38,7 @@ class AsyncSamplerClient(ClientCore):
             attempt.check_open(self._closed)
             while True:
                 try:
-                    return call.decode(await attempt.send(self._stub))
+                    return call.decode(attempt.answered(await attempt.send(self._stub)))
                 except grpc.RpcError as err:
                     delay = attempt.retry_delay(err, self._closed)
                 except asyncio.CancelledError:  # grpc.aio cancels the calls of a closed channel this way

@@ -4,11 +4,17 @@ A batch forms only when one of the `max_in_flight` RPC slots is free: while ever
 gather, so batches grow with the load instead of queueing behind each other. Once a slot is free, the
 first call waits at most `max_delay_us` for company; a batch closes at `max_rows` rows. Calls that can
 share a request (merge.merge_key) go out together and each gets exactly its own rows back (batch
-invariance makes them the rows it would have got alone). When a merged call is rejected with
-INVALID_ARGUMENT, its requests are re-sent one by one, so the error reaches only the callers whose
-rows were bad (OUT_OF_RANGE too: a reference past a region's end); any other error reaches every caller
-of that batch. Calls whose logits lie in one region merge into one zero-copy call: wherever they lie when
-the server lists the feature "region_rows" (asked once), else when they lie back to back.
+invariance makes them the rows it would have got alone). Calls whose logits lie in one region merge into one
+zero-copy call: wherever they lie when the server lists the feature "region_rows" (asked once), else when they
+lie back to back.
+
+A merged call is one call of the wrapped client: its retries (overload, UNAVAILABLE) and its deadline are those of
+one call, shared by every caller in it, so N callers merged cost an overloaded server no more attempts than one
+caller alone. When the merge is refused in a way that no retry gets past but its parts alone may not be, its
+requests are re-sent one by one within what is left of the batch's deadline: INVALID_ARGUMENT or OUT_OF_RANGE (the
+error then reaches only the callers whose rows were bad), or RESOURCE_EXHAUSTED without the overload mark (the merge
+is larger than a bound of the server's, its message limit or the whole of its queue, which each call alone fits).
+Any other error, an overload the retries did not get past included, reaches every caller of that batch.
 """
 
 from __future__ import annotations
@@ -34,11 +40,8 @@ from .params import build_sample_request
 from .result import SampleResult
 
 
-# A merged call rejected with one of these may hold a single bad request, or be refused for its size alone (past the
-# server's --max-message-mb or --max-queue-mb, which each call alone fits; an overload the client's retries did not
-# get past comes here too): each is re-sent alone.
-_RESEND_ALONE = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
-                           grpc.StatusCode.RESOURCE_EXHAUSTED})
+# A merged call rejected with one of these may hold a single bad request: each is re-sent alone.
+_RESEND_ALONE = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE})
 # Listed by servers that take `logits_rows`: region calls then merge wherever their rows lie.
 _ROWS_FEATURE = "region_rows"
 
@@ -121,8 +124,18 @@ def _merged_or_alone(batch: list[_Call], gather: bool) -> tuple[pb.SampleRequest
 
 
 def _resent_alone(batch: list[_Call], err: Exception) -> bool:
-    """Whether the calls of a failed merged request go again one by one, so that a bad request fails alone."""
-    return isinstance(err, TokenSamplerError) and err.code in _RESEND_ALONE and len(batch) > 1
+    """Whether the calls of a failed merged request go again one by one (within the batch's deadline): so that a bad
+    request fails alone, and calls that each fit the server's bounds are answered when their merge does not. Never
+    after an overload: re-sent, the merge's callers would make an overloaded server more calls, not fewer."""
+    if not isinstance(err, TokenSamplerError) or len(batch) < 2:
+        return False
+    return err.code in _RESEND_ALONE or (err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not err.overload)
+
+
+def _time_left(timeout: float | None, started: float) -> float | None:
+    """What is left of a deadline of `timeout` seconds from `started` (None: none), as a call's timeout: once it has
+    passed, a microsecond, so that the call fails DEADLINE_EXCEEDED as one sent too late does."""
+    return None if timeout is None else max(started + timeout - time.monotonic(), 1e-6)
 
 
 def _deliver(batch: list[_Call], result: SampleResult, set_result) -> None:
@@ -156,9 +169,10 @@ class BatchingClient(_Batcher[SamplerClient]):
 
     `BatchingClient(SamplerClient(target), max_rows=256, max_delay_us=500)`; sample() takes the
     arguments of SamplerClient.sample (but no per-call timeout or request id: the batch uses the
-    wrapped client's deadline). Up to `max_in_flight` batches are in flight at once; calls arriving meanwhile
-    wait for a free slot and go out together. Two (the default) keep one batch gathering while the server
-    works on the other: with 16 threads, 1 reached 5-10 % fewer rows/s and 4 15-25 % fewer (docs/design/service-path.md).
+    wrapped client's deadline and retries, see the module's docstring). Up to `max_in_flight` batches are in flight
+    at once; calls arriving meanwhile wait for a free slot and go out together. Two (the default) keep one batch
+    gathering while the server works on the other: with 16 threads, 1 reached 5-10 % fewer rows/s and 4 15-25 %
+    fewer (docs/design/service-path.md).
     """
 
     def __init__(
@@ -203,7 +217,7 @@ class BatchingClient(_Batcher[SamplerClient]):
             for index, batch in enumerate(_batches(calls, self._max_rows, gather, self._client.max_message_bytes)):
                 if index:  # the first batch has the slot taken above
                     self._slots.acquire()
-                self._senders.submit(self._send_in_slot, batch, gather)
+                self._senders.submit(self._send_in_slot, batch, gather, time.monotonic())
 
     def _server_gathers(self) -> bool:
         if self._gather is None:
@@ -213,24 +227,25 @@ class BatchingClient(_Batcher[SamplerClient]):
                 return False  # asked again with the next batch
         return self._gather
 
-    def _send_in_slot(self, batch: list[_Call], gather: bool) -> None:
+    def _send_in_slot(self, batch: list[_Call], gather: bool, started: float) -> None:
         try:
-            self._send(batch, gather)
+            self._send(batch, gather, started)
         finally:
             self._slots.release()
 
-    def _send(self, batch: list[_Call], gather: bool) -> None:
+    def _send(self, batch: list[_Call], gather: bool, started: float) -> None:
+        """Sends `batch` within the wrapped client's deadline from `started`, when the batch went out."""
         request, alone = _merged_or_alone(batch, gather)
         if request is None:
             for call in alone:
-                self._send([call], gather)
+                self._send([call], gather, started)
             return
         try:
-            result = self._client.sample_request(request)
+            result = self._client.sample_request(request, timeout=_time_left(self._client.timeout, started))
         except Exception as err:  # delivered to the callers, who re-raise it
             if _resent_alone(batch, err):
                 for call in batch:
-                    self._send([call], gather)
+                    self._send([call], gather, started)
             else:
                 for call in batch:
                     call.future.set_exception(err)
@@ -305,18 +320,20 @@ class AsyncBatchingClient(_Batcher[AsyncSamplerClient]):
     async def _send_all(self, calls: list[_Call]) -> None:
         gather = _region_calls(calls) > 1 and await self._server_gathers()
         batches = _batches(calls, self._max_rows, gather, self._client.max_message_bytes)
-        await asyncio.gather(*(self._send(batch, gather) for batch in batches))
+        started = time.monotonic()
+        await asyncio.gather(*(self._send(batch, gather, started) for batch in batches))
 
-    async def _send(self, batch: list[_Call], gather: bool) -> None:
+    async def _send(self, batch: list[_Call], gather: bool, started: float) -> None:
+        """Sends `batch` within the wrapped client's deadline from `started`, when the batch went out."""
         request, alone = _merged_or_alone(batch, gather)
         if request is None:
-            await asyncio.gather(*(self._send([call], gather) for call in alone))
+            await asyncio.gather(*(self._send([call], gather, started) for call in alone))
             return
         try:
-            result = await self._client.sample_request(request)
+            result = await self._client.sample_request(request, timeout=_time_left(self._client.timeout, started))
         except Exception as err:  # delivered to the callers, who re-raise it
             if _resent_alone(batch, err):
-                await asyncio.gather(*(self._send([call], gather) for call in batch))
+                await asyncio.gather(*(self._send([call], gather, started) for call in batch))
             else:
                 for call in batch:
                     if not call.future.done():

@@ -36,6 +36,9 @@ class SamplerClient(ClientCore):
             server is overloaded, is retried; a Sample call also when a shutting-down server
             cancelled it before starting it (CANCELLED). Other codes never are.
         backoff: the wait between retries (default: 0.05 s doubling up to 2 s, with jitter).
+        retry_throttle: a RetryThrottle shared by every call and stream of this client (gRPC's retry throttling):
+            while most recent attempts failed, no call retries, so that retries do not add to an overloaded
+            server's load; None (the default): each call retries up to `retries` times, whatever the others met.
         max_message_mb: the largest message sent or received, in MiB; the server has the same
             option (`--max-message-mb`), and a request must fit both.
         options: further gRPC channel arguments, e.g. [("grpc.keepalive_time_ms", 10000)].
@@ -56,7 +59,7 @@ class SamplerClient(ClientCore):
             attempt.check_open(self._closed)
             while True:
                 try:
-                    return call.decode(attempt.send(self._stub))
+                    return call.decode(attempt.answered(attempt.send(self._stub)))
                 except grpc.RpcError as err:
                     delay = attempt.retry_delay(err, self._closed)
                 except ValueError:  # grpc's "Cannot invoke RPC on closed channel!"

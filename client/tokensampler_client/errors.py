@@ -6,6 +6,8 @@ from typing import cast
 
 import grpc
 
+from ._retry import is_overload
+
 
 class TokenSamplerError(Exception):
     """A failed call to the tokensampler server.
@@ -15,12 +17,17 @@ class TokenSamplerError(Exception):
             server cannot be reached after the retries, DEADLINE_EXCEEDED, INTERNAL, ...).
         details: the server's message; for INVALID_ARGUMENT it names the offending field.
         request_id: the `x-request-id` the call was sent with, to find it in the server's log.
+        overload: RESOURCE_EXHAUSTED of an overloaded server (its queue full, or its limit of concurrent calls),
+            which a later call can get past, its retries spent; False for one no retry gets past (a request larger
+            than a bound of the server's, such as `--max-message-mb` or the whole of `--max-queue-rows`).
     """
 
-    def __init__(self, code: grpc.StatusCode, details: str, request_id: str | None = None) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, request_id: str | None = None,
+                 overload: bool = False) -> None:
         self.code = code
         self.details = details
         self.request_id = request_id
+        self.overload = overload
         # The server already ends its messages with the request id; add it only where it is missing.
         suffix = f" (request_id {request_id})" if request_id and request_id not in details else ""
         super().__init__(f"{code.name}: {details}{suffix}")
@@ -30,4 +37,5 @@ def error_from_rpc(err: grpc.RpcError, request_id: str | None) -> TokenSamplerEr
     """Maps a grpc (sync or aio) RpcError onto TokenSamplerError."""
     # Errors raised by a call are also grpc.Call objects (sync) or AioRpcError (aio): both have these.
     call = cast(grpc.Call, err)
-    return TokenSamplerError(call.code() or grpc.StatusCode.UNKNOWN, call.details() or "", request_id)
+    code, details = call.code() or grpc.StatusCode.UNKNOWN, call.details() or ""
+    return TokenSamplerError(code, details, request_id, is_overload(code, call.trailing_metadata(), details))

@@ -125,7 +125,7 @@ class SampleStream:
             self._requests.put(_END)  # the ended call's request thread
             self._open()
         self._pending.popleft()
-        self._retry.retries_done = 0
+        self._retry.answered()
         return result_or_error(message)
 
     def sample(self, logits: Any = None, **params: Any) -> SampleResult:
@@ -244,7 +244,7 @@ class AsyncSampleStream:
                 raise self._cancelled() from None
             break
         self._pending.popleft()
-        self._retry.retries_done = 0
+        self._retry.answered()
         if message is grpc.aio.EOF:
             raise TokenSamplerError(grpc.StatusCode.UNAVAILABLE, "the stream ended early")
         return result_or_error(message)
