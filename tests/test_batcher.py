@@ -531,3 +531,59 @@ def test_requests_that_cannot_merge_wait_the_queue_delay_once() -> None:
         return elapsed
 
     assert asyncio.run(run()) < 4 * delay_s  # eight delays (2 s) before
+
+
+class VocabRecordingBackend(ThreadRecordingBackend):
+    """Answers every row with token 0, recording the vocabulary of each call; never reads the logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vocabularies: list[int] = []
+
+    def sample(self, batch: SamplingBatch) -> SamplingResult:
+        self.vocabularies.append(batch.vocab_size)
+        return super().sample(batch)
+
+
+class InspectedFuture(asyncio.Future):
+    """A future that counts how often anyone asks whether it is done: the batcher asks it of each request it
+    inspects."""
+
+    inspections = 0
+
+    def done(self) -> bool:
+        InspectedFuture.inspections += 1
+        return super().done()
+
+
+def test_requests_that_cannot_merge_drain_without_walking_the_queue_at_every_group() -> None:
+    """1024 requests of 1024 vocabularies (1024 groups) queued behind the delay: the batcher inspected every queued
+    request at every group, 1024 · 1023 / 2 inspections (8192 requests took 226 s on 2 cores). Now finding a group
+    reads the oldest request of each kind and the lane of the one chosen: a few inspections a request. The oldest
+    still goes first, and the requests whose callers left are dropped, their rows with them."""
+    count = 1024
+    backend = VocabRecordingBackend()
+
+    async def run() -> tuple[int, list[int]]:
+        loop = asyncio.get_running_loop()
+        loop.create_future = lambda: InspectedFuture(loop=loop)  # the batcher's futures, one a request
+        batcher = DynamicBatcher(backend, max_batch_rows=2 * count, max_queue_rows=count,
+                                 max_queue_delay_us=60_000_000)
+        # "meta" stands for a GPU: each group runs on the event loop, no thread in between
+        calls = [asyncio.ensure_future(batcher.submit(make_batch(torch.empty(1, 100 + v, device="meta"))))
+                 for v in range(count)]
+        await wait_until_async(lambda: batcher.queued_rows == count, f"{count} requests waiting out the delay")
+        for call in calls[::7]:
+            call.cancel()
+        InspectedFuture.inspections = 0
+        batcher.drain()  # the delay ends
+        answered = await asyncio.wait_for(asyncio.gather(*(c for i, c in enumerate(calls) if i % 7)), GATE_TIMEOUT_S)
+        inspections = InspectedFuture.inspections
+        assert batcher.queued_rows == 0 and batcher.queued_requests == 0 and batcher.idle
+        await batcher.close()
+        return inspections, [result.tokens.shape[0] for result, _ in answered]
+
+    inspections, rows = asyncio.run(run())
+    assert rows == [1] * (count - len(range(0, count, 7)))
+    assert backend.vocabularies == [100 + v for v in range(count) if v % 7]  # oldest first; none cancelled sampled
+    assert inspections <= 8 * count, f"{inspections} inspections of queued requests to drain {count}"

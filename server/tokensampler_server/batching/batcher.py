@@ -27,12 +27,16 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import heapq
+import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
-from functools import cached_property, partial
+from functools import partial
+from operator import attrgetter
 from typing import Protocol, TypeVar
 
 import grpc
@@ -212,16 +216,81 @@ class _Pending:
     """The caller's context (request id): the backend logs a batch under its first request's."""
     lease: Lease | None = None
     """The batcher's share of what the request holds, released once the backend is done with it."""
+    rows: int = field(init=False)
+    """The work's rows, read once (a batch reads them off a tensor)."""
+    arrival: int = 0
+    """Its place in the queue: requests of different kinds compare by it."""
+    kind: str = ""
+    """What it waits for (_DIRECT, _SHORT, _LONG), set as it is queued."""
+    lane: tuple[str, Hashable] = ("", None)
+    """Its kind and merge key, set as it is queued: only requests of its lane may join its group."""
 
-    @cached_property
-    def key(self) -> Hashable:
-        """Found once: _take compares it for every queued request at every group."""
-        return merge_key(self.work) if self.sampler is None else (self.sampler, self.work.merge_key)
+    def __post_init__(self) -> None:
+        self.rows = self.work.num_rows
 
     def release(self) -> None:
         if self.lease is not None:
             self.lease.release()
             self.lease = None
+
+
+_DIRECT, _SHORT, _LONG = _KINDS = ("direct", "short", "long")
+"""The kinds of queued request: direct work (starts at once), and batches for the short and the long worker."""
+
+_Requests = OrderedDict[asyncio.Future, _Pending]
+_ARRIVAL = attrgetter("arrival")
+
+
+class _WaitQueue:
+    """The queued requests, oldest first, also by kind, and by lane (`_Pending.lane`) and rows: the next group is
+    found from the oldest request of each kind and, in the lane of the one chosen, the requests of as many rows
+    as still fit, without walking the rest of the queue (N requests of N vocabularies, a group each, took O(N²) to
+    drain; so did requests of one lane too large to share a group)."""
+
+    def __init__(self) -> None:
+        self._all: _Requests = OrderedDict()
+        self._kinds: dict[str, _Requests] = {kind: OrderedDict() for kind in _KINDS}
+        self._lanes: dict[tuple[str, Hashable], dict[int, _Requests]] = {}
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def __iter__(self) -> Iterator[_Pending]:
+        return iter(self._all.values())
+
+    def get(self, future: asyncio.Future) -> _Pending | None:
+        return self._all.get(future)
+
+    def oldest(self) -> _Pending:
+        return next(iter(self._all.values()))
+
+    def of_kind(self, kind: str) -> _Requests:
+        """The requests of `kind`, oldest first."""
+        return self._kinds[kind]
+
+    def lane(self, pending: _Pending) -> dict[int, _Requests]:
+        """The requests of `pending`'s lane by their rows, each oldest first."""
+        return self._lanes[pending.lane]
+
+    def add(self, pending: _Pending) -> None:
+        future, rows = pending.future, pending.rows
+        self._all[future] = self._kinds[pending.kind][future] = pending
+        lane = self._lanes.setdefault(pending.lane, {})
+        same_rows = lane.get(rows)
+        if same_rows is None:
+            same_rows = lane[rows] = OrderedDict()
+        same_rows[future] = pending
+
+    def remove(self, pending: _Pending) -> None:
+        future, rows = pending.future, pending.rows
+        del self._all[future], self._kinds[pending.kind][future]
+        lane = self._lanes[pending.lane]
+        same_rows = lane[rows]
+        del same_rows[future]
+        if not same_rows:
+            del lane[rows]
+            if not lane:
+                del self._lanes[pending.lane]
 
 
 class DynamicBatcher:
@@ -243,7 +312,10 @@ class DynamicBatcher:
         self._delay_s = max_queue_delay_us / 1e6
         self._max_queue_rows = max_queue_rows if max_queue_rows is not None else 8 * max_batch_rows
         self._max_queue_bytes = max_queue_bytes
-        self._queue: list[_Pending] = []
+        self._queue = _WaitQueue()
+        self._arrivals = itertools.count()
+        self._gone: list[asyncio.Future] = []
+        """Futures of queued requests that ended (their callers went away): _take drops them."""
         self._queued_rows = 0
         self._queued_bytes = 0
         self._queued_long_rows = 0
@@ -305,10 +377,10 @@ class DynamicBatcher:
         the queue's rows or bytes: the other half stays for the short requests, which run beside them. Long work
         with none other holding room takes what the whole queue allows. Long batches hold it while they wait, long
         workloads until they end (as in _check_room)."""
-        waiting = [p for p in self._queue if self._is_long(p) and not p.future.done()]
+        waiting = [p for p in self._queue.of_kind(_LONG).values() if not p.future.done()]
         if not waiting and not self._exclusive_long:
             return
-        held_rows = self._exclusive_long_rows + sum(p.work.num_rows for p in waiting)
+        held_rows = self._exclusive_long_rows + sum(p.rows for p in waiting)
         held_bytes = self._exclusive_long_bytes + sum(p.nbytes for p in waiting)
         if held_rows + rows > self._max_queue_rows // 2:
             raise queue_full(held_rows, self._max_queue_rows // 2, "rows of long batches")
@@ -331,19 +403,31 @@ class DynamicBatcher:
 
     def _queue_up(self, pending: _Pending, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
         try:
-            self._check_room(pending.work.num_rows, pending.nbytes)
+            self._check_room(pending.rows, pending.nbytes)
             if self._is_long(pending):
-                self._check_long_share(pending.work.num_rows, pending.nbytes)
+                self._check_long_share(pending.rows, pending.nbytes)
         except ServiceError:
             pending.release()
             raise
-        self._queue.append(pending)
+        self._place(pending)
+        self._queue.add(pending)
+        pending.future.add_done_callback(self._went)
         self._count(pending, 1)
         if not self._delay_s or self._rows_to_merge() >= self._max_batch_rows:
             self._launch(loop)  # an idle backend starts on this request now, as on a full batch
         else:
             self._wake_runner()
         return pending.future
+
+    def _place(self, pending: _Pending) -> None:
+        """Gives a request its place in the queue, its kind and its lane."""
+        work = pending.work
+        pending.arrival = next(self._arrivals)
+        if pending.sampler is not None:
+            pending.kind, key = _DIRECT, (pending.sampler, work.merge_key)
+        else:
+            pending.kind, key = _LONG if self._is_long(pending) else _SHORT, merge_key(work)
+        pending.lane = pending.kind, key
 
     async def submit(self, batch: SamplingBatch) -> tuple[SamplingResult, BatchTimes]:
         """Samples `batch`, possibly together with other requests; returns its own rows."""
@@ -357,56 +441,117 @@ class DynamicBatcher:
         """Whether the request is a long batch: B·V·num_samples logits or more, as the CPU backend's
         --max-batch-elements counts them (its noise is drawn a sample at a time over the whole row)."""
         work = pending.work
-        return pending.sampler is None and self._reads_long(work.num_rows * work.vocab_size * work.num_samples)
+        return pending.sampler is None and self._reads_long(pending.rows * work.vocab_size * work.num_samples)
 
     def _count(self, pending: _Pending, sign: int) -> None:
-        """Adds (sign 1) or removes (-1) the request's rows and bytes to or from the queue's counts."""
-        rows = sign * pending.work.num_rows
+        """Adds (sign 1) or removes (-1) the queued request's rows and bytes to or from the queue's counts."""
+        rows = sign * pending.rows
         self._queued_rows += rows
         self._queued_bytes += sign * pending.nbytes
-        if self._is_long(pending):
+        if pending.kind == _LONG:
             self._queued_long_rows += rows
 
     def _rows_to_merge(self) -> int:
         """Queued rows that the next groups may merge: long batches run alone, so they do not fill a group."""
         return self._queued_rows - self._queued_long_rows
 
-    def _may_start(self, pending: _Pending) -> bool:
-        """Whether the request could start now: direct work always, a batch when its worker is free."""
-        if pending.sampler is not None:
+    def _may_start(self, kind: str) -> bool:
+        """Whether a request of `kind` could start now: direct work always, a batch when its worker is free."""
+        if kind == _DIRECT:
             return True
-        return not self._running_long if self._is_long(pending) else not self._running
+        return not self._running_long if kind == _LONG else not self._running
+
+    def _went(self, future: asyncio.Future) -> None:
+        """A queued request's future ended: if its caller went away, _take drops the request."""
+        self._gone.append(future)
 
     def _take(self) -> list[_Pending]:
         """Removes the next group from the queue: the oldest request that may start now (`_may_start`) and the
         later ones it can merge with, up to max_batch_rows rows; a long batch alone, a short group short. Requests
         whose callers are gone are dropped on the way."""
-        group: list[_Pending] = []
-        kept: list[_Pending] = []
-        key: Hashable = None
-        rows = most_rows = 0
-        for pending in self._queue:
-            work = pending.work
-            if pending.future.done():
-                self._count(pending, -1)
-                pending.release()
-            elif not group and self._may_start(pending):
-                group, key, rows = [pending], pending.key, work.num_rows
-                most_rows = self._max_batch_rows
-                if self._max_batch_elements is not None:  # one request alone is within it (validation)
-                    most_rows = min(most_rows, max(rows, self._max_batch_elements // work.vocab_size))
-                if self._is_long(pending):
-                    most_rows = rows
-                elif self._long_elements is not None and pending.sampler is None:
-                    most_rows = min(most_rows, (self._long_elements - 1) // (work.vocab_size * work.num_samples))
-            elif group and pending.key == key and rows + work.num_rows <= most_rows:
-                group.append(pending)
-                rows += work.num_rows
-            else:
-                kept.append(pending)
-        self._queue = kept
+        self._drop_gone()
+        head = self._next_head()
+        if head is None:
+            return []
+        group = self._group_of(head)
         for pending in group:
+            self._queue.remove(pending)
+            pending.future.remove_done_callback(self._went)
             self._count(pending, -1)
+        return group
+
+    def _drop(self, pending: _Pending) -> None:
+        """Takes a request whose caller went away out of the queue."""
+        self._queue.remove(pending)
+        self._count(pending, -1)
+        pending.release()
+
+    def _drop_gone(self) -> None:
+        """Drops the requests whose futures ended while queued (their callers went away)."""
+        if not self._gone:
+            return
+        gone, self._gone = self._gone, []
+        for future in gone:
+            pending = self._queue.get(future)
+            if pending is not None:  # (else taken, or dropped already)
+                self._drop(pending)
+
+    def _oldest_of(self, kind: str) -> _Pending | None:
+        """The oldest queued request of `kind` whose caller still waits; those before it are dropped."""
+        waiting = self._queue.of_kind(kind)
+        while waiting:
+            oldest = next(iter(waiting.values()))
+            if not oldest.future.done():
+                return oldest
+            self._drop(oldest)
+        return None
+
+    def _next_head(self) -> _Pending | None:
+        """The oldest request that may start now: the oldest of one kind."""
+        head = None
+        for kind in _KINDS:
+            oldest = self._oldest_of(kind)
+            if oldest is not None and self._may_start(kind) and (head is None or oldest.arrival < head.arrival):
+                head = oldest
+        return head
+
+    def _most_rows(self, head: _Pending) -> int:
+        """The rows of a group that starts with `head`."""
+        work = head.work
+        if head.kind == _LONG:
+            return head.rows
+        most_rows = self._max_batch_rows
+        if self._max_batch_elements is not None:  # one request alone is within it (validation)
+            most_rows = min(most_rows, max(head.rows, self._max_batch_elements // work.vocab_size))
+        if self._long_elements is not None and head.sampler is None:
+            most_rows = min(most_rows, (self._long_elements - 1) // (work.vocab_size * work.num_samples))
+        return most_rows
+
+    def _group_of(self, head: _Pending) -> list[_Pending]:
+        """`head` and the later requests of its lane that fit beside it, in order. Only its lane can: another kind
+        never fits (a long batch runs alone; a short group stays short of a long one's logits). The requests of
+        each size are read while that size fits, merged in order: those that would not fit are not walked."""
+        lane = self._queue.lane(head)
+        if len(lane) == 1 and len(lane[head.rows]) == 1:  # alone in its lane
+            return [head]
+        group, gone = [head], []
+        rows, most_rows = head.rows, self._most_rows(head)
+
+        def fits(size: int) -> Callable[[_Pending], bool]:
+            return lambda _pending: rows + size <= most_rows  # rows: those of the group so far
+
+        sizes = [itertools.takewhile(fits(size), same_rows.values())
+                 for size, same_rows in lane.items() if rows + size <= most_rows]
+        for pending in heapq.merge(*sizes, key=_ARRIVAL) if len(sizes) > 1 else itertools.chain(*sizes):
+            if pending is head:
+                continue
+            if pending.future.done():
+                gone.append(pending)
+            elif rows + pending.rows <= most_rows:  # (it fitted when its size's turn was read)
+                group.append(pending)
+                rows += pending.rows
+        for pending in gone:
+            self._drop(pending)
         return group
 
     def _wake_runner(self) -> None:
@@ -429,7 +574,7 @@ class DynamicBatcher:
         again before every group launched ahead of it (20 requests of distinct vocabularies took 20 delays)."""
         if not self._queue or self._delay_s <= 0:
             return self._delay_s
-        waited_s = (time.perf_counter_ns() - self._queue[0].enqueued_ns) * 1e-9
+        waited_s = (time.perf_counter_ns() - self._queue.oldest().enqueued_ns) * 1e-9
         return max(0.0, self._delay_s - waited_s)
 
     def _launch(self, loop: asyncio.AbstractEventLoop) -> None:
