@@ -52,6 +52,19 @@ def test_a_request_past_the_limits_is_refused_by_its_field(message: bytes, descr
     assert raised.value.field == field
 
 
+def test_a_run_longer_than_its_limit_allows_is_refused_from_its_length() -> None:
+    """A varint takes at most 10 bytes: a run of more than 10 bytes a value allowed is refused uncounted."""
+    with pytest.raises(WireRefusal) as raised:
+        check_counts(_sample(seed=[0] * 650), SAMPLE, LIMITS)
+    assert raised.value.field == "params.seed" and "at least 65 values" in str(raised.value)
+    with pytest.raises(WireRefusal) as raised:
+        check_counts(_sample(seed=[0] * 640 + [2**63] * 1), SAMPLE, LIMITS)  # 650 bytes, 641 values
+    assert "at least 65" in str(raised.value)
+    with pytest.raises(WireRefusal) as raised:
+        check_counts(_sample(seed=[0] * 65), SAMPLE, LIMITS)
+    assert "65 values" in str(raised.value) and "at least" not in str(raised.value)
+
+
 def test_a_request_within_the_limits_passes_packed_and_unpacked() -> None:
     check_counts(_sample(seed=[2**63] * 64, temperature=[0.5] * 64, top_k=[-1] * 64,
                          banned_token_ids=pb.TokenLists(ids=list(range(1000)), lengths=[1000])),
