@@ -2,7 +2,8 @@
 
 One step over logits [B, L, V] and a mask of undecided positions:
   1. gather the masked positions only, in (b, l) order, into one SamplingBatch of M rows whose row for
-     (b, l) carries request b's parameters, seed and iteration with `position` = l;
+     (b, l) carries request b's parameters, seed and iteration with `position` = l (several batches of
+     consecutive rows when the token lists copied to the rows would pass _BATCH_COPIES);
   2. sample it with the given backend (so a CUDA backend runs its kernels), exactly as Sample would;
   3. confidence of each sampled token: its probability under softmax(z) over the whole vocabulary after
      processing (steps 2-5), z = x / T with T = 1 for greedy rows, in fp32 on the logits' device;
@@ -27,6 +28,9 @@ import torch
 from tokensampler_server.backends.base import Backend
 from tokensampler_server.backends.processing import apply_processing, sanitize_non_finite
 from tokensampler_server.model.sampling import LogitProcessing, SamplingBatch, TokenEntries
+
+_BATCH_COPIES = 1 << 22
+"""Token-list copies a batch of masked positions begins within (64 MiB), before sampling adds its own temporaries."""
 
 
 @dataclass(frozen=True)
@@ -62,25 +66,46 @@ class DiffusionStep:
 
 
 def _expand_entries(
-    entries: TokenEntries | None, counts: torch.Tensor, starts: torch.Tensor
+    entries: TokenEntries | None, counts: torch.Tensor, starts: torch.Tensor, values: torch.Tensor | None = None
 ) -> tuple[TokenEntries | None, torch.Tensor | None]:
     """Copies each entry of request row r to the `counts[r]` sampled rows starting at `starts[r]`.
 
-    Returns the new entries and, for each of them, the index of the entry it copies (int64, CPU), so that
-    values aligned with the entries (bias values) can follow. Per sampled row, the entries keep their
-    original order (duplicate bias entries add up in the same order as for a lone Sample row).
+    Returns the new entries and `values` (aligned with the entries: bias values) copied alike. Per sampled row, the
+    entries keep their original order (duplicate bias entries add up in the same order as for a lone Sample row).
+    The entries of the requests that sample c rows are copied as one [entries, c] block, a group for each c (at most
+    sqrt(2M) groups for M sampled rows): a list shared by every position makes up to 2^25 copies
+    (Limits.max_token_entries), each pass over them a fraction of a second, and building an index of the entry each
+    copy is for, its offset and a gather per field (80 bytes a copy) took 5 s of CPU for a 28 KB request.
     """
     if entries is None:
         return None, None
     repeats = counts[entries.rows]
-    source = torch.repeat_interleave(torch.arange(len(entries)), repeats)
-    first_copy = torch.repeat_interleave(torch.cumsum(repeats, 0) - repeats, repeats)
-    offset = torch.arange(source.numel()) - first_copy  # which of its request's positions this copy is for
-    rows = starts[entries.rows[source]] + offset
-    return TokenEntries(rows=rows, tokens=entries.tokens[source]), source
+    first_rows = starts[entries.rows]
+    sizes = [size for size in torch.unique(repeats).tolist() if size > 0]
+    rows, tokens, copied_values = [], [], []
+    for size in sizes:
+        group = None if len(sizes) == 1 and bool((repeats == size).all()) else (repeats == size).nonzero().squeeze(1)
+        rows.append((_copies(first_rows, group, size) + torch.arange(size)).reshape(-1))  # copy j: the j-th row
+        tokens.append(_copies(entries.tokens, group, size).reshape(-1))
+        if values is not None:
+            copied_values.append(_copies(values, group, size).reshape(-1))
+    if not sizes:
+        return TokenEntries(rows=entries.rows[:0], tokens=entries.tokens[:0]), None if values is None else values[:0]
+    return (TokenEntries(rows=_joined(rows), tokens=_joined(tokens)),
+            None if values is None else _joined(copied_values))
 
 
-def _expand_processing(
+def _copies(column: torch.Tensor, group: torch.Tensor | None, size: int) -> torch.Tensor:
+    """[entries, size]: each value of `column` (those at `group`, or all) `size` times, not yet copied."""
+    return (column if group is None else column[group]).unsqueeze(1).expand(-1, size)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts end to end, without a copy for a single part."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def expand_processing(
     processing: LogitProcessing | None, request_rows: torch.Tensor, positions: torch.Tensor, num_requests: int
 ) -> LogitProcessing | None:
     """`processing` of B requests turned into that of the sampled rows, whose request is `request_rows` and
@@ -89,7 +114,7 @@ def _expand_processing(
         return None
     counts = torch.bincount(request_rows, minlength=num_requests)
     starts = torch.cumsum(counts, 0) - counts
-    bias, bias_source = _expand_entries(processing.bias, counts, starts)
+    bias, bias_values = _expand_entries(processing.bias, counts, starts, processing.bias_values)
     sequences = processing.sequence_samplers
 
     def per_row(values: torch.Tensor | None) -> torch.Tensor | None:
@@ -99,7 +124,7 @@ def _expand_processing(
         allowed=_expand_entries(processing.allowed, counts, starts)[0],
         banned=_expand_entries(processing.banned, counts, starts)[0],
         bias=bias,
-        bias_values=None if bias_source is None else processing.bias_values[bias_source],
+        bias_values=bias_values,
         output_tokens=_expand_entries(processing.output_tokens, counts, starts)[0],
         prompt_tokens=_expand_entries(processing.prompt_tokens, counts, starts)[0],
         repetition_penalty=per_row(processing.repetition_penalty),
@@ -154,6 +179,53 @@ def commit_mask(
     return mask & ~commit
 
 
+def entries_per_request(processing: LogitProcessing, num_requests: int) -> torch.Tensor:
+    """int64 [B]: the token-list entries of each request's processing, which each of its sampled rows gets a copy of."""
+    per_request = torch.zeros(num_requests, dtype=torch.int64)
+    for entries in (processing.allowed, processing.banned, processing.bias, processing.output_tokens,
+                    processing.prompt_tokens):
+        if entries is not None:
+            per_request += torch.bincount(entries.rows, minlength=num_requests)
+    return per_request
+
+
+def _batch_sizes(processing: LogitProcessing | None, request_rows: torch.Tensor, num_requests: int) -> list[int]:
+    """How many of the masked positions (request_rows, in (b, l) order) each batch samples: one batch, or consecutive
+    ones of about _BATCH_COPIES token-list copies each, the positions whose copies before them fall in one multiple
+    of it (each position holds a copy of its request's lists: up to 2^25 entries, 512 MiB, for a request of a few KB
+    whose one list is shared by every position)."""
+    if processing is None:
+        return [request_rows.numel()] if request_rows.numel() else []
+    copies = entries_per_request(processing, num_requests)[request_rows]
+    before = torch.cumsum(copies, 0) - copies
+    return torch.unique_consecutive(before // _BATCH_COPIES, return_counts=True)[1].tolist()
+
+
+def _sample_rows(step: DiffusionStep, backend: Backend, request_rows: torch.Tensor, positions: torch.Tensor,
+                 tokens: torch.Tensor, confidences: torch.Tensor) -> None:
+    """Samples the masked positions (request_rows, positions) (int64 [M] each, CPU, in (b, l) order) with `backend`,
+    writing their tokens and confidences."""
+    device = step.logits.device
+    rows_d, positions_d = request_rows.to(device), positions.to(device)
+    gathered = step.logits[rows_d, positions_d]  # [M, V]: reads only the masked positions
+    processing = expand_processing(step.processing, request_rows, positions, step.logits.shape[0])
+    temperature = step.temperature[request_rows]
+    batch = SamplingBatch(
+        logits=gathered.to(backend.device),
+        temperature=temperature,
+        top_k=step.top_k[request_rows],
+        top_p=step.top_p[request_rows],
+        min_p=step.min_p[request_rows],
+        seed=step.seed[request_rows],
+        position=positions,
+        iteration=step.iteration[request_rows],
+        processing=processing,
+    )
+    sampled = backend.sample(batch).tokens[:, 0].to(device)
+    tokens[rows_d, positions_d] = sampled
+    confidences[rows_d, positions_d] = _confidences(gathered, processing, temperature, sampled)
+
+
 def diffusion_step(step: DiffusionStep, backend: Backend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Samples every masked position of `step` with `backend` and applies the commit rule.
 
@@ -169,25 +241,9 @@ def diffusion_step(step: DiffusionStep, backend: Backend) -> tuple[torch.Tensor,
 
     # Masked positions in (b, l) order; the batch's per-row columns must be on the host.
     request_rows, positions = step.mask.cpu().nonzero(as_tuple=True)
-    if request_rows.numel():
-        rows_d, positions_d = request_rows.to(device), positions.to(device)
-        gathered = logits[rows_d, positions_d]  # [M, V]: reads only the masked positions
-        processing = _expand_processing(step.processing, request_rows, positions, num_requests)
-        temperature = step.temperature[request_rows]
-        batch = SamplingBatch(
-            logits=gathered.to(backend.device),
-            temperature=temperature,
-            top_k=step.top_k[request_rows],
-            top_p=step.top_p[request_rows],
-            min_p=step.min_p[request_rows],
-            seed=step.seed[request_rows],
-            position=positions,
-            iteration=step.iteration[request_rows],
-            processing=processing,
-        )
-        sampled = backend.sample(batch).tokens[:, 0].to(device)
-        tokens[rows_d, positions_d] = sampled
-        confidences[rows_d, positions_d] = _confidences(gathered, processing, temperature, sampled)
+    sizes = _batch_sizes(step.processing, request_rows, num_requests)
+    for rows, where in zip(request_rows.split(sizes), positions.split(sizes), strict=True):
+        _sample_rows(step, backend, rows, where, tokens, confidences)
 
     threshold = step.threshold.to(device=device, dtype=torch.float32)
     count = step.count.to(device=device, dtype=torch.int64)
