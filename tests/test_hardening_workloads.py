@@ -135,3 +135,23 @@ def test_a_verification_answers_alike_whatever_its_chunks(monkeypatch: pytest.Mo
     monkeypatch.setattr(verify, "_CHUNK_ELEMENTS", chunk_elements, raising=False)
     for got, want in zip(verify.verify_draft(verification), expected, strict=True):
         assert torch.equal(got, want)
+
+
+def test_a_steps_list_copies_count_toward_the_long_worker() -> None:
+    """A diffusion step of 4096 positions of 2 logits whose one list of 8192 ids every position shares reads 8192
+    logits (a 37 KB request) but makes 2^25 copies (2.4 s of the CPU): the copies count as logits read, so it goes to the long worker
+    and short requests run beside it (before: logits alone counted, and it held the short worker)."""
+    from tokensampler_server.batching.batcher import DynamicBatcher
+    from tokensampler_server.rpc.service import _list_copies
+
+    length, vocab, entries = 4096, 2, 8192
+    request = pb.DiffusionStepRequest(
+        logits=_tensor(np.zeros((1, length, vocab), np.float16)), mask=_tensor(np.ones((1, length), np.uint8)),
+        params=pb.SamplingParams(seed=[1], banned_token_ids=pb.TokenLists(ids=[1] * entries,
+                                                                          lengths=[entries])))
+    assert request.ByteSize() < 40 << 10
+    logits, step, _ = validate_diffusion_request(request, Limits(max_token_entries=1 << 25))
+    copies = _list_copies(step.keywords["processing"], logits.shape[1])
+    assert copies == entries * length
+    batcher = DynamicBatcher(CpuBackend(), max_batch_rows=64)
+    assert batcher._reads_long(length * vocab + copies) and not batcher._reads_long(length * vocab)

@@ -33,6 +33,7 @@ from tokensampler_server.rpc.metrics import ServerMetrics
 from tokensampler_server.workloads.cuda import workloads_of
 from tokensampler_server.resources.regions import RegionRegistry, region_info
 from tokensampler_server.core.request_context import current_request_id
+from tokensampler_server.model.sampling import LogitProcessing
 from tokensampler_server.rpc.native_path import NativePath
 from tokensampler_server.rpc.sample_rpc import SampleRpc
 from tokensampler_server.validation.sample import LOGITS_DTYPES
@@ -72,6 +73,13 @@ def served_features(weights_dir: Path | None, region_kinds: frozenset[str], on_g
     if not on_gpu or region_kinds != {"shm", "cuda_ipc"}:  # a loop's flags and its tensors
         off.add("colocated")
     return [feature for feature in FEATURES if feature not in off]
+
+
+def _list_copies(processing: LogitProcessing | None, positions: int) -> int:
+    """The token-list entries a workload copies to each of its positions, counted as logits toward the long worker:
+    a 28 KB diffusion step whose one list of 8192 ids every one of 4096 positions shares makes 2^25 copies, 2.4 s
+    of the CPU over 8192 logits."""
+    return 0 if processing is None else positions * (processing.host_bytes() // 16)
 
 
 def _set_timings(timings: pb.Timings, arrived: int, started: int) -> None:
@@ -172,7 +180,8 @@ class SamplerService(pb_grpc.SamplerServicer):
             # CUDA kernels on a CUDA backend, the torch references otherwise (workloads/cuda.py).
             tokens, confidences, mask = await self._batcher.run_exclusive(
                 lambda: self._workloads.diffusion_step(step(logits.compute())),
-                rows=math.prod(logits.shape[:-1]), elements=math.prod(logits.shape),
+                rows=math.prod(logits.shape[:-1]),
+                elements=math.prod(logits.shape) + _list_copies(step.keywords["processing"], logits.shape[1]),
                 nbytes=host_bytes(logits.tensor) + entry_bytes(step.keywords["processing"]),  # the step's partial
                 lease=held)
         response = pb.DiffusionStepResponse(request_id=current_call.get().request_id)
@@ -250,7 +259,8 @@ class SamplerService(pb_grpc.SamplerServicer):
         accepted, tokens = await self._batcher.run_exclusive(
             lambda: self._workloads.verify_draft(verification),
             rows=int(verification.target_logits.shape[0] * verification.target_logits.shape[1]),
-            elements=verification.target_logits.numel(),
+            elements=verification.target_logits.numel()
+            + _list_copies(verification.processing, verification.target_logits.shape[1]),
             nbytes=host_bytes(verification.target_logits) + host_bytes(verification.draft_probs)
             + entry_bytes(verification.processing))
         response = pb.VerifyDraftResponse(request_id=current_call.get().request_id)
