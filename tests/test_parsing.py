@@ -21,60 +21,59 @@ def test_a_large_message_is_parsed_off_the_event_loop_and_a_small_one_on_it() ->
     assert small == threading.current_thread().name and large != small
 
 
+class GatedParse:
+    """A parse that waits for `release`, counting the most that ran at once."""
+
+    def __init__(self) -> None:
+        self.running = self.most = 0
+        self.release = threading.Event()
+        self._lock = threading.Lock()
+
+    def __call__(self, raw: bytes) -> int:
+        with self._lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        self.release.wait(5)
+        with self._lock:
+            self.running -= 1
+        return len(raw)
+
+
+LARGE = b"\0" * (PARSE_ON_LOOP_BYTES + 1)
+
+
 def test_at_most_a_few_large_parses_run_at_once() -> None:
     """Each may hold several times its bytes (one-byte varints made int64): together they are bounded."""
-    running, most, lock = 0, 0, threading.Lock()
-    release = threading.Event()
-
-    def parse(raw: bytes) -> int:
-        nonlocal running, most
-        with lock:
-            running += 1
-            most = max(most, running)
-        release.wait(5)
-        with lock:
-            running -= 1
-        return len(raw)
+    parse = GatedParse()
 
     async def run() -> list[int]:
         parses = Parses(Limits())
-        calls = [asyncio.ensure_future(parses.parse(parse, b"\0" * (PARSE_ON_LOOP_BYTES + 1))) for _ in range(6)]
+        calls = [asyncio.ensure_future(parses.parse(parse, LARGE)) for _ in range(6)]
         await asyncio.sleep(0.3)
-        release.set()
+        parse.release.set()
         return await asyncio.gather(*calls)
 
-    assert asyncio.run(run()) == [PARSE_ON_LOOP_BYTES + 1] * 6
-    assert most == LARGE_PARSES
+    assert asyncio.run(run()) == [len(LARGE)] * 6
+    assert parse.most == LARGE_PARSES
 
 
 def test_a_parse_whose_caller_left_holds_its_slot_until_its_thread_ends() -> None:
     """A cancelled caller does not end its thread's parse, nor give back a slot while that parse runs: six callers
     cancelled at once still leave at most LARGE_PARSES parses running."""
-    running, most, lock = 0, 0, threading.Lock()
-    release = threading.Event()
-
-    def parse(raw: bytes) -> int:
-        nonlocal running, most
-        with lock:
-            running += 1
-            most = max(most, running)
-        release.wait(5)
-        with lock:
-            running -= 1
-        return len(raw)
+    parse = GatedParse()
 
     async def run() -> None:
         parses = Parses(Limits())
         for _ in range(6):
-            call = asyncio.ensure_future(parses.parse(parse, b"\0" * (PARSE_ON_LOOP_BYTES + 1)))
+            call = asyncio.ensure_future(parses.parse(parse, LARGE))
             await asyncio.sleep(0.05)
             call.cancel()
         await asyncio.sleep(0.2)
-        release.set()
+        parse.release.set()
         await asyncio.sleep(0.3)  # the parses still admitted then run to their end
 
     asyncio.run(run())
-    assert most == LARGE_PARSES
+    assert parse.most == LARGE_PARSES
 
 
 def test_a_message_of_many_values_is_parsed_off_the_event_loop_however_small() -> None:
