@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tokensampler_server.backends.cpu import kept_token_mask, top_n
-from tokensampler_server.model.log_probs import log_softmax
+from tokensampler_server.model.log_probs import log_softmax, row_sums64
 from tokensampler_server.resources.weights import RegisteredWeight
 from tokensampler_server.core.request_context import raise_if_abandoned
 
@@ -148,13 +148,13 @@ def score_streamed(source: LogitSource, scoring: TokenScoring, rows: torch.Tenso
         shift = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))  # no -inf - -inf
         centred = (x - shift.unsqueeze(1)).div_(t)
         e = centred.exp()
-        terms = torch.where(e > 0, e * centred, torch.zeros_like(e)).sum(dim=1, dtype=torch.float64)
+        terms = row_sums64(torch.where(e > 0, e * centred, torch.zeros_like(e))).squeeze(1)
         # Rescale what the earlier slices summed to the new max: e^(c') = e^c·e^d, c' = c + d, d = (m - m') / T.
         d = (running_max - shift).div_(t.squeeze(1)).double()
         scale = d.exp()
         moved = torch.where(scale > 0, sum_terms + sum_exp * d, torch.zeros_like(sum_exp))
         sum_terms = scale * moved + terms
-        sum_exp = scale * sum_exp + e.sum(dim=1, dtype=torch.float64)
+        sum_exp = scale * sum_exp + row_sums64(e).squeeze(1)
         running_max = new_max
         inside = (targets >= start) & (targets < stop)
         picked = x.gather(1, (targets - start).clamp(0, stop - start - 1).unsqueeze(1)).squeeze(1)
