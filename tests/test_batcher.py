@@ -382,6 +382,7 @@ def test_out_of_memory_is_resource_exhausted_and_the_next_batch_runs() -> None:
 
     error, result = asyncio.run(run())
     assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "out of memory" in error.message
+    assert error.retryable and error.retry_mark == "memory"  # marked so: fewer rows, not only later, may get past
     assert result.tokens.shape == (2, 1)
 
 

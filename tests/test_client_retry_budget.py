@@ -200,3 +200,19 @@ def test_calls_sent_again_alone_keep_what_is_left_of_the_batchs_deadline() -> No
     assert merged_rows == 4 and merged_timeout is not None and 1.9 < merged_timeout <= 2.0
     assert [rows for rows, _ in alone] == [1] * 4
     assert all(timeout is not None and timeout <= 1.5 for _, timeout in alone)
+
+
+def test_a_merge_the_server_ran_out_of_memory_for_is_retried_then_sent_call_by_call() -> None:
+    """`x-retryable: memory` (the server ran out of memory for the batch) is retried as an overload is, but is not an
+    overload: a merge refused so is sent again call by call, as fewer rows may fit (an overload is not: it would
+    make the overloaded server more calls)."""
+    from tokensampler_client._retry import is_retryable, retry_mark
+    from tokensampler_client.batching import _resent_alone
+
+    memory, overload = (("x-retryable", "memory"),), (("x-retryable", "overload"),)
+    exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert is_retryable(exhausted, memory) and is_retryable(exhausted, overload) and not is_retryable(exhausted)
+    assert retry_mark(exhausted, memory) == "memory" and retry_mark(exhausted, overload) == "overload"
+    batch = [object(), object()]
+    assert _resent_alone(batch, TokenSamplerError(exhausted, "out of memory", overload=False))
+    assert not _resent_alone(batch, TokenSamplerError(exhausted, "queue full", overload=True))

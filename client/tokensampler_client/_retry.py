@@ -38,12 +38,16 @@ CONCURRENCY_LIMIT_DETAILS = "Concurrent RPC limit exceeded!"
 Metadata = Iterable[tuple[str, str | bytes]]
 
 
-def is_overload(code: grpc.StatusCode | None, trailing_metadata: Metadata | None = None, details: str = "") -> bool:
-    """Whether a failure is RESOURCE_EXHAUSTED of an overloaded server (marked, or grpc's concurrency limit), which a
-    later attempt can get past; RESOURCE_EXHAUSTED without the mark is a request larger than a bound, which none can."""
-    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and (
-        details == CONCURRENCY_LIMIT_DETAILS or any(key == RETRYABLE_METADATA_KEY for key, _ in trailing_metadata or ())
-    )
+def retry_mark(code: grpc.StatusCode | None, trailing_metadata: Metadata | None = None,
+               details: str = "") -> str | None:
+    """Why a RESOURCE_EXHAUSTED can be got past later: "overload" (marked so, or grpc's concurrency limit: the same
+    request later), "memory" (the server ran out of it: later, or with fewer rows); None for any other failure,
+    RESOURCE_EXHAUSTED without the mark included (a request larger than a bound, which no retry gets past)."""
+    if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    if details == CONCURRENCY_LIMIT_DETAILS:
+        return "overload"
+    return next((str(value) for key, value in trailing_metadata or () if key == RETRYABLE_METADATA_KEY), None)
 
 
 def is_retryable(
@@ -51,7 +55,7 @@ def is_retryable(
 ) -> bool:
     if code in RETRYABLE_CODES or (idempotent and code == grpc.StatusCode.CANCELLED):
         return True
-    return is_overload(code, trailing_metadata, details)
+    return retry_mark(code, trailing_metadata, details) is not None
 
 
 @dataclass(frozen=True)

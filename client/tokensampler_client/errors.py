@@ -6,7 +6,7 @@ from typing import cast
 
 import grpc
 
-from ._retry import is_overload
+from ._retry import retry_mark
 
 
 class TokenSamplerError(Exception):
@@ -19,7 +19,8 @@ class TokenSamplerError(Exception):
         request_id: the `x-request-id` the call was sent with, to find it in the server's log.
         overload: RESOURCE_EXHAUSTED of an overloaded server (its queue full, or its limit of concurrent calls),
             which a later call can get past, its retries spent; False for one no retry gets past (a request larger
-            than a bound of the server's, such as `--max-message-mb` or the whole of `--max-queue-rows`).
+            than a bound of the server's, such as `--max-message-mb` or the whole of `--max-queue-rows`) and for a
+            server out of memory (fewer rows may get past it).
     """
 
     def __init__(self, code: grpc.StatusCode, details: str, request_id: str | None = None,
@@ -38,4 +39,5 @@ def error_from_rpc(err: grpc.RpcError, request_id: str | None) -> TokenSamplerEr
     # Errors raised by a call are also grpc.Call objects (sync) or AioRpcError (aio): both have these.
     call = cast(grpc.Call, err)
     code, details = call.code() or grpc.StatusCode.UNKNOWN, call.details() or ""
-    return TokenSamplerError(code, details, request_id, is_overload(code, call.trailing_metadata(), details))
+    overload = retry_mark(code, call.trailing_metadata(), details) == "overload"
+    return TokenSamplerError(code, details, request_id, overload)

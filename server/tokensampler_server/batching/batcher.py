@@ -65,7 +65,7 @@ def _backend_errors_as_status(work: Callable[[], T]) -> T:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # give back what the failed work had taken
         raise ServiceError(
-            "out of memory: retry later or with fewer rows", grpc.StatusCode.RESOURCE_EXHAUSTED
+            "out of memory: retry later or with fewer rows", grpc.StatusCode.RESOURCE_EXHAUSTED, retry_mark="memory"
         ) from None
     except NcclError as err:
         raise ServiceError(f"vocabulary-parallel sampling failed: {err}; retry on another replica",

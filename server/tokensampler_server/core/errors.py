@@ -38,12 +38,17 @@ class ServiceError(Exception):
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
     retryable: bool = True
-    """For RESOURCE_EXHAUSTED: whether a later try can succeed (an overload), which the call guard marks."""
+    """For RESOURCE_EXHAUSTED: whether a later try can succeed, which the call guard marks."""
+    retry_mark: str = "overload"
+    """Why it can, the mark's value: "overload" (a full queue or cap: the same request later), "memory" (the
+    server ran out of it: later, or fewer rows; a client that merged calls sends them again one by one)."""
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None, retryable: bool = True) -> None:
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, retryable: bool = True,
+                 retry_mark: str = "overload") -> None:
         super().__init__(message)
         self.message = message
         self.retryable = retryable
+        self.retry_mark = retry_mark
         if code is not None:
             self.code = code
 

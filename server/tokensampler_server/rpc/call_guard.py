@@ -108,10 +108,11 @@ async def _checked_stream(requests: AsyncIterator[object]) -> AsyncIterator[obje
 
 
 def _trailing(code: grpc.StatusCode, trailing: tuple[tuple[str, str], ...] = (),
-              retryable: bool = True) -> tuple[tuple[str, str], ...]:
-    """`trailing`, marked retryable for an overload."""
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and retryable:
-        return trailing + ((RETRYABLE_METADATA_KEY, "overload"),)
+              error: BaseException | None = None) -> tuple[tuple[str, str], ...]:
+    """`trailing`, marked retryable for a RESOURCE_EXHAUSTED that a later try can get past, with the reason the
+    error gives (ServiceError.retry_mark)."""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and getattr(error, "retryable", True):
+        return trailing + ((RETRYABLE_METADATA_KEY, getattr(error, "retry_mark", "overload")),)
     return trailing
 
 
@@ -191,7 +192,7 @@ class CallGuard:
 
         async def abort(context: grpc.aio.ServicerContext, err: ServiceError, request_id: str) -> None:
             log.debug("stream %s failed: %s", request_id, _one_line(bounded(err.message)))
-            await context.abort(err.code, _details(err.message, request_id), _trailing(err.code, retryable=err.retryable))
+            await context.abort(err.code, _details(err.message, request_id), _trailing(err.code, error=err))
 
         if inspect.isasyncgenfunction(behaviour):
             async def guarded(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
@@ -280,7 +281,7 @@ class CallGuard:
             current_call.set(call)
             trailing = ((REQUEST_ID_METADATA_KEY, call.request_id),)
             context.set_trailing_metadata(trailing)
-            code, error, retryable = grpc.StatusCode.OK, "", True
+            code, error, failed = grpc.StatusCode.OK, "", None
             metrics = self._metrics
             metrics.calls_in_flight += 1  # every guarded call runs on the server's event loop: no lock needed
             held = 0
@@ -310,7 +311,7 @@ class CallGuard:
                 raise
             except Exception as err:
                 code, error = failure_status(err, call.method, call.request_id)
-                retryable = getattr(err, "retryable", True)
+                failed = err
             finally:
                 if held:
                     self._request_bytes.give_back(held)
@@ -320,7 +321,7 @@ class CallGuard:
                     tracer.record(call, code, elapsed_ns, context.invocation_metadata())
                 metrics.observe_call_later(call, code, elapsed_ns)  # recorded at the next scrape
                 _log_call(call, code, elapsed_ns, error)
-            await context.abort(code, _details(error, call.request_id), _trailing(code, trailing, retryable))
+            await context.abort(code, _details(error, call.request_id), _trailing(code, trailing, failed))
 
         return guarded
 
