@@ -103,6 +103,18 @@ def test_a_oneof_case_replaced_takes_its_counts_with_it() -> None:
     assert raised.value.field == "logits_rows.shape"
 
 
+def test_a_oneof_case_replaced_in_a_later_occurrence_of_its_message_takes_its_counts_with_it() -> None:
+    """The occurrences of a message merge: a case of a later occurrence replaces an earlier one's (logits of 7
+    dimensions, then hidden, then logits of 2 in three occurrences of `open`: protobuf keeps the 2)."""
+    def opened(**case) -> bytes:
+        return pb.ColocateRequest(open=pb.ColocateOpen(**case)).SerializeToString()
+
+    message = (opened(logits=pb.TensorRef(shape=[1] * 7)) + opened(hidden=pb.HiddenStates(weights="w"))
+               + opened(logits=pb.TensorRef(shape=[4, 8])))
+    assert list(pb.ColocateRequest.FromString(message).open.logits.shape) == [4, 8]
+    assert check_counts(message, pb.ColocateRequest.DESCRIPTOR, LIMITS) == 2
+
+
 def test_bytes_cut_short_are_left_to_the_parse_that_refuses_them() -> None:
     message = _sample(seed=[0] * 64)
     assert check_counts(message[:-3], SAMPLE, LIMITS) <= 64

@@ -72,6 +72,17 @@ def test_a_message_without_long_runs_is_parsed_whole() -> None:
     assert pieces(run, SAMPLE) is None
 
 
+def test_a_repeated_message_is_not_cut_into_elements() -> None:
+    """A piece of a repeated message field would merge as an element of its own: such a field is left whole (no
+    request holds one; a descriptor set does, a long packed run inside one of its files)."""
+    from google.protobuf import descriptor_pb2
+
+    files = descriptor_pb2.FileDescriptorSet()
+    files.file.add(name="a.proto").source_code_info.location.add(path=_ids(400_000, 1 << 20))
+    message = files.SerializeToString()
+    assert pieces(message, descriptor_pb2.FileDescriptorSet.DESCRIPTOR) is None
+
+
 def test_a_run_cut_short_or_a_group_is_left_to_the_whole_parse() -> None:
     message = pb.SampleRequest(params=pb.SamplingParams(
         output_token_ids=pb.TokenLists(ids=_ids(400_000, 1 << 20)))).SerializeToString()

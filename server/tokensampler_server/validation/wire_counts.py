@@ -45,7 +45,7 @@ def check_counts(message: bytes, descriptor: Descriptor, limits: Limits) -> int:
     protobuf's parse then refuses as bytes that do not parse (a stream's message so refused ends its stream)."""
     counts: dict[str, int] = {}
     try:
-        _count_message(memoryview(message), descriptor, "", limits, counts, [MOST_FIELDS], 0)
+        _count_message(memoryview(message), descriptor, "", limits, counts, {}, [MOST_FIELDS], 0)
     except CutShort:
         pass
     except UnusualWire as err:
@@ -54,22 +54,25 @@ def check_counts(message: bytes, descriptor: Descriptor, limits: Limits) -> int:
 
 
 def _count_message(view: memoryview, descriptor: Descriptor, path: str, limits: Limits, counts: dict[str, int],
-                   left: list[int], depth: int) -> None:
-    cases: dict[str, str] = {}  # a oneof's case so far: another case replaces it, and its counts with it
+                   cases: dict[tuple[str, str], str], left: list[int], depth: int) -> None:
+    """Counts the message at `path` into `counts`. `cases`: each oneof's case so far, by the path of its message
+    and its name (the occurrences of a message merge, so a case of a later one replaces an earlier one's), which
+    another case replaces, and its counts with it."""
     for number, wire, _, payload in _walk(view, left, path or "request"):
         field = descriptor.fields_by_number.get(number)
         if field is None:
             continue
         name = f"{path}.{field.name}" if path else field.name
         if field.containing_oneof is not None:
-            replaced = cases.get(field.containing_oneof.name, name)
+            oneof = (path, field.containing_oneof.name)
+            replaced = cases.get(oneof, name)
             if replaced != name:
                 for key in [key for key in counts if key == replaced or key.startswith(f"{replaced}.")]:
                     del counts[key]
-            cases[field.containing_oneof.name] = name
+            cases[oneof] = name
         if field.message_type is not None:
             if wire == 2 and depth < _MOST_DEPTH:
-                _count_message(payload, field.message_type, name, limits, counts, left, depth + 1)
+                _count_message(payload, field.message_type, name, limits, counts, cases, left, depth + 1)
         elif is_repeated(field):
             key, most, what = _budget(descriptor.name, field.name, name, limits)
             so_far = counts.get(key, 0)

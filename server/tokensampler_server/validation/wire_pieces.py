@@ -50,7 +50,7 @@ def _pieces(view: memoryview, descriptor: Descriptor) -> list[Piece] | None:
         field = descriptor.fields_by_number.get(number)
         if field is None or wire != 2 or len(payload) <= PIECE_BYTES:
             continue
-        if field.type == FieldDescriptor.TYPE_MESSAGE:
+        if field.type == FieldDescriptor.TYPE_MESSAGE and not is_repeated(field):  # an element a piece would add
             parts = _pieces(payload, field.message_type)
         elif field.type not in _NOT_PACKED and is_repeated(field):
             parts = _run_parts(payload, _FIXED_BYTES.get(field.type))
