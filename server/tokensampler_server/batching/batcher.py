@@ -256,7 +256,10 @@ class _WaitQueue:
         return len(self._all)
 
     def __iter__(self) -> Iterator[_Pending]:
-        return iter(self._all.values())
+        # A copy, which list() makes in one call that lets no other thread run: the metrics endpoint's thread counts
+        # the queue (queued_requests) while the event loop changes it, and walking the dict itself failed the scrape
+        # with "OrderedDict mutated during iteration".
+        return iter(list(self._all.values()))
 
     def get(self, future: asyncio.Future) -> _Pending | None:
         return self._all.get(future)
