@@ -12,11 +12,10 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from tokensampler_server.validation.wire import UnusualWire, fields
+from tokensampler_server.validation.wire import MAX_VARINT_BYTES, UnusualWire, fields
 
 # Bytes of varints decoded at once: bounds the temporaries (about 17 bytes per input byte) to ~17 MiB.
 _SLICE_BYTES = 1 << 20
-_MAX_VARINT_BYTES = 10
 
 
 def packed_runs(serialized: bytes | memoryview, numbers: tuple[int, ...]) -> dict[int, memoryview]:
@@ -46,7 +45,7 @@ def _slices(data: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         ends = np.flatnonzero(data[pos : pos + _SLICE_BYTES] < 0x80)
         if len(ends) == 0:
             raise ValueError("a packed run that ends inside a varint")
-        chunk = np.zeros(int(ends[-1]) + 1 + _MAX_VARINT_BYTES, dtype=np.uint8)
+        chunk = np.zeros(int(ends[-1]) + 1 + MAX_VARINT_BYTES, dtype=np.uint8)
         chunk[: int(ends[-1]) + 1] = data[pos : pos + int(ends[-1]) + 1]
         yield chunk, ends
         pos += int(ends[-1]) + 1
@@ -67,7 +66,7 @@ def decode_varints(run: memoryview | None, count: int) -> np.ndarray:
         starts = ends - (width - 1)
         value = chunk[starts].astype(wide)
         value &= 0x7F
-        for j in range(1, min(most, _MAX_VARINT_BYTES)):
+        for j in range(1, min(most, MAX_VARINT_BYTES)):
             part = chunk[starts + j].astype(wide)
             part &= 0x7F
             part *= width > j  # zero past the varint's last byte

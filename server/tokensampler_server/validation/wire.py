@@ -7,6 +7,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 
+MAX_VARINT_BYTES = 10
+"""The most bytes a varint takes (a negative int32 or int64 is ten)."""
+
+
 class UnusualWire(ValueError):
     """A field of a wire type the walk does not skip (a group), or one past the message: parse it whole."""
 

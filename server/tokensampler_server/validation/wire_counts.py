@@ -17,7 +17,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from tokensampler_server.core.config import Limits
 from tokensampler_server.core.errors import InvalidArgument
 from tokensampler_server.model.repetition import MAX_BREAKER_LENGTH, MAX_BREAKERS
-from tokensampler_server.validation.wire import CutShort, UnusualWire, fields
+from tokensampler_server.validation.wire import MAX_VARINT_BYTES, CutShort, UnusualWire, fields
 
 _SLICE_BYTES = 16 << 20  # a run's bytes compared at once: bounds the temporary
 _MOST_DEPTH = 8  # the contract nests messages four deep
@@ -25,9 +25,11 @@ MOST_FIELDS = 8192
 """Fields walked in one message, its nested ones and unknown ones included (~4 ms of the interpreter): a request
 packs its repeated values (each run one field) and holds a few dozen fields; unpacked, a run is a field a value."""
 _MOST_DIMS = 8
-_WIDEST_VALUE = 10  # bytes: a packed run of n bytes holds at least n / 10 values (250 M of them took 0.18 s to count)
-_FIXED32 = {FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_FIXED32, FieldDescriptor.TYPE_SFIXED32}
-_FIXED64 = {FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
+FIXED_BYTES = {
+    FieldDescriptor.TYPE_FLOAT: 4, FieldDescriptor.TYPE_FIXED32: 4, FieldDescriptor.TYPE_SFIXED32: 4,
+    FieldDescriptor.TYPE_DOUBLE: 8, FieldDescriptor.TYPE_FIXED64: 8, FieldDescriptor.TYPE_SFIXED64: 8,
+}
+"""The bytes of a value of each fixed-width field type; every other packed type is varints."""
 
 Field = tuple[int, int, memoryview, memoryview | None]  # as fields() yields them
 
@@ -76,8 +78,9 @@ def _count_message(view: memoryview, descriptor: Descriptor, path: str, limits: 
         elif is_repeated(field):
             key, most, what = _budget(descriptor.name, field.name, name, limits)
             so_far = counts.get(key, 0)
-            if wire == 2 and so_far + len(payload) // _WIDEST_VALUE > most:  # refused from its length alone
-                raise WireRefusal(key, f"at least {so_far + len(payload) // _WIDEST_VALUE} {what}, more than {most}")
+            # refused from its length alone: n bytes hold at least n / 10 values (250 M took 0.18 s to count)
+            if wire == 2 and so_far + len(payload) // MAX_VARINT_BYTES > most:
+                raise WireRefusal(key, f"at least {so_far + len(payload) // MAX_VARINT_BYTES} {what}, more than {most}")
             counts[key] = so_far + _count(wire, payload, field.type)
             if counts[key] > most:
                 raise WireRefusal(key, f"{counts[key]} {what}, more than {most}")
@@ -122,9 +125,7 @@ def _walk(message: memoryview, left: list[int], field: str) -> Iterator[Field]:
 def _count(wire: int, payload: memoryview | None, kind: int) -> int:
     if wire != 2:  # one unpacked value
         return 1
-    if kind in _FIXED32:
-        return len(payload) // 4
-    if kind in _FIXED64:
-        return len(payload) // 8
+    if kind in FIXED_BYTES:
+        return len(payload) // FIXED_BYTES[kind]
     data = np.frombuffer(payload, dtype=np.uint8)
     return sum(int(np.count_nonzero(data[at:at + _SLICE_BYTES] < 0x80)) for at in range(0, len(data), _SLICE_BYTES))

@@ -14,16 +14,11 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from tokensampler_client.wire import length_prefix
 
-from tokensampler_server.validation.wire import UnusualWire, fields
-from tokensampler_server.validation.wire_counts import is_repeated
+from tokensampler_server.validation.wire import MAX_VARINT_BYTES, UnusualWire, fields
+from tokensampler_server.validation.wire_counts import FIXED_BYTES, is_repeated
 
 PIECE_BYTES = 256 << 10
 """Bytes of a packed run merged at once: 256 Ki one-byte varints parse in ~9 ms."""
-_MAX_VARINT_BYTES = 10
-_FIXED_BYTES = {
-    FieldDescriptor.TYPE_FLOAT: 4, FieldDescriptor.TYPE_FIXED32: 4, FieldDescriptor.TYPE_SFIXED32: 4,
-    FieldDescriptor.TYPE_DOUBLE: 8, FieldDescriptor.TYPE_FIXED64: 8, FieldDescriptor.TYPE_SFIXED64: 8,
-}
 _NOT_PACKED = {FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES, FieldDescriptor.TYPE_MESSAGE,
                FieldDescriptor.TYPE_GROUP}
 
@@ -53,7 +48,7 @@ def _pieces(view: memoryview, descriptor: Descriptor) -> list[Piece] | None:
         if field.type == FieldDescriptor.TYPE_MESSAGE and not is_repeated(field):  # an element a piece would add
             parts = _pieces(payload, field.message_type)
         elif field.type not in _NOT_PACKED and is_repeated(field):
-            parts = _run_parts(payload, _FIXED_BYTES.get(field.type))
+            parts = _run_parts(payload, FIXED_BYTES.get(field.type))
         else:
             parts = None
         if parts is None:
@@ -77,7 +72,7 @@ def _run_parts(run: memoryview, fixed: int | None) -> list[Piece] | None:
         if fixed is not None:
             end -= end % fixed
         else:  # past the first varint that ends at or after the cut
-            stop = min(end + _MAX_VARINT_BYTES, len(run))
+            stop = min(end + MAX_VARINT_BYTES, len(run))
             while end < stop and run[end - 1] >= 0x80:
                 end += 1
             if run[end - 1] >= 0x80:
