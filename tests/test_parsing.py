@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 from tokensampler_server.core.config import Limits
+from tokensampler_server.rpc.call_record import CallRecord, current_call
 from tokensampler_server.rpc.parsing import (COUNTED_FROM_BYTES, LARGE_PARSES, PARSE_ON_LOOP_BYTES,
                                             PARSE_ON_LOOP_VALUES, Parses)
 
@@ -55,6 +57,33 @@ def test_at_most_a_few_large_parses_run_at_once() -> None:
 
     assert asyncio.run(run()) == [len(LARGE)] * 6
     assert parse.most == LARGE_PARSES
+
+
+def test_the_wait_for_a_parse_thread_is_out_of_the_deserialize_stage() -> None:
+    """A call queued behind LARGE_PARSES others records that wait apart (parse_wait_ns): its deserialize stage is
+    its own parse, not the others'."""
+    parse = GatedParse()
+
+    async def timed_call(parses: Parses, call: CallRecord) -> None:
+        current_call.set(call)  # as the call guard does, in the call's own task
+        started = time.perf_counter_ns()
+        await parses.parse(parse, LARGE)
+        call.parse_ns = time.perf_counter_ns() - started
+
+    async def run() -> list[CallRecord]:
+        parses = Parses(Limits())
+        calls = [CallRecord(method="m", request_id=str(i)) for i in range(LARGE_PARSES + 1)]
+        tasks = [asyncio.ensure_future(timed_call(parses, call)) for call in calls]
+        await asyncio.sleep(0.3)  # the first LARGE_PARSES hold the slots; the last waits
+        parse.release.set()
+        await asyncio.gather(*tasks)
+        return calls
+
+    calls = asyncio.run(run())
+    last = calls[-1]
+    assert last.parse_wait_ns >= 0.25e9  # it waited for a slot while the others' parses were held
+    assert last.deserialize_ns() < 0.25e9 <= last.parse_ns  # the stage leaves the wait out; the parse time has it
+    assert all(call.parse_wait_ns < 0.1e9 for call in calls[:-1])
 
 
 def test_a_parse_whose_caller_left_holds_its_slot_until_its_thread_ends() -> None:

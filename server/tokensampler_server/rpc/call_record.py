@@ -25,7 +25,10 @@ class CallRecord:
     started_ns: int = 0
     """When the server started on the call: the start of the first request message's parse; 0 until then."""
     parse_ns: int = 0
-    """Request bytes to request messages (protobuf)."""
+    """Request bytes to request messages (protobuf), the wait for a parse thread included (parse_wait_ns)."""
+    parse_wait_ns: int = 0
+    """Of parse_ns, the wait for one of the server's parse threads (rpc/parsing.py): time the call queued behind
+    other large parses, not time spent parsing."""
     batch: SamplingBatch | None = None
     """The validated batch of a Sample call; None for other methods and rejected requests."""
     row_modes: tuple[int, ...] | None = None
@@ -45,6 +48,10 @@ class CallRecord:
 
     def elapsed_ns(self) -> int:
         return time.perf_counter_ns() - self.started_ns
+
+    def deserialize_ns(self) -> int:
+        """The deserialize stage: the parse and the decoding, without the wait for a parse thread."""
+        return self.parse_ns - self.parse_wait_ns + self.decode_ns
 
     @property
     def num_rows(self) -> int | None:

@@ -239,7 +239,7 @@ class ServerMetrics:
                 counter.inc(count)
         self.queue_duration.observe(call.queue_ns / 1e9)
         self.compute_duration.observe(call.compute_ns / 1e9)
-        self.deserialize_duration.observe((call.parse_ns + call.decode_ns) / 1e9)
+        self.deserialize_duration.observe(call.deserialize_ns() / 1e9)
 
     def observe_call_later(self, call: CallRecord, code: grpc.StatusCode, elapsed_ns: int) -> None:
         """observe_call at the next scrape (or after _MAX_LATER calls): an append on the hot path instead of

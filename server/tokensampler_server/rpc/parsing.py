@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -20,6 +21,7 @@ from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import DecodeError, Message
 
 from tokensampler_server.core.config import Limits
+from tokensampler_server.rpc.call_record import current_call
 from tokensampler_server.validation.wire_counts import check_counts
 from tokensampler_server.validation.wire_pieces import pieces
 
@@ -71,8 +73,12 @@ class Parses:
     async def _on_thread(self, work: Callable[..., T], *args: object) -> T:
         """work(*args) on a thread, holding one of the LARGE_PARSES slots until the thread ends: a caller that
         leaves (cancelled, past its deadline) does not end the thread's parse, so it does not give its slot back
-        before that either."""
+        before that either. The wait for the slot goes to the call's parse_wait_ns, out of its deserialize stage."""
+        waiting = time.perf_counter_ns()
         await self._large.acquire()
+        call = current_call.get(None)
+        if call is not None:
+            call.parse_wait_ns += time.perf_counter_ns() - waiting
         try:
             running = asyncio.get_running_loop().run_in_executor(None, contextvars.copy_context().run, work, *args)
         except BaseException:

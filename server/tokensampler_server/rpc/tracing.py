@@ -59,7 +59,7 @@ _SERVER_FAULTS = frozenset({
 
 
 def _stages(call: CallRecord) -> tuple[tuple[str, int], ...]:
-    return (("deserialize", call.parse_ns + call.decode_ns), ("queue", call.queue_ns),
+    return (("deserialize", call.deserialize_ns()), ("queue", call.queue_ns),
             ("compute", call.compute_ns), ("serialize", call.encode_ns))
 
 
