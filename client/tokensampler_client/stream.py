@@ -197,14 +197,15 @@ class AsyncSampleStream:
         pending requests would answer later requests in their place."""
         if self._closed:
             return False
-        code, trailing, details = (await self._call.code(), await self._call.trailing_metadata(),
-                                   await self._call.details())
-        if self._write_failed and code == grpc.StatusCode.INTERNAL and details.startswith(_STATUS_LOST_UNDER_A_WRITE):
-            code, trailing = grpc.StatusCode.RESOURCE_EXHAUSTED, ((RETRYABLE_METADATA_KEY, "overload"),)
-        delay = _reopens(code, trailing, details, self._retry)
-        if delay is None:
-            return False
-        try:
+        try:  # a cancellation while the ended call's status is read ends the stream too: that call stays ended
+            code, trailing, details = (await self._call.code(), await self._call.trailing_metadata(),
+                                       await self._call.details())
+            if (self._write_failed and code == grpc.StatusCode.INTERNAL
+                    and details.startswith(_STATUS_LOST_UNDER_A_WRITE)):
+                code, trailing = grpc.StatusCode.RESOURCE_EXHAUSTED, ((RETRYABLE_METADATA_KEY, "overload"),)
+            delay = _reopens(code, trailing, details, self._retry)
+            if delay is None:
+                return False
             await asyncio.sleep(delay)
             self.reopens += 1
             self._call = self._method(metadata=self._metadata, timeout=self._retry.remaining())
@@ -239,6 +240,10 @@ class AsyncSampleStream:
                 self._pending.popleft()
                 raise error_from_rpc(err, self._request_id) from err
             except asyncio.CancelledError:
+                # The stream ends with its receive(), also when the call had already ended and grpc.aio's cancel
+                # of it changed nothing: a later receive() would open it again without the caller.
+                self._closed = True
+                self._call.cancel()
                 if cancelled_by_caller() or not CAN_TELL_CANCELLER:
                     raise
                 raise self._cancelled() from None
