@@ -7,7 +7,7 @@ import threading
 import time
 
 from tokensampler_server.core.config import Limits
-from tokensampler_server.rpc.call_record import CallRecord, current_call
+from tokensampler_server.rpc.call_record import CallRecord
 from tokensampler_server.rpc.parsing import (COUNTED_FROM_BYTES, LARGE_PARSES, PARSE_ON_LOOP_BYTES,
                                             PARSE_ON_LOOP_VALUES, Parses)
 
@@ -65,9 +65,8 @@ def test_the_wait_for_a_parse_thread_is_out_of_the_deserialize_stage() -> None:
     parse = GatedParse()
 
     async def timed_call(parses: Parses, call: CallRecord) -> None:
-        current_call.set(call)  # as the call guard does, in the call's own task
         started = time.perf_counter_ns()
-        await parses.parse(parse, LARGE)
+        await parses.parse(parse, LARGE, timed=call)
         call.parse_ns = time.perf_counter_ns() - started
 
     async def run() -> list[CallRecord]:

@@ -294,7 +294,7 @@ class CallGuard:
                     parse_started = time.perf_counter_ns()
                     if deserialize is not None and isinstance(request, bytes):  # (Sample parses its own)
                         request = await self._parses.parse(lambda raw: _parse(deserialize, raw), request,
-                                                           _descriptor(deserialize))
+                                                           _descriptor(deserialize), timed=call)
                     call.parse_ns = time.perf_counter_ns() - parse_started
                 response = await handler(_checked(request, streaming), context)
                 if self._request_bytes is not None:

@@ -27,8 +27,8 @@ class CallRecord:
     parse_ns: int = 0
     """Request bytes to request messages (protobuf), the wait for a parse thread included (parse_wait_ns)."""
     parse_wait_ns: int = 0
-    """Of parse_ns, the wait for one of the server's parse threads (rpc/parsing.py): time the call queued behind
-    other large parses, not time spent parsing."""
+    """Of parse_ns, the wait for one of the server's parse threads (rpc/parsing.py, Parses.parse's `timed`): time
+    the call queued behind other large parses, not time spent parsing."""
     batch: SamplingBatch | None = None
     """The validated batch of a Sample call; None for other methods and rejected requests."""
     row_modes: tuple[int, ...] | None = None

@@ -21,7 +21,7 @@ from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import DecodeError, Message
 
 from tokensampler_server.core.config import Limits
-from tokensampler_server.rpc.call_record import current_call
+from tokensampler_server.rpc.call_record import CallRecord
 from tokensampler_server.validation.wire_counts import check_counts
 from tokensampler_server.validation.wire_pieces import pieces
 
@@ -51,7 +51,7 @@ class Parses:
         """counted(), on a thread for a message over PARSE_ON_LOOP_BYTES."""
         if len(raw) <= PARSE_ON_LOOP_BYTES:
             return self.counted(raw, descriptor)
-        return await self._on_thread(self.counted, raw, descriptor)
+        return await self._on_thread(None, self.counted, raw, descriptor)
 
     def parse_here(self, parse: Callable[[bytes], T], raw: bytes, descriptor: Descriptor | None) -> T:
         """Counted, then parsed where it is called: for grpc's deserializers of stream messages, which it calls on
@@ -59,26 +59,28 @@ class Parses:
         self.counted(raw, descriptor)
         return parse(raw)
 
-    async def parse(self, parse: Callable[[bytes], T], raw: bytes, descriptor: Descriptor | None = None) -> T:
+    async def parse(self, parse: Callable[[bytes], T], raw: bytes, descriptor: Descriptor | None = None,
+                    timed: CallRecord | None = None) -> T:
+        """parse(raw), counted first; `timed`: the call whose parse time this is, given the wait for a parse thread
+        as its parse_wait_ns, so that its deserialize stage leaves that wait out."""
         if len(raw) > PARSE_ON_LOOP_BYTES:  # counted on the thread too: numpy's count lets the loop run
-            return await self._on_thread(self._counted_in_pieces, parse, raw, descriptor)
+            return await self._on_thread(timed, self._counted_in_pieces, parse, raw, descriptor)
         if self.counted(raw, descriptor) <= PARSE_ON_LOOP_VALUES:
             return parse(raw)
-        return await self._on_thread(_in_pieces, parse, raw, descriptor)
+        return await self._on_thread(timed, _in_pieces, parse, raw, descriptor)
 
     def _counted_in_pieces(self, parse: Callable[[bytes], T], raw: bytes, descriptor: Descriptor | None) -> T:
         self.counted(raw, descriptor)
         return _in_pieces(parse, raw, descriptor)
 
-    async def _on_thread(self, work: Callable[..., T], *args: object) -> T:
+    async def _on_thread(self, timed: CallRecord | None, work: Callable[..., T], *args: object) -> T:
         """work(*args) on a thread, holding one of the LARGE_PARSES slots until the thread ends: a caller that
         leaves (cancelled, past its deadline) does not end the thread's parse, so it does not give its slot back
-        before that either. The wait for the slot goes to the call's parse_wait_ns, out of its deserialize stage."""
+        before that either. The wait for the slot goes to `timed`'s parse_wait_ns."""
         waiting = time.perf_counter_ns()
         await self._large.acquire()
-        call = current_call.get(None)
-        if call is not None:
-            call.parse_wait_ns += time.perf_counter_ns() - waiting
+        if timed is not None:
+            timed.parse_wait_ns += time.perf_counter_ns() - waiting
         try:
             running = asyncio.get_running_loop().run_in_executor(None, contextvars.copy_context().run, work, *args)
         except BaseException:

@@ -273,7 +273,8 @@ class SampleRpc:
         if not isinstance(message, bytes):
             return message
         started = time.perf_counter_ns()
-        request = await self._parses.parse(lambda raw: as_request(raw, which), message, pb.SampleRequest.DESCRIPTOR)
+        request = await self._parses.parse(lambda raw: as_request(raw, which), message, pb.SampleRequest.DESCRIPTOR,
+                                           timed=call)
         call.parse_ns += time.perf_counter_ns() - started
         return request
 
